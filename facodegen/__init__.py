@@ -1,0 +1,14 @@
+"""facodegen: a code generator for FlashAttention forward kernels (sm80 and sm90).
+
+spec -> render -> compile -> launch, one module each:
+``spec`` (KernelSpec, budget model), ``render`` (Jinja2 -> CUDA), ``compile`` (NVRTC ->
+cubin, cache, resource report), ``launch``/``api`` (argument checks, launch on CuPy or
+torch tensors), ``reference`` (float64 NumPy attention and the FA1/FA2 tiled algorithms).
+"""
+
+__version__ = "0.1.0"
+
+from .spec import KernelSpec, SpecError, default_spec, default_specs  # noqa: E402
+from .render import emit  # noqa: E402
+
+__all__ = ["KernelSpec", "SpecError", "default_spec", "default_specs", "emit", "__version__"]

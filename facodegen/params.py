@@ -1,0 +1,97 @@
+"""The kernel's one argument, ``FlashParams``, defined once for C and for Python.
+
+The same field list renders the C struct (templates/common/params.cuh.j2) and packs
+the host bytes passed to ``cuLaunchKernel``; the generated struct carries
+``static_assert``s on every offset, so a layout mismatch fails at compile time.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+TENSOR_MAP_BYTES = 128
+TENSOR_MAP_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str      # "ptr", "i32", "i64", "f32", "tmap"
+    ctype: str     # C spelling in the generated struct
+    doc: str
+
+    @property
+    def size(self) -> int:
+        return {"ptr": 8, "i32": 4, "i64": 8, "f32": 4, "tmap": TENSOR_MAP_BYTES}[self.kind]
+
+    @property
+    def align(self) -> int:
+        return TENSOR_MAP_ALIGN if self.kind == "tmap" else self.size
+
+
+def _strides(tensor: str) -> list[Field]:
+    return [Field(f"{tensor}_{axis}_stride", "i64", "long long", f"{tensor} stride between {axis}s, in elements")
+            for axis in ("batch", "row", "head")]
+
+
+COMMON_FIELDS = [
+    Field("q", "ptr", "const elem_t*", "Q (batch, seqlen_q, heads_q, head_dim)"),
+    Field("k", "ptr", "const elem_t*", "K (batch, seqlen_k, heads_kv, head_dim)"),
+    Field("v", "ptr", "const elem_t*", "V (batch, seqlen_k, heads_kv, head_dim)"),
+    Field("o", "ptr", "elem_t*", "O (batch, seqlen_q, heads_q, head_dim)"),
+    Field("lse", "ptr", "float*", "row log-sum-exp, natural log, (batch, heads_q, seqlen_q) contiguous"),
+    Field("tile_counter", "ptr", "int*", "work counter of the dynamic tile scheduler (zeroed before launch)"),
+    *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"),
+    Field("batch", "i32", "int", "batch size"),
+    Field("seqlen_q", "i32", "int", "query sequence length"),
+    Field("seqlen_k", "i32", "int", "key/value sequence length"),
+    Field("heads_q", "i32", "int", "query heads"),
+    Field("heads_kv", "i32", "int", "key/value heads (divides heads_q: GQA/MQA)"),
+    Field("num_m_blocks", "i32", "int", "ceil(seqlen_q / BLOCK_M)"),
+    Field("num_tiles", "i32", "int", "num_m_blocks * heads_q * batch"),
+    Field("softmax_scale", "f32", "float", "scale applied to Q K^T (default 1/sqrt(head_dim))"),
+    Field("scale_log2", "f32", "float", "softmax_scale * log2(e): exp(x*scale) = exp2(x*scale_log2)"),
+]
+
+TMA_FIELDS = [
+    Field("tma_q", "tmap", "CUtensorMap", "TMA descriptor of Q, box (64 cols, BLOCK_M rows)"),
+    Field("tma_k", "tmap", "CUtensorMap", "TMA descriptor of K, box (64 cols, BLOCK_N rows)"),
+    Field("tma_v", "tmap", "CUtensorMap", "TMA descriptor of V, box (64 cols, BLOCK_N rows)"),
+    Field("tma_o", "tmap", "CUtensorMap", "TMA descriptor of O, box (64 cols, 64 rows)"),
+]
+
+
+def fields(arch: str) -> list[Field]:
+    return COMMON_FIELDS + (TMA_FIELDS if arch == "sm90" else [])
+
+
+def layout(arch: str) -> tuple[list[tuple[Field, int]], int, int]:
+    """[(field, offset)], total size and alignment with C's natural-alignment rules."""
+    offset, max_align, placed = 0, 1, []
+    for f in fields(arch):
+        offset = (offset + f.align - 1) // f.align * f.align
+        placed.append((f, offset))
+        offset += f.size
+        max_align = max(max_align, f.align)
+    size = (offset + max_align - 1) // max_align * max_align
+    return placed, size, max_align
+
+
+def pack(arch: str, values: dict) -> bytes:
+    """Host bytes of FlashParams; every field must be given (tensor maps as 128 bytes)."""
+    placed, size, _ = layout(arch)
+    buf = bytearray(size)
+    missing = [f.name for f, _ in placed if f.name not in values]
+    if missing:
+        raise KeyError(f"FlashParams fields missing: {', '.join(missing)}")
+    for f, off in placed:
+        value = values[f.name]
+        if f.kind == "tmap":
+            if len(value) != TENSOR_MAP_BYTES:
+                raise ValueError(f"{f.name} must be {TENSOR_MAP_BYTES} bytes, got {len(value)}")
+            buf[off:off + TENSOR_MAP_BYTES] = value
+        else:
+            fmt = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}[f.kind]
+            struct.pack_into(fmt, buf, off, value)
+    return bytes(buf)

@@ -1,0 +1,97 @@
+"""Render a KernelSpec to CUDA source with Jinja2 (StrictUndefined, deterministic)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import jinja2
+
+from . import __version__
+from .params import TENSOR_MAP_ALIGN, layout
+from .spec import KernelSpec
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def template_dir() -> Path:
+    """templates/ inside the installed wheel, else the checkout's top-level templates/."""
+    for candidate in (_PACKAGE_DIR / "templates", _PACKAGE_DIR.parent / "templates"):
+        if (candidate / "common").is_dir():
+            return candidate
+    raise FileNotFoundError(f"facodegen templates not found next to {_PACKAGE_DIR}")
+
+
+class TemplateRenderError(RuntimeError):
+    """A template failed to render; the message shows the failing line and its neighbours."""
+
+
+@functools.lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def emit_command(spec: KernelSpec) -> str:
+    """The `facodegen emit` command line that reproduces this spec."""
+    flags = [f"--arch {spec.arch}", f"--head-dim {spec.head_dim}", f"--dtype {spec.dtype}",
+             f"--block-m {spec.block_m}", f"--block-n {spec.block_n}", f"--warps {spec.num_warps}",
+             f"--stages {spec.stages}", f"--gpu {spec.gpu}"]
+    if spec.causal:
+        flags.append("--causal")
+    if spec.arch == "sm80":
+        flags.append("--q-in-regs" if spec.q_in_regs else "--q-in-smem")
+    else:
+        flags += ["--pingpong" if spec.pingpong else "--no-pingpong",
+                  "--overlap" if spec.intra_wg_overlap else "--no-overlap",
+                  f"--regs {spec.producer_regs}/{spec.consumer_regs}",
+                  "--persistent" if spec.persistent else "--no-persistent"]
+    return "facodegen emit " + " ".join(flags)
+
+
+def context(spec: KernelSpec) -> dict:
+    """Everything a template may read: the spec and constants derived from it once."""
+    placed, size, align = layout(spec.arch)
+    return {
+        "spec": spec,
+        "arch": spec.arch,
+        "kernel_name": spec.variant,
+        "version": __version__,
+        "emit_command": emit_command(spec),
+        "spec_items": sorted(spec.as_dict().items()),
+        "smem_bytes": spec.smem_bytes,
+        "threads": spec.threads,
+        "log2e": repr(math.log2(math.e)),
+        "placed": placed,
+        "size": size,
+        "align": align,
+        "tmap_align": TENSOR_MAP_ALIGN,
+    }
+
+
+def emit(spec: KernelSpec) -> str:
+    """The CUDA source of one kernel: byte-identical for equal specs."""
+    name = f"{spec.arch}/flash_fwd.cu.j2"
+    try:
+        return environment().get_template(name).render(**context(spec))
+    except jinja2.TemplateSyntaxError as err:
+        raise TemplateRenderError(_describe(err.filename or name, err.lineno, str(err))) from err
+    except jinja2.UndefinedError as err:
+        raise TemplateRenderError(f"{name}: undefined template variable: {err}") from err
+
+
+def _describe(filename: str, lineno: int, message: str) -> str:
+    path = Path(filename)
+    if not path.is_absolute():
+        path = template_dir() / filename
+    lines = path.read_text().splitlines() if path.exists() else []
+    lo, hi = max(lineno - 3, 0), min(lineno + 2, len(lines))
+    excerpt = "\n".join(f"{'>' if i + 1 == lineno else ' '}{i + 1:5d} | {lines[i]}" for i in range(lo, hi))
+    return f"{filename}:{lineno}: {message}\n{excerpt}"

@@ -1,0 +1,357 @@
+"""KernelSpec: the one input to rendering, and the budget model that validates it.
+
+A spec is frozen, keyword-only and hashable. Fields left as ``None`` are filled in
+``__post_init__`` from :func:`default_tiles` (a pure function of arch, head_dim, dtype,
+causal and the target GPU), then every field is checked and each problem is reported
+with its own message naming the knob to change.
+
+Budget model
+------------
+Shared memory (bytes, per CTA; E = bytes per element):
+
+* sm80 (FlashAttention-2 schedule): Q tile ``block_m*d*E`` (also reused for the O
+  staging tile in the epilogue) plus a ``stages``-deep ring of K and V tiles,
+  ``stages * 2 * block_n*d*E``. cp.async writes straight into the ring, so there is
+  no extra staging buffer.
+* sm90 (FlashAttention-3 schedule): Q tile ``block_m*d*E`` (the O staging tile of the
+  epilogue aliases it, as FlashAttention-3 aliases O onto V) plus ``stages`` K tiles and
+  ``stages`` V tiles (``stages * 2 * block_n*d*E``), plus 1 KB for mbarriers and the
+  1024-byte alignment of 128B-swizzled tiles.
+
+The seed's ``compute_block_size`` compared an element count with a byte budget and
+left out the pipeline stages; both mistakes are why the terms above are all in bytes
+and all multiplied by what is really resident.
+
+Registers (32-bit, per thread) are estimated from what each thread must hold live:
+the O accumulator (``rows*d/threads`` floats), the S accumulator (``rows*block_n/threads``
+floats), on sm90 P in 16-bit pairs (half of S: the whole P tile is the A operand of one
+wgmma; sm80 converts P one k16 slice at a time), Q fragments when ``q_in_regs``, and a
+fixed overhead for addresses, row statistics and loop state (``REG_OVERHEAD``). The estimate
+must stay under the per-thread cap (255 on sm80; the consumer's ``setmaxnreg`` value on
+sm90), and on sm90 the register split must fit the 64K-register file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+ARCHS = ("sm80", "sm90")
+HEAD_DIMS = (64, 96, 128, 192, 256)
+DTYPES = ("fp16", "bf16")
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2}
+SCHEDULES = ("fa2",)
+
+# Per-GPU limits the budget model needs. smem_per_block is the opt-in maximum of
+# dynamic shared memory for one block (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+@dataclass(frozen=True)
+class GpuLimits:
+    name: str
+    smem_per_block: int
+    regs_per_sm: int
+    sms: int
+    compute_capability: tuple[int, int]
+
+
+GPUS = {
+    # 163 KB: the A100's opt-in limit (CUDA programming guide, compute capability 8.0).
+    "a100": GpuLimits("a100", 166912, 65536, 108, (8, 0)),
+    # 227 KB: read off the H200 of this project (232448 bytes); the H100 has the same SM.
+    "h100": GpuLimits("h100", 232448, 65536, 132, (9, 0)),
+    "h200": GpuLimits("h200", 232448, 65536, 132, (9, 0)),
+}
+DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
+
+REG_OVERHEAD = 32          # addresses, loop counters, row max/sum, masks (from ptxas reports)
+SM80_MAX_REGS = 255
+SM90_REG_FILE = 65536
+SM90_BARRIER_BYTES = 1024  # mbarriers + alignment slack for 1024-byte-aligned swizzled tiles
+
+
+class SpecError(ValueError):
+    """A KernelSpec field is invalid; ``field`` names the knob to change."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A default tile choice; ``why`` says where it comes from."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    stages: int
+    q_in_regs: bool = False
+    consumer_warpgroups: int = 0
+    pingpong: bool = False
+    intra_wg_overlap: bool = False
+    why: str = ""
+
+
+def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) -> Tiles:
+    """The default tile choice for one problem family, with the reason for each branch."""
+    smem = GPUS[gpu].smem_per_block
+    if arch == "sm80":
+        # FlashAttention-2's A100 table (kernel-facts 1.1): 4 warps stacked along M, each
+        # owning 32 rows; block_n shrinks as head_dim grows to keep S+O in registers.
+        if head_dim <= 64:
+            return Tiles(128, 128, 4, 2, why="FA2 hdim64: 128x128, 4 warps")
+        if head_dim <= 128:
+            return Tiles(128, 64, 4, 2, why="FA2 hdim96/128: 128x64, 4 warps")
+        # hdim 192/256: 8 warps of 16 rows each, so the O accumulator (16 x d per warp, d/2
+        # floats per thread) fits in 255 registers; 2 stages where the GPU has the room.
+        stages = 2 if 128 * head_dim * 2 + 2 * 2 * 64 * head_dim * 2 <= smem else 1
+        return Tiles(128, 64, 8, stages, why="FA2 hdim192/256: 128x64, 8 warps")
+    # sm90: FlashAttention-3's tile_size_fwd_sm90 (kernel-facts 2.1), 2-stage K/V rings.
+    if head_dim <= 64:
+        # 3 consumer warpgroups x 64 rows. FA3's 192x192 keeps P in shared memory (SS PV
+        # GEMM); with P in registers 160 registers hold S and P only up to block_n=128.
+        return Tiles(192, 128, 16, 2, consumer_warpgroups=3, pingpong=True,
+                     intra_wg_overlap=True, why="FA3 hdim64 causal tile: 192x128")
+    if head_dim <= 96:
+        # FA3 uses 192x144 with P in shared memory; with P in registers 3 warpgroups of 160
+        # registers are too few, so 2 warpgroups as for hdim128.
+        return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=True,
+                     intra_wg_overlap=True, why="hdim96: 128x128, 2 consumer warpgroups")
+    if head_dim <= 128:
+        # 128x176 nearly fills 227 KB with 2 stages (Q 32K + 2x(K+V) of 176 rows = 176K).
+        bn = 128 if causal else 176
+        return Tiles(128, bn, 12, 2, consumer_warpgroups=2, pingpong=True,
+                     intra_wg_overlap=True, why="FA3 hdim128: 128x176 / causal 128x128")
+    if head_dim <= 192:
+        return Tiles(128, 112, 12, 2, consumer_warpgroups=2, pingpong=False,
+                     intra_wg_overlap=True, why="FA3 hdim192: 128x112")
+    # hdim256: 128x80 "hits the limit of smem" (FA3): 64K Q + 2x(K+V) of 80 rows = 224K.
+    return Tiles(128, 80, 12, 2, consumer_warpgroups=2, pingpong=False,
+                 intra_wg_overlap=True, why="FA3 hdim256: 128x80")
+
+
+def register_split(consumer_warpgroups: int) -> tuple[int, int]:
+    """(producer, consumer) setmaxnreg values, FA3's and ThunderKittens' choices."""
+    return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[consumer_warpgroups]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelSpec:
+    """Everything that determines one generated kernel.
+
+    Common knobs: ``arch`` (sm80 | sm90), ``head_dim``, ``dtype`` (fp16 | bf16), ``causal``,
+    ``block_m`` x ``block_n`` (the Q and K/V tile heights), ``num_warps`` (warps per CTA),
+    ``stages`` (depth of the K/V shared-memory ring), ``gpu`` (whose limits the budget
+    model applies: a100, h100, h200).
+
+    sm80 only: ``q_in_regs`` (keep Q fragments in registers instead of re-reading shared
+    memory every K/V step), ``schedule`` (fa2).
+
+    sm90 only: ``consumer_warpgroups`` (block_m = 64 x this), ``pingpong`` (named-barrier
+    scheduling between consumer warpgroups), ``intra_wg_overlap`` (issue the next QK^T
+    before this step's softmax), ``producer_regs``/``consumer_regs`` (setmaxnreg split),
+    ``persistent`` (one CTA per SM with a tile scheduler).
+    """
+
+    arch: str = "sm80"
+    head_dim: int = 128
+    dtype: str = "bf16"
+    causal: bool = False
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    stages: int | None = None
+    gpu: str | None = None
+    q_in_regs: bool | None = None
+    schedule: str = "fa2"
+    consumer_warpgroups: int | None = None
+    pingpong: bool | None = None
+    intra_wg_overlap: bool | None = None
+    producer_regs: int | None = None
+    consumer_regs: int | None = None
+    persistent: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("arch", self.arch, ARCHS)
+        _check_choice("head_dim", self.head_dim, HEAD_DIMS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        if not isinstance(self.causal, bool):
+            raise SpecError("causal", f"must be True or False, got {self.causal!r}")
+        gpu = self.gpu if self.gpu is not None else DEFAULT_GPU[self.arch]
+        _check_choice("gpu", gpu, tuple(GPUS))
+        tiles = default_tiles(self.arch, self.head_dim, self.dtype, self.causal, gpu)
+        fill = {"gpu": gpu}
+        if self.arch == "sm80":
+            fill.update(block_m=tiles.block_m, block_n=tiles.block_n, num_warps=tiles.num_warps,
+                        stages=tiles.stages, q_in_regs=tiles.q_in_regs, consumer_warpgroups=0,
+                        pingpong=False, intra_wg_overlap=False, producer_regs=0,
+                        consumer_regs=0, persistent=False)
+            for name in ("consumer_warpgroups", "pingpong", "intra_wg_overlap",
+                         "producer_regs", "consumer_regs", "persistent"):
+                if getattr(self, name) not in (None, 0, False):
+                    raise SpecError(name, f"is an sm90 knob; arch=sm80 does not use it")
+        else:
+            cwg = self.consumer_warpgroups
+            if cwg is None:
+                cwg = self.block_m // 64 if self.block_m is not None else tiles.consumer_warpgroups
+            _check_choice("consumer_warpgroups", cwg, (1, 2, 3))
+            producer, consumer = register_split(cwg)
+            fill.update(block_m=64 * cwg, block_n=tiles.block_n, num_warps=4 * (cwg + 1),
+                        stages=tiles.stages, q_in_regs=False, consumer_warpgroups=cwg,
+                        pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
+                        producer_regs=producer, consumer_regs=consumer, persistent=True)
+            if self.q_in_regs:
+                raise SpecError("q_in_regs", "is an sm80 knob; sm90 reads Q from shared memory by wgmma")
+        for name, value in fill.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        _validate(self)
+
+    # ---- derived quantities (computed once, used by templates and the launcher) ----
+    @property
+    def element_bytes(self) -> int:
+        return ELEMENT_BYTES[self.dtype]
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self)
+
+    @property
+    def variant(self) -> str:
+        """Stable readable name: kernel symbol, emitted file and cache entry."""
+        parts = [f"flash_fwd_{self.arch}", self.dtype, f"hd{self.head_dim}",
+                 f"bm{self.block_m}", f"bn{self.block_n}", f"w{self.num_warps}", f"st{self.stages}"]
+        if self.arch == "sm80":
+            if self.q_in_regs:
+                parts.append("qreg")
+            if self.schedule != "fa2":
+                parts.append(self.schedule)
+        else:
+            parts.append(f"r{self.producer_regs}x{self.consumer_regs}")
+            if self.pingpong:
+                parts.append("pp")
+            if self.intra_wg_overlap:
+                parts.append("ov")
+            if not self.persistent:
+                parts.append("np")
+        if self.causal:
+            parts.append("causal")
+        return "_".join(parts)
+
+    def replace(self, **changes) -> "KernelSpec":
+        """A new spec with some knobs changed; defaults are re-derived for the rest.
+
+        Knobs that were only defaults (not given by the caller) are dropped so that a
+        change of head_dim, say, picks that head_dim's default tiles."""
+        given = {k: v for k, v in self.as_dict().items() if k in ("arch", "head_dim", "dtype", "causal", "gpu", "schedule")}
+        given.update(changes)
+        return KernelSpec(**given)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+        raise SpecError(name, f"{value!r} is not supported; choose one of {', '.join(map(str, allowed))}")
+
+
+def smem_bytes(spec: KernelSpec) -> int:
+    """Dynamic shared memory one CTA needs, in bytes (see the module docstring)."""
+    e = spec.element_bytes
+    q_tile = spec.block_m * spec.head_dim * e
+    kv_ring = spec.stages * 2 * spec.block_n * spec.head_dim * e
+    if spec.arch == "sm80":
+        return q_tile + kv_ring
+    return q_tile + kv_ring + SM90_BARRIER_BYTES
+
+
+def register_estimate(spec: KernelSpec) -> int:
+    """Live 32-bit registers per (consumer) thread; see the module docstring."""
+    if spec.arch == "sm80":
+        threads = spec.threads
+        rows = spec.block_m
+    else:
+        threads = 128  # one consumer warpgroup owns 64 rows
+        rows = 64
+    o_acc = rows * spec.head_dim // threads
+    s_acc = rows * spec.block_n // threads
+    p_frag = s_acc // 2 if spec.arch == "sm90" else 0
+    q_frag = rows * spec.head_dim // threads // 2 if spec.q_in_regs else 0
+    return o_acc + s_acc + p_frag + q_frag + REG_OVERHEAD
+
+
+def _validate(spec: KernelSpec) -> None:
+    limits = GPUS[spec.gpu]
+    for name in ("block_m", "block_n", "num_warps", "stages"):
+        value = getattr(spec, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise SpecError(name, f"must be a positive integer, got {value!r}")
+    if spec.arch == "sm80":
+        if spec.num_warps not in (1, 2, 4, 8, 16):
+            raise SpecError("num_warps", f"num_warps={spec.num_warps} must be 1, 2, 4, 8 or 16")
+        rows = 16 * spec.num_warps
+        if spec.block_m % rows:
+            raise SpecError("block_m", f"block_m={spec.block_m} must be a multiple of 16*num_warps={rows}")
+        if spec.block_n % 16 or not 16 <= spec.block_n <= 256:
+            raise SpecError("block_n", f"block_n={spec.block_n} must be a multiple of 16 in [16, 256]")
+        if spec.block_m > 256:
+            raise SpecError("block_m", f"block_m={spec.block_m} must be at most 256")
+        if not 1 <= spec.stages <= 4:
+            raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
+        regs = register_estimate(spec)
+        if regs > SM80_MAX_REGS:
+            raise SpecError("block_m", (
+                f"block_m={spec.block_m} x block_n={spec.block_n} with {spec.num_warps} warps needs about "
+                f"{regs} registers per thread (O, S, P{' and Q' if spec.q_in_regs else ''} fragments), over "
+                f"the {SM80_MAX_REGS} limit: lower block_m or block_n, or raise num_warps"))
+    else:
+        if spec.block_m != 64 * spec.consumer_warpgroups:
+            raise SpecError("block_m", (
+                f"block_m={spec.block_m} must be 64*consumer_warpgroups={64 * spec.consumer_warpgroups} "
+                f"(each consumer warpgroup owns 64 rows of the Q tile)"))
+        if spec.num_warps != 4 * (spec.consumer_warpgroups + 1):
+            raise SpecError("num_warps", (
+                f"num_warps={spec.num_warps} must be 4*(consumer_warpgroups+1)={4 * (spec.consumer_warpgroups + 1)} "
+                f"on sm90 (one producer warpgroup plus the consumers)"))
+        if spec.block_n % 16 or not 16 <= spec.block_n <= 256:
+            raise SpecError("block_n", f"block_n={spec.block_n} must be a multiple of 16 in [16, 256] (wgmma N, TMA box)")
+        if not 1 <= spec.stages <= 4:
+            raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
+        if spec.pingpong and spec.consumer_warpgroups < 2:
+            raise SpecError("pingpong", "pingpong needs consumer_warpgroups >= 2")
+        for name in ("producer_regs", "consumer_regs"):
+            value = getattr(spec, name)
+            if value % 8 or not 24 <= value <= 256:
+                raise SpecError(name, f"{name}={value} must be a multiple of 8 in [24, 256] (setmaxnreg)")
+        total = 128 * (spec.producer_regs + spec.consumer_warpgroups * spec.consumer_regs)
+        if total > SM90_REG_FILE:
+            raise SpecError("consumer_regs", (
+                f"128*(producer_regs={spec.producer_regs} + {spec.consumer_warpgroups}*consumer_regs="
+                f"{spec.consumer_regs}) = {total} registers exceed the {SM90_REG_FILE}-register file"))
+        regs = register_estimate(spec)
+        if regs > spec.consumer_regs:
+            raise SpecError("block_n", (
+                f"block_n={spec.block_n} with head_dim={spec.head_dim} needs about {regs} registers per "
+                f"consumer thread, over consumer_regs={spec.consumer_regs}: lower block_n"))
+    need = smem_bytes(spec)
+    if need > limits.smem_per_block:
+        raise SpecError("stages", (
+            f"the tiles need {need} bytes of shared memory (block_m={spec.block_m}, block_n={spec.block_n}, "
+            f"stages={spec.stages}, head_dim={spec.head_dim}), over the {limits.smem_per_block} bytes one block "
+            f"may use on {spec.gpu}: lower stages, block_n or block_m"))
+
+
+def default_spec(arch: str = "sm80", head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
+                 gpu: str | None = None) -> KernelSpec:
+    return KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, gpu=gpu)
+
+
+def default_specs() -> list[KernelSpec]:
+    """Every shipped default: the set generated/ holds and CI compiles."""
+    return [KernelSpec(arch=a, head_dim=d, dtype=t, causal=c)
+            for a in ARCHS for d in HEAD_DIMS for t in DTYPES for c in (False, True)]
