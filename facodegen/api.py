@@ -1,0 +1,298 @@
+"""The user-facing call: ``attention(q, k, v, ...)`` on CuPy arrays or torch CUDA tensors.
+
+Every argument is checked here, before anything is compiled or launched; each error is a
+``TypeError``/``ValueError`` that names the argument. The caller's arrays are used in place
+(zero-copy: raw device pointers and strides), outputs are allocated by the caller's library
+and the kernel runs on the caller's current stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from dataclasses import dataclass
+
+from . import compile as compile_mod
+from .launch import Operand, grid, launch, pack_params
+from .spec import HEAD_DIMS, KernelSpec
+
+DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+ALIGN_BYTES = 16  # cp.async and TMA move 16-byte chunks
+
+
+# ------------------------------------------------------------------ tensor adapters
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+def _kind(x) -> str:
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return "cupy"
+    return "other"
+
+
+@dataclass(frozen=True)
+class _View:
+    """What the launcher needs of one tensor, whatever library holds it."""
+    name: str
+    kind: str
+    ptr: int
+    shape: tuple
+    strides: tuple      # in elements
+    dtype: str          # numpy-style name: float16, bfloat16, float32, ...
+    device: int         # CUDA device ordinal, -1 for host
+
+    def operand(self) -> Operand:
+        return Operand(self.ptr, tuple(self.shape), tuple(self.strides))
+
+
+def _view(name: str, x) -> _View:
+    kind = _kind(x)
+    if kind == "torch":
+        if not x.is_cuda:
+            raise TypeError(f"{name} is a torch tensor on {x.device}; pass a CUDA tensor")
+        dtype = str(x.dtype).removeprefix("torch.")
+        return _View(name, kind, x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, x.device.index)
+    if kind == "cupy":
+        itemsize = x.dtype.itemsize
+        if any(s % itemsize for s in x.strides):
+            raise ValueError(f"{name} has strides {x.strides} bytes, not a multiple of its element size")
+        return _View(name, kind, x.data.ptr, tuple(x.shape), tuple(s // itemsize for s in x.strides),
+                     x.dtype.name, x.device.id)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(x, numpy.ndarray):
+        raise TypeError(f"{name} is a NumPy array in host memory; pass a CuPy array or a torch CUDA tensor "
+                        f"(e.g. cupy.asarray({name}))")
+    raise TypeError(f"{name} must be a CuPy array or a torch CUDA tensor, got {type(x).__name__}")
+
+
+# ------------------------------------------------------------------ device facts
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    ordinal: int
+    name: str
+    compute_capability: tuple[int, int]
+    sms: int
+    smem_per_block_optin: int
+
+    @property
+    def budget_gpu(self) -> str:
+        """The budget-model GPU name (spec.GPUS key) whose limits fit this device."""
+        lowered = self.name.lower()
+        for key in ("h200", "h100", "a100"):
+            if key in lowered:
+                return key
+        return "h100" if self.compute_capability == (9, 0) else "a100"
+
+
+@functools.lru_cache(maxsize=None)
+def device_info(ordinal: int) -> DeviceInfo:
+    from cupy.cuda import runtime
+    props = runtime.getDeviceProperties(ordinal)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return DeviceInfo(ordinal, name, (props["major"], props["minor"]), props["multiProcessorCount"],
+                      props.get("sharedMemPerBlockOptin", 0))
+
+
+def default_arch(info: DeviceInfo) -> str:
+    if info.compute_capability == (9, 0):
+        return "sm90"
+    if info.compute_capability >= (8, 0):
+        return "sm80"
+    raise ValueError(f"{info.name} (compute capability {info.compute_capability[0]}.{info.compute_capability[1]}) "
+                     f"is older than sm80; facodegen's kernels need an Ampere or newer GPU")
+
+
+def _check_arch(arch: str, info: DeviceInfo) -> None:
+    cc = info.compute_capability
+    if arch == "sm90" and cc != (9, 0):
+        raise ValueError(f"arch='sm90' needs a compute capability 9.0 GPU (H100/H200); {info.name} is "
+                         f"{cc[0]}.{cc[1]}: use arch='sm80' (--arch sm80)")
+    if arch == "sm80" and cc < (8, 0):
+        raise ValueError(f"arch='sm80' needs compute capability 8.0 or newer; {info.name} is {cc[0]}.{cc[1]}")
+
+
+# ------------------------------------------------------------------ argument checks
+
+def _check_inputs(q: _View, k: _View, v: _View) -> None:
+    for t in (q, k, v):
+        if len(t.shape) != 4:
+            raise ValueError(f"{t.name} must be 4-D (batch, seqlen, heads, head_dim), got shape {t.shape}")
+    for t in (k, v):
+        if t.kind != q.kind:
+            raise TypeError(f"{t.name} is a {t.kind} array but q is a {q.kind} array; pass one kind")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{t.name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+        if t.device != q.device:
+            raise ValueError(f"{t.name} is on cuda:{t.device} but q is on cuda:{q.device}; put them on one device")
+    if q.dtype not in DTYPE_NAMES:
+        raise TypeError(f"q has dtype {q.dtype}; supported: {', '.join(DTYPE_NAMES)}")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    _, seqlen_k, heads_kv, _ = k.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k and v have head_dim {k.shape[3]} but q has head_dim {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} is not supported; choose one of {', '.join(map(str, HEAD_DIMS))}")
+    for name, value in (("batch", batch), ("seqlen_q (q.shape[1])", seqlen_q),
+                        ("seqlen_k (k.shape[1])", seqlen_k), ("heads_q (q.shape[2])", heads_q),
+                        ("heads_kv (k.shape[2])", heads_kv)):
+        if value < 1:
+            raise ValueError(f"{name} is {value}; an empty sequence or dimension cannot be attended")
+    if heads_q % heads_kv:
+        raise ValueError(f"heads_kv={heads_kv} (k.shape[2]) must divide heads_q={heads_q} (q.shape[2]) for GQA/MQA")
+    for t in (q, k, v):
+        _check_layout(t)
+
+
+def _check_layout(t: _View) -> None:
+    if t.strides[3] != 1:
+        raise ValueError(f"{t.name}'s head_dim must be contiguous (stride 1), got strides {t.strides}; "
+                         f"call .contiguous() or transpose back to (batch, seqlen, heads, head_dim)")
+    if any(s < 0 for s in t.strides):
+        raise ValueError(f"{t.name} has a negative stride {t.strides}")
+    elem = 2 if t.dtype in DTYPE_NAMES else 4
+    if t.ptr % ALIGN_BYTES:
+        raise ValueError(f"{t.name}'s data pointer is not {ALIGN_BYTES}-byte aligned")
+    for axis, stride in zip(("batch", "seqlen", "heads"), t.strides[:3]):
+        if (stride * elem) % ALIGN_BYTES and t.shape[("batch", "seqlen", "heads").index(axis)] > 1:
+            raise ValueError(f"{t.name}'s {axis} stride ({stride} elements) must be a multiple of "
+                             f"{ALIGN_BYTES // elem} elements ({ALIGN_BYTES} bytes)")
+
+
+def _check_out(out: _View, q: _View) -> None:
+    if out.kind != q.kind or out.dtype != q.dtype or out.device != q.device:
+        raise TypeError(f"out must be a {q.kind} {q.dtype} array on cuda:{q.device} like q")
+    if out.shape != q.shape:
+        raise ValueError(f"out has shape {out.shape}, q has {q.shape}; they must match")
+    _check_layout(out)
+
+
+def _check_lse(lse: _View, q: _View) -> None:
+    batch, seqlen_q, heads_q, _ = q.shape
+    want = (batch, heads_q, seqlen_q)
+    if lse.kind != q.kind or lse.dtype != "float32" or lse.device != q.device:
+        raise TypeError(f"lse_out must be a float32 {q.kind} array on cuda:{q.device}")
+    if lse.shape != want or lse.strides != (heads_q * seqlen_q, seqlen_q, 1):
+        raise ValueError(f"lse_out must be a contiguous (batch, heads, seqlen_q) = {want} array, "
+                         f"got shape {lse.shape} strides {lse.strides}")
+
+
+# ------------------------------------------------------------------ compiled-kernel cache
+
+@dataclass
+class _Prepared:
+    function: object
+    smem_bytes: int
+
+
+@functools.lru_cache(maxsize=256)
+def _prepare(spec: KernelSpec, device: int) -> _Prepared:
+    from cupy_backends.cuda.api import driver
+    from cupy.cuda import Device
+    with Device(device):
+        function = compile_mod.compile(spec).function()
+        driver.funcSetAttribute(function.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes)
+    return _Prepared(function, spec.smem_bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_counter(device: int):
+    """One int per device for the dynamic tile scheduler, zeroed on the stream before each launch."""
+    cupy = _cupy()
+    with cupy.cuda.Device(device):
+        return cupy.zeros(1, dtype=cupy.int32)
+
+
+# ------------------------------------------------------------------ public API
+
+def resolve_spec(head_dim: int, dtype: str, causal: bool, device: int, arch: str | None = None,
+                 **spec_fields) -> KernelSpec:
+    """The spec a call will run: arch and GPU budget from the device, the rest from defaults
+    (or a tuned entry) unless given."""
+    info = device_info(device)
+    arch = arch or default_arch(info)
+    _check_arch(arch, info)
+    spec_fields.setdefault("gpu", info.budget_gpu)
+    spec = KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **spec_fields)
+    if info.smem_per_block_optin and spec.smem_bytes > info.smem_per_block_optin:
+        raise ValueError(f"stages/block sizes: the kernel needs {spec.smem_bytes} bytes of shared memory but "
+                         f"{info.name} allows {info.smem_per_block_optin} per block")
+    return spec
+
+
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
+              out=None, lse_out=None, arch: str | None = None, **spec_fields):
+    """Attention forward, O = softmax(scale * Q K^T [+ causal mask]) V.
+
+    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
+    bf16 CuPy arrays or torch CUDA tensors (any batch/seq/head strides, contiguous head_dim;
+    heads_kv divides heads_q). Causal masking is bottom-right aligned. Returns O in q's dtype (and
+    the float32 natural-log LSE of shape (batch, heads_q, seqlen_q) when ``return_lse``), in the
+    caller's library, computed on its current stream. Spec fields (block_n=..., stages=...) may be
+    given to override the defaults; ``out``/``lse_out`` receive the results in place.
+    """
+    qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
+    _check_inputs(qv, kv, vv)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    batch, seqlen_q, heads_q, head_dim = qv.shape
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    spec = resolve_spec(head_dim, DTYPE_NAMES[qv.dtype], causal, qv.device, arch, **spec_fields)
+
+    if out is None:
+        out = _empty(qv, qv.shape, qv.dtype)
+    outv = _view("out", out)
+    _check_out(outv, qv)
+    if lse_out is None:
+        lse_out = _empty(qv, (batch, heads_q, seqlen_q), "float32")
+    lsev = _view("lse_out", lse_out)
+    _check_lse(lsev, qv)
+
+    prepared = _prepare(spec, qv.device)
+    info = device_info(qv.device)
+    stream = _current_stream(qv)
+    counter = _tile_counter(qv.device)
+    param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
+                              counter.data.ptr, float(softmax_scale))
+    from cupy.cuda import Device, runtime
+    with Device(qv.device):
+        if spec.arch == "sm90" and spec.persistent:
+            runtime.memsetAsync(counter.data.ptr, 0, 4, stream)
+        launch(prepared.function, grid(spec, batch, heads_q, seqlen_q, info.sms), spec.threads,
+               prepared.smem_bytes, stream, param_bytes)
+    return (out, lse_out) if return_lse else out
+
+
+def _empty(like: _View, shape, dtype: str):
+    if like.kind == "torch":
+        torch = _torch()
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{like.device}")
+    cupy = _cupy()
+    with cupy.cuda.Device(like.device):
+        return cupy.empty(shape, dtype=dtype)
+
+
+def _current_stream(like: _View) -> int:
+    if like.kind == "torch":
+        return _torch().cuda.current_stream(like.device).cuda_stream
+    return _cupy().cuda.get_current_stream().ptr

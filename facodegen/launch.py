@@ -1,0 +1,68 @@
+"""Launch a compiled kernel: grid geometry, FlashParams bytes, cuLaunchKernel on a stream.
+
+Nothing here checks user input (api.py does that before anything reaches this module);
+what arrives is a resolved KernelSpec and raw device pointers, shapes and strides.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+from . import params as params_mod
+from .spec import KernelSpec
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A device tensor as the kernel sees it: pointer, (b, s, h, d) shape, strides in elements."""
+    ptr: int
+    shape: tuple[int, int, int, int]
+    strides: tuple[int, int, int, int]
+
+    @property
+    def bsh_strides(self) -> tuple[int, int, int]:
+        """(batch, row, head) strides: the order FlashParams and the tensor maps take."""
+        return self.strides[0], self.strides[1], self.strides[2]
+
+
+def grid(spec: KernelSpec, batch: int, heads_q: int, seqlen_q: int, num_sms: int) -> tuple[int, int, int]:
+    num_m_blocks = math.ceil(seqlen_q / spec.block_m)
+    if spec.arch == "sm90" and spec.persistent:
+        return (min(num_m_blocks * heads_q * batch, num_sms), 1, 1)
+    return (num_m_blocks, heads_q, batch)
+
+
+def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand, lse_ptr: int,
+                tile_counter_ptr: int, softmax_scale: float) -> bytes:
+    batch, seqlen_q, heads_q, _ = q.shape
+    _, seqlen_k, heads_kv, _ = k.shape
+    num_m_blocks = math.ceil(seqlen_q / spec.block_m)
+    values = {
+        "q": q.ptr, "k": k.ptr, "v": v.ptr, "o": o.ptr, "lse": lse_ptr, "tile_counter": tile_counter_ptr,
+        "batch": batch, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "heads_q": heads_q, "heads_kv": heads_kv,
+        "num_m_blocks": num_m_blocks, "num_tiles": num_m_blocks * heads_q * batch,
+        "softmax_scale": softmax_scale, "scale_log2": softmax_scale * LOG2E,
+    }
+    for name, op in (("q", q), ("k", k), ("v", v), ("o", o)):
+        values[f"{name}_batch_stride"], values[f"{name}_row_stride"], values[f"{name}_head_stride"] = op.bsh_strides
+    if spec.arch == "sm90":
+        from . import tma
+        values.update(tma.tensor_maps(spec, q.ptr, k.ptr, v.ptr, o.ptr, batch, seqlen_q, seqlen_k, heads_q,
+                                      heads_kv, q.bsh_strides, k.bsh_strides, v.bsh_strides, o.bsh_strides))
+    return params_mod.pack(spec.arch, values)
+
+
+def launch(function, grid_dims: tuple[int, int, int], threads: int, smem_bytes: int, stream_ptr: int,
+           param_bytes: bytes) -> None:
+    """cuLaunchKernel with FlashParams as the single by-value argument."""
+    from cupy_backends.cuda.api import driver
+
+    # The driver copies the argument at launch, so these buffers may die after the call.
+    param_buffer = ctypes.create_string_buffer(param_bytes, len(param_bytes))
+    kernel_params = (ctypes.c_void_p * 1)(ctypes.addressof(param_buffer))
+    driver.launchKernel(function.ptr, grid_dims[0], grid_dims[1], grid_dims[2], threads, 1, 1,
+                        smem_bytes, stream_ptr, ctypes.addressof(kernel_params), 0)

@@ -1,0 +1,113 @@
+"""KernelSpec validation, defaults and the budget model (CPU)."""
+
+import dataclasses
+
+import pytest
+
+from facodegen.spec import (GPUS, KernelSpec, SpecError, default_specs, default_tiles, register_estimate,
+                            smem_bytes)
+
+
+def test_defaults_resolve_every_field():
+    for spec in default_specs():
+        for field in dataclasses.fields(spec):
+            assert getattr(spec, field.name) is not None, (spec.variant, field.name)
+
+
+def test_spec_is_frozen_and_hashable():
+    a = KernelSpec(arch="sm80", head_dim=64)
+    b = KernelSpec(arch="sm80", head_dim=64)
+    assert a == b and hash(a) == hash(b)
+    assert len({a, b, KernelSpec(arch="sm80", head_dim=128)}) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.block_m = 64
+
+
+def test_keyword_only():
+    with pytest.raises(TypeError):
+        KernelSpec("sm80")
+
+
+def test_user_values_win_over_defaults():
+    spec = KernelSpec(arch="sm80", head_dim=128, block_n=32, stages=3)
+    assert (spec.block_n, spec.stages) == (32, 3)
+    assert spec.block_m == default_tiles("sm80", 128, "bf16", False, "a100").block_m
+
+
+@pytest.mark.parametrize("fields, knob, words", [
+    (dict(arch="sm70"), "arch", "sm80"),
+    (dict(head_dim=80), "head_dim", "64"),
+    (dict(dtype="fp32"), "dtype", "bf16"),
+    (dict(block_m=96, num_warps=4), "block_m", "multiple of 16*num_warps=64"),
+    (dict(block_n=24), "block_n", "multiple of 16"),
+    (dict(num_warps=3), "num_warps", "num_warps=3"),
+    (dict(stages=0), "stages", "positive"),
+    (dict(stages=5), "stages", "1 to 4"),
+    (dict(causal="yes"), "causal", "True or False"),
+    (dict(gpu="v100"), "gpu", "a100"),
+    (dict(head_dim=256, block_m=256, num_warps=8, block_n=128), "block_m", "registers"),
+    (dict(head_dim=256, block_n=128, stages=4, gpu="h200"), "stages", "shared memory"),
+    (dict(arch="sm80", pingpong=True), "pingpong", "sm90 knob"),
+    (dict(arch="sm90", q_in_regs=True), "q_in_regs", "sm80 knob"),
+    (dict(arch="sm90", consumer_warpgroups=4), "consumer_warpgroups", "1, 2, 3"),
+    (dict(arch="sm90", block_m=128, consumer_warpgroups=3), "block_m", "64*consumer_warpgroups=192"),
+    (dict(arch="sm90", num_warps=8), "num_warps", "4*(consumer_warpgroups+1)"),
+    (dict(arch="sm90", consumer_warpgroups=1, pingpong=True), "pingpong", ">= 2"),
+    (dict(arch="sm90", producer_regs=20), "producer_regs", "multiple of 8"),
+    (dict(arch="sm90", producer_regs=64, consumer_regs=256), "consumer_regs", "register"),
+    (dict(arch="sm90", head_dim=256, block_n=96), "stages", "shared memory"),
+    (dict(arch="sm90", head_dim=128, block_n=256, stages=1), "block_n", "registers"),
+])
+def test_each_invalid_field_names_its_knob(fields, knob, words):
+    with pytest.raises(SpecError) as err:
+        KernelSpec(**fields)
+    assert err.value.field == knob
+    assert words in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_smem_budget_counts_bytes_and_stages():
+    spec = KernelSpec(arch="sm80", head_dim=128, block_m=128, block_n=64, stages=2)
+    # Q 128x128x2 bytes + 2 stages x (K + V) 64x128x2 bytes
+    assert smem_bytes(spec) == 128 * 128 * 2 + 2 * 2 * 64 * 128 * 2
+    deeper = KernelSpec(arch="sm80", head_dim=128, block_m=128, block_n=64, stages=3)
+    assert smem_bytes(deeper) - smem_bytes(spec) == 2 * 64 * 128 * 2
+
+
+def test_gpu_budget_changes_what_fits():
+    # 192 KB: over the A100's 163 KB, within the H200's 227 KB.
+    fields = dict(arch="sm80", head_dim=256, block_m=128, block_n=64, num_warps=8, stages=2)
+    with pytest.raises(SpecError):
+        KernelSpec(gpu="a100", **fields)
+    assert KernelSpec(gpu="h200", **fields).smem_bytes == 196608
+
+
+def test_defaults_fit_their_budgets():
+    for spec in default_specs():
+        assert spec.smem_bytes <= GPUS[spec.gpu].smem_per_block
+        limit = 255 if spec.arch == "sm80" else spec.consumer_regs
+        assert register_estimate(spec) <= limit
+
+
+def test_sm90_defaults_follow_fa3_table():
+    spec = KernelSpec(arch="sm90", head_dim=128)
+    assert (spec.block_m, spec.block_n, spec.consumer_warpgroups, spec.stages) == (128, 176, 2, 2)
+    assert (spec.producer_regs, spec.consumer_regs) == (24, 240)
+    assert spec.pingpong and spec.intra_wg_overlap and spec.persistent
+    assert KernelSpec(arch="sm90", head_dim=128, causal=True).block_n == 128
+    assert KernelSpec(arch="sm90", head_dim=256).block_n == 80
+    three = KernelSpec(arch="sm90", head_dim=64)
+    assert (three.block_m, three.consumer_warpgroups, three.consumer_regs) == (192, 3, 160)
+
+
+def test_variant_names_are_unique_and_stable():
+    names = [s.variant for s in default_specs()]
+    assert len(names) == len(set(names))
+    assert KernelSpec(arch="sm90", head_dim=128).variant == \
+        "flash_fwd_sm90_bf16_hd128_bm128_bn176_w12_st2_r24x240_pp_ov"
+
+
+def test_replace_rederives_defaults():
+    spec = KernelSpec(arch="sm90", head_dim=128)
+    assert spec.replace(head_dim=256).block_n == 80
+    assert spec.replace(block_n=128).block_n == 128
