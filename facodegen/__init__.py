@@ -1,7 +1,7 @@
 """facodegen: a code generator for FlashAttention forward kernels (sm80 and sm90).
 
 spec -> render -> compile -> launch, one module each:
-``spec`` (KernelSpec, budget model), ``render`` (Jinja2 -> CUDA), ``compile`` (NVRTC ->
+``spec`` (KernelSpec, budget model), ``render`` (Jinja2 -> CUDA), ``compiler`` (NVRTC ->
 cubin, cache, resource report), ``launch``/``api`` (argument checks, launch on CuPy or
 torch tensors), ``reference`` (float64 NumPy attention and the FA1/FA2 tiled algorithms).
 """
@@ -10,5 +10,8 @@ __version__ = "0.1.0"
 
 from .spec import KernelSpec, SpecError, default_spec, default_specs  # noqa: E402
 from .render import emit  # noqa: E402
+from .compiler import CompiledKernel, CompileError, compile  # noqa: E402
+from .api import attention, prepare  # noqa: E402
 
-__all__ = ["KernelSpec", "SpecError", "default_spec", "default_specs", "emit", "__version__"]
+__all__ = ["KernelSpec", "SpecError", "default_spec", "default_specs", "emit", "compile", "CompiledKernel",
+           "CompileError", "attention", "prepare", "__version__"]

@@ -13,8 +13,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from . import compile as compile_mod
-from .launch import Operand, grid, launch, pack_params
+from . import compiler as compile_mod
+from .launch import Operand, grid, launch_prepared, pack_params
 from .spec import HEAD_DIMS, KernelSpec
 
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -206,8 +206,11 @@ class _Prepared:
 def _prepare(spec: KernelSpec, device: int) -> _Prepared:
     from cupy_backends.cuda.api import driver
     from cupy.cuda import Device
+    info = device_info(device)
+    # sm80 code is compiled for the GPU at hand (machine code only loads on its own major version).
+    sm = f"sm_{info.compute_capability[0]}{info.compute_capability[1]}" if spec.arch == "sm80" else None
     with Device(device):
-        function = compile_mod.compile(spec).function()
+        function = compile_mod.compile(spec, sm=sm).function()
         driver.funcSetAttribute(function.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes)
     return _Prepared(function, spec.smem_bytes)
 
@@ -237,17 +240,40 @@ def resolve_spec(head_dim: int, dtype: str, causal: bool, device: int, arch: str
     return spec
 
 
-def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
-              out=None, lse_out=None, arch: str | None = None, **spec_fields):
-    """Attention forward, O = softmax(scale * Q K^T [+ causal mask]) V.
+class PreparedAttention:
+    """One attention call with its arguments bound: calling it launches the kernel again on the
+    stream current at call time. Reuse it to keep host work off a hot loop (the spec, the
+    compiled kernel, the FlashParams bytes and the tensor maps are built once)."""
 
-    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
-    bf16 CuPy arrays or torch CUDA tensors (any batch/seq/head strides, contiguous head_dim;
-    heads_kv divides heads_q). Causal masking is bottom-right aligned. Returns O in q's dtype (and
-    the float32 natural-log LSE of shape (batch, heads_q, seqlen_q) when ``return_lse``), in the
-    caller's library, computed on its current stream. Spec fields (block_n=..., stages=...) may be
-    given to override the defaults; ``out``/``lse_out`` receive the results in place.
-    """
+    def __init__(self, spec: KernelSpec, q: _View, out, lse_out, param_bytes: bytes, return_lse: bool):
+        import ctypes
+        self.spec = spec
+        self.out, self.lse_out, self._return_lse = out, lse_out, return_lse
+        self._q = q
+        self._prepared = _prepare(spec, q.device)
+        batch, seqlen_q, heads_q, _ = q.shape
+        self._grid = grid(spec, batch, heads_q, seqlen_q, device_info(q.device).sms)
+        self._counter = _tile_counter(q.device) if spec.arch == "sm90" and spec.persistent else None
+        self._param_bytes = param_bytes
+        # Kept alive with the object: the driver reads them at each launch.
+        self._param_buffer = ctypes.create_string_buffer(param_bytes, len(param_bytes))
+        self._kernel_params = (ctypes.c_void_p * 1)(ctypes.addressof(self._param_buffer))
+
+    def __call__(self):
+        from cupy.cuda import Device, runtime
+        stream = _current_stream(self._q)
+        with Device(self._q.device):
+            if self._counter is not None:
+                runtime.memsetAsync(self._counter.data.ptr, 0, 4, stream)
+            launch_prepared(self._prepared.function, self._grid, self.spec.threads, self._prepared.smem_bytes,
+                            stream, self._kernel_params)
+        return (self.out, self.lse_out) if self._return_lse else self.out
+
+
+def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
+            out=None, lse_out=None, arch: str | None = None, **spec_fields) -> PreparedAttention:
+    """Check the arguments, pick and compile the kernel, and bind everything for launching;
+    the arguments are those of :func:`attention`."""
     qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
     _check_inputs(qv, kv, vv)
     if not isinstance(causal, bool):
@@ -255,7 +281,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     batch, seqlen_q, heads_q, head_dim = qv.shape
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
     spec = resolve_spec(head_dim, DTYPE_NAMES[qv.dtype], causal, qv.device, arch, **spec_fields)
 
@@ -268,19 +295,25 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     lsev = _view("lse_out", lse_out)
     _check_lse(lsev, qv)
 
-    prepared = _prepare(spec, qv.device)
-    info = device_info(qv.device)
-    stream = _current_stream(qv)
     counter = _tile_counter(qv.device)
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
                               counter.data.ptr, float(softmax_scale))
-    from cupy.cuda import Device, runtime
-    with Device(qv.device):
-        if spec.arch == "sm90" and spec.persistent:
-            runtime.memsetAsync(counter.data.ptr, 0, 4, stream)
-        launch(prepared.function, grid(spec, batch, heads_q, seqlen_q, info.sms), spec.threads,
-               prepared.smem_bytes, stream, param_bytes)
-    return (out, lse_out) if return_lse else out
+    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse)
+
+
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
+              out=None, lse_out=None, arch: str | None = None, **spec_fields):
+    """Attention forward, O = softmax(scale * Q K^T [+ causal mask]) V.
+
+    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
+    bf16 CuPy arrays or torch CUDA tensors (any batch/seq/head strides, contiguous head_dim;
+    heads_kv divides heads_q). Causal masking is bottom-right aligned. Returns O in q's dtype (and
+    the float32 natural-log LSE of shape (batch, heads_q, seqlen_q) when ``return_lse``), in the
+    caller's library, computed on its current stream. Spec fields (block_n=..., stages=...) may be
+    given to override the defaults; ``out``/``lse_out`` receive the results in place.
+    """
+    return prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
+                   lse_out=lse_out, arch=arch, **spec_fields)()
 
 
 def _empty(like: _View, shape, dtype: str):

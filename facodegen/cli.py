@@ -95,7 +95,7 @@ def with_spec(command):
 
 
 def _require_gpu(command: str) -> None:
-    from .compile import gpu_available
+    from .compiler import gpu_available
 
     ok, reason = gpu_available()
     if not ok:
@@ -103,7 +103,7 @@ def _require_gpu(command: str) -> None:
 
 
 def _compile(spec: KernelSpec):
-    from .compile import CompileError, compile as compile_spec
+    from .compiler import CompileError, compile as compile_spec
     from .render import TemplateRenderError
 
     try:
@@ -199,7 +199,7 @@ def inspect(spec_fields, what):
       facodegen inspect --arch sm90 --head-dim 128            # resources
       facodegen inspect --arch sm80 --head-dim 64 --sass | tail -12
     """
-    from .compile import ToolNotFoundError
+    from .compiler import ToolNotFoundError
 
     spec = build_spec(spec_fields)
     kernel = _compile(spec)
@@ -241,7 +241,7 @@ def format_resources(spec: KernelSpec, kernel) -> str:
 
 def _cross_check(kernel) -> str:
     """'agrees with ptxas' / what differs from cuobjdump; '' where cuobjdump is absent."""
-    from .compile import ToolNotFoundError
+    from .compiler import ToolNotFoundError
 
     try:
         diff = kernel.cross_check()

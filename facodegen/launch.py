@@ -6,7 +6,6 @@ what arrives is a resolved KernelSpec and raw device pointers, shapes and stride
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass
 
@@ -56,13 +55,12 @@ def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand
     return params_mod.pack(spec.arch, values)
 
 
-def launch(function, grid_dims: tuple[int, int, int], threads: int, smem_bytes: int, stream_ptr: int,
-           param_bytes: bytes) -> None:
-    """cuLaunchKernel with FlashParams as the single by-value argument."""
+def launch_prepared(function, grid_dims: tuple[int, int, int], threads: int, smem_bytes: int,
+                    stream_ptr: int, kernel_params) -> None:
+    """cuLaunchKernel with FlashParams as the single by-value argument; ``kernel_params`` is a
+    ctypes ``void*[1]`` pointing at the packed bytes (the driver copies them at launch)."""
+    import ctypes
     from cupy_backends.cuda.api import driver
 
-    # The driver copies the argument at launch, so these buffers may die after the call.
-    param_buffer = ctypes.create_string_buffer(param_bytes, len(param_bytes))
-    kernel_params = (ctypes.c_void_p * 1)(ctypes.addressof(param_buffer))
     driver.launchKernel(function.ptr, grid_dims[0], grid_dims[1], grid_dims[2], threads, 1, 1,
                         smem_bytes, stream_ptr, ctypes.addressof(kernel_params), 0)

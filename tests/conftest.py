@@ -4,7 +4,7 @@
   tests never read or write the user's cache and kernels compiled by one test are disk hits
   for the next (plus the in-process memo).
 * ``@pytest.mark.gpu`` tests are skipped, with the reason from
-  ``facodegen.compile.gpu_available()``, where no CUDA GPU is found. ``requires_gpu`` is the
+  ``facodegen.compiler.gpu_available()``, where no CUDA GPU is found. ``requires_gpu`` is the
   same marker under a readable name: ``from conftest import requires_gpu`` is not needed,
   just use ``@pytest.mark.gpu``.
 """
@@ -20,7 +20,7 @@ requires_gpu = pytest.mark.gpu
 
 def pytest_configure(config):
     if "FACODEGEN_CACHE_DIR" not in os.environ or not os.environ.get("FACODEGEN_KEEP_TEST_CACHE"):
-        # set before any test module imports facodegen.compile and compiles
+        # set before any test module imports facodegen.compiler and compiles
         import tempfile
 
         root = tempfile.mkdtemp(prefix="facodegen-test-cache-")
@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
-    from facodegen.compile import gpu_available
+    from facodegen.compiler import gpu_available
 
     ok, reason = gpu_available()
     if ok:
@@ -59,7 +59,7 @@ def cache_root() -> str:
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """An empty cache dir and an empty in-process memo for one test."""
-    from facodegen import compile as fc
+    from facodegen import compiler as fc
 
     root = tmp_path / "cache"
     monkeypatch.setenv("FACODEGEN_CACHE_DIR", str(root))

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 import facodegen
 from facodegen import cli
-from facodegen import compile as fc
+from facodegen import compiler as fc
 from facodegen.render import emit_command
 
 SMALL = ["--arch", "sm80", "--head-dim", "64"]

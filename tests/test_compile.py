@@ -1,4 +1,4 @@
-"""facodegen.compile: NVRTC -> cubin, disk cache, errors, resource report, SASS/PTX (no GPU)."""
+"""facodegen.compiler: NVRTC -> cubin, disk cache, errors, resource report, SASS/PTX (no GPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import facodegen
-from facodegen import compile as fc
+from facodegen import compiler as fc
 
 # ---- tiny kernels with known properties ----------------------------------------------------
 
@@ -221,7 +221,7 @@ def _compile_in_child(args):
     root, source, barrier = args
     os.environ["FACODEGEN_CACHE_DIR"] = root
     os.environ["FACODEGEN_QUIET"] = "1"
-    from facodegen import compile as child_fc
+    from facodegen import compiler as child_fc
 
     barrier.wait(timeout=60)
     kernel = child_fc.compile_source(source, "sm80", "simple_scale")

@@ -64,14 +64,23 @@ def normalize_arch(arch: str) -> str:
         raise ValueError(f"arch: {arch!r} is not supported; choose one of sm80, sm90") from None
 
 
-def target(arch: str) -> str:
-    """The real GPU target NVRTC compiles for: sm_80 or sm_90a."""
-    return _TARGETS[normalize_arch(arch)][0]
+def target(arch: str, sm: str | None = None) -> str:
+    """The real GPU target NVRTC compiles for: sm_80 or sm_90a by default.
+
+    ``sm`` runs sm80 code on a newer GPU: a cubin's machine code only loads on its own major
+    version, so the mma.sync kernel is compiled for the GPU at hand (e.g. ``sm_90`` on an H200)."""
+    arch = normalize_arch(arch)
+    if sm is None or sm == _TARGETS[arch][0]:
+        return _TARGETS[arch][0]
+    if arch == "sm90" or not sm.startswith("sm_") or not sm[3:].isdigit() or int(sm[3:]) < 80:
+        raise ValueError(f"target sm={sm!r} cannot run arch={arch} code; sm90 code needs sm_90a, "
+                         f"sm80 code needs sm_80 or newer (e.g. sm_86, sm_90)")
+    return sm
 
 
-def NVRTC_OPTIONS(arch: str) -> tuple[str, ...]:  # noqa: N802 (a constant-like table by name)
-    """NVRTC options of a kernel for ``arch`` (sm80 -> sm_80, sm90 -> sm_90a)."""
-    return (f"--gpu-architecture={target(arch)}", "-std=c++17", "-Xptxas=-v", "--use_fast_math",
+def NVRTC_OPTIONS(arch: str, sm: str | None = None) -> tuple[str, ...]:  # noqa: N802 (a constant-like table)
+    """NVRTC options of a kernel for ``arch`` (sm80 -> sm_80, sm90 -> sm_90a; ``sm`` overrides)."""
+    return (f"--gpu-architecture={target(arch, sm)}", "-std=c++17", "-Xptxas=-v", "--use_fast_math",
             "-DNDEBUG", "-lineinfo")
 
 
@@ -130,6 +139,9 @@ class CompiledKernel:
 
     @property
     def target(self) -> str:
+        for option in self.options:
+            if option.startswith("--gpu-architecture="):
+                return option.split("=", 1)[1]
         return target(self.arch)
 
     def sass(self) -> str:
@@ -481,14 +493,14 @@ def _quiet() -> bool:
 
 
 def compile_source(source: str, arch: str, name: str, *, extra_options: Sequence[str] = (),
-                   cache: bool = True, verbose: bool | None = None) -> CompiledKernel:
+                   cache: bool = True, verbose: bool | None = None, sm: str | None = None) -> CompiledKernel:
     """Compile CUDA ``source`` whose ``extern "C"`` kernel is ``name`` for ``arch`` to a cubin.
 
     Memoised in-process and cached on disk (see the module docstring); ``cache=False`` skips
     both. ``verbose`` (default: unless ``FACODEGEN_QUIET=1``) prints one line before a cold
     compile. Raises CompileError with the annotated NVRTC log."""
     arch = normalize_arch(arch)
-    options = NVRTC_OPTIONS(arch) + tuple(extra_options)
+    options = NVRTC_OPTIONS(arch, sm) + tuple(extra_options)
     key = cache_key(source, options)
     if cache:
         hit = _memo.get((name, key))
@@ -500,7 +512,7 @@ def compile_source(source: str, arch: str, name: str, *, extra_options: Sequence
             _memo[(name, key)] = hit
             return hit
     if verbose if verbose is not None else not _quiet():
-        _say(f"facodegen: compiling {name} for {target(arch)} ...")
+        _say(f"facodegen: compiling {name} for {target(arch, sm)} ...")
     cubin, log = _nvrtc_compile(source, name, options)
     per_function = parse_ptxas_log(log)
     resources = per_function.get(name) or next(iter(per_function.values()), Resources())
@@ -512,20 +524,21 @@ def compile_source(source: str, arch: str, name: str, *, extra_options: Sequence
     return kernel
 
 
-def compile(spec, *, verbose: bool | None = None) -> CompiledKernel:  # noqa: A001 (the module's verb)
-    """Render ``spec`` (facodegen.render.emit) and compile it; the kernel symbol is spec.variant."""
-    hit = _spec_memo.get(spec)
+def compile(spec, *, verbose: bool | None = None, sm: str | None = None) -> CompiledKernel:  # noqa: A001
+    """Render ``spec`` (facodegen.render.emit) and compile it; the kernel symbol is spec.variant.
+    ``sm`` picks another real target for sm80 code (see :func:`target`)."""
+    hit = _spec_memo.get((spec, sm))
     if hit is not None:
         return hit
     from .render import emit, emit_command
 
     try:
-        kernel = compile_source(emit(spec), spec.arch, spec.variant, verbose=verbose)
+        kernel = compile_source(emit(spec), spec.arch, spec.variant, verbose=verbose, sm=sm)
     except CompileError as err:
         hint = (f"the whole generated file: `{emit_command(spec)} -o {spec.variant}.cu` "
                 f"(line numbers above are lines of that file)")
         raise CompileError(err.name, err.arch, err.log, err.source, hint=hint) from None
-    _spec_memo[spec] = kernel
+    _spec_memo[(spec, sm)] = kernel
     return kernel
 
 
