@@ -55,10 +55,10 @@ COMMON_FIELDS = [
 ]
 
 TMA_FIELDS = [
-    Field("tma_q", "tmap", "CUtensorMap", "TMA descriptor of Q, box (64 cols, BLOCK_M rows)"),
-    Field("tma_k", "tmap", "CUtensorMap", "TMA descriptor of K, box (64 cols, BLOCK_N rows)"),
-    Field("tma_v", "tmap", "CUtensorMap", "TMA descriptor of V, box (64 cols, BLOCK_N rows)"),
-    Field("tma_o", "tmap", "CUtensorMap", "TMA descriptor of O, box (64 cols, 64 rows)"),
+    Field("tma_q", "tmap", "CUtensorMap", "TMA descriptor of Q, box (slab cols, BLOCK_M rows); slab = 64 cols (32 for d=96)"),
+    Field("tma_k", "tmap", "CUtensorMap", "TMA descriptor of K, box (slab cols, BLOCK_N rows)"),
+    Field("tma_v", "tmap", "CUtensorMap", "TMA descriptor of V, box (slab cols, BLOCK_N rows)"),
+    Field("tma_o", "tmap", "CUtensorMap", "TMA descriptor of O, box (slab cols, 64 rows): one store per consumer warpgroup"),
 ]
 
 

@@ -1,0 +1,215 @@
+"""Host-side TMA tensor maps for the sm90 kernel (``cuTensorMapEncodeTiled`` through ctypes).
+
+A tensor of shape (batch, seqlen, heads, head_dim) with any batch/row/head strides and a
+contiguous head_dim is described to the TMA unit as a rank-4 tiled map, innermost first::
+
+    globalDim     = {D, S, H, B}                      elements
+    globalStrides = {row, head, batch} * elem_bytes   bytes (dims 1..3; dim 0 is contiguous)
+    boxDim        = {box_cols, box_rows, 1, 1}        one box = box_rows rows x box_cols columns
+    swizzle       = 128B (or 64B), no interleave, out-of-range elements read as zero
+
+Kernel coordinates are {column, row, head, batch}. head_dim is split into slabs of
+``box_cols`` columns, one TMA box per slab (``slab_geometry``).
+
+All argument checks run in Python and raise ``ValueError`` naming the argument before the
+driver is called; libcuda is loaded only when a map is really encoded (``RuntimeError`` if
+it is missing, e.g. on a machine without a GPU driver).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+TENSOR_MAP_BYTES = 128
+_TENSOR_MAP_ALIGN = 64
+
+# CUtensorMapDataType (kernel-facts 4.1).
+DTYPE_CODES = {"fp16": 6, "bf16": 9}
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2}
+# CUtensorMapSwizzle: bytes of the swizzle span -> enum.
+SWIZZLE_CODES = {0: 0, 32: 1, 64: 2, 128: 3}
+_INTERLEAVE_NONE = 0
+_L2_PROMOTION_128B = 2
+_OOB_FILL_ZERO = 0          # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-range elements are zeros
+
+_MAX_STRIDE = 1 << 40
+_MAX_DIM = 1 << 32
+_MAX_BOX = 256
+
+
+def slab_geometry(head_dim: int, elem_bytes: int = 2) -> tuple[int, int]:
+    """(swizzle bytes, box columns) the sm90 kernel uses for a head_dim.
+
+    128B swizzle with 64-column slabs when head_dim is a multiple of 64 (64, 128, 192, 256);
+    otherwise (96) 64B swizzle with 32-column slabs. Must match SWIZZLE_BYTES / SLAB_COLS in
+    templates/sm90/flash_fwd.cu.j2."""
+    swizzle = 128 if (head_dim * elem_bytes) % 128 == 0 else 64
+    return swizzle, swizzle // elem_bytes
+
+
+@dataclass(frozen=True)
+class TiledArgs:
+    """The checked arguments of one cuTensorMapEncodeTiled call."""
+    ptr: int
+    dtype_code: int
+    dims: tuple[int, int, int, int]            # {D, S, H, B}, elements
+    strides: tuple[int, int, int]              # {row, head, batch}, bytes
+    box: tuple[int, int, int, int]             # {box_cols, box_rows, 1, 1}
+    swizzle_code: int
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def tiled_args(ptr: int, dtype: str, shape_bshd, strides_elems, box_rows: int, box_cols: int = 64,
+               swizzle: int = 128) -> TiledArgs:
+    """Check everything cuTensorMapEncodeTiled would reject (and what the kernel assumes).
+
+    ``strides_elems`` is (batch, row, head) or (batch, row, head, col) in elements; a
+    4th entry must be 1 (head_dim contiguous)."""
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype: {dtype!r} is not supported by the TMA encoder; choose one of "
+                         f"{', '.join(DTYPE_CODES)}")
+    e = ELEMENT_BYTES[dtype]
+    if not _is_int(ptr) or ptr <= 0:
+        raise ValueError(f"ptr: must be a positive integer device address, got {ptr!r}")
+    if ptr % 16:
+        raise ValueError(f"ptr: TMA needs a 16-byte aligned global address, got {ptr:#x} "
+                         f"({ptr % 16} bytes past a 16-byte boundary)")
+    shape = tuple(shape_bshd)
+    if len(shape) != 4 or not all(_is_int(s) for s in shape):
+        raise ValueError(f"shape_bshd: must be 4 integers (batch, seqlen, heads, head_dim), got {shape_bshd!r}")
+    for name, size in zip(("batch", "seqlen", "heads", "head_dim"), shape):
+        if not 1 <= size <= _MAX_DIM:
+            raise ValueError(f"shape_bshd: {name}={size} must be in [1, 2^32]")
+    batch, seqlen, heads, head_dim = shape
+    strides = tuple(strides_elems)
+    if len(strides) not in (3, 4) or not all(_is_int(s) for s in strides):
+        raise ValueError(f"strides_elems: must be 3 integers (batch, row, head) in elements, got {strides_elems!r}")
+    if len(strides) == 4:
+        if strides[3] != 1 and head_dim > 1:
+            raise ValueError(f"strides_elems: head_dim must be contiguous (stride 1), got stride {strides[3]}")
+        strides = strides[:3]
+    if (head_dim * e) % 16:
+        raise ValueError(f"shape_bshd: head_dim={head_dim} x {e} bytes must be a multiple of 16 bytes")
+    # A dimension of size 1 is only ever addressed at coordinate 0, so its stride is free: give
+    # it the contiguous value (views of size-1 dims may carry any stride, even 0 or odd).
+    contiguous = {"batch": seqlen * heads * head_dim, "row": heads * head_dim, "head": head_dim}
+    sizes = {"batch": batch, "row": seqlen, "head": heads}
+    stride_bytes = {}
+    for name, stride in zip(("batch", "row", "head"), strides):
+        if sizes[name] == 1:
+            stride = contiguous[name]
+        nbytes = stride * e
+        if nbytes <= 0 or nbytes % 16:
+            raise ValueError(f"strides_elems: {name} stride {stride} elements = {nbytes} bytes must be a "
+                             f"positive multiple of 16 bytes")
+        if nbytes >= _MAX_STRIDE:
+            raise ValueError(f"strides_elems: {name} stride {nbytes} bytes must be below 2^40")
+        stride_bytes[name] = nbytes
+    if swizzle not in SWIZZLE_CODES:
+        raise ValueError(f"swizzle: {swizzle!r} must be one of {', '.join(map(str, SWIZZLE_CODES))} (bytes)")
+    if not _is_int(box_rows) or not 1 <= box_rows <= _MAX_BOX:
+        raise ValueError(f"box_rows: {box_rows!r} must be an integer in [1, {_MAX_BOX}]")
+    if not _is_int(box_cols) or not 1 <= box_cols <= _MAX_BOX:
+        raise ValueError(f"box_cols: {box_cols!r} must be an integer in [1, {_MAX_BOX}]")
+    if (box_cols * e) % 16:
+        raise ValueError(f"box_cols: {box_cols} x {e} bytes must be a multiple of 16 bytes")
+    if swizzle and box_cols * e > swizzle:
+        raise ValueError(f"box_cols: {box_cols} x {e} bytes exceed the {swizzle}-byte swizzle span "
+                         f"(at most {swizzle // e} columns)")
+    if box_cols > head_dim:
+        raise ValueError(f"box_cols: {box_cols} exceeds head_dim={head_dim}")
+    return TiledArgs(ptr=ptr, dtype_code=DTYPE_CODES[dtype], dims=(head_dim, seqlen, heads, batch),
+                     strides=(stride_bytes["row"], stride_bytes["head"], stride_bytes["batch"]),
+                     box=(box_cols, box_rows, 1, 1), swizzle_code=SWIZZLE_CODES[swizzle])
+
+
+_ENCODE = None
+
+
+def _driver_encode():
+    """cuTensorMapEncodeTiled from libcuda.so.1, loaded once on first use."""
+    global _ENCODE
+    if _ENCODE is None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as err:
+            raise RuntimeError("facodegen.tma: libcuda.so.1 (the NVIDIA driver) is not available on this "
+                               "machine; TMA tensor maps can only be encoded where a GPU driver is installed") from err
+        lib.cuInit.argtypes = [ctypes.c_uint]
+        lib.cuInit.restype = ctypes.c_int
+        init = lib.cuInit(0)
+        if init != 0:
+            raise RuntimeError(f"facodegen.tma: cuInit failed with CUresult {init}")
+        fn = lib.cuTensorMapEncodeTiled
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                       ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                       ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _ENCODE = fn
+    return _ENCODE
+
+
+def encode(args: TiledArgs) -> bytes:
+    """Run cuTensorMapEncodeTiled on checked arguments; the 128 bytes of the CUtensorMap."""
+    fn = _driver_encode()
+    # 64-byte aligned 128-byte output buffer (a ctypes array is not guaranteed to be aligned).
+    raw = (ctypes.c_uint8 * (TENSOR_MAP_BYTES + _TENSOR_MAP_ALIGN))()
+    offset = (-ctypes.addressof(raw)) % _TENSOR_MAP_ALIGN
+    out = ctypes.addressof(raw) + offset
+    dims = (ctypes.c_uint64 * 4)(*args.dims)
+    strides = (ctypes.c_uint64 * 3)(*args.strides)
+    box = (ctypes.c_uint32 * 4)(*args.box)
+    element_strides = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    result = fn(out, args.dtype_code, 4, ctypes.c_void_p(args.ptr), dims, strides, box, element_strides,
+                _INTERLEAVE_NONE, args.swizzle_code, _L2_PROMOTION_128B, _OOB_FILL_ZERO)
+    if result != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {result} for {args}")
+    return bytes(raw[offset:offset + TENSOR_MAP_BYTES])
+
+
+def encode_tiled(ptr: int, dtype: str, shape_bshd, strides_elems, box_rows: int, box_cols: int = 64,
+                 swizzle: int = 128) -> bytes:
+    """The 128-byte CUtensorMap of a (B, S, H, D) tensor, boxes of box_rows x box_cols.
+
+    strides_elems: (batch, row, head) in elements (head_dim is contiguous)."""
+    return encode(tiled_args(ptr, dtype, shape_bshd, strides_elems, box_rows, box_cols, swizzle))
+
+
+def tensor_map_args(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch: int, seqlen_q: int,
+                    seqlen_k: int, heads_q: int, heads_kv: int, q_strides, k_strides, v_strides,
+                    o_strides) -> dict[str, TiledArgs]:
+    """Checked arguments of the four maps of one call (see ``tensor_maps``)."""
+    d = spec.head_dim
+    swizzle, box_cols = slab_geometry(d, ELEMENT_BYTES[spec.dtype])
+    wg_rows = 64        # the epilogue stores O one consumer warpgroup (64 rows) at a time
+    plan = {
+        "tma_q": (q_ptr, (batch, seqlen_q, heads_q, d), q_strides, spec.block_m),
+        "tma_k": (k_ptr, (batch, seqlen_k, heads_kv, d), k_strides, spec.block_n),
+        "tma_v": (v_ptr, (batch, seqlen_k, heads_kv, d), v_strides, spec.block_n),
+        "tma_o": (o_ptr, (batch, seqlen_q, heads_q, d), o_strides, wg_rows),
+    }
+    out = {}
+    for name, (ptr, shape, strides, rows) in plan.items():
+        try:
+            out[name] = tiled_args(ptr, spec.dtype, shape, strides, rows, box_cols, swizzle)
+        except ValueError as err:
+            raise ValueError(f"{name[4:]}: {err}") from None
+    return out
+
+
+def tensor_maps(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch: int, seqlen_q: int, seqlen_k: int,
+                heads_q: int, heads_kv: int, q_strides, k_strides, v_strides, o_strides) -> dict[str, bytes]:
+    """The FlashParams tensor maps of one sm90 call: {"tma_q", "tma_k", "tma_v", "tma_o"} -> 128 bytes.
+
+    Strides are (batch, row, head) in elements. Boxes (columns x rows), columns = one swizzle
+    slab of head_dim (``slab_geometry``: 64, or 32 for head_dim 96):
+    Q: slab x block_m (loaded once per tile), K and V: slab x block_n (one ring stage),
+    O: slab x 64 (each consumer warpgroup stores its own 64 rows)."""
+    args = tensor_map_args(spec, q_ptr, k_ptr, v_ptr, o_ptr, batch, seqlen_q, seqlen_k, heads_q, heads_kv,
+                           q_strides, k_strides, v_strides, o_strides)
+    return {name: encode(a) for name, a in args.items()}
