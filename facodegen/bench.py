@@ -1,0 +1,558 @@
+"""Timing facodegen's kernels against their peers (a benchmark, not a test).
+
+Method (the same as /work/shared/peers/h200-2026-11-29.md, so numbers compare):
+
+* CUDA events on the current torch stream around groups of back-to-back calls: 5 warm-up calls,
+  then 7 groups of 20 calls, and the median of the 7 group means.
+* Fresh randn inputs, never zeros. Where one input set is smaller than twice the L2 (60 MB on the
+  H200) the calls rotate over several sets, so the timing is not of a warm cache; the FA3-paper
+  grid (16k tokens, hidden 2048: 64 MB per tensor) needs one set.
+* FLOPs = 4 * batch * heads * seqlen_q * seqlen_k * head_dim, half of that for causal (the papers'
+  convention); TFLOP/s = FLOPs / time.
+* Every implementation's output is checked against a float64 reference on a slice (batch 0, q heads
+  0 and 1) before it is timed; a failing, missing or refusing implementation is reported with the
+  reason and not timed.
+
+Peers: torch SDPA's FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION and EFFICIENT_ATTENTION
+backends (through (b, h, s, d) transposed views of (b, s, h, d) tensors) and FlashAttention-3
+(``flash_attn_interface.flash_attn_func``, (b, s, h, d)).
+
+Everything that needs a GPU imports torch lazily; the grid, FLOP and table helpers run anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+import traceback
+
+from .reference import check, compare, dtype_name
+
+WARMUP = 5
+GROUPS = 7
+CALLS_PER_GROUP = 20
+L2_BYTES_DEFAULT = 60 * 1024 * 1024
+MAX_INPUT_SETS = 8
+
+PEER_TITLES = {
+    "fa3": "FlashAttention-3",
+    "cudnn": "cuDNN (SDPA)",
+    "fa2": "FlashAttention-2 (SDPA)",
+    "efficient": "mem-efficient (SDPA)",
+}
+DEFAULT_PEERS = ("fa3", "cudnn", "fa2")
+_SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "fa2": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs, grids
+# ----------------------------------------------------------------------------------------------
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                    causal: bool) -> float:
+    """Forward FLOPs: two GEMMs of 2*sq*sk*d each per (batch, head); half of that when causal."""
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops / 2 if causal else flops
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def cell(head_dim: int, causal: bool, seqlen: int, batch: int, heads: int, dtype: str = "bf16",
+         seqlen_k: int | None = None, heads_kv: int | None = None) -> dict:
+    """One problem: the keys every row and grid uses."""
+    return {"dtype": dtype_name(dtype), "head_dim": head_dim, "causal": bool(causal), "seqlen_q": seqlen,
+            "seqlen_k": seqlen if seqlen_k is None else seqlen_k, "batch": batch, "heads_q": heads,
+            "heads_kv": heads if heads_kv is None else heads_kv}
+
+
+FA3_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def fa3_paper_grid(dtype: str = "bf16") -> list[dict]:
+    """The FlashAttention-3 paper's forward grid: head_dim 64/128/256 x causal no/yes x seqlen
+    512..16k, 16k tokens per batch (batch = 16384/seqlen), hidden 2048 (heads = 2048/head_dim)."""
+    return [cell(d, c, s, 16384 // s, 2048 // d, dtype)
+            for d in (64, 128, 256) for c in (False, True) for s in FA3_SEQLENS]
+
+
+def quick_grid(dtype: str = "bf16") -> list[dict]:
+    """A handful of FA3-grid cells: every head_dim, both masks, a short and a long sequence."""
+    picks = [(128, False, 2048), (128, True, 8192), (64, False, 4096), (64, True, 1024),
+             (256, False, 2048), (256, True, 16384)]
+    return [cell(d, c, s, 16384 // s, 2048 // d, dtype) for d, c, s in picks]
+
+
+def sm80_grid(dtype: str = "bf16") -> list[dict]:
+    """Every head_dim the sm80 kernels ship, both masks, seqlen 2k and 8k (16k tokens, hidden 2048
+    rounded down to whole heads for 96 and 192)."""
+    return [cell(d, c, s, 16384 // s, 2048 // d, dtype)
+            for d in (64, 96, 128, 192, 256) for c in (False, True) for s in (2048, 8192)]
+
+
+GRIDS = {"quick": quick_grid, "fa3": fa3_paper_grid, "sm80": sm80_grid}
+
+
+def make_grid(name: str, dtype: str = "bf16") -> list[dict]:
+    if name not in GRIDS:
+        raise ValueError(f"grid: {name!r} is not one of {', '.join(GRIDS)}")
+    return GRIDS[name](dtype)
+
+
+def input_bytes(c: dict) -> int:
+    """Bytes of Q, K, V and O for one cell (2 bytes an element)."""
+    d = c["head_dim"]
+    return 2 * d * c["batch"] * (2 * c["seqlen_q"] * c["heads_q"] + 2 * c["seqlen_k"] * c["heads_kv"])
+
+
+def input_sets_needed(bytes_per_set: int, l2_bytes: int = L2_BYTES_DEFAULT, cap: int = MAX_INPUT_SETS) -> int:
+    """How many input sets to rotate over so the calls together touch at least twice the L2."""
+    return max(1, min(cap, math.ceil(2 * l2_bytes / max(1, bytes_per_set))))
+
+
+# ----------------------------------------------------------------------------------------------
+# rows and tables
+# ----------------------------------------------------------------------------------------------
+
+def facodegen_name(arch: str) -> str:
+    return f"facodegen-{arch}"
+
+
+def is_facodegen(name: str) -> bool:
+    return name.startswith("facodegen")
+
+
+def best_peer(row: dict) -> tuple[str | None, float | None]:
+    """(name, TFLOP/s) of the fastest peer that passed its check, or (None, None)."""
+    best = (None, None)
+    for name, r in row.get("results", {}).items():
+        t = r.get("tflops")
+        if is_facodegen(name) or t is None:
+            continue
+        if best[1] is None or t > best[1]:
+            best = (name, t)
+    return best
+
+
+def ratio_to_best_peer(row: dict, name: str) -> float | None:
+    t = row.get("results", {}).get(name, {}).get("tflops")
+    _, best = best_peer(row)
+    if t is None or not best:
+        return None
+    return t / best
+
+
+def _impl_order(rows: list[dict]) -> list[str]:
+    names: list[str] = []
+    for row in rows:
+        for name in row.get("results", {}):
+            if name not in names:
+                names.append(name)
+    return [n for n in names if is_facodegen(n)] + [n for n in names if not is_facodegen(n)]
+
+
+def _fmt_result(r: dict | None) -> str:
+    if r is None:
+        return "–"
+    if r.get("tflops") is not None:
+        return f"{r['tflops']:.1f}"
+    note = (r.get("note") or "").lower()
+    if note.startswith("skipped") or note.startswith("unavailable"):
+        return "–"
+    return "fail"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown: one line per cell, TFLOP/s of each implementation, the best peer and the ratio
+    of each facodegen arch to it ("fail" = ran but failed its check or raised; "–" = not run)."""
+    impls = _impl_order(rows)
+    ours = [n for n in impls if is_facodegen(n)]
+    head = ["dtype", "head_dim", "causal", "seqlen", "batch", "heads"]
+    head += [n if is_facodegen(n) else PEER_TITLES.get(n, n) for n in impls]
+    head += ["best peer"] + [f"{n.removeprefix('facodegen-')}/best" for n in ours]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        seqlen = str(row["seqlen_q"]) if row["seqlen_q"] == row["seqlen_k"] else f"{row['seqlen_q']}/{row['seqlen_k']}"
+        heads = str(row["heads_q"]) if row["heads_q"] == row["heads_kv"] else f"{row['heads_q']}/{row['heads_kv']}"
+        cells = [row["dtype"], str(row["head_dim"]), "yes" if row["causal"] else "no", seqlen,
+                 str(row["batch"]), heads]
+        cells += [_fmt_result(row.get("results", {}).get(n)) for n in impls]
+        name, _ = best_peer(row)
+        cells.append(PEER_TITLES.get(name, name) if name else "–")
+        for n in ours:
+            r = ratio_to_best_peer(row, n)
+            cells.append(f"{r:.2f}" if r is not None else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_notes(rows: list[dict]) -> str:
+    """One line per implementation that was not timed, or timed with a remark, with the reason."""
+    out = []
+    for row in rows:
+        tag = (f"{row['dtype']} d{row['head_dim']} {'causal' if row['causal'] else 'full'} "
+               f"s{row['seqlen_q']}x{row['seqlen_k']} b{row['batch']} h{row['heads_q']}/{row['heads_kv']}")
+        for name, r in row.get("results", {}).items():
+            extra = [r["note"]] if r.get("note") else []
+            if r.get("err") is not None:
+                extra.append(f"rel_fro {r['err']:.2e}")
+            if r.get("variant"):
+                extra.append(r["variant"])
+            if r.get("note"):
+                out.append(f"- {tag} {name}: " + "; ".join(extra))
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# timing (GPU)
+# ----------------------------------------------------------------------------------------------
+
+def _torch():
+    import torch
+    return torch
+
+
+def time_cuda(fn, warmup: int = WARMUP, groups: int = GROUPS, calls: int = CALLS_PER_GROUP) -> dict:
+    """Median over ``groups`` of the mean time of ``calls`` back-to-back calls, between two CUDA
+    events on the current torch stream. Also the host time per call: when it is near the device
+    time, the calls were launch-bound and the number measures the host, not the kernel."""
+    torch = _torch()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    means, host = [], []
+    for _ in range(groups):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        end.record()
+        end.synchronize()
+        means.append(start.elapsed_time(end) / calls)
+        host.append((t1 - t0) * 1e3 / calls)
+    return {"ms": statistics.median(means), "min_ms": min(means), "max_ms": max(means),
+            "host_ms": statistics.median(host)}
+
+
+def l2_bytes() -> int:
+    try:
+        return int(_torch().cuda.get_device_properties(0).L2_cache_size) or L2_BYTES_DEFAULT
+    except Exception:  # noqa: BLE001
+        return L2_BYTES_DEFAULT
+
+
+def gemm_ceiling(n: int = 8192) -> float:
+    """TFLOP/s of a bf16 n^3 torch matmul on random data (the context for attention numbers)."""
+    torch = _torch()
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = time_cuda(lambda: torch.mm(a, b), warmup=3, groups=5, calls=5)
+    return tflops(2.0 * n ** 3, t["ms"])
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """TB/s of a device-to-device copy, counting bytes read plus bytes written."""
+    torch = _torch()
+    src = torch.empty(nbytes, device="cuda", dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    t = time_cuda(lambda: dst.copy_(src), warmup=3, groups=5, calls=5)
+    return 2 * nbytes / (t["ms"] * 1e-3) / 1e12
+
+
+def reference_torch(q, k, v, causal: bool, softmax_scale: float | None = None):
+    """Float64 attention on the GPU (torch), (b, s, h, d) in and out: for checking slices of
+    large problems where NumPy would take minutes. Same semantics as reference.attention_reference."""
+    torch = _torch()
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    out = torch.zeros(b, sq, hq, d, dtype=torch.float64, device=q.device)
+    if sq == 0 or sk == 0:
+        return out
+    chunk = max(1, min(sq, (1 << 26) // sk))
+    cols = torch.arange(sk, device=q.device)
+    for bi in range(b):
+        for h in range(hq):
+            kh = k[bi, :, h // group].double()
+            vh = v[bi, :, h // group].double()
+            for r0 in range(0, sq, chunk):
+                r1 = min(sq, r0 + chunk)
+                s = scale * (q[bi, r0:r1, h].double() @ kh.T)
+                if causal:
+                    rows = torch.arange(r0, r1, device=q.device)
+                    s.masked_fill_(cols[None, :] > rows[:, None] + (sk - sq), -math.inf)
+                m = s.amax(dim=1, keepdim=True)
+                m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+                p = torch.exp(s - m)
+                l = p.sum(dim=1, keepdim=True)
+                out[bi, r0:r1, h] = (p @ vh) / torch.where(l > 0, l, torch.ones_like(l))
+    return out
+
+
+def _slice_check(o, q, k, v, causal: bool, dtype: str) -> tuple[bool, str, float]:
+    """Check batch 0, q heads 0..1 of an output against the float64 reference."""
+    torch = _torch()
+    hq, hkv = q.shape[2], k.shape[2]
+    heads = list(range(min(2, hq)))
+    kv_idx = torch.tensor([h // (hq // hkv) for h in heads], device=q.device)
+    qs = q[:1, :, heads[0]:heads[-1] + 1]
+    ks, vs = k[:1].index_select(2, kv_idx), v[:1].index_select(2, kv_idx)
+    ref = reference_torch(qs, ks, vs, causal)
+    got = o[:1, :, heads[0]:heads[-1] + 1]
+    ok, msg = check(got, ref, dtype)
+    return ok, msg, compare(got, ref)["rel_fro"]
+
+
+# ----------------------------------------------------------------------------------------------
+# implementations: each returns (fn, context, variant) for one input set
+# ----------------------------------------------------------------------------------------------
+
+def _fa3_module():
+    errors = []
+    for name in ("flash_attn_interface", "flash_attn_3.flash_attn_interface"):
+        try:
+            import importlib
+            return importlib.import_module(name), None
+        except Exception as err:  # noqa: BLE001
+            errors.append(f"{name}: {type(err).__name__}: {err}")
+    return None, "; ".join(errors)
+
+
+def peer_available(name: str) -> tuple[bool, str]:
+    """(available, note) without running anything."""
+    if name not in PEER_TITLES:
+        return False, f"unknown peer {name!r} (known: {', '.join(PEER_TITLES)})"
+    try:
+        torch = _torch()
+    except Exception as err:  # noqa: BLE001
+        return False, f"torch cannot be imported: {err}"
+    if name == "fa3":
+        mod, err = _fa3_module()
+        if mod is None:
+            return False, f"flash_attn_interface not importable ({err})"
+        return True, getattr(mod, "__file__", "") or "flash_attn_interface"
+    try:
+        from torch.nn.attention import SDPBackend  # noqa: F401
+        getattr(SDPBackend, _SDPA_BACKENDS[name])
+    except Exception as err:  # noqa: BLE001
+        return False, f"torch {torch.__version__} has no SDPA backend {_SDPA_BACKENDS[name]}: {err}"
+    return True, f"torch {torch.__version__}"
+
+
+def _peer_fn(name: str, q, k, v, causal: bool):
+    torch = _torch()
+    if name == "fa3":
+        mod, err = _fa3_module()
+        if mod is None:
+            raise RuntimeError(f"unavailable: {err}")
+
+        def fn():
+            r = mod.flash_attn_func(q, k, v, causal=causal)
+            return r[0] if isinstance(r, (tuple, list)) else r
+        return fn, contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    if causal and q.shape[1] != k.shape[1]:
+        raise RuntimeError("skipped: SDPA's is_causal is top-left aligned, facodegen's bottom-right")
+    backend = getattr(SDPBackend, _SDPA_BACKENDS[name])
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    extra = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
+
+    def fn():
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **extra).transpose(1, 2)
+    return fn, sdpa_kernel(backend)
+
+
+def _split_overrides(spec_overrides, arch: str) -> dict:
+    """A flat dict applies to every arch; {"sm80": {...}, "sm90": {...}} per arch."""
+    if not spec_overrides:
+        return {}
+    if any(key in ("sm80", "sm90") for key in spec_overrides):
+        return dict(spec_overrides.get(arch, {}))
+    return dict(spec_overrides)
+
+
+def _facodegen_fn(arch: str, overrides: dict, q, k, v, causal: bool):
+    """A zero-argument launcher. Uses ``facodegen.api.prepare`` where it exists (argument checks,
+    spec resolution and parameter packing done once), else calls ``attention`` with out=/lse_out=."""
+    torch = _torch()
+    from . import api
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    kwargs = dict(causal=causal, arch=arch, out=out, lse_out=lse, **overrides)
+    variant = None
+    try:
+        resolve = getattr(api, "resolve_spec", None)
+        if resolve is not None:
+            variant = resolve(q.shape[3], dtype_name(q.dtype), causal, q.device.index or 0, arch, **overrides).variant
+    except Exception:  # noqa: BLE001 (the call itself will report the problem)
+        variant = None
+    prepare = getattr(api, "prepare", None)
+    if prepare is not None:
+        launcher = prepare(q, k, v, **kwargs)
+        call = launcher if callable(launcher) else launcher.launch
+        spec = getattr(launcher, "spec", None)
+        variant = getattr(spec, "variant", variant)
+
+        def fn():
+            call()
+            return out
+    else:
+        def fn():
+            api.attention(q, k, v, **kwargs)
+            return out
+    return fn, contextlib.nullcontext(), variant
+
+
+def _make_inputs(c: dict, n_sets: int):
+    torch = _torch()
+    from .reference import random_qkv
+    return [random_qkv(c["batch"], c["seqlen_q"], c["seqlen_k"], c["heads_q"], c["heads_kv"], c["head_dim"],
+                       c["dtype"], xp=torch, device="cuda") for _ in range(n_sets)]
+
+
+_LOGGED: set = set()
+
+
+def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: dict, log) -> dict:
+    """Build the callables (one per input set), check set 0, then time rotating over the sets."""
+    torch = _torch()
+    result: dict = {"tflops": None, "ms": None, "err": None, "note": None}
+    try:
+        built = [make(q, k, v) for q, k, v in input_sets]
+    except Exception as err:  # noqa: BLE001
+        msg = str(err)
+        result["note"] = msg if msg.startswith(("skipped", "unavailable")) else f"setup failed: {type(err).__name__}: {msg}"
+        return result
+    fns = [b[0] for b in built]
+    ctx = built[0][1]
+    if len(built[0]) > 2:
+        result["variant"] = built[0][2]
+    try:
+        with ctx:
+            if check_first:
+                q, k, v = input_sets[0]
+                o = fns[0]()
+                torch.cuda.synchronize()
+                ok, msg, err = _slice_check(o, q, k, v, c["causal"], c["dtype"])
+                result["err"] = err
+                if not ok:
+                    result["note"] = f"check failed: {msg}"
+                    return result
+            state = {"i": 0}
+
+            def rotate():
+                fns[state["i"] % len(fns)]()
+                state["i"] += 1
+            t = time_cuda(rotate, **timing)
+    except Exception as err:  # noqa: BLE001
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        result["note"] = f"failed: {type(err).__name__}: {first[:300]}"
+        log(f"    {name}: {result['note']}")
+        key = (name, result["note"])
+        if key not in _LOGGED:            # the whole traceback once per distinct failure
+            _LOGGED.add(key)
+            log("    " + traceback.format_exc().strip().replace("\n", "\n    ")[-2000:])
+        return result
+    flops = attention_flops(c["batch"], c["heads_q"], c["seqlen_q"], c["seqlen_k"], c["head_dim"], c["causal"])
+    result.update(ms=t["ms"], tflops=tflops(flops, t["ms"]), min_ms=t["min_ms"], max_ms=t["max_ms"],
+                  host_ms=t["host_ms"])
+    if t["host_ms"] >= 0.9 * t["ms"]:
+        result["note"] = (f"launch-bound: {t['host_ms'] * 1e3:.0f} us of host time per call vs "
+                          f"{t['ms'] * 1e3:.0f} us on the device")
+    return result
+
+
+def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None, check_first: bool = True,
+             timing: dict | None = None, log=print) -> dict:
+    """Time facodegen (each arch) and each peer on one cell, all on the same inputs."""
+    torch = _torch()
+    timing = timing or {}
+    row = dict(c)
+    row["flops"] = attention_flops(c["batch"], c["heads_q"], c["seqlen_q"], c["seqlen_k"], c["head_dim"], c["causal"])
+    row["results"] = {}
+    try:
+        n_sets = input_sets_needed(input_bytes(c), l2_bytes())
+        input_sets = _make_inputs(c, n_sets)
+    except Exception as err:  # noqa: BLE001
+        for arch in archs:
+            row["results"][facodegen_name(arch)] = {"tflops": None, "note": f"inputs failed: {err}"}
+        return row
+    row["input_sets"] = n_sets
+    for arch in archs:
+        overrides = _split_overrides(spec_overrides, arch)
+        row["results"][facodegen_name(arch)] = _run_impl(
+            facodegen_name(arch), lambda q, k, v: _facodegen_fn(arch, overrides, q, k, v, c["causal"]),
+            input_sets, c, check_first, timing, log)
+    for name in peers:
+        available, note = peer_available(name)
+        if not available:
+            row["results"][name] = {"tflops": None, "note": f"unavailable: {note}"}
+            continue
+        row["results"][name] = _run_impl(name, lambda q, k, v: _peer_fn(name, q, k, v, c["causal"]),
+                                         input_sets, c, check_first, timing, log)
+    del input_sets
+    torch.cuda.synchronize()
+    return row
+
+
+def _cell_tag(c: dict) -> str:
+    return (f"{c['dtype']} d{c['head_dim']} {'causal' if c['causal'] else 'full'} s{c['seqlen_q']}"
+            f"{'' if c['seqlen_q'] == c['seqlen_k'] else 'x' + str(c['seqlen_k'])} b{c['batch']} h{c['heads_q']}")
+
+
+def run_grid(cells: list[dict], archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None,
+             budget_s: float | None = None, check_first: bool = True, timing: dict | None = None,
+             log=print) -> list[dict]:
+    """run_cell over a grid. A cell that raises is reported in its row and the grid goes on;
+    once ``budget_s`` seconds have passed, the remaining cells are listed as skipped."""
+    if isinstance(archs, str):
+        archs = (archs,)
+    t0 = time.monotonic()
+    rows = []
+    for i, c in enumerate(cells):
+        elapsed = time.monotonic() - t0
+        if budget_s is not None and elapsed > budget_s:
+            row = dict(c, results={facodegen_name(a): {"tflops": None, "note": "skipped: time budget spent"}
+                                   for a in archs})
+            rows.append(row)
+            continue
+        log(f"[{i + 1}/{len(cells)}] {_cell_tag(c)}  ({elapsed:.0f} s)")
+        try:
+            row = run_cell(c, archs, peers, spec_overrides, check_first, timing, log)
+        except Exception as err:  # noqa: BLE001
+            log("    " + traceback.format_exc().strip().replace("\n", "\n    "))
+            row = dict(c, results={facodegen_name(a): {"tflops": None, "note": f"cell failed: {err}"} for a in archs})
+        summary = ", ".join(f"{n} {r['tflops']:.1f}" if r.get("tflops") is not None else f"{n} -"
+                            for n, r in row["results"].items())
+        log(f"    {summary}")
+        rows.append(row)
+    return rows
+
+
+def run_cli_bench(spec, arch: str | None = None, head_dim: int | None = None, dtype: str | None = None,
+                  causal: bool | None = None, seqlen: int = 4096, batch: int = 4, heads: int = 16,
+                  peers=DEFAULT_PEERS, seqlen_k: int | None = None, heads_kv: int | None = None) -> str:
+    """``facodegen bench``: one cell, facodegen against the peers, as a markdown table plus notes.
+
+    ``spec`` is a KernelSpec (its tile fields are passed to the launcher as overrides) or a dict
+    of spec overrides, with arch/head_dim/dtype/causal given separately."""
+    if hasattr(spec, "as_dict"):
+        fields = spec.as_dict()
+        arch = arch or fields["arch"]
+        head_dim = head_dim or fields["head_dim"]
+        dtype = dtype or fields["dtype"]
+        causal = fields["causal"] if causal is None else causal
+        overrides = {k: v for k, v in fields.items() if k not in ("arch", "head_dim", "dtype", "causal")}
+    else:
+        overrides = dict(spec or {})
+    c = cell(head_dim or 128, bool(causal), seqlen, batch, heads, dtype or "bf16", seqlen_k, heads_kv)
+    row = run_cell(c, (arch or "sm90",), peers, overrides)
+    notes = format_notes([row])
+    return format_table([row]) + ("\n\n" + notes if notes else "")

@@ -1,0 +1,383 @@
+"""Float64 NumPy attention, the FlashAttention-1/-2 tiled algorithms, and error metrics.
+
+Everything here follows the semantics of docs/design.md:
+
+* Q (batch, seqlen_q, heads_q, d), K/V (batch, seqlen_k, heads_kv, d); heads_kv divides heads_q
+  and q head ``h`` reads kv head ``h // (heads_q // heads_kv)`` (GQA; MQA when heads_kv = 1).
+* Causal masks are bottom-right aligned: key ``j`` is visible to query ``i`` iff
+  ``j <= i + seqlen_k - seqlen_q``.
+* LSE is (batch, heads_q, seqlen_q), natural log of the sum of ``exp(scale * s_ij)`` over the
+  visible keys. A row with no visible key has O = 0 and LSE = -inf.
+
+:func:`attention_reference` is the direct formula (one row block at a time, so seqlen 16k with a
+few heads fits in a few hundred MB). :func:`flash1_reference` and :func:`flash2_reference` are the
+tiled algorithms of the FlashAttention papers, with the tile sizes as parameters; they agree with
+the direct formula to about 1e-13 and exist to make the algorithms (and their corner cases:
+masked blocks, empty rows, ragged last tiles) executable on a CPU.
+
+:func:`compare`, :func:`check` and :func:`check_lse` turn a kernel's output into a verdict;
+:func:`random_qkv` draws fresh random inputs (never zeros) for NumPy, CuPy or torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# Relative Frobenius error allowed for O, per storage dtype of the inputs/outputs. The kernel sees
+# the same rounded inputs as the float64 reference, so its error is the bf16/fp16 rounding of O
+# (about 2e-3 bf16, 3e-4 fp16) plus fp32 accumulation: these bounds leave 5x headroom.
+TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-5, "fp64": 1e-12}
+
+# LSE is float32 computed from the same inputs: only fp32 accumulation and exp2 rounding differ.
+LSE_ATOL = 1e-3
+LSE_RTOL = 1e-4
+
+# Largest score block (rows x seqlen_k float64 elements) attention_reference materialises: 128 MB.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+# ----------------------------------------------------------------------------------------------
+# conversions
+# ----------------------------------------------------------------------------------------------
+
+def to_float64(x) -> np.ndarray:
+    """A float64 NumPy copy of a NumPy array, CuPy array or torch tensor (any float dtype)."""
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return x.detach().to(dtype=_torch().float64).cpu().numpy()
+    if module.startswith("cupy"):
+        return x.astype("float64").get()
+    return np.asarray(x, dtype=np.float64)
+
+
+def dtype_name(dtype) -> str:
+    """'bf16' | 'fp16' | 'fp32' | 'fp64' for a string, NumPy dtype or torch dtype."""
+    s = str(dtype).lower().replace("torch.", "")
+    names = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+             "fp32": "fp32", "float32": "fp32", "float": "fp32", "fp64": "fp64", "float64": "fp64",
+             "double": "fp64"}
+    if s not in names:
+        raise ValueError(f"dtype: {dtype!r} is not one of bf16, fp16, fp32, fp64")
+    return names[s]
+
+
+def _torch():
+    import torch
+    return torch
+
+
+# ----------------------------------------------------------------------------------------------
+# shapes and masks
+# ----------------------------------------------------------------------------------------------
+
+def _shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name}: expected (batch, seqlen, heads, head_dim), got shape {x.shape}")
+    b, sq, hq, d = q.shape
+    bk, sk, hkv, dk = k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"v: shape {v.shape} does not match k's {k.shape}")
+    if bk != b:
+        raise ValueError(f"k: batch {bk} does not match q's {b}")
+    if dk != d:
+        raise ValueError(f"k: head_dim {dk} does not match q's {d}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"heads: heads_kv={hkv} must divide heads_q={hq}")
+    return b, sq, sk, hq, hkv, d
+
+
+def _scale(softmax_scale, d: int) -> float:
+    return 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+
+
+def causal_mask(rows: np.ndarray, cols: np.ndarray, seqlen_q: int, seqlen_k: int) -> np.ndarray:
+    """Boolean (len(rows), len(cols)), True where key ``col`` is HIDDEN from query ``row``
+    (bottom-right aligned: visible iff col <= row + seqlen_k - seqlen_q)."""
+    return cols[None, :] > rows[:, None] + (seqlen_k - seqlen_q)
+
+
+def _exp_from(x: np.ndarray, m_new: np.ndarray) -> np.ndarray:
+    """exp(x - m_new), 0 where x = -inf (including -inf - -inf, which would be NaN)."""
+    m_safe = np.where(np.isneginf(m_new), 0.0, m_new)
+    return np.where(np.isneginf(x), 0.0, np.exp(np.where(np.isneginf(x), 0.0, x - m_safe)))
+
+
+# ----------------------------------------------------------------------------------------------
+# the direct formula
+# ----------------------------------------------------------------------------------------------
+
+def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | None = None):
+    """(O, LSE) in float64: O (batch, seqlen_q, heads_q, d), LSE (batch, heads_q, seqlen_q).
+
+    Inputs of any float dtype (NumPy, CuPy or torch) are upcast to float64. Loops over batch,
+    heads and blocks of query rows, so at most 128 MB of scores are live at a time."""
+    q, k, v = to_float64(q), to_float64(k), to_float64(v)
+    b, sq, sk, hq, hkv, d = _shapes(q, k, v)
+    scale = _scale(softmax_scale, d)
+    group = hq // hkv
+    o = np.zeros((b, sq, hq, d))
+    lse = np.full((b, hq, sq), -np.inf)
+    if sq == 0 or sk == 0:
+        return o, lse
+    chunk = max(1, min(sq, _CHUNK_ELEMENTS // sk))
+    cols = np.arange(sk)
+    for bi in range(b):
+        for h in range(hq):
+            kh = k[bi, :, h // group, :]
+            vh = v[bi, :, h // group, :]
+            for r0 in range(0, sq, chunk):
+                r1 = min(sq, r0 + chunk)
+                s = scale * (q[bi, r0:r1, h, :] @ kh.T)                       # S = scale Q K^T
+                if causal:
+                    s[causal_mask(np.arange(r0, r1), cols, sq, sk)] = -np.inf
+                m = s.max(axis=1)
+                empty = np.isneginf(m)
+                p = np.exp(s - np.where(empty, 0.0, m)[:, None])               # masked -> 0
+                l = p.sum(axis=1)
+                o[bi, r0:r1, h, :] = (p @ vh) / np.where(empty, 1.0, l)[:, None]
+                with np.errstate(divide="ignore"):
+                    lse[bi, h, r0:r1] = np.where(empty, -np.inf, m + np.log(np.where(empty, 1.0, l)))
+    return o, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# the tiled algorithms
+# ----------------------------------------------------------------------------------------------
+
+def _bhsd(q, k, v):
+    """float64 (batch, heads_q, seqlen, d) views with K/V heads repeated for GQA."""
+    q, k, v = to_float64(q), to_float64(k), to_float64(v)
+    b, sq, sk, hq, hkv, d = _shapes(q, k, v)
+    group = hq // hkv
+    qt = q.transpose(0, 2, 1, 3)
+    kt = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)
+    vt = np.repeat(v.transpose(0, 2, 1, 3), group, axis=1)
+    return qt, kt, vt, (b, sq, sk, hq, hkv, d)
+
+
+def _check_blocks(block_m: int, block_n: int) -> None:
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def flash1_reference(q, k, v, causal: bool = False, softmax_scale: float | None = None,
+                     block_m: int = 64, block_n: int = 64):
+    """FlashAttention-1 (Dao et al. 2022, Algorithm 1), in float64 NumPy.
+
+    K/V blocks in the outer loop, Q blocks in the inner loop. The running row max ``m`` and row
+    sum ``l`` live in "global memory" arrays between K/V blocks, and O is kept normalised:
+    after every block ``O_i = diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i + e^{m~ - m_new} P~ V_j)``.
+    Blocks that the causal mask hides entirely are skipped."""
+    _check_blocks(block_m, block_n)
+    qt, kt, vt, (b, sq, sk, hq, _, d) = _bhsd(q, k, v)
+    scale = _scale(softmax_scale, d)
+    o = np.zeros((b, hq, sq, d))        # in "HBM"
+    l = np.zeros((b, hq, sq))
+    m = np.full((b, hq, sq), -np.inf)
+    for j0 in range(0, sk, block_n):
+        j1 = min(sk, j0 + block_n)
+        kj, vj = kt[:, :, j0:j1], vt[:, :, j0:j1]                              # load K_j, V_j
+        for i0 in range(0, sq, block_m):
+            i1 = min(sq, i0 + block_m)
+            if causal and j0 > (i1 - 1) + sk - sq:
+                continue                                                      # block fully masked
+            s = scale * (qt[:, :, i0:i1] @ kj.transpose(0, 1, 3, 2))          # S_ij = scale Q_i K_j^T
+            if causal:
+                s = np.where(causal_mask(np.arange(i0, i1), np.arange(j0, j1), sq, sk), -np.inf, s)
+            m_tilde = s.max(axis=-1)                                          # m~_ij = rowmax(S_ij)
+            p = _exp_from(s, m_tilde[..., None])                              # P~_ij = exp(S_ij - m~_ij)
+            l_tilde = p.sum(axis=-1)                                          # l~_ij = rowsum(P~_ij)
+            m_i, l_i = m[:, :, i0:i1], l[:, :, i0:i1]
+            m_new = np.maximum(m_i, m_tilde)
+            alpha = _exp_from(m_i, m_new)                                     # e^{m_i - m_new}
+            beta = _exp_from(m_tilde, m_new)                                  # e^{m~_ij - m_new}
+            l_new = alpha * l_i + beta * l_tilde
+            o_i = (l_i * alpha)[..., None] * o[:, :, i0:i1] + beta[..., None] * (p @ vj)
+            o[:, :, i0:i1] = o_i / np.where(l_new > 0, l_new, 1.0)[..., None]  # write O_i back
+            l[:, :, i0:i1] = l_new
+            m[:, :, i0:i1] = m_new
+    with np.errstate(divide="ignore"):
+        lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), -np.inf)
+    return o.transpose(0, 2, 1, 3), lse
+
+
+def n_block_max(m_block: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int,
+                causal: bool) -> int:
+    """How many K/V blocks the Q block ``m_block`` reads (FlashAttention-2/3's n_block_max):
+    all of them, or under the causal mask only those up to the last row's diagonal.
+    Zero or less means every row of the block is empty (O = 0, LSE = -inf)."""
+    n_blocks = -(-seqlen_k // block_n)
+    if not causal:
+        return n_blocks
+    last_row_end = min(seqlen_q, (m_block + 1) * block_m)
+    return min(n_blocks, -(-(last_row_end + seqlen_k - seqlen_q) // block_n))
+
+
+def flash2_reference(q, k, v, causal: bool = False, softmax_scale: float | None = None,
+                     block_m: int = 128, block_n: int = 64):
+    """FlashAttention-2 (Dao 2023, Algorithm 1) as the kernels compute it, in float64 NumPy.
+
+    Q blocks in the outer loop (one CTA each), K/V blocks in the inner loop from the last
+    needed block down (masked blocks first, as FA2/FA3 do). The accumulator is unnormalised:
+    when the row max moves it is rescaled by ``exp(m_old - m_new)`` only, and divided by ``l``
+    once at the end; LSE = scale * m + log l. As in design.md the row max is kept on the
+    unscaled scores and ``exp(scale (s - m))`` is computed as ``exp2(s * scale_log2 - m * scale_log2)``,
+    which needs ``softmax_scale > 0``."""
+    _check_blocks(block_m, block_n)
+    qt, kt, vt, (b, sq, sk, hq, _, d) = _bhsd(q, k, v)
+    scale = _scale(softmax_scale, d)
+    if not scale > 0:
+        raise ValueError(f"softmax_scale: the FA2 schedule keeps the row max unscaled and needs a "
+                         f"positive scale, got {scale}")
+    scale_log2 = scale * math.log2(math.e)
+    o = np.zeros((b, hq, sq, d))
+    lse = np.full((b, hq, sq), -np.inf)
+    for m_block in range(-(-sq // block_m)):
+        i0, i1 = m_block * block_m, min(sq, (m_block + 1) * block_m)
+        n_max = n_block_max(m_block, block_m, block_n, sq, sk, causal)
+        if n_max <= 0:
+            continue                                                          # all rows empty
+        qi = qt[:, :, i0:i1]                                                  # Q_i stays on chip
+        row_max = np.full((b, hq, i1 - i0), -np.inf)
+        row_sum = np.zeros((b, hq, i1 - i0))
+        acc = np.zeros((b, hq, i1 - i0, d))
+        for n_block in reversed(range(n_max)):
+            j0, j1 = n_block * block_n, min(sk, (n_block + 1) * block_n)
+            s = qi @ kt[:, :, j0:j1].transpose(0, 1, 3, 2)                    # S = Q K^T (unscaled)
+            if causal:
+                s = np.where(causal_mask(np.arange(i0, i1), np.arange(j0, j1), sq, sk), -np.inf, s)
+            m_new = np.maximum(row_max, s.max(axis=-1))
+            m_scaled = np.where(np.isneginf(m_new), 0.0, m_new * scale_log2)
+            p = np.exp2(s * scale_log2 - m_scaled[..., None])                 # -inf -> 0
+            alpha = np.where(np.isneginf(row_max), 0.0,
+                             np.exp2(np.where(np.isneginf(row_max), 0.0, row_max * scale_log2) - m_scaled))
+            row_sum = alpha * row_sum + p.sum(axis=-1)
+            acc = alpha[..., None] * acc + p @ vt[:, :, j0:j1]                # O = diag(alpha) O + P V
+            row_max = m_new
+        visible = row_sum > 0
+        o[:, :, i0:i1] = acc / np.where(visible, row_sum, 1.0)[..., None]     # divide by l once
+        with np.errstate(divide="ignore"):
+            lse[:, :, i0:i1] = np.where(visible, row_max * scale + np.log(np.where(visible, row_sum, 1.0)),
+                                        -np.inf)
+    return o.transpose(0, 2, 1, 3), lse
+
+
+# ----------------------------------------------------------------------------------------------
+# error metrics
+# ----------------------------------------------------------------------------------------------
+
+def compare(out, ref) -> dict:
+    """rel_fro = ||out - ref||_F / ||ref||_F, max_abs = max |out - ref|, nan = any non-finite
+    entry in out. With a non-finite entry both errors are inf, so no tolerance passes."""
+    o, r = to_float64(out), to_float64(ref)
+    if o.shape != r.shape:
+        raise ValueError(f"out: shape {o.shape} does not match the reference's {r.shape}")
+    nan = not bool(np.isfinite(o).all())
+    if nan:
+        return {"rel_fro": math.inf, "max_abs": math.inf, "nan": True}
+    diff = o - r
+    diff_norm = float(np.linalg.norm(diff.ravel()))
+    ref_norm = float(np.linalg.norm(r.ravel()))
+    if ref_norm > 0:
+        rel = diff_norm / ref_norm
+    else:
+        rel = 0.0 if diff_norm == 0 else math.inf
+    max_abs = float(np.abs(diff).max()) if diff.size else 0.0
+    return {"rel_fro": rel, "max_abs": max_abs, "nan": False}
+
+
+def check(out, ref, dtype) -> tuple[bool, str]:
+    """(ok, message): O within TOLERANCE[dtype] in relative Frobenius norm, and never NaN/inf."""
+    name = dtype_name(dtype)
+    tol = TOLERANCE[name]
+    c = compare(out, ref)
+    ok = (not c["nan"]) and c["rel_fro"] <= tol
+    msg = (f"{'ok' if ok else 'FAIL'}: rel_fro={c['rel_fro']:.3e} (tol {tol:.0e} {name}), "
+           f"max_abs={c['max_abs']:.3e}" + (", non-finite values in the output" if c["nan"] else ""))
+    return ok, msg
+
+
+def check_lse(lse, lse_ref, atol: float = LSE_ATOL, rtol: float = LSE_RTOL) -> tuple[bool, str]:
+    """(ok, message): -inf exactly where the reference is -inf (rows with no visible key), and
+    elsewhere finite and within atol + rtol*|ref|."""
+    x, r = to_float64(lse), to_float64(lse_ref)
+    if x.shape != r.shape:
+        return False, f"FAIL: lse shape {x.shape} does not match the reference's {r.shape}"
+    empty = np.isneginf(r)
+    problems = []
+    bad_empty = int((~np.isneginf(x[empty])).sum())
+    if bad_empty:
+        problems.append(f"{bad_empty} of {int(empty.sum())} empty rows are not -inf")
+    xf, rf = x[~empty], r[~empty]
+    nonfinite = int((~np.isfinite(xf)).sum())
+    if nonfinite:
+        problems.append(f"{nonfinite} non-finite entries where the reference is finite")
+    err = np.abs(np.where(np.isfinite(xf), xf, np.inf) - rf) if xf.size else np.zeros(0)
+    worst = float(err.max()) if err.size else 0.0
+    far = int((err > atol + rtol * np.abs(rf)).sum()) - nonfinite if err.size else 0
+    if far > 0:
+        problems.append(f"{far} entries off by more than {atol:g} + {rtol:g}*|ref|")
+    ok = not problems
+    msg = f"{'ok' if ok else 'FAIL'}: lse max_abs={worst:.3e}" + ("; " + "; ".join(problems) if problems else "")
+    return ok, msg
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------------------
+
+def _round_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), kept as float32."""
+    bits = x.astype(np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return rounded.view(np.float32)
+
+
+def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int, head_dim: int,
+               dtype="bf16", seed: int | None = None, xp=np, device=None):
+    """Fresh standard-normal (q, k, v) in (batch, seqlen, heads, head_dim) layout, never zeros.
+
+    ``xp`` is numpy, cupy or torch (the module). torch tensors go to ``device`` (default "cuda").
+    NumPy has no bfloat16: bf16 comes as ``ml_dtypes.bfloat16`` where that package is installed,
+    else as float32 arrays holding bf16-rounded values. CuPy has no bfloat16 either: use torch."""
+    name = dtype_name(dtype)
+    shapes = [(batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_kv, head_dim),
+              (batch, seqlen_k, heads_kv, head_dim)]
+    xp_name = getattr(xp, "__name__", str(xp))
+    if xp_name.startswith("torch"):
+        torch = xp
+        tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                  "fp64": torch.float64}[name]
+        dev = torch.device(device if device is not None else "cuda")
+        gen = torch.Generator(device=dev)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+        return tuple(torch.randn(s, generator=gen, device=dev, dtype=tdtype) for s in shapes)
+    if xp_name.startswith("cupy"):
+        if name == "bf16":
+            raise TypeError("dtype: CuPy has no bfloat16; draw bf16 inputs with xp=torch")
+        rs = xp.random.RandomState(seed)
+        return tuple(rs.standard_normal(s, dtype=xp.float32).astype(
+            {"fp16": xp.float16, "fp32": xp.float32, "fp64": xp.float64}[name]) for s in shapes)
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in shapes:
+        x = rng.standard_normal(s, dtype=np.float32)
+        if name == "bf16":
+            try:
+                import ml_dtypes
+                x = x.astype(ml_dtypes.bfloat16)
+            except ImportError:
+                x = _round_to_bf16(x)
+        else:
+            x = x.astype({"fp16": np.float16, "fp32": np.float32, "fp64": np.float64}[name])
+        out.append(x)
+    return tuple(out)

@@ -1,0 +1,400 @@
+"""Numerics of the generated kernels on a GPU, against the float64 NumPy reference.
+
+Every shipped default spec the GPU can run (sm80 kernels on compute capability 8.0 and newer,
+sm90 kernels on 9.0 only), on random shapes: seqlen 1, 17, 127, 1000, seqlen_q != seqlen_k both
+ways (causal rows with no visible key), GQA and MQA, a non-default softmax_scale. Outputs and LSE
+are poisoned with NaN before each launch, so an element the kernel never writes fails the check.
+Then a few non-default specs, the zero-copy and stream semantics of the API, strided inputs and
+outputs, determinism, and the argument errors.
+
+bf16 inputs come from torch (CuPy has no bfloat16), fp16 inputs from CuPy, so both adapters of
+facodegen.api are exercised. Kernels are compiled once per spec and reused (api caches them).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from facodegen.reference import attention_reference, check, check_lse, random_qkv
+from facodegen.spec import KernelSpec, default_specs
+
+
+def _gpu() -> tuple[bool, str]:
+    try:
+        from facodegen.compiler import gpu_available
+    except Exception:  # noqa: BLE001
+        gpu_available = None
+    if gpu_available is not None:
+        return gpu_available()
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+        return (n > 0, f"{n} CUDA device(s)")
+    except Exception as err:  # noqa: BLE001
+        return False, f"no CUDA GPU ({type(err).__name__}: {err})"
+
+
+HAVE_GPU, GPU_WHY = _gpu()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason=f"needs a CUDA GPU: {GPU_WHY}")]
+
+if HAVE_GPU:
+    import cupy
+    _cc = str(cupy.cuda.Device().compute_capability)      # "90" on the H200, "80" on the A100
+    CC = (int(_cc[:-1]), int(_cc[-1]))
+else:
+    cupy = None
+    CC = (0, 0)
+
+try:
+    import torch
+    HAVE_TORCH = bool(HAVE_GPU and torch.cuda.is_available())
+except Exception:  # noqa: BLE001
+    torch = None
+    HAVE_TORCH = False
+
+
+def arch_supported(arch: str) -> bool:
+    return CC >= (8, 0) if arch == "sm80" else CC == (9, 0)
+
+
+def attention(*args, **kwargs):
+    from facodegen.api import attention as attn
+    return attn(*args, **kwargs)
+
+
+def spec_kwargs(spec: KernelSpec) -> dict:
+    """Every field of the spec except those the API reads off the tensors or takes by name."""
+    return {k: v for k, v in spec.as_dict().items() if k not in ("head_dim", "dtype", "causal")}
+
+
+# ------------------------------------------------------------------------------------------------
+# one case: fresh inputs, poisoned outputs, launch, check O and LSE against float64
+# ------------------------------------------------------------------------------------------------
+
+def _lib(dtype: str) -> str:
+    return "torch" if dtype == "bf16" else "cupy"
+
+
+def _inputs(shape, head_dim, dtype, lib, seed=None):
+    b, sq, sk, hq, hkv = shape
+    if lib == "torch":
+        if not HAVE_TORCH:
+            pytest.skip("bf16 inputs need torch (CuPy has no bfloat16)")
+        return random_qkv(b, sq, sk, hq, hkv, head_dim, dtype, seed=seed, xp=torch, device="cuda")
+    return random_qkv(b, sq, sk, hq, hkv, head_dim, dtype, seed=seed, xp=cupy)
+
+
+def _poisoned(q, lib):
+    b, sq, hq, _ = q.shape
+    if lib == "torch":
+        return (torch.full_like(q, float("nan")),
+                torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device))
+    return cupy.full(q.shape, cupy.nan, dtype=q.dtype), cupy.full((b, hq, sq), cupy.nan, dtype=cupy.float32)
+
+
+def _ptr(x):
+    return x.data_ptr() if hasattr(x, "data_ptr") else x.data.ptr
+
+
+def _sync():
+    if cupy is not None:
+        cupy.cuda.runtime.deviceSynchronize()
+
+
+def run_case(spec: KernelSpec, shape, scale=None, seed=None, lib=None) -> str:
+    """Launch spec on one random problem and assert O and LSE; returns the check messages."""
+    lib = lib or _lib(spec.dtype)
+    q, k, v = _inputs(shape, spec.head_dim, spec.dtype, lib, seed)
+    out, lse_out = _poisoned(q, lib)
+    o, lse = attention(q, k, v, causal=spec.causal, softmax_scale=scale, return_lse=True, out=out,
+                       lse_out=lse_out, **spec_kwargs(spec))
+    assert _ptr(o) == _ptr(out) and _ptr(lse) == _ptr(lse_out), "out=/lse_out= must be written in place"
+    _sync()
+    ref_o, ref_lse = attention_reference(q, k, v, spec.causal, scale)
+    ok_o, msg_o = check(out, ref_o, spec.dtype)
+    ok_l, msg_l = check_lse(lse_out, ref_lse)
+    where = f"{spec.variant} shape(b,sq,sk,hq,hkv)={shape} scale={scale}"
+    assert ok_o and ok_l, f"{where}: O {msg_o}; LSE {msg_l}"
+    empty = np.isneginf(ref_lse)                 # rows with no visible key: O exactly 0
+    if empty.any():
+        from facodegen.reference import to_float64
+        got = to_float64(out).transpose(0, 2, 1, 3)[empty]
+        assert (got == 0).all(), f"{where}: rows with no visible key must be 0"
+    return f"{where}: {msg_o}; {msg_l}"
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv), softmax_scale
+SHAPES = [
+    ((2, 1, 1, 2, 2), None),            # seqlen 1
+    ((1, 17, 17, 4, 2), None),          # GQA, a ragged tile
+    ((2, 127, 127, 2, 1), 0.3),         # MQA, non-default scale
+    ((1, 1000, 1000, 2, 2), None),      # several tiles, ragged last tile
+    ((1, 127, 300, 4, 4), None),        # seqlen_q < seqlen_k
+    ((2, 300, 127, 2, 2), 0.05),        # seqlen_q > seqlen_k: causal rows with no visible key
+    ((1, 17, 1000, 2, 1), None),        # few queries, many keys (decode-like)
+    ((1, 1000, 17, 4, 2), 1.0),         # many queries, few keys
+]
+SHORT = [SHAPES[i] for i in (0, 2, 3, 4, 5)]
+
+DEFAULT_SPECS = [s for s in default_specs()]
+
+
+@pytest.mark.parametrize("spec", DEFAULT_SPECS, ids=lambda s: s.variant)
+def test_default_spec(spec):
+    if not arch_supported(spec.arch):
+        pytest.skip(f"{spec.arch} kernels do not run on compute capability {CC[0]}.{CC[1]}")
+    for shape, scale in SHAPES:
+        run_case(spec, shape, scale)
+
+
+NON_DEFAULT = [
+    # arch, head_dim, dtype, causal, overrides
+    ("sm80", 128, "bf16", False, {"stages": 1}),
+    ("sm80", 64, "fp16", True, {"stages": 3}),
+    ("sm80", 128, "bf16", True, {"block_n": 32}),
+    ("sm80", 128, "fp16", False, {"block_n": 128, "num_warps": 8}),
+    ("sm80", 96, "bf16", False, {"q_in_regs": True}),
+    ("sm80", 64, "bf16", True, {"q_in_regs": True, "block_n": 32}),
+    ("sm80", 128, "fp16", True, {"block_m": 64}),
+    ("sm90", 128, "bf16", False, {"pingpong": False}),
+    ("sm90", 128, "fp16", True, {"pingpong": False}),
+    ("sm90", 128, "bf16", False, {"intra_wg_overlap": False}),
+    ("sm90", 64, "bf16", True, {"intra_wg_overlap": False}),
+    ("sm90", 128, "bf16", True, {"persistent": False}),
+    ("sm90", 256, "fp16", False, {"persistent": False}),
+    ("sm90", 128, "bf16", False, {"consumer_warpgroups": 1}),
+    ("sm90", 128, "bf16", True, {"stages": 3}),
+]
+
+
+def _non_default_id(case):
+    arch, d, dtype, causal, overrides = case
+    knobs = "-".join(f"{k}={v}" for k, v in overrides.items())
+    return f"{arch}-hd{d}-{dtype}-{'causal' if causal else 'full'}-{knobs}"
+
+
+@pytest.mark.parametrize("case", NON_DEFAULT, ids=_non_default_id)
+def test_non_default_spec(case):
+    arch, d, dtype, causal, overrides = case
+    if not arch_supported(arch):
+        pytest.skip(f"{arch} kernels do not run on compute capability {CC[0]}.{CC[1]}")
+    spec = KernelSpec(arch=arch, head_dim=d, dtype=dtype, causal=causal, **overrides)
+    for shape, scale in SHORT:
+        run_case(spec, shape, scale)
+
+
+def _native_arch() -> str:
+    return "sm90" if CC == (9, 0) else "sm80"
+
+
+def test_api_default_spec_on_this_gpu():
+    """No spec fields at all: the API picks arch and budget GPU from the device."""
+    for d, dtype, causal in ((128, "bf16", True), (256, "fp16", False), (64, "bf16", False)):
+        lib = _lib(dtype)
+        q, k, v = _inputs((2, 300, 300, 4, 2), d, dtype, lib)
+        out, lse = attention(q, k, v, causal=causal, return_lse=True)
+        _sync()
+        ref_o, ref_lse = attention_reference(q, k, v, causal)
+        ok, msg = check(out, ref_o, dtype)
+        assert ok, msg
+        ok, msg = check_lse(lse, ref_lse)
+        assert ok, msg
+
+
+def test_reference_torch_matches_numpy_reference():
+    if not HAVE_TORCH:
+        pytest.skip("needs torch")
+    from facodegen.bench import reference_torch
+    q, k, v = random_qkv(2, 130, 70, 4, 2, 64, "bf16", xp=torch, device="cuda")
+    for causal in (False, True):
+        ref = attention_reference(q, k, v, causal)[0]
+        got = reference_torch(q, k, v, causal).cpu().numpy()
+        assert np.abs(got - ref).max() < 1e-12
+
+
+# ------------------------------------------------------------------------------------------------
+# zero-copy, strides, streams, determinism
+# ------------------------------------------------------------------------------------------------
+
+def test_torch_zero_copy_and_out():
+    if not HAVE_TORCH:
+        pytest.skip("needs torch")
+    arch = _native_arch()
+    q, k, v = random_qkv(2, 256, 256, 4, 4, 128, "bf16", xp=torch, device="cuda")
+    before = [x.clone() for x in (q, k, v)]
+    o = attention(q, k, v, causal=True, arch=arch)
+    assert isinstance(o, torch.Tensor) and o.device == q.device and o.dtype == q.dtype and o.shape == q.shape
+    o2, lse = attention(q, k, v, causal=True, arch=arch, return_lse=True)
+    assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.shape == (2, 4, 256)
+    out = torch.full_like(q, float("nan"))
+    ret = attention(q, k, v, causal=True, arch=arch, out=out)
+    assert ret.data_ptr() == out.data_ptr()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), "inputs must not be modified"
+    assert torch.equal(o, out) and torch.equal(o, o2)
+    ok, msg = check(out, attention_reference(q, k, v, True)[0], "bf16")
+    assert ok, msg
+
+
+def test_cupy_zero_copy_and_out():
+    arch = _native_arch()
+    q, k, v = random_qkv(1, 200, 333, 8, 2, 64, "fp16", xp=cupy)
+    o = attention(q, k, v, arch=arch)
+    assert isinstance(o, cupy.ndarray) and o.dtype == q.dtype and o.shape == q.shape
+    out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+    ret = attention(q, k, v, arch=arch, out=out)
+    assert ret.data.ptr == out.data.ptr
+    _sync()
+    ok, msg = check(out, attention_reference(q, k, v)[0], "fp16")
+    assert ok, msg
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_strided_inputs_and_output(arch):
+    """Q/K/V as views of one packed (b, s, 3, h, d) tensor; O as a view with padded heads."""
+    if not arch_supported(arch):
+        pytest.skip(f"{arch} kernels do not run on compute capability {CC[0]}.{CC[1]}")
+    if not HAVE_TORCH:
+        pytest.skip("needs torch")
+    b, s, h, d = 2, 257, 4, 128
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    buf = torch.full((b, s, h, d + 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = buf[..., :d]
+    for causal in (False, True):
+        buf.fill_(float("nan"))
+        attention(q, k, v, causal=causal, arch=arch, out=out)
+        torch.cuda.synchronize()
+        ok, msg = check(out, attention_reference(q, k, v, causal)[0], "bf16")
+        assert ok, f"causal={causal}: {msg}"
+        assert torch.isnan(buf[..., d:]).all(), "the kernel wrote outside O's view"
+
+
+def _spin_cupy(cycles: int):
+    kernel = cupy.RawKernel(r'''
+    extern "C" __global__ void spin(long long cycles) {
+        long long t0 = clock64();
+        while (clock64() - t0 < cycles) { }
+    }''', "spin")
+    kernel((1,), (1,), (np.int64(cycles),))
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_torch_non_default_stream(arch):
+    """Inputs are written on a side stream after a 20 ms spin; the kernel must run after them,
+    on that stream (launched on any other stream it would read the NaN-poisoned q)."""
+    if not arch_supported(arch):
+        pytest.skip(f"{arch} kernels do not run on compute capability {CC[0]}.{CC[1]}")
+    if not HAVE_TORCH:
+        pytest.skip("needs torch")
+    q_src, k, v = random_qkv(1, 512, 512, 4, 4, 128, "bf16", xp=torch, device="cuda")
+    q = torch.full_like(q_src, float("nan"))
+    out = torch.full_like(q_src, float("nan"))
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(40_000_000)           # ~20 ms at 2 GHz
+        q.copy_(q_src)
+        ret = attention(q, k, v, causal=True, arch=arch, out=out)
+    side.synchronize()
+    assert ret.data_ptr() == out.data_ptr()
+    ok, msg = check(out, attention_reference(q_src, k, v, True)[0], "bf16")
+    assert ok, f"not ordered on the caller's torch stream: {msg}"
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_cupy_non_default_stream(arch):
+    if not arch_supported(arch):
+        pytest.skip(f"{arch} kernels do not run on compute capability {CC[0]}.{CC[1]}")
+    q_src, k, v = random_qkv(1, 512, 512, 4, 4, 64, "fp16", xp=cupy)
+    q = cupy.full(q_src.shape, cupy.nan, dtype=q_src.dtype)
+    out = cupy.full(q_src.shape, cupy.nan, dtype=q_src.dtype)
+    _sync()
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        _spin_cupy(40_000_000)
+        q[...] = q_src
+        attention(q, k, v, causal=True, arch=arch, out=out)
+    side.synchronize()
+    ok, msg = check(out, attention_reference(q_src, k, v, True)[0], "fp16")
+    assert ok, f"not ordered on the caller's CuPy stream: {msg}"
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_deterministic(arch):
+    """Two launches on the same inputs give the same bits (a difference means a race)."""
+    if not arch_supported(arch):
+        pytest.skip(f"{arch} kernels do not run on compute capability {CC[0]}.{CC[1]}")
+    q, k, v = random_qkv(2, 1000, 1000, 8, 2, 128, "fp16", xp=cupy)
+    results = []
+    for _ in range(3):
+        out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+        lse = cupy.full((2, 8, 1000), cupy.nan, dtype=cupy.float32)
+        attention(q, k, v, causal=True, arch=arch, out=out, lse_out=lse, return_lse=True)
+        results.append((out, lse))
+    _sync()
+    for out, lse in results[1:]:
+        assert bool((out.view(cupy.uint16) == results[0][0].view(cupy.uint16)).all())
+        assert bool((lse.view(cupy.uint32) == results[0][1].view(cupy.uint32)).all())
+
+
+# ------------------------------------------------------------------------------------------------
+# argument errors: ValueError/TypeError whose message names the argument
+# ------------------------------------------------------------------------------------------------
+
+def _raises(pattern, *args, **kwargs):
+    with pytest.raises((ValueError, TypeError)) as info:
+        attention(*args, **kwargs)
+    assert re.search(pattern, str(info.value), re.IGNORECASE), \
+        f"error message does not name {pattern!r}: {info.value}"
+
+
+def test_bad_inputs_torch():
+    if not HAVE_TORCH:
+        pytest.skip("needs torch")
+    q, k, v = random_qkv(1, 64, 64, 4, 4, 128, "bf16", xp=torch, device="cuda")
+    _raises(r"dtype", q.float(), k.float(), v.float())
+    _raises(r"dtype", q, k.half(), v.half())
+    _raises(r"\bk\b|\bv\b", q, k, v[:, :32])
+    _raises(r"head_dim", q, k[..., :64].contiguous(), v[..., :64].contiguous())
+    q80, k80, v80 = (torch.randn(1, 64, 4, 80, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    _raises(r"head_dim", q80, k80, v80)
+    wide = torch.randn(1, 64, 4, 256, device="cuda", dtype=torch.bfloat16)
+    _raises(r"head_dim|contiguous|stride", wide[..., ::2], k, v)
+    q3 = torch.randn(1, 64, 3, 128, device="cuda", dtype=torch.bfloat16)
+    k2 = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    _raises(r"heads", q3, k2, k2.clone())
+    _raises(r"\bk\b|device|cpu", q, k.cpu(), v.cpu())
+    _raises(r"\bq\b|numpy|host", q.float().cpu().numpy(), k, v)
+    _raises(r"seqlen", q[:, :0], k, v)
+    _raises(r"seqlen", q, k[:, :0], v[:, :0])
+    _raises(r"\bout\b", q, k, v, out=torch.empty_like(q[:, :32]))
+    _raises(r"\bout\b", q, k, v, out=torch.empty_like(q, dtype=torch.float16))
+    _raises(r"lse_out", q, k, v, lse_out=torch.empty(1, 4, 64, device="cuda", dtype=torch.bfloat16))
+    _raises(r"lse_out", q, k, v, lse_out=torch.empty(1, 64, 4, device="cuda", dtype=torch.float32))
+    _raises(r"causal", q, k, v, causal=1)
+
+
+def test_bad_inputs_cupy_and_host():
+    q, k, v = random_qkv(1, 64, 64, 4, 4, 64, "fp16", xp=cupy)
+    _raises(r"dtype", q.astype(cupy.float32), k.astype(cupy.float32), v.astype(cupy.float32))
+    _raises(r"\bq\b|numpy|host", cupy.asnumpy(q), k, v)
+    _raises(r"\bk\b|numpy|host", q, cupy.asnumpy(k), v)
+    _raises(r"heads", q[:, :, :3], k[:, :, :2], v[:, :, :2])
+    _raises(r"head_dim|contiguous|stride", cupy.asarray(q[..., ::-1]), k, v)
+    _raises(r"seqlen", q[:, :0], k, v)
+    _raises(r"\bq\b|4-d|shape", q[0], k, v)
+    _raises(r"\bq\b|cupy|torch", [[1.0]], k, v)
+    if HAVE_TORCH:
+        _raises(r"\bk\b|kind|cupy|torch", q, torch.as_tensor(k, device="cuda"), v)
+    _raises(r"arch|sm90|compute capability|spec", q, k, v, arch="sm90" if CC != (9, 0) else "sm70")
+
+
+def test_spec_field_errors_name_the_knob():
+    q, k, v = random_qkv(1, 64, 64, 4, 4, 128, "fp16", xp=cupy)
+    arch = _native_arch()
+    _raises(r"block_n", q, k, v, arch=arch, block_n=17)
+    _raises(r"stages", q, k, v, arch=arch, stages=9)

@@ -1,0 +1,161 @@
+"""CPU tests of facodegen.bench: FLOP counting, grids, ratios and the table (no GPU, no torch)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from facodegen import bench
+from facodegen.bench import (attention_flops, best_peer, fa3_paper_grid, format_notes, format_table,
+                             input_bytes, input_sets_needed, make_grid, quick_grid, ratio_to_best_peer,
+                             sm80_grid, tflops)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_attention_flops():
+    # 4 * b * h * sq * sk * d
+    assert attention_flops(1, 1, 1, 1, 1, False) == 4
+    assert attention_flops(2, 16, 4096, 4096, 128, False) == 4 * 2 * 16 * 4096 * 4096 * 128
+    assert attention_flops(2, 16, 4096, 4096, 128, True) == 2 * 2 * 16 * 4096 * 4096 * 128
+    assert attention_flops(1, 2, 100, 300, 64, False) == 4 * 2 * 100 * 300 * 64
+    # FA3 grid: every cell has the same non-causal FLOPs per seqlen-squared... and 16k tokens
+    flops = attention_flops(4, 16, 4096, 4096, 128, False)
+    assert tflops(flops, 1.0) == pytest.approx(flops / 1e-3 / 1e12)
+    assert tflops(1e12, 1000.0) == pytest.approx(1.0)
+
+
+def test_fa3_paper_grid():
+    grid = fa3_paper_grid("bf16")
+    assert len(grid) == 36
+    assert len({(c["head_dim"], c["causal"], c["seqlen_q"]) for c in grid}) == 36
+    for c in grid:
+        assert c["batch"] * c["seqlen_q"] == 16384
+        assert c["heads_q"] * c["head_dim"] == 2048
+        assert c["heads_kv"] == c["heads_q"] and c["seqlen_k"] == c["seqlen_q"]
+        assert c["dtype"] == "bf16"
+        # Q alone is 64 MB: larger than the H200's 60 MB L2, so one input set suffices.
+        assert input_bytes(c) == 4 * 16384 * 2048 * 2
+        assert input_sets_needed(input_bytes(c), 60 * 2 ** 20) == 1
+    cells = {(c["head_dim"], c["seqlen_q"]): c for c in grid if not c["causal"]}
+    assert (cells[(64, 512)]["batch"], cells[(64, 512)]["heads_q"]) == (32, 32)
+    assert (cells[(128, 16384)]["batch"], cells[(128, 16384)]["heads_q"]) == (1, 16)
+    assert (cells[(256, 2048)]["batch"], cells[(256, 2048)]["heads_q"]) == (8, 8)
+    assert {c["seqlen_q"] for c in grid} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert fa3_paper_grid("fp16")[0]["dtype"] == "fp16"
+
+
+def test_other_grids():
+    fa3 = {(c["head_dim"], c["causal"], c["seqlen_q"]) for c in fa3_paper_grid()}
+    quick = quick_grid()
+    assert 3 <= len(quick) <= 8
+    assert all((c["head_dim"], c["causal"], c["seqlen_q"]) in fa3 for c in quick)
+    assert {c["head_dim"] for c in quick} == {64, 128, 256} and {c["causal"] for c in quick} == {False, True}
+    s80 = sm80_grid()
+    assert {c["head_dim"] for c in s80} == {64, 96, 128, 192, 256} and len(s80) == 20
+    assert make_grid("fa3") == fa3_paper_grid()
+    with pytest.raises(ValueError, match="grid"):
+        make_grid("nope")
+
+
+def test_input_sets_needed():
+    assert input_sets_needed(10 * 2 ** 20, 60 * 2 ** 20) == 8      # capped
+    assert input_sets_needed(40 * 2 ** 20, 60 * 2 ** 20) == 3      # 120 MB >= 2 x L2
+    assert input_sets_needed(200 * 2 ** 20, 60 * 2 ** 20) == 1
+
+
+def _row(results, **cell):
+    base = bench.cell(128, False, 4096, 4, 16, "bf16")
+    base.update(cell)
+    base["results"] = results
+    return base
+
+
+def test_best_peer_and_ratio():
+    row = _row({
+        "facodegen-sm90": {"tflops": 600.0},
+        "fa3": {"tflops": 650.0},
+        "cudnn": {"tflops": 590.0},
+        "fa2": {"tflops": None, "note": "check failed: rel_fro=1"},
+    })
+    assert best_peer(row) == ("fa3", 650.0)
+    assert ratio_to_best_peer(row, "facodegen-sm90") == pytest.approx(600 / 650)
+    no_peer = _row({"facodegen-sm90": {"tflops": 600.0}, "fa3": {"tflops": None, "note": "unavailable: x"}})
+    assert best_peer(no_peer) == (None, None)
+    assert ratio_to_best_peer(no_peer, "facodegen-sm90") is None
+    failed = _row({"facodegen-sm90": {"tflops": None, "note": "failed"}, "fa3": {"tflops": 650.0}})
+    assert ratio_to_best_peer(failed, "facodegen-sm90") is None
+
+
+def test_format_table():
+    rows = [
+        _row({"facodegen-sm90": {"tflops": 612.34}, "facodegen-sm80": {"tflops": 300.0},
+              "fa3": {"tflops": 650.0}, "cudnn": {"tflops": 590.0},
+              "fa2": {"tflops": None, "note": "check failed: rel_fro=1.0"}}),
+        _row({"facodegen-sm90": {"tflops": None, "note": "failed: RuntimeError: boom"},
+              "facodegen-sm80": {"tflops": 280.0},
+              "fa3": {"tflops": None, "note": "unavailable: no module"}, "cudnn": {"tflops": 400.0},
+              "fa2": {"tflops": 300.0}}, causal=True, seqlen_q=8192, seqlen_k=8192, batch=2),
+        _row({"facodegen-sm90": {"tflops": None, "note": "skipped: time budget spent"}},
+             head_dim=64, seqlen_q=100, seqlen_k=300, heads_kv=4),
+    ]
+    table = format_table(rows)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(rows)
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    assert header[:6] == ["dtype", "head_dim", "causal", "seqlen", "batch", "heads"]
+    assert header[6:8] == ["facodegen-sm90", "facodegen-sm80"]           # ours first
+    assert "FlashAttention-3" in header and "cuDNN (SDPA)" in header
+    assert header[-3:] == ["best peer", "sm90/best", "sm80/best"]
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    first = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert first[:6] == ["bf16", "128", "no", "4096", "4", "16"]
+    assert first[6] == "612.3" and first[7] == "300.0"
+    assert first[header.index("FlashAttention-2 (SDPA)")] == "fail"
+    assert first[-3] == "FlashAttention-3"
+    assert first[-2] == f"{612.34 / 650:.2f}" and first[-1] == f"{300 / 650:.2f}"
+    second = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert second[2] == "yes" and second[6] == "fail"
+    assert second[header.index("FlashAttention-3")] == "–"                 # unavailable, not a failure
+    assert second[-3] == "cuDNN (SDPA)" and second[-2] == "–" and second[-1] == f"{280 / 400:.2f}"
+    third = [c.strip() for c in lines[4].strip("|").split("|")]
+    assert third[3] == "100/300" and third[5] == "16/4" and third[6] == "–"
+    notes = format_notes(rows)
+    assert "boom" in notes and "unavailable: no module" in notes and "time budget" in notes
+
+
+def test_run_cli_bench_accepts_spec_or_dict(monkeypatch):
+    """run_cli_bench turns a KernelSpec into arch/shape + overrides and formats one row."""
+    from facodegen.spec import KernelSpec
+    seen = {}
+
+    def fake_run_cell(c, archs, peers, overrides, *a, **k):
+        seen.update(cell=c, archs=archs, peers=peers, overrides=overrides)
+        return dict(c, flops=0, results={f"facodegen-{archs[0]}": {"tflops": 500.0}, "fa3": {"tflops": 600.0}})
+
+    monkeypatch.setattr(bench, "run_cell", fake_run_cell)
+    spec = KernelSpec(arch="sm90", head_dim=128, dtype="bf16", causal=True, block_n=128)
+    text = bench.run_cli_bench(spec, seqlen=8192, batch=2, heads=16)
+    assert seen["archs"] == ("sm90",) and seen["cell"]["causal"] is True and seen["cell"]["seqlen_q"] == 8192
+    assert seen["overrides"]["block_n"] == 128 and "arch" not in seen["overrides"]
+    assert "500.0" in text and "0.83" in text
+    bench.run_cli_bench({"stages": 1}, arch="sm80", head_dim=64, dtype="fp16", causal=False, seqlen=1024,
+                        batch=1, heads=4)
+    assert seen["archs"] == ("sm80",) and seen["overrides"] == {"stages": 1} and seen["cell"]["dtype"] == "fp16"
+
+
+def test_split_overrides():
+    assert bench._split_overrides(None, "sm90") == {}
+    assert bench._split_overrides({"stages": 1}, "sm80") == {"stages": 1}
+    per_arch = {"sm80": {"block_n": 32}, "sm90": {"pingpong": False}}
+    assert bench._split_overrides(per_arch, "sm90") == {"pingpong": False}
+
+
+def test_device_run_script_plans_without_a_gpu():
+    """scripts/device_run.py parses its options and prints its plan with --dry-run (no torch)."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "device_run.py"), "--dry-run",
+                           "--suite", "full", "--out", "/tmp/facodegen-dry-run"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "pytest" in done.stdout and "fa3" in done.stdout
