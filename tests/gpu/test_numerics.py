@@ -156,7 +156,7 @@ NON_DEFAULT = [
     ("sm80", 64, "fp16", True, {"stages": 3}),
     ("sm80", 128, "bf16", True, {"block_n": 32}),
     ("sm80", 128, "fp16", False, {"block_n": 128, "num_warps": 8}),
-    ("sm80", 96, "bf16", False, {"q_in_regs": True}),
+    ("sm80", 96, "bf16", False, {"q_in_regs": True, "num_warps": 8}),
     ("sm80", 64, "bf16", True, {"q_in_regs": True, "block_n": 32}),
     ("sm80", 128, "fp16", True, {"block_m": 64}),
     ("sm90", 128, "bf16", False, {"pingpong": False}),
