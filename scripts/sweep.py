@@ -1,0 +1,102 @@
+"""Time spec variants side by side on the same inputs (ablations and hand tuning on the GPU).
+
+    python3 scripts/sweep.py --out $OUT --plan sm90-ablation
+    python3 scripts/sweep.py --out $OUT --cell 128,8192,0 --variant 'sm90:pingpong=0' --variant 'sm90:'
+
+A variant is ``arch:field=value,...`` (empty fields = that arch's defaults); a cell is
+``head_dim,seqlen,causal`` on the FlashAttention-3 paper's grid (16k tokens, hidden 2048).
+Every output is checked against the float64 reference on a slice before it is timed; peers
+(--peers) are timed in the same run. Prints a table of TFLOP/s last and writes sweep.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from facodegen import bench  # noqa: E402
+
+PLANS = {
+    "sm90-ablation": {
+        "cells": ["128,8192,0", "128,8192,1", "64,8192,0", "256,8192,0", "128,1024,0", "128,1024,1"],
+        "variants": ["sm90:", "sm90:pingpong=0", "sm90:intra_wg_overlap=0", "sm90:pingpong=0,intra_wg_overlap=0",
+                     "sm90:persistent=0"],
+        "peers": "fa3",
+    },
+    "sm80-tiles": {
+        "cells": ["128,8192,0", "128,8192,1", "128,1024,0", "256,8192,0", "256,2048,1", "64,8192,0"],
+        "variants": ["sm80:", "sm80:stages=3", "sm80:block_n=128,num_warps=8", "sm80:num_warps=8,q_in_regs=1",
+                     "sm80:block_m=64,num_warps=4", "sm80:block_n=32,stages=3", "sm80:block_m=128,num_warps=8"],
+        "peers": "fa2",
+    },
+}
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    arch, _, rest = text.partition(":")
+    fields = {}
+    for item in filter(None, rest.split(",")):
+        key, value = item.split("=")
+        fields[key] = value if key in ("gpu", "dtype") else int(value)
+    for key in ("pingpong", "intra_wg_overlap", "persistent", "q_in_regs"):
+        if key in fields:
+            fields[key] = bool(fields[key])
+    return arch, fields
+
+
+def parse_cell(text: str, dtype: str) -> dict:
+    head_dim, seqlen, causal = (int(x) for x in text.split(","))
+    return bench.cell(head_dim, bool(causal), seqlen, 16384 // seqlen, 2048 // head_dim, dtype)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--plan", choices=sorted(PLANS), action="append")
+    parser.add_argument("--cell", action="append", default=[])
+    parser.add_argument("--variant", action="append", default=[])
+    parser.add_argument("--peers", default=None)
+    parser.add_argument("--dtype", default="bf16")
+    args = parser.parse_args()
+    jobs = []
+    for name in args.plan or []:
+        plan = PLANS[name]
+        jobs.append((plan["cells"], plan["variants"], plan["peers"]))
+    if args.cell:
+        jobs.append((args.cell, args.variant or ["sm90:"], args.peers or ""))
+    lines, records = [], []
+    for cells, variants, peers in jobs:
+        peer_names = [p for p in (peers or "").split(",") if p]
+        header = ["cell"] + variants + peer_names
+        lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for text in cells:
+            c = parse_cell(text, args.dtype)
+            n_sets = bench.input_sets_needed(bench.input_bytes(c), bench.l2_bytes())
+            inputs = bench._make_inputs(c, n_sets)
+            row = [f"d{c['head_dim']} s{c['seqlen_q']} {'causal' if c['causal'] else 'full'}"]
+            for v in variants:
+                arch, fields = parse_variant(v)
+                r = bench._run_impl(v, lambda q, k, vv: bench._facodegen_fn(arch, fields, q, k, vv, c["causal"]),
+                                    inputs, c, True, {}, print)
+                records.append({"cell": c, "variant": v, **r})
+                row.append(f"{r['tflops']:.1f}" if r.get("tflops") else f"- ({r.get('note')})")
+                print(f"{row[0]} {v}: {row[-1]} {r.get('variant', '')}", flush=True)
+            for name in peer_names:
+                r = bench._run_impl(name, lambda q, k, vv: bench._peer_fn(name, q, k, vv, c["causal"]),
+                                    inputs, c, True, {}, print)
+                records.append({"cell": c, "variant": name, **r})
+                row.append(f"{r['tflops']:.1f}" if r.get("tflops") else "-")
+            lines.append("| " + " | ".join(row) + " |")
+            del inputs
+    with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        json.dump(records, f, indent=1, default=str)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
