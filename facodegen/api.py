@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from . import compiler as compile_mod
 from .launch import Operand, grid, launch_prepared, pack_params
-from .spec import HEAD_DIMS, KernelSpec
+from .spec import HEAD_DIMS, KernelSpec, SpecError
 
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -226,18 +226,42 @@ def _tile_counter(device: int):
 # ------------------------------------------------------------------ public API
 
 def resolve_spec(head_dim: int, dtype: str, causal: bool, device: int, arch: str | None = None,
-                 **spec_fields) -> KernelSpec:
-    """The spec a call will run: arch and GPU budget from the device, the rest from defaults
-    (or a tuned entry) unless given."""
+                 *, shape: tuple[int, int, int, int] | None = None, **spec_fields) -> KernelSpec:
+    """The spec a call will run: arch and GPU budget from the device, the rest from the tuning
+    database's entry for this device and ``shape`` = (batch, seqlen_q, seqlen_k, heads_q) where
+    there is one (facodegen.tunedb), else from the defaults. Fields the caller gives always win;
+    a tuned entry that does not combine with them into a valid spec is not used."""
     info = device_info(device)
     arch = arch or default_arch(info)
     _check_arch(arch, info)
     spec_fields.setdefault("gpu", info.budget_gpu)
-    spec = KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **spec_fields)
+    tuned = _tuned_fields(info, arch, head_dim, dtype, causal, shape) if shape is not None else None
+    spec = None
+    if tuned:
+        try:
+            spec = KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **{**tuned, **spec_fields})
+        except (SpecError, TypeError):
+            spec = None  # the caller's fields do not fit the tuned tiles: defaults + the caller's fields
+    if spec is None:
+        spec = KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **spec_fields)
     if info.smem_per_block_optin and spec.smem_bytes > info.smem_per_block_optin:
         raise ValueError(f"stages/block sizes: the kernel needs {spec.smem_bytes} bytes of shared memory but "
                          f"{info.name} allows {info.smem_per_block_optin} per block")
     return spec
+
+
+def _tuned_fields(info: DeviceInfo, arch: str, head_dim: int, dtype: str, causal: bool, shape) -> dict | None:
+    """Spec fields of the tuning database's entry for this call, or None (one stat per call while
+    the database file is unchanged; any problem with it means defaults)."""
+    from . import tunedb
+    try:
+        batch, seqlen_q, seqlen_k, heads_q = shape
+        key = tunedb.make_key(info.name, info.compute_capability, compile_mod.nvrtc_identity(), arch, head_dim,
+                              dtype, causal, seqlen_q, seqlen_k, batch, heads_q)
+        entry = tunedb.lookup(key)
+    except Exception:  # noqa: BLE001 (a tuning database must never break a call)
+        return None
+    return dict(entry["spec"]) if entry else None
 
 
 class PreparedAttention:
@@ -284,7 +308,8 @@ def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
             or not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
-    spec = resolve_spec(head_dim, DTYPE_NAMES[qv.dtype], causal, qv.device, arch, **spec_fields)
+    spec = resolve_spec(head_dim, DTYPE_NAMES[qv.dtype], causal, qv.device, arch,
+                        shape=(batch, seqlen_q, kv.shape[1], heads_q), **spec_fields)
 
     if out is None:
         out = _empty(qv, qv.shape, qv.dtype)

@@ -556,3 +556,119 @@ def run_cli_bench(spec, arch: str | None = None, head_dim: int | None = None, dt
     row = run_cell(c, (arch or "sm90",), peers, overrides)
     notes = format_notes([row])
     return format_table([row]) + ("\n\n" + notes if notes else "")
+
+
+# ----------------------------------------------------------------------------------------------
+# suites (`facodegen bench --suite`): a grid, every importable peer, table + CSV + JSON + plot
+# ----------------------------------------------------------------------------------------------
+
+SUITES = {"fa3-paper": fa3_paper_grid, "quick": quick_grid, "sm80": sm80_grid}
+SUITE_PEERS = ("fa3", "cudnn", "fa2", "efficient")
+CSV_FIELDS = ("dtype", "head_dim", "causal", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "impl",
+              "tflops", "ms", "ratio_to_best_peer", "best_peer", "err", "variant", "note")
+
+
+def suite_cells(suite: str, dtype: str = "bf16", head_dim: int | None = None,
+                causal: bool | None = None) -> list[dict]:
+    """The cells of a suite, optionally only one head_dim and/or one mask."""
+    if suite not in SUITES:
+        raise ValueError(f"suite: {suite!r} is not one of {', '.join(SUITES)}")
+    cells = SUITES[suite](dtype)
+    if head_dim is not None:
+        cells = [c for c in cells if c["head_dim"] == head_dim]
+    if causal is not None:
+        cells = [c for c in cells if c["causal"] == causal]
+    return cells
+
+
+def csv_rows(rows: list[dict]) -> list[dict]:
+    """One flat record per (cell, implementation), facodegen's with its ratio to the best peer."""
+    out = []
+    for row in rows:
+        peer, _ = best_peer(row)
+        for name, r in row.get("results", {}).items():
+            rec = {k: row.get(k) for k in CSV_FIELDS[:8]}
+            ratio = ratio_to_best_peer(row, name) if is_facodegen(name) else None
+            rec.update(impl=name, tflops=r.get("tflops"), ms=r.get("ms"), ratio_to_best_peer=ratio,
+                       best_peer=peer, err=r.get("err"), variant=r.get("variant"), note=r.get("note"))
+            out.append(rec)
+    return out
+
+
+def to_csv(rows: list[dict]) -> str:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for rec in csv_rows(rows):
+        writer.writerow({k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)) for k, v in rec.items()})
+    return buf.getvalue()
+
+
+def environment() -> dict:
+    """What a benchmark result needs to be read later: GPU, versions, commit, date."""
+    import datetime
+    import os
+    import subprocess
+
+    from . import __version__
+    env: dict = {"facodegen": __version__, "date": datetime.date.today().isoformat()}
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        done = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if done.returncode == 0:
+            env["commit"] = done.stdout.strip()
+            dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10)
+            env["dirty"] = bool(dirty.stdout.strip())
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from .compiler import nvrtc_identity
+        env["nvrtc"] = nvrtc_identity()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        torch = _torch()
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            env.update(gpu=p.name, cc=f"{p.major}.{p.minor}", sms=p.multi_processor_count)
+    except Exception:  # noqa: BLE001
+        pass
+    env["peers"] = {name: list(peer_available(name)) for name in PEER_TITLES}
+    return env
+
+
+def write_results(rows: list[dict], out_dir, stem: str, env: dict | None = None, plot: bool = True,
+                  title: str | None = None) -> dict:
+    """Write <stem>.md (table + notes), .csv, .json (rows + environment) and .png into ``out_dir``;
+    returns {"md": path, "csv": ..., "json": ..., "png": path or None, "plot_error": text or None}."""
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict = {}
+    notes = format_notes(rows)
+    paths["md"] = out / f"{stem}.md"
+    paths["md"].write_text(format_table(rows) + ("\n\nNotes:\n" + notes if notes else "") + "\n")
+    paths["csv"] = out / f"{stem}.csv"
+    paths["csv"].write_text(to_csv(rows))
+    paths["json"] = out / f"{stem}.json"
+    paths["json"].write_text(json.dumps({"env": env or {}, "rows": rows}, indent=1, default=str) + "\n")
+    paths["png"], paths["plot_error"] = None, None
+    if plot:
+        from .plot import PlotUnavailable, plot_rows
+        env = env or {}
+        subtitle = ", ".join(x for x in (env.get("gpu"), env.get("date"),
+                                         f"commit {env['commit']}{'+' if env.get('dirty') else ''}"
+                                         if env.get("commit") else None) if x)
+        try:
+            paths["png"] = plot_rows(rows, out / f"{stem}.png", title=title, subtitle=subtitle or None)
+        except (PlotUnavailable, ValueError) as err:
+            paths["plot_error"] = str(err)
+    return paths

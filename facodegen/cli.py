@@ -40,10 +40,12 @@ def _parse_regs(ctx, param, value):
     return producer, consumer
 
 
-def spec_options(command):
+def spec_options(command, arch_choices=ARCHS):
     """The spec flags shared by every command."""
     options = [
-        click.option("--arch", type=click.Choice(ARCHS), help="Target: sm80 (FA2, mma.sync) or sm90 (FA3, TMA + wgmma)."),
+        click.option("--arch", type=click.Choice(arch_choices),
+                     help="Target: sm80 (FA2, mma.sync) or sm90 (FA3, TMA + wgmma)"
+                          + (" or both (--suite)." if "both" in arch_choices else ".")),
         click.option("--head-dim", type=int, help=f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}."),
         click.option("--dtype", type=click.Choice(DTYPES), help="Element type of Q, K, V and O."),
         click.option("--block-m", type=int, help="Query rows per CTA tile (BLOCK_M)."),
@@ -84,14 +86,17 @@ def build_spec(fields: dict) -> KernelSpec:
         raise UsageFailure(f"invalid spec: {err}") from None
 
 
-def with_spec(command):
-    """Decorate a command taking ``spec`` with the spec flags; bad specs exit 2 in one line."""
-    @spec_options
+def with_spec(command=None, *, arch_choices=ARCHS):
+    """Decorate a command taking ``spec`` with the spec flags; bad specs exit 2 in one line.
+    ``@with_spec(arch_choices=...)`` widens --arch (bench --suite takes 'both')."""
+    if command is None:
+        return functools.partial(with_spec, arch_choices=arch_choices)
+
     @functools.wraps(command)
     def wrapper(**kwargs):
         fields = _given_spec_fields(kwargs)
         return command(spec_fields=fields, **kwargs)
-    return wrapper
+    return spec_options(wrapper, arch_choices)
 
 
 def _require_gpu(command: str) -> None:
@@ -307,22 +312,48 @@ def _check_with_reference(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv,
             "O": msg_o, "LSE": msg_l, "passed": ok_o and ok_l}
 
 
+SUITE_NAMES = ("fa3-paper", "quick", "sm80")   # facodegen.bench.SUITES (kept import-light here)
+
+
 @main.command()
-@with_spec
+@with_spec(arch_choices=ARCHS + ("both",))
 @click.option("--seqlen", default=4096, show_default=True, help="Query (and key) sequence length.")
 @click.option("--seqlen-k", type=int, help="Key/value sequence length. Default: --seqlen.")
 @click.option("--batch", default=4, show_default=True)
 @click.option("--heads", default=16, show_default=True, help="Query heads.")
 @click.option("--heads-kv", type=int, help="Key/value heads (divides --heads). Default: --heads.")
-@click.option("--peers", help="Comma-separated peers to time alongside, e.g. fa3,cudnn,fa2 ('' for none).")
-def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers):
+@click.option("--peers", help="Comma-separated peers to time alongside, e.g. fa3,cudnn,fa2 ('' for none). "
+                             "Default: fa3,cudnn,fa2 (with --suite also efficient).")
+@click.option("--suite", type=click.Choice(SUITE_NAMES),
+              help="Time a whole grid: fa3-paper (the FlashAttention-3 paper's: head_dim 64/128/256, causal "
+                   "and not, seqlen 512-16k, 16k tokens, hidden 2048), quick (6 of its cells) or sm80.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+              show_default=True, help="--suite: folder for bench-<suite>-<dtype>.{md,csv,json,png}.")
+@click.option("--budget-s", type=float, help="--suite: stop timing new cells after this many seconds.")
+@click.option("--no-plot", is_flag=True, help="--suite: skip the PNG.")
+def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, out_dir, budget_s, no_plot):
     """Time a kernel (CUDA events) against its peers and print a table (GPU).
+
+    With --suite, time facodegen and every importable peer (FlashAttention-3 from
+    flash_attn_interface, torch SDPA's flash / cuDNN / mem-efficient backends) over a grid, each
+    output checked against the float64 reference on a slice first; print the table with
+    facodegen's ratio to the best peer and write it as markdown, CSV, JSON and a PNG plot
+    (matplotlib: pip install 'facodegen[plot]'). --head-dim / --causal pick part of the grid; other
+    spec flags override facodegen's tiles on every cell.
 
     \b
     Example:
       facodegen bench --arch sm90 --head-dim 128 --seqlen 8192 --batch 2 --heads 16
       facodegen bench --arch sm80 --head-dim 64 --causal --peers fa2
+      facodegen bench --suite fa3-paper --dtype bf16 --arch both --out results/
+      facodegen bench --suite quick
     """
+    if suite is not None:
+        _require_gpu("bench")
+        _bench_suite(spec_fields, suite, peers, out_dir, budget_s, no_plot)
+        return
+    if spec_fields.get("arch") == "both":
+        raise UsageFailure("--arch both is for --suite; give sm80 or sm90")
     spec = build_spec(spec_fields)
     _require_gpu("bench")
     try:
@@ -340,6 +371,238 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers):
     if peers is not None:
         extra["peers"] = tuple(p.strip() for p in peers.split(",") if p.strip())
     _echo_result(run(spec, seqlen=seqlen, batch=batch, heads=heads, **extra))
+
+
+def _bench_suite(spec_fields: dict, suite: str, peers, out_dir: Path, budget_s, no_plot: bool) -> None:
+    from . import api
+    from . import bench as B
+
+    fields = dict(spec_fields)
+    dtype = fields.pop("dtype", "bf16")
+    arch = fields.pop("arch", None)
+    head_dim = fields.pop("head_dim", None)
+    causal = fields.pop("causal", None)
+    info = api.device_info(0)
+    if arch in (None, "both"):
+        native = api.default_arch(info)
+        archs = ("sm90", "sm80") if arch == "both" and native == "sm90" else (native,)
+    else:
+        try:
+            api._check_arch(arch, info)
+        except ValueError as err:
+            raise UsageFailure(str(err)) from None
+        archs = (arch,)
+    cells = B.suite_cells(suite, dtype, head_dim, causal)
+    if not cells:
+        raise UsageFailure(f"no cell of suite {suite} has head_dim={head_dim} and causal={causal}")
+    peer_names = B.SUITE_PEERS if peers is None else tuple(p.strip() for p in peers.split(",") if p.strip())
+    env = B.environment()
+    click.echo(f"bench --suite {suite}: {len(cells)} cells, {dtype}, facodegen {', '.join(archs)}, peers "
+               + ", ".join(f"{p} ({'ok' if env['peers'].get(p, [False])[0] else 'unavailable'})" for p in peer_names)
+               + (f", spec overrides {fields}" if fields else ""), err=True)
+    rows = B.run_grid(cells, archs=archs, peers=peer_names, spec_overrides=fields or None, budget_s=budget_s,
+                      log=lambda m: click.echo(m, err=True))
+    stem = f"bench-{suite}-{dtype}"
+    title = f"Attention forward speed, {dtype} ({env.get('gpu', 'GPU')})"
+    paths = B.write_results(rows, out_dir, stem, env=env, plot=not no_plot, title=title)
+    notes = B.format_notes(rows)
+    if notes:
+        click.echo("\nNotes:\n" + notes)
+    click.echo(f"\nTFLOP/s ({dtype}, {env.get('gpu', '?')}, facodegen {env.get('facodegen')}"
+               f"{', commit ' + env['commit'] if env.get('commit') else ''}):")
+    click.echo(B.format_table(rows))
+    written = [str(paths[k]) for k in ("md", "csv", "json", "png") if paths.get(k)]
+    click.echo("\nwrote " + ", ".join(written))
+    if paths.get("plot_error"):
+        click.echo(f"plot skipped: {paths['plot_error']}", err=True)
+
+
+@main.command()
+@click.option("--arch", type=click.Choice(ARCHS), help="Target. Default: the GPU's (sm90 for --dry-run without one).")
+@click.option("--head-dim", type=click.Choice([str(d) for d in HEAD_DIMS]), default="128", show_default=True,
+              help="Head dimension d.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="bf16", show_default=True)
+@click.option("--causal/--no-causal", default=False, show_default=True)
+@click.option("--seqlen", default=4096, show_default=True, help="Query (and key) sequence length timed.")
+@click.option("--seqlen-k", type=int, help="Key/value sequence length. Default: --seqlen.")
+@click.option("--batch", default=4, show_default=True)
+@click.option("--heads", default=16, show_default=True, help="Query heads.")
+@click.option("--heads-kv", type=int, help="Key/value heads. Default: --heads.")
+@click.option("--gpu", type=click.Choice(tuple(GPUS)),
+              help="Budget-model limits. Default: the GPU's (--dry-run: the arch's default).")
+@click.option("--max-candidates", default=48, show_default=True,
+              help="Keep this many candidates nearest the default (after the budget model).")
+@click.option("-j", "--jobs", type=int, help="Compile processes. Default: the CPU count.")
+@click.option("--dry-run", is_flag=True, help="List the candidates and why the others were dropped; no GPU.")
+@click.option("--compile", "do_compile", is_flag=True, help="--dry-run: also compile and drop spills/C75xx warnings.")
+@click.option("--top", default=10, show_default=True, help="Rows of the final table.")
+@click.option("--min-gain", default=0.01, show_default=True,
+              help="A candidate replaces the default only when this much faster (same run).")
+@click.option("--no-store", is_flag=True, help="Do not write the winner to the database.")
+@click.option("--report", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write every candidate, with its drop reason or times, as JSON.")
+@click.option("--db", type=click.Path(dir_okay=False, path_type=Path),
+              help="Tuning database file. Default: $FACODEGEN_TUNE_DB or <cache dir>/tuned.json.")
+@click.option("--show", is_flag=True, help="Print the tuning database and exit.")
+@click.option("--export", "export_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the database's entries to FILE and exit.")
+@click.option("--import", "import_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="Merge FILE's entries into the database (per key the newer wins) and exit.")
+def tune(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, heads_kv, gpu, max_candidates, jobs,
+         dry_run, do_compile, top, min_gain, no_store, report, db, show, export_file, import_file):
+    """Search the template space of one problem and store the fastest spec (GPU).
+
+    Candidates (tile sizes, stages, warps/warpgroups, pingpong, overlap, ...) are pruned by the
+    budget model, compiled in parallel (spills and ptxas C75xx warnings are dropped), checked
+    against the float64 reference and timed with the default spec in the same run. The winner
+    goes into the tuning database, which facodegen.attention() reads for calls of that shape
+    bucket on this GPU (seqlen and batch*heads rounded to powers of two).
+
+    \b
+    Example:
+      facodegen tune --arch sm90 --head-dim 128 --dtype bf16 --causal --seqlen 4096 --batch 4 --heads 16
+      facodegen tune --arch sm80 --head-dim 64 --dry-run
+      facodegen tune --show
+      facodegen tune --export team.json      # and on another machine: --import team.json
+    """
+    from . import tunedb
+
+    head_dim = int(head_dim)
+    if show or export_file or import_file:
+        path = tunedb.resolve_path(db)
+        if path is None:
+            raise UsageFailure(f"the tuning database is turned off by ${tunedb.ENV}; pass --db PATH")
+        if import_file:
+            try:
+                counts = tunedb.import_file(import_file, path)
+            except (ValueError, OSError) as err:
+                raise UsageFailure(f"--import: {err}") from None
+            click.echo(f"imported {import_file} into {path}: {counts['added']} added, {counts['replaced']} replaced, "
+                       f"{counts['kept']} kept (newer already there)")
+        if export_file:
+            n = tunedb.export(export_file, path)
+            click.echo(f"exported {n} entries from {path} to {export_file}")
+        if show:
+            entries = tunedb.read(path)
+            click.echo(f"tuning database {path}: {len(entries)} entries")
+            click.echo(tunedb.format_entries(entries))
+        return
+    if dry_run:
+        _tune_dry_run(arch or "sm90", head_dim, dtype, causal, gpu, max_candidates, jobs, do_compile, report)
+        return
+    from .compiler import gpu_available
+
+    ok, reason = gpu_available()
+    if not ok:
+        raise UsageFailure(f"`facodegen tune` needs a CUDA GPU: {reason} (--dry-run lists the candidates without one)")
+    _tune_gpu(arch, head_dim, dtype, causal, seqlen, seqlen_k or seqlen, batch, heads, heads_kv or heads, gpu,
+              max_candidates, jobs, top, min_gain, no_store, report, db)
+
+
+def _tune_counts(cands) -> str:
+    from .tune import summary_counts
+
+    counts = summary_counts(cands)
+    dropped = ", ".join(f"{v} {k}" for k, v in counts.items() if k not in ("enumerated", "live"))
+    return f"{counts['enumerated']} enumerated, {counts['live']} left" + (f" (dropped: {dropped})" if dropped else "")
+
+
+def _compile_with_bar(cands, jobs, sm) -> None:
+    import os
+
+    from .tune import compile_candidates
+
+    live = [c for c in cands if c.alive]
+    n_jobs = max(1, min(jobs or os.cpu_count() or 1, len(live) or 1))
+    with click.progressbar(length=len(live), label=f"compiling {len(live)} candidates ({n_jobs} processes)",
+                           file=sys.stderr) as bar:
+        compile_candidates(cands, n_jobs, sm, on_done=lambda c: bar.update(1))
+
+
+def _write_report(report, cands, **extra) -> None:
+    import json
+
+    from .tune import report as rows
+
+    if report is not None:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(json.dumps({**extra, "candidates": rows(cands)}, indent=1, default=str) + "\n")
+        click.echo(f"wrote {report}", err=True)
+
+
+def _tune_dry_run(arch, head_dim, dtype, causal, gpu, max_candidates, jobs, do_compile, report) -> None:
+    from .tune import enumerate_candidates, format_candidates
+
+    gpu = gpu or __import__("facodegen.spec", fromlist=["DEFAULT_GPU"]).DEFAULT_GPU[arch]
+    cands = enumerate_candidates(arch, head_dim, dtype, causal, gpu, max_candidates)
+    if do_compile:
+        _compile_with_bar(cands, jobs, None)
+    click.echo(f"tune {arch} hd{head_dim} {dtype} {'causal' if causal else 'full'} on {gpu} limits: "
+               f"{_tune_counts(cands)}")
+    click.echo(format_candidates(cands))
+    _write_report(report, cands, arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, gpu=gpu)
+
+
+def _tune_gpu(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, heads_kv, gpu, max_candidates, jobs,
+              top, min_gain, no_store, report, db) -> None:
+    import time
+
+    from . import api, bench as B, tunedb
+    from . import tune as T
+
+    t0 = time.monotonic()
+    info = api.device_info(0)
+    arch = arch or api.default_arch(info)
+    try:
+        api._check_arch(arch, info)
+    except ValueError as err:
+        raise UsageFailure(str(err)) from None
+    gpu = gpu or info.budget_gpu
+    c = B.cell(head_dim, causal, seqlen, batch, heads, dtype, seqlen_k, heads_kv)
+    cands = T.enumerate_candidates(arch, head_dim, dtype, causal, gpu, max_candidates)
+    click.echo(f"tune {arch} hd{head_dim} {dtype} {'causal' if causal else 'full'} on {info.name} "
+               f"(batch {batch}, seqlen {seqlen}x{seqlen_k}, heads {heads}/{heads_kv}): {_tune_counts(cands)}",
+               err=True)
+    sm = f"sm_{info.compute_capability[0]}{info.compute_capability[1]}" if arch == "sm80" else None
+    _compile_with_bar(cands, jobs, sm)
+    t_compile = time.monotonic() - t0
+    click.echo(f"compiled in {t_compile:.0f} s: {_tune_counts(cands)}", err=True)
+    live = [x for x in cands if x.alive]
+    with click.progressbar(length=len(live), label=f"timing {len(live)} candidates", file=sys.stderr) as bar:
+        T.time_candidates(cands, c, arch, on_done=lambda x: bar.update(1),
+                          log=lambda m: click.echo(m, err=True))
+    winner, default = T.pick_winner(cands, min_gain)
+    flops = B.attention_flops(batch, heads, seqlen, seqlen_k, head_dim, causal)
+    seconds = time.monotonic() - t0
+    dropped = [x for x in cands if x.dropped in ("compile", "spill", "ptxas", "check", "launch")]
+    if dropped:
+        click.echo(f"\ndropped after the budget model ({len(dropped)}):")
+        for x in dropped:
+            click.echo(f"  {x.dropped:<8} {x.label}: {x.reason}")
+    click.echo(f"\n{_tune_counts(cands)}; {seconds:.0f} s ({t_compile:.0f} s compiling)")
+    click.echo(T.format_results(cands, flops, top, winner))
+    key = T.device_key(info, arch, head_dim, dtype, causal, c)
+    extra = dict(key=key.as_dict(), cell=c, seconds=seconds, compile_seconds=t_compile)
+    if winner is None:
+        _write_report(report, cands, **extra)
+        raise click.ClickException("no candidate passed its check and ran; nothing stored")
+    entry = T.make_db_entry(key, winner, default, flops, c, cands)
+    if default is not None:
+        verdict = ("the default is the best (kept)" if winner.is_default else
+                   f"{winner.spec.variant}: {default.ms / winner.ms:.3f}x the default {default.spec.variant}")
+    else:
+        verdict = f"{winner.spec.variant} (the default did not run: {next(x.reason for x in cands if x.is_default)})"
+    click.echo(f"\nwinner: {verdict}")
+    if no_store:
+        click.echo("not stored (--no-store)")
+    else:
+        path = tunedb.resolve_path(db)
+        if path is None:
+            click.echo(f"not stored: the tuning database is turned off by ${tunedb.ENV}")
+        else:
+            tunedb.put(entry, path)
+            click.echo(f"stored in {path} under {key}")
+    _write_report(report, cands, entry=entry, **extra)
 
 
 def _echo_result(result):

@@ -1,0 +1,130 @@
+"""Benchmark plots in the style of the FlashAttention papers' figures.
+
+One panel per (head_dim, causal), sequence lengths along x, one bar per implementation in each
+seqlen group, TFLOP/s on y with the value written on each bar; a bar that ran but failed its check
+is marked with an "x" at its base. Input: the rows of ``bench.run_grid``.
+
+matplotlib is an optional dependency (``pip install 'facodegen[plot]'``); it is imported only when
+a plot is drawn, and never through pyplot (no global backend state: a ``Figure`` drawn by Agg).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .bench import PEER_TITLES, is_facodegen
+
+# Fixed colours so an implementation keeps its colour across figures (facodegen in the warm
+# colours, peers in the cool ones; FlashAttention-3 purple as in its paper).
+COLORS = {
+    "facodegen-sm90": "#d62728", "facodegen-sm80": "#ff7f0e",
+    "fa3": "#9467bd", "cudnn": "#2ca02c", "fa2": "#1f77b4", "efficient": "#7f7f7f", "flex": "#17becf",
+}
+_FALLBACK = ("#8c564b", "#e377c2", "#bcbd22", "#aec7e8", "#98df8a")
+
+
+class PlotUnavailable(ImportError):
+    """matplotlib is not installed."""
+
+
+def _matplotlib():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise PlotUnavailable(
+            f"plots need matplotlib ({err}); install it with `pip install 'facodegen[plot]'`") from None
+    return Figure
+
+
+def impl_title(name: str) -> str:
+    return name if is_facodegen(name) else PEER_TITLES.get(name, name)
+
+
+def _seqlen_label(s: int) -> str:
+    return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
+
+
+def panels(rows: list[dict]) -> list[tuple[int, bool]]:
+    """(head_dim, causal) of each panel: non-causal first (the papers' top row), head_dim up."""
+    keys = sorted({(r["head_dim"], bool(r["causal"])) for r in rows}, key=lambda k: (k[1], k[0]))
+    return keys
+
+
+def implementations(rows: list[dict]) -> list[str]:
+    """Implementations in the rows, peers first and facodegen last (rightmost bar of a group)."""
+    names: list[str] = []
+    for r in rows:
+        for n in r.get("results", {}):
+            if n not in names:
+                names.append(n)
+    return [n for n in names if not is_facodegen(n)] + [n for n in names if is_facodegen(n)]
+
+
+def plot_rows(rows: list[dict], path, title: str | None = None, subtitle: str | None = None,
+              dpi: int = 110) -> Path:
+    """Draw the figure for ``rows`` to ``path`` (PNG, or whatever the suffix says); returns the path."""
+    Figure = _matplotlib()
+    keys = panels(rows)
+    if not keys:
+        raise ValueError("nothing to plot: no rows")
+    impls = implementations(rows)
+    causal_values = sorted({c for _, c in keys})
+    head_dims = sorted({d for d, _ in keys})
+    nrows, ncols = len(causal_values), len(head_dims)
+    fig = Figure(figsize=(max(6.0, 5.6 * ncols), 4.2 * nrows + (0.9 if title else 0.4)))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    colors = dict(COLORS)
+    for i, n in enumerate(x for x in impls if x not in colors):
+        colors[n] = _FALLBACK[i % len(_FALLBACK)]
+    handles = {}
+    for ri, causal in enumerate(causal_values):
+        for ci, d in enumerate(head_dims):
+            ax = axes[ri][ci]
+            cell_rows = sorted((r for r in rows if r["head_dim"] == d and bool(r["causal"]) == causal),
+                               key=lambda r: r["seqlen_q"])
+            dtype = cell_rows[0]["dtype"] if cell_rows else ""
+            ax.set_title(f"{'Causal' if causal else 'Non-causal'}, head dim {d} ({dtype})", fontsize=11)
+            if not cell_rows:
+                ax.set_axis_off()
+                continue
+            present = [n for n in impls if any(n in r.get("results", {}) for r in cell_rows)]
+            width = 0.8 / max(1, len(present))
+            top = max([r["results"][n]["tflops"] for r in cell_rows for n in present
+                       if r["results"].get(n, {}).get("tflops") is not None] or [1.0])
+            for j, n in enumerate(present):
+                xs, ys, failed = [], [], []
+                for gi, r in enumerate(cell_rows):
+                    res = r.get("results", {}).get(n)
+                    x = gi - 0.4 + width * (j + 0.5)
+                    if res is None:
+                        continue
+                    if res.get("tflops") is not None:
+                        xs.append(x)
+                        ys.append(res["tflops"])
+                    elif not str(res.get("note") or "").lower().startswith(("skipped", "unavailable")):
+                        failed.append(x)
+                bars = ax.bar(xs, ys, width * 0.95, color=colors[n], label=impl_title(n))
+                handles.setdefault(n, bars)
+                for x, y in zip(xs, ys):
+                    ax.text(x, y + top * 0.01, f"{y:.0f}", ha="center", va="bottom",
+                            fontsize=7 if len(present) > 3 else 8, rotation=90 if len(present) > 4 else 0)
+                if failed:
+                    ax.plot(failed, [top * 0.02] * len(failed), "x", color=colors[n], markersize=6)
+            ax.set_xticks(range(len(cell_rows)))
+            ax.set_xticklabels([_seqlen_label(r["seqlen_q"]) for r in cell_rows])
+            ax.set_xlabel("Sequence length")
+            ax.set_ylabel("Speed (TFLOP/s)")
+            ax.set_ylim(0, top * 1.18)
+            ax.grid(axis="y", alpha=0.3)
+            ax.set_axisbelow(True)
+    if handles:
+        fig.legend([handles[n] for n in impls if n in handles], [impl_title(n) for n in impls if n in handles],
+                   loc="lower center", ncol=min(6, len(handles)), frameon=False,
+                   bbox_to_anchor=(0.5, 0.0))
+    if title:
+        fig.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=12)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.93 if title else 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path

@@ -1,0 +1,433 @@
+"""``facodegen tune``: search the template space of one problem family and remember the winner.
+
+Pipeline (each stage records why a candidate was dropped, in ``Candidate.dropped``/``reason``):
+
+1. **enumerate** the product of the knobs in :data:`SEARCH_SPACE` for the arch (plus the default
+   spec, always);
+2. **budget**: build a :class:`KernelSpec` from each; a ``SpecError`` (shared memory, registers,
+   shape rules) drops it with the budget model's own message;
+3. **cap**: rank the survivors by their distance from the default spec (:func:`distance`: about one
+   per changed switch or stage, one per factor of two in a tile size) and keep ``max_candidates`` (48), the
+   default first; the rest are dropped as "beyond the cap";
+4. **compile** the rest with NVRTC in worker processes (``ProcessPoolExecutor``, spawn: NVRTC is
+   CPU-bound, the disk cache makes re-runs fast); a compile error, a spill (ptxas reports spill
+   stores or loads) or a ptxas C75xx warning (wgmma serialised, setmaxnreg ignored) drops it;
+5. **time** (GPU) every survivor on one input set with ``bench.time_cuda`` (warm-up, median of
+   groups), each output first checked against the float64 reference on a slice
+   (``bench._slice_check``); a failed check drops it;
+6. **final round**: the default and the fastest ``final_top`` candidates are timed again
+   ``final_reps`` times, interleaved; each one's time is the median of its rounds. The fastest
+   wins, but a candidate replaces the default only when it is at least ``min_gain`` (1%) faster
+   in the same run, so a stored config is never slower than the default it replaces; when the
+   default wins, the default is stored (the database then says "tuned: the default is best").
+
+The winner goes into the tuning database (:mod:`facodegen.tunedb`), which
+``facodegen.attention()`` reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from .spec import DEFAULT_GPU, KernelSpec, SpecError
+
+# The knobs searched per arch and why these values. Fields not listed keep the spec's defaults
+# (sm90: producer/consumer registers follow consumer_warpgroups; sm80: schedule fa2).
+SEARCH_SPACE = {
+    "sm90": {
+        # block_m = 64 x consumer warpgroups: 64, 128, 192 rows.
+        "consumer_warpgroups": (1, 2, 3),
+        # wgmma N and the TMA box: multiples of 16; below 64 the QK^T GEMM is too thin to pay for
+        # its barriers, and FA3's own table uses 80..192 for the forward pass.
+        "block_n": (64, 80, 96, 112, 128, 144, 160, 176, 192, 224),
+        # 2 = FA3's ring; 3 where the tiles leave room (short head dims).
+        "stages": (2, 3),
+        "pingpong": (True, False),
+        "intra_wg_overlap": (True, False),
+        # The ablation (docs/perf-notes.md) has non-persistent within 2-5%; searched near the default.
+        "persistent": (True, False),
+        # Own O staging buffer (next Q loads under the epilogue) vs O aliasing Q (more room for K/V).
+        "separate_o": (True, False),
+    },
+    "sm80": {
+        "block_m": (64, 128),
+        "block_n": (32, 64, 128),
+        "num_warps": (4, 8),
+        # 3 stages lose occupancy at d128 (perf notes) but may win at d64.
+        "stages": (1, 2, 3),
+        "q_in_regs": (False, True),
+    },
+}
+MAX_CANDIDATES = 48
+FINAL_TOP = 3
+FINAL_REPS = 2
+MIN_GAIN = 0.01
+_TILE_FIELDS = ("block_m", "block_n", "num_warps")
+# Distance of a changed switch (see distance()); non-persistent lost 2-5% in every ablation cell.
+_SWITCH_WEIGHTS = {"pingpong": 1.0, "intra_wg_overlap": 1.0, "persistent": 1.5, "q_in_regs": 1.0,
+                   "separate_o": 1.0, "l2_hints": 1.0}
+
+
+def _spec_field_names() -> set:
+    import dataclasses
+    return {f.name for f in dataclasses.fields(KernelSpec)}
+
+
+def search_space(arch: str) -> dict:
+    """SEARCH_SPACE[arch], less any knob this KernelSpec does not have."""
+    names = _spec_field_names()
+    return {k: v for k, v in SEARCH_SPACE[arch].items() if k in names}
+
+
+@dataclass
+class Candidate:
+    """One point of the search space and what happened to it."""
+    fields: dict                        # the knobs this candidate sets (the rest are defaults)
+    spec: KernelSpec | None = None      # None where the budget model rejected it
+    is_default: bool = False
+    distance: float = 0.0
+    dropped: str | None = None          # stage that dropped it: budget, cap, compile, spill, ptxas, check, launch
+    reason: str = ""
+    resources: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)
+    compile_s: float | None = None
+    from_cache: bool | None = None
+    err: float | None = None            # rel. Frobenius error of the slice check
+    times_ms: list = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.dropped is None
+
+    def drop(self, stage: str, reason: str) -> None:
+        self.dropped, self.reason = stage, reason
+
+    @property
+    def ms(self) -> float | None:
+        return statistics.median(self.times_ms) if self.times_ms else None
+
+    @property
+    def label(self) -> str:
+        return self.spec.variant if self.spec is not None else describe(self.fields)
+
+    def overrides(self) -> dict:
+        """Every spec field but the family ones: what a launch passes so nothing is re-derived
+        (and the tuning database is not consulted)."""
+        return {k: v for k, v in self.spec.as_dict().items() if k not in ("arch", "head_dim", "dtype", "causal")}
+
+
+def describe(fields: dict) -> str:
+    """Short text of a candidate's knobs, for specs the budget model rejected."""
+    names = {"consumer_warpgroups": "cwg", "block_m": "bm", "block_n": "bn", "num_warps": "w",
+             "stages": "st", "pingpong": "pp", "intra_wg_overlap": "ov", "persistent": "persistent",
+             "q_in_regs": "qreg"}
+    parts = []
+    for k, v in fields.items():
+        short = names.get(k, k)
+        if isinstance(v, bool):
+            parts.append(short if v else f"no-{short}")
+        else:
+            parts.append(f"{short}{v}")
+    return " ".join(parts)
+
+
+def distance(spec: KernelSpec, default: KernelSpec) -> float:
+    """How far a spec is from the default: 1 per changed switch or stage count (per stage), 1 per
+    factor of two in a tile size. The cap keeps the nearest candidates."""
+    d = 0.0
+    for name in _TILE_FIELDS:
+        a, b = getattr(spec, name), getattr(default, name)
+        d += abs(math.log2(a / b))
+    d += abs(spec.stages - default.stages)
+    for name, weight in _SWITCH_WEIGHTS.items():
+        if getattr(spec, name, None) != getattr(default, name, None):
+            d += weight
+    return round(d, 3)
+
+
+def enumerate_candidates(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str | None = None,
+                         max_candidates: int = MAX_CANDIDATES, space: dict | None = None) -> list[Candidate]:
+    """Every point of the search space, each a live candidate or dropped at 'budget' or 'cap' with
+    the reason; live ones first, in rank order (the default first, then by distance from it)."""
+    gpu = gpu or DEFAULT_GPU[arch]
+    base = dict(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, gpu=gpu)
+    default = KernelSpec(**base)
+    axes = space if space is not None else search_space(arch)
+    names = list(axes)
+    seen: dict = {}
+    out: list[Candidate] = []
+    default_cand = Candidate(fields={n: getattr(default, n) for n in names}, spec=default, is_default=True)
+    seen[default] = default_cand
+    for values in itertools.product(*(axes[n] for n in names)):
+        fields = dict(zip(names, values))
+        cand = Candidate(fields=fields)
+        try:
+            cand.spec = KernelSpec(**base, **fields)
+        except SpecError as err:
+            cand.drop("budget", str(err))
+            out.append(cand)
+            continue
+        if cand.spec in seen:       # the default, or a point another spelling already reaches
+            continue
+        seen[cand.spec] = cand
+        cand.distance = distance(cand.spec, default)
+        out.append(cand)
+    live = sorted((c for c in out if c.alive), key=lambda c: c.distance)
+    dead = [c for c in out if not c.alive]
+    keep = max(1, max_candidates) - 1
+    for c in live[keep:]:
+        c.drop("cap", f"beyond --max-candidates {max_candidates} (distance {c.distance:g} from the default)")
+    ranked = [default_cand] + live
+    return [c for c in ranked if c.alive] + [c for c in ranked if not c.alive] + dead
+
+
+# ----------------------------------------------------------------------------------------------
+# compile (CPU, worker processes)
+# ----------------------------------------------------------------------------------------------
+
+def compile_worker(spec_fields: dict, sm: str | None) -> dict:
+    """Compile one spec (runs in a worker process); what ptxas said about it, no cubin (the parent
+    reads the cubin from the disk cache when it launches)."""
+    from . import compiler
+
+    t0 = time.perf_counter()
+    try:
+        kernel = compiler.compile(KernelSpec(**spec_fields), verbose=False, sm=sm)
+    except Exception as err:  # noqa: BLE001 (reported per candidate)
+        text = str(err).strip()
+        return {"ok": False, "error": f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"[:400],
+                "seconds": time.perf_counter() - t0}
+    return {"ok": True, "resources": kernel.resources.as_dict(), "warnings": list(kernel.warnings),
+            "from_cache": kernel.from_cache, "seconds": time.perf_counter() - t0}
+
+
+def compile_verdict(resources: dict, warnings: list) -> tuple[str, str] | None:
+    """(stage, reason) when a compiled kernel should not be timed, else None."""
+    stores, loads = resources.get("spill_stores", 0), resources.get("spill_loads", 0)
+    if stores or loads:
+        return "spill", (f"spills {stores} B stores / {loads} B loads at {resources.get('registers')} registers")
+    bad = [w for w in warnings if "C75" in w]
+    if bad:
+        return "ptxas", f"ptxas: {bad[0][:300]}"
+    return None
+
+
+def compile_candidates(cands: list[Candidate], jobs: int | None = None, sm: str | None = None,
+                       on_done=None, worker=None) -> None:
+    """Compile the live candidates (``jobs`` processes; 1 = in this process) and drop those that
+    fail, spill or draw a C75xx warning. The default is never dropped here (it is the baseline),
+    but its problems are recorded in ``reason``. ``worker`` replaces :func:`compile_worker` (tests)."""
+    live = [c for c in cands if c.alive]
+    worker = worker or compile_worker
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(live) or 1))
+
+    def record(cand: Candidate, res: dict) -> None:
+        cand.compile_s = res.get("seconds")
+        if not res.get("ok"):
+            if cand.is_default:
+                cand.reason = f"default does not compile: {res.get('error')}"
+            cand.drop("compile", res.get("error", "compile failed"))
+        else:
+            cand.resources, cand.warnings = res["resources"], res["warnings"]
+            cand.from_cache = res.get("from_cache")
+            verdict = compile_verdict(cand.resources, cand.warnings)
+            if verdict is not None:
+                if cand.is_default:
+                    cand.reason = f"(kept as the baseline) {verdict[1]}"
+                else:
+                    cand.drop(*verdict)
+        if on_done is not None:
+            on_done(cand)
+
+    if jobs == 1:
+        for cand in live:
+            record(cand, worker(cand.spec.as_dict(), sm))
+        return
+    import concurrent.futures as cf
+    import multiprocessing
+
+    # spawn: the parent may hold a CUDA context (forking one is undefined); workers only need NVRTC.
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = {pool.submit(worker, c.spec.as_dict(), sm): c for c in live}
+        for fut in cf.as_completed(futures):
+            cand = futures[fut]
+            try:
+                res = fut.result()
+            except Exception as err:  # noqa: BLE001 (a worker that died)
+                res = {"ok": False, "error": f"worker failed: {type(err).__name__}: {err}"}
+            record(cand, res)
+
+
+# ----------------------------------------------------------------------------------------------
+# time (GPU)
+# ----------------------------------------------------------------------------------------------
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def time_candidates(cands: list[Candidate], c: dict, arch: str, *, timing: dict | None = None,
+                    on_done=None, final_top: int = FINAL_TOP, final_reps: int = FINAL_REPS, log=None) -> None:
+    """Check and time every live candidate on one input set, then the final round (module
+    docstring). Times land in ``Candidate.times_ms``."""
+    from . import bench
+
+    torch = bench._torch()
+    timing = timing or {}
+    (q, k, v), = bench._make_inputs(c, 1)
+    fns = {}
+    for cand in [x for x in cands if x.alive]:
+        try:
+            fn, _, _ = bench._facodegen_fn(arch, cand.overrides(), q, k, v, c["causal"])
+            o = fn()
+            torch.cuda.synchronize()
+            ok, msg, err = bench._slice_check(o, q, k, v, c["causal"], c["dtype"])
+            cand.err = err
+            if not ok:
+                cand.drop("check", f"check failed: {msg}")
+            else:
+                cand.times_ms.append(bench.time_cuda(fn, **timing)["ms"])
+                fns[id(cand)] = fn
+        except Exception as err:  # noqa: BLE001
+            cand.drop("launch", _first_line(err))
+            if log:
+                log(f"  {cand.label}: {cand.reason}")
+        if on_done is not None:
+            on_done(cand)
+    timed = [x for x in cands if x.alive and x.times_ms]
+    default = next((x for x in timed if x.is_default), None)
+    others = sorted((x for x in timed if not x.is_default), key=lambda x: x.times_ms[0])[:final_top]
+    final = ([default] if default else []) + others
+    for _ in range(final_reps):
+        for cand in final:
+            cand.times_ms.append(bench.time_cuda(fns[id(cand)], **timing)["ms"])
+    del fns
+    torch.cuda.synchronize()
+
+
+def pick_winner(cands: list[Candidate], min_gain: float = MIN_GAIN) -> tuple[Candidate | None, Candidate | None]:
+    """(winner, default) among the timed candidates: the fastest by median time, except that the
+    default is kept unless the fastest beats it by ``min_gain`` (measured in the same run)."""
+    timed = [c for c in cands if c.alive and c.times_ms]
+    default = next((c for c in timed if c.is_default), None)
+    # only candidates that were in the final round (several times) compete with the default
+    contenders = [c for c in timed if len(c.times_ms) > 1 or c.is_default] or timed
+    if not contenders:
+        return None, default
+    best = min(contenders, key=lambda c: c.ms)
+    if default is not None and best is not default and default.ms < best.ms * (1 + min_gain):
+        best = default
+    return best, default
+
+
+# ----------------------------------------------------------------------------------------------
+# tables
+# ----------------------------------------------------------------------------------------------
+
+def _knobs(spec: KernelSpec) -> str:
+    if spec.arch == "sm90":
+        return (f"{spec.block_m}x{spec.block_n} st{spec.stages} "
+                f"{'pp' if spec.pingpong else '--'} {'ov' if spec.intra_wg_overlap else '--'} "
+                f"{'pers' if spec.persistent else 'np'}")
+    return f"{spec.block_m}x{spec.block_n} w{spec.num_warps} st{spec.stages}{' qreg' if spec.q_in_regs else ''}"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip(),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def format_candidates(cands: list[Candidate], show_pruned: bool = True) -> str:
+    """The dry-run listing: live candidates in rank order, then each pruned one with its reason."""
+    live = [c for c in cands if c.alive]
+    rows = []
+    for i, c in enumerate(live, 1):
+        r = c.resources
+        res = f"{r['registers']} regs" if r else ""
+        rows.append([str(i), c.label + (" (default)" if c.is_default else ""), _knobs(c.spec),
+                     f"{c.spec.smem_bytes // 1024} KB", f"{c.distance:g}", res, c.reason])
+    out = [_table(["#", "variant", "knobs", "smem", "dist", "compiled", "note"], rows)]
+    dead = [c for c in cands if not c.alive]
+    if show_pruned and dead:
+        out.append("")
+        out.append(f"pruned ({len(dead)}):")
+        out.append(_table(["stage", "candidate", "reason"], [[c.dropped, c.label, c.reason] for c in dead]))
+    return "\n".join(out)
+
+
+def summary_counts(cands: list[Candidate]) -> dict:
+    counts = {"enumerated": len(cands), "live": sum(c.alive for c in cands)}
+    for c in cands:
+        if c.dropped:
+            counts[c.dropped] = counts.get(c.dropped, 0) + 1
+    return counts
+
+
+def format_results(cands: list[Candidate], flops: float, top: int = 10, winner: Candidate | None = None) -> str:
+    """The top ``top`` timed candidates by median time, with TFLOP/s and the ratio to the default."""
+    from .bench import tflops
+
+    timed = sorted((c for c in cands if c.alive and c.times_ms), key=lambda c: c.ms)
+    default = next((c for c in timed if c.is_default), None)
+    rows = []
+    shown = timed[:top]
+    if default is not None and default not in shown:
+        shown.append(default)
+    for i, c in enumerate(shown, 1):
+        rank = str(timed.index(c) + 1)
+        note = ", ".join(x for x in ("default" if c.is_default else "", "stored" if c is winner else "") if x)
+        rows.append([rank, c.label, _knobs(c.spec), f"{c.resources.get('registers', '?')}",
+                     f"{c.ms:.4f}", f"{tflops(flops, c.ms):.1f}",
+                     f"{default.ms / c.ms:.3f}x" if default else "–", str(len(c.times_ms)),
+                     f"{c.err:.1e}" if c.err is not None else "–", note])
+    return _table(["rank", "variant", "knobs", "regs", "ms", "TFLOP/s", "vs default", "runs", "err", ""], rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# the whole run
+# ----------------------------------------------------------------------------------------------
+
+def report(cands: list[Candidate]) -> list[dict]:
+    """JSON-ready rows of every candidate (for --report)."""
+    out = []
+    for c in cands:
+        out.append({"label": c.label, "fields": c.fields, "is_default": c.is_default, "distance": c.distance,
+                    "dropped": c.dropped, "reason": c.reason, "resources": c.resources, "warnings": c.warnings,
+                    "compile_s": c.compile_s, "from_cache": c.from_cache, "err": c.err, "times_ms": c.times_ms,
+                    "ms": c.ms})
+    return out
+
+
+def device_key(info, arch: str, head_dim: int, dtype: str, causal: bool, c: dict):
+    """The tuning-database key of this device and problem (``info`` is api.DeviceInfo)."""
+    from . import tunedb
+    from .compiler import nvrtc_identity
+
+    return tunedb.make_key(info.name, info.compute_capability, nvrtc_identity(), arch, head_dim, dtype, causal,
+                           c["seqlen_q"], c["seqlen_k"], c["batch"], c["heads_q"])
+
+
+def make_db_entry(key, winner: Candidate, default: Candidate | None, flops: float, c: dict, cands) -> dict:
+    from . import tunedb
+    from .bench import tflops
+
+    info = {
+        "variant": winner.spec.variant, "is_default": winner.is_default,
+        "ms": winner.ms, "tflops": tflops(flops, winner.ms), "err": winner.err,
+        "shape": {k: c[k] for k in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")},
+        "candidates_timed": sum(1 for x in cands if x.times_ms),
+    }
+    if default is not None:
+        info.update(default_variant=default.spec.variant, default_ms=default.ms,
+                    default_tflops=tflops(flops, default.ms), speedup=default.ms / winner.ms)
+    return tunedb.make_entry(key, winner.spec.as_dict(), **info)

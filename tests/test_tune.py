@@ -1,0 +1,379 @@
+"""facodegen tune and the tuning database, on the CPU: candidate enumeration and pruning, the
+compile step (monkeypatched, plus one real 2-process compile of small kernels), winner choice,
+the database (round trip, key separation, corrupt/foreign files, concurrent writers), the
+tuned lookup in resolve_spec (fake device), and the CLI without a GPU."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import warnings
+
+import pytest
+from click.testing import CliRunner
+
+from facodegen import api, cli, tune as T, tunedb
+from facodegen.spec import KernelSpec, SpecError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_db(tmp_path, monkeypatch):
+    """Every test gets its own database path and no remembered warnings or cached reads."""
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv(tunedb.ENV, str(path))
+    tunedb._warned.clear()
+    tunedb._cache.clear()
+    yield path
+    tunedb._cache.clear()
+
+
+# ---- enumeration and pruning ------------------------------------------------------------------
+
+SM80_SPACE = {"block_m": (64, 128, 256), "num_warps": (4, 8), "stages": (2,)}
+
+
+def test_enumeration_counts_and_budget_reasons():
+    cands = T.enumerate_candidates("sm80", 128, "bf16", False, "a100", max_candidates=48, space=SM80_SPACE)
+    assert len(cands) == 6  # 3 x 2 x 1, the default (128, 4 warps, 2 stages) among them
+    by = {(c.fields["block_m"], c.fields["num_warps"]): c for c in cands}
+    assert cands[0].is_default and cands[0].spec == KernelSpec(arch="sm80", head_dim=128, gpu="a100")
+    # 64 rows cannot be split over 8 warps of 16 rows
+    assert by[64, 8].dropped == "budget" and "multiple of 16*num_warps=128" in by[64, 8].reason
+    # 256 x 128 O accumulator over 128 threads is 256 registers alone
+    assert by[256, 4].dropped == "budget" and "registers" in by[256, 4].reason
+    # the reason is the budget model's own message
+    with pytest.raises(SpecError) as err:
+        KernelSpec(arch="sm80", head_dim=128, gpu="a100", block_m=64, num_warps=8, stages=2)
+    assert by[64, 8].reason == str(err.value)
+    live = [c for c in cands if c.alive]
+    assert {(c.spec.block_m, c.spec.num_warps) for c in live} >= {(128, 4), (64, 4), (128, 8)}
+    assert all(c.spec is None for c in cands if c.dropped == "budget")
+    assert T.summary_counts(cands)["enumerated"] == 6
+
+
+def test_cap_keeps_the_nearest_and_the_default_first():
+    cands = T.enumerate_candidates("sm80", 64, "bf16", False, "a100", max_candidates=5)
+    live = [c for c in cands if c.alive]
+    capped = [c for c in cands if c.dropped == "cap"]
+    assert len(live) == 5 and live[0].is_default and live[0].distance == 0
+    assert capped and all("--max-candidates 5" in c.reason for c in capped)
+    assert max(c.distance for c in live) <= min(c.distance for c in capped)
+    assert [c.distance for c in live] == sorted(c.distance for c in live)
+    # live first, then pruned; nothing counted twice
+    assert cands[:5] == live
+    assert len({c.spec for c in cands if c.spec is not None}) == sum(c.spec is not None for c in cands)
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_default_space_size(arch, head_dim):
+    cands = T.enumerate_candidates(arch, head_dim, "bf16", head_dim == 128, None)
+    live = [c for c in cands if c.alive]
+    assert 5 <= len(live) <= T.MAX_CANDIDATES
+    assert live[0].is_default
+    assert all(c.alive or c.dropped in ("budget", "cap") for c in cands)
+    assert all(c.reason for c in cands if not c.alive)
+    if arch == "sm90":
+        assert 30 <= len(live) <= 60
+
+
+def test_distance():
+    d = KernelSpec(arch="sm80", head_dim=128)
+    assert T.distance(d, d) == 0
+    assert T.distance(d.replace(block_n=32, stages=3), d) == 2
+    d64 = KernelSpec(arch="sm80", head_dim=64)
+    assert T.distance(KernelSpec(arch="sm80", head_dim=64, block_n=64, q_in_regs=True), d64) == 2
+
+
+# ---- compile step -----------------------------------------------------------------------------
+
+def _fake_worker(spec_fields, sm):
+    bn = spec_fields["block_n"]
+    if bn == 32:
+        return {"ok": False, "error": "CompileError: boom", "seconds": 0.0}
+    res = {"registers": 200, "spill_stores": 8 if spec_fields["stages"] == 1 else 0, "spill_loads": 0}
+    warns = ["ptxas warning : C7510 wgmma serialized"] if spec_fields["q_in_regs"] else []
+    return {"ok": True, "resources": res, "warnings": warns, "from_cache": False, "seconds": 0.0}
+
+
+def test_compile_step_drops_errors_spills_and_c75_warnings():
+    cands = T.enumerate_candidates("sm80", 64, "bf16", False, "a100", max_candidates=48)
+    seen = []
+    T.compile_candidates(cands, jobs=1, worker=_fake_worker, on_done=seen.append)
+    assert len(seen) == 48
+    for c in seen:
+        f = c.spec
+        if c.is_default:
+            assert c.alive
+        elif f.block_n == 32:
+            assert c.dropped == "compile" and "boom" in c.reason
+        elif f.stages == 1:
+            assert c.dropped == "spill" and "8 B stores" in c.reason
+        elif f.q_in_regs:
+            assert c.dropped == "ptxas" and "C7510" in c.reason
+        else:
+            assert c.alive and c.resources["registers"] == 200
+
+
+def test_compile_verdict():
+    assert T.compile_verdict({"spill_stores": 0, "spill_loads": 0}, ["ptxas info: fine"]) is None
+    assert T.compile_verdict({"spill_stores": 0, "spill_loads": 4}, [])[0] == "spill"
+    assert T.compile_verdict({}, ["ptxas warning : (C7508) setmaxnreg ignored"])[0] == "ptxas"
+
+
+@pytest.mark.slow
+def test_real_compile_in_two_processes(fresh_cache):
+    """Two small sm80 kernels through the spawn pool: resources come back, the cache is filled."""
+    cands = T.enumerate_candidates("sm80", 64, "fp16", False, "a100", max_candidates=2)
+    T.compile_candidates(cands, jobs=2)
+    live = [c for c in cands if c.alive]
+    assert len(live) == 2
+    for c in live:
+        assert c.resources["registers"] > 0 and c.compile_s is not None
+    assert len(list(fresh_cache.glob("*.cubin"))) == 2
+
+
+# ---- winner choice ----------------------------------------------------------------------------
+
+def _timed(cands, times):
+    live = [c for c in cands if c.alive]
+    for c, t in zip(live, times):
+        c.times_ms = list(t)
+    return live
+
+
+def test_pick_winner_keeps_the_default_unless_clearly_faster():
+    cands = T.enumerate_candidates("sm80", 64, "bf16", False, "a100", max_candidates=3)
+    live = _timed(cands, [[1.00, 1.00, 1.00], [0.995, 0.995, 0.995], [0.90]])
+    winner, default = T.pick_winner(cands)
+    # live[2] ran once only (not in the final round): it does not compete; live[1] is < 1% faster
+    assert default is live[0] and winner is live[0]
+    live[1].times_ms = [0.95, 0.96, 0.94]
+    winner, _ = T.pick_winner(cands)
+    assert winner is live[1]
+    flops = 1e12
+    table = T.format_results(cands, flops, top=5, winner=winner)
+    assert "stored" in table and "default" in table and "1.053x" in table
+
+
+# ---- database ---------------------------------------------------------------------------------
+
+def _key(**changes):
+    args = dict(gpu_name="NVIDIA H200", compute_capability=(9, 0), nvrtc="13.0", arch="sm90", head_dim=128,
+                dtype="bf16", causal=False, seqlen_q=4096, seqlen_k=4096, batch=4, heads_q=16)
+    args.update(changes)
+    return tunedb.make_key(**args)
+
+
+def _entry(key, epoch=1.0, **spec):
+    return tunedb.make_entry(key, {"block_n": 128, **spec}, variant="v", tflops=500.0, default_tflops=450.0,
+                             tuned_at_epoch=epoch)
+
+
+def test_buckets():
+    assert tunedb.pow2_bucket(4096) == 4096 and tunedb.pow2_bucket(3000) == 4096
+    assert tunedb.pow2_bucket(2500) == 2048 and tunedb.pow2_bucket(1) == 1
+    assert _key(seqlen_q=3500, seqlen_k=5000) == _key()
+    assert _key(batch=2, heads_q=32) == _key()
+    assert _key(batch=8) != _key()
+
+
+def test_round_trip(_fresh_db):
+    key = _key()
+    entry = _entry(key, stages=3)
+    counts = tunedb.put(entry)
+    assert counts == {"added": 1, "replaced": 0, "kept": 0}
+    got = tunedb.lookup(key)
+    assert got["spec"] == {"block_n": 128, "stages": 3} and got["tflops"] == 500.0
+    data = json.loads(_fresh_db.read_text())
+    assert data["format"] == tunedb.FORMAT and data["version"] == tunedb.VERSION
+    # family and gpu fields are never stored in the spec
+    e2 = tunedb.make_entry(key, KernelSpec(arch="sm90", head_dim=128).as_dict())
+    assert not set(e2["spec"]) & set(tunedb.NOT_STORED)
+
+
+@pytest.mark.parametrize("change", [dict(gpu_name="NVIDIA H100 80GB HBM3"), dict(compute_capability=(8, 0)),
+                                    dict(nvrtc="13.1"), dict(arch="sm80"), dict(head_dim=64), dict(dtype="fp16"),
+                                    dict(causal=True), dict(seqlen_q=8192, seqlen_k=8192), dict(seqlen_k=1024),
+                                    dict(batch=64)])
+def test_keys_do_not_collide(change):
+    base, other = _key(), _key(**change)
+    assert base != other and str(base) != str(other)
+    tunedb.put(_entry(base, block_n=64))
+    tunedb.put(_entry(other, block_n=96))
+    assert tunedb.lookup(base)["spec"]["block_n"] == 64
+    assert tunedb.lookup(other)["spec"]["block_n"] == 96
+
+
+def test_merge_newer_wins(_fresh_db):
+    key = _key()
+    tunedb.put(_entry(key, epoch=10.0, stages=3))
+    assert tunedb.put(_entry(key, epoch=5.0, stages=1)) == {"added": 0, "replaced": 0, "kept": 1}
+    assert tunedb.lookup(key)["spec"]["stages"] == 3
+    assert tunedb.put(_entry(key, epoch=20.0, stages=2))["replaced"] == 1
+    assert tunedb.lookup(key)["spec"]["stages"] == 2
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps([1, 2]), json.dumps({"format": "other", "version": 1}),
+                                  json.dumps({"format": tunedb.FORMAT, "version": 99, "entries": {}})])
+def test_corrupt_or_foreign_file_is_ignored_with_a_warning(_fresh_db, text):
+    _fresh_db.write_text(text)
+    with pytest.warns(tunedb.TuneDBWarning, match="ignoring"):
+        assert tunedb.lookup(_key()) is None
+    # a write moves it aside and starts a new database
+    tunedb.put(_entry(_key()))
+    assert tunedb.lookup(_key()) is not None
+    assert list(_fresh_db.parent.glob("tuned.json.bad-*"))
+
+
+def test_lookup_caches_by_mtime(_fresh_db, monkeypatch):
+    tunedb.put(_entry(_key()))
+    calls = []
+    real = tunedb.read
+    monkeypatch.setattr(tunedb, "read", lambda p=None: calls.append(p) or real(p))
+    for _ in range(5):
+        assert tunedb.lookup(_key()) is not None
+    assert len(calls) == 1
+    tunedb.put(_entry(_key(batch=64)))
+    assert tunedb.lookup(_key(batch=64)) is not None and len(calls) == 2
+
+
+def test_turned_off(monkeypatch):
+    monkeypatch.setenv(tunedb.ENV, "off")
+    assert tunedb.default_path() is None and tunedb.lookup(_key()) is None
+
+
+def _writer(path, i, n):
+    for j in range(n):
+        key = _key(batch=2 ** (i + 1), heads_q=1, seqlen_q=2 ** (j + 4), seqlen_k=2 ** (j + 4))
+        tunedb.put(_entry(key, epoch=float(j)), path)
+
+
+def test_concurrent_writers_lose_nothing(_fresh_db):
+    procs, n = 4, 6
+    ctx = multiprocessing.get_context("spawn")
+    workers = [ctx.Process(target=_writer, args=(str(_fresh_db), i, n)) for i in range(procs)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    assert len(tunedb.read(_fresh_db)) == procs * n
+    assert not list(_fresh_db.parent.glob(".tuned.json.*.tmp"))
+
+
+def test_export_import(tmp_path, _fresh_db):
+    tunedb.put(_entry(_key()))
+    tunedb.put(_entry(_key(causal=True)))
+    dest = tmp_path / "team.json"
+    assert tunedb.export(dest) == 2
+    other = tmp_path / "other.json"
+    assert tunedb.import_file(dest, other) == {"added": 2, "replaced": 0, "kept": 0}
+    assert tunedb.read(other) == tunedb.read(_fresh_db)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.warns(tunedb.TuneDBWarning), pytest.raises(ValueError):
+        tunedb.import_file(bad, other)
+
+
+# ---- attention's lookup (resolve_spec on a fake device) ---------------------------------------
+
+H200 = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+SHAPE = (4, 4096, 4096, 16)   # batch, seqlen_q, seqlen_k, heads_q
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    monkeypatch.setattr(api, "device_info", lambda ordinal: H200)
+    monkeypatch.setattr(api.compile_mod, "nvrtc_identity", lambda: "13.0 (test)")
+
+
+def _store_tuned(**spec):
+    key = tunedb.make_key(H200.name, H200.compute_capability, "13.0 (test)", "sm90", 128, "bf16", False,
+                          4096, 4096, 4, 16)
+    tunedb.put(tunedb.make_entry(key, spec, variant="tuned"))
+
+
+def test_resolve_spec_prefers_a_tuned_entry(fake_device):
+    default = api.resolve_spec(128, "bf16", False, 0, shape=SHAPE)
+    assert default == KernelSpec(arch="sm90", head_dim=128, gpu="h200")
+    _store_tuned(block_n=112, pingpong=False, stages=2)
+    tuned = api.resolve_spec(128, "bf16", False, 0, shape=SHAPE)
+    assert (tuned.block_n, tuned.pingpong) == (112, False)
+    # same bucket: a nearby shape gets it; other buckets, families and no shape do not
+    assert api.resolve_spec(128, "bf16", False, 0, shape=(2, 3500, 3500, 32)).block_n == 112
+    assert api.resolve_spec(128, "bf16", False, 0, shape=(4, 16384, 16384, 16)) == default
+    assert api.resolve_spec(128, "bf16", True, 0, shape=SHAPE) == KernelSpec(arch="sm90", head_dim=128,
+                                                                               causal=True, gpu="h200")
+    assert api.resolve_spec(128, "bf16", False, 0) == default
+
+
+def test_resolve_spec_user_fields_win(fake_device):
+    _store_tuned(block_n=112, pingpong=False, stages=2)
+    spec = api.resolve_spec(128, "bf16", False, 0, shape=SHAPE, pingpong=True)
+    assert spec.pingpong is True and spec.block_n == 112
+    # a user field that does not fit with the tuned ones: the defaults + the user's field
+    _store_tuned(consumer_warpgroups=1, block_n=192)
+    assert api.resolve_spec(128, "bf16", False, 0, shape=SHAPE).block_m == 64
+    spec = api.resolve_spec(128, "bf16", False, 0, shape=SHAPE, pingpong=True)
+    assert spec == KernelSpec(arch="sm90", head_dim=128, gpu="h200", pingpong=True)
+
+
+def test_resolve_spec_survives_a_bad_entry(fake_device):
+    _store_tuned(no_such_field=1)
+    assert api.resolve_spec(128, "bf16", False, 0, shape=SHAPE) == KernelSpec(arch="sm90", head_dim=128, gpu="h200")
+
+
+# ---- CLI without a GPU ------------------------------------------------------------------------
+
+def _no_gpu(monkeypatch):
+    from facodegen import compiler
+    monkeypatch.setattr(compiler, "gpu_available", lambda: (False, "no CUDA GPU (test)"))
+
+
+def test_cli_tune_dry_run():
+    result = CliRunner().invoke(cli.main, ["tune", "--dry-run", "--arch", "sm80", "--head-dim", "128"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert "72 enumerated" in first and "budget" in first
+    assert "(default)" in result.output and "pruned (" in result.output and "registers" in result.output
+
+
+def test_cli_tune_dry_run_compile(monkeypatch, tmp_path):
+    monkeypatch.setattr(T, "compile_worker", _fake_worker)
+    report = tmp_path / "r.json"
+    result = CliRunner().invoke(cli.main, ["tune", "--dry-run", "--compile", "-j", "1", "--arch", "sm80",
+                                           "--head-dim", "64", "--report", str(report)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "spill" in result.output and "C7510" in result.output
+    rows = json.loads(report.read_text())["candidates"]
+    assert {r["dropped"] for r in rows} >= {None, "budget", "compile", "spill", "ptxas"}
+
+
+def test_cli_tune_needs_a_gpu(monkeypatch):
+    _no_gpu(monkeypatch)
+    result = CliRunner().invoke(cli.main, ["tune", "--arch", "sm90"])
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output and "--dry-run" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_bench_suite_needs_a_gpu(monkeypatch):
+    _no_gpu(monkeypatch)
+    result = CliRunner().invoke(cli.main, ["bench", "--suite", "quick"])
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    result = CliRunner().invoke(cli.main, ["bench", "--arch", "both"])
+    assert result.exit_code == 2
+
+
+def test_cli_show_export_import(tmp_path, _fresh_db):
+    tunedb.put(_entry(_key()))
+    runner = CliRunner()
+    result = runner.invoke(cli.main, ["tune", "--show"], catch_exceptions=False)
+    assert result.exit_code == 0 and "1 entries" in result.output and "sm90-hd128-bf16-full" in result.output
+    dest = tmp_path / "x.json"
+    assert runner.invoke(cli.main, ["tune", "--export", str(dest)]).exit_code == 0
+    other = tmp_path / "o.json"
+    result = runner.invoke(cli.main, ["tune", "--db", str(other), "--import", str(dest), "--show"])
+    assert result.exit_code == 0 and "1 added" in result.output and "1 entries" in result.output
