@@ -60,6 +60,13 @@ def implementations(rows: list[dict]) -> list[str]:
     return [n for n in names if not is_facodegen(n)] + [n for n in names if is_facodegen(n)]
 
 
+def _ran(result: dict | None) -> bool:
+    if not result:
+        return False
+    return result.get("tflops") is not None or not str(result.get("note") or "").lower().startswith(
+        ("skipped", "unavailable"))
+
+
 def plot_rows(rows: list[dict], path, title: str | None = None, subtitle: str | None = None,
               dpi: int = 110) -> Path:
     """Draw the figure for ``rows`` to ``path`` (PNG, or whatever the suffix says); returns the path."""
@@ -87,7 +94,8 @@ def plot_rows(rows: list[dict], path, title: str | None = None, subtitle: str | 
             if not cell_rows:
                 ax.set_axis_off()
                 continue
-            present = [n for n in impls if any(n in r.get("results", {}) for r in cell_rows)]
+            # bars for what ran in this panel (timed or failed); "unavailable"/"skipped" take no slot
+            present = [n for n in impls if any(_ran(r.get("results", {}).get(n)) for r in cell_rows)]
             width = 0.8 / max(1, len(present))
             top = max([r["results"][n]["tflops"] for r in cell_rows for n in present
                        if r["results"].get(n, {}).get("tflops") is not None] or [1.0])
@@ -103,8 +111,8 @@ def plot_rows(rows: list[dict], path, title: str | None = None, subtitle: str | 
                         ys.append(res["tflops"])
                     elif not str(res.get("note") or "").lower().startswith(("skipped", "unavailable")):
                         failed.append(x)
-                bars = ax.bar(xs, ys, width * 0.95, color=colors[n], label=impl_title(n))
-                handles.setdefault(n, bars)
+                ax.bar(xs, ys, width * 0.95, color=colors[n], label=impl_title(n))
+                handles.setdefault(n, colors[n])
                 for x, y in zip(xs, ys):
                     ax.text(x, y + top * 0.01, f"{y:.0f}", ha="center", va="bottom",
                             fontsize=7 if len(present) > 3 else 8, rotation=90 if len(present) > 4 else 0)
@@ -118,12 +126,14 @@ def plot_rows(rows: list[dict], path, title: str | None = None, subtitle: str | 
             ax.grid(axis="y", alpha=0.3)
             ax.set_axisbelow(True)
     if handles:
-        fig.legend([handles[n] for n in impls if n in handles], [impl_title(n) for n in impls if n in handles],
+        from matplotlib.patches import Patch
+        fig.legend([Patch(color=handles[n]) for n in impls if n in handles],
+                   [impl_title(n) for n in impls if n in handles],
                    loc="lower center", ncol=min(6, len(handles)), frameon=False,
                    bbox_to_anchor=(0.5, 0.0))
     if title:
         fig.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=12)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.93 if title else 1))
+    fig.tight_layout(rect=(0, 0.05, 1, 0.95 if title else 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
