@@ -22,6 +22,7 @@ _SPEC_FLAGS = {
     "block_n": "block_n", "warps": "num_warps", "stages": "stages", "causal": "causal",
     "gpu": "gpu", "q_in_regs": "q_in_regs", "pingpong": "pingpong", "overlap": "intra_wg_overlap",
     "persistent": "persistent", "consumer_warpgroups": "consumer_warpgroups",
+    "separate_o": "separate_o", "l2_hints": "l2_hints",
 }
 
 
@@ -60,6 +61,9 @@ def spec_options(command, arch_choices=ARCHS):
         click.option("--regs", metavar="P/C", callback=_parse_regs, help="sm90: setmaxnreg producer/consumer, e.g. 24/240."),
         click.option("--persistent/--no-persistent", default=None, help="sm90: one CTA per SM with a tile scheduler."),
         click.option("--consumer-warpgroups", type=int, help="sm90: consumer warpgroups (block_m = 64 x this)."),
+        click.option("--separate-o/--o-aliases-q", "separate_o", default=None,
+                     help="sm90: O staging tile in its own shared-memory buffer (default: when it fits)."),
+        click.option("--l2-hints/--no-l2-hints", default=None, help="sm90: L2 eviction hints on TMA loads."),
     ]
     for option in reversed(options):
         command = option(command)

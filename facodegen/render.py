@@ -52,7 +52,9 @@ def emit_command(spec: KernelSpec) -> str:
         flags += ["--pingpong" if spec.pingpong else "--no-pingpong",
                   "--overlap" if spec.intra_wg_overlap else "--no-overlap",
                   f"--regs {spec.producer_regs}/{spec.consumer_regs}",
-                  "--persistent" if spec.persistent else "--no-persistent"]
+                  "--persistent" if spec.persistent else "--no-persistent",
+                  "--separate-o" if spec.separate_o else "--o-aliases-q",
+                  "--l2-hints" if spec.l2_hints else "--no-l2-hints"]
     return "facodegen emit " + " ".join(flags)
 
 

@@ -13,10 +13,18 @@ Shared memory (bytes, per CTA; E = bytes per element):
   staging tile in the epilogue) plus a ``stages``-deep ring of K and V tiles,
   ``stages * 2 * block_n*d*E``. cp.async writes straight into the ring, so there is
   no extra staging buffer.
-* sm90 (FlashAttention-3 schedule): Q tile ``block_m*d*E`` (the O staging tile of the
-  epilogue aliases it, as FlashAttention-3 aliases O onto V) plus ``stages`` K tiles and
-  ``stages`` V tiles (``stages * 2 * block_n*d*E``), plus 1 KB for mbarriers and the
-  1024-byte alignment of 128B-swizzled tiles.
+* sm90 (FlashAttention-3 schedule): Q tile ``block_m*d*E``, an O staging tile of the same
+  size when ``separate_o`` (else O aliases Q), plus ``stages`` K tiles and ``stages`` V tiles
+  (``stages * 2 * block_n*d*E``), plus 1 KB for mbarriers and the 1024-byte alignment of
+  128B-swizzled tiles. ``separate_o`` defaults to on exactly when it fits: with its own O
+  buffer the consumers release Q after their last Q K^T (the next tile's Q loads under the
+  last P V and the epilogue) and the epilogue's TMA store runs under the next tile's GEMMs
+  (it is waited for only before the O buffer is rewritten); with O aliasing Q the next Q
+  waits for this tile's O store to leave shared memory (a bubble per tile; measured 18%
+  behind FlashAttention-3 at seqlen 1k, docs/perf-notes.md). That trade is why the hdim128
+  default is 128x160 (Q 32K + O 32K + 2x(K+V) of 160 rows = 224K) and not FA3's 128x176,
+  which fits only with O aliased. hdim256 (Q 64K + O 64K + 2x(K+V) of 80 rows = 288K) cannot
+  have its own O buffer.
 
 The seed's ``compute_block_size`` compared an element count with a byte budget and
 left out the pipeline stages; both mistakes are why the terms above are all in bytes
@@ -108,21 +116,26 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
         stages = 2 if 128 * head_dim * 2 + 2 * 2 * 64 * head_dim * 2 <= smem else 1
         return Tiles(128, 64, 8, stages, why="FA2 hdim192/256: 128x64, 8 warps")
     # sm90: FlashAttention-3's tile_size_fwd_sm90 (kernel-facts 2.1), 2-stage K/V rings.
+    # Pingpong is off for causal: measured on the H200 (docs/perf-notes.md, v1 ablation) it
+    # costs 6% at d128 s8k causal (572 vs 607 TFLOP/s) and 3% at s1k: the masked diagonal
+    # blocks make the two warpgroups' softmax steps uneven, so each waits for the other's turn.
+    pingpong = not causal
     if head_dim <= 64:
         # 3 consumer warpgroups x 64 rows. FA3's 192x192 keeps P in shared memory (SS PV
         # GEMM); with P in registers 160 registers hold S and P only up to block_n=128.
-        return Tiles(192, 128, 16, 2, consumer_warpgroups=3, pingpong=True,
+        return Tiles(192, 128, 16, 2, consumer_warpgroups=3, pingpong=pingpong,
                      intra_wg_overlap=True, why="FA3 hdim64 causal tile: 192x128")
     if head_dim <= 96:
         # FA3 uses 192x144 with P in shared memory; with P in registers 3 warpgroups of 160
         # registers are too few, so 2 warpgroups as for hdim128.
-        return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=True,
+        return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=pingpong,
                      intra_wg_overlap=True, why="hdim96: 128x128, 2 consumer warpgroups")
     if head_dim <= 128:
-        # 128x176 nearly fills 227 KB with 2 stages (Q 32K + 2x(K+V) of 176 rows = 176K).
-        bn = 128 if causal else 176
-        return Tiles(128, bn, 12, 2, consumer_warpgroups=2, pingpong=True,
-                     intra_wg_overlap=True, why="FA3 hdim128: 128x176 / causal 128x128")
+        # 128x160 with its own O buffer fills 225 KB (Q 32K + O 32K + 2x(K+V) of 160 rows);
+        # FA3's 128x176 fits only with O aliasing Q (see the budget model above).
+        bn = 128 if causal else 160
+        return Tiles(128, bn, 12, 2, consumer_warpgroups=2, pingpong=pingpong,
+                     intra_wg_overlap=True, why="hdim128: 128x160 + own O buffer / causal 128x128")
     if head_dim <= 192:
         return Tiles(128, 112, 12, 2, consumer_warpgroups=2, pingpong=False,
                      intra_wg_overlap=True, why="FA3 hdim192: 128x112")
@@ -151,7 +164,9 @@ class KernelSpec:
     sm90 only: ``consumer_warpgroups`` (block_m = 64 x this), ``pingpong`` (named-barrier
     scheduling between consumer warpgroups), ``intra_wg_overlap`` (issue the next QK^T
     before this step's softmax), ``producer_regs``/``consumer_regs`` (setmaxnreg split),
-    ``persistent`` (one CTA per SM with a tile scheduler).
+    ``persistent`` (one CTA per SM with a tile scheduler), ``separate_o`` (the epilogue's O
+    staging tile has its own shared-memory buffer instead of aliasing Q; default: on when it
+    fits), ``l2_hints`` (TMA loads carry L2 eviction hints: K/V evict-last, Q evict-first).
     """
 
     arch: str = "sm80"
@@ -171,6 +186,8 @@ class KernelSpec:
     producer_regs: int | None = None
     consumer_regs: int | None = None
     persistent: bool | None = None
+    separate_o: bool | None = None
+    l2_hints: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -187,9 +204,9 @@ class KernelSpec:
             fill.update(block_m=tiles.block_m, block_n=tiles.block_n, num_warps=tiles.num_warps,
                         stages=tiles.stages, q_in_regs=tiles.q_in_regs, consumer_warpgroups=0,
                         pingpong=False, intra_wg_overlap=False, producer_regs=0,
-                        consumer_regs=0, persistent=False)
+                        consumer_regs=0, persistent=False, separate_o=False, l2_hints=False)
             for name in ("consumer_warpgroups", "pingpong", "intra_wg_overlap",
-                         "producer_regs", "consumer_regs", "persistent"):
+                         "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints"):
                 if getattr(self, name) not in (None, 0, False):
                     raise SpecError(name, f"is an sm90 knob; arch=sm80 does not use it")
         else:
@@ -201,7 +218,17 @@ class KernelSpec:
             fill.update(block_m=64 * cwg, block_n=tiles.block_n, num_warps=4 * (cwg + 1),
                         stages=tiles.stages, q_in_regs=False, consumer_warpgroups=cwg,
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
-                        producer_regs=producer, consumer_regs=consumer, persistent=True)
+                        producer_regs=producer, consumer_regs=consumer, persistent=True,
+                        l2_hints=True)
+            for name in ("separate_o", "l2_hints"):     # 0/1 from command lines and scripts
+                if type(getattr(self, name)) is int and getattr(self, name) in (0, 1):
+                    object.__setattr__(self, name, bool(getattr(self, name)))
+            if self.separate_o is None:
+                # Own O buffer exactly when it fits the budget with the other knobs as resolved.
+                trial = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in fill.items()}
+                dims = (trial["block_m"], trial["block_n"], trial["stages"])
+                fill["separate_o"] = all(isinstance(x, int) for x in dims) and _sm90_smem(
+                    *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True) <= GPUS[gpu].smem_per_block
             if self.q_in_regs:
                 raise SpecError("q_in_regs", "is an sm80 knob; sm90 reads Q from shared memory by wgmma")
         for name, value in fill.items():
@@ -240,6 +267,10 @@ class KernelSpec:
                 parts.append("ov")
             if not self.persistent:
                 parts.append("np")
+            if self.separate_o:
+                parts.append("so")
+            if not self.l2_hints:
+                parts.append("nol2")
         if self.causal:
             parts.append("causal")
         return "_".join(parts)
@@ -269,7 +300,14 @@ def smem_bytes(spec: KernelSpec) -> int:
     kv_ring = spec.stages * 2 * spec.block_n * spec.head_dim * e
     if spec.arch == "sm80":
         return q_tile + kv_ring
-    return q_tile + kv_ring + SM90_BARRIER_BYTES
+    return _sm90_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, e, spec.separate_o)
+
+
+def _sm90_smem(block_m: int, block_n: int, stages: int, head_dim: int, e: int, separate_o: bool) -> int:
+    """sm90: Q tile, O tile when separate_o, K and V rings, barriers + alignment slack."""
+    q_tile = block_m * head_dim * e
+    o_tile = q_tile if separate_o else 0
+    return q_tile + o_tile + stages * 2 * block_n * head_dim * e + SM90_BARRIER_BYTES
 
 
 def register_estimate(spec: KernelSpec) -> int:
@@ -324,6 +362,9 @@ def _validate(spec: KernelSpec) -> None:
             raise SpecError("block_n", f"block_n={spec.block_n} must be a multiple of 16 in [16, 256] (wgmma N, TMA box)")
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
+        for name in ("separate_o", "l2_hints"):
+            if not isinstance(getattr(spec, name), bool):
+                raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
         if spec.pingpong and spec.consumer_warpgroups < 2:
             raise SpecError("pingpong", "pingpong needs consumer_warpgroups >= 2")
         for name in ("producer_regs", "consumer_regs"):
@@ -345,7 +386,8 @@ def _validate(spec: KernelSpec) -> None:
         raise SpecError("stages", (
             f"the tiles need {need} bytes of shared memory (block_m={spec.block_m}, block_n={spec.block_n}, "
             f"stages={spec.stages}, head_dim={spec.head_dim}), over the {limits.smem_per_block} bytes one block "
-            f"may use on {spec.gpu}: lower stages, block_n or block_m"))
+            f"may use on {spec.gpu}: lower stages, block_n or block_m"
+            + (", or set separate_o=False (O aliases Q)" if spec.arch == "sm90" and spec.separate_o else "") + ")"))
 
 
 def default_spec(arch: str = "sm80", head_dim: int = 128, dtype: str = "bf16", causal: bool = False,

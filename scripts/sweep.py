@@ -42,7 +42,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
     for item in filter(None, rest.split(",")):
         key, value = item.split("=")
         fields[key] = value if key in ("gpu", "dtype") else int(value)
-    for key in ("pingpong", "intra_wg_overlap", "persistent", "q_in_regs"):
+    for key in ("pingpong", "intra_wg_overlap", "persistent", "q_in_regs", "separate_o", "l2_hints"):
         if key in fields:
             fields[key] = bool(fields[key])
     return arch, fields

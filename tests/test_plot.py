@@ -98,3 +98,18 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path):
         plot.plot_rows(synthetic_rows("quick"), tmp_path / "x.png")
     paths = bench.write_results(synthetic_rows("quick"), tmp_path, "q")
     assert paths["png"] is None and "facodegen[plot]" in paths["plot_error"] and paths["csv"].exists()
+
+
+def test_cli_replot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from click.testing import CliRunner
+
+    from facodegen import cli
+
+    src = tmp_path / "dev"
+    bench.write_results(synthetic_rows("quick"), src, "bench-quick-bf16", env={"gpu": "H200"}, plot=False)
+    out = tmp_path / "here"
+    result = CliRunner().invoke(cli.main, ["bench", "--replot", str(src / "bench-quick-bf16.json"), "--out", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert (out / "bench-quick-bf16.png").stat().st_size > 0 and "facodegen-sm90" in result.output

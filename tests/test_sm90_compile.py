@@ -26,6 +26,10 @@ SPECS = [
     K(head_dim=128, block_n=128, stages=3, dtype="fp16"),
     K(head_dim=96, consumer_warpgroups=1, block_n=176, stages=1, dtype="fp16"),
     K(head_dim=64, consumer_warpgroups=3, block_n=64, intra_wg_overlap=False),
+    # O aliasing Q vs its own buffer, L2 hints off, pingpong on the dynamic (causal) scheduler
+    K(head_dim=128, block_n=176), K(head_dim=128, separate_o=False, l2_hints=False),
+    K(head_dim=128, causal=True, pingpong=True, separate_o=False),
+    K(head_dim=64, causal=True, intra_wg_overlap=False, l2_hints=False),
 ]
 
 

@@ -91,10 +91,12 @@ def test_defaults_fit_their_budgets():
 
 def test_sm90_defaults_follow_fa3_table():
     spec = KernelSpec(arch="sm90", head_dim=128)
-    assert (spec.block_m, spec.block_n, spec.consumer_warpgroups, spec.stages) == (128, 176, 2, 2)
+    # 128x160 with its own O buffer (FA3's 128x176 fits only with O aliasing Q)
+    assert (spec.block_m, spec.block_n, spec.consumer_warpgroups, spec.stages) == (128, 160, 2, 2)
     assert (spec.producer_regs, spec.consumer_regs) == (24, 240)
-    assert spec.pingpong and spec.intra_wg_overlap and spec.persistent
-    assert KernelSpec(arch="sm90", head_dim=128, causal=True).block_n == 128
+    assert spec.pingpong and spec.intra_wg_overlap and spec.persistent and spec.separate_o and spec.l2_hints
+    causal = KernelSpec(arch="sm90", head_dim=128, causal=True)
+    assert causal.block_n == 128 and not causal.pingpong and causal.separate_o
     assert KernelSpec(arch="sm90", head_dim=256).block_n == 80
     three = KernelSpec(arch="sm90", head_dim=64)
     assert (three.block_m, three.consumer_warpgroups, three.consumer_regs) == (192, 3, 160)
@@ -104,10 +106,26 @@ def test_variant_names_are_unique_and_stable():
     names = [s.variant for s in default_specs()]
     assert len(names) == len(set(names))
     assert KernelSpec(arch="sm90", head_dim=128).variant == \
-        "flash_fwd_sm90_bf16_hd128_bm128_bn176_w12_st2_r24x240_pp_ov"
+        "flash_fwd_sm90_bf16_hd128_bm128_bn160_w12_st2_r24x240_pp_ov_so"
 
 
 def test_replace_rederives_defaults():
     spec = KernelSpec(arch="sm90", head_dim=128)
     assert spec.replace(head_dim=256).block_n == 80
     assert spec.replace(block_n=128).block_n == 128
+
+
+def test_sm90_separate_o_is_derived_from_the_budget():
+    # Q 32K + O 32K + 2 x (K + V) of 160 rows + 1K = 230400 bytes: fits 227 KB
+    spec = KernelSpec(arch="sm90", head_dim=128)
+    assert spec.separate_o
+    assert smem_bytes(spec) == 32768 + 32768 + 2 * 2 * 160 * 128 * 2 + 1024
+    # 176 rows fit only with O aliasing Q; hdim256 never has room for its own O tile
+    assert not KernelSpec(arch="sm90", head_dim=128, block_n=176).separate_o
+    assert not KernelSpec(arch="sm90", head_dim=256).separate_o
+    with pytest.raises(SpecError) as err:
+        KernelSpec(arch="sm90", head_dim=128, block_n=176, separate_o=True)
+    assert err.value.field == "stages" and "separate_o=False" in str(err.value)
+    with pytest.raises(SpecError) as err:
+        KernelSpec(arch="sm80", separate_o=True)
+    assert err.value.field == "separate_o"
