@@ -321,9 +321,16 @@ def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     _check_lse(lsev, qv)
 
     counter = _tile_counter(qv.device)
+    # schedule=fa1 (loop_order=kv_outer) keeps O, m, l in an fp32 workspace between K/V blocks: one per
+    # call, (batch*heads_q*seqlen_q*(head_dim+2)) floats, kept alive by the PreparedAttention.
+    n_workspace = workspace_floats(spec, batch, heads_q, seqlen_q, head_dim)
+    workspace = _empty(qv, (n_workspace,), "float32") if n_workspace else None
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
-                              counter.data.ptr, float(softmax_scale))
-    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse)
+                              counter.data.ptr, float(softmax_scale),
+                              workspace_ptr=_view("workspace", workspace).ptr if workspace is not None else 0)
+    prepared = PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse)
+    prepared._workspace = workspace
+    return prepared
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,

@@ -672,3 +672,32 @@ def write_results(rows: list[dict], out_dir, stem: str, env: dict | None = None,
         except (PlotUnavailable, ValueError) as err:
             paths["plot_error"] = str(err)
     return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# the evolution suite: FlashAttention-1 -> 2 -> 3 on one GPU (issue 7, docs/evolution.md)
+# ----------------------------------------------------------------------------------------------
+
+def evolution_grid(dtype: str = "bf16") -> list[dict]:
+    """head_dim 128, non-causal, seqlen 512..16k, twice: 16k tokens per batch (batch = 16384/seqlen)
+    and batch 1, both with 16 heads (hidden 2048). At batch 1 FlashAttention-1's batch x heads
+    parallelism has 16 CTAs for the whole GPU; FA2's grid over Q blocks fills it."""
+    return ([cell(128, False, s, 16384 // s, 16, dtype) for s in FA3_SEQLENS]
+            + [cell(128, False, s, 1, 16, dtype) for s in FA3_SEQLENS])
+
+
+# facodegen variants of the evolution suite, as sweep.py variants (arch:field=value,...): FA1's
+# schedule, each FA2 idea switched on alone, all of them in the fa1 template, the fa2 kernel, the
+# sm90 (FA3) kernel.
+EVOLUTION_VARIANTS = (
+    "sm80:schedule=fa1",
+    "sm80:schedule=fa1,loop_order=q_outer",
+    "sm80:schedule=fa1,warp_split=q",
+    "sm80:schedule=fa1,rescale=once",
+    "sm80:schedule=fa1,loop_order=q_outer,warp_split=q,rescale=once",
+    "sm80:",
+    "sm90:",
+)
+
+GRIDS["evolution"] = evolution_grid
+SUITES["evolution"] = evolution_grid

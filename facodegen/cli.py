@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default_specs
+from .spec import ARCHS, DTYPES, FA1_SWITCHES, GPUS, HEAD_DIMS, SCHEDULES, KernelSpec, SpecError, default_specs
 
 # flag value -> KernelSpec field, for the flags that map one to one.
 _SPEC_FLAGS = {
@@ -22,6 +22,7 @@ _SPEC_FLAGS = {
     "block_n": "block_n", "warps": "num_warps", "stages": "stages", "causal": "causal",
     "gpu": "gpu", "q_in_regs": "q_in_regs", "pingpong": "pingpong", "overlap": "intra_wg_overlap",
     "persistent": "persistent", "consumer_warpgroups": "consumer_warpgroups",
+    "schedule": "schedule", "loop_order": "loop_order", "warp_split": "warp_split", "rescale": "rescale",
     "separate_o": "separate_o", "l2_hints": "l2_hints",
 }
 
@@ -56,6 +57,14 @@ def spec_options(command, arch_choices=ARCHS):
         click.option("--causal/--no-causal", default=None, help="Bottom-right aligned causal mask."),
         click.option("--gpu", type=click.Choice(tuple(GPUS)), help="Whose limits the budget model applies."),
         click.option("--q-in-regs/--q-in-smem", "q_in_regs", default=None, help="sm80: keep Q fragments in registers."),
+        click.option("--schedule", type=click.Choice(SCHEDULES),
+                     help="sm80: fa2 (default) or fa1 (FlashAttention-1's schedule, templates/sm80/flash_fwd_fa1.cu.j2)."),
+        click.option("--loop-order", type=click.Choice(FA1_SWITCHES["loop_order"]),
+                     help="fa1: kv_outer (FA1: one CTA per batch x head, O/m/l in global memory) or q_outer (FA2)."),
+        click.option("--warp-split", type=click.Choice(FA1_SWITCHES["warp_split"]),
+                     help="fa1: kv (FA1: warps split the keys, exchange through shared memory) or q (FA2)."),
+        click.option("--rescale", type=click.Choice(FA1_SWITCHES["rescale"]),
+                     help="fa1: every_step (FA1: O normalised every K/V block) or once (FA2)."),
         click.option("--pingpong/--no-pingpong", default=None, help="sm90: ping-pong scheduling of consumer warpgroups."),
         click.option("--overlap/--no-overlap", default=None, help="sm90: overlap the next QK^T with this softmax."),
         click.option("--regs", metavar="P/C", callback=_parse_regs, help="sm90: setmaxnreg producer/consumer, e.g. 24/240."),

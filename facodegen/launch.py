@@ -32,16 +32,29 @@ def grid(spec: KernelSpec, batch: int, heads_q: int, seqlen_q: int, num_sms: int
     num_m_blocks = math.ceil(seqlen_q / spec.block_m)
     if spec.arch == "sm90" and spec.persistent:
         return (min(num_m_blocks * heads_q * batch, num_sms), 1, 1)
+    if needs_workspace(spec):
+        return (1, heads_q, batch)   # FlashAttention-1: one CTA per (batch, head)
     return (num_m_blocks, heads_q, batch)
 
 
+def needs_workspace(spec: KernelSpec) -> bool:
+    """FlashAttention-1's loop order keeps O, m and l in global memory between K/V blocks."""
+    return spec.arch == "sm80" and spec.schedule == "fa1" and spec.loop_order == "kv_outer"
+
+
+def workspace_floats(spec: KernelSpec, batch: int, heads_q: int, seqlen_q: int, head_dim: int) -> int:
+    """fp32 elements of ``p.workspace``: O (head_dim floats), m and l per query row; 0 if unused."""
+    return batch * heads_q * seqlen_q * (head_dim + 2) if needs_workspace(spec) else 0
+
+
 def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand, lse_ptr: int,
-                tile_counter_ptr: int, softmax_scale: float) -> bytes:
+                tile_counter_ptr: int, softmax_scale: float, workspace_ptr: int = 0) -> bytes:
     batch, seqlen_q, heads_q, _ = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
     num_m_blocks = math.ceil(seqlen_q / spec.block_m)
     values = {
         "q": q.ptr, "k": k.ptr, "v": v.ptr, "o": o.ptr, "lse": lse_ptr, "tile_counter": tile_counter_ptr,
+        "workspace": workspace_ptr,
         "batch": batch, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "heads_q": heads_q, "heads_kv": heads_kv,
         "num_m_blocks": num_m_blocks, "num_tiles": num_m_blocks * heads_q * batch,
         "softmax_scale": softmax_scale, "scale_log2": softmax_scale * LOG2E,

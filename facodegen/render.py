@@ -48,6 +48,9 @@ def emit_command(spec: KernelSpec) -> str:
         flags.append("--causal")
     if spec.arch == "sm80":
         flags.append("--q-in-regs" if spec.q_in_regs else "--q-in-smem")
+        if spec.schedule != "fa2":
+            flags += [f"--schedule {spec.schedule}", f"--loop-order {spec.loop_order}",
+                      f"--warp-split {spec.warp_split}", f"--rescale {spec.rescale}"]
     else:
         flags += ["--pingpong" if spec.pingpong else "--no-pingpong",
                   "--overlap" if spec.intra_wg_overlap else "--no-overlap",
@@ -80,7 +83,7 @@ def context(spec: KernelSpec) -> dict:
 
 def emit(spec: KernelSpec) -> str:
     """The CUDA source of one kernel: byte-identical for equal specs."""
-    name = f"{spec.arch}/flash_fwd.cu.j2"
+    name = f"{spec.arch}/flash_fwd_fa1.cu.j2" if spec.schedule == "fa1" else f"{spec.arch}/flash_fwd.cu.j2"
     try:
         return environment().get_template(name).render(**context(spec))
     except jinja2.TemplateSyntaxError as err:

@@ -49,7 +49,29 @@ ARCHS = ("sm80", "sm90")
 HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = ("fp16", "bf16")
 ELEMENT_BYTES = {"fp16": 2, "bf16": 2}
-SCHEDULES = ("fa2",)
+SCHEDULES = ("fa2", "fa1")
+# The finer switches of the fa1 template (templates/sm80/flash_fwd_fa1.cu.j2), each isolating one
+# idea of FlashAttention-2 (kernel spec field -> choices, FA1's choice first):
+#   loop_order  kv_outer: one CTA per (batch, head), K/V blocks outside, Q blocks inside, O/m/l in
+#                         global memory between K/V blocks (FA1 Algorithm 1)
+#               q_outer:  grid also over Q blocks, K/V blocks inside, O/m/l in registers (FA2's
+#                         sequence parallelism)
+#   warp_split  kv:       warps split the K/V columns of S; row max/sum and O combined across warps
+#                         through shared memory (FA1's "split-K")
+#               q:        warps split the Q rows; no cross-warp exchange (FA2)
+#   rescale     every_step: O kept normalised, divided by the row sum after every K/V block (FA1)
+#               once:       O unnormalised, divided by the row sum once at the end (FA2)
+# schedule=fa1 takes FA1's choices unless told otherwise; schedule=fa2 (and sm90) is FA2's choices
+# and rejects any other value.
+FA1_SWITCHES = {
+    "loop_order": ("kv_outer", "q_outer"),
+    "warp_split": ("kv", "q"),
+    "rescale": ("every_step", "once"),
+}
+FA1_CHOICES = {name: choices[0] for name, choices in FA1_SWITCHES.items()}
+FA2_CHOICES = {name: choices[1] for name, choices in FA1_SWITCHES.items()}
+# Variant-name tokens of the switches flipped away from FA1's choice.
+FA1_SWITCH_TOKENS = {"loop_order": "qouter", "warp_split": "splitq", "rescale": "once"}
 
 # Per-GPU limits the budget model needs. smem_per_block is the opt-in maximum of
 # dynamic shared memory for one block (cudaDevAttrMaxSharedMemoryPerBlockOptin).
@@ -159,7 +181,10 @@ class KernelSpec:
     model applies: a100, h100, h200).
 
     sm80 only: ``q_in_regs`` (keep Q fragments in registers instead of re-reading shared
-    memory every K/V step), ``schedule`` (fa2).
+    memory every K/V step), ``schedule`` (fa2 | fa1: FlashAttention-1's schedule, in its own
+    template), and for schedule=fa1 the switches that each flip one FA1 choice to FA2's:
+    ``loop_order`` (kv_outer | q_outer), ``warp_split`` (kv | q), ``rescale`` (every_step | once);
+    see FA1_SWITCHES.
 
     sm90 only: ``consumer_warpgroups`` (block_m = 64 x this), ``pingpong`` (named-barrier
     scheduling between consumer warpgroups), ``intra_wg_overlap`` (issue the next QK^T
@@ -180,6 +205,9 @@ class KernelSpec:
     gpu: str | None = None
     q_in_regs: bool | None = None
     schedule: str = "fa2"
+    loop_order: str | None = None
+    warp_split: str | None = None
+    rescale: str | None = None
     consumer_warpgroups: int | None = None
     pingpong: bool | None = None
     intra_wg_overlap: bool | None = None
@@ -194,11 +222,15 @@ class KernelSpec:
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("schedule", self.schedule, SCHEDULES)
+        _resolve_schedule(self)
         if not isinstance(self.causal, bool):
             raise SpecError("causal", f"must be True or False, got {self.causal!r}")
         gpu = self.gpu if self.gpu is not None else DEFAULT_GPU[self.arch]
         _check_choice("gpu", gpu, tuple(GPUS))
-        tiles = default_tiles(self.arch, self.head_dim, self.dtype, self.causal, gpu)
+        if self.schedule == "fa1":
+            tiles = fa1_tiles(self.head_dim, self.warp_split)
+        else:
+            tiles = default_tiles(self.arch, self.head_dim, self.dtype, self.causal, gpu)
         fill = {"gpu": gpu}
         if self.arch == "sm80":
             fill.update(block_m=tiles.block_m, block_n=tiles.block_n, num_warps=tiles.num_warps,
@@ -259,6 +291,8 @@ class KernelSpec:
                 parts.append("qreg")
             if self.schedule != "fa2":
                 parts.append(self.schedule)
+            if self.schedule == "fa1":
+                parts += [FA1_SWITCH_TOKENS[name] for name, fa1 in FA1_CHOICES.items() if getattr(self, name) != fa1]
         else:
             parts.append(f"r{self.producer_regs}x{self.consumer_regs}")
             if self.pingpong:
@@ -282,10 +316,65 @@ class KernelSpec:
         change of head_dim, say, picks that head_dim's default tiles."""
         given = {k: v for k, v in self.as_dict().items() if k in ("arch", "head_dim", "dtype", "causal", "gpu", "schedule")}
         given.update(changes)
+        if self.schedule == "fa1" and given.get("schedule") == "fa1":
+            for name in FA1_SWITCHES:   # the schedule's switches go with it
+                given.setdefault(name, getattr(self, name))
         return KernelSpec(**given)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def fa1_tiles(head_dim: int, warp_split: str) -> Tiles:
+    """Default tiles of the fa1 template (one K/V buffer, no ring: stages=1).
+
+    warp_split=kv is FlashAttention-1's own choice (its fmha kernel traits for d<=128: 128 keys
+    per K/V block split over 4 warps, Q in 16-row steps): every warp holds all 16 rows, so its O
+    partial is 16 x d (d/2 floats a thread). block_n drops to 64 for d>=192 so K, V and the fp32
+    exchange buffer fit the A100's 163 KB. warp_split=q: 4 warps x 16 rows, block_n 128 (32 for
+    d>=192, where each warp's 16 x d O accumulator already takes d/2 registers)."""
+    if warp_split == "kv":
+        block_n = 128 if head_dim <= 128 else 64
+        return Tiles(16, block_n, 4, 1, why="FA1 fmha: 16-row Q steps, K/V split over 4 warps")
+    # d>=192: block_n=64 spills (ptxas, hd256 q_outer); 32 keeps the same 16 keys per warp as kv
+    block_n = 128 if head_dim <= 128 else 32
+    return Tiles(64, block_n, 4, 1, why="fa1 template, warps split Q: 4 warps x 16 rows")
+
+
+def _resolve_schedule(spec: "KernelSpec") -> None:
+    """Check schedule and the fa1 switches; fill the switches (FA1's choices for schedule=fa1,
+    FA2's for schedule=fa2 and for sm90, which accept nothing else)."""
+    if spec.arch != "sm80" and spec.schedule != "fa2":
+        raise SpecError("schedule", f"schedule={spec.schedule} is an sm80 schedule; arch={spec.arch} runs "
+                                    f"its own (FlashAttention-3) schedule: use schedule=fa2 or arch=sm80")
+    for name, choices in FA1_SWITCHES.items():
+        value = getattr(spec, name)
+        if value is not None:
+            _check_choice(name, value, choices)
+        if spec.schedule == "fa1":
+            fill = FA1_CHOICES[name]
+        else:
+            fill = FA2_CHOICES[name]
+            if value is not None and value != fill:
+                where = "arch=sm90" if spec.arch != "sm80" else "schedule=fa2"
+                raise SpecError(name, f"{name}={value} is a knob of the fa1 schedule; {where} always uses "
+                                      f"{name}={fill}: set schedule=fa1 (arch=sm80) to flip it")
+        if value is None:
+            object.__setattr__(spec, name, fill)
+    if spec.schedule == "fa1":
+        if spec.stages not in (None, 1):
+            raise SpecError("stages", f"stages={spec.stages}: the fa1 template has one K and one V buffer "
+                                      f"(no ring); use stages=1")
+        if spec.q_in_regs:
+            raise SpecError("q_in_regs", "the fa1 template reads Q from shared memory; use q_in_regs=False")
+
+
+def fa1_exchange_bytes(spec: "KernelSpec") -> int:
+    """fp32 shared memory of warp_split=kv: per warp a BLOCK_M x d O partial plus the row max and
+    row sum of its keys, and two per-row factors (the O update of loop_order=kv_outer)."""
+    if spec.schedule != "fa1" or spec.warp_split != "kv":
+        return 0
+    return 4 * (spec.num_warps * spec.block_m * (spec.head_dim + 2) + 2 * spec.block_m)
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -299,7 +388,7 @@ def smem_bytes(spec: KernelSpec) -> int:
     q_tile = spec.block_m * spec.head_dim * e
     kv_ring = spec.stages * 2 * spec.block_n * spec.head_dim * e
     if spec.arch == "sm80":
-        return q_tile + kv_ring
+        return q_tile + kv_ring + fa1_exchange_bytes(spec)
     return _sm90_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, e, spec.separate_o)
 
 
@@ -312,6 +401,11 @@ def _sm90_smem(block_m: int, block_n: int, stages: int, head_dim: int, e: int, s
 
 def register_estimate(spec: KernelSpec) -> int:
     """Live 32-bit registers per (consumer) thread; see the module docstring."""
+    if spec.arch == "sm80" and spec.schedule == "fa1" and spec.warp_split == "kv":
+        # every warp holds all block_m rows of its block_n/num_warps keys
+        o_acc = spec.block_m * spec.head_dim // 32
+        s_acc = spec.block_m * (spec.block_n // spec.num_warps) // 32
+        return o_acc + s_acc + REG_OVERHEAD["sm80"]
     if spec.arch == "sm80":
         threads = spec.threads
         rows = spec.block_m
@@ -334,9 +428,18 @@ def _validate(spec: KernelSpec) -> None:
     if spec.arch == "sm80":
         if spec.num_warps not in (1, 2, 4, 8, 16):
             raise SpecError("num_warps", f"num_warps={spec.num_warps} must be 1, 2, 4, 8 or 16")
-        rows = 16 * spec.num_warps
-        if spec.block_m % rows:
-            raise SpecError("block_m", f"block_m={spec.block_m} must be a multiple of 16*num_warps={rows}")
+        if spec.schedule == "fa1" and spec.warp_split == "kv":
+            # every warp owns all rows and block_n/num_warps keys (whole k16 slabs of P V)
+            if spec.block_m % 16:
+                raise SpecError("block_m", f"block_m={spec.block_m} must be a multiple of 16 (warp_split=kv)")
+            keys = 16 * spec.num_warps
+            if spec.block_n % keys or not 16 <= spec.block_n <= 256:
+                raise SpecError("block_n", f"block_n={spec.block_n} must be a multiple of 16*num_warps={keys} "
+                                           f"in [16, 256] (warp_split=kv: each warp takes whole 16-key slabs)")
+        else:
+            rows = 16 * spec.num_warps
+            if spec.block_m % rows:
+                raise SpecError("block_m", f"block_m={spec.block_m} must be a multiple of 16*num_warps={rows}")
         if spec.block_n % 16 or not 16 <= spec.block_n <= 256:
             raise SpecError("block_n", f"block_n={spec.block_n} must be a multiple of 16 in [16, 256]")
         if spec.block_m > 256:

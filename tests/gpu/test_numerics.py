@@ -167,6 +167,14 @@ NON_DEFAULT = [
     ("sm90", 256, "fp16", False, {"persistent": False}),
     ("sm90", 128, "bf16", False, {"consumer_warpgroups": 1}),
     ("sm90", 128, "bf16", True, {"stages": 3}),
+    # schedule=fa1 (FlashAttention-1) and each of its switches flipped alone (issue 7)
+    ("sm80", 128, "bf16", False, {"schedule": "fa1"}),
+    ("sm80", 128, "bf16", True, {"schedule": "fa1"}),
+    ("sm80", 64, "fp16", True, {"schedule": "fa1", "loop_order": "q_outer"}),
+    ("sm80", 128, "bf16", True, {"schedule": "fa1", "warp_split": "q"}),
+    ("sm80", 96, "fp16", False, {"schedule": "fa1", "rescale": "once"}),
+    ("sm80", 256, "bf16", True, {"schedule": "fa1", "loop_order": "q_outer", "warp_split": "q", "rescale": "once"}),
+    ("sm80", 192, "fp16", False, {"schedule": "fa1", "warp_split": "q", "rescale": "once"}),
 ]
 
 
