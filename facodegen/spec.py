@@ -133,6 +133,13 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
             return Tiles(128, 128, 4, 2, why="FA2 hdim64: 128x128, 4 warps")
         if head_dim <= 128:
             return Tiles(128, 64, 4, 2, why="FA2 hdim96/128: 128x64, 4 warps")
+        # hdim256 where two 64x64 CTAs with one K/V stage fit an SM (96 KB each: H100/H200, not
+        # the A100's 163 KB): FA2's H100 choice (kernel-facts 1.1), 64x64, 4 warps of 16 rows.
+        # Two independent CTAs per SM keep one CTA's MMAs running through the other's softmax and
+        # barriers; measured on the H200 (docs/perf-notes.md, sm80 v2) vs 128x64/8w/2 stages
+        # (one 192 KB CTA per SM): causal s1k 255 vs 229, s4k 293 vs 275, non-causal s8k 323 vs 323.
+        if head_dim == 256 and 2 * (64 + 2 * 64) * head_dim * 2 <= smem:
+            return Tiles(64, 64, 4, 1, why="FA2 hdim256 on H100: 64x64, 4 warps, 2 CTAs/SM")
         # hdim 192/256: 8 warps of 16 rows each, so the O accumulator (16 x d per warp, d/2
         # floats per thread) fits in 255 registers; 2 stages where the GPU has the room.
         stages = 2 if 128 * head_dim * 2 + 2 * 2 * 64 * head_dim * 2 <= smem else 1

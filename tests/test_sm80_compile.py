@@ -85,3 +85,15 @@ def test_emit_is_deterministic_and_self_contained():
         assert f'extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)\n{spec.variant}(' in a
         assert f"constexpr int  BLOCK_M    = {spec.block_m};" in a
         assert f"constexpr int  SMEM_BYTES = {spec.smem_bytes};" in a
+
+
+# The H200 runs the sm80 kernel compiled for sm_90 (a cubin's machine code only loads on its own
+# major version), with the h200 budget's defaults (hd256: 64x64, 4 warps): ptxas must not spill there.
+H200_DEFAULTS = [KernelSpec(arch="sm80", head_dim=d, dtype="bf16", causal=c, gpu="h200")
+                 for d in (64, 128, 256) for c in (False, True)]
+
+
+@pytest.mark.parametrize("spec", H200_DEFAULTS, ids=lambda s: s.variant)
+def test_h200_defaults_compile_for_sm90_without_spills(spec):
+    r = compiler.compile(spec, sm="sm_90").resources
+    assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), spec.variant
