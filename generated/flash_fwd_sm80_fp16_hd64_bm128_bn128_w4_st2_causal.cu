@@ -15,13 +15,18 @@
 //   gpu                  = a100
 //   head_dim             = 64
 //   intra_wg_overlap     = False
+//   l2_hints             = False
+//   loop_order           = q_outer
 //   num_warps            = 4
 //   persistent           = False
 //   pingpong             = False
 //   producer_regs        = 0
 //   q_in_regs            = False
+//   rescale              = once
 //   schedule             = fa2
+//   separate_o           = False
 //   stages               = 2
+//   warp_split           = q
 //   (shared memory)      = 81920 bytes
 //   (threads)            = 128
 //
@@ -52,31 +57,32 @@ struct FlashParams {
     elem_t*          o;                 // @24: O (batch, seqlen_q, heads_q, head_dim)
     float*           lse;               // @32: row log-sum-exp, natural log, (batch, heads_q, seqlen_q) contiguous
     int*             tile_counter;      // @40: work counter of the dynamic tile scheduler (zeroed before launch)
-    long long        q_batch_stride;    // @48: q stride between batchs, in elements
-    long long        q_row_stride;      // @56: q stride between rows, in elements
-    long long        q_head_stride;     // @64: q stride between heads, in elements
-    long long        k_batch_stride;    // @72: k stride between batchs, in elements
-    long long        k_row_stride;      // @80: k stride between rows, in elements
-    long long        k_head_stride;     // @88: k stride between heads, in elements
-    long long        v_batch_stride;    // @96: v stride between batchs, in elements
-    long long        v_row_stride;      // @104: v stride between rows, in elements
-    long long        v_head_stride;     // @112: v stride between heads, in elements
-    long long        o_batch_stride;    // @120: o stride between batchs, in elements
-    long long        o_row_stride;      // @128: o stride between rows, in elements
-    long long        o_head_stride;     // @136: o stride between heads, in elements
-    int              batch;             // @144: batch size
-    int              seqlen_q;          // @148: query sequence length
-    int              seqlen_k;          // @152: key/value sequence length
-    int              heads_q;           // @156: query heads
-    int              heads_kv;          // @160: key/value heads (divides heads_q: GQA/MQA)
-    int              num_m_blocks;      // @164: ceil(seqlen_q / BLOCK_M)
-    int              num_tiles;         // @168: num_m_blocks * heads_q * batch
-    float            softmax_scale;     // @172: scale applied to Q K^T (default 1/sqrt(head_dim))
-    float            scale_log2;        // @176: softmax_scale * log2(e): exp(x*scale) = exp2(x*scale_log2)
+    float*           workspace;         // @48: fp32 O, m, l between K/V blocks (sm80 schedule=fa1, loop_order=kv_outer; else 0)
+    long long        q_batch_stride;    // @56: q stride between batchs, in elements
+    long long        q_row_stride;      // @64: q stride between rows, in elements
+    long long        q_head_stride;     // @72: q stride between heads, in elements
+    long long        k_batch_stride;    // @80: k stride between batchs, in elements
+    long long        k_row_stride;      // @88: k stride between rows, in elements
+    long long        k_head_stride;     // @96: k stride between heads, in elements
+    long long        v_batch_stride;    // @104: v stride between batchs, in elements
+    long long        v_row_stride;      // @112: v stride between rows, in elements
+    long long        v_head_stride;     // @120: v stride between heads, in elements
+    long long        o_batch_stride;    // @128: o stride between batchs, in elements
+    long long        o_row_stride;      // @136: o stride between rows, in elements
+    long long        o_head_stride;     // @144: o stride between heads, in elements
+    int              batch;             // @152: batch size
+    int              seqlen_q;          // @156: query sequence length
+    int              seqlen_k;          // @160: key/value sequence length
+    int              heads_q;           // @164: query heads
+    int              heads_kv;          // @168: key/value heads (divides heads_q: GQA/MQA)
+    int              num_m_blocks;      // @172: ceil(seqlen_q / BLOCK_M)
+    int              num_tiles;         // @176: num_m_blocks * heads_q * batch
+    float            softmax_scale;     // @180: scale applied to Q K^T (default 1/sqrt(head_dim))
+    float            scale_log2;        // @184: softmax_scale * log2(e): exp(x*scale) = exp2(x*scale_log2)
 };
 // The host packs these bytes from facodegen/params.py (offsets listed above each field
 // are the natural-alignment ones); NVRTC has no offsetof, so size and alignment are checked.
-static_assert(sizeof(FlashParams) == 184, "FlashParams size must match facodegen/params.py");
+static_assert(sizeof(FlashParams) == 192, "FlashParams size must match facodegen/params.py");
 static_assert(alignof(FlashParams) == 8, "FlashParams alignment must match facodegen/params.py");
 // ---- PTX wrappers shared by the kernels: shared-memory addresses, cp.async, ldmatrix,
 // ---- mma.sync m16n8k16, 128-bit shared/global moves, fast exp2 / log2 ----
@@ -317,15 +323,24 @@ static_assert(Q_TILE_BYTES + 2 * STAGES * KV_TILE_BYTES == SMEM_BYTES,
               "shared memory = Q tile + STAGES x (K tile + V tile), as facodegen/spec.py budgets it");
 static_assert(M_SLABS * N_TILES * 4 + M_SLABS * D_TILES * 4 <= 224, "S and O accumulators must fit in registers");
 
-// k16 steps of Q K^T unrolled together. The reduction over head_dim indexes no register array,
-// so it need not be unrolled fully; bounding it bounds how many ldmatrix results ptxas keeps in
-// flight next to the S and O accumulators (full unrolling spills at 192 accumulator floats).
-constexpr int S_K16_UNROLL = Q_IN_REGS ? HEAD_DIM / 16 : (M_SLABS >= 4 ? 2 : 1);
-
 // Loop order of P V: keys outer (P fragments die one k16 slice at a time: needed when P is
 // large, BLOCK_N = 128) or head_dim outer (fits better with BLOCK_N <= 64, e.g. hd128 128x64).
 // Both are correct; the choice only changes how ptxas schedules and whether 255 registers do.
 constexpr bool PV_KEYS_OUTER = BLOCK_N >= 128;
+
+// k16 slices of Q K^T unrolled together (the loop over head_dim indexes no register array, so
+// it need not be unrolled fully). Unrolled slices let ptxas read K/Q fragments of later slices
+// under the MMAs of earlier ones, but each slice in flight holds ldmatrix results next to the S
+// and O accumulators. Chosen by the per-thread S accumulator size (ptxas 12.x, sm_80 and sm_90,
+// 255 registers): 128 floats (hd64 128x128) leave room for one slice only, 64 (hd128 128x64)
+// for 4 (8 spills), 32 or fewer (16 rows per warp: hd192/256 8 warps) for all of them; 4 slabs
+// per warp hold 4 Q fragments per slice: 2.
+constexpr int S_ACC_FLOATS = M_SLABS * N_TILES * 4;
+constexpr int S_K16_UNROLL = Q_IN_REGS ? HEAD_DIM / 16
+                           : S_ACC_FLOATS >= 128 ? 1
+                           : M_SLABS >= 4 ? 2
+                           : S_ACC_FLOATS >= 64 ? (HEAD_DIM / 16 < 4 ? HEAD_DIM / 16 : 4)
+                           : HEAD_DIM / 16;
 
 // ---- shared-memory tile layout ----
 // A tile is rows x HEAD_DIM elements, rows stored densely (ROW_BYTES apart). Logical 16-byte
@@ -386,11 +401,12 @@ constexpr int LOAD_THREADS = LOAD_ROWS_PER_PASS * ROW_CHUNKS;   // threads that 
 static_assert(LOAD_ROWS_PER_PASS >= 1, "one pass must cover at least one row");
 
 // Issue the copy of rows [row_begin, row_begin + ROWS) of a matrix at `src` (rows `row_stride`
-// elements apart) into the swizzled tile at shared address `dst`. Rows >= row_end are
-// zero-filled and not read, so a partial tile never brings garbage (or NaN) into the MMAs.
-// (Everything per thread is derived from row_begin, which changes every call, so the compiler
-// cannot hoist per-pass rows or 64-bit offsets into registers held across the main loop.)
-template <int ROWS>
+// elements apart) into the swizzled tile at shared address `dst`. With CHECK_ROWS, rows >= row_end
+// are zero-filled and not read, so a partial tile never brings garbage (or NaN) into the MMAs;
+// without it (every K/V block but the first one visited) each pass is one pointer add and one
+// cp.async. (Everything per thread is derived from row_begin, which changes every call, so the
+// compiler cannot hoist per-pass rows or 64-bit offsets into registers held across the main loop.)
+template <int ROWS, bool CHECK_ROWS>
 __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, long long row_stride, int row_begin,
                                           int row_end) {
     const int tid = thread_pos().tid;
@@ -401,11 +417,19 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, long 
     const elem_t* tile = src + row_begin * row_stride;
     const elem_t* from = src + (row_begin + row0) * row_stride + chunk * 8;
     const long long pass_stride = LOAD_ROWS_PER_PASS * row_stride;
+    const uint32_t to = dst + tile_offset(row0, chunk);   // with whole 8-row passes: + k * pass bytes
 #pragma unroll
     for (int k = 0; k < (ROWS + LOAD_ROWS_PER_PASS - 1) / LOAD_ROWS_PER_PASS; ++k) {
         if (ROWS % LOAD_ROWS_PER_PASS == 0 || row0 + k * LOAD_ROWS_PER_PASS < ROWS) {
-            const bool valid = k * LOAD_ROWS_PER_PASS < rows_left;
-            cp_async_16(dst + tile_offset(row0 + k * LOAD_ROWS_PER_PASS, chunk), valid ? from : tile, valid ? 16 : 0);
+            const uint32_t to_k = LOAD_ROWS_PER_PASS % 8 == 0   // swizzle(row) has period 8 rows
+                                      ? to + k * LOAD_ROWS_PER_PASS * ROW_BYTES
+                                      : dst + tile_offset(row0 + k * LOAD_ROWS_PER_PASS, chunk);
+            if (CHECK_ROWS) {
+                const bool valid = k * LOAD_ROWS_PER_PASS < rows_left;
+                cp_async_16(to_k, valid ? from : tile, valid ? 16 : 0);
+            } else {
+                cp_async_16(to_k, from, 16);
+            }
         }
         from += pass_stride;
     }
@@ -471,18 +495,26 @@ flash_fwd_sm80_fp16_hd64_bm128_bn128_w4_st2_causal(const __grid_constant__ Flash
     auto load_k = [&](int n, int stage) {
         if (n >= 0) {
             const elem_t* k_head = p.k + opaque(batch) * p.k_batch_stride + opaque(kv_head) * p.k_head_stride;
-            load_tile<BLOCK_N>(k_smem0 + stage * KV_TILE_BYTES, k_head, p.k_row_stride, n * BLOCK_N, seqlen_k);
+            if (n * BLOCK_N + BLOCK_N <= seqlen_k) {
+                load_tile<BLOCK_N, false>(k_smem0 + stage * KV_TILE_BYTES, k_head, p.k_row_stride, n * BLOCK_N, seqlen_k);
+            } else {
+                load_tile<BLOCK_N, true>(k_smem0 + stage * KV_TILE_BYTES, k_head, p.k_row_stride, n * BLOCK_N, seqlen_k);
+            }
         }
     };
     auto load_v = [&](int n, int stage) {
         if (n >= 0) {
             const elem_t* v_head = p.v + opaque(batch) * p.v_batch_stride + opaque(kv_head) * p.v_head_stride;
-            load_tile<BLOCK_N>(v_smem0 + stage * KV_TILE_BYTES, v_head, p.v_row_stride, n * BLOCK_N, seqlen_k);
+            if (n * BLOCK_N + BLOCK_N <= seqlen_k) {
+                load_tile<BLOCK_N, false>(v_smem0 + stage * KV_TILE_BYTES, v_head, p.v_row_stride, n * BLOCK_N, seqlen_k);
+            } else {
+                load_tile<BLOCK_N, true>(v_smem0 + stage * KV_TILE_BYTES, v_head, p.v_row_stride, n * BLOCK_N, seqlen_k);
+            }
         }
     };
     constexpr int IN_FLIGHT = 2 * STAGES - 2;
 
-    load_tile<BLOCK_M>(q_smem, p.q + batch * p.q_batch_stride + head * p.q_head_stride, p.q_row_stride, row_begin,
+    load_tile<BLOCK_M, true>(q_smem, p.q + batch * p.q_batch_stride + head * p.q_head_stride, p.q_row_stride, row_begin,
                        seqlen_q);
     load_k(n_blocks - 1, 0);
     cp_async_commit();
