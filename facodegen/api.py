@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from . import compiler as compile_mod
-from .launch import Operand, grid, launch_prepared, pack_params
+from .launch import Operand, grid, launch_prepared, pack_params, workspace_floats
 from .spec import HEAD_DIMS, KernelSpec, SpecError
 
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -269,9 +269,11 @@ class PreparedAttention:
     stream current at call time. Reuse it to keep host work off a hot loop (the spec, the
     compiled kernel, the FlashParams bytes and the tensor maps are built once)."""
 
-    def __init__(self, spec: KernelSpec, q: _View, out, lse_out, param_bytes: bytes, return_lse: bool):
+    def __init__(self, spec: KernelSpec, q: _View, out, lse_out, param_bytes: bytes, return_lse: bool,
+                 workspace=None):
         import ctypes
         self.spec = spec
+        self._workspace = workspace  # fa1's fp32 O/m/l scratch, which param_bytes points into
         self.out, self.lse_out, self._return_lse = out, lse_out, return_lse
         self._q = q
         self._prepared = _prepare(spec, q.device)
@@ -328,9 +330,7 @@ def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
                               counter.data.ptr, float(softmax_scale),
                               workspace_ptr=_view("workspace", workspace).ptr if workspace is not None else 0)
-    prepared = PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse)
-    prepared._workspace = workspace
-    return prepared
+    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, workspace)
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,

@@ -325,7 +325,7 @@ def _check_with_reference(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv,
             "O": msg_o, "LSE": msg_l, "passed": ok_o and ok_l}
 
 
-SUITE_NAMES = ("fa3-paper", "quick", "sm80")   # facodegen.bench.SUITES (kept import-light here)
+SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution")   # facodegen.bench.SUITES (kept import-light here)
 
 
 @main.command()
@@ -344,7 +344,10 @@ SUITE_NAMES = ("fa3-paper", "quick", "sm80")   # facodegen.bench.SUITES (kept im
               show_default=True, help="--suite: folder for bench-<suite>-<dtype>.{md,csv,json,png}.")
 @click.option("--budget-s", type=float, help="--suite: stop timing new cells after this many seconds.")
 @click.option("--no-plot", is_flag=True, help="--suite: skip the PNG.")
-def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, out_dir, budget_s, no_plot):
+@click.option("--replot", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="Redraw the table, CSV and PNG of a --suite JSON into --out (no GPU; e.g. where the GPU "
+                   "machine had no matplotlib).")
+def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, out_dir, budget_s, no_plot, replot):
     """Time a kernel (CUDA events) against its peers and print a table (GPU).
 
     With --suite, time facodegen and every importable peer (FlashAttention-3 from
@@ -361,6 +364,9 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, o
       facodegen bench --suite fa3-paper --dtype bf16 --arch both --out results/
       facodegen bench --suite quick
     """
+    if replot is not None:
+        _bench_replot(replot, out_dir)
+        return
     if suite is not None:
         _require_gpu("bench")
         _bench_suite(spec_fields, suite, peers, out_dir, budget_s, no_plot)
@@ -384,6 +390,26 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, o
     if peers is not None:
         extra["peers"] = tuple(p.strip() for p in peers.split(",") if p.strip())
     _echo_result(run(spec, seqlen=seqlen, batch=batch, heads=heads, **extra))
+
+
+def _bench_replot(path: Path, out_dir: Path) -> None:
+    import json
+
+    from . import bench as B
+
+    try:
+        data = json.loads(path.read_text())
+        rows, env = data["rows"], data.get("env", {})
+    except (ValueError, KeyError, TypeError) as err:
+        raise UsageFailure(f"--replot: {path} is not a `bench --suite` JSON file ({err})") from None
+    dtype = rows[0]["dtype"] if rows else "bf16"
+    stem = path.stem if path.parent.resolve() != out_dir.resolve() else path.stem + "-replot"
+    paths = B.write_results(rows, out_dir, stem, env=env,
+                            title=f"Attention forward speed, {dtype} ({env.get('gpu', 'GPU')})")
+    click.echo(B.format_table(rows))
+    click.echo("\nwrote " + ", ".join(str(paths[k]) for k in ("md", "csv", "json", "png") if paths.get(k)))
+    if paths.get("plot_error"):
+        raise click.ClickException(f"plot: {paths['plot_error']}")
 
 
 def _bench_suite(spec_fields: dict, suite: str, peers, out_dir: Path, budget_s, no_plot: bool) -> None:
