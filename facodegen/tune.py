@@ -374,10 +374,16 @@ def summary_counts(cands: list[Candidate]) -> dict:
 
 
 def format_results(cands: list[Candidate], flops: float, top: int = 10, winner: Candidate | None = None) -> str:
-    """The top ``top`` timed candidates by median time, with TFLOP/s and the ratio to the default."""
+    """The top ``top`` timed candidates with TFLOP/s and the ratio to the default: first the final
+    round (the default and the contenders timed again beside it, which alone decide the winner), by
+    median time, then the candidates timed once in the screening round ("screen only": a single
+    time is noisier, so one of these can show above the default without having beaten it)."""
     from .bench import tflops
 
-    timed = sorted((c for c in cands if c.alive and c.times_ms), key=lambda c: c.ms)
+    def final_round(c: Candidate) -> bool:
+        return c.is_default or len(c.times_ms) > 1
+
+    timed = sorted((c for c in cands if c.alive and c.times_ms), key=lambda c: (not final_round(c), c.ms))
     default = next((c for c in timed if c.is_default), None)
     rows = []
     shown = timed[:top]
@@ -385,7 +391,8 @@ def format_results(cands: list[Candidate], flops: float, top: int = 10, winner: 
         shown.append(default)
     for i, c in enumerate(shown, 1):
         rank = str(timed.index(c) + 1)
-        note = ", ".join(x for x in ("default" if c.is_default else "", "stored" if c is winner else "") if x)
+        note = ", ".join(x for x in ("default" if c.is_default else "", "stored" if c is winner else "",
+                                     "" if final_round(c) else "screen only") if x)
         rows.append([rank, c.label, _knobs(c.spec), f"{c.resources.get('registers', '?')}",
                      f"{c.ms:.4f}", f"{tflops(flops, c.ms):.1f}",
                      f"{default.ms / c.ms:.3f}x" if default else "–", str(len(c.times_ms)),

@@ -154,6 +154,10 @@ def test_pick_winner_keeps_the_default_unless_clearly_faster():
     flops = 1e12
     table = T.format_results(cands, flops, top=5, winner=winner)
     assert "stored" in table and "default" in table and "1.053x" in table
+    # the once-timed live[2] (0.90 ms) is listed after the final round, marked as screened only
+    lines = [line for line in table.splitlines()[2:]]
+    assert live[2].label in lines[-1] and "screen only" in lines[-1]
+    assert "screen only" not in "".join(lines[:-1])
 
 
 # ---- database ---------------------------------------------------------------------------------
