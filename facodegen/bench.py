@@ -41,6 +41,7 @@ PEER_TITLES = {
     "cudnn": "cuDNN (SDPA)",
     "fa2": "FlashAttention-2 (SDPA)",
     "efficient": "mem-efficient (SDPA)",
+    "flex": "FlexAttention",
 }
 DEFAULT_PEERS = ("fa3", "cudnn", "fa2")
 _SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "fa2": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
@@ -337,6 +338,12 @@ def peer_available(name: str) -> tuple[bool, str]:
         if mod is None:
             return False, f"flash_attn_interface not importable ({err})"
         return True, getattr(mod, "__file__", "") or "flash_attn_interface"
+    if name == "flex":
+        try:
+            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+        except Exception as err:  # noqa: BLE001
+            return False, f"torch {torch.__version__} has no FlexAttention: {err}"
+        return True, f"torch {torch.__version__} (torch.compile'd)"
     try:
         from torch.nn.attention import SDPBackend  # noqa: F401
         getattr(SDPBackend, _SDPA_BACKENDS[name])
@@ -356,6 +363,8 @@ def _peer_fn(name: str, q, k, v, causal: bool):
             r = mod.flash_attn_func(q, k, v, causal=causal)
             return r[0] if isinstance(r, (tuple, list)) else r
         return fn, contextlib.nullcontext()
+    if name == "flex":
+        return _flex_fn(q, k, v, causal), contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
     if causal and q.shape[1] != k.shape[1]:
@@ -367,6 +376,32 @@ def _peer_fn(name: str, q, k, v, causal: bool):
     def fn():
         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **extra).transpose(1, 2)
     return fn, sdpa_kernel(backend)
+
+
+_FLEX_COMPILED = {}
+
+
+def _flex_fn(q, k, v, causal: bool):
+    """FlexAttention (torch.compile'd once per process) on (b, h, s, d) views, with facodegen's
+    bottom-right causal alignment expressed as a block mask."""
+    torch = _torch()
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if "fn" not in _FLEX_COMPILED:
+        _FLEX_COMPILED["fn"] = torch.compile(flex_attention, dynamic=False)
+    compiled = _FLEX_COMPILED["fn"]
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    offset = seqlen_k - seqlen_q
+    block_mask = None
+    if causal:
+        def bottom_right(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + offset
+        block_mask = create_block_mask(bottom_right, None, None, seqlen_q, seqlen_k, device=q.device)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    gqa = q.shape[2] != k.shape[2]
+
+    def fn():
+        return compiled(qt, kt, vt, block_mask=block_mask, enable_gqa=gqa).transpose(1, 2)
+    return fn
 
 
 def _split_overrides(spec_overrides, arch: str) -> dict:

@@ -336,7 +336,8 @@ SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution")   # facodegen.bench.SU
 @click.option("--heads", default=16, show_default=True, help="Query heads.")
 @click.option("--heads-kv", type=int, help="Key/value heads (divides --heads). Default: --heads.")
 @click.option("--peers", help="Comma-separated peers to time alongside, e.g. fa3,cudnn,fa2 ('' for none). "
-                             "Default: fa3,cudnn,fa2 (with --suite also efficient).")
+                             "Default: fa3,cudnn,fa2 (with --suite also efficient); flex (FlexAttention, "
+                             "torch.compile'd) when asked.")
 @click.option("--suite", type=click.Choice(SUITE_NAMES),
               help="Time a whole grid: fa3-paper (the FlashAttention-3 paper's: head_dim 64/128/256, causal "
                    "and not, seqlen 512-16k, 16k tokens, hidden 2048), quick (6 of its cells) or sm80.")

@@ -159,3 +159,11 @@ def test_device_run_script_plans_without_a_gpu():
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "pytest" in done.stdout and "fa3" in done.stdout
+
+
+def test_peer_names_are_known_and_flex_is_opt_in():
+    from facodegen import bench
+    assert "flex" in bench.PEER_TITLES and "flex" not in bench.DEFAULT_PEERS
+    assert "flex" not in bench.SUITE_PEERS
+    ok, note = bench.peer_available("nosuch")
+    assert not ok and "unknown peer" in note
