@@ -146,13 +146,16 @@ def ratio_to_best_peer(row: dict, name: str) -> float | None:
     return t / best
 
 
-def _impl_order(rows: list[dict]) -> list[str]:
+def implementations(rows: list[dict], facodegen_first: bool = True) -> list[str]:
+    """Every implementation in the rows, facodegen's first (table columns) or last (plot bars)."""
     names: list[str] = []
     for row in rows:
         for name in row.get("results", {}):
             if name not in names:
                 names.append(name)
-    return [n for n in names if is_facodegen(n)] + [n for n in names if not is_facodegen(n)]
+    ours = [n for n in names if is_facodegen(n)]
+    peers = [n for n in names if not is_facodegen(n)]
+    return ours + peers if facodegen_first else peers + ours
 
 
 def _fmt_result(r: dict | None) -> str:
@@ -169,7 +172,7 @@ def _fmt_result(r: dict | None) -> str:
 def format_table(rows: list[dict]) -> str:
     """Markdown: one line per cell, TFLOP/s of each implementation, the best peer and the ratio
     of each facodegen arch to it ("fail" = ran but failed its check or raised; "–" = not run)."""
-    impls = _impl_order(rows)
+    impls = implementations(rows)
     ours = [n for n in impls if is_facodegen(n)]
     head = ["dtype", "head_dim", "causal", "seqlen", "batch", "heads"]
     head += [n if is_facodegen(n) else PEER_TITLES.get(n, n) for n in impls]

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import __version__
+from .files import atomic_write
 
 # ---------------------------------------------------------------------------------------------
 # Targets and options
@@ -416,21 +417,6 @@ def _entry_paths(root: Path, name: str, key: str) -> tuple[Path, Path]:
     return root / f"{stem}.cubin", root / f"{stem}.json"
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; entries are plain readable files
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def _load_entry(root: Path, name: str, arch: str, source: str, options: tuple, key: str):
     cubin_path, meta_path = _entry_paths(root, name, key)
     try:
@@ -470,8 +456,8 @@ def _store_entry(root: Path, kernel: CompiledKernel) -> None:
     try:
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(root)
-        _atomic_write(cubin_path, kernel.cubin)
-        _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+        atomic_write(cubin_path, kernel.cubin)
+        atomic_write(meta_path, json.dumps(meta, indent=1).encode())
     except OSError as err:  # a read-only or full cache costs a recompile next time, nothing else
         _say(f"facodegen: warning: cannot write the compile cache in {root}: {err}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import bench
 from .bench import PEER_TITLES, is_facodegen
 
 # Fixed colours so an implementation keeps its colour across figures (facodegen in the warm
@@ -52,12 +53,7 @@ def panels(rows: list[dict]) -> list[tuple[int, bool]]:
 
 def implementations(rows: list[dict]) -> list[str]:
     """Implementations in the rows, peers first and facodegen last (rightmost bar of a group)."""
-    names: list[str] = []
-    for r in rows:
-        for n in r.get("results", {}):
-            if n not in names:
-                names.append(n)
-    return [n for n in names if not is_facodegen(n)] + [n for n in names if is_facodegen(n)]
+    return bench.implementations(rows, facodegen_first=False)
 
 
 def _ran(result: dict | None) -> bool:

@@ -26,11 +26,12 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from .files import atomic_write
 
 FORMAT = "facodegen-tunedb"
 VERSION = 1
@@ -274,23 +275,6 @@ class _Lock:
             self.fd = None
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def update(new_entries: dict, path=None) -> dict:
     """Merge ``new_entries`` ({key string: entry}) into the database under the lock; returns the
     merge counts. A corrupt or foreign file is moved aside to ``<db>.bad-<time>`` first."""
@@ -314,7 +298,7 @@ def update(new_entries: dict, path=None) -> dict:
             else:
                 old = parsed
         merged, counts = merge(old, new_entries)
-        _atomic_write_text(path, dumps(merged))
+        atomic_write(path, dumps(merged).encode())
     _cache.pop(path, None)
     return counts
 
@@ -331,7 +315,7 @@ def export(dest, path=None) -> int:
     dest = Path(dest).expanduser()
     if dest.parent:
         dest.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_text(dest, dumps(entries))
+    atomic_write(dest, dumps(entries).encode())
     return len(entries)
 
 
