@@ -158,11 +158,12 @@ def implementations(rows: list[dict], facodegen_first: bool = True) -> list[str]
     return ours + peers if facodegen_first else peers + ours
 
 
-def _fmt_result(r: dict | None) -> str:
+def _fmt_result(r: dict | None, ceiling: float | None = None) -> str:
+    """TFLOP/s, with the fraction of the GEMM ceiling when the row carries one."""
     if r is None:
         return "–"
     if r.get("tflops") is not None:
-        return f"{r['tflops']:.1f}"
+        return f"{r['tflops']:.1f}" + (f" ({r['tflops'] / ceiling:.0%})" if ceiling else "")
     note = (r.get("note") or "").lower()
     if note.startswith("skipped") or note.startswith("unavailable"):
         return "–"
@@ -170,8 +171,9 @@ def _fmt_result(r: dict | None) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Markdown: one line per cell, TFLOP/s of each implementation, the best peer and the ratio
-    of each facodegen arch to it ("fail" = ran but failed its check or raised; "–" = not run)."""
+    """Markdown: one line per cell, TFLOP/s of each implementation (and the fraction of the bf16
+    GEMM rate where a row carries ``gemm_tflops``), the best peer and the ratio of each facodegen
+    arch to it ("fail" = ran but failed its check or raised; "–" = not run)."""
     impls = implementations(rows)
     ours = [n for n in impls if is_facodegen(n)]
     head = ["dtype", "head_dim", "causal", "seqlen", "batch", "heads"]
@@ -183,7 +185,7 @@ def format_table(rows: list[dict]) -> str:
         heads = str(row["heads_q"]) if row["heads_q"] == row["heads_kv"] else f"{row['heads_q']}/{row['heads_kv']}"
         cells = [row["dtype"], str(row["head_dim"]), "yes" if row["causal"] else "no", seqlen,
                  str(row["batch"]), heads]
-        cells += [_fmt_result(row.get("results", {}).get(n)) for n in impls]
+        cells += [_fmt_result(row.get("results", {}).get(n), row.get("gemm_tflops")) for n in impls]
         name, _ = best_peer(row)
         cells.append(PEER_TITLES.get(name, name) if name else "–")
         for n in ours:
@@ -508,8 +510,9 @@ def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: d
 
 
 def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None, check_first: bool = True,
-             timing: dict | None = None, log=print) -> dict:
-    """Time facodegen (each arch) and each peer on one cell, all on the same inputs."""
+             timing: dict | None = None, log=print, variants: dict | None = None) -> dict:
+    """Time facodegen (each arch, or each named variant: {name: "arch:field=value,..."}, names
+    starting with "facodegen") and each peer on one cell, all on the same inputs."""
     torch = _torch()
     timing = timing or {}
     row = dict(c)
@@ -523,10 +526,12 @@ def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None,
             row["results"][facodegen_name(arch)] = {"tflops": None, "note": f"inputs failed: {err}"}
         return row
     row["input_sets"] = n_sets
-    for arch in archs:
-        overrides = _split_overrides(spec_overrides, arch)
-        row["results"][facodegen_name(arch)] = _run_impl(
-            facodegen_name(arch), lambda q, k, v: _facodegen_fn(arch, overrides, q, k, v, c["causal"]),
+    ours = variants or {facodegen_name(arch): arch + ":" for arch in archs}
+    for name, text in ours.items():
+        arch, fields = parse_variant(text)
+        overrides = {**_split_overrides(spec_overrides, arch), **fields}
+        row["results"][name] = _run_impl(
+            name, lambda q, k, v: _facodegen_fn(arch, overrides, q, k, v, c["causal"]),
             input_sets, c, check_first, timing, log)
     for name in peers:
         available, note = peer_available(name)
@@ -547,7 +552,7 @@ def _cell_tag(c: dict) -> str:
 
 def run_grid(cells: list[dict], archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None,
              budget_s: float | None = None, check_first: bool = True, timing: dict | None = None,
-             log=print) -> list[dict]:
+             log=print, variants: dict | None = None) -> list[dict]:
     """run_cell over a grid. A cell that raises is reported in its row and the grid goes on;
     once ``budget_s`` seconds have passed, the remaining cells are listed as skipped."""
     if isinstance(archs, str):
@@ -557,16 +562,17 @@ def run_grid(cells: list[dict], archs=("sm90",), peers=DEFAULT_PEERS, spec_overr
     for i, c in enumerate(cells):
         elapsed = time.monotonic() - t0
         if budget_s is not None and elapsed > budget_s:
-            row = dict(c, results={facodegen_name(a): {"tflops": None, "note": "skipped: time budget spent"}
-                                   for a in archs})
+            row = dict(c, results={n: {"tflops": None, "note": "skipped: time budget spent"}
+                                   for n in (variants or [facodegen_name(a) for a in archs])})
             rows.append(row)
             continue
         log(f"[{i + 1}/{len(cells)}] {_cell_tag(c)}  ({elapsed:.0f} s)")
         try:
-            row = run_cell(c, archs, peers, spec_overrides, check_first, timing, log)
+            row = run_cell(c, archs, peers, spec_overrides, check_first, timing, log, variants)
         except Exception as err:  # noqa: BLE001
             log("    " + traceback.format_exc().strip().replace("\n", "\n    "))
-            row = dict(c, results={facodegen_name(a): {"tflops": None, "note": f"cell failed: {err}"} for a in archs})
+            row = dict(c, results={n: {"tflops": None, "note": f"cell failed: {err}"}
+                                   for n in (variants or [facodegen_name(a) for a in archs])})
         summary = ", ".join(f"{n} {r['tflops']:.1f}" if r.get("tflops") is not None else f"{n} -"
                             for n, r in row["results"].items())
         log(f"    {summary}")
@@ -720,22 +726,43 @@ def evolution_grid(dtype: str = "bf16") -> list[dict]:
     """head_dim 128, non-causal, seqlen 512..16k, twice: 16k tokens per batch (batch = 16384/seqlen)
     and batch 1, both with 16 heads (hidden 2048). At batch 1 FlashAttention-1's batch x heads
     parallelism has 16 CTAs for the whole GPU; FA2's grid over Q blocks fills it."""
-    return ([cell(128, False, s, 16384 // s, 16, dtype) for s in FA3_SEQLENS]
-            + [cell(128, False, s, 1, 16, dtype) for s in FA3_SEQLENS])
+    return ([dict(cell(128, False, s, 16384 // s, 16, dtype), family="16k tokens per batch") for s in FA3_SEQLENS]
+            + [dict(cell(128, False, s, 1, 16, dtype), family="batch 1") for s in FA3_SEQLENS])
 
 
-# facodegen variants of the evolution suite, as sweep.py variants (arch:field=value,...): FA1's
-# schedule, each FA2 idea switched on alone, all of them in the fa1 template, the fa2 kernel, the
-# sm90 (FA3) kernel.
-EVOLUTION_VARIANTS = (
-    "sm80:schedule=fa1",
-    "sm80:schedule=fa1,loop_order=q_outer",
-    "sm80:schedule=fa1,warp_split=q",
-    "sm80:schedule=fa1,rescale=once",
-    "sm80:schedule=fa1,loop_order=q_outer,warp_split=q,rescale=once",
-    "sm80:",
-    "sm90:",
-)
+# facodegen variants of the evolution suite (name -> variant, see parse_variant): FA1's schedule,
+# each FA2 idea switched on alone, all of them in the fa1 template, the fa2 kernel, the sm90 (FA3)
+# kernel. One table column (and plot bar) each.
+EVOLUTION_VARIANTS = {
+    "facodegen FA1": "sm80:schedule=fa1",
+    "facodegen FA1 + seq. parallel": "sm80:schedule=fa1,loop_order=q_outer",
+    "facodegen FA1 + split Q": "sm80:schedule=fa1,warp_split=q",
+    "facodegen FA1 + rescale once": "sm80:schedule=fa1,rescale=once",
+    "facodegen FA1 + all three": "sm80:schedule=fa1,loop_order=q_outer,warp_split=q,rescale=once",
+    "facodegen FA2 (sm80)": "sm80:",
+    "facodegen FA3 (sm90)": "sm90:",
+}
+# FA1 at batch 1 runs on 16 CTAs (~0.5 s a call at 16k): few calls per cell.
+EVOLUTION_TIMING = {"warmup": 2, "groups": 3, "calls": 3}
+
+_BOOL_FIELDS = ("causal", "pingpong", "intra_wg_overlap", "persistent", "q_in_regs", "separate_o", "l2_hints")
+_TEXT_FIELDS = ("gpu", "dtype", "schedule", "loop_order", "warp_split", "rescale")
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``arch:field=value,...`` -> (arch, spec fields); an empty field list means that arch's
+    defaults (e.g. ``sm90:pingpong=0,block_n=128``)."""
+    arch, _, rest = text.partition(":")
+    fields: dict = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key in _TEXT_FIELDS:
+            fields[key] = value
+        elif key in _BOOL_FIELDS:
+            fields[key] = bool(int(value))
+        else:
+            fields[key] = int(value)
+    return arch, fields
 
 GRIDS["evolution"] = evolution_grid
 SUITES["evolution"] = evolution_grid

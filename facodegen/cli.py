@@ -440,8 +440,14 @@ def _bench_suite(spec_fields: dict, suite: str, peers, out_dir: Path, budget_s, 
     click.echo(f"bench --suite {suite}: {len(cells)} cells, {dtype}, facodegen {', '.join(archs)}, peers "
                + ", ".join(f"{p} ({'ok' if env['peers'].get(p, [False])[0] else 'unavailable'})" for p in peer_names)
                + (f", spec overrides {fields}" if fields else ""), err=True)
+    variants, timing = None, None
+    if suite == "evolution":   # one column per FA1 -> FA2 switch, beside the sm80 and sm90 kernels
+        variants, timing = B.EVOLUTION_VARIANTS, B.EVOLUTION_TIMING
+        env["gemm_tflops"] = B.gemm_ceiling()
+        click.echo(f"bf16 GEMM (torch.mm 8192^3): {env['gemm_tflops']:.1f} TFLOP/s", err=True)
+        cells = [dict(c, gemm_tflops=env["gemm_tflops"]) for c in cells]
     rows = B.run_grid(cells, archs=archs, peers=peer_names, spec_overrides=fields or None, budget_s=budget_s,
-                      log=lambda m: click.echo(m, err=True))
+                      log=lambda m: click.echo(m, err=True), variants=variants, timing=timing)
     stem = f"bench-{suite}-{dtype}"
     title = f"Attention forward speed, {dtype} ({env.get('gpu', 'GPU')})"
     paths = B.write_results(rows, out_dir, stem, env=env, plot=not no_plot, title=title)

@@ -21,7 +21,8 @@ COLORS = {
     "facodegen-sm90": "#d62728", "facodegen-sm80": "#ff7f0e",
     "fa3": "#9467bd", "cudnn": "#2ca02c", "fa2": "#1f77b4", "efficient": "#7f7f7f", "flex": "#17becf",
 }
-_FALLBACK = ("#8c564b", "#e377c2", "#bcbd22", "#aec7e8", "#98df8a")
+_FALLBACK = ("#8c564b", "#e377c2", "#bcbd22", "#aec7e8", "#98df8a", "#ffbb78", "#c5b0d5", "#c49c94",
+             "#f7b6d2", "#dbdb8d", "#9edae5", "#393b79")
 
 
 class PlotUnavailable(ImportError):
@@ -45,9 +46,12 @@ def _seqlen_label(s: int) -> str:
     return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
 
 
-def panels(rows: list[dict]) -> list[tuple[int, bool]]:
-    """(head_dim, causal) of each panel: non-causal first (the papers' top row), head_dim up."""
-    keys = sorted({(r["head_dim"], bool(r["causal"])) for r in rows}, key=lambda k: (k[1], k[0]))
+def panels(rows: list[dict]) -> list[tuple[int, bool, str]]:
+    """(head_dim, causal, family) of each panel: non-causal first (the papers' top row), head_dim
+    up; ``family`` is a row's optional label for cells that share head_dim and mask but not the
+    batch (the evolution suite's "16k tokens per batch" and "batch 1")."""
+    keys = sorted({(r["head_dim"], bool(r["causal"]), r.get("family", "")) for r in rows},
+                  key=lambda k: (k[1], k[0], k[2]))
     return keys
 
 
@@ -71,22 +75,26 @@ def plot_rows(rows: list[dict], path, title: str | None = None, subtitle: str | 
     if not keys:
         raise ValueError("nothing to plot: no rows")
     impls = implementations(rows)
-    causal_values = sorted({c for _, c in keys})
-    head_dims = sorted({d for d, _ in keys})
-    nrows, ncols = len(causal_values), len(head_dims)
-    fig = Figure(figsize=(max(6.0, 5.6 * ncols), 4.2 * nrows + (0.9 if title else 0.4)))
+    causal_values = sorted({c for _, c, _ in keys})
+    columns = sorted({(d, f) for d, _, f in keys})
+    nrows, ncols = len(causal_values), len(columns)
+    width_in = max(6.0, 5.6 * ncols)
+    legend_cols = max(1, min(len(impls), int(width_in / 2.8)))     # ~2.8 inches per legend entry
+    legend_rows = -(-len(impls) // legend_cols)
+    fig = Figure(figsize=(width_in, 4.2 * nrows + (0.9 if title else 0.4) + 0.3 * legend_rows))
     axes = fig.subplots(nrows, ncols, squeeze=False)
     colors = dict(COLORS)
     for i, n in enumerate(x for x in impls if x not in colors):
         colors[n] = _FALLBACK[i % len(_FALLBACK)]
     handles = {}
     for ri, causal in enumerate(causal_values):
-        for ci, d in enumerate(head_dims):
+        for ci, (d, family) in enumerate(columns):
             ax = axes[ri][ci]
-            cell_rows = sorted((r for r in rows if r["head_dim"] == d and bool(r["causal"]) == causal),
-                               key=lambda r: r["seqlen_q"])
+            cell_rows = sorted((r for r in rows if r["head_dim"] == d and bool(r["causal"]) == causal
+                                and r.get("family", "") == family), key=lambda r: r["seqlen_q"])
             dtype = cell_rows[0]["dtype"] if cell_rows else ""
-            ax.set_title(f"{'Causal' if causal else 'Non-causal'}, head dim {d} ({dtype})", fontsize=11)
+            ax.set_title(f"{'Causal' if causal else 'Non-causal'}, head dim {d} ({dtype})"
+                         + (f", {family}" if family else ""), fontsize=11)
             if not cell_rows:
                 ax.set_axis_off()
                 continue
@@ -125,11 +133,11 @@ def plot_rows(rows: list[dict], path, title: str | None = None, subtitle: str | 
         from matplotlib.patches import Patch
         fig.legend([Patch(color=handles[n]) for n in impls if n in handles],
                    [impl_title(n) for n in impls if n in handles],
-                   loc="lower center", ncol=min(6, len(handles)), frameon=False,
+                   loc="lower center", ncol=legend_cols, frameon=False,
                    bbox_to_anchor=(0.5, 0.0))
     if title:
         fig.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=12)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.95 if title else 1))
+    fig.tight_layout(rect=(0, 0.05 * legend_rows / nrows, 1, 0.95 if title else 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)

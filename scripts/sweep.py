@@ -3,7 +3,7 @@
     python3 scripts/sweep.py --out $OUT --plan sm90-ablation
     python3 scripts/sweep.py --out $OUT --cell 128,8192,0 --variant 'sm90:pingpong=0' --variant 'sm90:'
 
-A variant is ``arch:field=value,...`` (empty fields = that arch's defaults); a cell is
+A variant is ``arch:field=value,...`` (bench.parse_variant; empty fields = that arch's defaults); a cell is
 ``head_dim,seqlen,causal`` on the FlashAttention-3 paper's grid (16k tokens, hidden 2048).
 Every output is checked against the float64 reference on a slice before it is timed; peers
 (--peers) are timed in the same run. Prints a table of TFLOP/s last and writes sweep.json.
@@ -31,17 +31,17 @@ PLANS = {
     # fa2, sm90; head_dim 128, 16k tokens per batch and batch 1 (cells head_dim,seqlen,causal[,batch]).
     # Few calls per cell: fa1 at batch 1 x 16 heads runs on 16 CTAs.
     "evolution": {
-        "cells": [f"128,{s},0" for s in bench.FA3_SEQLENS] + [f"128,{s},0,1" for s in bench.FA3_SEQLENS],
-        "variants": list(bench.EVOLUTION_VARIANTS),
+        "rows": bench.evolution_grid(),   # the same grid as `facodegen bench --suite evolution`
+        "variants": bench.EVOLUTION_VARIANTS,
         "peers": "fa2,fa3",
-        "timing": {"warmup": 2, "groups": 3, "calls": 3},
+        "timing": bench.EVOLUTION_TIMING,
         "gemm": True,
     },
     "evolution-causal": {
         "cells": [f"128,{s},1" for s in (1024, 4096, 16384)] + [f"128,{s},1,1" for s in (1024, 4096, 16384)],
-        "variants": list(bench.EVOLUTION_VARIANTS),
+        "variants": bench.EVOLUTION_VARIANTS,
         "peers": "fa2,fa3",
-        "timing": {"warmup": 2, "groups": 3, "calls": 3},
+        "timing": bench.EVOLUTION_TIMING,
     },
     "sm80-tiles": {
         "cells": ["128,8192,0", "128,8192,1", "128,1024,0", "256,8192,0", "256,2048,1", "64,8192,0"],
@@ -52,29 +52,10 @@ PLANS = {
 }
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
-    arch, _, rest = text.partition(":")
-    fields = {}
-    for item in filter(None, rest.split(",")):
-        key, value = item.split("=")
-        fields[key] = value if key in ("gpu", "dtype", "schedule", "loop_order", "warp_split", "rescale") else int(value)
-    for key in ("pingpong", "intra_wg_overlap", "persistent", "q_in_regs", "separate_o", "l2_hints"):
-        if key in fields:
-            fields[key] = bool(fields[key])
-    return arch, fields
-
-
 def parse_cell(text: str, dtype: str) -> dict:
     """head_dim,seqlen,causal (16k tokens per batch) or head_dim,seqlen,causal,batch; hidden 2048."""
     head_dim, seqlen, causal, *batch = (int(x) for x in text.split(","))
     return bench.cell(head_dim, bool(causal), seqlen, batch[0] if batch else 16384 // seqlen, 2048 // head_dim, dtype)
-
-
-def _fmt(r: dict, ceiling: float | None) -> str:
-    """TFLOP/s (and the fraction of the GEMM ceiling), or why there is no number."""
-    if not r.get("tflops"):
-        return f"- ({r.get('note')})"
-    return f"{r['tflops']:.1f}" + (f" ({r['tflops'] / ceiling:.0%})" if ceiling else "")
 
 
 def main() -> int:
@@ -89,40 +70,25 @@ def main() -> int:
     jobs = []
     for name in args.plan or []:
         plan = PLANS[name]
-        jobs.append((plan["cells"], plan["variants"], plan["peers"], plan.get("timing", {}), plan.get("gemm", False)))
+        rows = plan.get("rows") or [parse_cell(text, args.dtype) for text in plan["cells"]]
+        jobs.append((rows, plan["variants"], plan["peers"], plan.get("timing"), plan.get("gemm", False)))
     if args.cell:
-        jobs.append((args.cell, args.variant or ["sm90:"], args.peers or "", {}, False))
-    lines, records = [], []
-    for cells, variants, peers, timing, gemm in jobs:
+        jobs.append(([parse_cell(text, args.dtype) for text in args.cell], args.variant or ["sm90:"],
+                     args.peers or "", None, False))
+    tables, records = [], []
+    for rows, variants, peers, timing, gemm in jobs:
         if gemm:   # the context of every TFLOP/s: a bf16 8192^3 torch matmul on this GPU
             ceiling = bench.gemm_ceiling()
-            records.append({"gemm_tflops": ceiling})
-            lines += ["", f"bf16 GEMM (torch.mm 8192^3): {ceiling:.1f} TFLOP/s; cells below also as a fraction of it"]
+            tables.append(f"bf16 GEMM (torch.mm 8192^3): {ceiling:.1f} TFLOP/s; cells below also as a fraction of it")
+            rows = [dict(c, gemm_tflops=ceiling) for c in rows]
+        named = variants if isinstance(variants, dict) else {f"facodegen {v}": v for v in variants}
         peer_names = [p for p in (peers or "").split(",") if p]
-        header = ["cell"] + variants + peer_names
-        lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for text in cells:
-            c = parse_cell(text, args.dtype)
-            n_sets = bench.input_sets_needed(bench.input_bytes(c), bench.l2_bytes())
-            inputs = bench._make_inputs(c, n_sets)
-            row = [f"d{c['head_dim']} s{c['seqlen_q']} b{c['batch']} {'causal' if c['causal'] else 'full'}"]
-            for v in variants:
-                arch, fields = parse_variant(v)
-                r = bench._run_impl(v, lambda q, k, vv: bench._facodegen_fn(arch, fields, q, k, vv, c["causal"]),
-                                    inputs, c, True, timing, print)
-                records.append({"cell": c, "variant": v, **r})
-                row.append(_fmt(r, ceiling if gemm else None))
-                print(f"{row[0]} {v}: {row[-1]} {r.get('variant', '')}", flush=True)
-            for name in peer_names:
-                r = bench._run_impl(name, lambda q, k, vv: bench._peer_fn(name, q, k, vv, c["causal"]),
-                                    inputs, c, True, timing, print)
-                records.append({"cell": c, "variant": name, **r})
-                row.append(_fmt(r, ceiling if gemm else None) if r.get("tflops") else "-")
-            lines.append("| " + " | ".join(row) + " |")
-            del inputs
+        done = bench.run_grid(rows, peers=peer_names, timing=timing, variants=named)
+        records += done
+        tables.append(bench.format_table(done))
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(records, f, indent=1, default=str)
-    print("\n".join(lines))
+    print("\n\n".join(tables))
     return 0
 
 

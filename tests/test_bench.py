@@ -167,3 +167,24 @@ def test_peer_names_are_known_and_flex_is_opt_in():
     assert "flex" not in bench.SUITE_PEERS
     ok, note = bench.peer_available("nosuch")
     assert not ok and "unknown peer" in note
+
+
+def test_parse_variant_types_each_field():
+    from facodegen import bench
+    assert bench.parse_variant("sm90:") == ("sm90", {})
+    arch, fields = bench.parse_variant("sm80:schedule=fa1,loop_order=q_outer,block_n=64,q_in_regs=1")
+    assert arch == "sm80"
+    assert fields == {"schedule": "fa1", "loop_order": "q_outer", "block_n": 64, "q_in_regs": True}
+    assert bench.parse_variant("sm90:pingpong=0")[1] == {"pingpong": False}
+
+
+def test_evolution_suite_has_one_column_per_switch_and_gemm_fractions():
+    from facodegen import bench
+    cells = bench.evolution_grid()
+    assert {c["family"] for c in cells} == {"16k tokens per batch", "batch 1"} and len(cells) == 12
+    names = list(bench.EVOLUTION_VARIANTS)
+    assert all(bench.is_facodegen(n) for n in names) and len(names) == 7
+    row = dict(cells[0], gemm_tflops=800.0,
+               results={names[0]: {"tflops": 40.0}, names[-1]: {"tflops": 600.0}, "fa3": {"tflops": 640.0}})
+    table = bench.format_table([row])
+    assert "40.0 (5%)" in table and "600.0 (75%)" in table and "0.94" in table

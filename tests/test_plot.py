@@ -113,3 +113,13 @@ def test_cli_replot(tmp_path):
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert (out / "bench-quick-bf16.png").stat().st_size > 0 and "facodegen-sm90" in result.output
+
+
+def test_families_get_their_own_panels(tmp_path):
+    pytest.importorskip("matplotlib")
+    from facodegen import bench, plot
+    rows = [dict(c, results={"facodegen FA1": {"tflops": 10.0 + i}, "fa2": {"tflops": 300.0}})
+            for i, c in enumerate(bench.evolution_grid())]
+    assert [k[2] for k in plot.panels(rows)] == ["16k tokens per batch", "batch 1"]
+    path = plot.plot_rows(rows, tmp_path / "evo.png", title="evolution")
+    assert path.stat().st_size > 10_000
