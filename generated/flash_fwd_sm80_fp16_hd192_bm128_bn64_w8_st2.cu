@@ -196,6 +196,16 @@ __device__ __forceinline__ void apply_mask(float (&s)[N], int row0, int col0, in
         }
     }
 }
+
+// Key blocks of BLOCK_N_ keys a query tile visits, blocks 0 .. result-1: all ceil(seqlen_k / BLOCK_N_),
+// or, causal, those up to the diagonal of its last valid row (row_end - 1); 0 when no row sees any key.
+template <int BLOCK_N_>
+__device__ __forceinline__ int kv_blocks_visible(int row_end, int seqlen_q, int seqlen_k, bool causal) {
+    const int n_blocks = (seqlen_k + BLOCK_N_ - 1) / BLOCK_N_;
+    if (!causal) return n_blocks;
+    const int key_end = row_end + seqlen_k - seqlen_q;   // the last row sees keys [0, key_end)
+    return key_end <= 0 ? 0 : min(n_blocks, (key_end + BLOCK_N_ - 1) / BLOCK_N_);
+}
 // ---- online softmax, base 2, on one 16-row accumulator fragment (2 rows per thread) ----
 // Layout as in common/mask.cuh.j2: register i of a thread holds row g + 8*((i>>1)&1) (g = lane/4)
 // and column 8*(i>>2) + 2*(lane%4) + (i&1). A row lives in the 4 lanes of a quad, so row
@@ -218,6 +228,15 @@ __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 2);
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v;
+}
+
+// Before the first step: O = 0, row_max = -inf, row_sum = 0.
+template <int N>
+__device__ __forceinline__ void softmax_init(float (&o)[N], float (&row_max)[2], float (&row_sum)[2]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) o[i] = 0.f;
+    row_max[0] = row_max[1] = NEG_INF;
+    row_sum[0] = row_sum[1] = 0.f;
 }
 
 // One K/V step: s holds this step's (masked) raw scores on entry and p on exit. row_max and
@@ -265,21 +284,48 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[N], const float (&scal
     }
 }
 
+// ---- epilogue, arch-neutral: final row statistics and the LSE of each row ----
+// Accumulator layout as in common/softmax.cuh.j2 (register i of a thread holds row g + 8*((i>>1)&1)
+// of a 16-row slab, a row lives in a quad), so the mma.sync kernel (per 16-row slab) and each
+// warp of a wgmma consumer (o_reg / row_max / row_sum of its 16 rows) call the same functions.
+// (Needs common/ptx.cuh.j2 for NEG_INF, fast_log2; common/softmax.cuh.j2 for quad_sum, rescale_rows.)
+
+// 1 / l, or 0 for a row with no visible key (l = 0; NaN-safe: anything not > 0).
+__device__ __forceinline__ float inv_row_sum(float row_sum) {
+    return row_sum > 0.f ? 1.f / row_sum : 0.f;
+}
+
+// LSE = m * softmax_scale + ln l (natural log; m the raw, unscaled row max), -inf for a row with
+// no visible key. row_sum is the whole row's sum.
+__device__ __forceinline__ float row_lse(float row_max, float row_sum, float softmax_scale) {
+    const float ln2 = 0.69314718055994530942f;
+    return row_sum > 0.f ? row_max * softmax_scale + fast_log2(row_sum) * ln2 : NEG_INF;
+}
+
 // After the last step: quad-reduce row_sum, divide O by it, and give the natural-log LSE
 // (row_max*softmax_scale + ln(row_sum)). A row with no visible key gets O = 0, LSE = -inf.
 template <int N>
 __device__ __forceinline__ void softmax_finalize(float (&o)[N], const float (&row_max)[2], float (&row_sum)[2],
                                                  float softmax_scale, float (&lse)[2]) {
-    const float ln2 = 0.69314718055994530942f;
     float inv_sum[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         row_sum[r] = quad_sum(row_sum[r]);
-        const bool empty = !(row_sum[r] > 0.f);   // 0 (nothing visible) or NaN
-        inv_sum[r] = empty ? 0.f : 1.f / row_sum[r];
-        lse[r] = empty ? NEG_INF : row_max[r] * softmax_scale + fast_log2(row_sum[r]) * ln2;
+        inv_sum[r] = inv_row_sum(row_sum[r]);
+        lse[r] = row_lse(row_max[r], row_sum[r], softmax_scale);
     }
-    rescale_rows(o, inv_sum);
+    rescale_rows(o, inv_sum);   // O /= l
+}
+
+// LSE of this thread's two rows -> lse_rows[row], lse_rows[row + 8] (row: the thread's row g of
+// its slab, as an index into lse_rows), those below rows_valid; the quad's t == 0 lane writes.
+__device__ __forceinline__ void store_row_lse(float* lse_rows, const float (&lse)[2], int row, int rows_valid, int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (t == 0 && row + 8 * r < rows_valid) {
+            lse_rows[row + 8 * r] = lse[r];
+        }
+    }
 }
 
 // =====================================================================================
@@ -323,9 +369,8 @@ static_assert(Q_TILE_BYTES + 2 * STAGES * KV_TILE_BYTES == SMEM_BYTES,
               "shared memory = Q tile + STAGES x (K tile + V tile), as facodegen/spec.py budgets it");
 static_assert(M_SLABS * N_TILES * 4 + M_SLABS * D_TILES * 4 <= 224, "S and O accumulators must fit in registers");
 
-// Loop order of P V: keys outer (P fragments die one k16 slice at a time: needed when P is
-// large, BLOCK_N = 128) or head_dim outer (fits better with BLOCK_N <= 64, e.g. hd128 128x64).
-// Both are correct; the choice only changes how ptxas schedules and whether 255 registers do.
+// Loop order of P V (warp_pv): keys outer (P fragments die one k16 slice at a time: needed when
+// P is large, BLOCK_N = 128) or head_dim outer (fits better with BLOCK_N <= 64, e.g. hd128 128x64).
 constexpr bool PV_KEYS_OUTER = BLOCK_N >= 128;
 
 // k16 slices of Q K^T unrolled together (the loop over head_dim indexes no register array, so
@@ -341,6 +386,10 @@ constexpr int S_K16_UNROLL = Q_IN_REGS ? HEAD_DIM / 16
                            : M_SLABS >= 4 ? 2
                            : S_ACC_FLOATS >= 64 ? (HEAD_DIM / 16 < 4 ? HEAD_DIM / 16 : 4)
                            : HEAD_DIM / 16;
+
+// ---- sm80 global -> shared loads: swizzled tile layout, thread position, cp.async tile copies ----
+// (Needs from the top-level template: THREADS, ROW_BYTES, ROW_CHUNKS, BLOCK_N, elem_t; and
+// common/ptx.cuh.j2 for cp_async_16.)
 
 // ---- shared-memory tile layout ----
 // A tile is rows x HEAD_DIM elements, rows stored densely (ROW_BYTES apart). Logical 16-byte
@@ -371,6 +420,7 @@ __device__ __forceinline__ uint32_t chunk_step(uint32_t addr, int step) {
     return (addr ^ static_cast<uint32_t>((step & SWIZZLE_MASK) << 4)) + static_cast<uint32_t>((step & ~SWIZZLE_MASK) << 4);
 }
 
+// ---- where this thread sits ----
 // The value of x, hidden from the optimiser: values derived from it inside the main loop are
 // recomputed there (a few integer ops) instead of being hoisted into registers held across the
 // whole loop, where the S and O accumulators need them.
@@ -391,6 +441,7 @@ __device__ __forceinline__ ThreadPos thread_pos() {
     return {tid, tid / 32, lane, lane / 4, lane % 4};
 }
 
+// ---- cp.async of one tile ----
 // cp.async of a ROWS x HEAD_DIM tile: thread tid copies chunk tid % ROW_CHUNKS of rows
 // tid / ROW_CHUNKS + k * LOAD_ROWS_PER_PASS. LOAD_ROWS_PER_PASS is rounded down to a multiple
 // of 8 where possible so every pass of a thread has the same swizzle (head_dim 96/192 leave a
@@ -435,6 +486,174 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, long 
     }
 }
 
+// K or V block n (keys [n * BLOCK_N, n * BLOCK_N + BLOCK_N)) of one head -> the tile at `dst`.
+// Only a block cut by seqlen_k pays for the row predicates.
+__device__ __forceinline__ void load_kv_tile(uint32_t dst, const elem_t* head, long long row_stride, int n,
+                                             int seqlen_k) {
+    if (n * BLOCK_N + BLOCK_N <= seqlen_k) {
+        load_tile<BLOCK_N, false>(dst, head, row_stride, n * BLOCK_N, seqlen_k);
+    } else {
+        load_tile<BLOCK_N, true>(dst, head, row_stride, n * BLOCK_N, seqlen_k);
+    }
+}
+// ---- sm80 warp GEMMs on mma.sync m16n8k16: ldmatrix fragments, S = Q K^T, P as A fragments, O += P V ----
+// One warp owns M_SLABS 16-row slabs of S and O; S spans N_TILES n8 tiles of keys, O D_TILES n8
+// tiles of head_dim. (Needs from the top-level template: M_SLABS, N_TILES, D_TILES, HEAD_DIM,
+// ROW_BYTES, Q_IN_REGS, S_K16_UNROLL, PV_KEYS_OUTER; from sm80/loads.cuh.j2 tile_offset and
+// chunk_step; from common/ptx.cuh.j2 ldmatrix_x4(_trans) and mma_16816.)
+
+// ---- ldmatrix lane roles ----
+// A operand (Q) and V^T: lane l addresses row l % 16, chunk + l / 16 of a 16x16 block ->
+// registers (rows 0-7 | 8-15) x (k 0-7 | 8-15), i.e. a[0..3], resp. b0, b1 of two n8 tiles of d.
+// B operand K (keys x d): lane l addresses row l % 8 + 8 * (l / 16), chunk + (l / 8) % 2 -> b0, b1
+// of keys 0-7, then b0, b1 of keys 8-15. These give a lane's address in a tile whose 16-row block
+// starts at row0 (a multiple of 16); k16 / n16 steps are chunk_step()s and row offsets on top.
+__device__ __forceinline__ uint32_t lane_offset_a(int row0, int lane) {
+    return tile_offset(row0 + lane % 16, lane / 16);
+}
+__device__ __forceinline__ uint32_t lane_offset_b(int row0, int lane) {
+    return tile_offset(row0 + lane % 8 + 8 * (lane / 16), (lane / 8) % 2);
+}
+
+// Q fragments held in registers across the K/V loop (Q_IN_REGS; else a placeholder).
+using QFrags = uint32_t[Q_IN_REGS ? M_SLABS : 1][Q_IN_REGS ? HEAD_DIM / 16 : 1][4];
+
+// Every k16 slice of this warp's Q rows, read once from the Q tile (q_lane: lane_offset_a address).
+__device__ __forceinline__ void load_q_frags(QFrags& q_frag, uint32_t q_lane) {
+#pragma unroll
+    for (int mt = 0; mt < M_SLABS; ++mt) {
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            ldmatrix_x4(q_frag[mt][kk], chunk_step(q_lane, 2 * kk) + 16 * mt * ROW_BYTES);
+        }
+    }
+}
+
+// S = Q K^T over head_dim for this warp's rows x N_TILES*8 keys (raw scores, unscaled).
+// q_lane / k_lane: this lane's ldmatrix address in the Q tile (lane_offset_a) / K tile (lane_offset_b).
+// S_K16_UNROLL k16 slices are unrolled together: each slice in flight holds its ldmatrix results.
+__device__ __forceinline__ void warp_qk(float (&s)[M_SLABS][N_TILES * 4], const QFrags& q_frag, uint32_t q_lane,
+                                        uint32_t k_lane) {
+#pragma unroll
+    for (int mt = 0; mt < M_SLABS; ++mt) {
+#pragma unroll
+        for (int i = 0; i < N_TILES * 4; ++i) s[mt][i] = 0.f;
+    }
+#pragma unroll S_K16_UNROLL
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        uint32_t q_k16[M_SLABS][4];   // A: rows 16mt.. of Q, k 16kk..16kk+15
+#pragma unroll
+        for (int mt = 0; mt < M_SLABS; ++mt) {
+            if constexpr (Q_IN_REGS) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) q_k16[mt][r] = q_frag[mt][kk][r];
+            } else {
+                ldmatrix_x4(q_k16[mt], chunk_step(q_lane, 2 * kk) + 16 * mt * ROW_BYTES);
+            }
+        }
+#pragma unroll
+        for (int np = 0; np < N_TILES / 2; ++np) {
+            uint32_t k_frag[4];   // B: keys 16np..16np+7 (k_frag 0, 1) and +8..+15 (2, 3)
+            ldmatrix_x4(k_frag, chunk_step(k_lane, 2 * kk) + 16 * np * ROW_BYTES);
+#pragma unroll
+            for (int mt = 0; mt < M_SLABS; ++mt) {
+                mma_16816(&s[mt][(2 * np) * 4], q_k16[mt], k_frag[0], k_frag[1]);
+                mma_16816(&s[mt][(2 * np + 1) * 4], q_k16[mt], k_frag[2], k_frag[3]);
+            }
+        }
+    }
+}
+
+// P = S in elem_t, as A fragments: the accumulators of n8 tiles 2kk and 2kk+1 are exactly the k16
+// A fragment of keys 16kk..16kk+15 (no shuffles, P never touches shared memory).
+__device__ __forceinline__ void pack_p(uint32_t (&p_frag)[M_SLABS][N_TILES / 2][4],
+                                       const float (&s)[M_SLABS][N_TILES * 4]) {
+#pragma unroll
+    for (int mt = 0; mt < M_SLABS; ++mt) {
+#pragma unroll
+        for (int kk = 0; kk < N_TILES / 2; ++kk) {
+            p_frag[mt][kk][0] = pack_elem2(s[mt][8 * kk + 0], s[mt][8 * kk + 1]);   // row g,     keys 2t, 2t+1
+            p_frag[mt][kk][1] = pack_elem2(s[mt][8 * kk + 2], s[mt][8 * kk + 3]);   // row g + 8, keys 2t, 2t+1
+            p_frag[mt][kk][2] = pack_elem2(s[mt][8 * kk + 4], s[mt][8 * kk + 5]);   // row g,     keys 8+2t, ..
+            p_frag[mt][kk][3] = pack_elem2(s[mt][8 * kk + 6], s[mt][8 * kk + 7]);   // row g + 8, keys 8+2t, ..
+        }
+    }
+}
+
+// O += P V for this warp's rows, its N_TILES*8 keys and all of head_dim. v_lane: this lane's
+// ldmatrix.trans address in the V tile (lane_offset_a). Loop order: keys outer or head_dim outer
+// (PV_KEYS_OUTER); both are correct, the choice only changes how ptxas schedules and whether 255
+// registers do.
+__device__ __forceinline__ void warp_pv(float (&o)[M_SLABS][D_TILES * 4], const uint32_t (&p_frag)[M_SLABS][N_TILES / 2][4],
+                                        uint32_t v_lane) {
+    auto k16_n16 = [&](int kk, int dp) {   // keys 16kk..16kk+15 x d columns 16dp..16dp+15
+        uint32_t v_frag[4];   // V^T: d columns 16dp..16dp+7 (v_frag 0, 1) and +8..+15 (2, 3)
+        ldmatrix_x4_trans(v_frag, chunk_step(v_lane, 2 * dp) + 16 * kk * ROW_BYTES);
+#pragma unroll
+        for (int mt = 0; mt < M_SLABS; ++mt) {
+            mma_16816(&o[mt][(2 * dp) * 4], p_frag[mt][kk], v_frag[0], v_frag[1]);
+            mma_16816(&o[mt][(2 * dp + 1) * 4], p_frag[mt][kk], v_frag[2], v_frag[3]);
+        }
+    };
+    if constexpr (PV_KEYS_OUTER) {
+#pragma unroll
+        for (int kk = 0; kk < N_TILES / 2; ++kk) {
+#pragma unroll
+            for (int dp = 0; dp < D_TILES / 2; ++dp) k16_n16(kk, dp);
+        }
+    } else {
+#pragma unroll
+        for (int dp = 0; dp < D_TILES / 2; ++dp) {
+#pragma unroll
+            for (int kk = 0; kk < N_TILES / 2; ++kk) k16_n16(kk, dp);
+        }
+    }
+}
+// ---- sm80 O store: O through this warp's rows of a swizzled shared tile, then 16-byte stores ----
+// (Needs from the top-level template: ROWS_PER_WARP, ROW_CHUNKS, D_TILES, THREADS; from
+// sm80/loads.cuh.j2 tile_offset; from common/ptx.cuh.j2 st_shared_32, ld_shared_128, st_global_128.)
+
+// One 16-row slab of O accumulators (normalised) -> elem_t rows `row` (this thread's row g) and
+// row + 8 of the swizzled tile at `tile`: columns 8dt + 2t, +1 of each n8 tile dt (chunk dt).
+__device__ __forceinline__ void stage_o_slab(uint32_t tile, const float (&o)[D_TILES * 4], int row, int t) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; ++dt) {
+            st_shared_32(tile + tile_offset(row + 8 * half, dt) + 4 * t,
+                         pack_elem2(o[4 * dt + 2 * half], o[4 * dt + 2 * half + 1]));
+        }
+    }
+}
+
+// Rows [row0, row0 + ROWS_PER_WARP) of the staged tile -> o_rows (those below rows_valid), one warp:
+// consecutive lanes write consecutive 16-byte chunks of a row (coalesced).
+__device__ __forceinline__ void store_o_rows(elem_t* o_rows, long long o_row_stride, uint32_t tile, int row0,
+                                             int rows_valid, int lane) {
+#pragma unroll
+    for (int i = lane; i < ROWS_PER_WARP * ROW_CHUNKS; i += 32) {
+        const int row = row0 + i / ROW_CHUNKS;
+        const int chunk = i % ROW_CHUNKS;
+        if (row < rows_valid) {
+            uint32_t o_chunk[4];
+            ld_shared_128(o_chunk, tile + tile_offset(row, chunk));
+            st_global_128(o_rows + row * o_row_stride + chunk * 8, o_chunk);
+        }
+    }
+}
+
+// A tile none of whose rows sees any key (causal, seqlen_q > seqlen_k): O = 0, LSE = -inf.
+__device__ __forceinline__ void store_empty_tile(elem_t* o_rows, long long o_row_stride, float* lse_rows,
+                                                 int rows_valid, int tid) {
+    const uint32_t zero[4] = {0u, 0u, 0u, 0u};
+    for (int i = tid; i < rows_valid * ROW_CHUNKS; i += THREADS) {
+        st_global_128(o_rows + (i / ROW_CHUNKS) * o_row_stride + (i % ROW_CHUNKS) * 8, zero);
+    }
+    for (int row = tid; row < rows_valid; row += THREADS) {
+        lse_rows[row] = NEG_INF;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
 flash_fwd_sm80_fp16_hd192_bm128_bn64_w8_st2(const __grid_constant__ FlashParams p) {
     extern __shared__ __align__(1024) uint8_t smem[];
@@ -449,13 +668,8 @@ flash_fwd_sm80_fp16_hd192_bm128_bn64_w8_st2(const __grid_constant__ FlashParams 
     const int seqlen_k = p.seqlen_k;
     const int row_begin = m_block * BLOCK_M;                // first query row of the tile
     const int rows_valid = min(BLOCK_M, seqlen_q - row_begin);
-
-    int n_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
-    if (IS_CAUSAL) {
-        // The tile's last valid row sees keys [0, key_end): blocks past that are skipped.
-        const int key_end = row_begin + rows_valid + seqlen_k - seqlen_q;
-        n_blocks = key_end <= 0 ? 0 : min(n_blocks, (key_end + BLOCK_N - 1) / BLOCK_N);
-    }
+    // K/V blocks 0 .. n_blocks-1 (causal: none past the diagonal of the tile's last row).
+    const int n_blocks = kv_blocks_visible<BLOCK_N>(row_begin + rows_valid, seqlen_q, seqlen_k, IS_CAUSAL);
 
     // O and LSE rows of this tile (built where used: no register holds them through the main loop).
     auto o_tile = [&] {
@@ -465,18 +679,8 @@ flash_fwd_sm80_fp16_hd192_bm128_bn64_w8_st2(const __grid_constant__ FlashParams 
         return p.lse + (static_cast<long long>(opaque(batch)) * p.heads_q + opaque(head)) * seqlen_q + row_begin;
     };
 
-    if (n_blocks == 0) {
-        // No row of this tile sees any key (causal, seqlen_q > seqlen_k): O = 0, LSE = -inf.
-        const int tid = threadIdx.x;
-        const uint32_t zero[4] = {0u, 0u, 0u, 0u};
-        elem_t* o_rows = o_tile();
-        float* lse_rows = lse_tile();
-        for (int i = tid; i < rows_valid * ROW_CHUNKS; i += THREADS) {
-            st_global_128(o_rows + (i / ROW_CHUNKS) * p.o_row_stride + (i % ROW_CHUNKS) * 8, zero);
-        }
-        for (int row = tid; row < rows_valid; row += THREADS) {
-            lse_rows[row] = NEG_INF;
-        }
+    if (n_blocks == 0) {   // no row of this tile sees any key: O = 0, LSE = -inf
+        store_empty_tile(o_tile(), p.o_row_stride, lse_tile(), rows_valid, threadIdx.x);
         return;
     }
 
@@ -492,30 +696,24 @@ flash_fwd_sm80_fp16_hd192_bm128_bn64_w8_st2(const __grid_constant__ FlashParams 
     // step it+STAGES (in its middle), empty groups past the last block. So at both waits of a
     // step exactly 2*STAGES-2 younger groups may stay in flight. STAGES = 1 is FlashAttention-2's
     // interleaving: V is fetched under Q K^T, the next K under the softmax and P V.
-    auto load_k = [&](int n, int stage) {
+    auto load_k = [&](int n, int stage) {   // K block n -> k_smem[stage]; nothing past the last block (n < 0)
         if (n >= 0) {
-            const elem_t* k_head = p.k + opaque(batch) * p.k_batch_stride + opaque(kv_head) * p.k_head_stride;
-            if (n * BLOCK_N + BLOCK_N <= seqlen_k) {
-                load_tile<BLOCK_N, false>(k_smem0 + stage * KV_TILE_BYTES, k_head, p.k_row_stride, n * BLOCK_N, seqlen_k);
-            } else {
-                load_tile<BLOCK_N, true>(k_smem0 + stage * KV_TILE_BYTES, k_head, p.k_row_stride, n * BLOCK_N, seqlen_k);
-            }
+            load_kv_tile(k_smem0 + stage * KV_TILE_BYTES,
+                         p.k + opaque(batch) * p.k_batch_stride + opaque(kv_head) * p.k_head_stride, p.k_row_stride, n,
+                         seqlen_k);
         }
     };
-    auto load_v = [&](int n, int stage) {
+    auto load_v = [&](int n, int stage) {   // V block n -> v_smem[stage]
         if (n >= 0) {
-            const elem_t* v_head = p.v + opaque(batch) * p.v_batch_stride + opaque(kv_head) * p.v_head_stride;
-            if (n * BLOCK_N + BLOCK_N <= seqlen_k) {
-                load_tile<BLOCK_N, false>(v_smem0 + stage * KV_TILE_BYTES, v_head, p.v_row_stride, n * BLOCK_N, seqlen_k);
-            } else {
-                load_tile<BLOCK_N, true>(v_smem0 + stage * KV_TILE_BYTES, v_head, p.v_row_stride, n * BLOCK_N, seqlen_k);
-            }
+            load_kv_tile(v_smem0 + stage * KV_TILE_BYTES,
+                         p.v + opaque(batch) * p.v_batch_stride + opaque(kv_head) * p.v_head_stride, p.v_row_stride, n,
+                         seqlen_k);
         }
     };
     constexpr int IN_FLIGHT = 2 * STAGES - 2;
 
     load_tile<BLOCK_M, true>(q_smem, p.q + batch * p.q_batch_stride + head * p.q_head_stride, p.q_row_stride, row_begin,
-                       seqlen_q);
+                             seqlen_q);
     load_k(n_blocks - 1, 0);
     cp_async_commit();
 #pragma unroll
@@ -527,39 +725,20 @@ flash_fwd_sm80_fp16_hd192_bm128_bn64_w8_st2(const __grid_constant__ FlashParams 
     }
 
     // ================= compute =================
-    // ldmatrix lane roles. A operand (Q) and V^T: lane l addresses row l % 16, chunk + l / 16 of a
-    // 16x16 block -> registers (rows 0-7 | 8-15) x (k 0-7 | 8-15), i.e. a[0..3], resp. b0, b1 of
-    // two n8 tiles of d. B operand K (keys x d): lane l addresses row l % 8 + 8 * (l / 16),
-    // chunk + (l / 8) % 2 -> b0, b1 of keys 0-7, then b0, b1 of keys 8-15. Each lane's address
-    // in a tile is its tile_offset(); k16 / n16 steps are chunk_step()s and row offsets on top.
-    auto q_lane_addr = [&](const ThreadPos& tp) {
-        return q_smem + tile_offset(tp.warp * ROWS_PER_WARP + tp.lane % 16, tp.lane / 16);
-    };
+    // This lane's ldmatrix address of its warp's Q rows (see sm80/mma.cuh.j2).
+    auto q_lane_addr = [&](const ThreadPos& tp) { return q_smem + lane_offset_a(tp.warp * ROWS_PER_WARP, tp.lane); };
 
-    float o_acc[M_SLABS][D_TILES * 4];
-    float row_max[M_SLABS][2];
-    float row_sum[M_SLABS][2];
+    float o_acc[M_SLABS][D_TILES * 4];   // O, unnormalised
+    float row_max[M_SLABS][2];           // m: running max of the raw scores of this thread's rows
+    float row_sum[M_SLABS][2];           // l: running sum of p (this thread's columns)
 #pragma unroll
-    for (int mt = 0; mt < M_SLABS; ++mt) {
-#pragma unroll
-        for (int i = 0; i < D_TILES * 4; ++i) o_acc[mt][i] = 0.f;
-        row_max[mt][0] = row_max[mt][1] = NEG_INF;
-        row_sum[mt][0] = row_sum[mt][1] = 0.f;
-    }
+    for (int mt = 0; mt < M_SLABS; ++mt) softmax_init(o_acc[mt], row_max[mt], row_sum[mt]);   // O = 0, m = -inf, l = 0
 
-    // Q fragments in registers (Q_IN_REGS): read once, after Q has landed.
-    uint32_t q_frag[Q_IN_REGS ? M_SLABS : 1][Q_IN_REGS ? HEAD_DIM / 16 : 1][4];
+    QFrags q_frag;   // Q_IN_REGS: read once, after Q has landed
     if constexpr (Q_IN_REGS) {
         cp_async_wait<IN_FLIGHT>();
         __syncthreads();
-        const uint32_t q_lane = q_lane_addr(thread_pos());
-#pragma unroll
-        for (int mt = 0; mt < M_SLABS; ++mt) {
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                ldmatrix_x4(q_frag[mt][kk], chunk_step(q_lane, 2 * kk) + 16 * mt * ROW_BYTES);
-            }
-        }
+        load_q_frags(q_frag, q_lane_addr(thread_pos()));
     }
 
     int stage = 0;   // ring stage of this step
@@ -574,41 +753,11 @@ flash_fwd_sm80_fp16_hd192_bm128_bn64_w8_st2(const __grid_constant__ FlashParams 
         load_v(n - (STAGES - 1), stage == 0 ? STAGES - 1 : stage - 1);
         cp_async_commit();
 
-        // ---- S = Q K^T ----
+        // S = Q K^T
         float s[M_SLABS][N_TILES * 4];
-#pragma unroll
-        for (int mt = 0; mt < M_SLABS; ++mt) {
-#pragma unroll
-            for (int i = 0; i < N_TILES * 4; ++i) s[mt][i] = 0.f;
-        }
-        const uint32_t q_lane = q_lane_addr(tp);
-        const uint32_t k_lane =
-            k_smem0 + stage * KV_TILE_BYTES + tile_offset(tp.lane % 8 + 8 * (tp.lane / 16), (tp.lane / 8) % 2);
-#pragma unroll S_K16_UNROLL
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            uint32_t q_k16[M_SLABS][4];
-#pragma unroll
-            for (int mt = 0; mt < M_SLABS; ++mt) {
-                if constexpr (Q_IN_REGS) {
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) q_k16[mt][r] = q_frag[mt][kk][r];
-                } else {
-                    ldmatrix_x4(q_k16[mt], chunk_step(q_lane, 2 * kk) + 16 * mt * ROW_BYTES);
-                }
-            }
-#pragma unroll
-            for (int np = 0; np < N_TILES / 2; ++np) {
-                uint32_t k_frag[4];
-                ldmatrix_x4(k_frag, chunk_step(k_lane, 2 * kk) + 16 * np * ROW_BYTES);
-#pragma unroll
-                for (int mt = 0; mt < M_SLABS; ++mt) {
-                    mma_16816(&s[mt][(2 * np) * 4], q_k16[mt], k_frag[0], k_frag[1]);
-                    mma_16816(&s[mt][(2 * np + 1) * 4], q_k16[mt], k_frag[2], k_frag[3]);
-                }
-            }
-        }
+        warp_qk(s, q_frag, q_lane_addr(tp), k_smem0 + stage * KV_TILE_BYTES + lane_offset_b(0, tp.lane));
 
-        // ---- mask: only blocks that cross seqlen_k or, for this warp's rows, the causal diagonal ----
+        // S = -inf where hidden: only blocks that cross seqlen_k or, for this warp's rows, the causal diagonal
         const int warp_first_row = row_begin + tp.warp * ROWS_PER_WARP;
         const bool cut_by_seqlen = col_begin + BLOCK_N > seqlen_k;
         const bool crosses_diagonal = IS_CAUSAL && col_begin + BLOCK_N - 1 > warp_first_row + seqlen_k - seqlen_q;
@@ -625,7 +774,7 @@ flash_fwd_sm80_fp16_hd192_bm128_bn64_w8_st2(const __grid_constant__ FlashParams 
         load_k(n - STAGES, stage);
         cp_async_commit();
 
-        // ---- online softmax: P = exp2(S*scale_log2 - max*scale_log2), O rescaled as the max moves ----
+        // m' = max(m, rowmax S); P = 2^((S - m') * scale_log2); a = 2^((m - m') * scale_log2); l = a l + rowsum P; O *= a
 #pragma unroll
         for (int mt = 0; mt < M_SLABS; ++mt) {
             float o_scale[2];
@@ -633,48 +782,14 @@ flash_fwd_sm80_fp16_hd192_bm128_bn64_w8_st2(const __grid_constant__ FlashParams 
             rescale_rows(o_acc[mt], o_scale);
         }
 
-        // ---- P = S in elem_t, as A fragments: the accumulators of n8 tiles 2kk and 2kk+1 are
-        //      exactly the k16 A fragment of keys 16kk..16kk+15 (no shuffles, P never touches smem) ----
-        uint32_t p_frag[M_SLABS][BLOCK_N / 16][4];
-#pragma unroll
-        for (int mt = 0; mt < M_SLABS; ++mt) {
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-                p_frag[mt][kk][0] = pack_elem2(s[mt][8 * kk + 0], s[mt][8 * kk + 1]);   // row g,     keys 2t, 2t+1
-                p_frag[mt][kk][1] = pack_elem2(s[mt][8 * kk + 2], s[mt][8 * kk + 3]);   // row g + 8, keys 2t, 2t+1
-                p_frag[mt][kk][2] = pack_elem2(s[mt][8 * kk + 4], s[mt][8 * kk + 5]);   // row g,     keys 8+2t, ..
-                p_frag[mt][kk][3] = pack_elem2(s[mt][8 * kk + 6], s[mt][8 * kk + 7]);   // row g + 8, keys 8+2t, ..
-            }
-        }
-
-        // ---- O += P V ----
-        const uint32_t v_lane = v_smem0 + stage * KV_TILE_BYTES + tile_offset(tp.lane % 16, tp.lane / 16);
-        auto pv_k16_n16 = [&](int kk, int dp) {   // keys 16kk..16kk+15 x d columns 16dp..16dp+15
-            uint32_t v_frag[4];
-            ldmatrix_x4_trans(v_frag, chunk_step(v_lane, 2 * dp) + 16 * kk * ROW_BYTES);
-#pragma unroll
-            for (int mt = 0; mt < M_SLABS; ++mt) {
-                mma_16816(&o_acc[mt][(2 * dp) * 4], p_frag[mt][kk], v_frag[0], v_frag[1]);
-                mma_16816(&o_acc[mt][(2 * dp + 1) * 4], p_frag[mt][kk], v_frag[2], v_frag[3]);
-            }
-        };
-        if constexpr (PV_KEYS_OUTER) {
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-#pragma unroll
-                for (int dp = 0; dp < D_TILES / 2; ++dp) pv_k16_n16(kk, dp);
-            }
-        } else {
-#pragma unroll
-            for (int dp = 0; dp < D_TILES / 2; ++dp) {
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_N / 16; ++kk) pv_k16_n16(kk, dp);
-            }
-        }
+        // O += P V   (P in elem_t, straight from the S registers)
+        uint32_t p_frag[M_SLABS][N_TILES / 2][4];
+        pack_p(p_frag, s);
+        warp_pv(o_acc, p_frag, v_smem0 + stage * KV_TILE_BYTES + lane_offset_a(0, tp.lane));
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
 
-    // ================= finish: O /= l, LSE, O -> shared (this warp's Q rows) -> global =================
+    // ================= finish: O /= l, LSE = m*scale + ln l; O -> shared (this warp's Q rows) -> global =================
     // Each warp only ever read its own Q rows, so it may overwrite them once its lanes are done.
     const ThreadPos tp = thread_pos();
     const int warp_row = tp.warp * ROWS_PER_WARP;   // this warp's first row within the tile
@@ -685,29 +800,9 @@ flash_fwd_sm80_fp16_hd192_bm128_bn64_w8_st2(const __grid_constant__ FlashParams 
     for (int mt = 0; mt < M_SLABS; ++mt) {
         float lse[2];
         softmax_finalize(o_acc[mt], row_max[mt], row_sum[mt], p.softmax_scale, lse);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = warp_row + 16 * mt + tp.g + 8 * half;
-            if (tp.t == 0 && row < rows_valid) {
-                lse_rows[row] = lse[half];
-            }
-#pragma unroll
-            for (int dt = 0; dt < D_TILES; ++dt) {
-                st_shared_32(q_smem + tile_offset(row, dt) + 4 * tp.t,
-                             pack_elem2(o_acc[mt][4 * dt + 2 * half], o_acc[mt][4 * dt + 2 * half + 1]));
-            }
-        }
+        store_row_lse(lse_rows, lse, warp_row + 16 * mt + tp.g, rows_valid, tp.t);
+        stage_o_slab(q_smem, o_acc[mt], warp_row + 16 * mt + tp.g, tp.t);
     }
     __syncwarp();
-    // 16-byte coalesced stores: consecutive lanes write consecutive chunks of a row.
-#pragma unroll
-    for (int i = tp.lane; i < ROWS_PER_WARP * ROW_CHUNKS; i += 32) {
-        const int row = warp_row + i / ROW_CHUNKS;
-        const int chunk = i % ROW_CHUNKS;
-        if (row < rows_valid) {
-            uint32_t o_chunk[4];
-            ld_shared_128(o_chunk, q_smem + tile_offset(row, chunk));
-            st_global_128(o_rows + row * p.o_row_stride + chunk * 8, o_chunk);
-        }
-    }
+    store_o_rows(o_rows, p.o_row_stride, q_smem, warp_row, rows_valid, tp.lane);
 }

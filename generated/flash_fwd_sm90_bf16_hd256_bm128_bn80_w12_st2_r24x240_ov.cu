@@ -204,6 +204,16 @@ __device__ __forceinline__ void apply_mask(float (&s)[N], int row0, int col0, in
         }
     }
 }
+
+// Key blocks of BLOCK_N_ keys a query tile visits, blocks 0 .. result-1: all ceil(seqlen_k / BLOCK_N_),
+// or, causal, those up to the diagonal of its last valid row (row_end - 1); 0 when no row sees any key.
+template <int BLOCK_N_>
+__device__ __forceinline__ int kv_blocks_visible(int row_end, int seqlen_q, int seqlen_k, bool causal) {
+    const int n_blocks = (seqlen_k + BLOCK_N_ - 1) / BLOCK_N_;
+    if (!causal) return n_blocks;
+    const int key_end = row_end + seqlen_k - seqlen_q;   // the last row sees keys [0, key_end)
+    return key_end <= 0 ? 0 : min(n_blocks, (key_end + BLOCK_N_ - 1) / BLOCK_N_);
+}
 // ---- online softmax, base 2, on one 16-row accumulator fragment (2 rows per thread) ----
 // Layout as in common/mask.cuh.j2: register i of a thread holds row g + 8*((i>>1)&1) (g = lane/4)
 // and column 8*(i>>2) + 2*(lane%4) + (i&1). A row lives in the 4 lanes of a quad, so row
@@ -226,6 +236,15 @@ __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 2);
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v;
+}
+
+// Before the first step: O = 0, row_max = -inf, row_sum = 0.
+template <int N>
+__device__ __forceinline__ void softmax_init(float (&o)[N], float (&row_max)[2], float (&row_sum)[2]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) o[i] = 0.f;
+    row_max[0] = row_max[1] = NEG_INF;
+    row_sum[0] = row_sum[1] = 0.f;
 }
 
 // One K/V step: s holds this step's (masked) raw scores on entry and p on exit. row_max and
@@ -273,21 +292,48 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[N], const float (&scal
     }
 }
 
+// ---- epilogue, arch-neutral: final row statistics and the LSE of each row ----
+// Accumulator layout as in common/softmax.cuh.j2 (register i of a thread holds row g + 8*((i>>1)&1)
+// of a 16-row slab, a row lives in a quad), so the mma.sync kernel (per 16-row slab) and each
+// warp of a wgmma consumer (o_reg / row_max / row_sum of its 16 rows) call the same functions.
+// (Needs common/ptx.cuh.j2 for NEG_INF, fast_log2; common/softmax.cuh.j2 for quad_sum, rescale_rows.)
+
+// 1 / l, or 0 for a row with no visible key (l = 0; NaN-safe: anything not > 0).
+__device__ __forceinline__ float inv_row_sum(float row_sum) {
+    return row_sum > 0.f ? 1.f / row_sum : 0.f;
+}
+
+// LSE = m * softmax_scale + ln l (natural log; m the raw, unscaled row max), -inf for a row with
+// no visible key. row_sum is the whole row's sum.
+__device__ __forceinline__ float row_lse(float row_max, float row_sum, float softmax_scale) {
+    const float ln2 = 0.69314718055994530942f;
+    return row_sum > 0.f ? row_max * softmax_scale + fast_log2(row_sum) * ln2 : NEG_INF;
+}
+
 // After the last step: quad-reduce row_sum, divide O by it, and give the natural-log LSE
 // (row_max*softmax_scale + ln(row_sum)). A row with no visible key gets O = 0, LSE = -inf.
 template <int N>
 __device__ __forceinline__ void softmax_finalize(float (&o)[N], const float (&row_max)[2], float (&row_sum)[2],
                                                  float softmax_scale, float (&lse)[2]) {
-    const float ln2 = 0.69314718055994530942f;
     float inv_sum[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         row_sum[r] = quad_sum(row_sum[r]);
-        const bool empty = !(row_sum[r] > 0.f);   // 0 (nothing visible) or NaN
-        inv_sum[r] = empty ? 0.f : 1.f / row_sum[r];
-        lse[r] = empty ? NEG_INF : row_max[r] * softmax_scale + fast_log2(row_sum[r]) * ln2;
+        inv_sum[r] = inv_row_sum(row_sum[r]);
+        lse[r] = row_lse(row_max[r], row_sum[r], softmax_scale);
     }
-    rescale_rows(o, inv_sum);
+    rescale_rows(o, inv_sum);   // O /= l
+}
+
+// LSE of this thread's two rows -> lse_rows[row], lse_rows[row + 8] (row: the thread's row g of
+// its slab, as an index into lse_rows), those below rows_valid; the quad's t == 0 lane writes.
+__device__ __forceinline__ void store_row_lse(float* lse_rows, const float (&lse)[2], int row, int rows_valid, int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (t == 0 && row + 8 * r < rows_valid) {
+            lse_rows[row + 8 * r] = lse[r];
+        }
+    }
 }
 
 // =====================================================================================
