@@ -18,6 +18,10 @@ from .launch import Operand, grid, launch_prepared, pack_params, workspace_float
 from .spec import HEAD_DIMS, KernelSpec, SpecError
 
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
+# dtype=fp8 (sm90): e4m3 inputs (torch.float8_e4m3fn); other float8 flavours are refused by name.
+FP8_NAMES = {"float8_e4m3fn": "fp8"}
+OUT_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
+ELEMENT_SIZES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 ALIGN_BYTES = 16  # cp.async and TMA move 16-byte chunks
 
@@ -167,7 +171,7 @@ def _check_layout(t: _View) -> None:
                          f"call .contiguous() or transpose back to (batch, seqlen, heads, head_dim)")
     if any(s < 0 for s in t.strides):
         raise ValueError(f"{t.name} has a negative stride {t.strides}")
-    elem = 2 if t.dtype in DTYPE_NAMES else 4
+    elem = ELEMENT_SIZES.get(t.dtype, 4)
     if t.ptr % ALIGN_BYTES:
         raise ValueError(f"{t.name}'s data pointer is not {ALIGN_BYTES}-byte aligned")
     for axis, stride in zip(("batch", "seqlen", "heads"), t.strides[:3]):
@@ -301,6 +305,10 @@ def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     """Check the arguments, pick and compile the kernel, and bind everything for launching;
     the arguments are those of :func:`attention`."""
     qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
+    if qv.dtype in FP8_NAMES or "float8" in qv.dtype or any(
+            name in spec_fields for name in ("q_descale", "k_descale", "v_descale")):
+        return _prepare_fp8(qv, kv, vv, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                            out=out, lse_out=lse_out, arch=arch, **spec_fields)
     _check_inputs(qv, kv, vv)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
@@ -333,6 +341,147 @@ def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, workspace)
 
 
+# ------------------------------------------------------------------ fp8 (e4m3, sm90)
+
+def check_fp8_inputs(q: _View, k: _View, v: _View, v_layout: str) -> None:
+    """q, k, v of an fp8 call: e4m3, one kind/device, shapes as for 16-bit inputs except V^T
+    (batch, heads_kv, head_dim, seqlen_k) with v_layout=transposed. Raises naming the argument."""
+    for t in (q, k, v):
+        if t.dtype not in FP8_NAMES:
+            raise TypeError(f"{t.name} has dtype {t.dtype}; dtype=fp8 takes float8_e4m3fn (e4m3) q, k and v "
+                            f"(quantise bf16/fp16 with facodegen.quantize.quantize_e4m3)")
+        if len(t.shape) != 4:
+            raise ValueError(f"{t.name} must be 4-D, got shape {t.shape}")
+    for t in (k, v):
+        if t.kind != q.kind:
+            raise TypeError(f"{t.name} is a {t.kind} array but q is a {q.kind} array; pass one kind")
+        if t.device != q.device:
+            raise ValueError(f"{t.name} is on cuda:{t.device} but q is on cuda:{q.device}; put them on one device")
+    if v_layout not in ("row", "transposed"):
+        raise ValueError(f"v_layout must be 'row' or 'transposed', got {v_layout!r}")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    _, seqlen_k, heads_kv, _ = k.shape
+    want_v = k.shape if v_layout == "row" else (batch, heads_kv, head_dim, seqlen_k)
+    if tuple(v.shape) != tuple(want_v):
+        what = "(batch, seqlen_k, heads_kv, head_dim)" if v_layout == "row" else \
+            "(batch, heads_kv, head_dim, seqlen_k) (v_layout='transposed': V^T)"
+        raise ValueError(f"v has shape {v.shape}; expected {what} = {tuple(want_v)}")
+    if k.shape[0] != batch:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k has head_dim {k.shape[3]} but q has head_dim {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} is not supported; choose one of {', '.join(map(str, HEAD_DIMS))}")
+    if min(batch, seqlen_q, seqlen_k, heads_q, heads_kv) < 1:
+        raise ValueError(f"q {q.shape} / k {k.shape}: an empty sequence or dimension cannot be attended")
+    if heads_q % heads_kv:
+        raise ValueError(f"heads_kv={heads_kv} (k.shape[2]) must divide heads_q={heads_q} (q.shape[2]) for GQA/MQA")
+    _check_layout(q)
+    _check_layout(k)
+    if v_layout == "row":
+        _check_layout(v)
+    else:
+        if v.strides[3] != 1:
+            raise ValueError(f"v (V^T) must have contiguous keys (stride 1 on its last axis), got strides {v.strides}")
+        if v.ptr % ALIGN_BYTES:
+            raise ValueError(f"v's data pointer is not {ALIGN_BYTES}-byte aligned")
+        for axis, stride, size in zip(("batch", "heads", "head_dim"), v.strides[:3], v.shape[:3]):
+            if size > 1 and (stride <= 0 or stride % ALIGN_BYTES):
+                raise ValueError(f"v (V^T)'s {axis} stride ({stride} elements) must be a positive multiple of "
+                                 f"{ALIGN_BYTES}; allocate (batch, heads_kv, head_dim, seqlen_k rounded up to 16) "
+                                 f"and pass the [..., :seqlen_k] view")
+
+
+def check_descale(d: _View | None, name: str, q: _View, batch: int, heads_kv: int) -> tuple[int, int]:
+    """(batch stride, head stride) in elements of a descale: a float32 scalar (0-d or one element:
+    strides 0, 0) or a (batch, heads_kv) tensor, on q's device. Raises naming the argument."""
+    if d is None:
+        return 0, 0
+    if d.kind != q.kind:
+        raise TypeError(f"{name} is a {d.kind} array but q is a {q.kind} array; pass one kind")
+    if d.dtype != "float32":
+        raise TypeError(f"{name} has dtype {d.dtype}; descale factors are float32 (e.g. torch.tensor(1.0, "
+                        f"dtype=torch.float32, device=q.device))")
+    if d.device != q.device:
+        raise ValueError(f"{name} is on cuda:{d.device} but q is on cuda:{q.device}; put it on q's device")
+    count = 1
+    for n in d.shape:
+        count *= n
+    if count == 1:
+        return 0, 0
+    if tuple(d.shape) != (batch, heads_kv):
+        raise ValueError(f"{name} has shape {tuple(d.shape)}; expected a scalar or (batch, heads_kv) = "
+                         f"{(batch, heads_kv)}")
+    return d.strides[0], d.strides[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_descale(device: int, kind: str):
+    """float32 1.0 on a device: the descale of an argument left out."""
+    if kind == "torch":
+        return _torch().ones((), dtype=_torch().float32, device=f"cuda:{device}")
+    cupy = _cupy()
+    with cupy.cuda.Device(device):
+        return cupy.ones((), dtype=cupy.float32)
+
+
+def _prepare_fp8(qv: _View, kv: _View, vv: _View, *, causal, softmax_scale, return_lse, out, lse_out, arch,
+                 q_descale=None, k_descale=None, v_descale=None, **spec_fields) -> PreparedAttention:
+    from .launch import Descale
+    if arch is not None and arch != "sm90":
+        raise ValueError(f"arch={arch!r}: dtype=fp8 (e4m3 q, k, v) runs on sm90 (H100/H200) only; use arch='sm90'")
+    v_layout = spec_fields.get("v_layout") or "row"
+    check_fp8_inputs(qv, kv, vv, v_layout)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    out_dtype = spec_fields.get("out_dtype") or "bf16"
+    if out_dtype not in OUT_DTYPE_NAMES:
+        raise ValueError(f"out_dtype must be 'bf16' or 'fp16', got {out_dtype!r}")
+    batch, seqlen_q, heads_q, head_dim = qv.shape
+    _, seqlen_k, heads_kv, _ = kv.shape
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    descales = {}
+    keep = []
+    for name, value in (("q", q_descale), ("k", k_descale), ("v", v_descale)):
+        arg = f"{name}_descale"
+        if value is not None and _kind(value) == "other":
+            raise TypeError(f"{arg} must be a float32 {qv.kind} tensor on cuda:{qv.device} (a scalar or "
+                            f"(batch, heads_kv)), got {type(value).__name__}")
+        view = _view(arg, value) if value is not None else None
+        strides = check_descale(view, arg, qv, batch, heads_kv)
+        if value is None:
+            value = _unit_descale(qv.device, qv.kind)
+            view = _view(arg, value)
+        keep.append(value)
+        descales[name] = Descale(view.ptr, *strides)
+    spec_fields.update(out_dtype=out_dtype, v_layout=v_layout)
+    spec = resolve_spec(head_dim, "fp8", causal, qv.device, "sm90",
+                        shape=(batch, seqlen_q, seqlen_k, heads_q), **spec_fields)
+    out_name = OUT_DTYPE_NAMES[out_dtype]
+    if out is None:
+        out = _empty(qv, qv.shape, out_name)
+    outv = _view("out", out)
+    if outv.kind != qv.kind or outv.dtype != out_name or outv.device != qv.device:
+        raise TypeError(f"out must be a {qv.kind} {out_name} array on cuda:{qv.device} (out_dtype={out_dtype})")
+    if outv.shape != qv.shape:
+        raise ValueError(f"out has shape {outv.shape}, q has {qv.shape}; they must match")
+    _check_layout(outv)
+    if lse_out is None:
+        lse_out = _empty(qv, (batch, heads_q, seqlen_q), "float32")
+    lsev = _view("lse_out", lse_out)
+    _check_lse(lsev, qv)
+    counter = _tile_counter(qv.device)
+    param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
+                              counter.data.ptr, float(softmax_scale), descales=descales)
+    prepared = PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse)
+    prepared._descales = keep           # the descale tensors FlashParams points at stay alive
+    return prepared
+
+
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
               out=None, lse_out=None, arch: str | None = None, **spec_fields):
     """Attention forward, O = softmax(scale * Q K^T [+ causal mask]) V.
@@ -343,6 +492,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     the float32 natural-log LSE of shape (batch, heads_q, seqlen_q) when ``return_lse``), in the
     caller's library, computed on its current stream. Spec fields (block_n=..., stages=...) may be
     given to override the defaults; ``out``/``lse_out`` receive the results in place.
+
+    FP8 (sm90): q, k, v as torch.float8_e4m3fn; ``q_descale``/``k_descale``/``v_descale`` float32
+    device tensors, each a scalar or (batch, heads_kv) (default 1); the scores are
+    (q*q_descale)(k*k_descale)^T and V is v*v_descale. ``out_dtype="bf16"`` (default) or "fp16";
+    ``v_layout="transposed"`` takes V^T (batch, heads_kv, head_dim, seqlen_k), keys contiguous, head_dim
+    stride a multiple of 16 (see facodegen.quantize for bf16 -> e4m3).
     """
     return prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
                    lse_out=lse_out, arch=arch, **spec_fields)()

@@ -47,8 +47,20 @@ def workspace_floats(spec: KernelSpec, batch: int, heads_q: int, seqlen_q: int, 
     return batch * heads_q * seqlen_q * (head_dim + 2) if needs_workspace(spec) else 0
 
 
+@dataclass(frozen=True)
+class Descale:
+    """An fp8 descale factor in device memory: float32 at ptr + batch*batch_stride + kv_head*head_stride."""
+    ptr: int
+    batch_stride: int = 0
+    head_stride: int = 0
+
+
 def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand, lse_ptr: int,
-                tile_counter_ptr: int, softmax_scale: float, workspace_ptr: int = 0) -> bytes:
+                tile_counter_ptr: int, softmax_scale: float, workspace_ptr: int = 0,
+                descales: dict[str, Descale] | None = None) -> bytes:
+    """FlashParams bytes. dtype=fp8: ``descales`` = {"q": Descale, "k": ..., "v": ...}, and with
+    v_layout=transposed ``v`` is V^T with shape (batch, heads_kv, head_dim, seqlen_k) and strides
+    (batch, head, dim, 1)."""
     batch, seqlen_q, heads_q, _ = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
     num_m_blocks = math.ceil(seqlen_q / spec.block_m)
@@ -61,11 +73,17 @@ def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand
     }
     for name, op in (("q", q), ("k", k), ("v", v), ("o", o)):
         values[f"{name}_batch_stride"], values[f"{name}_row_stride"], values[f"{name}_head_stride"] = op.bsh_strides
+    if spec.dtype == "fp8":
+        for name in ("q", "k", "v"):
+            d = descales[name]
+            values[f"{name}_descale"] = d.ptr
+            values[f"{name}_descale_batch_stride"] = d.batch_stride
+            values[f"{name}_descale_head_stride"] = d.head_stride
     if spec.arch == "sm90":
         from . import tma
         values.update(tma.tensor_maps(spec, q.ptr, k.ptr, v.ptr, o.ptr, batch, seqlen_q, seqlen_k, heads_q,
                                       heads_kv, q.bsh_strides, k.bsh_strides, v.bsh_strides, o.bsh_strides))
-    return params_mod.pack(spec.arch, values)
+    return params_mod.pack(spec.arch, values, spec.dtype)
 
 
 def launch_prepared(function, grid_dims: tuple[int, int, int], threads: int, smem_bytes: int,

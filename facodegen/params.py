@@ -63,14 +63,26 @@ TMA_FIELDS = [
 ]
 
 
-def fields(arch: str) -> list[Field]:
-    return COMMON_FIELDS + (TMA_FIELDS if arch == "sm90" else [])
+# dtype=fp8 (sm90) only: the descale factors of the e4m3 inputs, float32 in device memory, read at
+# [batch * <t>_descale_batch_stride + kv_head * <t>_descale_head_stride] (strides 0 and 0 for one
+# per-tensor scalar; FlashAttention-3's (batch, heads_kv) tensors otherwise). q_descale * k_descale
+# multiplies the scores (folded into the exp2 scale), v_descale multiplies O.
+FP8_FIELDS = [
+    *(Field(f"{t}_descale", "ptr", "const float*", f"{t.upper()} descale, float32 (per tensor or per (batch, kv head))")
+      for t in ("q", "k", "v")),
+    *(Field(f"{t}_descale_{axis}_stride", "i64", "long long", f"{t}_descale stride between {axis}es (0: shared)")
+      for t in ("q", "k", "v") for axis in ("batch", "head")),
+]
 
 
-def layout(arch: str) -> tuple[list[tuple[Field, int]], int, int]:
+def fields(arch: str, dtype: str | None = None) -> list[Field]:
+    return COMMON_FIELDS + (TMA_FIELDS if arch == "sm90" else []) + (FP8_FIELDS if dtype == "fp8" else [])
+
+
+def layout(arch: str, dtype: str | None = None) -> tuple[list[tuple[Field, int]], int, int]:
     """[(field, offset)], total size and alignment with C's natural-alignment rules."""
     offset, max_align, placed = 0, 1, []
-    for f in fields(arch):
+    for f in fields(arch, dtype):
         offset = (offset + f.align - 1) // f.align * f.align
         placed.append((f, offset))
         offset += f.size
@@ -79,9 +91,9 @@ def layout(arch: str) -> tuple[list[tuple[Field, int]], int, int]:
     return placed, size, max_align
 
 
-def pack(arch: str, values: dict) -> bytes:
+def pack(arch: str, values: dict, dtype: str | None = None) -> bytes:
     """Host bytes of FlashParams; every field must be given (tensor maps as 128 bytes)."""
-    placed, size, _ = layout(arch)
+    placed, size, _ = layout(arch, dtype)
     buf = bytearray(size)
     missing = [f.name for f, _ in placed if f.name not in values]
     if missing:

@@ -381,3 +381,54 @@ def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv:
             x = x.astype({"fp16": np.float16, "fp32": np.float32, "fp64": np.float64}[name])
         out.append(x)
     return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 (e4m3) inputs
+# ----------------------------------------------------------------------------------------------
+
+# Relative Frobenius error of an fp8 kernel's O against the float64 reference computed from the same
+# (dequantised) e4m3 inputs: P is rounded to e4m3 inside the kernel (3 mantissa bits: ~2-3% per
+# element, averaging down over the keys) and O to bf16. Issue 6's bound on randn inputs.
+FP8_TOLERANCE = 3e-2
+
+
+def _descale_array(descale, batch: int, heads_kv: int, name: str) -> np.ndarray:
+    """A descale (number, 0-d/1-element array or tensor, or (batch, heads_kv)) as (batch, heads_kv) float64."""
+    d = to_float64(descale) if not isinstance(descale, (int, float)) else np.asarray(float(descale))
+    if d.size == 1:
+        return np.full((batch, heads_kv), float(d.reshape(())))
+    if d.shape != (batch, heads_kv):
+        raise ValueError(f"{name}: shape {d.shape}; expected a scalar or (batch, heads_kv) = {(batch, heads_kv)}")
+    return d
+
+
+def dequantize_fp8(x, descale=1.0, heads_kv: int | None = None, v_layout: str = "row") -> np.ndarray:
+    """float64 (batch, seqlen, heads, d) values of an e4m3 tensor times its descale.
+
+    ``x``: torch float8_e4m3fn tensor, NumPy uint8 bytes (decoded as e4m3) or float array of e4m3
+    values. ``v_layout="transposed"``: x is V^T (batch, heads_kv, d, seqlen_k) and comes back as V.
+    Per-(batch, kv head) descales apply to q head h as kv head h // (heads / heads_kv)."""
+    from .quantize import e4m3_decode
+    if isinstance(x, np.ndarray) and x.dtype == np.uint8:
+        values = e4m3_decode(x)
+    else:
+        values = to_float64(x)
+    if v_layout == "transposed":
+        values = values.transpose(0, 3, 1, 2)
+    batch, _, heads, _ = values.shape
+    heads_kv = heads if heads_kv is None else heads_kv
+    d = _descale_array(descale, batch, heads_kv, "descale")
+    per_head = np.repeat(d, heads // heads_kv, axis=1)            # (batch, heads)
+    return values * per_head[:, None, :, None]
+
+
+def attention_reference_fp8(q, k, v, q_descale=1.0, k_descale=1.0, v_descale=1.0, causal: bool = False,
+                            softmax_scale: float | None = None, v_layout: str = "row"):
+    """(O, LSE) in float64 of attention on e4m3 inputs: dequantise (value x descale), then
+    :func:`attention_reference`. The descales are per tensor or (batch, heads_kv) as the kernel takes them."""
+    kv_heads = to_float64(k).shape[2] if not (isinstance(k, np.ndarray) and k.dtype == np.uint8) else k.shape[2]
+    qf = dequantize_fp8(q, q_descale, heads_kv=kv_heads)
+    kf = dequantize_fp8(k, k_descale)
+    vf = dequantize_fp8(v, v_descale, v_layout=v_layout)
+    return attention_reference(qf, kf, vf, causal=causal, softmax_scale=softmax_scale)

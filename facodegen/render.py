@@ -46,6 +46,8 @@ def emit_command(spec: KernelSpec) -> str:
              f"--stages {spec.stages}", f"--gpu {spec.gpu}"]
     if spec.causal:
         flags.append("--causal")
+    if spec.dtype == "fp8":
+        flags += [f"--out-dtype {spec.out_dtype}", f"--v-layout {spec.v_layout}"]
     if spec.arch == "sm80":
         flags.append("--q-in-regs" if spec.q_in_regs else "--q-in-smem")
         if spec.schedule != "fa2":
@@ -63,14 +65,16 @@ def emit_command(spec: KernelSpec) -> str:
 
 def context(spec: KernelSpec) -> dict:
     """Everything a template may read: the spec and constants derived from it once."""
-    placed, size, align = layout(spec.arch)
+    placed, size, align = layout(spec.arch, spec.dtype)
     return {
         "spec": spec,
         "arch": spec.arch,
         "kernel_name": spec.variant,
         "version": __version__,
         "emit_command": emit_command(spec),
-        "spec_items": sorted(spec.as_dict().items()),
+        # fp8's knobs (fixed for the 16-bit types) are left out of the header of bf16/fp16 kernels
+        "spec_items": sorted((k, v) for k, v in spec.as_dict().items()
+                             if spec.dtype == "fp8" or k not in ("out_dtype", "v_layout")),
         "smem_bytes": spec.smem_bytes,
         "threads": spec.threads,
         "log2e": repr(math.log2(math.e)),
@@ -83,7 +87,12 @@ def context(spec: KernelSpec) -> dict:
 
 def emit(spec: KernelSpec) -> str:
     """The CUDA source of one kernel: byte-identical for equal specs."""
-    name = f"{spec.arch}/flash_fwd_fa1.cu.j2" if spec.schedule == "fa1" else f"{spec.arch}/flash_fwd.cu.j2"
+    if spec.schedule == "fa1":
+        name = f"{spec.arch}/flash_fwd_fa1.cu.j2"
+    elif spec.dtype == "fp8":
+        name = f"{spec.arch}/flash_fwd_fp8.cu.j2"
+    else:
+        name = f"{spec.arch}/flash_fwd.cu.j2"
     try:
         return environment().get_template(name).render(**context(spec))
     except jinja2.TemplateSyntaxError as err:

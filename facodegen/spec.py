@@ -47,8 +47,18 @@ from dataclasses import dataclass, field
 
 ARCHS = ("sm80", "sm90")
 HEAD_DIMS = (64, 96, 128, 192, 256)
-DTYPES = ("fp16", "bf16")
-ELEMENT_BYTES = {"fp16": 2, "bf16": 2}
+DTYPES = ("fp16", "bf16", "fp8")
+# The 16-bit input types every arch supports (and the shipped default_specs() cover); "fp8" is
+# e4m3 on sm90 only (templates/sm90/flash_fwd_fp8.cu.j2), with its own knobs out_dtype and v_layout.
+DTYPES_16 = ("fp16", "bf16")
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
+# fp8 only: the type O is written in, and how the caller passes V.
+#   v_layout  row:        V as given, (batch, seqlen_k, heads_kv, head_dim); the producer warpgroup
+#                         transposes each V tile in shared memory (FP8 wgmma takes K-major B only)
+#             transposed: the caller passes V^T, (batch, heads_kv, head_dim, seqlen_k) with the keys
+#                         contiguous and a head_dim stride that is a multiple of 16 keys (pad seqlen_k)
+OUT_DTYPES = ("bf16", "fp16")
+V_LAYOUTS = ("row", "transposed")
 SCHEDULES = ("fa2", "fa1")
 # The finer switches of the fa1 template (templates/sm80/flash_fwd_fa1.cu.j2), each isolating one
 # idea of FlashAttention-2 (kernel spec field -> choices, FA1's choice first):
@@ -144,6 +154,8 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
         # floats per thread) fits in 255 registers; 2 stages where the GPU has the room.
         stages = 2 if 128 * head_dim * 2 + 2 * 2 * 64 * head_dim * 2 <= smem else 1
         return Tiles(128, 64, 8, stages, why="FA2 hdim192/256: 128x64, 8 warps")
+    if dtype == "fp8":
+        return fp8_tiles(head_dim, causal)
     # sm90: FlashAttention-3's tile_size_fwd_sm90 (kernel-facts 2.1), 2-stage K/V rings.
     # Pingpong is off for causal: measured on the H200 (docs/perf-notes.md, v1 ablation) it
     # costs 6% at d128 s8k causal (572 vs 607 TFLOP/s) and 3% at s1k: the masked diagonal
@@ -173,6 +185,31 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
                  intra_wg_overlap=True, why="FA3 hdim256: 128x80")
 
 
+def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
+    """sm90 e4m3 defaults: FlashAttention-3's tile_size_fwd_sm90 fp8 rows (kernel-facts 2.1), 2 stages,
+    intra-warpgroup overlap, pingpong for head_dim >= 128 (FA3: fp8 pingpong exactly there) except
+    causal (as for bf16; and with pingpong the causal consumers spill at hd128-256, ptxas 2026-11-29). Shared memory: Q + 2 x (K + V^T) + 2 x V (row V: the TMA lands V here and the
+    producer transposes it into V^T); O goes from registers to global memory (no O tile)."""
+    if head_dim <= 64:
+        # FA3 192x160 holds S, P and O in 160 registers with FA3's leaner bookkeeping; ours
+        # (O 32 + S 80 + P 20 + 32) is 164: 192x128 until ptxas says otherwise.
+        return Tiles(192, 128, 16, 2, consumer_warpgroups=3, pingpong=False, intra_wg_overlap=True,
+                     why="FA3 fp8 hdim64 192x160 -> 192x128 (160 registers)")
+    if head_dim <= 96:
+        return Tiles(192, 128, 16, 2, consumer_warpgroups=3, pingpong=False, intra_wg_overlap=True,
+                     why="FA3 fp8 hdim96: 192x128")
+    if head_dim <= 128:
+        # 128x224 (FA3, row-major V): Q 16K + 2 x (K 28K + V^T 28K) + 2 x V 28K = 184K.
+        return Tiles(128, 224, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
+                     why="FA3 fp8 hdim128: 128x224")
+    if head_dim <= 192:
+        return Tiles(128, 160, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
+                     why="FA3 fp8 hdim192: 128x160")
+    # Q 32K + 2 x (K 32K + V^T 32K) + 2 x V 32K = 224K: the limit of shared memory.
+    return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
+                 why="FA3 fp8 hdim256: 128x128")
+
+
 def register_split(consumer_warpgroups: int) -> tuple[int, int]:
     """(producer, consumer) setmaxnreg values, FA3's and ThunderKittens' choices."""
     return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[consumer_warpgroups]
@@ -199,6 +236,11 @@ class KernelSpec:
     ``persistent`` (one CTA per SM with a tile scheduler), ``separate_o`` (the epilogue's O
     staging tile has its own shared-memory buffer instead of aliasing Q; default: on when it
     fits), ``l2_hints`` (TMA loads carry L2 eviction hints: K/V evict-last, Q evict-first).
+
+    dtype=fp8 only (e4m3 Q, K, V; sm90): ``out_dtype`` (bf16 | fp16: the type of O) and ``v_layout``
+    (row | transposed: V as (batch, seqlen_k, heads_kv, d), transposed in shared memory by the kernel,
+    or V^T as (batch, heads_kv, d, seqlen_k) from the caller). fp8 stores O from registers, so
+    ``separate_o`` is always False there.
     """
 
     arch: str = "sm80"
@@ -223,12 +265,15 @@ class KernelSpec:
     persistent: bool | None = None
     separate_o: bool | None = None
     l2_hints: bool | None = None
+    out_dtype: str | None = None
+    v_layout: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("schedule", self.schedule, SCHEDULES)
+        _resolve_fp8(self)
         _resolve_schedule(self)
         if not isinstance(self.causal, bool):
             raise SpecError("causal", f"must be True or False, got {self.causal!r}")
@@ -254,6 +299,10 @@ class KernelSpec:
                 cwg = self.block_m // 64 if self.block_m is not None else tiles.consumer_warpgroups
             _check_choice("consumer_warpgroups", cwg, (1, 2, 3))
             producer, consumer = register_split(cwg)
+            if self.dtype == "fp8" and self.v_layout == "row" and cwg == 2:
+                # The producer's warps 1-3 transpose V in shared memory: 24 registers spill there
+                # (ptxas, hd256); 32 + 2 x 240 still fills the 64K-register file exactly.
+                producer = 32
             fill.update(block_m=64 * cwg, block_n=tiles.block_n, num_warps=4 * (cwg + 1),
                         stages=tiles.stages, q_in_regs=False, consumer_warpgroups=cwg,
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
@@ -262,7 +311,12 @@ class KernelSpec:
             for name in ("separate_o", "l2_hints"):     # 0/1 from command lines and scripts
                 if type(getattr(self, name)) is int and getattr(self, name) in (0, 1):
                     object.__setattr__(self, name, bool(getattr(self, name)))
-            if self.separate_o is None:
+            if self.dtype == "fp8":
+                if self.separate_o:
+                    raise SpecError("separate_o", "dtype=fp8 stores O from registers straight to global "
+                                                  "memory (no O tile in shared memory): use separate_o=False")
+                fill["separate_o"] = False
+            elif self.separate_o is None:
                 # Own O buffer exactly when it fits the budget with the other knobs as resolved.
                 trial = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in fill.items()}
                 dims = (trial["block_m"], trial["block_n"], trial["stages"])
@@ -312,6 +366,10 @@ class KernelSpec:
                 parts.append("so")
             if not self.l2_hints:
                 parts.append("nol2")
+            if self.dtype == "fp8":
+                parts.append(f"o{self.out_dtype}")
+                if self.v_layout == "transposed":
+                    parts.append("vt")
         if self.causal:
             parts.append("causal")
         return "_".join(parts)
@@ -321,7 +379,11 @@ class KernelSpec:
 
         Knobs that were only defaults (not given by the caller) are dropped so that a
         change of head_dim, say, picks that head_dim's default tiles."""
-        given = {k: v for k, v in self.as_dict().items() if k in ("arch", "head_dim", "dtype", "causal", "gpu", "schedule")}
+        given = {k: v for k, v in self.as_dict().items()
+                 if k in ("arch", "head_dim", "dtype", "causal", "gpu", "schedule", "out_dtype", "v_layout")}
+        if changes.get("dtype", self.dtype) != "fp8":
+            given.pop("out_dtype", None)     # fp8 knobs go when the dtype changes away from fp8
+            given.pop("v_layout", None)
         given.update(changes)
         if self.schedule == "fa1" and given.get("schedule") == "fa1":
             for name in FA1_SWITCHES:   # the schedule's switches go with it
@@ -384,6 +446,29 @@ def fa1_exchange_bytes(spec: "KernelSpec") -> int:
     return 4 * (spec.num_warps * spec.block_m * (spec.head_dim + 2) + 2 * spec.block_m)
 
 
+def _resolve_fp8(spec: "KernelSpec") -> None:
+    """dtype=fp8 needs arch=sm90 and takes out_dtype / v_layout (defaults bf16 / row); the 16-bit
+    types resolve them to their only values (O in the input dtype, V row-major), and their kernels
+    do not mention them (render.context leaves them out of the header)."""
+    if spec.dtype != "fp8":
+        for name, only in (("out_dtype", spec.dtype), ("v_layout", "row")):
+            value = getattr(spec, name)
+            if value is not None and value != only:
+                raise SpecError(name, f"{name}={value!r} is an fp8 knob (dtype=fp8); dtype={spec.dtype} writes O "
+                                      f"in {spec.dtype} and takes V as (batch, seqlen_k, heads_kv, head_dim)")
+            object.__setattr__(spec, name, only)
+        return
+    if spec.arch != "sm90":
+        raise SpecError("dtype", f"dtype=fp8 (e4m3) runs on the FP8 tensor cores of sm90 (H100/H200) only; "
+                                 f"arch={spec.arch} has none: use arch=sm90 or dtype=bf16")
+    if spec.out_dtype is None:
+        object.__setattr__(spec, "out_dtype", "bf16")
+    if spec.v_layout is None:
+        object.__setattr__(spec, "v_layout", "row")
+    _check_choice("out_dtype", spec.out_dtype, OUT_DTYPES)
+    _check_choice("v_layout", spec.v_layout, V_LAYOUTS)
+
+
 def _check_choice(name: str, value, allowed) -> None:
     if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
         raise SpecError(name, f"{value!r} is not supported; choose one of {', '.join(map(str, allowed))}")
@@ -396,6 +481,8 @@ def smem_bytes(spec: KernelSpec) -> int:
     kv_ring = spec.stages * 2 * spec.block_n * spec.head_dim * e
     if spec.arch == "sm80":
         return q_tile + kv_ring + fa1_exchange_bytes(spec)
+    if spec.dtype == "fp8":
+        return fp8_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, spec.v_layout)
     return _sm90_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, e, spec.separate_o)
 
 
@@ -404,6 +491,15 @@ def _sm90_smem(block_m: int, block_n: int, stages: int, head_dim: int, e: int, s
     q_tile = block_m * head_dim * e
     o_tile = q_tile if separate_o else 0
     return q_tile + o_tile + stages * 2 * block_n * head_dim * e + SM90_BARRIER_BYTES
+
+
+def fp8_smem(block_m: int, block_n: int, stages: int, head_dim: int, v_layout: str) -> int:
+    """sm90 fp8 (1 byte/element): Q tile, ``stages`` K and V^T tiles, with v_layout=row also ``stages``
+    V tiles as the TMA writes them (the producer transposes each into V^T), barriers + alignment.
+    O has no tile: it goes from registers to global memory."""
+    tile = block_n * head_dim
+    v_raw = stages * tile if v_layout == "row" else 0
+    return block_m * head_dim + stages * 2 * tile + v_raw + SM90_BARRIER_BYTES
 
 
 def register_estimate(spec: KernelSpec) -> int:
@@ -421,7 +517,7 @@ def register_estimate(spec: KernelSpec) -> int:
         rows = 64
     o_acc = rows * spec.head_dim // threads
     s_acc = rows * spec.block_n // threads
-    p_frag = s_acc // 2 if spec.arch == "sm90" else 0
+    p_frag = (s_acc // 4 if spec.dtype == "fp8" else s_acc // 2) if spec.arch == "sm90" else 0
     q_frag = rows * spec.head_dim // threads // 2 if spec.q_in_regs else 0
     return o_acc + s_acc + p_frag + q_frag + REG_OVERHEAD[spec.arch]
 
@@ -470,6 +566,9 @@ def _validate(spec: KernelSpec) -> None:
                 f"on sm90 (one producer warpgroup plus the consumers)"))
         if spec.block_n % 16 or not 16 <= spec.block_n <= 256:
             raise SpecError("block_n", f"block_n={spec.block_n} must be a multiple of 16 in [16, 256] (wgmma N, TMA box)")
+        if spec.dtype == "fp8" and spec.block_n % 32:
+            raise SpecError("block_n", f"block_n={spec.block_n} must be a multiple of 32 for dtype=fp8 (the P V "
+                                       f"wgmma reduces over keys in k32 steps)")
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
         for name in ("separate_o", "l2_hints"):
@@ -508,4 +607,10 @@ def default_spec(arch: str = "sm80", head_dim: int = 128, dtype: str = "bf16", c
 def default_specs() -> list[KernelSpec]:
     """Every shipped default: the set generated/ holds and CI compiles."""
     return [KernelSpec(arch=a, head_dim=d, dtype=t, causal=c)
-            for a in ARCHS for d in HEAD_DIMS for t in DTYPES for c in (False, True)]
+            for a in ARCHS for d in HEAD_DIMS for t in DTYPES_16 for c in (False, True)]
+
+
+def default_fp8_specs() -> list[KernelSpec]:
+    """The sm90 e4m3 defaults (both V layouts, O in bf16): what tests/test_fp8.py compiles."""
+    return [KernelSpec(arch="sm90", head_dim=d, dtype="fp8", causal=c, v_layout=layout)
+            for d in HEAD_DIMS for c in (False, True) for layout in V_LAYOUTS]

@@ -25,8 +25,9 @@ TENSOR_MAP_BYTES = 128
 _TENSOR_MAP_ALIGN = 64
 
 # CUtensorMapDataType (kernel-facts 4.1).
-DTYPE_CODES = {"fp16": 6, "bf16": 9}
-ELEMENT_BYTES = {"fp16": 2, "bf16": 2}
+# fp8 (e4m3) moves as UINT8: the TMA unit copies bytes and has no float8 type.
+DTYPE_CODES = {"fp16": 6, "bf16": 9, "fp8": 0}
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
 # CUtensorMapSwizzle: bytes of the swizzle span -> enum.
 SWIZZLE_CODES = {0: 0, 32: 1, 64: 2, 128: 3}
 _INTERLEAVE_NONE = 0
@@ -41,11 +42,20 @@ _MAX_BOX = 256
 def slab_geometry(head_dim: int, elem_bytes: int = 2) -> tuple[int, int]:
     """(swizzle bytes, box columns) the sm90 kernel uses for a head_dim.
 
-    128B swizzle with 64-column slabs when head_dim is a multiple of 64 (64, 128, 192, 256);
-    otherwise (96) 64B swizzle with 32-column slabs. Must match SWIZZLE_BYTES / SLAB_COLS in
-    templates/sm90/flash_fwd.cu.j2."""
-    swizzle = 128 if (head_dim * elem_bytes) % 128 == 0 else 64
+    The widest swizzle (128B, else 64B, else 32B) that divides a row of head_dim elements; one slab
+    is one swizzle span of columns. 16-bit: 128B / 64 columns for head_dim 64, 128, 192, 256 and
+    64B / 32 columns for 96. fp8 (1 byte): 128 columns for 128 and 256, 64B / 64 columns for 64 and
+    192, 32B / 32 columns for 96. Must match SWIZZLE_BYTES / SLAB_COLS in templates/sm90/."""
+    row = head_dim * elem_bytes
+    swizzle = 128 if row % 128 == 0 else 64 if row % 64 == 0 else 32
     return swizzle, swizzle // elem_bytes
+
+
+def vt_geometry(block_n: int) -> tuple[int, int]:
+    """(swizzle bytes, box keys) of a transposed fp8 V tile (rows = head_dim, keys contiguous): the
+    widest swizzle dividing block_n bytes. Must match VT_SWIZZLE_BYTES in flash_fwd_fp8.cu.j2."""
+    swizzle = 128 if block_n % 128 == 0 else 64 if block_n % 64 == 0 else 32
+    return swizzle, swizzle
 
 
 @dataclass(frozen=True)
@@ -180,6 +190,40 @@ def encode_tiled(ptr: int, dtype: str, shape_bshd, strides_elems, box_rows: int,
     return encode(tiled_args(ptr, dtype, shape_bshd, strides_elems, box_rows, box_cols, swizzle))
 
 
+def transposed_v_args(ptr: int, shape_bhds, strides_elems, box_rows: int, box_keys: int,
+                      swizzle: int) -> TiledArgs:
+    """Checked map of a pre-transposed fp8 V, shape (batch, heads_kv, head_dim, seqlen_k) with the
+    keys contiguous and strides (batch, head, dim) in elements (bytes). Rank 4, innermost first:
+    {seqlen_k, head_dim, heads_kv, batch}; one box = box_rows (head_dim) rows x box_keys keys.
+    Keys past seqlen_k read as zeros (the box may be wider than seqlen_k)."""
+    if not _is_int(ptr) or ptr <= 0 or ptr % 16:
+        raise ValueError(f"ptr: must be a 16-byte aligned device address, got {ptr!r}")
+    shape = tuple(shape_bhds)
+    if len(shape) != 4 or not all(_is_int(x) and 1 <= x <= _MAX_DIM for x in shape):
+        raise ValueError(f"shape: must be 4 positive integers (batch, heads_kv, head_dim, seqlen_k), got {shape_bhds!r}")
+    batch, heads, dim, seqlen = shape
+    strides = tuple(strides_elems)
+    if len(strides) != 3 or not all(_is_int(x) for x in strides):
+        raise ValueError(f"strides_elems: must be 3 integers (batch, head, dim) in elements, got {strides_elems!r}")
+    sizes = {"batch": batch, "head": heads, "dim": dim}
+    contiguous = {"batch": heads * dim * seqlen, "head": dim * seqlen, "dim": seqlen}
+    out = {}
+    for name, stride in zip(("batch", "head", "dim"), strides):
+        if sizes[name] == 1:
+            stride = max(contiguous[name] + (-contiguous[name]) % 16, 16)
+        if stride <= 0 or stride % 16 or stride >= _MAX_STRIDE:
+            raise ValueError(f"strides_elems: {name} stride {stride} bytes must be a positive multiple of 16 "
+                             f"below 2^40 (pad seqlen_k of the transposed V to a multiple of 16)")
+        out[name] = stride
+    if swizzle not in (32, 64, 128) or box_keys != swizzle:
+        raise ValueError(f"box_keys: {box_keys} must equal the swizzle span {swizzle} (bytes)")
+    if not _is_int(box_rows) or not 1 <= box_rows <= _MAX_BOX:
+        raise ValueError(f"box_rows: {box_rows!r} must be an integer in [1, {_MAX_BOX}]")
+    return TiledArgs(ptr=ptr, dtype_code=DTYPE_CODES["fp8"], dims=(seqlen, dim, heads, batch),
+                     strides=(out["dim"], out["head"], out["batch"]), box=(box_keys, box_rows, 1, 1),
+                     swizzle_code=SWIZZLE_CODES[swizzle])
+
+
 def tensor_map_args(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch: int, seqlen_q: int,
                     seqlen_k: int, heads_q: int, heads_kv: int, q_strides, k_strides, v_strides,
                     o_strides) -> dict[str, TiledArgs]:
@@ -187,6 +231,9 @@ def tensor_map_args(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch:
     d = spec.head_dim
     swizzle, box_cols = slab_geometry(d, ELEMENT_BYTES[spec.dtype])
     wg_rows = 64        # the epilogue stores O one consumer warpgroup (64 rows) at a time
+    if spec.dtype == "fp8":
+        return _fp8_map_args(spec, q_ptr, k_ptr, v_ptr, batch, seqlen_q, seqlen_k, heads_q, heads_kv,
+                             q_strides, k_strides, v_strides, swizzle, box_cols)
     plan = {
         "tma_q": (q_ptr, (batch, seqlen_q, heads_q, d), q_strides, spec.block_m),
         "tma_k": (k_ptr, (batch, seqlen_k, heads_kv, d), k_strides, spec.block_n),
@@ -199,6 +246,34 @@ def tensor_map_args(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch:
             out[name] = tiled_args(ptr, spec.dtype, shape, strides, rows, box_cols, swizzle)
         except ValueError as err:
             raise ValueError(f"{name[4:]}: {err}") from None
+    return out
+
+
+def _fp8_map_args(spec, q_ptr, k_ptr, v_ptr, batch, seqlen_q, seqlen_k, heads_q, heads_kv, q_strides,
+                  k_strides, v_strides, swizzle, box_cols) -> dict[str, TiledArgs]:
+    """fp8: Q, K (and row-major V) as e4m3 bytes in head_dim slabs; V^T (v_layout=transposed) with
+    v_strides = (batch, head, dim) of the (batch, heads_kv, head_dim, seqlen_k) tensor. O is written
+    from registers (tma_o is unused: it gets Q's map so the bytes are a valid descriptor)."""
+    d = spec.head_dim
+    plan = {
+        "tma_q": (q_ptr, (batch, seqlen_q, heads_q, d), q_strides, spec.block_m),
+        "tma_k": (k_ptr, (batch, seqlen_k, heads_kv, d), k_strides, spec.block_n),
+    }
+    if spec.v_layout == "row":
+        plan["tma_v"] = (v_ptr, (batch, seqlen_k, heads_kv, d), v_strides, spec.block_n)
+    out = {}
+    for name, (ptr, shape, strides, rows) in plan.items():
+        try:
+            out[name] = tiled_args(ptr, "fp8", shape, strides, rows, box_cols, swizzle)
+        except ValueError as err:
+            raise ValueError(f"{name[4:]}: {err}") from None
+    if spec.v_layout == "transposed":
+        vt_swizzle, box_keys = vt_geometry(spec.block_n)
+        try:
+            out["tma_v"] = transposed_v_args(v_ptr, (batch, heads_kv, d, seqlen_k), v_strides, d, box_keys, vt_swizzle)
+        except ValueError as err:
+            raise ValueError(f"v: {err}") from None
+    out["tma_o"] = out["tma_q"]
     return out
 
 

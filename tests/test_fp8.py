@@ -1,0 +1,242 @@
+"""dtype=fp8 (e4m3, sm90): spec, compile/SASS, the P/V^T permutation desk-check, quantisation, API checks (no GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from facodegen import params, render, tma
+from facodegen.api import _View, check_descale, check_fp8_inputs
+from facodegen.quantize import E4M3_MAX, e4m3_decode, e4m3_encode, quantize_e4m3_numpy
+from facodegen.reference import attention_reference, attention_reference_fp8
+from facodegen.spec import KernelSpec, SpecError, default_fp8_specs, default_specs
+
+
+# ---------------------------------------------------------------- spec
+def test_fp8_spec_defaults_and_errors():
+    s = KernelSpec(arch="sm90", dtype="fp8", head_dim=128)
+    assert (s.out_dtype, s.v_layout, s.separate_o) == ("bf16", "row", False)
+    assert s.variant.endswith("obf16") and "fp8" in s.variant
+    assert KernelSpec(arch="sm90", dtype="fp8", v_layout="transposed").variant.endswith("_vt")
+    with pytest.raises(SpecError, match="dtype"):
+        KernelSpec(arch="sm80", dtype="fp8")
+    with pytest.raises(SpecError, match="out_dtype"):
+        KernelSpec(arch="sm90", dtype="bf16", out_dtype="fp16")
+    with pytest.raises(SpecError, match="v_layout"):
+        KernelSpec(arch="sm90", dtype="fp8", v_layout="col")
+    with pytest.raises(SpecError, match="block_n"):
+        KernelSpec(arch="sm90", dtype="fp8", block_n=48)
+    with pytest.raises(SpecError, match="separate_o"):
+        KernelSpec(arch="sm90", dtype="fp8", separate_o=True)
+    assert all(s.dtype != "fp8" for s in default_specs())
+    assert s.replace(dtype="bf16").out_dtype == "bf16"
+    assert KernelSpec(arch="sm80", dtype="fp16").v_layout == "row"
+
+
+def test_fp8_params_layout_and_emit_command():
+    names = [f.name for f, _ in params.layout("sm90", "fp8")[0]]
+    assert names[-9:-6] == ["q_descale", "k_descale", "v_descale"]
+    assert [f.name for f, _ in params.layout("sm90")[0]] == names[:-9]
+    s = KernelSpec(arch="sm90", dtype="fp8", head_dim=64, v_layout="transposed", out_dtype="fp16")
+    cmd = render.emit_command(s)
+    assert "--dtype fp8" in cmd and "--out-dtype fp16" in cmd and "--v-layout transposed" in cmd
+
+
+def test_fp8_tma_geometry():
+    assert tma.slab_geometry(128, 1) == (128, 128)
+    assert tma.slab_geometry(64, 1) == (64, 64)
+    assert tma.slab_geometry(96, 1) == (32, 32)
+    assert tma.slab_geometry(96, 2) == (64, 32) and tma.slab_geometry(128, 2) == (128, 64)
+    assert tma.vt_geometry(224) == (32, 32) and tma.vt_geometry(128) == (128, 128)
+    a = tma.tiled_args(1 << 20, "fp8", (2, 100, 4, 128), (100 * 4 * 128, 4 * 128, 128), 128, 128, 128)
+    assert a.dtype_code == 0 and a.box == (128, 128, 1, 1)
+    vt = tma.transposed_v_args(1 << 20, (2, 4, 128, 100), (4 * 128 * 112, 128 * 112, 112), 128, 32, 32)
+    assert vt.dims == (100, 128, 4, 2) and vt.strides == (112, 128 * 112, 4 * 128 * 112)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tma.transposed_v_args(1 << 20, (2, 4, 128, 100), (4 * 128 * 100, 128 * 100, 100), 128, 32, 32)
+
+
+# ---------------------------------------------------------------- compile
+@pytest.mark.parametrize("spec", default_fp8_specs(), ids=lambda s: s.variant)
+def test_fp8_default_compiles_clean(spec):
+    from facodegen import compiler
+    k = compiler.compile(spec, verbose=False)
+    r = k.resources
+    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), r
+    assert not k.warnings, k.warnings
+    assert "C75" not in k.log
+    counts = k.sass_counts()
+    assert counts.get("QGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0, counts
+
+
+# ---------------------------------------------------------------- permutation desk-check
+def byte_perm(x: int, y: int, sel: int) -> int:
+    pool = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(pool[(sel >> (4 * n)) & 7] << (8 * n) for n in range(4))
+
+
+def swizzled(slab_bytes: int, swizzle: int, row: int, col: int) -> int:
+    off = row * swizzle + col % swizzle
+    off ^= ((off >> 7) & (swizzle // 16 - 1)) << 4
+    return (col // swizzle) * slab_bytes + off
+
+
+def key_of_slot(s: int) -> int:         # the template's key_of_slot
+    r = s % 32
+    t, i = (r % 16) // 4, r % 4
+    return (s - r) + (r // 16) * 16 + 2 * t + (i & 1) + 8 * (i >> 1)
+
+
+def simulate_pv(block_n: int, head_dim: int, v_layout: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """One consumer warpgroup's O = P V through the kernel's index maps: S accumulator registers ->
+    convert_p (+ quad shuffles for V^T from the caller) -> wgmma e4m3 A-operand layout, and V -> shared
+    memory (TMA swizzle) -> transpose_v -> V^T (K-major, swizzled) as the wgmma B operand."""
+    rng = np.random.default_rng(seed)
+    P = rng.integers(0, 256, size=(64, block_n))             # e4m3 bytes stand-ins: exact integer math
+    V = rng.integers(0, 256, size=(block_n, head_dim))
+    sw = 128 if head_dim % 128 == 0 else 64 if head_dim % 64 == 0 else 32
+    vt_sw = 128 if block_n % 128 == 0 else 64 if block_n % 64 == 0 else 32
+    kv_slab, vt_slab = block_n * sw, head_dim * vt_sw
+    # accumulator registers of thread T: reg i -> (row, col)
+    s_reg = np.zeros((128, block_n // 2), dtype=np.int64)
+    for T in range(128):
+        w, lane = divmod(T, 32)
+        g, t = divmod(lane, 4)
+        for i in range(block_n // 2):
+            s_reg[T, i] = P[16 * w + g + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * t + (i & 1)]
+    # convert_p
+    order = [(0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15)]
+    p_reg = np.zeros((128, block_n // 8), dtype=np.int64)
+    for T in range(128):
+        for kk in range(block_n // 32):
+            for r, idx in enumerate(order):
+                p_reg[T, 4 * kk + r] = sum(int(s_reg[T, 16 * kk + j]) << (8 * b) for b, j in enumerate(idx))
+    if v_layout == "transposed":
+        shuffled = np.zeros_like(p_reg)
+        for T in range(128):
+            lane = T % 32
+            src = (T & ~3) | (2 * (lane & 1))
+            sel = 0x7632 if lane & 2 else 0x5410
+            for j in range(p_reg.shape[1]):
+                shuffled[T, j] = byte_perm(int(p_reg[src, j]), int(p_reg[src + 1, j]), sel)
+        p_reg = shuffled
+    # wgmma e4m3 A operand: reg r byte b of thread T -> (row 16w + g + 8(r&1), slot 4t + b + 16(r>>1))
+    A = np.full((64, block_n), -1, dtype=np.int64)
+    for T in range(128):
+        w, lane = divmod(T, 32)
+        g, t = divmod(lane, 4)
+        for kk in range(block_n // 32):
+            for r in range(4):
+                for b in range(4):
+                    A[16 * w + g + 8 * (r & 1), 32 * kk + 4 * t + b + 16 * (r >> 1)] = (int(p_reg[T, 4 * kk + r]) >> (8 * b)) & 0xFF
+    assert (A >= 0).all()
+    # V^T in shared memory
+    vt = np.zeros(head_dim * block_n, dtype=np.int64)
+    if v_layout == "row":
+        v_smem = np.zeros(block_n * head_dim, dtype=np.int64)
+        for key in range(block_n):
+            for col in range(head_dim):
+                v_smem[swizzled(kv_slab, sw, key, col)] = V[key, col]
+        col_words = head_dim // 4
+        for item in range((block_n // 4) * col_words):          # every transposer item, any thread
+            col, slot = 4 * (item % col_words), 4 * (item // col_words)
+            key = key_of_slot(slot)
+            w = [sum(int(v_smem[swizzled(kv_slab, sw, kk_, col) + j]) << (8 * j) for j in range(4))
+                 for kk_ in (key, key + 1, key + 8, key + 9)]
+            x0, x1 = byte_perm(w[0], w[1], 0x5140), byte_perm(w[0], w[1], 0x7362)
+            y0, y1 = byte_perm(w[2], w[3], 0x5140), byte_perm(w[2], w[3], 0x7362)
+            outs = [byte_perm(x0, y0, 0x5410), byte_perm(x0, y0, 0x7632), byte_perm(x1, y1, 0x5410),
+                    byte_perm(x1, y1, 0x7632)]
+            for j, word in enumerate(outs):
+                base = swizzled(vt_slab, vt_sw, col + j, slot)
+                for b in range(4):
+                    vt[base + b] = (word >> (8 * b)) & 0xFF
+    else:                                                       # TMA of the caller's V^T: natural key order
+        for n in range(head_dim):
+            for key in range(block_n):
+                vt[swizzled(vt_slab, vt_sw, n, key)] = V[key, n]
+    # wgmma K-major B: element (k = slot, n) at slab k // vt_sw, swizzled row n
+    B = np.array([[vt[swizzled(vt_slab, vt_sw, n, k)] for n in range(head_dim)] for k in range(block_n)])
+    return A @ B, P @ V
+
+
+@pytest.mark.parametrize("block_n,head_dim", [(128, 128), (224, 128), (160, 64), (128, 96), (64, 256), (96, 192)])
+@pytest.mark.parametrize("v_layout", ["row", "transposed"])
+def test_pv_permutation_desk_check(block_n, head_dim, v_layout):
+    got, want = simulate_pv(block_n, head_dim, v_layout)
+    np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------- quantisation (NumPy core)
+def test_e4m3_codes_round_trip():
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], dtype=np.uint8)
+    values = e4m3_decode(codes)
+    assert values.max() == E4M3_MAX and values.min() == -E4M3_MAX
+    back = e4m3_encode(values)
+    zero = values == 0
+    np.testing.assert_array_equal(back[~zero], codes[~zero])
+    assert e4m3_decode(np.uint8(0x08)) == 2.0 ** -6 and e4m3_decode(np.uint8(0x01)) == 2.0 ** -9
+    assert e4m3_encode(1e6) == 0x7E and e4m3_encode(-1e6) == 0xFE           # satfinite
+    assert e4m3_encode(1.0 + 1 / 16) == e4m3_encode(1.0)                     # tie -> even mantissa
+    assert e4m3_encode(1.0 + 3 / 16) == e4m3_encode(1.25)
+
+
+def test_quantize_numpy_error_bound():
+    x = np.random.default_rng(1).standard_normal((4, 256, 8)) * 3.0
+    codes, descale = quantize_e4m3_numpy(x)
+    y = e4m3_decode(codes) * descale
+    assert np.max(np.abs(y)) == pytest.approx(np.max(np.abs(x)))
+    normal = np.abs(x) / descale >= 2.0 ** -6
+    rel = np.abs(y - x)[normal] / np.abs(x)[normal]
+    assert rel.max() <= 2.0 ** -4 + 1e-12
+    with pytest.raises(ValueError, match="scale"):
+        quantize_e4m3_numpy(x, scale=-1.0)
+
+
+def test_reference_fp8_dequantises():
+    rng = np.random.default_rng(2)
+    q, k, v = (e4m3_encode(rng.standard_normal(s) * 8) for s in [(1, 9, 4, 64), (1, 13, 2, 64), (1, 13, 2, 64)])
+    kd = np.array([[0.5, 0.25]])
+    o, lse = attention_reference_fp8(q, k, v, 0.1, kd, 2.0, causal=True)
+    qf = e4m3_decode(q) * 0.1
+    kf = e4m3_decode(k) * np.array([0.5, 0.25])[None, None, :, None]
+    vf = e4m3_decode(v) * 2.0
+    o2, lse2 = attention_reference(qf, kf, vf, causal=True)
+    np.testing.assert_allclose(o, o2)
+    vt = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
+    o3, _ = attention_reference_fp8(q, k, vt, 0.1, kd, 2.0, causal=True, v_layout="transposed")
+    np.testing.assert_allclose(o3, o2)
+
+
+# ---------------------------------------------------------------- API argument checks (fake device views)
+def _v(name, shape, dtype="float8_e4m3fn", strides=None, device=0, kind="torch"):
+    if strides is None:
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= n
+    return _View(name, kind, 1 << 20, tuple(shape), tuple(strides), dtype, device)
+
+
+def test_api_fp8_argument_errors():
+    q, k, v = _v("q", (2, 64, 8, 128)), _v("k", (2, 80, 2, 128)), _v("v", (2, 80, 2, 128))
+    check_fp8_inputs(q, k, v, "row")
+    with pytest.raises(TypeError, match="k has dtype bfloat16"):
+        check_fp8_inputs(q, _v("k", (2, 80, 2, 128), "bfloat16"), v, "row")
+    with pytest.raises(TypeError, match="float8_e5m2"):
+        check_fp8_inputs(_v("q", (2, 64, 8, 128), "float8_e5m2"), k, v, "row")
+    with pytest.raises(ValueError, match="V\\^T"):
+        check_fp8_inputs(q, k, v, "transposed")
+    check_fp8_inputs(q, k, _v("v", (2, 2, 128, 80), strides=(2 * 128 * 80, 128 * 80, 80, 1)), "transposed")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        check_fp8_inputs(q, k, _v("v", (2, 2, 128, 81)).__class__("v", "torch", 1 << 20, (2, 2, 128, 80),
+                                                                   (2 * 128 * 81, 128 * 81, 81, 1), "float8_e4m3fn", 0),
+                         "transposed")
+    assert check_descale(_v("q_descale", (), "float32"), "q_descale", q, 2, 2) == (0, 0)
+    assert check_descale(_v("k_descale", (2, 2), "float32"), "k_descale", q, 2, 2) == (2, 1)
+    with pytest.raises(TypeError, match="v_descale has dtype float16"):
+        check_descale(_v("v_descale", (), "float16"), "v_descale", q, 2, 2)
+    with pytest.raises(ValueError, match="k_descale has shape"):
+        check_descale(_v("k_descale", (2, 8), "float32"), "k_descale", q, 2, 2)
+    with pytest.raises(ValueError, match="q_descale is on cuda:1"):
+        check_descale(_v("q_descale", (), "float32", device=1), "q_descale", q, 2, 2)
