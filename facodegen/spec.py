@@ -186,10 +186,11 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
 
 
 def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
-    """sm90 e4m3 defaults: FlashAttention-3's tile_size_fwd_sm90 fp8 rows (kernel-facts 2.1), 2 stages,
-    intra-warpgroup overlap, pingpong for head_dim >= 128 (FA3: fp8 pingpong exactly there) except
-    causal (as for bf16; and with pingpong the causal consumers spill at hd128-256, ptxas 2026-11-29). Shared memory: Q + 2 x (K + V^T) + 2 x V (row V: the TMA lands V here and the
-    producer transposes it into V^T); O goes from registers to global memory (no O tile)."""
+    """sm90 e4m3 defaults: FlashAttention-3's tile_size_fwd_sm90 fp8 rows (kernel-facts 2.1; block_n
+    adjusted below), 2 stages, intra-warpgroup overlap, pingpong for head_dim >= 128 (FA3: fp8
+    pingpong exactly there) except causal (as for bf16, and with pingpong the causal consumers spill
+    at hd128-256: ptxas, 2026-11-29). Shared memory: Q + 2 x (K + V^T) + 2 x V (row V: the TMA lands
+    V there and the producer transposes it into V^T); O goes from registers to global memory."""
     if head_dim <= 64:
         # FA3 192x160 holds S, P and O in 160 registers with FA3's leaner bookkeeping; ours
         # (O 32 + S 80 + P 20 + 32) is 164: 192x128 until ptxas says otherwise.
@@ -198,13 +199,16 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
     if head_dim <= 96:
         return Tiles(192, 128, 16, 2, consumer_warpgroups=3, pingpong=False, intra_wg_overlap=True,
                      why="FA3 fp8 hdim96: 192x128")
+    # block_n sets the V^T swizzle (the widest of 128/64/32 bytes dividing block_n): FA3's 224 (hd128)
+    # and 160 (hd192) would put V^T in 32B swizzle, which no kernel here has run yet; 192 (FA3's choice
+    # for a caller-transposed V) and 128 keep V^T in the 64B/128B swizzles the bf16 kernels use.
     if head_dim <= 128:
-        # 128x224 (FA3, row-major V): Q 16K + 2 x (K 28K + V^T 28K) + 2 x V 28K = 184K.
-        return Tiles(128, 224, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
-                     why="FA3 fp8 hdim128: 128x224")
+        # 128x192: Q 16K + 2 x (K 24K + V^T 24K) + 2 x V 24K = 160K; S 96 + P 24 + O 64 registers.
+        return Tiles(128, 192, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
+                     why="FA3 fp8 hdim128: 128x224 (192 with V col-major) -> 128x192")
     if head_dim <= 192:
-        return Tiles(128, 160, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
-                     why="FA3 fp8 hdim192: 128x160")
+        return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
+                     why="FA3 fp8 hdim192: 128x160 -> 128x128")
     # Q 32K + 2 x (K 32K + V^T 32K) + 2 x V 32K = 224K: the limit of shared memory.
     return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
                  why="FA3 fp8 hdim256: 128x128")

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from facodegen.reference import attention_reference, check, check_lse, random_qkv
-from facodegen.spec import KernelSpec, default_specs
+from facodegen.spec import KernelSpec, default_fp8_specs, default_specs
 
 
 def _gpu() -> tuple[bool, str]:
@@ -406,3 +406,104 @@ def test_spec_field_errors_name_the_knob():
     arch = _native_arch()
     _raises(r"block_n", q, k, v, arch=arch, block_n=17)
     _raises(r"stages", q, k, v, arch=arch, stages=9)
+
+
+# ------------------------------------------------------------------ fp8 (e4m3, sm90)
+
+FP8_SHAPES = [   # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+    (1, 128, 192, 2, 2),
+    (2, 1000, 1000, 4, 2),      # odd seqlen, GQA
+    (1, 17, 333, 2, 1),         # MQA, seqlen_q < seqlen_k
+    (1, 333, 17, 2, 2),         # causal: rows with no visible key
+    (1, 1, 1, 1, 1),
+]
+
+
+def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int = 0):
+    """(kernel O, LSE, reference O, LSE, FA3's O or None) on randn bf16 quantised to e4m3."""
+    from facodegen.quantize import quantize_e4m3
+    from facodegen.reference import attention_reference_fp8
+    b, sq, sk, hq, hkv = shape
+    d = spec.head_dim
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    (q8, qd), (k8, kd), (v8, vd) = quantize_e4m3(q), quantize_e4m3(k), quantize_e4m3(v)
+    if descale_per_head:
+        spread = torch.rand(b, hkv, device="cuda", generator=g) + 0.5
+        kd, vd = (kd * spread).contiguous(), (vd * spread.flip(-1)).contiguous()
+    v_arg = v8
+    if spec.v_layout == "transposed":
+        store = torch.zeros(b, hkv, d, (sk + 15) // 16 * 16, device="cuda", dtype=torch.float8_e4m3fn)
+        store[..., :sk] = v8.permute(0, 2, 3, 1)
+        v_arg = store[..., :sk]
+    out_t = torch.bfloat16 if spec.out_dtype == "bf16" else torch.float16
+    out = torch.full((b, sq, hq, d), float("nan"), device="cuda", dtype=out_t)
+    lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
+    fields = {k_: v_ for k_, v_ in spec.as_dict().items() if k_ not in ("head_dim", "dtype", "causal")}
+    attention(q8, k8, v_arg, causal=spec.causal, return_lse=True, out=out, lse_out=lse, q_descale=qd,
+              k_descale=kd, v_descale=vd, **fields)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = attention_reference_fp8(q8, k8, v8, qd, kd, vd, causal=spec.causal)
+    fa3 = None
+    try:
+        from flash_attn_interface import flash_attn_func
+        per_kv = lambda x: x.reshape(1, 1).expand(b, hkv).contiguous() if x.numel() == 1 else x  # noqa: E731
+        fa3 = flash_attn_func(q8, k8, v8, causal=spec.causal, q_descale=per_kv(qd), k_descale=per_kv(kd),
+                              v_descale=per_kv(vd))
+        fa3 = (fa3[0] if isinstance(fa3, tuple) else fa3).float().cpu().numpy()
+    except Exception:  # noqa: BLE001 (FA3 absent or without fp8: the 3e-2 bound still applies)
+        fa3 = None
+    return out.float().cpu().numpy(), lse.cpu().numpy(), o_ref, lse_ref, fa3
+
+
+def _rel(x, ref) -> float:
+    return float(np.linalg.norm(np.nan_to_num(x - ref, nan=1e9)) / max(np.linalg.norm(ref), 1e-30))
+
+
+FP8_SPECS = default_fp8_specs()
+
+
+@pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
+@pytest.mark.parametrize("spec", FP8_SPECS, ids=lambda s: s.variant)
+def test_fp8_default_spec(spec):
+    from facodegen.reference import FP8_TOLERANCE
+    for i, shape in enumerate(FP8_SHAPES):
+        o, lse, o_ref, lse_ref, fa3 = _fp8_case(spec, shape, descale_per_head=(i == 1), seed=i)
+        assert not np.isnan(o).any(), (shape, "NaN in O")
+        rel = _rel(o, o_ref)
+        assert rel <= FP8_TOLERANCE, (shape, rel)
+        if fa3 is not None and o_ref.size > 1000:
+            assert rel <= 1.1 * _rel(fa3, o_ref) + 1e-3, (shape, rel, _rel(fa3, o_ref))
+        ok, msg = check_lse(lse, lse_ref, atol=1e-2, rtol=1e-3)
+        assert ok, (shape, msg)
+
+
+@pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
+@pytest.mark.parametrize("fields", [dict(head_dim=128, block_n=224), dict(head_dim=128, out_dtype="fp16"),
+                                    dict(head_dim=128, pingpong=False, intra_wg_overlap=False, persistent=False),
+                                    dict(head_dim=192, block_n=160, v_layout="transposed")],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_fp8_non_default_spec(fields):
+    from facodegen.reference import FP8_TOLERANCE
+    spec = KernelSpec(arch="sm90", dtype="fp8", **fields)
+    o, _, o_ref, _, _ = _fp8_case(spec, (2, 1000, 1000, 4, 2), seed=7)
+    assert not np.isnan(o).any() and _rel(o, o_ref) <= FP8_TOLERANCE
+
+
+@pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
+def test_fp8_bad_arguments():
+    q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda", dtype=torch.float32)
+    with pytest.raises(TypeError, match="k has dtype"):
+        attention(q, torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16), q)
+    with pytest.raises(TypeError, match="q_descale has dtype"):
+        attention(q, q, q, q_descale=one.double())
+    with pytest.raises(ValueError, match="k_descale has shape"):
+        attention(q, q, q, k_descale=torch.ones(3, 3, device="cuda"))
+    with pytest.raises(TypeError, match="v_descale must be a float32"):
+        attention(q, q, q, v_descale=1.0)
+    with pytest.raises(ValueError, match="sm90"):
+        attention(q, q, q, arch="sm80")
+    with pytest.raises(ValueError, match="v has shape"):
+        attention(q, q, q, v_layout="transposed")
