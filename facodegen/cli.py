@@ -14,7 +14,8 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .spec import ARCHS, DTYPES, FA1_SWITCHES, GPUS, HEAD_DIMS, SCHEDULES, KernelSpec, SpecError, default_specs
+from .spec import (ARCHS, DTYPES, FA1_SWITCHES, GPUS, HEAD_DIMS, OUT_DTYPES, SCHEDULES, V_LAYOUTS, KernelSpec,
+                   SpecError, default_specs)
 
 # flag value -> KernelSpec field, for the flags that map one to one.
 _SPEC_FLAGS = {
@@ -23,7 +24,7 @@ _SPEC_FLAGS = {
     "gpu": "gpu", "q_in_regs": "q_in_regs", "pingpong": "pingpong", "overlap": "intra_wg_overlap",
     "persistent": "persistent", "consumer_warpgroups": "consumer_warpgroups",
     "schedule": "schedule", "loop_order": "loop_order", "warp_split": "warp_split", "rescale": "rescale",
-    "separate_o": "separate_o", "l2_hints": "l2_hints",
+    "separate_o": "separate_o", "l2_hints": "l2_hints", "out_dtype": "out_dtype", "v_layout": "v_layout",
 }
 
 
@@ -49,7 +50,12 @@ def spec_options(command, arch_choices=ARCHS):
                      help="Target: sm80 (FA2, mma.sync) or sm90 (FA3, TMA + wgmma)"
                           + (" or both (--suite)." if "both" in arch_choices else ".")),
         click.option("--head-dim", type=int, help=f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}."),
-        click.option("--dtype", type=click.Choice(DTYPES), help="Element type of Q, K, V and O."),
+        click.option("--dtype", type=click.Choice(DTYPES),
+                     help="Element type of Q, K, V (and O): fp16, bf16, or fp8 = e4m3 (sm90; O in --out-dtype)."),
+        click.option("--out-dtype", type=click.Choice(OUT_DTYPES), help="fp8: the type of O (default bf16)."),
+        click.option("--v-layout", type=click.Choice(V_LAYOUTS),
+                     help="fp8: row (V as given, transposed in shared memory) or transposed (the caller passes "
+                          "V^T as (batch, heads_kv, head_dim, seqlen_k))."),
         click.option("--block-m", type=int, help="Query rows per CTA tile (BLOCK_M)."),
         click.option("--block-n", type=int, help="Key/value rows per tile (BLOCK_N)."),
         click.option("--warps", type=int, help="Warps per CTA (num_warps)."),
@@ -307,6 +313,8 @@ def _check_with_reference(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv,
     from .reference import attention_reference, check_lse, random_qkv
     from .reference import check as check_o
 
+    if spec.dtype == "fp8":
+        return _check_fp8(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv, seed)
     if spec.dtype == "bf16":  # CuPy has no bfloat16
         try:
             import torch as xp
@@ -323,6 +331,40 @@ def _check_with_reference(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv,
     return {"kernel": spec.variant,
             "shape": f"batch={batch} seqlen_q={seqlen_q} seqlen_k={seqlen_k} heads={heads} heads_kv={heads_kv}",
             "O": msg_o, "LSE": msg_l, "passed": ok_o and ok_l}
+
+
+def _check_fp8(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv, seed) -> dict:
+    """fp8: randn bf16 quantised to e4m3 per tensor (torch), against the float64 reference of the same
+    dequantised inputs (reference.FP8_TOLERANCE)."""
+    import numpy as np
+
+    from .quantize import quantize_e4m3
+    from .reference import FP8_TOLERANCE, attention_reference_fp8, check_lse, random_qkv
+    try:
+        import torch
+    except ImportError:
+        raise click.ClickException("fp8 inputs need torch (torch.float8_e4m3fn)") from None
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_kv, spec.head_dim, "bf16", seed=seed, xp=torch)
+    (q8, qd), (k8, kd), (v8, vd) = quantize_e4m3(q), quantize_e4m3(k), quantize_e4m3(v)
+    v_arg = v8
+    if spec.v_layout == "transposed":
+        store = torch.zeros(batch, heads_kv, spec.head_dim, (seqlen_k + 15) // 16 * 16, device=q.device,
+                            dtype=torch.float8_e4m3fn)
+        store[..., :seqlen_k] = v8.permute(0, 2, 3, 1)
+        v_arg = store[..., :seqlen_k]
+    knobs = {k_: v_ for k_, v_ in spec.as_dict().items() if k_ not in ("head_dim", "dtype", "causal")}
+    o, lse = api.attention(q8, k8, v_arg, causal=spec.causal, return_lse=True, q_descale=qd, k_descale=kd,
+                           v_descale=vd, **knobs)
+    ref_o, ref_lse = attention_reference_fp8(q8, k8, v8, qd, kd, vd, causal=spec.causal)
+    out = o.double().cpu().numpy()
+    nan = int(np.isnan(out).sum())
+    rel = float(np.linalg.norm(np.nan_to_num(out - ref_o, nan=1e9)) / max(np.linalg.norm(ref_o), 1e-30))
+    ok_o = rel <= FP8_TOLERANCE and nan == 0
+    ok_l, msg_l = check_lse(lse, ref_lse, atol=1e-2, rtol=1e-3)
+    return {"kernel": spec.variant,
+            "shape": f"batch={batch} seqlen_q={seqlen_q} seqlen_k={seqlen_k} heads={heads} heads_kv={heads_kv}",
+            "O": f"rel Frobenius {rel:.3e} (limit {FP8_TOLERANCE:g}), {nan} NaN", "LSE": msg_l,
+            "passed": ok_o and ok_l}
 
 
 SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution")   # facodegen.bench.SUITES (kept import-light here)
