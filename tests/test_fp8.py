@@ -240,3 +240,99 @@ def test_api_fp8_argument_errors():
         check_descale(_v("k_descale", (2, 8), "float32"), "k_descale", q, 2, 2)
     with pytest.raises(ValueError, match="q_descale is on cuda:1"):
         check_descale(_v("q_descale", (), "float32", device=1), "q_descale", q, 2, 2)
+
+
+# ---------------------------------------------------------------- the Python path of an fp8 call, GPU faked
+class _FakeDevice:
+    def __init__(self, index):
+        self.index = index
+
+
+class _FakeTensor:
+    """Just enough of a torch CUDA tensor for facodegen.api._view."""
+    _next = 1 << 24
+
+    def __init__(self, shape, dtype, strides=None, device=0):
+        self.shape = tuple(shape)
+        self.dtype = f"torch.{dtype}"
+        if strides is None:
+            strides, acc = [], 1
+            for n in reversed(self.shape):
+                strides.insert(0, acc)
+                acc *= n
+        self._strides = tuple(strides)
+        self.is_cuda = True
+        self.device = _FakeDevice(device)
+        self._ptr = _FakeTensor._next
+        _FakeTensor._next += 1 << 24
+
+    def data_ptr(self):
+        return self._ptr
+
+    def stride(self):
+        return self._strides
+
+
+@pytest.mark.parametrize("v_layout", ["row", "transposed"])
+def test_fp8_prepare_packs_params(monkeypatch, v_layout):
+    import struct
+    import sys
+    import types
+
+    from facodegen import api
+
+    fake_torch = types.SimpleNamespace(Tensor=_FakeTensor)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    monkeypatch.setattr(api, "_prepare", lambda spec, device: api._Prepared(None, spec.smem_bytes))
+    counter = types.SimpleNamespace(data=types.SimpleNamespace(ptr=4096))
+    monkeypatch.setattr(api, "_tile_counter", lambda device: counter)
+    monkeypatch.setattr(api, "_tuned_fields", lambda *a, **k: None)
+    encoded = {}
+    monkeypatch.setattr(tma, "encode", lambda a: encoded.setdefault(len(encoded), a) and bytes(128))
+
+    b, sq, sk, hq, hkv, d = 2, 100, 77, 4, 2, 128
+    q = _FakeTensor((b, sq, hq, d), "float8_e4m3fn")
+    k = _FakeTensor((b, sk, hkv, d), "float8_e4m3fn")
+    if v_layout == "row":
+        v = _FakeTensor((b, sk, hkv, d), "float8_e4m3fn")
+    else:
+        v = _FakeTensor((b, hkv, d, sk), "float8_e4m3fn", strides=(hkv * d * 80, d * 80, 80, 1))
+    out = _FakeTensor((b, sq, hq, d), "bfloat16")
+    lse = _FakeTensor((b, hq, sq), "float32")
+    qd = _FakeTensor((), "float32")
+    kd = _FakeTensor((b, hkv), "float32")
+    vd = _FakeTensor((1,), "float32")
+    prepared = api.prepare(q, k, v, causal=True, out=out, lse_out=lse, q_descale=qd, k_descale=kd, v_descale=vd,
+                           v_layout=v_layout)
+    spec = prepared.spec
+    assert spec.dtype == "fp8" and spec.v_layout == v_layout and spec.out_dtype == "bf16" and spec.causal
+    placed, size, _ = params.layout("sm90", "fp8")
+    raw = prepared._param_bytes
+    assert len(raw) == size
+    at = {f.name: off for f, off in placed}
+    ptr = lambda name: struct.unpack_from("<Q", raw, at[name])[0]      # noqa: E731
+    i64 = lambda name: struct.unpack_from("<q", raw, at[name])[0]      # noqa: E731
+    assert (ptr("q_descale"), ptr("k_descale"), ptr("v_descale")) == (qd._ptr, kd._ptr, vd._ptr)
+    assert (i64("q_descale_batch_stride"), i64("q_descale_head_stride")) == (0, 0)
+    assert (i64("k_descale_batch_stride"), i64("k_descale_head_stride")) == (hkv, 1)
+    assert (i64("v_descale_batch_stride"), i64("v_descale_head_stride")) == (0, 0)
+    assert ptr("o") == out._ptr and i64("o_row_stride") == hq * d
+    maps = list(encoded.values())
+    assert all(m.dtype_code == 0 for m in maps)                          # UINT8
+    assert maps[0].dims == (d, sq, hq, b) and maps[0].box == (128, spec.block_m, 1, 1)
+    if v_layout == "row":
+        assert maps[2].dims == (d, sk, hkv, b) and maps[2].box == (128, spec.block_n, 1, 1)
+    else:
+        vt_swizzle = tma.vt_geometry(spec.block_n)[0]
+        assert maps[2].dims == (sk, d, hkv, b) and maps[2].box == (vt_swizzle, d, 1, 1)
+        assert maps[2].strides == (80, d * 80, hkv * d * 80)
+    # bad arguments name themselves
+    with pytest.raises(TypeError, match="q_descale has dtype float16"):
+        api.prepare(q, k, v, q_descale=_FakeTensor((), "float16"), v_layout=v_layout, out=out, lse_out=lse)
+    with pytest.raises(ValueError, match="sm90"):
+        api.prepare(q, k, v, arch="sm80", v_layout=v_layout)
+    with pytest.raises(TypeError, match="out must be a torch bfloat16"):
+        api.prepare(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, v_layout=v_layout,
+                    out=_FakeTensor((b, sq, hq, d), "float16"), lse_out=lse)
