@@ -307,7 +307,7 @@ def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
     if qv.dtype in FP8_NAMES or "float8" in qv.dtype or any(
             name in spec_fields for name in ("q_descale", "k_descale", "v_descale")):
-        return _prepare_fp8(qv, kv, vv, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+        return _prepare_fp8(qv, kv, vv, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                             out=out, lse_out=lse_out, arch=arch, **spec_fields)
     _check_inputs(qv, kv, vv)
     if not isinstance(causal, bool):
@@ -425,13 +425,38 @@ def _unit_descale(device: int, kind: str):
         return cupy.ones((), dtype=cupy.float32)
 
 
-def _prepare_fp8(qv: _View, kv: _View, vv: _View, *, causal, softmax_scale, return_lse, out, lse_out, arch,
+def _transposed_v(v, vv: _View):
+    """V (batch, seqlen_k, heads_kv, head_dim) -> V^T (batch, heads_kv, head_dim, seqlen_k), keys
+    contiguous, in a buffer whose key axis is padded to 16 (the TMA stride rule), on the caller's
+    stream: the layout the v_layout='transposed' kernel reads."""
+    if vv.kind != "torch":
+        raise TypeError("v: fp8 inputs are torch.float8_e4m3fn tensors")
+    torch = _torch()
+    batch, seqlen_k, heads_kv, head_dim = vv.shape
+    padded = -(-seqlen_k // 16) * 16
+    buffer = torch.empty((batch, heads_kv, head_dim, padded), dtype=v.dtype, device=v.device)
+    view = buffer[..., :seqlen_k]
+    # byte copy: elementwise kernels for float8 vary between torch versions, uint8 views do not
+    view.view(torch.uint8).copy_(v.view(torch.uint8).permute(0, 2, 3, 1))
+    return view
+
+
+def _prepare_fp8(qv: _View, kv: _View, vv: _View, v, *, causal, softmax_scale, return_lse, out, lse_out, arch,
                  q_descale=None, k_descale=None, v_descale=None, **spec_fields) -> PreparedAttention:
     from .launch import Descale
     if arch is not None and arch != "sm90":
         raise ValueError(f"arch={arch!r}: dtype=fp8 (e4m3 q, k, v) runs on sm90 (H100/H200) only; use arch='sm90'")
     v_layout = spec_fields.get("v_layout") or "row"
     check_fp8_inputs(qv, kv, vv, v_layout)
+    v_copy = None
+    if v_layout == "row":
+        # The kernel that transposes V in shared memory (spec v_layout='row') hung on its first H200
+        # run (2026-11-29, issue 6) while the V^T kernel was right; until that is fixed, a row-major V
+        # is transposed here (one extra pass over V, on the caller's stream) and the V^T kernel runs.
+        # v_layout='row' kernels can still be emitted, compiled and inspected.
+        v_copy = _transposed_v(v, vv)
+        vv = _view("v", v_copy)
+        v_layout = "transposed"
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     out_dtype = spec_fields.get("out_dtype") or "bf16"
@@ -479,7 +504,8 @@ def _prepare_fp8(qv: _View, kv: _View, vv: _View, *, causal, softmax_scale, retu
                               counter.data.ptr, float(softmax_scale), descales=descales)
     prepared = PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse)
     prepared._descales = keep           # the descale tensors FlashParams points at stay alive
-    return prepared
+    prepared._v_transposed = v_copy     # likewise the V^T copy (a PreparedAttention re-launched after
+    return prepared                     # v changes must be prepared again: the copy is made once)
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
