@@ -344,7 +344,7 @@ __device__ __forceinline__ void store_row_lse(float* lse_rows, const float (&lse
 //                         softmax in registers, O += P V (RS wgmma, P from registers).
 // =====================================================================================
 
-// ---- constants from the spec ----
+// ---- constants from the spec that both sm90 kernels (16-bit and fp8) share ----
 constexpr int HEAD_DIM = 96;
 constexpr int BLOCK_M = 128;                 // query rows per tile (64 per consumer warpgroup)
 constexpr int BLOCK_N = 128;                 // key/value rows per ring stage
@@ -358,12 +358,22 @@ constexpr bool PINGPONG = false;
 constexpr bool INTRA_WG_OVERLAP = true;
 constexpr bool PERSISTENT = true;
 constexpr bool DYNAMIC_SCHEDULER = PERSISTENT && CAUSAL;    // causal tiles differ in length
-constexpr bool SEPARATE_O = true;   // O staging tile has its own buffer (else aliases Q)
 constexpr bool L2_HINTS = true;     // K/V loads evict-last, Q evict-first
 constexpr int SMEM_BYTES = 148480;
 
 constexpr int WG_THREADS = 128;
 constexpr int WG_ROWS = 64;                                 // rows of one wgmma m64 tile
+
+static_assert(BLOCK_M == WG_ROWS * CONSUMER_WGS, "each consumer warpgroup owns 64 query rows");
+static_assert(THREADS == WG_THREADS * (CONSUMER_WGS + 1), "one producer warpgroup plus the consumers");
+static_assert(!PINGPONG || CONSUMER_WGS >= 2, "pingpong needs two consumer warpgroups");
+static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 &&
+              WG_THREADS * (PRODUCER_REGS + CONSUMER_WGS * CONSUMER_REGS) <= 65536, "setmaxnreg split");
+
+// ---- constants of the 16-bit kernel ----
+constexpr bool SEPARATE_O = true;   // O staging tile has its own buffer (else aliases Q)
+// The Q buffer is released after the tile's last Q K^T (SEPARATE_O), else after the O store.
+constexpr bool Q_RELEASE_AFTER_QK = SEPARATE_O;
 constexpr int ELEM_BYTES = 2;
 // Tiles live in shared memory as TMA writes them: head_dim split into slabs of SLAB_COLS
 // columns, each slab `rows x SWIZZLE_BYTES` with the matching TMA/wgmma swizzle. 128B swizzle
@@ -392,14 +402,7 @@ constexpr int EPILOGUE_BAR = PINGPONG_BAR + CONSUMER_WGS;
 constexpr int TILE_FULL_BAR = EPILOGUE_BAR + CONSUMER_WGS;  // producer wrote state.tile_slot
 constexpr int TILE_EMPTY_BAR = TILE_FULL_BAR + 1;           // consumers have read it
 constexpr int TILE_BAR_THREADS = 32 + CONSUMER_WGS * WG_THREADS;
-// Causal tiles are handed out longest first across a section of (batch, head) pairs whose K
-// and V fit in this many bytes of L2 (half the H100/H200's 50/60 MB), so the CTAs running at
-// the same time share K/V in L2 and the shortest tiles come last.
-constexpr int L2_SECTION_BYTES = 32 << 20;
-constexpr int L2_SECTION_KEYS = L2_SECTION_BYTES / (2 * HEAD_DIM * ELEM_BYTES);   // K+V rows in a section
 
-static_assert(BLOCK_M == WG_ROWS * CONSUMER_WGS, "each consumer warpgroup owns 64 query rows");
-static_assert(THREADS == WG_THREADS * (CONSUMER_WGS + 1), "one producer warpgroup plus the consumers");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256, "wgmma N and TMA box rows");
 static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "wgmma N of O += P V is head_dim");
 static_assert(HEAD_DIM % SLAB_COLS == 0, "head_dim is a whole number of swizzle slabs");
@@ -407,9 +410,6 @@ static_assert(Q_SLAB_BYTES % 1024 == 0 && KV_SLAB_BYTES % 1024 == 0 && Q_TILE_BY
               KV_TILE_BYTES % 1024 == 0, "swizzled tiles start on 1024-byte boundaries");
 static_assert(TILE_SMEM_BYTES + 1024 <= SMEM_BYTES, "Q tile + K/V rings + alignment slack fit spec.smem_bytes");
 static_assert(TILE_EMPTY_BAR < 16, "16 hardware named barriers");
-static_assert(!PINGPONG || CONSUMER_WGS >= 2, "pingpong needs two consumer warpgroups");
-static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 &&
-              WG_THREADS * (PRODUCER_REGS + CONSUMER_WGS * CONSUMER_REGS) <= 65536, "setmaxnreg split");
 
 // ---- sm90 synchronisation: mbarriers (TMA arrival / slot release), named barriers, fences ----
 // (Needs common/ptx.cuh.j2 for smem_u32.)
@@ -635,10 +635,16 @@ struct SharedState {
 };
 
 // ---- scheduler: tile index -> (m_block, head, batch) and the K/V block range ----
+// (Needs SharedState::tile_slot and the named barriers TILE_FULL_BAR / TILE_EMPTY_BAR for
+// TILE_BAR_THREADS threads: the producer's loader warp plus every thread that reads the slot.)
 // Non-causal tiles are numbered m_block fastest, then head, then batch (neighbouring tiles
 // share K/V in L2). Causal tiles run longest first: the (batch, head) pairs are cut into
-// sections whose K/V fit in L2_SECTION_BYTES; inside a section the tile number runs over the
-// pairs fastest and over m_block (counting down, longest first) next.
+// sections whose K/V fit in L2_SECTION_BYTES (half the H100/H200's 50/60 MB L2), so the CTAs
+// running at the same time share K/V in L2 and the shortest tiles come last; inside a section
+// the tile number runs over the pairs fastest and over m_block (counting down) next.
+constexpr int L2_SECTION_BYTES = 32 << 20;
+constexpr int L2_SECTION_KEYS = L2_SECTION_BYTES / (2 * HEAD_DIM * ELEM_BYTES);   // K+V rows in a section
+
 struct TileInfo {
     int m_block, head, batch;
     int n_end;                  // K/V blocks [0, n_end) are visited, last block first
@@ -682,7 +688,7 @@ __device__ __forceinline__ int first_tile() {
 
 // Static schedules (non-persistent, persistent non-causal): every role computes the sequence
 // itself. The dynamic one (persistent causal) draws tickets in the producer warp
-// (producer_next_tile) and hands each index to the consumers through state.tile_slot
+// (producer_next_tile) and hands each index to the other roles through state.tile_slot
 // (publish_tile / consumer_next_tile): two named barriers, so no thread reads the slot
 // while it is written.
 __device__ __forceinline__ int static_next_tile(const FlashParams& p, int tile) {
@@ -701,8 +707,8 @@ __device__ __forceinline__ int producer_next_tile(const FlashParams& p, int tile
     return static_next_tile(p, tile);
 }
 
-// Whole producer warp, for its tile number tile_iter >= 1 (the first is blockIdx.x for both
-// roles). The slot is rewritten only after the consumers have read the previous index.
+// Whole producer warp, for its tile number tile_iter >= 1 (the first is blockIdx.x for every
+// role). The slot is rewritten only after the readers have read the previous index.
 __device__ __forceinline__ void publish_tile(SharedState& state, int tile, uint32_t tile_iter) {
     if (DYNAMIC_SCHEDULER && tile_iter >= 1) {
         if (tile_iter >= 2) {
@@ -715,8 +721,9 @@ __device__ __forceinline__ void publish_tile(SharedState& state, int tile, uint3
     }
 }
 
-// Every consumer thread. The consumers release the slot after each index that is real work; the
-// producer publishes nothing after the first index past the end, so the barriers balance.
+// Every reading thread (consumers; fp8's transposers). They release the slot after each index
+// that is real work; the producer publishes nothing after the first index past the end, so the
+// barriers balance.
 __device__ __forceinline__ int consumer_next_tile(const FlashParams& p, SharedState& state, int tile) {
     if (DYNAMIC_SCHEDULER) {
         named_bar_sync(TILE_FULL_BAR, TILE_BAR_THREADS);
@@ -773,8 +780,9 @@ __device__ __forceinline__ void convert_p(uint32_t (&p)[P_REGS], const float (&s
     }
 }
 
-// One tile (all head_dim slabs) through TMA into `dst`, completion on `bar`; issued by one thread.
-// Q is read once (evict first); K and V are read by every m-block of the head (evict last).
+// One tile (all head_dim slabs of SLAB_COLS columns, slab_bytes apart) through TMA into `dst`,
+// completion on `bar`; issued by one thread. Q is read once (evict first); K and V are read by
+// every m-block of the head (evict last).
 __device__ __forceinline__ void load_tile(uint32_t dst, uint32_t slab_bytes, const CUtensorMap& map, uint32_t bar,
                                           int row, int head, int batch, uint64_t policy) {
 #pragma unroll 1
@@ -787,9 +795,10 @@ __device__ __forceinline__ void load_tile(uint32_t dst, uint32_t slab_bytes, con
     }
 }
 
-// Pingpong: a consumer warpgroup waits for its turn before issuing GEMMs, and hands the turn
-// to the next warpgroup once they are issued, so one warpgroup's softmax runs under the
-// other's GEMMs. Ids PINGPONG_BAR + wg; 256 = the syncing plus the arriving warpgroup.
+// ---- pingpong between the consumer warpgroups ----
+// A consumer warpgroup waits for its turn before issuing GEMMs, and hands the turn to the next
+// warpgroup once they are issued, so one warpgroup's softmax runs under the other's GEMMs.
+// Ids PINGPONG_BAR + wg; 256 = the syncing plus the arriving warpgroup.
 __device__ __forceinline__ void pingpong_wait(int wg) {
     if (PINGPONG) {
         named_bar_sync(PINGPONG_BAR + wg, 2 * WG_THREADS);
@@ -846,7 +855,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd9
             uint32_t kv_iter = 0;
             int tile = first_tile();
             for (uint32_t tile_iter = 0;; ++tile_iter) {
-                publish_tile(state, tile, tile_iter);           // dynamic scheduler: consumers learn `tile`
+                publish_tile(state, tile, tile_iter);           // dynamic scheduler: the others learn `tile`
                 if (tile >= p.num_tiles) {
                     break;
                 }
@@ -867,8 +876,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd9
                                   kv_head, t.batch, L2_EVICT_LAST);
                     }
                     if (i == 0) {
-                        // Q buffer free (first tile: passes at once): with SEPARATE_O the previous
-                        // tile's last Q K^T is done, else its O store has left shared memory.
+                        // Q buffer free (first tile: passes at once): the previous tile's consumers
+                        // released it (see Q_RELEASE_AFTER_QK).
                         mbar_wait(smem_u32(&state.q_empty), (tile_iter & 1) ^ 1);
                         if (leader) {
                             mbar_arrive_expect_tx(smem_u32(&state.q_full), Q_TILE_BYTES);
@@ -923,7 +932,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd9
             }
             const TileInfo t = decode_tile(p, tile);
             mbar_wait(smem_u32(&state.q_full), tile_iter & 1);
-            if (SEPARATE_O && t.n_end == 0 && release_thread) {
+            if (Q_RELEASE_AFTER_QK && t.n_end == 0 && release_thread) {
                 mbar_arrive(smem_u32(&state.q_empty));          // no Q K^T in this tile
             }
             const int row0 = t.m_block * BLOCK_M + row_in_tile;       // query row of s[0]
@@ -951,7 +960,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd9
                         const int n = t.n_end - 1;
                         if (release_thread) {
                             mbar_arrive(smem_u32(&state.k_empty[stage]));
-                            if (SEPARATE_O && n == 0) {
+                            if (Q_RELEASE_AFTER_QK && n == 0) {
                                 mbar_arrive(smem_u32(&state.q_empty));      // last Q K^T of the tile done
                             }
                         }
@@ -983,7 +992,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd9
                         fence_regs(s_reg);
                         if (release_thread) {
                             mbar_arrive(smem_u32(&state.k_empty[k_stage]));
-                            if (SEPARATE_O && n == 0) {
+                            if (Q_RELEASE_AFTER_QK && n == 0) {
                                 mbar_arrive(smem_u32(&state.q_empty));      // last Q K^T of the tile done
                             }
                         }
@@ -1039,7 +1048,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd9
                     fence_regs(s_reg);
                     if (release_thread) {
                         mbar_arrive(smem_u32(&state.k_empty[stage]));
-                        if (SEPARATE_O && n == 0) {
+                        if (Q_RELEASE_AFTER_QK && n == 0) {
                             mbar_arrive(smem_u32(&state.q_empty));          // last Q K^T of the tile done
                         }
                     }
