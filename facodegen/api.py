@@ -131,22 +131,19 @@ def _check_arch(arch: str, info: DeviceInfo) -> None:
 
 # ------------------------------------------------------------------ argument checks
 
-def _check_inputs(q: _View, k: _View, v: _View) -> None:
-    for t in (q, k, v):
-        if len(t.shape) != 4:
-            raise ValueError(f"{t.name} must be 4-D (batch, seqlen, heads, head_dim), got shape {t.shape}")
-    for t in (k, v):
+def _check_same_place(q: _View, others) -> None:
+    """k, v (and the like) must be the same kind of array as q, on q's device."""
+    for t in others:
         if t.kind != q.kind:
             raise TypeError(f"{t.name} is a {t.kind} array but q is a {q.kind} array; pass one kind")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{t.name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
         if t.device != q.device:
             raise ValueError(f"{t.name} is on cuda:{t.device} but q is on cuda:{q.device}; put them on one device")
-    if q.dtype not in DTYPE_NAMES:
-        raise TypeError(f"q has dtype {q.dtype}; supported: {', '.join(DTYPE_NAMES)}")
+
+
+def _check_attention_shape(q: _View, k: _View) -> None:
+    """q (batch, seqlen_q, heads_q, d) against k (batch, seqlen_k, heads_kv, d): one batch, one
+    supported head_dim, no empty dimension, heads_kv dividing heads_q."""
     batch, seqlen_q, heads_q, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
     _, seqlen_k, heads_kv, _ = k.shape
     if k.shape[0] != batch:
         raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}")
@@ -161,6 +158,21 @@ def _check_inputs(q: _View, k: _View, v: _View) -> None:
             raise ValueError(f"{name} is {value}; an empty sequence or dimension cannot be attended")
     if heads_q % heads_kv:
         raise ValueError(f"heads_kv={heads_kv} (k.shape[2]) must divide heads_q={heads_q} (q.shape[2]) for GQA/MQA")
+
+
+def _check_inputs(q: _View, k: _View, v: _View) -> None:
+    for t in (q, k, v):
+        if len(t.shape) != 4:
+            raise ValueError(f"{t.name} must be 4-D (batch, seqlen, heads, head_dim), got shape {t.shape}")
+    _check_same_place(q, (k, v))
+    for t in (k, v):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{t.name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+    if q.dtype not in DTYPE_NAMES:
+        raise TypeError(f"q has dtype {q.dtype}; supported: {', '.join(DTYPE_NAMES)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    _check_attention_shape(q, k)
     for t in (q, k, v):
         _check_layout(t)
 
@@ -352,30 +364,17 @@ def check_fp8_inputs(q: _View, k: _View, v: _View, v_layout: str) -> None:
                             f"(quantise bf16/fp16 with facodegen.quantize.quantize_e4m3)")
         if len(t.shape) != 4:
             raise ValueError(f"{t.name} must be 4-D, got shape {t.shape}")
-    for t in (k, v):
-        if t.kind != q.kind:
-            raise TypeError(f"{t.name} is a {t.kind} array but q is a {q.kind} array; pass one kind")
-        if t.device != q.device:
-            raise ValueError(f"{t.name} is on cuda:{t.device} but q is on cuda:{q.device}; put them on one device")
+    _check_same_place(q, (k, v))
     if v_layout not in ("row", "transposed"):
         raise ValueError(f"v_layout must be 'row' or 'transposed', got {v_layout!r}")
-    batch, seqlen_q, heads_q, head_dim = q.shape
+    batch, _, _, head_dim = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
     want_v = k.shape if v_layout == "row" else (batch, heads_kv, head_dim, seqlen_k)
     if tuple(v.shape) != tuple(want_v):
         what = "(batch, seqlen_k, heads_kv, head_dim)" if v_layout == "row" else \
             "(batch, heads_kv, head_dim, seqlen_k) (v_layout='transposed': V^T)"
         raise ValueError(f"v has shape {v.shape}; expected {what} = {tuple(want_v)}")
-    if k.shape[0] != batch:
-        raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k has head_dim {k.shape[3]} but q has head_dim {head_dim}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim={head_dim} is not supported; choose one of {', '.join(map(str, HEAD_DIMS))}")
-    if min(batch, seqlen_q, seqlen_k, heads_q, heads_kv) < 1:
-        raise ValueError(f"q {q.shape} / k {k.shape}: an empty sequence or dimension cannot be attended")
-    if heads_q % heads_kv:
-        raise ValueError(f"heads_kv={heads_kv} (k.shape[2]) must divide heads_q={heads_q} (q.shape[2]) for GQA/MQA")
+    _check_attention_shape(q, k)
     _check_layout(q)
     _check_layout(k)
     if v_layout == "row":

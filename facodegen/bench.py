@@ -23,6 +23,7 @@ Everything that needs a GPU imports torch lazily; the grid, FLOP and table helpe
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import statistics
 import time
@@ -345,7 +346,7 @@ def peer_available(name: str) -> tuple[bool, str]:
         return True, getattr(mod, "__file__", "") or "flash_attn_interface"
     if name == "flex":
         try:
-            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+            importlib.import_module("torch.nn.attention.flex_attention")
         except Exception as err:  # noqa: BLE001
             return False, f"torch {torch.__version__} has no FlexAttention: {err}"
         return True, f"torch {torch.__version__} (torch.compile'd)"
@@ -358,7 +359,6 @@ def peer_available(name: str) -> tuple[bool, str]:
 
 
 def _peer_fn(name: str, q, k, v, causal: bool):
-    torch = _torch()
     if name == "fa3":
         mod, err = _fa3_module()
         if mod is None:

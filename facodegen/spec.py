@@ -42,8 +42,7 @@ sm90), and on sm90 the register split must fit the 64K-register file.
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ARCHS = ("sm80", "sm90")
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -296,7 +295,7 @@ class KernelSpec:
             for name in ("consumer_warpgroups", "pingpong", "intra_wg_overlap",
                          "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints"):
                 if getattr(self, name) not in (None, 0, False):
-                    raise SpecError(name, f"is an sm90 knob; arch=sm80 does not use it")
+                    raise SpecError(name, "is an sm90 knob; arch=sm80 does not use it")
         else:
             cwg = self.consumer_warpgroups
             if cwg is None:

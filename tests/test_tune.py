@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import warnings
 
 import pytest
 from click.testing import CliRunner
