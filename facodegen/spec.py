@@ -213,6 +213,13 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
                  why="FA3 fp8 hdim256: 128x128")
 
 
+def sm90_cta_register_pool(threads: int) -> int:
+    """Registers a CTA of ``threads`` owns, the pool setmaxnreg moves registers within: ptxas gives
+    a __launch_bounds__(threads, 1) kernel that uses setmaxnreg the most registers per thread the
+    65536-register file allows, in steps of 8 (384 threads: 168, so 64512, not 65536)."""
+    return min(256, SM90_REG_FILE // threads // 8 * 8) * threads
+
+
 def register_split(consumer_warpgroups: int) -> tuple[int, int]:
     """(producer, consumer) setmaxnreg values, FA3's and ThunderKittens' choices."""
     return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[consumer_warpgroups]
@@ -302,14 +309,20 @@ class KernelSpec:
                 cwg = self.block_m // 64 if self.block_m is not None else tiles.consumer_warpgroups
             _check_choice("consumer_warpgroups", cwg, (1, 2, 3))
             producer, consumer = register_split(cwg)
-            if self.dtype == "fp8" and self.v_layout == "row" and cwg == 2:
-                # The producer's warps 1-3 transpose V in shared memory: 24 registers spill there
-                # (ptxas, hd256); 32 + 2 x 240 still fills the 64K-register file exactly.
-                producer = 32
+            # No more producer registers for the V transposers (v_layout=row): setmaxnreg moves
+            # registers inside the CTA's pool, which holds what the CTA launched with (ptxas: 168
+            # per thread x 384 = 64512 for two consumer warpgroups), not the 65536 of the SM;
+            # 32 + 2 x 240 asked 1024 more and the second consumer warpgroup's setmaxnreg.inc
+            # waited forever. 24 + 2 x 240 is FA3's split with its in-smem V transpose too.
+            persistent = True
+            if self.dtype == "fp8" and self.v_layout == "row" and self.head_dim == 256 and not self.causal:
+                # hd256 row-V persistent (pingpong + overlap) with 24 producer registers: ptxas
+                # spills (40-44 stores); non-persistent compiles clean.
+                persistent = False
             fill.update(block_m=64 * cwg, block_n=tiles.block_n, num_warps=4 * (cwg + 1),
                         stages=tiles.stages, q_in_regs=False, consumer_warpgroups=cwg,
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
-                        producer_regs=producer, consumer_regs=consumer, persistent=True,
+                        producer_regs=producer, consumer_regs=consumer, persistent=persistent,
                         l2_hints=True)
             for name in ("separate_o", "l2_hints"):     # 0/1 from command lines and scripts
                 if type(getattr(self, name)) is int and getattr(self, name) in (0, 1):
@@ -584,10 +597,13 @@ def _validate(spec: KernelSpec) -> None:
             if value % 8 or not 24 <= value <= 256:
                 raise SpecError(name, f"{name}={value} must be a multiple of 8 in [24, 256] (setmaxnreg)")
         total = 128 * (spec.producer_regs + spec.consumer_warpgroups * spec.consumer_regs)
-        if total > SM90_REG_FILE:
+        pool = sm90_cta_register_pool(spec.num_warps * 32)
+        if total > pool:
             raise SpecError("consumer_regs", (
                 f"128*(producer_regs={spec.producer_regs} + {spec.consumer_warpgroups}*consumer_regs="
-                f"{spec.consumer_regs}) = {total} registers exceed the {SM90_REG_FILE}-register file"))
+                f"{spec.consumer_regs}) = {total} registers exceed the CTA's setmaxnreg pool of {pool} "
+                f"({spec.num_warps * 32} threads launched with {pool // (spec.num_warps * 32)} registers each): "
+                f"setmaxnreg.inc would wait forever"))
         regs = register_estimate(spec)
         if regs > spec.consumer_regs:
             raise SpecError("block_n", (

@@ -367,8 +367,12 @@ constexpr int WG_ROWS = 64;                                 // rows of one wgmma
 static_assert(BLOCK_M == WG_ROWS * CONSUMER_WGS, "each consumer warpgroup owns 64 query rows");
 static_assert(THREADS == WG_THREADS * (CONSUMER_WGS + 1), "one producer warpgroup plus the consumers");
 static_assert(!PINGPONG || CONSUMER_WGS >= 2, "pingpong needs two consumer warpgroups");
+// setmaxnreg moves registers within the CTA's pool: what it launched with, per thread the most
+// __launch_bounds__(THREADS, 1) allows in steps of 8 (384 threads: 168 -> 64512, not 65536).
+constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8 < 256 ? 65536 / THREADS / 8 * 8 : 256;
 static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 &&
-              WG_THREADS * (PRODUCER_REGS + CONSUMER_WGS * CONSUMER_REGS) <= 65536, "setmaxnreg split");
+              WG_THREADS * (PRODUCER_REGS + CONSUMER_WGS * CONSUMER_REGS) <= THREADS * LAUNCH_REGS,
+              "setmaxnreg split over the CTA's register pool: setmaxnreg.inc would wait forever");
 
 // ---- constants of the 16-bit kernel ----
 constexpr bool SEPARATE_O = false;   // O staging tile has its own buffer (else aliases Q)
