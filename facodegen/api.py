@@ -286,10 +286,13 @@ class PreparedAttention:
     compiled kernel, the FlashParams bytes and the tensor maps are built once)."""
 
     def __init__(self, spec: KernelSpec, q: _View, out, lse_out, param_bytes: bytes, return_lse: bool,
-                 workspace=None):
+                 keep_alive: tuple = ()):
         import ctypes
         self.spec = spec
-        self._workspace = workspace  # fa1's fp32 O/m/l scratch, which param_bytes points into
+        # Device buffers param_bytes points into besides the caller's (fa1's fp32 workspace, fp8
+        # descales, the V^T copy of a row-major fp8 V): they live as long as this object. The V^T
+        # copy is made once, so a PreparedAttention re-launched after v changes must be prepared again.
+        self._keep_alive = tuple(x for x in keep_alive if x is not None)
         self.out, self.lse_out, self._return_lse = out, lse_out, return_lse
         self._q = q
         self._prepared = _prepare(spec, q.device)
@@ -350,7 +353,7 @@ def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
                               counter.data.ptr, float(softmax_scale),
                               workspace_ptr=_view("workspace", workspace).ptr if workspace is not None else 0)
-    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, workspace)
+    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, keep_alive=(workspace,))
 
 
 # ------------------------------------------------------------------ fp8 (e4m3, sm90)
@@ -501,10 +504,7 @@ def _prepare_fp8(qv: _View, kv: _View, vv: _View, v, *, causal, softmax_scale, r
     counter = _tile_counter(qv.device)
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
                               counter.data.ptr, float(softmax_scale), descales=descales)
-    prepared = PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse)
-    prepared._descales = keep           # the descale tensors FlashParams points at stay alive
-    prepared._v_transposed = v_copy     # likewise the V^T copy (a PreparedAttention re-launched after
-    return prepared                     # v changes must be prepared again: the copy is made once)
+    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, keep_alive=(*keep, v_copy))
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
