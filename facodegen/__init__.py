@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 from .spec import KernelSpec, SpecError, default_spec, default_specs  # noqa: E402
 from .render import emit  # noqa: E402
 from .compiler import CompiledKernel, CompileError, compile  # noqa: E402
-from .api import attention, prepare  # noqa: E402
+from .api import attention, prepare, transpose_v  # noqa: E402
+from .quantize import quantize_e4m3  # noqa: E402
 
 __all__ = ["KernelSpec", "SpecError", "default_spec", "default_specs", "emit", "compile", "CompiledKernel",
-           "CompileError", "attention", "prepare", "__version__"]
+           "CompileError", "attention", "transpose_v", "quantize_e4m3", "prepare", "__version__"]

@@ -427,12 +427,16 @@ def _unit_descale(device: int, kind: str):
         return cupy.ones((), dtype=cupy.float32)
 
 
-def _transposed_v(v, vv: _View):
-    """V (batch, seqlen_k, heads_kv, head_dim) -> V^T (batch, heads_kv, head_dim, seqlen_k), keys
-    contiguous, in a buffer whose key axis is padded to 16 (the TMA stride rule), on the caller's
-    stream: the layout the v_layout='transposed' kernel reads."""
-    if vv.kind != "torch":
-        raise TypeError("v: fp8 inputs are torch.float8_e4m3fn tensors")
+def transpose_v(v):
+    """An fp8 V (batch, seqlen_k, heads_kv, head_dim) as V^T (batch, heads_kv, head_dim, seqlen_k), keys
+    contiguous, in a buffer whose key axis is padded to 16 (the TMA stride rule), on the current
+    stream: the layout ``v_layout="transposed"`` takes. For callers who keep V transposed across
+    calls (e.g. a KV cache written that way), so the kernel skips its in-shared-memory transpose."""
+    vv = _view("v", v)
+    if vv.kind != "torch" or vv.dtype not in FP8_NAMES:
+        raise TypeError(f"v: transpose_v takes a torch.float8_e4m3fn tensor, got {vv.kind} {vv.dtype}")
+    if len(vv.shape) != 4:
+        raise ValueError(f"v: expected (batch, seqlen_k, heads_kv, head_dim), got shape {vv.shape}")
     torch = _torch()
     batch, seqlen_k, heads_kv, head_dim = vv.shape
     padded = -(-seqlen_k // 16) * 16
@@ -450,15 +454,6 @@ def _prepare_fp8(qv: _View, kv: _View, vv: _View, v, *, causal, softmax_scale, r
         raise ValueError(f"arch={arch!r}: dtype=fp8 (e4m3 q, k, v) runs on sm90 (H100/H200) only; use arch='sm90'")
     v_layout = spec_fields.get("v_layout") or "row"
     check_fp8_inputs(qv, kv, vv, v_layout)
-    v_copy = None
-    if v_layout == "row":
-        # The kernel that transposes V in shared memory (spec v_layout='row') hung on its first H200
-        # run (2026-11-29, issue 6) while the V^T kernel was right; until that is fixed, a row-major V
-        # is transposed here (one extra pass over V, on the caller's stream) and the V^T kernel runs.
-        # v_layout='row' kernels can still be emitted, compiled and inspected.
-        v_copy = _transposed_v(v, vv)
-        vv = _view("v", v_copy)
-        v_layout = "transposed"
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     out_dtype = spec_fields.get("out_dtype") or "bf16"
@@ -504,7 +499,7 @@ def _prepare_fp8(qv: _View, kv: _View, vv: _View, v, *, causal, softmax_scale, r
     counter = _tile_counter(qv.device)
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
                               counter.data.ptr, float(softmax_scale), descales=descales)
-    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, keep_alive=(*keep, v_copy))
+    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, keep_alive=tuple(keep))
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,

@@ -29,7 +29,7 @@ import statistics
 import time
 import traceback
 
-from .reference import check, compare, dtype_name
+from .reference import FP8_TOLERANCE, check, compare, dtype_name
 
 WARMUP = 5
 GROUPS = 7
@@ -65,8 +65,9 @@ def tflops(flops: float, ms: float) -> float:
 
 def cell(head_dim: int, causal: bool, seqlen: int, batch: int, heads: int, dtype: str = "bf16",
          seqlen_k: int | None = None, heads_kv: int | None = None) -> dict:
-    """One problem: the keys every row and grid uses."""
-    return {"dtype": dtype_name(dtype), "head_dim": head_dim, "causal": bool(causal), "seqlen_q": seqlen,
+    """One problem: the keys every row and grid uses. dtype "fp8": Q, K, V in e4m3 (quantised per
+    tensor from randn bf16), O in bf16."""
+    return {"dtype": "fp8" if dtype == "fp8" else dtype_name(dtype), "head_dim": head_dim, "causal": bool(causal), "seqlen_q": seqlen,
             "seqlen_k": seqlen if seqlen_k is None else seqlen_k, "batch": batch, "heads_q": heads,
             "heads_kv": heads if heads_kv is None else heads_kv}
 
@@ -95,7 +96,14 @@ def sm80_grid(dtype: str = "bf16") -> list[dict]:
             for d in (64, 96, 128, 192, 256) for c in (False, True) for s in (2048, 8192)]
 
 
-GRIDS = {"quick": quick_grid, "fa3": fa3_paper_grid, "sm80": sm80_grid}
+def fp8_grid(dtype: str = "fp8") -> list[dict]:
+    """Issue 6's FP8 grid: head_dim 64/128/256 x causal no/yes x seqlen 2k/8k/16k (16k tokens per
+    batch, hidden 2048), always e4m3 inputs (``dtype`` is accepted for the GRIDS signature only)."""
+    return [cell(d, c, s, 16384 // s, 2048 // d, "fp8")
+            for d in (64, 128, 256) for c in (False, True) for s in (2048, 8192, 16384)]
+
+
+GRIDS = {"quick": quick_grid, "fa3": fa3_paper_grid, "sm80": sm80_grid, "fp8": fp8_grid}
 
 
 def make_grid(name: str, dtype: str = "bf16") -> list[dict]:
@@ -105,9 +113,10 @@ def make_grid(name: str, dtype: str = "bf16") -> list[dict]:
 
 
 def input_bytes(c: dict) -> int:
-    """Bytes of Q, K, V and O for one cell (2 bytes an element)."""
+    """Bytes of Q, K, V and O for one cell (2 bytes an element; Q, K, V 1 byte under fp8)."""
     d = c["head_dim"]
-    return 2 * d * c["batch"] * (2 * c["seqlen_q"] * c["heads_q"] + 2 * c["seqlen_k"] * c["heads_kv"])
+    qkv = 1 if c["dtype"] == "fp8" else 2
+    return d * c["batch"] * ((qkv + 2) * c["seqlen_q"] * c["heads_q"] + 2 * qkv * c["seqlen_k"] * c["heads_kv"])
 
 
 def input_sets_needed(bytes_per_set: int, l2_bytes: int = L2_BYTES_DEFAULT, cap: int = MAX_INPUT_SETS) -> int:
@@ -262,6 +271,17 @@ def gemm_ceiling(n: int = 8192) -> float:
     return tflops(2.0 * n ** 3, t["ms"])
 
 
+def fp8_gemm_ceiling(n: int = 8192) -> float:
+    """TFLOP/s of an e4m3 n^3 ``torch._scaled_mm`` (bf16 out): the FP8 ceiling issue 6 reports against."""
+    torch = _torch()
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()      # column-major, as cuBLASLt wants
+    one = torch.ones((), device="cuda")
+    t = time_cuda(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                  warmup=3, groups=5, calls=5)
+    return tflops(2.0 * n ** 3, t["ms"])
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """TB/s of a device-to-device copy, counting bytes read plus bytes written."""
     torch = _torch()
@@ -302,18 +322,49 @@ def reference_torch(q, k, v, causal: bool, softmax_scale: float | None = None):
     return out
 
 
-def _slice_check(o, q, k, v, causal: bool, dtype: str) -> tuple[bool, str, float]:
-    """Check batch 0, q heads 0..1 of an output against the float64 reference."""
+class InputSet:
+    """One cell's inputs as the implementations take them: q, k, v (bf16/fp16, or e4m3 with
+    per-tensor float32 descale scalars in ``descales``: {"q_descale": t, "k_descale": t, "v_descale": t})."""
+
+    def __init__(self, q, k, v, descales: dict | None = None):
+        self.q, self.k, self.v, self.descales = q, k, v, descales or {}
+
+    @property
+    def fp8(self) -> bool:
+        return bool(self.descales)
+
+    def real(self, name: str, x):
+        """The values an fp8 tensor stands for (e4m3 x descale, float32); x itself otherwise."""
+        return x.float() * self.descales[f"{name}_descale"] if self.fp8 else x
+
+
+def quantized(s: InputSet) -> InputSet:
+    """The e4m3 (per-tensor scale) version of a bf16/fp16 input set (facodegen.quantize)."""
+    from .quantize import quantize_e4m3
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_e4m3(x) for x in (s.q, s.k, s.v))
+    return InputSet(q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd})
+
+
+def _slice_check(o, s: InputSet, causal: bool, dtype: str) -> tuple[bool, str, float]:
+    """Check batch 0, q heads 0..1 of an output against the float64 reference (for e4m3 inputs:
+    the reference of the dequantised values, within reference.FP8_TOLERANCE)."""
     torch = _torch()
-    hq, hkv = q.shape[2], k.shape[2]
+    hq, hkv = s.q.shape[2], s.k.shape[2]
     heads = list(range(min(2, hq)))
-    kv_idx = torch.tensor([h // (hq // hkv) for h in heads], device=q.device)
-    qs = q[:1, :, heads[0]:heads[-1] + 1]
-    ks, vs = k[:1].index_select(2, kv_idx), v[:1].index_select(2, kv_idx)
+    kv_idx = torch.tensor([h // (hq // hkv) for h in heads], device=s.q.device)
+    qs = s.real("q", s.q[:1, :, heads[0]:heads[-1] + 1])
+    ks = s.real("k", s.k[:1].index_select(2, kv_idx))
+    vs = s.real("v", s.v[:1].index_select(2, kv_idx))
     ref = reference_torch(qs, ks, vs, causal)
     got = o[:1, :, heads[0]:heads[-1] + 1]
-    ok, msg = check(got, ref, dtype)
-    return ok, msg, compare(got, ref)["rel_fro"]
+    if not s.fp8:
+        ok, msg = check(got, ref, dtype)
+        return ok, msg, compare(got, ref)["rel_fro"]
+    c = compare(got, ref)
+    ok = not c["nan"] and c["rel_fro"] <= FP8_TOLERANCE
+    msg = f"{'ok' if ok else 'FAIL'}: rel_fro={c['rel_fro']:.3e} (tol {FP8_TOLERANCE:.0e} fp8)" + \
+        (", non-finite values in the output" if c["nan"] else "")
+    return ok, msg, c["rel_fro"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,16 +409,21 @@ def peer_available(name: str) -> tuple[bool, str]:
     return True, f"torch {torch.__version__}"
 
 
-def _peer_fn(name: str, q, k, v, causal: bool):
+def _peer_fn(name: str, s: InputSet, causal: bool):
+    q, k, v = s.q, s.k, s.v
     if name == "fa3":
         mod, err = _fa3_module()
         if mod is None:
             raise RuntimeError(f"unavailable: {err}")
+        # FlashAttention-3 takes fp8 descales per (batch, kv head)
+        descales = {n: t.reshape(1, 1).expand(k.shape[0], k.shape[2]).contiguous() for n, t in s.descales.items()}
 
         def fn():
-            r = mod.flash_attn_func(q, k, v, causal=causal)
+            r = mod.flash_attn_func(q, k, v, causal=causal, **descales)
             return r[0] if isinstance(r, (tuple, list)) else r
         return fn, contextlib.nullcontext()
+    if s.fp8:
+        raise RuntimeError(f"skipped: {PEER_TITLES[name]} has no e4m3 path")
     if name == "flex":
         return _flex_fn(q, k, v, causal), contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -418,43 +474,41 @@ def _split_overrides(spec_overrides, arch: str) -> dict:
     return dict(spec_overrides)
 
 
-def _facodegen_fn(arch: str, overrides: dict, q, k, v, causal: bool):
-    """A zero-argument launcher. Uses ``facodegen.api.prepare`` where it exists (argument checks,
-    spec resolution and parameter packing done once), else calls ``attention`` with out=/lse_out=."""
+def _facodegen_fn(arch: str, overrides: dict, s: InputSet, causal: bool):
+    """A zero-argument launcher through ``facodegen.api.prepare`` (argument checks, spec
+    resolution and parameter packing done once). A ``dtype=fp8`` variant on a bf16/fp16 cell
+    quantises the inputs once (per tensor) and is checked against their dequantised values;
+    a ``v_layout=transposed`` variant gets V^T made before timing (api.transpose_v). The 4th
+    element returned is the input set to check against."""
     torch = _torch()
     from . import api
-    out = torch.empty_like(q)
+    overrides = dict(overrides)
+    if overrides.pop("dtype", None) == "fp8" and not s.fp8:
+        s = quantized(s)
+    q, k, v = s.q, s.k, s.v
+    if overrides.get("v_layout") == "transposed":   # the caller keeps V^T: transposed before timing
+        v = api.transpose_v(v)
+    out = torch.empty(q.shape, dtype=torch.bfloat16 if s.fp8 else q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    kwargs = dict(causal=causal, arch=arch, out=out, lse_out=lse, **overrides)
-    variant = None
-    try:
-        resolve = getattr(api, "resolve_spec", None)
-        if resolve is not None:
-            variant = resolve(q.shape[3], dtype_name(q.dtype), causal, q.device.index or 0, arch, **overrides).variant
-    except Exception:  # noqa: BLE001 (the call itself will report the problem)
-        variant = None
-    prepare = getattr(api, "prepare", None)
-    if prepare is not None:
-        launcher = prepare(q, k, v, **kwargs)
-        call = launcher if callable(launcher) else launcher.launch
-        spec = getattr(launcher, "spec", None)
-        variant = getattr(spec, "variant", variant)
+    launcher = api.prepare(q, k, v, causal=causal, arch=arch, out=out, lse_out=lse, **s.descales, **overrides)
 
-        def fn():
-            call()
-            return out
-    else:
-        def fn():
-            api.attention(q, k, v, **kwargs)
-            return out
-    return fn, contextlib.nullcontext(), variant
+    def fn():
+        launcher()
+        return out
+    return fn, contextlib.nullcontext(), launcher.spec.variant, s
 
 
-def _make_inputs(c: dict, n_sets: int):
+def _make_inputs(c: dict, n_sets: int) -> list[InputSet]:
+    """Fresh randn inputs; fp8 cells quantise bf16 randn to e4m3 per tensor."""
     torch = _torch()
     from .reference import random_qkv
-    return [random_qkv(c["batch"], c["seqlen_q"], c["seqlen_k"], c["heads_q"], c["heads_kv"], c["head_dim"],
-                       c["dtype"], xp=torch, device="cuda") for _ in range(n_sets)]
+    dtype = "bf16" if c["dtype"] == "fp8" else c["dtype"]
+    sets = []
+    for _ in range(n_sets):
+        s = InputSet(*random_qkv(c["batch"], c["seqlen_q"], c["seqlen_k"], c["heads_q"], c["heads_kv"],
+                                 c["head_dim"], dtype, xp=torch, device="cuda"))
+        sets.append(quantized(s) if c["dtype"] == "fp8" else s)
+    return sets
 
 
 _LOGGED: set = set()
@@ -465,7 +519,7 @@ def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: d
     torch = _torch()
     result: dict = {"tflops": None, "ms": None, "err": None, "note": None}
     try:
-        built = [make(q, k, v) for q, k, v in input_sets]
+        built = [make(s) for s in input_sets]
     except Exception as err:  # noqa: BLE001
         msg = str(err)
         result["note"] = msg if msg.startswith(("skipped", "unavailable")) else f"setup failed: {type(err).__name__}: {msg}"
@@ -474,13 +528,13 @@ def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: d
     ctx = built[0][1]
     if len(built[0]) > 2:
         result["variant"] = built[0][2]
+    checked_set = built[0][3] if len(built[0]) > 3 else input_sets[0]
     try:
         with ctx:
             if check_first:
-                q, k, v = input_sets[0]
                 o = fns[0]()
                 torch.cuda.synchronize()
-                ok, msg, err = _slice_check(o, q, k, v, c["causal"], c["dtype"])
+                ok, msg, err = _slice_check(o, checked_set, c["causal"], c["dtype"])
                 result["err"] = err
                 if not ok:
                     result["note"] = f"check failed: {msg}"
@@ -531,14 +585,14 @@ def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None,
         arch, fields = parse_variant(text)
         overrides = {**_split_overrides(spec_overrides, arch), **fields}
         row["results"][name] = _run_impl(
-            name, lambda q, k, v: _facodegen_fn(arch, overrides, q, k, v, c["causal"]),
+            name, lambda s: _facodegen_fn(arch, overrides, s, c["causal"]),
             input_sets, c, check_first, timing, log)
     for name in peers:
         available, note = peer_available(name)
         if not available:
             row["results"][name] = {"tflops": None, "note": f"unavailable: {note}"}
             continue
-        row["results"][name] = _run_impl(name, lambda q, k, v: _peer_fn(name, q, k, v, c["causal"]),
+        row["results"][name] = _run_impl(name, lambda s: _peer_fn(name, s, c["causal"]),
                                          input_sets, c, check_first, timing, log)
     del input_sets
     torch.cuda.synchronize()
@@ -606,7 +660,7 @@ def run_cli_bench(spec, arch: str | None = None, head_dim: int | None = None, dt
 # suites (`facodegen bench --suite`): a grid, every importable peer, table + CSV + JSON + plot
 # ----------------------------------------------------------------------------------------------
 
-SUITES = {"fa3-paper": fa3_paper_grid, "quick": quick_grid, "sm80": sm80_grid}
+SUITES = {"fa3-paper": fa3_paper_grid, "quick": quick_grid, "sm80": sm80_grid, "fp8": fp8_grid}
 SUITE_PEERS = ("fa3", "cudnn", "fa2", "efficient")
 CSV_FIELDS = ("dtype", "head_dim", "causal", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "impl",
               "tflops", "ms", "ratio_to_best_peer", "best_peer", "err", "variant", "note")
@@ -741,6 +795,7 @@ EVOLUTION_VARIANTS = {
     "facodegen FA1 + all three": "sm80:schedule=fa1,loop_order=q_outer,warp_split=q,rescale=once",
     "facodegen FA2 (sm80)": "sm80:",
     "facodegen FA3 (sm90)": "sm90:",
+    "facodegen FA3 fp8 (sm90)": "sm90:dtype=fp8",
 }
 # FA1 at batch 1 runs on 16 CTAs (~0.5 s a call at 16k): few calls per cell.
 EVOLUTION_TIMING = {"warmup": 2, "groups": 3, "calls": 3}

@@ -185,12 +185,7 @@ def run_one_fp8(fields: dict, shape: dict) -> dict:
     if descale_mode == "head":
         spread = torch.rand(b, hkv, device="cuda", generator=g) + 0.5
         kd, vd = (kd * spread).contiguous(), (vd * spread.flip(-1)).contiguous()
-    v_arg = v8
-    if v_layout == "transposed":
-        pad = (sk + 15) // 16 * 16
-        store = torch.zeros(b, hkv, head_dim, pad, device="cuda", dtype=torch.float8_e4m3fn)
-        store[..., :sk] = v8.permute(0, 2, 3, 1)
-        v_arg = store[..., :sk]
+    v_arg = facodegen.transpose_v(v8) if v_layout == "transposed" else v8
     out_name = fields.get("out_dtype", "bf16")
     out = torch.full((b, sq, hq, head_dim), float("nan"), device="cuda",
                      dtype=torch.bfloat16 if out_name == "bf16" else torch.float16)

@@ -183,8 +183,23 @@ def test_evolution_suite_has_one_column_per_switch_and_gemm_fractions():
     cells = bench.evolution_grid()
     assert {c["family"] for c in cells} == {"16k tokens per batch", "batch 1"} and len(cells) == 12
     names = list(bench.EVOLUTION_VARIANTS)
-    assert all(bench.is_facodegen(n) for n in names) and len(names) == 7
+    assert all(bench.is_facodegen(n) for n in names) and len(names) == 8
+    assert bench.parse_variant(bench.EVOLUTION_VARIANTS[names[-1]]) == ("sm90", {"dtype": "fp8"})
     row = dict(cells[0], gemm_tflops=800.0,
                results={names[0]: {"tflops": 40.0}, names[-1]: {"tflops": 600.0}, "fa3": {"tflops": 640.0}})
     table = bench.format_table([row])
     assert "40.0 (5%)" in table and "600.0 (75%)" in table and "0.94" in table
+
+
+def test_fp8_grid_is_issue_6s_and_counts_one_byte_inputs():
+    from facodegen import bench
+    cells = bench.suite_cells("fp8")
+    assert len(cells) == 18 and {c["dtype"] for c in cells} == {"fp8"}
+    assert {(c["head_dim"], c["seqlen_q"]) for c in cells} == {(d, s) for d in (64, 128, 256) for s in (2048, 8192, 16384)}
+    assert all(c["batch"] * c["seqlen_q"] == 16384 and c["heads_q"] * c["head_dim"] == 2048 for c in cells)
+    bf16 = bench.cell(128, False, 4096, 4, 16, "bf16")
+    fp8 = bench.cell(128, False, 4096, 4, 16, "fp8")
+    elems = 4 * 4096 * 16 * 128
+    assert bench.input_bytes(bf16) == 4 * 2 * elems             # q, k, v, o in 2 bytes
+    assert bench.input_bytes(fp8) == 3 * elems + 2 * elems      # q, k, v in 1 byte, o in bf16
+    assert bench.suite_cells("fa3-paper", "fp8")[0]["dtype"] == "fp8"

@@ -301,13 +301,7 @@ def test_fp8_prepare_packs_params(monkeypatch, v_layout):
     q = _FakeTensor((b, sq, hq, d), "float8_e4m3fn")
     k = _FakeTensor((b, sk, hkv, d), "float8_e4m3fn")
     v_t = _FakeTensor((b, hkv, d, sk), "float8_e4m3fn", strides=(hkv * d * 80, d * 80, 80, 1))
-    if v_layout == "row":
-        # a row-major V is transposed by the API (the in-smem transposer hung on the H200) and the
-        # V^T kernel runs on the copy
-        v = _FakeTensor((b, sk, hkv, d), "float8_e4m3fn")
-        monkeypatch.setattr(api, "_transposed_v", lambda v_, view: v_t)
-    else:
-        v = v_t
+    v = _FakeTensor((b, sk, hkv, d), "float8_e4m3fn") if v_layout == "row" else v_t
     out = _FakeTensor((b, sq, hq, d), "bfloat16")
     lse = _FakeTensor((b, hq, sq), "float32")
     qd = _FakeTensor((), "float32")
@@ -316,7 +310,7 @@ def test_fp8_prepare_packs_params(monkeypatch, v_layout):
     prepared = api.prepare(q, k, v, causal=True, out=out, lse_out=lse, q_descale=qd, k_descale=kd, v_descale=vd,
                            v_layout=v_layout)
     spec = prepared.spec
-    assert spec.dtype == "fp8" and spec.v_layout == "transposed" and spec.out_dtype == "bf16" and spec.causal
+    assert spec.dtype == "fp8" and spec.v_layout == v_layout and spec.out_dtype == "bf16" and spec.causal
     placed, size, _ = params.layout("sm90", "fp8")
     raw = prepared._param_bytes
     assert len(raw) == size
@@ -331,9 +325,13 @@ def test_fp8_prepare_packs_params(monkeypatch, v_layout):
     maps = list(encoded.values())
     assert all(m.dtype_code == 0 for m in maps)                          # UINT8
     assert maps[0].dims == (d, sq, hq, b) and maps[0].box == (128, spec.block_m, 1, 1)
-    vt_swizzle = tma.vt_geometry(spec.block_n)[0]
-    assert maps[2].dims == (sk, d, hkv, b) and maps[2].box == (vt_swizzle, d, 1, 1)
-    assert maps[2].strides == (80, d * 80, hkv * d * 80)
+    if v_layout == "row":       # V as given, read like K; the kernel transposes it in shared memory
+        assert maps[2].dims == maps[1].dims == (d, sk, hkv, b) and maps[2].box == maps[1].box
+        assert maps[2].strides == maps[1].strides
+    else:
+        vt_swizzle = tma.vt_geometry(spec.block_n)[0]
+        assert maps[2].dims == (sk, d, hkv, b) and maps[2].box == (vt_swizzle, d, 1, 1)
+        assert maps[2].strides == (80, d * 80, hkv * d * 80)
     # bad arguments name themselves
     with pytest.raises(TypeError, match="q_descale has dtype float16"):
         api.prepare(q, k, v, q_descale=_FakeTensor((), "float16"), v_layout=v_layout, out=out, lse_out=lse)

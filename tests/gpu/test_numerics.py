@@ -421,6 +421,7 @@ FP8_SHAPES = [   # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 
 def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int = 0):
     """(kernel O, LSE, reference O, LSE, FA3's O or None) on randn bf16 quantised to e4m3."""
+    from facodegen.api import transpose_v
     from facodegen.quantize import quantize_e4m3
     from facodegen.reference import attention_reference_fp8
     b, sq, sk, hq, hkv = shape
@@ -432,11 +433,7 @@ def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int
     if descale_per_head:
         spread = torch.rand(b, hkv, device="cuda", generator=g) + 0.5
         kd, vd = (kd * spread).contiguous(), (vd * spread.flip(-1)).contiguous()
-    v_arg = v8
-    if spec.v_layout == "transposed":
-        store = torch.zeros(b, hkv, d, (sk + 15) // 16 * 16, device="cuda", dtype=torch.float8_e4m3fn)
-        store[..., :sk] = v8.permute(0, 2, 3, 1)
-        v_arg = store[..., :sk]
+    v_arg = transpose_v(v8) if spec.v_layout == "transposed" else v8
     out_t = torch.bfloat16 if spec.out_dtype == "bf16" else torch.float16
     out = torch.full((b, sq, hq, d), float("nan"), device="cuda", dtype=out_t)
     lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
