@@ -800,24 +800,28 @@ EVOLUTION_VARIANTS = {
 # FA1 at batch 1 runs on 16 CTAs (~0.5 s a call at 16k): few calls per cell.
 EVOLUTION_TIMING = {"warmup": 2, "groups": 3, "calls": 3}
 
-_BOOL_FIELDS = ("causal", "pingpong", "intra_wg_overlap", "persistent", "q_in_regs", "separate_o", "l2_hints")
-_TEXT_FIELDS = ("gpu", "dtype", "schedule", "loop_order", "warp_split", "rescale")
+def _field_types() -> dict:
+    """KernelSpec field name -> "int" | "bool" | "str", read off the dataclass (one source of truth)."""
+    import dataclasses
+
+    from .spec import KernelSpec
+    return {f.name: str(f.type).split(" |")[0] for f in dataclasses.fields(KernelSpec)}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """``arch:field=value,...`` -> (arch, spec fields); an empty field list means that arch's
-    defaults (e.g. ``sm90:pingpong=0,block_n=128``)."""
+    """``arch:field=value,...`` -> (arch, spec fields typed as KernelSpec declares them); an empty
+    field list means that arch's defaults (e.g. ``sm90:pingpong=0,block_n=128``)."""
     arch, _, rest = text.partition(":")
+    types = _field_types()
     fields: dict = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key in _TEXT_FIELDS:
-            fields[key] = value
-        elif key in _BOOL_FIELDS:
-            fields[key] = bool(int(value))
-        else:
-            fields[key] = int(value)
+        if key not in types:
+            raise ValueError(f"variant {text!r}: {key!r} is not a KernelSpec field")
+        kind = types[key]
+        fields[key] = bool(int(value)) if kind == "bool" else int(value) if kind == "int" else value
     return arch, fields
+
 
 GRIDS["evolution"] = evolution_grid
 SUITES["evolution"] = evolution_grid

@@ -176,6 +176,10 @@ def test_parse_variant_types_each_field():
     assert arch == "sm80"
     assert fields == {"schedule": "fa1", "loop_order": "q_outer", "block_n": 64, "q_in_regs": True}
     assert bench.parse_variant("sm90:pingpong=0")[1] == {"pingpong": False}
+    assert bench.parse_variant("sm90:dtype=fp8,v_layout=transposed,out_dtype=fp16")[1] == \
+        {"dtype": "fp8", "v_layout": "transposed", "out_dtype": "fp16"}
+    with pytest.raises(ValueError, match="'blockm' is not a KernelSpec field"):
+        bench.parse_variant("sm90:blockm=64")
 
 
 def test_evolution_suite_has_one_column_per_switch_and_gemm_fractions():
