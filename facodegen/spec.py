@@ -33,8 +33,9 @@ and all multiplied by what is really resident.
 Registers (32-bit, per thread) are estimated from what each thread must hold live:
 the O accumulator (``rows*d/threads`` floats), the S accumulator (``rows*block_n/threads``
 floats), on sm90 P in 16-bit pairs (half of S: the whole P tile is the A operand of one
-wgmma; sm80 converts P one k16 slice at a time), Q fragments when ``q_in_regs``, and a
-per-arch overhead for addresses, row statistics and loop state (``REG_OVERHEAD``). The estimate
+wgmma; sm80 converts P one k16 slice at a time; e4m3 P a quarter of S), Q fragments when
+``q_in_regs``, and a per-kernel overhead for addresses, row statistics and loop state
+(``REG_OVERHEAD``). The estimate
 must stay under the per-thread cap (255 on sm80; the consumer's ``setmaxnreg`` value on
 sm90), and on sm90 the register split must fit the 64K-register file.
 """
@@ -103,8 +104,10 @@ GPUS = {
 DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 
 # Registers beyond the fragments: addresses, loop counters, row max/sum, masks. From ptxas
-# reports: 40-60 on sm80 (q_in_regs specs under 48 spilled); the sm90 consumer fits in 32.
-REG_OVERHEAD = {"sm80": 48, "sm90": 32}
+# reports: 40-60 on sm80 (q_in_regs specs under 48 spilled); the sm90 consumer fits in 32; the
+# sm90 fp8 consumer in 24 (NVRTC 13.0: head_dim 64 x block_n 160 = 156 fits 160 and head_dim
+# 128 x 224 = 228 fits 232 without spills, while 64 x 192 = 176 spills 208 bytes at 160).
+REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 24}
 SM80_MAX_REGS = 255
 SM90_REG_FILE = 65536
 SM90_BARRIER_BYTES = 1024  # mbarriers + alignment slack for 1024-byte-aligned swizzled tiles
@@ -309,11 +312,14 @@ class KernelSpec:
                 cwg = self.block_m // 64 if self.block_m is not None else tiles.consumer_warpgroups
             _check_choice("consumer_warpgroups", cwg, (1, 2, 3))
             producer, consumer = register_split(cwg)
-            # No more producer registers for the V transposers (v_layout=row): setmaxnreg moves
-            # registers inside the CTA's pool, which holds what the CTA launched with (ptxas: 168
-            # per thread x 384 = 64512 for two consumer warpgroups), not the 65536 of the SM;
-            # 32 + 2 x 240 asked 1024 more and the second consumer warpgroup's setmaxnreg.inc
-            # waited forever. 24 + 2 x 240 is FA3's split with its in-smem V transpose too.
+            # setmaxnreg moves registers inside the CTA's pool, which holds what the CTA launched
+            # with (ptxas: 168 per thread x 384 = 64512 for two consumer warpgroups), not the 65536
+            # of the SM: 32 + 2 x 240 asked 1024 more and the second consumer warpgroup's
+            # setmaxnreg.inc waited forever. The V transposers (fp8, v_layout=row) spill a
+            # scheduler value per tile at 24 registers, so below head_dim 256 (where the
+            # consumers fit in 232) the split is 40 + 2 x 232 = 64512 too.
+            if self.dtype == "fp8" and self.v_layout == "row" and cwg == 2 and self.head_dim < 256:
+                producer, consumer = 40, 232
             persistent = True
             if self.dtype == "fp8" and self.v_layout == "row" and self.head_dim == 256 and not self.causal:
                 # hd256 row-V persistent (pingpong + overlap) with 24 producer registers: ptxas
@@ -535,7 +541,8 @@ def register_estimate(spec: KernelSpec) -> int:
     s_acc = rows * spec.block_n // threads
     p_frag = (s_acc // 4 if spec.dtype == "fp8" else s_acc // 2) if spec.arch == "sm90" else 0
     q_frag = rows * spec.head_dim // threads // 2 if spec.q_in_regs else 0
-    return o_acc + s_acc + p_frag + q_frag + REG_OVERHEAD[spec.arch]
+    overhead = REG_OVERHEAD["sm90-fp8" if spec.arch == "sm90" and spec.dtype == "fp8" else spec.arch]
+    return o_acc + s_acc + p_frag + q_frag + overhead
 
 
 def _validate(spec: KernelSpec) -> None:

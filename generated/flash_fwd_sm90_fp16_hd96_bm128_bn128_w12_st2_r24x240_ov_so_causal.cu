@@ -145,6 +145,13 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t (&a)[4], uint
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The inverse of ldmatrix_x4 (sm_90): lane l gives the address of row l%8 of matrix l/8, and
+// register i holds this lane's share of matrix i (row lane/4, b16 columns 2*(lane%4), +1).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
 __device__ __forceinline__ void st_shared_32(uint32_t addr, uint32_t value) {
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(value) : "memory");
 }

@@ -31,9 +31,12 @@ def test_fp8_spec_defaults_and_errors():
     assert all(s.dtype != "fp8" for s in default_specs())
     assert s.replace(dtype="bf16").out_dtype == "bf16"
     assert KernelSpec(arch="sm80", dtype="fp16").v_layout == "row"
-    # 384 threads launch with 168 registers each: 24 + 2 x 240 fills the CTA's setmaxnreg pool,
-    # 32 + 2 x 240 (the old row-V split) would leave a consumer warpgroup in setmaxnreg.inc forever.
-    assert (s.producer_regs, s.consumer_regs) == (24, 240)
+    # 384 threads launch with 168 registers each: 40 + 2 x 232 (row V: transposers need more than
+    # 24) and 24 + 2 x 240 fill the CTA's setmaxnreg pool; 32 + 2 x 240 (the first row-V split)
+    # would leave a consumer warpgroup in setmaxnreg.inc forever.
+    assert (s.producer_regs, s.consumer_regs) == (40, 232)
+    assert KernelSpec(arch="sm90", dtype="fp8", head_dim=128, v_layout="transposed").producer_regs == 24
+    assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256).consumer_regs == 240
     with pytest.raises(SpecError, match="setmaxnreg"):
         KernelSpec(arch="sm90", dtype="fp8", head_dim=128, producer_regs=32, consumer_regs=240)
 
