@@ -194,10 +194,10 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
     at hd128-256: ptxas, 2026-11-29). Shared memory: Q + 2 x (K + V^T) + 2 x V (row V: the TMA lands
     V there and the producer transposes it into V^T); O goes from registers to global memory."""
     if head_dim <= 64:
-        # FA3 192x160 holds S, P and O in 160 registers with FA3's leaner bookkeeping; ours
-        # (O 32 + S 80 + P 20 + 32) is 164: 192x128 until ptxas says otherwise.
-        return Tiles(192, 128, 16, 2, consumer_warpgroups=3, pingpong=False, intra_wg_overlap=True,
-                     why="FA3 fp8 hdim64 192x160 -> 192x128 (160 registers)")
+        # 192x160: O 32 + S 80 + P 20 + 24 = 156 of 160 registers, no spills (ptxas); on the H200
+        # 1-5% over 192x128 at seqlen 2k/16k (sweep, 2026-11-29, docs/perf-notes.md).
+        return Tiles(192, 160, 16, 2, consumer_warpgroups=3, pingpong=False, intra_wg_overlap=True,
+                     why="FA3 fp8 hdim64: 192x160")
     if head_dim <= 96:
         return Tiles(192, 128, 16, 2, consumer_warpgroups=3, pingpong=False, intra_wg_overlap=True,
                      why="FA3 fp8 hdim96: 192x128")
