@@ -281,14 +281,14 @@ def time_candidates(cands: list[Candidate], c: dict, arch: str, *, timing: dict 
 
     torch = bench._torch()
     timing = timing or {}
-    (q, k, v), = bench._make_inputs(c, 1)
+    inputs, = bench._make_inputs(c, 1)
     fns = {}
     for cand in [x for x in cands if x.alive]:
         try:
-            fn, _, _ = bench._facodegen_fn(arch, cand.overrides(), q, k, v, c["causal"])
+            fn, _, _, checked = bench._facodegen_fn(arch, cand.overrides(), inputs, c["causal"])
             o = fn()
             torch.cuda.synchronize()
-            ok, msg, err = bench._slice_check(o, q, k, v, c["causal"], c["dtype"])
+            ok, msg, err = bench._slice_check(o, checked, c["causal"], c["dtype"])
             cand.err = err
             if not ok:
                 cand.drop("check", f"check failed: {msg}")

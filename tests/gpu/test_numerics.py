@@ -504,3 +504,37 @@ def test_fp8_bad_arguments():
         attention(q, q, q, arch="sm80")
     with pytest.raises(ValueError, match="v has shape"):
         attention(q, q, q, v_layout="transposed")
+
+
+# ------------------------------------------------------------------ tune and bench on the GPU
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="tune times through torch CUDA events")
+@pytest.mark.parametrize("arch,dtype", [("sm80", "bf16"), ("sm90", "bf16"), ("sm90", "fp8")])
+def test_tune_checks_and_times_a_few_candidates(arch, dtype):
+    """A small real tune round: every live candidate is checked against the reference and timed,
+    and the winner is one of them (catches drift between tune and bench's launch helpers)."""
+    if not arch_supported(arch):
+        pytest.skip(f"{arch} kernels need a newer GPU than compute capability {CC}")
+    from facodegen import bench
+    from facodegen import tune as T
+    cands = T.enumerate_candidates(arch, 64, dtype, causal=True, max_candidates=3)
+    T.compile_candidates(cands, jobs=1, sm=None)
+    c = bench.cell(64, True, 333, 2, 4, dtype)
+    T.time_candidates(cands, c, arch, timing={"warmup": 1, "groups": 2, "calls": 2}, final_top=1, final_reps=1)
+    timed = [x for x in cands if x.alive and x.times_ms]
+    assert timed and any(x.is_default for x in timed), [(x.label, x.reason) for x in cands[:3]]
+    assert all(x.err is not None and x.err < 3e-2 for x in timed)
+    winner, default = T.pick_winner(cands)
+    assert winner in timed and default is not None
+
+
+@pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 bench cells need torch and an sm90 GPU")
+def test_bench_fp8_cell_checks_facodegen_in_both_v_layouts():
+    from facodegen import bench
+    c = bench.cell(128, True, 1000, 1, 4, "fp8")
+    row = bench.run_cell(c, peers=("cudnn",), timing={"warmup": 1, "groups": 2, "calls": 2},
+                         variants={"facodegen row": "sm90:", "facodegen vt": "sm90:v_layout=transposed"})
+    for name in ("facodegen row", "facodegen vt"):
+        r = row["results"][name]
+        assert r["tflops"] and r["err"] < 3e-2, (name, r)
+    assert row["results"]["cudnn"]["note"].startswith("skipped")
