@@ -492,7 +492,7 @@ def _facodegen_fn(arch: str, overrides: dict, s: InputSet, causal: bool):
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
     launcher = api.prepare(q, k, v, causal=causal, arch=arch, out=out, lse_out=lse, **s.descales, **overrides)
 
-    def fn():
+    def fn(_operands=(q, k, v)):     # the launcher points into these (v may be a V^T made here)
         launcher()
         return out
     return fn, contextlib.nullcontext(), launcher.spec.variant, s
@@ -713,11 +713,14 @@ def environment() -> dict:
 
     from . import __version__
     env: dict = {"facodegen": __version__, "date": datetime.date.today().isoformat()}
+    if os.environ.get("FACODEGEN_COMMIT"):
+        # a copied checkout whose .git lags the tree (e.g. a lent GPU machine) says which commit it is
+        env["commit"] = os.environ["FACODEGEN_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         done = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
-        if done.returncode == 0:
+        if done.returncode == 0 and "commit" not in env:
             env["commit"] = done.stdout.strip()
             dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
                                    capture_output=True, text=True, timeout=10)
