@@ -105,9 +105,10 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 
 # Registers beyond the fragments: addresses, loop counters, row max/sum, masks. From ptxas
 # reports: 40-60 on sm80 (q_in_regs specs under 48 spilled); the sm90 consumer fits in 32; the
-# sm90 fp8 consumer in 24 (NVRTC 13.0: head_dim 64 x block_n 160 = 156 fits 160 and head_dim
-# 128 x 224 = 228 fits 232 without spills, while 64 x 192 = 176 spills 208 bytes at 160).
-REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 24}
+# sm90 fp8 consumer in 28 (NVRTC 13.0, fragments + 28: head_dim 64 x block_n 160 = 160 fits 160,
+# 128 x 224 = 232 and 256 x 96 = 212 fit 232 without spills; 64 x 192 = 180 spills 208 bytes at
+# 160 and 256 x 128 = 236 spills 48-56 bytes at 232).
+REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 28}
 SM80_MAX_REGS = 255
 SM90_REG_FILE = 65536
 SM90_BARRIER_BYTES = 1024  # mbarriers + alignment slack for 1024-byte-aligned swizzled tiles
@@ -135,7 +136,7 @@ class Tiles:
     why: str = ""
 
 
-def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) -> Tiles:
+def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str, v_layout: str = "row") -> Tiles:
     """The default tile choice for one problem family, with the reason for each branch."""
     smem = GPUS[gpu].smem_per_block
     if arch == "sm80":
@@ -157,7 +158,7 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
         stages = 2 if 128 * head_dim * 2 + 2 * 2 * 64 * head_dim * 2 <= smem else 1
         return Tiles(128, 64, 8, stages, why="FA2 hdim192/256: 128x64, 8 warps")
     if dtype == "fp8":
-        return fp8_tiles(head_dim, causal)
+        return fp8_tiles(head_dim, causal, v_layout)
     # sm90: FlashAttention-3's tile_size_fwd_sm90 (kernel-facts 2.1), 2-stage K/V rings.
     # Pingpong is off for causal: measured on the H200 (docs/perf-notes.md, v1 ablation) it
     # costs 6% at d128 s8k causal (572 vs 607 TFLOP/s) and 3% at s1k: the masked diagonal
@@ -187,7 +188,7 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
                  intra_wg_overlap=True, why="FA3 hdim256: 128x80")
 
 
-def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
+def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
     """sm90 e4m3 defaults: FlashAttention-3's tile_size_fwd_sm90 fp8 rows (kernel-facts 2.1; block_n
     adjusted below), 2 stages, intra-warpgroup overlap, pingpong for head_dim >= 128 (FA3: fp8
     pingpong exactly there) except causal (as for bf16, and with pingpong the causal consumers spill
@@ -211,9 +212,36 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
     if head_dim <= 192:
         return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
                      why="FA3 fp8 hdim192: 128x160 -> 128x128")
-    # Q 32K + 2 x (K 32K + V^T 32K) + 2 x V 32K = 224K: the limit of shared memory.
+    if v_layout == "row":
+        # 128x96: the consumers fit 232 registers, so the V transposers get 40 (the split rule in
+        # KernelSpec) and unroll; on the H200 3-7% over 128x128 at 24/240 (sweep, 2026-11-29).
+        return Tiles(128, 96, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
+                     why="FA3 fp8 hdim256: 128x128 -> 128x96 (row V: 40 transposer registers)")
+    # Q 32K + 2 x (K 32K + V^T 32K) = 160K.
     return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
                  why="FA3 fp8 hdim256: 128x128")
+
+
+# Short sequences on sm90 (bf16/fp16): tiles that suit the call's length better than the
+# per-head_dim defaults, applied by facodegen.api.resolve_spec when the call's shape is known, no
+# tuned entry exists and the caller chose no tile field. Measured on the H200 (scripts/sweep.py,
+# 2026-11-29, commit d33f916, TFLOP/s, default -> rule):
+#   head_dim 128 non-causal, block_n 160 -> 128 (the last of ceil(seqlen_k/160) blocks is mostly
+#   padding at 512 and 1k): s512 460 -> 547, s1k 577 -> 612 (s2k: 656 -> 629, so not there);
+#   head_dim 64 causal, 192x128 -> 128x128 (2 consumer warpgroups: 4 row blocks of 128 instead of
+#   3 of 192 at s512): s512 203 -> 223, s1k 271 -> 303 (s2k: 385 -> 376, so not there).
+SHORT_SEQUENCE_TILE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups")
+
+
+def short_sequence_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqlen_q: int, seqlen_k: int) -> dict:
+    """Spec fields the table above sets for a call of this shape ({} = the defaults)."""
+    if arch != "sm90" or dtype == "fp8":
+        return {}
+    if head_dim == 128 and not causal and seqlen_k <= 1024:
+        return {"block_n": 128}
+    if head_dim == 64 and causal and seqlen_q <= 1024:
+        return {"consumer_warpgroups": 2}
+    return {}
 
 
 def sm90_cta_register_pool(threads: int) -> int:
@@ -295,7 +323,7 @@ class KernelSpec:
         if self.schedule == "fa1":
             tiles = fa1_tiles(self.head_dim, self.warp_split)
         else:
-            tiles = default_tiles(self.arch, self.head_dim, self.dtype, self.causal, gpu)
+            tiles = default_tiles(self.arch, self.head_dim, self.dtype, self.causal, gpu, self.v_layout)
         fill = {"gpu": gpu}
         if self.arch == "sm80":
             fill.update(block_m=tiles.block_m, block_n=tiles.block_n, num_warps=tiles.num_warps,
@@ -316,15 +344,17 @@ class KernelSpec:
             # with (ptxas: 168 per thread x 384 = 64512 for two consumer warpgroups), not the 65536
             # of the SM: 32 + 2 x 240 asked 1024 more and the second consumer warpgroup's
             # setmaxnreg.inc waited forever. The V transposers (fp8, v_layout=row) spill a
-            # scheduler value per tile at 24 registers, so below head_dim 256 (where the
-            # consumers fit in 232) the split is 40 + 2 x 232 = 64512 too.
-            if self.dtype == "fp8" and self.v_layout == "row" and cwg == 2 and self.head_dim < 256:
-                producer, consumer = 40, 232
+            # scheduler value per tile at 24 registers and unroll only with more, so where the
+            # consumers fit in 232 the split is 40 + 2 x 232 = 64512 too.
             persistent = True
-            if self.dtype == "fp8" and self.v_layout == "row" and self.head_dim == 256 and not self.causal:
-                # hd256 row-V persistent (pingpong + overlap) with 24 producer registers: ptxas
-                # spills (40-44 stores); non-persistent compiles clean.
-                persistent = False
+            if self.dtype == "fp8" and self.v_layout == "row" and cwg == 2:
+                block_n = self.block_n if self.block_n is not None else tiles.block_n
+                if sm90_consumer_registers(self.head_dim, block_n, self.dtype) <= 232:
+                    producer, consumer = 40, 232
+                elif not self.causal:
+                    # 24/240 (e.g. head_dim 256 x 128): persistent with pingpong and overlap,
+                    # ptxas spills 40-56 bytes; non-persistent compiles clean.
+                    persistent = False
             fill.update(block_m=64 * cwg, block_n=tiles.block_n, num_warps=4 * (cwg + 1),
                         stages=tiles.stages, q_in_regs=False, consumer_warpgroups=cwg,
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
@@ -531,18 +561,22 @@ def register_estimate(spec: KernelSpec) -> int:
         o_acc = spec.block_m * spec.head_dim // 32
         s_acc = spec.block_m * (spec.block_n // spec.num_warps) // 32
         return o_acc + s_acc + REG_OVERHEAD["sm80"]
-    if spec.arch == "sm80":
-        threads = spec.threads
-        rows = spec.block_m
-    else:
-        threads = 128  # one consumer warpgroup owns 64 rows
-        rows = 64
+    if spec.arch == "sm90":
+        return sm90_consumer_registers(spec.head_dim, spec.block_n, spec.dtype)
+    threads, rows = spec.threads, spec.block_m
     o_acc = rows * spec.head_dim // threads
     s_acc = rows * spec.block_n // threads
-    p_frag = (s_acc // 4 if spec.dtype == "fp8" else s_acc // 2) if spec.arch == "sm90" else 0
     q_frag = rows * spec.head_dim // threads // 2 if spec.q_in_regs else 0
-    overhead = REG_OVERHEAD["sm90-fp8" if spec.arch == "sm90" and spec.dtype == "fp8" else spec.arch]
-    return o_acc + s_acc + p_frag + q_frag + overhead
+    return o_acc + s_acc + q_frag + REG_OVERHEAD["sm80"]
+
+
+def sm90_consumer_registers(head_dim: int, block_n: int, dtype: str) -> int:
+    """register_estimate for an sm90 consumer thread (a warpgroup of 128 threads owns 64 rows):
+    O and S accumulators, P (16-bit pairs: half of S; e4m3: a quarter) and the overhead."""
+    o_acc = 64 * head_dim // 128
+    s_acc = 64 * block_n // 128
+    p_frag = s_acc // 4 if dtype == "fp8" else s_acc // 2
+    return o_acc + s_acc + p_frag + REG_OVERHEAD["sm90-fp8" if dtype == "fp8" else "sm90"]
 
 
 def _validate(spec: KernelSpec) -> None:

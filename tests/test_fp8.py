@@ -36,7 +36,11 @@ def test_fp8_spec_defaults_and_errors():
     # would leave a consumer warpgroup in setmaxnreg.inc forever.
     assert (s.producer_regs, s.consumer_regs) == (40, 232)
     assert KernelSpec(arch="sm90", dtype="fp8", head_dim=128, v_layout="transposed").producer_regs == 24
-    assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256).consumer_regs == 240
+    # consumers that need more than 232 keep 24/240 (and, non-causal, run non-persistent: no spills)
+    wide = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, block_n=128)
+    assert (wide.producer_regs, wide.consumer_regs, wide.persistent) == (24, 240, False)
+    assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256).block_n == 96
+    assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256, v_layout="transposed").block_n == 128
     with pytest.raises(SpecError, match="setmaxnreg"):
         KernelSpec(arch="sm90", dtype="fp8", head_dim=128, producer_regs=32, consumer_regs=240)
 

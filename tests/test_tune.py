@@ -322,6 +322,23 @@ def test_resolve_spec_user_fields_win(fake_device):
     assert spec == KernelSpec(arch="sm90", head_dim=128, gpu="h200", pingpong=True)
 
 
+def test_resolve_spec_short_sequence_table(fake_device):
+    """spec.short_sequence_fields: head_dim 128 non-causal up to 1k keys takes block_n 128, head_dim
+    64 causal up to 1k queries 2 consumer warpgroups; tuned entries and the caller's tiles win."""
+    short = api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16))
+    assert short == KernelSpec(arch="sm90", head_dim=128, gpu="h200", block_n=128)
+    assert api.resolve_spec(128, "bf16", False, 0, shape=(8, 2048, 2048, 16)).block_n == 160
+    assert api.resolve_spec(128, "bf16", True, 0, shape=(32, 512, 512, 16)) == \
+        KernelSpec(arch="sm90", head_dim=128, causal=True, gpu="h200")
+    d64 = api.resolve_spec(64, "bf16", True, 0, shape=(16, 1024, 1024, 32))
+    assert (d64.block_m, d64.consumer_warpgroups) == (128, 2)
+    assert api.resolve_spec(64, "bf16", True, 0, shape=(8, 2048, 2048, 32)).block_m == 192
+    assert api.resolve_spec(64, "bf16", False, 0, shape=(16, 1024, 1024, 32)).block_m == 192
+    assert api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16), block_n=96).block_n == 96
+    assert api.resolve_spec(128, "fp8", False, 0, shape=(32, 512, 512, 16)).block_n == 192
+    assert api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16), arch="sm80").block_n == 64
+
+
 def test_resolve_spec_survives_a_bad_entry(fake_device):
     _store_tuned(no_such_field=1)
     assert api.resolve_spec(128, "bf16", False, 0, shape=SHAPE) == KernelSpec(arch="sm90", head_dim=128, gpu="h200")
