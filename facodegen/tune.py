@@ -78,9 +78,13 @@ def _spec_field_names() -> set:
     return {f.name for f in dataclasses.fields(KernelSpec)}
 
 
-def search_space(arch: str) -> dict:
-    """SEARCH_SPACE[arch], less any knob this KernelSpec does not have."""
-    names = _spec_field_names()
+# Knobs a dtype does not have: fp8 stores O from registers (no O tile to place in shared memory).
+NOT_FOR_DTYPE = {"fp8": ("separate_o",)}
+
+
+def search_space(arch: str, dtype: str = "bf16") -> dict:
+    """SEARCH_SPACE[arch], less any knob this KernelSpec or this dtype does not have."""
+    names = _spec_field_names() - set(NOT_FOR_DTYPE.get(dtype, ()))
     return {k: v for k, v in SEARCH_SPACE[arch].items() if k in names}
 
 
@@ -157,7 +161,7 @@ def enumerate_candidates(arch: str, head_dim: int, dtype: str, causal: bool, gpu
     gpu = gpu or DEFAULT_GPU[arch]
     base = dict(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, gpu=gpu)
     default = KernelSpec(**base)
-    axes = space if space is not None else search_space(arch)
+    axes = space if space is not None else search_space(arch, dtype)
     names = list(axes)
     seen: dict = {}
     out: list[Candidate] = []

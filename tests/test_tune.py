@@ -76,6 +76,14 @@ def test_default_space_size(arch, head_dim):
         assert 30 <= len(live) <= 60
 
 
+def test_fp8_space_has_no_bf16_only_knobs():
+    assert "separate_o" in T.search_space("sm90") and "separate_o" not in T.search_space("sm90", "fp8")
+    cands = T.enumerate_candidates("sm90", 128, "fp8", False, None)
+    assert not any("separate_o" in c.reason for c in cands)
+    live = [c for c in cands if c.alive]
+    assert live[0].is_default and len(live) >= 20 and all(c.spec.dtype == "fp8" for c in live)
+
+
 def test_distance():
     d = KernelSpec(arch="sm80", head_dim=128)
     assert T.distance(d, d) == 0
