@@ -53,7 +53,7 @@ _ARCH_ALIASES = {"sm80": "sm80", "sm_80": "sm80", "sm90": "sm90", "sm_90": "sm90
 SM90_RESERVED_SMEM = 1024
 
 # Instructions whose counts `facodegen inspect --sass` summarises (and SASS tests assert on).
-KEY_INSTRUCTIONS = ("HMMA", "HGMMA", "QGMMA", "LDSM", "LDGSTS", "UTMALDG", "UTMASTG",
+KEY_INSTRUCTIONS = ("HMMA", "HGMMA", "QGMMA", "LDSM", "STSM", "SHFL", "LDGSTS", "UTMALDG", "UTMASTG",
                     "USETMAXREG", "LDL", "STL")
 
 

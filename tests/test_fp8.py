@@ -79,6 +79,23 @@ def test_fp8_default_compiles_clean(spec):
     assert "C75" not in k.log
     counts = k.sass_counts()
     assert counts.get("QGMMA", 0) > 0 and counts.get("UTMALDG", 0) > 0, counts
+    # v_layout=row: the producer transposes V (ldmatrix.trans + stmatrix); transposed: no transposer
+    transposer = counts.get("LDSM", 0) > 0 and counts.get("STSM", 0) > 0
+    assert transposer == (spec.v_layout == "row"), counts
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_p_shuffles_only_for_a_caller_transposed_v(causal):
+    """convert_p keeps P's keys in its registers for the in-kernel V^T (FA3's key order) and moves
+    them by quad shuffles for the caller's V^T: same tiles, more SHFL (the softmax's row
+    reductions are shuffles in both)."""
+    from facodegen import compiler
+    shfl = {}
+    for layout in ("row", "transposed"):
+        spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=128, causal=causal, v_layout=layout,
+                          producer_regs=24, consumer_regs=240)
+        shfl[layout] = compiler.compile(spec, verbose=False).sass_counts()["SHFL"]
+    assert shfl["transposed"] >= shfl["row"] + 2 * (spec.block_n // 8), shfl
 
 
 # ---------------------------------------------------------------- permutation desk-check
