@@ -293,9 +293,9 @@ class PreparedAttention:
                  keep_alive: tuple = ()):
         import ctypes
         self.spec = spec
-        # Device buffers param_bytes points into besides the caller's (fa1's fp32 workspace, fp8
-        # descales, the V^T copy of a row-major fp8 V): they live as long as this object. The V^T
-        # copy is made once, so a PreparedAttention re-launched after v changes must be prepared again.
+        # Device buffers param_bytes points into besides q, k, v, out and lse (fa1's fp32 workspace,
+        # the fp8 descales, among them the unit ones made for left-out arguments): they live as
+        # long as this object.
         self._keep_alive = tuple(x for x in keep_alive if x is not None)
         self.out, self.lse_out, self._return_lse = out, lse_out, return_lse
         self._q = q
@@ -326,7 +326,7 @@ def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
     if qv.dtype in FP8_NAMES or "float8" in qv.dtype or any(
             name in spec_fields for name in ("q_descale", "k_descale", "v_descale")):
-        return _prepare_fp8(qv, kv, vv, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+        return _prepare_fp8(qv, kv, vv, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                             out=out, lse_out=lse_out, arch=arch, **spec_fields)
     _check_inputs(qv, kv, vv)
     if not isinstance(causal, bool):
@@ -451,7 +451,7 @@ def transpose_v(v):
     return view
 
 
-def _prepare_fp8(qv: _View, kv: _View, vv: _View, v, *, causal, softmax_scale, return_lse, out, lse_out, arch,
+def _prepare_fp8(qv: _View, kv: _View, vv: _View, *, causal, softmax_scale, return_lse, out, lse_out, arch,
                  q_descale=None, k_descale=None, v_descale=None, **spec_fields) -> PreparedAttention:
     from .launch import Descale
     if arch is not None and arch != "sm90":
