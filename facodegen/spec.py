@@ -105,9 +105,10 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 
 # Registers beyond the fragments: addresses, loop counters, row max/sum, masks. From ptxas
 # reports: 40-60 on sm80 (q_in_regs specs under 48 spilled); the sm90 consumer fits in 32; the
-# sm90 fp8 consumer in 28 (NVRTC 13.0, fragments + 28: head_dim 64 x block_n 160 = 160 fits 160,
-# 128 x 224 = 232 and 256 x 96 = 212 fit 232 without spills; 64 x 192 = 180 spills 208 bytes at
-# 160 and 256 x 128 = 236 spills 48-56 bytes at 232).
+# sm90 fp8 consumer in 28 (NVRTC 13.0, fragments + 28: head_dim 64 x block_n 160 = 160 fits 160
+# and 256 x 96 = 212 fits 232 without spills; 64 x 192 = 180 spills 208 bytes at 160 and
+# 256 x 128 = 236 spills 48-56 bytes at 232; 128 x 224 = 232 sits on the edge: clean with the
+# looped V transposer, 16-20 bytes of spills with the unrolled one, so tune drops it).
 REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 28}
 SM80_MAX_REGS = 255
 SM90_REG_FILE = 65536
@@ -195,7 +196,7 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
     at hd128-256: ptxas, 2026-11-29). Shared memory: Q + 2 x (K + V^T) + 2 x V (row V: the TMA lands
     V there and the producer transposes it into V^T); O goes from registers to global memory."""
     if head_dim <= 64:
-        # 192x160: O 32 + S 80 + P 20 + 24 = 156 of 160 registers, no spills (ptxas); on the H200
+        # 192x160: O 32 + S 80 + P 20 + 28 = 160 of 160 registers, no spills (ptxas); on the H200
         # 1-5% over 192x128 at seqlen 2k/16k (sweep, 2026-11-29, docs/perf-notes.md).
         return Tiles(192, 160, 16, 2, consumer_warpgroups=3, pingpong=False, intra_wg_overlap=True,
                      why="FA3 fp8 hdim64: 192x160")

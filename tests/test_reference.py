@@ -173,6 +173,10 @@ def test_compare_and_check():
     perturbed = ref * (1 + 5e-3)       # 5e-3 relative: passes bf16, fails fp16
     assert check(perturbed, ref, "bf16")[0]
     assert not check(perturbed, ref, "fp16")[0]
+    # fp8 (e4m3 inputs): FP8_TOLERANCE = 3e-2 against the dequantised inputs' reference
+    ok, msg = check(ref * (1 + 2e-2), ref, "fp8")
+    assert ok and "fp8" in msg
+    assert not check(ref * (1 + 4e-2), ref, "fp8")[0]
 
     nan = ref.copy()
     nan[0, 0, 0, 0] = np.nan
