@@ -109,6 +109,9 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 # and 256 x 96 = 212 fits 232 without spills; 64 x 192 = 180 spills 208 bytes at 160 and
 # 256 x 128 = 236 spills 48-56 bytes at 232; 128 x 224 = 232 sits on the edge: clean with the
 # looped V transposer, 16-20 bytes of spills with the unrolled one, so tune drops it).
+# lazy_rescale's default per arch (the fa2 schedule and sm90, 16-bit types): see common/softmax.cuh.j2.
+LAZY_RESCALE_DEFAULT = {"sm80": False, "sm90": False}
+
 REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 28}
 SM80_MAX_REGS = 255
 SM90_REG_FILE = 65536
@@ -309,6 +312,7 @@ class KernelSpec:
     l2_hints: bool | None = None
     out_dtype: str | None = None
     v_layout: str | None = None
+    lazy_rescale: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -377,6 +381,9 @@ class KernelSpec:
                     *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True) <= GPUS[gpu].smem_per_block
             if self.q_in_regs:
                 raise SpecError("q_in_regs", "is an sm80 knob; sm90 reads Q from shared memory by wgmma")
+        fill["lazy_rescale"] = self.schedule == "fa2" and self.dtype != "fp8" and LAZY_RESCALE_DEFAULT[self.arch]
+        if type(self.lazy_rescale) is int and self.lazy_rescale in (0, 1):   # 0/1 from command lines and scripts
+            object.__setattr__(self, "lazy_rescale", bool(self.lazy_rescale))
         for name, value in fill.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -423,6 +430,8 @@ class KernelSpec:
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
                     parts.append("vt")
+        if self.lazy_rescale:
+            parts.append("lz")
         if self.causal:
             parts.append("causal")
         return "_".join(parts)
@@ -582,6 +591,14 @@ def sm90_consumer_registers(head_dim: int, block_n: int, dtype: str) -> int:
 
 def _validate(spec: KernelSpec) -> None:
     limits = GPUS[spec.gpu]
+    if not isinstance(spec.lazy_rescale, bool):
+        raise SpecError("lazy_rescale", f"must be True or False, got {spec.lazy_rescale!r}")
+    if spec.lazy_rescale and spec.dtype == "fp8":
+        raise SpecError("lazy_rescale", "dtype=fp8 keeps P in [0, 256] for e4m3 (FlashAttention-3's offset), "
+                                        "which a stale row max would break: use lazy_rescale=False")
+    if spec.lazy_rescale and spec.schedule == "fa1":
+        raise SpecError("lazy_rescale", "schedule=fa1 rescales by its own rule (the rescale switch): "
+                                        "use lazy_rescale=False")
     for name in ("block_m", "block_n", "num_warps", "stages"):
         value = getattr(spec, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -16,6 +16,7 @@
 //   head_dim             = 96
 //   intra_wg_overlap     = True
 //   l2_hints             = True
+//   lazy_rescale         = False
 //   loop_order           = q_outer
 //   num_warps            = 12
 //   persistent           = True
@@ -233,6 +234,14 @@ __device__ __forceinline__ int kv_blocks_visible(int row_end, int seqlen_q, int 
 // p = 2^(s*scale_log2 - row_max*scale_log2): one FFMA and one MUFU.EX2 per score.
 // (Needs common/ptx.cuh.j2 for NEG_INF, fast_exp2, fast_log2.)
 
+// Lazy rescaling (FlashAttention-4's conditional rescale; spec.lazy_rescale): a row keeps the max
+// it last rescaled O to until its true max runs more than RESCALE_SLACK_LOG2 above it (scaled,
+// base 2). p is then at most 2^8 = 256, exact enough in bf16/fp16 and far from overflow in the
+// fp32 O and row sum, which share the stale max, so O / l is unchanged. On most steps no row of a
+// warp moves, and rescale_moved_rows skips the O multiply (d/2 FMULs per row pair).
+constexpr bool LAZY_RESCALE = false;
+constexpr float RESCALE_SLACK_LOG2 = 8.f;
+
 __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -271,6 +280,9 @@ __device__ __forceinline__ void softmax_step(float (&s)[N], float (&row_max)[2],
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         new_max[r] = quad_max(new_max[r]);
+        if (LAZY_RESCALE && row_max[r] != NEG_INF && (new_max[r] - row_max[r]) * scale_log2 <= RESCALE_SLACK_LOG2) {
+            new_max[r] = row_max[r];   // keep the stale max: o_scale is exactly 2^0 = 1
+        }
         // A row with no visible key so far keeps max -inf; use 0 so -inf - (-inf) never
         // happens: its p are 2^-inf = 0 and its (zero) O and sum get factor 2^-inf = 0.
         max_scaled[r] = new_max[r] == NEG_INF ? 0.f : new_max[r] * scale_log2;
@@ -296,6 +308,16 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[N], const float (&scal
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         acc[i] *= scale[(i >> 1) & 1];
+    }
+}
+
+// The main loop's O *= o_scale. LAZY_RESCALE: skipped when no row of the warp moved (o_scale = 1
+// in every lane, exactly: ex2.approx(0)), a warp-uniform branch. Without it every step rescales
+// (the row max moves often enough that the branch would only cost registers).
+template <int N>
+__device__ __forceinline__ void rescale_moved_rows(float (&acc)[N], const float (&scale)[2]) {
+    if (!LAZY_RESCALE || __any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
+        rescale_rows(acc, scale);
     }
 }
 
@@ -1019,7 +1041,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd9
                             mbar_arrive(smem_u32(&state.v_empty[v_stage]));
                         }
                         ++v_iter;
-                        rescale_rows(o_reg, o_scale);               // O *= 2^(m_old - m_new)
+                        rescale_moved_rows(o_reg, o_scale);         // O *= 2^(m_old - m_new)
                         convert_p(p_reg, s_reg);
                     }
                     // ---- tail: O += P V of the last block ----
@@ -1069,7 +1091,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd9
                     }
                     softmax_step(s_reg, row_max, row_sum, p.scale_log2, o_scale);   // P = exp2(S*scale - m)
                     if (i > 0) {
-                        rescale_rows(o_reg, o_scale);               // O *= 2^(m_old - m_new)
+                        rescale_moved_rows(o_reg, o_scale);         // O *= 2^(m_old - m_new)
                     }
                     convert_p(p_reg, s_reg);
                     mbar_wait(smem_u32(&state.v_full[stage]), parity);

@@ -194,6 +194,31 @@ def test_non_default_spec(case):
         run_case(spec, shape, scale)
 
 
+@pytest.mark.parametrize("arch,head_dim,causal", [("sm80", 128, False), ("sm80", 64, True), ("sm90", 128, False),
+                                                   ("sm90", 128, True), ("sm90", 64, False), ("sm90", 256, True)])
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "exact"])
+def test_rescale_with_a_row_max_that_keeps_growing(arch, head_dim, causal, lazy):
+    """Scores that grow toward key 0 (the last block each tile visits): every K/V block raises the
+    row max by more than lazy_rescale's slack of 2^8, so O is rescaled on most steps, not just the
+    first (on randn inputs the max settles after a block or two and the lazy branch is rarely taken)."""
+    if not arch_supported(arch):
+        pytest.skip(f"{arch} kernels do not run on compute capability {CC[0]}.{CC[1]}")
+    if not HAVE_TORCH:
+        pytest.skip("bf16 inputs need torch")
+    spec = KernelSpec(arch=arch, head_dim=head_dim, dtype="bf16", causal=causal, lazy_rescale=lazy)
+    b, s, h = 2, 1000, 2
+    q, k, v = _inputs((b, s, s, h, h), head_dim, "bf16", "torch")
+    growth = 1.0 + 40.0 * (1.0 - torch.arange(s, device="cuda", dtype=torch.float32) / s)   # key j: x (1 + 40 (1 - j/s))
+    k = (k.float() * growth[None, :, None, None]).to(torch.bfloat16)
+    out, lse_out = _poisoned(q, "torch")
+    attention(q, k, v, causal=causal, return_lse=True, out=out, lse_out=lse_out, **spec_kwargs(spec))
+    _sync()
+    ref_o, ref_lse = attention_reference(q, k, v, causal)
+    ok_o, msg_o = check(out, ref_o, "bf16")
+    ok_l, msg_l = check_lse(lse_out, ref_lse)
+    assert ok_o and ok_l, f"{spec.variant}: O {msg_o}; LSE {msg_l}"
+
+
 def _native_arch() -> str:
     return "sm90" if CC == (9, 0) else "sm80"
 
