@@ -228,8 +228,10 @@ def parse_ptxas_log(log: str) -> dict[str, Resources]:
 
 
 def ptxas_warnings(log: str) -> list[str]:
-    """ptxas's warning lines (e.g. C7508/C7509/C7510/C7511/C7515 wgmma/setmaxnreg notes)."""
-    return [line.strip() for line in log.splitlines() if line.lstrip().startswith("ptxas warning")]
+    """ptxas's warning lines (e.g. C7508/C7509/C7510/C7511/C7515 wgmma/setmaxnreg notes), and its
+    "Potential Performance Loss" notes, which it prints as info (C7514: wgmma serialized)."""
+    return [line.strip() for line in log.splitlines()
+            if line.lstrip().startswith("ptxas warning") or "Potential Performance Loss" in line]
 
 
 def annotate_log(log: str, source: str, filename: str, context: int = 3) -> str:

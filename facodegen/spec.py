@@ -110,7 +110,7 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 # 256 x 128 = 236 spills 48-56 bytes at 232; 128 x 224 = 232 sits on the edge: clean with the
 # looped V transposer, 16-20 bytes of spills with the unrolled one, so tune drops it).
 # lazy_rescale's default per arch (the fa2 schedule and sm90, 16-bit types): see common/softmax.cuh.j2.
-LAZY_RESCALE_DEFAULT = {"sm80": False, "sm90": False}
+LAZY_RESCALE_DEFAULT = {"sm80": True, "sm90": False}
 
 REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 28}
 SM80_MAX_REGS = 255
@@ -211,18 +211,18 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
     # for a caller-transposed V) and 128 keep V^T in the 64B/128B swizzles the bf16 kernels use.
     if head_dim <= 128:
         # 128x192: Q 16K + 2 x (K 24K + V^T 24K) + 2 x V 24K = 160K; S 96 + P 24 + O 64 registers.
-        return Tiles(128, 192, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
+        return Tiles(128, 192, 12, 2, consumer_warpgroups=2, pingpong=False, intra_wg_overlap=True,
                      why="FA3 fp8 hdim128: 128x224 (192 with V col-major) -> 128x192")
     if head_dim <= 192:
-        return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
+        return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=False, intra_wg_overlap=True,
                      why="FA3 fp8 hdim192: 128x160 -> 128x128")
     if v_layout == "row":
         # 128x96: the consumers fit 232 registers, so the V transposers get 40 (the split rule in
         # KernelSpec) and unroll; on the H200 3-7% over 128x128 at 24/240 (sweep, 2026-11-29).
-        return Tiles(128, 96, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
+        return Tiles(128, 96, 12, 2, consumer_warpgroups=2, pingpong=False, intra_wg_overlap=True,
                      why="FA3 fp8 hdim256: 128x128 -> 128x96 (row V: 40 transposer registers)")
     # Q 32K + 2 x (K 32K + V^T 32K) = 160K.
-    return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=not causal, intra_wg_overlap=True,
+    return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=False, intra_wg_overlap=True,
                  why="FA3 fp8 hdim256: 128x128")
 
 

@@ -155,6 +155,10 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4
                  :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
 
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float value) {
+    asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(addr), "f"(value) : "memory");
+}
+
 __device__ __forceinline__ void st_shared_32(uint32_t addr, uint32_t value) {
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(value) : "memory");
 }
@@ -665,6 +669,7 @@ struct SharedState {
     uint64_t q_empty;           // consumers done with the Q buffer (count CONSUMER_WGS): after the
                                 // last Q K^T with SEPARATE_O, else after the O store (O aliases Q)
     int tile_slot;              // dynamic scheduler: next tile index, guarded by TILE_FULL/EMPTY_BAR
+    float softmax_anchor[CONSUMER_WGS];   // written, never read: keeps the softmax ahead of the P V wait (roles.cuh.j2)
 };
 
 // ---- scheduler: tile index -> (m_block, head, batch) and the K/V block range ----
@@ -1034,6 +1039,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd1
                             apply_mask(s_reg, row0, n * BLOCK_N + col_in_block, p.seqlen_q, p.seqlen_k, CAUSAL);
                         }
                         softmax_step(s_reg, row_max, row_sum, p.scale_log2, o_scale);   // overlaps P V
+                        // ptxas hoists the wait for P V above all that it does not depend on, i.e. above
+                        // this whole softmax, which would then run after P V instead of under it. A
+                        // shared store of the row sums (the softmax's last result) is a memory operation
+                        // the wait does not pass, so the softmax stays ahead of it (one writer per
+                        // warpgroup and slot: no race for compute-sanitizer to report).
+                        if (release_thread) {
+                            st_shared_f32(smem_u32(&state.softmax_anchor[wg]), row_sum[0] + row_sum[1]);
+                        }
                         wgmma_wait<0>();                            // P V done: O and P free
                         fence_regs(o_reg);
                         fence_regs(p_reg);

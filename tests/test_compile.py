@@ -334,12 +334,14 @@ ptxas info    : Function properties for kern
 ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
 ptxas info    : Used 168 registers, used 3 barriers, 16 bytes cumulative stack size, 2048 bytes smem, 900 bytes cmem[0]
 ptxas warning : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized
+ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma
 """
     r = fc.parse_ptxas_log(log)["kern"]
     assert r == fc.Resources(registers=168, shared_bytes=2048, stack_bytes=16, spill_stores=8,
                              spill_loads=4, barriers=3)
     assert fc.ptxas_warnings(log) == [
-        "ptxas warning : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized"]
+        "ptxas warning : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized",
+        "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma"]
 
 
 @needs_cuobjdump

@@ -11,6 +11,7 @@ import pytest
 
 import facodegen
 from facodegen import KernelSpec
+from facodegen.spec import default_fp8_specs
 
 compile_mod = pytest.importorskip("facodegen.compiler")
 
@@ -67,3 +68,30 @@ def test_wgmma_shapes_match_the_spec(kernel):
     assert f"HGMMA.64x{spec.block_n}x16.F32" in sass          # S = Q K^T, N = block_n
     assert f"HGMMA.64x{spec.head_dim}x16.F32" in sass         # O += P V, N = head_dim
     assert "tnspB" in sass                                      # V read MN-major
+
+
+def softmax_exps_under_pv(sass: str) -> list[int]:
+    """For each steady-state step of the overlapped loop (a WARPGROUP.DEPBAR that lets one wgmma
+    group run on: S ready, P V still in flight), the MUFU.EX2 count before the wait for P V."""
+    counts, open_step = [], None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            open_step = 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and open_step is not None:
+            counts.append(open_step)
+            open_step = None
+        elif "MUFU.EX2" in line and open_step is not None:
+            open_step += 1
+    return counts
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.intra_wg_overlap] + default_fp8_specs()[:4],
+                         ids=lambda s: s.variant)
+def test_softmax_runs_under_the_pv_gemm(spec):
+    """Intra-warpgroup overlap only pays if the exp2s of block n run while P V of block n-1 is in
+    flight, i.e. between the two waits in SASS. ptxas hoists the second wait over everything it does
+    not depend on (it did, over the whole softmax, until the shared-memory anchor in
+    sm90/roles.cuh.j2): every score of the step must be exponentiated before it."""
+    counts = softmax_exps_under_pv(compile_mod.compile(spec).sass())
+    per_thread = 64 * spec.block_n // 128      # S elements of one thread: 64 rows x block_n over 128 threads
+    assert counts and min(counts) >= per_thread, (counts, per_thread)
