@@ -25,6 +25,7 @@ _SPEC_FLAGS = {
     "persistent": "persistent", "consumer_warpgroups": "consumer_warpgroups",
     "schedule": "schedule", "loop_order": "loop_order", "warp_split": "warp_split", "rescale": "rescale",
     "separate_o": "separate_o", "l2_hints": "l2_hints", "out_dtype": "out_dtype", "v_layout": "v_layout",
+    "anchor_softmax": "anchor_softmax", "lazy_rescale": "lazy_rescale",
 }
 
 
@@ -79,6 +80,10 @@ def spec_options(command, arch_choices=ARCHS):
         click.option("--separate-o/--o-aliases-q", "separate_o", default=None,
                      help="sm90: O staging tile in its own shared-memory buffer (default: when it fits)."),
         click.option("--l2-hints/--no-l2-hints", default=None, help="sm90: L2 eviction hints on TMA loads."),
+        click.option("--anchor-softmax/--no-anchor-softmax", default=None,
+                     help="sm90: keep the softmax ahead of the P V wgmma wait (a shared store ptxas cannot pass)."),
+        click.option("--lazy-rescale/--exact-rescale", default=None,
+                     help="fa2/sm90, 16-bit types: rescale O only when a row max grows by more than 2^8."),
     ]
     for option in reversed(options):
         command = option(command)

@@ -59,7 +59,10 @@ def emit_command(spec: KernelSpec) -> str:
                   f"--regs {spec.producer_regs}/{spec.consumer_regs}",
                   "--persistent" if spec.persistent else "--no-persistent",
                   "--separate-o" if spec.separate_o else "--o-aliases-q",
-                  "--l2-hints" if spec.l2_hints else "--no-l2-hints"]
+                  "--l2-hints" if spec.l2_hints else "--no-l2-hints",
+                  "--anchor-softmax" if spec.anchor_softmax else "--no-anchor-softmax"]
+    if spec.schedule == "fa2" and spec.dtype != "fp8":
+        flags.append("--lazy-rescale" if spec.lazy_rescale else "--exact-rescale")
     return "facodegen emit " + " ".join(flags)
 
 

@@ -112,6 +112,9 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 # lazy_rescale's default per arch (the fa2 schedule and sm90, 16-bit types): see common/softmax.cuh.j2.
 LAZY_RESCALE_DEFAULT = {"sm80": True, "sm90": False}
 
+# anchor_softmax's default per dtype (sm90): see sm90/roles.cuh.j2.
+ANCHOR_SOFTMAX_DEFAULT = {"bf16": True, "fp16": True, "fp8": True}
+
 REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 28}
 SM80_MAX_REGS = 255
 SM90_REG_FILE = 65536
@@ -313,6 +316,7 @@ class KernelSpec:
     out_dtype: str | None = None
     v_layout: str | None = None
     lazy_rescale: bool | None = None
+    anchor_softmax: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -335,8 +339,10 @@ class KernelSpec:
                         stages=tiles.stages, q_in_regs=tiles.q_in_regs, consumer_warpgroups=0,
                         pingpong=False, intra_wg_overlap=False, producer_regs=0,
                         consumer_regs=0, persistent=False, separate_o=False, l2_hints=False)
+            fill["anchor_softmax"] = False
             for name in ("consumer_warpgroups", "pingpong", "intra_wg_overlap",
-                         "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints"):
+                         "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints",
+                         "anchor_softmax"):
                 if getattr(self, name) not in (None, 0, False):
                     raise SpecError(name, "is an sm90 knob; arch=sm80 does not use it")
         else:
@@ -364,8 +370,8 @@ class KernelSpec:
                         stages=tiles.stages, q_in_regs=False, consumer_warpgroups=cwg,
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
-                        l2_hints=True)
-            for name in ("separate_o", "l2_hints"):     # 0/1 from command lines and scripts
+                        l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT[self.dtype])
+            for name in ("separate_o", "l2_hints", "anchor_softmax"):     # 0/1 from command lines and scripts
                 if type(getattr(self, name)) is int and getattr(self, name) in (0, 1):
                     object.__setattr__(self, name, bool(getattr(self, name)))
             if self.dtype == "fp8":
@@ -426,6 +432,8 @@ class KernelSpec:
                 parts.append("so")
             if not self.l2_hints:
                 parts.append("nol2")
+            if not self.anchor_softmax:
+                parts.append("noanc")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -646,7 +654,7 @@ def _validate(spec: KernelSpec) -> None:
                                        f"wgmma reduces over keys in k32 steps)")
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
-        for name in ("separate_o", "l2_hints"):
+        for name in ("separate_o", "l2_hints", "anchor_softmax"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
         if spec.pingpong and spec.consumer_warpgroups < 2:
