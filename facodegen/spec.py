@@ -112,8 +112,10 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 # lazy_rescale's default per arch (the fa2 schedule and sm90, 16-bit types): see common/softmax.cuh.j2.
 LAZY_RESCALE_DEFAULT = {"sm80": True, "sm90": False}
 
-# anchor_softmax's default per dtype (sm90): see sm90/roles.cuh.j2.
-ANCHOR_SOFTMAX_DEFAULT = {"bf16": True, "fp16": True, "fp8": True}
+# anchor_softmax's default per dtype (sm90): see sm90/roles.cuh.j2. Off: on the H200 (scripts/sweep.py,
+# 2026-11-29, commit 43c5445, TFLOP/s anchored vs not, same run) it lost in 6 of 8 cells, e.g. d128
+# causal s4k 578 vs 608, d256 s8k 666 vs 695, fp8 d128 s8k 782 vs 804; d128 s1k/s8k +1%.
+ANCHOR_SOFTMAX_DEFAULT = {"bf16": False, "fp16": False, "fp8": False}
 
 REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 28}
 SM80_MAX_REGS = 255
@@ -197,10 +199,12 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str, 
 
 def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
     """sm90 e4m3 defaults: FlashAttention-3's tile_size_fwd_sm90 fp8 rows (kernel-facts 2.1; block_n
-    adjusted below), 2 stages, intra-warpgroup overlap, pingpong for head_dim >= 128 (FA3: fp8
-    pingpong exactly there) except causal (as for bf16, and with pingpong the causal consumers spill
-    at hd128-256: ptxas, 2026-11-29). Shared memory: Q + 2 x (K + V^T) + 2 x V (row V: the TMA lands
-    V there and the producer transposes it into V^T); O goes from registers to global memory."""
+    adjusted below), 2 stages, intra-warpgroup overlap, no pingpong (FA3 pingpongs fp8 at head_dim
+    >= 128; on the H200, scripts/sweep.py 2026-11-29, pingpong off vs on: d128 s8k 802 vs 782 and
+    s2k 736 vs 724 at 9f281b1, d128 s2k 697 vs 678 and d256 causal s16k 912 vs 872 at 82f6f54, d256
+    s8k 935 vs 948; with pingpong the causal consumers spill at hd128-256). Shared memory: Q + 2 x
+    (K + V^T) + 2 x V (row V: the TMA lands V there and the producer transposes it into V^T); O goes
+    from registers to global memory."""
     if head_dim <= 64:
         # 192x160: O 32 + S 80 + P 20 + 28 = 160 of 160 registers, no spills (ptxas); on the H200
         # 1-5% over 192x128 at seqlen 2k/16k (sweep, 2026-11-29, docs/perf-notes.md).
