@@ -109,8 +109,13 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 # and 256 x 96 = 212 fits 232 without spills; 64 x 192 = 180 spills 208 bytes at 160 and
 # 256 x 128 = 236 spills 48-56 bytes at 232; 128 x 224 = 232 sits on the edge: clean with the
 # looped V transposer, 16-20 bytes of spills with the unrolled one, so tune drops it).
-# lazy_rescale's default per arch (the fa2 schedule and sm90, 16-bit types): see common/softmax.cuh.j2.
-LAZY_RESCALE_DEFAULT = {"sm80": True, "sm90": False}
+# lazy_rescale's default (the fa2 schedule and sm90, 16-bit types; see common/softmax.cuh.j2): on
+# for the sm80 head_dim 96/128 kernel (128x64, 4 warps) only. On the H200 (same-run sweeps and grids
+# vs FlashAttention-2, 2026-11-29): sm80 d128 +2-4% (s8k 344 -> 356, causal s16k 321 -> 335 at
+# 9f281b1), but sm80 d64 -8% (s16k 340 at 25ad51b, 311 at a420b8c; FA2 308 in both), sm80 d256 s1k
+# 310 -> 308, and sm90 -1 to -5% in every cell tried (d256 s8k 688 -> 652).
+def lazy_rescale_default(arch: str, head_dim: int) -> bool:
+    return arch == "sm80" and 64 < head_dim <= 128
 
 # anchor_softmax's default per dtype (sm90): see sm90/roles.cuh.j2. Off: on the H200 (scripts/sweep.py,
 # 2026-11-29, commit 43c5445, TFLOP/s anchored vs not, same run) it lost in 6 of 8 cells, e.g. d128
@@ -391,7 +396,8 @@ class KernelSpec:
                     *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True) <= GPUS[gpu].smem_per_block
             if self.q_in_regs:
                 raise SpecError("q_in_regs", "is an sm80 knob; sm90 reads Q from shared memory by wgmma")
-        fill["lazy_rescale"] = self.schedule == "fa2" and self.dtype != "fp8" and LAZY_RESCALE_DEFAULT[self.arch]
+        fill["lazy_rescale"] = (self.schedule == "fa2" and self.dtype != "fp8"
+                                and lazy_rescale_default(self.arch, self.head_dim))
         if type(self.lazy_rescale) is int and self.lazy_rescale in (0, 1):   # 0/1 from command lines and scripts
             object.__setattr__(self, "lazy_rescale", bool(self.lazy_rescale))
         for name, value in fill.items():
