@@ -442,8 +442,8 @@ class KernelSpec:
                 parts.append("so")
             if not self.l2_hints:
                 parts.append("nol2")
-            if not self.anchor_softmax:
-                parts.append("noanc")
+            if self.anchor_softmax:
+                parts.append("anc")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
