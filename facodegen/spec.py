@@ -117,6 +117,9 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 def lazy_rescale_default(arch: str, head_dim: int) -> bool:
     return arch == "sm80" and 64 < head_dim <= 128
 
+# rescale_under_qk's default (sm90 with intra_wg_overlap): FlashAttention-3's order, see sm90/roles.cuh.j2.
+RESCALE_UNDER_QK_DEFAULT = True
+
 # anchor_softmax's default per dtype (sm90): see sm90/roles.cuh.j2. Off: on the H200 (scripts/sweep.py,
 # 2026-11-29, commit 43c5445, TFLOP/s anchored vs not, same run) it lost in 6 of 8 cells, e.g. d128
 # causal s4k 578 vs 608, d256 s8k 666 vs 695, fp8 d128 s8k 782 vs 804; d128 s1k/s8k +1%.
@@ -326,6 +329,7 @@ class KernelSpec:
     v_layout: str | None = None
     lazy_rescale: bool | None = None
     anchor_softmax: bool | None = None
+    rescale_under_qk: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -349,9 +353,10 @@ class KernelSpec:
                         pingpong=False, intra_wg_overlap=False, producer_regs=0,
                         consumer_regs=0, persistent=False, separate_o=False, l2_hints=False)
             fill["anchor_softmax"] = False
+            fill["rescale_under_qk"] = False
             for name in ("consumer_warpgroups", "pingpong", "intra_wg_overlap",
                          "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints",
-                         "anchor_softmax"):
+                         "anchor_softmax", "rescale_under_qk"):
                 if getattr(self, name) not in (None, 0, False):
                     raise SpecError(name, "is an sm90 knob; arch=sm80 does not use it")
         else:
@@ -380,6 +385,11 @@ class KernelSpec:
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
                         l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT[self.dtype])
+            for name in ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap"):
+                if type(getattr(self, name)) is int and getattr(self, name) in (0, 1):   # 0/1 from command lines
+                    object.__setattr__(self, name, bool(getattr(self, name)))
+            overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
+            fill["rescale_under_qk"] = bool(overlap) and RESCALE_UNDER_QK_DEFAULT
             for name in ("separate_o", "l2_hints", "anchor_softmax"):     # 0/1 from command lines and scripts
                 if type(getattr(self, name)) is int and getattr(self, name) in (0, 1):
                     object.__setattr__(self, name, bool(getattr(self, name)))
@@ -444,6 +454,8 @@ class KernelSpec:
                 parts.append("nol2")
             if self.anchor_softmax:
                 parts.append("anc")
+            if self.intra_wg_overlap and not self.rescale_under_qk:
+                parts.append("latersc")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -664,9 +676,12 @@ def _validate(spec: KernelSpec) -> None:
                                        f"wgmma reduces over keys in k32 steps)")
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
-        for name in ("separate_o", "l2_hints", "anchor_softmax"):
+        for name in ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
+        if spec.rescale_under_qk and not spec.intra_wg_overlap:
+            raise SpecError("rescale_under_qk", "moves O's rescale under the next Q K^T of the overlapped loop: "
+                                                "it needs intra_wg_overlap=True")
         if spec.pingpong and spec.consumer_warpgroups < 2:
             raise SpecError("pingpong", "pingpong needs consumer_warpgroups >= 2")
         for name in ("producer_regs", "consumer_regs"):

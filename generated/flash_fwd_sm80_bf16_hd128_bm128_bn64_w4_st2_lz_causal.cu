@@ -25,6 +25,7 @@
 //   producer_regs        = 0
 //   q_in_regs            = False
 //   rescale              = once
+//   rescale_under_qk     = False
 //   schedule             = fa2
 //   separate_o           = False
 //   stages               = 2

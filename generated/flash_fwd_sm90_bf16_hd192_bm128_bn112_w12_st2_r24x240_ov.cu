@@ -25,6 +25,7 @@
 //   producer_regs        = 24
 //   q_in_regs            = False
 //   rescale              = once
+//   rescale_under_qk     = True
 //   schedule             = fa2
 //   separate_o           = False
 //   stages               = 2
@@ -393,6 +394,7 @@ constexpr bool INTRA_WG_OVERLAP = true;
 constexpr bool PERSISTENT = true;
 constexpr bool DYNAMIC_SCHEDULER = PERSISTENT && CAUSAL;    // causal tiles differ in length
 constexpr bool L2_HINTS = true;     // K/V loads evict-last, Q evict-first
+constexpr bool RESCALE_UNDER_QK = true;  // O rescaled while Q K^T runs (roles.cuh.j2)
 constexpr bool ANCHOR_SOFTMAX = false;   // softmax ahead of the P V wait (roles.cuh.j2)
 constexpr int SMEM_BYTES = 222208;
 
@@ -1025,6 +1027,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd1
                         wgmma_fence();
                         gemm_qk(s_reg, q_rows, k_smem0 + k_stage * KV_TILE_BYTES);        // S = Q K^T
                         wgmma_commit();
+                        if (RESCALE_UNDER_QK) {
+                            // FA3's order: O *= 2^(m_old - m_new) of the previous softmax while Q K^T runs,
+                            // not on the path from the P V wait to the next issue (i == 1: P V overwrites O)
+                            if (i > 1) {
+                                rescale_moved_rows(o_reg, o_scale);
+                            }
+                            fence_regs(o_reg);
+                            wgmma_fence();
+                        }
                         gemm_pv(o_reg, p_reg, v_smem0 + v_stage * KV_TILE_BYTES, i > 1); // O += P V
                         wgmma_commit();
                         pingpong_pass(wg);
@@ -1058,7 +1069,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd1
                             mbar_arrive(smem_u32(&state.v_empty[v_stage]));
                         }
                         ++v_iter;
-                        rescale_moved_rows(o_reg, o_scale);         // O *= 2^(m_old - m_new)
+                        if (!RESCALE_UNDER_QK) {
+                            rescale_moved_rows(o_reg, o_scale);     // O *= 2^(m_old - m_new)
+                        }
                         convert_p(p_reg, s_reg);
                     }
                     // ---- tail: O += P V of the last block ----
@@ -1066,6 +1079,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_bf16_hd1
                         const int v_stage = v_iter % STAGES;
                         mbar_wait(smem_u32(&state.v_full[v_stage]), (v_iter / STAGES) & 1);
                         pingpong_wait(wg);
+                        if (RESCALE_UNDER_QK && t.n_end > 1) {
+                            rescale_moved_rows(o_reg, o_scale);     // the last softmax's factor
+                        }
                         fence_regs(o_reg);
                         fence_regs(p_reg);
                         wgmma_fence();
