@@ -117,8 +117,12 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 def lazy_rescale_default(arch: str, head_dim: int) -> bool:
     return arch == "sm80" and 64 < head_dim <= 128
 
-# rescale_under_qk's default (sm90 with intra_wg_overlap): FlashAttention-3's order, see sm90/roles.cuh.j2.
-RESCALE_UNDER_QK_DEFAULT = True
+# rescale_under_qk's default (sm90 with intra_wg_overlap; FlashAttention-3's order, sm90/roles.cuh.j2):
+# on for bf16/fp16 head_dim 128 causal only. On the H200 (scripts/sweep.py, 2026-11-29, commit
+# 175a467, TFLOP/s on vs off, same run): d128 causal s4k 638 vs 608, s16k 621 vs 603; but d128
+# s8k 615 vs 625, d256 690 vs 697, d64 causal 467 vs 484, and fp8 -2 to -7% (d256 s8k 995 vs 1070).
+def rescale_under_qk_default(head_dim: int, dtype: str, causal: bool) -> bool:
+    return dtype != "fp8" and head_dim == 128 and causal
 
 # anchor_softmax's default per dtype (sm90): see sm90/roles.cuh.j2. Off: on the H200 (scripts/sweep.py,
 # 2026-11-29, commit 43c5445, TFLOP/s anchored vs not, same run) it lost in 6 of 8 cells, e.g. d128
@@ -389,7 +393,8 @@ class KernelSpec:
                 if type(getattr(self, name)) is int and getattr(self, name) in (0, 1):   # 0/1 from command lines
                     object.__setattr__(self, name, bool(getattr(self, name)))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
-            fill["rescale_under_qk"] = bool(overlap) and RESCALE_UNDER_QK_DEFAULT
+            fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
+                                                                                  self.causal)
             for name in ("separate_o", "l2_hints", "anchor_softmax"):     # 0/1 from command lines and scripts
                 if type(getattr(self, name)) is int and getattr(self, name) in (0, 1):
                     object.__setattr__(self, name, bool(getattr(self, name)))
@@ -454,8 +459,8 @@ class KernelSpec:
                 parts.append("nol2")
             if self.anchor_softmax:
                 parts.append("anc")
-            if self.intra_wg_overlap and not self.rescale_under_qk:
-                parts.append("latersc")
+            if self.rescale_under_qk:
+                parts.append("rsq")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":

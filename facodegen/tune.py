@@ -54,6 +54,7 @@ SEARCH_SPACE = {
         # Own O staging buffer (next Q loads under the epilogue) vs O aliasing Q (more room for K/V).
         "separate_o": (True, False),
         "anchor_softmax": (True, False),
+        "rescale_under_qk": (True, False),
     },
     "sm80": {
         "block_m": (64, 128),
@@ -72,7 +73,8 @@ MIN_GAIN = 0.01
 _TILE_FIELDS = ("block_m", "block_n", "num_warps")
 # Distance of a changed switch (see distance()); non-persistent lost 2-5% in every ablation cell.
 _SWITCH_WEIGHTS = {"pingpong": 1.0, "intra_wg_overlap": 1.0, "persistent": 1.5, "q_in_regs": 1.0,
-                   "separate_o": 1.0, "l2_hints": 1.0, "anchor_softmax": 1.0, "lazy_rescale": 1.0}
+                   "separate_o": 1.0, "l2_hints": 1.0, "anchor_softmax": 1.0, "lazy_rescale": 1.0,
+                   "rescale_under_qk": 1.0}
 
 
 def _spec_field_names() -> set:

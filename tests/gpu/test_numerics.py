@@ -167,7 +167,8 @@ NON_DEFAULT = [
     ("sm90", 256, "fp16", False, {"persistent": False}),
     ("sm90", 128, "bf16", False, {"consumer_warpgroups": 1}),
     ("sm90", 128, "bf16", True, {"stages": 3}),
-    ("sm90", 128, "bf16", False, {"rescale_under_qk": False}),
+    ("sm90", 128, "bf16", True, {"rescale_under_qk": False}),
+    ("sm90", 256, "fp16", False, {"rescale_under_qk": True}),
     ("sm90", 256, "bf16", True, {"anchor_softmax": True}),
     # schedule=fa1 (FlashAttention-1) and each of its switches flipped alone (issue 7)
     ("sm80", 128, "bf16", False, {"schedule": "fa1"}),
