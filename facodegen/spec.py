@@ -118,11 +118,12 @@ def lazy_rescale_default(arch: str, head_dim: int) -> bool:
     return arch == "sm80" and 64 < head_dim <= 128
 
 # rescale_under_qk's default (sm90 with intra_wg_overlap; FlashAttention-3's order, sm90/roles.cuh.j2):
-# on for bf16/fp16 head_dim 128 causal only. On the H200 (scripts/sweep.py, 2026-11-29, commit
-# 175a467, TFLOP/s on vs off, same run): d128 causal s4k 638 vs 608, s16k 621 vs 603; but d128
-# s8k 615 vs 625, d256 690 vs 697, d64 causal 467 vs 484, and fp8 -2 to -7% (d256 s8k 995 vs 1070).
+# on for bf16/fp16 head_dim 128, whose default has no pingpong. On the H200 (scripts/sweep.py,
+# 2026-11-29, TFLOP/s on vs off, same run): d128 causal s1k/2k/8k 446/562/644 vs 440/548/578
+# (0391f98), s4k 638 vs 608 (175a467); but with pingpong (the non-causal d128 default then) s8k 615 vs
+# 625, d256 690 vs 697, d64 causal 467 vs 484, and fp8 -2 to -7% (d256 s8k 995 vs 1070).
 def rescale_under_qk_default(head_dim: int, dtype: str, causal: bool) -> bool:
-    return dtype != "fp8" and head_dim == 128 and causal
+    return dtype != "fp8" and head_dim == 128
 
 # anchor_softmax's default per dtype (sm90): see sm90/roles.cuh.j2. Off: on the H200 (scripts/sweep.py,
 # 2026-11-29, commit 43c5445, TFLOP/s anchored vs not, same run) it lost in 6 of 8 cells, e.g. d128
@@ -197,9 +198,12 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str, 
                      intra_wg_overlap=True, why="hdim96: 128x128, 2 consumer warpgroups")
     if head_dim <= 128:
         # 128x160 with its own O buffer fills 225 KB (Q 32K + O 32K + 2x(K+V) of 160 rows);
-        # FA3's 128x176 fits only with O aliasing Q (see the budget model above).
+        # FA3's 128x176 fits only with O aliasing Q (see the budget model above). No pingpong: with
+        # O's rescale under Q K^T (rescale_under_qk) the two warpgroups overlap better on their own
+        # (H200, scripts/sweep.py, 2026-11-29, commit 0391f98, non-causal TFLOP/s: s4k 686 without
+        # pingpong vs 610 with it, s16k 637 vs 630; FA3 699 / 678).
         bn = 128 if causal else 160
-        return Tiles(128, bn, 12, 2, consumer_warpgroups=2, pingpong=pingpong,
+        return Tiles(128, bn, 12, 2, consumer_warpgroups=2, pingpong=False,
                      intra_wg_overlap=True, why="hdim128: 128x160 + own O buffer / causal 128x128")
     if head_dim <= 192:
         return Tiles(128, 112, 12, 2, consumer_warpgroups=2, pingpong=False,

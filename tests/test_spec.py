@@ -94,9 +94,12 @@ def test_sm90_defaults_follow_fa3_table():
     # 128x160 with its own O buffer (FA3's 128x176 fits only with O aliasing Q)
     assert (spec.block_m, spec.block_n, spec.consumer_warpgroups, spec.stages) == (128, 160, 2, 2)
     assert (spec.producer_regs, spec.consumer_regs) == (24, 240)
-    assert spec.pingpong and spec.intra_wg_overlap and spec.persistent and spec.separate_o and spec.l2_hints
+    assert spec.intra_wg_overlap and spec.persistent and spec.separate_o and spec.l2_hints
+    # no pingpong at d128 (measured): O's rescale runs under Q K^T instead
+    assert not spec.pingpong and spec.rescale_under_qk and not spec.anchor_softmax
     causal = KernelSpec(arch="sm90", head_dim=128, causal=True)
-    assert causal.block_n == 128 and not causal.pingpong and causal.separate_o
+    assert causal.block_n == 128 and not causal.pingpong and causal.separate_o and causal.rescale_under_qk
+    assert KernelSpec(arch="sm90", head_dim=64).pingpong and not KernelSpec(arch="sm90", head_dim=64).rescale_under_qk
     assert KernelSpec(arch="sm90", head_dim=256).block_n == 80
     three = KernelSpec(arch="sm90", head_dim=64)
     assert (three.block_m, three.consumer_warpgroups, three.consumer_regs) == (192, 3, 160)
@@ -106,7 +109,7 @@ def test_variant_names_are_unique_and_stable():
     names = [s.variant for s in default_specs()]
     assert len(names) == len(set(names))
     assert KernelSpec(arch="sm90", head_dim=128).variant == \
-        "flash_fwd_sm90_bf16_hd128_bm128_bn160_w12_st2_r24x240_pp_ov_so"
+        "flash_fwd_sm90_bf16_hd128_bm128_bn160_w12_st2_r24x240_ov_so_rsq"
 
 
 def test_replace_rederives_defaults():
