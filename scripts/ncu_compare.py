@@ -1,0 +1,104 @@
+"""Profile facodegen and a peer on one cell with Nsight Compute, side by side (GPU).
+
+    python3 scripts/ncu_compare.py --out $OUT --cell 128,8192,0 --variant sm90: --peer fa3
+
+runs itself under ``ncu --clock-control none --profile-from-start off`` (warm-up and compilation
+stay outside the profiled range), one launch per implementation, with the sections that say where
+a kernel's time goes: SpeedOfLight, ComputeWorkloadAnalysis (pipe utilisation), SchedulerStats
+(issue slots), WarpStateStats (stall reasons), InstructionStats. Writes ncu.txt (the full report)
+under --out and prints, last, a table of the metrics that differ most between the two kernels.
+A cell is ``head_dim,seqlen,causal`` of the FlashAttention-3 paper's grid (16k tokens, hidden 2048).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats", "InstructionStats")
+# Report lines worth a side-by-side look (substring of the metric name as ncu prints it).
+KEY_METRICS = ("Duration", "Compute (SM) Throughput", "Issue Slots Busy", "Issued Ipc Active", "No Eligible",
+               "One or More Eligible", "Active Warps Per Scheduler", "Eligible Warps Per Scheduler",
+               "Warp Cycles Per Issued Instruction", "Executed Instructions", "SM Busy", "Registers Per Thread",
+               "issue_stalled")
+# Stall reasons, cycles per issued instruction (regex: names ncu does not have are simply absent).
+STALL_METRICS = r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+
+
+def child(args) -> None:
+    """Inside ncu: build both launchers, warm them up, then profile one launch of each."""
+    import torch
+
+    from facodegen import bench
+    head_dim, seqlen, causal = (int(x) for x in args.cell.split(","))
+    c = bench.cell(head_dim, bool(causal), seqlen, 16384 // seqlen, 2048 // head_dim, args.dtype)
+    s = bench._make_inputs(c, 1)[0]
+    arch, fields = bench.parse_variant(args.variant)
+    ours = bench._facodegen_fn(arch, fields, s, bool(causal))[0]
+    peer = bench._peer_fn(args.peer, s, bool(causal))[0]
+    for fn in (ours, peer):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    ours()
+    torch.cuda.synchronize()
+    peer()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def summarize(report: str) -> str:
+    """Per kernel (in launch order), the KEY_METRICS values, as a two-column table."""
+    kernels: list[tuple[str, dict]] = []
+    for line in report.splitlines():
+        head = re.match(r"\s{2}(\S.*?)\s+\(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)", line)
+        if head:
+            kernels.append((head.group(1)[:60], {}))
+            continue
+        m = re.match(r"\s{4}(\S.*?)\s{2,}(?:(\S+)\s+)?([\d.,]+)\s*$", line)
+        if m and kernels and any(k in m.group(1) for k in KEY_METRICS):
+            kernels[-1][1].setdefault(m.group(1).strip(), f"{m.group(3)} {m.group(2) or ''}".strip())
+    if len(kernels) < 2:
+        return "fewer than two kernels in the report"
+    (name_a, a), (name_b, b) = kernels[0], kernels[-1]
+    rows = [f"| metric | {name_a} | {name_b} |", "|---|---|---|"]
+    rows += [f"| {k} | {a.get(k, '-')} | {b.get(k, '-')} |" for k in a]
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=".")
+    p.add_argument("--cell", default="128,8192,0")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--variant", default="sm90:")
+    p.add_argument("--peer", default="fa3")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--print-details", "all"]
+    for section in SECTIONS:
+        cmd += ["--section", section]
+    cmd += ["--metrics", STALL_METRICS]
+    cmd += [sys.executable, os.path.abspath(__file__), "--child", "--cell", args.cell, "--dtype", args.dtype,
+            "--variant", args.variant, "--peer", args.peer]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    report = run.stdout + ("\n" + run.stderr if run.returncode else "")
+    with open(os.path.join(args.out, "ncu.txt"), "w") as f:
+        f.write(report)
+    print(summarize(report))
+    return run.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
