@@ -861,10 +861,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_fwd_sm90_fp16_hd6
     const uint32_t k_smem0 = q_smem + Q_TILE_BYTES;                       // k_smem[stage]
     const uint32_t v_smem0 = k_smem0 + STAGES * KV_TILE_BYTES;            // v_smem[stage]
     const uint32_t o_smem = SEPARATE_O ? v_smem0 + STAGES * KV_TILE_BYTES : q_smem;   // O staging tile
-    // Broadcast from lane 0 (CUTLASS's canonical_warp_group_idx): the compiler then knows it is
-    // warp-uniform and keeps what derives from it (the Q tile descriptors) in uniform registers,
-    // instead of converting them with R2UR before every Q K^T wgmma.
-    const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / WG_THREADS, 0);
+    const int warpgroup = threadIdx.x / WG_THREADS;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
