@@ -393,15 +393,10 @@ class KernelSpec:
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
                         l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT[self.dtype])
-            for name in ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap"):
-                if type(getattr(self, name)) is int and getattr(self, name) in (0, 1):   # 0/1 from command lines
-                    object.__setattr__(self, name, bool(getattr(self, name)))
+            _coerce_bools(self, ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap"))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
                                                                                   self.causal)
-            for name in ("separate_o", "l2_hints", "anchor_softmax"):     # 0/1 from command lines and scripts
-                if type(getattr(self, name)) is int and getattr(self, name) in (0, 1):
-                    object.__setattr__(self, name, bool(getattr(self, name)))
             if self.dtype == "fp8":
                 if self.separate_o:
                     raise SpecError("separate_o", "dtype=fp8 stores O from registers straight to global "
@@ -417,8 +412,7 @@ class KernelSpec:
                 raise SpecError("q_in_regs", "is an sm80 knob; sm90 reads Q from shared memory by wgmma")
         fill["lazy_rescale"] = (self.schedule == "fa2" and self.dtype != "fp8"
                                 and lazy_rescale_default(self.arch, self.head_dim))
-        if type(self.lazy_rescale) is int and self.lazy_rescale in (0, 1):   # 0/1 from command lines and scripts
-            object.__setattr__(self, "lazy_rescale", bool(self.lazy_rescale))
+        _coerce_bools(self, ("lazy_rescale",))
         for name, value in fill.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -493,6 +487,15 @@ class KernelSpec:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _coerce_bools(spec: "KernelSpec", names) -> None:
+    """0/1 (from command lines and scripts) -> False/True for these switches; anything else is left
+    for _validate to reject."""
+    for name in names:
+        value = getattr(spec, name)
+        if type(value) is int and value in (0, 1):
+            object.__setattr__(spec, name, bool(value))
 
 
 def fa1_tiles(head_dim: int, warp_split: str) -> Tiles:
