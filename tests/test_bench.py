@@ -207,3 +207,28 @@ def test_fp8_grid_is_issue_6s_and_counts_one_byte_inputs():
     assert bench.input_bytes(bf16) == 4 * 2 * elems             # q, k, v, o in 2 bytes
     assert bench.input_bytes(fp8) == 3 * elems + 2 * elems      # q, k, v in 1 byte, o in bf16
     assert bench.suite_cells("fa3-paper", "fp8")[0]["dtype"] == "fp8"
+
+
+def test_ncu_compare_summarizes_two_kernels_side_by_side():
+    """scripts/ncu_compare.py's table: per kernel (launch order) the key metrics and stall ratios of
+    an ncu text report, whatever the unit column holds."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ncu_compare", ROOT / "scripts" / "ncu_compare.py")
+    ncu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ncu)
+    report = """==PROF== Connected
+  flash_fwd_sm90_bf16_hd128 (132, 1, 1)x(384, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Duration                         ms         1.57
+    Executed Instructions          inst  514,748,164
+    smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio        0.94
+  void cutlass::device_kernel<flash::X<(int)1>>(T1::Params) (132, 1, 1)x(384, 1, 1), Context 1, Stream 7
+    Duration                         ms         1.48
+    Executed Instructions          inst  470,777,099
+    smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio        0.55
+"""
+    table = ncu.summarize(report).splitlines()
+    assert table[0].startswith("| metric | flash_fwd_sm90_bf16_hd128 | void cutlass::device_kernel")
+    assert "| Duration | 1.57 ms | 1.48 ms |" in table
+    assert "| Executed Instructions | 514,748,164 inst | 470,777,099 inst |" in table
+    assert any(row.startswith("| smsp__average_warps_issue_stalled_barrier") and "0.94" in row for row in table)
+    assert ncu.summarize(report.split("  void")[0]) == "fewer than two kernels in the report"
