@@ -125,10 +125,10 @@ def lazy_rescale_default(arch: str, head_dim: int) -> bool:
 def rescale_under_qk_default(head_dim: int, dtype: str, causal: bool) -> bool:
     return dtype != "fp8" and head_dim == 128
 
-# anchor_softmax's default per dtype (sm90): see sm90/roles.cuh.j2. Off: on the H200 (scripts/sweep.py,
+# anchor_softmax's default (sm90, every dtype): see sm90/roles.cuh.j2. Off: on the H200 (scripts/sweep.py,
 # 2026-11-29, commit 43c5445, TFLOP/s anchored vs not, same run) it lost in 6 of 8 cells, e.g. d128
 # causal s4k 578 vs 608, d256 s8k 666 vs 695, fp8 d128 s8k 782 vs 804; d128 s1k/s8k +1%.
-ANCHOR_SOFTMAX_DEFAULT = {"bf16": False, "fp16": False, "fp8": False}
+ANCHOR_SOFTMAX_DEFAULT = False
 
 REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 28}
 SM80_MAX_REGS = 255
@@ -392,7 +392,7 @@ class KernelSpec:
                         stages=tiles.stages, q_in_regs=False, consumer_warpgroups=cwg,
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
-                        l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT[self.dtype])
+                        l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT)
             _coerce_bools(self, ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap"))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
