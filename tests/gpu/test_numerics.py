@@ -104,10 +104,13 @@ def _sync():
         cupy.cuda.runtime.deviceSynchronize()
 
 
-def run_case(spec: KernelSpec, shape, scale=None, seed=None, lib=None) -> str:
-    """Launch spec on one random problem and assert O and LSE; returns the check messages."""
+def run_case(spec: KernelSpec, shape, scale=None, seed=None, lib=None, shape_k=None) -> str:
+    """Launch spec on one random problem and assert O and LSE; returns the check messages.
+    ``shape_k(k)`` may reshape the score distribution by returning a new K (same shape and kind)."""
     lib = lib or _lib(spec.dtype)
     q, k, v = _inputs(shape, spec.head_dim, spec.dtype, lib, seed)
+    if shape_k is not None:
+        k = shape_k(k)
     out, lse_out = _poisoned(q, lib)
     o, lse = attention(q, k, v, causal=spec.causal, softmax_scale=scale, return_lse=True, out=out,
                        lse_out=lse_out, **spec_kwargs(spec))
@@ -209,17 +212,10 @@ def test_rescale_with_a_row_max_that_keeps_growing(arch, head_dim, causal, lazy)
     if not HAVE_TORCH:
         pytest.skip("bf16 inputs need torch")
     spec = KernelSpec(arch=arch, head_dim=head_dim, dtype="bf16", causal=causal, lazy_rescale=lazy)
-    b, s, h = 2, 1000, 2
-    q, k, v = _inputs((b, s, s, h, h), head_dim, "bf16", "torch")
+    s = 1000
     growth = 1.0 + 40.0 * (1.0 - torch.arange(s, device="cuda", dtype=torch.float32) / s)   # key j: x (1 + 40 (1 - j/s))
-    k = (k.float() * growth[None, :, None, None]).to(torch.bfloat16)
-    out, lse_out = _poisoned(q, "torch")
-    attention(q, k, v, causal=causal, return_lse=True, out=out, lse_out=lse_out, **spec_kwargs(spec))
-    _sync()
-    ref_o, ref_lse = attention_reference(q, k, v, causal)
-    ok_o, msg_o = check(out, ref_o, "bf16")
-    ok_l, msg_l = check_lse(lse_out, ref_lse)
-    assert ok_o and ok_l, f"{spec.variant}: O {msg_o}; LSE {msg_l}"
+    run_case(spec, (2, s, s, 2, 2), lib="torch",
+             shape_k=lambda k: (k.float() * growth[None, :, None, None]).to(torch.bfloat16))
 
 
 def _native_arch() -> str:
