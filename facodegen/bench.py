@@ -508,8 +508,12 @@ def _make_inputs(c: dict, n_sets: int) -> list[InputSet]:
 _LOGGED: set = set()
 
 
-def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: dict, log) -> dict:
-    """Build the callables (one per input set), check set 0, then time rotating over the sets."""
+def _prepare_impl(name: str, make, input_sets, c: dict, check_first: bool, log, keep_ctx: bool = False):
+    """Build the callables (one per input set) and check set 0. Returns (result, rotate, ctx):
+    rotate() calls the next set's callable; rotate is None when the implementation failed,
+    refused or was skipped (the reason is in result["note"]). ctx is the context the calls need
+    (an SDPA backend choice; single-use): with keep_ctx it is left entered for the caller, who
+    must close it (ctx.__exit__), else the check runs inside it and it is closed."""
     torch = _torch()
     result: dict = {"tflops": None, "ms": None, "err": None, "note": None}
     try:
@@ -517,37 +521,48 @@ def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: d
     except Exception as err:  # noqa: BLE001
         msg = str(err)
         result["note"] = msg if msg.startswith(("skipped", "unavailable")) else f"setup failed: {type(err).__name__}: {msg}"
-        return result
+        return result, None, None
     fns = [b[0] for b in built]
     ctx = built[0][1]
     if len(built[0]) > 2:
         result["variant"] = built[0][2]
     checked_set = built[0][3] if len(built[0]) > 3 else input_sets[0]
+    ctx.__enter__()
     try:
-        with ctx:
-            if check_first:
-                o = fns[0]()
-                torch.cuda.synchronize()
-                ok, msg, err = _slice_check(o, checked_set, c["causal"], c["dtype"])
-                result["err"] = err
-                if not ok:
-                    result["note"] = f"check failed: {msg}"
-                    return result
-            state = {"i": 0}
-
-            def rotate():
-                fns[state["i"] % len(fns)]()
-                state["i"] += 1
-            t = time_cuda(rotate, **timing)
+        if check_first:
+            o = fns[0]()
+            torch.cuda.synchronize()
+            ok, msg, err = _slice_check(o, checked_set, c["causal"], c["dtype"])
+            result["err"] = err
+            if not ok:
+                result["note"] = f"check failed: {msg}"
+                ctx.__exit__(None, None, None)
+                return result, None, None
     except Exception as err:  # noqa: BLE001
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        result["note"] = f"failed: {type(err).__name__}: {first[:300]}"
-        log(f"    {name}: {result['note']}")
-        key = (name, result["note"])
-        if key not in _LOGGED:            # the whole traceback once per distinct failure
-            _LOGGED.add(key)
-            log("    " + traceback.format_exc().strip().replace("\n", "\n    ")[-2000:])
-        return result
+        ctx.__exit__(None, None, None)
+        _note_failure(name, result, err, log)
+        return result, None, None
+    if not keep_ctx:
+        ctx.__exit__(None, None, None)
+    state = {"i": 0}
+
+    def rotate():
+        fns[state["i"] % len(fns)]()
+        state["i"] += 1
+    return result, rotate, ctx
+
+
+def _note_failure(name: str, result: dict, err: Exception, log) -> None:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    result["note"] = f"failed: {type(err).__name__}: {first[:300]}"
+    log(f"    {name}: {result['note']}")
+    key = (name, result["note"])
+    if key not in _LOGGED:            # the whole traceback once per distinct failure
+        _LOGGED.add(key)
+        log("    " + traceback.format_exc().strip().replace("\n", "\n    ")[-2000:])
+
+
+def _record_time(result: dict, t: dict, c: dict) -> dict:
     flops = attention_flops(c["batch"], c["heads_q"], c["seqlen_q"], c["seqlen_k"], c["head_dim"], c["causal"])
     result.update(ms=t["ms"], tflops=tflops(flops, t["ms"]), min_ms=t["min_ms"], max_ms=t["max_ms"],
                   host_ms=t["host_ms"])
@@ -555,6 +570,48 @@ def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: d
         result["note"] = (f"launch-bound: {t['host_ms'] * 1e3:.0f} us of host time per call vs "
                           f"{t['ms'] * 1e3:.0f} us on the device")
     return result
+
+
+def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: dict, log) -> dict:
+    """Build, check set 0, then time rotating over the sets."""
+    result, rotate, ctx = _prepare_impl(name, make, input_sets, c, check_first, log, keep_ctx=True)
+    if rotate is None:
+        return result
+    try:
+        t = time_cuda(rotate, **timing)
+    except Exception as err:  # noqa: BLE001
+        _note_failure(name, result, err, log)
+        return result
+    finally:
+        ctx.__exit__(None, None, None)
+    return _record_time(result, t, c)
+
+
+def time_cuda_interleaved(fns: list, warmup: int = WARMUP, groups: int = GROUPS,
+                          calls: int = CALLS_PER_GROUP) -> list[dict]:
+    """time_cuda for several callables at once, group by group in turn (A B C A B C ...), so a
+    drift of the GPU's clocks or temperature over the run falls on all of them alike."""
+    torch = _torch()
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    means = [[] for _ in fns]
+    host = [[] for _ in fns]
+    for _ in range(groups):
+        for i, fn in enumerate(fns):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            t1 = time.perf_counter()
+            end.record()
+            end.synchronize()
+            means[i].append(start.elapsed_time(end) / calls)
+            host[i].append((t1 - t0) * 1e3 / calls)
+    return [{"ms": statistics.median(m), "min_ms": min(m), "max_ms": max(m), "host_ms": statistics.median(h)}
+            for m, h in zip(means, host)]
 
 
 def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None, check_first: bool = True,
@@ -575,12 +632,29 @@ def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None,
         return row
     row["input_sets"] = n_sets
     ours = variants or {facodegen_name(arch): arch + ":" for arch in archs}
+    interleave = timing.get("interleave", False)
+    timing = {k: v for k, v in timing.items() if k != "interleave"}
+    prepared = []
     for name, text in ours.items():
         arch, fields = parse_variant(text)
         overrides = {**_split_overrides(spec_overrides, arch), **fields}
-        row["results"][name] = _run_impl(
-            name, lambda s: _facodegen_fn(arch, overrides, s, c["causal"]),
-            input_sets, c, check_first, timing, log)
+        make = (lambda a, o: lambda s: _facodegen_fn(a, o, s, c["causal"]))(arch, overrides)
+        if interleave:
+            result, rotate, _ = _prepare_impl(name, make, input_sets, c, check_first, log)
+            row["results"][name] = result
+            if rotate is not None:
+                prepared.append((name, rotate))
+        else:
+            row["results"][name] = _run_impl(name, make, input_sets, c, check_first, timing, log)
+    if prepared:
+        # facodegen's callables need no context (only the SDPA peers do), so they can take turns
+        try:
+            times = time_cuda_interleaved([rotate for _, rotate in prepared], **timing)
+            for (name, _), t in zip(prepared, times):
+                _record_time(row["results"][name], t, c)
+        except Exception as err:  # noqa: BLE001
+            for name, _ in prepared:
+                _note_failure(name, row["results"][name], err, log)
     for name in peers:
         available, note = peer_available(name)
         if not available:

@@ -5,8 +5,9 @@
 
 A variant is ``arch:field=value,...`` (bench.parse_variant; empty fields = that arch's defaults); a cell is
 ``head_dim,seqlen,causal`` on the FlashAttention-3 paper's grid (16k tokens, hidden 2048).
-Every output is checked against the float64 reference on a slice before it is timed; peers
-(--peers) are timed in the same run. Prints a table of TFLOP/s last and writes sweep.json.
+Every output is checked against the float64 reference on a slice before it is timed; the variants
+of a cell take turns group by group (--sequential: one after the other), peers (--peers) are timed
+after them in the same run. Prints a table of TFLOP/s last and writes sweep.json.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[])
     parser.add_argument("--peers", default=None)
     parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--groups", type=int, default=None,
+                        help="timing groups per variant (default: bench's %d)" % bench.GROUPS)
+    parser.add_argument("--sequential", action="store_true",
+                        help="time each variant's groups in one block (default: the variants take turns "
+                             "group by group, so clock drift falls on all alike)")
     args = parser.parse_args()
     jobs = []
     for name in args.plan or []:
@@ -77,6 +83,9 @@ def main() -> int:
                      args.peers or "", None, False))
     tables, records = [], []
     for rows, variants, peers, timing, gemm in jobs:
+        timing = dict(timing or {}, interleave=not args.sequential)
+        if args.groups:
+            timing["groups"] = args.groups
         if gemm:   # the context of every TFLOP/s: a bf16 8192^3 torch matmul on this GPU
             ceiling = bench.gemm_ceiling()
             tables.append(f"bf16 GEMM (torch.mm 8192^3): {ceiling:.1f} TFLOP/s; cells below also as a fraction of it")

@@ -232,3 +232,31 @@ def test_ncu_compare_summarizes_two_kernels_side_by_side():
     assert "| Executed Instructions | 514,748,164 inst | 470,777,099 inst |" in table
     assert any(row.startswith("| smsp__average_warps_issue_stalled_barrier") and "0.94" in row for row in table)
     assert ncu.summarize(report.split("  void")[0]) == "fewer than two kernels in the report"
+
+
+def test_run_impl_enters_a_single_use_context_once(monkeypatch):
+    """SDPA's backend choice (torch.nn.attention.sdpa_kernel) is a single-use context manager: the
+    check and the timing of one implementation run inside one entry of it."""
+    import contextlib
+    import types
+
+    events = []
+
+    @contextlib.contextmanager
+    def backend():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
+    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    monkeypatch.setattr(bench, "_slice_check", lambda o, s, causal, dtype: (True, "", 1e-3))
+    calls = []
+    monkeypatch.setattr(bench, "time_cuda", lambda fn, **kw: (fn(), fn(), calls.append(events[:]),
+                                                            {"ms": 1.0, "min_ms": 0.9, "max_ms": 1.1,
+                                                             "host_ms": 0.1})[-1])
+    c = bench.cell(64, False, 1024, 1, 2, "bf16")
+    result = bench._run_impl("cudnn", lambda s: (lambda: events.append("call"), backend()), [object()], c,
+                             True, {}, print)
+    assert result["tflops"] and result["err"] == 1e-3 and result["note"] is None
+    assert calls == [["enter", "call", "call", "call"]] and events[-1] == "exit" and events.count("enter") == 1
