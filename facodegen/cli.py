@@ -26,6 +26,8 @@ _SPEC_FLAGS = {
     "schedule": "schedule", "loop_order": "loop_order", "warp_split": "warp_split", "rescale": "rescale",
     "separate_o": "separate_o", "l2_hints": "l2_hints", "out_dtype": "out_dtype", "v_layout": "v_layout",
     "anchor_softmax": "anchor_softmax", "lazy_rescale": "lazy_rescale",
+    "rescale_under_qk": "rescale_under_qk", "softmax_chains": "softmax_chains", "uniform_wg": "uniform_wg",
+    "ctas_per_sm": "ctas_per_sm",
 }
 
 
@@ -42,6 +44,10 @@ def _parse_regs(ctx, param, value):
     except ValueError:
         raise click.BadParameter(f"expected PRODUCER/CONSUMER registers, e.g. 24/240; got {value!r}") from None
     return producer, consumer
+
+
+def _int_choice(ctx, param, value):
+    return None if value is None else int(value)
 
 
 def spec_options(command, arch_choices=ARCHS):
@@ -84,6 +90,14 @@ def spec_options(command, arch_choices=ARCHS):
                      help="sm90: keep the softmax ahead of the P V wgmma wait (a shared store ptxas cannot pass)."),
         click.option("--lazy-rescale/--exact-rescale", default=None,
                      help="fa2/sm90, 16-bit types: rescale O only when a row max grows by more than 2^8."),
+        click.option("--rescale-under-qk/--rescale-after-pv", default=None,
+                     help="sm90 with --overlap: O's rescale between the next Q K^T and P V issues."),
+        click.option("--uniform-wg/--no-uniform-wg", default=None,
+                     help="sm90: consumer warpgroup index broadcast from lane 0 (descriptors in uniform registers)."),
+        click.option("--ctas-per-sm", type=click.Choice(["1", "2"]), callback=_int_choice,
+                     help="sm90: CTAs sharing one SM (2: one consumer warpgroup each, short sequences)."),
+        click.option("--softmax-chains", type=click.Choice(["1", "2", "4", "8"]), callback=_int_choice,
+                     help="Independent max/sum chains per row in the softmax."),
     ]
     for option in reversed(options):
         command = option(command)

@@ -31,7 +31,7 @@ class Operand:
 def grid(spec: KernelSpec, batch: int, heads_q: int, seqlen_q: int, num_sms: int) -> tuple[int, int, int]:
     num_m_blocks = math.ceil(seqlen_q / spec.block_m)
     if spec.arch == "sm90" and spec.persistent:
-        return (min(num_m_blocks * heads_q * batch, num_sms), 1, 1)
+        return (min(num_m_blocks * heads_q * batch, num_sms * spec.ctas_per_sm), 1, 1)
     if needs_workspace(spec):
         return (1, heads_q, batch)   # FlashAttention-1: one CTA per (batch, head)
     return (num_m_blocks, heads_q, batch)

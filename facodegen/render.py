@@ -60,9 +60,15 @@ def emit_command(spec: KernelSpec) -> str:
                   "--persistent" if spec.persistent else "--no-persistent",
                   "--separate-o" if spec.separate_o else "--o-aliases-q",
                   "--l2-hints" if spec.l2_hints else "--no-l2-hints",
-                  "--anchor-softmax" if spec.anchor_softmax else "--no-anchor-softmax"]
+                  "--anchor-softmax" if spec.anchor_softmax else "--no-anchor-softmax",
+                  "--uniform-wg" if spec.uniform_wg else "--no-uniform-wg",
+                  f"--ctas-per-sm {spec.ctas_per_sm}"]
+        if spec.intra_wg_overlap:
+            flags.append("--rescale-under-qk" if spec.rescale_under_qk else "--rescale-after-pv")
     if spec.schedule == "fa2" and spec.dtype != "fp8":
         flags.append("--lazy-rescale" if spec.lazy_rescale else "--exact-rescale")
+    if spec.schedule == "fa2":
+        flags.append(f"--softmax-chains {spec.softmax_chains}")
     return "facodegen emit " + " ".join(flags)
 
 

@@ -92,14 +92,16 @@ class GpuLimits:
     regs_per_sm: int
     sms: int
     compute_capability: tuple[int, int]
+    smem_per_sm: int = 0        # shared memory of one SM, all its CTAs together (0: not modelled)
 
 
 GPUS = {
     # 163 KB: the A100's opt-in limit (CUDA programming guide, compute capability 8.0).
     "a100": GpuLimits("a100", 166912, 65536, 108, (8, 0)),
     # 227 KB: read off the H200 of this project (232448 bytes); the H100 has the same SM.
-    "h100": GpuLimits("h100", 232448, 65536, 132, (9, 0)),
-    "h200": GpuLimits("h200", 232448, 65536, 132, (9, 0)),
+    # 228 KB per SM (CUDA programming guide, compute capability 9.0), 1 KB of it reserved per CTA.
+    "h100": GpuLimits("h100", 232448, 65536, 132, (9, 0), 233472),
+    "h200": GpuLimits("h200", 232448, 65536, 132, (9, 0), 233472),
 }
 DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 
@@ -130,9 +132,33 @@ def rescale_under_qk_default(head_dim: int, dtype: str, causal: bool) -> bool:
 # causal s4k 578 vs 608, d256 s8k 666 vs 695, fp8 d128 s8k 782 vs 804; d128 s1k/s8k +1%.
 ANCHOR_SOFTMAX_DEFAULT = False
 
+# softmax_chains' default (common/softmax.cuh.j2: independent FMNMX/FADD chains per row in the row
+# max and row sum). On the H200 (scripts/sweep.py with the variants taking turns group by group,
+# 2026-11-29, TFLOP/s 1 chain vs 4): sm90 bf16 d64 s2k 479 vs 486, s16k 511 vs 530, causal s16k 491
+# vs 498; d128 s8k 634 (1) vs 632 (2) vs 618 (4), s2k 598 vs 589 (4); d256 s8k 707 vs 708, causal s8k
+# 670 vs 658; fp8 d64 s8k 635 vs 646, causal 562 vs 583, fp8 d256 s8k 963 vs 1013, causal 904 vs 919,
+# fp8 d128 s8k 818 vs 807, causal s2k 569 vs 576. 4 where it won in both runs (head_dim 64, and fp8
+# head_dim 256); one chain elsewhere (sm80 was tuned against FlashAttention-2 with one; head_dim
+# 96/192 unmeasured).
+SOFTMAX_CHAINS = (1, 2, 4, 8)
+
+# uniform_wg's default (sm90/roles.cuh.j2: the consumer warpgroup index broadcast from lane 0, so
+# the Q descriptors stay in uniform registers; removes 16 R2UR and ~14 address instructions per
+# main-loop step at head_dim 128). Session 3 (old/new in separate processes): +1.5% d128 s8k/16k,
+# -1.5% at d256 and fp8.
+def uniform_wg_default(head_dim: int, dtype: str) -> bool:
+    return False
+
+
+def softmax_chains_default(arch: str, head_dim: int, dtype: str) -> int:
+    if arch != "sm90":
+        return 1
+    return 4 if head_dim == 64 or (dtype == "fp8" and head_dim == 256) else 1
+
 REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 28}
 SM80_MAX_REGS = 255
 SM90_REG_FILE = 65536
+SM90_CTA_RESERVED_SMEM = 1024 + 256   # the system's 1 KB per CTA + the static SharedState
 SM90_BARRIER_BYTES = 1024  # mbarriers + alignment slack for 1024-byte-aligned swizzled tiles
 
 
@@ -252,11 +278,17 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
 # Short sequences on sm90 (bf16/fp16): tiles that suit the call's length better than the
 # per-head_dim defaults, applied by facodegen.api.resolve_spec when the call's shape is known, no
 # tuned entry exists and the caller chose no tile field. Measured on the H200 (scripts/sweep.py,
-# 2026-11-29, commit d33f916, TFLOP/s, default -> rule):
+# 2026-11-29, TFLOP/s, default -> rule):
 #   head_dim 128 non-causal, block_n 160 -> 128 (the last of ceil(seqlen_k/160) blocks is mostly
-#   padding at 512 and 1k): s512 460 -> 547, s1k 577 -> 612 (s2k: 656 -> 629, so not there);
+#   padding at 512 and 1k): s512 460 -> 547, s1k 577 -> 612 (s2k: 656 -> 629, so not there) (d33f916);
 #   head_dim 64 causal, 192x128 -> 128x128 (2 consumer warpgroups: 4 row blocks of 128 instead of
-#   3 of 192 at s512): s512 203 -> 223, s1k 271 -> 303 (s2k: 385 -> 376, so not there).
+#   3 of 192 at s512): s512 203 -> 223, s1k 271 -> 303 (s2k: 385 -> 376, so not there) (d33f916);
+#   head_dim 128 causal, pingpong on (a tile has 1-8 blocks; the two warpgroups' turns keep the
+#   tensor cores fed through the short loops): s512 315 -> 321, s1k 430 -> 439 with the variants
+#   taking turns (318 -> 331, 450 -> 459 and 316 -> 324, 456 -> 460 in two sequential sweeps); at
+#   s2k 507 -> 503 and beyond it loses 4-5%, so only up to 1k;
+#   head_dim 256 causal, block_n 80 -> 64 (finer diagonal): s512 301 -> 312 (313 -> 321 and 312 ->
+#   321 in two more runs); s1k 462 -> 461, so only at 512.
 SHORT_SEQUENCE_TILE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups")
 
 
@@ -268,18 +300,26 @@ def short_sequence_fields(arch: str, head_dim: int, dtype: str, causal: bool, se
         return {"block_n": 128}
     if head_dim == 64 and causal and seqlen_q <= 1024:
         return {"consumer_warpgroups": 2}
+    if head_dim == 128 and causal and seqlen_q <= 1024:
+        return {"pingpong": True}
+    if head_dim == 256 and causal and seqlen_q <= 512:
+        return {"block_n": 64}
     return {}
 
 
-def sm90_cta_register_pool(threads: int) -> int:
+def sm90_cta_register_pool(threads: int, ctas_per_sm: int = 1) -> int:
     """Registers a CTA of ``threads`` owns, the pool setmaxnreg moves registers within: ptxas gives
-    a __launch_bounds__(threads, 1) kernel that uses setmaxnreg the most registers per thread the
-    65536-register file allows, in steps of 8 (384 threads: 168, so 64512, not 65536)."""
-    return min(256, SM90_REG_FILE // threads // 8 * 8) * threads
+    a __launch_bounds__(threads, ctas_per_sm) kernel that uses setmaxnreg the most registers per
+    thread that ctas_per_sm CTAs leave in the 65536-register file, in steps of 8 (384 threads, one
+    CTA: 168, so 64512, not 65536; 256 threads, two CTAs: 128, so 32768)."""
+    return min(256, SM90_REG_FILE // (threads * ctas_per_sm) // 8 * 8) * threads
 
 
-def register_split(consumer_warpgroups: int) -> tuple[int, int]:
-    """(producer, consumer) setmaxnreg values, FA3's and ThunderKittens' choices."""
+def register_split(consumer_warpgroups: int, ctas_per_sm: int = 1) -> tuple[int, int]:
+    """(producer, consumer) setmaxnreg values, FA3's and ThunderKittens' choices; two CTAs of one
+    consumer warpgroup per SM share the register file: 24 + 232 = 256 x 128 threads."""
+    if ctas_per_sm == 2:
+        return (24, 232) if consumer_warpgroups == 1 else (24, 104)
     return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[consumer_warpgroups]
 
 
@@ -290,7 +330,9 @@ class KernelSpec:
     Common knobs: ``arch`` (sm80 | sm90), ``head_dim``, ``dtype`` (fp16 | bf16), ``causal``,
     ``block_m`` x ``block_n`` (the Q and K/V tile heights), ``num_warps`` (warps per CTA),
     ``stages`` (depth of the K/V shared-memory ring), ``gpu`` (whose limits the budget
-    model applies: a100, h100, h200).
+    model applies: a100, h100, h200), ``lazy_rescale`` (rescale O only when a row max grows by
+    more than 2^8), ``softmax_chains`` (independent FMNMX/FADD chains per row in the softmax's row
+    max and row sum: shorter dependent chains for a few more instructions).
 
     sm80 only: ``q_in_regs`` (keep Q fragments in registers instead of re-reading shared
     memory every K/V step), ``schedule`` (fa2 | fa1: FlashAttention-1's schedule, in its own
@@ -303,7 +345,10 @@ class KernelSpec:
     before this step's softmax), ``producer_regs``/``consumer_regs`` (setmaxnreg split),
     ``persistent`` (one CTA per SM with a tile scheduler), ``separate_o`` (the epilogue's O
     staging tile has its own shared-memory buffer instead of aliasing Q; default: on when it
-    fits), ``l2_hints`` (TMA loads carry L2 eviction hints: K/V evict-last, Q evict-first).
+    fits), ``l2_hints`` (TMA loads carry L2 eviction hints: K/V evict-last, Q evict-first),
+    ``anchor_softmax`` (keep the softmax ahead of the P V wait), ``rescale_under_qk`` (O's rescale
+    between the next Q K^T and P V issues), ``uniform_wg`` (the consumer warpgroup index in uniform
+    registers).
 
     dtype=fp8 only (e4m3 Q, K, V; sm90): ``out_dtype`` (bf16 | fp16: the type of O) and ``v_layout``
     (row | transposed: V as (batch, seqlen_k, heads_kv, d), transposed in shared memory by the kernel,
@@ -338,6 +383,9 @@ class KernelSpec:
     lazy_rescale: bool | None = None
     anchor_softmax: bool | None = None
     rescale_under_qk: bool | None = None
+    softmax_chains: int | None = None
+    uniform_wg: bool | None = None
+    ctas_per_sm: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -362,7 +410,11 @@ class KernelSpec:
                         consumer_regs=0, persistent=False, separate_o=False, l2_hints=False)
             fill["anchor_softmax"] = False
             fill["rescale_under_qk"] = False
-            for name in ("consumer_warpgroups", "pingpong", "intra_wg_overlap",
+            fill["uniform_wg"] = False
+            fill["ctas_per_sm"] = 1
+            if self.ctas_per_sm not in (None, 1):
+                raise SpecError("ctas_per_sm", "is an sm90 knob; arch=sm80 runs as many CTAs per SM as fit")
+            for name in ("uniform_wg", "consumer_warpgroups", "pingpong", "intra_wg_overlap",
                          "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints",
                          "anchor_softmax", "rescale_under_qk"):
                 if getattr(self, name) not in (None, 0, False):
@@ -372,7 +424,9 @@ class KernelSpec:
             if cwg is None:
                 cwg = self.block_m // 64 if self.block_m is not None else tiles.consumer_warpgroups
             _check_choice("consumer_warpgroups", cwg, (1, 2, 3))
-            producer, consumer = register_split(cwg)
+            ctas = self.ctas_per_sm if self.ctas_per_sm is not None else 1
+            _check_choice("ctas_per_sm", ctas, (1, 2))
+            producer, consumer = register_split(cwg, ctas)
             # setmaxnreg moves registers inside the CTA's pool, which holds what the CTA launched
             # with (ptxas: 168 per thread x 384 = 64512 for two consumer warpgroups), not the 65536
             # of the SM: 32 + 2 x 240 asked 1024 more and the second consumer warpgroup's
@@ -392,8 +446,10 @@ class KernelSpec:
                         stages=tiles.stages, q_in_regs=False, consumer_warpgroups=cwg,
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
-                        l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT)
-            _coerce_bools(self, ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap"))
+                        l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT,
+                        uniform_wg=uniform_wg_default(self.head_dim, self.dtype), ctas_per_sm=1)
+            _coerce_bools(self, ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
+                                 "uniform_wg"))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
                                                                                   self.causal)
@@ -413,6 +469,7 @@ class KernelSpec:
         fill["lazy_rescale"] = (self.schedule == "fa2" and self.dtype != "fp8"
                                 and lazy_rescale_default(self.arch, self.head_dim))
         _coerce_bools(self, ("lazy_rescale",))
+        fill["softmax_chains"] = softmax_chains_default(self.arch, self.head_dim, self.dtype)
         for name, value in fill.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -459,12 +516,18 @@ class KernelSpec:
                 parts.append("anc")
             if self.rescale_under_qk:
                 parts.append("rsq")
+            if self.uniform_wg:
+                parts.append("uwg")
+            if self.ctas_per_sm != 1:
+                parts.append(f"c{self.ctas_per_sm}")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
                     parts.append("vt")
         if self.lazy_rescale:
             parts.append("lz")
+        if self.softmax_chains != 1:
+            parts.append(f"ch{self.softmax_chains}")
         if self.causal:
             parts.append("causal")
         return "_".join(parts)
@@ -641,6 +704,9 @@ def _validate(spec: KernelSpec) -> None:
     if spec.lazy_rescale and spec.schedule == "fa1":
         raise SpecError("lazy_rescale", "schedule=fa1 rescales by its own rule (the rescale switch): "
                                         "use lazy_rescale=False")
+    if spec.softmax_chains not in SOFTMAX_CHAINS or isinstance(spec.softmax_chains, bool):
+        raise SpecError("softmax_chains", f"must be one of {', '.join(map(str, SOFTMAX_CHAINS))}, "
+                                          f"got {spec.softmax_chains!r}")
     for name in ("block_m", "block_n", "num_warps", "stages"):
         value = getattr(spec, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -688,7 +754,7 @@ def _validate(spec: KernelSpec) -> None:
                                        f"wgmma reduces over keys in k32 steps)")
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
-        for name in ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk"):
+        for name in ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
         if spec.rescale_under_qk and not spec.intra_wg_overlap:
@@ -701,12 +767,13 @@ def _validate(spec: KernelSpec) -> None:
             if value % 8 or not 24 <= value <= 256:
                 raise SpecError(name, f"{name}={value} must be a multiple of 8 in [24, 256] (setmaxnreg)")
         total = 128 * (spec.producer_regs + spec.consumer_warpgroups * spec.consumer_regs)
-        pool = sm90_cta_register_pool(spec.num_warps * 32)
+        pool = sm90_cta_register_pool(spec.num_warps * 32, spec.ctas_per_sm)
         if total > pool:
             raise SpecError("consumer_regs", (
                 f"128*(producer_regs={spec.producer_regs} + {spec.consumer_warpgroups}*consumer_regs="
                 f"{spec.consumer_regs}) = {total} registers exceed the CTA's setmaxnreg pool of {pool} "
-                f"({spec.num_warps * 32} threads launched with {pool // (spec.num_warps * 32)} registers each): "
+                f"({spec.num_warps * 32} threads launched with {pool // (spec.num_warps * 32)} registers each"
+                f"{', two CTAs per SM' if spec.ctas_per_sm == 2 else ''}): "
                 f"setmaxnreg.inc would wait forever"))
         regs = register_estimate(spec)
         if regs > spec.consumer_regs:
@@ -720,6 +787,13 @@ def _validate(spec: KernelSpec) -> None:
             f"stages={spec.stages}, head_dim={spec.head_dim}), over the {limits.smem_per_block} bytes one block "
             f"may use on {spec.gpu}: lower stages, block_n or block_m"
             + (", or set separate_o=False (O aliases Q)" if spec.arch == "sm90" and spec.separate_o else "") + ")"))
+    if spec.arch == "sm90" and spec.ctas_per_sm == 2:
+        per_sm = 2 * (need + SM90_CTA_RESERVED_SMEM)
+        if per_sm > limits.smem_per_sm:
+            raise SpecError("ctas_per_sm", (
+                f"two CTAs per SM need 2 x ({need} + {SM90_CTA_RESERVED_SMEM} reserved) = {per_sm} bytes of "
+                f"shared memory, over the {limits.smem_per_sm} of an SM on {spec.gpu}: lower stages or "
+                f"block_n{', set separate_o=False' if spec.separate_o else ''}, or use ctas_per_sm=1"))
 
 
 def default_spec(arch: str = "sm80", head_dim: int = 128, dtype: str = "bf16", causal: bool = False,

@@ -55,6 +55,9 @@ SEARCH_SPACE = {
         "separate_o": (True, False),
         "anchor_softmax": (True, False),
         "rescale_under_qk": (True, False),
+        "softmax_chains": (1, 2, 4),
+        "uniform_wg": (True, False),
+        "ctas_per_sm": (1, 2),
     },
     "sm80": {
         "block_m": (64, 128),
@@ -64,6 +67,7 @@ SEARCH_SPACE = {
         "stages": (1, 2, 3),
         "q_in_regs": (False, True),
         "lazy_rescale": (True, False),
+        "softmax_chains": (1, 4),
     },
 }
 MAX_CANDIDATES = 48
@@ -74,7 +78,8 @@ _TILE_FIELDS = ("block_m", "block_n", "num_warps")
 # Distance of a changed switch (see distance()); non-persistent lost 2-5% in every ablation cell.
 _SWITCH_WEIGHTS = {"pingpong": 1.0, "intra_wg_overlap": 1.0, "persistent": 1.5, "q_in_regs": 1.0,
                    "separate_o": 1.0, "l2_hints": 1.0, "anchor_softmax": 1.0, "lazy_rescale": 1.0,
-                   "rescale_under_qk": 1.0}
+                   "rescale_under_qk": 1.0, "softmax_chains": 1.0,
+                   "uniform_wg": 1.0, "ctas_per_sm": 1.0}
 
 
 def _spec_field_names() -> set:

@@ -57,6 +57,13 @@ def test_user_values_win_over_defaults():
     (dict(arch="sm90", producer_regs=64, consumer_regs=256), "consumer_regs", "register"),
     (dict(arch="sm90", head_dim=256, block_n=96), "stages", "shared memory"),
     (dict(arch="sm90", head_dim=128, block_n=256, stages=1), "block_n", "registers"),
+    (dict(arch="sm80", ctas_per_sm=2), "ctas_per_sm", "sm90 knob"),
+    (dict(arch="sm90", ctas_per_sm=3), "ctas_per_sm", "1, 2"),
+    (dict(arch="sm90", head_dim=128, consumer_warpgroups=1, ctas_per_sm=2, block_n=128), "ctas_per_sm",
+     "two CTAs per SM"),
+    (dict(arch="sm90", head_dim=64, ctas_per_sm=2), "consumer_regs", "two CTAs per SM"),
+    (dict(arch="sm90", softmax_chains=3), "softmax_chains", "1, 2, 4, 8"),
+    (dict(arch="sm90", uniform_wg="yes"), "uniform_wg", "True or False"),
 ])
 def test_each_invalid_field_names_its_knob(fields, knob, words):
     with pytest.raises(SpecError) as err:
@@ -132,3 +139,14 @@ def test_sm90_separate_o_is_derived_from_the_budget():
     with pytest.raises(SpecError) as err:
         KernelSpec(arch="sm80", separate_o=True)
     assert err.value.field == "separate_o"
+
+
+def test_two_ctas_per_sm_halve_the_register_pool_and_double_the_grid():
+    from facodegen.launch import grid
+    from facodegen.spec import sm90_cta_register_pool
+    one = KernelSpec(arch="sm90", head_dim=64, causal=True, consumer_warpgroups=1)
+    two = one.replace(consumer_warpgroups=1, ctas_per_sm=2)
+    assert (two.producer_regs, two.consumer_regs) == (24, 232) and two.variant.endswith("_c2_ch4_causal")
+    assert sm90_cta_register_pool(256, 2) == 128 * (24 + 232) == sm90_cta_register_pool(256) // 2
+    assert grid(two, 32, 32, 512, 132) == (264, 1, 1) and grid(one, 32, 32, 512, 132) == (132, 1, 1)
+    assert grid(two, 1, 1, 128, 132) == (2, 1, 1)      # never more CTAs than tiles

@@ -173,6 +173,14 @@ NON_DEFAULT = [
     ("sm90", 128, "bf16", True, {"rescale_under_qk": False}),
     ("sm90", 256, "fp16", False, {"rescale_under_qk": True}),
     ("sm90", 256, "bf16", True, {"anchor_softmax": True}),
+    ("sm90", 128, "bf16", True, {"softmax_chains": 2}),
+    ("sm90", 64, "fp16", False, {"softmax_chains": 1}),
+    ("sm80", 128, "bf16", True, {"softmax_chains": 4}),
+    ("sm80", 64, "fp16", False, {"softmax_chains": 8}),
+    ("sm90", 64, "bf16", True, {"consumer_warpgroups": 1, "ctas_per_sm": 2}),
+    ("sm90", 128, "fp16", False, {"consumer_warpgroups": 1, "ctas_per_sm": 2, "block_n": 128, "stages": 1,
+                                  "separate_o": False}),
+    ("sm90", 128, "bf16", True, {"uniform_wg": True}),
     # schedule=fa1 (FlashAttention-1) and each of its switches flipped alone (issue 7)
     ("sm80", 128, "bf16", False, {"schedule": "fa1"}),
     ("sm80", 128, "bf16", True, {"schedule": "fa1"}),
@@ -502,6 +510,7 @@ def test_fp8_default_spec(spec):
 
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
 @pytest.mark.parametrize("fields", [dict(head_dim=128, block_n=224), dict(head_dim=128, out_dtype="fp16"),
+                                    dict(head_dim=64, causal=True, consumer_warpgroups=1, ctas_per_sm=2),
                                     dict(head_dim=128, pingpong=False, intra_wg_overlap=False, persistent=False),
                                     dict(head_dim=192, block_n=160, v_layout="transposed")],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
@@ -562,3 +571,16 @@ def test_bench_fp8_cell_checks_facodegen_in_both_v_layouts():
         r = row["results"][name]
         assert r["tflops"] and r["err"] < 3e-2, (name, r)
     assert row["results"]["cudnn"]["note"].startswith("skipped")
+
+
+@pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="bench cells need torch and an sm90 GPU")
+def test_bench_interleaved_variants_are_checked_and_timed_apart():
+    from facodegen import bench
+    c = bench.cell(128, False, 1000, 2, 4, "bf16")
+    row = bench.run_cell(c, peers=(), timing={"warmup": 1, "groups": 3, "calls": 2, "interleave": True},
+                         variants={"facodegen a": "sm90:", "facodegen b": "sm90:block_n=64",
+                                   "facodegen bad": "sm90:block_n=7"})
+    a, b = row["results"]["facodegen a"], row["results"]["facodegen b"]
+    assert a["tflops"] and b["tflops"] and a["err"] < 2e-2 and b["err"] < 2e-2
+    assert a["variant"] != b["variant"] and a["min_ms"] <= a["ms"] <= a["max_ms"]
+    assert row["results"]["facodegen bad"]["tflops"] is None and "block_n" in row["results"]["facodegen bad"]["note"]
