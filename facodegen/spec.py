@@ -143,9 +143,10 @@ ANCHOR_SOFTMAX_DEFAULT = False
 SOFTMAX_CHAINS = (1, 2, 4, 8)
 
 # uniform_wg's default (sm90/roles.cuh.j2: the consumer warpgroup index broadcast from lane 0, so
-# the Q descriptors stay in uniform registers; removes 16 R2UR and ~14 address instructions per
-# main-loop step at head_dim 128). Session 3 (old/new in separate processes): +1.5% d128 s8k/16k,
-# -1.5% at d256 and fp8.
+# the Q descriptors stay in uniform registers). SASS at head_dim 128: the 16 R2UR per main-loop step
+# go, but ptxas rebuilds the descriptors in uniform registers instead (706 vs 709 instructions per
+# step). H200, variants taking turns (2026-11-29, TFLOP/s off vs on): d128 s8k 615 vs 617, causal s8k
+# 588 vs 587, s2k 574 vs 578; d256 s8k 675 vs 659; d64 s16k 515 vs 499; fp8 d128 s8k 795 vs 787. Off.
 def uniform_wg_default(head_dim: int, dtype: str) -> bool:
     return False
 
@@ -315,6 +316,12 @@ def sm90_cta_register_pool(threads: int, ctas_per_sm: int = 1) -> int:
     return min(256, SM90_REG_FILE // (threads * ctas_per_sm) // 8 * 8) * threads
 
 
+# ctas_per_sm=2 (two CTAs of one consumer warpgroup on an SM: independent tiles, so one CTA's
+# prologue and epilogue run under the other's GEMMs) is a knob, default 1. H200, variants taking turns
+# (2026-11-29, TFLOP/s default vs 2 CTAs): d64 causal s512 225 vs 221, s1k 299 vs 308, s2k 381 vs 378,
+# d64 s512 396 vs 378; d128 causal s512 319 vs 273 (block_n 128, 1 stage, O in Q: what fits twice);
+# fp8 d64 causal s2k 411 vs 379. head_dim 256 does not compile (ptxas holds the 128-register launch
+# bound at the O wgmma).
 def register_split(consumer_warpgroups: int, ctas_per_sm: int = 1) -> tuple[int, int]:
     """(producer, consumer) setmaxnreg values, FA3's and ThunderKittens' choices; two CTAs of one
     consumer warpgroup per SM share the register file: 24 + 232 = 256 x 128 threads."""
