@@ -231,28 +231,38 @@ def _torch():
     return torch
 
 
+def time_cuda_interleaved(fns: list, warmup: int = WARMUP, groups: int = GROUPS,
+                          calls: int = CALLS_PER_GROUP) -> list[dict]:
+    """time_cuda for several callables at once, group by group in turn (A B C A B C ...), so a
+    drift of the GPU's clocks or temperature over the run falls on all of them alike."""
+    torch = _torch()
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    means = [[] for _ in fns]
+    host = [[] for _ in fns]
+    for _ in range(groups):
+        for i, fn in enumerate(fns):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            t1 = time.perf_counter()
+            end.record()
+            end.synchronize()
+            means[i].append(start.elapsed_time(end) / calls)
+            host[i].append((t1 - t0) * 1e3 / calls)
+    return [{"ms": statistics.median(m), "min_ms": min(m), "max_ms": max(m), "host_ms": statistics.median(h)}
+            for m, h in zip(means, host)]
+
+
 def time_cuda(fn, warmup: int = WARMUP, groups: int = GROUPS, calls: int = CALLS_PER_GROUP) -> dict:
     """Median over ``groups`` of the mean time of ``calls`` back-to-back calls, between two CUDA
     events on the current torch stream. Also the host time per call: when it is near the device
     time, the calls were launch-bound and the number measures the host, not the kernel."""
-    torch = _torch()
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    means, host = [], []
-    for _ in range(groups):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        end.record()
-        end.synchronize()
-        means.append(start.elapsed_time(end) / calls)
-        host.append((t1 - t0) * 1e3 / calls)
-    return {"ms": statistics.median(means), "min_ms": min(means), "max_ms": max(means),
-            "host_ms": statistics.median(host)}
+    return time_cuda_interleaved([fn], warmup, groups, calls)[0]
 
 
 def l2_bytes() -> int:
@@ -508,48 +518,49 @@ def _make_inputs(c: dict, n_sets: int) -> list[InputSet]:
 _LOGGED: set = set()
 
 
-def _prepare_impl(name: str, make, input_sets, c: dict, check_first: bool, log, keep_ctx: bool = False):
-    """Build the callables (one per input set) and check set 0. Returns (result, rotate, ctx):
-    rotate() calls the next set's callable; rotate is None when the implementation failed,
-    refused or was skipped (the reason is in result["note"]). ctx is the context the calls need
-    (an SDPA backend choice; single-use): with keep_ctx it is left entered for the caller, who
-    must close it (ctx.__exit__), else the check runs inside it and it is closed."""
-    torch = _torch()
+def _build_impl(make, input_sets):
+    """Build the callables (one per input set). Returns (result, fns, ctx, checked_set): ctx is the
+    context the calls need (an SDPA backend choice; single-use), checked_set the inputs fns[0]
+    runs on; fns is None when the implementation refused or failed to build (the reason is in
+    result["note"])."""
     result: dict = {"tflops": None, "ms": None, "err": None, "note": None}
     try:
         built = [make(s) for s in input_sets]
     except Exception as err:  # noqa: BLE001
         msg = str(err)
         result["note"] = msg if msg.startswith(("skipped", "unavailable")) else f"setup failed: {type(err).__name__}: {msg}"
-        return result, None, None
-    fns = [b[0] for b in built]
-    ctx = built[0][1]
+        return result, None, None, None
     if len(built[0]) > 2:
         result["variant"] = built[0][2]
     checked_set = built[0][3] if len(built[0]) > 3 else input_sets[0]
-    ctx.__enter__()
+    return result, [b[0] for b in built], built[0][1], checked_set
+
+
+def _check_impl(name: str, result: dict, fns, checked_set, c: dict, log) -> bool:
+    """Run fns[0] once (inside its ctx) and compare with the float64 reference on a slice; False
+    with the reason in result["note"] when it fails or raises."""
+    torch = _torch()
     try:
-        if check_first:
-            o = fns[0]()
-            torch.cuda.synchronize()
-            ok, msg, err = _slice_check(o, checked_set, c["causal"], c["dtype"])
-            result["err"] = err
-            if not ok:
-                result["note"] = f"check failed: {msg}"
-                ctx.__exit__(None, None, None)
-                return result, None, None
+        o = fns[0]()
+        torch.cuda.synchronize()
+        ok, msg, err = _slice_check(o, checked_set, c["causal"], c["dtype"])
     except Exception as err:  # noqa: BLE001
-        ctx.__exit__(None, None, None)
         _note_failure(name, result, err, log)
-        return result, None, None
-    if not keep_ctx:
-        ctx.__exit__(None, None, None)
+        return False
+    result["err"] = err
+    if not ok:
+        result["note"] = f"check failed: {msg}"
+    return ok
+
+
+def _rotation(fns):
+    """A callable that calls the next input set's callable each time."""
     state = {"i": 0}
 
     def rotate():
         fns[state["i"] % len(fns)]()
         state["i"] += 1
-    return result, rotate, ctx
+    return rotate
 
 
 def _note_failure(name: str, result: dict, err: Exception, log) -> None:
@@ -573,45 +584,20 @@ def _record_time(result: dict, t: dict, c: dict) -> dict:
 
 
 def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: dict, log) -> dict:
-    """Build, check set 0, then time rotating over the sets."""
-    result, rotate, ctx = _prepare_impl(name, make, input_sets, c, check_first, log, keep_ctx=True)
-    if rotate is None:
+    """Build, check set 0, then time rotating over the sets, all inside one entry of the
+    implementation's context."""
+    result, fns, ctx, checked_set = _build_impl(make, input_sets)
+    if fns is None:
         return result
-    try:
-        t = time_cuda(rotate, **timing)
-    except Exception as err:  # noqa: BLE001
-        _note_failure(name, result, err, log)
-        return result
-    finally:
-        ctx.__exit__(None, None, None)
+    with ctx:
+        if check_first and not _check_impl(name, result, fns, checked_set, c, log):
+            return result
+        try:
+            t = time_cuda(_rotation(fns), **timing)
+        except Exception as err:  # noqa: BLE001
+            _note_failure(name, result, err, log)
+            return result
     return _record_time(result, t, c)
-
-
-def time_cuda_interleaved(fns: list, warmup: int = WARMUP, groups: int = GROUPS,
-                          calls: int = CALLS_PER_GROUP) -> list[dict]:
-    """time_cuda for several callables at once, group by group in turn (A B C A B C ...), so a
-    drift of the GPU's clocks or temperature over the run falls on all of them alike."""
-    torch = _torch()
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    means = [[] for _ in fns]
-    host = [[] for _ in fns]
-    for _ in range(groups):
-        for i, fn in enumerate(fns):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            t1 = time.perf_counter()
-            end.record()
-            end.synchronize()
-            means[i].append(start.elapsed_time(end) / calls)
-            host[i].append((t1 - t0) * 1e3 / calls)
-    return [{"ms": statistics.median(m), "min_ms": min(m), "max_ms": max(m), "host_ms": statistics.median(h)}
-            for m, h in zip(means, host)]
 
 
 def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None, check_first: bool = True,
@@ -640,10 +626,13 @@ def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None,
         overrides = {**_split_overrides(spec_overrides, arch), **fields}
         make = (lambda a, o: lambda s: _facodegen_fn(a, o, s, c["causal"]))(arch, overrides)
         if interleave:
-            result, rotate, _ = _prepare_impl(name, make, input_sets, c, check_first, log)
+            result, fns, ctx, checked_set = _build_impl(make, input_sets)
             row["results"][name] = result
-            if rotate is not None:
-                prepared.append((name, rotate))
+            if fns is not None:
+                with ctx:
+                    ok = not check_first or _check_impl(name, result, fns, checked_set, c, log)
+                if ok:
+                    prepared.append((name, _rotation(fns)))
         else:
             row["results"][name] = _run_impl(name, make, input_sets, c, check_first, timing, log)
     if prepared:
