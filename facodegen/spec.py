@@ -142,19 +142,19 @@ ANCHOR_SOFTMAX_DEFAULT = False
 # 96/192 unmeasured).
 SOFTMAX_CHAINS = (1, 2, 4, 8)
 
-# uniform_wg's default (sm90/roles.cuh.j2: the consumer warpgroup index broadcast from lane 0, so
-# the Q descriptors stay in uniform registers). SASS at head_dim 128: the 16 R2UR per main-loop step
-# go, but ptxas rebuilds the descriptors in uniform registers instead (706 vs 709 instructions per
-# step). H200, variants taking turns (2026-11-29, TFLOP/s off vs on): d128 s8k 615 vs 617, causal s8k
-# 588 vs 587, s2k 574 vs 578; d256 s8k 675 vs 659; d64 s16k 515 vs 499; fp8 d128 s8k 795 vs 787. Off.
-def uniform_wg_default(head_dim: int, dtype: str) -> bool:
-    return False
-
 
 def softmax_chains_default(arch: str, head_dim: int, dtype: str) -> int:
     if arch != "sm90":
         return 1
     return 4 if head_dim == 64 or (dtype == "fp8" and head_dim == 256) else 1
+
+
+# uniform_wg's default (sm90/roles.cuh.j2: the consumer warpgroup index broadcast from lane 0, so
+# the Q descriptors stay in uniform registers). SASS at head_dim 128: the 16 R2UR per main-loop step
+# go, but ptxas rebuilds the descriptors in uniform registers instead (706 vs 709 instructions per
+# step). H200, variants taking turns (2026-11-29, TFLOP/s off vs on): d128 s8k 615 vs 617, causal s8k
+# 588 vs 587, s2k 574 vs 578; d256 s8k 675 vs 659; d64 s16k 515 vs 499; fp8 d128 s8k 795 vs 787. Off.
+UNIFORM_WG_DEFAULT = False
 
 REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 28}
 SM80_MAX_REGS = 255
@@ -355,7 +355,7 @@ class KernelSpec:
     fits), ``l2_hints`` (TMA loads carry L2 eviction hints: K/V evict-last, Q evict-first),
     ``anchor_softmax`` (keep the softmax ahead of the P V wait), ``rescale_under_qk`` (O's rescale
     between the next Q K^T and P V issues), ``uniform_wg`` (the consumer warpgroup index in uniform
-    registers).
+    registers), ``ctas_per_sm`` (1 | 2: two CTAs of one consumer warpgroup share an SM).
 
     dtype=fp8 only (e4m3 Q, K, V; sm90): ``out_dtype`` (bf16 | fp16: the type of O) and ``v_layout``
     (row | transposed: V as (batch, seqlen_k, heads_kv, d), transposed in shared memory by the kernel,
@@ -454,7 +454,7 @@ class KernelSpec:
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
                         l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT,
-                        uniform_wg=uniform_wg_default(self.head_dim, self.dtype), ctas_per_sm=1)
+                        uniform_wg=UNIFORM_WG_DEFAULT, ctas_per_sm=1)
             _coerce_bools(self, ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
                                  "uniform_wg"))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
