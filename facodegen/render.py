@@ -68,7 +68,7 @@ def emit_command(spec: KernelSpec) -> str:
     if spec.schedule == "fa2" and spec.dtype != "fp8":
         flags.append("--lazy-rescale" if spec.lazy_rescale else "--exact-rescale")
     if spec.schedule == "fa2":
-        flags.append(f"--softmax-chains {spec.softmax_chains}")
+        flags += [f"--softmax-chains {spec.softmax_chains}", f"--poly-exp2-tiles {spec.poly_exp2_tiles}"]
     return "facodegen emit " + " ".join(flags)
 
 

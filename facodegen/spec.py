@@ -149,6 +149,14 @@ def softmax_chains_default(arch: str, head_dim: int, dtype: str) -> int:
     return 4 if head_dim == 64 or (dtype == "fp8" and head_dim == 256) else 1
 
 
+# poly_exp2_tiles' default (common/softmax.cuh.j2: n8 key tiles of each score fragment whose exp2 runs
+# as a polynomial on the FMA pipe instead of MUFU.EX2, FlashAttention-4's emulation). MUFU does 16
+# exp2 per clock per SM against 128 FMAs; per consumer step it is busy block_n/2 x 8 cycles a warp,
+# as long as the wgmmas at head_dim 64 and fp8 (see docs/perf-notes.md "Session 5").
+def poly_exp2_default(arch: str, head_dim: int, dtype: str, block_n: int) -> int:
+    return 0
+
+
 # uniform_wg's default (sm90/roles.cuh.j2: the consumer warpgroup index broadcast from lane 0, so
 # the Q descriptors stay in uniform registers). SASS at head_dim 128: the 16 R2UR per main-loop step
 # go, but ptxas rebuilds the descriptors in uniform registers instead (706 vs 709 instructions per
@@ -339,7 +347,9 @@ class KernelSpec:
     ``stages`` (depth of the K/V shared-memory ring), ``gpu`` (whose limits the budget
     model applies: a100, h100, h200), ``lazy_rescale`` (rescale O only when a row max grows by
     more than 2^8), ``softmax_chains`` (independent FMNMX/FADD chains per row in the softmax's row
-    max and row sum: shorter dependent chains for a few more instructions).
+    max and row sum: shorter dependent chains for a few more instructions), ``poly_exp2_tiles`` (n8
+    key tiles of each score fragment, 0 to block_n/8, whose exp2 is a polynomial on the FMA pipe
+    instead of MUFU.EX2).
 
     sm80 only: ``q_in_regs`` (keep Q fragments in registers instead of re-reading shared
     memory every K/V step), ``schedule`` (fa2 | fa1: FlashAttention-1's schedule, in its own
@@ -393,6 +403,7 @@ class KernelSpec:
     softmax_chains: int | None = None
     uniform_wg: bool | None = None
     ctas_per_sm: int | None = None
+    poly_exp2_tiles: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -477,6 +488,9 @@ class KernelSpec:
                                 and lazy_rescale_default(self.arch, self.head_dim))
         _coerce_bools(self, ("lazy_rescale",))
         fill["softmax_chains"] = softmax_chains_default(self.arch, self.head_dim, self.dtype)
+        block_n = self.block_n if self.block_n is not None else tiles.block_n
+        fill["poly_exp2_tiles"] = (poly_exp2_default(self.arch, self.head_dim, self.dtype, block_n)
+                                   if self.schedule == "fa2" and isinstance(block_n, int) else 0)
         for name, value in fill.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -535,6 +549,8 @@ class KernelSpec:
             parts.append("lz")
         if self.softmax_chains != 1:
             parts.append(f"ch{self.softmax_chains}")
+        if self.poly_exp2_tiles:
+            parts.append(f"px{self.poly_exp2_tiles}")
         if self.causal:
             parts.append("causal")
         return "_".join(parts)
@@ -718,6 +734,13 @@ def _validate(spec: KernelSpec) -> None:
         value = getattr(spec, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise SpecError(name, f"must be a positive integer, got {value!r}")
+    tiles = spec.block_n // 8
+    if not isinstance(spec.poly_exp2_tiles, int) or isinstance(spec.poly_exp2_tiles, bool) \
+            or not 0 <= spec.poly_exp2_tiles <= tiles:
+        raise SpecError("poly_exp2_tiles", f"must be an integer from 0 to block_n/8 = {tiles} (n8 key tiles of "
+                                           f"a score fragment), got {spec.poly_exp2_tiles!r}")
+    if spec.poly_exp2_tiles and spec.schedule == "fa1":
+        raise SpecError("poly_exp2_tiles", "schedule=fa1 has its own softmax (MUFU.EX2 only): use poly_exp2_tiles=0")
     if spec.arch == "sm80":
         if spec.num_warps not in (1, 2, 4, 8, 16):
             raise SpecError("num_warps", f"num_warps={spec.num_warps} must be 1, 2, 4, 8 or 16")

@@ -64,6 +64,10 @@ def test_user_values_win_over_defaults():
     (dict(arch="sm90", head_dim=64, ctas_per_sm=2), "consumer_regs", "two CTAs per SM"),
     (dict(arch="sm90", softmax_chains=3), "softmax_chains", "1, 2, 4, 8"),
     (dict(arch="sm90", uniform_wg="yes"), "uniform_wg", "True or False"),
+    (dict(arch="sm90", head_dim=128, block_n=128, poly_exp2_tiles=17), "poly_exp2_tiles", "block_n/8 = 16"),
+    (dict(arch="sm80", poly_exp2_tiles=-1), "poly_exp2_tiles", "from 0"),
+    (dict(arch="sm90", poly_exp2_tiles=True), "poly_exp2_tiles", "integer"),
+    (dict(arch="sm80", schedule="fa1", poly_exp2_tiles=2), "poly_exp2_tiles", "fa1"),
 ])
 def test_each_invalid_field_names_its_knob(fields, knob, words):
     with pytest.raises(SpecError) as err:

@@ -181,6 +181,10 @@ NON_DEFAULT = [
     ("sm90", 128, "fp16", False, {"consumer_warpgroups": 1, "ctas_per_sm": 2, "block_n": 128, "stages": 1,
                                   "separate_o": False}),
     ("sm90", 128, "bf16", True, {"uniform_wg": True}),
+    ("sm90", 128, "bf16", True, {"poly_exp2_tiles": 4}),
+    ("sm90", 64, "fp16", False, {"poly_exp2_tiles": 16}),     # every exp2 on the FMA pipe
+    ("sm90", 256, "bf16", True, {"poly_exp2_tiles": 3}),
+    ("sm80", 128, "bf16", True, {"poly_exp2_tiles": 2}),
     # schedule=fa1 (FlashAttention-1) and each of its switches flipped alone (issue 7)
     ("sm80", 128, "bf16", False, {"schedule": "fa1"}),
     ("sm80", 128, "bf16", True, {"schedule": "fa1"}),
@@ -224,6 +228,37 @@ def test_rescale_with_a_row_max_that_keeps_growing(arch, head_dim, causal, lazy)
     growth = 1.0 + 40.0 * (1.0 - torch.arange(s, device="cuda", dtype=torch.float32) / s)   # key j: x (1 + 40 (1 - j/s))
     run_case(spec, (2, s, s, 2, 2), lib="torch",
              shape_k=lambda k: (k.float() * growth[None, :, None, None]).to(torch.bfloat16))
+
+
+def test_poly_exp2_matches_exp2():
+    """common/ptx.cuh.j2's poly_exp2 (2^x on the FMA pipe) against float64 2^x over the range the
+    softmax feeds it: x <= 8 (lazy rescale's slack, fp8's offset) down to -126 within 1e-4, rounding
+    boundaries included; below that under 2^-126 (a denormal the FTZ arithmetic reads as 0), and
+    -inf (a masked score) exactly 0, so a row with no visible key keeps a zero sum."""
+    from facodegen.render import context, environment
+    spec = KernelSpec(arch=_native_arch())
+    header = "".join(environment().get_template(name).render(**context(spec))
+                     for name in ("common/types.cuh.j2", "common/ptx.cuh.j2"))
+    kernel = cupy.RawKernel(header + r"""
+extern "C" __global__ void poly(const float* x, float* y, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = poly_exp2(x[i]);
+}""", "poly", options=("-std=c++17",))
+
+    def run(x):
+        x = np.asarray(x, dtype=np.float32)
+        y = cupy.full(x.size, np.nan, dtype=cupy.float32)
+        kernel(((x.size + 255) // 256,), (256,), (cupy.asarray(x), y, np.int32(x.size)))
+        return cupy.asnumpy(y).astype(np.float64)
+
+    rng = np.random.default_rng()
+    j = np.arange(-126, 9, dtype=np.float64)
+    x = np.concatenate([rng.uniform(-126.0, 8.0, 200_000), j, j[1:] - 2.0 ** -20, j + 0.5]).astype(np.float32)
+    y = run(x)
+    rel = np.abs(y / np.exp2(x.astype(np.float64)) - 1.0)
+    assert rel.max() < 1.0e-4, (x[rel.argmax()], y[rel.argmax()])
+    low = run([-np.inf, -1e30, -200.0, -127.0, -126.5])
+    assert (low >= 0).all() and (low < 2.0 ** -126).all() and low[0] == 0.0, low
 
 
 def _native_arch() -> str:
@@ -512,7 +547,8 @@ def test_fp8_default_spec(spec):
 @pytest.mark.parametrize("fields", [dict(head_dim=128, block_n=224), dict(head_dim=128, out_dtype="fp16"),
                                     dict(head_dim=64, causal=True, consumer_warpgroups=1, ctas_per_sm=2),
                                     dict(head_dim=128, pingpong=False, intra_wg_overlap=False, persistent=False),
-                                    dict(head_dim=192, block_n=160, v_layout="transposed")],
+                                    dict(head_dim=192, block_n=160, v_layout="transposed"),
+                                    dict(head_dim=128, causal=True, poly_exp2_tiles=6)],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_non_default_spec(fields):
     from facodegen.reference import FP8_TOLERANCE
