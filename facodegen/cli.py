@@ -27,7 +27,7 @@ _SPEC_FLAGS = {
     "separate_o": "separate_o", "l2_hints": "l2_hints", "out_dtype": "out_dtype", "v_layout": "v_layout",
     "anchor_softmax": "anchor_softmax", "lazy_rescale": "lazy_rescale",
     "rescale_under_qk": "rescale_under_qk", "softmax_chains": "softmax_chains", "uniform_wg": "uniform_wg",
-    "ctas_per_sm": "ctas_per_sm", "poly_exp2_tiles": "poly_exp2_tiles",
+    "ctas_per_sm": "ctas_per_sm", "poly_exp2_tiles": "poly_exp2_tiles", "optimistic_max": "optimistic_max",
 }
 
 
@@ -98,6 +98,8 @@ def spec_options(command, arch_choices=ARCHS):
                      help="sm90: CTAs sharing one SM (2: one consumer warpgroup each, short sequences)."),
         click.option("--softmax-chains", type=click.Choice(["1", "2", "4", "8"]), callback=_int_choice,
                      help="Independent max/sum chains per row in the softmax."),
+        click.option("--optimistic-max/--exact-max", default=None,
+                     help="sm90, 16-bit: exp2s from the running row max; the row sums say when to redo a step."),
         click.option("--poly-exp2-tiles", type=click.IntRange(min=0),
                      help="n8 key tiles per score fragment whose exp2 runs on the FMA pipe (polynomial)."),
     ]

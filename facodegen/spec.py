@@ -157,6 +157,17 @@ def poly_exp2_default(arch: str, head_dim: int, dtype: str, block_n: int) -> int
     return 0
 
 
+# optimistic_max's default (sm90, 16-bit types; common/softmax.cuh.j2's softmax_step_optimistic: the
+# exp2s of a step start from the running max, the row sums decide whether the step needs the max).
+# On the H200 (scripts/sweep.py, variants taking turns, 2026-11-29, TFLOP/s exact vs optimistic, FA3
+# in the same run): d128 s8k 592 vs 670 (FA3 652), s1k 602 vs 646, causal s8k 573 vs 624 (638),
+# causal s2k 499 vs 528, causal s512 329 vs 333; d64 s8k 503 vs 566 (512); d256 s8k 669 vs 706 (703),
+# s512 492 vs 501. Slower: d64 causal s8k 464 vs 458, s1k 297 vs 288, s512 222 vs 220; d256 causal
+# s2k 586 vs 573 (a 4-byte spill there). head_dim 96/192 unmeasured: exact.
+def optimistic_max_default(head_dim: int, dtype: str, causal: bool) -> bool:
+    return dtype != "fp8" and (head_dim == 128 or (head_dim in (64, 256) and not causal))
+
+
 # uniform_wg's default (sm90/roles.cuh.j2: the consumer warpgroup index broadcast from lane 0, so
 # the Q descriptors stay in uniform registers). SASS at head_dim 128: the 16 R2UR per main-loop step
 # go, but ptxas rebuilds the descriptors in uniform registers instead (706 vs 709 instructions per
@@ -365,7 +376,9 @@ class KernelSpec:
     fits), ``l2_hints`` (TMA loads carry L2 eviction hints: K/V evict-last, Q evict-first),
     ``anchor_softmax`` (keep the softmax ahead of the P V wait), ``rescale_under_qk`` (O's rescale
     between the next Q K^T and P V issues), ``uniform_wg`` (the consumer warpgroup index in uniform
-    registers), ``ctas_per_sm`` (1 | 2: two CTAs of one consumer warpgroup share an SM).
+    registers), ``ctas_per_sm`` (1 | 2: two CTAs of one consumer warpgroup share an SM),
+    ``optimistic_max`` (16-bit types: a step's exp2s start from the running row max without a max
+    pass; the row sums show when a step must be redone with the true max).
 
     dtype=fp8 only (e4m3 Q, K, V; sm90): ``out_dtype`` (bf16 | fp16: the type of O) and ``v_layout``
     (row | transposed: V as (batch, seqlen_k, heads_kv, d), transposed in shared memory by the kernel,
@@ -404,6 +417,7 @@ class KernelSpec:
     uniform_wg: bool | None = None
     ctas_per_sm: int | None = None
     poly_exp2_tiles: int | None = None
+    optimistic_max: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -429,12 +443,13 @@ class KernelSpec:
             fill["anchor_softmax"] = False
             fill["rescale_under_qk"] = False
             fill["uniform_wg"] = False
+            fill["optimistic_max"] = False
             fill["ctas_per_sm"] = 1
             if self.ctas_per_sm not in (None, 1):
                 raise SpecError("ctas_per_sm", "is an sm90 knob; arch=sm80 runs as many CTAs per SM as fit")
             for name in ("uniform_wg", "consumer_warpgroups", "pingpong", "intra_wg_overlap",
                          "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints",
-                         "anchor_softmax", "rescale_under_qk"):
+                         "anchor_softmax", "rescale_under_qk", "optimistic_max"):
                 if getattr(self, name) not in (None, 0, False):
                     raise SpecError(name, "is an sm90 knob; arch=sm80 does not use it")
         else:
@@ -465,9 +480,11 @@ class KernelSpec:
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
                         l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT,
-                        uniform_wg=UNIFORM_WG_DEFAULT, ctas_per_sm=1)
+                        uniform_wg=UNIFORM_WG_DEFAULT, ctas_per_sm=1,
+                        optimistic_max=(optimistic_max_default(self.head_dim, self.dtype, self.causal)
+                                        and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
-                                 "uniform_wg"))
+                                 "uniform_wg", "optimistic_max"))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
                                                                                   self.causal)
@@ -539,6 +556,8 @@ class KernelSpec:
                 parts.append("rsq")
             if self.uniform_wg:
                 parts.append("uwg")
+            if self.optimistic_max:
+                parts.append("opt")
             if self.ctas_per_sm != 1:
                 parts.append(f"c{self.ctas_per_sm}")
             if self.dtype == "fp8":
@@ -784,9 +803,15 @@ def _validate(spec: KernelSpec) -> None:
                                        f"wgmma reduces over keys in k32 steps)")
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
-        for name in ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg"):
+        for name in ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg", "optimistic_max"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
+        if spec.optimistic_max and spec.dtype == "fp8":
+            raise SpecError("optimistic_max", "dtype=fp8 keeps P under e4m3's 448 with the exact max (FlashAttention-3's "
+                                              "offset of 2^8): use optimistic_max=False")
+        if spec.optimistic_max and spec.anchor_softmax:
+            raise SpecError("optimistic_max", "writes P while no P V is in flight, so there is no wait for "
+                                              "anchor_softmax to hold back: use anchor_softmax=False")
         if spec.rescale_under_qk and not spec.intra_wg_overlap:
             raise SpecError("rescale_under_qk", "moves O's rescale under the next Q K^T of the overlapped loop: "
                                                 "it needs intra_wg_overlap=True")

@@ -57,6 +57,7 @@ SEARCH_SPACE = {
         "rescale_under_qk": (True, False),
         "softmax_chains": (1, 2, 4),
         "poly_exp2_tiles": (0, 2, 4, 6),
+        "optimistic_max": (True, False),
         "uniform_wg": (True, False),
         "ctas_per_sm": (1, 2),
     },
@@ -79,7 +80,7 @@ _TILE_FIELDS = ("block_m", "block_n", "num_warps")
 # Distance of a changed switch (see distance()); non-persistent lost 2-5% in every ablation cell.
 _SWITCH_WEIGHTS = {"pingpong": 1.0, "intra_wg_overlap": 1.0, "persistent": 1.5, "q_in_regs": 1.0,
                    "separate_o": 1.0, "l2_hints": 1.0, "anchor_softmax": 1.0, "lazy_rescale": 1.0,
-                   "rescale_under_qk": 1.0, "softmax_chains": 1.0, "poly_exp2_tiles": 1.0,
+                   "rescale_under_qk": 1.0, "softmax_chains": 1.0, "poly_exp2_tiles": 1.0, "optimistic_max": 1.0,
                    "uniform_wg": 1.0, "ctas_per_sm": 1.0}
 
 
@@ -88,8 +89,9 @@ def _spec_field_names() -> set:
     return {f.name for f in dataclasses.fields(KernelSpec)}
 
 
-# Knobs a dtype does not have: fp8 stores O from registers (no O tile to place in shared memory).
-NOT_FOR_DTYPE = {"fp8": ("separate_o",)}
+# Knobs a dtype does not have: fp8 stores O from registers (no O tile to place in shared memory)
+# and keeps the exact row max (P under e4m3's 448).
+NOT_FOR_DTYPE = {"fp8": ("separate_o", "optimistic_max")}
 
 
 def search_space(arch: str, dtype: str = "bf16") -> dict:

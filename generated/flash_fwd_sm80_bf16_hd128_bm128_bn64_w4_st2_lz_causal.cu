@@ -21,6 +21,7 @@
 //   lazy_rescale         = True
 //   loop_order           = q_outer
 //   num_warps            = 4
+//   optimistic_max       = False
 //   persistent           = False
 //   pingpong             = False
 //   poly_exp2_tiles      = 0
@@ -266,6 +267,9 @@ constexpr int MAX_CHAINS = 1;
 // n8 key tiles of each fragment whose exp2 runs as poly_exp2 on the FMA pipe (spread evenly; the
 // rest use MUFU.EX2): the share that balances the two pipes (spec.poly_exp2_tiles).
 constexpr int POLY_EXP2_TILES = 0;
+// Steps after a tile's first skip the row max pass unless the row sums say they need it
+// (softmax_step_optimistic; spec.optimistic_max).
+constexpr bool OPTIMISTIC_MAX = false;
 
 __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -338,10 +342,11 @@ __device__ __forceinline__ constexpr bool poly_exp2_tile(int t) {
     return (t + 1) * POLY_EXP2_TILES / T != t * POLY_EXP2_TILES / T;
 }
 
-// s = 2^(s*scale_log2 - shift[row]) in place (one FFMA + MUFU.EX2 each, or poly_exp2 on the
-// POLY_EXP2_TILES tiles); returns this thread's row sums of the new s.
-template <int N>
-__device__ __forceinline__ void exp2_rows(float (&s)[N], float scale_log2, const float (&shift)[2], float (&sum)[2]) {
+// 2^(s*scale_log2 - shift[row]) for every score, handed to store(i, p_i) in order; returns this
+// thread's row sums. One FFMA + MUFU.EX2 each, or poly_exp2 on the POLY_EXP2_TILES tiles.
+template <int N, typename Store>
+__device__ __forceinline__ void exp2_rows_to(const float (&s)[N], float scale_log2, const float (&shift)[2],
+                                             float (&sum)[2], Store store) {
     static_assert(POLY_EXP2_TILES <= N / 4, "poly_exp2_tiles is at most the fragment's n8 tiles");
     constexpr int CHAINS = RowChains<N>::COUNT;
     float chain[2][CHAINS];
@@ -353,8 +358,9 @@ __device__ __forceinline__ void exp2_rows(float (&s)[N], float scale_log2, const
     for (int i = 0; i < N; ++i) {
         const int r = (i >> 1) & 1;
         const float x = s[i] * scale_log2 - shift[r];
-        s[i] = poly_exp2_tile<N / 4>(i >> 2) ? poly_exp2(x) : fast_exp2(x);
-        chain[r][(i >> 2) % CHAINS] += s[i];
+        const float p = poly_exp2_tile<N / 4>(i >> 2) ? poly_exp2(x) : fast_exp2(x);
+        chain[r][(i >> 2) % CHAINS] += p;
+        store(i, p);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -362,11 +368,17 @@ __device__ __forceinline__ void exp2_rows(float (&s)[N], float scale_log2, const
     }
 }
 
+// s = 2^(s*scale_log2 - shift[row]) in place; returns this thread's row sums of the new s.
+template <int N>
+__device__ __forceinline__ void exp2_rows(float (&s)[N], float scale_log2, const float (&shift)[2], float (&sum)[2]) {
+    exp2_rows_to(s, scale_log2, shift, sum, [&](int i, float p) { s[i] = p; });
+}
+
 // One K/V step: s holds this step's (masked) raw scores on entry and p on exit. row_max and
 // row_sum are updated; o_scale[r] receives the factor the O accumulator rows must be
 // multiplied by (2^((old_max - new_max)*scale_log2); 0 while the row had no visible key, 1 if
 // the max did not move). Apply it with rescale_rows() before adding this step's P V.
-template <int N>
+template <int N, bool LAZY = LAZY_RESCALE>
 __device__ __forceinline__ void softmax_step(float (&s)[N], float (&row_max)[2], float (&row_sum)[2],
                                              float scale_log2, float (&o_scale)[2]) {
     float new_max[2];
@@ -375,7 +387,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[N], float (&row_max)[2],
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         new_max[r] = quad_max(new_max[r]);
-        if (LAZY_RESCALE && row_max[r] != NEG_INF && (new_max[r] - row_max[r]) * scale_log2 <= RESCALE_SLACK_LOG2) {
+        if (LAZY && row_max[r] != NEG_INF && (new_max[r] - row_max[r]) * scale_log2 <= RESCALE_SLACK_LOG2) {
             new_max[r] = row_max[r];   // keep the stale max: o_scale is exactly 2^0 = 1
         }
         // A row with no visible key so far keeps max -inf; use 0 so -inf - (-inf) never
@@ -401,12 +413,13 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[N], const float (&scal
     }
 }
 
-// The main loop's O *= o_scale. LAZY_RESCALE: skipped when no row of the warp moved (o_scale = 1
-// in every lane, exactly: ex2.approx(0)), a warp-uniform branch. Without it every step rescales
-// (the row max moves often enough that the branch would only cost registers).
+// The main loop's O *= o_scale. LAZY_RESCALE or OPTIMISTIC_MAX: skipped when no row of the warp
+// moved (o_scale = 1 in every lane, exactly: ex2.approx(0) or set), a warp-uniform branch.
+// Without them every step rescales (the row max moves often enough that the branch would only
+// cost registers).
 template <int N>
 __device__ __forceinline__ void rescale_moved_rows(float (&acc)[N], const float (&scale)[2]) {
-    if (!LAZY_RESCALE || __any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
+    if (!(LAZY_RESCALE || OPTIMISTIC_MAX) || __any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
         rescale_rows(acc, scale);
     }
 }

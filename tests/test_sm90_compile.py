@@ -104,3 +104,31 @@ def test_without_the_anchor_ptxas_hoists_the_pv_wait():
     spec = K(head_dim=128)
     counts = softmax_exps_under_pv(compile_mod.compile(spec).sass())
     assert counts and max(counts) < 64 * spec.block_n // 128 // 2, counts
+
+
+def first_op_after_pv_wait(sass: str, ops=("MUFU.EX2", "SHFL.BFLY")) -> list[str]:
+    """For each steady-state step (after the wait that leaves P V running, then the wait for P V),
+    which of `ops` comes first after the wait for P V."""
+    firsts, state = [], None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            state = "qk"
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and state == "qk":
+            state = "pv"
+        elif state == "pv":
+            hit = next((op for op in ops if op in line), None)
+            if hit:
+                firsts.append(hit)
+                state = None
+    return firsts
+
+
+@pytest.mark.parametrize("spec", [K(head_dim=128), K(head_dim=128, causal=True), K(head_dim=64),
+                                  K(head_dim=256, optimistic_max=True)], ids=lambda s: s.variant)
+def test_optimistic_max_starts_the_exp2s_before_any_row_max_shuffle(spec):
+    """optimistic_max: after the wait for P V the step's exp2s start at once (the quad shuffles of a
+    row max come only in the exact redo); the exact step shuffles the row max first."""
+    assert spec.optimistic_max
+    assert set(first_op_after_pv_wait(compile_mod.compile(spec).sass())) == {"MUFU.EX2"}
+    exact = compile_mod.compile(spec.replace(optimistic_max=False)).sass()
+    assert set(first_op_after_pv_wait(exact)) == {"SHFL.BFLY"}

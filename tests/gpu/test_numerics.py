@@ -185,6 +185,10 @@ NON_DEFAULT = [
     ("sm90", 64, "fp16", False, {"poly_exp2_tiles": 16}),     # every exp2 on the FMA pipe
     ("sm90", 256, "bf16", True, {"poly_exp2_tiles": 3}),
     ("sm80", 128, "bf16", True, {"poly_exp2_tiles": 2}),
+    ("sm90", 128, "bf16", True, {"optimistic_max": True}),
+    ("sm90", 64, "fp16", False, {"optimistic_max": True}),
+    ("sm90", 256, "bf16", False, {"optimistic_max": True}),
+    ("sm90", 128, "bf16", True, {"optimistic_max": True, "intra_wg_overlap": False}),
     # schedule=fa1 (FlashAttention-1) and each of its switches flipped alone (issue 7)
     ("sm80", 128, "bf16", False, {"schedule": "fa1"}),
     ("sm80", 128, "bf16", True, {"schedule": "fa1"}),
@@ -214,16 +218,22 @@ def test_non_default_spec(case):
 
 @pytest.mark.parametrize("arch,head_dim,causal", [("sm80", 128, False), ("sm80", 64, True), ("sm90", 128, False),
                                                    ("sm90", 128, True), ("sm90", 64, False), ("sm90", 256, True)])
-@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "exact"])
-def test_rescale_with_a_row_max_that_keeps_growing(arch, head_dim, causal, lazy):
+@pytest.mark.parametrize("mode", ["lazy", "exact", "optimistic"])
+def test_rescale_with_a_row_max_that_keeps_growing(arch, head_dim, causal, mode):
     """Scores that grow toward key 0 (the last block each tile visits): every K/V block raises the
     row max by more than lazy_rescale's slack of 2^8, so O is rescaled on most steps, not just the
-    first (on randn inputs the max settles after a block or two and the lazy branch is rarely taken)."""
+    first (on randn inputs the max settles after a block or two and the lazy branch is rarely taken);
+    with optimistic_max, most steps fail the row-sum bound and are redone with the true max."""
     if not arch_supported(arch):
         pytest.skip(f"{arch} kernels do not run on compute capability {CC[0]}.{CC[1]}")
     if not HAVE_TORCH:
         pytest.skip("bf16 inputs need torch")
-    spec = KernelSpec(arch=arch, head_dim=head_dim, dtype="bf16", causal=causal, lazy_rescale=lazy)
+    if mode == "optimistic" and arch != "sm90":
+        pytest.skip("optimistic_max is an sm90 knob")
+    knobs = {"lazy_rescale": mode == "lazy"}
+    if arch == "sm90":
+        knobs["optimistic_max"] = mode == "optimistic"
+    spec = KernelSpec(arch=arch, head_dim=head_dim, dtype="bf16", causal=causal, **knobs)
     s = 1000
     growth = 1.0 + 40.0 * (1.0 - torch.arange(s, device="cuda", dtype=torch.float32) / s)   # key j: x (1 + 40 (1 - j/s))
     run_case(spec, (2, s, s, 2, 2), lib="torch",
