@@ -162,10 +162,11 @@ def poly_exp2_default(arch: str, head_dim: int, dtype: str, block_n: int) -> int
 # On the H200 (scripts/sweep.py, variants taking turns, 2026-11-29, TFLOP/s exact vs optimistic, FA3
 # in the same run): d128 s8k 592 vs 670 (FA3 652), s1k 602 vs 646, causal s8k 573 vs 624 (638),
 # causal s2k 499 vs 528, causal s512 329 vs 333; d64 s8k 503 vs 566 (512); d256 s8k 669 vs 706 (703),
-# s512 492 vs 501. Slower: d64 causal s8k 464 vs 458, s1k 297 vs 288, s512 222 vs 220; d256 causal
-# s2k 586 vs 573 (a 4-byte spill there). head_dim 96/192 unmeasured: exact.
+# s512 492 vs 501. d64 causal without pingpong s8k 464 vs 458, s1k 297 vs 288, with it (its default
+# now) 530 (06b2daf). d256 causal: s2k 586 vs 573 in one run, 588 vs 601 (s8k 640 vs 669) in the
+# next, and ptxas spills 4 bytes in its main loop: exact. head_dim 96/192 unmeasured: exact.
 def optimistic_max_default(head_dim: int, dtype: str, causal: bool) -> bool:
-    return dtype != "fp8" and (head_dim == 128 or (head_dim in (64, 256) and not causal))
+    return dtype != "fp8" and (head_dim in (64, 128) or (head_dim == 256 and not causal))
 
 
 # uniform_wg's default (sm90/roles.cuh.j2: the consumer warpgroup index broadcast from lane 0, so
@@ -235,7 +236,10 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str, 
     if head_dim <= 64:
         # 3 consumer warpgroups x 64 rows. FA3's 192x192 keeps P in shared memory (SS PV
         # GEMM); with P in registers 160 registers hold S and P only up to block_n=128.
-        return Tiles(192, 128, 16, 2, consumer_warpgroups=3, pingpong=pingpong,
+        # Pingpong causal too since optimistic_max (the steps are even again): H200, variants taking
+        # turns (2026-11-29, 06b2daf, TFLOP/s optimistic without vs with pingpong): causal s8k 463 vs
+        # 530, s2k 359 vs 385, s512 (2 warpgroups) 220 vs 227.
+        return Tiles(192, 128, 16, 2, consumer_warpgroups=3, pingpong=True,
                      intra_wg_overlap=True, why="FA3 hdim64 causal tile: 192x128")
     if head_dim <= 96:
         # FA3 uses 192x144 with P in shared memory; with P in registers 3 warpgroups of 160
