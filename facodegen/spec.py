@@ -163,10 +163,10 @@ def poly_exp2_default(arch: str, head_dim: int, dtype: str, block_n: int) -> int
 # in the same run): d128 s8k 592 vs 670 (FA3 652), s1k 602 vs 646, causal s8k 573 vs 624 (638),
 # causal s2k 499 vs 528, causal s512 329 vs 333; d64 s8k 503 vs 566 (512); d256 s8k 669 vs 706 (703),
 # s512 492 vs 501. d64 causal without pingpong s8k 464 vs 458, s1k 297 vs 288, with it (its default
-# now) 530 (06b2daf). d256 causal: s2k 586 vs 573 in one run, 588 vs 601 (s8k 640 vs 669) in the
-# next, and ptxas spills 4 bytes in its main loop: exact. head_dim 96/192 unmeasured: exact.
+# now) 530 (06b2daf). d256 causal: s2k 586 vs 573 in one run, 588 vs 601 (s8k 640 vs 669, s512
+# 324 vs 333) in the next. head_dim 96/192 unmeasured: exact.
 def optimistic_max_default(head_dim: int, dtype: str, causal: bool) -> bool:
-    return dtype != "fp8" and (head_dim in (64, 128) or (head_dim == 256 and not causal))
+    return dtype != "fp8" and head_dim in (64, 128, 256)
 
 
 # uniform_wg's default (sm90/roles.cuh.j2: the consumer warpgroup index broadcast from lane 0, so
@@ -811,8 +811,8 @@ def _validate(spec: KernelSpec) -> None:
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
         if spec.optimistic_max and spec.dtype == "fp8":
-            raise SpecError("optimistic_max", "dtype=fp8 keeps P under e4m3's 448 with the exact max (FlashAttention-3's "
-                                              "offset of 2^8): use optimistic_max=False")
+            raise SpecError("optimistic_max", "is a 16-bit knob: the fp8 kernel keeps the exact row max (its two-round "
+                                              "form spills at 232 registers): use optimistic_max=False")
         if spec.optimistic_max and spec.anchor_softmax:
             raise SpecError("optimistic_max", "writes P while no P V is in flight, so there is no wait for "
                                               "anchor_softmax to hold back: use anchor_softmax=False")

@@ -90,7 +90,7 @@ def _spec_field_names() -> set:
 
 
 # Knobs a dtype does not have: fp8 stores O from registers (no O tile to place in shared memory)
-# and keeps the exact row max (P under e4m3's 448).
+# and keeps the exact row max.
 NOT_FOR_DTYPE = {"fp8": ("separate_o", "optimistic_max")}
 
 

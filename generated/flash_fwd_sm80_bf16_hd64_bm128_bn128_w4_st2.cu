@@ -342,12 +342,14 @@ __device__ __forceinline__ constexpr bool poly_exp2_tile(int t) {
     return (t + 1) * POLY_EXP2_TILES / T != t * POLY_EXP2_TILES / T;
 }
 
-// 2^(s*scale_log2 - shift[row]) for every score, handed to store(i, p_i) in order; returns this
-// thread's row sums. One FFMA + MUFU.EX2 each, or poly_exp2 on the POLY_EXP2_TILES tiles.
-template <int N, typename Store>
+// 2^(s*scale_log2 - shift[row]) for every score, handed G at a time to store(i, p[G]) (scores
+// i..i+G-1, in order); returns this thread's row sums. One FFMA + MUFU.EX2 each, or poly_exp2 on the
+// POLY_EXP2_TILES tiles.
+template <int G, int N, typename Store>
 __device__ __forceinline__ void exp2_rows_to(const float (&s)[N], float scale_log2, const float (&shift)[2],
                                              float (&sum)[2], Store store) {
     static_assert(POLY_EXP2_TILES <= N / 4, "poly_exp2_tiles is at most the fragment's n8 tiles");
+    static_assert(N % G == 0, "whole groups");
     constexpr int CHAINS = RowChains<N>::COUNT;
     float chain[2][CHAINS];
 #pragma unroll
@@ -355,12 +357,17 @@ __device__ __forceinline__ void exp2_rows_to(const float (&s)[N], float scale_lo
         chain[0][c] = chain[1][c] = 0.f;
     }
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-        const int r = (i >> 1) & 1;
-        const float x = s[i] * scale_log2 - shift[r];
-        const float p = poly_exp2_tile<N / 4>(i >> 2) ? poly_exp2(x) : fast_exp2(x);
-        chain[r][(i >> 2) % CHAINS] += p;
-        store(i, p);
+    for (int first = 0; first < N; first += G) {
+        float p[G];
+#pragma unroll
+        for (int k = 0; k < G; ++k) {
+            const int i = first + k;
+            const int r = (i >> 1) & 1;
+            const float x = s[i] * scale_log2 - shift[r];
+            p[k] = poly_exp2_tile<N / 4>(i >> 2) ? poly_exp2(x) : fast_exp2(x);
+            chain[r][(i >> 2) % CHAINS] += p[k];
+        }
+        store(first, p);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -371,32 +378,40 @@ __device__ __forceinline__ void exp2_rows_to(const float (&s)[N], float scale_lo
 // s = 2^(s*scale_log2 - shift[row]) in place; returns this thread's row sums of the new s.
 template <int N>
 __device__ __forceinline__ void exp2_rows(float (&s)[N], float scale_log2, const float (&shift)[2], float (&sum)[2]) {
-    exp2_rows_to(s, scale_log2, shift, sum, [&](int i, float p) { s[i] = p; });
+    exp2_rows_to<1>(s, scale_log2, shift, sum, [&](int i, const float (&p)[1]) { s[i] = p[0]; });
 }
 
-// One K/V step: s holds this step's (masked) raw scores on entry and p on exit. row_max and
-// row_sum are updated; o_scale[r] receives the factor the O accumulator rows must be
-// multiplied by (2^((old_max - new_max)*scale_log2); 0 while the row had no visible key, 1 if
-// the max did not move). Apply it with rescale_rows() before adding this step's P V.
-template <int N, bool LAZY = LAZY_RESCALE>
-__device__ __forceinline__ void softmax_step(float (&s)[N], float (&row_max)[2], float (&row_sum)[2],
-                                             float scale_log2, float (&o_scale)[2]) {
+// The row max update of one K/V step: row_max[r] takes the scores of s (quad_max: the whole row);
+// max_scaled[r] receives the exp2 shift (new max * scale_log2; 0 while the row has seen no key,
+// so -inf - (-inf) never happens: its p are 2^-inf = 0 and its zero O and sum get factor 0) and
+// o_scale[r] the factor 2^((old_max - new_max)*scale_log2) for O and the row sum (0 while the row
+// had no visible key, 1 if the max did not move). LAZY: a max within RESCALE_SLACK_LOG2 of the old
+// one is not taken (o_scale exactly 1).
+template <bool LAZY, int N>
+__device__ __forceinline__ void update_row_max(const float (&s)[N], float (&row_max)[2], float scale_log2,
+                                               float (&max_scaled)[2], float (&o_scale)[2]) {
     float new_max[2];
     thread_row_max(s, row_max, new_max);
-    float max_scaled[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         new_max[r] = quad_max(new_max[r]);
         if (LAZY && row_max[r] != NEG_INF && (new_max[r] - row_max[r]) * scale_log2 <= RESCALE_SLACK_LOG2) {
             new_max[r] = row_max[r];   // keep the stale max: o_scale is exactly 2^0 = 1
         }
-        // A row with no visible key so far keeps max -inf; use 0 so -inf - (-inf) never
-        // happens: its p are 2^-inf = 0 and its (zero) O and sum get factor 2^-inf = 0.
         max_scaled[r] = new_max[r] == NEG_INF ? 0.f : new_max[r] * scale_log2;
         o_scale[r] = fast_exp2(row_max[r] * scale_log2 - max_scaled[r]);
         row_max[r] = new_max[r];
     }
-    float step_sum[2];
+}
+
+// One K/V step: s holds this step's (masked) raw scores on entry and p on exit. row_max and
+// row_sum are updated; o_scale[r] receives the factor the O accumulator rows must be
+// multiplied by (see update_row_max). Apply it with rescale_rows() before adding this step's P V.
+template <int N>
+__device__ __forceinline__ void softmax_step(float (&s)[N], float (&row_max)[2], float (&row_sum)[2],
+                                             float scale_log2, float (&o_scale)[2]) {
+    float max_scaled[2], step_sum[2];
+    update_row_max<LAZY_RESCALE>(s, row_max, scale_log2, max_scaled, o_scale);
     exp2_rows(s, scale_log2, max_scaled, step_sum);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -346,12 +346,14 @@ __device__ __forceinline__ constexpr bool poly_exp2_tile(int t) {
     return (t + 1) * POLY_EXP2_TILES / T != t * POLY_EXP2_TILES / T;
 }
 
-// 2^(s*scale_log2 - shift[row]) for every score, handed to store(i, p_i) in order; returns this
-// thread's row sums. One FFMA + MUFU.EX2 each, or poly_exp2 on the POLY_EXP2_TILES tiles.
-template <int N, typename Store>
+// 2^(s*scale_log2 - shift[row]) for every score, handed G at a time to store(i, p[G]) (scores
+// i..i+G-1, in order); returns this thread's row sums. One FFMA + MUFU.EX2 each, or poly_exp2 on the
+// POLY_EXP2_TILES tiles.
+template <int G, int N, typename Store>
 __device__ __forceinline__ void exp2_rows_to(const float (&s)[N], float scale_log2, const float (&shift)[2],
                                              float (&sum)[2], Store store) {
     static_assert(POLY_EXP2_TILES <= N / 4, "poly_exp2_tiles is at most the fragment's n8 tiles");
+    static_assert(N % G == 0, "whole groups");
     constexpr int CHAINS = RowChains<N>::COUNT;
     float chain[2][CHAINS];
 #pragma unroll
@@ -359,12 +361,17 @@ __device__ __forceinline__ void exp2_rows_to(const float (&s)[N], float scale_lo
         chain[0][c] = chain[1][c] = 0.f;
     }
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-        const int r = (i >> 1) & 1;
-        const float x = s[i] * scale_log2 - shift[r];
-        const float p = poly_exp2_tile<N / 4>(i >> 2) ? poly_exp2(x) : fast_exp2(x);
-        chain[r][(i >> 2) % CHAINS] += p;
-        store(i, p);
+    for (int first = 0; first < N; first += G) {
+        float p[G];
+#pragma unroll
+        for (int k = 0; k < G; ++k) {
+            const int i = first + k;
+            const int r = (i >> 1) & 1;
+            const float x = s[i] * scale_log2 - shift[r];
+            p[k] = poly_exp2_tile<N / 4>(i >> 2) ? poly_exp2(x) : fast_exp2(x);
+            chain[r][(i >> 2) % CHAINS] += p[k];
+        }
+        store(first, p);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -375,32 +382,40 @@ __device__ __forceinline__ void exp2_rows_to(const float (&s)[N], float scale_lo
 // s = 2^(s*scale_log2 - shift[row]) in place; returns this thread's row sums of the new s.
 template <int N>
 __device__ __forceinline__ void exp2_rows(float (&s)[N], float scale_log2, const float (&shift)[2], float (&sum)[2]) {
-    exp2_rows_to(s, scale_log2, shift, sum, [&](int i, float p) { s[i] = p; });
+    exp2_rows_to<1>(s, scale_log2, shift, sum, [&](int i, const float (&p)[1]) { s[i] = p[0]; });
 }
 
-// One K/V step: s holds this step's (masked) raw scores on entry and p on exit. row_max and
-// row_sum are updated; o_scale[r] receives the factor the O accumulator rows must be
-// multiplied by (2^((old_max - new_max)*scale_log2); 0 while the row had no visible key, 1 if
-// the max did not move). Apply it with rescale_rows() before adding this step's P V.
-template <int N, bool LAZY = LAZY_RESCALE>
-__device__ __forceinline__ void softmax_step(float (&s)[N], float (&row_max)[2], float (&row_sum)[2],
-                                             float scale_log2, float (&o_scale)[2]) {
+// The row max update of one K/V step: row_max[r] takes the scores of s (quad_max: the whole row);
+// max_scaled[r] receives the exp2 shift (new max * scale_log2; 0 while the row has seen no key,
+// so -inf - (-inf) never happens: its p are 2^-inf = 0 and its zero O and sum get factor 0) and
+// o_scale[r] the factor 2^((old_max - new_max)*scale_log2) for O and the row sum (0 while the row
+// had no visible key, 1 if the max did not move). LAZY: a max within RESCALE_SLACK_LOG2 of the old
+// one is not taken (o_scale exactly 1).
+template <bool LAZY, int N>
+__device__ __forceinline__ void update_row_max(const float (&s)[N], float (&row_max)[2], float scale_log2,
+                                               float (&max_scaled)[2], float (&o_scale)[2]) {
     float new_max[2];
     thread_row_max(s, row_max, new_max);
-    float max_scaled[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         new_max[r] = quad_max(new_max[r]);
         if (LAZY && row_max[r] != NEG_INF && (new_max[r] - row_max[r]) * scale_log2 <= RESCALE_SLACK_LOG2) {
             new_max[r] = row_max[r];   // keep the stale max: o_scale is exactly 2^0 = 1
         }
-        // A row with no visible key so far keeps max -inf; use 0 so -inf - (-inf) never
-        // happens: its p are 2^-inf = 0 and its (zero) O and sum get factor 2^-inf = 0.
         max_scaled[r] = new_max[r] == NEG_INF ? 0.f : new_max[r] * scale_log2;
         o_scale[r] = fast_exp2(row_max[r] * scale_log2 - max_scaled[r]);
         row_max[r] = new_max[r];
     }
-    float step_sum[2];
+}
+
+// One K/V step: s holds this step's (masked) raw scores on entry and p on exit. row_max and
+// row_sum are updated; o_scale[r] receives the factor the O accumulator rows must be
+// multiplied by (see update_row_max). Apply it with rescale_rows() before adding this step's P V.
+template <int N>
+__device__ __forceinline__ void softmax_step(float (&s)[N], float (&row_max)[2], float (&row_sum)[2],
+                                             float scale_log2, float (&o_scale)[2]) {
+    float max_scaled[2], step_sum[2];
+    update_row_max<LAZY_RESCALE>(s, row_max, scale_log2, max_scaled, o_scale);
     exp2_rows(s, scale_log2, max_scaled, step_sum);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -417,35 +432,31 @@ __device__ __forceinline__ void softmax_step(float (&s)[N], float (&row_max)[2],
 // no key yet) the warp redoes the step exactly from s, which the first pass left untouched, and
 // moves to the true max, so the next step's p are at most 1 again.
 template <int N>
-__device__ __forceinline__ void softmax_step_optimistic(float (&s)[N], uint32_t (&p)[N / 2], float (&row_max)[2],
+__device__ __forceinline__ void softmax_step_optimistic(const float (&s)[N], uint32_t (&p)[N / 2], float (&row_max)[2],
                                                         float (&row_sum)[2], float scale_log2, float (&o_scale)[2]) {
     constexpr float SLACK = 1 << static_cast<int>(RESCALE_SLACK_LOG2);
     float shift[2], step_sum[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         shift[r] = row_max[r] * scale_log2;               // -inf: the sum is inf or NaN, never <= SLACK
+        o_scale[r] = 1.f;
     }
-    float even = 0.f;                                       // elements 2j, 2j+1 share a row: one packed pair
-    exp2_rows_to(s, scale_log2, shift, step_sum, [&](int i, float v) {
-        if (i % 2 == 0) {
-            even = v;
-        } else {
-            p[i / 2] = pack_elem2(even, v);
+    // One copy of the exp2 pass in the code (a rolled loop of at most two rounds): ptxas allocates
+    // registers for it once. The second round, from the true max, has every p <= 1.
+#pragma unroll 1
+    for (int round = 0;; ++round) {
+        exp2_rows_to<2>(s, scale_log2, shift, step_sum, [&](int i, const float (&pair)[2]) {
+            p[i / 2] = pack_elem2(pair[0], pair[1]);        // elements 2j, 2j+1 share a row
+        });
+        const bool bounded = step_sum[0] <= SLACK && step_sum[1] <= SLACK;
+        if (round == 1 || __all_sync(0xffffffffu, bounded)) {
+            break;
         }
-    });
-    const bool bounded = step_sum[0] <= SLACK && step_sum[1] <= SLACK;
-    if (__all_sync(0xffffffffu, bounded)) {
+        update_row_max<false>(s, row_max, scale_log2, shift, o_scale);
+    }
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            row_sum[r] += step_sum[r];
-            o_scale[r] = 1.f;
-        }
-    } else {
-        softmax_step<N, false>(s, row_max, row_sum, scale_log2, o_scale);
-#pragma unroll
-        for (int j = 0; j < N / 2; ++j) {
-            p[j] = pack_elem2(s[2 * j], s[2 * j + 1]);
-        }
+    for (int r = 0; r < 2; ++r) {
+        row_sum[r] = row_sum[r] * o_scale[r] + step_sum[r];
     }
 }
 

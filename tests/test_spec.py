@@ -68,7 +68,7 @@ def test_user_values_win_over_defaults():
     (dict(arch="sm80", poly_exp2_tiles=-1), "poly_exp2_tiles", "from 0"),
     (dict(arch="sm90", poly_exp2_tiles=True), "poly_exp2_tiles", "integer"),
     (dict(arch="sm80", schedule="fa1", poly_exp2_tiles=2), "poly_exp2_tiles", "fa1"),
-    (dict(arch="sm90", dtype="fp8", optimistic_max=True), "optimistic_max", "448"),
+    (dict(arch="sm90", dtype="fp8", optimistic_max=True), "optimistic_max", "16-bit knob"),
     (dict(arch="sm90", anchor_softmax=True, optimistic_max=True), "optimistic_max", "anchor_softmax=False"),
     (dict(arch="sm80", optimistic_max=True), "optimistic_max", "sm90 knob"),
 ])
@@ -82,8 +82,9 @@ def test_each_invalid_field_names_its_knob(fields, knob, words):
 
 def test_optimistic_max_defaults_follow_the_measurements():
     on = [KernelSpec(arch="sm90", head_dim=128, causal=True), KernelSpec(arch="sm90", head_dim=64),
-          KernelSpec(arch="sm90", head_dim=64, causal=True), KernelSpec(arch="sm90", head_dim=256, dtype="fp16")]
-    off = [KernelSpec(arch="sm90", head_dim=256, causal=True), KernelSpec(arch="sm90", head_dim=96),
+          KernelSpec(arch="sm90", head_dim=64, causal=True), KernelSpec(arch="sm90", head_dim=256, dtype="fp16"),
+          KernelSpec(arch="sm90", head_dim=256, causal=True)]
+    off = [KernelSpec(arch="sm90", head_dim=96), KernelSpec(arch="sm90", head_dim=192, causal=True),
            KernelSpec(arch="sm90", head_dim=128, dtype="fp8"), KernelSpec(arch="sm90", head_dim=128, anchor_softmax=True),
            KernelSpec(arch="sm80", head_dim=128)]
     assert all(s.optimistic_max for s in on) and not any(s.optimistic_max for s in off)
