@@ -312,7 +312,10 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
 #   taking turns (318 -> 331, 450 -> 459 and 316 -> 324, 456 -> 460 in two sequential sweeps); at
 #   s2k 507 -> 503 and beyond it loses 4-5%, so only up to 1k;
 #   head_dim 256 causal, block_n 80 -> 64 (finer diagonal): s512 301 -> 312 (313 -> 321 and 312 ->
-#   321 in two more runs); s1k 462 -> 461, so only at 512.
+#   321 in two more runs); s1k 462 -> 461 with the exact softmax, 467 -> 492 with optimistic_max
+#   (c5d6789, variants taking turns), so up to 1k;
+#   head_dim 256 non-causal, block_n 80 -> 64 (seven 80-key blocks at s512, the last mostly padding;
+#   eight of 64): s512 505 -> 529 (c5d6789).
 SHORT_SEQUENCE_TILE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups")
 
 
@@ -326,7 +329,7 @@ def short_sequence_fields(arch: str, head_dim: int, dtype: str, causal: bool, se
         return {"consumer_warpgroups": 2}
     if head_dim == 128 and causal and seqlen_q <= 1024:
         return {"pingpong": True}
-    if head_dim == 256 and causal and seqlen_q <= 512:
+    if head_dim == 256 and ((causal and seqlen_q <= 1024) or (not causal and seqlen_k <= 512)):
         return {"block_n": 64}
     return {}
 
