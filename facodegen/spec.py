@@ -151,8 +151,11 @@ def softmax_chains_default(arch: str, head_dim: int, dtype: str) -> int:
 
 # poly_exp2_tiles' default (common/softmax.cuh.j2: n8 key tiles of each score fragment whose exp2 runs
 # as a polynomial on the FMA pipe instead of MUFU.EX2, FlashAttention-4's emulation). MUFU does 16
-# exp2 per clock per SM against 128 FMAs; per consumer step it is busy block_n/2 x 8 cycles a warp,
-# as long as the wgmmas at head_dim 64 and fp8 (see docs/perf-notes.md "Session 5").
+# exp2 per clock per SM against 128 FMAs, but a polynomial exp2 is 8 instructions against 2, and the
+# step is bound by instruction issue, not by MUFU: on the H200 (scripts/sweep.py, variants taking
+# turns, 2026-11-29, 235d2ba + descriptors, TFLOP/s tiles 0 / 2 / 4) d128 s8k 622 / 616 / 584, causal
+# s8k 602 / 563 / 545, d64 s8k 528 / 479 / 466 (8: 419), d256 s8k 678 / 659; fp8 d128 s8k 798 / 816 /
+# 802, fp8 d64 s8k 641 / 616 / 593, fp8 d256 998 / 943 / 930. Off everywhere.
 def poly_exp2_default(arch: str, head_dim: int, dtype: str, block_n: int) -> int:
     return 0
 
@@ -314,6 +317,9 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
 #   head_dim 256 causal, block_n 80 -> 64 (finer diagonal): s512 301 -> 312 (313 -> 321 and 312 ->
 #   321 in two more runs); s1k 462 -> 461 with the exact softmax, 467 -> 492 with optimistic_max
 #   (c5d6789, variants taking turns), so up to 1k;
+#   head_dim 64 causal above 512 up to 1k, two CTAs of one consumer warpgroup per SM instead (one
+#   CTA's prologue and epilogue run under the other's GEMMs): s1k 299 -> 308 (975f18b), 303 -> 321
+#   with optimistic_max (a778a8d); at s512 222.7 vs 223.2, so not there;
 #   head_dim 256 non-causal, block_n 80 -> 64 (seven 80-key blocks at s512, the last mostly padding;
 #   eight of 64): s512 505 -> 529 (c5d6789).
 SHORT_SEQUENCE_TILE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups")
@@ -325,7 +331,9 @@ def short_sequence_fields(arch: str, head_dim: int, dtype: str, causal: bool, se
         return {}
     if head_dim == 128 and not causal and seqlen_k <= 1024:
         return {"block_n": 128}
-    if head_dim == 64 and causal and seqlen_q <= 1024:
+    if head_dim == 64 and causal and 512 < seqlen_q <= 1024:
+        return {"consumer_warpgroups": 1, "ctas_per_sm": 2}
+    if head_dim == 64 and causal and seqlen_q <= 512:
         return {"consumer_warpgroups": 2}
     if head_dim == 128 and causal and seqlen_q <= 1024:
         return {"pingpong": True}
