@@ -65,8 +65,7 @@ def emit_command(spec: KernelSpec) -> str:
                   f"--ctas-per-sm {spec.ctas_per_sm}"]
         if spec.intra_wg_overlap:
             flags.append("--rescale-under-qk" if spec.rescale_under_qk else "--rescale-after-pv")
-        if spec.dtype != "fp8":
-            flags.append("--optimistic-max" if spec.optimistic_max else "--exact-max")
+        flags.append("--optimistic-max" if spec.optimistic_max else "--exact-max")
     if spec.schedule == "fa2" and spec.dtype != "fp8":
         flags.append("--lazy-rescale" if spec.lazy_rescale else "--exact-rescale")
     if spec.schedule == "fa2":

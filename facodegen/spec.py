@@ -392,8 +392,9 @@ class KernelSpec:
     ``anchor_softmax`` (keep the softmax ahead of the P V wait), ``rescale_under_qk`` (O's rescale
     between the next Q K^T and P V issues), ``uniform_wg`` (the consumer warpgroup index in uniform
     registers), ``ctas_per_sm`` (1 | 2: two CTAs of one consumer warpgroup share an SM),
-    ``optimistic_max`` (16-bit types: a step's exp2s start from the running row max without a max
-    pass; the row sums show when a step must be redone with the true max).
+    ``optimistic_max`` (a step's exp2s start from the running row max without waiting for a max
+    pass; the row sums, for fp8 the max beside them, show when a step must be redone with the true
+    max).
 
     dtype=fp8 only (e4m3 Q, K, V; sm90): ``out_dtype`` (bf16 | fp16: the type of O) and ``v_layout``
     (row | transposed: V as (batch, seqlen_k, heads_kv, d), transposed in shared memory by the kernel,
@@ -821,9 +822,6 @@ def _validate(spec: KernelSpec) -> None:
         for name in ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg", "optimistic_max"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
-        if spec.optimistic_max and spec.dtype == "fp8":
-            raise SpecError("optimistic_max", "is a 16-bit knob: the fp8 kernel keeps the exact row max (its two-round "
-                                              "form spills at 232 registers): use optimistic_max=False")
         if spec.optimistic_max and spec.anchor_softmax:
             raise SpecError("optimistic_max", "writes P while no P V is in flight, so there is no wait for "
                                               "anchor_softmax to hold back: use anchor_softmax=False")

@@ -89,9 +89,8 @@ def _spec_field_names() -> set:
     return {f.name for f in dataclasses.fields(KernelSpec)}
 
 
-# Knobs a dtype does not have: fp8 stores O from registers (no O tile to place in shared memory)
-# and keeps the exact row max.
-NOT_FOR_DTYPE = {"fp8": ("separate_o", "optimistic_max")}
+# Knobs a dtype does not have: fp8 stores O from registers (no O tile to place in shared memory).
+NOT_FOR_DTYPE = {"fp8": ("separate_o",)}
 
 
 def search_space(arch: str, dtype: str = "bf16") -> dict:

@@ -348,8 +348,10 @@ __device__ __forceinline__ constexpr bool poly_exp2_tile(int t) {
 
 // 2^(s*scale_log2 - shift[row]) for every score, handed G at a time to store(i, p[G]) (scores
 // i..i+G-1, in order); returns this thread's row sums. One FFMA + MUFU.EX2 each, or poly_exp2 on the
-// POLY_EXP2_TILES tiles.
-template <int G, int N, typename Store>
+// POLY_EXP2_TILES tiles. SINGLE_FMA writes the FFMA as one: left to the compiler's contraction, the
+// product s*scale_log2 can be shared by two passes over the same s (fp8's optimistic step) and
+// held in registers between them (96 of them at block_n 192: 290 bytes of spills).
+template <int G, bool SINGLE_FMA = false, int N, typename Store>
 __device__ __forceinline__ void exp2_rows_to(const float (&s)[N], float scale_log2, const float (&shift)[2],
                                              float (&sum)[2], Store store) {
     static_assert(POLY_EXP2_TILES <= N / 4, "poly_exp2_tiles is at most the fragment's n8 tiles");
@@ -367,7 +369,7 @@ __device__ __forceinline__ void exp2_rows_to(const float (&s)[N], float scale_lo
         for (int k = 0; k < G; ++k) {
             const int i = first + k;
             const int r = (i >> 1) & 1;
-            const float x = s[i] * scale_log2 - shift[r];
+            const float x = SINGLE_FMA ? __fmaf_rn(s[i], scale_log2, -shift[r]) : s[i] * scale_log2 - shift[r];
             p[k] = poly_exp2_tile<N / 4>(i >> 2) ? poly_exp2(x) : fast_exp2(x);
             chain[r][(i >> 2) % CHAINS] += p[k];
         }

@@ -68,7 +68,6 @@ def test_user_values_win_over_defaults():
     (dict(arch="sm80", poly_exp2_tiles=-1), "poly_exp2_tiles", "from 0"),
     (dict(arch="sm90", poly_exp2_tiles=True), "poly_exp2_tiles", "integer"),
     (dict(arch="sm80", schedule="fa1", poly_exp2_tiles=2), "poly_exp2_tiles", "fa1"),
-    (dict(arch="sm90", dtype="fp8", optimistic_max=True), "optimistic_max", "16-bit knob"),
     (dict(arch="sm90", anchor_softmax=True, optimistic_max=True), "optimistic_max", "anchor_softmax=False"),
     (dict(arch="sm80", optimistic_max=True), "optimistic_max", "sm90 knob"),
 ])

@@ -558,7 +558,10 @@ def test_fp8_default_spec(spec):
                                     dict(head_dim=64, causal=True, consumer_warpgroups=1, ctas_per_sm=2),
                                     dict(head_dim=128, pingpong=False, intra_wg_overlap=False, persistent=False),
                                     dict(head_dim=192, block_n=160, v_layout="transposed"),
-                                    dict(head_dim=128, causal=True, poly_exp2_tiles=6)],
+                                    dict(head_dim=128, causal=True, poly_exp2_tiles=6),
+                                    dict(head_dim=128, causal=True, optimistic_max=True),
+                                    dict(head_dim=64, optimistic_max=True, v_layout="transposed"),
+                                    dict(head_dim=256, causal=True, optimistic_max=True)],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_non_default_spec(fields):
     from facodegen.reference import FP8_TOLERANCE
