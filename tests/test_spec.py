@@ -82,9 +82,9 @@ def test_each_invalid_field_names_its_knob(fields, knob, words):
 def test_optimistic_max_defaults_follow_the_measurements():
     on = [KernelSpec(arch="sm90", head_dim=128, causal=True), KernelSpec(arch="sm90", head_dim=64),
           KernelSpec(arch="sm90", head_dim=64, causal=True), KernelSpec(arch="sm90", head_dim=256, dtype="fp16"),
-          KernelSpec(arch="sm90", head_dim=256, causal=True)]
+          KernelSpec(arch="sm90", head_dim=256, causal=True), KernelSpec(arch="sm90", head_dim=128, dtype="fp8")]
     off = [KernelSpec(arch="sm90", head_dim=96), KernelSpec(arch="sm90", head_dim=192, causal=True),
-           KernelSpec(arch="sm90", head_dim=128, dtype="fp8"), KernelSpec(arch="sm90", head_dim=128, anchor_softmax=True),
+           KernelSpec(arch="sm90", head_dim=64, dtype="fp8"), KernelSpec(arch="sm90", head_dim=128, anchor_softmax=True),
            KernelSpec(arch="sm80", head_dim=128)]
     assert all(s.optimistic_max for s in on) and not any(s.optimistic_max for s in off)
 
