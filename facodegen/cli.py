@@ -99,7 +99,7 @@ def spec_options(command, arch_choices=ARCHS):
         click.option("--softmax-chains", type=click.Choice(["1", "2", "4", "8"]), callback=_int_choice,
                      help="Independent max/sum chains per row in the softmax."),
         click.option("--optimistic-max/--exact-max", default=None,
-                     help="sm90, 16-bit: exp2s from the running row max; the row sums say when to redo a step."),
+                     help="sm90: exp2s from the running row max; the row sums (fp8: the max) say when to redo a step."),
         click.option("--poly-exp2-tiles", type=click.IntRange(min=0),
                      help="n8 key tiles per score fragment whose exp2 runs on the FMA pipe (polynomial)."),
     ]
