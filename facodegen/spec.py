@@ -156,12 +156,12 @@ def softmax_chains_default(arch: str, head_dim: int, dtype: str) -> int:
 # turns, 2026-11-29, 235d2ba + descriptors, TFLOP/s tiles 0 / 2 / 4) d128 s8k 622 / 616 / 584, causal
 # s8k 602 / 563 / 545, d64 s8k 528 / 479 / 466 (8: 419), d256 s8k 678 / 659; fp8 d128 s8k 798 / 816 /
 # 802, fp8 d64 s8k 641 / 616 / 593, fp8 d256 998 / 943 / 930. Off everywhere.
-def poly_exp2_default(arch: str, head_dim: int, dtype: str, block_n: int) -> int:
-    return 0
+POLY_EXP2_TILES_DEFAULT = 0
 
 
-# optimistic_max's default (sm90, 16-bit types; common/softmax.cuh.j2's softmax_step_optimistic: the
-# exp2s of a step start from the running max, the row sums decide whether the step needs the max).
+# optimistic_max's default (sm90; common/softmax.cuh.j2's softmax_step_optimistic, the fp8 kernel's
+# softmax_step_fp8_optimistic: the exp2s of a step start from the running max; the row sums, for
+# fp8 the max pass beside them, decide whether the step needs the new max).
 # On the H200 (scripts/sweep.py, variants taking turns, 2026-11-29, TFLOP/s exact vs optimistic, FA3
 # in the same run): d128 s8k 592 vs 670 (FA3 652), s1k 602 vs 646, causal s8k 573 vs 624 (638),
 # causal s2k 499 vs 528, causal s512 329 vs 333; d64 s8k 503 vs 566 (512); d256 s8k 669 vs 706 (703),
@@ -524,9 +524,7 @@ class KernelSpec:
                                 and lazy_rescale_default(self.arch, self.head_dim))
         _coerce_bools(self, ("lazy_rescale",))
         fill["softmax_chains"] = softmax_chains_default(self.arch, self.head_dim, self.dtype)
-        block_n = self.block_n if self.block_n is not None else tiles.block_n
-        fill["poly_exp2_tiles"] = (poly_exp2_default(self.arch, self.head_dim, self.dtype, block_n)
-                                   if self.schedule == "fa2" and isinstance(block_n, int) else 0)
+        fill["poly_exp2_tiles"] = POLY_EXP2_TILES_DEFAULT
         for name, value in fill.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
