@@ -387,12 +387,19 @@ __device__ __forceinline__ void exp2_rows(float (&s)[N], float scale_log2, const
     exp2_rows_to<1>(s, scale_log2, shift, sum, [&](int i, const float (&p)[1]) { s[i] = p[0]; });
 }
 
-// The row max update of one K/V step: row_max[r] takes the scores of s (quad_max: the whole row);
-// max_scaled[r] receives the exp2 shift (new max * scale_log2; 0 while the row has seen no key,
-// so -inf - (-inf) never happens: its p are 2^-inf = 0 and its zero O and sum get factor 0) and
-// o_scale[r] the factor 2^((old_max - new_max)*scale_log2) for O and the row sum (0 while the row
-// had no visible key, 1 if the max did not move). LAZY: a max within RESCALE_SLACK_LOG2 of the old
-// one is not taken (o_scale exactly 1).
+// Move one row to its new max (whole-row, quad-reduced): max_scaled receives the exp2 shift (new max *
+// scale_log2; 0 while the row has seen no key, so -inf - (-inf) never happens: its p are 2^-inf = 0
+// and its zero O and sum get factor 0) and o_scale the factor 2^((old_max - new_max)*scale_log2) for
+// O and the row sum (0 while the row had no visible key, 1 if the max did not move).
+__device__ __forceinline__ void take_row_max(float new_max, float& row_max, float scale_log2, float& max_scaled,
+                                             float& o_scale) {
+    max_scaled = new_max == NEG_INF ? 0.f : new_max * scale_log2;
+    o_scale = fast_exp2(row_max * scale_log2 - max_scaled);
+    row_max = new_max;
+}
+
+// The row max update of one K/V step: the scores of s (quad_max: the whole row), then
+// take_row_max. LAZY: a max within RESCALE_SLACK_LOG2 of the old one is not taken (o_scale exactly 1).
 template <bool LAZY, int N>
 __device__ __forceinline__ void update_row_max(const float (&s)[N], float (&row_max)[2], float scale_log2,
                                                float (&max_scaled)[2], float (&o_scale)[2]) {
@@ -404,21 +411,24 @@ __device__ __forceinline__ void update_row_max(const float (&s)[N], float (&row_
         if (LAZY && row_max[r] != NEG_INF && (new_max[r] - row_max[r]) * scale_log2 <= RESCALE_SLACK_LOG2) {
             new_max[r] = row_max[r];   // keep the stale max: o_scale is exactly 2^0 = 1
         }
-        max_scaled[r] = new_max[r] == NEG_INF ? 0.f : new_max[r] * scale_log2;
-        o_scale[r] = fast_exp2(row_max[r] * scale_log2 - max_scaled[r]);
-        row_max[r] = new_max[r];
+        take_row_max(new_max[r], row_max[r], scale_log2, max_scaled[r], o_scale[r]);
     }
 }
 
-// One K/V step: s holds this step's (masked) raw scores on entry and p on exit. row_max and
-// row_sum are updated; o_scale[r] receives the factor the O accumulator rows must be
-// multiplied by (see update_row_max). Apply it with rescale_rows() before adding this step's P V.
+// One K/V step: s holds this step's (masked) raw scores on entry and p on exit, times
+// 2^offset_log2 (fp8's offset; 0 for the 16-bit types). row_max and row_sum are updated; o_scale[r]
+// receives the factor the O accumulator rows must be multiplied by (see take_row_max). Apply it
+// with rescale_rows() before adding this step's P V.
 template <int N>
 __device__ __forceinline__ void softmax_step(float (&s)[N], float (&row_max)[2], float (&row_sum)[2],
-                                             float scale_log2, float (&o_scale)[2]) {
-    float max_scaled[2], step_sum[2];
-    update_row_max<LAZY_RESCALE>(s, row_max, scale_log2, max_scaled, o_scale);
-    exp2_rows(s, scale_log2, max_scaled, step_sum);
+                                             float scale_log2, float (&o_scale)[2], float offset_log2 = 0.f) {
+    float shift[2], step_sum[2];
+    update_row_max<LAZY_RESCALE>(s, row_max, scale_log2, shift, o_scale);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        shift[r] -= offset_log2;
+    }
+    exp2_rows(s, scale_log2, shift, step_sum);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         row_sum[r] = row_sum[r] * o_scale[r] + step_sum[r];
@@ -1214,8 +1224,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                         if (block_needs_mask(p, t, n)) {
                             apply_mask(s_reg, row0, n * BLOCK_N + col_in_block, p.seqlen_q, p.seqlen_k, CAUSAL);
                         }
-                        // P goes straight into p_reg: the previous P V must be done reading it
-                        // (ptxas puts this wait here anyway, see ANCHOR_SOFTMAX below).
+                        // The softmax comes after this wait: it writes P straight into p_reg, which the
+                        // previous P V reads (ptxas hoists the wait above an exact softmax anyway).
                         wgmma_wait<0>();                            // P V done: O and P free
                         fence_regs(o_reg);
                         fence_regs(p_reg);
