@@ -177,7 +177,7 @@ def simulate_pv(block_n: int, head_dim: int, v_layout: str, seed: int = 0) -> tu
             outs = [byte_perm(x0, y0, 0x5410), byte_perm(x0, y0, 0x7632), byte_perm(x1, y1, 0x5410),
                     byte_perm(x1, y1, 0x7632)]
             for j, word in enumerate(outs):
-                base = swizzled(vt_slab, vt_sw, col + j, slot)
+                base = swizzled(vt_slab, vt_sw, vt_row_of(col + j), slot)
                 for b in range(4):
                     vt[base + b] = (word >> (8 * b)) & 0xFF
     else:                                                       # TMA of the caller's V^T: natural key order
@@ -186,7 +186,23 @@ def simulate_pv(block_n: int, head_dim: int, v_layout: str, seed: int = 0) -> tu
                 vt[swizzled(vt_slab, vt_sw, n, key)] = V[key, n]
     # wgmma K-major B: element (k = slot, n) at slab k // vt_sw, swizzled row n
     B = np.array([[vt[swizzled(vt_slab, vt_sw, n, k)] for n in range(head_dim)] for k in range(block_n)])
-    return A @ B, P @ V
+    acc = A @ B                                                 # the accumulator's columns
+    if v_layout == "transposed":
+        return acc, P @ V
+    # store_o: accumulator registers 8a + 2r + (0, 4, 1, 5) of thread (g, t) -> row g + 8r, columns
+    # 16a + 4t + (0, 1, 2, 3); register i of n8 tile j holds accumulator column 8j + 2t + (i & 1)
+    out = np.full_like(acc, -1)
+    for t in range(4):
+        for a in range(head_dim // 16):
+            for q, i in enumerate((0, 4, 1, 5)):
+                j, odd = divmod(i, 4)[0] + 2 * a, i & 1
+                out[:, 16 * a + 4 * t + q] = acc[:, 8 * j + 2 * t + odd]
+    return out, P @ V
+
+
+def vt_row_of(col: int) -> int:
+    """transpose_v's V^T row of head_dim column col: 2i + c of a 16-column group at row 8c + i."""
+    return 16 * (col // 16) + 8 * (col % 2) + (col % 16) // 2
 
 
 @pytest.mark.parametrize("block_n,head_dim", [(128, 128), (224, 128), (160, 64), (128, 96), (64, 256), (96, 192)])
