@@ -305,7 +305,7 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
                  why="FA3 fp8 hdim256: 128x128")
 
 
-# Short sequences on sm90 (bf16/fp16): tiles that suit the call's length better than the
+# Short sequences on sm90: tiles that suit the call's length better than the
 # per-head_dim defaults, applied by facodegen.api.resolve_spec when the call's shape is known, no
 # tuned entry exists and the caller chose no tile field. Measured on the H200 (scripts/sweep.py,
 # 2026-11-29, TFLOP/s, default -> rule):
@@ -325,13 +325,19 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
 #   with optimistic_max (a778a8d); at s512 222.7 vs 223.2, so not there;
 #   head_dim 256 non-causal, block_n 80 -> 64 (seven 80-key blocks at s512, the last mostly padding;
 #   eight of 64): s512 505 -> 529 (c5d6789).
+# fp8 (e4m3):
+#   head_dim 128 causal, block_n 192 -> 128 up to 2k (a tile's diagonal blocks are a large share
+#   of its 1-16 blocks): s1k 396 -> 428 (bcc4ca6), s2k 569 -> 568 (bcc4ca6) and, with the
+#   conflict-free transposer, 623 -> 647 (9e4f04a); at s8k 820 -> 779, so not there.
 SHORT_SEQUENCE_TILE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups")
 
 
 def short_sequence_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqlen_q: int, seqlen_k: int) -> dict:
     """Spec fields the table above sets for a call of this shape ({} = the defaults)."""
-    if arch != "sm90" or dtype == "fp8":
+    if arch != "sm90":
         return {}
+    if dtype == "fp8":
+        return {"block_n": 128} if head_dim == 128 and causal and seqlen_q <= 2048 else {}
     if head_dim == 128 and not causal and seqlen_k <= 1024:
         return {"block_n": 128}
     if head_dim == 64 and causal and 512 < seqlen_q <= 1024:

@@ -5,7 +5,8 @@
 runs itself under ``ncu --clock-control none --profile-from-start off`` (warm-up and compilation
 stay outside the profiled range), one launch per implementation, with the sections that say where
 a kernel's time goes: SpeedOfLight, ComputeWorkloadAnalysis (pipe utilisation), SchedulerStats
-(issue slots), WarpStateStats (stall reasons), InstructionStats. Writes ncu.txt (the full report)
+(issue slots), WarpStateStats (stall reasons), InstructionStats, MemoryWorkloadAnalysis (+ tables:
+shared-memory wavefronts and bank conflicts). Writes ncu.txt (the full report)
 under --out and prints, last, a table of the metrics that differ most between the two kernels.
 A cell is ``head_dim,seqlen,causal`` of the FlashAttention-3 paper's grid (16k tokens, hidden 2048).
 """
@@ -21,12 +22,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats", "InstructionStats")
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats", "InstructionStats",
+            "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables")
 # Report lines worth a side-by-side look (substring of the metric name as ncu prints it).
 KEY_METRICS = ("Duration", "Compute (SM) Throughput", "Issue Slots Busy", "Issued Ipc Active", "No Eligible",
                "One or More Eligible", "Active Warps Per Scheduler", "Eligible Warps Per Scheduler",
                "Warp Cycles Per Issued Instruction", "Executed Instructions", "SM Busy", "Registers Per Thread",
-               "issue_stalled")
+               "issue_stalled", "Memory Throughput", "Mem Pipes Busy", "Max Bandwidth", "Shared", "Bank")
 # Stall reasons, cycles per issued instruction (regex: names ncu does not have are simply absent).
 STALL_METRICS = r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 

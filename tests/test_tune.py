@@ -334,7 +334,8 @@ def test_resolve_spec_user_fields_win(fake_device):
 def test_resolve_spec_short_sequence_table(fake_device):
     """spec.short_sequence_fields: head_dim 128 non-causal up to 1k keys takes block_n 128, head_dim
     64 causal 2 consumer warpgroups at 512 queries and two one-warpgroup CTAs per SM up to 1k, head_dim 128 causal up to 1k pingpong, head_dim
-    256 causal up to 1k and non-causal at 512 block_n 64; tuned entries and the caller's fields win."""
+    256 causal up to 1k and non-causal at 512 block_n 64, fp8 head_dim 128 causal up to 2k block_n 128;
+    tuned entries and the caller's fields win."""
     short = api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16))
     assert short == KernelSpec(arch="sm90", head_dim=128, gpu="h200", block_n=128)
     assert api.resolve_spec(128, "bf16", False, 0, shape=(8, 2048, 2048, 16)).block_n == 160
@@ -355,6 +356,10 @@ def test_resolve_spec_short_sequence_table(fake_device):
     assert api.resolve_spec(64, "bf16", False, 0, shape=(16, 1024, 1024, 32)).block_m == 192
     assert api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16), block_n=96).block_n == 96
     assert api.resolve_spec(128, "fp8", False, 0, shape=(32, 512, 512, 16)).block_n == 192
+    assert api.resolve_spec(128, "fp8", True, 0, shape=(8, 2048, 2048, 16)).block_n == 128
+    assert api.resolve_spec(128, "fp8", True, 0, shape=(2, 8192, 8192, 16)).block_n == 192
+    assert api.resolve_spec(64, "fp8", True, 0, shape=(8, 2048, 2048, 32)) == \
+        KernelSpec(arch="sm90", head_dim=64, dtype="fp8", causal=True, gpu="h200")
     assert api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16), arch="sm80").block_n == 64
 
 
