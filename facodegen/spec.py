@@ -494,7 +494,7 @@ class KernelSpec:
             persistent = True
             if self.dtype == "fp8" and self.v_layout == "row" and cwg == 2:
                 block_n = self.block_n if self.block_n is not None else tiles.block_n
-                if sm90_consumer_registers(self.head_dim, block_n, self.dtype) <= 232:
+                if sm90_consumer_registers(self.head_dim, block_n, self.dtype, bool(self.q_in_regs)) <= 232:
                     producer, consumer = 40, 232
                 elif not self.causal:
                     # 24/240 (e.g. head_dim 256 x 128): persistent with pingpong and overlap,
@@ -524,8 +524,9 @@ class KernelSpec:
                 dims = (trial["block_m"], trial["block_n"], trial["stages"])
                 fill["separate_o"] = all(isinstance(x, int) for x in dims) and _sm90_smem(
                     *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True) <= GPUS[gpu].smem_per_block
-            if self.q_in_regs:
-                raise SpecError("q_in_regs", "is an sm80 knob; sm90 reads Q from shared memory by wgmma")
+            if self.q_in_regs and self.dtype != "fp8":
+                raise SpecError("q_in_regs", "on sm90 only dtype=fp8 keeps Q in registers (the Q K^T wgmma "
+                                             "reads A from registers); the 16-bit kernel reads Q from shared memory")
         fill["lazy_rescale"] = (self.schedule == "fa2" and self.dtype != "fp8"
                                 and lazy_rescale_default(self.arch, self.head_dim))
         _coerce_bools(self, ("lazy_rescale",))
@@ -581,6 +582,8 @@ class KernelSpec:
                 parts.append("uwg")
             if self.optimistic_max:
                 parts.append("opt")
+            if self.q_in_regs:
+                parts.append("qreg")
             if self.ctas_per_sm != 1:
                 parts.append(f"c{self.ctas_per_sm}")
             if self.dtype == "fp8":
@@ -742,7 +745,7 @@ def register_estimate(spec: KernelSpec) -> int:
         s_acc = spec.block_m * (spec.block_n // spec.num_warps) // 32
         return o_acc + s_acc + REG_OVERHEAD["sm80"]
     if spec.arch == "sm90":
-        return sm90_consumer_registers(spec.head_dim, spec.block_n, spec.dtype)
+        return sm90_consumer_registers(spec.head_dim, spec.block_n, spec.dtype, spec.q_in_regs)
     threads, rows = spec.threads, spec.block_m
     o_acc = rows * spec.head_dim // threads
     s_acc = rows * spec.block_n // threads
@@ -750,13 +753,15 @@ def register_estimate(spec: KernelSpec) -> int:
     return o_acc + s_acc + q_frag + REG_OVERHEAD["sm80"]
 
 
-def sm90_consumer_registers(head_dim: int, block_n: int, dtype: str) -> int:
+def sm90_consumer_registers(head_dim: int, block_n: int, dtype: str, q_in_regs: bool = False) -> int:
     """register_estimate for an sm90 consumer thread (a warpgroup of 128 threads owns 64 rows):
-    O and S accumulators, P (16-bit pairs: half of S; e4m3: a quarter) and the overhead."""
+    O and S accumulators, P (16-bit pairs: half of S; e4m3: a quarter), with q_in_regs (fp8) Q's
+    A fragments (64 rows x head_dim bytes over 128 threads), and the overhead."""
     o_acc = 64 * head_dim // 128
     s_acc = 64 * block_n // 128
     p_frag = s_acc // 4 if dtype == "fp8" else s_acc // 2
-    return o_acc + s_acc + p_frag + REG_OVERHEAD["sm90-fp8" if dtype == "fp8" else "sm90"]
+    q_frag = head_dim // 8 if q_in_regs else 0
+    return o_acc + s_acc + p_frag + q_frag + REG_OVERHEAD["sm90-fp8" if dtype == "fp8" else "sm90"]
 
 
 def _validate(spec: KernelSpec) -> None:

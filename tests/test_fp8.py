@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ from facodegen import params, render, tma
 from facodegen.api import _View, check_descale, check_fp8_inputs
 from facodegen.quantize import E4M3_MAX, e4m3_decode, e4m3_encode, quantize_e4m3_numpy
 from facodegen.reference import attention_reference, attention_reference_fp8
-from facodegen.spec import KernelSpec, SpecError, default_fp8_specs, default_specs
+from facodegen.spec import KernelSpec, SpecError, default_fp8_specs, default_specs, register_estimate
 
 
 # ---------------------------------------------------------------- spec
@@ -380,3 +382,23 @@ def test_fp8_prepare_packs_params(monkeypatch, v_layout):
     with pytest.raises(TypeError, match="out must be a torch bfloat16"):
         api.prepare(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, v_layout=v_layout,
                     out=_FakeTensor((b, sq, hq, d), "float16"), lse_out=lse)
+
+
+# ---------------------------------------------------------------- Q in registers
+@pytest.mark.parametrize("head_dim,block_n,causal", [(128, 192, False), (128, 128, True), (256, 64, False)])
+def test_fp8_q_in_regs_reads_q_from_registers(head_dim, block_n, causal):
+    """q_in_regs: every Q K^T QGMMA takes A from registers (none from a shared-memory descriptor),
+    Q comes in by ldmatrix (non-transposed, beside the transposer's .trans ones), and the consumer
+    still fits its registers without spills; the register estimate counts Q's head_dim / 8."""
+    from facodegen import compiler
+    spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=head_dim, block_n=block_n, causal=causal, q_in_regs=True)
+    assert "qreg" in spec.variant
+    assert register_estimate(spec) == register_estimate(spec.replace(block_n=block_n, q_in_regs=False)) + head_dim // 8
+    k = compiler.compile(spec, verbose=False)
+    assert (k.resources.spill_stores, k.resources.spill_loads) == (0, 0), k.resources
+    qk = [line for line in k.sass().splitlines() if f"QGMMA.64x{block_n}x32" in line]
+    assert qk and all(re.search(r"QGMMA\S+ R\d+, R\d+, gdesc", line) for line in qk), qk[:2]
+    counts = k.sass_counts()
+    plain_ldsm = len(re.findall(r"LDSM\.16\.M88\.4", k.sass()))
+    assert plain_ldsm == head_dim // 32, plain_ldsm        # one per k32 slice, once per tile
+    assert counts.get("STSM", 0) > 0                       # the V transposer is still there
