@@ -69,7 +69,7 @@ def spec_options(command, arch_choices=ARCHS):
         click.option("--stages", type=int, help="Depth of the K/V shared-memory ring."),
         click.option("--causal/--no-causal", default=None, help="Bottom-right aligned causal mask."),
         click.option("--gpu", type=click.Choice(tuple(GPUS)), help="Whose limits the budget model applies."),
-        click.option("--q-in-regs/--q-in-smem", "q_in_regs", default=None, help="sm80: keep Q fragments in registers."),
+        click.option("--q-in-regs/--q-in-smem", "q_in_regs", default=None, help="sm80, sm90 fp8: keep Q fragments in registers (sm90: Q K^T reads A from registers)."),
         click.option("--schedule", type=click.Choice(SCHEDULES),
                      help="sm80: fa2 (default) or fa1 (FlashAttention-1's schedule, templates/sm80/flash_fwd_fa1.cu.j2)."),
         click.option("--loop-order", type=click.Choice(FA1_SWITCHES["loop_order"]),

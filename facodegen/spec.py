@@ -127,6 +127,14 @@ def lazy_rescale_default(arch: str, head_dim: int) -> bool:
 def rescale_under_qk_default(head_dim: int, dtype: str, causal: bool) -> bool:
     return dtype != "fp8" and head_dim == 128
 
+# q_in_regs on sm90 fp8 (Q K^T with A from registers, Q's shared buffer freed after one ldmatrix
+# pass per tile) stays off: it takes Q (64 rows x head_dim bytes per warpgroup) off the shared-memory reads of
+# every step, but on the H200 (scripts/sweep.py, 2026-11-29, commit 2dcfa54, TFLOP/s off vs on, same
+# run) d128 s2k 797 vs 790, s8k 877 vs 850, s16k 892 vs 856, causal s8k 846 vs 799, s16k 866 vs 838;
+# d256 (block_n 64 to fit its 32 registers) s8k 1058 vs 917. So Q's shared-memory reads do not bound
+# the step; the knob stays for experiments.
+FP8_Q_IN_REGS_DEFAULT = False
+
 # anchor_softmax's default (sm90, every dtype): see sm90/roles.cuh.j2. Off: on the H200 (scripts/sweep.py,
 # 2026-11-29, commit 43c5445, TFLOP/s anchored vs not, same run) it lost in 6 of 8 cells, e.g. d128
 # causal s4k 578 vs 608, d256 s8k 666 vs 695, fp8 d128 s8k 782 vs 804; d128 s1k/s8k +1%.
@@ -386,8 +394,9 @@ class KernelSpec:
     key tiles of each score fragment, 0 to block_n/8, whose exp2 is a polynomial on the FMA pipe
     instead of MUFU.EX2).
 
-    sm80 only: ``q_in_regs`` (keep Q fragments in registers instead of re-reading shared
-    memory every K/V step), ``schedule`` (fa2 | fa1: FlashAttention-1's schedule, in its own
+    sm80 (and sm90 with dtype=fp8): ``q_in_regs`` (keep Q fragments in registers instead of
+    re-reading shared memory every K/V step; sm90 fp8: Q K^T as a register-A wgmma; off by
+    default: FP8_Q_IN_REGS_DEFAULT), ``schedule`` (fa2 | fa1: FlashAttention-1's schedule, in its own
     template), and for schedule=fa1 the switches that each flip one FA1 choice to FA2's:
     ``loop_order`` (kv_outer | q_outer), ``warp_split`` (kv | q), ``rescale`` (every_step | once);
     see FA1_SWITCHES.
@@ -501,7 +510,8 @@ class KernelSpec:
                     # ptxas spills 40-56 bytes; non-persistent compiles clean.
                     persistent = False
             fill.update(block_m=64 * cwg, block_n=tiles.block_n, num_warps=4 * (cwg + 1),
-                        stages=tiles.stages, q_in_regs=False, consumer_warpgroups=cwg,
+                        stages=tiles.stages, q_in_regs=self.dtype == "fp8" and FP8_Q_IN_REGS_DEFAULT,
+                        consumer_warpgroups=cwg,
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
                         l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT,
