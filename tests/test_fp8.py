@@ -402,3 +402,54 @@ def test_fp8_q_in_regs_reads_q_from_registers(head_dim, block_n, causal):
     plain_ldsm = len(re.findall(r"LDSM\.16\.M88\.4", k.sass()))
     assert plain_ldsm == head_dim // 32, plain_ldsm        # one per k32 slice, once per tile
     assert counts.get("STSM", 0) > 0                       # the V transposer is still there
+
+
+# ---------------------------------------------------------------- transposer bank conflicts
+def _swizzle_xor(swizzle: int, row: int) -> int:            # the template's swizzle_xor<SWIZZLE>
+    return ((row * swizzle // 128) & (swizzle // 16 - 1)) << 4
+
+
+def transposer_lane_addresses(block_n: int, head_dim: int, key0: int, col0: int, vt_row_of_lane) -> tuple:
+    """transpose_v's ldmatrix (V) and stmatrix (V^T) addresses of one item (keys key0..key0+15,
+    columns col0..col0+31) for the 32 lanes, offsets from the stage's V and V^T tiles."""
+    sw = 128 if head_dim % 128 == 0 else 64 if head_dim % 64 == 0 else 32
+    vt_sw = 128 if block_n % 128 == 0 else 64 if block_n % 64 == 0 else 32
+    kv_slab, vt_slab = block_n * sw, head_dim * vt_sw
+    loads, stores = [], []
+    for lane in range(32):
+        matrix, row = divmod(lane, 8)
+        v_key = (matrix % 2) * 8 + row
+        v_xor = ((matrix // 2) * 16) ^ _swizzle_xor(sw, v_key)
+        loads.append(v_key * sw + key0 * sw + (col0 // sw) * kv_slab + ((col0 % sw) ^ v_xor))
+        vt_row = vt_row_of_lane(matrix, row)
+        vt_keys = (key0 // vt_sw) * vt_slab + ((key0 % vt_sw) ^ _swizzle_xor(vt_sw, vt_row))
+        stores.append(vt_row * vt_sw + vt_keys + col0 * vt_sw)
+    return loads, stores, (sw, kv_slab, vt_sw, vt_slab)
+
+
+def _conflict_free(addresses) -> bool:
+    """Each 8-lane matrix of ldmatrix/stmatrix moves 8 rows of 16 bytes: one wavefront when the rows
+    fall in 8 different 16-byte bank groups."""
+    return all(len({(a // 16) % 8 for a in addresses[8 * m: 8 * m + 8]}) == 8 for m in range(4))
+
+
+@pytest.mark.parametrize("block_n,head_dim", [(192, 128), (128, 128), (96, 256), (160, 64), (128, 96), (224, 128)])
+def test_transposer_is_bank_conflict_free(block_n, head_dim):
+    """transpose_v's lanes (the template's formulas, mirrored): every ldmatrix and stmatrix matrix
+    is one wavefront, each lane's address is where the swizzled layout keeps its row, and the V^T
+    rows follow vt_row_of. The old order (V^T row 2i + c per matrix) was 2-way conflicted on the
+    stores under every swizzle."""
+    new = lambda matrix, row: 16 * (matrix // 2) + 8 * (matrix % 2) + row      # noqa: E731
+    old = lambda matrix, row: 16 * (matrix // 2) + 2 * row + matrix % 2        # noqa: E731
+    for key0 in range(0, block_n, 16):
+        for col0 in range(0, head_dim, 32):
+            loads, stores, (sw, kv_slab, vt_sw, vt_slab) = transposer_lane_addresses(block_n, head_dim, key0, col0, new)
+            assert _conflict_free(loads) and _conflict_free(stores), (key0, col0)
+            for lane in range(32):
+                matrix, row = divmod(lane, 8)
+                key = key0 + (matrix % 2) * 8 + row
+                assert loads[lane] == swizzled(kv_slab, sw, key, col0 + 16 * (matrix // 2))
+                head_col = col0 + 16 * (matrix // 2) + 2 * row + matrix % 2
+                assert stores[lane] == swizzled(vt_slab, vt_sw, vt_row_of(head_col), key0)
+            _, old_stores, _ = transposer_lane_addresses(block_n, head_dim, key0, col0, old)
+            assert not _conflict_free(old_stores)
