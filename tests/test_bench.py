@@ -234,6 +234,30 @@ def test_ncu_compare_summarizes_two_kernels_side_by_side():
     assert ncu.summarize(report.split("  void")[0]) == "fewer than two kernels in the report"
 
 
+def test_ncu_source_summarizes_stalls_and_bank_conflicts():
+    """scripts/ncu_source.py: samples per stall reason, the instructions with the most samples and
+    their main reason, and the instructions with more shared-memory wavefronts than ideal."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ncu_source", ROOT / "scripts" / "ncu_source.py")
+    ncu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ncu)
+    head = ('"Address","Source","# Samples","Instructions Executed","L1 Wavefronts Shared",'
+            '"L1 Wavefronts Shared Ideal","stall_barrier","stall_wait","stall_barrier (Not Issued)"')
+    report = "\n".join([
+        '==PROF== Connected to process 1', '"Kernel Name","flash_fwd_sm90_fp8_hd256",', head,
+        '"0x7f0000000000","      LDC R1, c[0x0][0x28]","2","132","0","0","0","2","0"',
+        '"0x7f0000000010","      WARPGROUP.DEPBAR.LE gsb0, 0x1","90","1000","0","0","80","10","80"',
+        '"0x7f0000000020","      STSM.16.M88.4 [R28], R8","8","500","1,000","500","0","8","0"'])
+    text = ncu.summarize(report, top=2)
+    lines = text.splitlines()
+    assert lines[0] == "flash_fwd_sm90_fp8_hd256: 100 samples over 3 instructions"
+    assert "| barrier | 80 | 80.0% |" in lines and "| wait | 20 | 20.0% |" in lines
+    assert "| 0x0010 | 90 | 1000 | barrier | `WARPGROUP.DEPBAR.LE gsb0, 0x1` |" in lines
+    assert not any("LDC" in line for line in lines)                      # only the top 2
+    assert "shared-memory wavefronts: 1000 (ideal 500, excess 500)" in lines
+    assert lines[-1] == "  0x0020 1000 vs ideal 500: `STSM.16.M88.4 [R28], R8`"
+
+
 def test_run_impl_enters_a_single_use_context_once(monkeypatch):
     """SDPA's backend choice (torch.nn.attention.sdpa_kernel) is a single-use context manager: the
     check and the timing of one implementation run inside one entry of it."""
