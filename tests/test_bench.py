@@ -209,13 +209,19 @@ def test_fp8_grid_is_issue_6s_and_counts_one_byte_inputs():
     assert bench.suite_cells("fa3-paper", "fp8")[0]["dtype"] == "fp8"
 
 
+def _script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_ncu_compare_summarizes_two_kernels_side_by_side():
     """scripts/ncu_compare.py's table: per kernel (launch order) the key metrics and stall ratios of
     an ncu text report, whatever the unit column holds."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("ncu_compare", ROOT / "scripts" / "ncu_compare.py")
-    ncu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ncu)
+    ncu = _script("ncu_compare")
     report = """==PROF== Connected
   flash_fwd_sm90_bf16_hd128 (132, 1, 1)x(384, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
     Duration                         ms         1.57
@@ -237,10 +243,7 @@ def test_ncu_compare_summarizes_two_kernels_side_by_side():
 def test_ncu_source_summarizes_stalls_and_bank_conflicts():
     """scripts/ncu_source.py: samples per stall reason, the instructions with the most samples and
     their main reason, and the instructions with more shared-memory wavefronts than ideal."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("ncu_source", ROOT / "scripts" / "ncu_source.py")
-    ncu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ncu)
+    ncu = _script("ncu_source")
     head = ('"Address","Source","# Samples","Instructions Executed","L1 Wavefronts Shared",'
             '"L1 Wavefronts Shared Ideal","stall_barrier","stall_wait","stall_barrier (Not Issued)"')
     report = "\n".join([

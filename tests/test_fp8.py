@@ -118,6 +118,14 @@ def key_of_slot(s: int) -> int:         # the template's key_of_slot
     return (s - r) + (r // 16) * 16 + 2 * t + (i & 1) + 8 * (i >> 1)
 
 
+def smem_layout(block_n: int, head_dim: int) -> tuple[int, int, int, int]:
+    """The fp8 kernel's SWIZZLE_BYTES, KV_SLAB_BYTES, VT_SWIZZLE_BYTES, VT_SLAB_BYTES: the widest
+    swizzle dividing a row of V (head_dim bytes) and of V^T (block_n bytes), one slab per swizzle width."""
+    sw = 128 if head_dim % 128 == 0 else 64 if head_dim % 64 == 0 else 32
+    vt_sw = 128 if block_n % 128 == 0 else 64 if block_n % 64 == 0 else 32
+    return sw, block_n * sw, vt_sw, head_dim * vt_sw
+
+
 def simulate_pv(block_n: int, head_dim: int, v_layout: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """One consumer warpgroup's O = P V through the kernel's index maps: S accumulator registers ->
     convert_p (+ quad shuffles for V^T from the caller) -> wgmma e4m3 A-operand layout, and V -> shared
@@ -125,9 +133,7 @@ def simulate_pv(block_n: int, head_dim: int, v_layout: str, seed: int = 0) -> tu
     rng = np.random.default_rng(seed)
     P = rng.integers(0, 256, size=(64, block_n))             # e4m3 bytes stand-ins: exact integer math
     V = rng.integers(0, 256, size=(block_n, head_dim))
-    sw = 128 if head_dim % 128 == 0 else 64 if head_dim % 64 == 0 else 32
-    vt_sw = 128 if block_n % 128 == 0 else 64 if block_n % 64 == 0 else 32
-    kv_slab, vt_slab = block_n * sw, head_dim * vt_sw
+    sw, kv_slab, vt_sw, vt_slab = smem_layout(block_n, head_dim)
     # accumulator registers of thread T: reg i -> (row, col)
     s_reg = np.zeros((128, block_n // 2), dtype=np.int64)
     for T in range(128):
@@ -412,9 +418,7 @@ def _swizzle_xor(swizzle: int, row: int) -> int:            # the template's swi
 def transposer_lane_addresses(block_n: int, head_dim: int, key0: int, col0: int, vt_row_of_lane) -> tuple:
     """transpose_v's ldmatrix (V) and stmatrix (V^T) addresses of one item (keys key0..key0+15,
     columns col0..col0+31) for the 32 lanes, offsets from the stage's V and V^T tiles."""
-    sw = 128 if head_dim % 128 == 0 else 64 if head_dim % 64 == 0 else 32
-    vt_sw = 128 if block_n % 128 == 0 else 64 if block_n % 64 == 0 else 32
-    kv_slab, vt_slab = block_n * sw, head_dim * vt_sw
+    sw, kv_slab, vt_sw, vt_slab = smem_layout(block_n, head_dim)
     loads, stores = [], []
     for lane in range(32):
         matrix, row = divmod(lane, 8)
