@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from . import compiler as compile_mod
-from .launch import Operand, grid, launch_prepared, pack_params, workspace_floats
+from .launch import Operand, grid, launch_prepared, pack_params, resident_ctas, workspace_floats
 from .spec import HEAD_DIMS, SHORT_SEQUENCE_TILE_FIELDS, KernelSpec, SpecError, short_sequence_fields
 
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -216,6 +216,7 @@ def _check_lse(lse: _View, q: _View) -> None:
 class _Prepared:
     function: object
     smem_bytes: int
+    resident_ctas: int      # CTAs running at once: the persistent grid (launch.resident_ctas)
 
 
 @functools.lru_cache(maxsize=256)
@@ -228,7 +229,8 @@ def _prepare(spec: KernelSpec, device: int) -> _Prepared:
     with Device(device):
         function = compile_mod.compile(spec, sm=sm).function()
         driver.funcSetAttribute(function.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes)
-    return _Prepared(function, spec.smem_bytes)
+        resident = resident_ctas(spec, info.sms, function)
+    return _Prepared(function, spec.smem_bytes, resident)
 
 
 @functools.lru_cache(maxsize=None)
@@ -301,7 +303,7 @@ class PreparedAttention:
         self._q = q
         self._prepared = _prepare(spec, q.device)
         batch, seqlen_q, heads_q, _ = q.shape
-        self._grid = grid(spec, batch, heads_q, seqlen_q, device_info(q.device).sms)
+        self._grid = grid(spec, batch, heads_q, seqlen_q, self._prepared.resident_ctas)
         self._counter = _tile_counter(q.device) if spec.arch == "sm90" and spec.persistent else None
         self._param_bytes = param_bytes
         # Kept alive with the object: the driver reads them at each launch.

@@ -6,6 +6,7 @@ what arrives is a resolved KernelSpec and raw device pointers, shapes and stride
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
@@ -28,13 +29,22 @@ class Operand:
         return self.strides[0], self.strides[1], self.strides[2]
 
 
-def grid(spec: KernelSpec, batch: int, heads_q: int, seqlen_q: int, num_sms: int) -> tuple[int, int, int]:
-    num_m_blocks = math.ceil(seqlen_q / spec.block_m)
+def num_m_blocks(spec: KernelSpec, seqlen_q: int) -> int:
+    """Query-row blocks per (batch, head), rounded up to whole clusters: with cluster_m=2 an odd
+    count gets one block past seqlen_q, whose CTA shares the K/V loads and stores nothing."""
+    blocks = math.ceil(seqlen_q / spec.block_m)
+    return -(-blocks // spec.cluster_m) * spec.cluster_m
+
+
+def grid(spec: KernelSpec, batch: int, heads_q: int, seqlen_q: int, resident_ctas: int) -> tuple[int, int, int]:
+    """Launch grid; ``resident_ctas`` is how many CTAs of this kernel run at once on the GPU (SMs x
+    CTAs per SM, or CTAs in co-resident clusters), the persistent grid's size."""
+    m_blocks = num_m_blocks(spec, seqlen_q)
     if spec.arch == "sm90" and spec.persistent:
-        return (min(num_m_blocks * heads_q * batch, num_sms * spec.ctas_per_sm), 1, 1)
+        return (min(m_blocks * heads_q * batch, resident_ctas), 1, 1)
     if needs_workspace(spec):
         return (1, heads_q, batch)   # FlashAttention-1: one CTA per (batch, head)
-    return (num_m_blocks, heads_q, batch)
+    return (m_blocks, heads_q, batch)
 
 
 def needs_workspace(spec: KernelSpec) -> bool:
@@ -63,12 +73,12 @@ def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand
     (batch, head, dim, 1)."""
     batch, seqlen_q, heads_q, _ = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
-    num_m_blocks = math.ceil(seqlen_q / spec.block_m)
+    m_blocks = num_m_blocks(spec, seqlen_q)
     values = {
         "q": q.ptr, "k": k.ptr, "v": v.ptr, "o": o.ptr, "lse": lse_ptr, "tile_counter": tile_counter_ptr,
         "workspace": workspace_ptr,
         "batch": batch, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "heads_q": heads_q, "heads_kv": heads_kv,
-        "num_m_blocks": num_m_blocks, "num_tiles": num_m_blocks * heads_q * batch,
+        "num_m_blocks": m_blocks, "num_tiles": m_blocks * heads_q * batch,
         "softmax_scale": softmax_scale, "scale_log2": softmax_scale * LOG2E,
     }
     for name, op in (("q", q), ("k", k), ("v", v), ("o", o)):
@@ -86,11 +96,42 @@ def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand
     return params_mod.pack(spec.arch, values, spec.dtype)
 
 
+def resident_ctas(spec: KernelSpec, num_sms: int, function=None) -> int:
+    """CTAs of this kernel the GPU runs at once: SMs x ctas_per_sm, or for cluster_m > 1 the CTAs of
+    the clusters that fit together (cuOccupancyMaxActiveClusters: a GPC whose free SMs do not make a
+    whole cluster runs none), so a persistent grid never waits for a second wave."""
+    if spec.cluster_m == 1:
+        return num_sms * spec.ctas_per_sm
+    return spec.cluster_m * max_active_clusters(function, spec.threads, spec.smem_bytes, spec.cluster_m)
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h); no launch attributes: the kernel carries its cluster dims."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                ("numAttrs", ctypes.c_uint)]
+
+
+def max_active_clusters(function, threads: int, smem_bytes: int, cluster_size: int) -> int:
+    """cuOccupancyMaxActiveClusters for a kernel compiled with __cluster_dims__ (libcuda via ctypes)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuOccupancyMaxActiveClusters
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+    fn.restype = ctypes.c_int
+    config = _LaunchConfig(cluster_size, 1, 1, threads, 1, 1, smem_bytes, None, None, 0)
+    count = ctypes.c_int(0)
+    err = fn(ctypes.byref(count), ctypes.c_void_p(function.ptr), ctypes.byref(config))
+    if err != 0 or count.value < 1:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed (CUresult {err}, {count.value} clusters) for a "
+                           f"cluster of {cluster_size} CTAs of {threads} threads and {smem_bytes} bytes of shared memory")
+    return count.value
+
+
 def launch_prepared(function, grid_dims: tuple[int, int, int], threads: int, smem_bytes: int,
                     stream_ptr: int, kernel_params) -> None:
     """cuLaunchKernel with FlashParams as the single by-value argument; ``kernel_params`` is a
     ctypes ``void*[1]`` pointing at the packed bytes (the driver copies them at launch)."""
-    import ctypes
     from cupy_backends.cuda.api import driver
 
     driver.launchKernel(function.ptr, grid_dims[0], grid_dims[1], grid_dims[2], threads, 1, 1,

@@ -49,7 +49,7 @@ COMMON_FIELDS = [
     Field("seqlen_k", "i32", "int", "key/value sequence length"),
     Field("heads_q", "i32", "int", "query heads"),
     Field("heads_kv", "i32", "int", "key/value heads (divides heads_q: GQA/MQA)"),
-    Field("num_m_blocks", "i32", "int", "ceil(seqlen_q / BLOCK_M)"),
+    Field("num_m_blocks", "i32", "int", "ceil(seqlen_q / BLOCK_M), rounded up to whole clusters"),
     Field("num_tiles", "i32", "int", "num_m_blocks * heads_q * batch"),
     Field("softmax_scale", "f32", "float", "scale applied to Q K^T (default 1/sqrt(head_dim))"),
     Field("scale_log2", "f32", "float", "softmax_scale * log2(e): exp(x*scale) = exp2(x*scale_log2)"),

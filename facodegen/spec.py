@@ -373,6 +373,13 @@ def sm90_cta_register_pool(threads: int, ctas_per_sm: int = 1) -> int:
 # d64 s512 396 vs 378; d128 causal s512 319 vs 273 (block_n 128, 1 stage, O in Q: what fits twice);
 # fp8 d64 causal s2k 411 vs 379. head_dim 256 does not compile (ptxas holds the 128-register launch
 # bound at the O wgmma).
+# cluster_m's default (sm90 16-bit non-causal: two CTAs of a cluster share each K/V tile, each loading
+# half and multicasting it; FlashAttention-3 does this for bf16 head_dim >= 128 non-causal). Off: on the
+# H200 (scripts/sweep.py, variants taking turns, 2026-11-29, TFLOP/s default vs cluster_m=2; 66 clusters
+# resident, all 132 SMs) d128 s512 544 / 536, s2k 690 / 684, s8k 686 / 674 and 682 / 664, s16k 697 /
+# 679; d256 s2k 698 / 668 and 673 / 634, s4k 716 / 675, s8k 735 / 683 and 733 / 681 (non-persistent
+# 722), s16k 756 / 694. The kernels read K/V at half the L2 traffic but each CTA then waits for the
+# slower of the pair at every ring stage.
 def register_split(consumer_warpgroups: int, ctas_per_sm: int = 1) -> tuple[int, int]:
     """(producer, consumer) setmaxnreg values, FA3's and ThunderKittens' choices; two CTAs of one
     consumer warpgroup per SM share the register file: 24 + 232 = 256 x 128 threads."""
@@ -412,7 +419,8 @@ class KernelSpec:
     registers), ``ctas_per_sm`` (1 | 2: two CTAs of one consumer warpgroup share an SM),
     ``optimistic_max`` (a step's exp2s start from the running row max without waiting for a max
     pass; the row sums, for fp8 the max beside them, show when a step must be redone with the true
-    max).
+    max), ``cluster_m`` (1 | 2: two CTAs of a cluster run neighbouring m-blocks of one head and each
+    loads half of every K/V tile, multicast to both; 16-bit, non-causal).
 
     dtype=fp8 only (e4m3 Q, K, V; sm90): ``out_dtype`` (bf16 | fp16: the type of O) and ``v_layout``
     (row | transposed: V as (batch, seqlen_k, heads_kv, d), transposed in shared memory by the kernel,
@@ -452,6 +460,7 @@ class KernelSpec:
     ctas_per_sm: int | None = None
     poly_exp2_tiles: int | None = None
     optimistic_max: bool | None = None
+    cluster_m: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -479,6 +488,9 @@ class KernelSpec:
             fill["uniform_wg"] = False
             fill["optimistic_max"] = False
             fill["ctas_per_sm"] = 1
+            fill["cluster_m"] = 1
+            if self.cluster_m not in (None, 1):
+                raise SpecError("cluster_m", "is an sm90 knob (TMA multicast); arch=sm80 has no clusters")
             if self.ctas_per_sm not in (None, 1):
                 raise SpecError("ctas_per_sm", "is an sm90 knob; arch=sm80 runs as many CTAs per SM as fit")
             for name in ("uniform_wg", "consumer_warpgroups", "pingpong", "intra_wg_overlap",
@@ -515,7 +527,7 @@ class KernelSpec:
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
                         l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT,
-                        uniform_wg=UNIFORM_WG_DEFAULT, ctas_per_sm=1,
+                        uniform_wg=UNIFORM_WG_DEFAULT, ctas_per_sm=1, cluster_m=1,
                         optimistic_max=(optimistic_max_default(self.head_dim, self.dtype, self.causal)
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
@@ -596,6 +608,8 @@ class KernelSpec:
                 parts.append("qreg")
             if self.ctas_per_sm != 1:
                 parts.append(f"c{self.ctas_per_sm}")
+            if self.cluster_m != 1:
+                parts.append(f"cl{self.cluster_m}")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -865,6 +879,7 @@ def _validate(spec: KernelSpec) -> None:
                 f"({spec.num_warps * 32} threads launched with {pool // (spec.num_warps * 32)} registers each"
                 f"{', two CTAs per SM' if spec.ctas_per_sm == 2 else ''}): "
                 f"setmaxnreg.inc would wait forever"))
+        _check_cluster(spec)
         regs = register_estimate(spec)
         if regs > spec.consumer_regs:
             raise SpecError("block_n", (
@@ -884,6 +899,27 @@ def _validate(spec: KernelSpec) -> None:
                 f"two CTAs per SM need 2 x ({need} + {SM90_CTA_RESERVED_SMEM} reserved) = {per_sm} bytes of "
                 f"shared memory, over the {limits.smem_per_sm} of an SM on {spec.gpu}: lower stages or "
                 f"block_n{', set separate_o=False' if spec.separate_o else ''}, or use ctas_per_sm=1"))
+
+
+def _check_cluster(spec: KernelSpec) -> None:
+    """cluster_m=2: both CTAs of a cluster must visit the same K/V blocks in the same order (so not
+    causal, whose m-blocks see different key ranges) and each loads half of a tile's rows, which must
+    start on the 8-row (1024-byte) period of the swizzle."""
+    if spec.cluster_m not in (1, 2) or isinstance(spec.cluster_m, bool):
+        raise SpecError("cluster_m", f"{spec.cluster_m!r} is not supported; choose one of 1, 2")
+    if spec.cluster_m == 1:
+        return
+    if spec.dtype == "fp8":
+        raise SpecError("cluster_m", "the fp8 kernel has no multicast K/V loads: use cluster_m=1")
+    if spec.causal:
+        raise SpecError("cluster_m", "causal m-blocks see different key ranges, so two CTAs cannot share their "
+                                     "K/V loads: use cluster_m=1")
+    if spec.ctas_per_sm != 1:
+        raise SpecError("cluster_m", "cluster_m=2 runs one CTA per SM: use ctas_per_sm=1")
+    if (spec.block_n // spec.cluster_m) % 8:
+        raise SpecError("block_n", f"block_n={spec.block_n} must be a multiple of {8 * spec.cluster_m} with "
+                                   f"cluster_m={spec.cluster_m} (each CTA loads block_n/{spec.cluster_m} rows, a whole "
+                                   f"number of 8-row swizzle periods)")
 
 
 def default_spec(arch: str = "sm80", head_dim: int = 128, dtype: str = "bf16", causal: bool = False,

@@ -236,8 +236,8 @@ def tensor_map_args(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch:
                              q_strides, k_strides, v_strides, swizzle, box_cols)
     plan = {
         "tma_q": (q_ptr, (batch, seqlen_q, heads_q, d), q_strides, spec.block_m),
-        "tma_k": (k_ptr, (batch, seqlen_k, heads_kv, d), k_strides, spec.block_n),
-        "tma_v": (v_ptr, (batch, seqlen_k, heads_kv, d), v_strides, spec.block_n),
+        "tma_k": (k_ptr, (batch, seqlen_k, heads_kv, d), k_strides, spec.block_n // spec.cluster_m),
+        "tma_v": (v_ptr, (batch, seqlen_k, heads_kv, d), v_strides, spec.block_n // spec.cluster_m),
         "tma_o": (o_ptr, (batch, seqlen_q, heads_q, d), o_strides, wg_rows),
     }
     out = {}
@@ -283,7 +283,8 @@ def tensor_maps(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch: int
 
     Strides are (batch, row, head) in elements. Boxes (columns x rows), columns = one swizzle
     slab of head_dim (``slab_geometry``: 64, or 32 for head_dim 96):
-    Q: slab x block_m (loaded once per tile), K and V: slab x block_n (one ring stage),
+    Q: slab x block_m (loaded once per tile), K and V: slab x block_n (one ring stage; with
+    cluster_m=2 slab x block_n/2, each CTA's share of the stage),
     O: slab x 64 (each consumer warpgroup stores its own 64 rows)."""
     args = tensor_map_args(spec, q_ptr, k_ptr, v_ptr, o_ptr, batch, seqlen_q, seqlen_k, heads_q, heads_kv,
                            q_strides, k_strides, v_strides, o_strides)

@@ -10,6 +10,7 @@
 //   block_m              = 128
 //   block_n              = 64
 //   causal               = False
+//   cluster_m            = 1
 //   consumer_regs        = 0
 //   consumer_warpgroups  = 0
 //   ctas_per_sm          = 1
@@ -85,7 +86,7 @@ struct FlashParams {
     int              seqlen_k;          // @160: key/value sequence length
     int              heads_q;           // @164: query heads
     int              heads_kv;          // @168: key/value heads (divides heads_q: GQA/MQA)
-    int              num_m_blocks;      // @172: ceil(seqlen_q / BLOCK_M)
+    int              num_m_blocks;      // @172: ceil(seqlen_q / BLOCK_M), rounded up to whole clusters
     int              num_tiles;         // @176: num_m_blocks * heads_q * batch
     float            softmax_scale;     // @180: scale applied to Q K^T (default 1/sqrt(head_dim))
     float            scale_log2;        // @184: softmax_scale * log2(e): exp(x*scale) = exp2(x*scale_log2)

@@ -338,7 +338,7 @@ def test_fp8_prepare_packs_params(monkeypatch, v_layout):
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
     monkeypatch.setattr(api, "device_info", lambda ordinal: info)
-    monkeypatch.setattr(api, "_prepare", lambda spec, device: api._Prepared(None, spec.smem_bytes))
+    monkeypatch.setattr(api, "_prepare", lambda spec, device: api._Prepared(None, spec.smem_bytes, 132))
     counter = types.SimpleNamespace(data=types.SimpleNamespace(ptr=4096))
     monkeypatch.setattr(api, "_tile_counter", lambda device: counter)
     monkeypatch.setattr(api, "_tuned_fields", lambda *a, **k: None)

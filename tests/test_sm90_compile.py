@@ -31,6 +31,8 @@ SPECS = [
     K(head_dim=128, block_n=176), K(head_dim=128, separate_o=False, l2_hints=False),
     K(head_dim=128, causal=True, pingpong=True, separate_o=False),
     K(head_dim=64, causal=True, intra_wg_overlap=False, l2_hints=False),
+    # clusters of two CTAs sharing K/V loads (TMA multicast), persistent and not
+    K(head_dim=256, cluster_m=2), K(head_dim=128, cluster_m=2, persistent=False, l2_hints=False),
 ]
 
 
@@ -60,6 +62,26 @@ def test_sass_has_hopper_instructions_and_no_local_memory(kernel):
         assert counts[op] > 0, (op, counts)
     assert counts["LDL"] == 0 and counts["STL"] == 0, counts
     assert counts["USETMAXREG"] == 2     # one dec (producer), one inc (consumers)
+
+
+def test_cluster_kernels_multicast_kv_and_arrive_remotely_without_gpu_fences(kernel):
+    """cluster_m=2: the K and V loads are multicast (one UTMALDG.MULTICAST each, Q stays a plain load),
+    the consumers' releases reach both CTAs' barriers (remote SYNCS.ARRIVE...RED), and no per-step
+    MEMBAR.ALL.GPU (a .release.cluster arrival would put one before each): only the barrier-init
+    fence and the final cluster barrier have one."""
+    spec = next(s for s in SPECS if s.variant == kernel.name)
+    sass = kernel.sass().splitlines()
+    multicast = [x for x in sass if "UTMALDG" in x and "MULTICAST" in x]
+    remote = [x for x in sass if "SYNCS.ARRIVE" in x and ".RED" in x]
+    gpu_fences = [x for x in sass if "MEMBAR.ALL.GPU" in x]
+    if spec.cluster_m == 1:
+        assert not multicast and not remote and not any("UCGABAR" in x for x in sass)
+        return
+    plain = [x for x in sass if "UTMALDG" in x and "MULTICAST" not in x]
+    assert len(multicast) == 2 and plain, multicast          # K and V; Q (two call sites) per CTA
+    assert len(remote) >= 2 * 3, remote            # K and V releases of the loop, to both CTAs
+    assert len(gpu_fences) <= 2, gpu_fences
+    assert any("UCGABAR_WAIT" in x for x in sass)
 
 
 def test_wgmma_shapes_match_the_spec(kernel):

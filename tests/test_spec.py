@@ -159,11 +159,36 @@ def test_sm90_separate_o_is_derived_from_the_budget():
 
 
 def test_two_ctas_per_sm_halve_the_register_pool_and_double_the_grid():
-    from facodegen.launch import grid
+    from facodegen.launch import grid, resident_ctas
     from facodegen.spec import sm90_cta_register_pool
     one = KernelSpec(arch="sm90", head_dim=64, causal=True, consumer_warpgroups=1)
     two = one.replace(consumer_warpgroups=1, ctas_per_sm=2)
     assert (two.producer_regs, two.consumer_regs) == (24, 232) and two.variant.endswith("_c2_ch4_causal")
     assert sm90_cta_register_pool(256, 2) == 128 * (24 + 232) == sm90_cta_register_pool(256) // 2
-    assert grid(two, 32, 32, 512, 132) == (264, 1, 1) and grid(one, 32, 32, 512, 132) == (132, 1, 1)
-    assert grid(two, 1, 1, 128, 132) == (2, 1, 1)      # never more CTAs than tiles
+    assert resident_ctas(two, 132) == 264 and resident_ctas(one, 132) == 132
+    assert grid(two, 32, 32, 512, 264) == (264, 1, 1) and grid(one, 32, 32, 512, 132) == (132, 1, 1)
+    assert grid(two, 1, 1, 128, 264) == (2, 1, 1)      # never more CTAs than tiles
+
+
+def test_cluster_m_checks_pads_m_blocks_and_halves_the_kv_box():
+    from facodegen import tma
+    from facodegen.launch import grid, num_m_blocks, pack_params, Operand
+    spec = KernelSpec(arch="sm90", head_dim=256, cluster_m=2)
+    assert "_cl2" in spec.variant
+    assert KernelSpec(arch="sm90", head_dim=256).cluster_m == 1 and KernelSpec().cluster_m == 1
+    for bad, field in [(dict(causal=True), "cluster_m"), (dict(dtype="fp8"), "cluster_m"),
+                       (dict(block_n=72), "block_n"), (dict(cluster_m=4), "cluster_m"),
+                       (dict(arch="sm80"), "cluster_m")]:
+        with pytest.raises(SpecError) as err:
+            KernelSpec(**{"arch": "sm90", "head_dim": 256, "cluster_m": 2, **bad})
+        assert err.value.field == field, (bad, err.value)
+    # odd m-block counts round up to whole clusters; the grid follows
+    assert [num_m_blocks(spec, s) for s in (1, 128, 129, 300, 1000)] == [2, 2, 2, 4, 8]
+    assert num_m_blocks(KernelSpec(arch="sm90", head_dim=256), 300) == 3
+    assert grid(KernelSpec(arch="sm90", head_dim=256, cluster_m=2, persistent=False), 3, 4, 300, 132) == (4, 4, 3)
+    assert grid(spec, 3, 4, 300, 130) == (48, 1, 1) and grid(spec, 16, 8, 2048, 130) == (130, 1, 1)
+    # each CTA's K/V box is half the tile (the multicast share); Q and O keep theirs
+    args = tma.tensor_map_args(spec, 1 << 20, 2 << 20, 3 << 20, 4 << 20, 2, 300, 500, 8, 2,
+                               (300 * 8 * 256, 8 * 256, 256), (500 * 2 * 256, 2 * 256, 256),
+                               (500 * 2 * 256, 2 * 256, 256), (300 * 8 * 256, 8 * 256, 256))
+    assert [args[n].box[1] for n in ("tma_q", "tma_k", "tma_v", "tma_o")] == [128, 40, 40, 64]

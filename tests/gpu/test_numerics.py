@@ -180,6 +180,9 @@ NON_DEFAULT = [
     ("sm90", 64, "bf16", True, {"consumer_warpgroups": 1, "ctas_per_sm": 2}),
     ("sm90", 128, "fp16", False, {"consumer_warpgroups": 1, "ctas_per_sm": 2, "block_n": 128, "stages": 1,
                                   "separate_o": False}),
+    ("sm90", 128, "bf16", False, {"cluster_m": 2}),
+    ("sm90", 256, "fp16", False, {"cluster_m": 2, "persistent": False}),
+    ("sm90", 128, "fp16", False, {"cluster_m": 2, "block_n": 128, "pingpong": True}),
     ("sm90", 128, "bf16", True, {"uniform_wg": True}),
     ("sm90", 128, "bf16", True, {"poly_exp2_tiles": 4}),
     ("sm90", 64, "fp16", False, {"poly_exp2_tiles": 16}),     # every exp2 on the FMA pipe
@@ -214,6 +217,21 @@ def test_non_default_spec(case):
     spec = KernelSpec(arch=arch, head_dim=d, dtype=dtype, causal=causal, **overrides)
     for shape, scale in SHORT:
         run_case(spec, shape, scale)
+
+
+@pytest.mark.parametrize("head_dim,persistent", [(128, True), (256, True), (256, False)])
+def test_cluster_multicast_many_tiles_per_cta(head_dim, persistent):
+    """cluster_m=2: every CTA of the persistent grid runs several tile pairs (the K/V ring's
+    barriers cycle through many laps across both CTAs), odd m-block counts padded, GQA."""
+    if not arch_supported("sm90"):
+        pytest.skip(f"sm90 kernels do not run on compute capability {CC[0]}.{CC[1]}")
+    spec = KernelSpec(arch="sm90", head_dim=head_dim, dtype="bf16", cluster_m=2, persistent=persistent)
+    from facodegen import api
+    resident = api._prepare(spec, 0).resident_ctas
+    assert resident % 2 == 0 and 2 <= resident <= api.device_info(0).sms, resident
+    # 256 tiles over <= 132 CTAs; 11 m-blocks (padded to 12) with a ragged last K/V block
+    for shape in [(2, 2048, 2048, 8, 4), (3, 1384, 777, 6, 2)]:
+        run_case(spec, shape)
 
 
 @pytest.mark.parametrize("arch,head_dim,causal", [("sm80", 128, False), ("sm80", 64, True), ("sm90", 128, False),
