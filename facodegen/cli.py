@@ -27,7 +27,7 @@ _SPEC_FLAGS = {
     "separate_o": "separate_o", "l2_hints": "l2_hints", "out_dtype": "out_dtype", "v_layout": "v_layout",
     "anchor_softmax": "anchor_softmax", "lazy_rescale": "lazy_rescale",
     "rescale_under_qk": "rescale_under_qk", "softmax_chains": "softmax_chains", "uniform_wg": "uniform_wg",
-    "ctas_per_sm": "ctas_per_sm", "cluster_m": "cluster_m", "poly_exp2_tiles": "poly_exp2_tiles", "optimistic_max": "optimistic_max",
+    "ctas_per_sm": "ctas_per_sm", "cluster_m": "cluster_m", "o_in_v": "o_in_v", "poly_exp2_tiles": "poly_exp2_tiles", "optimistic_max": "optimistic_max",
 }
 
 
@@ -96,6 +96,8 @@ def spec_options(command, arch_choices=ARCHS):
                      help="sm90: consumer warpgroup index broadcast from lane 0 (descriptors in uniform registers)."),
         click.option("--ctas-per-sm", type=click.Choice(["1", "2"]), callback=_int_choice,
                      help="sm90: CTAs sharing one SM (2: one consumer warpgroup each, short sequences)."),
+        click.option("--o-in-v/--o-not-in-v", "o_in_v", default=None,
+                     help="sm90 16-bit: the O staging tile aliases the V ring (next tile's Q K^T under the O store)."),
         click.option("--cluster-m", type=click.Choice(["1", "2"]), callback=_int_choice,
                      help="sm90 16-bit, non-causal: CTAs per cluster sharing each K/V tile (TMA multicast)."),
         click.option("--softmax-chains", type=click.Choice(["1", "2", "4", "8"]), callback=_int_choice,

@@ -332,12 +332,18 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
 #   CTA's prologue and epilogue run under the other's GEMMs): s1k 299 -> 308 (975f18b), 303 -> 321
 #   with optimistic_max (a778a8d); at s512 222.7 vs 223.2, so not there;
 #   head_dim 256 non-causal, block_n 80 -> 64 (seven 80-key blocks at s512, the last mostly padding;
-#   eight of 64): s512 505 -> 529 (c5d6789).
+#   eight of 64): s512 505 -> 529 (c5d6789);
+#   head_dim 256 up to 1k keys (causal: 1k queries), O's staging tile over the V ring (o_in_v: Q is
+#   free after the tile's last Q K^T, so the next tile's first Q K^T and softmax run while the O
+#   store reads shared memory; short tiles pay that hand-off often): s512 541 -> 557, s1k 661 -> 679,
+#   causal s512 328 -> 344, causal s1k 486 -> 494; from 2k level within noise (s2k 691 / 668, s4k
+#   688 / 693, s8k 734 / 732, causal s2k 606 / 602, s8k 681 / 680) (41e02cc + o_in_v, variants taking
+#   turns).
 # fp8 (e4m3):
 #   head_dim 128 causal, block_n 192 -> 128 up to 2k (a tile's diagonal blocks are a large share
 #   of its 1-16 blocks): s1k 396 -> 428 (bcc4ca6), s2k 569 -> 568 (bcc4ca6) and, with the
 #   conflict-free transposer, 623 -> 647 (9e4f04a); at s8k 820 -> 779, so not there.
-SHORT_SEQUENCE_TILE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups")
+SHORT_SEQUENCE_TILE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups", "o_in_v")
 
 
 def short_sequence_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqlen_q: int, seqlen_k: int) -> dict:
@@ -355,7 +361,9 @@ def short_sequence_fields(arch: str, head_dim: int, dtype: str, causal: bool, se
     if head_dim == 128 and causal and seqlen_q <= 1024:
         return {"pingpong": True}
     if head_dim == 256 and ((causal and seqlen_q <= 1024) or (not causal and seqlen_k <= 512)):
-        return {"block_n": 64}
+        return {"block_n": 64, "o_in_v": True}
+    if head_dim == 256 and not causal and seqlen_k <= 1024:
+        return {"o_in_v": True}
     return {}
 
 
@@ -420,7 +428,10 @@ class KernelSpec:
     ``optimistic_max`` (a step's exp2s start from the running row max without waiting for a max
     pass; the row sums, for fp8 the max beside them, show when a step must be redone with the true
     max), ``cluster_m`` (1 | 2: two CTAs of a cluster run neighbouring m-blocks of one head and each
-    loads half of every K/V tile, multicast to both; 16-bit, non-causal).
+    loads half of every K/V tile, multicast to both; 16-bit, non-causal), ``o_in_v`` (16-bit with
+    separate_o=False: the O staging tile aliases the V ring instead of Q, FlashAttention-3's
+    head_dim-256 layout, so Q is released after the tile's last Q K^T and the next tile's first
+    Q K^T runs while the O store reads shared memory; its first V load waits for that store).
 
     dtype=fp8 only (e4m3 Q, K, V; sm90): ``out_dtype`` (bf16 | fp16: the type of O) and ``v_layout``
     (row | transposed: V as (batch, seqlen_k, heads_kv, d), transposed in shared memory by the kernel,
@@ -461,6 +472,7 @@ class KernelSpec:
     poly_exp2_tiles: int | None = None
     optimistic_max: bool | None = None
     cluster_m: int | None = None
+    o_in_v: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -489,6 +501,9 @@ class KernelSpec:
             fill["optimistic_max"] = False
             fill["ctas_per_sm"] = 1
             fill["cluster_m"] = 1
+            fill["o_in_v"] = False
+            if self.o_in_v not in (None, False, 0):
+                raise SpecError("o_in_v", "is an sm90 knob; arch=sm80 writes O from registers")
             if self.cluster_m not in (None, 1):
                 raise SpecError("cluster_m", "is an sm90 knob (TMA multicast); arch=sm80 has no clusters")
             if self.ctas_per_sm not in (None, 1):
@@ -527,10 +542,10 @@ class KernelSpec:
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
                         l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT,
-                        uniform_wg=UNIFORM_WG_DEFAULT, ctas_per_sm=1, cluster_m=1,
+                        uniform_wg=UNIFORM_WG_DEFAULT, ctas_per_sm=1, cluster_m=1, o_in_v=False,
                         optimistic_max=(optimistic_max_default(self.head_dim, self.dtype, self.causal)
                                         and not self.anchor_softmax))
-            _coerce_bools(self, ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
+            _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
                                  "uniform_wg", "optimistic_max"))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
@@ -540,6 +555,8 @@ class KernelSpec:
                     raise SpecError("separate_o", "dtype=fp8 stores O from registers straight to global "
                                                   "memory (no O tile in shared memory): use separate_o=False")
                 fill["separate_o"] = False
+            elif self.separate_o is None and self.o_in_v:
+                fill["separate_o"] = False                  # O has its place in the V ring
             elif self.separate_o is None:
                 # Own O buffer exactly when it fits the budget with the other knobs as resolved.
                 trial = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in fill.items()}
@@ -610,6 +627,8 @@ class KernelSpec:
                 parts.append(f"c{self.ctas_per_sm}")
             if self.cluster_m != 1:
                 parts.append(f"cl{self.cluster_m}")
+            if self.o_in_v:
+                parts.append("oinv")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -880,6 +899,7 @@ def _validate(spec: KernelSpec) -> None:
                 f"{', two CTAs per SM' if spec.ctas_per_sm == 2 else ''}): "
                 f"setmaxnreg.inc would wait forever"))
         _check_cluster(spec)
+        _check_o_in_v(spec)
         regs = register_estimate(spec)
         if regs > spec.consumer_regs:
             raise SpecError("block_n", (
@@ -899,6 +919,21 @@ def _validate(spec: KernelSpec) -> None:
                 f"two CTAs per SM need 2 x ({need} + {SM90_CTA_RESERVED_SMEM} reserved) = {per_sm} bytes of "
                 f"shared memory, over the {limits.smem_per_sm} of an SM on {spec.gpu}: lower stages or "
                 f"block_n{', set separate_o=False' if spec.separate_o else ''}, or use ctas_per_sm=1"))
+
+
+def _check_o_in_v(spec: KernelSpec) -> None:
+    """o_in_v: the O staging tile (block_m x head_dim) lies over the V ring's stages."""
+    if not isinstance(spec.o_in_v, bool):
+        raise SpecError("o_in_v", f"must be True or False, got {spec.o_in_v!r}")
+    if not spec.o_in_v:
+        return
+    if spec.dtype == "fp8":
+        raise SpecError("o_in_v", "the fp8 kernel stores O from registers (no O tile): use o_in_v=False")
+    if spec.separate_o:
+        raise SpecError("o_in_v", "O has its own buffer with separate_o=True: use one of the two")
+    if spec.stages * spec.block_n < spec.block_m:
+        raise SpecError("o_in_v", f"the O tile ({spec.block_m} rows) does not fit in the V ring ({spec.stages} "
+                                  f"stages x {spec.block_n} rows): raise stages or block_n, or use o_in_v=False")
 
 
 def _check_cluster(spec: KernelSpec) -> None:

@@ -61,6 +61,7 @@ SEARCH_SPACE = {
         "uniform_wg": (True, False),
         "ctas_per_sm": (1, 2),
         "cluster_m": (1, 2),
+        "o_in_v": (True, False),
     },
     "sm80": {
         "block_m": (64, 128),
@@ -82,7 +83,7 @@ _TILE_FIELDS = ("block_m", "block_n", "num_warps")
 _SWITCH_WEIGHTS = {"pingpong": 1.0, "intra_wg_overlap": 1.0, "persistent": 1.5, "q_in_regs": 1.0,
                    "separate_o": 1.0, "l2_hints": 1.0, "anchor_softmax": 1.0, "lazy_rescale": 1.0,
                    "rescale_under_qk": 1.0, "softmax_chains": 1.0, "poly_exp2_tiles": 1.0, "optimistic_max": 1.0,
-                   "uniform_wg": 1.0, "ctas_per_sm": 1.0, "cluster_m": 1.0}
+                   "uniform_wg": 1.0, "ctas_per_sm": 1.0, "cluster_m": 1.0, "o_in_v": 1.0}
 
 
 def _spec_field_names() -> set:
@@ -91,7 +92,7 @@ def _spec_field_names() -> set:
 
 
 # Knobs a dtype does not have: fp8 stores O from registers (no O tile to place in shared memory).
-NOT_FOR_DTYPE = {"fp8": ("separate_o",)}
+NOT_FOR_DTYPE = {"fp8": ("separate_o", "o_in_v")}
 
 
 def search_space(arch: str, dtype: str = "bf16") -> dict:

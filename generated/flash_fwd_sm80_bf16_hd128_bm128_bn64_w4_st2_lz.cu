@@ -22,6 +22,7 @@
 //   lazy_rescale         = True
 //   loop_order           = q_outer
 //   num_warps            = 4
+//   o_in_v               = False
 //   optimistic_max       = False
 //   persistent           = False
 //   pingpong             = False

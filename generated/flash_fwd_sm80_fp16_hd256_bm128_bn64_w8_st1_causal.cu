@@ -22,6 +22,7 @@
 //   lazy_rescale         = False
 //   loop_order           = q_outer
 //   num_warps            = 8
+//   o_in_v               = False
 //   optimistic_max       = False
 //   persistent           = False
 //   pingpong             = False

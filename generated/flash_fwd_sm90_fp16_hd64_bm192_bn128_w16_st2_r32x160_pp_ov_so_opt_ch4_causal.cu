@@ -22,6 +22,7 @@
 //   lazy_rescale         = False
 //   loop_order           = q_outer
 //   num_warps            = 16
+//   o_in_v               = False
 //   optimistic_max       = True
 //   persistent           = True
 //   pingpong             = True
@@ -556,6 +557,9 @@ constexpr int CTAS_PER_SM = 1;          // __launch_bounds__ minimum: CTAs shari
 // CTAs per cluster along M: m-blocks 2j and 2j+1 of one head run together, each CTA loads
 // BLOCK_N / CLUSTER_M rows of every K/V tile and multicasts them to both (half the L2 reads).
 constexpr int CLUSTER_M = 1;
+// The O staging tile lies over the V ring (FlashAttention-3's head_dim-256 layout): the next tile's
+// first V load waits for the previous tile's O store to leave shared memory (SharedState::o_free).
+constexpr bool O_IN_V = false;
 constexpr int PRODUCER_REGS = 32;
 constexpr int CONSUMER_REGS = 160;
 constexpr bool CAUSAL = true;
@@ -584,9 +588,9 @@ static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 &&
               "setmaxnreg split over the CTA's register pool: setmaxnreg.inc would wait forever");
 
 // ---- constants of the 16-bit kernel ----
-constexpr bool SEPARATE_O = true;   // O staging tile has its own buffer (else aliases Q)
-// The Q buffer is released after the tile's last Q K^T (SEPARATE_O), else after the O store.
-constexpr bool Q_RELEASE_AFTER_QK = SEPARATE_O;
+constexpr bool SEPARATE_O = true;   // O staging tile has its own buffer (else aliases Q or, O_IN_V, V)
+// The Q buffer is released after the tile's last Q K^T unless O aliases it (then after the O store).
+constexpr bool Q_RELEASE_AFTER_QK = SEPARATE_O || O_IN_V;
 constexpr int ELEM_BYTES = 2;
 // Tiles live in shared memory as TMA writes them: head_dim split into slabs of SLAB_COLS
 // columns, each slab `rows x SWIZZLE_BYTES` with the matching TMA/wgmma swizzle. 128B swizzle
@@ -614,6 +618,7 @@ constexpr int PINGPONG_BAR = 1;
 constexpr int EPILOGUE_BAR = PINGPONG_BAR + CONSUMER_WGS;
 constexpr int TILE_FULL_BAR = EPILOGUE_BAR + CONSUMER_WGS;  // producer wrote state.tile_slot
 constexpr int TILE_EMPTY_BAR = TILE_FULL_BAR + 1;           // consumers have read it
+constexpr int CONSUMERS_BAR = TILE_EMPTY_BAR + 1;           // O_IN_V: every consumer warpgroup is done with the V ring
 constexpr int TILE_BAR_THREADS = 32 + CONSUMER_WGS * WG_THREADS;
 
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256, "wgmma N and TMA box rows");
@@ -622,7 +627,8 @@ static_assert(HEAD_DIM % SLAB_COLS == 0, "head_dim is a whole number of swizzle 
 static_assert(Q_SLAB_BYTES % 1024 == 0 && KV_SLAB_BYTES % 1024 == 0 && Q_TILE_BYTES % 1024 == 0 &&
               KV_TILE_BYTES % 1024 == 0, "swizzled tiles start on 1024-byte boundaries");
 static_assert(TILE_SMEM_BYTES + 1024 <= SMEM_BYTES, "Q tile + K/V rings + alignment slack fit spec.smem_bytes");
-static_assert(TILE_EMPTY_BAR < 16, "16 hardware named barriers");
+static_assert(CONSUMERS_BAR < 16, "16 hardware named barriers");
+static_assert(!O_IN_V || (!SEPARATE_O && STAGES * KV_TILE_BYTES >= O_TILE_BYTES), "O_IN_V: the O tile fits the V ring");
 
 // ---- sm90 synchronisation: mbarriers (TMA arrival / slot release), named barriers, fences ----
 // (Needs common/ptx.cuh.j2 for smem_u32.)
@@ -822,8 +828,11 @@ __device__ __forceinline__ void tma_store_wait_all() {
 // k-step or a stage is a 32-bit add (no carry leaves the 14-bit address field: shared addresses
 // stay under 256 KB), and ptxas pairs the register with an immediate high word at the wgmma
 // instead of rebuilding 64-bit values with carries every step.
+// In a cluster kernel a shared-window address carries the CTA's rank in bits 24+ (ptxas adds
+// SR_CgaCtaId << 24), which would land in the LBO field: the offset in the CTA is bits 0-17.
 __device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo_bytes) {
-    return (addr >> 4) | ((lbo_bytes >> 4) << 16);
+    const uint32_t offset = CLUSTER_M > 1 ? addr & 0x3FFFFu : addr;
+    return (offset >> 4) | ((lbo_bytes >> 4) << 16);
 }
 
 template <int SWIZZLE>
@@ -894,6 +903,7 @@ struct SharedState {
     uint64_t k_empty[STAGES];   // consumers of every CTA in the cluster done with K tile (count CONSUMER_WGS x CLUSTER_M)
     uint64_t v_full[STAGES];
     uint64_t v_empty[STAGES];
+    uint64_t o_free;            // O_IN_V: the tile's O stores have read the V ring (count CONSUMER_WGS)
     uint64_t q_full;            // Q tile landed (count 1)
     uint64_t q_empty;           // consumers done with the Q buffer (count CONSUMER_WGS): after the
                                 // last Q K^T with SEPARATE_O, else after the O store (O aliases Q)
@@ -1108,7 +1118,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
     const uint32_t q_smem = smem_base;                                    // Q tile
     const uint32_t k_smem0 = q_smem + Q_TILE_BYTES;                       // k_smem[stage]
     const uint32_t v_smem0 = k_smem0 + STAGES * KV_TILE_BYTES;            // v_smem[stage]
-    const uint32_t o_smem = SEPARATE_O ? v_smem0 + STAGES * KV_TILE_BYTES : q_smem;   // O staging tile
+    const uint32_t o_smem = SEPARATE_O ? v_smem0 + STAGES * KV_TILE_BYTES : O_IN_V ? v_smem0 : q_smem;   // O staging tile
     const int warpgroup = threadIdx.x / WG_THREADS;
 
     if (threadIdx.x == 0) {
@@ -1118,6 +1128,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
             mbar_init(smem_u32(&state.v_full[s]), 1);
             mbar_init(smem_u32(&state.v_empty[s]), CONSUMER_WGS * CLUSTER_M);
         }
+        mbar_init(smem_u32(&state.o_free), CONSUMER_WGS);
         mbar_init(smem_u32(&state.q_full), 1);
         mbar_init(smem_u32(&state.q_empty), CONSUMER_WGS);
         mbar_init_fence();
@@ -1177,6 +1188,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                         }
                     }
                     const uint32_t v_full = smem_u32(&state.v_full[stage]);
+                    if (O_IN_V && i == 0 && tile_iter > 0) {
+                        mbar_wait(smem_u32(&state.o_free), (tile_iter - 1) & 1);   // last tile's O left the V ring
+                    }
                     mbar_wait(smem_u32(&state.v_empty[stage]), lap_parity);
                     if (leader) {
                         mbar_arrive_expect_tx(v_full, KV_TILE_BYTES);
@@ -1184,7 +1198,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                     }
                 }
                 if (t.n_end == 0) {
-                    // No visible key: the consumers still take the Q phase, then store O = 0.
+                    // No visible key: the consumers still take the Q phase, then store O = 0. O_IN_V:
+                    // the last tile's O store is waited for here too, so o_free never runs two phases
+                    // ahead of the waits (its parity would then read as not yet completed).
                     mbar_wait(smem_u32(&state.q_empty), (tile_iter & 1) ^ 1);
                     if (leader) {
                         mbar_arrive_expect_tx(smem_u32(&state.q_full), Q_TILE_BYTES);
@@ -1400,6 +1416,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
             // thread waits, the warpgroup syncs); else O aliases Q, whose reads by this warpgroup's
             // wgmmas are complete.
             const uint32_t o_rows = o_smem + wg * WG_ROWS * SWIZZLE_BYTES;
+            if (O_IN_V) {
+                // Each warpgroup's rows of O span every V stage: all warpgroups' P V are done with it.
+                // (The producer loads no V of the next tile before o_free, and the last tile's O store
+                // has read these bytes: the producer waited for it before this tile's V.)
+                named_bar_sync(CONSUMERS_BAR, CONSUMER_WGS * WG_THREADS);
+            }
             if (SEPARATE_O) {
                 if (tid == 0) {
                     tma_store_wait_read();
@@ -1424,8 +1446,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                 }
                 tma_store_commit();
                 if (!SEPARATE_O) {
-                    tma_store_wait_read();                      // smem read: the producer may reload Q
-                    mbar_arrive(smem_u32(&state.q_empty));
+                    tma_store_wait_read();                      // smem read: the producer may reload Q (V)
+                    mbar_arrive(smem_u32(O_IN_V ? &state.o_free : &state.q_empty));
                 }
                 // SEPARATE_O: the store runs under the next tile's GEMMs; waited for above.
             }

@@ -13,7 +13,8 @@ grid cells past the budget are listed as skipped. A failing cell or peer is repo
 goes on. Files under --out: run.log, env.json, pytest.log, bench.json, bench.md (and ncu.txt with
 --ncu). The markdown table is printed last.
 
-Wheels carried in .whl/ (e.g. FlashAttention-3) are installed into /tmp/site first (--wheels).
+Wheels carried in .whl/ (e.g. FlashAttention-3) are installed into /tmp/site first (--wheels); a
+.tar.xz there (an unpacked wheel, recompressed to fit the carry limit) is extracted into it.
 """
 
 from __future__ import annotations
@@ -154,8 +155,17 @@ def select_cells(args, grid: str):
 # ------------------------------------------------------------------------------------------------
 
 def install_wheels(args, log) -> None:
+    # Unpacked wheels as .tar.xz (FlashAttention-3's 63 MB wheel is 29 MB so: the carry limit is 64 MiB
+    # with the tree): extracted into SITE as they are.
+    import tarfile
+    for archive in sorted(glob.glob(os.path.join(args.wheels, "*.tar.xz"))):
+        log(f"extracting {os.path.basename(archive)} into {SITE}")
+        with tarfile.open(archive) as tar:
+            tar.extractall(SITE)
     wheels = sorted(glob.glob(os.path.join(args.wheels, "*.whl")))
     if not wheels:
+        if SITE not in sys.path and os.path.isdir(SITE):
+            sys.path.insert(0, SITE)
         return
     log(f"installing {len(wheels)} wheel(s) from {args.wheels} into {SITE}: " + ", ".join(os.path.basename(w) for w in wheels))
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",

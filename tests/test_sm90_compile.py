@@ -33,6 +33,8 @@ SPECS = [
     K(head_dim=64, causal=True, intra_wg_overlap=False, l2_hints=False),
     # clusters of two CTAs sharing K/V loads (TMA multicast), persistent and not
     K(head_dim=256, cluster_m=2), K(head_dim=128, cluster_m=2, persistent=False, l2_hints=False),
+    # O staging tile over the V ring (FlashAttention-3's head_dim-256 layout)
+    K(head_dim=256, o_in_v=True), K(head_dim=256, causal=True, o_in_v=True),
 ]
 
 

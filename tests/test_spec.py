@@ -192,3 +192,15 @@ def test_cluster_m_checks_pads_m_blocks_and_halves_the_kv_box():
                                (300 * 8 * 256, 8 * 256, 256), (500 * 2 * 256, 2 * 256, 256),
                                (500 * 2 * 256, 2 * 256, 256), (300 * 8 * 256, 8 * 256, 256))
     assert [args[n].box[1] for n in ("tma_q", "tma_k", "tma_v", "tma_o")] == [128, 40, 40, 64]
+
+
+def test_o_in_v_takes_the_v_ring_and_needs_room_there():
+    spec = KernelSpec(arch="sm90", head_dim=256, o_in_v=True)
+    assert not spec.separate_o and "_oinv" in spec.variant
+    assert spec.smem_bytes == KernelSpec(arch="sm90", head_dim=256).smem_bytes    # no tile of its own
+    assert not KernelSpec(arch="sm90", head_dim=256).o_in_v
+    for bad in [dict(separate_o=True, head_dim=64), dict(dtype="fp8"), dict(block_n=32, stages=2, head_dim=128),
+                dict(arch="sm80"), dict(o_in_v="yes")]:
+        with pytest.raises(SpecError) as err:
+            KernelSpec(**{"arch": "sm90", "head_dim": 256, "o_in_v": True, **bad})
+        assert err.value.field == "o_in_v", (bad, err.value)

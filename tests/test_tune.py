@@ -334,7 +334,7 @@ def test_resolve_spec_user_fields_win(fake_device):
 def test_resolve_spec_short_sequence_table(fake_device):
     """spec.short_sequence_fields: head_dim 128 non-causal up to 1k keys takes block_n 128, head_dim
     64 causal 2 consumer warpgroups at 512 queries and two one-warpgroup CTAs per SM up to 1k, head_dim 128 causal up to 1k pingpong, head_dim
-    256 causal up to 1k and non-causal at 512 block_n 64, fp8 head_dim 128 causal up to 2k block_n 128;
+    256 causal up to 1k and non-causal at 512 block_n 64 (and up to 1k O over the V ring), fp8 head_dim 128 causal up to 2k block_n 128;
     tuned entries and the caller's fields win."""
     short = api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16))
     assert short == KernelSpec(arch="sm90", head_dim=128, gpu="h200", block_n=128)
@@ -348,6 +348,10 @@ def test_resolve_spec_short_sequence_table(fake_device):
     assert api.resolve_spec(256, "bf16", True, 0, shape=(8, 2048, 2048, 8)).block_n == 80
     assert api.resolve_spec(256, "bf16", False, 0, shape=(32, 512, 512, 8)).block_n == 64
     assert api.resolve_spec(256, "bf16", False, 0, shape=(16, 1024, 1024, 8)).block_n == 80
+    # head_dim 256 up to 1k keys: O's staging tile over the V ring
+    assert [api.resolve_spec(256, "bf16", c, 0, shape=(16384 // s, s, s, 8)).o_in_v
+            for c in (False, True) for s in (512, 1024, 2048)] == [True, True, False, True, True, False]
+    assert not api.resolve_spec(256, "bf16", False, 0, shape=(32, 512, 512, 8), block_n=80).o_in_v
     d64 = api.resolve_spec(64, "bf16", True, 0, shape=(32, 512, 512, 32))
     assert (d64.block_m, d64.consumer_warpgroups, d64.ctas_per_sm) == (128, 2, 1)
     d64 = api.resolve_spec(64, "bf16", True, 0, shape=(16, 1024, 1024, 32))
