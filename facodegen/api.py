@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from . import compiler as compile_mod
 from .launch import Operand, grid, launch_prepared, pack_params, resident_ctas, workspace_floats
-from .spec import HEAD_DIMS, SHORT_SEQUENCE_TILE_FIELDS, KernelSpec, SpecError, short_sequence_fields
+from .spec import HEAD_DIMS, SEQLEN_RULE_FIELDS, KernelSpec, SpecError, seqlen_rule_fields
 
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
 # dtype=fp8 (sm90): e4m3 inputs (torch.float8_e4m3fn); other float8 flavours are refused by name.
@@ -247,17 +247,17 @@ def resolve_spec(head_dim: int, dtype: str, causal: bool, device: int, arch: str
                  *, shape: tuple[int, int, int, int] | None = None, **spec_fields) -> KernelSpec:
     """The spec a call will run: arch and GPU budget from the device, the rest from the tuning
     database's entry for this device and ``shape`` = (batch, seqlen_q, seqlen_k, heads_q) where
-    there is one (facodegen.tunedb), else from the defaults and, for short sequences, the
-    measured table of spec.short_sequence_fields. Fields the caller gives always win;
+    there is one (facodegen.tunedb), else from the defaults and the measured sequence-length
+    table of spec.seqlen_rule_fields. Fields the caller gives always win;
     a tuned entry that does not combine with them into a valid spec is not used."""
     info = device_info(device)
     arch = arch or default_arch(info)
     _check_arch(arch, info)
     spec_fields.setdefault("gpu", info.budget_gpu)
     tuned = _tuned_fields(info, arch, head_dim, dtype, causal, shape) if shape is not None else None
-    if not tuned and shape is not None and not any(f in spec_fields for f in SHORT_SEQUENCE_TILE_FIELDS):
+    if not tuned and shape is not None and not any(f in spec_fields for f in SEQLEN_RULE_FIELDS):
         _, seqlen_q, seqlen_k, _ = shape
-        tuned = short_sequence_fields(arch, head_dim, dtype, causal, seqlen_q, seqlen_k)
+        tuned = seqlen_rule_fields(arch, head_dim, dtype, causal, seqlen_q, seqlen_k)
     spec = None
     if tuned:
         try:

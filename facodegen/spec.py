@@ -313,8 +313,8 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
                  why="FA3 fp8 hdim256: 128x128")
 
 
-# Short sequences on sm90: tiles that suit the call's length better than the
-# per-head_dim defaults, applied by facodegen.api.resolve_spec when the call's shape is known, no
+# Sequence-length rules on sm90 (mostly short sequences): tiles that suit the call's length better
+# than the per-head_dim defaults, applied by facodegen.api.resolve_spec when the call's shape is known, no
 # tuned entry exists and the caller chose no tile field. Measured on the H200 (scripts/sweep.py,
 # 2026-11-29, TFLOP/s, default -> rule):
 #   head_dim 128 non-causal, block_n 160 -> 128 (the last of ceil(seqlen_k/160) blocks is mostly
@@ -338,15 +338,20 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
 #   store reads shared memory; short tiles pay that hand-off often): s512 541 -> 557, s1k 661 -> 679,
 #   causal s512 328 -> 344, causal s1k 486 -> 494; from 2k level within noise (s2k 691 / 668, s4k
 #   688 / 693, s8k 734 / 732, causal s2k 606 / 602, s8k 681 / 680) (41e02cc + o_in_v, variants taking
-#   turns).
+#   turns);
+#   head_dim 128 long sequences, O over the V ring with block_n 160 -> 176 (FlashAttention-3's tile:
+#   the V ring then holds O, and the longer step amortises the per-step softmax work; the tile
+#   hand-off it slows matters less the longer the tile): non-causal s8k 654 -> 670 and 657 -> 666,
+#   s16k 664 -> 688 and 669 -> 692, causal s16k 652 -> 674 and 643 -> 671; causal s8k 622 -> 623,
+#   and at s4k it loses (637 -> 611, causal 646 -> 607), s2k 619 -> 553 (121cb80, two runs).
 # fp8 (e4m3):
 #   head_dim 128 causal, block_n 192 -> 128 up to 2k (a tile's diagonal blocks are a large share
 #   of its 1-16 blocks): s1k 396 -> 428 (bcc4ca6), s2k 569 -> 568 (bcc4ca6) and, with the
 #   conflict-free transposer, 623 -> 647 (9e4f04a); at s8k 820 -> 779, so not there.
-SHORT_SEQUENCE_TILE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups", "o_in_v")
+SEQLEN_RULE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups", "o_in_v")
 
 
-def short_sequence_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqlen_q: int, seqlen_k: int) -> dict:
+def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqlen_q: int, seqlen_k: int) -> dict:
     """Spec fields the table above sets for a call of this shape ({} = the defaults)."""
     if arch != "sm90":
         return {}
@@ -354,6 +359,8 @@ def short_sequence_fields(arch: str, head_dim: int, dtype: str, causal: bool, se
         return {"block_n": 128} if head_dim == 128 and causal and seqlen_q <= 2048 else {}
     if head_dim == 128 and not causal and seqlen_k <= 1024:
         return {"block_n": 128}
+    if head_dim == 128 and seqlen_k >= (16384 if causal else 8192):
+        return {"block_n": 176, "o_in_v": True}
     if head_dim == 64 and causal and 512 < seqlen_q <= 1024:
         return {"consumer_warpgroups": 1, "ctas_per_sm": 2}
     if head_dim == 64 and causal and seqlen_q <= 512:

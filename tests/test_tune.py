@@ -314,7 +314,7 @@ def test_resolve_spec_prefers_a_tuned_entry(fake_device):
     assert (tuned.block_n, tuned.pingpong) == (112, False)
     # same bucket: a nearby shape gets it; other buckets, families and no shape do not
     assert api.resolve_spec(128, "bf16", False, 0, shape=(2, 3500, 3500, 32)).block_n == 112
-    assert api.resolve_spec(128, "bf16", False, 0, shape=(4, 16384, 16384, 16)) == default
+    assert api.resolve_spec(128, "bf16", False, 0, shape=(4, 2048, 2048, 16)) == default
     assert api.resolve_spec(128, "bf16", True, 0, shape=SHAPE) == KernelSpec(arch="sm90", head_dim=128,
                                                                                causal=True, gpu="h200")
     assert api.resolve_spec(128, "bf16", False, 0) == default
@@ -331,8 +331,8 @@ def test_resolve_spec_user_fields_win(fake_device):
     assert spec == KernelSpec(arch="sm90", head_dim=128, gpu="h200", pingpong=True)
 
 
-def test_resolve_spec_short_sequence_table(fake_device):
-    """spec.short_sequence_fields: head_dim 128 non-causal up to 1k keys takes block_n 128, head_dim
+def test_resolve_spec_seqlen_rules(fake_device):
+    """spec.seqlen_rule_fields: head_dim 128 non-causal up to 1k keys takes block_n 128, head_dim
     64 causal 2 consumer warpgroups at 512 queries and two one-warpgroup CTAs per SM up to 1k, head_dim 128 causal up to 1k pingpong, head_dim
     256 causal up to 1k and non-causal at 512 block_n 64 (and up to 1k O over the V ring), fp8 head_dim 128 causal up to 2k block_n 128;
     tuned entries and the caller's fields win."""
@@ -352,6 +352,10 @@ def test_resolve_spec_short_sequence_table(fake_device):
     assert [api.resolve_spec(256, "bf16", c, 0, shape=(16384 // s, s, s, 8)).o_in_v
             for c in (False, True) for s in (512, 1024, 2048)] == [True, True, False, True, True, False]
     assert not api.resolve_spec(256, "bf16", False, 0, shape=(32, 512, 512, 8), block_n=80).o_in_v
+    # head_dim 128 long sequences (non-causal from 8k keys, causal from 16k): FA3's 176-key tile, O over V
+    long = [api.resolve_spec(128, "bf16", c, 0, shape=(16384 // s, s, s, 16)) for c in (False, True) for s in (4096, 8192, 16384)]
+    assert [(x.block_n, x.o_in_v) for x in long] == [(160, False), (176, True), (176, True),
+                                                      (128, False), (128, False), (176, True)]
     d64 = api.resolve_spec(64, "bf16", True, 0, shape=(32, 512, 512, 32))
     assert (d64.block_m, d64.consumer_warpgroups, d64.ctas_per_sm) == (128, 2, 1)
     d64 = api.resolve_spec(64, "bf16", True, 0, shape=(16, 1024, 1024, 32))
