@@ -43,17 +43,18 @@ def child(args) -> None:
     s = bench._make_inputs(c, 1)[0]
     arch, fields = bench.parse_variant(args.variant)
     ours = bench._facodegen_fn(arch, fields, s, bool(causal))[0]
-    peer = bench._peer_fn(args.peer, s, bool(causal))[0]
-    for fn in (ours, peer):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    ours()
-    torch.cuda.synchronize()
-    peer()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    peer, peer_context = bench._peer_fn(args.peer, s, bool(causal))   # SDPA peers: their backend's context
+    with peer_context:
+        for fn in (ours, peer):
+            for _ in range(3):
+                fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        ours()
+        torch.cuda.synchronize()
+        peer()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
 
 
 def summarize(report: str) -> str:
@@ -96,6 +97,7 @@ def main() -> int:
             "--variant", args.variant, "--peer", args.peer]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     report = run.stdout + ("\n" + run.stderr if run.returncode else "")
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ncu.txt"), "w") as f:
         f.write(report)
     print(summarize(report))

@@ -95,6 +95,7 @@ def main() -> int:
            "--print-source", "sass", "--csv", sys.executable, os.path.join(here, "ncu_compare.py"), "--child",
            "--cell", args.cell, "--dtype", args.dtype, "--variant", args.variant, "--peer", args.peer]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "source.csv")
     with open(path, "w") as f:
         f.write(run.stdout)

@@ -95,6 +95,7 @@ def main() -> int:
         done = bench.run_grid(rows, peers=peer_names, timing=timing, variants=named)
         records += done
         tables.append(bench.format_table(done))
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(records, f, indent=1, default=str)
     print("\n\n".join(tables))
