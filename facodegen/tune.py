@@ -60,7 +60,8 @@ SEARCH_SPACE = {
         "optimistic_max": (True, False),
         "uniform_wg": (True, False),
         "ctas_per_sm": (1, 2),
-        "cluster_m": (1, 2),
+        # O's staging tile over the V ring (with separate_o=False); cluster_m is not searched: two-CTA
+        # multicast measured slower in every cell (spec.py) and would double the space again.
         "o_in_v": (True, False),
     },
     "sm80": {
@@ -74,6 +75,8 @@ SEARCH_SPACE = {
         "softmax_chains": (1, 4),
     },
 }
+# Switches that cannot both be on (one O tile placement): such points are skipped, not built.
+EXCLUSIVE_SWITCHES = (("separate_o", "o_in_v"),)
 MAX_CANDIDATES = 48
 FINAL_TOP = 3
 FINAL_REPS = 2
@@ -83,7 +86,7 @@ _TILE_FIELDS = ("block_m", "block_n", "num_warps")
 _SWITCH_WEIGHTS = {"pingpong": 1.0, "intra_wg_overlap": 1.0, "persistent": 1.5, "q_in_regs": 1.0,
                    "separate_o": 1.0, "l2_hints": 1.0, "anchor_softmax": 1.0, "lazy_rescale": 1.0,
                    "rescale_under_qk": 1.0, "softmax_chains": 1.0, "poly_exp2_tiles": 1.0, "optimistic_max": 1.0,
-                   "uniform_wg": 1.0, "ctas_per_sm": 1.0, "cluster_m": 1.0, "o_in_v": 1.0}
+                   "uniform_wg": 1.0, "ctas_per_sm": 1.0, "o_in_v": 1.0}
 
 
 def _spec_field_names() -> set:
@@ -182,6 +185,8 @@ def enumerate_candidates(arch: str, head_dim: int, dtype: str, causal: bool, gpu
     seen[default] = default_cand
     for values in itertools.product(*(axes[n] for n in names)):
         fields = dict(zip(names, values))
+        if any(fields.get(a) and fields.get(b) for a, b in EXCLUSIVE_SWITCHES):
+            continue                # not a point of the space (KernelSpec would reject it)
         cand = Candidate(fields=fields)
         try:
             cand.spec = KernelSpec(**base, **fields)
