@@ -519,8 +519,9 @@ FP8_SHAPES = [   # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 ]
 
 
-def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int = 0):
-    """(kernel O, LSE, reference O, LSE, FA3's O or None) on randn bf16 quantised to e4m3."""
+def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int = 0, key_growth=None):
+    """(kernel O, LSE, reference O, LSE, FA3's O or None) on randn bf16 quantised to e4m3;
+    ``key_growth`` (seqlen_k factors) scales each key before quantising."""
     from facodegen.api import transpose_v
     from facodegen.quantize import quantize_e4m3
     from facodegen.reference import attention_reference_fp8
@@ -529,6 +530,8 @@ def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
                for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    if key_growth is not None:
+        k = (k.float() * key_growth[None, :, None, None]).to(torch.bfloat16)
     (q8, qd), (k8, kd), (v8, vd) = quantize_e4m3(q), quantize_e4m3(k), quantize_e4m3(v)
     if descale_per_head:
         spread = torch.rand(b, hkv, device="cuda", generator=g) + 0.5
@@ -587,13 +590,34 @@ def test_fp8_default_spec(spec):
                                     dict(head_dim=256, causal=True, optimistic_max=True),
                                     dict(head_dim=128, q_in_regs=True),
                                     dict(head_dim=256, block_n=64, causal=True, q_in_regs=True),
-                                    dict(head_dim=128, q_in_regs=True, v_layout="transposed", intra_wg_overlap=False)],
+                                    dict(head_dim=128, q_in_regs=True, v_layout="transposed", intra_wg_overlap=False),
+                                    dict(head_dim=256, lazy_rescale=True), dict(head_dim=128, causal=True, lazy_rescale=True),
+                                    dict(head_dim=64, lazy_rescale=True, v_layout="transposed")],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_non_default_spec(fields):
     from facodegen.reference import FP8_TOLERANCE
     spec = KernelSpec(arch="sm90", dtype="fp8", **fields)
     o, _, o_ref, _, _ = _fp8_case(spec, (2, 1000, 1000, 4, 2), seed=7)
     assert not np.isnan(o).any() and _rel(o, o_ref) <= FP8_TOLERANCE
+
+
+@pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
+@pytest.mark.parametrize("fields", [dict(head_dim=256, lazy_rescale=True), dict(head_dim=128, causal=True, lazy_rescale=True),
+                                    dict(head_dim=256, optimistic_max=True), dict(head_dim=128)],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_fp8_row_max_that_keeps_growing(fields):
+    """Keys scaled up toward key 0 (the last block a tile visits): the row max rises on most steps,
+    beyond the lazy/optimistic slack of 2^2.7, so the stale-max paths must move to the new max before
+    p passes e4m3's 448 (no NaN, O within the fp8 bound; FA3's error on the same inputs, if present)."""
+    from facodegen.reference import FP8_TOLERANCE
+    spec = KernelSpec(arch="sm90", dtype="fp8", **fields)
+    s = 1000
+    growth = 1.0 + 6.0 * (1.0 - torch.arange(s, device="cuda", dtype=torch.float32) / s)
+    o, _, o_ref, _, fa3 = _fp8_case(spec, (2, s, s, 2, 2), seed=3, key_growth=growth)
+    err = _rel(o, o_ref)
+    assert not np.isnan(o).any() and err <= FP8_TOLERANCE, err
+    if fa3 is not None:
+        assert err <= 1.1 * _rel(fa3, o_ref) + 1e-3, (err, _rel(fa3, o_ref))
 
 
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
