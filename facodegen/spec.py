@@ -818,6 +818,9 @@ def _validate(spec: KernelSpec) -> None:
     limits = GPUS[spec.gpu]
     if not isinstance(spec.lazy_rescale, bool):
         raise SpecError("lazy_rescale", f"must be True or False, got {spec.lazy_rescale!r}")
+    if spec.lazy_rescale and spec.dtype == "fp8":
+        raise SpecError("lazy_rescale", "dtype=fp8 keeps P in [0, 256] for e4m3 (FlashAttention-3's offset), "
+                                        "which a stale row max would break: use lazy_rescale=False")
     if spec.lazy_rescale and spec.schedule == "fa1":
         raise SpecError("lazy_rescale", "schedule=fa1 rescales by its own rule (the rescale switch): "
                                         "use lazy_rescale=False")

@@ -457,15 +457,3 @@ def test_transposer_is_bank_conflict_free(block_n, head_dim):
                 assert stores[lane] == swizzled(vt_slab, vt_sw, vt_row_of(head_col), key0)
             _, old_stores, _ = transposer_lane_addresses(block_n, head_dim, key0, col0, old)
             assert not _conflict_free(old_stores)
-
-
-@pytest.mark.parametrize("head_dim", [64, 256])
-def test_fp8_lazy_rescale_compiles_clean_with_the_rescale_behind_a_warp_vote(head_dim):
-    """lazy_rescale on fp8 (P offset 2^6, slack 2^2.7): no spills, and the main loop's O multiply
-    sits behind a warp-uniform vote (VOTE.ANY + branch), which the exact kernel does not have."""
-    from facodegen import compiler
-    lazy = compiler.compile(KernelSpec(arch="sm90", dtype="fp8", head_dim=head_dim, lazy_rescale=True), verbose=False)
-    exact = compiler.compile(KernelSpec(arch="sm90", dtype="fp8", head_dim=head_dim), verbose=False)
-    r = lazy.resources
-    assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), lazy.log
-    assert "VOTE.ANY" in lazy.sass() and "VOTE.ANY" not in exact.sass()

@@ -590,9 +590,7 @@ def test_fp8_default_spec(spec):
                                     dict(head_dim=256, causal=True, optimistic_max=True),
                                     dict(head_dim=128, q_in_regs=True),
                                     dict(head_dim=256, block_n=64, causal=True, q_in_regs=True),
-                                    dict(head_dim=128, q_in_regs=True, v_layout="transposed", intra_wg_overlap=False),
-                                    dict(head_dim=256, lazy_rescale=True), dict(head_dim=128, causal=True, lazy_rescale=True),
-                                    dict(head_dim=64, lazy_rescale=True, v_layout="transposed")],
+                                    dict(head_dim=128, q_in_regs=True, v_layout="transposed", intra_wg_overlap=False)],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_non_default_spec(fields):
     from facodegen.reference import FP8_TOLERANCE
@@ -602,13 +600,13 @@ def test_fp8_non_default_spec(fields):
 
 
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
-@pytest.mark.parametrize("fields", [dict(head_dim=256, lazy_rescale=True), dict(head_dim=128, causal=True, lazy_rescale=True),
-                                    dict(head_dim=256, optimistic_max=True), dict(head_dim=128)],
+@pytest.mark.parametrize("fields", [dict(head_dim=256, optimistic_max=True), dict(head_dim=128)],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_row_max_that_keeps_growing(fields):
     """Keys scaled up toward key 0 (the last block a tile visits): the row max rises on most steps,
-    beyond the lazy/optimistic slack of 2^2.7, so the stale-max paths must move to the new max before
-    p passes e4m3's 448 (no NaN, O within the fp8 bound; FA3's error on the same inputs, if present)."""
+    beyond the optimistic step's slack of 2^2.7, so it must redo those steps at the new max before p
+    passes e4m3's 448 (no NaN, O within the fp8 bound, and within 1.1x FA3's error on the same inputs
+    if FA3 is there). head_dim 128's default is optimistic."""
     from facodegen.reference import FP8_TOLERANCE
     spec = KernelSpec(arch="sm90", dtype="fp8", **fields)
     s = 1000
