@@ -1190,9 +1190,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                         }
                     }
                     const uint32_t v_full = smem_u32(&state.v_full[stage]);
-                    if (O_IN_V && i == 0 && tile_iter > 0) {
-                        mbar_wait(smem_u32(&state.o_free), (tile_iter - 1) & 1);   // last tile's O left the V ring
-                    }
                     mbar_wait(smem_u32(&state.v_empty[stage]), lap_parity);
                     if (leader) {
                         mbar_arrive_expect_tx(v_full, KV_TILE_BYTES);
