@@ -115,8 +115,8 @@ class _LaunchConfig(ctypes.Structure):
 
 def max_active_clusters(function, threads: int, smem_bytes: int, cluster_size: int) -> int:
     """cuOccupancyMaxActiveClusters for a kernel compiled with __cluster_dims__ (libcuda via ctypes)."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = lib.cuOccupancyMaxActiveClusters
+    from .tma import libcuda
+    fn = libcuda().cuOccupancyMaxActiveClusters
     fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
     fn.restype = ctypes.c_int
     config = _LaunchConfig(cluster_size, 1, 1, threads, 1, 1, smem_bytes, None, None, 0)

@@ -881,7 +881,8 @@ def _validate(spec: KernelSpec) -> None:
                                        f"wgmma reduces over keys in k32 steps)")
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
-        for name in ("separate_o", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg", "optimistic_max"):
+        for name in ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg",
+                     "optimistic_max"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
         if spec.optimistic_max and spec.anchor_softmax:
@@ -930,8 +931,6 @@ def _validate(spec: KernelSpec) -> None:
 
 def _check_o_in_v(spec: KernelSpec) -> None:
     """o_in_v: the O staging tile (block_m x head_dim) lies over the V ring's stages."""
-    if not isinstance(spec.o_in_v, bool):
-        raise SpecError("o_in_v", f"must be True or False, got {spec.o_in_v!r}")
     if not spec.o_in_v:
         return
     if spec.dtype == "fp8":
@@ -947,8 +946,7 @@ def _check_cluster(spec: KernelSpec) -> None:
     """cluster_m=2: both CTAs of a cluster must visit the same K/V blocks in the same order (so not
     causal, whose m-blocks see different key ranges) and each loads half of a tile's rows, which must
     start on the 8-row (1024-byte) period of the swizzle."""
-    if spec.cluster_m not in (1, 2) or isinstance(spec.cluster_m, bool):
-        raise SpecError("cluster_m", f"{spec.cluster_m!r} is not supported; choose one of 1, 2")
+    _check_choice("cluster_m", spec.cluster_m, (1, 2))
     if spec.cluster_m == 1:
         return
     if spec.dtype == "fp8":

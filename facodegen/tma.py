@@ -137,13 +137,14 @@ def tiled_args(ptr: int, dtype: str, shape_bshd, strides_elems, box_rows: int, b
                      box=(box_cols, box_rows, 1, 1), swizzle_code=SWIZZLE_CODES[swizzle])
 
 
+_LIBCUDA = None
 _ENCODE = None
 
 
-def _driver_encode():
-    """cuTensorMapEncodeTiled from libcuda.so.1, loaded once on first use."""
-    global _ENCODE
-    if _ENCODE is None:
+def libcuda() -> ctypes.CDLL:
+    """libcuda.so.1 (the driver API, for what CuPy does not wrap), loaded and cuInit'ed once."""
+    global _LIBCUDA
+    if _LIBCUDA is None:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
         except OSError as err:
@@ -154,7 +155,15 @@ def _driver_encode():
         init = lib.cuInit(0)
         if init != 0:
             raise RuntimeError(f"facodegen.tma: cuInit failed with CUresult {init}")
-        fn = lib.cuTensorMapEncodeTiled
+        _LIBCUDA = lib
+    return _LIBCUDA
+
+
+def _driver_encode():
+    """cuTensorMapEncodeTiled from libcuda.so.1, loaded once on first use."""
+    global _ENCODE
+    if _ENCODE is None:
+        fn = libcuda().cuTensorMapEncodeTiled
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
                        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
                        ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),

@@ -163,17 +163,15 @@ def install_wheels(args, log) -> None:
         with tarfile.open(archive) as tar:
             tar.extractall(SITE)
     wheels = sorted(glob.glob(os.path.join(args.wheels, "*.whl")))
-    if not wheels:
-        if SITE not in sys.path and os.path.isdir(SITE):
-            sys.path.insert(0, SITE)
-        return
-    log(f"installing {len(wheels)} wheel(s) from {args.wheels} into {SITE}: " + ", ".join(os.path.basename(w) for w in wheels))
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                           "--no-cache-dir", "--upgrade", "--target", SITE, *wheels],
-                          capture_output=True, text=True, timeout=300)
-    if done.returncode:
-        log(f"  pip install failed ({done.returncode}): {done.stderr.strip()[-1500:]}")
-    if SITE not in sys.path:
+    if wheels:
+        log(f"installing {len(wheels)} wheel(s) from {args.wheels} into {SITE}: "
+            + ", ".join(os.path.basename(w) for w in wheels))
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                               "--no-cache-dir", "--upgrade", "--target", SITE, *wheels],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            log(f"  pip install failed ({done.returncode}): {done.stderr.strip()[-1500:]}")
+    if SITE not in sys.path and os.path.isdir(SITE):
         sys.path.insert(0, SITE)
 
 
