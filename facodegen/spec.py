@@ -305,7 +305,7 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
                      why="FA3 fp8 hdim192: 128x160 -> 128x128")
     if v_layout == "row":
         # 128x96: the consumers fit 232 registers, so the V transposers get 40 (the split rule in
-        # KernelSpec) and unroll; on the H200 3-7% over 128x128 at 24/240 (sweep, 2026-11-29).
+        # KernelSpec) and unroll. 128x128 at 24/240 runs 2-4% faster but spills (see the split).
         return Tiles(128, 96, 12, 2, consumer_warpgroups=2, pingpong=False, intra_wg_overlap=True,
                      why="FA3 fp8 hdim256: 128x128 -> 128x96 (row V: 40 transposer registers)")
     # Q 32K + 2 x (K 32K + V^T 32K) = 160K.
@@ -531,18 +531,20 @@ class KernelSpec:
             # setmaxnreg moves registers inside the CTA's pool, which holds what the CTA launched
             # with (ptxas: 168 per thread x 384 = 64512 for two consumer warpgroups), not the 65536
             # of the SM: 32 + 2 x 240 asked 1024 more and the second consumer warpgroup's
-            # setmaxnreg.inc waited forever. The V transposers (fp8, v_layout=row) spill a
-            # scheduler value per tile at 24 registers and unroll only with more, so where the
-            # consumers fit in 232 the split is 40 + 2 x 232 = 64512 too.
+            # setmaxnreg.inc waited forever. The V transposers (fp8, v_layout=row) keep four
+            # ldmatrix in flight with 40 registers and two with 24 (spilling per-tile values), so
+            # where the consumers fit in 232 the split is 40 + 2 x 232 = 64512 too. Head_dim 256 x
+            # 128 keys needs 24/240 and spills 68-84 bytes (per-tile values and the last tile's mask
+            # branch, none in the main loop or the transposers' item loop): not a default. On the
+            # H200 (scripts/sweep.py, 2026-11-29, TFLOP/s, default 128x96 40/232 vs 128x128 24/240,
+            # FlashAttention-3 in the same run) s2k 993 / 1037, s8k 961 / 998, s16k 975 / 1019,
+            # causal s2k 832 / 826, s8k 936 / 957, s16k 968 / 993 (FA3 1131 / 1124 / 1125 / 629 /
+            # 1111 / 1093; the caller's V^T at 128x128 1016 / 1094 / 1127 / 764 / 1002 / 1072).
             persistent = True
             if self.dtype == "fp8" and self.v_layout == "row" and cwg == 2:
                 block_n = self.block_n if self.block_n is not None else tiles.block_n
                 if sm90_consumer_registers(self.head_dim, block_n, self.dtype, bool(self.q_in_regs)) <= 232:
                     producer, consumer = 40, 232
-                elif not self.causal:
-                    # 24/240 (e.g. head_dim 256 x 128): persistent with pingpong and overlap,
-                    # ptxas spills 40-56 bytes; non-persistent compiles clean.
-                    persistent = False
             fill.update(block_m=64 * cwg, block_n=tiles.block_n, num_warps=4 * (cwg + 1),
                         stages=tiles.stages, q_in_regs=self.dtype == "fp8" and FP8_Q_IN_REGS_DEFAULT,
                         consumer_warpgroups=cwg,

@@ -1000,7 +1000,7 @@ __device__ __forceinline__ void publish_tile(SharedState& state, int tile, uint3
     }
 }
 
-// Every reading thread (consumers; fp8's transposers). They release the slot after each index
+// Every reading thread (the consumers). They release the slot after each index
 // that is real work; the producer publishes nothing after the first index past the end, so the
 // barriers balance.
 __device__ __forceinline__ int consumer_next_tile(const FlashParams& p, SharedState& state, int tile) {

@@ -38,9 +38,9 @@ def test_fp8_spec_defaults_and_errors():
     # would leave a consumer warpgroup in setmaxnreg.inc forever.
     assert (s.producer_regs, s.consumer_regs) == (40, 232)
     assert KernelSpec(arch="sm90", dtype="fp8", head_dim=128, v_layout="transposed").producer_regs == 24
-    # consumers that need more than 232 keep 24/240 (and, non-causal, run non-persistent: no spills)
+    # consumers that need more than 232 keep 24/240
     wide = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, block_n=128)
-    assert (wide.producer_regs, wide.consumer_regs, wide.persistent) == (24, 240, False)
+    assert (wide.producer_regs, wide.consumer_regs, wide.persistent) == (24, 240, True)
     assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256).block_n == 96
     assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256, v_layout="transposed").block_n == 128
     with pytest.raises(SpecError, match="setmaxnreg"):
@@ -457,3 +457,30 @@ def test_transposer_is_bank_conflict_free(block_n, head_dim):
                 assert stores[lane] == swizzled(vt_slab, vt_sw, vt_row_of(head_col), key0)
             _, old_stores, _ = transposer_lane_addresses(block_n, head_dim, key0, col0, old)
             assert not _conflict_free(old_stores)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_transposers_at_24_registers_keep_loads_in_flight_and_spill_nothing_per_item(causal):
+    """head_dim 256 x 128 keys needs the 24/240 split: the transposers follow the V ring alone (no
+    tile scheduler: the loader ends their loop with a tile-less v_full phase) and each lane keeps
+    two swizzled row addresses, so at 24 registers the item loop holds two ldmatrix in flight (two
+    distinct destination quads before the first byte_perm) and spills nothing; what ptxas does
+    spill are per-tile values, outside the loop."""
+    import re
+    from facodegen import compiler
+    spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, block_n=128, producer_regs=24, consumer_regs=240,
+                      persistent=True, causal=causal)
+    sass = compiler.compile(spec, verbose=False).sass().splitlines()
+    dealloc = next(i for i, line in enumerate(sass) if "USETMAXREG.DEALLOC" in line)
+    ops = [m.groups() for line in sass[dealloc:]
+           for m in [re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;", line)] if m]
+    last_store = max(i for i, (_, op) in enumerate(ops) if op.startswith("STSM"))
+    back = next(i for i in range(last_store, len(ops)) if "BRA" in ops[i][1])
+    loop_start = int(re.search(r"BRA (0x[0-9a-f]+)", ops[back][1]).group(1), 16)
+    loop = [op for address, op in ops if loop_start <= int(address, 16) <= int(ops[back][0], 16)]
+    assert not [op for op in loop if op.startswith(("STL", "LDL"))], loop
+    loads = [op for op in loop if op.startswith("LDSM.16.MT88.4")]
+    assert len(loads) == 4 and sum(op.startswith("STSM.16.M88.4") for op in loop) == 4
+    first_perm = next(i for i, op in enumerate(loop) if op.startswith("PRMT"))
+    in_flight = {op.split()[1] for op in loop[:first_perm] if op.startswith("LDSM")}
+    assert len(in_flight) >= 2, loop[:first_perm]
