@@ -187,8 +187,14 @@ def optimistic_max_default(head_dim: int, dtype: str, causal: bool) -> bool:
 # the Q descriptors stay in uniform registers). SASS at head_dim 128: the 16 R2UR per main-loop step
 # go, but ptxas rebuilds the descriptors in uniform registers instead (706 vs 709 instructions per
 # step). H200, variants taking turns (2026-11-29, TFLOP/s off vs on): d128 s8k 615 vs 617, causal s8k
-# 588 vs 587, s2k 574 vs 578; d256 s8k 675 vs 659; d64 s16k 515 vs 499; fp8 d128 s8k 795 vs 787. Off.
-UNIFORM_WG_DEFAULT = False
+# 588 vs 587, s2k 574 vs 578; d256 s8k 675 vs 659; d64 s16k 515 vs 499; fp8 d128 s8k 795 vs 787
+# (again in session 8: fp8 d128 s8k 881 vs 877, causal 821 vs 813, fp8 d64 s8k 662 vs 628). On for
+# fp8 head_dim 256 with the in-kernel V^T (128x128 at 24/240, see fp8_tiles): with the index in a
+# uniform register its consumers fit 240 without spilling (44-60 bytes off), and on the H200
+# (scripts/sweep.py, 2026-11-29, TFLOP/s 128x128 off vs on) s2k 1062 vs 1098, s8k 1072 vs 1094,
+# s16k 1074 vs 1102, causal s2k 822 vs 889, s8k 992 vs 1050, s16k 1038 vs 1096.
+def uniform_wg_default(head_dim: int, dtype: str, v_layout: str) -> bool:
+    return dtype == "fp8" and head_dim == 256 and v_layout == "row"
 
 REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 28}
 SM80_MAX_REGS = 255
@@ -219,7 +225,7 @@ class Tiles:
     why: str = ""
 
 
-def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str, v_layout: str = "row") -> Tiles:
+def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) -> Tiles:
     """The default tile choice for one problem family, with the reason for each branch."""
     smem = GPUS[gpu].smem_per_block
     if arch == "sm80":
@@ -241,7 +247,7 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str, 
         stages = 2 if 128 * head_dim * 2 + 2 * 2 * 64 * head_dim * 2 <= smem else 1
         return Tiles(128, 64, 8, stages, why="FA2 hdim192/256: 128x64, 8 warps")
     if dtype == "fp8":
-        return fp8_tiles(head_dim, causal, v_layout)
+        return fp8_tiles(head_dim, causal)
     # sm90: FlashAttention-3's tile_size_fwd_sm90 (kernel-facts 2.1), 2-stage K/V rings.
     # Pingpong is off for causal: measured on the H200 (docs/perf-notes.md, v1 ablation) it
     # costs 6% at d128 s8k causal (572 vs 607 TFLOP/s) and 3% at s1k: the masked diagonal
@@ -277,7 +283,7 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str, 
                  intra_wg_overlap=True, why="FA3 hdim256: 128x80")
 
 
-def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
+def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
     """sm90 e4m3 defaults: FlashAttention-3's tile_size_fwd_sm90 fp8 rows (kernel-facts 2.1; block_n
     adjusted below), 2 stages, intra-warpgroup overlap, no pingpong (FA3 pingpongs fp8 at head_dim
     >= 128; on the H200, scripts/sweep.py 2026-11-29, pingpong off vs on: d128 s8k 802 vs 782 and
@@ -303,12 +309,12 @@ def fp8_tiles(head_dim: int, causal: bool, v_layout: str = "row") -> Tiles:
     if head_dim <= 192:
         return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=False, intra_wg_overlap=True,
                      why="FA3 fp8 hdim192: 128x160 -> 128x128")
-    if v_layout == "row":
-        # 128x96: the consumers fit 232 registers, so the V transposers get 40 (the split rule in
-        # KernelSpec) and unroll. 128x128 at 24/240 runs 2-4% faster but spills (see the split).
-        return Tiles(128, 96, 12, 2, consumer_warpgroups=2, pingpong=False, intra_wg_overlap=True,
-                     why="FA3 fp8 hdim256: 128x128 -> 128x96 (row V: 40 transposer registers)")
-    # Q 32K + 2 x (K 32K + V^T 32K) = 160K.
+    # 128x128 at 24/240: Q 32K + 2 x (K 32K + V^T 32K) (+ 2 x V 32K with the in-kernel V^T) = 160K
+    # (224K). With the in-kernel V^T the transposers then have 24 registers and keep two ldmatrix in
+    # flight, and the consumers need uniform_wg to fit 240. On the H200 (scripts/sweep.py, 2026-11-29,
+    # TFLOP/s, 128x96 at 40/232 (the default before) vs 128x128 at 24/240 with uniform_wg,
+    # FlashAttention-3 in the same run): s2k 996 / 1098 (F 1137), s8k 994 / 1094 (F 1149), s16k 1015 /
+    # 1102 (F 1160), causal s2k 840 / 889 (F 898), s8k 985 / 1050 (F 1176), s16k 1009 / 1096 (F 1217).
     return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=False, intra_wg_overlap=True,
                  why="FA3 fp8 hdim256: 128x128")
 
@@ -495,7 +501,7 @@ class KernelSpec:
         if self.schedule == "fa1":
             tiles = fa1_tiles(self.head_dim, self.warp_split)
         else:
-            tiles = default_tiles(self.arch, self.head_dim, self.dtype, self.causal, gpu, self.v_layout)
+            tiles = default_tiles(self.arch, self.head_dim, self.dtype, self.causal, gpu)
         fill = {"gpu": gpu}
         if self.arch == "sm80":
             fill.update(block_m=tiles.block_m, block_n=tiles.block_n, num_warps=tiles.num_warps,
@@ -532,14 +538,9 @@ class KernelSpec:
             # with (ptxas: 168 per thread x 384 = 64512 for two consumer warpgroups), not the 65536
             # of the SM: 32 + 2 x 240 asked 1024 more and the second consumer warpgroup's
             # setmaxnreg.inc waited forever. The V transposers (fp8, v_layout=row) keep four
-            # ldmatrix in flight with 40 registers and two with 24 (spilling per-tile values), so
-            # where the consumers fit in 232 the split is 40 + 2 x 232 = 64512 too. Head_dim 256 x
-            # 128 keys needs 24/240 and spills 68-84 bytes (per-tile values and the last tile's mask
-            # branch, none in the main loop or the transposers' item loop): not a default. On the
-            # H200 (scripts/sweep.py, 2026-11-29, TFLOP/s, default 128x96 40/232 vs 128x128 24/240,
-            # FlashAttention-3 in the same run) s2k 993 / 1037, s8k 961 / 998, s16k 975 / 1019,
-            # causal s2k 832 / 826, s8k 936 / 957, s16k 968 / 993 (FA3 1131 / 1124 / 1125 / 629 /
-            # 1111 / 1093; the caller's V^T at 128x128 1016 / 1094 / 1127 / 764 / 1002 / 1072).
+            # ldmatrix in flight with 40 registers and two with 24, so
+            # where the consumers fit in 232 the split is 40 + 2 x 232 = 64512 too; head_dim 256 x
+            # 128 keys (fp8_tiles) needs 24/240.
             persistent = True
             if self.dtype == "fp8" and self.v_layout == "row" and cwg == 2:
                 block_n = self.block_n if self.block_n is not None else tiles.block_n
@@ -551,7 +552,8 @@ class KernelSpec:
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
                         l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT,
-                        uniform_wg=UNIFORM_WG_DEFAULT, ctas_per_sm=1, cluster_m=1, o_in_v=False,
+                        uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout),
+                        ctas_per_sm=1, cluster_m=1, o_in_v=False,
                         optimistic_max=(optimistic_max_default(self.head_dim, self.dtype, self.causal)
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",

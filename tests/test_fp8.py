@@ -11,7 +11,7 @@ from facodegen import params, render, tma
 from facodegen.api import _View, check_descale, check_fp8_inputs
 from facodegen.quantize import E4M3_MAX, e4m3_decode, e4m3_encode, quantize_e4m3_numpy
 from facodegen.reference import attention_reference, attention_reference_fp8
-from facodegen.spec import KernelSpec, SpecError, default_fp8_specs, default_specs, register_estimate
+from facodegen.spec import KernelSpec, SpecError, default_fp8_specs, default_specs, register_estimate, V_LAYOUTS
 
 
 # ---------------------------------------------------------------- spec
@@ -33,16 +33,18 @@ def test_fp8_spec_defaults_and_errors():
     assert all(s.dtype != "fp8" for s in default_specs())
     assert s.replace(dtype="bf16").out_dtype == "bf16"
     assert KernelSpec(arch="sm80", dtype="fp16").v_layout == "row"
-    # 384 threads launch with 168 registers each: 40 + 2 x 232 (row V: transposers need more than
-    # 24) and 24 + 2 x 240 fill the CTA's setmaxnreg pool; 32 + 2 x 240 (the first row-V split)
-    # would leave a consumer warpgroup in setmaxnreg.inc forever.
+    # 384 threads launch with 168 registers each: 40 + 2 x 232 (row V: the transposers keep four
+    # loads in flight with more than 24) and 24 + 2 x 240 fill the CTA's setmaxnreg pool; 32 + 2 x
+    # 240 (the first row-V split) would leave a consumer warpgroup in setmaxnreg.inc forever.
     assert (s.producer_regs, s.consumer_regs) == (40, 232)
     assert KernelSpec(arch="sm90", dtype="fp8", head_dim=128, v_layout="transposed").producer_regs == 24
-    # consumers that need more than 232 keep 24/240
-    wide = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, block_n=128)
-    assert (wide.producer_regs, wide.consumer_regs, wide.persistent) == (24, 240, True)
-    assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256).block_n == 96
-    assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256, v_layout="transposed").block_n == 128
+    # consumers that need more than 232 keep 24/240: head_dim 256 x 128 keys in both layouts, with
+    # the in-kernel V^T also with uniform_wg (what lets its consumers fit 240)
+    for layout in V_LAYOUTS:
+        wide = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, v_layout=layout)
+        assert (wide.block_n, wide.producer_regs, wide.consumer_regs, wide.persistent) == (128, 24, 240, True)
+        assert wide.uniform_wg == (layout == "row")
+    assert not KernelSpec(arch="sm90", dtype="fp8", head_dim=128).uniform_wg
     with pytest.raises(SpecError, match="setmaxnreg"):
         KernelSpec(arch="sm90", dtype="fp8", head_dim=128, producer_regs=32, consumer_regs=240)
 
@@ -460,12 +462,13 @@ def test_transposer_is_bank_conflict_free(block_n, head_dim):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_transposers_at_24_registers_keep_loads_in_flight_and_spill_nothing_per_item(causal):
+def test_fp8_transposers_at_24_registers_keep_loads_in_flight_without_spills(causal):
     """head_dim 256 x 128 keys needs the 24/240 split: the transposers follow the V ring alone (no
-    tile scheduler: the loader ends their loop with a tile-less v_full phase) and each lane keeps
-    two swizzled row addresses, so at 24 registers the item loop holds two ldmatrix in flight (two
-    distinct destination quads before the first byte_perm) and spills nothing; what ptxas does
-    spill are per-tile values, outside the loop."""
+    tile scheduler: the loader ends their loop with a tile-less v_full phase), branch on a
+    warp-uniform warp index (so ptxas keeps the loop control in uniform registers) and each lane
+    keeps two swizzled row addresses: at 24 registers the item loop holds two ldmatrix in flight
+    (two distinct destination quads before the first byte_perm) and nothing after the producer's
+    setmaxnreg.dec spills."""
     import re
     from facodegen import compiler
     spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, block_n=128, producer_regs=24, consumer_regs=240,
@@ -478,7 +481,7 @@ def test_fp8_transposers_at_24_registers_keep_loads_in_flight_and_spill_nothing_
     back = next(i for i in range(last_store, len(ops)) if "BRA" in ops[i][1])
     loop_start = int(re.search(r"BRA (0x[0-9a-f]+)", ops[back][1]).group(1), 16)
     loop = [op for address, op in ops if loop_start <= int(address, 16) <= int(ops[back][0], 16)]
-    assert not [op for op in loop if op.startswith(("STL", "LDL"))], loop
+    assert not [op for _, op in ops if op.startswith(("STL", "LDL"))], ops
     loads = [op for op in loop if op.startswith("LDSM.16.MT88.4")]
     assert len(loads) == 4 and sum(op.startswith("STSM.16.M88.4") for op in loop) == 4
     first_perm = next(i for i, op in enumerate(loop) if op.startswith("PRMT"))

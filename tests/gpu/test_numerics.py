@@ -591,8 +591,8 @@ def test_fp8_default_spec(spec):
                                     dict(head_dim=128, q_in_regs=True),
                                     dict(head_dim=256, block_n=64, causal=True, q_in_regs=True),
                                     dict(head_dim=128, q_in_regs=True, v_layout="transposed", intra_wg_overlap=False),
-                                    dict(head_dim=256, block_n=128, producer_regs=24, consumer_regs=240, persistent=True),
-                                    dict(head_dim=256, block_n=128, producer_regs=24, consumer_regs=240, persistent=True,
+                                    dict(head_dim=256, block_n=128, producer_regs=24, consumer_regs=240, persistent=True, uniform_wg=True),
+                                    dict(head_dim=256, block_n=128, producer_regs=24, consumer_regs=240, persistent=True, uniform_wg=True,
                                          causal=True)],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_non_default_spec(fields):
