@@ -600,7 +600,6 @@ constexpr int ELEM_BYTES = 2;
 constexpr int SWIZZLE_BYTES = HEAD_DIM % 64 == 0 ? 128 : 64;
 constexpr int SLAB_COLS = SWIZZLE_BYTES / ELEM_BYTES;
 constexpr int NUM_SLABS = HEAD_DIM / SLAB_COLS;
-constexpr int SWIZZLE_MASK = SWIZZLE_BYTES / 16 - 1;        // 16-byte chunk ^= (address >> 7) & mask
 constexpr int Q_SLAB_BYTES = BLOCK_M * SWIZZLE_BYTES;
 constexpr int KV_SLAB_BYTES = BLOCK_N * SWIZZLE_BYTES;
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * ELEM_BYTES;
@@ -758,6 +757,14 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap& map
         " [%0], [%1, { %2, %3, %4, %5 }], [%6];\n"
         :: "r"(dst), "l"(tmap_addr(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
         : "memory");
+}
+
+// The XOR that TMA's SWIZZLE-byte swizzle mode (and wgmma's matching layout) applies to byte
+// `offset` of a slab of SWIZZLE-byte rows: its 16-byte chunk index (bits 4..) ^= bits 7.. of the
+// offset, i.e. of the row (offset within the slab, bits below 4 untouched).
+template <int SWIZZLE>
+__device__ __forceinline__ uint32_t swizzle_xor(uint32_t offset) {
+    return ((offset >> 7) & (SWIZZLE / 16 - 1)) << 4;
 }
 
 // L2 eviction priority carried by a load (.L2::cache_hint operand): the 64-bit policy values of
@@ -1432,7 +1439,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                 const int row = row_in_tile + 8 * ((i >> 1) & 1);
                 const int col = 8 * (i >> 2) + col_in_block;
                 uint32_t offset = row * SWIZZLE_BYTES + (col % SLAB_COLS) * ELEM_BYTES;
-                offset ^= ((offset >> 7) & SWIZZLE_MASK) << 4;
+                offset ^= swizzle_xor<SWIZZLE_BYTES>(offset);
                 const uint32_t packed = pack_elem2(has_kv ? o_reg[i] : 0.f, has_kv ? o_reg[i + 1] : 0.f);
                 st_shared_32(o_smem + (col / SLAB_COLS) * O_SLAB_BYTES + offset, packed);
             }

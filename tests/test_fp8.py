@@ -413,7 +413,7 @@ def test_fp8_q_in_regs_reads_q_from_registers(head_dim, block_n, causal):
 
 
 # ---------------------------------------------------------------- transposer bank conflicts
-def _swizzle_xor(swizzle: int, row: int) -> int:            # the template's swizzle_xor<SWIZZLE>
+def _swizzle_xor(swizzle: int, row: int) -> int:            # the template's swizzle_xor<SWIZZLE>(row * SWIZZLE)
     return ((row * swizzle // 128) & (swizzle // 16 - 1)) << 4
 
 
