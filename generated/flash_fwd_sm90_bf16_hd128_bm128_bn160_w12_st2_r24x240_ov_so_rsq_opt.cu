@@ -1151,9 +1151,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
     if (warpgroup == 0) {
         // ================================ producer ================================
         setmaxnreg_dec<PRODUCER_REGS>();
-        // Warp 0 runs the loop in lockstep (warp-uniform values can live in uniform registers:
-        // the producer has only PRODUCER_REGS per thread); its lane 0 issues every TMA/arrive.
-        if (threadIdx.x < 32) {
+        // Warp 0 runs the loop in lockstep; its lane 0 issues every TMA/arrive. The branch is on a
+        // warp index ptxas knows is warp-uniform (a shuffle from lane 0), so the loop's values can
+        // live in uniform registers (the producer has only PRODUCER_REGS per thread), as in the fp8 kernel.
+        const int producer_warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+        if (producer_warp == 0) {
             const bool leader = threadIdx.x == 0;
             if (leader) {
                 tma_prefetch_desc(p.tma_q);
