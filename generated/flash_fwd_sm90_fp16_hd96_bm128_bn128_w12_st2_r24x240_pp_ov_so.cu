@@ -659,15 +659,20 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// Spin until the phase with this parity has completed (acquire semantics).
+// Wait until the phase with this parity has completed (acquire semantics). The suspend-time hint
+// (CUTLASS's value, in ns) makes ptxas put NANOSLEEP.SYNCS in the retry loop: a waiting warp sleeps
+// until the barrier changes instead of re-issuing the try-wait, so the V transposers and warps
+// waiting for K/V no longer take issue slots from the consumers on their SMSP (without it, fp8
+// head_dim 256: 16M of the kernel's 382M instructions were the transposers' wait loop).
+constexpr uint32_t MBAR_SUSPEND_NS = 0x989680;
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile(
         "{\n"
         ".reg .pred done;\n"
         "WAIT_LOOP:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
         "@!done bra WAIT_LOOP;\n"
-        "}\n" :: "r"(bar), "r"(parity) : "memory");
+        "}\n" :: "r"(bar), "r"(parity), "r"(MBAR_SUSPEND_NS) : "memory");
 }
 
 // Named barriers (ids 1..15; 0 is __syncthreads). `threads` counts the syncing and the
