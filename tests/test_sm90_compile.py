@@ -66,6 +66,24 @@ def test_sass_has_hopper_instructions_and_no_local_memory(kernel):
     assert counts["USETMAXREG"] == 2     # one dec (producer), one inc (consumers)
 
 
+def _waits_sleep(sass: str) -> None:
+    """An mbarrier wait is a try-wait, and where that fails an out-of-line retry (at most two
+    try-waits per wait); with mbar_wait's suspend hint each retry sleeps in NANOSLEEP.SYNCS until the
+    barrier changes (without it: none, the warp re-issues the try-wait)."""
+    tries = len(re.findall(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT", sass))
+    sleeps = len(re.findall(r"NANOSLEEP\.SYNCS", sass))
+    assert tries > 0 and 2 * sleeps >= tries, (tries, sleeps)
+
+
+def test_mbarrier_waits_sleep_instead_of_spinning(kernel):
+    _waits_sleep(kernel.sass())
+
+
+@pytest.mark.parametrize("spec", default_fp8_specs(), ids=lambda s: s.variant)
+def test_fp8_mbarrier_waits_sleep_instead_of_spinning(spec):
+    _waits_sleep(compile_mod.compile(spec, verbose=False).sass())
+
+
 def test_cluster_kernels_multicast_kv_and_arrive_remotely_without_gpu_fences(kernel):
     """cluster_m=2: the K and V loads are multicast (one UTMALDG.MULTICAST each, Q stays a plain load),
     the consumers' releases reach both CTAs' barriers (remote SYNCS.ARRIVE...RED), and no per-step
