@@ -97,12 +97,22 @@ struct FlashParams {
 static_assert(sizeof(FlashParams) == 192, "FlashParams size must match facodegen/params.py");
 static_assert(alignof(FlashParams) == 8, "FlashParams alignment must match facodegen/params.py");
 // ---- PTX wrappers shared by the kernels: shared-memory addresses, cp.async, ldmatrix,
-// ---- mma.sync m16n8k16, 128-bit shared/global moves, fast exp2 / log2 ----
+// ---- mma.sync m16n8k16, 128-bit shared/global moves, fast exp2 / log2, warp-uniform values ----
 // (Needs common/types.cuh.j2 for uint32_t and ELEM_PTX.)
 
 
 // -inf as a float constant (NVRTC has no <cmath> INFINITY).
 #define NEG_INF __int_as_float(0xff800000)
+
+// A value every lane of the warp already holds (a warp or warpgroup index), taken from lane 0 so
+// that ptxas can prove it warp-uniform: branches and loops on it then keep their values in uniform
+// registers (the sm90 producer at 24-40 registers spilled without it; the consumers' Q
+// descriptors, UNIFORM_WG). The shuffle keeps the argument's type: converting threadIdx.x / 32 to int
+// before it moved a 16-bit producer counter out of the uniform registers (SASS).
+template <typename T>
+__device__ __forceinline__ T warp_uniform(T value) {
+    return __shfl_sync(0xffffffffu, value, 0);
+}
 
 // Generic pointer -> 32-bit shared-window address, the operand form of cp.async/ldmatrix.
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {

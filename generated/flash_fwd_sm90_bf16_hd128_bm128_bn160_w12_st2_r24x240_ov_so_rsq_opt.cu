@@ -103,12 +103,22 @@ struct FlashParams {
 static_assert(sizeof(FlashParams) == 704, "FlashParams size must match facodegen/params.py");
 static_assert(alignof(FlashParams) == 64, "FlashParams alignment must match facodegen/params.py");
 // ---- PTX wrappers shared by the kernels: shared-memory addresses, cp.async, ldmatrix,
-// ---- mma.sync m16n8k16, 128-bit shared/global moves, fast exp2 / log2 ----
+// ---- mma.sync m16n8k16, 128-bit shared/global moves, fast exp2 / log2, warp-uniform values ----
 // (Needs common/types.cuh.j2 for uint32_t and ELEM_PTX.)
 
 
 // -inf as a float constant (NVRTC has no <cmath> INFINITY).
 #define NEG_INF __int_as_float(0xff800000)
+
+// A value every lane of the warp already holds (a warp or warpgroup index), taken from lane 0 so
+// that ptxas can prove it warp-uniform: branches and loops on it then keep their values in uniform
+// registers (the sm90 producer at 24-40 registers spilled without it; the consumers' Q
+// descriptors, UNIFORM_WG). The shuffle keeps the argument's type: converting threadIdx.x / 32 to int
+// before it moved a 16-bit producer counter out of the uniform registers (SASS).
+template <typename T>
+__device__ __forceinline__ T warp_uniform(T value) {
+    return __shfl_sync(0xffffffffu, value, 0);
+}
 
 // Generic pointer -> 32-bit shared-window address, the operand form of cp.async/ldmatrix.
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
@@ -1156,10 +1166,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
     if (warpgroup == 0) {
         // ================================ producer ================================
         setmaxnreg_dec<PRODUCER_REGS>();
-        // Warp 0 runs the loop in lockstep; its lane 0 issues every TMA/arrive. The branch is on a
-        // warp index ptxas knows is warp-uniform (a shuffle from lane 0), so the loop's values can
-        // live in uniform registers (the producer has only PRODUCER_REGS per thread), as in the fp8 kernel.
-        const int producer_warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+        // Warp 0 runs the loop in lockstep; its lane 0 issues every TMA/arrive.
+        const int producer_warp = warp_uniform(threadIdx.x / 32);
         if (producer_warp == 0) {
             const bool leader = threadIdx.x == 0;
             if (leader) {
@@ -1227,10 +1235,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
     } else {
         // ================================ consumers ================================
         setmaxnreg_inc<CONSUMER_REGS>();
-        // Consumer index: rows 64*wg .. 64*wg+63. UNIFORM_WG: broadcast from lane 0, the value is
-        // warp-uniform to ptxas, so q_rows and the Q descriptors built from it stay in uniform
-        // registers instead of being rebuilt and moved over (R2UR) for every wgmma.
-        const int wg = (UNIFORM_WG ? __shfl_sync(0xffffffffu, warpgroup, 0) : warpgroup) - 1;
+        // Consumer index: rows 64*wg .. 64*wg+63. UNIFORM_WG: warp_uniform, so q_rows and the Q
+        // descriptors built from it stay in uniform registers instead of being rebuilt and moved
+        // over (R2UR) for every wgmma.
+        const int wg = (UNIFORM_WG ? warp_uniform(warpgroup) : warpgroup) - 1;
         const int tid = threadIdx.x % WG_THREADS;
         const int lane = tid % 32;
         // Accumulator layout (kernel-facts 3.3): register i of this thread holds row
