@@ -929,7 +929,7 @@ struct SharedState {
     uint64_t q_full;            // Q tile landed (count 1)
     uint64_t q_empty;           // consumers done with the Q buffer (count CONSUMER_WGS): after the
                                 // last Q K^T with SEPARATE_O, else after the O store (O aliases Q)
-    int tile_slot;              // dynamic scheduler: next tile index, guarded by TILE_FULL/EMPTY_BAR
+    int tile_slot[4];           // dynamic scheduler: next tile index, its m_block, head, batch (TILE_FULL/EMPTY_BAR)
     float softmax_anchor[CONSUMER_WGS];   // written, never read: keeps the softmax ahead of the P V wait (roles.cuh.j2)
 };
 
@@ -947,10 +947,36 @@ constexpr int L2_SECTION_KEYS = L2_SECTION_BYTES / (2 * HEAD_DIM * ELEM_BYTES); 
 struct TileInfo {
     int m_block, head, batch;
     int n_end;                  // K/V blocks [0, n_end) are visited, last block first
+    int n_unmasked;             // blocks [0, n_unmasked) need no seqlen_k / causal mask for any row
 };
 
-__device__ __forceinline__ TileInfo decode_tile(const FlashParams& p, int tile) {
+// The K/V block range of the tile at (m_block, head, batch).
+__device__ __forceinline__ TileInfo tile_at(const FlashParams& p, int m_block, int head, int batch) {
     TileInfo t;
+    t.m_block = m_block;
+    t.head = head;
+    t.batch = batch;
+    t.n_end = (p.seqlen_k + BLOCK_N - 1) / BLOCK_N;
+    if (CAUSAL) {
+        // Last key any row of this tile sees: (m_block+1)*BLOCK_M - 1 + seqlen_k - seqlen_q.
+        const int key_end = (t.m_block + 1) * BLOCK_M + p.seqlen_k - p.seqlen_q;
+        const int causal_end = key_end <= 0 ? 0 : (key_end + BLOCK_N - 1) / BLOCK_N;
+        t.n_end = causal_end < t.n_end ? causal_end : t.n_end;
+    }
+    // Block n is whole and visible to every row iff (n+1)*BLOCK_N <= seqlen_k and, causal,
+    // (n+1)*BLOCK_N - 1 <= m_block*BLOCK_M + seqlen_k - seqlen_q (the tile's first row's last key).
+    int unmasked = p.seqlen_k / BLOCK_N;
+    if (CAUSAL) {
+        const int first_row_keys = t.m_block * BLOCK_M + 1 + p.seqlen_k - p.seqlen_q;
+        const int causal_whole = first_row_keys <= 0 ? 0 : first_row_keys / BLOCK_N;
+        unmasked = causal_whole < unmasked ? causal_whole : unmasked;
+    }
+    t.n_unmasked = unmasked;
+    return t;
+}
+
+// Tile index -> tile (five integer divisions by runtime values when causal, two otherwise).
+__device__ __forceinline__ TileInfo decode_tile(const FlashParams& p, int tile) {
     int m_index, bh;
     if (CAUSAL) {
         const int pairs = p.batch * p.heads_q;
@@ -967,17 +993,7 @@ __device__ __forceinline__ TileInfo decode_tile(const FlashParams& p, int tile) 
         m_index = tile % p.num_m_blocks;
         bh = tile / p.num_m_blocks;
     }
-    t.m_block = CAUSAL ? p.num_m_blocks - 1 - m_index : m_index;
-    t.head = bh % p.heads_q;
-    t.batch = bh / p.heads_q;
-    t.n_end = (p.seqlen_k + BLOCK_N - 1) / BLOCK_N;
-    if (CAUSAL) {
-        // Last key any row of this tile sees: (m_block+1)*BLOCK_M - 1 + seqlen_k - seqlen_q.
-        const int key_end = (t.m_block + 1) * BLOCK_M + p.seqlen_k - p.seqlen_q;
-        const int causal_end = key_end <= 0 ? 0 : (key_end + BLOCK_N - 1) / BLOCK_N;
-        t.n_end = causal_end < t.n_end ? causal_end : t.n_end;
-    }
-    return t;
+    return tile_at(p, CAUSAL ? p.num_m_blocks - 1 - m_index : m_index, bh % p.heads_q, bh / p.heads_q);
 }
 
 __device__ __forceinline__ int first_tile() {
@@ -1007,41 +1023,46 @@ __device__ __forceinline__ int producer_next_tile(const FlashParams& p, int tile
 }
 
 // Whole producer warp, for its tile number tile_iter >= 1 (the first is blockIdx.x for every
-// role). The slot is rewritten only after the readers have read the previous index.
-__device__ __forceinline__ void publish_tile(SharedState& state, int tile, uint32_t tile_iter) {
+// role): the index and its decoded (m_block, head, batch), so the readers skip decode_tile's
+// divisions on their path from one tile to the next. The slot is rewritten only after the readers
+// have read the previous tile.
+__device__ __forceinline__ void publish_tile(SharedState& state, int tile, const TileInfo& t, uint32_t tile_iter) {
     if (DYNAMIC_SCHEDULER && tile_iter >= 1) {
         if (tile_iter >= 2) {
             named_bar_sync(TILE_EMPTY_BAR, TILE_BAR_THREADS);
         }
         if (threadIdx.x % 32 == 0) {
-            state.tile_slot = tile;
+            state.tile_slot[0] = tile;
+            state.tile_slot[1] = t.m_block;
+            state.tile_slot[2] = t.head;
+            state.tile_slot[3] = t.batch;
         }
         named_bar_arrive(TILE_FULL_BAR, TILE_BAR_THREADS);
     }
 }
 
-// Every reading thread (the consumers). They release the slot after each index
-// that is real work; the producer publishes nothing after the first index past the end, so the
-// barriers balance.
-__device__ __forceinline__ int consumer_next_tile(const FlashParams& p, SharedState& state, int tile) {
-    if (DYNAMIC_SCHEDULER) {
+// Every reading thread (the consumers): tile number tile_iter of this CTA, into tile and t. With
+// the dynamic scheduler they release the slot after each tile that is real work; the producer
+// publishes nothing after the first index past the end, so the barriers balance.
+__device__ __forceinline__ void consumer_tile(const FlashParams& p, SharedState& state, uint32_t tile_iter, int& tile,
+                                              TileInfo& t) {
+    if (DYNAMIC_SCHEDULER && tile_iter > 0) {
         named_bar_sync(TILE_FULL_BAR, TILE_BAR_THREADS);
-        const int next = state.tile_slot;
-        if (next < p.num_tiles) {
+        tile = state.tile_slot[0];
+        const int m_block = state.tile_slot[1], head = state.tile_slot[2], batch = state.tile_slot[3];
+        if (tile < p.num_tiles) {
             named_bar_arrive(TILE_EMPTY_BAR, TILE_BAR_THREADS);
         }
-        return next;
+        t = tile_at(p, m_block, head, batch);
+    } else {
+        tile = first_tile() + (PERSISTENT ? static_cast<int>(tile_iter * gridDim.x) : (tile_iter > 0 ? p.num_tiles : 0));
+        t = decode_tile(p, tile);
     }
-    return static_next_tile(p, tile);
 }
 
 // Does K/V block n need the seqlen_k / causal mask for some row of the tile?
-__device__ __forceinline__ bool block_needs_mask(const FlashParams& p, const TileInfo& t, int n) {
-    const int key_last = (n + 1) * BLOCK_N - 1;
-    if (key_last >= p.seqlen_k) {
-        return true;
-    }
-    return CAUSAL && key_last > t.m_block * BLOCK_M + p.seqlen_k - p.seqlen_q;
+__device__ __forceinline__ bool block_needs_mask(const TileInfo& t, int n) {
+    return n >= t.n_unmasked;
 }
 
 // ---- the two GEMMs of one consumer warpgroup ----
@@ -1180,11 +1201,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
             uint32_t kv_iter = 0;
             int tile = first_tile();
             for (uint32_t tile_iter = 0;; ++tile_iter) {
-                publish_tile(state, tile, tile_iter);           // dynamic scheduler: the others learn `tile`
+                const TileInfo t = decode_tile(p, tile);        // (meaningless past the last tile)
+                publish_tile(state, tile, t, tile_iter);        // dynamic scheduler: the others learn `tile`
                 if (tile >= p.num_tiles) {
                     break;
                 }
-                const TileInfo t = decode_tile(p, tile);
                 const int kv_head = t.head / group;
                 // K/V blocks n_end-1 down to 0 (the block needing the seqlen_k mask first). K of
                 // the first block goes out before waiting for the Q buffer.
@@ -1250,15 +1271,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
         if (PINGPONG && wg == CONSUMER_WGS - 1) {
             pingpong_pass(wg);                              // the first warpgroup goes first
         }
-        int tile = first_tile();
         for (uint32_t tile_iter = 0;; ++tile_iter) {
-            if (tile_iter > 0) {
-                tile = consumer_next_tile(p, state, tile);
-            }
+            int tile;
+            TileInfo t;
+            consumer_tile(p, state, tile_iter, tile, t);
             if (tile >= p.num_tiles) {
                 break;
             }
-            const TileInfo t = decode_tile(p, tile);
             mbar_wait(smem_u32(&state.q_full), tile_iter & 1);
             if (Q_RELEASE_AFTER_QK && t.n_end == 0 && release_thread) {
                 mbar_arrive(smem_u32(&state.q_empty));          // no Q K^T in this tile
@@ -1293,7 +1312,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                             }
                         }
                         ++k_iter;
-                        if (block_needs_mask(p, t, n)) {
+                        if (block_needs_mask(t, n)) {
                             apply_mask(s_reg, row0, n * BLOCK_N + col_in_block, p.seqlen_q, p.seqlen_k, CAUSAL);
                         }
                         softmax_step(s_reg, row_max, row_sum, p.scale_log2, o_scale);   // P = exp2(S*scale - m)
@@ -1334,7 +1353,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                             }
                         }
                         ++k_iter;
-                        if (block_needs_mask(p, t, n)) {
+                        if (block_needs_mask(t, n)) {
                             apply_mask(s_reg, row0, n * BLOCK_N + col_in_block, p.seqlen_q, p.seqlen_k, CAUSAL);
                         }
                         // The softmax comes after this wait: it writes P straight into p_reg, which the
@@ -1396,7 +1415,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                         }
                     }
                     ++k_iter;
-                    if (block_needs_mask(p, t, n)) {
+                    if (block_needs_mask(t, n)) {
                         apply_mask(s_reg, row0, n * BLOCK_N + col_in_block, p.seqlen_q, p.seqlen_k, CAUSAL);
                     }
                     if (i > 0) {                                    // P V of the last block is done
