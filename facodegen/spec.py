@@ -330,7 +330,10 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
 #   head_dim 128 causal, pingpong on (a tile has 1-8 blocks; the two warpgroups' turns keep the
 #   tensor cores fed through the short loops): s512 315 -> 321, s1k 430 -> 439 with the variants
 #   taking turns (318 -> 331, 450 -> 459 and 316 -> 324, 456 -> 460 in two sequential sweeps); at
-#   s2k 507 -> 503 and beyond it loses 4-5%, so only up to 1k;
+#   s2k 507 -> 503 and beyond it lost 4-5% then. Re-measured on today's kernel (2026-12-01, b3ea912,
+#   15 groups, variants taking turns, two calls): s2k 499 -> 539, s4k 572 -> 608 and 568 -> 602, s8k
+#   612 -> 649 and 614 -> 644 (FlashAttention-3 613-674 in the same runs), so now up to 8k; at 16k
+#   (the row below: 176 keys, O over V) pingpong loses (682 -> 650);
 #   head_dim 256 causal, block_n 80 -> 64 (finer diagonal): s512 301 -> 312 (313 -> 321 and 312 ->
 #   321 in two more runs); s1k 462 -> 461 with the exact softmax, 467 -> 492 with optimistic_max
 #   (c5d6789, variants taking turns), so up to 1k;
@@ -345,6 +348,11 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
 #   causal s512 328 -> 344, causal s1k 486 -> 494; from 2k level within noise (s2k 691 / 668, s4k
 #   688 / 693, s8k 734 / 732, causal s2k 606 / 602, s8k 681 / 680) (41e02cc + o_in_v, variants taking
 #   turns);
+#   head_dim 256 non-causal at every length, O over the V ring (2026-12-01, b3ea912, 15 groups,
+#   variants taking turns: default / o_in_v; pingpong / both beside them spill 32+92 bytes): s2k 638 /
+#   686 (and 632 / 682 in a second call), s4k 678 / 697, s8k 720 / 738 (730 / 737), s16k 739 / 749
+#   (FlashAttention-3 709-726); causal from 2k level (s2k 551 / 558, s8k 679 / 678, s16k 714 / 712),
+#   so not there;
 #   head_dim 128 long sequences, O over the V ring with block_n 160 -> 176 (FlashAttention-3's tile:
 #   the V ring then holds O, and the longer step amortises the per-step softmax work; the tile
 #   hand-off it slows matters less the longer the tile): non-causal s8k 654 -> 670 and 657 -> 666,
@@ -366,16 +374,16 @@ def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqle
     if head_dim == 128 and not causal and seqlen_k <= 1024:
         return {"block_n": 128}
     if head_dim == 128 and seqlen_k >= (16384 if causal else 8192):
-        return {"block_n": 176, "o_in_v": True}
+        return {"block_n": 176, "o_in_v": True}   # (no pingpong: the causal rule below stops short of it)
     if head_dim == 64 and causal and 512 < seqlen_q <= 1024:
         return {"consumer_warpgroups": 1, "ctas_per_sm": 2}
     if head_dim == 64 and causal and seqlen_q <= 512:
         return {"consumer_warpgroups": 2}
-    if head_dim == 128 and causal and seqlen_q <= 1024:
+    if head_dim == 128 and causal and seqlen_q <= 8192:
         return {"pingpong": True}
     if head_dim == 256 and ((causal and seqlen_q <= 1024) or (not causal and seqlen_k <= 512)):
         return {"block_n": 64, "o_in_v": True}
-    if head_dim == 256 and not causal and seqlen_k <= 1024:
+    if head_dim == 256 and not causal:
         return {"o_in_v": True}
     return {}
 

@@ -315,8 +315,8 @@ def test_resolve_spec_prefers_a_tuned_entry(fake_device):
     # same bucket: a nearby shape gets it; other buckets, families and no shape do not
     assert api.resolve_spec(128, "bf16", False, 0, shape=(2, 3500, 3500, 32)).block_n == 112
     assert api.resolve_spec(128, "bf16", False, 0, shape=(4, 2048, 2048, 16)) == default
-    assert api.resolve_spec(128, "bf16", True, 0, shape=SHAPE) == KernelSpec(arch="sm90", head_dim=128,
-                                                                               causal=True, gpu="h200")
+    assert api.resolve_spec(128, "bf16", True, 0, shape=SHAPE) == KernelSpec(arch="sm90", head_dim=128,   # its own rule
+                                                                               causal=True, gpu="h200", pingpong=True)
     assert api.resolve_spec(128, "bf16", False, 0) == default
 
 
@@ -333,15 +333,16 @@ def test_resolve_spec_user_fields_win(fake_device):
 
 def test_resolve_spec_seqlen_rules(fake_device):
     """spec.seqlen_rule_fields: head_dim 128 non-causal up to 1k keys takes block_n 128, head_dim
-    64 causal 2 consumer warpgroups at 512 queries and two one-warpgroup CTAs per SM up to 1k, head_dim 128 causal up to 1k pingpong, head_dim
-    256 causal up to 1k and non-causal at 512 block_n 64 (and up to 1k O over the V ring), fp8 head_dim 128 causal up to 2k block_n 128;
-    tuned entries and the caller's fields win."""
+    64 causal 2 consumer warpgroups at 512 queries and two one-warpgroup CTAs per SM up to 1k, head_dim 128 causal up to 8k pingpong, head_dim
+    256 causal up to 1k and non-causal at 512 block_n 64 (and O over the V ring: causal up to 1k, non-causal always), fp8 head_dim 128
+    causal up to 2k block_n 128; tuned entries and the caller's fields win."""
     short = api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16))
     assert short == KernelSpec(arch="sm90", head_dim=128, gpu="h200", block_n=128)
     assert api.resolve_spec(128, "bf16", False, 0, shape=(8, 2048, 2048, 16)).block_n == 160
     assert api.resolve_spec(128, "bf16", True, 0, shape=(32, 512, 512, 16)) == \
         KernelSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", pingpong=True)
-    assert not api.resolve_spec(128, "bf16", True, 0, shape=(8, 2048, 2048, 16)).pingpong
+    assert [api.resolve_spec(128, "bf16", True, 0, shape=(16384 // s, s, s, 16)).pingpong
+            for s in (2048, 8192, 16384)] == [True, True, False]
     assert not api.resolve_spec(128, "bf16", True, 0, shape=(32, 512, 512, 16), pingpong=False).pingpong
     assert api.resolve_spec(256, "bf16", True, 0, shape=(32, 512, 512, 8)).block_n == 64
     assert api.resolve_spec(256, "bf16", True, 0, shape=(16, 1024, 1024, 8)).block_n == 64
@@ -350,7 +351,9 @@ def test_resolve_spec_seqlen_rules(fake_device):
     assert api.resolve_spec(256, "bf16", False, 0, shape=(16, 1024, 1024, 8)).block_n == 80
     # head_dim 256 up to 1k keys: O's staging tile over the V ring
     assert [api.resolve_spec(256, "bf16", c, 0, shape=(16384 // s, s, s, 8)).o_in_v
-            for c in (False, True) for s in (512, 1024, 2048)] == [True, True, False, True, True, False]
+            for c in (False, True) for s in (512, 1024, 2048)] == [True, True, True, True, True, False]
+    # and non-causal at every length, causal not beyond 1k
+    assert [api.resolve_spec(256, "bf16", c, 0, shape=(1, 16384, 16384, 8)).o_in_v for c in (False, True)] == [True, False]
     assert not api.resolve_spec(256, "bf16", False, 0, shape=(32, 512, 512, 8), block_n=80).o_in_v
     # head_dim 128 long sequences (non-causal from 8k keys, causal from 16k): FA3's 176-key tile, O over V
     long = [api.resolve_spec(128, "bf16", c, 0, shape=(16384 // s, s, s, 16)) for c in (False, True) for s in (4096, 8192, 16384)]

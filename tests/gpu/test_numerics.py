@@ -184,6 +184,8 @@ NON_DEFAULT = [
     ("sm90", 256, "fp16", True, {"o_in_v": True}),
     ("sm90", 256, "bf16", True, {"o_in_v": True, "persistent": False}),
     ("sm90", 128, "bf16", False, {"o_in_v": True, "pingpong": True, "block_n": 64}),
+    ("sm90", 256, "fp16", False, {"o_in_v": True, "persistent": False}),
+    ("sm90", 128, "bf16", True, {"pingpong": True}),                        # the head_dim-128 causal rule up to 8k
     ("sm90", 128, "fp16", True, {"o_in_v": True, "block_n": 176}),
     ("sm90", 128, "bf16", False, {"cluster_m": 2}),
     ("sm90", 256, "fp16", False, {"cluster_m": 2, "persistent": False}),
