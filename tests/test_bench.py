@@ -261,6 +261,29 @@ def test_ncu_source_summarizes_stalls_and_bank_conflicts():
     assert lines[-1] == "  0x0020 1000 vs ideal 500: `STSM.16.M88.4 [R28], R8`"
 
 
+def test_clock_probe_reads_nvidia_smi_and_groups_times_by_clock(tmp_path):
+    """scripts/clock_probe.py: nvidia-smi's csv lines as (time, MHz, W, reasons), and each group's time
+    filed under the SM clock sampled while it ran, with the quartiles over all groups."""
+    probe = _script("clock_probe")
+    smi = tmp_path / "smi.csv"
+    smi.write_text("2026/12/01 08:52:03.100, 1980 MHz, 612.34 W, 0x0000000000000000\n"
+                   "2026/12/01 08:52:03.300, 1755 MHz, 700.00 W, 0x0000000000000004\n"
+                   "[N/A], [N/A], [N/A], [N/A]\n")
+    samples = probe.smi_samples(str(smi))
+    assert [(mhz, w, r) for _, mhz, w, r in samples] == [(1980, 612.34, "0x0000000000000000"),
+                                                         (1755, 700.0, "0x0000000000000004")]
+    t0 = samples[0][0]
+    groups = {"facodegen": [(t0 - 0.05, t0 + 0.05, 1.0), (t0 + 0.15, t0 + 0.25, 1.2), (t0 + 0.16, t0 + 0.26, 1.1)],
+              "fa3": [(t0 + 0.5, t0 + 0.6, 0.9)] * 3}
+    text = probe.summarize("128,8192,1 bf16", groups, samples, flops=1e12)
+    lines = text.splitlines()
+    assert lines[0] == "cell 128,8192,1 bf16: 2 nvidia-smi samples, SM clock 1755-1980 MHz, power 612-700 W"
+    ours = next(line for line in lines if line.startswith("| facodegen |"))
+    assert "| 3 | 1.000 |" in ours and "1755: 2, 1.150; 1980: 1, 1.000" in ours and "| 909.1 |" in ours
+    assert next(line for line in lines if line.startswith("| fa3 |")).endswith("| - |")   # no sample in its span
+    assert lines[-1] == "throttle reasons seen: 0x0000000000000000, 0x0000000000000004"
+
+
 def test_run_impl_enters_a_single_use_context_once(monkeypatch):
     """SDPA's backend choice (torch.nn.attention.sdpa_kernel) is a single-use context manager: the
     check and the timing of one implementation run inside one entry of it."""
