@@ -1004,7 +1004,7 @@ __device__ __forceinline__ int first_tile() {
 // Static schedules (non-persistent, persistent non-causal): every role computes the sequence
 // itself. The dynamic one (persistent causal) draws tickets in the producer warp
 // (producer_next_tile) and hands each index to the other roles through state.tile_slot
-// (publish_tile / consumer_next_tile): two named barriers, so no thread reads the slot
+// (publish_tile / consumer_tile): two named barriers, so no thread reads the slot
 // while it is written.
 __device__ __forceinline__ int static_next_tile(const FlashParams& p, int tile) {
     return PERSISTENT ? tile + static_cast<int>(gridDim.x) : p.num_tiles;
