@@ -3,7 +3,7 @@
 template versions that survives the 5-10% that whole grids move between device calls.
 
     python3 scripts/ab_trees.py --old .old --out $OUT --rounds 2 --peers fa3 -- \
-        --dtype fp8 --cell 128,8192,1 --variant sm90: --variant sm90:exact_steps=2
+        --dtype fp8 --cell 128,8192,1 --variant sm90: --variant sm90:pingpong=1
 
 Everything after ``--`` goes to scripts/sweep.py, which runs once per tree and round (new, old,
 new, old, ...), each time from that tree's own package (PYTHONPATH), with a shared compile cache so

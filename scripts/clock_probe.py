@@ -25,9 +25,11 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]      # the checkout's facodegen, and sweep.py beside this
 
 from facodegen import bench  # noqa: E402
+from sweep import parse_cell  # noqa: E402
 
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
@@ -57,13 +59,13 @@ def main() -> int:
     import torch
 
     os.makedirs(args.out, exist_ok=True)
-    head_dim, seqlen, causal = (int(x) for x in args.cell.split(","))
-    c = bench.cell(head_dim, bool(causal), seqlen, 16384 // seqlen, 2048 // head_dim, args.dtype)
+    c = parse_cell(args.cell, args.dtype)
+    causal = c["causal"]
     s = bench._make_inputs(c, 1)[0]
-    fns = {"facodegen": bench._facodegen_fn("sm90", {}, s, bool(causal))[0]}
+    fns = {"facodegen": bench._facodegen_fn("sm90", {}, s, causal)[0]}
     contexts = contextlib.ExitStack()      # FA3 needs none; an SDPA peer its backend (one at a time)
     for name in filter(None, args.peers.split(",")):
-        fns[name], context = bench._peer_fn(name, s, bool(causal))
+        fns[name], context = bench._peer_fn(name, s, causal)
         contexts.enter_context(context)
     smi_path = os.path.join(args.out, "smi.csv")
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader", "-lms", "20"],

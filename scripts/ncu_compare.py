@@ -38,12 +38,12 @@ def child(args) -> None:
     import torch
 
     from facodegen import bench
-    head_dim, seqlen, causal = (int(x) for x in args.cell.split(","))
-    c = bench.cell(head_dim, bool(causal), seqlen, 16384 // seqlen, 2048 // head_dim, args.dtype)
+    from sweep import parse_cell   # scripts/ is this script's sys.path[0]
+    c = parse_cell(args.cell, args.dtype)
     s = bench._make_inputs(c, 1)[0]
     arch, fields = bench.parse_variant(args.variant)
-    ours = bench._facodegen_fn(arch, fields, s, bool(causal))[0]
-    peer, peer_context = bench._peer_fn(args.peer, s, bool(causal))   # SDPA peers: their backend's context
+    ours = bench._facodegen_fn(arch, fields, s, c["causal"])[0]
+    peer, peer_context = bench._peer_fn(args.peer, s, c["causal"])   # SDPA peers: their backend's context
     with peer_context:
         for fn in (ours, peer):
             for _ in range(3):
