@@ -232,9 +232,10 @@ def _torch():
 
 
 def time_cuda_interleaved(fns: list, warmup: int = WARMUP, groups: int = GROUPS,
-                          calls: int = CALLS_PER_GROUP) -> list[dict]:
+                          calls: int = CALLS_PER_GROUP, spans: list | None = None) -> list[dict]:
     """time_cuda for several callables at once, group by group in turn (A B C A B C ...), so a
-    drift of the GPU's clocks or temperature over the run falls on all of them alike."""
+    drift of the GPU's clocks or temperature over the run falls on all of them alike. ``spans``
+    (a list per callable) receives every group as (wall start, wall end, ms per call)."""
     torch = _torch()
     for fn in fns:
         for _ in range(warmup):
@@ -245,6 +246,7 @@ def time_cuda_interleaved(fns: list, warmup: int = WARMUP, groups: int = GROUPS,
     for _ in range(groups):
         for i, fn in enumerate(fns):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            wall0 = time.time()
             start.record()
             t0 = time.perf_counter()
             for _ in range(calls):
@@ -254,6 +256,8 @@ def time_cuda_interleaved(fns: list, warmup: int = WARMUP, groups: int = GROUPS,
             end.synchronize()
             means[i].append(start.elapsed_time(end) / calls)
             host[i].append((t1 - t0) * 1e3 / calls)
+            if spans is not None:
+                spans[i].append((wall0, time.time(), means[i][-1]))
     return [{"ms": statistics.median(m), "min_ms": min(m), "max_ms": max(m), "host_ms": statistics.median(h)}
             for m, h in zip(means, host)]
 

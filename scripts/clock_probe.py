@@ -5,8 +5,8 @@ power the GPU reported while it ran.
     python3 scripts/clock_probe.py --out $OUT --cell 128,8192,1 --peers fa3 --groups 40
 
 Times facodegen's default kernel and the peers on one cell of the FlashAttention-3 paper's grid
-(head_dim,seqlen,causal; 16k tokens, hidden 2048) as facodegen.bench does (groups of back-to-back
-calls between CUDA events, the implementations taking turns), but keeps every group, while
+(head_dim,seqlen,causal; 16k tokens, hidden 2048) with facodegen.bench's timer (groups of back-to-back
+calls between CUDA events, the implementations taking turns), keeping every group's span, while
 `nvidia-smi` samples clocks.sm, power.draw and the active clock-throttle reasons every 20 ms in the
 background. Writes probe.json and smi.csv under --out; prints, last, per implementation the
 group times' quartiles and, per SM clock seen during its groups, how many groups ran there and their
@@ -56,8 +56,6 @@ def main() -> int:
     p.add_argument("--groups", type=int, default=40)
     p.add_argument("--calls", type=int, default=bench.CALLS_PER_GROUP)
     args = p.parse_args()
-    import torch
-
     os.makedirs(args.out, exist_ok=True)
     c = parse_cell(args.cell, args.dtype)
     causal = c["causal"]
@@ -70,27 +68,15 @@ def main() -> int:
     smi_path = os.path.join(args.out, "smi.csv")
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader", "-lms", "20"],
                            stdout=open(smi_path, "w"), stderr=subprocess.DEVNULL)
-    groups = {name: [] for name in fns}
+    spans = [[] for _ in fns]
     try:
         with contexts:
-            for fn in fns.values():
-                for _ in range(bench.WARMUP):
-                    fn()
-            torch.cuda.synchronize()
-            for _ in range(args.groups):
-                for name, fn in fns.items():
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    t0 = time.time()
-                    start.record()
-                    for _ in range(args.calls):
-                        fn()
-                    end.record()
-                    end.synchronize()
-                    groups[name].append((t0, time.time(), start.elapsed_time(end) / args.calls))
+            bench.time_cuda_interleaved(list(fns.values()), groups=args.groups, calls=args.calls, spans=spans)
     finally:
         time.sleep(0.1)
         smi.terminate()
         smi.wait()
+    groups = dict(zip(fns, spans))
     samples = smi_samples(smi_path)
     flops = bench.attention_flops(c["batch"], c["heads_q"], c["seqlen_q"], c["seqlen_k"], c["head_dim"], c["causal"])
     with open(os.path.join(args.out, "probe.json"), "w") as f:

@@ -261,6 +261,41 @@ def test_ncu_source_summarizes_stalls_and_bank_conflicts():
     assert lines[-1] == "  0x0020 1000 vs ideal 500: `STSM.16.M88.4 [R28], R8`"
 
 
+def test_time_cuda_interleaved_takes_turns_and_records_spans(monkeypatch):
+    """Groups run A B A B (after each callable's warm-up), and spans receive every group of each
+    callable as (wall start, wall end, ms per call) with the ms the medians are taken over."""
+    import types
+    order = []
+
+    class Event:
+        clock = 0.0
+
+        def __init__(self, enable_timing):
+            self.t = None
+
+        def record(self):
+            self.t = Event.clock
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    def make(name, ms):
+        def fn():
+            order.append(name)
+            Event.clock += ms
+        return fn
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, synchronize=lambda: None))
+    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    spans = [[], []]
+    out = bench.time_cuda_interleaved([make("a", 1.0), make("b", 2.0)], warmup=1, groups=3, calls=2, spans=spans)
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    assert [r["ms"] for r in out] == [1.0, 2.0]
+    assert [len(s) for s in spans] == [3, 3] and all(ms == 2.0 and t1 >= t0 for t0, t1, ms in spans[1])
+
+
 def test_clock_probe_reads_nvidia_smi_and_groups_times_by_clock(tmp_path):
     """scripts/clock_probe.py: nvidia-smi's csv lines as (time, MHz, W, reasons), and each group's time
     filed under the SM clock sampled while it ran, with the quartiles over all groups."""
