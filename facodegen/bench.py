@@ -3,7 +3,10 @@
 Method (the same as /work/shared/peers/h200-2026-11-29.md, so numbers compare):
 
 * CUDA events on the current torch stream around groups of back-to-back calls: 5 warm-up calls,
-  then 7 groups of 20 calls, and the median of the 7 group means.
+  then 7 groups of 20 calls, and the median of the 7 group means. On one cell facodegen and
+  every peer take turns group by group (A B C A B C ...): the H200 power-caps under long cells
+  and its clock moves 10-15% within one, so timing them one after the other would put that drift
+  into their ratio.
 * Fresh randn inputs, never zeros. Where one input set is smaller than twice the L2 (60 MB on the
   H200) the calls rotate over several sets, so the timing is not of a warm cache; the FA3-paper
   grid (16k tokens, hidden 2048: 64 MB per tensor) needs one set.
@@ -232,28 +235,34 @@ def _torch():
 
 
 def time_cuda_interleaved(fns: list, warmup: int = WARMUP, groups: int = GROUPS,
-                          calls: int = CALLS_PER_GROUP, spans: list | None = None) -> list[dict]:
+                          calls: int = CALLS_PER_GROUP, spans: list | None = None,
+                          contexts: list | None = None) -> list[dict]:
     """time_cuda for several callables at once, group by group in turn (A B C A B C ...), so a
     drift of the GPU's clocks or temperature over the run falls on all of them alike. ``spans``
-    (a list per callable) receives every group as (wall start, wall end, ms per call)."""
+    (a list per callable) receives every group as (wall start, wall end, ms per call).
+    ``contexts`` (a factory per callable, e.g. an SDPA backend choice) is entered around each
+    callable's warm-up and each of its groups, outside the CUDA events."""
     torch = _torch()
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
+    contexts = contexts or [contextlib.nullcontext] * len(fns)
+    for fn, context in zip(fns, contexts):
+        with context():
+            for _ in range(warmup):
+                fn()
     torch.cuda.synchronize()
     means = [[] for _ in fns]
     host = [[] for _ in fns]
     for _ in range(groups):
         for i, fn in enumerate(fns):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            wall0 = time.time()
-            start.record()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            t1 = time.perf_counter()
-            end.record()
-            end.synchronize()
+            with contexts[i]():
+                wall0 = time.time()
+                start.record()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                t1 = time.perf_counter()
+                end.record()
+                end.synchronize()
             means[i].append(start.elapsed_time(end) / calls)
             host[i].append((t1 - t0) * 1e3 / calls)
             if spans is not None:
@@ -429,11 +438,11 @@ def _peer_fn(name: str, s: InputSet, causal: bool):
         def fn():
             r = mod.flash_attn_func(q, k, v, causal=causal, **descales)
             return r[0] if isinstance(r, (tuple, list)) else r
-        return fn, contextlib.nullcontext()
+        return fn, contextlib.nullcontext
     if s.fp8:
         raise RuntimeError(f"skipped: {PEER_TITLES[name]} has no e4m3 path")
     if name == "flex":
-        return _flex_fn(q, k, v, causal), contextlib.nullcontext()
+        return _flex_fn(q, k, v, causal), contextlib.nullcontext
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
     if causal and q.shape[1] != k.shape[1]:
@@ -444,7 +453,7 @@ def _peer_fn(name: str, s: InputSet, causal: bool):
 
     def fn():
         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **extra).transpose(1, 2)
-    return fn, sdpa_kernel(backend)
+    return fn, lambda: sdpa_kernel(backend)
 
 
 _FLEX_COMPILED = {}
@@ -503,7 +512,7 @@ def _facodegen_fn(arch: str, overrides: dict, s: InputSet, causal: bool):
     def fn(_operands=(q, k, v)):     # the launcher points into these (v may be a V^T made here)
         launcher()
         return out
-    return fn, contextlib.nullcontext(), launcher.spec.variant, s
+    return fn, contextlib.nullcontext, launcher.spec.variant, s
 
 
 def _make_inputs(c: dict, n_sets: int) -> list[InputSet]:
@@ -523,10 +532,10 @@ _LOGGED: set = set()
 
 
 def _build_impl(make, input_sets):
-    """Build the callables (one per input set). Returns (result, fns, ctx, checked_set): ctx is the
-    context the calls need (an SDPA backend choice; single-use), checked_set the inputs fns[0]
-    runs on; fns is None when the implementation refused or failed to build (the reason is in
-    result["note"])."""
+    """Build the callables (one per input set). Returns (result, fns, context, checked_set):
+    context is a factory of the context the calls need (an SDPA backend choice), checked_set the
+    inputs fns[0] runs on; fns is None when the implementation refused or failed to build (the
+    reason is in result["note"])."""
     result: dict = {"tflops": None, "ms": None, "err": None, "note": None}
     try:
         built = [make(s) for s in input_sets]
@@ -541,7 +550,7 @@ def _build_impl(make, input_sets):
 
 
 def _check_impl(name: str, result: dict, fns, checked_set, c: dict, log) -> bool:
-    """Run fns[0] once (inside its ctx) and compare with the float64 reference on a slice; False
+    """Run fns[0] once (the caller enters its context) and compare with the float64 reference on a slice; False
     with the reason in result["note"] when it fails or raises."""
     torch = _torch()
     try:
@@ -588,12 +597,12 @@ def _record_time(result: dict, t: dict, c: dict) -> dict:
 
 
 def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: dict, log) -> dict:
-    """Build, check set 0, then time rotating over the sets, all inside one entry of the
-    implementation's context."""
-    result, fns, ctx, checked_set = _build_impl(make, input_sets)
+    """Build, check set 0, then time rotating over the sets, all inside the implementation's
+    context (one implementation at a time: run_cell's sequential mode)."""
+    result, fns, context, checked_set = _build_impl(make, input_sets)
     if fns is None:
         return result
-    with ctx:
+    with context():
         if check_first and not _check_impl(name, result, fns, checked_set, c, log):
             return result
         try:
@@ -604,12 +613,37 @@ def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: d
     return _record_time(result, t, c)
 
 
+def _time_in_turns(prepared: list, row: dict, c: dict, timing: dict, log) -> None:
+    """Time the checked implementations [(name, rotate, context)] group by group in turn. Should
+    one raise while they take turns, each is timed alone so the others still get a number."""
+    try:
+        times = time_cuda_interleaved([rotate for _, rotate, _ in prepared],
+                                      contexts=[context for _, _, context in prepared], **timing)
+    except Exception as err:  # noqa: BLE001
+        log(f"    taking turns failed ({type(err).__name__}: {str(err)[:200]}); timing each alone")
+        times = []
+        for name, rotate, context in prepared:
+            try:
+                with context():
+                    times.append(time_cuda(rotate, **timing))
+            except Exception as err_one:  # noqa: BLE001
+                _note_failure(name, row["results"][name], err_one, log)
+                times.append(None)
+    for (name, _, _), t in zip(prepared, times):
+        if t is not None:
+            _record_time(row["results"][name], t, c)
+
+
 def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None, check_first: bool = True,
              timing: dict | None = None, log=print, variants: dict | None = None) -> dict:
     """Time facodegen (each arch, or each named variant: {name: "arch:field=value,..."}, names
-    starting with "facodegen") and each peer on one cell, all on the same inputs."""
+    starting with "facodegen") and each peer on one cell, all on the same inputs. Every
+    implementation is built and checked first; then they all take turns group by group
+    (time_cuda_interleaved), so the GPU's clock drift over the cell falls on each alike.
+    ``timing={"interleave": False}`` times them one after the other instead."""
     torch = _torch()
-    timing = timing or {}
+    timing = dict(timing or {})
+    interleave = timing.pop("interleave", True)
     row = dict(c)
     row["flops"] = attention_flops(c["batch"], c["heads_q"], c["seqlen_q"], c["seqlen_k"], c["head_dim"], c["causal"])
     row["results"] = {}
@@ -621,40 +655,35 @@ def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None,
             row["results"][facodegen_name(arch)] = {"tflops": None, "note": f"inputs failed: {err}"}
         return row
     row["input_sets"] = n_sets
-    ours = variants or {facodegen_name(arch): arch + ":" for arch in archs}
-    interleave = timing.get("interleave", False)
-    timing = {k: v for k, v in timing.items() if k != "interleave"}
-    prepared = []
-    for name, text in ours.items():
+    makers = []                       # (name, make: InputSet -> (fn, context factory, ...))
+    for name, text in (variants or {facodegen_name(arch): arch + ":" for arch in archs}).items():
         arch, fields = parse_variant(text)
         overrides = {**_split_overrides(spec_overrides, arch), **fields}
-        make = (lambda a, o: lambda s: _facodegen_fn(a, o, s, c["causal"]))(arch, overrides)
-        if interleave:
-            result, fns, ctx, checked_set = _build_impl(make, input_sets)
-            row["results"][name] = result
-            if fns is not None:
-                with ctx:
-                    ok = not check_first or _check_impl(name, result, fns, checked_set, c, log)
-                if ok:
-                    prepared.append((name, _rotation(fns)))
-        else:
-            row["results"][name] = _run_impl(name, make, input_sets, c, check_first, timing, log)
-    if prepared:
-        # facodegen's callables need no context (only the SDPA peers do), so they can take turns
-        try:
-            times = time_cuda_interleaved([rotate for _, rotate in prepared], **timing)
-            for (name, _), t in zip(prepared, times):
-                _record_time(row["results"][name], t, c)
-        except Exception as err:  # noqa: BLE001
-            for name, _ in prepared:
-                _note_failure(name, row["results"][name], err, log)
+        makers.append((name, (lambda a, o: lambda s: _facodegen_fn(a, o, s, c["causal"]))(arch, overrides)))
     for name in peers:
         available, note = peer_available(name)
         if not available:
-            row["results"][name] = {"tflops": None, "note": f"unavailable: {note}"}
+            makers.append((name, f"unavailable: {note}"))
             continue
-        row["results"][name] = _run_impl(name, lambda s: _peer_fn(name, s, c["causal"]),
-                                         input_sets, c, check_first, timing, log)
+        makers.append((name, (lambda n: lambda s: _peer_fn(n, s, c["causal"]))(name)))
+    prepared = []
+    for name, make in makers:
+        if isinstance(make, str):
+            row["results"][name] = {"tflops": None, "note": make}
+            continue
+        if not interleave:
+            row["results"][name] = _run_impl(name, make, input_sets, c, check_first, timing, log)
+            continue
+        result, fns, context, checked_set = _build_impl(make, input_sets)
+        row["results"][name] = result
+        if fns is None:
+            continue
+        with context():
+            ok = not check_first or _check_impl(name, result, fns, checked_set, c, log)
+        if ok:
+            prepared.append((name, _rotation(fns), context))
+    if prepared:
+        _time_in_turns(prepared, row, c, timing, log)
     del input_sets
     torch.cuda.synchronize()
     return row

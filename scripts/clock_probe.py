@@ -16,7 +16,6 @@ median time. Reads the card as it is: changes no clock or power setting.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
 import os
@@ -60,18 +59,16 @@ def main() -> int:
     c = parse_cell(args.cell, args.dtype)
     causal = c["causal"]
     s = bench._make_inputs(c, 1)[0]
-    fns = {"facodegen": bench._facodegen_fn("sm90", {}, s, causal)[0]}
-    contexts = contextlib.ExitStack()      # FA3 needs none; an SDPA peer its backend (one at a time)
+    fns = {"facodegen": bench._facodegen_fn("sm90", {}, s, causal)[:2]}
     for name in filter(None, args.peers.split(",")):
-        fns[name], context = bench._peer_fn(name, s, causal)
-        contexts.enter_context(context)
+        fns[name] = bench._peer_fn(name, s, causal)     # (fn, its context: an SDPA peer's backend)
     smi_path = os.path.join(args.out, "smi.csv")
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader", "-lms", "20"],
                            stdout=open(smi_path, "w"), stderr=subprocess.DEVNULL)
     spans = [[] for _ in fns]
     try:
-        with contexts:
-            bench.time_cuda_interleaved(list(fns.values()), groups=args.groups, calls=args.calls, spans=spans)
+        bench.time_cuda_interleaved([fn for fn, _ in fns.values()], groups=args.groups, calls=args.calls,
+                                    spans=spans, contexts=[context for _, context in fns.values()])
     finally:
         time.sleep(0.1)
         smi.terminate()

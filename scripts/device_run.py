@@ -320,15 +320,13 @@ def ncu_child(args) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
     from facodegen import bench
-    from facodegen.reference import random_qkv
     p = plan(args)
     cells = select_cells(args, p["grid"])
     c = cells[0]
     archs = resolve_archs(p["archs"], print)
-    q, k, v = random_qkv(c["batch"], c["seqlen_q"], c["seqlen_k"], c["heads_q"], c["heads_kv"], c["head_dim"],
-                         c["dtype"], xp=torch, device="cuda")
+    inputs = bench._make_inputs(c, 1)[0]
     for arch in archs:
-        fn, _, variant = bench._facodegen_fn(arch, bench._split_overrides(p["spec"], arch), q, k, v, c["causal"])
+        fn, _, variant, _ = bench._facodegen_fn(arch, bench._split_overrides(p["spec"], arch), inputs, c["causal"])
         fn()
         torch.cuda.synchronize()
         print(f"ncu child: ran {variant or arch} on {c}")

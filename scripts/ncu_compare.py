@@ -44,7 +44,7 @@ def child(args) -> None:
     arch, fields = bench.parse_variant(args.variant)
     ours = bench._facodegen_fn(arch, fields, s, c["causal"])[0]
     peer, peer_context = bench._peer_fn(args.peer, s, c["causal"])   # SDPA peers: their backend's context
-    with peer_context:
+    with peer_context():
         for fn in (ours, peer):
             for _ in range(3):
                 fn()

@@ -296,6 +296,71 @@ def test_time_cuda_interleaved_takes_turns_and_records_spans(monkeypatch):
     assert [len(s) for s in spans] == [3, 3] and all(ms == 2.0 and t1 >= t0 for t0, t1, ms in spans[1])
 
 
+def test_run_cell_checks_everyone_then_times_peers_in_turns_inside_their_context(monkeypatch):
+    """facodegen and the peers are built and checked first, then take turns group by group; an
+    SDPA peer's calls (check, warm-up, every group) run inside its backend context and nobody
+    else's do; an unavailable peer keeps its place in the row with the reason."""
+    import contextlib
+    import types
+    trace = []
+    inside = {"cudnn": False}
+
+    class Event:
+        clock = 0.0
+
+        def __init__(self, enable_timing):
+            self.t = None
+
+        def record(self):
+            self.t = Event.clock
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    def impl(name, ms):
+        def fn():
+            trace.append((name, inside["cudnn"]))
+            Event.clock += ms
+        return fn
+
+    @contextlib.contextmanager
+    def cudnn_backend():
+        inside["cudnn"] = True
+        yield
+        inside["cudnn"] = False
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, synchronize=lambda: None))
+    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    monkeypatch.setattr(bench, "_make_inputs", lambda c, n: [object()])
+    monkeypatch.setattr(bench, "l2_bytes", lambda: bench.L2_BYTES_DEFAULT)
+    monkeypatch.setattr(bench, "_slice_check", lambda o, s, causal, dtype: (True, "", 1e-3))
+    monkeypatch.setattr(bench, "peer_available", lambda name: (name != "fa2", "no such backend here"))
+    monkeypatch.setattr(bench, "_facodegen_fn",
+                        lambda arch, o, s, causal: (impl("ours", 1.0), contextlib.nullcontext, "v", s))
+    monkeypatch.setattr(bench, "_peer_fn", lambda name, s, causal:
+                        (impl(name, {"fa3": 2.0, "cudnn": 4.0}[name]),
+                         cudnn_backend if name == "cudnn" else contextlib.nullcontext))
+    c = bench.cell(64, False, 1024, 1, 2, "bf16")
+    row = bench.run_cell(c, peers=("cudnn", "fa2", "fa3"), timing={"warmup": 1, "groups": 2, "calls": 2},
+                         log=lambda m: None)
+    assert list(row["results"]) == [bench.facodegen_name("sm90"), "cudnn", "fa2", "fa3"]
+    assert [r["ms"] for n, r in row["results"].items() if n != "fa2"] == [1.0, 4.0, 2.0]
+    assert row["results"]["fa2"]["note"].startswith("unavailable") and row["results"]["fa2"]["tflops"] is None
+    checks, warmups, groups = trace[:3], trace[3:6], trace[6:]
+    assert [n for n, _ in checks] == [n for n, _ in warmups] == ["ours", "cudnn", "fa3"]
+    assert [n for n, _ in groups] == ["ours", "ours", "cudnn", "cudnn", "fa3", "fa3"] * 2
+    assert all(in_ctx == (n == "cudnn") for n, in_ctx in trace)
+    one_by_one = []
+    monkeypatch.setattr(bench, "time_cuda", lambda fn, **kw: (one_by_one.append(fn), fn(),
+                                                            {"ms": 3.0, "min_ms": 3.0, "max_ms": 3.0,
+                                                             "host_ms": 0.1})[-1])
+    row = bench.run_cell(c, peers=("fa3",), timing={"interleave": False}, log=lambda m: None)
+    assert len(one_by_one) == 2 and row["results"]["fa3"]["ms"] == 3.0
+
+
 def test_clock_probe_reads_nvidia_smi_and_groups_times_by_clock(tmp_path):
     """scripts/clock_probe.py: nvidia-smi's csv lines as (time, MHz, W, reasons), and each group's time
     filed under the SM clock sampled while it ran, with the quartiles over all groups."""
@@ -341,7 +406,7 @@ def test_run_impl_enters_a_single_use_context_once(monkeypatch):
                                                             {"ms": 1.0, "min_ms": 0.9, "max_ms": 1.1,
                                                              "host_ms": 0.1})[-1])
     c = bench.cell(64, False, 1024, 1, 2, "bf16")
-    result = bench._run_impl("cudnn", lambda s: (lambda: events.append("call"), backend()), [object()], c,
+    result = bench._run_impl("cudnn", lambda s: (lambda: events.append("call"), backend), [object()], c,
                              True, {}, print)
     assert result["tflops"] and result["err"] == 1e-3 and result["note"] is None
     assert calls == [["enter", "call", "call", "call"]] and events[-1] == "exit" and events.count("enter") == 1
