@@ -454,7 +454,9 @@ class KernelSpec:
     loads half of every K/V tile, multicast to both; 16-bit, non-causal), ``o_in_v`` (16-bit with
     separate_o=False: the O staging tile aliases the V ring instead of Q, FlashAttention-3's
     head_dim-256 layout, so Q is released after the tile's last Q K^T and the next tile's first
-    Q K^T runs while the O store reads shared memory; its first V load waits for that store).
+    Q K^T runs while the O store reads shared memory; its first V load waits for that store),
+    ``q_stages`` (1 | 2 Q buffers: with 2 the producer loads a tile's Q while the consumers still run
+    the tile before, so a consumer warpgroup starts its next tile without waiting for that load).
 
     dtype=fp8 only (e4m3 Q, K, V; sm90): ``out_dtype`` (bf16 | fp16: the type of O) and ``v_layout``
     (row | transposed: V as (batch, seqlen_k, heads_kv, d), transposed in shared memory by the kernel,
@@ -496,6 +498,7 @@ class KernelSpec:
     optimistic_max: bool | None = None
     cluster_m: int | None = None
     o_in_v: bool | None = None
+    q_stages: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -517,7 +520,7 @@ class KernelSpec:
             fill.update(block_m=tiles.block_m, block_n=tiles.block_n, num_warps=tiles.num_warps,
                         stages=tiles.stages, q_in_regs=tiles.q_in_regs, consumer_warpgroups=0,
                         pingpong=False, intra_wg_overlap=False, producer_regs=0,
-                        consumer_regs=0, persistent=False, separate_o=False, l2_hints=False)
+                        consumer_regs=0, persistent=False, separate_o=False, l2_hints=False, q_stages=1)
             fill["anchor_softmax"] = False
             fill["rescale_under_qk"] = False
             fill["uniform_wg"] = False
@@ -563,7 +566,7 @@ class KernelSpec:
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
                         l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT,
                         uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout),
-                        ctas_per_sm=1, cluster_m=1, o_in_v=False,
+                        ctas_per_sm=1, cluster_m=1, o_in_v=False, q_stages=1,
                         optimistic_max=(optimistic_max_default(self.head_dim, self.dtype, self.causal)
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
@@ -582,8 +585,8 @@ class KernelSpec:
                 # Own O buffer exactly when it fits the budget with the other knobs as resolved.
                 trial = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in fill.items()}
                 dims = (trial["block_m"], trial["block_n"], trial["stages"])
-                fill["separate_o"] = all(isinstance(x, int) for x in dims) and _sm90_smem(
-                    *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True) <= GPUS[gpu].smem_per_block
+                fill["separate_o"] = all(isinstance(x, int) for x in dims + (trial["q_stages"],)) and _sm90_smem(
+                    *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True, trial["q_stages"]) <= GPUS[gpu].smem_per_block
             if self.q_in_regs and self.dtype != "fp8":
                 raise SpecError("q_in_regs", "on sm90 only dtype=fp8 keeps Q in registers (the Q K^T wgmma "
                                              "reads A from registers); the 16-bit kernel reads Q from shared memory")
@@ -650,6 +653,8 @@ class KernelSpec:
                 parts.append(f"cl{self.cluster_m}")
             if self.o_in_v:
                 parts.append("oinv")
+            if self.q_stages != 1:
+                parts.append(f"q{self.q_stages}")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -781,24 +786,25 @@ def smem_bytes(spec: KernelSpec) -> int:
     if spec.arch == "sm80":
         return q_tile + kv_ring + fa1_exchange_bytes(spec)
     if spec.dtype == "fp8":
-        return fp8_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, spec.v_layout)
-    return _sm90_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, e, spec.separate_o)
+        return fp8_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, spec.v_layout, spec.q_stages)
+    return _sm90_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, e, spec.separate_o, spec.q_stages)
 
 
-def _sm90_smem(block_m: int, block_n: int, stages: int, head_dim: int, e: int, separate_o: bool) -> int:
-    """sm90: Q tile, O tile when separate_o, K and V rings, barriers + alignment slack."""
+def _sm90_smem(block_m: int, block_n: int, stages: int, head_dim: int, e: int, separate_o: bool,
+               q_stages: int = 1) -> int:
+    """sm90: ``q_stages`` Q tiles, O tile when separate_o, K and V rings, barriers + alignment slack."""
     q_tile = block_m * head_dim * e
     o_tile = q_tile if separate_o else 0
-    return q_tile + o_tile + stages * 2 * block_n * head_dim * e + SM90_BARRIER_BYTES
+    return q_stages * q_tile + o_tile + stages * 2 * block_n * head_dim * e + SM90_BARRIER_BYTES
 
 
-def fp8_smem(block_m: int, block_n: int, stages: int, head_dim: int, v_layout: str) -> int:
-    """sm90 fp8 (1 byte/element): Q tile, ``stages`` K and V^T tiles, with v_layout=row also ``stages``
-    V tiles as the TMA writes them (the producer transposes each into V^T), barriers + alignment.
-    O has no tile: it goes from registers to global memory."""
+def fp8_smem(block_m: int, block_n: int, stages: int, head_dim: int, v_layout: str, q_stages: int = 1) -> int:
+    """sm90 fp8 (1 byte/element): ``q_stages`` Q tiles, ``stages`` K and V^T tiles, with v_layout=row
+    also ``stages`` V tiles as the TMA writes them (the producer transposes each into V^T), barriers +
+    alignment. O has no tile: it goes from registers to global memory."""
     tile = block_n * head_dim
     v_raw = stages * tile if v_layout == "row" else 0
-    return block_m * head_dim + stages * 2 * tile + v_raw + SM90_BARRIER_BYTES
+    return q_stages * block_m * head_dim + stages * 2 * tile + v_raw + SM90_BARRIER_BYTES
 
 
 def register_estimate(spec: KernelSpec) -> int:
@@ -922,18 +928,22 @@ def _validate(spec: KernelSpec) -> None:
                 f"setmaxnreg.inc would wait forever"))
         _check_cluster(spec)
         _check_o_in_v(spec)
+        _check_q_stages(spec)
         regs = register_estimate(spec)
         if regs > spec.consumer_regs:
             raise SpecError("block_n", (
                 f"block_n={spec.block_n} with head_dim={spec.head_dim} needs about {regs} registers per "
                 f"consumer thread, over consumer_regs={spec.consumer_regs}: lower block_n"))
+    if spec.arch == "sm80" and spec.q_stages != 1:
+        raise SpecError("q_stages", f"sm80 kernels keep one Q tile: use q_stages=1, got {spec.q_stages!r}")
     need = smem_bytes(spec)
     if need > limits.smem_per_block:
         raise SpecError("stages", (
             f"the tiles need {need} bytes of shared memory (block_m={spec.block_m}, block_n={spec.block_n}, "
             f"stages={spec.stages}, head_dim={spec.head_dim}), over the {limits.smem_per_block} bytes one block "
             f"may use on {spec.gpu}: lower stages, block_n or block_m"
-            + (", or set separate_o=False (O aliases Q)" if spec.arch == "sm90" and spec.separate_o else "") + ")"))
+            + (", or set separate_o=False (O aliases Q)" if spec.arch == "sm90" and spec.separate_o else "")
+            + (", or use q_stages=1" if spec.q_stages == 2 else "") + ")"))
     if spec.arch == "sm90" and spec.ctas_per_sm == 2:
         per_sm = 2 * (need + SM90_CTA_RESERVED_SMEM)
         if per_sm > limits.smem_per_sm:
@@ -954,6 +964,15 @@ def _check_o_in_v(spec: KernelSpec) -> None:
     if spec.stages * spec.block_n < spec.block_m:
         raise SpecError("o_in_v", f"the O tile ({spec.block_m} rows) does not fit in the V ring ({spec.stages} "
                                   f"stages x {spec.block_n} rows): raise stages or block_n, or use o_in_v=False")
+
+
+def _check_q_stages(spec: KernelSpec) -> None:
+    """q_stages=2: two Q buffers taking turns by tile, so O cannot alias Q (16-bit: separate_o or o_in_v)."""
+    if spec.q_stages not in (1, 2) or isinstance(spec.q_stages, bool):
+        raise SpecError("q_stages", f"must be 1 or 2 (Q buffers), got {spec.q_stages!r}")
+    if spec.q_stages == 2 and spec.dtype != "fp8" and not (spec.separate_o or spec.o_in_v):
+        raise SpecError("q_stages", "with two Q buffers the O staging tile cannot alias Q: set separate_o=True "
+                                    "or o_in_v=True, or use q_stages=1")
 
 
 def _check_cluster(spec: KernelSpec) -> None:

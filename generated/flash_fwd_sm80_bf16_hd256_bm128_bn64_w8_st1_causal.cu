@@ -29,6 +29,7 @@
 //   poly_exp2_tiles      = 0
 //   producer_regs        = 0
 //   q_in_regs            = False
+//   q_stages             = 1
 //   rescale              = once
 //   rescale_under_qk     = False
 //   schedule             = fa2

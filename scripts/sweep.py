@@ -6,8 +6,8 @@
 A variant is ``arch:field=value,...`` (bench.parse_variant; empty fields = that arch's defaults); a cell is
 ``head_dim,seqlen,causal`` on the FlashAttention-3 paper's grid (16k tokens, hidden 2048).
 Every output is checked against the float64 reference on a slice before it is timed; the variants
-of a cell take turns group by group (--sequential: one after the other), peers (--peers) are timed
-after them in the same run. Prints a table of TFLOP/s last and writes sweep.json.
+of a cell and its peers (--peers) take turns group by group (--sequential: one after the other).
+Prints a table of TFLOP/s last and writes sweep.json.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ SPECS = [
     K(head_dim=256, cluster_m=2), K(head_dim=128, cluster_m=2, persistent=False, l2_hints=False),
     # O staging tile over the V ring (FlashAttention-3's head_dim-256 layout)
     K(head_dim=256, o_in_v=True), K(head_dim=256, causal=True, o_in_v=True),
+    # two Q buffers (the next tile's Q loads during this one), O in its own buffer or over V
+    K(head_dim=64, causal=True, consumer_warpgroups=2, q_stages=2),
+    K(head_dim=128, causal=True, pingpong=True, o_in_v=True, q_stages=2),
 ]
 
 

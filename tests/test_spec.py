@@ -194,6 +194,27 @@ def test_cluster_m_checks_pads_m_blocks_and_halves_the_kv_box():
     assert [args[n].box[1] for n in ("tma_q", "tma_k", "tma_v", "tma_o")] == [128, 40, 40, 64]
 
 
+def test_two_q_buffers_take_a_second_q_tile_and_need_o_elsewhere():
+    one = KernelSpec(arch="sm90", head_dim=64, causal=True)
+    two = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=2)
+    assert one.q_stages == 1 and two.q_stages == 2 and two.variant.endswith("_q2_ch4_causal")
+    assert two.smem_bytes - one.smem_bytes == one.block_m * 64 * 2
+    fp8 = KernelSpec(arch="sm90", head_dim=128, dtype="fp8", q_stages=2)
+    assert fp8.smem_bytes - KernelSpec(arch="sm90", head_dim=128, dtype="fp8").smem_bytes == 128 * 128
+    # head_dim 128's 128x160 tile fits its own O buffer with one Q tile but not with two
+    assert KernelSpec(arch="sm90", head_dim=128).separate_o
+    assert not KernelSpec(arch="sm90", head_dim=128, q_stages=2, o_in_v=True).separate_o
+    for bad, field in [(dict(q_stages=3), "q_stages"), (dict(q_stages=True), "q_stages"),
+                       (dict(q_stages=2, separate_o=False), "q_stages"),
+                       (dict(q_stages=2, separate_o=True, block_n=160), "stages")]:
+        with pytest.raises(SpecError) as err:
+            KernelSpec(**{"arch": "sm90", "head_dim": 128, **bad})
+        assert err.value.field == field, (bad, err.value)
+    with pytest.raises(SpecError) as err:
+        KernelSpec(arch="sm80", q_stages=2)
+    assert err.value.field == "q_stages" and "sm80" in str(err.value)
+
+
 def test_o_in_v_takes_the_v_ring_and_needs_room_there():
     spec = KernelSpec(arch="sm90", head_dim=256, o_in_v=True)
     assert not spec.separate_o and "_oinv" in spec.variant

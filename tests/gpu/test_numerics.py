@@ -241,6 +241,23 @@ def test_cluster_multicast_many_tiles_per_cta(head_dim, persistent):
         run_case(spec, shape)
 
 
+@pytest.mark.parametrize("fields", [dict(head_dim=64, causal=True, consumer_warpgroups=2),
+                                    dict(head_dim=128, causal=True, pingpong=True),
+                                    dict(head_dim=128, causal=True, pingpong=True, o_in_v=True),
+                                    dict(head_dim=128, block_n=128),
+                                    dict(head_dim=64, persistent=False)],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_two_q_buffers_many_tiles_per_cta(fields):
+    """q_stages=2: each CTA runs many tiles, so both Q buffers go round several laps (their parities
+    flip every other tile) on the static and the dynamic (causal) schedule; causal tiles whose rows
+    see no key (seqlen_q > seqlen_k) sit between tiles that have some, and GQA."""
+    if not arch_supported("sm90"):
+        pytest.skip(f"sm90 kernels do not run on compute capability {CC[0]}.{CC[1]}")
+    spec = KernelSpec(arch="sm90", dtype="bf16", q_stages=2, **fields)
+    for shape in [(4, 2048, 2048, 8, 4), (3, 1384, 777, 6, 2), (2, 300, 127, 2, 2)]:
+        run_case(spec, shape)
+
+
 @pytest.mark.parametrize("arch,head_dim,causal", [("sm80", 128, False), ("sm80", 64, True), ("sm90", 128, False),
                                                    ("sm90", 128, True), ("sm90", 64, False), ("sm90", 256, True)])
 @pytest.mark.parametrize("mode", ["lazy", "exact", "optimistic"])
@@ -595,7 +612,9 @@ def test_fp8_default_spec(spec):
                                     dict(head_dim=128, q_in_regs=True, v_layout="transposed", intra_wg_overlap=False),
                                     dict(head_dim=256, block_n=128, producer_regs=24, consumer_regs=240, persistent=True, uniform_wg=True),
                                     dict(head_dim=256, block_n=128, producer_regs=24, consumer_regs=240, persistent=True, uniform_wg=True,
-                                         causal=True)],
+                                         causal=True),
+                                    dict(head_dim=128, causal=True, q_stages=2),
+                                    dict(head_dim=64, q_stages=2, q_in_regs=True)],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_non_default_spec(fields):
     from facodegen.reference import FP8_TOLERANCE
