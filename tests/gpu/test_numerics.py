@@ -614,7 +614,7 @@ def test_fp8_default_spec(spec):
                                     dict(head_dim=256, block_n=128, producer_regs=24, consumer_regs=240, persistent=True, uniform_wg=True,
                                          causal=True),
                                     dict(head_dim=128, causal=True, q_stages=2),
-                                    dict(head_dim=64, q_stages=2, q_in_regs=True)],
+                                    dict(head_dim=128, q_stages=2, q_in_regs=True)],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_non_default_spec(fields):
     from facodegen.reference import FP8_TOLERANCE
