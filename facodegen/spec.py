@@ -196,6 +196,20 @@ def optimistic_max_default(head_dim: int, dtype: str, causal: bool) -> bool:
 def uniform_wg_default(head_dim: int, dtype: str, v_layout: str) -> bool:
     return dtype == "fp8" and head_dim == 256 and v_layout == "row"
 
+# q_stages' default (sm90: two Q buffers, so a tile's Q loads while the consumers run the tile before
+# and each consumer warpgroup starts its next tile at once): on for 16-bit causal kernels where the
+# second Q tile fits beside O's own place (its own buffer or the V ring). Causal tiles are short and
+# many (1-16 blocks at 2k queries), so the Q load that follows the last Q K^T of a tile is on the path
+# from one tile to the next. H200, scripts/sweep.py, variants taking turns, 15 groups (2026-12-01,
+# 350f483, TFLOP/s q_stages 1 vs 2; two calls): d64 causal s512 241.7 vs 244.7 and 244.1 vs 246.3,
+# s1k 324.8 vs 324.3, s2k 391.4 vs 400.1 and 394.7 vs 402.3, s8k 519.3 vs 525.2; d128 causal s512
+# 341.6 vs 334.5, s1k 447.1 vs 452.9 and 443.8 vs 448.1, s2k 535.3 vs 545.1, s4k 594.1 vs 601.4, s8k
+# 627.9 vs 637.7. Off for fp8 (d128 s8k 871 vs 832 and 876 vs 833, causal s8k 826 vs 795) and where
+# the second Q tile does not fit (head_dim 256; head_dim 128 with 176 keys and O over V).
+def q_stages_default(head_dim: int, dtype: str, causal: bool) -> int:
+    return 2 if causal and dtype != "fp8" and head_dim <= 128 else 1
+
+
 REG_OVERHEAD = {"sm80": 48, "sm90": 32, "sm90-fp8": 28}
 SM80_MAX_REGS = 255
 SM90_REG_FILE = 65536
@@ -585,8 +599,22 @@ class KernelSpec:
                 # Own O buffer exactly when it fits the budget with the other knobs as resolved.
                 trial = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in fill.items()}
                 dims = (trial["block_m"], trial["block_n"], trial["stages"])
-                fill["separate_o"] = all(isinstance(x, int) for x in dims + (trial["q_stages"],)) and _sm90_smem(
-                    *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True, trial["q_stages"]) <= GPUS[gpu].smem_per_block
+                q_tiles = self.q_stages if self.q_stages is not None else 1
+                fill["separate_o"] = all(isinstance(x, int) for x in dims + (q_tiles,)) and _sm90_smem(
+                    *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True, q_tiles) <= GPUS[gpu].smem_per_block
+            if self.q_stages is None and q_stages_default(self.head_dim, self.dtype, self.causal) == 2:
+                # two Q tiles where O has a place of its own and both fit, else one
+                def resolved(name):
+                    return getattr(self, name) if getattr(self, name) is not None else fill.get(name)
+                dims = (resolved("block_m"), resolved("block_n"), resolved("stages"))
+                separate_o = resolved("separate_o") is True
+                need = (_sm90_smem(*dims, self.head_dim, ELEMENT_BYTES[self.dtype], separate_o, 2)
+                        if all(isinstance(x, int) for x in dims) else None)
+                ctas = resolved("ctas_per_sm") if resolved("ctas_per_sm") in (1, 2) else 1
+                fill["q_stages"] = 2 if (need is not None and (separate_o or resolved("o_in_v") is True)
+                                         and need <= GPUS[gpu].smem_per_block
+                                         and (ctas == 1 or 2 * (need + SM90_CTA_RESERVED_SMEM)
+                                              <= GPUS[gpu].smem_per_sm)) else 1
             if self.q_in_regs and self.dtype != "fp8":
                 raise SpecError("q_in_regs", "on sm90 only dtype=fp8 keeps Q in registers (the Q K^T wgmma "
                                              "reads A from registers); the 16-bit kernel reads Q from shared memory")

@@ -163,7 +163,7 @@ def test_two_ctas_per_sm_halve_the_register_pool_and_double_the_grid():
     from facodegen.spec import sm90_cta_register_pool
     one = KernelSpec(arch="sm90", head_dim=64, causal=True, consumer_warpgroups=1)
     two = one.replace(consumer_warpgroups=1, ctas_per_sm=2)
-    assert (two.producer_regs, two.consumer_regs) == (24, 232) and two.variant.endswith("_c2_ch4_causal")
+    assert (two.producer_regs, two.consumer_regs) == (24, 232) and two.variant.endswith("_c2_q2_ch4_causal")
     assert sm90_cta_register_pool(256, 2) == 128 * (24 + 232) == sm90_cta_register_pool(256) // 2
     assert resident_ctas(two, 132) == 264 and resident_ctas(one, 132) == 132
     assert grid(two, 32, 32, 512, 264) == (264, 1, 1) and grid(one, 32, 32, 512, 132) == (132, 1, 1)
@@ -195,9 +195,16 @@ def test_cluster_m_checks_pads_m_blocks_and_halves_the_kv_box():
 
 
 def test_two_q_buffers_take_a_second_q_tile_and_need_o_elsewhere():
-    one = KernelSpec(arch="sm90", head_dim=64, causal=True)
+    one = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=1)
     two = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=2)
     assert one.q_stages == 1 and two.q_stages == 2 and two.variant.endswith("_q2_ch4_causal")
+    # the default: two for 16-bit causal kernels where a second Q tile fits beside O's own place
+    assert KernelSpec(arch="sm90", head_dim=64, causal=True) == two
+    assert [KernelSpec(arch="sm90", head_dim=d, causal=True).q_stages for d in (64, 96, 128, 192, 256)] == [2, 2, 2, 1, 1]
+    assert KernelSpec(arch="sm90", head_dim=128).q_stages == 1
+    assert KernelSpec(arch="sm90", head_dim=128, dtype="fp8", causal=True).q_stages == 1
+    assert KernelSpec(arch="sm90", head_dim=128, causal=True, separate_o=False).q_stages == 1      # O over Q
+    assert KernelSpec(arch="sm90", head_dim=128, causal=True, block_n=176, o_in_v=True).q_stages == 1   # no room
     assert two.smem_bytes - one.smem_bytes == one.block_m * 64 * 2
     fp8 = KernelSpec(arch="sm90", head_dim=128, dtype="fp8", q_stages=2)
     assert fp8.smem_bytes - KernelSpec(arch="sm90", head_dim=128, dtype="fp8").smem_bytes == 128 * 128
