@@ -426,10 +426,12 @@ def sm90_cta_register_pool(threads: int, ctas_per_sm: int = 1) -> int:
 # 722), s16k 756 / 694. The kernels read K/V at half the L2 traffic but each CTA then waits for the
 # slower of the pair at every ring stage.
 def register_split(consumer_warpgroups: int, ctas_per_sm: int = 1) -> tuple[int, int]:
-    """(producer, consumer) setmaxnreg values, FA3's and ThunderKittens' choices; two CTAs of one
-    consumer warpgroup per SM share the register file: 24 + 232 = 256 x 128 threads."""
-    if ctas_per_sm == 2:
-        return (24, 232) if consumer_warpgroups == 1 else (24, 104)
+    """(producer, consumer) setmaxnreg values, FA3's and ThunderKittens' choices; CTAs sharing an SM
+    share the register file: the producer keeps 24 and the consumers split the rest of the CTA's
+    pool (two CTAs of one consumer warpgroup: 24 + 232 = 256 x 128 threads; three: 24 + 136)."""
+    if ctas_per_sm > 1:
+        per_wg = sm90_cta_register_pool(128 * (consumer_warpgroups + 1), ctas_per_sm) // 128
+        return 24, (per_wg - 24) // consumer_warpgroups // 8 * 8
     return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[consumer_warpgroups]
 
 
@@ -461,7 +463,7 @@ class KernelSpec:
     fits), ``l2_hints`` (TMA loads carry L2 eviction hints: K/V evict-last, Q evict-first),
     ``anchor_softmax`` (keep the softmax ahead of the P V wait), ``rescale_under_qk`` (O's rescale
     between the next Q K^T and P V issues), ``uniform_wg`` (the consumer warpgroup index in uniform
-    registers), ``ctas_per_sm`` (1 | 2: two CTAs of one consumer warpgroup share an SM),
+    registers), ``ctas_per_sm`` (1 | 2 | 3: CTAs of one consumer warpgroup sharing an SM),
     ``optimistic_max`` (a step's exp2s start from the running row max without waiting for a max
     pass; the row sums, for fp8 the max beside them, show when a step must be redone with the true
     max), ``cluster_m`` (1 | 2: two CTAs of a cluster run neighbouring m-blocks of one head and each
@@ -559,7 +561,7 @@ class KernelSpec:
                 cwg = self.block_m // 64 if self.block_m is not None else tiles.consumer_warpgroups
             _check_choice("consumer_warpgroups", cwg, (1, 2, 3))
             ctas = self.ctas_per_sm if self.ctas_per_sm is not None else 1
-            _check_choice("ctas_per_sm", ctas, (1, 2))
+            _check_choice("ctas_per_sm", ctas, (1, 2, 3))
             producer, consumer = register_split(cwg, ctas)
             # setmaxnreg moves registers inside the CTA's pool, which holds what the CTA launched
             # with (ptxas: 168 per thread x 384 = 64512 for two consumer warpgroups), not the 65536
@@ -610,11 +612,10 @@ class KernelSpec:
                 separate_o = resolved("separate_o") is True
                 need = (_sm90_smem(*dims, self.head_dim, ELEMENT_BYTES[self.dtype], separate_o, 2)
                         if all(isinstance(x, int) for x in dims) else None)
-                ctas = resolved("ctas_per_sm") if resolved("ctas_per_sm") in (1, 2) else 1
+                ctas = resolved("ctas_per_sm") if resolved("ctas_per_sm") in (1, 2, 3) else 1
                 fill["q_stages"] = 2 if (need is not None and (separate_o or resolved("o_in_v") is True)
                                          and need <= GPUS[gpu].smem_per_block
-                                         and (ctas == 1 or 2 * (need + SM90_CTA_RESERVED_SMEM)
-                                              <= GPUS[gpu].smem_per_sm)) else 1
+                                         and ctas * (need + SM90_CTA_RESERVED_SMEM) <= GPUS[gpu].smem_per_sm) else 1
             if self.q_in_regs and self.dtype != "fp8":
                 raise SpecError("q_in_regs", "on sm90 only dtype=fp8 keeps Q in registers (the Q K^T wgmma "
                                              "reads A from registers); the 16-bit kernel reads Q from shared memory")
@@ -952,7 +953,7 @@ def _validate(spec: KernelSpec) -> None:
                 f"128*(producer_regs={spec.producer_regs} + {spec.consumer_warpgroups}*consumer_regs="
                 f"{spec.consumer_regs}) = {total} registers exceed the CTA's setmaxnreg pool of {pool} "
                 f"({spec.num_warps * 32} threads launched with {pool // (spec.num_warps * 32)} registers each"
-                f"{', two CTAs per SM' if spec.ctas_per_sm == 2 else ''}): "
+                f"{f', {spec.ctas_per_sm} CTAs per SM' if spec.ctas_per_sm > 1 else ''}): "
                 f"setmaxnreg.inc would wait forever"))
         _check_cluster(spec)
         _check_o_in_v(spec)
@@ -972,11 +973,11 @@ def _validate(spec: KernelSpec) -> None:
             f"may use on {spec.gpu}: lower stages, block_n or block_m"
             + (", or set separate_o=False (O aliases Q)" if spec.arch == "sm90" and spec.separate_o else "")
             + (", or use q_stages=1" if spec.q_stages == 2 else "") + ")"))
-    if spec.arch == "sm90" and spec.ctas_per_sm == 2:
-        per_sm = 2 * (need + SM90_CTA_RESERVED_SMEM)
+    if spec.arch == "sm90" and spec.ctas_per_sm > 1:
+        per_sm = spec.ctas_per_sm * (need + SM90_CTA_RESERVED_SMEM)
         if per_sm > limits.smem_per_sm:
             raise SpecError("ctas_per_sm", (
-                f"two CTAs per SM need 2 x ({need} + {SM90_CTA_RESERVED_SMEM} reserved) = {per_sm} bytes of "
+                f"{spec.ctas_per_sm} CTAs per SM need {spec.ctas_per_sm} x ({need} + {SM90_CTA_RESERVED_SMEM} reserved) = {per_sm} bytes of "
                 f"shared memory, over the {limits.smem_per_sm} of an SM on {spec.gpu}: lower stages or "
                 f"block_n{', set separate_o=False' if spec.separate_o else ''}, or use ctas_per_sm=1"))
 

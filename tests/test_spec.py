@@ -59,10 +59,10 @@ def test_user_values_win_over_defaults():
     (dict(arch="sm90", head_dim=256, block_n=96), "stages", "shared memory"),
     (dict(arch="sm90", head_dim=128, block_n=256, stages=1), "block_n", "registers"),
     (dict(arch="sm80", ctas_per_sm=2), "ctas_per_sm", "sm90 knob"),
-    (dict(arch="sm90", ctas_per_sm=3), "ctas_per_sm", "1, 2"),
+    (dict(arch="sm90", ctas_per_sm=4), "ctas_per_sm", "1, 2, 3"),
     (dict(arch="sm90", head_dim=128, consumer_warpgroups=1, ctas_per_sm=2, block_n=128), "ctas_per_sm",
-     "two CTAs per SM"),
-    (dict(arch="sm90", head_dim=64, ctas_per_sm=2), "consumer_regs", "two CTAs per SM"),
+     "2 CTAs per SM"),
+    (dict(arch="sm90", head_dim=64, ctas_per_sm=2), "block_n", "consumer_regs=72"),
     (dict(arch="sm90", softmax_chains=3), "softmax_chains", "1, 2, 4, 8"),
     (dict(arch="sm90", uniform_wg="yes"), "uniform_wg", "True or False"),
     (dict(arch="sm90", head_dim=128, block_n=128, poly_exp2_tiles=17), "poly_exp2_tiles", "block_n/8 = 16"),
@@ -192,6 +192,19 @@ def test_cluster_m_checks_pads_m_blocks_and_halves_the_kv_box():
                                (300 * 8 * 256, 8 * 256, 256), (500 * 2 * 256, 2 * 256, 256),
                                (500 * 2 * 256, 2 * 256, 256), (300 * 8 * 256, 8 * 256, 256))
     assert [args[n].box[1] for n in ("tma_q", "tma_k", "tma_v", "tma_o")] == [128, 40, 40, 64]
+
+
+def test_three_ctas_per_sm_split_a_third_of_the_register_file():
+    from facodegen.launch import resident_ctas
+    from facodegen.spec import register_split, sm90_cta_register_pool
+    three = KernelSpec(arch="sm90", head_dim=64, causal=True, consumer_warpgroups=1, ctas_per_sm=3, block_n=64)
+    assert register_split(1, 3) == (three.producer_regs, three.consumer_regs) == (24, 136)
+    assert 3 * sm90_cta_register_pool(256, 3) <= 65536 and 128 * (24 + 136) == sm90_cta_register_pool(256, 3)
+    assert register_split(1, 2) == (24, 232) and register_split(2, 2) == (24, 104)
+    assert resident_ctas(three, 132) == 396 and three.variant.endswith("_c3_q2_ch4_causal")
+    with pytest.raises(SpecError) as err:       # 128 keys need about 160 registers
+        KernelSpec(arch="sm90", head_dim=64, causal=True, consumer_warpgroups=1, ctas_per_sm=3, block_n=128)
+    assert err.value.field == "block_n"
 
 
 def test_two_q_buffers_take_a_second_q_tile_and_need_o_elsewhere():

@@ -178,6 +178,8 @@ NON_DEFAULT = [
     ("sm80", 128, "bf16", True, {"softmax_chains": 4}),
     ("sm80", 64, "fp16", False, {"softmax_chains": 8}),
     ("sm90", 64, "bf16", True, {"consumer_warpgroups": 1, "ctas_per_sm": 2}),
+    ("sm90", 64, "fp16", True, {"consumer_warpgroups": 1, "ctas_per_sm": 3, "block_n": 64}),
+    ("sm90", 64, "bf16", False, {"consumer_warpgroups": 1, "ctas_per_sm": 3, "block_n": 96}),
     ("sm90", 128, "fp16", False, {"consumer_warpgroups": 1, "ctas_per_sm": 2, "block_n": 128, "stages": 1,
                                   "separate_o": False}),
     ("sm90", 256, "bf16", False, {"o_in_v": True}),
@@ -245,7 +247,8 @@ def test_cluster_multicast_many_tiles_per_cta(head_dim, persistent):
                                     dict(head_dim=128, causal=True, pingpong=True),
                                     dict(head_dim=128, causal=True, pingpong=True, o_in_v=True),
                                     dict(head_dim=128, block_n=128),
-                                    dict(head_dim=64, persistent=False)],
+                                    dict(head_dim=64, persistent=False),
+                                    dict(head_dim=64, causal=True, consumer_warpgroups=1, ctas_per_sm=3, block_n=64)],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_two_q_buffers_many_tiles_per_cta(fields):
     """q_stages=2: each CTA runs many tiles, so both Q buffers go round several laps (their parities
