@@ -341,8 +341,17 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
 # 2026-11-29, TFLOP/s, default -> rule):
 #   head_dim 128 non-causal, block_n 160 -> 128 (the last of ceil(seqlen_k/160) blocks is mostly
 #   padding at 512 and 1k): s512 460 -> 547, s1k 577 -> 612 (s2k: 656 -> 629, so not there) (d33f916);
-#   head_dim 64 causal, 192x128 -> 128x128 (2 consumer warpgroups: 4 row blocks of 128 instead of
-#   3 of 192 at s512): s512 203 -> 223, s1k 271 -> 303 (s2k: 385 -> 376, so not there) (d33f916);
+#   head_dim 64 causal up to 4k queries, three CTAs of one consumer warpgroup per SM (64-row tiles,
+#   24/136 registers: each CTA's per-tile prologue, exact first softmax and epilogue run under the
+#   other two's GEMMs; 64 keys up to 1k, 96 beyond). 2026-12-01 (350f483 + ctas_per_sm=3, variants
+#   taking turns, 15 groups, two calls; TFLOP/s rule before (2 warpgroups at 512, two 1-warpgroup
+#   CTAs at 1k, 192x128 beyond) / 3 CTAs x 64 keys / 3 CTAs x 96 keys; cuDNN, FA3): s512 235.2 /
+#   274.8 / 265.9 and 229.5 / 270.9 / 262.7 (C 246.6, 243.8), s1k 312.3 / 352.4 / 354.9 and 307.7 /
+#   348.5 / 346.3 (C 305.7), s2k 384.8 / 417.4 / 428.6 and 375.7 / 408.0 / 418.3 (F 369.7), s4k 441.8 /
+#   449.6 / 467.8 (F 411.1); at s8k 519.9 / 469.7 / 480.9 and s16k 541.1 / 466.3 / 481.3 the 192-row
+#   tile wins; non-causal s512 381.9 / 372.5 / 351.7, s1k 433.4 / 416.7 / 420.7, so not there; fp8
+#   d64 loses with it (causal s2k 460 / 420 / 453, s8k 582 / 457 / 510). Before it (d33f916): 192x128 ->
+#   128x128 (2 consumer warpgroups): s512 203 -> 223, s1k 271 -> 303;
 #   head_dim 128 causal, pingpong on (a tile has 1-8 blocks; the two warpgroups' turns keep the
 #   tensor cores fed through the short loops): s512 315 -> 321, s1k 430 -> 439 with the variants
 #   taking turns (318 -> 331, 450 -> 459 and 316 -> 324, 456 -> 460 in two sequential sweeps); at
@@ -353,9 +362,11 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
 #   head_dim 256 causal, block_n 80 -> 64 (finer diagonal): s512 301 -> 312 (313 -> 321 and 312 ->
 #   321 in two more runs); s1k 462 -> 461 with the exact softmax, 467 -> 492 with optimistic_max
 #   (c5d6789, variants taking turns), so up to 1k;
-#   head_dim 64 causal above 512 up to 1k, two CTAs of one consumer warpgroup per SM instead (one
-#   CTA's prologue and epilogue run under the other's GEMMs): s1k 299 -> 308 (975f18b), 303 -> 321
-#   with optimistic_max (a778a8d); at s512 222.7 vs 223.2, so not there;
+#   two CTAs of one consumer warpgroup per SM (the head_dim-64 causal 1k rule before the three):
+#   s1k 299 -> 308 (975f18b), 303 -> 321 with optimistic_max (a778a8d); at s512 222.7 vs 223.2;
+#   head_dim 128 causal, two 1-warpgroup CTAs with 64 keys lose (2026-12-01: s512 339.5 -> 311.5, s1k
+#   439.5 -> 399.4, s2k 524.3 -> 476.7; three do not compile: the O wgmma needs 94 registers, the
+#   three-CTA launch bound gives 80);
 #   head_dim 256 non-causal, block_n 80 -> 64 (seven 80-key blocks at s512, the last mostly padding;
 #   eight of 64): s512 505 -> 529 (c5d6789);
 #   head_dim 256 up to 1k keys (causal: 1k queries), O's staging tile over the V ring (o_in_v: Q is
@@ -391,10 +402,8 @@ def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqle
         return {"block_n": 128}
     if head_dim == 128 and seqlen_k >= (16384 if causal else 8192):
         return {"block_n": 176, "o_in_v": True}   # (no pingpong: the causal rule below stops short of it)
-    if head_dim == 64 and causal and 512 < seqlen_q <= 1024:
-        return {"consumer_warpgroups": 1, "ctas_per_sm": 2}
-    if head_dim == 64 and causal and seqlen_q <= 512:
-        return {"consumer_warpgroups": 2}
+    if head_dim == 64 and causal and seqlen_q <= 4096:
+        return {"consumer_warpgroups": 1, "ctas_per_sm": 3, "block_n": 64 if seqlen_q <= 1024 else 96}
     if head_dim == 128 and causal and seqlen_q <= 8192:
         return {"pingpong": True}
     if head_dim == 256 and ((causal and seqlen_q <= 1024) or (not causal and seqlen_k <= 512)):

@@ -59,7 +59,7 @@ SEARCH_SPACE = {
         "poly_exp2_tiles": (0, 2, 4, 6),
         "optimistic_max": (True, False),
         "uniform_wg": (True, False),
-        "ctas_per_sm": (1, 2),
+        "ctas_per_sm": (1, 2, 3),
         # O's staging tile over the V ring (with separate_o=False); cluster_m is not searched: two-CTA
         # multicast measured slower in every cell (spec.py) and would double the space again.
         "o_in_v": (True, False),

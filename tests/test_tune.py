@@ -333,7 +333,7 @@ def test_resolve_spec_user_fields_win(fake_device):
 
 def test_resolve_spec_seqlen_rules(fake_device):
     """spec.seqlen_rule_fields: head_dim 128 non-causal up to 1k keys takes block_n 128, head_dim
-    64 causal 2 consumer warpgroups at 512 queries and two one-warpgroup CTAs per SM up to 1k, head_dim 128 causal up to 8k pingpong, head_dim
+    64 causal up to 4k queries three one-warpgroup CTAs per SM (64 keys up to 1k, 96 beyond), head_dim 128 causal up to 8k pingpong, head_dim
     256 causal up to 1k and non-causal at 512 block_n 64 (and O over the V ring: causal up to 1k, non-causal always), fp8 head_dim 128
     causal up to 2k block_n 128; tuned entries and the caller's fields win."""
     short = api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16))
@@ -359,11 +359,9 @@ def test_resolve_spec_seqlen_rules(fake_device):
     long = [api.resolve_spec(128, "bf16", c, 0, shape=(16384 // s, s, s, 16)) for c in (False, True) for s in (4096, 8192, 16384)]
     assert [(x.block_n, x.o_in_v) for x in long] == [(160, False), (176, True), (176, True),
                                                       (128, False), (128, False), (176, True)]
-    d64 = api.resolve_spec(64, "bf16", True, 0, shape=(32, 512, 512, 32))
-    assert (d64.block_m, d64.consumer_warpgroups, d64.ctas_per_sm) == (128, 2, 1)
-    d64 = api.resolve_spec(64, "bf16", True, 0, shape=(16, 1024, 1024, 32))
-    assert (d64.block_m, d64.consumer_warpgroups, d64.ctas_per_sm) == (64, 1, 2)
-    assert api.resolve_spec(64, "bf16", True, 0, shape=(8, 2048, 2048, 32)).block_m == 192
+    d64 = [api.resolve_spec(64, "bf16", True, 0, shape=(16384 // s, s, s, 32)) for s in (512, 1024, 2048, 4096, 8192)]
+    assert [(x.block_m, x.block_n, x.ctas_per_sm, x.q_stages) for x in d64] == [
+        (64, 64, 3, 2), (64, 64, 3, 2), (64, 96, 3, 2), (64, 96, 3, 2), (192, 128, 1, 2)]
     assert api.resolve_spec(64, "bf16", False, 0, shape=(16, 1024, 1024, 32)).block_m == 192
     assert api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16), block_n=96).block_n == 96
     assert api.resolve_spec(128, "fp8", False, 0, shape=(32, 512, 512, 16)).block_n == 192
