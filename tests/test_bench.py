@@ -261,34 +261,41 @@ def test_ncu_source_summarizes_stalls_and_bank_conflicts():
     assert lines[-1] == "  0x0020 1000 vs ideal 500: `STSM.16.M88.4 [R28], R8`"
 
 
+class _FakeEvent:
+    """torch.cuda.Event on a fake clock: each fake kernel advances _FakeEvent.clock by its ms."""
+    clock = 0.0
+
+    def __init__(self, enable_timing):
+        self.t = None
+
+    def record(self):
+        self.t = _FakeEvent.clock
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+def _fake_torch_with_events(monkeypatch):
+    import types
+    _FakeEvent.clock = 0.0
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_FakeEvent, synchronize=lambda: None))
+    monkeypatch.setattr(bench, "_torch", lambda: fake)
+
+
 def test_time_cuda_interleaved_takes_turns_and_records_spans(monkeypatch):
     """Groups run A B A B (after each callable's warm-up), and spans receive every group of each
     callable as (wall start, wall end, ms per call) with the ms the medians are taken over."""
-    import types
     order = []
-
-    class Event:
-        clock = 0.0
-
-        def __init__(self, enable_timing):
-            self.t = None
-
-        def record(self):
-            self.t = Event.clock
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return other.t - self.t
 
     def make(name, ms):
         def fn():
             order.append(name)
-            Event.clock += ms
+            _FakeEvent.clock += ms
         return fn
-    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, synchronize=lambda: None))
-    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    _fake_torch_with_events(monkeypatch)
     spans = [[], []]
     out = bench.time_cuda_interleaved([make("a", 1.0), make("b", 2.0)], warmup=1, groups=3, calls=2, spans=spans)
     assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3
@@ -301,29 +308,13 @@ def test_run_cell_checks_everyone_then_times_peers_in_turns_inside_their_context
     SDPA peer's calls (check, warm-up, every group) run inside its backend context and nobody
     else's do; an unavailable peer keeps its place in the row with the reason."""
     import contextlib
-    import types
     trace = []
     inside = {"cudnn": False}
-
-    class Event:
-        clock = 0.0
-
-        def __init__(self, enable_timing):
-            self.t = None
-
-        def record(self):
-            self.t = Event.clock
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return other.t - self.t
 
     def impl(name, ms):
         def fn():
             trace.append((name, inside["cudnn"]))
-            Event.clock += ms
+            _FakeEvent.clock += ms
         return fn
 
     @contextlib.contextmanager
@@ -332,8 +323,7 @@ def test_run_cell_checks_everyone_then_times_peers_in_turns_inside_their_context
         yield
         inside["cudnn"] = False
 
-    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, synchronize=lambda: None))
-    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    _fake_torch_with_events(monkeypatch)
     monkeypatch.setattr(bench, "_make_inputs", lambda c, n: [object()])
     monkeypatch.setattr(bench, "l2_bytes", lambda: bench.L2_BYTES_DEFAULT)
     monkeypatch.setattr(bench, "_slice_check", lambda o, s, causal, dtype: (True, "", 1e-3))
