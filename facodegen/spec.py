@@ -301,16 +301,19 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
 
 def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
     """sm90 e4m3 defaults: FlashAttention-3's tile_size_fwd_sm90 fp8 rows (kernel-facts 2.1; block_n
-    adjusted below), 2 stages, intra-warpgroup overlap, no pingpong (FA3 pingpongs fp8 at head_dim
-    >= 128; on the H200, scripts/sweep.py 2026-11-29, pingpong off vs on: d128 s8k 802 vs 782 and
+    adjusted below), 2 stages, intra-warpgroup overlap, no pingpong but at head_dim 64 causal (FA3
+    pingpongs fp8 at head_dim >= 128; on the H200, scripts/sweep.py 2026-11-29, pingpong off vs on: d128 s8k 802 vs 782 and
     s2k 736 vs 724 at 9f281b1, d128 s2k 697 vs 678 and d256 causal s16k 912 vs 872 at 82f6f54, d256
     s8k 935 vs 948; with pingpong the causal consumers spill at hd128-256). Shared memory: Q + 2 x
     (K + V^T) + 2 x V (row V: the TMA lands V there and the producer transposes it into V^T); O goes
     from registers to global memory."""
     if head_dim <= 64:
         # 192x160: O 32 + S 80 + P 20 + 28 = 160 of 160 registers, no spills (ptxas); on the H200
-        # 1-5% over 192x128 at seqlen 2k/16k (sweep, 2026-11-29, docs/perf-notes.md).
-        return Tiles(192, 160, 16, 2, consumer_warpgroups=3, pingpong=False, intra_wg_overlap=True,
+        # 1-5% over 192x128 at seqlen 2k/16k (sweep, 2026-11-29, docs/perf-notes.md). Pingpong
+        # causal: H200, variants taking turns with FA3 (2026-12-01, 1bdb322, TFLOP/s off vs on, FA3)
+        # causal s8k 589.3 vs 612.8 (596.7), s16k 620.8 vs 644.7 (638.4); non-causal s16k 654.8 vs
+        # 658.8 (658.7), so off there.
+        return Tiles(192, 160, 16, 2, consumer_warpgroups=3, pingpong=causal, intra_wg_overlap=True,
                      why="FA3 fp8 hdim64: 192x160")
     if head_dim <= 96:
         return Tiles(192, 128, 16, 2, consumer_warpgroups=3, pingpong=False, intra_wg_overlap=True,
