@@ -600,7 +600,8 @@ def tune(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, heads_kv
             click.echo(tunedb.format_entries(entries))
         return
     if dry_run:
-        _tune_dry_run(arch or "sm90", head_dim, dtype, causal, gpu, max_candidates, jobs, do_compile, report)
+        _tune_dry_run(arch or "sm90", head_dim, dtype, causal, gpu, max_candidates, jobs, do_compile, report,
+                      (seqlen, seqlen_k or seqlen))
         return
     from .compiler import gpu_available
 
@@ -642,11 +643,11 @@ def _write_report(report, cands, **extra) -> None:
         click.echo(f"wrote {report}", err=True)
 
 
-def _tune_dry_run(arch, head_dim, dtype, causal, gpu, max_candidates, jobs, do_compile, report) -> None:
+def _tune_dry_run(arch, head_dim, dtype, causal, gpu, max_candidates, jobs, do_compile, report, seqlen) -> None:
     from .tune import enumerate_candidates, format_candidates
 
     gpu = gpu or __import__("facodegen.spec", fromlist=["DEFAULT_GPU"]).DEFAULT_GPU[arch]
-    cands = enumerate_candidates(arch, head_dim, dtype, causal, gpu, max_candidates)
+    cands = enumerate_candidates(arch, head_dim, dtype, causal, gpu, max_candidates, seqlen=seqlen)
     if do_compile:
         _compile_with_bar(cands, jobs, None)
     click.echo(f"tune {arch} hd{head_dim} {dtype} {'causal' if causal else 'full'} on {gpu} limits: "
@@ -671,7 +672,7 @@ def _tune_gpu(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, hea
         raise UsageFailure(str(err)) from None
     gpu = gpu or info.budget_gpu
     c = B.cell(head_dim, causal, seqlen, batch, heads, dtype, seqlen_k, heads_kv)
-    cands = T.enumerate_candidates(arch, head_dim, dtype, causal, gpu, max_candidates)
+    cands = T.enumerate_candidates(arch, head_dim, dtype, causal, gpu, max_candidates, seqlen=(seqlen, seqlen_k))
     click.echo(f"tune {arch} hd{head_dim} {dtype} {'causal' if causal else 'full'} on {info.name} "
                f"(batch {batch}, seqlen {seqlen}x{seqlen_k}, heads {heads}/{heads_kv}): {_tune_counts(cands)}",
                err=True)

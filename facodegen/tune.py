@@ -34,7 +34,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from .spec import DEFAULT_GPU, KernelSpec, SpecError
+from .spec import DEFAULT_GPU, KernelSpec, SpecError, seqlen_rule_fields
 
 # The knobs searched per arch and why these values. Fields not listed keep the spec's defaults
 # (sm90: producer/consumer registers follow consumer_warpgroups; sm80: schedule fa2).
@@ -171,12 +171,17 @@ def distance(spec: KernelSpec, default: KernelSpec) -> float:
 
 
 def enumerate_candidates(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str | None = None,
-                         max_candidates: int = MAX_CANDIDATES, space: dict | None = None) -> list[Candidate]:
+                         max_candidates: int = MAX_CANDIDATES, space: dict | None = None,
+                         seqlen: tuple[int, int] | None = None) -> list[Candidate]:
     """Every point of the search space, each a live candidate or dropped at 'budget' or 'cap' with
-    the reason; live ones first, in rank order (the default first, then by distance from it)."""
+    the reason; live ones first, in rank order (the default first, then by distance from it).
+    ``seqlen`` = (seqlen_q, seqlen_k): the default is what a call of that length runs without a
+    tuned entry (spec.seqlen_rule_fields on top of the head_dim defaults), so a stored winner is
+    never slower than the rule it replaces."""
     gpu = gpu or DEFAULT_GPU[arch]
     base = dict(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, gpu=gpu)
-    default = KernelSpec(**base)
+    rule = seqlen_rule_fields(arch, head_dim, dtype, causal, *seqlen) if seqlen else {}
+    default = KernelSpec(**base, **rule)
     axes = space if space is not None else search_space(arch, dtype)
     names = list(axes)
     seen: dict = {}

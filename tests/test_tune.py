@@ -77,6 +77,24 @@ def test_default_space_size(arch, head_dim):
         assert 30 <= len(live) <= 60
 
 
+def test_the_baseline_of_a_length_is_its_rule_spec():
+    """With the call's lengths the default candidate is what that call runs without a tuned entry
+    (the head_dim 64 causal rule up to 4k: three one-warpgroup CTAs per SM), and the rest rank by
+    their distance from it; without lengths, the head_dim default."""
+    space = {"block_m": (64, 192), "block_n": (64, 96, 128), "ctas_per_sm": (1, 3)}
+    short = T.enumerate_candidates("sm90", 64, "bf16", True, None, max_candidates=4, space=space,
+                                   seqlen=(1024, 1024))
+    assert short[0].is_default and short[0].spec == KernelSpec(arch="sm90", head_dim=64, causal=True,
+                                                               consumer_warpgroups=1, ctas_per_sm=3, block_n=64)
+    live = [c for c in short if c.alive]
+    assert len(live) == 4 and all(c.spec.block_m == 64 for c in live)       # the 192-row tiles are far
+    assert (live[1].spec.ctas_per_sm, live[1].spec.block_n) == (3, 96)
+    plain = T.enumerate_candidates("sm90", 64, "bf16", True, None, space=space)
+    assert plain[0].spec == KernelSpec(arch="sm90", head_dim=64, causal=True)
+    long = T.enumerate_candidates("sm90", 64, "bf16", True, None, space=space, seqlen=(8192, 8192))
+    assert long[0].spec == plain[0].spec
+
+
 def test_fp8_space_has_no_bf16_only_knobs():
     assert "separate_o" in T.search_space("sm90") and "separate_o" not in T.search_space("sm90", "fp8")
     cands = T.enumerate_candidates("sm90", 128, "fp8", False, None)
