@@ -3,7 +3,8 @@
 Pipeline (each stage records why a candidate was dropped, in ``Candidate.dropped``/``reason``):
 
 1. **enumerate** the product of the knobs in :data:`SEARCH_SPACE` for the arch (plus the default
-   spec, always);
+   spec, always: what a call of the tuned lengths runs without a tuned entry, i.e. the head_dim
+   defaults with spec.seqlen_rule_fields on top);
 2. **budget**: build a :class:`KernelSpec` from each; a ``SpecError`` (shared memory, registers,
    shape rules) drops it with the budget model's own message;
 3. **cap**: rank the survivors by their distance from the default spec (:func:`distance`: about one
