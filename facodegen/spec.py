@@ -602,6 +602,10 @@ class KernelSpec:
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
                                                                                   self.causal)
+            def resolved(name):                              # the caller's value, else the default so far
+                return getattr(self, name) if getattr(self, name) is not None else fill.get(name)
+            dims = (resolved("block_m"), resolved("block_n"), resolved("stages"))
+            dims_known = all(isinstance(x, int) for x in dims)
             if self.dtype == "fp8":
                 if self.separate_o:
                     raise SpecError("separate_o", "dtype=fp8 stores O from registers straight to global "
@@ -611,19 +615,13 @@ class KernelSpec:
                 fill["separate_o"] = False                  # O has its place in the V ring
             elif self.separate_o is None:
                 # Own O buffer exactly when it fits the budget with the other knobs as resolved.
-                trial = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in fill.items()}
-                dims = (trial["block_m"], trial["block_n"], trial["stages"])
-                q_tiles = self.q_stages if self.q_stages is not None else 1
-                fill["separate_o"] = all(isinstance(x, int) for x in dims + (q_tiles,)) and _sm90_smem(
+                q_tiles = resolved("q_stages")
+                fill["separate_o"] = dims_known and isinstance(q_tiles, int) and _sm90_smem(
                     *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True, q_tiles) <= GPUS[gpu].smem_per_block
             if self.q_stages is None and q_stages_default(self.head_dim, self.dtype, self.causal) == 2:
                 # two Q tiles where O has a place of its own and both fit, else one
-                def resolved(name):
-                    return getattr(self, name) if getattr(self, name) is not None else fill.get(name)
-                dims = (resolved("block_m"), resolved("block_n"), resolved("stages"))
                 separate_o = resolved("separate_o") is True
-                need = (_sm90_smem(*dims, self.head_dim, ELEMENT_BYTES[self.dtype], separate_o, 2)
-                        if all(isinstance(x, int) for x in dims) else None)
+                need = _sm90_smem(*dims, self.head_dim, ELEMENT_BYTES[self.dtype], separate_o, 2) if dims_known else None
                 ctas = resolved("ctas_per_sm") if resolved("ctas_per_sm") in (1, 2, 3) else 1
                 fill["q_stages"] = 2 if (need is not None and (separate_o or resolved("o_in_v") is True)
                                          and need <= GPUS[gpu].smem_per_block
