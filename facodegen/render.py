@@ -62,7 +62,8 @@ def emit_command(spec: KernelSpec) -> str:
                   "--l2-hints" if spec.l2_hints else "--no-l2-hints",
                   "--anchor-softmax" if spec.anchor_softmax else "--no-anchor-softmax",
                   "--uniform-wg" if spec.uniform_wg else "--no-uniform-wg",
-                  f"--ctas-per-sm {spec.ctas_per_sm}", f"--cluster-m {spec.cluster_m}", f"--q-stages {spec.q_stages}"]
+                  f"--ctas-per-sm {spec.ctas_per_sm}", f"--cluster-m {spec.cluster_m}", f"--q-stages {spec.q_stages}",
+                  f"--p-buffers {spec.p_buffers}"]
         if spec.intra_wg_overlap:
             flags.append("--rescale-under-qk" if spec.rescale_under_qk else "--rescale-after-pv")
         flags.append("--optimistic-max" if spec.optimistic_max else "--exact-max")

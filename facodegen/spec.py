@@ -527,6 +527,7 @@ class KernelSpec:
     cluster_m: int | None = None
     o_in_v: bool | None = None
     q_stages: int | None = None
+    p_buffers: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -548,7 +549,8 @@ class KernelSpec:
             fill.update(block_m=tiles.block_m, block_n=tiles.block_n, num_warps=tiles.num_warps,
                         stages=tiles.stages, q_in_regs=tiles.q_in_regs, consumer_warpgroups=0,
                         pingpong=False, intra_wg_overlap=False, producer_regs=0,
-                        consumer_regs=0, persistent=False, separate_o=False, l2_hints=False, q_stages=1)
+                        consumer_regs=0, persistent=False, separate_o=False, l2_hints=False, q_stages=1,
+                        p_buffers=1)
             fill["anchor_softmax"] = False
             fill["rescale_under_qk"] = False
             fill["uniform_wg"] = False
@@ -594,7 +596,7 @@ class KernelSpec:
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
                         l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT,
                         uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout),
-                        ctas_per_sm=1, cluster_m=1, o_in_v=False, q_stages=1,
+                        ctas_per_sm=1, cluster_m=1, o_in_v=False, q_stages=1, p_buffers=1,
                         optimistic_max=(optimistic_max_default(self.head_dim, self.dtype, self.causal)
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
@@ -694,6 +696,8 @@ class KernelSpec:
                 parts.append("oinv")
             if self.q_stages != 1:
                 parts.append(f"q{self.q_stages}")
+            if self.p_buffers != 1:
+                parts.append(f"p{self.p_buffers}")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -854,7 +858,7 @@ def register_estimate(spec: KernelSpec) -> int:
         s_acc = spec.block_m * (spec.block_n // spec.num_warps) // 32
         return o_acc + s_acc + REG_OVERHEAD["sm80"]
     if spec.arch == "sm90":
-        return sm90_consumer_registers(spec.head_dim, spec.block_n, spec.dtype, spec.q_in_regs)
+        return sm90_consumer_registers(spec.head_dim, spec.block_n, spec.dtype, spec.q_in_regs, spec.p_buffers)
     threads, rows = spec.threads, spec.block_m
     o_acc = rows * spec.head_dim // threads
     s_acc = rows * spec.block_n // threads
@@ -862,15 +866,16 @@ def register_estimate(spec: KernelSpec) -> int:
     return o_acc + s_acc + q_frag + REG_OVERHEAD["sm80"]
 
 
-def sm90_consumer_registers(head_dim: int, block_n: int, dtype: str, q_in_regs: bool = False) -> int:
+def sm90_consumer_registers(head_dim: int, block_n: int, dtype: str, q_in_regs: bool = False,
+                            p_buffers: int = 1) -> int:
     """register_estimate for an sm90 consumer thread (a warpgroup of 128 threads owns 64 rows):
-    O and S accumulators, P (16-bit pairs: half of S; e4m3: a quarter), with q_in_regs (fp8) Q's
-    A fragments (64 rows x head_dim bytes over 128 threads), and the overhead."""
+    O and S accumulators, ``p_buffers`` x P (16-bit pairs: half of S; e4m3: a quarter), with
+    q_in_regs (fp8) Q's A fragments (64 rows x head_dim bytes over 128 threads), and the overhead."""
     o_acc = 64 * head_dim // 128
     s_acc = 64 * block_n // 128
     p_frag = s_acc // 4 if dtype == "fp8" else s_acc // 2
     q_frag = head_dim // 8 if q_in_regs else 0
-    return o_acc + s_acc + p_frag + q_frag + REG_OVERHEAD["sm90-fp8" if dtype == "fp8" else "sm90"]
+    return o_acc + s_acc + p_buffers * p_frag + q_frag + REG_OVERHEAD["sm90-fp8" if dtype == "fp8" else "sm90"]
 
 
 def _validate(spec: KernelSpec) -> None:
@@ -968,6 +973,7 @@ def _validate(spec: KernelSpec) -> None:
         _check_cluster(spec)
         _check_o_in_v(spec)
         _check_q_stages(spec)
+        _check_p_buffers(spec)
         regs = register_estimate(spec)
         if regs > spec.consumer_regs:
             raise SpecError("block_n", (
@@ -975,6 +981,9 @@ def _validate(spec: KernelSpec) -> None:
                 f"consumer thread, over consumer_regs={spec.consumer_regs}: lower block_n"))
     if spec.arch == "sm80" and spec.q_stages != 1:
         raise SpecError("q_stages", f"sm80 kernels keep one Q tile: use q_stages=1, got {spec.q_stages!r}")
+    if spec.arch == "sm80" and spec.p_buffers != 1:
+        raise SpecError("p_buffers", f"is an sm90 knob (the wgmma P V reads P from registers); use p_buffers=1, "
+                                     f"got {spec.p_buffers!r}")
     need = smem_bytes(spec)
     if need > limits.smem_per_block:
         raise SpecError("stages", (
@@ -1003,6 +1012,16 @@ def _check_o_in_v(spec: KernelSpec) -> None:
     if spec.stages * spec.block_n < spec.block_m:
         raise SpecError("o_in_v", f"the O tile ({spec.block_m} rows) does not fit in the V ring ({spec.stages} "
                                   f"stages x {spec.block_n} rows): raise stages or block_n, or use o_in_v=False")
+
+
+def _check_p_buffers(spec: KernelSpec) -> None:
+    """p_buffers=2: the optimistic softmax of the overlapped loop writes P into the buffer the running
+    P V does not read, so it runs under that P V instead of after it."""
+    if spec.p_buffers not in (1, 2) or isinstance(spec.p_buffers, bool):
+        raise SpecError("p_buffers", f"must be 1 or 2 (P register buffers), got {spec.p_buffers!r}")
+    if spec.p_buffers == 2 and not (spec.intra_wg_overlap and spec.optimistic_max):
+        raise SpecError("p_buffers", "a second P buffer lets the optimistic softmax run under the P V of the "
+                                     "overlapped loop: it needs intra_wg_overlap=True and optimistic_max=True")
 
 
 def _check_q_stages(spec: KernelSpec) -> None:

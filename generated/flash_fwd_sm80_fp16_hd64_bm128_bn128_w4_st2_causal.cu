@@ -24,6 +24,7 @@
 //   num_warps            = 4
 //   o_in_v               = False
 //   optimistic_max       = False
+//   p_buffers            = 1
 //   persistent           = False
 //   pingpong             = False
 //   poly_exp2_tiles      = 0

@@ -178,6 +178,26 @@ def test_without_the_anchor_ptxas_hoists_the_pv_wait():
     assert counts and max(counts) < 64 * spec.block_n // 128 // 2, counts
 
 
+TWO_P_BUFFERS = [K(head_dim=128, causal=True, pingpong=True, p_buffers=2), K(head_dim=128, block_n=128, p_buffers=2),
+                 K(head_dim=128, dtype="fp8", producer_regs=24, consumer_regs=240, p_buffers=2),
+                 K(head_dim=128, dtype="fp8", causal=True, producer_regs=24, consumer_regs=240, p_buffers=2)]
+
+
+@pytest.mark.parametrize("spec", TWO_P_BUFFERS, ids=lambda s: s.variant)
+def test_two_p_buffers_run_the_optimistic_softmax_under_the_pv_gemm(spec):
+    """p_buffers=2: the optimistic step writes P into the buffer the running P V does not read, so
+    its exp2s sit between the two waits in every steady step (with one buffer they must follow the
+    wait for P V, whose P they overwrite), and the kernel still compiles clean (no spills)."""
+    kernel = compile_mod.compile(spec, verbose=False)
+    r = kernel.resources
+    assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), kernel.log
+    per_thread = 64 * spec.block_n // 128
+    counts = softmax_exps_under_pv(kernel.sass())
+    assert counts and min(counts) >= per_thread, (counts, per_thread)
+    one = softmax_exps_under_pv(compile_mod.compile(spec.replace(p_buffers=1), verbose=False).sass())
+    assert one and max(one) < per_thread // 2, one
+
+
 def first_op_after_pv_wait(sass: str, ops=("MUFU.EX2", "SHFL.BFLY")) -> list[str]:
     """For each steady-state step (after the wait that leaves P V running, then the wait for P V),
     which of `ops` comes first after the wait for P V."""

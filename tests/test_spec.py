@@ -207,6 +207,26 @@ def test_three_ctas_per_sm_split_a_third_of_the_register_file():
     assert err.value.field == "block_n"
 
 
+def test_two_p_buffers_need_the_optimistic_overlapped_loop_and_their_registers():
+    two = KernelSpec(arch="sm90", head_dim=128, causal=True, p_buffers=2)
+    assert two.p_buffers == 2 and "_p2_" in two.variant and KernelSpec(arch="sm90", head_dim=128).p_buffers == 1
+    assert register_estimate(two) - register_estimate(two.replace(p_buffers=1)) == 64 * 128 // 128 // 2
+    for fields in (dict(optimistic_max=False), dict(intra_wg_overlap=False)):
+        with pytest.raises(SpecError) as err:
+            KernelSpec(arch="sm90", head_dim=128, causal=True, p_buffers=2, **fields)
+        assert err.value.field == "p_buffers"
+    with pytest.raises(SpecError) as err:               # 160 keys: O 64 + S 80 + 2 x P 40 + 32 > 240
+        KernelSpec(arch="sm90", head_dim=128, block_n=160, p_buffers=2)
+    assert err.value.field == "block_n"
+    for bad in (3, 0, True):
+        with pytest.raises(SpecError) as err:
+            KernelSpec(arch="sm90", head_dim=128, p_buffers=bad)
+        assert err.value.field == "p_buffers"
+    with pytest.raises(SpecError) as err:
+        KernelSpec(arch="sm80", head_dim=128, p_buffers=2)
+    assert err.value.field == "p_buffers"
+
+
 def test_two_q_buffers_take_a_second_q_tile_and_need_o_elsewhere():
     one = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=1)
     two = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=2)

@@ -261,6 +261,29 @@ def test_two_q_buffers_many_tiles_per_cta(fields):
         run_case(spec, shape)
 
 
+@pytest.mark.parametrize("fields", [dict(head_dim=128, causal=True, pingpong=True),
+                                    dict(head_dim=128, causal=False, block_n=128),
+                                    dict(head_dim=128, causal=True, block_n=144, q_stages=1),
+                                    dict(head_dim=64, causal=False, consumer_warpgroups=2, block_n=128)],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_two_p_buffers(fields):
+    """p_buffers=2: the steady steps alternate between two P buffers and a tile whose step count is
+    odd copies the last P back for the tail, so tiles of 1, 2, 3 and many blocks (seqlen_k 1 to
+    2048, causal tiles of every length), partial blocks and GQA all pass; then scores that raise the
+    row max on most steps, so the optimistic softmax redoes them into the buffer it writes."""
+    if not arch_supported("sm90"):
+        pytest.skip(f"sm90 kernels do not run on compute capability {CC[0]}.{CC[1]}")
+    if not HAVE_TORCH:
+        pytest.skip("bf16 inputs need torch")
+    spec = KernelSpec(arch="sm90", dtype="bf16", p_buffers=2, **fields)
+    for shape in [(4, 2048, 2048, 8, 4), (3, 1000, 257, 6, 2), (2, 300, 400, 2, 2), (1, 17, 17, 2, 2), (2, 1, 1, 2, 1)]:
+        run_case(spec, shape)
+    s = 1000
+    growth = 1.0 + 40.0 * (1.0 - torch.arange(s, device="cuda", dtype=torch.float32) / s)
+    run_case(spec, (2, s, s, 2, 2), lib="torch",
+             shape_k=lambda k: (k.float() * growth[None, :, None, None]).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("arch,head_dim,causal", [("sm80", 128, False), ("sm80", 64, True), ("sm90", 128, False),
                                                    ("sm90", 128, True), ("sm90", 64, False), ("sm90", 256, True)])
 @pytest.mark.parametrize("mode", ["lazy", "exact", "optimistic"])
@@ -617,7 +640,9 @@ def test_fp8_default_spec(spec):
                                     dict(head_dim=256, block_n=128, producer_regs=24, consumer_regs=240, persistent=True, uniform_wg=True,
                                          causal=True),
                                     dict(head_dim=128, causal=True, q_stages=2),
-                                    dict(head_dim=128, q_stages=2, q_in_regs=True)],
+                                    dict(head_dim=128, q_stages=2, q_in_regs=True),
+                                    dict(head_dim=128, producer_regs=24, consumer_regs=240, p_buffers=2),
+                                    dict(head_dim=128, producer_regs=24, consumer_regs=240, p_buffers=2, causal=True)],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_non_default_spec(fields):
     from facodegen.reference import FP8_TOLERANCE
@@ -627,7 +652,8 @@ def test_fp8_non_default_spec(fields):
 
 
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
-@pytest.mark.parametrize("fields", [dict(head_dim=256, optimistic_max=True), dict(head_dim=128)],
+@pytest.mark.parametrize("fields", [dict(head_dim=256, optimistic_max=True), dict(head_dim=128),
+                                    dict(head_dim=128, producer_regs=24, consumer_regs=240, p_buffers=2)],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_row_max_that_keeps_growing(fields):
     """Keys scaled up toward key 0 (the last block a tile visits): the row max rises on most steps,
