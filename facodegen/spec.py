@@ -387,7 +387,24 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
 #   the V ring then holds O, and the longer step amortises the per-step softmax work; the tile
 #   hand-off it slows matters less the longer the tile): non-causal s8k 654 -> 670 and 657 -> 666,
 #   s16k 664 -> 688 and 669 -> 692, causal s16k 652 -> 674 and 643 -> 671; causal s8k 622 -> 623,
-#   and at s4k it loses (637 -> 611, causal 646 -> 607), s2k 619 -> 553 (121cb80, two runs).
+#   and at s4k it loses (637 -> 611, causal 646 -> 607), s2k 619 -> 553 (121cb80, two runs);
+#   two P buffers (p_buffers=2: the optimistic softmax runs under the P V before it, which one
+#   buffer cannot: it overwrites the P that P V reads) with the Q descriptors in uniform registers
+#   (uniform_wg), where the second P fits (O + S + 2 P <= 240 registers, no spills). 2026-12-01
+#   (session 12, calls 1-3, 12 groups, variants taking turns with FA3 / cuDNN; TFLOP/s rule before
+#   -> new rule): head_dim 128 non-causal 128 keys from 2k, 144 from 8k: s2k 602.6 -> 640.7 (bn128
+#   + p2 alone 636.3, 637.0 vs 608.2 in call 1), s4k 634.4 -> 680.9 (without uniform_wg), s8k 686.0 ->
+#   720.8 (bn128 699.5; call 1 without uniform_wg 687.6 -> 699.4), s16k 697.0 -> 716.9 (without
+#   uniform_wg; bn128 694.2); s512 / s1k stay at 128 keys and one buffer (509.3 / 585.0 vs 494.7 /
+#   585.7); head_dim 128 causal 2k-8k, pingpong + uniform_wg + p2 at 128 keys: s2k 528.4 -> 539.9,
+#   s4k 590.0 -> 620.5 and 592.4 -> 618.1, s8k 634.7 -> 667.4 and 628.7 -> 655.1 (FA3 631.9 / 636.8;
+#   p2 alone 635.5, uniform_wg alone 649.6, no pingpong 653.7-659.7; fp16 s8k no pingpong 595.0 ->
+#   635.6), s512 / s1k pingpong + uniform_wg only (333.9 -> 340.7, 440.0 -> 449.0; with p2 332.2 /
+#   435.9); s16k keeps 176 keys + O over V (690.8 vs 694.7 with p2: level; uniform_wg there 596.8);
+#   head_dim 256 causal up to 4k, 64 keys + O over V + uniform_wg + p2 (80 keys with p2 spill): s512
+#   349.6 -> 354.7, s1k 469.0 -> 471.2, s2k 546.4 -> 572.8 and 536.7 -> 560.5, s4k 640.2 -> 651.9 and
+#   621.7 -> 633.2; s8k 674.7 -> 667.9 and s16k 753.2 -> 708.8 lose, so not there, nor non-causal (s4k
+#   709.8 -> 695.4). fp8 loses with p2 (d128 24/240: s8k 876.1 -> 788.3, causal s8k 828.3 -> 762.9).
 # fp8 (e4m3):
 #   head_dim 128 causal, block_n 192 -> 128 up to 2k (a tile's diagonal blocks are a large share
 #   of its 1-16 blocks): s1k 396 -> 428 (bcc4ca6), s2k 569 -> 568 (bcc4ca6) and, with the
@@ -401,15 +418,21 @@ def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqle
         return {}
     if dtype == "fp8":
         return {"block_n": 128} if head_dim == 128 and causal and seqlen_q <= 2048 else {}
-    if head_dim == 128 and not causal and seqlen_k <= 1024:
-        return {"block_n": 128}
-    if head_dim == 128 and seqlen_k >= (16384 if causal else 8192):
-        return {"block_n": 176, "o_in_v": True}   # (no pingpong: the causal rule below stops short of it)
+    if head_dim == 128 and not causal:
+        if seqlen_k <= 1024:
+            return {"block_n": 128}
+        return {"block_n": 128 if seqlen_k <= 4096 else 144, "uniform_wg": True, "p_buffers": 2}
+    if head_dim == 128 and seqlen_k >= 16384:
+        return {"block_n": 176, "o_in_v": True}   # causal (no pingpong: the rule below stops short of it)
     if head_dim == 64 and causal and seqlen_q <= 4096:
         return {"consumer_warpgroups": 1, "ctas_per_sm": 3, "block_n": 64 if seqlen_q <= 1024 else 96}
+    if head_dim == 128 and causal and seqlen_q <= 1024:
+        return {"pingpong": True, "uniform_wg": True}
     if head_dim == 128 and causal and seqlen_q <= 8192:
-        return {"pingpong": True}
-    if head_dim == 256 and ((causal and seqlen_q <= 1024) or (not causal and seqlen_k <= 512)):
+        return {"block_n": 128, "pingpong": True, "uniform_wg": True, "p_buffers": 2}
+    if head_dim == 256 and causal and seqlen_q <= 4096:
+        return {"block_n": 64, "o_in_v": True, "uniform_wg": True, "p_buffers": 2}
+    if head_dim == 256 and not causal and seqlen_k <= 512:
         return {"block_n": 64, "o_in_v": True}
     if head_dim == 256 and not causal:
         return {"o_in_v": True}

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from facodegen import api, cli, tune as T, tunedb
-from facodegen.spec import KernelSpec, SpecError
+from facodegen.spec import KernelSpec, SpecError, seqlen_rule_fields
 
 
 @pytest.fixture(autouse=True)
@@ -325,17 +325,18 @@ def _store_tuned(**spec):
 
 
 def test_resolve_spec_prefers_a_tuned_entry(fake_device):
-    default = api.resolve_spec(128, "bf16", False, 0, shape=SHAPE)
-    assert default == KernelSpec(arch="sm90", head_dim=128, gpu="h200")
+    default = api.resolve_spec(128, "bf16", False, 0, shape=SHAPE)     # the sequence-length rule's spec
+    assert default == KernelSpec(arch="sm90", head_dim=128, gpu="h200", **seqlen_rule_fields(
+        "sm90", 128, "bf16", False, SHAPE[1], SHAPE[2]))
     _store_tuned(block_n=112, pingpong=False, stages=2)
     tuned = api.resolve_spec(128, "bf16", False, 0, shape=SHAPE)
     assert (tuned.block_n, tuned.pingpong) == (112, False)
     # same bucket: a nearby shape gets it; other buckets, families and no shape do not
     assert api.resolve_spec(128, "bf16", False, 0, shape=(2, 3500, 3500, 32)).block_n == 112
     assert api.resolve_spec(128, "bf16", False, 0, shape=(4, 2048, 2048, 16)) == default
-    assert api.resolve_spec(128, "bf16", True, 0, shape=SHAPE) == KernelSpec(arch="sm90", head_dim=128,   # its own rule
-                                                                               causal=True, gpu="h200", pingpong=True)
-    assert api.resolve_spec(128, "bf16", False, 0) == default
+    assert api.resolve_spec(128, "bf16", True, 0, shape=SHAPE) == KernelSpec(   # its own rule
+        arch="sm90", head_dim=128, causal=True, gpu="h200", block_n=128, pingpong=True, uniform_wg=True, p_buffers=2)
+    assert api.resolve_spec(128, "bf16", False, 0) == KernelSpec(arch="sm90", head_dim=128, gpu="h200")
 
 
 def test_resolve_spec_user_fields_win(fake_device):
@@ -350,33 +351,43 @@ def test_resolve_spec_user_fields_win(fake_device):
 
 
 def test_resolve_spec_seqlen_rules(fake_device):
-    """spec.seqlen_rule_fields: head_dim 128 non-causal up to 1k keys takes block_n 128, head_dim
-    64 causal up to 4k queries three one-warpgroup CTAs per SM (64 keys up to 1k, 96 beyond), head_dim 128 causal up to 8k pingpong, head_dim
-    256 causal up to 1k and non-causal at 512 block_n 64 (and O over the V ring: causal up to 1k, non-causal always), fp8 head_dim 128
-    causal up to 2k block_n 128; tuned entries and the caller's fields win."""
+    """spec.seqlen_rule_fields: head_dim 128 non-causal up to 1k keys takes block_n 128, from 2k two P
+    buffers with the descriptors in uniform registers (128 keys up to 4k, 144 beyond); head_dim 64
+    causal up to 4k queries three one-warpgroup CTAs per SM (64 keys up to 1k, 96 beyond); head_dim
+    128 causal up to 8k pingpong with uniform_wg (from 2k also 128 keys and two P buffers), from 16k
+    176 keys with O over V; head_dim 256 causal up to 4k block_n 64, O over the V ring, uniform_wg and
+    two P buffers, non-causal at 512 block_n 64 and O over V always; fp8 head_dim 128 causal up to 2k
+    block_n 128; tuned entries and the caller's fields win."""
     short = api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16))
     assert short == KernelSpec(arch="sm90", head_dim=128, gpu="h200", block_n=128)
-    assert api.resolve_spec(128, "bf16", False, 0, shape=(8, 2048, 2048, 16)).block_n == 160
+    mid = api.resolve_spec(128, "bf16", False, 0, shape=(8, 2048, 2048, 16))
+    assert (mid.block_n, mid.uniform_wg, mid.p_buffers) == (128, True, 2)
     assert api.resolve_spec(128, "bf16", True, 0, shape=(32, 512, 512, 16)) == \
-        KernelSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", pingpong=True)
+        KernelSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", pingpong=True, uniform_wg=True)
+    assert [api.resolve_spec(128, "bf16", True, 0, shape=(16384 // s, s, s, 16)).p_buffers
+            for s in (1024, 2048, 8192, 16384)] == [1, 2, 2, 1]
     assert [api.resolve_spec(128, "bf16", True, 0, shape=(16384 // s, s, s, 16)).pingpong
             for s in (2048, 8192, 16384)] == [True, True, False]
     assert not api.resolve_spec(128, "bf16", True, 0, shape=(32, 512, 512, 16), pingpong=False).pingpong
     assert api.resolve_spec(256, "bf16", True, 0, shape=(32, 512, 512, 8)).block_n == 64
     assert api.resolve_spec(256, "bf16", True, 0, shape=(16, 1024, 1024, 8)).block_n == 64
-    assert api.resolve_spec(256, "bf16", True, 0, shape=(8, 2048, 2048, 8)).block_n == 80
+    assert api.resolve_spec(256, "bf16", True, 0, shape=(4, 4096, 4096, 8)).block_n == 64
+    assert api.resolve_spec(256, "bf16", True, 0, shape=(2, 8192, 8192, 8)).block_n == 80
+    assert [api.resolve_spec(256, "bf16", True, 0, shape=(16384 // s, s, s, 8)).p_buffers
+            for s in (512, 4096, 8192)] == [2, 2, 1]
     assert api.resolve_spec(256, "bf16", False, 0, shape=(32, 512, 512, 8)).block_n == 64
     assert api.resolve_spec(256, "bf16", False, 0, shape=(16, 1024, 1024, 8)).block_n == 80
     # head_dim 256 up to 1k keys: O's staging tile over the V ring
     assert [api.resolve_spec(256, "bf16", c, 0, shape=(16384 // s, s, s, 8)).o_in_v
-            for c in (False, True) for s in (512, 1024, 2048)] == [True, True, True, True, True, False]
-    # and non-causal at every length, causal not beyond 1k
+            for c in (False, True) for s in (512, 1024, 2048)] == [True, True, True, True, True, True]
+    # and non-causal at every length, causal not beyond 4k
     assert [api.resolve_spec(256, "bf16", c, 0, shape=(1, 16384, 16384, 8)).o_in_v for c in (False, True)] == [True, False]
     assert not api.resolve_spec(256, "bf16", False, 0, shape=(32, 512, 512, 8), block_n=80).o_in_v
-    # head_dim 128 long sequences (non-causal from 8k keys, causal from 16k): FA3's 176-key tile, O over V
+    # head_dim 128 long sequences: non-causal from 8k keys 144 with two P buffers, causal from 16k
+    # FA3's 176-key tile with O over V
     long = [api.resolve_spec(128, "bf16", c, 0, shape=(16384 // s, s, s, 16)) for c in (False, True) for s in (4096, 8192, 16384)]
-    assert [(x.block_n, x.o_in_v) for x in long] == [(160, False), (176, True), (176, True),
-                                                      (128, False), (128, False), (176, True)]
+    assert [(x.block_n, x.o_in_v, x.p_buffers) for x in long] == [(128, False, 2), (144, False, 2), (144, False, 2),
+                                                                   (128, False, 2), (128, False, 2), (176, True, 1)]
     d64 = [api.resolve_spec(64, "bf16", True, 0, shape=(16384 // s, s, s, 32)) for s in (512, 1024, 2048, 4096, 8192)]
     assert [(x.block_m, x.block_n, x.ctas_per_sm, x.q_stages) for x in d64] == [
         (64, 64, 3, 2), (64, 64, 3, 2), (64, 96, 3, 2), (64, 96, 3, 2), (192, 128, 1, 2)]
@@ -388,6 +399,9 @@ def test_resolve_spec_seqlen_rules(fake_device):
     assert api.resolve_spec(64, "fp8", True, 0, shape=(8, 2048, 2048, 32)) == \
         KernelSpec(arch="sm90", head_dim=64, dtype="fp8", causal=True, gpu="h200")
     assert api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16), arch="sm80").block_n == 64
+    # a caller's field that does not fit the rule's (p_buffers=2 needs optimistic_max): defaults + it
+    assert api.resolve_spec(128, "bf16", False, 0, shape=SHAPE, optimistic_max=False) == \
+        KernelSpec(arch="sm90", head_dim=128, gpu="h200", optimistic_max=False)
 
 
 def test_resolve_spec_survives_a_bad_entry(fake_device):
