@@ -404,7 +404,10 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
 #   head_dim 256 causal up to 4k, 64 keys + O over V + uniform_wg + p2 (80 keys with p2 spill): s512
 #   349.6 -> 354.7, s1k 469.0 -> 471.2, s2k 546.4 -> 572.8 and 536.7 -> 560.5, s4k 640.2 -> 651.9 and
 #   621.7 -> 633.2; s8k 674.7 -> 667.9 and s16k 753.2 -> 708.8 lose, so not there, nor non-causal (s4k
-#   709.8 -> 695.4). fp8 loses with p2 (d128 24/240: s8k 876.1 -> 788.3, causal s8k 828.3 -> 762.9).
+#   709.8 -> 695.4); head_dim 256 causal from 8k, 80 keys + O over V + uniform_wg (call 5, 15 groups):
+#   s8k 680.3 -> 696.1 (uniform_wg alone 672.1, bn64 + p2 685.0; FA3 684.7), s16k 699.0 -> 729.4 (FA3
+#   709.9); the same kernel non-causal read 734.8 and 753.6 in one call (the spread of one kernel), so
+#   non-causal stays. fp8 loses with p2 (d128 24/240: s8k 876.1 -> 788.3, causal s8k 828.3 -> 762.9).
 # fp8 (e4m3):
 #   head_dim 128 causal, block_n 192 -> 128 up to 2k (a tile's diagonal blocks are a large share
 #   of its 1-16 blocks): s1k 396 -> 428 (bcc4ca6), s2k 569 -> 568 (bcc4ca6) and, with the
@@ -430,8 +433,10 @@ def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqle
         return {"pingpong": True, "uniform_wg": True}
     if head_dim == 128 and causal and seqlen_q <= 8192:
         return {"block_n": 128, "pingpong": True, "uniform_wg": True, "p_buffers": 2}
-    if head_dim == 256 and causal and seqlen_q <= 4096:
-        return {"block_n": 64, "o_in_v": True, "uniform_wg": True, "p_buffers": 2}
+    if head_dim == 256 and causal:
+        if seqlen_q <= 4096:
+            return {"block_n": 64, "o_in_v": True, "uniform_wg": True, "p_buffers": 2}
+        return {"o_in_v": True, "uniform_wg": True}
     if head_dim == 256 and not causal and seqlen_k <= 512:
         return {"block_n": 64, "o_in_v": True}
     if head_dim == 256 and not causal:

@@ -187,7 +187,12 @@ NON_DEFAULT = [
     ("sm90", 256, "bf16", True, {"o_in_v": True, "persistent": False}),
     ("sm90", 128, "bf16", False, {"o_in_v": True, "pingpong": True, "block_n": 64}),
     ("sm90", 256, "fp16", False, {"o_in_v": True, "persistent": False}),
-    ("sm90", 128, "bf16", True, {"pingpong": True}),                        # the head_dim-128 causal rule up to 8k
+    ("sm90", 128, "bf16", True, {"pingpong": True, "uniform_wg": True}),    # the head_dim-128 causal rule up to 1k
+    # the sequence-length rules with two P buffers (spec.seqlen_rule_fields)
+    ("sm90", 128, "fp16", True, {"block_n": 128, "pingpong": True, "uniform_wg": True, "p_buffers": 2}),
+    ("sm90", 128, "bf16", False, {"block_n": 144, "uniform_wg": True, "p_buffers": 2}),
+    ("sm90", 256, "bf16", True, {"block_n": 64, "o_in_v": True, "uniform_wg": True, "p_buffers": 2}),
+    ("sm90", 256, "fp16", True, {"o_in_v": True, "uniform_wg": True}),
     ("sm90", 128, "fp16", True, {"o_in_v": True, "block_n": 176}),
     ("sm90", 128, "bf16", False, {"cluster_m": 2}),
     ("sm90", 256, "fp16", False, {"cluster_m": 2, "persistent": False}),
