@@ -407,7 +407,9 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
 #   709.8 -> 695.4); head_dim 256 causal from 8k, 80 keys + O over V + uniform_wg (call 5, 15 groups):
 #   s8k 680.3 -> 696.1 (uniform_wg alone 672.1, bn64 + p2 685.0; FA3 684.7), s16k 699.0 -> 729.4 (FA3
 #   709.9); the same kernel non-causal read 734.8 and 753.6 in one call (the spread of one kernel), so
-#   non-causal stays. fp8 loses with p2 (d128 24/240: s8k 876.1 -> 788.3, causal s8k 828.3 -> 762.9).
+#   non-causal took it only after call 7 (15 groups, taking turns; rule -> + uniform_wg): s1k 609.8 ->
+#   630.0, s2k 668.0 -> 682.8, s4k 711.1 -> 716.6 (FA3 604.8 / 660.9 / 698.1); s512 keeps 64 keys + O
+#   over V without it. fp8 loses with p2 (d128 24/240: s8k 876.1 -> 788.3, causal s8k 828.3 -> 762.9).
 # fp8 (e4m3):
 #   head_dim 128 causal, block_n 192 -> 128 up to 2k (a tile's diagonal blocks are a large share
 #   of its 1-16 blocks): s1k 396 -> 428 (bcc4ca6), s2k 569 -> 568 (bcc4ca6) and, with the
@@ -440,7 +442,7 @@ def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqle
     if head_dim == 256 and not causal and seqlen_k <= 512:
         return {"block_n": 64, "o_in_v": True}
     if head_dim == 256 and not causal:
-        return {"o_in_v": True}
+        return {"o_in_v": True, "uniform_wg": True}
     return {}
 
 

@@ -356,7 +356,7 @@ def test_resolve_spec_seqlen_rules(fake_device):
     causal up to 4k queries three one-warpgroup CTAs per SM (64 keys up to 1k, 96 beyond); head_dim
     128 causal up to 8k pingpong with uniform_wg (from 2k also 128 keys and two P buffers), from 16k
     176 keys with O over V; head_dim 256 causal up to 4k block_n 64, O over the V ring, uniform_wg and
-    two P buffers, from 8k O over V and uniform_wg, non-causal at 512 block_n 64 and O over V always; fp8 head_dim 128 causal up to 2k
+    two P buffers, from 8k O over V and uniform_wg, non-causal at 512 block_n 64 and O over V always (from 1k with uniform_wg); fp8 head_dim 128 causal up to 2k
     block_n 128; tuned entries and the caller's fields win."""
     short = api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16))
     assert short == KernelSpec(arch="sm90", head_dim=128, gpu="h200", block_n=128)
@@ -382,7 +382,7 @@ def test_resolve_spec_seqlen_rules(fake_device):
             for c in (False, True) for s in (512, 1024, 2048)] == [True, True, True, True, True, True]
     # and at every length (causal from 8k with 80 keys and uniform_wg)
     assert [api.resolve_spec(256, "bf16", c, 0, shape=(1, 16384, 16384, 8)).o_in_v for c in (False, True)] == [True, True]
-    assert [api.resolve_spec(256, "bf16", c, 0, shape=(1, 16384, 16384, 8)).uniform_wg for c in (False, True)] == [False, True]
+    assert [api.resolve_spec(256, "bf16", c, 0, shape=(1, 16384, 16384, 8)).uniform_wg for c in (False, True)] == [True, True]
     assert not api.resolve_spec(256, "bf16", False, 0, shape=(32, 512, 512, 8), block_n=80).o_in_v
     # head_dim 128 long sequences: non-causal from 8k keys 144 with two P buffers, causal from 16k
     # FA3's 176-key tile with O over V

@@ -193,6 +193,7 @@ NON_DEFAULT = [
     ("sm90", 128, "bf16", False, {"block_n": 144, "uniform_wg": True, "p_buffers": 2}),
     ("sm90", 256, "bf16", True, {"block_n": 64, "o_in_v": True, "uniform_wg": True, "p_buffers": 2}),
     ("sm90", 256, "fp16", True, {"o_in_v": True, "uniform_wg": True}),
+    ("sm90", 256, "bf16", False, {"o_in_v": True, "uniform_wg": True}),
     ("sm90", 128, "fp16", True, {"o_in_v": True, "block_n": 176}),
     ("sm90", 128, "bf16", False, {"cluster_m": 2}),
     ("sm90", 256, "fp16", False, {"cluster_m": 2, "persistent": False}),
