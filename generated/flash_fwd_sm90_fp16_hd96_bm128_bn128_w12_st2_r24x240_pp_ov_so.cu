@@ -1214,10 +1214,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                         load_kv(k_smem0 + stage * KV_TILE_BYTES, p.tma_k, k_full, n * BLOCK_N, kv_head, t.batch);
                     }
                     if (Q_STAGES == 1 && i == 0) {
-                        mbar_wait(smem_u32(&state.q_empty[0]), q_empty_parity);
+                        mbar_wait(smem_u32(&state.q_empty[q_stage]), q_empty_parity);
                         if (leader) {
                             mbar_arrive_expect_tx(q_full, Q_TILE_BYTES);
-                            load_tile(q_smem, Q_SLAB_BYTES, p.tma_q, q_full, t.m_block * BLOCK_M,
+                            load_tile(q_smem + q_stage * Q_TILE_BYTES, Q_SLAB_BYTES, p.tma_q, q_full, t.m_block * BLOCK_M,
                                       t.head, t.batch, L2_EVICT_FIRST);
                         }
                     }
@@ -1233,10 +1233,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                     // the last tile's O store is waited for here too, so o_free never runs two phases
                     // ahead of the waits (its parity would then read as not yet completed).
                     if (Q_STAGES == 1) {
-                        mbar_wait(smem_u32(&state.q_empty[0]), q_empty_parity);
+                        mbar_wait(smem_u32(&state.q_empty[q_stage]), q_empty_parity);
                         if (leader) {
                             mbar_arrive_expect_tx(q_full, Q_TILE_BYTES);
-                            load_tile(q_smem, Q_SLAB_BYTES, p.tma_q, q_full, t.m_block * BLOCK_M,
+                            load_tile(q_smem + q_stage * Q_TILE_BYTES, Q_SLAB_BYTES, p.tma_q, q_full, t.m_block * BLOCK_M,
                                       t.head, t.batch, L2_EVICT_FIRST);
                         }
                     }
