@@ -1047,8 +1047,7 @@ def _check_o_in_v(spec: KernelSpec) -> None:
 def _check_p_buffers(spec: KernelSpec) -> None:
     """p_buffers=2: the optimistic softmax of the overlapped loop writes P into the buffer the running
     P V does not read, so it runs under that P V instead of after it."""
-    if spec.p_buffers not in (1, 2) or isinstance(spec.p_buffers, bool):
-        raise SpecError("p_buffers", f"must be 1 or 2 (P register buffers), got {spec.p_buffers!r}")
+    _check_choice("p_buffers", spec.p_buffers, (1, 2))
     if spec.p_buffers == 2 and not (spec.intra_wg_overlap and spec.optimistic_max):
         raise SpecError("p_buffers", "a second P buffer lets the optimistic softmax run under the P V of the "
                                      "overlapped loop: it needs intra_wg_overlap=True and optimistic_max=True")
@@ -1056,8 +1055,7 @@ def _check_p_buffers(spec: KernelSpec) -> None:
 
 def _check_q_stages(spec: KernelSpec) -> None:
     """q_stages=2: two Q buffers taking turns by tile, so O cannot alias Q (16-bit: separate_o or o_in_v)."""
-    if spec.q_stages not in (1, 2) or isinstance(spec.q_stages, bool):
-        raise SpecError("q_stages", f"must be 1 or 2 (Q buffers), got {spec.q_stages!r}")
+    _check_choice("q_stages", spec.q_stages, (1, 2))
     if spec.q_stages == 2 and spec.dtype != "fp8" and not (spec.separate_o or spec.o_in_v):
         raise SpecError("q_stages", "with two Q buffers the O staging tile cannot alias Q: set separate_o=True "
                                     "or o_in_v=True, or use q_stages=1")
