@@ -597,8 +597,6 @@ constexpr int EPILOGUE_BAR = PINGPONG_BAR + CONSUMER_WGS;
 constexpr int TILE_FULL_BAR = EPILOGUE_BAR + CONSUMER_WGS;  // + wg: producer wrote state.tile_slot
 constexpr int TILE_EMPTY_BAR = TILE_FULL_BAR + CONSUMER_WGS; // consumers have read it
 constexpr int CONSUMERS_BAR = TILE_EMPTY_BAR + 1;           // O_IN_V: every consumer warpgroup is done with the V ring
-constexpr int TILE_FULL_THREADS = 32 + WG_THREADS;
-constexpr int TILE_BAR_THREADS = 32 + CONSUMER_WGS * WG_THREADS;
 
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256, "wgmma N and TMA box rows");
 static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "wgmma N of O += P V is head_dim");
@@ -905,14 +903,15 @@ struct SharedState {
 };
 
 // ---- scheduler: tile index -> (m_block, head, batch) and the K/V block range ----
-// (Needs SharedState::tile_slot and the named barriers TILE_FULL_BAR + wg, one per consumer
-// warpgroup (the loader warp and that warpgroup), and TILE_EMPTY_BAR for TILE_BAR_THREADS
-// threads: the loader warp plus every thread that reads the slot.)
+// (Needs SharedState::tile_slot and the named barrier ids TILE_FULL_BAR + wg, one per consumer
+// warpgroup, and TILE_EMPTY_BAR.)
 // Non-causal tiles are numbered m_block fastest, then head, then batch (neighbouring tiles
 // share K/V in L2). Causal tiles run longest first: the (batch, head) pairs are cut into
 // sections whose K/V fit in L2_SECTION_BYTES (half the H100/H200's 50/60 MB L2), so the CTAs
 // running at the same time share K/V in L2 and the shortest tiles come last; inside a section
 // the tile number runs over the pairs fastest and over m_block (counting down) next.
+constexpr int TILE_FULL_THREADS = 32 + WG_THREADS;                   // the loader warp and one consumer warpgroup
+constexpr int TILE_BAR_THREADS = 32 + CONSUMER_WGS * WG_THREADS;     // the loader warp and every slot reader
 constexpr int L2_SECTION_BYTES = 32 << 20;
 constexpr int L2_SECTION_KEYS = L2_SECTION_BYTES / (2 * HEAD_DIM * ELEM_BYTES);   // K+V rows in a section
 
