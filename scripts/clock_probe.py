@@ -100,7 +100,7 @@ def summarize(title: str, groups: dict, samples: list, flops: float) -> str:
                 by_clock.setdefault(statistics.median_low(seen), []).append(ms)
         clocks = "; ".join(f"{mhz}: {len(v)}, {statistics.median(v):.3f}" for mhz, v in sorted(by_clock.items()))
         lines.append(f"| {name} | {len(times)} | {times[0]:.3f} | {q[0]:.3f} | {q[1]:.3f} | {q[2]:.3f} | {times[-1]:.3f} | "
-                     f"{flops / q[1] / 1e9:.1f} | {clocks or '-'} |")
+                     f"{bench.tflops(flops, q[1]):.1f} | {clocks or '-'} |")
     reasons = sorted({x[3] for x in samples})
     lines.append(f"throttle reasons seen: {', '.join(reasons) or '-'}")
     return "\n".join(lines)
