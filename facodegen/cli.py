@@ -28,7 +28,7 @@ _SPEC_FLAGS = {
     "anchor_softmax": "anchor_softmax", "lazy_rescale": "lazy_rescale",
     "rescale_under_qk": "rescale_under_qk", "softmax_chains": "softmax_chains", "uniform_wg": "uniform_wg",
     "ctas_per_sm": "ctas_per_sm", "cluster_m": "cluster_m", "o_in_v": "o_in_v", "poly_exp2_tiles": "poly_exp2_tiles", "optimistic_max": "optimistic_max",
-    "q_stages": "q_stages", "p_buffers": "p_buffers",
+    "q_stages": "q_stages", "p_buffers": "p_buffers", "rebuild_q_desc": "rebuild_q_desc",
 }
 
 
@@ -103,6 +103,8 @@ def spec_options(command, arch_choices=ARCHS):
                      help="sm90: Q buffers (2: the next tile's Q loads while this tile runs)."),
         click.option("--p-buffers", type=click.Choice(["1", "2"]), callback=_int_choice,
                      help="sm90 with --overlap --optimistic-max: P register buffers (2: a step's softmax runs under the P V before it)."),
+        click.option("--rebuild-q-desc/--keep-q-desc", "rebuild_q_desc", default=None,
+                     help="sm90, Q in shared memory: Q's wgmma descriptors derived at every Q K^T instead of held in registers."),
         click.option("--cluster-m", type=click.Choice(["1", "2"]), callback=_int_choice,
                      help="sm90 16-bit, non-causal: CTAs per cluster sharing each K/V tile (TMA multicast)."),
         click.option("--softmax-chains", type=click.Choice(["1", "2", "4", "8"]), callback=_int_choice,

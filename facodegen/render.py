@@ -63,7 +63,8 @@ def emit_command(spec: KernelSpec) -> str:
                   "--anchor-softmax" if spec.anchor_softmax else "--no-anchor-softmax",
                   "--uniform-wg" if spec.uniform_wg else "--no-uniform-wg",
                   f"--ctas-per-sm {spec.ctas_per_sm}", f"--cluster-m {spec.cluster_m}", f"--q-stages {spec.q_stages}",
-                  f"--p-buffers {spec.p_buffers}"]
+                  f"--p-buffers {spec.p_buffers}",
+                  "--rebuild-q-desc" if spec.rebuild_q_desc else "--keep-q-desc"]
         if spec.intra_wg_overlap:
             flags.append("--rescale-under-qk" if spec.rescale_under_qk else "--rescale-after-pv")
         flags.append("--optimistic-max" if spec.optimistic_max else "--exact-max")

@@ -409,7 +409,22 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
 #   709.9); the same kernel non-causal read 734.8 and 753.6 in one call (the spread of one kernel), so
 #   non-causal took it only after call 7 (15 groups, taking turns; rule -> + uniform_wg): s1k 609.8 ->
 #   630.0, s2k 668.0 -> 682.8, s4k 711.1 -> 716.6 (FA3 604.8 / 660.9 / 698.1); s512 keeps 64 keys + O
-#   over V without it. fp8 loses with p2 (d128 24/240: s8k 876.1 -> 788.3, causal s8k 828.3 -> 762.9).
+#   over V without it. fp8 loses with p2 (d128 24/240: s8k 876.1 -> 788.3, causal s8k 828.3 -> 762.9);
+#   head_dim 256 everywhere, Q's descriptors rebuilt at each Q K^T (rebuild_q_desc: held across the
+#   loop they took ~14 vector registers, and 80 keys with two P buffers spilled 20 bytes), so two P
+#   buffers at 80 keys from 2k (causal) or 1k (non-causal) and at 64 keys below. 2026-12-01 (session
+#   13, calls 1-2, 12 groups, variants taking turns with FA3; TFLOP/s rule before / + rebuild_q_desc /
+#   new rule (F)): causal s512 353.8 / 357.5 / 357.5 (225.0), s1k 452.3 / 458.9 / 458.9 (80 keys + p2
+#   454.3; 444.5), s2k 553.5 / 558.8 / 561.9 (548.6), s4k 626.9 / 632.1 / 634.4 (619.0), s8k 676.6 /
+#   678.8 / 680.1 (665.0), s16k 706.9 / 709.0 / 710.7 (696.1); non-causal s512 519.7 / 517.2 / 527.4
+#   (80 keys 525.0; 488.6), s1k 623.7 / 624.3 / 632.3 (563.0), s2k 681.9 / 681.1 / 681.7 (651.7), s4k
+#   707.2 / 709.0 / 713.2 (683.9), s8k 734.0 / 733.0 / 731.6 (717.8), s16k 742.0 / 747.6 / 747.1
+#   (730.3). Elsewhere rebuild_q_desc frees nothing or costs (head_dim 64 then spills; fp8 head_dim 128 causal
+#   s4k-s16k 736.7 / 737.3, 813.0 / 809.1, 854.8 / 857.7; bf16 head_dim 128 causal s16k 655.3 / 650.2);
+#   head_dim 128 causal from 16k, the non-causal long tile (144 keys, uniform_wg, two P buffers)
+#   instead of 176 keys + O over V (session 13, call 3; 176 + O over V / 128 + pingpong + uniform_wg +
+#   p2 (the 8k rule) / 144 + uniform_wg + p2 / the same + O over V (F)): s16k 657.8 / 671.9 / 681.3 /
+#   668.3 (654.1), s8k 611.7 / 653.5 / 645.7 / 640.3 (631.2).
 # fp8 (e4m3):
 #   head_dim 128 causal, block_n 192 -> 128 up to 2k (a tile's diagonal blocks are a large share
 #   of its 1-16 blocks): s1k 396 -> 428 (bcc4ca6), s2k 569 -> 568 (bcc4ca6) and, with the
@@ -428,21 +443,18 @@ def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqle
             return {"block_n": 128}
         return {"block_n": 128 if seqlen_k <= 4096 else 144, "uniform_wg": True, "p_buffers": 2}
     if head_dim == 128 and seqlen_k >= 16384:
-        return {"block_n": 176, "o_in_v": True}   # causal (no pingpong: the rule below stops short of it)
+        return {"block_n": 144, "uniform_wg": True, "p_buffers": 2}   # causal: the non-causal long tile
     if head_dim == 64 and causal and seqlen_q <= 4096:
         return {"consumer_warpgroups": 1, "ctas_per_sm": 3, "block_n": 64 if seqlen_q <= 1024 else 96}
     if head_dim == 128 and causal and seqlen_q <= 1024:
         return {"pingpong": True, "uniform_wg": True}
     if head_dim == 128 and causal and seqlen_q <= 8192:
         return {"block_n": 128, "pingpong": True, "uniform_wg": True, "p_buffers": 2}
-    if head_dim == 256 and causal:
-        if seqlen_q <= 4096:
-            return {"block_n": 64, "o_in_v": True, "uniform_wg": True, "p_buffers": 2}
-        return {"o_in_v": True, "uniform_wg": True}
-    if head_dim == 256 and not causal and seqlen_k <= 512:
-        return {"block_n": 64, "o_in_v": True}
-    if head_dim == 256 and not causal:
-        return {"o_in_v": True, "uniform_wg": True}
+    if head_dim == 256:
+        fields = {"o_in_v": True, "uniform_wg": True, "p_buffers": 2, "rebuild_q_desc": True}
+        if (seqlen_q <= 1024) if causal else (seqlen_k <= 512):
+            fields["block_n"] = 64
+        return fields
     return {}
 
 
@@ -514,7 +526,10 @@ class KernelSpec:
     head_dim-256 layout, so Q is released after the tile's last Q K^T and the next tile's first
     Q K^T runs while the O store reads shared memory; its first V load waits for that store),
     ``q_stages`` (1 | 2 Q buffers: with 2 the producer loads a tile's Q while the consumers still run
-    the tile before, so a consumer warpgroup starts its next tile without waiting for that load).
+    the tile before, so a consumer warpgroup starts its next tile without waiting for that load),
+    ``p_buffers`` (1 | 2 P register buffers: with 2 the optimistic softmax writes P into the one the
+    running P V does not read), ``rebuild_q_desc`` (Q's wgmma descriptors derived afresh at every
+    Q K^T instead of held in registers across the K/V loop: frees ~14-32 registers at head_dim 256).
 
     dtype=fp8 only (e4m3 Q, K, V; sm90): ``out_dtype`` (bf16 | fp16: the type of O) and ``v_layout``
     (row | transposed: V as (batch, seqlen_k, heads_kv, d), transposed in shared memory by the kernel,
@@ -558,6 +573,7 @@ class KernelSpec:
     o_in_v: bool | None = None
     q_stages: int | None = None
     p_buffers: int | None = None
+    rebuild_q_desc: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -580,7 +596,7 @@ class KernelSpec:
                         stages=tiles.stages, q_in_regs=tiles.q_in_regs, consumer_warpgroups=0,
                         pingpong=False, intra_wg_overlap=False, producer_regs=0,
                         consumer_regs=0, persistent=False, separate_o=False, l2_hints=False, q_stages=1,
-                        p_buffers=1)
+                        p_buffers=1, rebuild_q_desc=False)
             fill["anchor_softmax"] = False
             fill["rescale_under_qk"] = False
             fill["uniform_wg"] = False
@@ -596,7 +612,7 @@ class KernelSpec:
                 raise SpecError("ctas_per_sm", "is an sm90 knob; arch=sm80 runs as many CTAs per SM as fit")
             for name in ("uniform_wg", "consumer_warpgroups", "pingpong", "intra_wg_overlap",
                          "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints",
-                         "anchor_softmax", "rescale_under_qk", "optimistic_max"):
+                         "anchor_softmax", "rescale_under_qk", "optimistic_max", "rebuild_q_desc"):
                 if getattr(self, name) not in (None, 0, False):
                     raise SpecError(name, "is an sm90 knob; arch=sm80 does not use it")
         else:
@@ -627,10 +643,11 @@ class KernelSpec:
                         l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT,
                         uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout),
                         ctas_per_sm=1, cluster_m=1, o_in_v=False, q_stages=1, p_buffers=1,
+                        rebuild_q_desc=False,
                         optimistic_max=(optimistic_max_default(self.head_dim, self.dtype, self.causal)
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
-                                 "uniform_wg", "optimistic_max"))
+                                 "uniform_wg", "optimistic_max", "rebuild_q_desc"))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
                                                                                   self.causal)
@@ -728,6 +745,8 @@ class KernelSpec:
                 parts.append(f"q{self.q_stages}")
             if self.p_buffers != 1:
                 parts.append(f"p{self.p_buffers}")
+            if self.rebuild_q_desc:
+                parts.append("rqd")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -976,7 +995,7 @@ def _validate(spec: KernelSpec) -> None:
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
         for name in ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg",
-                     "optimistic_max"):
+                     "optimistic_max", "rebuild_q_desc"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
         if spec.optimistic_max and spec.anchor_softmax:
@@ -1004,6 +1023,9 @@ def _validate(spec: KernelSpec) -> None:
         _check_o_in_v(spec)
         _check_q_stages(spec)
         _check_p_buffers(spec)
+        if spec.rebuild_q_desc and spec.q_in_regs:
+            raise SpecError("rebuild_q_desc", "with q_in_regs=True Q K^T reads Q from registers (no Q descriptor): "
+                                              "use rebuild_q_desc=False")
         regs = register_estimate(spec)
         if regs > spec.consumer_regs:
             raise SpecError("block_n", (

@@ -66,6 +66,8 @@ SEARCH_SPACE = {
         "o_in_v": (True, False),
         # A second P buffer: the optimistic softmax runs under the P V before it (more registers).
         "p_buffers": (1, 2),
+        # Q descriptors derived at every Q K^T (uniform adds) or held across the loop (registers).
+        "rebuild_q_desc": (False, True),
     },
     "sm80": {
         "block_m": (64, 128),
@@ -89,7 +91,8 @@ _TILE_FIELDS = ("block_m", "block_n", "num_warps")
 _SWITCH_WEIGHTS = {"pingpong": 1.0, "intra_wg_overlap": 1.0, "persistent": 1.5, "q_in_regs": 1.0,
                    "separate_o": 1.0, "l2_hints": 1.0, "anchor_softmax": 1.0, "lazy_rescale": 1.0,
                    "rescale_under_qk": 1.0, "softmax_chains": 1.0, "poly_exp2_tiles": 1.0, "optimistic_max": 1.0,
-                   "uniform_wg": 1.0, "ctas_per_sm": 1.0, "o_in_v": 1.0, "p_buffers": 1.0}
+                   "uniform_wg": 1.0, "ctas_per_sm": 1.0, "o_in_v": 1.0, "p_buffers": 1.0,
+                   "rebuild_q_desc": 1.0}
 
 
 def _spec_field_names() -> set:

@@ -31,6 +31,7 @@
 //   producer_regs        = 0
 //   q_in_regs            = False
 //   q_stages             = 1
+//   rebuild_q_desc       = False
 //   rescale              = once
 //   rescale_under_qk     = False
 //   schedule             = fa2

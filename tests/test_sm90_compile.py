@@ -198,6 +198,21 @@ def test_two_p_buffers_run_the_optimistic_softmax_under_the_pv_gemm(spec):
     assert one and max(one) < per_thread // 2, one
 
 
+def test_rebuilt_q_descriptors_free_the_registers_of_two_p_buffers_at_head_dim_256():
+    """rebuild_q_desc: ptxas derives the Q descriptors at each Q K^T from uniform registers instead
+    of holding all 16 across the loop, some in vector registers moved over (R2UR) at every wgmma;
+    so head_dim 256 x 80 keys with two P buffers compiles clean, all of a step's exp2s under P V
+    (without it ptxas spilled there, nvrtc 13.0)."""
+    spec = K(head_dim=256, o_in_v=True, uniform_wg=True, p_buffers=2, rebuild_q_desc=True)
+    kernel = compile_mod.compile(spec, verbose=False)
+    r = kernel.resources
+    assert spec.block_n == 80 and (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), kernel.log
+    held = compile_mod.compile(spec.replace(rebuild_q_desc=False), verbose=False)
+    assert kernel.sass().count("R2UR") < held.sass().count("R2UR")
+    counts = softmax_exps_under_pv(kernel.sass())
+    assert counts and min(counts) >= 64 * spec.block_n // 128, counts
+
+
 def first_op_after_pv_wait(sass: str, ops=("MUFU.EX2", "SHFL.BFLY")) -> list[str]:
     """For each steady-state step (after the wait that leaves P V running, then the wait for P V),
     which of `ops` comes first after the wait for P V."""

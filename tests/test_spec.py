@@ -227,6 +227,19 @@ def test_two_p_buffers_need_the_optimistic_overlapped_loop_and_their_registers()
     assert err.value.field == "p_buffers"
 
 
+def test_rebuild_q_desc_is_an_sm90_shared_memory_q_knob():
+    spec = KernelSpec(arch="sm90", head_dim=256, rebuild_q_desc=True)
+    assert spec.variant.endswith("_rqd") and not KernelSpec(arch="sm90", head_dim=256).rebuild_q_desc
+    assert register_estimate(spec) == register_estimate(spec.replace(rebuild_q_desc=False))
+    with pytest.raises(SpecError) as err:               # Q K^T reads Q from registers: no descriptor
+        KernelSpec(arch="sm90", head_dim=128, dtype="fp8", q_in_regs=True, rebuild_q_desc=True)
+    assert err.value.field == "rebuild_q_desc"
+    for bad in (dict(arch="sm80", rebuild_q_desc=True), dict(arch="sm90", rebuild_q_desc="yes")):
+        with pytest.raises(SpecError) as err:
+            KernelSpec(head_dim=128, **bad)
+        assert err.value.field == "rebuild_q_desc"
+
+
 def test_two_q_buffers_take_a_second_q_tile_and_need_o_elsewhere():
     one = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=1)
     two = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=2)

@@ -355,9 +355,10 @@ def test_resolve_spec_seqlen_rules(fake_device):
     buffers with the descriptors in uniform registers (128 keys up to 4k, 144 beyond); head_dim 64
     causal up to 4k queries three one-warpgroup CTAs per SM (64 keys up to 1k, 96 beyond); head_dim
     128 causal up to 8k pingpong with uniform_wg (from 2k also 128 keys and two P buffers), from 16k
-    176 keys with O over V; head_dim 256 causal up to 4k block_n 64, O over the V ring, uniform_wg and
-    two P buffers, from 8k O over V and uniform_wg, non-causal at 512 block_n 64 and O over V always (from 1k with uniform_wg); fp8 head_dim 128 causal up to 2k
-    block_n 128; tuned entries and the caller's fields win."""
+    the non-causal long tile (144 keys, two P buffers); head_dim 256 O over the V ring, uniform_wg, two
+    P buffers and Q descriptors rebuilt per step at every length, with 64 keys up to 1k (causal) or
+    512 (non-causal); fp8 head_dim 128 causal up to 2k block_n 128; tuned entries and the caller's
+    fields win."""
     short = api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16))
     assert short == KernelSpec(arch="sm90", head_dim=128, gpu="h200", block_n=128)
     mid = api.resolve_spec(128, "bf16", False, 0, shape=(8, 2048, 2048, 16))
@@ -365,30 +366,32 @@ def test_resolve_spec_seqlen_rules(fake_device):
     assert api.resolve_spec(128, "bf16", True, 0, shape=(32, 512, 512, 16)) == \
         KernelSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", pingpong=True, uniform_wg=True)
     assert [api.resolve_spec(128, "bf16", True, 0, shape=(16384 // s, s, s, 16)).p_buffers
-            for s in (1024, 2048, 8192, 16384)] == [1, 2, 2, 1]
+            for s in (1024, 2048, 8192, 16384)] == [1, 2, 2, 2]
     assert [api.resolve_spec(128, "bf16", True, 0, shape=(16384 // s, s, s, 16)).pingpong
             for s in (2048, 8192, 16384)] == [True, True, False]
     assert not api.resolve_spec(128, "bf16", True, 0, shape=(32, 512, 512, 16), pingpong=False).pingpong
     assert api.resolve_spec(256, "bf16", True, 0, shape=(32, 512, 512, 8)).block_n == 64
     assert api.resolve_spec(256, "bf16", True, 0, shape=(16, 1024, 1024, 8)).block_n == 64
-    assert api.resolve_spec(256, "bf16", True, 0, shape=(4, 4096, 4096, 8)).block_n == 64
+    assert api.resolve_spec(256, "bf16", True, 0, shape=(8, 2048, 2048, 8)).block_n == 80
     assert api.resolve_spec(256, "bf16", True, 0, shape=(2, 8192, 8192, 8)).block_n == 80
     assert [api.resolve_spec(256, "bf16", True, 0, shape=(16384 // s, s, s, 8)).p_buffers
-            for s in (512, 4096, 8192)] == [2, 2, 1]
+            for s in (512, 4096, 8192)] == [2, 2, 2]
+    assert all(api.resolve_spec(256, "bf16", c, 0, shape=(16384 // s, s, s, 8)).rebuild_q_desc
+               for c in (False, True) for s in (512, 2048, 16384))
+    assert not api.resolve_spec(128, "bf16", True, 0, shape=(2, 8192, 8192, 16)).rebuild_q_desc
     assert api.resolve_spec(256, "bf16", False, 0, shape=(32, 512, 512, 8)).block_n == 64
     assert api.resolve_spec(256, "bf16", False, 0, shape=(16, 1024, 1024, 8)).block_n == 80
     # head_dim 256 up to 1k keys: O's staging tile over the V ring
     assert [api.resolve_spec(256, "bf16", c, 0, shape=(16384 // s, s, s, 8)).o_in_v
             for c in (False, True) for s in (512, 1024, 2048)] == [True, True, True, True, True, True]
-    # and at every length (causal from 8k with 80 keys and uniform_wg)
+    # and at every length (with uniform_wg)
     assert [api.resolve_spec(256, "bf16", c, 0, shape=(1, 16384, 16384, 8)).o_in_v for c in (False, True)] == [True, True]
     assert [api.resolve_spec(256, "bf16", c, 0, shape=(1, 16384, 16384, 8)).uniform_wg for c in (False, True)] == [True, True]
     assert not api.resolve_spec(256, "bf16", False, 0, shape=(32, 512, 512, 8), block_n=80).o_in_v
-    # head_dim 128 long sequences: non-causal from 8k keys 144 with two P buffers, causal from 16k
-    # FA3's 176-key tile with O over V
+    # head_dim 128 long sequences: 144 keys with two P buffers, non-causal from 8k keys, causal from 16k
     long = [api.resolve_spec(128, "bf16", c, 0, shape=(16384 // s, s, s, 16)) for c in (False, True) for s in (4096, 8192, 16384)]
     assert [(x.block_n, x.o_in_v, x.p_buffers) for x in long] == [(128, False, 2), (144, False, 2), (144, False, 2),
-                                                                   (128, False, 2), (128, False, 2), (176, True, 1)]
+                                                                   (128, False, 2), (128, False, 2), (144, False, 2)]
     d64 = [api.resolve_spec(64, "bf16", True, 0, shape=(16384 // s, s, s, 32)) for s in (512, 1024, 2048, 4096, 8192)]
     assert [(x.block_m, x.block_n, x.ctas_per_sm, x.q_stages) for x in d64] == [
         (64, 64, 3, 2), (64, 64, 3, 2), (64, 96, 3, 2), (64, 96, 3, 2), (192, 128, 1, 2)]

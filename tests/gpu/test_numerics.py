@@ -191,10 +191,16 @@ NON_DEFAULT = [
     # the sequence-length rules with two P buffers (spec.seqlen_rule_fields)
     ("sm90", 128, "fp16", True, {"block_n": 128, "pingpong": True, "uniform_wg": True, "p_buffers": 2}),
     ("sm90", 128, "bf16", False, {"block_n": 144, "uniform_wg": True, "p_buffers": 2}),
-    ("sm90", 256, "bf16", True, {"block_n": 64, "o_in_v": True, "uniform_wg": True, "p_buffers": 2}),
+    ("sm90", 256, "bf16", True, {"block_n": 64, "o_in_v": True, "uniform_wg": True, "p_buffers": 2, "rebuild_q_desc": True}),
+    ("sm90", 256, "fp16", True, {"o_in_v": True, "uniform_wg": True, "p_buffers": 2, "rebuild_q_desc": True}),
+    ("sm90", 256, "bf16", False, {"o_in_v": True, "uniform_wg": True, "p_buffers": 2, "rebuild_q_desc": True}),
+    ("sm90", 256, "bf16", False, {"block_n": 64, "o_in_v": True, "uniform_wg": True, "p_buffers": 2, "rebuild_q_desc": True}),
     ("sm90", 256, "fp16", True, {"o_in_v": True, "uniform_wg": True}),
-    ("sm90", 256, "bf16", False, {"o_in_v": True, "uniform_wg": True}),
     ("sm90", 128, "fp16", True, {"o_in_v": True, "block_n": 176}),
+    ("sm90", 128, "bf16", True, {"block_n": 144, "uniform_wg": True, "p_buffers": 2}),
+    # Q descriptors rebuilt per step off the rules: one P buffer, no uniform_wg
+    ("sm90", 256, "bf16", True, {"rebuild_q_desc": True}),
+    ("sm90", 128, "bf16", False, {"block_n": 128, "p_buffers": 2, "rebuild_q_desc": True}),
     ("sm90", 128, "bf16", False, {"cluster_m": 2}),
     ("sm90", 256, "fp16", False, {"cluster_m": 2, "persistent": False}),
     ("sm90", 128, "fp16", False, {"cluster_m": 2, "block_n": 128, "pingpong": True}),
@@ -648,7 +654,9 @@ def test_fp8_default_spec(spec):
                                     dict(head_dim=128, causal=True, q_stages=2),
                                     dict(head_dim=128, q_stages=2, q_in_regs=True),
                                     dict(head_dim=128, producer_regs=24, consumer_regs=240, p_buffers=2),
-                                    dict(head_dim=128, producer_regs=24, consumer_regs=240, p_buffers=2, causal=True)],
+                                    dict(head_dim=128, producer_regs=24, consumer_regs=240, p_buffers=2, causal=True),
+                                    dict(head_dim=128, causal=True, rebuild_q_desc=True),
+                                    dict(head_dim=256, rebuild_q_desc=True, v_layout="transposed")],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_non_default_spec(fields):
     from facodegen.reference import FP8_TOLERANCE
