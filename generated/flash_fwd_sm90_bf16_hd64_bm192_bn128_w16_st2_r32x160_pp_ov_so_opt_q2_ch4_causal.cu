@@ -1027,16 +1027,20 @@ __device__ __forceinline__ int first_tile() {
 }
 
 // Static schedules (non-persistent, persistent non-causal): every role computes the sequence
-// itself. The dynamic one (persistent causal) draws tickets in the producer warp
+// itself, tile number tile_iter of this CTA being static_tile(p, tile_iter). The dynamic one
+// (persistent causal) starts at first_tile() too, then draws tickets in the producer warp
 // (producer_next_tile) and hands each index to the other roles through state.tile_slot
 // (publish_tile / consumer_tile): two named barriers, so no thread reads the slot
 // while it is written.
-__device__ __forceinline__ int static_next_tile(const FlashParams& p, int tile) {
-    return PERSISTENT ? tile + static_cast<int>(gridDim.x) : p.num_tiles;
+__device__ __forceinline__ int static_tile(const FlashParams& p, uint32_t tile_iter) {
+    if (PERSISTENT) {
+        return first_tile() + static_cast<int>(tile_iter * gridDim.x);   // every gridDim.x-th tile
+    }
+    return tile_iter == 0 ? first_tile() : p.num_tiles;                  // one tile, then past the end
 }
 
-// Whole producer warp.
-__device__ __forceinline__ int producer_next_tile(const FlashParams& p, int tile) {
+// Whole producer warp: the tile after its tile number tile_iter.
+__device__ __forceinline__ int producer_next_tile(const FlashParams& p, uint32_t tile_iter) {
     if (DYNAMIC_SCHEDULER) {
         int ticket = 0;                                   // lane 0 takes the ticket, the warp shares it
         if (threadIdx.x % 32 == 0) {
@@ -1044,7 +1048,7 @@ __device__ __forceinline__ int producer_next_tile(const FlashParams& p, int tile
         }
         return __shfl_sync(0xffffffffu, ticket, 0) + static_cast<int>(gridDim.x);
     }
-    return static_next_tile(p, tile);
+    return static_tile(p, tile_iter + 1);
 }
 
 // Whole producer warp, for its tile number tile_iter >= 1 (the first is blockIdx.x for every
@@ -1084,7 +1088,7 @@ __device__ __forceinline__ void consumer_tile(const FlashParams& p, SharedState&
         }
         t = tile_at(p, m_block, head, batch);
     } else {
-        tile = first_tile() + (PERSISTENT ? static_cast<int>(tile_iter * gridDim.x) : (tile_iter > 0 ? p.num_tiles : 0));
+        tile = static_tile(p, tile_iter);
         t = decode_tile(p, tile);
     }
 }
@@ -1230,7 +1234,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
             // Ring position: load number `kv_iter` goes to stage kv_iter % STAGES, and waits
             // for that stage's previous lap to be released (parity of the lap, flipped).
             uint32_t kv_iter = 0;
-            int tile = first_tile();
+            int tile = static_tile(p, 0);
             for (uint32_t tile_iter = 0;; ++tile_iter) {
                 const TileInfo t = decode_tile(p, tile);        // (meaningless past the last tile)
                 publish_tile(state, tile, t, tile_iter);        // dynamic scheduler: the others learn `tile`
@@ -1294,7 +1298,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                         }
                     }
                 }
-                tile = producer_next_tile(p, tile);
+                tile = producer_next_tile(p, tile_iter);
             }
         }
     } else {
