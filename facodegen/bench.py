@@ -596,21 +596,32 @@ def _record_time(result: dict, t: dict, c: dict) -> dict:
     return result
 
 
-def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: dict, log) -> dict:
-    """Build, check set 0, then time rotating over the sets, all inside the implementation's
-    context (one implementation at a time: run_cell's sequential mode)."""
+def _build_and_check(name: str, make, input_sets, c: dict, check_first: bool, log, then=None):
+    """Build the implementation, enter its context once, check set 0 and, still inside that entry
+    (SDPA's backend choice is a single-use context manager), run ``then(result, rotate)`` if given.
+    Returns (result, rotate, context); rotate is None when it refused, failed to build or failed
+    the check (the reason in result["note"])."""
     result, fns, context, checked_set = _build_impl(make, input_sets)
     if fns is None:
-        return result
+        return result, None, None
     with context():
         if check_first and not _check_impl(name, result, fns, checked_set, c, log):
-            return result
+            return result, None, None
+        rotate = _rotation(fns)
+        if then is not None:
+            then(result, rotate)
+    return result, rotate, context
+
+
+def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: dict, log) -> dict:
+    """Build, check set 0, then time rotating over the sets, all inside one entry of the
+    implementation's context (one implementation at a time: run_cell's sequential mode)."""
+    def time_alone(result: dict, rotate) -> None:
         try:
-            t = time_cuda(_rotation(fns), **timing)
+            _record_time(result, time_cuda(rotate, **timing), c)
         except Exception as err:  # noqa: BLE001
             _note_failure(name, result, err, log)
-            return result
-    return _record_time(result, t, c)
+    return _build_and_check(name, make, input_sets, c, check_first, log, then=time_alone)[0]
 
 
 def _time_in_turns(prepared: list, row: dict, c: dict, timing: dict, log) -> None:
@@ -674,14 +685,10 @@ def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None,
         if not interleave:
             row["results"][name] = _run_impl(name, make, input_sets, c, check_first, timing, log)
             continue
-        result, fns, context, checked_set = _build_impl(make, input_sets)
+        result, rotate, context = _build_and_check(name, make, input_sets, c, check_first, log)
         row["results"][name] = result
-        if fns is None:
-            continue
-        with context():
-            ok = not check_first or _check_impl(name, result, fns, checked_set, c, log)
-        if ok:
-            prepared.append((name, _rotation(fns), context))
+        if rotate is not None:
+            prepared.append((name, rotate, context))
     if prepared:
         _time_in_turns(prepared, row, c, timing, log)
     del input_sets

@@ -400,3 +400,32 @@ def test_run_impl_enters_a_single_use_context_once(monkeypatch):
                              True, {}, print)
     assert result["tflops"] and result["err"] == 1e-3 and result["note"] is None
     assert calls == [["enter", "call", "call", "call"]] and events[-1] == "exit" and events.count("enter") == 1
+
+
+def test_build_and_check_hands_out_only_checked_implementations(monkeypatch):
+    """run_cell's in-turn mode: the check runs in one entry of the implementation's context, and only
+    an implementation that passed it comes back (with its rotation and context) to take turns."""
+    import contextlib
+    import types
+
+    events = []
+
+    @contextlib.contextmanager
+    def backend():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
+    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    verdict = {"ok": True}
+    monkeypatch.setattr(bench, "_slice_check", lambda o, s, causal, dtype: (verdict["ok"], "off by 2x", 0.5))
+    c = bench.cell(64, False, 1024, 1, 2, "bf16")
+    make = lambda s: (lambda: events.append("call"), backend)  # noqa: E731
+    result, rotate, context = bench._build_and_check("cudnn", make, [object(), object()], c, True, print)
+    assert events == ["enter", "call", "exit"] and result["err"] == 0.5 and context is backend
+    rotate()
+    assert events[-1] == "call"
+    verdict["ok"] = False
+    result, rotate, context = bench._build_and_check("cudnn", make, [object()], c, True, print)
+    assert rotate is None and context is None and result["note"] == "check failed: off by 2x"
