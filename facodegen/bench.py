@@ -613,15 +613,21 @@ def _build_and_check(name: str, make, input_sets, c: dict, check_first: bool, lo
     return result, rotate, context
 
 
+def _time_alone(name: str, result: dict, rotate, c: dict, timing: dict, log, context=contextlib.nullcontext) -> None:
+    """time_cuda of one implementation inside ``context()``, recorded into result (a failure: its note)."""
+    try:
+        with context():
+            _record_time(result, time_cuda(rotate, **timing), c)
+    except Exception as err:  # noqa: BLE001
+        _note_failure(name, result, err, log)
+
+
 def _run_impl(name: str, make, input_sets, c: dict, check_first: bool, timing: dict, log) -> dict:
     """Build, check set 0, then time rotating over the sets, all inside one entry of the
     implementation's context (one implementation at a time: run_cell's sequential mode)."""
-    def time_alone(result: dict, rotate) -> None:
-        try:
-            _record_time(result, time_cuda(rotate, **timing), c)
-        except Exception as err:  # noqa: BLE001
-            _note_failure(name, result, err, log)
-    return _build_and_check(name, make, input_sets, c, check_first, log, then=time_alone)[0]
+    def time_in_check_entry(result: dict, rotate) -> None:
+        _time_alone(name, result, rotate, c, timing, log)
+    return _build_and_check(name, make, input_sets, c, check_first, log, then=time_in_check_entry)[0]
 
 
 def _time_in_turns(prepared: list, row: dict, c: dict, timing: dict, log) -> None:
@@ -632,17 +638,11 @@ def _time_in_turns(prepared: list, row: dict, c: dict, timing: dict, log) -> Non
                                       contexts=[context for _, _, context in prepared], **timing)
     except Exception as err:  # noqa: BLE001
         log(f"    taking turns failed ({type(err).__name__}: {str(err)[:200]}); timing each alone")
-        times = []
         for name, rotate, context in prepared:
-            try:
-                with context():
-                    times.append(time_cuda(rotate, **timing))
-            except Exception as err_one:  # noqa: BLE001
-                _note_failure(name, row["results"][name], err_one, log)
-                times.append(None)
+            _time_alone(name, row["results"][name], rotate, c, timing, log, context)
+        return
     for (name, _, _), t in zip(prepared, times):
-        if t is not None:
-            _record_time(row["results"][name], t, c)
+        _record_time(row["results"][name], t, c)
 
 
 def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None, check_first: bool = True,

@@ -429,3 +429,38 @@ def test_build_and_check_hands_out_only_checked_implementations(monkeypatch):
     verdict["ok"] = False
     result, rotate, context = bench._build_and_check("cudnn", make, [object()], c, True, print)
     assert rotate is None and context is None and result["note"] == "check failed: off by 2x"
+
+
+def test_time_in_turns_falls_back_to_each_alone_inside_its_context(monkeypatch):
+    """Should taking turns raise, every implementation is timed alone inside its own context; one
+    that fails then gets a note and the others still get their number."""
+    import contextlib
+
+    entered = []
+
+    def context_of(name):
+        @contextlib.contextmanager
+        def context():
+            entered.append(name)
+            yield
+        return context
+
+    def interleaved(fns, contexts=None, **kw):
+        raise RuntimeError("one of them hung")
+
+    def alone(rotate, **kw):
+        rotate()
+        return {"ms": 2.0, "min_ms": 1.9, "max_ms": 2.1, "host_ms": 0.1}
+
+    monkeypatch.setattr(bench, "time_cuda_interleaved", interleaved)
+    monkeypatch.setattr(bench, "time_cuda", alone)
+    c = bench.cell(64, False, 1024, 1, 2, "bf16")
+    row = {"results": {"ours": {"note": None}, "cudnn": {"note": None}}}
+
+    def broken():
+        raise ValueError("bad launch")
+    prepared = [("ours", lambda: None, context_of("ours")), ("cudnn", broken, context_of("cudnn"))]
+    bench._time_in_turns(prepared, row, c, {}, lambda msg: None)
+    assert entered == ["ours", "cudnn"]
+    assert row["results"]["ours"]["ms"] == 2.0 and row["results"]["ours"]["tflops"] > 0
+    assert "tflops" not in row["results"]["cudnn"] and "bad launch" in row["results"]["cudnn"]["note"]
