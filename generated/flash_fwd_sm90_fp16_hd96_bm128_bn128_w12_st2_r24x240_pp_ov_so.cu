@@ -835,7 +835,7 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t lo) {
     return (hi << 32) | lo;
 }
 
-// The low word of a Q tile's descriptor (K-major, 128B-swizzled: LBO unused). REBUILD_Q_DESC: it
+// The low word of a Q tile's descriptor (K-major and swizzled: LBO unused). REBUILD_Q_DESC: it
 // passes an empty asm at every Q K^T, so ptxas derives the k-step descriptors from it there, one
 // uniform add each, instead of hoisting all QK_K_STEPS of them out of the K/V loop, where they stay
 // live for the whole tile (head_dim 256: 16 of them, which overflow the uniform registers into ~14
