@@ -1473,7 +1473,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                         softmax_step_optimistic(s_reg, p_reg, row_max, row_sum, p.scale_log2, o_scale);
                         rescale_moved_rows(o_reg, o_scale);         // O *= 2^(m_old - m_new)
                     } else {
-                        softmax_step(s_reg, row_max, row_sum, p.scale_log2, o_scale);
+                        softmax_step(s_reg, row_max, row_sum, p.scale_log2, o_scale);   // P = exp2(S*scale - m)
                         convert_p(p_reg, s_reg);
                     }
                     mbar_wait(smem_u32(&state.v_full[stage]), parity);

@@ -142,9 +142,9 @@ def test_wgmma_shapes_match_the_spec(kernel):
     assert "tnspB" in sass                                      # V read MN-major
 
 
-def softmax_exps_under_pv(sass: str) -> list[int]:
+def ops_under_pv(sass: str, op: str = "MUFU.EX2") -> list[int]:
     """For each steady-state step of the overlapped loop (a WARPGROUP.DEPBAR that lets one wgmma
-    group run on: S ready, P V still in flight), the MUFU.EX2 count before the wait for P V."""
+    group run on: S ready, P V still in flight), how many `op` come before the wait for P V."""
     counts, open_step = [], None
     for line in sass.splitlines():
         if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
@@ -152,13 +152,47 @@ def softmax_exps_under_pv(sass: str) -> list[int]:
         elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and open_step is not None:
             counts.append(open_step)
             open_step = None
-        elif "MUFU.EX2" in line and open_step is not None:
+        elif op in line and open_step is not None:
             open_step += 1
     return counts
 
 
-ANCHORED = [s.replace(anchor_softmax=True) for s in [K(head_dim=128), K(head_dim=256, causal=True), K(head_dim=64)]
-            + default_fp8_specs()[:2]]
+def softmax_exps_under_pv(sass: str) -> list[int]:
+    return ops_under_pv(sass, "MUFU.EX2")
+
+
+def steady_loop(sass: str) -> list[str]:
+    """The instructions of the shortest loop (a backward branch and its target) that issues both
+    GEMMs of a step: the steady state of the overlapped consumer loop."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in
+             (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    index = {addr: i for i, (addr, _) in enumerate(lines)}
+    best = None
+    for i, (addr, text) in enumerate(lines):
+        target = re.search(r"BRA\s+(?:`\()?(0x[0-9a-f]+)", text)
+        if not target or int(target.group(1), 16) >= addr or int(target.group(1), 16) not in index:
+            continue
+        body = [x for _, x in lines[index[int(target.group(1), 16)]:i + 1]]
+        shapes = {m.group(1) for x in body for m in [re.search(r"[HQ]GMMA\.(64x\d+x\d+)", x)] if m}
+        if len(shapes) >= 2 and (best is None or len(body) < len(best)):
+            best = body
+    assert best, "no loop with both GEMMs"
+    return best
+
+
+@pytest.mark.parametrize("spec", [s for s in default_fp8_specs() if s.head_dim in (64, 128, 256) and s.v_layout == "row"],
+                         ids=lambda s: s.variant)
+def test_fp8_steady_step_issues_q_kt_before_it_waits_for_the_vt_tile(spec):
+    """fp8 (late_pv_wait, FlashAttention-3's order): a steady step waits for K, issues Q K^T, and
+    only then waits for its V^T tile (the transposers' output, which lands after K) before P V."""
+    body = steady_loop(compile_mod.compile(spec).sass())
+    qk = next(i for i, x in enumerate(body) if f"QGMMA.64x{spec.block_n}x32" in x)
+    pv = next(i for i, x in enumerate(body) if f"QGMMA.64x{spec.head_dim}x32" in x and i > qk)
+    waits = [i for i, x in enumerate(body) if "SYNCS.PHASECHK" in x]
+    assert any(i < qk for i in waits) and any(qk < i < pv for i in waits), (qk, pv, waits)
+
+
+ANCHORED = [s.replace(anchor_softmax=True) for s in [K(head_dim=128), K(head_dim=256, causal=True), K(head_dim=64)]]
 
 
 @pytest.mark.parametrize("spec", ANCHORED, ids=lambda s: s.variant)
@@ -168,6 +202,25 @@ def test_anchor_softmax_keeps_every_exp2_under_the_pv_gemm(spec):
     counts = softmax_exps_under_pv(compile_mod.compile(spec).sass())
     per_thread = 64 * spec.block_n // 128      # S elements of one thread: 64 rows x block_n over 128 threads
     assert counts and min(counts) >= per_thread, (counts, per_thread)
+
+
+FP8_EXACT = [s for s in default_fp8_specs() if not s.optimistic_max and s.v_layout == "row"]   # V^T from the caller: P moves by shuffles + PRMT
+
+
+@pytest.mark.parametrize("spec", FP8_EXACT, ids=lambda s: s.variant)
+def test_fp8_exact_step_packs_p_straight_into_its_registers_after_the_pv_wait(spec):
+    """fp8, exact max: the exp2 half writes each e4m3 pair into P's register (F2FP ... MERGE_C), so
+    the steady loop has no PRMT (packing from s after the wait, ptxas built the pairs in
+    temporaries and merged them by PRMT: 16 per step at head_dim 256) and no F2FP before the wait
+    for the P V that reads P. anchor_softmax=True keeps the row max pass (its two quad shuffles per
+    row) ahead of that wait, and still no packing."""
+    sass = compile_mod.compile(spec).sass()
+    assert not [x for x in steady_loop(sass) if x.split()[0] == "PRMT"]
+    assert set(ops_under_pv(sass, "F2FP")) == {0}
+    anchored = compile_mod.compile(spec.replace(anchor_softmax=True)).sass()
+    assert set(ops_under_pv(anchored, "F2FP")) == {0}
+    assert min(ops_under_pv(anchored, "SHFL.BFLY")) >= 4
+    assert max(ops_under_pv(sass, "SHFL.BFLY")) < 4
 
 
 def test_without_the_anchor_ptxas_hoists_the_pv_wait():
