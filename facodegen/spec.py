@@ -135,10 +135,20 @@ def rescale_under_qk_default(head_dim: int, dtype: str, causal: bool) -> bool:
 # the step; the knob stays for experiments.
 FP8_Q_IN_REGS_DEFAULT = False
 
-# anchor_softmax's default (sm90, every dtype): see sm90/roles.cuh.j2. Off: on the H200 (scripts/sweep.py,
+# anchor_softmax's default (sm90; sm90/roles.cuh.j2). 16-bit: off. On the H200 (scripts/sweep.py,
 # 2026-11-29, commit 43c5445, TFLOP/s anchored vs not, same run) it lost in 6 of 8 cells, e.g. d128
-# causal s4k 578 vs 608, d256 s8k 666 vs 695, fp8 d128 s8k 782 vs 804; d128 s1k/s8k +1%.
-ANCHOR_SOFTMAX_DEFAULT = False
+# causal s4k 578 vs 608, d256 s8k 666 vs 695; d128 s1k/s8k +1%.
+# fp8 (exact max, af2d74d: the anchor holds the row max pass, not the whole softmax, ahead of the P V
+# wait): on for head_dim 64 and head_dim 128 causal (whose default thus takes the exact max instead of
+# the optimistic one). H200, 2026-12-01, variants taking turns (TFLOP/s default vs anchored; F = FA3
+# fp8): d64 s2k 577.5 / 588.8 (F 545.1), causal s2k 466.3 / 478.1, s8k 637.5 / 647.4 and 643.8 /
+# 668.4, s16k 650.9 / 665.2, causal s16k 635.1 / 644.9 and 646.3 / 648.0; d128 causal (optimistic vs
+# exact + anchored) s2k 649.4 (its 128-key rule) / 675.4, s8k 812.5 / 844.6 (F 809.3), s16k 857.9 /
+# 875.9 and 883.0 / 899.6 (F 865.2, 903.1). It loses at head_dim 256 (s8k 1103.6 / 1079.0 and 1110.4 /
+# 1068.1, s16k 1117 / 1077, causal s16k 1107 / 1064) and at head_dim 128 non-causal (exact + anchored:
+# s8k 887 / 857, s16k 901 / 858).
+def anchor_softmax_default(head_dim: int, dtype: str, causal: bool) -> bool:
+    return dtype == "fp8" and (head_dim == 64 or (head_dim == 128 and causal))
 
 # softmax_chains' default (common/softmax.cuh.j2: independent FMNMX/FADD chains per row in the row
 # max and row sum). On the H200 (scripts/sweep.py with the variants taking turns group by group,
@@ -147,13 +157,17 @@ ANCHOR_SOFTMAX_DEFAULT = False
 # 670 vs 658; fp8 d64 s8k 635 vs 646, causal 562 vs 583, fp8 d256 s8k 963 vs 1013, causal 904 vs 919,
 # fp8 d128 s8k 818 vs 807, causal s2k 569 vs 576. 4 where it won in both runs (head_dim 64, and fp8
 # head_dim 256); one chain elsewhere (sm80 was tuned against FlashAttention-2 with one; head_dim
-# 96/192 unmeasured).
+# 96/192 unmeasured). fp8 head_dim 128 non-causal (its optimistic step): 2. H200, 2026-12-01, variants
+# taking turns, TFLOP/s 1 vs 2 chains: s8k 862.2 / 869.8 and 853.5 / 866.1, s16k 869.3 / 880.3 and
+# 872.7 / 882.1.
 SOFTMAX_CHAINS = (1, 2, 4, 8)
 
 
-def softmax_chains_default(arch: str, head_dim: int, dtype: str) -> int:
+def softmax_chains_default(arch: str, head_dim: int, dtype: str, causal: bool) -> int:
     if arch != "sm90":
         return 1
+    if dtype == "fp8" and head_dim == 128 and not causal:
+        return 2
     return 4 if head_dim == 64 or (dtype == "fp8" and head_dim == 256) else 1
 
 
@@ -179,8 +193,11 @@ POLY_EXP2_TILES_DEFAULT = 0
 # fp8 (max pass beside the exp2s, P offset 2^6 instead of 2^8, 88cd2f4 + offset): d128 s8k 784 vs 868
 # (F 969), causal s8k 747 vs 807; but d64 s8k 648 vs 591, d256 998 vs 907, causal 977 vs 929. With
 # the offset of 2^8 (slack log2(448/256)) it lost 10-28% in all 18 fp8 cells: most steps redid.
+# fp8 head_dim 128 causal: exact and anchored since af2d74d (anchor_softmax_default).
 def optimistic_max_default(head_dim: int, dtype: str, causal: bool) -> bool:
-    return head_dim == 128 if dtype == "fp8" else head_dim in (64, 128, 256)
+    if dtype == "fp8":
+        return head_dim == 128 and not anchor_softmax_default(head_dim, dtype, causal)
+    return head_dim in (64, 128, 256)
 
 
 # uniform_wg's default (sm90/roles.cuh.j2: the consumer warpgroup index broadcast from lane 0, so
@@ -437,7 +454,7 @@ def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqle
     if arch != "sm90":
         return {}
     if dtype == "fp8":
-        return {"block_n": 128} if head_dim == 128 and causal and seqlen_q <= 2048 else {}
+        return {}
     if head_dim == 128 and not causal:
         if seqlen_k <= 1024:
             return {"block_n": 128}
@@ -640,11 +657,16 @@ class KernelSpec:
                         consumer_warpgroups=cwg,
                         pingpong=tiles.pingpong and cwg >= 2, intra_wg_overlap=tiles.intra_wg_overlap,
                         producer_regs=producer, consumer_regs=consumer, persistent=persistent,
-                        l2_hints=True, anchor_softmax=ANCHOR_SOFTMAX_DEFAULT,
+                        l2_hints=True,
+                        # these two defaults give way to each other and to two P buffers (which
+                        # need the optimistic step): an explicit value wins
+                        anchor_softmax=(anchor_softmax_default(self.head_dim, self.dtype, self.causal)
+                                        and not self.optimistic_max and self.p_buffers in (None, 1)),
                         uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout),
                         ctas_per_sm=1, cluster_m=1, o_in_v=False, q_stages=1, p_buffers=1,
                         rebuild_q_desc=False,
-                        optimistic_max=(optimistic_max_default(self.head_dim, self.dtype, self.causal)
+                        optimistic_max=((optimistic_max_default(self.head_dim, self.dtype, self.causal)
+                                         or self.p_buffers == 2)
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
                                  "uniform_wg", "optimistic_max", "rebuild_q_desc"))
@@ -681,7 +703,7 @@ class KernelSpec:
         fill["lazy_rescale"] = (self.schedule == "fa2" and self.dtype != "fp8"
                                 and lazy_rescale_default(self.arch, self.head_dim))
         _coerce_bools(self, ("lazy_rescale",))
-        fill["softmax_chains"] = softmax_chains_default(self.arch, self.head_dim, self.dtype)
+        fill["softmax_chains"] = softmax_chains_default(self.arch, self.head_dim, self.dtype, self.causal)
         fill["poly_exp2_tiles"] = POLY_EXP2_TILES_DEFAULT
         for name, value in fill.items():
             if getattr(self, name) is None:

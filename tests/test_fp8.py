@@ -18,7 +18,7 @@ from facodegen.spec import KernelSpec, SpecError, default_fp8_specs, default_spe
 def test_fp8_spec_defaults_and_errors():
     s = KernelSpec(arch="sm90", dtype="fp8", head_dim=128)
     assert (s.out_dtype, s.v_layout, s.separate_o) == ("bf16", "row", False)
-    assert s.variant.endswith("obf16") and "fp8" in s.variant
+    assert "_obf16" in s.variant and "fp8" in s.variant
     assert KernelSpec(arch="sm90", dtype="fp8", v_layout="transposed").variant.endswith("_vt")
     with pytest.raises(SpecError, match="dtype"):
         KernelSpec(arch="sm80", dtype="fp8")
