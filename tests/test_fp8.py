@@ -19,7 +19,7 @@ def test_fp8_spec_defaults_and_errors():
     s = KernelSpec(arch="sm90", dtype="fp8", head_dim=128)
     assert (s.out_dtype, s.v_layout, s.separate_o) == ("bf16", "row", False)
     assert "_obf16" in s.variant and "fp8" in s.variant
-    assert KernelSpec(arch="sm90", dtype="fp8", v_layout="transposed").variant.endswith("_vt")
+    assert "_vt" in KernelSpec(arch="sm90", dtype="fp8", v_layout="transposed").variant
     with pytest.raises(SpecError, match="dtype"):
         KernelSpec(arch="sm80", dtype="fp8")
     with pytest.raises(SpecError, match="out_dtype"):

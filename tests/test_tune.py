@@ -357,8 +357,7 @@ def test_resolve_spec_seqlen_rules(fake_device):
     128 causal up to 8k pingpong with uniform_wg (from 2k also 128 keys and two P buffers), from 16k
     the non-causal long tile (144 keys, two P buffers); head_dim 256 O over the V ring, uniform_wg, two
     P buffers and Q descriptors rebuilt per step at every length, with 64 keys up to 1k (causal) or
-    512 (non-causal); fp8 head_dim 128 causal up to 2k block_n 128; tuned entries and the caller's
-    fields win."""
+    512 (non-causal); fp8 has none (its defaults); tuned entries and the caller's fields win."""
     short = api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16))
     assert short == KernelSpec(arch="sm90", head_dim=128, gpu="h200", block_n=128)
     mid = api.resolve_spec(128, "bf16", False, 0, shape=(8, 2048, 2048, 16))
@@ -398,7 +397,8 @@ def test_resolve_spec_seqlen_rules(fake_device):
     assert api.resolve_spec(64, "bf16", False, 0, shape=(16, 1024, 1024, 32)).block_m == 192
     assert api.resolve_spec(128, "bf16", False, 0, shape=(32, 512, 512, 16), block_n=96).block_n == 96
     assert api.resolve_spec(128, "fp8", False, 0, shape=(32, 512, 512, 16)).block_n == 192
-    assert api.resolve_spec(128, "fp8", True, 0, shape=(8, 2048, 2048, 16)).block_n == 128
+    short_fp8 = api.resolve_spec(128, "fp8", True, 0, shape=(8, 2048, 2048, 16))   # no rule: the anchored exact step
+    assert (short_fp8.block_n, short_fp8.anchor_softmax, short_fp8.optimistic_max) == (192, True, False)
     assert api.resolve_spec(128, "fp8", True, 0, shape=(2, 8192, 8192, 16)).block_n == 192
     assert api.resolve_spec(64, "fp8", True, 0, shape=(8, 2048, 2048, 32)) == \
         KernelSpec(arch="sm90", head_dim=64, dtype="fp8", causal=True, gpu="h200")
