@@ -88,7 +88,7 @@ def spec_options(command, arch_choices=ARCHS):
                      help="sm90: O staging tile in its own shared-memory buffer (default: when it fits)."),
         click.option("--l2-hints/--no-l2-hints", default=None, help="sm90: L2 eviction hints on TMA loads."),
         click.option("--anchor-softmax/--no-anchor-softmax", default=None,
-                     help="sm90: keep the softmax ahead of the P V wgmma wait (a shared store ptxas cannot pass)."),
+                     help="sm90: keep the softmax (fp8: its row max pass) ahead of the P V wgmma wait (a shared store ptxas cannot pass)."),
         click.option("--lazy-rescale/--exact-rescale", default=None,
                      help="fa2/sm90, 16-bit types: rescale O only when a row max grows by more than 2^8."),
         click.option("--rescale-under-qk/--rescale-after-pv", default=None,

@@ -1376,8 +1376,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
                         // a fifth of it under). ANCHOR_SOFTMAX: a shared store of the row sums (the
                         // softmax's last result) is a memory operation the wait does not pass, so the
                         // softmax stays ahead of it (one writer per warpgroup and slot: no race). It
-                        // measured slower (spec.ANCHOR_SOFTMAX_DEFAULT): the exp2s then cannot mix with
-                        // the rescale and P conversion that follow the wait.
+                        // measured slower (spec.anchor_softmax_default, off for 16-bit types): the
+                        // exp2s then cannot mix with the rescale and P conversion that follow the wait.
                         if (ANCHOR_SOFTMAX && release_thread) {
                             st_shared_f32(smem_u32(&state.softmax_anchor[wg]), row_sum[0] + row_sum[1]);
                         }
