@@ -90,6 +90,26 @@ def test_optimistic_max_defaults_follow_the_measurements():
     assert all(s.optimistic_max for s in on) and not any(s.optimistic_max for s in off)
 
 
+def test_fp8_anchor_and_chain_defaults_follow_the_measurements():
+    """fp8: the anchored exact step at head_dim 64 and 128 causal, the optimistic one at 128
+    non-causal (two chains); the two defaults give way to an explicit value of the other, and two P
+    buffers take the optimistic step. 16-bit kernels never anchor by default."""
+    def fp8(**kw):
+        return KernelSpec(arch="sm90", dtype="fp8", **kw)
+    anchored = [fp8(head_dim=64), fp8(head_dim=64, causal=True), fp8(head_dim=128, causal=True)]
+    assert all(s.anchor_softmax and not s.optimistic_max for s in anchored)
+    plain = [fp8(head_dim=128), fp8(head_dim=256), fp8(head_dim=256, causal=True), fp8(head_dim=96),
+             KernelSpec(arch="sm90", head_dim=64), KernelSpec(arch="sm90", head_dim=128, causal=True)]
+    assert not any(s.anchor_softmax for s in plain)
+    assert fp8(head_dim=128).optimistic_max and fp8(head_dim=128).softmax_chains == 2
+    assert fp8(head_dim=128, causal=True).softmax_chains == 1
+    explicit = fp8(head_dim=128, causal=True, optimistic_max=True)
+    assert explicit.optimistic_max and not explicit.anchor_softmax
+    two_p = fp8(head_dim=128, causal=True, p_buffers=2, producer_regs=24, consumer_regs=240)
+    assert two_p.optimistic_max and not two_p.anchor_softmax
+    assert not fp8(head_dim=64, anchor_softmax=False).anchor_softmax
+
+
 def test_smem_budget_counts_bytes_and_stages():
     spec = KernelSpec(arch="sm80", head_dim=128, block_m=128, block_n=64, stages=2)
     # Q 128x128x2 bytes + 2 stages x (K + V) 64x128x2 bytes
