@@ -532,9 +532,10 @@ class KernelSpec:
     ``persistent`` (one CTA per SM with a tile scheduler), ``separate_o`` (the epilogue's O
     staging tile has its own shared-memory buffer instead of aliasing Q; default: on when it
     fits), ``l2_hints`` (TMA loads carry L2 eviction hints: K/V evict-last, Q evict-first),
-    ``anchor_softmax`` (keep the softmax, fp8: its row max pass, ahead of the P V wait), ``rescale_under_qk`` (O's rescale
-    between the next Q K^T and P V issues), ``uniform_wg`` (the consumer warpgroup index in uniform
-    registers), ``ctas_per_sm`` (1 | 2 | 3: CTAs of one consumer warpgroup sharing an SM),
+    ``anchor_softmax`` (keep the softmax, for fp8 its row max pass, ahead of the P V wait),
+    ``rescale_under_qk`` (O's rescale between the next Q K^T and P V issues), ``uniform_wg`` (the
+    consumer warpgroup index in uniform registers), ``ctas_per_sm`` (1 | 2 | 3: CTAs of one consumer
+    warpgroup sharing an SM),
     ``optimistic_max`` (a step's exp2s start from the running row max without waiting for a max
     pass; the row sums, for fp8 the max beside them, show when a step must be redone with the true
     max), ``cluster_m`` (1 | 2: two CTAs of a cluster run neighbouring m-blocks of one head and each

@@ -90,9 +90,9 @@ def test_fp8_default_compiles_clean(spec):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_p_shuffles_only_for_a_caller_transposed_v(causal):
-    """convert_p keeps P's keys in its registers for the in-kernel V^T (FA3's key order) and moves
-    them by quad shuffles for the caller's V^T: same tiles, more SHFL (the softmax's row
-    reductions are shuffles in both)."""
+    """pack_p_slice keeps P's keys in its registers for the in-kernel V^T (FA3's key order);
+    p_to_natural_order moves them by quad shuffles for the caller's V^T: same tiles, more SHFL (the
+    softmax's row reductions are shuffles in both)."""
     from facodegen import compiler
     shfl = {}
     for layout in ("row", "transposed"):
@@ -130,8 +130,8 @@ def smem_layout(block_n: int, head_dim: int) -> tuple[int, int, int, int]:
 
 def simulate_pv(block_n: int, head_dim: int, v_layout: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """One consumer warpgroup's O = P V through the kernel's index maps: S accumulator registers ->
-    convert_p (+ quad shuffles for V^T from the caller) -> wgmma e4m3 A-operand layout, and V -> shared
-    memory (TMA swizzle) -> transpose_v -> V^T (K-major, swizzled) as the wgmma B operand."""
+    pack_p_slice (+ p_to_natural_order's quad shuffles for V^T from the caller) -> wgmma e4m3
+    A-operand layout, and V -> shared memory (TMA swizzle) -> transpose_v -> V^T (K-major, swizzled) as the wgmma B operand."""
     rng = np.random.default_rng(seed)
     P = rng.integers(0, 256, size=(64, block_n))             # e4m3 bytes stand-ins: exact integer math
     V = rng.integers(0, 256, size=(block_n, head_dim))
@@ -143,7 +143,7 @@ def simulate_pv(block_n: int, head_dim: int, v_layout: str, seed: int = 0) -> tu
         g, t = divmod(lane, 4)
         for i in range(block_n // 2):
             s_reg[T, i] = P[16 * w + g + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * t + (i & 1)]
-    # convert_p
+    # pack_p_slice
     order = [(0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15)]
     p_reg = np.zeros((128, block_n // 8), dtype=np.int64)
     for T in range(128):
