@@ -374,9 +374,10 @@ def test_clock_probe_reads_nvidia_smi_and_groups_times_by_clock(tmp_path):
     assert lines[-1] == "throttle reasons seen: 0x0000000000000000, 0x0000000000000004"
 
 
-def test_run_impl_enters_a_single_use_context_once(monkeypatch):
-    """SDPA's backend choice (torch.nn.attention.sdpa_kernel) is a single-use context manager: the
-    check and the timing of one implementation run inside one entry of it."""
+@pytest.fixture
+def recorded_backend(monkeypatch):
+    """A single-use context manager like SDPA's backend choice that records its entries and exits in
+    `events` (returned with it), and a torch whose synchronize does nothing."""
     import contextlib
     import types
 
@@ -390,6 +391,13 @@ def test_run_impl_enters_a_single_use_context_once(monkeypatch):
 
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
     monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    return events, backend
+
+
+def test_run_impl_enters_a_single_use_context_once(monkeypatch, recorded_backend):
+    """SDPA's backend choice (torch.nn.attention.sdpa_kernel) is a single-use context manager: the
+    check and the timing of one implementation run inside one entry of it."""
+    events, backend = recorded_backend
     monkeypatch.setattr(bench, "_slice_check", lambda o, s, causal, dtype: (True, "", 1e-3))
     calls = []
     monkeypatch.setattr(bench, "time_cuda", lambda fn, **kw: (fn(), fn(), calls.append(events[:]),
@@ -402,22 +410,10 @@ def test_run_impl_enters_a_single_use_context_once(monkeypatch):
     assert calls == [["enter", "call", "call", "call"]] and events[-1] == "exit" and events.count("enter") == 1
 
 
-def test_build_and_check_hands_out_only_checked_implementations(monkeypatch):
+def test_build_and_check_hands_out_only_checked_implementations(monkeypatch, recorded_backend):
     """run_cell's in-turn mode: the check runs in one entry of the implementation's context, and only
     an implementation that passed it comes back (with its rotation and context) to take turns."""
-    import contextlib
-    import types
-
-    events = []
-
-    @contextlib.contextmanager
-    def backend():
-        events.append("enter")
-        yield
-        events.append("exit")
-
-    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
-    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    events, backend = recorded_backend
     verdict = {"ok": True}
     monkeypatch.setattr(bench, "_slice_check", lambda o, s, causal, dtype: (verdict["ok"], "off by 2x", 0.5))
     c = bench.cell(64, False, 1024, 1, 2, "bf16")
