@@ -141,7 +141,7 @@ FP8_Q_IN_REGS_DEFAULT = False
 # fp8 (exact max, af2d74d: the anchor holds the row max pass, not the whole softmax, ahead of the P V
 # wait): on for head_dim 64 and head_dim 128 causal (whose default thus takes the exact max instead of
 # the optimistic one). H200, 2026-12-01, variants taking turns (TFLOP/s default vs anchored; F = FA3
-# fp8): d64 s2k 577.5 / 588.8 (F 545.1), causal s2k 466.3 / 478.1, s8k 637.5 / 647.4 and 643.8 /
+# fp8): d64 s2k 577.5 / 588.8 (F 545.1), causal s2k 466.3 / 478.1, s8k 635.7 / 645.7 and 643.8 /
 # 668.4, s16k 650.9 / 665.2, causal s16k 635.1 / 644.9 and 646.3 / 648.0; d128 causal (optimistic vs
 # exact + anchored) s2k 649.4 (its 128-key rule) / 675.4, s8k 812.5 / 844.6 (F 809.3), s16k 857.9 /
 # 875.9 and 883.0 / 899.6 (F 865.2, 903.1). It loses at head_dim 256 (s8k 1103.6 / 1079.0 and 1110.4 /
