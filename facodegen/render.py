@@ -58,6 +58,7 @@ def emit_command(spec: KernelSpec) -> str:
                   "--overlap" if spec.intra_wg_overlap else "--no-overlap",
                   f"--regs {spec.producer_regs}/{spec.consumer_regs}",
                   "--persistent" if spec.persistent else "--no-persistent",
+                  "--dynamic-scheduler" if spec.dynamic_scheduler else "--static-scheduler",
                   "--separate-o" if spec.separate_o else ("--o-in-v" if spec.o_in_v else "--o-aliases-q"),
                   "--l2-hints" if spec.l2_hints else "--no-l2-hints",
                   "--anchor-softmax" if spec.anchor_softmax else "--no-anchor-softmax",

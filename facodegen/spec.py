@@ -213,6 +213,16 @@ def optimistic_max_default(head_dim: int, dtype: str, causal: bool) -> bool:
 def uniform_wg_default(head_dim: int, dtype: str, v_layout: str) -> bool:
     return dtype == "fp8" and head_dim == 256 and v_layout == "row"
 
+# dynamic_scheduler's default (sm90, persistent: the tiles after each CTA's first are handed out by an
+# atomic counter instead of every gridDim.x-th tile; sm90/scheduler.cuh.j2). Causal: on (its tiles differ
+# in length). Non-causal tiles are equal, but the SMs are not quite: with the counter the ones that run
+# ahead take the last wave's tiles. H200, scripts/ab_trees.py (old tree static, new dynamic, 8 groups x 2
+# rounds, 2026-12-01, df44c17, new/old), fp8: head_dim 128 s2k 1.021, s8k 1.004 and 0.997, s16k 1.010
+# and 1.007; head_dim 64 s2k 1.058, s16k 1.009; head_dim 256 s2k 1.007, s8k 0.997, s16k 1.000 and
+# 0.989, so static there. 16-bit non-causal: unmeasured, static.
+def dynamic_scheduler_default(head_dim: int, dtype: str, causal: bool) -> bool:
+    return causal or (dtype == "fp8" and head_dim <= 128)
+
 # q_stages' default (sm90: two Q buffers, so a tile's Q loads while the consumers run the tile before
 # and each consumer warpgroup starts its next tile at once): on for 16-bit causal kernels where the
 # second Q tile fits beside O's own place (its own buffer or the V ring). Causal tiles are short and
@@ -534,7 +544,9 @@ class KernelSpec:
     fits), ``l2_hints`` (TMA loads carry L2 eviction hints: K/V evict-last, Q evict-first),
     ``anchor_softmax`` (keep the softmax, for fp8 its row max pass, ahead of the P V wait),
     ``rescale_under_qk`` (O's rescale between the next Q K^T and P V issues), ``uniform_wg`` (the
-    consumer warpgroup index in uniform registers), ``ctas_per_sm`` (1 | 2 | 3: CTAs of one consumer
+    consumer warpgroup index in uniform registers), ``dynamic_scheduler`` (persistent CTAs take their
+    tiles after the first from an atomic counter instead of every gridDim.x-th; default: causal, and
+    fp8 up to head_dim 128), ``ctas_per_sm`` (1 | 2 | 3: CTAs of one consumer
     warpgroup sharing an SM),
     ``optimistic_max`` (a step's exp2s start from the running row max without waiting for a max
     pass; the row sums, for fp8 the max beside them, show when a step must be redone with the true
@@ -592,6 +604,7 @@ class KernelSpec:
     q_stages: int | None = None
     p_buffers: int | None = None
     rebuild_q_desc: bool | None = None
+    dynamic_scheduler: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -619,6 +632,7 @@ class KernelSpec:
             fill["rescale_under_qk"] = False
             fill["uniform_wg"] = False
             fill["optimistic_max"] = False
+            fill["dynamic_scheduler"] = False
             fill["ctas_per_sm"] = 1
             fill["cluster_m"] = 1
             fill["o_in_v"] = False
@@ -630,7 +644,8 @@ class KernelSpec:
                 raise SpecError("ctas_per_sm", "is an sm90 knob; arch=sm80 runs as many CTAs per SM as fit")
             for name in ("uniform_wg", "consumer_warpgroups", "pingpong", "intra_wg_overlap",
                          "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints",
-                         "anchor_softmax", "rescale_under_qk", "optimistic_max", "rebuild_q_desc"):
+                         "anchor_softmax", "rescale_under_qk", "optimistic_max", "rebuild_q_desc",
+                         "dynamic_scheduler"):
                 if getattr(self, name) not in (None, 0, False):
                     raise SpecError(name, "is an sm90 knob; arch=sm80 does not use it")
         else:
@@ -670,7 +685,9 @@ class KernelSpec:
                                          or self.p_buffers == 2)
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
-                                 "uniform_wg", "optimistic_max", "rebuild_q_desc"))
+                                 "uniform_wg", "optimistic_max", "rebuild_q_desc", "dynamic_scheduler"))
+            fill["dynamic_scheduler"] = (bool(self.persistent if self.persistent is not None else fill["persistent"])
+                                         and dynamic_scheduler_default(self.head_dim, self.dtype, self.causal))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
                                                                                   self.causal)
@@ -770,6 +787,8 @@ class KernelSpec:
                 parts.append(f"p{self.p_buffers}")
             if self.rebuild_q_desc:
                 parts.append("rqd")
+            if self.persistent and self.dynamic_scheduler != self.causal:
+                parts.append("dyn" if self.dynamic_scheduler else "stat")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -1018,9 +1037,11 @@ def _validate(spec: KernelSpec) -> None:
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
         for name in ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg",
-                     "optimistic_max", "rebuild_q_desc"):
+                     "optimistic_max", "rebuild_q_desc", "dynamic_scheduler"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
+        if spec.dynamic_scheduler and not spec.persistent:
+            raise SpecError("dynamic_scheduler", "hands tiles to persistent CTAs: it needs persistent=True")
         if spec.optimistic_max and spec.anchor_softmax:
             raise SpecError("optimistic_max", "writes P while no P V is in flight, so there is no wait for "
                                               "anchor_softmax to hold back: use anchor_softmax=False")

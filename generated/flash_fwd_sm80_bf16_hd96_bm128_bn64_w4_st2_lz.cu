@@ -15,6 +15,7 @@
 //   consumer_warpgroups  = 0
 //   ctas_per_sm          = 1
 //   dtype                = bf16
+//   dynamic_scheduler    = False
 //   gpu                  = a100
 //   head_dim             = 96
 //   intra_wg_overlap     = False

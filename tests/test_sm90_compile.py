@@ -114,6 +114,19 @@ def test_fp8_mbarrier_waits_sleep_instead_of_spinning(spec):
     _waits_sleep(compile_mod.compile(spec, verbose=False).sass())
 
 
+@pytest.mark.parametrize("fields,dynamic", [(dict(head_dim=128, dtype="fp8"), True), (dict(head_dim=256, dtype="fp8"), False),
+                                            (dict(head_dim=128), False), (dict(head_dim=128, causal=True), True),
+                                            (dict(head_dim=128, causal=True, dynamic_scheduler=False), False)],
+                         ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else str(x))
+def test_dynamic_scheduler_draws_tiles_with_an_atomic(fields, dynamic):
+    """spec.dynamic_scheduler: the loader warp's atomicAdd on the tile counter (ATOMG) is in the
+    SASS exactly when the counter hands out the tiles; the static schedule computes them."""
+    spec = K(**fields)
+    assert spec.dynamic_scheduler == dynamic
+    sass = compile_mod.compile(spec, verbose=False).sass()
+    assert ("ATOMG" in sass) == dynamic
+
+
 def test_cluster_kernels_multicast_kv_and_arrive_remotely_without_gpu_fences(kernel):
     """cluster_m=2: the K and V loads are multicast (one UTMALDG.MULTICAST each, Q stays a plain load),
     the consumers' releases reach both CTAs' barriers (remote SYNCS.ARRIVE...RED), and no per-step

@@ -260,6 +260,28 @@ def test_rebuild_q_desc_is_an_sm90_shared_memory_q_knob():
         assert err.value.field == "rebuild_q_desc"
 
 
+def test_dynamic_scheduler_defaults_and_its_errors():
+    """The counter hands out causal tiles and the fp8 kernels' up to head_dim 128; a name suffix says
+    where a spec departs from that causal default; it needs persistent CTAs and sm90."""
+    def sm90(**kw):
+        return KernelSpec(arch="sm90", **kw)
+    assert [sm90(head_dim=d, dtype="fp8").dynamic_scheduler for d in (64, 96, 128, 192, 256)] == [True, True, True, False, False]
+    assert all(sm90(head_dim=d, dtype=t, causal=True).dynamic_scheduler for d in (64, 128, 256) for t in ("bf16", "fp8"))
+    assert not any(sm90(head_dim=d).dynamic_scheduler for d in (64, 128, 256))
+    assert not sm90(head_dim=128, causal=True, persistent=False).dynamic_scheduler
+    assert "_dyn" in sm90(head_dim=128, dtype="fp8").variant and "_dyn" not in sm90(head_dim=256, dtype="fp8").variant
+    assert "_dyn" in sm90(head_dim=128, dynamic_scheduler=1).variant
+    static_causal = sm90(head_dim=128, causal=True, dynamic_scheduler=False)
+    assert "_stat" in static_causal.variant and static_causal != sm90(head_dim=128, causal=True)
+    assert "_dyn" not in sm90(head_dim=128, causal=True).variant
+    assert not KernelSpec(arch="sm80", head_dim=128, causal=True).dynamic_scheduler
+    for bad in (dict(arch="sm90", persistent=False, dynamic_scheduler=True), dict(arch="sm80", dynamic_scheduler=True),
+                dict(arch="sm90", dynamic_scheduler="yes")):
+        with pytest.raises(SpecError) as err:
+            KernelSpec(head_dim=128, **bad)
+        assert err.value.field == "dynamic_scheduler", (bad, err.value)
+
+
 def test_two_q_buffers_take_a_second_q_tile_and_need_o_elsewhere():
     one = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=1)
     two = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=2)

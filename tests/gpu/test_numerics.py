@@ -213,6 +213,9 @@ NON_DEFAULT = [
     ("sm90", 64, "fp16", False, {"optimistic_max": True}),
     ("sm90", 256, "bf16", False, {"optimistic_max": True}),
     ("sm90", 128, "bf16", True, {"optimistic_max": True, "intra_wg_overlap": False}),
+    # tiles from the counter without causal, and causal tiles every gridDim.x-th
+    ("sm90", 128, "bf16", False, {"dynamic_scheduler": True}),
+    ("sm90", 64, "fp16", True, {"dynamic_scheduler": False}),
     # schedule=fa1 (FlashAttention-1) and each of its switches flipped alone (issue 7)
     ("sm80", 128, "bf16", False, {"schedule": "fa1"}),
     ("sm80", 128, "bf16", True, {"schedule": "fa1"}),
@@ -663,6 +666,22 @@ def test_fp8_non_default_spec(fields):
     spec = KernelSpec(arch="sm90", dtype="fp8", **fields)
     o, _, o_ref, _, _ = _fp8_case(spec, (2, 1000, 1000, 4, 2), seed=7)
     assert not np.isnan(o).any() and _rel(o, o_ref) <= FP8_TOLERANCE
+
+
+@pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
+@pytest.mark.parametrize("fields", [dict(head_dim=128), dict(head_dim=64), dict(head_dim=256, dynamic_scheduler=True),
+                                    dict(head_dim=128, causal=True, dynamic_scheduler=False)],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_fp8_many_tiles_per_cta(fields):
+    """More tiles than CTAs (176-288 tiles on at most 132 CTAs), so the persistent CTAs go on past
+    their first tile, through the counter (dynamic_scheduler, the default at head_dim 64/128) or the
+    static order; odd lengths, a ragged last K/V block, GQA."""
+    from facodegen.reference import FP8_TOLERANCE
+    spec = KernelSpec(arch="sm90", dtype="fp8", **fields)
+    for shape in [(2, 2048, 512, 8, 4), (3, 1384, 777, 6, 2)]:
+        o, _, o_ref, _, _ = _fp8_case(spec, shape, seed=11)
+        err = _rel(o, o_ref)
+        assert not np.isnan(o).any() and err <= FP8_TOLERANCE, (shape, err)
 
 
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
