@@ -219,7 +219,9 @@ def uniform_wg_default(head_dim: int, dtype: str, v_layout: str) -> bool:
 # ahead take the last wave's tiles. H200, scripts/ab_trees.py (old tree static, new dynamic, 8 groups x 2
 # rounds, 2026-12-01, df44c17, new/old), fp8: head_dim 128 s2k 1.021, s8k 1.004 and 0.997, s16k 1.010
 # and 1.007; head_dim 64 s2k 1.058, s16k 1.009; head_dim 256 s2k 1.007, s8k 0.997, s16k 1.000 and
-# 0.989, so static there. 16-bit non-causal: unmeasured, static.
+# 0.989, so static there. 16-bit non-causal (same run, TFLOP/s static vs dynamic): d64 s2k 521.2 vs
+# 523.4, s16k 581.0 vs 583.2; d128 s2k 655.2 vs 641.6, s8k 728.7 vs 720.9, s16k 728.2 vs 741.9; d256
+# s8k 753.6 vs 754.0, s16k 768.9 vs 772.2: mixed, static.
 def dynamic_scheduler_default(head_dim: int, dtype: str, causal: bool) -> bool:
     return causal or (dtype == "fp8" and head_dim <= 128)
 
