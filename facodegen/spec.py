@@ -688,13 +688,13 @@ class KernelSpec:
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
                                  "uniform_wg", "optimistic_max", "rebuild_q_desc", "dynamic_scheduler"))
-            fill["dynamic_scheduler"] = (bool(self.persistent if self.persistent is not None else fill["persistent"])
-                                         and dynamic_scheduler_default(self.head_dim, self.dtype, self.causal))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
                                                                                   self.causal)
             def resolved(name):                              # the caller's value, else the default so far
                 return getattr(self, name) if getattr(self, name) is not None else fill.get(name)
+            fill["dynamic_scheduler"] = (bool(resolved("persistent"))
+                                         and dynamic_scheduler_default(self.head_dim, self.dtype, self.causal))
             dims = (resolved("block_m"), resolved("block_n"), resolved("stages"))
             dims_known = all(isinstance(x, int) for x in dims)
             if self.dtype == "fp8":
