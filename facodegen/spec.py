@@ -115,11 +115,11 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 # for the sm80 head_dim 96/128 kernel (128x64, 4 warps) only. On the H200 (same-run sweeps and grids
 # vs FlashAttention-2, 2026-11-29): sm80 d128 +2-4% (s8k 344 -> 356, causal s16k 321 -> 335 at
 # 9f281b1), but sm80 d64 -8% (s16k 340 at 25ad51b, 311 at a420b8c; FA2 308 in both), sm80 d256 s1k
-# 310 -> 308, and sm90 -1 to -5% in every cell tried (d256 s8k 688 -> 652). Those ran with o_scale
-# an ulp off 1 for a kept max, so the vote multiplied O anyway (fixed in e9ee99c). Again with it
-# skipping (H200, 2026-12-01, TFLOP/s exact / lazy): sm80 d64 s8k 335.1 / 306.8, d192 315.1 / 283.7,
-# d256 317.9 / 322.0, d128 causal s16k 314.5 / 338.6; sm90 s8k (default / lazy) d128 717.0 / 717.3,
-# d64 562.7 / 563.8, d256 732.1 / 733.9. Unchanged.
+# 310 -> 308, and sm90 -1 to -5% in every cell tried (d256 s8k 688 -> 652). All of these ran with
+# o_scale an ulp off 1 for a kept max (ptxas fuses take_row_max's exponent into one FFMA), so the vote
+# multiplied O anyway; with an exact 1 (H200, 2026-12-01, docs/perf-notes.md session 16, not landed:
+# the head_dim 128 causal kernel then spills) sm80 d128 +1.7-2.8%, and lazy vs exact: sm80 d64 s8k
+# 306.8 / 335.1, d192 283.7 / 315.1, d256 322.0 / 317.9; sm90 level.
 def lazy_rescale_default(arch: str, head_dim: int) -> bool:
     return arch == "sm80" and 64 < head_dim <= 128
 

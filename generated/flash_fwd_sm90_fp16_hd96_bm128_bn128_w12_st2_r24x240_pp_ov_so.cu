@@ -290,10 +290,6 @@ constexpr int POLY_EXP2_TILES = 0;
 // Steps after a tile's first skip the row max pass unless the row sums say they need it
 // (softmax_step_optimistic; spec.optimistic_max).
 constexpr bool OPTIMISTIC_MAX = false;
-// O's rescale only when a row of the warp moved its max (see rescale_moved_rows): where the steps
-// mostly keep the max. For the exact step the vote measured slower (H200, 2026-12-01, fp8 head_dim 256
-// -3%, docs/perf-notes.md session 16): its FMULs then wait behind the exp2s instead of filling their gaps.
-constexpr bool RESCALE_VOTE = LAZY_RESCALE || OPTIMISTIC_MAX;
 
 __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -410,20 +406,11 @@ __device__ __forceinline__ void exp2_rows(float (&s)[N], float scale_log2, const
 // Move one row to its new max (whole-row, quad-reduced): max_scaled receives the exp2 shift (new max *
 // scale_log2; 0 while the row has seen no key, so -inf - (-inf) never happens: its p are 2^-inf = 0
 // and its zero O and sum get factor 0) and o_scale the factor 2^((old_max - new_max)*scale_log2) for
-// O and the row sum (0 while the row had no visible key, 1 if the max did not move). LAZY_RESCALE keeps
-// the old max on most steps and needs that 1 exactly for rescale_moved_rows' vote: both products
-// rounded (__fmul_rn) give an exponent of exactly 0, where ptxas's FFMA of row_max * scale_log2 -
-// max_scaled left max_scaled's rounding error as the exponent and o_scale came out an ulp off 1,
-// so the vote fired on steps whose max had not moved. (The optimistic step sets its 1 directly.)
+// O and the row sum (0 while the row had no visible key, 1 if the max did not move).
 __device__ __forceinline__ void take_row_max(float new_max, float& row_max, float scale_log2, float& max_scaled,
                                              float& o_scale) {
-    if (LAZY_RESCALE) {
-        max_scaled = new_max == NEG_INF ? 0.f : __fmul_rn(new_max, scale_log2);
-        o_scale = fast_exp2(__fmul_rn(row_max, scale_log2) - max_scaled);
-    } else {
-        max_scaled = new_max == NEG_INF ? 0.f : new_max * scale_log2;
-        o_scale = fast_exp2(row_max * scale_log2 - max_scaled);
-    }
+    max_scaled = new_max == NEG_INF ? 0.f : new_max * scale_log2;
+    o_scale = fast_exp2(row_max * scale_log2 - max_scaled);
     row_max = new_max;
 }
 
@@ -473,11 +460,13 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[N], const float (&scal
     }
 }
 
-// The main loop's O *= o_scale. RESCALE_VOTE: skipped when no row of the warp moved (o_scale = 1 in
-// every lane, exactly: ex2.approx(0) or set), a warp-uniform branch; without it every step rescales.
+// The main loop's O *= o_scale. LAZY_RESCALE or OPTIMISTIC_MAX: skipped when no row of the warp
+// moved (o_scale = 1 in every lane, exactly: ex2.approx(0) or set), a warp-uniform branch.
+// Without them every step rescales (the row max moves often enough that the branch would only
+// cost registers).
 template <int N>
 __device__ __forceinline__ void rescale_moved_rows(float (&acc)[N], const float (&scale)[2]) {
-    if (!RESCALE_VOTE || __any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
+    if (!(LAZY_RESCALE || OPTIMISTIC_MAX) || __any_sync(0xffffffffu, scale[0] != 1.f || scale[1] != 1.f)) {
         rescale_rows(acc, scale);
     }
 }
