@@ -14,7 +14,8 @@ import sys
 from dataclasses import dataclass
 
 from . import compiler as compile_mod
-from .launch import Operand, grid, launch_prepared, pack_params, resident_ctas, workspace_floats
+from .launch import (Operand, grid, launch_prepared, pack_params, resident_ctas, stream_k_flags,
+                     stream_k_workspace_floats, workspace_floats)
 from .spec import HEAD_DIMS, SEQLEN_RULE_FIELDS, KernelSpec, SpecError, seqlen_rule_fields
 
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -292,18 +293,19 @@ class PreparedAttention:
     compiled kernel, the FlashParams bytes and the tensor maps are built once)."""
 
     def __init__(self, spec: KernelSpec, q: _View, out, lse_out, param_bytes: bytes, return_lse: bool,
-                 keep_alive: tuple = ()):
+                 keep_alive: tuple = (), workspace=None):
         import ctypes
         self.spec = spec
         # Device buffers param_bytes points into besides q, k, v, out and lse (fa1's fp32 workspace,
         # the fp8 descales, among them the unit ones made for left-out arguments): they live as
         # long as this object.
         self._keep_alive = tuple(x for x in keep_alive if x is not None)
+        self.workspace = workspace   # stream_k: the split tiles' fp32 slots, then the flags (else None)
         self.out, self.lse_out, self._return_lse = out, lse_out, return_lse
         self._q = q
         self._prepared = _prepare(spec, q.device)
         batch, seqlen_q, heads_q, _ = q.shape
-        self._grid = grid(spec, batch, heads_q, seqlen_q, self._prepared.resident_ctas)
+        self.grid = grid(spec, batch, heads_q, seqlen_q, self._prepared.resident_ctas)   # launch grid (x, y, z)
         self._counter = _tile_counter(q.device) if spec.arch == "sm90" and spec.persistent else None
         self._param_bytes = param_bytes
         # Kept alive with the object: the driver reads them at each launch.
@@ -316,7 +318,7 @@ class PreparedAttention:
         with Device(self._q.device):
             if self._counter is not None:
                 runtime.memsetAsync(self._counter.data.ptr, 0, 4, stream)
-            launch_prepared(self._prepared.function, self._grid, self.spec.threads, self._prepared.smem_bytes,
+            launch_prepared(self._prepared.function, self.grid, self.spec.threads, self._prepared.smem_bytes,
                             stream, self._kernel_params)
         return (self.out, self.lse_out) if self._return_lse else self.out
 
@@ -503,9 +505,24 @@ def _prepare_fp8(qv: _View, kv: _View, vv: _View, *, causal, softmax_scale, retu
     lsev = _view("lse_out", lse_out)
     _check_lse(lsev, qv)
     counter = _tile_counter(qv.device)
+    workspace = _stream_k_workspace(spec, qv)
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
-                              counter.data.ptr, float(softmax_scale), descales=descales)
-    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, keep_alive=tuple(keep))
+                              counter.data.ptr, float(softmax_scale), descales=descales,
+                              workspace_ptr=_view("workspace", workspace).ptr if workspace is not None else 0)
+    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, keep_alive=(*keep, workspace),
+                             workspace=workspace)
+
+
+def _stream_k_workspace(spec: KernelSpec, like: _View):
+    """stream_k: the split tiles' fp32 workspace of this call (its flags zeroed here, once: the kernel
+    puts each back to 0 after reading it), sized for the persistent grid; None if unused."""
+    ctas = _prepare(spec, like.device).resident_ctas
+    floats = stream_k_workspace_floats(spec, ctas)
+    if not floats:
+        return None
+    workspace = _empty(like, (floats,), "float32")
+    workspace[floats - stream_k_flags(spec, ctas):] = 0
+    return workspace
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,

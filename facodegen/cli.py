@@ -29,7 +29,7 @@ _SPEC_FLAGS = {
     "rescale_under_qk": "rescale_under_qk", "softmax_chains": "softmax_chains", "uniform_wg": "uniform_wg",
     "ctas_per_sm": "ctas_per_sm", "cluster_m": "cluster_m", "o_in_v": "o_in_v", "poly_exp2_tiles": "poly_exp2_tiles", "optimistic_max": "optimistic_max",
     "q_stages": "q_stages", "p_buffers": "p_buffers", "rebuild_q_desc": "rebuild_q_desc",
-    "dynamic_scheduler": "dynamic_scheduler",
+    "dynamic_scheduler": "dynamic_scheduler", "stream_k": "stream_k",
 }
 
 
@@ -86,6 +86,8 @@ def spec_options(command, arch_choices=ARCHS):
         click.option("--persistent/--no-persistent", default=None, help="sm90: one CTA per SM with a tile scheduler."),
         click.option("--dynamic-scheduler/--static-scheduler", "dynamic_scheduler", default=None,
                      help="sm90 persistent: tiles after each CTA's first from an atomic counter (default: causal, fp8 to head_dim 128)."),
+        click.option("--stream-k/--no-stream-k", "stream_k", default=None,
+                     help="sm90 fp8 non-causal, static scheduler: the last waves cut along the keys, one equal share per CTA."),
         click.option("--consumer-warpgroups", type=int, help="sm90: consumer warpgroups (block_m = 64 x this)."),
         click.option("--separate-o/--o-aliases-q", "separate_o", default=None,
                      help="sm90: O staging tile in its own shared-memory buffer (default: when it fits)."),

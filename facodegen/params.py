@@ -42,7 +42,7 @@ COMMON_FIELDS = [
     Field("o", "ptr", "elem_t*", "O (batch, seqlen_q, heads_q, head_dim)"),
     Field("lse", "ptr", "float*", "row log-sum-exp, natural log, (batch, heads_q, seqlen_q) contiguous"),
     Field("tile_counter", "ptr", "int*", "work counter of the dynamic tile scheduler (zeroed before launch)"),
-    Field("workspace", "ptr", "float*", "fp32 O, m, l between K/V blocks (sm80 schedule=fa1, loop_order=kv_outer; else 0)"),
+    Field("workspace", "ptr", "float*", "fp32 O, m, l between K/V blocks (sm80 schedule=fa1, loop_order=kv_outer) or of split tiles (sm90 stream_k); else 0"),
     *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"),
     Field("batch", "i32", "int", "batch size"),
     Field("seqlen_q", "i32", "int", "query sequence length"),

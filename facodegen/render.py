@@ -59,6 +59,7 @@ def emit_command(spec: KernelSpec) -> str:
                   f"--regs {spec.producer_regs}/{spec.consumer_regs}",
                   "--persistent" if spec.persistent else "--no-persistent",
                   "--dynamic-scheduler" if spec.dynamic_scheduler else "--static-scheduler",
+                  "--stream-k" if spec.stream_k else "--no-stream-k",
                   "--separate-o" if spec.separate_o else ("--o-in-v" if spec.o_in_v else "--o-aliases-q"),
                   "--l2-hints" if spec.l2_hints else "--no-l2-hints",
                   "--anchor-softmax" if spec.anchor_softmax else "--no-anchor-softmax",

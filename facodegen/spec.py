@@ -229,6 +229,19 @@ def uniform_wg_default(head_dim: int, dtype: str, v_layout: str) -> bool:
 def dynamic_scheduler_default(head_dim: int, dtype: str, causal: bool) -> bool:
     return causal or (dtype == "fp8" and head_dim <= 128)
 
+# stream_k's default (sm90 fp8 non-causal, persistent with the static scheduler): on at head_dim 256,
+# where 16k tokens make 1024 tiles, 7.76 waves on 132 SMs. H200, 2026-12-01, TFLOP/s default / stream_k
+# (scripts/sweep.py, 10 groups, FA3 in the same run): s8k 1097.1 / 1103.3 (1114.2), s16k 1109.9 / 1127.5
+# (1138.2); scripts/ab_trees.py (8 groups x 2 rounds): s8k 1076.0, 1080.6 / 1081.6, 1084.1 (1090.0), s16k
+# 1084.1, 1087.4 / 1104.7, 1106.7 (1110.2). Gains short of the ~3% idle last wave: each share adds about
+# two piece boundaries (a tile's pipeline fill and drain), which cost more at 8k than at 16k. Off at
+# head_dim 128 (against the dynamic scheduler, its default: s8k 869.9 / 865.1, s16k 887.2 / 893.5) and
+# 64 (s16k 678.4 / 653.5, s2k 612.5 / 554.5: short tiles, the counter's balance matters more). A split
+# region of only the last T % G tiles (shares under one tile, three pieces to some tiles, a piece
+# waiting for the one beside it) measured lower still: d256 s16k 0.990x, d128 0.97x, d64 0.956x of this.
+def stream_k_default(head_dim: int, dtype: str, causal: bool) -> bool:
+    return dtype == "fp8" and head_dim == 256 and not causal
+
 # q_stages' default (sm90: two Q buffers, so a tile's Q loads while the consumers run the tile before
 # and each consumer warpgroup starts its next tile at once): on for 16-bit causal kernels where the
 # second Q tile fits beside O's own place (its own buffer or the V ring). Causal tiles are short and
@@ -462,7 +475,12 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
 #   head_dim 128 causal, block_n 192 -> 128 up to 2k (a tile's diagonal blocks are a large share
 #   of its 1-16 blocks): s1k 396 -> 428 (bcc4ca6), s2k 569 -> 568 (bcc4ca6) and, with the
 #   conflict-free transposer, 623 -> 647 (9e4f04a); at s8k 820 -> 779, so not there.
-SEQLEN_RULE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups", "o_in_v")
+#   head_dim 256 non-causal below 8k keys, stream_k off (its shares add piece boundaries, which
+#   cost more the shorter the tiles): 2026-12-01 (scripts/sweep.py, 10 groups, 16k tokens, TFLOP/s
+#   stream_k / without (F)): s512 750.9 / 870.8 (362.3), s1k 955.6 / 1030.3 (641.8), s2k 1086.5 /
+#   1101.8 (1004.3), s4k 1092.3 / 1104.0 (1078.3); s8k 1124.4 / 1107.1 (1127.6), s16k 1144.5 / 1128.4
+#   (1158.4) keep it.
+SEQLEN_RULE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups", "o_in_v", "stream_k")
 
 
 def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqlen_q: int, seqlen_k: int) -> dict:
@@ -470,7 +488,7 @@ def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqle
     if arch != "sm90":
         return {}
     if dtype == "fp8":
-        return {}
+        return {"stream_k": False} if head_dim == 256 and not causal and seqlen_k < 8192 else {}
     if head_dim == 128 and not causal:
         if seqlen_k <= 1024:
             return {"block_n": 128}
@@ -552,7 +570,10 @@ class KernelSpec:
     ``rescale_under_qk`` (O's rescale between the next Q K^T and P V issues), ``uniform_wg`` (the
     consumer warpgroup index in uniform registers), ``dynamic_scheduler`` (persistent CTAs take their
     tiles after the first from an atomic counter instead of every gridDim.x-th; default: causal, and
-    fp8 up to head_dim 128), ``ctas_per_sm`` (1 | 2 | 3: CTAs of one consumer
+    fp8 up to head_dim 128), ``stream_k`` (fp8, persistent with the static scheduler, non-causal:
+    the whole waves but one run tile by tile, the rest is cut along the keys into equal shares, one
+    per CTA, and a tile split between two CTAs meets in a workspace: no last wave with idle SMs),
+    ``ctas_per_sm`` (1 | 2 | 3: CTAs of one consumer
     warpgroup sharing an SM),
     ``optimistic_max`` (a step's exp2s start from the running row max without waiting for a max
     pass; the row sums, for fp8 the max beside them, show when a step must be redone with the true
@@ -611,6 +632,7 @@ class KernelSpec:
     p_buffers: int | None = None
     rebuild_q_desc: bool | None = None
     dynamic_scheduler: bool | None = None
+    stream_k: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -639,6 +661,7 @@ class KernelSpec:
             fill["uniform_wg"] = False
             fill["optimistic_max"] = False
             fill["dynamic_scheduler"] = False
+            fill["stream_k"] = False
             fill["ctas_per_sm"] = 1
             fill["cluster_m"] = 1
             fill["o_in_v"] = False
@@ -651,7 +674,7 @@ class KernelSpec:
             for name in ("uniform_wg", "consumer_warpgroups", "pingpong", "intra_wg_overlap",
                          "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints",
                          "anchor_softmax", "rescale_under_qk", "optimistic_max", "rebuild_q_desc",
-                         "dynamic_scheduler"):
+                         "dynamic_scheduler", "stream_k"):
                 if getattr(self, name) not in (None, 0, False):
                     raise SpecError(name, "is an sm90 knob; arch=sm80 does not use it")
         else:
@@ -691,14 +714,17 @@ class KernelSpec:
                                          or self.p_buffers == 2)
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
-                                 "uniform_wg", "optimistic_max", "rebuild_q_desc", "dynamic_scheduler"))
+                                 "uniform_wg", "optimistic_max", "rebuild_q_desc", "dynamic_scheduler",
+                                 "stream_k"))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
                                                                                   self.causal)
             def resolved(name):                              # the caller's value, else the default so far
                 return getattr(self, name) if getattr(self, name) is not None else fill.get(name)
-            fill["dynamic_scheduler"] = (bool(resolved("persistent"))
+            fill["dynamic_scheduler"] = (bool(resolved("persistent")) and not self.stream_k
                                          and dynamic_scheduler_default(self.head_dim, self.dtype, self.causal))
+            fill["stream_k"] = (bool(resolved("persistent")) and not resolved("dynamic_scheduler")
+                                and stream_k_default(self.head_dim, self.dtype, self.causal))
             dims = (resolved("block_m"), resolved("block_n"), resolved("stages"))
             dims_known = all(isinstance(x, int) for x in dims)
             if self.dtype == "fp8":
@@ -795,6 +821,8 @@ class KernelSpec:
                 parts.append("rqd")
             if self.persistent and self.dynamic_scheduler != self.causal:
                 parts.append("dyn" if self.dynamic_scheduler else "stat")
+            if self.stream_k:
+                parts.append("sk")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -1043,11 +1071,12 @@ def _validate(spec: KernelSpec) -> None:
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
         for name in ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg",
-                     "optimistic_max", "rebuild_q_desc", "dynamic_scheduler"):
+                     "optimistic_max", "rebuild_q_desc", "dynamic_scheduler", "stream_k"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
         if spec.dynamic_scheduler and not spec.persistent:
             raise SpecError("dynamic_scheduler", "hands tiles to persistent CTAs: it needs persistent=True")
+        _check_stream_k(spec)
         if spec.optimistic_max and spec.anchor_softmax:
             raise SpecError("optimistic_max", "writes P while no P V is in flight, so there is no wait for "
                                               "anchor_softmax to hold back: use anchor_softmax=False")
@@ -1101,6 +1130,21 @@ def _validate(spec: KernelSpec) -> None:
                 f"{spec.ctas_per_sm} CTAs per SM need {spec.ctas_per_sm} x ({need} + {SM90_CTA_RESERVED_SMEM} reserved) = {per_sm} bytes of "
                 f"shared memory, over the {limits.smem_per_sm} of an SM on {spec.gpu}: lower stages or "
                 f"block_n{', set separate_o=False' if spec.separate_o else ''}, or use ctas_per_sm=1"))
+
+
+def _check_stream_k(spec: KernelSpec) -> None:
+    """stream_k: each persistent CTA computes its share of the last waves itself (static order)."""
+    if not spec.stream_k:
+        return
+    if spec.dtype != "fp8":
+        raise SpecError("stream_k", "splits tiles in the fp8 kernel only (the 16-bit epilogue stores O through "
+                                    "shared memory): use stream_k=False")
+    if spec.causal:
+        raise SpecError("stream_k", "cuts equal shares of equal tiles; causal tiles differ in length and take "
+                                    "the dynamic scheduler: use stream_k=False")
+    if not spec.persistent or spec.dynamic_scheduler:
+        raise SpecError("stream_k", "needs persistent=True with the static scheduler (dynamic_scheduler=False): "
+                                    "each CTA computes its share from its index")
 
 
 def _check_o_in_v(spec: KernelSpec) -> None:

@@ -68,6 +68,8 @@ SEARCH_SPACE = {
         "p_buffers": (1, 2),
         # Q descriptors derived at every Q K^T (uniform adds) or held across the loop (registers).
         "rebuild_q_desc": (False, True),
+        # fp8 non-causal: the last waves cut along the keys (a SpecError elsewhere: skipped).
+        "stream_k": (False, True),
     },
     "sm80": {
         "block_m": (64, 128),
@@ -92,7 +94,7 @@ _SWITCH_WEIGHTS = {"pingpong": 1.0, "intra_wg_overlap": 1.0, "persistent": 1.5, 
                    "separate_o": 1.0, "l2_hints": 1.0, "anchor_softmax": 1.0, "lazy_rescale": 1.0,
                    "rescale_under_qk": 1.0, "softmax_chains": 1.0, "poly_exp2_tiles": 1.0, "optimistic_max": 1.0,
                    "uniform_wg": 1.0, "ctas_per_sm": 1.0, "o_in_v": 1.0, "p_buffers": 1.0,
-                   "rebuild_q_desc": 1.0}
+                   "rebuild_q_desc": 1.0, "stream_k": 1.0}
 
 
 def _spec_field_names() -> set:

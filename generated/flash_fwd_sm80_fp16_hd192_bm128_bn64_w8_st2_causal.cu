@@ -39,6 +39,7 @@
 //   separate_o           = False
 //   softmax_chains       = 1
 //   stages               = 2
+//   stream_k             = False
 //   uniform_wg           = False
 //   warp_split           = q
 //   (shared memory)      = 147456 bytes
@@ -71,7 +72,7 @@ struct FlashParams {
     elem_t*          o;                 // @24: O (batch, seqlen_q, heads_q, head_dim)
     float*           lse;               // @32: row log-sum-exp, natural log, (batch, heads_q, seqlen_q) contiguous
     int*             tile_counter;      // @40: work counter of the dynamic tile scheduler (zeroed before launch)
-    float*           workspace;         // @48: fp32 O, m, l between K/V blocks (sm80 schedule=fa1, loop_order=kv_outer; else 0)
+    float*           workspace;         // @48: fp32 O, m, l between K/V blocks (sm80 schedule=fa1, loop_order=kv_outer) or of split tiles (sm90 stream_k); else 0
     long long        q_batch_stride;    // @56: q stride between batchs, in elements
     long long        q_row_stride;      // @64: q stride between rows, in elements
     long long        q_head_stride;     // @72: q stride between heads, in elements

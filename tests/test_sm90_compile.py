@@ -127,6 +127,25 @@ def test_dynamic_scheduler_draws_tiles_with_an_atomic(fields, dynamic):
     assert ("ATOMG" in sass) == dynamic
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_stream_k_kernels_meet_through_l2_without_spills(head_dim):
+    """stream_k: no spills beside the default's registers; a PARTIAL piece's O, m, l go out as
+    L2 stores (STG.E.STRONG.GPU, one per accumulator register and 4 more, plus the flag) and the
+    COMBINE piece reads them back the same way, its flag wait sleeping (NANOSLEEP); the static
+    kernel without it has none of them."""
+    spec = K(head_dim=head_dim, dtype="fp8", stream_k=True)
+    kernel = compile_mod.compile(spec, verbose=False)
+    res = kernel.resources
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res
+    sass = kernel.sass()
+    o_regs = head_dim // 2
+    assert sass.count("STG.E.STRONG.GPU") == o_regs + 4 + 1, sass.count("STG.E.STRONG.GPU")
+    assert sass.count("LDG.E.STRONG.GPU") >= o_regs + 4 + 1
+    assert re.search(r"NANOSLEEP 0x", sass)
+    without = compile_mod.compile(spec.replace(stream_k=False, dynamic_scheduler=False), verbose=False).sass()
+    assert "STRONG.GPU" not in without
+
+
 def test_cluster_kernels_multicast_kv_and_arrive_remotely_without_gpu_fences(kernel):
     """cluster_m=2: the K and V loads are multicast (one UTMALDG.MULTICAST each, Q stays a plain load),
     the consumers' releases reach both CTAs' barriers (remote SYNCS.ARRIVE...RED), and no per-step

@@ -282,6 +282,29 @@ def test_dynamic_scheduler_defaults_and_its_errors():
         assert err.value.field == "dynamic_scheduler", (bad, err.value)
 
 
+def test_stream_k_is_an_fp8_non_causal_static_knob():
+    """stream_k: named in the variant, it turns the fp8 default's dynamic scheduler off; the 16-bit
+    kernels, causal masks, the counter and non-persistent grids are refused by name."""
+    def sm90(**kw):
+        return KernelSpec(arch="sm90", **kw)
+    assert [sm90(head_dim=d, dtype="fp8").stream_k for d in (64, 96, 128, 192, 256)] == [False] * 4 + [True]
+    assert not any(sm90(head_dim=d, dtype=t, causal=True).stream_k for d in (64, 128, 256) for t in ("bf16", "fp8"))
+    assert not sm90(head_dim=256).stream_k and not sm90(head_dim=256, dtype="fp8", persistent=False).stream_k
+    assert not sm90(head_dim=256, dtype="fp8", dynamic_scheduler=True).stream_k
+    spec = sm90(head_dim=128, dtype="fp8", stream_k=True)
+    assert spec.stream_k and not spec.dynamic_scheduler and "_sk" in spec.variant
+    assert "_sk" not in sm90(head_dim=128, dtype="fp8").variant
+    for bad in (dict(stream_k=True), dict(dtype="fp8", causal=True, stream_k=True),
+                dict(dtype="fp8", dynamic_scheduler=True, stream_k=True),
+                dict(dtype="fp8", persistent=False, stream_k=True), dict(dtype="fp8", stream_k="yes")):
+        with pytest.raises(SpecError) as err:
+            sm90(head_dim=128, **bad)
+        assert err.value.field == "stream_k", (bad, err.value)
+    with pytest.raises(SpecError) as err:
+        KernelSpec(arch="sm80", head_dim=128, stream_k=True)
+    assert err.value.field == "stream_k"
+
+
 def test_two_q_buffers_take_a_second_q_tile_and_need_o_elsewhere():
     one = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=1)
     two = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=2)

@@ -579,10 +579,13 @@ FP8_SHAPES = [   # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 ]
 
 
-def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int = 0, key_growth=None):
+def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int = 0, key_growth=None,
+              poison_workspace: bool = False):
     """(kernel O, LSE, reference O, LSE, FA3's O or None) on randn bf16 quantised to e4m3;
-    ``key_growth`` (seqlen_k factors) scales each key before quantising."""
-    from facodegen.api import transpose_v
+    ``key_growth`` (seqlen_k factors) scales each key before quantising. ``poison_workspace``
+    (stream_k): the split tiles' slots hold NaN before the launch, and every flag must be 0 after it."""
+    from facodegen.api import prepare, transpose_v
+    from facodegen.launch import stream_k_flags
     from facodegen.quantize import quantize_e4m3
     from facodegen.reference import attention_reference_fp8
     b, sq, sk, hq, hkv = shape
@@ -601,9 +604,16 @@ def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int
     out = torch.full((b, sq, hq, d), float("nan"), device="cuda", dtype=out_t)
     lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
     fields = {k_: v_ for k_, v_ in spec.as_dict().items() if k_ not in ("head_dim", "dtype", "causal")}
-    attention(q8, k8, v_arg, causal=spec.causal, return_lse=True, out=out, lse_out=lse, q_descale=qd,
-              k_descale=kd, v_descale=vd, **fields)
+    call = prepare(q8, k8, v_arg, causal=spec.causal, return_lse=True, out=out, lse_out=lse, q_descale=qd,
+                   k_descale=kd, v_descale=vd, **fields)
+    assert call.spec == spec
+    flags = stream_k_flags(spec, call.grid[0]) if call.workspace is not None else 0
+    if poison_workspace and flags:
+        call.workspace[:call.workspace.numel() - flags] = float("nan")
+    call()
     torch.cuda.synchronize()
+    if poison_workspace and flags:
+        assert not call.workspace[-flags:].view(torch.int32).any(), "a stream-K flag left raised"
     o_ref, lse_ref = attention_reference_fp8(q8, k8, v8, qd, kd, vd, causal=spec.causal)
     fa3 = None
     try:
@@ -682,6 +692,34 @@ def test_fp8_many_tiles_per_cta(fields):
         o, _, o_ref, _, _ = _fp8_case(spec, shape, seed=11)
         err = _rel(o, o_ref)
         assert not np.isnan(o).any() and err <= FP8_TOLERANCE, (shape, err)
+
+
+@pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
+@pytest.mark.parametrize("fields", [dict(head_dim=256), dict(head_dim=128), dict(head_dim=64),
+                                    dict(head_dim=256, v_layout="transposed"), dict(head_dim=128, q_in_regs=True),
+                                    dict(head_dim=128, producer_regs=24, consumer_regs=240, p_buffers=2)],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_fp8_stream_k(fields):
+    """stream_k: more tiles than CTAs and not a whole number of waves, so the last waves are cut
+    along the keys and split tiles merge their PARTIAL pieces' O, m, l from the workspace (poisoned
+    with NaN first: a merge that read an unwritten slot would show). After each call every flag is
+    back at 0, for the next launch. On 132 SMs: one to three waves, shares of one to two tiles,
+    seqlen_k of 4 to 16 blocks and a ragged last one; GQA; one K/V block per tile (17 keys) cuts
+    nothing."""
+    from facodegen.reference import FP8_TOLERANCE
+    from facodegen.launch import stream_k_flags
+    spec = KernelSpec(arch="sm90", dtype="fp8", dynamic_scheduler=False, stream_k=True, **fields)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for shape in [(2, 2048, 1000, 8, 4), (3, 1384, 777, 6, 2), (1, 4096, 1000, 9, 3), (1, 4096, 2000, 13, 13),
+                  (1, 2048, 17, 20, 4)]:
+        b, sq, sk, hq, hkv = shape
+        tiles = -(-sq // spec.block_m) * hq * b
+        assert tiles > sms and tiles % sms, (shape, tiles, "the shape must not be whole waves")
+        o, lse, o_ref, lse_ref, _ = _fp8_case(spec, shape, seed=13, poison_workspace=True)
+        err = _rel(o, o_ref)
+        assert not np.isnan(o).any() and err <= FP8_TOLERANCE, (shape, err)
+        ok, msg = check_lse(lse, lse_ref, atol=1e-2, rtol=1e-3)
+        assert ok, (shape, msg)
 
 
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
