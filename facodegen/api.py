@@ -290,7 +290,9 @@ def _tuned_fields(info: DeviceInfo, arch: str, head_dim: int, dtype: str, causal
 class PreparedAttention:
     """One attention call with its arguments bound: calling it launches the kernel again on the
     stream current at call time. Reuse it to keep host work off a hot loop (the spec, the
-    compiled kernel, the FlashParams bytes and the tensor maps are built once)."""
+    compiled kernel, the FlashParams bytes and the tensor maps are built once). ``spec`` is the
+    kernel it runs, ``grid`` its launch grid and ``workspace`` the fp32 buffer of stream_k's split
+    tiles (None without stream_k)."""
 
     def __init__(self, spec: KernelSpec, q: _View, out, lse_out, param_bytes: bytes, return_lse: bool,
                  keep_alive: tuple = (), workspace=None):
