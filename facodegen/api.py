@@ -309,6 +309,11 @@ class PreparedAttention:
         batch, seqlen_q, heads_q, _ = q.shape
         self.grid = grid(spec, batch, heads_q, seqlen_q, self._prepared.resident_ctas)   # launch grid (x, y, z)
         self._counter = _tile_counter(q.device) if spec.arch == "sm90" and spec.persistent else None
+        # stream_k's flags follow the workspace's slots; zeroed on the first launch's stream, and the
+        # kernel lowers each flag it reads, so every later launch finds them down too
+        flags = stream_k_flags(spec, self.grid[0]) if workspace is not None else 0
+        self._flags_to_zero = (_view("workspace", workspace).ptr + 4 * (_numel(workspace) - flags), 4 * flags) \
+            if flags else None
         self._param_bytes = param_bytes
         # Kept alive with the object: the driver reads them at each launch.
         self._param_buffer = ctypes.create_string_buffer(param_bytes, len(param_bytes))
@@ -320,6 +325,9 @@ class PreparedAttention:
         with Device(self._q.device):
             if self._counter is not None:
                 runtime.memsetAsync(self._counter.data.ptr, 0, 4, stream)
+            if self._flags_to_zero is not None:
+                runtime.memsetAsync(self._flags_to_zero[0], 0, self._flags_to_zero[1], stream)
+                self._flags_to_zero = None
             launch_prepared(self._prepared.function, self.grid, self.spec.threads, self._prepared.smem_bytes,
                             stream, self._kernel_params)
         return (self.out, self.lse_out) if self._return_lse else self.out
@@ -516,15 +524,14 @@ def _prepare_fp8(qv: _View, kv: _View, vv: _View, *, causal, softmax_scale, retu
 
 
 def _stream_k_workspace(spec: KernelSpec, like: _View):
-    """stream_k: the split tiles' fp32 workspace of this call (its flags zeroed here, once: the kernel
-    puts each back to 0 after reading it), sized for the persistent grid; None if unused."""
-    ctas = _prepare(spec, like.device).resident_ctas
-    floats = stream_k_workspace_floats(spec, ctas)
-    if not floats:
-        return None
-    workspace = _empty(like, (floats,), "float32")
-    workspace[floats - stream_k_flags(spec, ctas):] = 0
-    return workspace
+    """stream_k: the split tiles' fp32 workspace of this call, sized for the persistent grid (its
+    flags are zeroed on the first launch: PreparedAttention); None if unused."""
+    floats = stream_k_workspace_floats(spec, _prepare(spec, like.device).resident_ctas)
+    return _empty(like, (floats,), "float32") if floats else None
+
+
+def _numel(array) -> int:
+    return int(array.numel()) if hasattr(array, "numel") and callable(array.numel) else int(array.size)
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
