@@ -305,6 +305,19 @@ def test_stream_k_is_an_fp8_non_causal_static_knob():
     assert err.value.field == "stream_k"
 
 
+def test_stream_k_rule_keeps_it_from_short_keys():
+    """The sequence-length table turns stream_k off below 8k keys (its piece boundaries cost more than
+    the last wave there), at head_dim 256 fp8 non-causal only; the rule's spec is valid and static."""
+    from facodegen.spec import seqlen_rule_fields
+    for s in (512, 1024, 4096, 8191):
+        fields = seqlen_rule_fields("sm90", 256, "fp8", False, 16384, s)
+        assert fields == {"stream_k": False}, (s, fields)
+        assert not KernelSpec(arch="sm90", head_dim=256, dtype="fp8", **fields).dynamic_scheduler
+    assert seqlen_rule_fields("sm90", 256, "fp8", False, 8192, 8192) == {}
+    assert seqlen_rule_fields("sm90", 256, "fp8", True, 1024, 1024) == {}
+    assert seqlen_rule_fields("sm90", 128, "fp8", False, 1024, 1024) == {}
+
+
 def test_two_q_buffers_take_a_second_q_tile_and_need_o_elsewhere():
     one = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=1)
     two = KernelSpec(arch="sm90", head_dim=64, causal=True, q_stages=2)
