@@ -311,9 +311,8 @@ class PreparedAttention:
         self._counter = _tile_counter(q.device) if spec.arch == "sm90" and spec.persistent else None
         # stream_k's flags follow the workspace's slots; zeroed on the first launch's stream, and the
         # kernel lowers each flag it reads, so every later launch finds them down too
-        flags = stream_k_flags(spec, self.grid[0]) if workspace is not None else 0
-        self._flags_to_zero = (_view("workspace", workspace).ptr + 4 * (_numel(workspace) - flags), 4 * flags) \
-            if flags else None
+        first, count = stream_k_flags(spec, self.grid[0])
+        self._flags_to_zero = (_view("workspace", workspace).ptr + 4 * first, 4 * count) if count else None
         self._param_bytes = param_bytes
         # Kept alive with the object: the driver reads them at each launch.
         self._param_buffer = ctypes.create_string_buffer(param_bytes, len(param_bytes))
@@ -528,10 +527,6 @@ def _stream_k_workspace(spec: KernelSpec, like: _View):
     flags are zeroed on the first launch: PreparedAttention); None if unused."""
     floats = stream_k_workspace_floats(spec, _prepare(spec, like.device).resident_ctas)
     return _empty(like, (floats,), "float32") if floats else None
-
-
-def _numel(array) -> int:
-    return int(array.numel()) if hasattr(array, "numel") and callable(array.numel) else int(array.size)
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,

@@ -57,19 +57,20 @@ def workspace_floats(spec: KernelSpec, batch: int, heads_q: int, seqlen_q: int, 
     return batch * heads_q * seqlen_q * (head_dim + 2) if needs_workspace(spec) else 0
 
 
-def stream_k_flags(spec: KernelSpec, ctas: int) -> int:
-    """stream_k: one int flag per (CTA, consumer warpgroup), after the partial-O slots."""
-    return ctas * spec.consumer_warpgroups if spec.stream_k else 0
+def stream_k_flags(spec: KernelSpec, ctas: int) -> tuple[int, int]:
+    """stream_k on a grid of ``ctas`` CTAs: where its flags lie in ``p.workspace``, (first element,
+    count). Per CTA and consumer warpgroup a slot of (head_dim / 2 + 4) floats per thread, a PARTIAL
+    piece's O, m and l, then one int flag each, which must start at zero (sm90/stream_k.cuh.j2's
+    split_slot and split_flag). (0, 0) if off."""
+    if not spec.stream_k:
+        return 0, 0
+    slots = ctas * spec.consumer_warpgroups
+    return slots * 128 * (spec.head_dim // 2 + 4), slots
 
 
 def stream_k_workspace_floats(spec: KernelSpec, ctas: int) -> int:
-    """fp32 elements of ``p.workspace`` for stream_k on a grid of ``ctas`` CTAs (0 if off): per CTA and
-    consumer warpgroup a slot of (head_dim / 2 + 4) floats per thread, a PARTIAL piece's O, m and l
-    (sm90/stream_k.cuh.j2), then the flags, which must start at zero."""
-    if not spec.stream_k:
-        return 0
-    slot_floats = 128 * (spec.head_dim // 2 + 4)
-    return ctas * spec.consumer_warpgroups * slot_floats + stream_k_flags(spec, ctas)
+    """fp32 elements of ``p.workspace`` for stream_k on a grid of ``ctas`` CTAs (0 if off)."""
+    return sum(stream_k_flags(spec, ctas))
 
 
 @dataclass(frozen=True)

@@ -980,6 +980,11 @@ struct TileInfo {
     __device__ __forceinline__ int blocks() const { return n_end - n_begin; }
 };
 
+// K/V blocks of a whole (non-causal) tile: ceil(seqlen_k / BLOCK_N).
+__device__ __forceinline__ int kv_blocks(const FlashParams& p) {
+    return (p.seqlen_k + BLOCK_N - 1) / BLOCK_N;
+}
+
 // The K/V block range of the tile at (m_block, head, batch).
 __device__ __forceinline__ TileInfo tile_at(const FlashParams& p, int m_block, int head, int batch) {
     TileInfo t;
@@ -987,7 +992,7 @@ __device__ __forceinline__ TileInfo tile_at(const FlashParams& p, int m_block, i
     t.head = head;
     t.batch = batch;
     t.n_begin = 0;
-    t.n_end = (p.seqlen_k + BLOCK_N - 1) / BLOCK_N;
+    t.n_end = kv_blocks(p);
     if (CAUSAL) {
         // Last key any row of this tile sees: (m_block+1)*BLOCK_M - 1 + seqlen_k - seqlen_q.
         const int key_end = (t.m_block + 1) * BLOCK_M + p.seqlen_k - p.seqlen_q;
@@ -1053,7 +1058,7 @@ __device__ __forceinline__ StreamKShare stream_k_share(const FlashParams& p) {
     StreamKShare s;
     const int ctas = static_cast<int>(gridDim.x);
     const int waves = p.num_tiles / ctas;
-    s.blocks_per_tile = (p.seqlen_k + BLOCK_N - 1) / BLOCK_N;
+    s.blocks_per_tile = kv_blocks(p);
     s.whole_iters = 0xffffffffu;
     s.first_tile = p.num_tiles;
     s.unit_begin = s.unit_end = 0;
@@ -1071,9 +1076,14 @@ __device__ __forceinline__ StreamKShare stream_k_share(const FlashParams& p) {
     return s;
 }
 
-// The tile of this CTA's piece number `piece` of its share, or p.num_tiles past the share's end.
+// The tile of this CTA's piece number `piece` of its share, counted from the split region's first.
+__device__ __forceinline__ int share_tile(const StreamKShare& s, uint32_t piece) {
+    return s.unit_begin / s.blocks_per_tile + static_cast<int>(piece);
+}
+
+// The same as a tile index, or p.num_tiles past the share's end.
 __device__ __forceinline__ int stream_k_tile(const FlashParams& p, const StreamKShare& s, uint32_t piece) {
-    const int tile = s.unit_begin / s.blocks_per_tile + static_cast<int>(piece);   // counted from first_tile
+    const int tile = share_tile(s, piece);
     return tile * s.blocks_per_tile < s.unit_end ? s.first_tile + tile : p.num_tiles;
 }
 
@@ -1102,8 +1112,7 @@ __device__ __forceinline__ void piece_blocks(const FlashParams& p, uint32_t tile
     if (STREAM_K) {
         const StreamKShare s = stream_k_share(p);
         if (tile_iter >= s.whole_iters) {
-            const int tile_units = (s.unit_begin / s.blocks_per_tile + static_cast<int>(tile_iter - s.whole_iters))
-                                 * s.blocks_per_tile;                // the tile's first unit
+            const int tile_units = share_tile(s, tile_iter - s.whole_iters) * s.blocks_per_tile;   // its first unit
             const int begin = s.unit_begin > tile_units ? s.unit_begin : tile_units;
             const int end = s.unit_end < tile_units + s.blocks_per_tile ? s.unit_end : tile_units + s.blocks_per_tile;
             t.n_begin = begin - tile_units;
@@ -1118,7 +1127,7 @@ __device__ __forceinline__ bool is_partial_piece(const TileInfo& t) {
     return STREAM_K && t.n_begin > 0;
 }
 __device__ __forceinline__ bool is_combine_piece(const FlashParams& p, const TileInfo& t) {
-    return STREAM_K && t.n_begin == 0 && t.n_end < (p.seqlen_k + BLOCK_N - 1) / BLOCK_N;
+    return STREAM_K && t.n_begin == 0 && t.n_end < kv_blocks(p);
 }
 
 // Whole producer warp: the tile after its tile number tile_iter.

@@ -607,13 +607,13 @@ def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int
     call = prepare(q8, k8, v_arg, causal=spec.causal, return_lse=True, out=out, lse_out=lse, q_descale=qd,
                    k_descale=kd, v_descale=vd, **fields)
     assert call.spec == spec
-    flags = stream_k_flags(spec, call.grid[0]) if call.workspace is not None else 0
+    first_flag, flags = stream_k_flags(spec, call.grid[0])
     if poison_workspace and flags:
-        call.workspace[:call.workspace.numel() - flags] = float("nan")
+        call.workspace[:first_flag] = float("nan")
     call()
     torch.cuda.synchronize()
     if poison_workspace and flags:
-        assert not call.workspace[-flags:].view(torch.int32).any(), "a stream-K flag left raised"
+        assert not call.workspace[first_flag:first_flag + flags].view(torch.int32).any(), "a stream-K flag left raised"
     o_ref, lse_ref = attention_reference_fp8(q8, k8, v8, qd, kd, vd, causal=spec.causal)
     fa3 = None
     try:
@@ -707,7 +707,6 @@ def test_fp8_stream_k(fields):
     seqlen_k of 4 to 16 blocks and a ragged last one; GQA; one K/V block per tile (17 keys) cuts
     nothing."""
     from facodegen.reference import FP8_TOLERANCE
-    from facodegen.launch import stream_k_flags
     spec = KernelSpec(arch="sm90", dtype="fp8", dynamic_scheduler=False, stream_k=True, **fields)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for shape in [(2, 2048, 1000, 8, 4), (3, 1384, 777, 6, 2), (1, 4096, 1000, 9, 3), (1, 4096, 2000, 13, 13),
