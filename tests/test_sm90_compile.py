@@ -245,12 +245,15 @@ def test_fp8_exact_step_packs_p_straight_into_its_registers_after_the_pv_wait(sp
     the steady loop has no PRMT (packing from s after the wait, ptxas built the pairs in
     temporaries and merged them by PRMT: 16 per step at head_dim 256) and no F2FP before the wait
     for the P V that reads P. anchor_softmax=True keeps the row max pass (its two quad shuffles per
-    row) ahead of that wait, and still no packing."""
+    row) ahead of that wait, and still no packing: ptxas may start a pair there into a temporary,
+    which an F2FP ... MERGE_C after the wait then takes as its C operand (head_dim 128), never a
+    PRMT."""
     sass = compile_mod.compile(spec.replace(anchor_softmax=False)).sass()
     assert not [x for x in steady_loop(sass) if x.split()[0] == "PRMT"]
     assert set(ops_under_pv(sass, "F2FP")) == {0}
     anchored = compile_mod.compile(spec.replace(anchor_softmax=True)).sass()
-    assert set(ops_under_pv(anchored, "F2FP")) == {0}
+    assert not [x for x in steady_loop(anchored) if x.split()[0] == "PRMT"]
+    assert max(ops_under_pv(anchored, "F2FP")) <= 2
     assert min(ops_under_pv(anchored, "SHFL.BFLY")) >= 4
     assert max(ops_under_pv(sass, "SHFL.BFLY")) < 4
 
