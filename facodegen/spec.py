@@ -149,10 +149,15 @@ FP8_Q_IN_REGS_DEFAULT = False
 # 668.4, s16k 650.9 / 665.2, causal s16k 635.1 / 644.9 and 646.3 / 648.0; d128 causal (optimistic vs
 # exact + anchored) s2k 649.4 (its 128-key rule) / 675.4, s8k 812.5 / 844.6 (F 809.3), s16k 857.9 /
 # 875.9 and 883.0 / 899.6 (F 865.2, 903.1). It loses at head_dim 256 (s8k 1103.6 / 1079.0 and 1110.4 /
-# 1068.1, s16k 1117 / 1077, causal s16k 1107 / 1064) and at head_dim 128 non-causal (exact + anchored:
-# s8k 887 / 857, s16k 901 / 858).
+# 1068.1, s16k 1117 / 1077, causal s16k 1107 / 1064; again 2026-12-01 at 9a25329, s16k 1123.6 / 1128.9,
+# s8k 1105.0 / 1105.7, causal s16k 1088.9 / 1071.2). head_dim 128 non-causal (exact + anchored vs the
+# optimistic step) lost in session 14 (s8k 887 / 857, s16k 901 / 858) but, with two softmax chains,
+# wins since: 2026-12-01 at 9a25329 (scripts/sweep.py, 10 groups) s8k 876.1 / 930.7 (F 873.1), s16k
+# 889.8 / 940.1 (F 879.6), s2k 786.6 / 848.3 (F 730.9); with the mask-free loop (ab_trees, two rounds
+# each) s8k 879.9, 873.7 / 922.6, 919.9 (F 872.8), s16k 906.4, 899.9 / 931.9, 932.5 (F 900.6). So on
+# for head_dim 64 and 128.
 def anchor_softmax_default(head_dim: int, dtype: str, causal: bool) -> bool:
-    return dtype == "fp8" and (head_dim == 64 or (head_dim == 128 and causal))
+    return dtype == "fp8" and head_dim in (64, 128)
 
 # softmax_chains' default (common/softmax.cuh.j2: independent FMNMX/FADD chains per row in the row
 # max and row sum). On the H200 (scripts/sweep.py with the variants taking turns group by group,
@@ -163,14 +168,17 @@ def anchor_softmax_default(head_dim: int, dtype: str, causal: bool) -> bool:
 # head_dim 256); one chain elsewhere (sm80 was tuned against FlashAttention-2 with one; head_dim
 # 96/192 unmeasured). fp8 head_dim 128 non-causal (its optimistic step): 2. H200, 2026-12-01, variants
 # taking turns, TFLOP/s 1 vs 2 chains: s8k 862.2 / 869.8 and 853.5 / 866.1, s16k 869.3 / 880.3 and
-# 872.7 / 882.1.
+# 872.7 / 882.1. Exact + anchored (its default since): 1 / 2 / 4 chains s8k 838.8 / 930.7 / 839.8,
+# s16k 855.5 / 940.1 / 863.9 (H200, 2026-12-01, 9a25329, 10 groups). fp8 head_dim 128 causal (exact
+# + anchored, with the mask-free loop): 1 / 2 / 4 chains s8k 854.3 / 887.9 / 871.2 (F 820.6), s16k
+# 890.2 / 930.8 / 900.5 (F 870.5), s2k 688.7 / 716.3 / 701.3 (F 622.6); 2 at head_dim 128.
 SOFTMAX_CHAINS = (1, 2, 4, 8)
 
 
 def softmax_chains_default(arch: str, head_dim: int, dtype: str, causal: bool) -> int:
     if arch != "sm90":
         return 1
-    if dtype == "fp8" and head_dim == 128 and not causal:
+    if dtype == "fp8" and head_dim == 128:
         return 2
     return 4 if head_dim == 64 or (dtype == "fp8" and head_dim == 256) else 1
 
@@ -197,10 +205,11 @@ POLY_EXP2_TILES_DEFAULT = 0
 # fp8 (max pass beside the exp2s, P offset 2^6 instead of 2^8, 88cd2f4 + offset): d128 s8k 784 vs 868
 # (F 969), causal s8k 747 vs 807; but d64 s8k 648 vs 591, d256 998 vs 907, causal 977 vs 929. With
 # the offset of 2^8 (slack log2(448/256)) it lost 10-28% in all 18 fp8 cells: most steps redid.
-# fp8 head_dim 128 causal: exact and anchored since af2d74d (anchor_softmax_default).
+# fp8 head_dim 128: exact and anchored, causal since af2d74d, non-causal since 2026-12-01
+# (anchor_softmax_default), so no fp8 default takes the optimistic step.
 def optimistic_max_default(head_dim: int, dtype: str, causal: bool) -> bool:
     if dtype == "fp8":
-        return head_dim == 128 and not anchor_softmax_default(head_dim, dtype, causal)
+        return False
     return head_dim in (64, 128, 256)
 
 

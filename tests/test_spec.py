@@ -83,26 +83,27 @@ def test_each_invalid_field_names_its_knob(fields, knob, words):
 def test_optimistic_max_defaults_follow_the_measurements():
     on = [KernelSpec(arch="sm90", head_dim=128, causal=True), KernelSpec(arch="sm90", head_dim=64),
           KernelSpec(arch="sm90", head_dim=64, causal=True), KernelSpec(arch="sm90", head_dim=256, dtype="fp16"),
-          KernelSpec(arch="sm90", head_dim=256, causal=True), KernelSpec(arch="sm90", head_dim=128, dtype="fp8")]
+          KernelSpec(arch="sm90", head_dim=256, causal=True)]
     off = [KernelSpec(arch="sm90", head_dim=96), KernelSpec(arch="sm90", head_dim=192, causal=True),
-           KernelSpec(arch="sm90", head_dim=64, dtype="fp8"), KernelSpec(arch="sm90", head_dim=128, anchor_softmax=True),
+           KernelSpec(arch="sm90", head_dim=64, dtype="fp8"), KernelSpec(arch="sm90", head_dim=128, dtype="fp8"),
+           KernelSpec(arch="sm90", head_dim=128, anchor_softmax=True),
            KernelSpec(arch="sm80", head_dim=128)]
     assert all(s.optimistic_max for s in on) and not any(s.optimistic_max for s in off)
 
 
 def test_fp8_anchor_and_chain_defaults_follow_the_measurements():
-    """fp8: the anchored exact step at head_dim 64 and 128 causal, the optimistic one at 128
-    non-causal (two chains); the two defaults give way to an explicit value of the other, and two P
+    """fp8: the anchored exact step at head_dim 64 and 128 (two chains at 128); the optimistic step
+    only on request. The two defaults give way to an explicit value of the other, and two P
     buffers take the optimistic step. 16-bit kernels never anchor by default."""
     def fp8(**kw):
         return KernelSpec(arch="sm90", dtype="fp8", **kw)
-    anchored = [fp8(head_dim=64), fp8(head_dim=64, causal=True), fp8(head_dim=128, causal=True)]
+    anchored = [fp8(head_dim=64), fp8(head_dim=64, causal=True), fp8(head_dim=128), fp8(head_dim=128, causal=True)]
     assert all(s.anchor_softmax and not s.optimistic_max for s in anchored)
-    plain = [fp8(head_dim=128), fp8(head_dim=256), fp8(head_dim=256, causal=True), fp8(head_dim=96),
+    plain = [fp8(head_dim=256), fp8(head_dim=256, causal=True), fp8(head_dim=96),
              KernelSpec(arch="sm90", head_dim=64), KernelSpec(arch="sm90", head_dim=128, causal=True)]
     assert not any(s.anchor_softmax for s in plain)
-    assert fp8(head_dim=128).optimistic_max and fp8(head_dim=128).softmax_chains == 2
-    assert fp8(head_dim=128, causal=True).softmax_chains == 1
+    assert all(fp8(head_dim=128, causal=c).softmax_chains == 2 for c in (False, True))
+    assert not any(fp8(head_dim=d, causal=c).optimistic_max for d in (64, 96, 128, 192, 256) for c in (False, True))
     explicit = fp8(head_dim=128, causal=True, optimistic_max=True)
     assert explicit.optimistic_max and not explicit.anchor_softmax
     two_p = fp8(head_dim=128, causal=True, p_buffers=2, producer_regs=24, consumer_regs=240)
