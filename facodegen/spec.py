@@ -222,9 +222,12 @@ def optimistic_max_default(head_dim: int, dtype: str, causal: bool) -> bool:
 # fp8 head_dim 256 with the in-kernel V^T (128x128 at 24/240, see fp8_tiles): with the index in a
 # uniform register its consumers fit 240 without spilling (44-60 bytes off), and on the H200
 # (scripts/sweep.py, 2026-11-29, TFLOP/s 128x128 off vs on) s2k 1062 vs 1098, s8k 1072 vs 1094,
-# s16k 1074 vs 1102, causal s2k 822 vs 889, s8k 992 vs 1050, s16k 1038 vs 1096.
-def uniform_wg_default(head_dim: int, dtype: str, v_layout: str) -> bool:
-    return dtype == "fp8" and head_dim == 256 and v_layout == "row"
+# s16k 1074 vs 1102, causal s2k 822 vs 889, s8k 992 vs 1050, s16k 1038 vs 1096. With the caller's V^T
+# only where the consumers need it to fit: causal, since the fp8 mask-free loop (bde33cc; without it 4
+# bytes of spills, NVRTC 13.0). The non-causal one fits without and runs faster so (H200, 2026-12-01,
+# 8 groups, TFLOP/s uniform_wg on / off): s16k 1111.7 / 1129.3; causal s16k 1080.5 / 1105.3 (spilling).
+def uniform_wg_default(head_dim: int, dtype: str, v_layout: str, causal: bool) -> bool:
+    return dtype == "fp8" and head_dim == 256 and (v_layout == "row" or causal)
 
 # dynamic_scheduler's default (sm90, persistent: the tiles after each CTA's first are handed out by an
 # atomic counter instead of every gridDim.x-th tile; sm90/scheduler.cuh.j2). Causal: on (its tiles differ
@@ -716,7 +719,7 @@ class KernelSpec:
                         # need the optimistic step): an explicit value wins
                         anchor_softmax=(anchor_softmax_default(self.head_dim, self.dtype, self.causal)
                                         and not self.optimistic_max and self.p_buffers in (None, 1)),
-                        uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout),
+                        uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout, self.causal),
                         ctas_per_sm=1, cluster_m=1, o_in_v=False, q_stages=1, p_buffers=1,
                         rebuild_q_desc=False,
                         optimistic_max=((optimistic_max_default(self.head_dim, self.dtype, self.causal)

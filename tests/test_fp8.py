@@ -39,11 +39,13 @@ def test_fp8_spec_defaults_and_errors():
     assert (s.producer_regs, s.consumer_regs) == (40, 232)
     assert KernelSpec(arch="sm90", dtype="fp8", head_dim=128, v_layout="transposed").producer_regs == 24
     # consumers that need more than 232 keep 24/240: head_dim 256 x 128 keys in both layouts, with
-    # the in-kernel V^T also with uniform_wg (what lets its consumers fit 240)
+    # uniform_wg where it lets the consumers fit 240: the in-kernel V^T's always, the caller's V^T's
+    # causal one since the mask-free loop
     for layout in V_LAYOUTS:
         wide = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, v_layout=layout)
         assert (wide.block_n, wide.producer_regs, wide.consumer_regs, wide.persistent) == (128, 24, 240, True)
         assert wide.uniform_wg == (layout == "row")
+        assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256, v_layout=layout, causal=True).uniform_wg
     assert not KernelSpec(arch="sm90", dtype="fp8", head_dim=128).uniform_wg
     with pytest.raises(SpecError, match="setmaxnreg"):
         KernelSpec(arch="sm90", dtype="fp8", head_dim=128, producer_regs=32, consumer_regs=240)
