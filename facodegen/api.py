@@ -312,7 +312,7 @@ class PreparedAttention:
         # stream_k's flags follow the workspace's slots; zeroed on the first launch's stream, and the
         # kernel lowers each flag it reads, so every later launch finds them down too
         first, count = stream_k_flags(spec, self.grid[0])
-        self._flags_to_zero = (_view("workspace", workspace).ptr + 4 * first, 4 * count) if count else None
+        self._flags_to_zero = (_workspace_ptr(workspace) + 4 * first, 4 * count) if count else None
         self._param_bytes = param_bytes
         # Kept alive with the object: the driver reads them at each launch.
         self._param_buffer = ctypes.create_string_buffer(param_bytes, len(param_bytes))
@@ -369,7 +369,7 @@ def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     workspace = _empty(qv, (n_workspace,), "float32") if n_workspace else None
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
                               counter.data.ptr, float(softmax_scale),
-                              workspace_ptr=_view("workspace", workspace).ptr if workspace is not None else 0)
+                              workspace_ptr=_workspace_ptr(workspace))
     return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, keep_alive=(workspace,))
 
 
@@ -517,9 +517,14 @@ def _prepare_fp8(qv: _View, kv: _View, vv: _View, *, causal, softmax_scale, retu
     workspace = _stream_k_workspace(spec, qv)
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
                               counter.data.ptr, float(softmax_scale), descales=descales,
-                              workspace_ptr=_view("workspace", workspace).ptr if workspace is not None else 0)
+                              workspace_ptr=_workspace_ptr(workspace))
     return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, keep_alive=(*keep, workspace),
                              workspace=workspace)
+
+
+def _workspace_ptr(workspace) -> int:
+    """The device address of a call's fp32 workspace (fa1's or stream_k's), 0 for none."""
+    return _view("workspace", workspace).ptr if workspace is not None else 0
 
 
 def _stream_k_workspace(spec: KernelSpec, like: _View):
