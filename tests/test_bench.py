@@ -460,3 +460,61 @@ def test_time_in_turns_falls_back_to_each_alone_inside_its_context(monkeypatch):
     assert entered == ["ours", "cudnn"]
     assert row["results"]["ours"]["ms"] == 2.0 and row["results"]["ours"]["tflops"] > 0
     assert "tflops" not in row["results"]["cudnn"] and "bad launch" in row["results"]["cudnn"]["note"]
+
+
+def test_trace_steps_traces_a_copy_of_the_fp8_kernel_and_reads_its_phases():
+    """scripts/trace_steps.py: the traced copy of the head_dim 256 fp8 kernels has a clock read at
+    each consumer stage and at each V tile's four events, still
+    compiles for sm_90a (without spills for the row-V kernel), and the medians come out of a synthetic timeline as laid in."""
+    import numpy as np
+
+    from facodegen import compiler
+    from facodegen.render import emit
+    from facodegen.spec import KernelSpec
+
+    trace = _script("trace_steps")
+    for layout in ("row", "transposed"):      # (the transposed kernel renders the transposer, unused)
+        spec = KernelSpec(arch="sm90", head_dim=256, dtype="fp8", v_layout=layout)
+        source = trace.traced(emit(spec))
+        assert source.count("FCG_TRACE(fcg_idx, ") == 2 * len(trace.EVENTS)    # both steady loops
+        assert source.count("FCG_TRACE_V(kv_iter, ") == len(trace.V_EVENTS)
+        kernel = compiler.compile_source(source, "sm90", spec.variant, cache=False, verbose=False)
+        assert "CS2R.32" in kernel.sass()
+        # the row-V kernel keeps its registers; the caller's-V^T one without uniform_wg spills a little
+        assert kernel.resources.spill_stores == 0 or layout == "transposed"
+    with pytest.raises(SystemExit, match="patch text"):
+        trace.apply_patch("int x;\n", "int y;\n===\nint z;\n")
+    assert trace.apply_patch("a();\nb();\n", "a();\n===\nc();\n%%%\n") == "c();\nb();\n"
+    # two warpgroups half a 3000-cycle period apart; per step: K after 50, V^T + issue 400, S 300,
+    # P V 700, softmax the rest (1550); V tiles issued 3000 before they land, transposed in 2500
+    ctas, steps = 2, 40
+    ev = np.zeros((ctas, 2, trace.TRACE_STEPS, len(trace.EVENTS)), dtype=np.uint32)
+    vt = np.zeros((len(trace.V_EVENTS), ctas, trace.TRACE_STEPS), dtype=np.uint32)
+    for cta in range(ctas):
+        for wg in range(2):
+            for j in range(steps):
+                start = 10_000 + 3000 * j + 1500 * wg
+                ev[cta, wg, j] = [start, start + 50, start + 450, start + 750, start + 1450]
+        for j in range(steps):
+            vt[:, cta, j] = [4000 + 3000 * j, 7000 + 3000 * j, 7100 + 3000 * j, 9600 + 3000 * j]
+    got = trace.analyse(ev, vt, steps)
+    assert (got["period"], got["k_wait"], got["vt_wait"], got["qk_to_s"], got["s_to_pv"], got["softmax"]) == \
+        (3000, 50, 400, 300, 700, 1550)
+    assert (got["wg_offset"], got["v_tma"], got["v_to_transpose"], got["transpose"]) == (1500, 3000, 100, 2500)
+
+
+def test_overlap_probe_kernels_keep_their_wgmmas_in_flight():
+    """scripts/overlap_probe.py: the probe's kernels compile for sm_90a without spills or ptxas's
+    wgmma serialisation, with one group of wgmmas in flight while the next is issued, and the side
+    warpgroup's loop runs its op (MUFU.EX2 for ex2) and no wgmma."""
+    from facodegen import compiler
+
+    probe = _script("overlap_probe")
+    kernels = probe.compile_all([(2, "rs", 256, "none"), (2, "rs", 256, "ex2"), (0, "ss", 256, "ex2")])
+    for variant, (cubin, resources) in kernels.items():
+        r = next(iter(resources.values()))
+        assert r.spill_stores == 0 and "C751" not in probe.log_of[variant], probe.name(variant)
+        sass = compiler._cuobjdump(cubin, "-sass", "probe")
+        gemm = variant[0] > 0
+        assert ("DEPBAR.LE gsb0, 0x1" in sass) == gemm and (sass.count("QGMMA") >= probe.GROUP) == gemm
+        assert ("MUFU.EX2" in sass) == (variant[3] == "ex2")
