@@ -264,6 +264,29 @@ def stream_k_default(head_dim: int, dtype: str, causal: bool) -> bool:
 # 341.6 vs 334.5, s1k 447.1 vs 452.9 and 443.8 vs 448.1, s2k 535.3 vs 545.1, s4k 594.1 vs 601.4, s8k
 # 627.9 vs 637.7. Off for fp8 (d128 s8k 871 vs 832 and 876 vs 833, causal s8k 826 vs 795) and where
 # the second Q tile does not fit (head_dim 256; head_dim 128 with 176 keys and O over V).
+# The fp8 K/V ring's depth with the caller's V^T (v_layout=transposed): three stages where they fit at
+# head_dim 64 and 256 (at 256 x 128 keys: 224 KB with Q, the room the in-kernel transpose's row-major V
+# ring takes at two). At head_dim 256 the V^T ring is the step's critical loop: a tile is released after
+# the P V of its step and its TMA load takes ~3000 cycles, about a step (scripts/trace_steps.py, H200,
+# 2026-12-01, session 19). H200, scripts/sweep.py, 8-10 groups (TFLOP/s two / three stages; F =
+# FlashAttention-3 fp8 with row V, in the same run), head_dim 256 in three calls: s16k 1133.9 / 1161.9,
+# - / 1153.3, 1126.8 / 1159.8 (F 1131.2, 1133.1, 1131.3); s8k 1086.9 / 1120.2, - / 1125.5, 1087.3 /
+# 1121.2 (F 1106.1, 1113.1, 1107.3); causal s16k 1078.7 / 1102.9, - / 1106.9, 1087.6 / 1114.6 (F
+# 1108.6, 1117.2, 1117.9); causal s8k 1018.3 / 1033.7, - / 1037.5 (F 1046.2, 1066.6); head_dim 64 s16k
+# 605.6 / 650.2 (F 656.1), causal s8k 578.4 / 584.9 (F 611.1). Two at head_dim 128, where three lose:
+# s8k 902.8 / 858.0 (F 881.9), causal s16k 897.4 / 873.4 (F 876.3); 96 and 192 unmeasured: two.
+FP8_VT_THREE_STAGE_HEAD_DIMS = (64, 256)
+
+
+def fp8_stages_default(head_dim: int, v_layout: str, block_m, block_n, q_stages, smem: int,
+                       tile_stages: int) -> int:
+    if (v_layout == "transposed" and head_dim in FP8_VT_THREE_STAGE_HEAD_DIMS
+            and all(isinstance(x, int) for x in (block_m, block_n))):
+        if fp8_smem(block_m, block_n, 3, head_dim, v_layout, q_stages if isinstance(q_stages, int) else 1) <= smem:
+            return 3
+    return tile_stages
+
+
 def q_stages_default(head_dim: int, dtype: str, causal: bool) -> int:
     return 2 if causal and dtype != "fp8" and head_dim <= 128 else 1
 
@@ -737,6 +760,10 @@ class KernelSpec:
                                          and dynamic_scheduler_default(self.head_dim, self.dtype, self.causal))
             fill["stream_k"] = (bool(resolved("persistent")) and not resolved("dynamic_scheduler")
                                 and stream_k_default(self.head_dim, self.dtype, self.causal))
+            if self.stages is None and self.dtype == "fp8":
+                fill["stages"] = fp8_stages_default(self.head_dim, self.v_layout, resolved("block_m"),
+                                                    resolved("block_n"), resolved("q_stages"),
+                                                    GPUS[gpu].smem_per_block, tiles.stages)
             dims = (resolved("block_m"), resolved("block_n"), resolved("stages"))
             dims_known = all(isinstance(x, int) for x in dims)
             if self.dtype == "fp8":

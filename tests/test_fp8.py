@@ -47,6 +47,19 @@ def test_fp8_spec_defaults_and_errors():
         assert wide.uniform_wg == (layout == "row")
         assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256, v_layout=layout, causal=True).uniform_wg
     assert not KernelSpec(arch="sm90", dtype="fp8", head_dim=128).uniform_wg
+    # the caller's V^T at head_dim 64 and 256: a three-stage K/V ring (at 256 x 128 keys in the room the
+    # row-major V ring takes otherwise; fp8_stages_default); two at 128, for the row layout, where three
+    # do not fit, and a caller's choice wins
+    for causal in (False, True):
+        vt = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, v_layout="transposed", causal=causal)
+        row = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, causal=causal)
+        assert (vt.stages, row.stages) == (3, 2) and vt.smem_bytes == row.smem_bytes <= 232448
+        assert KernelSpec(arch="sm90", dtype="fp8", head_dim=64, v_layout="transposed", causal=causal).stages == 3
+        assert KernelSpec(arch="sm90", dtype="fp8", head_dim=128, v_layout="transposed", causal=causal).stages == 2
+    assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256, v_layout="transposed", block_n=96).stages == 3
+    two_q = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, v_layout="transposed", q_stages=2)
+    assert two_q.stages == 2 and two_q.smem_bytes <= 232448      # a third K/V stage beside two Q tiles would not fit
+    assert KernelSpec(arch="sm90", dtype="fp8", head_dim=256, v_layout="transposed", stages=2).stages == 2
     with pytest.raises(SpecError, match="setmaxnreg"):
         KernelSpec(arch="sm90", dtype="fp8", head_dim=128, producer_regs=32, consumer_regs=240)
 
