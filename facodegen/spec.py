@@ -254,16 +254,6 @@ def dynamic_scheduler_default(head_dim: int, dtype: str, causal: bool) -> bool:
 def stream_k_default(head_dim: int, dtype: str, causal: bool) -> bool:
     return dtype == "fp8" and head_dim == 256 and not causal
 
-# q_stages' default (sm90: two Q buffers, so a tile's Q loads while the consumers run the tile before
-# and each consumer warpgroup starts its next tile at once): on for 16-bit causal kernels where the
-# second Q tile fits beside O's own place (its own buffer or the V ring). Causal tiles are short and
-# many (1-16 blocks at 2k queries), so the Q load that follows the last Q K^T of a tile is on the path
-# from one tile to the next. H200, scripts/sweep.py, variants taking turns, 15 groups (2026-12-01,
-# 350f483, TFLOP/s q_stages 1 vs 2; two calls): d64 causal s512 241.7 vs 244.7 and 244.1 vs 246.3,
-# s1k 324.8 vs 324.3, s2k 391.4 vs 400.1 and 394.7 vs 402.3, s8k 519.3 vs 525.2; d128 causal s512
-# 341.6 vs 334.5, s1k 447.1 vs 452.9 and 443.8 vs 448.1, s2k 535.3 vs 545.1, s4k 594.1 vs 601.4, s8k
-# 627.9 vs 637.7. Off for fp8 (d128 s8k 871 vs 832 and 876 vs 833, causal s8k 826 vs 795) and where
-# the second Q tile does not fit (head_dim 256; head_dim 128 with 176 keys and O over V).
 # The fp8 K/V ring's depth with the caller's V^T (v_layout=transposed): three stages where they fit at
 # head_dim 64 and 256 (at 256 x 128 keys: 224 KB with Q, the room the in-kernel transpose's row-major V
 # ring takes at two). At head_dim 256 the V^T ring is the step's critical loop: a tile is released after
@@ -278,15 +268,25 @@ def stream_k_default(head_dim: int, dtype: str, causal: bool) -> bool:
 FP8_VT_THREE_STAGE_HEAD_DIMS = (64, 256)
 
 
-def fp8_stages_default(head_dim: int, v_layout: str, block_m, block_n, q_stages, smem: int,
+def fp8_stages_default(head_dim: int, v_layout: str, block_m, block_n, q_stages: int, smem: int,
                        tile_stages: int) -> int:
     if (v_layout == "transposed" and head_dim in FP8_VT_THREE_STAGE_HEAD_DIMS
             and all(isinstance(x, int) for x in (block_m, block_n))):
-        if fp8_smem(block_m, block_n, 3, head_dim, v_layout, q_stages if isinstance(q_stages, int) else 1) <= smem:
+        if fp8_smem(block_m, block_n, 3, head_dim, v_layout, q_stages) <= smem:
             return 3
     return tile_stages
 
 
+# q_stages' default (sm90: two Q buffers, so a tile's Q loads while the consumers run the tile before
+# and each consumer warpgroup starts its next tile at once): on for 16-bit causal kernels where the
+# second Q tile fits beside O's own place (its own buffer or the V ring). Causal tiles are short and
+# many (1-16 blocks at 2k queries), so the Q load that follows the last Q K^T of a tile is on the path
+# from one tile to the next. H200, scripts/sweep.py, variants taking turns, 15 groups (2026-12-01,
+# 350f483, TFLOP/s q_stages 1 vs 2; two calls): d64 causal s512 241.7 vs 244.7 and 244.1 vs 246.3,
+# s1k 324.8 vs 324.3, s2k 391.4 vs 400.1 and 394.7 vs 402.3, s8k 519.3 vs 525.2; d128 causal s512
+# 341.6 vs 334.5, s1k 447.1 vs 452.9 and 443.8 vs 448.1, s2k 535.3 vs 545.1, s4k 594.1 vs 601.4, s8k
+# 627.9 vs 637.7. Off for fp8 (d128 s8k 871 vs 832 and 876 vs 833, causal s8k 826 vs 795) and where
+# the second Q tile does not fit (head_dim 256; head_dim 128 with 176 keys and O over V).
 def q_stages_default(head_dim: int, dtype: str, causal: bool) -> int:
     return 2 if causal and dtype != "fp8" and head_dim <= 128 else 1
 
