@@ -103,7 +103,8 @@ def median(xs):
 
 
 def analyse(ev, vt, blocks_first_tile: int) -> dict:
-    """ev[cta][wg][step][event] (uint32 clocks), vt[cta][kv_iter]: medians over the steady steps."""
+    """ev[cta][wg][step][event] and vt[v_event][cta][kv_iter] (uint32 clocks): medians over the
+    steady steps of each CTA's first tile."""
     import numpy as np
     rows = {k: [] for k in ("k_wait", "vt_wait", "qk_to_s", "s_to_pv", "softmax", "period", "wg_offset",
                             "vt_ready_before_need", "v_tma", "v_to_transpose", "transpose")}
@@ -130,9 +131,9 @@ def analyse(ev, vt, blocks_first_tile: int) -> dict:
                 rows["v_tma"].append(d(v[0], v[1]))            # V issued -> landed
                 rows["v_to_transpose"].append(d(v[1], v[2]))   # landed -> transposers start (V^T slot free, previous tile done)
                 rows["transpose"].append(d(v[2], v[3]))        # the transpose itself
-            a, b = ev[cta, 0, j].astype(np.int64), ev[cta, 1, j].astype(np.int64)
-            if a[0] and b[0]:
-                rows["wg_offset"].append(abs(int(((b[0] - a[0] + (1 << 31)) % (1 << 32)) - (1 << 31))))
+            a, b = ev[cta, 0, j, 0], ev[cta, 1, j, 0]
+            if a and b:
+                rows["wg_offset"].append(min(d(a, b), d(b, a)))   # whichever warpgroup leads
     rows["vt_ready_before_need"] = [x for x in rows["vt_ready_before_need"] if x < 1 << 30]
     return {k: median(v) for k, v in rows.items()} | {"samples": len(rows["period"])}
 
