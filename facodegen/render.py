@@ -67,6 +67,8 @@ def emit_command(spec: KernelSpec) -> str:
                   f"--ctas-per-sm {spec.ctas_per_sm}", f"--cluster-m {spec.cluster_m}", f"--q-stages {spec.q_stages}",
                   f"--p-buffers {spec.p_buffers}",
                   "--rebuild-q-desc" if spec.rebuild_q_desc else "--keep-q-desc"]
+        if spec.l2_prefetch:
+            flags.append(f"--l2-prefetch {spec.l2_prefetch}")
         if spec.intra_wg_overlap:
             flags.append("--rescale-under-qk" if spec.rescale_under_qk else "--rescale-after-pv")
         flags.append("--optimistic-max" if spec.optimistic_max else "--exact-max")

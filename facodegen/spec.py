@@ -621,7 +621,10 @@ class KernelSpec:
     the tile before, so a consumer warpgroup starts its next tile without waiting for that load),
     ``p_buffers`` (1 | 2 P register buffers: with 2 the optimistic softmax writes P into the one the
     running P V does not read), ``rebuild_q_desc`` (Q's wgmma descriptors derived afresh at every
-    Q K^T instead of held in registers across the K/V loop: frees ~14-32 registers at head_dim 256).
+    Q K^T instead of held in registers across the K/V loop: frees ~14-32 registers at head_dim 256),
+    ``l2_prefetch`` (0-4: after loading K/V block n the loader asks L2 for block n - l2_prefetch of
+    the same tile, a TMA prefetch with no shared memory behind it, so that load finds its lines in L2;
+    0 = off).
 
     dtype=fp8 only (e4m3 Q, K, V; sm90): ``out_dtype`` (bf16 | fp16: the type of O) and ``v_layout``
     (row | transposed: V as (batch, seqlen_k, heads_kv, d), transposed in shared memory by the kernel,
@@ -668,6 +671,7 @@ class KernelSpec:
     rebuild_q_desc: bool | None = None
     dynamic_scheduler: bool | None = None
     stream_k: bool | None = None
+    l2_prefetch: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -700,6 +704,7 @@ class KernelSpec:
             fill["ctas_per_sm"] = 1
             fill["cluster_m"] = 1
             fill["o_in_v"] = False
+            fill["l2_prefetch"] = 0
             if self.o_in_v not in (None, False, 0):
                 raise SpecError("o_in_v", "is an sm90 knob; arch=sm80 writes O from registers")
             if self.cluster_m not in (None, 1):
@@ -709,7 +714,7 @@ class KernelSpec:
             for name in ("uniform_wg", "consumer_warpgroups", "pingpong", "intra_wg_overlap",
                          "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints",
                          "anchor_softmax", "rescale_under_qk", "optimistic_max", "rebuild_q_desc",
-                         "dynamic_scheduler", "stream_k"):
+                         "dynamic_scheduler", "stream_k", "l2_prefetch"):
                 if getattr(self, name) not in (None, 0, False):
                     raise SpecError(name, "is an sm90 knob; arch=sm80 does not use it")
         else:
@@ -744,7 +749,7 @@ class KernelSpec:
                                         and not self.optimistic_max and self.p_buffers in (None, 1)),
                         uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout, self.causal),
                         ctas_per_sm=1, cluster_m=1, o_in_v=False, q_stages=1, p_buffers=1,
-                        rebuild_q_desc=False,
+                        rebuild_q_desc=False, l2_prefetch=0,
                         optimistic_max=((optimistic_max_default(self.head_dim, self.dtype, self.causal)
                                          or self.p_buffers == 2)
                                         and not self.anchor_softmax))
@@ -862,6 +867,8 @@ class KernelSpec:
                 parts.append("dyn" if self.dynamic_scheduler else "stat")
             if self.stream_k:
                 parts.append("sk")
+            if self.l2_prefetch:
+                parts.append(f"pf{self.l2_prefetch}")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -1116,6 +1123,10 @@ def _validate(spec: KernelSpec) -> None:
         if spec.dynamic_scheduler and not spec.persistent:
             raise SpecError("dynamic_scheduler", "hands tiles to persistent CTAs: it needs persistent=True")
         _check_stream_k(spec)
+        if not isinstance(spec.l2_prefetch, int) or isinstance(spec.l2_prefetch, bool) \
+                or not 0 <= spec.l2_prefetch <= 4:
+            raise SpecError("l2_prefetch", f"must be an integer from 0 (off) to 4 K/V blocks ahead, "
+                                           f"got {spec.l2_prefetch!r}")
         if spec.optimistic_max and spec.anchor_softmax:
             raise SpecError("optimistic_max", "writes P while no P V is in flight, so there is no wait for "
                                               "anchor_softmax to hold back: use anchor_softmax=False")

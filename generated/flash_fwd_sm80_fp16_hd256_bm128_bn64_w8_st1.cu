@@ -20,6 +20,7 @@
 //   head_dim             = 256
 //   intra_wg_overlap     = False
 //   l2_hints             = False
+//   l2_prefetch          = 0
 //   lazy_rescale         = False
 //   loop_order           = q_outer
 //   num_warps            = 8

@@ -20,6 +20,7 @@
 //   head_dim             = 96
 //   intra_wg_overlap     = True
 //   l2_hints             = True
+//   l2_prefetch          = 0
 //   lazy_rescale         = False
 //   loop_order           = q_outer
 //   num_warps            = 12

@@ -146,6 +146,22 @@ def test_stream_k_kernels_meet_through_l2_without_spills(head_dim):
     assert "STRONG.GPU" not in without
 
 
+@pytest.mark.parametrize("fields", [dict(head_dim=256, dtype="fp8"), dict(head_dim=128, dtype="fp8", v_layout="transposed"),
+                                    dict(head_dim=128), dict(head_dim=128, cluster_m=2)],
+                         ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_l2_prefetch_adds_tensor_prefetches_and_nothing_else(fields):
+    """l2_prefetch=2: the loader's K and V prefetches into L2 (UTMAPF, one per tile's slab loop, a
+    tensor map operand like the loads), no spills; l2_prefetch=0 has none and the same loads."""
+    on = compile_mod.compile(K(l2_prefetch=2, **fields), verbose=False)
+    off = compile_mod.compile(K(l2_prefetch=0, **fields), verbose=False)
+    res = on.resources
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res
+    on_sass, off_sass = on.sass(), off.sass()
+    assert len(re.findall(r"UTMAPF\.L2\.4D", on_sass)) == 2
+    assert "UTMAPF" not in off_sass
+    assert on_sass.count("UTMALDG") == off_sass.count("UTMALDG")
+
+
 def test_cluster_kernels_multicast_kv_and_arrive_remotely_without_gpu_fences(kernel):
     """cluster_m=2: the K and V loads are multicast (one UTMALDG.MULTICAST each, Q stays a plain load),
     the consumers' releases reach both CTAs' barriers (remote SYNCS.ARRIVE...RED), and no per-step

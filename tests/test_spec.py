@@ -71,6 +71,9 @@ def test_user_values_win_over_defaults():
     (dict(arch="sm80", schedule="fa1", poly_exp2_tiles=2), "poly_exp2_tiles", "fa1"),
     (dict(arch="sm90", anchor_softmax=True, optimistic_max=True), "optimistic_max", "anchor_softmax=False"),
     (dict(arch="sm80", optimistic_max=True), "optimistic_max", "sm90 knob"),
+    (dict(arch="sm80", l2_prefetch=1), "l2_prefetch", "sm90 knob"),
+    (dict(arch="sm90", l2_prefetch=5), "l2_prefetch", "from 0 (off) to 4"),
+    (dict(arch="sm90", dtype="fp8", l2_prefetch=True), "l2_prefetch", "integer"),
 ])
 def test_each_invalid_field_names_its_knob(fields, knob, words):
     with pytest.raises(SpecError) as err:

@@ -216,6 +216,9 @@ NON_DEFAULT = [
     # tiles from the counter without causal, and causal tiles every gridDim.x-th
     ("sm90", 128, "bf16", False, {"dynamic_scheduler": True}),
     ("sm90", 64, "fp16", True, {"dynamic_scheduler": False}),
+    # K/V prefetched into L2 ahead of the loads (the prefetch must never stand in for a load)
+    ("sm90", 128, "bf16", False, {"l2_prefetch": 2}),
+    ("sm90", 256, "fp16", True, {"l2_prefetch": 1}),
     # schedule=fa1 (FlashAttention-1) and each of its switches flipped alone (issue 7)
     ("sm80", 128, "bf16", False, {"schedule": "fa1"}),
     ("sm80", 128, "bf16", True, {"schedule": "fa1"}),
@@ -669,7 +672,9 @@ def test_fp8_default_spec(spec):
                                     dict(head_dim=128, producer_regs=24, consumer_regs=240, p_buffers=2),
                                     dict(head_dim=128, producer_regs=24, consumer_regs=240, p_buffers=2, causal=True),
                                     dict(head_dim=128, causal=True, rebuild_q_desc=True),
-                                    dict(head_dim=256, rebuild_q_desc=True, v_layout="transposed")],
+                                    dict(head_dim=256, rebuild_q_desc=True, v_layout="transposed"),
+                                    dict(head_dim=256, l2_prefetch=2), dict(head_dim=128, causal=True, l2_prefetch=1),
+                                    dict(head_dim=64, l2_prefetch=4, v_layout="transposed")],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_non_default_spec(fields):
     from facodegen.reference import FP8_TOLERANCE
