@@ -9,10 +9,12 @@ steady loop, thread 0 of each consumer warpgroup of the first TRACE_CTAS CTAs re
   start (loop top), k (its K tile arrived), vt (Q K^T issued and the V^T tile arrived: the issue
   waits while the tensor pipe is full), s (S ready: the Q K^T wait), pv (the P V wait), and the
   next step's start;
-and per V tile (in-kernel transpose only) the loader's TMA issue, its landing, the transposers'
-start (V^T slot free, the tile before done) and their V^T arrival. Prints the medians over the
-steady steps of the first tile: each phase, the step period, how far apart the two warpgroups run
-(0 = lockstep, half a period = alternation), the V TMA latency and the transpose time. The
+and per K/V block the loader's K TMA issue, and (in-kernel transpose only) its V TMA issue, the V
+tile's landing, the transposers' start (V^T slot free, the tile before done) and their V^T arrival.
+Prints the medians over the steady steps of the first tile: each phase, the step period, how far
+apart the two warpgroups run (0 = lockstep, half a period = alternation), the time from a K load's
+issue to its consumers' K wait ending (its latency where they waited, else how early it went
+out), the V TMA latency and the transpose time. The
 traced kernel's TFLOP/s is printed beside the plain kernel's: the stores move ptxas's schedule (the
 one after the S wait holds the row max pass ahead of the P V wait, as anchor_softmax does), so
 phase boundaries are good to a few hundred cycles and the traced kernel runs 1-10% slower.
@@ -34,7 +36,9 @@ TRACE_CTAS = 8
 TRACE_STEPS = 1024          # ring positions (k_iter) recorded per consumer warpgroup
 EVENTS = ("start", "k", "vt", "s", "pv")
 # per V tile (kv_iter): the loader issues its TMA, it lands, the transposers start on it, V^T done
-V_EVENTS = ("issue", "landed", "start", "done")
+# per K/V block (kv_iter): the loader issues V's TMA, V lands, the transposers start on it, V^T
+# done (those four with in-kernel transposes only), the loader issues K's TMA
+V_EVENTS = ("issue", "landed", "start", "done", "k_issue")
 
 HEADER = f"""
 // ---- scripts/trace_steps.py: %clock at the consumer step's stages (a traced copy) ----
@@ -51,8 +55,9 @@ __device__ __forceinline__ unsigned int fcg_clock() {{
     fcg_trace[blockIdx.x][wg][(idx)][(ev)] = fcg_clock(); }} while (0)
 """
 
-# (anchor in the rendered source, text put after it); the consumers' anchors must be found
-CONSUMER_PATCHES = 5
+# (anchor in the rendered source, text put after it); the first REQUIRED_PATCHES (the consumers'
+# and the K issue) must be found
+REQUIRED_PATCHES = 6
 PATCHES = [
     ("                        const int k_stage = k_iter % STAGES;\n",
      "                        const uint32_t fcg_idx = k_iter;\n                        FCG_TRACE(fcg_idx, 0);\n"),
@@ -64,6 +69,8 @@ PATCHES = [
      "                        FCG_TRACE(fcg_idx, 3);\n"),
     ("                        wgmma_wait<0>();                            // P V done: O and P free\n",
      "                        FCG_TRACE(fcg_idx, 4);\n"),
+    ("                    mbar_wait(smem_u32(&state.k_empty[stage]), lap_parity);\n",
+     "                    if (leader) FCG_TRACE_V(kv_iter, 4);\n"),
     ("                        mbar_wait(smem_u32(&state.v_empty[stage]), lap_parity);\n",
      "                        if (leader) FCG_TRACE_V(kv_iter, 0);\n"),
     ("                mbar_wait(smem_u32(&state.v_full[stage]), parity);          // V landed (or the end)\n",
@@ -78,7 +85,7 @@ PATCHES = [
 def traced(source: str) -> str:
     for number, (anchor, extra) in enumerate(PATCHES):
         if anchor not in source:
-            if number >= CONSUMER_PATCHES:      # the V events: only kernels with transposers have them
+            if number >= REQUIRED_PATCHES:      # the V events: only kernels with transposers have them
                 continue
             raise SystemExit(f"trace anchor not in the rendered kernel: {anchor.strip()!r}")
         source = source.replace(anchor, anchor + extra)
@@ -107,7 +114,7 @@ def analyse(ev, vt, blocks_first_tile: int) -> dict:
     steady steps of each CTA's first tile."""
     import numpy as np
     rows = {k: [] for k in ("k_wait", "vt_wait", "qk_to_s", "s_to_pv", "softmax", "period", "wg_offset",
-                            "vt_ready_before_need", "v_tma", "v_to_transpose", "transpose")}
+                            "vt_ready_before_need", "k_issue_to_use", "v_tma", "v_to_transpose", "transpose")}
     last = min(blocks_first_tile - 1, TRACE_STEPS - 1)
 
     def d(a, b):                                # clock difference (the clock wraps at 32 bits)
@@ -126,7 +133,9 @@ def analyse(ev, vt, blocks_first_tile: int) -> dict:
                 rows["period"].append(d(e[0], nxt[0]))
                 if wg == 0 and vt[3, cta, j - 1]:     # this step's P V reads the V^T of load j - 1
                     rows["vt_ready_before_need"].append(d(int(vt[3, cta, j - 1]), int(e[2])))
-            v = vt[:, cta, j].astype(np.int64)
+            if vt[4, cta, j] and ev[cta, 0, j, 1]:
+                rows["k_issue_to_use"].append(d(int(vt[4, cta, j]), int(ev[cta, 0, j, 1])))
+            v = vt[:4, cta, j].astype(np.int64)
             if v.all():
                 rows["v_tma"].append(d(v[0], v[1]))            # V issued -> landed
                 rows["v_to_transpose"].append(d(v[1], v[2]))   # landed -> transposers start (V^T slot free, previous tile done)
@@ -202,13 +211,13 @@ def main() -> int:
         with open(os.path.join(args.out, f"trace_{args.cell.replace(',', '_')}.json"), "w") as f:
             json.dump(summary, f, indent=1)
     print("| cell | variant | plain | traced | period | k wait | vt wait | QK->S | S->PV | softmax | WG offset | V^T slack "
-          "| V TMA | V wait | transpose | n |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| K issue->use | V TMA | V wait | transpose | n |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     label = (args.variant or "default") + (f" + {os.path.basename(args.patch)} ({results['patched']:.0f})"
                                            if args.patch else "")
     print(f"| {args.cell} | {label} | {results['plain']:.0f} | {results['traced']:.0f} | "
           + " | ".join(f"{summary[k]:.0f}" for k in ("period", "k_wait", "vt_wait", "qk_to_s", "s_to_pv", "softmax",
-                                                    "wg_offset", "vt_ready_before_need", "v_tma",
+                                                    "wg_offset", "vt_ready_before_need", "k_issue_to_use", "v_tma",
                                                     "v_to_transpose", "transpose"))
           + f" | {summary['samples']} |")
     return 0

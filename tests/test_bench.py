@@ -477,7 +477,7 @@ def test_trace_steps_traces_a_copy_of_the_fp8_kernel_and_reads_its_phases():
         spec = KernelSpec(arch="sm90", head_dim=256, dtype="fp8", v_layout=layout)
         source = trace.traced(emit(spec))
         assert source.count("FCG_TRACE(fcg_idx, ") == 2 * len(trace.EVENTS)    # both steady loops
-        assert source.count("FCG_TRACE_V(kv_iter, ") == len(trace.V_EVENTS)
+        assert source.count("FCG_TRACE_V(kv_iter, ") == len(trace.V_EVENTS)     # (the K issue as well)
         kernel = compiler.compile_source(source, "sm90", spec.variant, cache=False, verbose=False)
         assert "CS2R.32" in kernel.sass()
         # the row-V kernel keeps its registers; the caller's-V^T one without uniform_wg spills a little
@@ -486,7 +486,8 @@ def test_trace_steps_traces_a_copy_of_the_fp8_kernel_and_reads_its_phases():
         trace.apply_patch("int x;\n", "int y;\n===\nint z;\n")
     assert trace.apply_patch("a();\nb();\n", "a();\n===\nc();\n%%%\n") == "c();\nb();\n"
     # two warpgroups half a 3000-cycle period apart; per step: K after 50, V^T + issue 400, S 300,
-    # P V 700, softmax the rest (1550); V tiles issued 3000 before they land, transposed in 2500
+    # P V 700, softmax the rest (1550); V tiles issued 3000 before they land, transposed in 2500;
+    # K issued 1200 before warpgroup 0's K wait ends
     ctas, steps = 2, 40
     ev = np.zeros((ctas, 2, trace.TRACE_STEPS, len(trace.EVENTS)), dtype=np.uint32)
     vt = np.zeros((len(trace.V_EVENTS), ctas, trace.TRACE_STEPS), dtype=np.uint32)
@@ -496,11 +497,12 @@ def test_trace_steps_traces_a_copy_of_the_fp8_kernel_and_reads_its_phases():
                 start = 10_000 + 3000 * j + 1500 * wg
                 ev[cta, wg, j] = [start, start + 50, start + 450, start + 750, start + 1450]
         for j in range(steps):
-            vt[:, cta, j] = [4000 + 3000 * j, 7000 + 3000 * j, 7100 + 3000 * j, 9600 + 3000 * j]
+            vt[:, cta, j] = [4000 + 3000 * j, 7000 + 3000 * j, 7100 + 3000 * j, 9600 + 3000 * j, 8850 + 3000 * j]
     got = trace.analyse(ev, vt, steps)
     assert (got["period"], got["k_wait"], got["vt_wait"], got["qk_to_s"], got["s_to_pv"], got["softmax"]) == \
         (3000, 50, 400, 300, 700, 1550)
     assert (got["wg_offset"], got["v_tma"], got["v_to_transpose"], got["transpose"]) == (1500, 3000, 100, 2500)
+    assert got["k_issue_to_use"] == 1200
 
 
 def test_overlap_probe_kernels_keep_their_wgmmas_in_flight():
