@@ -79,6 +79,17 @@ PATCHES = [
      "                if (twarp == 0) FCG_TRACE_V(kv_iter, 2);\n"),
     ("                    mbar_arrive(smem_u32(&state.vt_full[stage]));\n",
      "                    FCG_TRACE_V(kv_iter, 3);\n"),
+    # docs/experiments/fp8-kv-pool.patch: the loads issue once a pool slot is taken (these overwrite
+    # the K and V issue events above), the transposers' waits name the V ring position
+    ("                    const uint32_t k_tile = take_k_tile(state, k_smem0, kv_iter);\n",
+     "                    if (leader) FCG_TRACE_V(kv_iter, 4);\n"),
+    ("                        const uint32_t v_tile = KV_POOL ? k_smem0 + pool_take_for(state, state.v_slot, state.v_empty, V_RING, kv_iter) * KV_TILE_BYTES\n"
+     "                                                        : v_smem0 + stage * KV_TILE_BYTES;\n",
+     "                        if (leader) FCG_TRACE_V(kv_iter, 0);\n"),
+    ("                mbar_wait(smem_u32(&state.v_full[v_pos]), (kv_iter / V_RING) & 1);   // V landed (or the end)\n",
+     "                if (twarp == 0) FCG_TRACE_V(kv_iter, 1);\n"),
+    ("                mbar_wait(smem_u32(&state.vt_empty[stage]), ((kv_iter / STAGES) & 1) ^ 1);   // consumers done with V^T's last lap\n",
+     "                if (twarp == 0) FCG_TRACE_V(kv_iter, 2);\n"),
 ]
 
 
