@@ -79,8 +79,9 @@ PATCHES = [
      "                if (twarp == 0) FCG_TRACE_V(kv_iter, 2);\n"),
     ("                    mbar_arrive(smem_u32(&state.vt_full[stage]));\n",
      "                    FCG_TRACE_V(kv_iter, 3);\n"),
-    # docs/experiments/fp8-kv-pool.patch: the loads issue once a pool slot is taken (these overwrite
-    # the K and V issue events above), the transposers' waits name the V ring position
+    # docs/experiments/fp8-kv-pool.patch: its loads issue once a pool slot is taken (the K issue
+    # read here comes after the k_empty one above and overwrites it; the V issue has only this
+    # anchor there), and its transposers' waits name the V ring position
     ("                    const uint32_t k_tile = take_k_tile(state, k_smem0, kv_iter);\n",
      "                    if (leader) FCG_TRACE_V(kv_iter, 4);\n"),
     ("                        const uint32_t v_tile = KV_POOL ? k_smem0 + pool_take_for(state, state.v_slot, state.v_empty, V_RING, kv_iter) * KV_TILE_BYTES\n"

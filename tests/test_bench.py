@@ -464,8 +464,9 @@ def test_time_in_turns_falls_back_to_each_alone_inside_its_context(monkeypatch):
 
 def test_trace_steps_traces_a_copy_of_the_fp8_kernel_and_reads_its_phases():
     """scripts/trace_steps.py: the traced copy of the head_dim 256 fp8 kernels has a clock read at
-    each consumer stage, at each V tile's four events and at each K load's issue, still compiles for sm_90a (without spills
-    for the row-V kernel), and the medians come out of a synthetic timeline as laid in."""
+    each consumer stage, at each V tile's four events and at each K load's issue, still compiles for
+    sm_90a (without spills for the row-V kernel), and the medians come out of a synthetic timeline
+    as laid in."""
     import numpy as np
 
     from facodegen import compiler
