@@ -2,6 +2,7 @@
 
     python3 scripts/overlap_probe.py                    # GPU: the table, rates per SM clock
     python3 scripts/overlap_probe.py --check            # CPU: compile every variant for sm_90a
+    python3 scripts/overlap_probe.py --vt-slabs         # GPU: B (V^T) 128B- against 32B-swizzled
 
 The fp8 kernels' profiles (docs/perf-notes.md, sessions 15-16) read as if the GEMMs and the exp2s
 never overlapped: at head_dim 256 the tensor pipe's 68.5% and the XU's share of the exp2s (~35%)
@@ -9,7 +10,10 @@ add up to the whole step, for FlashAttention-3 as for facodegen, pingpong or not
 the hardware directly. One CTA per SM, three warpgroups:
   - GEMM warpgroups (0, 1 or 2) issue groups of 8 e4m3 wgmmas m64nNk32 into their own
     accumulators, one group in flight (commit, wait for the one before), as scripts/wgmma_rate.py;
-    `rs` takes A from registers as the P V GEMM does, `ss` both operands from shared memory.
+    `rs` takes A from registers as the P V GEMM does, `ss` both operands from shared memory;
+    `rs32` / `ss32` read B 32B-swizzled, one k32 step per N x 32-byte slab (a V^T tile in 32-key
+    slabs, the layout a row-major V tile can be transposed into in place), instead of four k32
+    steps along a 128-byte row.
   - side work: 8 independent chains per thread of `ex2` (MUFU.EX2), `ffma`, or `mix` (FFMA, EX2,
     FADD: the softmax's per-score work), run by warpgroup 2 until the GEMM warpgroups are done (the
     SM quadrants' other warps, as one consumer warpgroup's softmax beside the other's GEMMs). The
@@ -38,11 +42,18 @@ VARIANTS = [
     (2, "rs", 256, "ex2"), (2, "rs", 256, "ffma"), (2, "rs", 256, "mix"),
     (2, "ss", 256, "ex2"), (2, "ss", 128, "ex2"), (1, "rs", 256, "ex2"), (1, "rs", 256, "mix"),
 ]
+# --vt-slabs: the P V form with V^T 128B- and 32B-swizzled, alone and beside the softmax's mix, and
+# the FFMA rate beside SS GEMMs (the table above has it beside RS only); alone rows first
+VT_SLAB_VARIANTS = [
+    (2, "rs", 256, "none"), (2, "rs32", 256, "none"), (1, "rs", 256, "none"), (1, "rs32", 256, "none"),
+    (2, "ss", 256, "none"), (2, "ss32", 256, "none"), (0, "ss", 256, "ffma"), (0, "ss", 256, "mix"),
+    (2, "rs", 256, "mix"), (2, "rs32", 256, "mix"), (2, "ss", 256, "ffma"), (2, "rs", 256, "ffma"),
+]
 
 
 def name(v) -> str:
     wgs, shape, n, side = v
-    return f"g{wgs}_{shape}{n}_{side}"
+    return f"g{wgs}_{shape}{'_' if shape.endswith('32') else ''}{n}_{side}"
 
 
 def side_body(op: str) -> str:
@@ -63,7 +74,10 @@ def source(v) -> str:
     wgs, shape, n, side = v
     regs = ", ".join(f"%{i}" for i in range(n // 2))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(n // 2))
-    if shape == "ss":
+    b_swizzle = 32 if shape.endswith("32") else 128
+    b_mode = {128: 1, 32: 3}[b_swizzle]
+    b_step = 2 if b_swizzle == 128 else n * 32 // 16       # descriptor units (16 bytes) per k32 step
+    if shape.startswith("ss"):
         a_operand, a_in = f"%{n // 2}", '"l"(a)'
         b_index = n // 2 + 1
     else:
@@ -73,8 +87,9 @@ def source(v) -> str:
     body = side_body(side)
     return f"""
 typedef unsigned long long u64;
-__device__ __forceinline__ u64 desc(unsigned addr) {{
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+__device__ __forceinline__ u64 desc(unsigned addr, int swizzle_bytes, int mode) {{
+    // K-major, swizzled: start >> 4, LBO 1 (unused), SBO = 8 rows of the swizzle width, mode in bits 62-63
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(8 * swizzle_bytes >> 4) << 32) | ((u64)mode << 62);
 }}
 __device__ __forceinline__ void mma(float (&d)[{n // 2}], u64 a, const unsigned* ra, u64 b) {{
     asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n"
@@ -97,7 +112,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(int iters, int side_i
 #pragma unroll
     for (int j = 0; j < 8; ++j) x[j] = 0.5f + 0.01f * j + 1e-4f * threadIdx.x;
     if (wg < {wgs}) {{
-        const u64 a = desc(base), b = desc(base + 64 * 128);
+        const u64 a = desc(base, 128, 1), b = desc(base + 64 * 128, {b_swizzle}, {b_mode});
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\\n");
         unsigned ra[4][4];                                      // one A slice per k-step, as P
 #pragma unroll
@@ -110,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(int iters, int side_i
             asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory");
 #pragma unroll
             for (int s = 0; s < {GROUP}; ++s) {{
-                mma(d, a + 2 * (s % 4), ra[s % 4], b + 2 * (s % 4));
+                mma(d, a + 2 * (s % 4), ra[s % 4], b + {b_step} * (s % 4));
             }}
             asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 1;\\n" ::: "memory");
@@ -169,8 +184,9 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="compile only (no GPU): registers, spills, SASS counts")
     p.add_argument("--iters", type=int, default=20000, help="GEMM groups per warpgroup")
     p.add_argument("--side-iters", type=int, default=200000, help="side rounds when no GEMM runs")
+    p.add_argument("--vt-slabs", action="store_true", help="V^T 128B- against 32B-swizzled (VT_SLAB_VARIANTS)")
     args = p.parse_args()
-    kernels = compile_all(VARIANTS)
+    kernels = compile_all(VT_SLAB_VARIANTS if args.vt_slabs else VARIANTS)
     if args.check:
         for v, (cubin, res) in kernels.items():
             r = next(iter(res.values()))

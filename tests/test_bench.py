@@ -513,7 +513,7 @@ def test_overlap_probe_kernels_keep_their_wgmmas_in_flight():
     from facodegen import compiler
 
     probe = _script("overlap_probe")
-    kernels = probe.compile_all([(2, "rs", 256, "none"), (2, "rs", 256, "ex2"), (0, "ss", 256, "ex2")])
+    kernels = probe.compile_all([(2, "rs", 256, "none"), (2, "rs32", 256, "none"), (2, "rs", 256, "ex2"), (0, "ss", 256, "ex2")])
     for variant, (cubin, resources) in kernels.items():
         r = next(iter(resources.values()))
         assert r.spill_stores == 0 and "C751" not in probe.log_of[variant], probe.name(variant)
