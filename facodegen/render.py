@@ -69,6 +69,8 @@ def emit_command(spec: KernelSpec) -> str:
                   "--rebuild-q-desc" if spec.rebuild_q_desc else "--keep-q-desc"]
         if spec.l2_prefetch:
             flags.append(f"--l2-prefetch {spec.l2_prefetch}")
+        if spec.vt_in_place:
+            flags.append("--vt-in-place")
         if spec.intra_wg_overlap:
             flags.append("--rescale-under-qk" if spec.rescale_under_qk else "--rescale-after-pv")
         flags.append("--optimistic-max" if spec.optimistic_max else "--exact-max")
@@ -90,7 +92,7 @@ def context(spec: KernelSpec) -> dict:
         "emit_command": emit_command(spec),
         # fp8's knobs (fixed for the 16-bit types) are left out of the header of bf16/fp16 kernels
         "spec_items": sorted((k, v) for k, v in spec.as_dict().items()
-                             if spec.dtype == "fp8" or k not in ("out_dtype", "v_layout")),
+                             if spec.dtype == "fp8" or k not in ("out_dtype", "v_layout", "vt_in_place")),
         "smem_bytes": spec.smem_bytes,
         "threads": spec.threads,
         "log2e": repr(math.log2(math.e)),

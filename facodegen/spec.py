@@ -269,10 +269,11 @@ FP8_VT_THREE_STAGE_HEAD_DIMS = (64, 256)
 
 
 def fp8_stages_default(head_dim: int, v_layout: str, block_m, block_n, q_stages: int, smem: int,
-                       tile_stages: int) -> int:
-    if (v_layout == "transposed" and head_dim in FP8_VT_THREE_STAGE_HEAD_DIMS
+                       tile_stages: int, vt_in_place: bool = False) -> int:
+    """vt_in_place (no row-major V ring): three stages wherever they fit, as the caller's V^T."""
+    if ((vt_in_place or (v_layout == "transposed" and head_dim in FP8_VT_THREE_STAGE_HEAD_DIMS))
             and all(isinstance(x, int) for x in (block_m, block_n))):
-        if fp8_smem(block_m, block_n, 3, head_dim, v_layout, q_stages) <= smem:
+        if fp8_smem(block_m, block_n, 3, head_dim, v_layout, q_stages, vt_in_place) <= smem:
             return 3
     return tile_stages
 
@@ -628,7 +629,11 @@ class KernelSpec:
 
     dtype=fp8 only (e4m3 Q, K, V; sm90): ``out_dtype`` (bf16 | fp16: the type of O) and ``v_layout``
     (row | transposed: V as (batch, seqlen_k, heads_kv, d), transposed in shared memory by the kernel,
-    or V^T as (batch, heads_kv, d, seqlen_k) from the caller). fp8 stores O from registers, so
+    or V^T as (batch, heads_kv, d, seqlen_k) from the caller), ``vt_in_place`` (v_layout=row: the TMA
+    lands each V tile in its V^T ring slot, 32 keys x head_dim at a time in 32-byte rows, and the
+    transposers turn every 1 KB block of 32 keys x 32 columns into V^T's 32B-swizzled 32-key slabs in
+    place, so no row-major V ring takes shared memory and the K/V ring gets three stages where they
+    fit). fp8 stores O from registers, so
     ``separate_o`` is always False there.
     """
 
@@ -672,6 +677,7 @@ class KernelSpec:
     dynamic_scheduler: bool | None = None
     stream_k: bool | None = None
     l2_prefetch: int | None = None
+    vt_in_place: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -705,6 +711,7 @@ class KernelSpec:
             fill["cluster_m"] = 1
             fill["o_in_v"] = False
             fill["l2_prefetch"] = 0
+            fill["vt_in_place"] = False
             if self.o_in_v not in (None, False, 0):
                 raise SpecError("o_in_v", "is an sm90 knob; arch=sm80 writes O from registers")
             if self.cluster_m not in (None, 1):
@@ -714,7 +721,7 @@ class KernelSpec:
             for name in ("uniform_wg", "consumer_warpgroups", "pingpong", "intra_wg_overlap",
                          "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints",
                          "anchor_softmax", "rescale_under_qk", "optimistic_max", "rebuild_q_desc",
-                         "dynamic_scheduler", "stream_k", "l2_prefetch"):
+                         "dynamic_scheduler", "stream_k", "l2_prefetch", "vt_in_place"):
                 if getattr(self, name) not in (None, 0, False):
                     raise SpecError(name, "is an sm90 knob; arch=sm80 does not use it")
         else:
@@ -749,13 +756,13 @@ class KernelSpec:
                                         and not self.optimistic_max and self.p_buffers in (None, 1)),
                         uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout, self.causal),
                         ctas_per_sm=1, cluster_m=1, o_in_v=False, q_stages=1, p_buffers=1,
-                        rebuild_q_desc=False, l2_prefetch=0,
+                        rebuild_q_desc=False, l2_prefetch=0, vt_in_place=False,
                         optimistic_max=((optimistic_max_default(self.head_dim, self.dtype, self.causal)
                                          or self.p_buffers == 2)
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
                                  "uniform_wg", "optimistic_max", "rebuild_q_desc", "dynamic_scheduler",
-                                 "stream_k"))
+                                 "stream_k", "vt_in_place"))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
                                                                                   self.causal)
@@ -768,7 +775,8 @@ class KernelSpec:
             if self.stages is None and self.dtype == "fp8":
                 fill["stages"] = fp8_stages_default(self.head_dim, self.v_layout, resolved("block_m"),
                                                     resolved("block_n"), resolved("q_stages"),
-                                                    GPUS[gpu].smem_per_block, tiles.stages)
+                                                    GPUS[gpu].smem_per_block, tiles.stages,
+                                                    bool(self.vt_in_place))
             dims = (resolved("block_m"), resolved("block_n"), resolved("stages"))
             dims_known = all(isinstance(x, int) for x in dims)
             if self.dtype == "fp8":
@@ -869,6 +877,8 @@ class KernelSpec:
                 parts.append("sk")
             if self.l2_prefetch:
                 parts.append(f"pf{self.l2_prefetch}")
+            if self.vt_in_place:
+                parts.append("vip")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -1000,7 +1010,8 @@ def smem_bytes(spec: KernelSpec) -> int:
     if spec.arch == "sm80":
         return q_tile + kv_ring + fa1_exchange_bytes(spec)
     if spec.dtype == "fp8":
-        return fp8_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, spec.v_layout, spec.q_stages)
+        return fp8_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, spec.v_layout, spec.q_stages,
+                        spec.vt_in_place)
     return _sm90_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, e, spec.separate_o, spec.q_stages)
 
 
@@ -1012,12 +1023,14 @@ def _sm90_smem(block_m: int, block_n: int, stages: int, head_dim: int, e: int, s
     return q_stages * q_tile + o_tile + stages * 2 * block_n * head_dim * e + SM90_BARRIER_BYTES
 
 
-def fp8_smem(block_m: int, block_n: int, stages: int, head_dim: int, v_layout: str, q_stages: int = 1) -> int:
+def fp8_smem(block_m: int, block_n: int, stages: int, head_dim: int, v_layout: str, q_stages: int = 1,
+             vt_in_place: bool = False) -> int:
     """sm90 fp8 (1 byte/element): ``q_stages`` Q tiles, ``stages`` K and V^T tiles, with v_layout=row
-    also ``stages`` V tiles as the TMA writes them (the producer transposes each into V^T), barriers +
-    alignment. O has no tile: it goes from registers to global memory."""
+    also ``stages`` V tiles as the TMA writes them (the producer transposes each into V^T; not with
+    vt_in_place, where V lands in its V^T slot), barriers + alignment. O has no tile: it goes from
+    registers to global memory."""
     tile = block_n * head_dim
-    v_raw = stages * tile if v_layout == "row" else 0
+    v_raw = stages * tile if v_layout == "row" and not vt_in_place else 0
     return q_stages * block_m * head_dim + stages * 2 * tile + v_raw + SM90_BARRIER_BYTES
 
 
@@ -1117,12 +1130,15 @@ def _validate(spec: KernelSpec) -> None:
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
         for name in ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg",
-                     "optimistic_max", "rebuild_q_desc", "dynamic_scheduler", "stream_k"):
+                     "optimistic_max", "rebuild_q_desc", "dynamic_scheduler", "stream_k", "vt_in_place"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
         if spec.dynamic_scheduler and not spec.persistent:
             raise SpecError("dynamic_scheduler", "hands tiles to persistent CTAs: it needs persistent=True")
         _check_stream_k(spec)
+        if spec.vt_in_place and (spec.dtype != "fp8" or spec.v_layout != "row"):
+            raise SpecError("vt_in_place", "transposes a row-major V tile in its own V^T slot: it needs "
+                                           "dtype=fp8 and v_layout=row")
         if not isinstance(spec.l2_prefetch, int) or isinstance(spec.l2_prefetch, bool) \
                 or not 0 <= spec.l2_prefetch <= 4:
             raise SpecError("l2_prefetch", f"must be an integer from 0 (off) to 4 K/V blocks ahead, "

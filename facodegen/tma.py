@@ -63,9 +63,9 @@ class TiledArgs:
     """The checked arguments of one cuTensorMapEncodeTiled call."""
     ptr: int
     dtype_code: int
-    dims: tuple[int, int, int, int]            # {D, S, H, B}, elements
-    strides: tuple[int, int, int]              # {row, head, batch}, bytes
-    box: tuple[int, int, int, int]             # {box_cols, box_rows, 1, 1}
+    dims: tuple[int, ...]                      # {D, S, H, B}, elements (rank 5: in_place_v_args)
+    strides: tuple[int, ...]                   # {row, head, batch}, bytes
+    box: tuple[int, ...]                       # {box_cols, box_rows, 1, 1}
     swizzle_code: int
 
 
@@ -180,11 +180,12 @@ def encode(args: TiledArgs) -> bytes:
     raw = (ctypes.c_uint8 * (TENSOR_MAP_BYTES + _TENSOR_MAP_ALIGN))()
     offset = (-ctypes.addressof(raw)) % _TENSOR_MAP_ALIGN
     out = ctypes.addressof(raw) + offset
-    dims = (ctypes.c_uint64 * 4)(*args.dims)
-    strides = (ctypes.c_uint64 * 3)(*args.strides)
-    box = (ctypes.c_uint32 * 4)(*args.box)
-    element_strides = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
-    result = fn(out, args.dtype_code, 4, ctypes.c_void_p(args.ptr), dims, strides, box, element_strides,
+    rank = len(args.dims)
+    dims = (ctypes.c_uint64 * rank)(*args.dims)
+    strides = (ctypes.c_uint64 * (rank - 1))(*args.strides)
+    box = (ctypes.c_uint32 * rank)(*args.box)
+    element_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
+    result = fn(out, args.dtype_code, rank, ctypes.c_void_p(args.ptr), dims, strides, box, element_strides,
                 _INTERLEAVE_NONE, args.swizzle_code, _L2_PROMOTION_128B, _OOB_FILL_ZERO)
     if result != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {result} for {args}")
@@ -233,6 +234,29 @@ def transposed_v_args(ptr: int, shape_bhds, strides_elems, box_rows: int, box_ke
                      swizzle_code=SWIZZLE_CODES[swizzle])
 
 
+# vt_in_place: V moves in boxes of VT_SLAB_KEYS keys x head_dim, VT_SLAB_KEYS bytes per smem row.
+VT_SLAB_KEYS = 32
+
+
+def in_place_v_args(row_v: TiledArgs) -> TiledArgs:
+    """fp8 with vt_in_place: the row-major V of ``row_v`` (checked by tiled_args) as a rank-5 map
+    {32, S, D/32, H, B} with strides {row, 32, head, batch} bytes (the column-block dimension's stride
+    is smaller than the row's: TMA takes non-monotonic strides, kernel-facts 4.1), one box = 32 keys
+    x the whole head_dim, 32B-swizzled. The box lands as [D/32][32 keys][32 bytes]: block c (columns
+    32c..32c+31) of the slab is 1 KB at c x 1 KB, the very bytes where the slab's V^T rows 32c..32c+31
+    go (32 keys = 32 bytes per V^T row), so each 1 KB block is transposed in place. Kernel
+    coordinates: {0, key, 0, head, batch}."""
+    head_dim, seqlen, heads, batch = row_v.dims
+    row, head, batch_stride = row_v.strides
+    if head_dim % VT_SLAB_KEYS:
+        raise ValueError(f"head_dim: {head_dim} must be a multiple of {VT_SLAB_KEYS} to move V in 32-column blocks")
+    return TiledArgs(ptr=row_v.ptr, dtype_code=row_v.dtype_code,
+                     dims=(VT_SLAB_KEYS, seqlen, head_dim // VT_SLAB_KEYS, heads, batch),
+                     strides=(row, VT_SLAB_KEYS, head, batch_stride),
+                     box=(VT_SLAB_KEYS, VT_SLAB_KEYS, head_dim // VT_SLAB_KEYS, 1, 1),
+                     swizzle_code=SWIZZLE_CODES[32])
+
+
 def tensor_map_args(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch: int, seqlen_q: int,
                     seqlen_k: int, heads_q: int, heads_kv: int, q_strides, k_strides, v_strides,
                     o_strides) -> dict[str, TiledArgs]:
@@ -276,6 +300,8 @@ def _fp8_map_args(spec, q_ptr, k_ptr, v_ptr, batch, seqlen_q, seqlen_k, heads_q,
             out[name] = tiled_args(ptr, "fp8", shape, strides, rows, box_cols, swizzle)
         except ValueError as err:
             raise ValueError(f"{name[4:]}: {err}") from None
+    if spec.vt_in_place:
+        out["tma_v"] = in_place_v_args(out["tma_v"])
     if spec.v_layout == "transposed":
         vt_swizzle, box_keys = vt_geometry(spec.block_n)
         try:

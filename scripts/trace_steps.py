@@ -73,6 +73,11 @@ PATCHES = [
      "                    if (leader) FCG_TRACE_V(kv_iter, 4);\n"),
     ("                        mbar_wait(smem_u32(&state.v_empty[stage]), lap_parity);\n",
      "                        if (leader) FCG_TRACE_V(kv_iter, 0);\n"),
+    # vt_in_place: the loader's V issue waits for the V^T slot itself, the transposers start where V landed
+    ("                // the loader waited for the V^T slot before V's TMA: transpose where V landed\n",
+     "                if (twarp == 0) FCG_TRACE_V(kv_iter, 2);\n"),
+    ("                        mbar_wait(smem_u32(&state.vt_empty[stage]), lap_parity);   // V lands in the V^T slot\n",
+     "                        if (leader) FCG_TRACE_V(kv_iter, 0);\n"),
     ("                mbar_wait(smem_u32(&state.v_full[stage]), parity);          // V landed (or the end)\n",
      "                if (twarp == 0) FCG_TRACE_V(kv_iter, 1);\n"),
     ("                mbar_wait(smem_u32(&state.vt_empty[stage]), parity ^ 1);    // consumers done with V^T's last lap\n",

@@ -162,6 +162,22 @@ def test_l2_prefetch_adds_tensor_prefetches_and_nothing_else(fields):
     assert on_sass.count("UTMALDG") == off_sass.count("UTMALDG")
 
 
+@pytest.mark.parametrize("fields", [dict(head_dim=256), dict(head_dim=256, causal=True), dict(head_dim=128),
+                                    dict(head_dim=64, causal=True)],
+                         ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_fp8_vt_in_place_loads_v_in_5d_boxes_and_transposes_whole_blocks(fields):
+    """vt_in_place: no spills; V comes in rank-5 boxes (one UTMALDG.5D in the loader's slab loop, K and
+    Q stay 4-D), and the transposer loop runs two ldmatrix.trans before its two stmatrix (a block's
+    stores overwrite its own V bytes)."""
+    on = compile_mod.compile(K(dtype="fp8", vt_in_place=True, **fields), verbose=False)
+    res = on.resources
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res
+    sass = on.sass()
+    assert sass.count("UTMALDG.5D") == 1 and sass.count("UTMALDG.4D") >= 2
+    ops = [x for x in sass.splitlines() if "LDSM.16.MT88.4" in x or "STSM.16.M88.4" in x]
+    assert [("LD" if "LDSM" in x else "ST") for x in ops] == ["LD", "LD", "ST", "ST"], ops
+
+
 def test_cluster_kernels_multicast_kv_and_arrive_remotely_without_gpu_fences(kernel):
     """cluster_m=2: the K and V loads are multicast (one UTMALDG.MULTICAST each, Q stays a plain load),
     the consumers' releases reach both CTAs' barriers (remote SYNCS.ARRIVE...RED), and no per-step

@@ -360,3 +360,22 @@ def test_o_in_v_takes_the_v_ring_and_needs_room_there():
         with pytest.raises(SpecError) as err:
             KernelSpec(**{"arch": "sm90", "head_dim": 256, "o_in_v": True, **bad})
         assert err.value.field == "o_in_v", (bad, err.value)
+
+
+def test_vt_in_place_is_an_fp8_row_v_knob_that_frees_the_v_ring():
+    """vt_in_place: named in the variant, off by default; no row-major V ring in shared memory, so the
+    fp8 K/V ring takes three stages where they fit (head_dim 256: 224 KB with Q); the 16-bit types and
+    the caller's V^T are refused by name."""
+    def fp8(**kw):
+        return KernelSpec(arch="sm90", dtype="fp8", **kw)
+    assert not any(fp8(head_dim=d).vt_in_place for d in (64, 96, 128, 192, 256))
+    ring, in_place = fp8(head_dim=256), fp8(head_dim=256, vt_in_place=True)
+    assert (ring.stages, in_place.stages) == (2, 3) and "_vip" in in_place.variant and "_vip" not in ring.variant
+    assert in_place.smem_bytes == ring.smem_bytes             # 3 x (K + V^T) where 2 x (K + V^T + V) was
+    assert fp8(head_dim=256, vt_in_place=True, stages=2).smem_bytes == ring.smem_bytes - 2 * 128 * 256
+    for kw, field in ((dict(arch="sm90", dtype="bf16"), "vt_in_place"),
+                      (dict(arch="sm90", dtype="fp8", v_layout="transposed"), "vt_in_place"),
+                      (dict(arch="sm80", dtype="bf16"), "vt_in_place")):
+        with pytest.raises(SpecError) as err:
+            KernelSpec(head_dim=128, vt_in_place=True, **kw)
+        assert err.value.field == field

@@ -94,6 +94,21 @@ def test_tensor_map_boxes_follow_the_spec():
     assert all(a.box[0] == 32 and a.swizzle_code == 2 for a in maps.values())
 
 
+def test_in_place_v_map_lands_32_key_slabs_as_1kb_blocks():
+    """fp8 vt_in_place: V's map is rank 5 {32, S, D/32, H, B}; the column-block dimension steps 32
+    bytes (under the row stride), one box is 32 keys x the whole head_dim, 32B-swizzled, so block c of
+    a slab lands at c KB: the bytes of V^T rows 32c..32c+31."""
+    spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, vt_in_place=True)
+    strides = (S * 2 * 256, 2 * 256, 256)
+    maps = tma.tensor_map_args(spec, PTR, PTR, PTR + 4096, PTR, B, S, S, 2, 2, strides, strides, strides, strides)
+    v = maps["tma_v"]
+    assert v.dims == (32, S, 8, 2, B) and v.strides == (512, 32, 256, S * 512) and v.box == (32, 32, 8, 1, 1)
+    assert v.swizzle_code == tma.SWIZZLE_CODES[32] and v.ptr == PTR + 4096
+    assert maps["tma_k"].dims == (256, S, 2, B)                 # K keeps its rank-4 slabs
+    with pytest.raises(ValueError, match="head_dim"):
+        tma.in_place_v_args(tma.tiled_args(PTR, "fp8", (1, 64, 1, 48), (64 * 48, 48, 48), 32, 48, 64))
+
+
 def test_tensor_map_errors_name_the_tensor():
     spec = KernelSpec(arch="sm90", head_dim=128)
     good = (S * H * D, H * D, D)

@@ -653,6 +653,26 @@ def test_fp8_default_spec(spec):
 
 
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
+@pytest.mark.parametrize("head_dim,causal", [(256, False), (256, True), (128, False), (128, True), (64, False),
+                                             (64, True), (96, False), (192, True)])
+def test_fp8_vt_in_place(head_dim, causal):
+    """vt_in_place: V lands in its V^T slot (rank-5 TMA boxes of 32 keys) and is transposed there, with
+    three stages where they fit: the default shapes (odd lengths, a ragged last block, GQA, per-head
+    descales), within FP8_TOLERANCE and 1.1x FlashAttention-3's error where it runs."""
+    from facodegen.reference import FP8_TOLERANCE
+    spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=head_dim, causal=causal, vt_in_place=True)
+    for i, shape in enumerate(FP8_SHAPES):
+        o, lse, o_ref, lse_ref, fa3 = _fp8_case(spec, shape, descale_per_head=(i == 1), seed=20 + i)
+        assert not np.isnan(o).any(), (shape, "NaN in O")
+        rel = _rel(o, o_ref)
+        assert rel <= FP8_TOLERANCE, (shape, rel)
+        if fa3 is not None and o_ref.size > 1000:
+            assert rel <= 1.1 * _rel(fa3, o_ref) + 1e-3, (shape, rel, _rel(fa3, o_ref))
+        ok, msg = check_lse(lse, lse_ref, atol=1e-2, rtol=1e-3)
+        assert ok, (shape, msg)
+
+
+@pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
 @pytest.mark.parametrize("fields", [dict(head_dim=128, block_n=224), dict(head_dim=128, out_dtype="fp16"),
                                     dict(head_dim=64, causal=True, consumer_warpgroups=1, ctas_per_sm=2),
                                     dict(head_dim=128, pingpong=False, intra_wg_overlap=False, persistent=False),
