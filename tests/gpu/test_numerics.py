@@ -640,9 +640,15 @@ FP8_SPECS = default_fp8_specs()
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
 @pytest.mark.parametrize("spec", FP8_SPECS, ids=lambda s: s.variant)
 def test_fp8_default_spec(spec):
+    _check_fp8_shapes(spec, seed0=0)
+
+
+def _check_fp8_shapes(spec, seed0: int) -> None:
+    """Every FP8_SHAPES case (the second with per-head descales): no NaN, O within FP8_TOLERANCE and
+    1.1x FlashAttention-3's error where it runs, LSE close."""
     from facodegen.reference import FP8_TOLERANCE
     for i, shape in enumerate(FP8_SHAPES):
-        o, lse, o_ref, lse_ref, fa3 = _fp8_case(spec, shape, descale_per_head=(i == 1), seed=i)
+        o, lse, o_ref, lse_ref, fa3 = _fp8_case(spec, shape, descale_per_head=(i == 1), seed=seed0 + i)
         assert not np.isnan(o).any(), (shape, "NaN in O")
         rel = _rel(o, o_ref)
         assert rel <= FP8_TOLERANCE, (shape, rel)
@@ -659,17 +665,8 @@ def test_fp8_vt_in_place(head_dim, causal):
     """vt_in_place: V lands in its V^T slot (rank-5 TMA boxes of 32 keys) and is transposed there, with
     three stages where they fit: the default shapes (odd lengths, a ragged last block, GQA, per-head
     descales), within FP8_TOLERANCE and 1.1x FlashAttention-3's error where it runs."""
-    from facodegen.reference import FP8_TOLERANCE
-    spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=head_dim, causal=causal, vt_in_place=True)
-    for i, shape in enumerate(FP8_SHAPES):
-        o, lse, o_ref, lse_ref, fa3 = _fp8_case(spec, shape, descale_per_head=(i == 1), seed=20 + i)
-        assert not np.isnan(o).any(), (shape, "NaN in O")
-        rel = _rel(o, o_ref)
-        assert rel <= FP8_TOLERANCE, (shape, rel)
-        if fa3 is not None and o_ref.size > 1000:
-            assert rel <= 1.1 * _rel(fa3, o_ref) + 1e-3, (shape, rel, _rel(fa3, o_ref))
-        ok, msg = check_lse(lse, lse_ref, atol=1e-2, rtol=1e-3)
-        assert ok, (shape, msg)
+    _check_fp8_shapes(KernelSpec(arch="sm90", dtype="fp8", head_dim=head_dim, causal=causal, vt_in_place=True),
+                      seed0=20)
 
 
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
