@@ -268,6 +268,12 @@ def stream_k_default(head_dim: int, dtype: str, causal: bool) -> bool:
 FP8_VT_THREE_STAGE_HEAD_DIMS = (64, 256)
 
 
+# vt_in_place (V transposed in its own V^T slot, three stages) stays off: H200, 2026-12-02, scripts/sweep.py
+# 8 groups (TFLOP/s default / vt_in_place, F = FlashAttention-3 fp8): d256 s16k 1123.5 / 1118.0 and 1117.9 /
+# 1118.4 (F 1127.5, 1126.0), s8k 1096.5 / 1098.3 (1109.6), causal s16k 1095.2 / 1066.5 and 1087.1 / 1060.5
+# (1111.8, 1106.9), causal s8k 1061.2 / 1026.3 (1046.6); d128 s8k 936.7 / 845.5 (888.2); d64 s16k 680.6 /
+# 670.9 (654.6). Its V loads take 1472 cycles instead of 3102, but the step's period stays (2979 vs 2966,
+# scripts/trace_steps.py; docs/perf-notes.md session 22).
 def fp8_stages_default(head_dim: int, v_layout: str, block_m, block_n, q_stages: int, smem: int,
                        tile_stages: int, vt_in_place: bool = False) -> int:
     """vt_in_place (no row-major V ring): three stages wherever they fit, as the caller's V^T."""
