@@ -39,6 +39,10 @@ EVENTS = ("start", "k", "vt", "s", "pv")
 # per K/V block (kv_iter): the loader issues V's TMA, V lands, the transposers start on it, V^T
 # done (those four with in-kernel transposes only), the loader issues K's TMA
 V_EVENTS = ("issue", "landed", "start", "done", "k_issue")
+# per tile of a consumer warpgroup (tile_iter): the tile fetched, its Q landed, the prologue's S ready,
+# the tail's P V done, O stored; and the tile's key blocks
+TRACE_TILES = 128
+TILE_EVENTS = ("fetch", "q", "s0", "tail", "stored")
 
 HEADER = f"""
 // ---- scripts/trace_steps.py: %clock at the consumer step's stages (a traced copy) ----
@@ -49,6 +53,12 @@ __device__ __forceinline__ unsigned int fcg_clock() {{
     asm volatile("mov.u32 %0, %%clock;" : "=r"(c) :: "memory");
     return c;
 }}
+#define TRACE_CTAS_ {TRACE_CTAS}
+#define TRACE_TILES_ {TRACE_TILES}
+#define TILE_BLOCKS_ {len(TILE_EVENTS)}
+__device__ unsigned int fcg_trace_tile[{TRACE_CTAS}][2][{TRACE_TILES}][{len(TILE_EVENTS) + 1}];
+#define FCG_TRACE_TILE(ev) do {{ if (release_thread && blockIdx.x < {TRACE_CTAS} && tile_iter < {TRACE_TILES}) \\
+    fcg_trace_tile[blockIdx.x][wg][tile_iter][(ev)] = fcg_clock(); }} while (0)
 #define FCG_TRACE_V(idx, ev) do {{ if (threadIdx.x % 32 == 0 && blockIdx.x < {TRACE_CTAS} && (idx) < {TRACE_STEPS}) \
     fcg_trace_vt[(ev)][blockIdx.x][(idx)] = fcg_clock(); }} while (0)
 #define FCG_TRACE(idx, ev) do {{ if (release_thread && blockIdx.x < {TRACE_CTAS} && (idx) < {TRACE_STEPS}) \\
@@ -56,9 +66,23 @@ __device__ __forceinline__ unsigned int fcg_clock() {{
 """
 
 # (anchor in the rendered source, text put after it); the first REQUIRED_PATCHES (the consumers'
-# and the K issue) must be found
-REQUIRED_PATCHES = 6
+# steps and tiles, and the K issue) must be found
+REQUIRED_PATCHES = 11
 PATCHES = [
+    ("            const uint32_t q_empty = smem_u32(&state.q_empty[q_stage]);\n",
+     "            FCG_TRACE_TILE(0);\n"
+     "            if (release_thread && blockIdx.x < TRACE_CTAS_ && tile_iter < TRACE_TILES_) "
+     "fcg_trace_tile[blockIdx.x][wg][tile_iter][TILE_BLOCKS_] = t.blocks();\n"),
+    ("            mbar_wait(smem_u32(&state.q_full[q_stage]), (tile_iter / Q_STAGES) & 1);\n",
+     "            FCG_TRACE_TILE(1);\n"),
+    ("                        wgmma_wait<0>();\n                        fence_regs(s_reg);\n"
+     "                        const int n = t.n_end - 1;\n",
+     "                        FCG_TRACE_TILE(2);\n"),
+    ("t.blocks() > 1);  // O += P V\n                        wgmma_commit();\n"
+     "                        pingpong_pass(wg);\n                        wgmma_wait<0>();\n",
+     "                        FCG_TRACE_TILE(3);\n"),
+    ("store_o(o_reg, o_head, row0, p.seqlen_q, p.o_row_stride, lane % 4);\n            }\n",
+     "            FCG_TRACE_TILE(4);\n"),
     ("                        const int k_stage = k_iter % STAGES;\n",
      "                        const uint32_t fcg_idx = k_iter;\n                        FCG_TRACE(fcg_idx, 0);\n"),
     ("                        mbar_wait(smem_u32(&state.k_full[k_stage]), (k_iter / STAGES) & 1);\n",
@@ -164,6 +188,34 @@ def analyse(ev, vt, blocks_first_tile: int) -> dict:
     return {k: median(v) for k, v in rows.items()} | {"samples": len(rows["period"])}
 
 
+def analyse_tiles(tiles, period: float) -> dict:
+    """tiles[cta][wg][tile_iter][TILE_EVENTS..., blocks]: medians per tile of the Q wait, the prologue's
+    Q K^T, the epilogue and the step from one tile's O store to the next fetch, and the share of the
+    traced CTAs' time that is not steady steps (tile time - blocks x period, summed)."""
+    import numpy as np
+    rows = {k: [] for k in ("q_wait", "first_qk", "epilogue", "to_next_fetch", "tile_extra")}
+    extra = busy = 0
+
+    def d(a, b):
+        return int((int(b) - int(a)) % (1 << 32))
+    for cta in range(tiles.shape[0]):
+        for wg in range(2):
+            for i in range(tiles.shape[2] - 1):
+                e, nxt = tiles[cta, wg, i].astype(np.int64), tiles[cta, wg, i + 1].astype(np.int64)
+                if not (e[:len(TILE_EVENTS)].all() and nxt[0]):
+                    continue
+                rows["q_wait"].append(d(e[0], e[1]))
+                rows["first_qk"].append(d(e[1], e[2]))
+                rows["epilogue"].append(d(e[3], e[4]))
+                rows["to_next_fetch"].append(d(e[4], nxt[0]))
+                tile_time = d(e[0], nxt[0])
+                rows["tile_extra"].append(tile_time - e[len(TILE_EVENTS)] * period)
+                extra += tile_time - e[len(TILE_EVENTS)] * period
+                busy += tile_time
+    return {k: median(v) for k, v in rows.items()} | {"tiles": len(rows["tile_extra"]),
+                                                      "extra_share": extra / busy if busy else float("nan")}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell", default="256,16384,0", help="head_dim,seqlen,causal (16k tokens, hidden 2048)")
@@ -211,6 +263,10 @@ def main() -> int:
         return ptr
     ev_ptr = global_ptr("fcg_trace", TRACE_CTAS * 2 * TRACE_STEPS * len(EVENTS) * 4)
     vt_ptr = global_ptr("fcg_trace_vt", len(V_EVENTS) * TRACE_CTAS * TRACE_STEPS * 4)
+    tile_shape = (TRACE_CTAS, 2, TRACE_TILES, len(TILE_EVENTS) + 1)
+    tile_ptr = global_ptr("fcg_trace_tile", int(np.prod(tile_shape)) * 4)
+    tiles = cupy.ndarray(tile_shape, dtype=cupy.uint32, memptr=tile_ptr)
+    tiles.fill(0)
     ev = cupy.ndarray((TRACE_CTAS, 2, TRACE_STEPS, len(EVENTS)), dtype=cupy.uint32, memptr=ev_ptr)
     vt = cupy.ndarray((len(V_EVENTS), TRACE_CTAS, TRACE_STEPS), dtype=cupy.uint32, memptr=vt_ptr)
     ev.fill(0)
@@ -218,15 +274,17 @@ def main() -> int:
     torch.cuda.synchronize()
     fn()
     torch.cuda.synchronize()
-    ev_h, vt_h = cupy.asnumpy(ev), cupy.asnumpy(vt)
+    ev_h, vt_h, tiles_h = cupy.asnumpy(ev), cupy.asnumpy(vt), cupy.asnumpy(tiles)
     blocks = -(-c["seqlen_k"] // spec.block_n)
     summary = analyse(ev_h, vt_h, blocks)
+    tile_summary = analyse_tiles(tiles_h, summary["period"])
     summary.update(results)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        np.savez_compressed(os.path.join(args.out, f"trace_{args.cell.replace(',', '_')}.npz"), ev=ev_h, vt=vt_h)
+        np.savez_compressed(os.path.join(args.out, f"trace_{args.cell.replace(',', '_')}.npz"), ev=ev_h, vt=vt_h,
+                            tiles=tiles_h)
         with open(os.path.join(args.out, f"trace_{args.cell.replace(',', '_')}.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+            json.dump(summary | {"tile_" + k: v for k, v in tile_summary.items()}, f, indent=1)
     print("| cell | variant | plain | traced | period | k wait | vt wait | QK->S | S->PV | softmax | WG offset | V^T slack "
           "| K issue->use | V TMA | V wait | transpose | n |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -237,6 +295,12 @@ def main() -> int:
                                                     "wg_offset", "vt_ready_before_need", "k_issue_to_use", "v_tma",
                                                     "v_to_transpose", "transpose"))
           + f" | {summary['samples']} |")
+    print("| cell | variant | Q wait | first Q K^T | epilogue | O stored -> next fetch | tile - blocks x period "
+          "| share of the time not in steady steps | tiles |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| {args.cell} | {label} | "
+          + " | ".join(f"{tile_summary[k]:.0f}" for k in ("q_wait", "first_qk", "epilogue", "to_next_fetch", "tile_extra"))
+          + f" | {tile_summary['extra_share']:.3f} | {tile_summary['tiles']} |")
     return 0
 
 

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""A source patch against the plain kernel, the two taking turns on the same inputs (GPU, sm90).
+
+    python3 scripts/patch_ab.py --cell 256,8192,0 --cell 256,16384,1 --patch a.patch --patch b.patch \
+        [--dtype fp8] [--variant k=v,...] [--peers fa3] [--groups 10] [--out DIR]
+
+Renders each cell's kernel as facodegen.api picks it (with --variant's spec overrides), applies each
+patch (scripts/trace_steps.py's format: blocks 'OLD\\n===\\nNEW' separated by lines '%%%') to the
+rendered source, and times the plain kernel, every patched one and the peers group by group in turn
+(facodegen.bench.time_cuda_interleaved), so clock drift falls on all alike. Every output is checked
+against the float64 reference on a slice first; a patch that breaks it (a bound, e.g. O never
+stored) is timed anyway and marked. nvidia-smi samples the SM clock and power meanwhile (as
+scripts/clock_probe.py does): the table gives each kernel's median of both over its groups, since a
+patch can move the power-capped clock as much as the kernel's cycles. Prints TFLOP/s and
+patched/plain per cell, last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cell", action="append", required=True, help="head_dim,seqlen,causal (16k tokens, hidden 2048)")
+    p.add_argument("--patch", action="append", default=[])
+    p.add_argument("--dtype", default="fp8")
+    p.add_argument("--variant", default="", help="spec overrides k=v,... for every kernel")
+    p.add_argument("--peers", default="")
+    p.add_argument("--groups", type=int, default=10)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from facodegen import api, bench, compiler, render
+    from sweep import parse_cell
+    from clock_probe import SMI_FIELDS, smi_samples
+    from trace_steps import apply_patch
+    overrides = dict(bench.parse_variant("sm90:" + args.variant)[1], dtype=args.dtype)
+    plain_emit = render.emit
+    sources = {"plain": None} | {os.path.basename(f): open(f).read() for f in args.patch}
+    rows = []
+    for text in args.cell:
+        c = parse_cell(text, args.dtype)
+        s = bench._make_inputs(c, 1)[0]
+        names, fns = [], []
+        row = {"cell": text}
+        for name, patch in sources.items():
+            render.emit = (lambda spec, patch=patch: apply_patch(plain_emit(spec), patch)) if patch else plain_emit
+            compiler.clear_memo()
+            api._prepare.cache_clear()
+            fn, _, variant, checked = bench._facodegen_fn("sm90", overrides, s, c["causal"])
+            ok, msg, err = bench._slice_check(fn(), checked, c["causal"], args.dtype)
+            row[f"{name} check"] = f"{'ok' if ok else 'FAILS'} rel_fro {err:.2e}"
+            print(f"{text} {name}: {variant} {row[f'{name} check']}", flush=True)
+            names.append(name)
+            fns.append(fn)
+        render.emit = plain_emit
+        for peer in filter(None, args.peers.split(",")):
+            fns.append(bench._peer_fn(peer, s, c["causal"])[0])
+            names.append(peer)
+        smi_path = os.path.join(args.out or "/tmp", f"smi_{text.replace(',', '_')}.csv")
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader", "-lms", "20"],
+                               stdout=open(smi_path, "w"), stderr=subprocess.DEVNULL)
+        spans = [[] for _ in fns]
+        try:
+            times = bench.time_cuda_interleaved(fns, groups=args.groups, spans=spans)
+        finally:
+            time.sleep(0.1)
+            smi.terminate()
+            smi.wait()
+        samples = smi_samples(smi_path)
+        for name, runs in zip(names, spans):
+            seen = [x for t0, t1, _ in runs for x in samples if t0 - 0.01 <= x[0] <= t1 + 0.01]
+            row[f"{name} clock"] = statistics.median(x[1] for x in seen) if seen else float("nan")
+            row[f"{name} power"] = statistics.median(x[2] for x in seen) if seen else float("nan")
+        flops = bench.attention_flops(c["batch"], c["heads_q"], c["seqlen_q"], c["seqlen_k"], c["head_dim"],
+                                      c["causal"])
+        for name, t in zip(names, times):
+            row[name] = bench.tflops(flops, t["ms"])
+        rows.append(row)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "patch_ab.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    patched = list(sources)[1:]
+    peers = [n for n in rows[0] if n not in sources and n != "cell" and " " not in n]
+    print("| cell | plain | " + " | ".join(f"{n} | /plain" for n in patched) + "".join(f" | {n}" for n in peers) + " |")
+    print("|---|---|" + "---|---|" * len(patched) + "---|" * len(peers))
+    for row in rows:
+        cells = [f"{row[n]:.1f} | {row[n] / row['plain']:.3f}" + ("" if row[f"{n} check"].startswith("ok") else " (wrong)")
+                 for n in patched]
+        print(f"| {row['cell']} | {row['plain']:.1f} | " + " | ".join(cells)
+              + "".join(f" | {row[n]:.1f}" for n in peers) + " |")
+    print("median SM MHz / W over each kernel's groups:")
+    for row in rows:
+        print(f"  {row['cell']}: " + ", ".join(f"{n} {row[n + ' clock']:.0f} / {row[n + ' power']:.0f}"
+                                             for n in list(sources) + peers))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
