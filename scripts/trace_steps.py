@@ -10,11 +10,14 @@ steady loop, thread 0 of each consumer warpgroup of the first TRACE_CTAS CTAs re
   waits while the tensor pipe is full), s (S ready: the Q K^T wait), pv (the P V wait), and the
   next step's start;
 and per K/V block the loader's K TMA issue, and (in-kernel transpose only) its V TMA issue, the V
-tile's landing, the transposers' start (V^T slot free, the tile before done) and their V^T arrival.
+tile's landing, the transposers' start (V^T slot free, the tile before done) and their V^T arrival;
+and per tile of each consumer warpgroup: fetched, Q landed, the first S, the tail's P V done, the
+epilogue done (the LSE line), with the tile's key blocks.
 Prints the medians over the steady steps of the first tile: each phase, the step period, how far
 apart the two warpgroups run (0 = lockstep, half a period = alternation), the time from a K load's
 issue to its consumers' K wait ending (its latency where they waited, else how early it went
-out), the V TMA latency and the transpose time. The
+out), the V TMA latency and the transpose time; then per tile the Q wait, the first Q K^T, the epilogue,
+the step to the next fetch, and what a tile costs beyond blocks x period. The
 traced kernel's TFLOP/s is printed beside the plain kernel's: the stores move ptxas's schedule (the
 one after the S wait holds the row max pass ahead of the P V wait, as anchor_softmax does), so
 phase boundaries are good to a few hundred cycles and the traced kernel runs 1-10% slower.
@@ -65,8 +68,8 @@ __device__ unsigned int fcg_trace_tile[{TRACE_CTAS}][2][{TRACE_TILES}][{len(TILE
     fcg_trace[blockIdx.x][wg][(idx)][(ev)] = fcg_clock(); }} while (0)
 """
 
-# (anchor in the rendered source, text put after it); the first REQUIRED_PATCHES (the consumers'
-# steps and tiles, and the K issue) must be found
+# (anchor in the rendered source, text put after it, or before it where "before" follows); the first
+# REQUIRED_PATCHES (the consumers' steps and tiles, and the K issue) must be found
 REQUIRED_PATCHES = 11
 PATCHES = [
     ("            const uint32_t q_empty = smem_u32(&state.q_empty[q_stage]);\n",
@@ -81,8 +84,8 @@ PATCHES = [
     ("t.blocks() > 1);  // O += P V\n                        wgmma_commit();\n"
      "                        pingpong_pass(wg);\n                        wgmma_wait<0>();\n",
      "                        FCG_TRACE_TILE(3);\n"),
-    ("store_o(o_reg, o_head, row0, p.seqlen_q, p.o_row_stride, lane % 4);\n            }\n",
-     "            FCG_TRACE_TILE(4);\n"),
+    ("            if (lane % 4 == 0 && !is_partial_piece(t)) {        // the quad's column-0 thread writes LSE\n",
+     "            FCG_TRACE_TILE(4);\n", "before"),
     ("                        const int k_stage = k_iter % STAGES;\n",
      "                        const uint32_t fcg_idx = k_iter;\n                        FCG_TRACE(fcg_idx, 0);\n"),
     ("                        mbar_wait(smem_u32(&state.k_full[k_stage]), (k_iter / STAGES) & 1);\n",
@@ -124,12 +127,12 @@ PATCHES = [
 
 
 def traced(source: str) -> str:
-    for number, (anchor, extra) in enumerate(PATCHES):
+    for number, (anchor, extra, *where) in enumerate(PATCHES):
         if anchor not in source:
             if number >= REQUIRED_PATCHES:      # the V events: only kernels with transposers have them
                 continue
             raise SystemExit(f"trace anchor not in the rendered kernel: {anchor.strip()!r}")
-        source = source.replace(anchor, anchor + extra)
+        source = source.replace(anchor, extra + anchor if where == ["before"] else anchor + extra)
     first_kernel = source.index('extern "C"')
     return source[:first_kernel] + HEADER + source[first_kernel:]
 
