@@ -139,7 +139,7 @@ def traced(source: str) -> str:
 
 def apply_patch(source: str, patch: str) -> str:
     for block in patch.split("%%%\n"):
-        if not block.strip():
+        if "\n===\n" not in block:           # blank, or a comment (a header saying what the patch is)
             continue
         old, new = block.split("\n===\n")
         new = new[:-1] if new.endswith("\n") else new     # the block's last newline ends the block, as OLD's does
