@@ -479,6 +479,7 @@ def test_trace_steps_traces_a_copy_of_the_fp8_kernel_and_reads_its_phases():
         source = trace.traced(emit(spec))
         assert source.count("FCG_TRACE(fcg_idx, ") == 2 * len(trace.EVENTS)    # both steady loops
         assert source.count("FCG_TRACE_V(kv_iter, ") == len(trace.V_EVENTS)     # (the K issue as well)
+        assert source.count("FCG_TRACE_TILE(") == len(trace.TILE_EVENTS) + 1      # each tile event, the macro
         kernel = compiler.compile_source(source, "sm90", spec.variant, cache=False, verbose=False)
         assert "CS2R.32" in kernel.sass()
         # the row-V kernel keeps its registers; the caller's-V^T one without uniform_wg spills a little
@@ -504,6 +505,30 @@ def test_trace_steps_traces_a_copy_of_the_fp8_kernel_and_reads_its_phases():
         (3000, 50, 400, 300, 700, 1550)
     assert (got["wg_offset"], got["v_tma"], got["v_to_transpose"], got["transpose"]) == (1500, 3000, 100, 2500)
     assert got["k_issue_to_use"] == 1200
+    # tiles of 10 blocks at that period plus 4000 cycles: Q seen 300 after the fetch, S 1000 later,
+    # tail done 31000 after the fetch, epilogue 2500, next fetch 1200 later
+    tiles = np.zeros((ctas, 2, trace.TRACE_TILES, len(trace.TILE_EVENTS) + 1), dtype=np.uint32)
+    for cta in range(ctas):
+        for wg in range(2):
+            for i in range(5):
+                fetch = 1000 + 34_000 * i + 100 * wg
+                tiles[cta, wg, i] = [fetch, fetch + 300, fetch + 1300, fetch + 30_300, fetch + 32_800, 10]
+    got = trace.analyse_tiles(tiles, 3000)
+    assert (got["q_wait"], got["first_qk"], got["epilogue"], got["to_next_fetch"], got["tile_extra"]) == \
+        (300, 1000, 2500, 1200, 4000)
+    assert got["tiles"] == 2 * 2 * 4 and abs(got["extra_share"] - 4000 / 34_000) < 1e-9
+
+
+def test_patch_ab_reads_the_patches_as_trace_steps_does(monkeypatch, capsys):
+    """scripts/patch_ab.py (GPU): imports without a GPU, documents its arguments, and applies source
+    patches with trace_steps' apply_patch, whose leading comment block (no separator) is skipped."""
+    ab = _script("patch_ab")
+    monkeypatch.setattr(sys, "argv", ["patch_ab.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        ab.main()
+    assert done.value.code == 0 and "--patch" in capsys.readouterr().out
+    trace = _script("trace_steps")
+    assert trace.apply_patch("a();\nb();\n", "what this is\n%%%\na();\n===\nc();\n") == "c();\nb();\n"
 
 
 def test_overlap_probe_kernels_keep_their_wgmmas_in_flight():
