@@ -16,6 +16,7 @@ median time. Reads the card as it is: changes no clock or power setting.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -46,6 +47,24 @@ def smi_samples(path: str) -> list[tuple[float, int, float, str]]:
     return rows
 
 
+@contextlib.contextmanager
+def smi_sampling(path: str):
+    """nvidia-smi writes SMI_FIELDS every 20 ms to `path` while the block runs."""
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader", "-lms", "20"],
+                           stdout=open(path, "w"), stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        time.sleep(0.1)
+        smi.terminate()
+        smi.wait()
+
+
+def samples_during(samples: list, t0: float, t1: float) -> list:
+    """The nvidia-smi samples taken while a group ran (10 ms of slack either side)."""
+    return [x for x in samples if t0 - 0.01 <= x[0] <= t1 + 0.01]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=".")
@@ -63,16 +82,10 @@ def main() -> int:
     for name in filter(None, args.peers.split(",")):
         fns[name] = bench._peer_fn(name, s, causal)     # (fn, its context: an SDPA peer's backend)
     smi_path = os.path.join(args.out, "smi.csv")
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader", "-lms", "20"],
-                           stdout=open(smi_path, "w"), stderr=subprocess.DEVNULL)
     spans = [[] for _ in fns]
-    try:
+    with smi_sampling(smi_path):
         bench.time_cuda_interleaved([fn for fn, _ in fns.values()], groups=args.groups, calls=args.calls,
                                     spans=spans, contexts=[context for _, context in fns.values()])
-    finally:
-        time.sleep(0.1)
-        smi.terminate()
-        smi.wait()
     groups = dict(zip(fns, spans))
     samples = smi_samples(smi_path)
     flops = bench.attention_flops(c["batch"], c["heads_q"], c["seqlen_q"], c["seqlen_k"], c["head_dim"], c["causal"])
@@ -95,7 +108,7 @@ def summarize(title: str, groups: dict, samples: list, flops: float) -> str:
         q = statistics.quantiles(times, n=4)
         by_clock: dict[int, list[float]] = {}
         for t0, t1, ms in runs:
-            seen = [x[1] for x in samples if t0 - 0.01 <= x[0] <= t1 + 0.01]
+            seen = [x[1] for x in samples_during(samples, t0, t1)]
             if seen:
                 by_clock.setdefault(statistics.median_low(seen), []).append(ms)
         clocks = "; ".join(f"{mhz}: {len(v)}, {statistics.median(v):.3f}" for mhz, v in sorted(by_clock.items()))

@@ -21,9 +21,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
@@ -41,7 +39,7 @@ def main() -> int:
     args = p.parse_args()
     from facodegen import api, bench, compiler, render
     from sweep import parse_cell
-    from clock_probe import SMI_FIELDS, smi_samples
+    from clock_probe import samples_during, smi_samples, smi_sampling
     from trace_steps import apply_patch
     overrides = dict(bench.parse_variant("sm90:" + args.variant)[1], dtype=args.dtype)
     plain_emit = render.emit
@@ -57,7 +55,7 @@ def main() -> int:
             compiler.clear_memo()
             api._prepare.cache_clear()
             fn, _, variant, checked = bench._facodegen_fn("sm90", overrides, s, c["causal"])
-            ok, msg, err = bench._slice_check(fn(), checked, c["causal"], args.dtype)
+            ok, _, err = bench._slice_check(fn(), checked, c["causal"], args.dtype)
             row[f"{name} check"] = f"{'ok' if ok else 'FAILS'} rel_fro {err:.2e}"
             print(f"{text} {name}: {variant} {row[f'{name} check']}", flush=True)
             names.append(name)
@@ -67,18 +65,12 @@ def main() -> int:
             fns.append(bench._peer_fn(peer, s, c["causal"])[0])
             names.append(peer)
         smi_path = os.path.join(args.out or "/tmp", f"smi_{text.replace(',', '_')}.csv")
-        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader", "-lms", "20"],
-                               stdout=open(smi_path, "w"), stderr=subprocess.DEVNULL)
         spans = [[] for _ in fns]
-        try:
+        with smi_sampling(smi_path):
             times = bench.time_cuda_interleaved(fns, groups=args.groups, spans=spans)
-        finally:
-            time.sleep(0.1)
-            smi.terminate()
-            smi.wait()
         samples = smi_samples(smi_path)
         for name, runs in zip(names, spans):
-            seen = [x for t0, t1, _ in runs for x in samples if t0 - 0.01 <= x[0] <= t1 + 0.01]
+            seen = [x for t0, t1, _ in runs for x in samples_during(samples, t0, t1)]
             row[f"{name} clock"] = statistics.median(x[1] for x in seen) if seen else float("nan")
             row[f"{name} power"] = statistics.median(x[2] for x in seen) if seen else float("nan")
         flops = bench.attention_flops(c["batch"], c["heads_q"], c["seqlen_q"], c["seqlen_k"], c["head_dim"],

@@ -56,12 +56,10 @@ __device__ __forceinline__ unsigned int fcg_clock() {{
     asm volatile("mov.u32 %0, %%clock;" : "=r"(c) :: "memory");
     return c;
 }}
-#define TRACE_CTAS_ {TRACE_CTAS}
-#define TRACE_TILES_ {TRACE_TILES}
-#define TILE_BLOCKS_ {len(TILE_EVENTS)}
 __device__ unsigned int fcg_trace_tile[{TRACE_CTAS}][2][{TRACE_TILES}][{len(TILE_EVENTS) + 1}];
-#define FCG_TRACE_TILE(ev) do {{ if (release_thread && blockIdx.x < {TRACE_CTAS} && tile_iter < {TRACE_TILES}) \\
-    fcg_trace_tile[blockIdx.x][wg][tile_iter][(ev)] = fcg_clock(); }} while (0)
+#define FCG_TILE_RECORD(slot, value) do {{ if (release_thread && blockIdx.x < {TRACE_CTAS} && tile_iter < {TRACE_TILES}) \\
+    fcg_trace_tile[blockIdx.x][wg][tile_iter][(slot)] = (value); }} while (0)
+#define FCG_TRACE_TILE(ev) FCG_TILE_RECORD(ev, fcg_clock())
 #define FCG_TRACE_V(idx, ev) do {{ if (threadIdx.x % 32 == 0 && blockIdx.x < {TRACE_CTAS} && (idx) < {TRACE_STEPS}) \
     fcg_trace_vt[(ev)][blockIdx.x][(idx)] = fcg_clock(); }} while (0)
 #define FCG_TRACE(idx, ev) do {{ if (release_thread && blockIdx.x < {TRACE_CTAS} && (idx) < {TRACE_STEPS}) \\
@@ -74,8 +72,7 @@ REQUIRED_PATCHES = 11
 PATCHES = [
     ("            const uint32_t q_empty = smem_u32(&state.q_empty[q_stage]);\n",
      "            FCG_TRACE_TILE(0);\n"
-     "            if (release_thread && blockIdx.x < TRACE_CTAS_ && tile_iter < TRACE_TILES_) "
-     "fcg_trace_tile[blockIdx.x][wg][tile_iter][TILE_BLOCKS_] = t.blocks();\n"),
+     f"            FCG_TILE_RECORD({len(TILE_EVENTS)}, t.blocks());\n"),
     ("            mbar_wait(smem_u32(&state.q_full[q_stage]), (tile_iter / Q_STAGES) & 1);\n",
      "            FCG_TRACE_TILE(1);\n"),
     ("                        wgmma_wait<0>();\n                        fence_regs(s_reg);\n"
@@ -213,7 +210,7 @@ def analyse_tiles(tiles, period: float) -> dict:
                 rows["to_next_fetch"].append(d(e[4], nxt[0]))
                 tile_time = d(e[0], nxt[0])
                 rows["tile_extra"].append(tile_time - e[len(TILE_EVENTS)] * period)
-                extra += tile_time - e[len(TILE_EVENTS)] * period
+                extra += rows["tile_extra"][-1]
                 busy += tile_time
     return {k: median(v) for k, v in rows.items()} | {"tiles": len(rows["tile_extra"]),
                                                       "extra_share": extra / busy if busy else float("nan")}
