@@ -256,21 +256,28 @@ def resolve_spec(head_dim: int, dtype: str, causal: bool, device: int, arch: str
     _check_arch(arch, info)
     spec_fields.setdefault("gpu", info.budget_gpu)
     tuned = _tuned_fields(info, arch, head_dim, dtype, causal, shape) if shape is not None else None
-    if not tuned and shape is not None and not any(f in spec_fields for f in SEQLEN_RULE_FIELDS):
-        _, seqlen_q, seqlen_k, _ = shape
-        tuned = seqlen_rule_fields(arch, head_dim, dtype, causal, seqlen_q, seqlen_k)
-    spec = None
-    if tuned:
-        try:
-            spec = KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **{**tuned, **spec_fields})
-        except (SpecError, TypeError):
-            spec = None  # the caller's fields do not fit the tuned tiles: defaults + the caller's fields
-    if spec is None:
-        spec = KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **spec_fields)
+    spec = spec_for_shape(arch, head_dim, dtype, causal, shape, tuned, **spec_fields)
     if info.smem_per_block_optin and spec.smem_bytes > info.smem_per_block_optin:
         raise ValueError(f"stages/block sizes: the kernel needs {spec.smem_bytes} bytes of shared memory but "
                          f"{info.name} allows {info.smem_per_block_optin} per block")
     return spec
+
+
+def spec_for_shape(arch: str, head_dim: int, dtype: str, causal: bool, shape: tuple[int, int, int, int] | None,
+                   tuned: dict | None = None, **spec_fields) -> KernelSpec:
+    """resolve_spec without a device: ``tuned`` (a tuning database entry's fields) where given,
+    else the sequence-length table for ``shape`` = (batch, seqlen_q, seqlen_k, heads_q) unless the
+    caller sets one of its fields, else the defaults; the caller's fields always win, and tuned or
+    rule fields that do not combine with them into a valid spec are dropped."""
+    if not tuned and shape is not None and not any(f in spec_fields for f in SEQLEN_RULE_FIELDS):
+        _, seqlen_q, seqlen_k, _ = shape
+        tuned = seqlen_rule_fields(arch, head_dim, dtype, causal, seqlen_q, seqlen_k)
+    if tuned:
+        try:
+            return KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **{**tuned, **spec_fields})
+        except (SpecError, TypeError):
+            pass  # the caller's fields do not fit the tuned tiles: defaults + the caller's fields
+    return KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **spec_fields)
 
 
 def _tuned_fields(info: DeviceInfo, arch: str, head_dim: int, dtype: str, causal: bool, shape) -> dict | None:

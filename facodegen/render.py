@@ -27,10 +27,11 @@ class TemplateRenderError(RuntimeError):
     """A template failed to render; the message shows the failing line and its neighbours."""
 
 
-@functools.lru_cache(maxsize=1)
-def environment() -> jinja2.Environment:
+@functools.lru_cache(maxsize=4)
+def environment(templates: str | None = None) -> jinja2.Environment:
+    """The Jinja environment over ``templates`` (default: template_dir())."""
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(template_dir())),
+        loader=jinja2.FileSystemLoader(templates or str(template_dir())),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -71,6 +72,8 @@ def emit_command(spec: KernelSpec) -> str:
             flags.append(f"--l2-prefetch {spec.l2_prefetch}")
         if spec.vt_in_place:
             flags.append("--vt-in-place")
+        if spec.defer_o_store:
+            flags.append("--defer-o-store")
         if spec.intra_wg_overlap:
             flags.append("--rescale-under-qk" if spec.rescale_under_qk else "--rescale-after-pv")
         flags.append("--optimistic-max" if spec.optimistic_max else "--exact-max")
@@ -92,7 +95,7 @@ def context(spec: KernelSpec) -> dict:
         "emit_command": emit_command(spec),
         # fp8's knobs (fixed for the 16-bit types) are left out of the header of bf16/fp16 kernels
         "spec_items": sorted((k, v) for k, v in spec.as_dict().items()
-                             if spec.dtype == "fp8" or k not in ("out_dtype", "v_layout", "vt_in_place")),
+                             if spec.dtype == "fp8" or k not in ("out_dtype", "v_layout", "vt_in_place", "defer_o_store")),
         "smem_bytes": spec.smem_bytes,
         "threads": spec.threads,
         "log2e": repr(math.log2(math.e)),
@@ -103,8 +106,9 @@ def context(spec: KernelSpec) -> dict:
     }
 
 
-def emit(spec: KernelSpec) -> str:
-    """The CUDA source of one kernel: byte-identical for equal specs."""
+def emit(spec: KernelSpec, templates: str | None = None) -> str:
+    """The CUDA source of one kernel: byte-identical for equal specs. ``templates``: another copy
+    of templates/ to render from (scripts/patch_ab.py times an older tree's kernel that way)."""
     if spec.schedule == "fa1":
         name = f"{spec.arch}/flash_fwd_fa1.cu.j2"
     elif spec.dtype == "fp8":
@@ -112,7 +116,7 @@ def emit(spec: KernelSpec) -> str:
     else:
         name = f"{spec.arch}/flash_fwd.cu.j2"
     try:
-        return environment().get_template(name).render(**context(spec))
+        return environment(templates).get_template(name).render(**context(spec))
     except jinja2.TemplateSyntaxError as err:
         raise TemplateRenderError(_describe(err.filename or name, err.lineno, str(err))) from err
     except jinja2.UndefinedError as err:

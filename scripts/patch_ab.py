@@ -2,11 +2,13 @@
 """A source patch against the plain kernel, the two taking turns on the same inputs (GPU, sm90).
 
     python3 scripts/patch_ab.py --cell 256,8192,0 --cell 256,16384,1 --patch a.patch --patch b.patch \
-        [--dtype fp8] [--variant k=v,...] [--peers fa3] [--groups 10] [--out DIR]
+        [--templates .old/templates] [--dtype fp8] [--variant k=v,...] [--peers fa3] [--groups 10] [--out DIR]
 
 Renders each cell's kernel as facodegen.api picks it (with --variant's spec overrides), applies each
 patch (scripts/trace_steps.py's format: blocks 'OLD\\n===\\nNEW' separated by lines '%%%') to the
-rendered source, and times the plain kernel, every patched one and the peers group by group in turn
+rendered source (--templates: renders it from another copy of templates/ instead, e.g. the base
+commit's: `git worktree add /tmp/base HEAD~1 && cp -r /tmp/base/templates .old/`, carried), and times
+the plain kernel, every patched one and the peers group by group in turn
 (facodegen.bench.time_cuda_interleaved), so clock drift falls on all alike. Every output is checked
 against the float64 reference on a slice first; a patch that breaks it (a bound, e.g. O never
 stored) is timed anyway and marked. nvidia-smi samples the SM clock and power meanwhile (as
@@ -31,6 +33,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell", action="append", required=True, help="head_dim,seqlen,causal (16k tokens, hidden 2048)")
     p.add_argument("--patch", action="append", default=[])
+    p.add_argument("--templates", action="append", default=[],
+                   help="another copy of templates/ (e.g. the base commit's, from git worktree): its kernel "
+                        "is timed beside the plain one as a patch is")
     p.add_argument("--dtype", default="fp8")
     p.add_argument("--variant", default="", help="spec overrides k=v,... for every kernel")
     p.add_argument("--peers", default="")
@@ -43,15 +48,22 @@ def main() -> int:
     from trace_steps import apply_patch
     overrides = dict(bench.parse_variant("sm90:" + args.variant)[1], dtype=args.dtype)
     plain_emit = render.emit
-    sources = {"plain": None} | {os.path.basename(f): open(f).read() for f in args.patch}
+    emitters = {"plain": plain_emit}
+    for f in args.patch:
+        emitters[os.path.basename(f)] = lambda spec, text=open(f).read(): apply_patch(plain_emit(spec), text)
+    for d in args.templates:
+        emitters[os.path.basename(os.path.dirname(os.path.abspath(d))) or d] = (
+            lambda spec, d=os.path.abspath(d): plain_emit(spec, templates=d))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)          # nvidia-smi's samples go there while timing
     rows = []
     for text in args.cell:
         c = parse_cell(text, args.dtype)
         s = bench._make_inputs(c, 1)[0]
         names, fns = [], []
         row = {"cell": text}
-        for name, patch in sources.items():
-            render.emit = (lambda spec, patch=patch: apply_patch(plain_emit(spec), patch)) if patch else plain_emit
+        for name, emit in emitters.items():
+            render.emit = emit
             compiler.clear_memo()
             api._prepare.cache_clear()
             fn, _, variant, checked = bench._facodegen_fn("sm90", overrides, s, c["causal"])
@@ -79,11 +91,10 @@ def main() -> int:
             row[name] = bench.tflops(flops, t["ms"])
         rows.append(row)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "patch_ab.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    patched = list(sources)[1:]
-    peers = [n for n in rows[0] if n not in sources and n != "cell" and " " not in n]
+    patched = list(emitters)[1:]
+    peers = [n for n in rows[0] if n not in emitters and n != "cell" and " " not in n]
     print("| cell | plain | " + " | ".join(f"{n} | /plain" for n in patched) + "".join(f" | {n}" for n in peers) + " |")
     print("|---|---|" + "---|---|" * len(patched) + "---|" * len(peers))
     for row in rows:
@@ -94,7 +105,7 @@ def main() -> int:
     print("median SM MHz / W over each kernel's groups:")
     for row in rows:
         print(f"  {row['cell']}: " + ", ".join(f"{n} {row[n + ' clock']:.0f} / {row[n + ' power']:.0f}"
-                                             for n in list(sources) + peers))
+                                             for n in list(emitters) + peers))
     return 0
 
 

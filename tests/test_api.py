@@ -80,3 +80,21 @@ def test_out_and_lse_buffers_are_checked():
     with pytest.raises(ValueError, match="contiguous"):
         api._check_lse(view("lse_out", shape=(2, 8, 64), strides=(1024, 128, 1), dtype="float32"), q)
     api._check_lse(view("lse_out", shape=(2, 8, 64), strides=(512, 64, 1), dtype="float32"), q)
+
+
+def test_spec_for_shape_picks_what_resolve_spec_would_without_a_device():
+    """api.spec_for_shape (resolve_spec's device-free half, used by scripts/precompile.py): the
+    sequence-length rule for the shape unless the caller sets one of its fields, a tuned entry over
+    the rule, the caller's fields over both, and defaults where tuned fields do not fit them."""
+    from facodegen import api
+    from facodegen.spec import KernelSpec
+    short = api.spec_for_shape("sm90", 256, "fp8", False, (4, 4096, 4096, 8), gpu="h200")
+    assert short == KernelSpec(arch="sm90", head_dim=256, dtype="fp8", gpu="h200", stream_k=False)
+    long = api.spec_for_shape("sm90", 256, "fp8", False, (1, 16384, 16384, 8), gpu="h200")
+    assert long.stream_k and long == KernelSpec(arch="sm90", head_dim=256, dtype="fp8", gpu="h200")
+    # a rule field set by the caller: no rule at all (stream_k back to its default)
+    assert api.spec_for_shape("sm90", 256, "fp8", False, (4, 4096, 4096, 8), gpu="h200", block_n=128).stream_k
+    tuned = api.spec_for_shape("sm90", 256, "fp8", False, (4, 4096, 4096, 8), {"stages": 1}, gpu="h200")
+    assert tuned.stages == 1 and tuned.stream_k
+    clash = api.spec_for_shape("sm90", 128, "bf16", False, None, {"block_m": 192}, gpu="h200", consumer_warpgroups=2)
+    assert clash == KernelSpec(arch="sm90", head_dim=128, dtype="bf16", gpu="h200", consumer_warpgroups=2)

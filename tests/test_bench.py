@@ -531,6 +531,41 @@ def test_patch_ab_reads_the_patches_as_trace_steps_does(monkeypatch, capsys):
     assert trace.apply_patch("a();\nb();\n", "what this is\n%%%\na();\n===\nc();\n") == "c();\nb();\n"
 
 
+def test_patch_ab_times_another_copy_of_the_templates(tmp_path):
+    """scripts/patch_ab.py --templates: render.emit renders from another copy of templates/, the same
+    text from an identical copy and the other text from an edited one."""
+    import shutil
+
+    from facodegen import render
+    from facodegen.spec import KernelSpec
+    spec = KernelSpec(arch="sm90", head_dim=128, dtype="fp8")
+    copy = tmp_path / "templates"
+    shutil.copytree(render.template_dir(), copy)
+    assert render.emit(spec, templates=str(copy)) == render.emit(spec)
+    kernel = copy / "sm90" / "flash_fwd_fp8.cu.j2"
+    kernel.write_text(kernel.read_text().replace("// ================================ setup", "// (edited) setup"))
+    edited = render.emit(spec, templates=str(copy))
+    assert "(edited) setup" in edited and "(edited) setup" not in render.emit(spec)
+
+
+def test_precompile_compiles_the_cells_kernels_into_the_cache(monkeypatch, tmp_path, capsys):
+    """scripts/precompile.py: the kernel of a cell and variant, as the device would pick it (stream_k
+    off by the rule at head_dim 256 below 8k keys), compiled into FACODEGEN_CACHE_DIR, and a
+    source patch's kernel beside it; registers and spills printed for each."""
+    from facodegen import compiler
+    monkeypatch.setenv("FACODEGEN_CACHE_DIR", str(tmp_path))
+    compiler.clear_memo()
+    patch = tmp_path / "tag.patch"
+    patch.write_text("// ================================ setup\n===\n// (tagged) setup\n")
+    monkeypatch.setattr(sys, "argv", ["precompile.py", "--dtype", "fp8", "--cell", "256,4096,0",
+                                      "--variant", "sm90:", "--patch", str(patch)])
+    assert _script("precompile").main() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and all("_sk_" not in line and "spills 0/0" in line for line in out), out
+    assert out[1].split()[2] == "tag.patch:"
+    assert len(list(tmp_path.rglob("*.cubin"))) == 2
+
+
 def test_overlap_probe_kernels_keep_their_wgmmas_in_flight():
     """scripts/overlap_probe.py: the probe's kernels compile for sm_90a without spills or ptxas's
     wgmma serialisation, with one group of wgmmas in flight while the next is issued, and the side
