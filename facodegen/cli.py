@@ -30,7 +30,7 @@ _SPEC_FLAGS = {
     "ctas_per_sm": "ctas_per_sm", "cluster_m": "cluster_m", "o_in_v": "o_in_v", "poly_exp2_tiles": "poly_exp2_tiles", "optimistic_max": "optimistic_max",
     "q_stages": "q_stages", "p_buffers": "p_buffers", "rebuild_q_desc": "rebuild_q_desc",
     "dynamic_scheduler": "dynamic_scheduler", "stream_k": "stream_k", "l2_prefetch": "l2_prefetch",
-    "vt_in_place": "vt_in_place",
+    "vt_in_place": "vt_in_place", "defer_o_store": "defer_o_store",
 }
 
 
@@ -111,6 +111,8 @@ def spec_options(command, arch_choices=ARCHS):
                      help="sm90: K/V blocks ahead of its loads the loader prefetches into L2 (0: off)."),
         click.option("--vt-in-place/--vt-ring", "vt_in_place", default=None,
                      help="sm90 fp8, --v-layout row: V lands in its V^T slot and is transposed there (no row-V ring; three stages where they fit)."),
+        click.option("--defer-o-store/--store-o-at-end", "defer_o_store", default=None,
+                     help="sm90 fp8 with --overlap: a tile's O is stored once the next tile's first Q K^T is issued."),
         click.option("--p-buffers", type=click.Choice(["1", "2"]), callback=_int_choice,
                      help="sm90 with --overlap --optimistic-max: P register buffers (2: a step's softmax runs under the P V before it)."),
         click.option("--rebuild-q-desc/--keep-q-desc", "rebuild_q_desc", default=None,

@@ -254,6 +254,23 @@ def dynamic_scheduler_default(head_dim: int, dtype: str, causal: bool) -> bool:
 def stream_k_default(head_dim: int, dtype: str, causal: bool) -> bool:
     return dtype == "fp8" and head_dim == 256 and not causal
 
+# defer_o_store's default (sm90 fp8, the overlapped loop: a tile's O is stored under the next tile's
+# first Q K^T instead of between the tiles, where both warpgroups drained 64 KB of O at ~16-30 B/cycle
+# with nothing else to run; scripts/trace_steps.py, session 23). On at head_dim 256 non-causal with the
+# in-kernel V^T. H200, 2026-12-02, scripts/sweep.py, TFLOP/s default / defer_o_store (F =
+# FlashAttention-3 fp8 in the same run), 10-16 groups, first with O kept in o_reg (two runs), then
+# packed to bf16 at the tile's end (the form here): s8k 1105.1 / 1109.0 (1113.5), 1123.4 / 1127.9
+# (1127.4), 1113.8 / 1112.8 (1111.1); s16k 1125.2 / 1132.7 (1137.8), 1140.4 / 1145.1 (1148.5), 1126.3 /
+# 1134.9 (1138.8). Off causal, where it moved by more than it gained: s16k 1092.4 / 1086.7 (1124.4),
+# 1094.8 / 1106.3 (1112.3), 1100.1 / 1083.4 (1119.8); s8k 1063.9 / 1073.1 (1085.6), 1068.0 / 1056.3
+# (1051.8). Off below 8k keys (seqlen_rule_fields: s2k 1052.1 / 1010.7) and at head_dim 128 (s8k 936.2
+# / 928.1, causal s16k 935.1 / 849.4) and 64 (s8k 671.1 / 660.9). In the SASS ptxas puts some of the
+# stores before the prologue's Q K^T wgmmas (with O in o_reg, between them); a store that waits for
+# room in the memory pipe holds back the wgmmas after it. With the caller's V^T at head_dim 256 its
+# consumers spill (4 bytes), and with Q in registers (126 bytes at 64 keys).
+def defer_o_store_default(head_dim: int, dtype: str, v_layout: str | None, causal: bool, q_in_regs: bool) -> bool:
+    return dtype == "fp8" and head_dim == 256 and v_layout in (None, "row") and not causal and not q_in_regs
+
 # The fp8 K/V ring's depth with the caller's V^T (v_layout=transposed): three stages where they fit at
 # head_dim 64 and 256 (at 256 x 128 keys: 224 KB with Q, the room the in-kernel transpose's row-major V
 # ring takes at two). At head_dim 256 the V^T ring is the step's critical loop: a tile is released after
@@ -522,7 +539,9 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
 #   stream_k / without (F)): s512 750.9 / 870.8 (362.3), s1k 955.6 / 1030.3 (641.8), s2k 1086.5 /
 #   1101.8 (1004.3), s4k 1092.3 / 1104.0 (1078.3); s8k 1124.4 / 1107.1 (1127.6), s16k 1144.5 / 1128.4
 #   (1158.4) keep it.
-SEQLEN_RULE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups", "o_in_v", "stream_k")
+#   head_dim 256 non-causal below 8k keys, defer_o_store off too: see defer_o_store_default.
+SEQLEN_RULE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups", "o_in_v", "stream_k",
+                      "defer_o_store")
 
 
 def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqlen_q: int, seqlen_k: int) -> dict:
@@ -530,7 +549,7 @@ def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqle
     if arch != "sm90":
         return {}
     if dtype == "fp8":
-        return {"stream_k": False} if head_dim == 256 and not causal and seqlen_k < 8192 else {}
+        return {"stream_k": False, "defer_o_store": False} if head_dim == 256 and not causal and seqlen_k < 8192 else {}
     if head_dim == 128 and not causal:
         if seqlen_k <= 1024:
             return {"block_n": 128}
@@ -639,8 +658,9 @@ class KernelSpec:
     lands each V tile in its V^T ring slot, 32 keys x head_dim at a time in 32-byte rows, and the
     transposers turn every 1 KB block of 32 keys x 32 columns into V^T's 32B-swizzled 32-key slabs in
     place, so no row-major V ring takes shared memory and the K/V ring gets three stages where they
-    fit). fp8 stores O from registers, so
-    ``separate_o`` is always False there.
+    fit), ``defer_o_store`` (with intra_wg_overlap: a tile's O and LSE stay in registers until the
+    next tile's first Q K^T is issued, so the O stores drain while the tensor pipe runs it instead of
+    between the two tiles). fp8 stores O from registers, so ``separate_o`` is always False there.
     """
 
     arch: str = "sm80"
@@ -684,6 +704,7 @@ class KernelSpec:
     stream_k: bool | None = None
     l2_prefetch: int | None = None
     vt_in_place: bool | None = None
+    defer_o_store: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHS)
@@ -718,6 +739,7 @@ class KernelSpec:
             fill["o_in_v"] = False
             fill["l2_prefetch"] = 0
             fill["vt_in_place"] = False
+            fill["defer_o_store"] = False
             if self.o_in_v not in (None, False, 0):
                 raise SpecError("o_in_v", "is an sm90 knob; arch=sm80 writes O from registers")
             if self.cluster_m not in (None, 1):
@@ -727,7 +749,7 @@ class KernelSpec:
             for name in ("uniform_wg", "consumer_warpgroups", "pingpong", "intra_wg_overlap",
                          "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints",
                          "anchor_softmax", "rescale_under_qk", "optimistic_max", "rebuild_q_desc",
-                         "dynamic_scheduler", "stream_k", "l2_prefetch", "vt_in_place"):
+                         "dynamic_scheduler", "stream_k", "l2_prefetch", "vt_in_place", "defer_o_store"):
                 if getattr(self, name) not in (None, 0, False):
                     raise SpecError(name, "is an sm90 knob; arch=sm80 does not use it")
         else:
@@ -762,13 +784,13 @@ class KernelSpec:
                                         and not self.optimistic_max and self.p_buffers in (None, 1)),
                         uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout, self.causal),
                         ctas_per_sm=1, cluster_m=1, o_in_v=False, q_stages=1, p_buffers=1,
-                        rebuild_q_desc=False, l2_prefetch=0, vt_in_place=False,
+                        rebuild_q_desc=False, l2_prefetch=0, vt_in_place=False, defer_o_store=False,
                         optimistic_max=((optimistic_max_default(self.head_dim, self.dtype, self.causal)
                                          or self.p_buffers == 2)
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
                                  "uniform_wg", "optimistic_max", "rebuild_q_desc", "dynamic_scheduler",
-                                 "stream_k", "vt_in_place"))
+                                 "stream_k", "vt_in_place", "defer_o_store"))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
                                                                                   self.causal)
@@ -778,6 +800,9 @@ class KernelSpec:
                                          and dynamic_scheduler_default(self.head_dim, self.dtype, self.causal))
             fill["stream_k"] = (bool(resolved("persistent")) and not resolved("dynamic_scheduler")
                                 and stream_k_default(self.head_dim, self.dtype, self.causal))
+            fill["defer_o_store"] = (bool(overlap)
+                                     and defer_o_store_default(self.head_dim, self.dtype, self.v_layout, self.causal,
+                                                               bool(resolved("q_in_regs"))))
             if self.stages is None and self.dtype == "fp8":
                 fill["stages"] = fp8_stages_default(self.head_dim, self.v_layout, resolved("block_m"),
                                                     resolved("block_n"), resolved("q_stages"),
@@ -885,6 +910,8 @@ class KernelSpec:
                 parts.append(f"pf{self.l2_prefetch}")
             if self.vt_in_place:
                 parts.append("vip")
+            if self.defer_o_store:
+                parts.append("dos")
             if self.dtype == "fp8":
                 parts.append(f"o{self.out_dtype}")
                 if self.v_layout == "transposed":
@@ -1136,7 +1163,8 @@ def _validate(spec: KernelSpec) -> None:
         if not 1 <= spec.stages <= 4:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
         for name in ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg",
-                     "optimistic_max", "rebuild_q_desc", "dynamic_scheduler", "stream_k", "vt_in_place"):
+                     "optimistic_max", "rebuild_q_desc", "dynamic_scheduler", "stream_k", "vt_in_place",
+                     "defer_o_store"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
         if spec.dynamic_scheduler and not spec.persistent:
@@ -1145,6 +1173,10 @@ def _validate(spec: KernelSpec) -> None:
         if spec.vt_in_place and (spec.dtype != "fp8" or spec.v_layout != "row"):
             raise SpecError("vt_in_place", "transposes a row-major V tile in its own V^T slot: it needs "
                                            "dtype=fp8 and v_layout=row")
+        if spec.defer_o_store and (spec.dtype != "fp8" or not spec.intra_wg_overlap):
+            raise SpecError("defer_o_store", "keeps O in registers until the next tile's first Q K^T of the "
+                                             "overlapped loop is issued: it needs dtype=fp8 (O stored from "
+                                             "registers) and intra_wg_overlap=True")
         if not isinstance(spec.l2_prefetch, int) or isinstance(spec.l2_prefetch, bool) \
                 or not 0 <= spec.l2_prefetch <= 4:
             raise SpecError("l2_prefetch", f"must be an integer from 0 (off) to 4 K/V blocks ahead, "

@@ -1053,7 +1053,16 @@ struct StreamKShare {
     int first_tile;             // the share's first tile: whole-wave tiles = (T / G - 1) * G
     int blocks_per_tile;        // B
     int unit_begin, unit_end;   // the share: units [unit_begin, unit_end), counted from first_tile
+    int begin_tile;             // unit_begin / blocks_per_tile: the tile of the share's first unit
 };
+
+// This CTA's share, worked out once by thread 0 in the kernel's setup (before its __syncthreads):
+// the ~6 integer divisions by runtime values sat on every role's path from one tile to the next
+// (a static tile decode took ~1500 cycles against ~700 for the dynamic scheduler's published tile,
+// scripts/trace_steps.py, 2026-12-02). One per CTA, so a file-scope __shared__ and not a
+// SharedState member: the struct must be known before SharedState, which the other scheduler
+// functions need.
+__shared__ StreamKShare cta_stream_k_share;
 
 __device__ __forceinline__ StreamKShare stream_k_share(const FlashParams& p) {
     StreamKShare s;
@@ -1062,7 +1071,7 @@ __device__ __forceinline__ StreamKShare stream_k_share(const FlashParams& p) {
     s.blocks_per_tile = kv_blocks(p);
     s.whole_iters = 0xffffffffu;
     s.first_tile = p.num_tiles;
-    s.unit_begin = s.unit_end = 0;
+    s.unit_begin = s.unit_end = s.begin_tile = 0;
     if (waves >= 1 && p.num_tiles % ctas != 0 && s.blocks_per_tile > 1) {
         s.whole_iters = static_cast<uint32_t>(waves - 1);
         s.first_tile = (waves - 1) * ctas;
@@ -1073,13 +1082,20 @@ __device__ __forceinline__ StreamKShare stream_k_share(const FlashParams& p) {
         const int share = ctas - 1 - static_cast<int>(blockIdx.x);
         s.unit_begin = share * per_share + share * left / ctas;
         s.unit_end = (share + 1) * per_share + (share + 1) * left / ctas;
+        s.begin_tile = s.unit_begin / s.blocks_per_tile;
     }
     return s;
 }
 
+__device__ __forceinline__ void init_stream_k_share(const FlashParams& p) {
+    if (STREAM_K) {
+        cta_stream_k_share = stream_k_share(p);
+    }
+}
+
 // The tile of this CTA's piece number `piece` of its share, counted from the split region's first.
 __device__ __forceinline__ int share_tile(const StreamKShare& s, uint32_t piece) {
-    return s.unit_begin / s.blocks_per_tile + static_cast<int>(piece);
+    return s.begin_tile + static_cast<int>(piece);
 }
 
 // The same as a tile index, or p.num_tiles past the share's end.
@@ -1098,7 +1114,7 @@ __device__ __forceinline__ int stream_k_tile(const FlashParams& p, const StreamK
 __device__ __forceinline__ int static_tile(const FlashParams& p, uint32_t tile_iter) {
     if (PERSISTENT) {
         if (STREAM_K) {
-            const StreamKShare s = stream_k_share(p);
+            const StreamKShare& s = cta_stream_k_share;
             if (tile_iter >= s.whole_iters) {
                 return stream_k_tile(p, s, tile_iter - s.whole_iters);
             }
@@ -1111,7 +1127,7 @@ __device__ __forceinline__ int static_tile(const FlashParams& p, uint32_t tile_i
 // STREAM_K: narrows t (tile number tile_iter of this CTA) to the key blocks of its piece.
 __device__ __forceinline__ void piece_blocks(const FlashParams& p, uint32_t tile_iter, TileInfo& t) {
     if (STREAM_K) {
-        const StreamKShare s = stream_k_share(p);
+        const StreamKShare& s = cta_stream_k_share;
         if (tile_iter >= s.whole_iters) {
             const int tile_units = share_tile(s, tile_iter - s.whole_iters) * s.blocks_per_tile;   // its first unit
             const int begin = s.unit_begin > tile_units ? s.unit_begin : tile_units;

@@ -12,7 +12,8 @@ steady loop, thread 0 of each consumer warpgroup of the first TRACE_CTAS CTAs re
 and per K/V block the loader's K TMA issue, and (in-kernel transpose only) its V TMA issue, the V
 tile's landing, the transposers' start (V^T slot free, the tile before done) and their V^T arrival;
 and per tile of each consumer warpgroup: fetched, Q landed, the first S, the tail's P V done, the
-epilogue done (the LSE line), with the tile's key blocks.
+epilogue done (the LSE line; with defer_o_store O packed, its stores left to the next tile's
+prologue), with the tile's key blocks.
 Prints the medians over the steady steps of the first tile: each phase, the step period, how far
 apart the two warpgroups run (0 = lockstep, half a period = alternation), the time from a K load's
 issue to its consumers' K wait ending (its latency where they waited, else how early it went
@@ -81,7 +82,9 @@ PATCHES = [
     ("t.blocks() > 1);  // O += P V\n                        wgmma_commit();\n"
      "                        pingpong_pass(wg);\n                        wgmma_wait<0>();\n",
      "                        FCG_TRACE_TILE(3);\n"),
-    ("            if (lane % 4 == 0 && !is_partial_piece(t)) {        // the quad's column-0 thread writes LSE\n",
+    # (defer_o_store: where the tile's O words are ready, left for the next tile's prologue to store)
+    (("            if (lane % 4 == 0 && !is_partial_piece(t)) {        // the quad's column-0 thread writes LSE\n",
+      "                pending_out.valid = true;\n"),
      "            FCG_TRACE_TILE(4);\n", "before"),
     ("                        const int k_stage = k_iter % STAGES;\n",
      "                        const uint32_t fcg_idx = k_iter;\n                        FCG_TRACE(fcg_idx, 0);\n"),
@@ -125,6 +128,8 @@ PATCHES = [
 
 def traced(source: str) -> str:
     for number, (anchor, extra, *where) in enumerate(PATCHES):
+        if isinstance(anchor, tuple):           # alternatives: the first one the kernel has
+            anchor = next((a for a in anchor if a in source), anchor[0])
         if anchor not in source:
             if number >= REQUIRED_PATCHES:      # the V events: only kernels with transposers have them
                 continue

@@ -89,7 +89,8 @@ def test_spec_for_shape_picks_what_resolve_spec_would_without_a_device():
     from facodegen import api
     from facodegen.spec import KernelSpec
     short = api.spec_for_shape("sm90", 256, "fp8", False, (4, 4096, 4096, 8), gpu="h200")
-    assert short == KernelSpec(arch="sm90", head_dim=256, dtype="fp8", gpu="h200", stream_k=False)
+    assert short == KernelSpec(arch="sm90", head_dim=256, dtype="fp8", gpu="h200", stream_k=False,
+                               defer_o_store=False)
     long = api.spec_for_shape("sm90", 256, "fp8", False, (1, 16384, 16384, 8), gpu="h200")
     assert long.stream_k and long == KernelSpec(arch="sm90", head_dim=256, dtype="fp8", gpu="h200")
     # a rule field set by the caller: no rule at all (stream_k back to its default)

@@ -214,7 +214,7 @@ def simulate_pv(block_n: int, head_dim: int, v_layout: str, seed: int = 0) -> tu
     acc = A @ B                                                 # the accumulator's columns
     if v_layout == "transposed":
         return acc, P @ V
-    # store_o: accumulator registers 8a + 2r + (0, 4, 1, 5) of thread (g, t) -> row g + 8r, columns
+    # store_o (o_word): accumulator registers 8a + 2r + (0, 4, 1, 5) of thread (g, t) -> row g + 8r, columns
     # 16a + 4t + (0, 1, 2, 3); register i of n8 tile j holds accumulator column 8j + 2t + (i & 1)
     out = np.full_like(acc, -1)
     for t in range(4):

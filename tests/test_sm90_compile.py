@@ -178,6 +178,32 @@ def test_fp8_vt_in_place_loads_v_in_5d_boxes_and_transposes_whole_blocks(fields)
     assert [("LD" if "LDSM" in x else "ST") for x in ops] == ["LD", "LD", "ST", "ST"], ops
 
 
+@pytest.mark.parametrize("fields", [dict(head_dim=256), dict(head_dim=256, causal=True), dict(head_dim=128),
+                                    dict(head_dim=64, causal=True)],
+                         ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_fp8_defer_o_store_stores_the_last_tile_under_the_next_q_k(fields):
+    """defer_o_store: no spills and no ptxas wgmma note (C7518's serialisation came with a branch
+    around the deferred stores, C7517's extra wait with stores that read o_reg); in the prologue the
+    tile before's stores (O, 8 bytes each, and LSE) sit between the K wait and the S wait with the
+    Q K^T wgmmas and no wgmma wait among them; and the O stores are there three times (under the next
+    Q K^T, for a tile with no key block, after the last tile)."""
+    on = compile_mod.compile(K(dtype="fp8", defer_o_store=True, **fields), verbose=False)
+    off = compile_mod.compile(K(dtype="fp8", defer_o_store=False, **fields), verbose=False)
+    res = on.resources
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res
+    assert "C75" not in on.log, [x for x in on.log.splitlines() if "C75" in x]
+    sass = [x for x in on.sass().splitlines() if re.search(r"QGMMA|STG|WARPGROUP\.DEPBAR|TRYWAIT", x)]
+    first_qk = next(i for i, x in enumerate(sass) if "QGMMA" in x and "RZ, !UPT" in x)   # S = Q K^T, zero-init
+    begin = max(i for i in range(first_qk) if "TRYWAIT" in sass[i])
+    end = next(i for i in range(first_qk, len(sass)) if "DEPBAR" in sass[i])
+    prologue = sass[begin:end]
+    o_stores = 2 * fields["head_dim"] // 16        # STG.E.64 per thread and tile
+    assert sum("STG.E.64" in x for x in prologue) == o_stores and sum("QGMMA" in x for x in prologue) >= 2
+    assert not any("DEPBAR" in x for x in prologue)
+    assert sum("STG.E.64" in x for x in sass) == 3 * o_stores
+    assert sum("STG.E.64" in x for x in off.sass().splitlines()) == o_stores
+
+
 def test_cluster_kernels_multicast_kv_and_arrive_remotely_without_gpu_fences(kernel):
     """cluster_m=2: the K and V loads are multicast (one UTMALDG.MULTICAST each, Q stays a plain load),
     the consumers' releases reach both CTAs' barriers (remote SYNCS.ARRIVE...RED), and no per-step

@@ -310,15 +310,18 @@ def test_stream_k_is_an_fp8_non_causal_static_knob():
 
 
 def test_stream_k_rule_keeps_it_from_short_keys():
-    """The sequence-length table turns stream_k off below 8k keys (its piece boundaries cost more than
-    the last wave there), at head_dim 256 fp8 non-causal only; the rule's spec is valid and static."""
+    """The sequence-length table turns stream_k and defer_o_store off below 8k keys (stream_k's piece
+    boundaries cost more than the last wave there; the deferred store measured slower), at head_dim 256
+    fp8 non-causal only; the rule's spec is valid and static."""
     from facodegen.spec import seqlen_rule_fields
     for s in (512, 1024, 4096, 8191):
         fields = seqlen_rule_fields("sm90", 256, "fp8", False, 16384, s)
-        assert fields == {"stream_k": False}, (s, fields)
-        assert not KernelSpec(arch="sm90", head_dim=256, dtype="fp8", **fields).dynamic_scheduler
+        assert fields == {"stream_k": False, "defer_o_store": False}, (s, fields)
+        spec = KernelSpec(arch="sm90", head_dim=256, dtype="fp8", **fields)
+        assert not spec.dynamic_scheduler and not spec.defer_o_store
+        assert seqlen_rule_fields("sm90", 256, "fp8", True, s, s) == {}
     assert seqlen_rule_fields("sm90", 256, "fp8", False, 8192, 8192) == {}
-    assert seqlen_rule_fields("sm90", 256, "fp8", True, 1024, 1024) == {}
+    assert seqlen_rule_fields("sm90", 256, "fp8", True, 8192, 8192) == {}
     assert seqlen_rule_fields("sm90", 128, "fp8", False, 1024, 1024) == {}
 
 
@@ -360,6 +363,28 @@ def test_o_in_v_takes_the_v_ring_and_needs_room_there():
         with pytest.raises(SpecError) as err:
             KernelSpec(**{"arch": "sm90", "head_dim": 256, "o_in_v": True, **bad})
         assert err.value.field == "o_in_v", (bad, err.value)
+
+
+def test_defer_o_store_is_an_fp8_knob_of_the_overlapped_loop():
+    """defer_o_store: named in the variant; on by default at head_dim 256 non-causal with the in-kernel
+    V^T only (and off there without intra-warpgroup overlap or with Q in registers); the 16-bit types, sm80 and the loop without
+    intra-warpgroup overlap (no prologue Q K^T to hide the stores under) are refused by name."""
+    def fp8(**kw):
+        return KernelSpec(arch="sm90", dtype="fp8", **kw)
+    for d in (64, 96, 128, 192, 256):
+        for c in (False, True):
+            assert fp8(head_dim=d, causal=c).defer_o_store == (d == 256 and not c), (d, c)
+            assert not fp8(head_dim=d, causal=c, v_layout="transposed").defer_o_store
+    assert not fp8(head_dim=256, intra_wg_overlap=False).defer_o_store
+    assert not fp8(head_dim=256, block_n=64, q_in_regs=True).defer_o_store     # (its consumers would spill)
+    on, off = fp8(head_dim=256), fp8(head_dim=256, defer_o_store=False)
+    assert "_dos" in on.variant and "_dos" not in off.variant
+    assert on.smem_bytes == off.smem_bytes        # O waits in registers, not shared memory
+    for kw in (dict(arch="sm90", dtype="bf16"), dict(arch="sm80", dtype="bf16"),
+               dict(arch="sm90", dtype="fp8", intra_wg_overlap=False)):
+        with pytest.raises(SpecError) as err:
+            KernelSpec(head_dim=128, defer_o_store=True, **kw)
+        assert err.value.field == "defer_o_store", (kw, err.value)
 
 
 def test_vt_in_place_is_an_fp8_row_v_knob_that_frees_the_v_ring():

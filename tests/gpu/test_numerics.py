@@ -744,6 +744,27 @@ def test_fp8_stream_k(fields):
 
 
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
+@pytest.mark.parametrize("head_dim,causal", [(256, False), (256, True), (128, False), (128, True), (64, False),
+                                             (64, True)])
+def test_fp8_defer_o_store(head_dim, causal):
+    """defer_o_store: a tile's O and LSE are stored under the next tile's first Q K^T, the last tile's
+    after the loop, an empty tile's (causal, seqlen_q > seqlen_k) before its epilogue: the default
+    shapes, then shapes of several tiles per CTA (O and LSE poisoned with NaN; head_dim 256
+    non-causal with stream-K's split tiles), within FP8_TOLERANCE and 1.1x FlashAttention-3's error."""
+    from facodegen.reference import FP8_TOLERANCE
+    spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=head_dim, causal=causal, defer_o_store=True)
+    _check_fp8_shapes(spec, seed0=40)
+    for shape in [(2, 2048, 1000, 8, 4), (1, 4096, 2000, 13, 13), (1, 3000, 1000, 16, 4)]:
+        o, lse, o_ref, lse_ref, fa3 = _fp8_case(spec, shape, seed=41, poison_workspace=True)
+        err = _rel(o, o_ref)
+        assert not np.isnan(o).any() and err <= FP8_TOLERANCE, (shape, err)
+        if fa3 is not None:
+            assert err <= 1.1 * _rel(fa3, o_ref) + 1e-3, (shape, err, _rel(fa3, o_ref))
+        ok, msg = check_lse(lse, lse_ref, atol=1e-2, rtol=1e-3)
+        assert ok, (shape, msg)
+
+
+@pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
 @pytest.mark.parametrize("fields", [dict(head_dim=256, optimistic_max=True), dict(head_dim=128, optimistic_max=True),
                                     dict(head_dim=128), dict(head_dim=128, producer_regs=24, consumer_regs=240, p_buffers=2)],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
