@@ -784,7 +784,7 @@ class KernelSpec:
                                         and not self.optimistic_max and self.p_buffers in (None, 1)),
                         uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout, self.causal),
                         ctas_per_sm=1, cluster_m=1, o_in_v=False, q_stages=1, p_buffers=1,
-                        rebuild_q_desc=False, l2_prefetch=0, vt_in_place=False, defer_o_store=False,
+                        rebuild_q_desc=False, l2_prefetch=0, vt_in_place=False,
                         optimistic_max=((optimistic_max_default(self.head_dim, self.dtype, self.causal)
                                          or self.p_buffers == 2)
                                         and not self.anchor_softmax))

@@ -6,9 +6,10 @@
         [--patch FILE ...] [--traced]
 
 Each cell's spec is picked as facodegen.api.resolve_spec picks it on the H200 with no tuning
-database (api.spec_for_shape: the sequence-length rule, gpu=h200, the variant's fields winning), then rendered, patched (scripts/trace_steps.py's
-patch format; --patch adds one kernel per patch) and traced (--traced: trace_steps' clock reads too)
-as scripts/sweep.py, patch_ab.py and trace_steps.py would, and compiled through
+database (api.spec_for_shape: the sequence-length rule, gpu=h200, the variant's fields winning),
+then rendered, patched (scripts/trace_steps.py's patch format; --patch adds one kernel per patch)
+and traced (--traced: trace_steps' clock reads too) as scripts/sweep.py, patch_ab.py and
+trace_steps.py would, and compiled through
 facodegen.compiler. Prints registers and spills per kernel, so a patch or variant that does not
 compile, or spills, is found before a device call; the device finds the same sources under the
 same keys when the cache folder is carried (`carry: [".fcgcache"]`; the key holds NVRTC's version).
