@@ -72,6 +72,8 @@ CUSTOM_SPECS = [
     dict(arch="sm90", head_dim=128, persistent=False),
     dict(arch="sm90", head_dim=64, consumer_warpgroups=2, pingpong=False, intra_wg_overlap=False),
     dict(arch="sm90", head_dim=128, block_m=64, producer_regs=56, consumer_regs=256),
+    dict(arch="sm90", dtype="fp8", head_dim=256, defer_o_store=False),      # off where its default is on
+    dict(arch="sm90", dtype="fp8", head_dim=128, defer_o_store=True),
 ]
 
 
