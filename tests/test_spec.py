@@ -367,8 +367,9 @@ def test_o_in_v_takes_the_v_ring_and_needs_room_there():
 
 def test_defer_o_store_is_an_fp8_knob_of_the_overlapped_loop():
     """defer_o_store: named in the variant; on by default at head_dim 256 non-causal with the in-kernel
-    V^T only (and off there without intra-warpgroup overlap or with Q in registers); the 16-bit types, sm80 and the loop without
-    intra-warpgroup overlap (no prologue Q K^T to hide the stores under) are refused by name."""
+    V^T only (and off there without intra-warpgroup overlap or with Q in registers); the 16-bit types,
+    sm80 and the loop without intra-warpgroup overlap (no prologue Q K^T to hide the stores under) are
+    refused by name."""
     def fp8(**kw):
         return KernelSpec(arch="sm90", dtype="fp8", **kw)
     for d in (64, 96, 128, 192, 256):

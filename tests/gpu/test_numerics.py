@@ -748,8 +748,8 @@ def test_fp8_stream_k(fields):
                                              (64, True)])
 def test_fp8_defer_o_store(head_dim, causal):
     """defer_o_store: a tile's O and LSE are stored under the next tile's first Q K^T, the last tile's
-    after the loop, an empty tile's (causal, seqlen_q > seqlen_k) before its epilogue: the default
-    shapes, then shapes of several tiles per CTA (O and LSE poisoned with NaN; head_dim 256
+    after the loop, an empty tile's (causal, seqlen_q > seqlen_k) in the mainloop's else branch: the
+    default shapes, then shapes of several tiles per CTA (O and LSE poisoned with NaN; head_dim 256
     non-causal with stream-K's split tiles), within FP8_TOLERANCE and 1.1x FlashAttention-3's error."""
     from facodegen.reference import FP8_TOLERANCE
     spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=head_dim, causal=causal, defer_o_store=True)
