@@ -4,7 +4,10 @@
     python3 scripts/sweep.py --out $OUT --cell 128,8192,0 --variant 'sm90:pingpong=0' --variant 'sm90:'
 
 A variant is ``arch:field=value,...`` (bench.parse_variant; empty fields = that arch's defaults); a cell is
-``head_dim,seqlen,causal`` on the FlashAttention-3 paper's grid (16k tokens, hidden 2048).
+``head_dim,seqlen,causal`` on the FlashAttention-3 paper's grid (16k tokens, hidden 2048), or
+``head_dim,seqlen_q,causal,batch[,heads[,seqlen_k]]`` for any other shape (e.g. the same work cut into
+tiles of different lengths: ``256,32768,0,1,33,8192`` runs 33 x 256 tiles of 64 key blocks, a whole
+number of waves on 132 SMs).
 Every output is checked against the float64 reference on a slice before it is timed; the variants
 of a cell and its peers (--peers) take turns group by group (--sequential: one after the other).
 Prints a table of TFLOP/s last and writes sweep.json.
@@ -54,9 +57,13 @@ PLANS = {
 
 
 def parse_cell(text: str, dtype: str) -> dict:
-    """head_dim,seqlen,causal (16k tokens per batch) or head_dim,seqlen,causal,batch; hidden 2048."""
-    head_dim, seqlen, causal, *batch = (int(x) for x in text.split(","))
-    return bench.cell(head_dim, bool(causal), seqlen, batch[0] if batch else 16384 // seqlen, 2048 // head_dim, dtype)
+    """head_dim,seqlen,causal (16k tokens per batch, hidden 2048), or with more fields
+    head_dim,seqlen,causal,batch[,heads[,seqlen_k]] (seqlen is then seqlen_q)."""
+    head_dim, seqlen, causal, *rest = (int(x) for x in text.split(","))
+    batch = rest[0] if rest else 16384 // seqlen
+    heads = rest[1] if len(rest) > 1 else 2048 // head_dim
+    seqlen_k = rest[2] if len(rest) > 2 else None
+    return bench.cell(head_dim, bool(causal), seqlen, batch, heads, dtype, seqlen_k=seqlen_k)
 
 
 def main() -> int:
