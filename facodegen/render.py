@@ -77,7 +77,7 @@ def emit_command(spec: KernelSpec) -> str:
         if spec.intra_wg_overlap:
             flags.append("--rescale-under-qk" if spec.rescale_under_qk else "--rescale-after-pv")
         flags.append("--optimistic-max" if spec.optimistic_max else "--exact-max")
-    if spec.schedule == "fa2" and spec.dtype != "fp8":
+    if spec.schedule == "fa2":
         flags.append("--lazy-rescale" if spec.lazy_rescale else "--exact-rescale")
     if spec.schedule == "fa2":
         flags += [f"--softmax-chains {spec.softmax_chains}", f"--poly-exp2-tiles {spec.poly_exp2_tiles}"]

@@ -120,7 +120,19 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 # multiplied O anyway; with an exact 1 (H200, 2026-12-01, docs/perf-notes.md session 16, not landed:
 # the head_dim 128 causal kernel then spills) sm80 d128 +1.7-2.8%, and lazy vs exact: sm80 d64 s8k
 # 306.8 / 335.1, d192 283.7 / 315.1, d256 322.0 / 317.9; sm90 level.
-def lazy_rescale_default(arch: str, head_dim: int) -> bool:
+#
+# fp8 (templates/sm90/fp8_softmax.cuh.j2: a row keeps its max while a step raises it by at most 0.75
+# in log2 units, so p stays under e4m3's 448; a warp none of whose rows moved skips O's 128 FMULs,
+# behind a vote between two straight-line exp2 paths): on at head_dim 256. H200, 2026-12-02
+# (scripts/sweep.py, 8 groups, TFLOP/s lazy / exact, F = FlashAttention-3 fp8 in the same run): s16k
+# 1194.2 / 1116.6 (F 1125.3), s8k 1163.2 / 1106.4 (1102.4), causal s16k 1139.6 / 1102.9 (1122.1), causal
+# s8k 1075.5 / 1054.5 (1039.1); off at head_dim 128 (s16k 926.2 / 928.2, causal s16k 905.7 / 918.9) and
+# 64 (s16k 680.0 / 673.1), where O's rescale is 64 / 32 FMULs a thread. A bound with O never rescaled
+# (head_dim 256): +6% in all four cells. Warp steps that still rescale: 15% (s16k), 22% / 34% (causal
+# s16k / s8k), against 33% / 44% / 61% with the exact max.
+def lazy_rescale_default(arch: str, head_dim: int, dtype: str = "bf16", causal: bool = False) -> bool:
+    if dtype == "fp8":
+        return head_dim == 256
     return arch == "sm80" and 64 < head_dim <= 128
 
 # rescale_under_qk's default (sm90 with intra_wg_overlap; FlashAttention-3's order, sm90/roles.cuh.j2):
@@ -609,7 +621,7 @@ class KernelSpec:
     ``block_m`` x ``block_n`` (the Q and K/V tile heights), ``num_warps`` (warps per CTA),
     ``stages`` (depth of the K/V shared-memory ring), ``gpu`` (whose limits the budget
     model applies: a100, h100, h200), ``lazy_rescale`` (rescale O only when a row max grows by
-    more than 2^8), ``softmax_chains`` (independent FMNMX/FADD chains per row in the softmax's row
+    more than 2^8; fp8: by more than 2^0.75, the room e4m3 leaves above FlashAttention-3's offset), ``softmax_chains`` (independent FMNMX/FADD chains per row in the softmax's row
     max and row sum: shorter dependent chains for a few more instructions), ``poly_exp2_tiles`` (n8
     key tiles of each score fragment, 0 to block_n/8, whose exp2 is a polynomial on the FMA pipe
     instead of MUFU.EX2).
@@ -833,8 +845,13 @@ class KernelSpec:
             if self.q_in_regs and self.dtype != "fp8":
                 raise SpecError("q_in_regs", "on sm90 only dtype=fp8 keeps Q in registers (the Q K^T wgmma "
                                              "reads A from registers); the 16-bit kernel reads Q from shared memory")
-        fill["lazy_rescale"] = (self.schedule == "fa2" and self.dtype != "fp8"
-                                and lazy_rescale_default(self.arch, self.head_dim))
+        # fp8: the lazy max is an exact-max knob (the optimistic step has its own slack), and its
+        # skipped rescale is the one after the P V wait (not rescale_under_qk's)
+        fp8_exact_after_pv = self.dtype != "fp8" or not (
+            (self.optimistic_max if self.optimistic_max is not None else fill.get("optimistic_max"))
+            or (self.rescale_under_qk if self.rescale_under_qk is not None else fill.get("rescale_under_qk")))
+        fill["lazy_rescale"] = (self.schedule == "fa2" and fp8_exact_after_pv
+                                and lazy_rescale_default(self.arch, self.head_dim, self.dtype, self.causal))
         _coerce_bools(self, ("lazy_rescale",))
         fill["softmax_chains"] = softmax_chains_default(self.arch, self.head_dim, self.dtype, self.causal)
         fill["poly_exp2_tiles"] = POLY_EXP2_TILES_DEFAULT
@@ -1099,9 +1116,10 @@ def _validate(spec: KernelSpec) -> None:
     limits = GPUS[spec.gpu]
     if not isinstance(spec.lazy_rescale, bool):
         raise SpecError("lazy_rescale", f"must be True or False, got {spec.lazy_rescale!r}")
-    if spec.lazy_rescale and spec.dtype == "fp8":
-        raise SpecError("lazy_rescale", "dtype=fp8 keeps P in [0, 256] for e4m3 (FlashAttention-3's offset), "
-                                        "which a stale row max would break: use lazy_rescale=False")
+    if spec.lazy_rescale and spec.dtype == "fp8" and (spec.optimistic_max or spec.rescale_under_qk):
+        raise SpecError("lazy_rescale", "dtype=fp8 keeps a stale row max within 2^0.75 of the true one on the exact "
+                                        "step, with O rescaled after the P V wait: it needs optimistic_max=False "
+                                        "and rescale_under_qk=False")
     if spec.lazy_rescale and spec.schedule == "fa1":
         raise SpecError("lazy_rescale", "schedule=fa1 rescales by its own rule (the rescale switch): "
                                         "use lazy_rescale=False")

@@ -204,6 +204,24 @@ def test_fp8_defer_o_store_stores_the_last_tile_under_the_next_q_k(fields):
     assert sum("STG.E.64" in x for x in off.sass().splitlines()) == o_stores
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_lazy_rescale_keeps_two_exp2_paths(causal):
+    """fp8 lazy_rescale (head_dim 256's default): no spills or ptxas wgmma notes; a warp vote picks
+    the steady step's path, and the exp2s are there once more per steady loop than in the exact
+    kernel (one path with O's rescale, one without). The compiler merging the two paths' exp2s ahead
+    of the vote ran the rescale after them, slower than rescaling every step."""
+    fields = dict(dtype="fp8", head_dim=256, causal=causal)
+    lazy = compile_mod.compile(K(lazy_rescale=True, **fields), verbose=False)
+    exact = compile_mod.compile(K(lazy_rescale=False, **fields), verbose=False)
+    res = lazy.resources
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res
+    assert "C75" not in lazy.log, [x for x in lazy.log.splitlines() if "C75" in x]
+    assert "VOTE.ANY" in lazy.sass() and "VOTE.ANY" not in exact.sass()
+    per_step = K(**fields).block_n // 2                       # MUFU.EX2 per thread and step
+    extra = lazy.sass().count("MUFU.EX2") - exact.sass().count("MUFU.EX2")
+    assert extra >= per_step and extra % per_step == 0, (extra, per_step)
+
+
 def test_cluster_kernels_multicast_kv_and_arrive_remotely_without_gpu_fences(kernel):
     """cluster_m=2: the K and V loads are multicast (one UTMALDG.MULTICAST each, Q stays a plain load),
     the consumers' releases reach both CTAs' barriers (remote SYNCS.ARRIVE...RED), and no per-step

@@ -388,6 +388,26 @@ def test_defer_o_store_is_an_fp8_knob_of_the_overlapped_loop():
         assert err.value.field == "defer_o_store", (kw, err.value)
 
 
+def test_fp8_lazy_rescale_defaults_and_refusals():
+    """fp8 lazy_rescale: on by default at head_dim 256 (causal or not, either V layout), off at the
+    smaller head dims; named in the variant; the default gives way to optimistic_max and
+    rescale_under_qk (whose own rescale it does not skip), and asking for it beside them is refused
+    by name."""
+    def fp8(**kw):
+        return KernelSpec(arch="sm90", dtype="fp8", **kw)
+    for d in (64, 96, 128, 192, 256):
+        for c in (False, True):
+            assert fp8(head_dim=d, causal=c).lazy_rescale == (d == 256), (d, c)
+    assert fp8(head_dim=256, v_layout="transposed").lazy_rescale
+    assert "_lz" in fp8(head_dim=256).variant and "_lz" not in fp8(head_dim=256, lazy_rescale=False).variant
+    assert fp8(head_dim=128, lazy_rescale=True).lazy_rescale
+    for kw in (dict(optimistic_max=True), dict(rescale_under_qk=True)):
+        assert not fp8(head_dim=256, **kw).lazy_rescale, kw
+        with pytest.raises(SpecError) as err:
+            fp8(head_dim=256, lazy_rescale=True, **kw)
+        assert err.value.field == "lazy_rescale", (kw, err.value)
+
+
 def test_vt_in_place_is_an_fp8_row_v_knob_that_frees_the_v_ring():
     """vt_in_place: named in the variant, off by default; no row-major V ring in shared memory, so the
     fp8 K/V ring takes three stages where they fit (head_dim 256: 224 KB with Q); the 16-bit types and
