@@ -621,7 +621,8 @@ class KernelSpec:
     ``block_m`` x ``block_n`` (the Q and K/V tile heights), ``num_warps`` (warps per CTA),
     ``stages`` (depth of the K/V shared-memory ring), ``gpu`` (whose limits the budget
     model applies: a100, h100, h200), ``lazy_rescale`` (rescale O only when a row max grows by
-    more than 2^8; fp8: by more than 2^0.75, the room e4m3 leaves above FlashAttention-3's offset), ``softmax_chains`` (independent FMNMX/FADD chains per row in the softmax's row
+    more than 2^8; fp8: by more than 2^0.75, the room e4m3 leaves above FlashAttention-3's offset),
+    ``softmax_chains`` (independent FMNMX/FADD chains per row in the softmax's row
     max and row sum: shorter dependent chains for a few more instructions), ``poly_exp2_tiles`` (n8
     key tiles of each score fragment, 0 to block_n/8, whose exp2 is a polynomial on the FMA pipe
     instead of MUFU.EX2).
