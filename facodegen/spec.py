@@ -130,7 +130,7 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 # 64 (s16k 680.0 / 673.1), where O's rescale is 64 / 32 FMULs a thread. A bound with O never rescaled
 # (head_dim 256): +6% in all four cells. Warp steps that still rescale: 15% (s16k), 22% / 34% (causal
 # s16k / s8k), against 33% / 44% / 61% with the exact max.
-def lazy_rescale_default(arch: str, head_dim: int, dtype: str = "bf16", causal: bool = False) -> bool:
+def lazy_rescale_default(arch: str, head_dim: int, dtype: str = "bf16") -> bool:
     if dtype == "fp8":
         return head_dim == 256
     return arch == "sm80" and 64 < head_dim <= 128
@@ -852,7 +852,7 @@ class KernelSpec:
             (self.optimistic_max if self.optimistic_max is not None else fill.get("optimistic_max"))
             or (self.rescale_under_qk if self.rescale_under_qk is not None else fill.get("rescale_under_qk")))
         fill["lazy_rescale"] = (self.schedule == "fa2" and fp8_exact_after_pv
-                                and lazy_rescale_default(self.arch, self.head_dim, self.dtype, self.causal))
+                                and lazy_rescale_default(self.arch, self.head_dim, self.dtype))
         _coerce_bools(self, ("lazy_rescale",))
         fill["softmax_chains"] = softmax_chains_default(self.arch, self.head_dim, self.dtype, self.causal)
         fill["poly_exp2_tiles"] = POLY_EXP2_TILES_DEFAULT

@@ -743,6 +743,21 @@ def test_fp8_stream_k(fields):
         assert ok, (shape, msg)
 
 
+def _check_fp8_multi_tile(spec, seed: int) -> None:
+    """Shapes of several tiles per CTA (stream-K's split tiles at head_dim 256 non-causal; empty
+    causal tiles with 3000 queries over 1000 keys), O, LSE and the stream-K workspace poisoned with
+    NaN: no NaN, O within FP8_TOLERANCE and 1.1x FlashAttention-3's error where it runs, LSE close."""
+    from facodegen.reference import FP8_TOLERANCE
+    for shape in [(2, 2048, 1000, 8, 4), (1, 4096, 2000, 13, 13), (1, 3000, 1000, 16, 4)]:
+        o, lse, o_ref, lse_ref, fa3 = _fp8_case(spec, shape, seed=seed, poison_workspace=True)
+        err = _rel(o, o_ref)
+        assert not np.isnan(o).any() and err <= FP8_TOLERANCE, (shape, err)
+        if fa3 is not None:
+            assert err <= 1.1 * _rel(fa3, o_ref) + 1e-3, (shape, err, _rel(fa3, o_ref))
+        ok, msg = check_lse(lse, lse_ref, atol=1e-2, rtol=1e-3)
+        assert ok, (shape, msg)
+
+
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
 @pytest.mark.parametrize("head_dim,causal", [(256, False), (256, True), (128, False), (128, True), (64, False),
                                              (64, True)])
@@ -751,17 +766,9 @@ def test_fp8_defer_o_store(head_dim, causal):
     after the loop, an empty tile's (causal, seqlen_q > seqlen_k) in the mainloop's else branch: the
     default shapes, then shapes of several tiles per CTA (O and LSE poisoned with NaN; head_dim 256
     non-causal with stream-K's split tiles), within FP8_TOLERANCE and 1.1x FlashAttention-3's error."""
-    from facodegen.reference import FP8_TOLERANCE
     spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=head_dim, causal=causal, defer_o_store=True)
     _check_fp8_shapes(spec, seed0=40)
-    for shape in [(2, 2048, 1000, 8, 4), (1, 4096, 2000, 13, 13), (1, 3000, 1000, 16, 4)]:
-        o, lse, o_ref, lse_ref, fa3 = _fp8_case(spec, shape, seed=41, poison_workspace=True)
-        err = _rel(o, o_ref)
-        assert not np.isnan(o).any() and err <= FP8_TOLERANCE, (shape, err)
-        if fa3 is not None:
-            assert err <= 1.1 * _rel(fa3, o_ref) + 1e-3, (shape, err, _rel(fa3, o_ref))
-        ok, msg = check_lse(lse, lse_ref, atol=1e-2, rtol=1e-3)
-        assert ok, (shape, msg)
+    _check_fp8_multi_tile(spec, seed=41)
 
 
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
@@ -774,17 +781,9 @@ def test_fp8_lazy_rescale(fields):
     whose rows moved skips O's rescale: the default shapes, then shapes of several tiles per CTA (O
     and LSE poisoned with NaN; stream-K's split tiles merge O, m, l relative to stale maxes; empty
     causal tiles), within FP8_TOLERANCE and 1.1x FlashAttention-3's error, LSE to 1e-2."""
-    from facodegen.reference import FP8_TOLERANCE
     spec = KernelSpec(arch="sm90", dtype="fp8", lazy_rescale=True, **fields)
     _check_fp8_shapes(spec, seed0=60)
-    for shape in [(2, 2048, 1000, 8, 4), (1, 4096, 2000, 13, 13), (1, 3000, 1000, 16, 4)]:
-        o, lse, o_ref, lse_ref, fa3 = _fp8_case(spec, shape, seed=61, poison_workspace=True)
-        err = _rel(o, o_ref)
-        assert not np.isnan(o).any() and err <= FP8_TOLERANCE, (shape, err)
-        if fa3 is not None:
-            assert err <= 1.1 * _rel(fa3, o_ref) + 1e-3, (shape, err, _rel(fa3, o_ref))
-        ok, msg = check_lse(lse, lse_ref, atol=1e-2, rtol=1e-3)
-        assert ok, (shape, msg)
+    _check_fp8_multi_tile(spec, seed=61)
 
 
 @pytest.mark.skipif(not (HAVE_TORCH and arch_supported("sm90")), reason="fp8 needs torch and an sm90 GPU")
@@ -797,7 +796,7 @@ def test_fp8_row_max_that_keeps_growing(fields):
     beyond the optimistic step's slack of 2^2.7, so it must redo those steps at the new max before p
     passes e4m3's 448 (no NaN, O within the fp8 bound, and within 1.1x FA3's error on the same inputs
     if FA3 is there). The exact step (head_dim 128's default) takes the new max every step; the lazy
-    one (head_dim 256's default, non-causal) each time it rises by more than 2^0.75."""
+    one (head_dim 256's default) each time it rises by more than 2^0.75."""
     from facodegen.reference import FP8_TOLERANCE
     spec = KernelSpec(arch="sm90", dtype="fp8", **fields)
     s = 1000
