@@ -14,8 +14,11 @@ import sys
 from dataclasses import dataclass
 
 from . import compiler as compile_mod
-from .launch import (Operand, grid, launch_prepared, pack_params, resident_ctas, stream_k_flags,
-                     stream_k_workspace_floats, workspace_floats)
+from . import driver, tunedb
+from .launch import (Operand, grid, pack_params, resident_ctas, stream_k_flags, stream_k_workspace_floats,
+                     workspace_floats)
+from .plan import LaunchPlan, PlanCache
+from .tma import map_operands
 from .spec import HEAD_DIMS, SEQLEN_RULE_FIELDS, KernelSpec, SpecError, seqlen_rule_fields
 
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -85,31 +88,12 @@ def _view(name: str, x) -> _View:
 
 # ------------------------------------------------------------------ device facts
 
-@dataclass(frozen=True)
-class DeviceInfo:
-    ordinal: int
-    name: str
-    compute_capability: tuple[int, int]
-    sms: int
-    smem_per_block_optin: int
-
-    @property
-    def budget_gpu(self) -> str:
-        """The budget-model GPU name (spec.GPUS key) whose limits fit this device."""
-        lowered = self.name.lower()
-        for key in ("h200", "h100", "a100"):
-            if key in lowered:
-                return key
-        return "h100" if self.compute_capability == (9, 0) else "a100"
+DeviceInfo = driver.DeviceInfo
 
 
-@functools.lru_cache(maxsize=None)
 def device_info(ordinal: int) -> DeviceInfo:
-    from cupy.cuda import runtime
-    props = runtime.getDeviceProperties(ordinal)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    return DeviceInfo(ordinal, name, (props["major"], props["minor"]), props["multiProcessorCount"],
-                      props.get("sharedMemPerBlockOptin", 0))
+    """Name, compute capability, SM count and shared memory of a CUDA device (from the driver)."""
+    return driver.device_info(ordinal)
 
 
 def default_arch(info: DeviceInfo) -> str:
@@ -193,9 +177,12 @@ def _check_layout(t: _View) -> None:
                              f"{ALIGN_BYTES // elem} elements ({ALIGN_BYTES} bytes)")
 
 
-def _check_out(out: _View, q: _View) -> None:
-    if out.kind != q.kind or out.dtype != q.dtype or out.device != q.device:
-        raise TypeError(f"out must be a {q.kind} {q.dtype} array on cuda:{q.device} like q")
+def _check_out(out: _View, q: _View, dtype: str | None = None, hint: str = "") -> None:
+    """out: q's library and device, ``dtype`` (default q's), q's shape, a layout the kernel writes."""
+    dtype = dtype or q.dtype
+    if out.kind != q.kind or out.dtype != dtype or out.device != q.device:
+        raise TypeError(f"out must be a {q.kind} {dtype} array on cuda:{q.device}{hint}, got a {out.kind} "
+                        f"{out.dtype} array on cuda:{out.device}")
     if out.shape != q.shape:
         raise ValueError(f"out has shape {out.shape}, q has {q.shape}; they must match")
     _check_layout(out)
@@ -215,31 +202,22 @@ def _check_lse(lse: _View, q: _View) -> None:
 
 @dataclass
 class _Prepared:
-    function: object
+    function: object        # driver.LoadedFunction (None in CPU tests that never launch)
     smem_bytes: int
     resident_ctas: int      # CTAs running at once: the persistent grid (launch.resident_ctas)
 
 
 @functools.lru_cache(maxsize=256)
 def _prepare(spec: KernelSpec, device: int) -> _Prepared:
-    from cupy_backends.cuda.api import driver
-    from cupy.cuda import Device
+    """The spec's kernel loaded on ``device`` (compiled, or read from the compile cache, first)."""
     info = device_info(device)
     # sm80 code is compiled for the GPU at hand (machine code only loads on its own major version).
     sm = f"sm_{info.compute_capability[0]}{info.compute_capability[1]}" if spec.arch == "sm80" else None
-    with Device(device):
-        function = compile_mod.compile(spec, sm=sm).function()
-        driver.funcSetAttribute(function.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes)
+    kernel = compile_mod.compile(spec, sm=sm)
+    function = driver.load_function(kernel.cubin, spec.variant, device, max_dynamic_smem=spec.smem_bytes)
+    with driver.on_device(device):
         resident = resident_ctas(spec, info.sms, function)
     return _Prepared(function, spec.smem_bytes, resident)
-
-
-@functools.lru_cache(maxsize=None)
-def _tile_counter(device: int):
-    """One int per device for the dynamic tile scheduler, zeroed on the stream before each launch."""
-    cupy = _cupy()
-    with cupy.cuda.Device(device):
-        return cupy.zeros(1, dtype=cupy.int32)
 
 
 # ------------------------------------------------------------------ public API
@@ -293,94 +271,6 @@ def _tuned_fields(info: DeviceInfo, arch: str, head_dim: int, dtype: str, causal
         return None
     return dict(entry["spec"]) if entry else None
 
-
-class PreparedAttention:
-    """One attention call with its arguments bound: calling it launches the kernel again on the
-    stream current at call time. Reuse it to keep host work off a hot loop (the spec, the
-    compiled kernel, the FlashParams bytes and the tensor maps are built once). ``spec`` is the
-    kernel it runs, ``grid`` its launch grid and ``workspace`` the fp32 buffer of stream_k's split
-    tiles (None without stream_k)."""
-
-    def __init__(self, spec: KernelSpec, q: _View, out, lse_out, param_bytes: bytes, return_lse: bool,
-                 keep_alive: tuple = (), workspace=None):
-        import ctypes
-        self.spec = spec
-        # Device buffers param_bytes points into besides q, k, v, out and lse (fa1's fp32 workspace,
-        # the fp8 descales, among them the unit ones made for left-out arguments): they live as
-        # long as this object.
-        self._keep_alive = tuple(x for x in keep_alive if x is not None)
-        self.workspace = workspace   # stream_k: the split tiles' fp32 slots, then the flags (else None)
-        self.out, self.lse_out, self._return_lse = out, lse_out, return_lse
-        self._q = q
-        self._prepared = _prepare(spec, q.device)
-        batch, seqlen_q, heads_q, _ = q.shape
-        self.grid = grid(spec, batch, heads_q, seqlen_q, self._prepared.resident_ctas)   # launch grid (x, y, z)
-        self._counter = _tile_counter(q.device) if spec.arch == "sm90" and spec.persistent else None
-        # stream_k's flags follow the workspace's slots; zeroed on the first launch's stream, and the
-        # kernel lowers each flag it reads, so every later launch finds them down too
-        first, count = stream_k_flags(spec, self.grid[0])
-        self._flags_to_zero = (_workspace_ptr(workspace) + 4 * first, 4 * count) if count else None
-        self._param_bytes = param_bytes
-        # Kept alive with the object: the driver reads them at each launch.
-        self._param_buffer = ctypes.create_string_buffer(param_bytes, len(param_bytes))
-        self._kernel_params = (ctypes.c_void_p * 1)(ctypes.addressof(self._param_buffer))
-
-    def __call__(self):
-        from cupy.cuda import Device, runtime
-        stream = _current_stream(self._q)
-        with Device(self._q.device):
-            if self._counter is not None:
-                runtime.memsetAsync(self._counter.data.ptr, 0, 4, stream)
-            if self._flags_to_zero is not None:
-                runtime.memsetAsync(self._flags_to_zero[0], 0, self._flags_to_zero[1], stream)
-                self._flags_to_zero = None
-            launch_prepared(self._prepared.function, self.grid, self.spec.threads, self._prepared.smem_bytes,
-                            stream, self._kernel_params)
-        return (self.out, self.lse_out) if self._return_lse else self.out
-
-
-def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
-            out=None, lse_out=None, arch: str | None = None, **spec_fields) -> PreparedAttention:
-    """Check the arguments, pick and compile the kernel, and bind everything for launching;
-    the arguments are those of :func:`attention`."""
-    qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
-    if qv.dtype in FP8_NAMES or "float8" in qv.dtype or any(
-            name in spec_fields for name in ("q_descale", "k_descale", "v_descale")):
-        return _prepare_fp8(qv, kv, vv, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                            out=out, lse_out=lse_out, arch=arch, **spec_fields)
-    _check_inputs(qv, kv, vv)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    batch, seqlen_q, heads_q, head_dim = qv.shape
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
-    spec = resolve_spec(head_dim, DTYPE_NAMES[qv.dtype], causal, qv.device, arch,
-                        shape=(batch, seqlen_q, kv.shape[1], heads_q), **spec_fields)
-
-    if out is None:
-        out = _empty(qv, qv.shape, qv.dtype)
-    outv = _view("out", out)
-    _check_out(outv, qv)
-    if lse_out is None:
-        lse_out = _empty(qv, (batch, heads_q, seqlen_q), "float32")
-    lsev = _view("lse_out", lse_out)
-    _check_lse(lsev, qv)
-
-    counter = _tile_counter(qv.device)
-    # schedule=fa1 (loop_order=kv_outer) keeps O, m, l in an fp32 workspace between K/V blocks: one per
-    # call, (batch*heads_q*seqlen_q*(head_dim+2)) floats, kept alive by the PreparedAttention.
-    n_workspace = workspace_floats(spec, batch, heads_q, seqlen_q, head_dim)
-    workspace = _empty(qv, (n_workspace,), "float32") if n_workspace else None
-    param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
-                              counter.data.ptr, float(softmax_scale),
-                              workspace_ptr=_workspace_ptr(workspace))
-    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, keep_alive=(workspace,))
-
-
-# ------------------------------------------------------------------ fp8 (e4m3, sm90)
 
 def check_fp8_inputs(q: _View, k: _View, v: _View, v_layout: str) -> None:
     """q, k, v of an fp8 call: e4m3, one kind/device, shapes as for 16-bit inputs except V^T
@@ -471,86 +361,209 @@ def transpose_v(v):
     return view
 
 
-def _prepare_fp8(qv: _View, kv: _View, vv: _View, *, causal, softmax_scale, return_lse, out, lse_out, arch,
-                 q_descale=None, k_descale=None, v_descale=None, **spec_fields) -> PreparedAttention:
-    from .launch import Descale
-    if arch is not None and arch != "sm90":
-        raise ValueError(f"arch={arch!r}: dtype=fp8 (e4m3 q, k, v) runs on sm90 (H100/H200) only; use arch='sm90'")
-    v_layout = spec_fields.get("v_layout") or "row"
-    check_fp8_inputs(qv, kv, vv, v_layout)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    out_dtype = spec_fields.get("out_dtype") or "bf16"
-    if out_dtype not in OUT_DTYPE_NAMES:
-        raise ValueError(f"out_dtype must be 'bf16' or 'fp16', got {out_dtype!r}")
-    batch, seqlen_q, heads_q, head_dim = qv.shape
-    _, seqlen_k, heads_kv, _ = kv.shape
+# ------------------------------------------------------------------ resolving a call (once per key)
+
+_FP8_KNOBS = ("q_descale", "k_descale", "v_descale")
+
+
+@dataclass(frozen=True)
+class _Outputs:
+    """What a plan-cache hit needs besides the plan: its results' shapes and types, and the
+    unit descales standing in for fp8 descales left out."""
+    shape: tuple
+    dtype: str                  # numpy-style name: bfloat16, float16
+    lse_shape: tuple
+    library_dtype: object       # the caller's library's dtype object for ``dtype``
+    library_device: object      # torch.device (None for CuPy)
+    unit_descale_ptrs: tuple    # fp8: q, k, v unit descale addresses (0 where the call gave one); () otherwise
+
+
+@dataclass
+class _Call:
+    """One checked call: its plan and the arrays it runs on."""
+    plan: LaunchPlan
+    kind: str
+    device: int
+    out: object
+    lse_out: object | None
+    pointers: tuple          # q, k, v, o, lse (0: the plan's scratch)
+    descales: tuple | None   # fp8: q, k, v descale addresses
+    keep_alive: tuple        # device arrays the addresses point into (unit descales)
+
+
+def _is_fp8_call(qv: _View, spec_fields: dict) -> bool:
+    return qv.dtype in FP8_NAMES or "float8" in qv.dtype or any(name in spec_fields for name in _FP8_KNOBS)
+
+
+def _check_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
+        return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
             or not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
-    descales = {}
-    keep = []
-    for name, value in (("q", q_descale), ("k", k_descale), ("v", v_descale)):
-        arg = f"{name}_descale"
-        if value is not None and _kind(value) == "other":
-            raise TypeError(f"{arg} must be a float32 {qv.kind} tensor on cuda:{qv.device} (a scalar or "
-                            f"(batch, heads_kv)), got {type(value).__name__}")
-        view = _view(arg, value) if value is not None else None
-        strides = check_descale(view, arg, qv, batch, heads_kv)
-        if value is None:
-            value = _unit_descale(qv.device, qv.kind)
-            view = _view(arg, value)
-        keep.append(value)
-        descales[name] = Descale(view.ptr, *strides)
-    spec_fields.update(out_dtype=out_dtype, v_layout=v_layout)
-    spec = resolve_spec(head_dim, "fp8", causal, qv.device, "sm90",
-                        shape=(batch, seqlen_q, seqlen_k, heads_q), **spec_fields)
-    out_name = OUT_DTYPE_NAMES[out_dtype]
+    return float(softmax_scale)
+
+
+def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, arch, spec_fields: dict) -> _Call:
+    """Check every argument, pick and load the kernel, allocate the output (and the LSE where it
+    is wanted) and build the launch plan: the slow half of a call, done once per call key."""
+    from .launch import Descale
+    qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
+    spec_fields = dict(spec_fields)
+    fp8 = _is_fp8_call(qv, spec_fields)
+    descale_values = [spec_fields.pop(name, None) for name in _FP8_KNOBS]
+    if fp8:
+        if arch is not None and arch != "sm90":
+            raise ValueError(f"arch={arch!r}: dtype=fp8 (e4m3 q, k, v) runs on sm90 (H100/H200) only; use arch='sm90'")
+        arch = "sm90"
+        spec_fields.setdefault("v_layout", "row")
+        spec_fields["v_layout"] = spec_fields["v_layout"] or "row"
+        check_fp8_inputs(qv, kv, vv, spec_fields["v_layout"])
+        out_dtype = spec_fields.get("out_dtype") or "bf16"
+        if out_dtype not in OUT_DTYPE_NAMES:
+            raise ValueError(f"out_dtype must be 'bf16' or 'fp16', got {out_dtype!r}")
+        spec_fields["out_dtype"] = out_dtype
+        dtype, out_name = "fp8", OUT_DTYPE_NAMES[out_dtype]
+    else:
+        _check_inputs(qv, kv, vv)
+        dtype, out_name = DTYPE_NAMES[qv.dtype], qv.dtype
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    batch, seqlen_q, heads_q, head_dim = qv.shape
+    seqlen_k, heads_kv = kv.shape[1], kv.shape[2]
+    scale = _check_scale(softmax_scale, head_dim)
+
+    descales, keep, unit_ptrs = {}, [], []
+    if fp8:
+        for name, value in zip(("q", "k", "v"), descale_values):
+            arg = f"{name}_descale"
+            if value is not None and _kind(value) == "other":
+                raise TypeError(f"{arg} must be a float32 {qv.kind} tensor on cuda:{qv.device} (a scalar or "
+                                f"(batch, heads_kv)), got {type(value).__name__}")
+            view = _view(arg, value) if value is not None else None
+            strides = check_descale(view, arg, qv, batch, heads_kv)
+            unit = value is None
+            if unit:
+                value = _unit_descale(qv.device, qv.kind)
+                view = _view(arg, value)
+            unit_ptrs.append(view.ptr if unit else 0)
+            keep.append(value)
+            descales[name] = Descale(view.ptr, *strides)
+
+    spec = resolve_spec(head_dim, dtype, causal, qv.device, arch, shape=(batch, seqlen_q, seqlen_k, heads_q),
+                        **spec_fields)
     if out is None:
         out = _empty(qv, qv.shape, out_name)
     outv = _view("out", out)
-    if outv.kind != qv.kind or outv.dtype != out_name or outv.device != qv.device:
-        raise TypeError(f"out must be a {qv.kind} {out_name} array on cuda:{qv.device} (out_dtype={out_dtype})")
-    if outv.shape != qv.shape:
-        raise ValueError(f"out has shape {outv.shape}, q has {qv.shape}; they must match")
-    _check_layout(outv)
-    if lse_out is None:
+    _check_out(outv, qv, out_name, f" (out_dtype={spec.out_dtype})" if fp8 else "")
+    lsev = None
+    if lse_out is None and want_lse:
         lse_out = _empty(qv, (batch, heads_q, seqlen_q), "float32")
-    lsev = _view("lse_out", lse_out)
-    _check_lse(lsev, qv)
-    counter = _tile_counter(qv.device)
-    workspace = _stream_k_workspace(spec, qv)
-    param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lsev.ptr,
-                              counter.data.ptr, float(softmax_scale), descales=descales,
-                              workspace_ptr=_workspace_ptr(workspace))
-    return PreparedAttention(spec, qv, out, lse_out, param_bytes, return_lse, keep_alive=(*keep, workspace),
-                             workspace=workspace)
+    if lse_out is not None:
+        lsev = _view("lse_out", lse_out)
+        _check_lse(lsev, qv)
+
+    prepared = _prepare(spec, qv.device)
+    launch_grid = grid(spec, batch, heads_q, seqlen_q, prepared.resident_ctas)
+    lse_ptr = lsev.ptr if lsev is not None else 0
+    param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lse_ptr, 0, scale,
+                              descales=descales or None)
+    workspace = workspace_floats(spec, batch, heads_q, seqlen_q, head_dim) or \
+        stream_k_workspace_floats(spec, prepared.resident_ctas)
+    torch = _torch() if qv.kind == "torch" else None
+    outputs = _Outputs(qv.shape, out_name, (batch, heads_q, seqlen_q),
+                       getattr(torch, out_name) if torch else out_name, q.device if torch else None, tuple(unit_ptrs))
+    plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes,
+                      tensor_maps=map_operands(spec) if spec.arch == "sm90" else {},
+                      lse_floats=batch * heads_q * seqlen_q, workspace_floats=workspace,
+                      stream_k_flags=stream_k_flags(spec, launch_grid[0]),
+                      zero_counter=spec.arch == "sm90" and spec.persistent,
+                      switch_context=qv.device != _current_device(qv.kind),
+                      allocate=functools.partial(_allocate, qv.kind, qv.device), outputs=outputs)
+    descale_ptrs = tuple(descales[n].ptr for n in ("q", "k", "v")) if fp8 else None
+    return _Call(plan, qv.kind, qv.device, out, lse_out, (qv.ptr, kv.ptr, vv.ptr, outv.ptr, lse_ptr),
+                 descale_ptrs, tuple(keep))
 
 
-def _workspace_ptr(workspace) -> int:
-    """The device address of a call's fp32 workspace (fa1's or stream_k's), 0 for none."""
-    return _view("workspace", workspace).ptr if workspace is not None else 0
+def _launch(call: _Call) -> None:
+    call.plan.launch(_current_stream(call.kind, call.device), *call.pointers, descales=call.descales)
 
 
-def _stream_k_workspace(spec: KernelSpec, like: _View):
-    """stream_k: the split tiles' fp32 workspace of this call, sized for the persistent grid (its
-    flags are zeroed on the first launch: PreparedAttention); None if unused."""
-    floats = stream_k_workspace_floats(spec, _prepare(spec, like.device).resident_ctas)
-    return _empty(like, (floats,), "float32") if floats else None
+# ------------------------------------------------------------------ the prepared path
+
+class PreparedAttention:
+    """One attention call with its arguments bound: calling it launches the kernel again on the
+    stream current at call time. ``spec`` is the kernel it runs and ``grid`` its launch grid;
+    ``out`` and ``lse_out`` the arrays it writes."""
+
+    def __init__(self, call: _Call, return_lse: bool):
+        self._call = call
+        self._return_lse = return_lse
+        self.spec = call.plan.spec
+        self.grid = call.plan.grid
+        self.out, self.lse_out = call.out, call.lse_out
+
+    def __call__(self):
+        _launch(self._call)
+        return (self.out, self.lse_out) if self._return_lse else self.out
+
+    @property
+    def workspace(self):
+        """The fp32 workspace (fa1's O, m, l; stream_k's split tiles, then its flags) this call
+        uses on the current stream, or None: a float32 view of the plan's scratch."""
+        call = self._call
+        scratch = call.plan.scratch(_current_stream(call.kind, call.device))
+        start, nbytes = call.plan.workspace_range()
+        if not nbytes:
+            return None
+        raw = scratch.holder[start:start + nbytes]
+        return raw.view(getattr(_torch(), "float32") if call.kind == "torch" else "float32")
+
+    @property
+    def _param_bytes(self) -> bytes:
+        return self._call.plan.param_bytes()
+
+
+def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
+            out=None, lse_out=None, arch: str | None = None, **spec_fields) -> PreparedAttention:
+    """Check the arguments, pick and compile the kernel, and bind everything for launching;
+    the arguments are those of :func:`attention`. Calling the result launches again on the
+    current stream with the same arrays."""
+    call = _resolve(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse_out=lse_out,
+                    want_lse=bool(return_lse), arch=arch, spec_fields=spec_fields)
+    return PreparedAttention(call, bool(return_lse))
+
+
+# ------------------------------------------------------------------ the public call
+
+_PLANS = PlanCache()
+CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
-              out=None, lse_out=None, arch: str | None = None, **spec_fields):
+              out=None, lse_out=None, arch: str | None = None, causal_alignment: str = "bottom_right",
+              **spec_fields):
     """Attention forward, O = softmax(scale * Q K^T [+ causal mask]) V.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
     bf16 CuPy arrays or torch CUDA tensors (any batch/seq/head strides, contiguous head_dim;
-    heads_kv divides heads_q). Causal masking is bottom-right aligned. Returns O in q's dtype (and
-    the float32 natural-log LSE of shape (batch, heads_q, seqlen_q) when ``return_lse``), in the
-    caller's library, computed on its current stream. Spec fields (block_n=..., stages=...) may be
-    given to override the defaults; ``out``/``lse_out`` receive the results in place.
+    heads_kv divides heads_q). Returns O in q's dtype (and the float32 natural-log LSE of shape
+    (batch, heads_q, seqlen_q) when ``return_lse``), in the caller's library, computed on its
+    current stream. ``out``/``lse_out`` receive the results in place. Spec fields (block_n=...,
+    stages=...) may be given to override the defaults.
+
+    Causal masking is aligned to the bottom-right corner of the score matrix by default
+    (FlashAttention's convention: the last query row sees every key); ``causal_alignment=
+    "top_left"`` aligns it to the top-left corner (torch SDPA's is_causal: query row i sees keys
+    0..i). The two differ only when seqlen_q != seqlen_k.
+
+    The first call with given shapes, strides, dtypes, device and options checks everything
+    and builds a launch plan (and compiles the kernel if the compile cache has none); later
+    calls with the same key look the plan up and launch (a few microseconds of host time).
+
+    On torch tensors under ``torch.compile``/``torch.export``, or with tensors that require grad,
+    the call goes through the ``facodegen::attention`` custom op (facodegen.torch_op). There is
+    no backward yet: a call that would record a gradient raises.
 
     FP8 (sm90): q, k, v as torch.float8_e4m3fn; ``q_descale``/``k_descale``/``v_descale`` float32
     device tensors, each a scalar or (batch, heads_kv) (default 1); the scores are
@@ -558,9 +571,145 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     ``v_layout="transposed"`` takes V^T (batch, heads_kv, head_dim, seqlen_k), keys contiguous, head_dim
     stride a multiple of 16 (see facodegen.quantize for bf16 -> e4m3).
     """
-    return prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
-                   lse_out=lse_out, arch=arch, **spec_fields)()
+    if causal_alignment != "bottom_right":
+        if causal_alignment not in CAUSAL_ALIGNMENTS:
+            raise ValueError(f"causal_alignment must be 'bottom_right' or 'top_left', got {causal_alignment!r}")
+        if causal is True and q.shape[1] != k.shape[1]:
+            return _top_left(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
+                             lse_out=lse_out, arch=arch, **spec_fields)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(q, torch.Tensor):
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad)):
+            from . import torch_op
+            return torch_op.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                                      out=out, lse_out=lse_out, arch=arch, **spec_fields)
+        return _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields)
+    return _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields)
 
+
+def _split_knobs(spec_fields: dict) -> tuple[tuple, tuple]:
+    """(the knobs as a sorted tuple, the fp8 descale arrays): the parts of the key kwargs make."""
+    knobs = tuple(sorted((n, x) for n, x in spec_fields.items() if n not in _FP8_KNOBS))
+    return knobs, tuple(spec_fields.get(n) for n in _FP8_KNOBS)
+
+
+def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields):
+    """attention() on torch tensors, eager: a plan-cache hit launches at once; anything unusual
+    (a miss, a misaligned view, an unhashable knob) takes the checked path."""
+    device = q.get_device()
+    if device >= 0:
+        knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), (None, None, None))
+        key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+               v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
+               causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch, knobs,
+               None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
+               None if lse_out is None else (lse_out.dtype, lse_out.shape, lse_out.stride(), lse_out.get_device()),
+               tuple(None if d is None else (d.dtype, d.shape, d.stride(), d.get_device()) for d in descales),
+               tunedb.generation())
+        try:
+            plan = _PLANS.get(key)
+        except TypeError:   # an unhashable knob value: the checked path says what is wrong with it
+            plan = key = None
+        if plan is not None:
+            made = plan.outputs
+            if out is None:
+                out = torch.empty(made.shape, dtype=made.library_dtype, device=made.library_device)
+            if lse_out is None and return_lse:
+                lse_out = torch.empty(made.lse_shape, dtype=torch.float32, device=made.library_device)
+            qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+            if not (qp | kp | vp | op) & 15:
+                plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                            0 if lse_out is None else lse_out.data_ptr(),
+                            None if not made.unit_descale_ptrs else tuple(
+                                p if d is None else d.data_ptr() for d, p in zip(descales, made.unit_descale_ptrs)))
+                return (out, lse_out) if return_lse else out
+    else:
+        key = None
+    return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields)
+
+
+def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields):
+    """attention() on CuPy arrays (and the errors for anything else)."""
+    cupy = sys.modules.get("cupy")
+    key = None
+    if cupy is not None and isinstance(q, cupy.ndarray):
+        knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), (None, None, None))
+        meta = lambda x: None if x is None else (x.dtype, x.shape, x.strides, x.device.id)  # noqa: E731
+        key = ("cupy", meta(q), meta(k), meta(v), cupy.cuda.runtime.getDevice(), causal.__class__, causal,
+               softmax_scale.__class__, softmax_scale, return_lse, arch, knobs, meta(out), meta(lse_out),
+               tuple(meta(d) if isinstance(d, cupy.ndarray) else d for d in descales), tunedb.generation())
+        try:
+            plan = _PLANS.get(key)
+        except TypeError:
+            plan = key = None
+        if plan is not None and all(isinstance(d, (cupy.ndarray, type(None))) for d in descales):
+            made = plan.outputs
+            with cupy.cuda.Device(q.device.id):
+                if out is None:
+                    out = cupy.empty(made.shape, dtype=made.dtype)
+                if lse_out is None and return_lse:
+                    lse_out = cupy.empty(made.lse_shape, dtype=cupy.float32)
+                qp, kp, vp, op = q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr
+                if not (qp | kp | vp | op) & 15:
+                    plan.launch(cupy.cuda.get_current_stream().ptr, qp, kp, vp, op,
+                                0 if lse_out is None else lse_out.data.ptr,
+                                None if not made.unit_descale_ptrs else tuple(
+                                    p if d is None else d.data.ptr for d, p in zip(descales, made.unit_descale_ptrs)))
+                    return (out, lse_out) if return_lse else out
+    return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields)
+
+
+def _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields):
+    """The checked path: resolve the call (raising on bad input), remember its plan under
+    ``key`` (None: not cacheable) and launch it."""
+    call = _resolve(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse_out=lse_out,
+                    want_lse=bool(return_lse), arch=arch, spec_fields=spec_fields)
+    if key is not None:
+        _PLANS.put(key, call.plan)
+    _launch(call)
+    return (call.out, call.lse_out) if return_lse else call.out
+
+
+def _top_left(q, k, v, *, softmax_scale, return_lse, out, lse_out, arch, **spec_fields):
+    """Causal attention aligned top-left when seqlen_q != seqlen_k, from bottom-right launches on
+    views. seqlen_q < seqlen_k: row i sees keys 0..i, which is bottom-right causal over the first
+    seqlen_q keys. seqlen_q > seqlen_k: rows 0..seqlen_k-1 are a square causal problem and the
+    rows after it see every key (no mask). The LSE of the two parts is written apart and copied
+    into place (the kernels write a contiguous (batch, heads, rows) LSE)."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    fp8_vt = spec_fields.get("v_layout") == "transposed"
+    if seqlen_q < seqlen_k:
+        v_part = v[..., :seqlen_q] if fp8_vt else v[:, :seqlen_q]
+        return attention(q, k[:, :seqlen_q], v_part, causal=True, softmax_scale=softmax_scale,
+                         return_lse=return_lse, out=out, lse_out=lse_out, arch=arch, **spec_fields)
+    head = attention(q[:, :seqlen_k], k, v, causal=True, softmax_scale=softmax_scale, return_lse=True, arch=arch,
+                     **spec_fields)
+    out_head, lse_head = head
+    if out is None:
+        out = _like_empty(out_head, (q.shape[0], seqlen_q) + tuple(out_head.shape[2:]))
+    out[:, :seqlen_k] = out_head
+    tail = attention(q[:, seqlen_k:], k, v, causal=False, softmax_scale=softmax_scale, return_lse=True,
+                     out=out[:, seqlen_k:], arch=arch, **spec_fields)
+    if not return_lse and lse_out is None:
+        return out
+    if lse_out is None:
+        lse_out = _like_empty(lse_head, (q.shape[0], q.shape[2], seqlen_q))
+    lse_out[..., :seqlen_k] = lse_head
+    lse_out[..., seqlen_k:] = tail[1]
+    return (out, lse_out) if return_lse else out
+
+
+def _like_empty(x, shape):
+    """An uninitialised array of ``x``'s library, dtype and device."""
+    if _kind(x) == "torch":
+        return _torch().empty(shape, dtype=x.dtype, device=x.device)
+    cupy = _cupy()
+    with cupy.cuda.Device(x.device.id):
+        return cupy.empty(shape, dtype=x.dtype)
+
+
+# ------------------------------------------------------------------ arrays, streams, devices
 
 def _empty(like: _View, shape, dtype: str):
     if like.kind == "torch":
@@ -571,7 +720,27 @@ def _empty(like: _View, shape, dtype: str):
         return cupy.empty(shape, dtype=dtype)
 
 
-def _current_stream(like: _View) -> int:
-    if like.kind == "torch":
-        return _torch().cuda.current_stream(like.device).cuda_stream
-    return _cupy().cuda.get_current_stream().ptr
+def _allocate(kind: str, device: int, nbytes: int) -> tuple[object, int]:
+    """``nbytes`` of device memory in the caller's library: (the array, its address)."""
+    if kind == "torch":
+        torch = _torch()
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+        return buffer, buffer.data_ptr()
+    cupy = _cupy()
+    with cupy.cuda.Device(device):
+        buffer = cupy.empty(nbytes, dtype=cupy.uint8)
+    return buffer, buffer.data.ptr
+
+
+def _current_stream(kind: str, device: int) -> int:
+    if kind == "torch":
+        return _torch()._C._cuda_getCurrentRawStream(device)
+    cupy = _cupy()
+    with cupy.cuda.Device(device):
+        return cupy.cuda.get_current_stream().ptr
+
+
+def _current_device(kind: str) -> int:
+    if kind == "torch":
+        return _torch().cuda.current_device()
+    return _cupy().cuda.runtime.getDevice()

@@ -1,4 +1,5 @@
-"""Launch a compiled kernel: grid geometry, FlashParams bytes, cuLaunchKernel on a stream.
+"""What a launch needs besides the kernel: grid geometry, FlashParams bytes, occupancy (plan.py and
+driver.py launch).
 
 Nothing here checks user input (api.py does that before anything reaches this module);
 what arrives is a resolved KernelSpec and raw device pointers, shapes and strides.
@@ -142,13 +143,3 @@ def max_active_clusters(function, threads: int, smem_bytes: int, cluster_size: i
         raise RuntimeError(f"cuOccupancyMaxActiveClusters failed (CUresult {err}, {count.value} clusters) for a "
                            f"cluster of {cluster_size} CTAs of {threads} threads and {smem_bytes} bytes of shared memory")
     return count.value
-
-
-def launch_prepared(function, grid_dims: tuple[int, int, int], threads: int, smem_bytes: int,
-                    stream_ptr: int, kernel_params) -> None:
-    """cuLaunchKernel with FlashParams as the single by-value argument; ``kernel_params`` is a
-    ctypes ``void*[1]`` pointing at the packed bytes (the driver copies them at launch)."""
-    from cupy_backends.cuda.api import driver
-
-    driver.launchKernel(function.ptr, grid_dims[0], grid_dims[1], grid_dims[2], threads, 1, 1,
-                        smem_bytes, stream_ptr, ctypes.addressof(kernel_params), 0)

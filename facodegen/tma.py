@@ -137,26 +137,13 @@ def tiled_args(ptr: int, dtype: str, shape_bshd, strides_elems, box_rows: int, b
                      box=(box_cols, box_rows, 1, 1), swizzle_code=SWIZZLE_CODES[swizzle])
 
 
-_LIBCUDA = None
 _ENCODE = None
 
 
 def libcuda() -> ctypes.CDLL:
-    """libcuda.so.1 (the driver API, for what CuPy does not wrap), loaded and cuInit'ed once."""
-    global _LIBCUDA
-    if _LIBCUDA is None:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as err:
-            raise RuntimeError("facodegen.tma: libcuda.so.1 (the NVIDIA driver) is not available on this "
-                               "machine; TMA tensor maps can only be encoded where a GPU driver is installed") from err
-        lib.cuInit.argtypes = [ctypes.c_uint]
-        lib.cuInit.restype = ctypes.c_int
-        init = lib.cuInit(0)
-        if init != 0:
-            raise RuntimeError(f"facodegen.tma: cuInit failed with CUresult {init}")
-        _LIBCUDA = lib
-    return _LIBCUDA
+    """libcuda.so.1 (facodegen.driver loads it and runs cuInit once)."""
+    from .driver import lib
+    return lib()
 
 
 def _driver_encode():
@@ -310,6 +297,12 @@ def _fp8_map_args(spec, q_ptr, k_ptr, v_ptr, batch, seqlen_q, seqlen_k, heads_q,
             raise ValueError(f"v: {err}") from None
     out["tma_o"] = out["tma_q"]
     return out
+
+
+def map_operands(spec) -> dict[str, str]:
+    """Which operand's address each FlashParams map holds (fp8's tma_o is Q's map: O is stored
+    from registers), so a launch can move a map to the call's tensor."""
+    return {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_o": "q" if spec.dtype == "fp8" else "o"}
 
 
 def tensor_maps(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch: int, seqlen_q: int, seqlen_k: int,

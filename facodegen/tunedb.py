@@ -200,6 +200,46 @@ def cached_entries(path: Path) -> dict:
     return entries
 
 
+# The plan cache (api.py) keys every call on ``generation()``: a write from this process moves it
+# at once (update()), another process's within RECHECK_S (one stat per interval, not per call).
+RECHECK_S = 1.0
+_generation = 0
+_checked_at = float("-inf")
+_seen_stamp = None
+
+
+def _stamp(path: Path | None):
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def generation() -> int:
+    """A number that changes whenever the database may have changed (see RECHECK_S)."""
+    global _generation, _checked_at, _seen_stamp
+    now = time.monotonic()
+    if now - _checked_at >= RECHECK_S:
+        _checked_at = now
+        stamp = (default_path(), _stamp(default_path()))
+        if stamp != _seen_stamp:
+            _seen_stamp = stamp
+            _generation += 1
+    return _generation
+
+
+def reload() -> None:
+    """Forget what was read: the next lookup reads the file again and every launch plan resolved
+    with the old entries is resolved anew."""
+    global _generation, _checked_at
+    _cache.clear()
+    _generation += 1
+    _checked_at = float("-inf")
+
+
 def lookup(key: TuneKey, path=None) -> dict | None:
     """The entry for ``key`` or None. Cheap on the hot path (one stat while the file is unchanged)."""
     path = resolve_path(path)
@@ -299,7 +339,7 @@ def update(new_entries: dict, path=None) -> dict:
                 old = parsed
         merged, counts = merge(old, new_entries)
         atomic_write(path, dumps(merged).encode())
-    _cache.pop(path, None)
+    reload()
     return counts
 
 

@@ -351,13 +351,12 @@ def test_fp8_prepare_packs_params(monkeypatch, v_layout):
 
     from facodegen import api
 
-    fake_torch = types.SimpleNamespace(Tensor=_FakeTensor)
+    fake_torch = types.SimpleNamespace(Tensor=_FakeTensor, bfloat16="torch.bfloat16")
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
     monkeypatch.setattr(api, "device_info", lambda ordinal: info)
     monkeypatch.setattr(api, "_prepare", lambda spec, device: api._Prepared(None, spec.smem_bytes, 132))
-    counter = types.SimpleNamespace(data=types.SimpleNamespace(ptr=4096))
-    monkeypatch.setattr(api, "_tile_counter", lambda device: counter)
+    monkeypatch.setattr(api, "_current_device", lambda kind: 0)
     monkeypatch.setattr(api, "_tuned_fields", lambda *a, **k: None)
     encoded = {}
     monkeypatch.setattr(tma, "encode", lambda a: encoded.setdefault(len(encoded), a) and bytes(128))

@@ -1,0 +1,189 @@
+"""Launch plans: what one attention call needs that stays fixed while its shapes, strides, dtypes,
+device and options stay fixed, resolved once and reused by every later call with the same key.
+
+A plan holds the spec, the loaded kernel, the grid and an image of the kernel's one argument
+(FlashParams). A launch writes the call's pointers into the image, points the TMA maps at the
+call's tensors where they moved (cuTensorMapReplaceAddress: the shape, strides and box stay),
+and launches: a few microseconds of host time, against ~0.4 ms to resolve a call from scratch.
+
+Scratch memory the kernel needs besides the caller's tensors (the tile scheduler's counter, an
+LSE nobody asked for, fa1's and stream_k's fp32 workspace) lives per (plan, stream): launches on
+one stream run in order, so they can share it; launches on two streams never do.
+
+``PlanCache`` maps call keys (api.py builds them) to plans: bounded, oldest out first, safe to
+use from several threads (reads are dict lookups; inserts and each plan's image take a lock).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from . import driver
+from . import params as params_mod
+
+MAX_PLANS = 1024
+MAX_STREAMS_PER_PLAN = 16
+_ALIGN = 16
+
+# FlashParams' pointer fields that change per call sit together at the start of the struct
+# (params.COMMON_FIELDS); the fp8 descales together after the maps. Checked at import.
+_CALL_POINTERS = ("q", "k", "v", "o", "lse", "tile_counter", "workspace")
+_DESCALES = ("q_descale", "k_descale", "v_descale")
+_PACK_CALL = struct.Struct("<7Q")
+_PACK_DESCALES = struct.Struct("<3Q")
+_OPERANDS = ("q", "k", "v", "o")
+
+
+def _offsets(arch: str, dtype: str) -> dict[str, int]:
+    placed, _, _ = params_mod.layout(arch, dtype)
+    return {f.name: off for f, off in placed}
+
+
+def _check_layout() -> None:
+    for arch, dtype in (("sm80", "bf16"), ("sm90", "bf16"), ("sm90", "fp8")):
+        off = _offsets(arch, dtype)
+        assert [off[n] for n in _CALL_POINTERS] == [8 * i for i in range(7)], "FlashParams pointer order changed"
+        if dtype == "fp8":
+            first = off[_DESCALES[0]]
+            assert [off[n] for n in _DESCALES] == [first, first + 8, first + 16], "descale order changed"
+
+
+_check_layout()
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass
+class _StreamScratch:
+    holder: object          # the device buffer (the caller's library's array), kept alive here
+    counter: int            # int32 tile counter, zeroed before each launch that uses it
+    lse: int                # float32 LSE for calls that did not ask for it
+    workspace: int          # float32 workspace (fa1, stream_k), 0 if none
+
+
+class LaunchPlan:
+    """One resolved call. ``launch`` takes the call's device pointers and its stream.
+
+    ``allocate(nbytes) -> (holder, ptr)`` makes device memory on the plan's device in the
+    caller's library (torch or CuPy), for the per-stream scratch. ``tensor_maps`` maps each
+    FlashParams TMA field to the operand ("q", "k", "v" or "o") whose address it holds."""
+
+    def __init__(self, spec, function: driver.LoadedFunction, grid: tuple[int, int, int], param_bytes: bytes,
+                 *, tensor_maps: dict[str, str], lse_floats: int, workspace_floats: int,
+                 stream_k_flags: tuple[int, int], zero_counter: bool, switch_context: bool,
+                 allocate: Callable[[int], tuple[object, int]], outputs=None):
+        self.spec = spec
+        self.outputs = outputs      # what the caller needs to allocate a hit's results (api._Outputs)
+        self.function = function
+        self.grid = grid
+        self.threads = spec.threads
+        self.smem_bytes = spec.smem_bytes
+        self._zero_counter = zero_counter
+        self._switch_context = switch_context
+        self._allocate = allocate
+        self._scratch_bytes = (_ALIGN, _round_up(4 * lse_floats), 4 * workspace_floats)
+        self._stream_k_flags = stream_k_flags
+        self._streams: dict[int, _StreamScratch] = {}
+        self._lock = threading.Lock()
+        # The FlashParams image, 64-byte aligned (cuTensorMapReplaceAddress needs the map aligned).
+        size = len(param_bytes)
+        self._storage = bytearray(size + params_mod.TENSOR_MAP_ALIGN)
+        view = (ctypes.c_char * len(self._storage)).from_buffer(self._storage)
+        address = ctypes.addressof(view)
+        self._base = (-address) % params_mod.TENSOR_MAP_ALIGN
+        self._view = view
+        self._storage[self._base:self._base + size] = param_bytes
+        self._argument = (ctypes.c_void_p * 1)(address + self._base)
+        self._kernel_params = ctypes.addressof(self._argument)
+        offsets = _offsets(spec.arch, spec.dtype)
+        self._descale_offset = self._base + offsets[_DESCALES[0]] if spec.dtype == "fp8" else None
+        first = _PACK_CALL.unpack_from(self._storage, self._base)
+        self._maps = [(address + self._base + offsets[name], _OPERANDS.index(operand))
+                      for name, operand in tensor_maps.items()]
+        self._map_ptrs = [first[which] for _, which in self._maps]
+
+    def workspace_range(self) -> tuple[int, int]:
+        """(byte offset, bytes) of the fp32 workspace inside a stream's scratch buffer."""
+        counter_bytes, lse_bytes, workspace_bytes = self._scratch_bytes
+        return counter_bytes + lse_bytes, workspace_bytes
+
+    def scratch(self, stream: int) -> _StreamScratch:
+        """This plan's scratch on ``stream``, made (and its stream_k flags zeroed) on first use."""
+        found = self._streams.get(stream)
+        if found is not None:
+            return found
+        counter_bytes, lse_bytes, workspace_bytes = self._scratch_bytes
+        holder, ptr = self._allocate(counter_bytes + lse_bytes + workspace_bytes)
+        scratch = _StreamScratch(holder, ptr, ptr + counter_bytes,
+                                 ptr + counter_bytes + lse_bytes if workspace_bytes else 0)
+        first, count = self._stream_k_flags
+        if count:   # stream_k's flags start down; the kernel lowers each one it reads
+            driver.memset_d32_async(scratch.workspace + 4 * first, 0, count, stream)
+        with self._lock:
+            if len(self._streams) >= MAX_STREAMS_PER_PLAN:
+                self._streams.pop(next(iter(self._streams)))
+            self._streams[stream] = scratch
+        return scratch
+
+    def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
+               descales: tuple[int, int, int] | None = None) -> None:
+        """Launch on ``stream`` with these device addresses; ``lse`` 0 writes the LSE to scratch."""
+        scratch = self._streams.get(stream) or self.scratch(stream)
+        operands = (q, k, v, o)
+        with self._lock:
+            _PACK_CALL.pack_into(self._storage, self._base, q, k, v, o, lse or scratch.lse, scratch.counter,
+                                 scratch.workspace)
+            if descales is not None:
+                _PACK_DESCALES.pack_into(self._storage, self._descale_offset, *descales)
+            for i, (address, which) in enumerate(self._maps):
+                if self._map_ptrs[i] != operands[which]:
+                    driver.replace_tensor_map_address(address, operands[which])
+                    self._map_ptrs[i] = operands[which]
+            if self._switch_context:
+                with driver.on_device(self.function.device):
+                    self._enqueue(stream, scratch)
+            else:
+                self._enqueue(stream, scratch)
+
+    def _enqueue(self, stream: int, scratch: _StreamScratch) -> None:
+        if self._zero_counter:
+            driver.memset_d32_async(scratch.counter, 0, 1, stream)
+        driver.launch(self.function, self.grid, self.threads, self.smem_bytes, stream, self._kernel_params)
+
+    def param_bytes(self) -> bytes:
+        """The FlashParams image as the last launch (or the build) left it."""
+        size = len(self._storage) - params_mod.TENSOR_MAP_ALIGN
+        return bytes(self._storage[self._base:self._base + size])
+
+
+class PlanCache:
+    """Call key -> LaunchPlan, at most ``max_plans`` (the oldest goes first)."""
+
+    def __init__(self, max_plans: int = MAX_PLANS):
+        self.max_plans = max_plans
+        self._plans: dict = {}
+        self._lock = threading.Lock()
+        self.misses = 0     # plans built: a call that found none (hits are not counted: hot path)
+
+    def get(self, key):
+        return self._plans.get(key)
+
+    def put(self, key, plan: LaunchPlan) -> None:
+        with self._lock:
+            while len(self._plans) >= self.max_plans:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan
+            self.misses += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)

@@ -1,0 +1,123 @@
+"""facodegen's forward as PyTorch operators, so torch.compile, torch.export and CUDA graphs see it.
+
+    torch.ops.facodegen.attention(q, k, v, causal, softmax_scale, arch, q_descale, k_descale,
+                                  v_descale, knobs) -> (out, lse)
+    torch.ops.facodegen.attention_out(q, k, v, out!, lse!, causal, ...)   -> ()   (writes out, lse)
+
+``facodegen.attention`` calls them on torch tensors while Dynamo traces it, and when an input
+requires grad; an eager call that records no gradient skips the dispatcher and launches
+straight from its plan (api.py), since the op's dispatch costs more than the launch itself.
+The ops are defined with ``torch.library.Library`` (cheaper per call than ``custom_op``) and a
+fake implementation that computes every output's shape from the inputs alone.
+
+``knobs`` carries the spec fields a caller gave (block_n=..., out_dtype=...) as text,
+``name=repr(value)`` joined by commas: an op schema has no dict type.
+
+There is no backward yet: the Autograd kernel raises at the forward when a gradient would be
+recorded, rather than returning an output with no grad_fn.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+
+import torch
+
+from . import api
+
+_LIB = torch.library.Library("facodegen", "DEF")
+_ARGS = ("bool causal, float? softmax_scale, str? arch, Tensor? q_descale, Tensor? k_descale, "
+         "Tensor? v_descale, str knobs")
+_LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tensor)")
+_LIB.define(f"attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, {_ARGS}) -> ()")
+
+_DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def encode_knobs(spec_fields: dict) -> str:
+    for name, value in spec_fields.items():
+        if not isinstance(value, (bool, int, float, str, type(None))):
+            raise TypeError(f"{name}={value!r}: a spec field passed through torch.ops.facodegen must be a bool, "
+                            f"int, float, str or None")
+    return ",".join(f"{name}={value!r}" for name, value in sorted(spec_fields.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def decode_knobs(knobs: str) -> dict:
+    fields = {}
+    for item in filter(None, knobs.split(",")):
+        name, _, text = item.partition("=")
+        fields[name] = ast.literal_eval(text)
+    return fields
+
+
+def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch, **spec_fields):
+    """facodegen.attention through the operators (the arguments are attention()'s)."""
+    descales = [spec_fields.pop(name, None) for name in _DESCALES]
+    knobs = encode_knobs(spec_fields)
+    if out is None and lse_out is None:
+        out, lse = torch.ops.facodegen.attention(q, k, v, causal, softmax_scale, arch, *descales, knobs)
+        return (out, lse) if return_lse else out
+    if out is None:
+        out = q.new_empty(q.shape, dtype=_out_dtype(q, knobs))
+    if lse_out is None:
+        lse_out = q.new_empty(_lse_shape(q), dtype=torch.float32)
+    torch.ops.facodegen.attention_out(q, k, v, out, lse_out, causal, softmax_scale, arch, *descales, knobs)
+    return (out, lse_out) if return_lse else out
+
+
+def _fields(knobs: str, descales) -> dict:
+    fields = dict(decode_knobs(knobs))
+    fields.update({name: d for name, d in zip(_DESCALES, descales) if d is not None})
+    return fields
+
+
+def _out_dtype(q, knobs: str):
+    if q.dtype == torch.float8_e4m3fn:
+        return torch.float16 if decode_knobs(knobs).get("out_dtype") == "fp16" else torch.bfloat16
+    return q.dtype
+
+
+def _lse_shape(q) -> tuple:
+    batch, seqlen_q, heads_q, _ = q.shape
+    return (batch, heads_q, seqlen_q)
+
+
+# ------------------------------------------------------------------ implementations
+
+def _attention_cuda(q, k, v, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs):
+    return api._attention_torch(torch, q, k, v, causal, softmax_scale, True, None, None, arch,
+                                _fields(knobs, (q_descale, k_descale, v_descale)))
+
+
+def _attention_out_cuda(q, k, v, out, lse, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs):
+    api._attention_torch(torch, q, k, v, causal, softmax_scale, True, out, lse, arch,
+                         _fields(knobs, (q_descale, k_descale, v_descale)))
+
+
+def _attention_fake(q, k, v, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs):
+    return q.new_empty(q.shape, dtype=_out_dtype(q, knobs)), q.new_empty(_lse_shape(q), dtype=torch.float32)
+
+
+def _attention_out_fake(q, k, v, out, lse, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs):
+    return None
+
+
+def _no_backward(op):
+    def autograd_kernel(q, k, v, *args):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise NotImplementedError(
+                "facodegen.attention has no backward yet: call it under torch.no_grad() / "
+                "torch.inference_mode(), or on tensors that do not require grad")
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(q, k, v, *args)
+    return autograd_kernel
+
+
+_LIB.impl("attention", _attention_cuda, "CUDA")
+_LIB.impl("attention_out", _attention_out_cuda, "CUDA")
+_LIB.impl("attention", _no_backward(torch.ops.facodegen.attention), "Autograd")
+_LIB.impl("attention_out", _no_backward(torch.ops.facodegen.attention_out), "Autograd")
+torch.library.register_fake("facodegen::attention", _attention_fake, lib=_LIB)
+torch.library.register_fake("facodegen::attention_out", _attention_out_fake, lib=_LIB)

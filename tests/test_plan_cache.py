@@ -1,0 +1,286 @@
+"""The launch-plan cache of facodegen.attention, on the CPU: a fake torch module and a fake driver
+record what each call would launch, so hits, misses and what a hit writes into FlashParams can be
+checked without a GPU. The GPU tests (tests/gpu/test_host_path.py) run the same calls for real."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+import threading
+import types
+
+import pytest
+
+from facodegen import api, driver, params, plan as plan_mod, tma, tunedb
+
+B, SQ, SK, HQ, HKV, D = 2, 100, 77, 8, 2, 128
+
+
+class FakeDevice:
+    def __init__(self, index):
+        self.index = index
+        self.type = "cuda"
+
+    def __str__(self):
+        return f"cuda:{self.index}"
+
+
+class FakeTensor:
+    """Just enough of a torch CUDA tensor for api's fast path and its checked path."""
+    _next = 1 << 30
+
+    def __init__(self, shape, dtype="bfloat16", strides=None, device=0, ptr=None):
+        self.shape = tuple(shape)
+        self.dtype = f"torch.{dtype}"
+        if strides is None:
+            strides, acc = [], 1
+            for n in reversed(self.shape):
+                strides.insert(0, acc)
+                acc *= n
+        self._strides = tuple(strides)
+        self.is_cuda = True
+        self.requires_grad = False
+        self.device = FakeDevice(device)
+        if ptr is None:
+            ptr = FakeTensor._next
+            FakeTensor._next += 1 << 28
+        self._ptr = ptr
+
+    def data_ptr(self):
+        return self._ptr
+
+    def stride(self):
+        return self._strides
+
+    def get_device(self):
+        return self.device.index
+
+    def offset(self, nbytes):
+        """The same tensor seen from ``nbytes`` further on (a view with a storage offset)."""
+        return FakeTensor(self.shape, self.dtype.removeprefix("torch."), self._strides, self.device.index,
+                          self._ptr + nbytes)
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Launches:
+    """The fake driver: each launch's FlashParams bytes, grid and stream, as the kernel would see them."""
+
+    def __init__(self):
+        self.records = []
+        self.map_moves = []
+        self.memsets = []
+        self.switches = []
+
+    def launch(self, function, grid, threads, smem, stream, kernel_params):
+        address = ctypes.c_void_p.from_address(kernel_params).value
+        size = params.layout("sm90", "fp8")[1]      # the largest FlashParams
+        self.records.append({"stream": stream, "grid": grid, "params": ctypes.string_at(address, size)})
+
+    def pointers(self, i=-1):
+        return struct.unpack_from("<7Q", self.records[i]["params"], 0)
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    state = types.SimpleNamespace(device=0, stream=1000)
+    torch = types.ModuleType("torch")
+    torch.Tensor = FakeTensor
+    torch.float32, torch.uint8, torch.bfloat16, torch.float16 = "float32", "uint8", "bfloat16", "float16"
+    torch.ones = lambda shape, dtype, device: FakeTensor(shape, dtype, device=int(str(device).rpartition(":")[2]))
+    torch.compiler = types.SimpleNamespace(is_compiling=lambda: False)
+    torch.is_grad_enabled = lambda: False
+    torch._C = types.SimpleNamespace(_cuda_getDevice=lambda: state.device,
+                                     _cuda_getCurrentRawStream=lambda device: state.stream)
+    torch.cuda = types.SimpleNamespace(current_device=lambda: state.device)
+    torch.empty = lambda shape, dtype, device: FakeTensor(shape if isinstance(shape, tuple) else (shape,), dtype,
+                                                          device=int(str(device).rpartition(":")[2]))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+
+    launches = Launches()
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    monkeypatch.setattr(api, "_prepare", lambda spec, device: api._Prepared(
+        driver.LoadedFunction(1, 1, device), spec.smem_bytes, 132))
+    monkeypatch.setattr(driver, "launch", launches.launch)
+    monkeypatch.setattr(driver, "memset_d32_async", lambda *a: launches.memsets.append(a))
+    monkeypatch.setattr(driver, "on_device", lambda ordinal: launches.switches.append(ordinal) or _Nothing())
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda m, p: launches.map_moves.append(p))
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    monkeypatch.setenv("FACODEGEN_TUNE_DB", str(tmp_path / "tuned.json"))
+    monkeypatch.setattr(api, "_PLANS", plan_mod.PlanCache())
+    tunedb.reload()
+    api._unit_descale.cache_clear()     # the fake torch's unit descales must not outlive the test
+    state.launches = launches
+    yield state
+    api._unit_descale.cache_clear()
+    tunedb.reload()
+
+
+def hits(fake) -> int:
+    """Launches that found their plan: every launch but the ones that built one."""
+    return len(fake.launches.records) - api._PLANS.misses
+
+
+def qkv(hkv=HKV, dtype="bfloat16", q_strides=None):
+    return (FakeTensor((B, SQ, HQ, D), dtype, q_strides), FakeTensor((B, SK, hkv, D), dtype),
+            FakeTensor((B, SK, hkv, D), dtype))
+
+
+def test_second_call_hits_and_writes_its_own_pointers(fake):
+    q, k, v = qkv()
+    api.attention(q, k, v, causal=True)
+    q2, k2, v2 = qkv()
+    out = api.attention(q2, k2, v2, causal=True)
+    assert (api._PLANS.misses, hits(fake)) == (1, 1)
+    qp, kp, vp, op, lse, counter, _ = fake.launches.pointers()
+    assert (qp, kp, vp, op) == (q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), out.data_ptr())
+    assert lse != 0 and counter != 0            # the plan's scratch on this stream
+    # the four TMA maps moved to the new tensors (q, k, v, o), nothing else
+    assert sorted(fake.launches.map_moves) == sorted([q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), op])
+    # the rest of FlashParams is the first call's image: same shapes, same strides, same scale
+    first, second = (r["params"] for r in fake.launches.records)
+    assert first[56:192] == second[56:192]
+
+
+def test_same_tensors_again_move_no_map(fake):
+    q, k, v = qkv()
+    out = FakeTensor(q.shape)
+    api.attention(q, k, v, out=out)
+    api.attention(q, k, v, out=out)
+    assert fake.launches.map_moves == [] and hits(fake) == 1
+
+
+@pytest.mark.parametrize("change", ["stride", "gqa", "dtype", "device", "causal", "scale", "knob", "lse"])
+def test_anything_that_changes_the_launch_misses(fake, change):
+    q, k, v = qkv()
+    api.attention(q, k, v)
+    args, kwargs = qkv(), {}
+    if change == "stride":     # a (b, s, h, d) view of a wider buffer: other row stride, same shape
+        args = (FakeTensor((B, SQ, HQ, D), strides=(SQ * HQ * 2 * D, HQ * 2 * D, D, 1)), *qkv()[1:])
+    elif change == "gqa":
+        args = qkv(hkv=4)
+    elif change == "dtype":
+        args = qkv(dtype="float16")
+    elif change == "device":
+        args = tuple(FakeTensor(t.shape, device=1) for t in qkv())
+    elif change == "causal":
+        kwargs = dict(causal=True)
+    elif change == "scale":
+        kwargs = dict(softmax_scale=0.5)
+    elif change == "knob":
+        kwargs = dict(block_n=64)
+    elif change == "lse":
+        kwargs = dict(return_lse=True)
+    api.attention(*args, **kwargs)
+    assert (api._PLANS.misses, hits(fake)) == (2, 0)
+    # tensors on cuda:1 with cuda:0 current: the launch makes cuda:1's context current around it
+    assert fake.launches.switches == ([1] if change == "device" else [])
+
+
+def test_a_view_offset_by_8_bytes_is_refused_not_hit(fake):
+    q, k, v = qkv()
+    api.attention(q, k, v)
+    with pytest.raises(ValueError, match="q's data pointer is not 16-byte aligned"):
+        api.attention(q.offset(8), k, v)
+    api.attention(q.offset(16), k, v)         # 16 bytes on is fine, and a hit
+    assert hits(fake) == 1
+
+
+def test_a_wrong_type_is_refused_after_a_hit_too(fake):
+    q, k, v = qkv()
+    api.attention(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        api.attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+        api.attention(q, k, v, causal=True, softmax_scale=True)
+
+
+def test_another_stream_gets_its_own_scratch(fake):
+    q, k, v = qkv()
+    api.attention(q, k, v, causal=True)
+    counter_a = fake.launches.pointers()[5]
+    fake.stream = 2000
+    api.attention(q, k, v, causal=True)
+    counter_b = fake.launches.pointers()[5]
+    assert hits(fake) == 1 and counter_a != counter_b
+    assert [r["stream"] for r in fake.launches.records] == [1000, 2000]
+    # each launch of a persistent causal kernel zeroes its own stream's counter first
+    assert [(m[0], m[3]) for m in fake.launches.memsets] == [(counter_a, 1000), (counter_b, 2000)]
+
+
+def test_a_tuning_database_write_is_seen_at_once(fake):
+    q, k, v = qkv()
+    api.attention(q, k, v)
+    api.attention(q, k, v)
+    assert hits(fake) == 1
+    info = api.device_info(0)
+    from facodegen import compiler
+    key = tunedb.make_key(info.name, info.compute_capability, compiler.nvrtc_identity(), "sm90", D, "bf16",
+                          False, SQ, SK, B, HQ)
+    tunedb.put(tunedb.make_entry(key, {"block_n": 96, "stages": 2}))
+    api.attention(q, k, v)
+    assert api._PLANS.misses == 2
+    assert api._PLANS.get(next(reversed(api._PLANS._plans))).spec.block_n == 96
+
+
+def test_another_process_write_is_seen_within_the_recheck_interval(fake, monkeypatch, tmp_path):
+    clock = [100.0]
+    monkeypatch.setattr(tunedb.time, "monotonic", lambda: clock[0])
+    tunedb.reload()
+    before = tunedb.generation()
+    (tmp_path / "tuned.json").write_text("{}")      # another process's write
+    assert tunedb.generation() == before             # not looked at within the interval
+    clock[0] += tunedb.RECHECK_S
+    assert tunedb.generation() != before
+
+
+def test_the_cache_is_bounded_oldest_first():
+    cache = plan_mod.PlanCache(max_plans=2)
+    for key in "abc":
+        cache.put(key, key.upper())
+    assert len(cache) == 2 and cache.get("a") is None and cache.get("c") == "C"
+
+
+def test_threads_launch_their_own_pointers(fake):
+    q, k, v = qkv()
+    api.attention(q, k, v, out=FakeTensor(q.shape))     # the plan the threads will share
+    errors = []
+
+    def worker(seed):
+        for i in range(200):
+            base = (seed * 1000 + i + 1) << 32
+            mine = [FakeTensor(t.shape, ptr=base + j * (1 << 20)) for j, t in enumerate((q, k, v))]
+            out = FakeTensor(q.shape, ptr=base + 3 * (1 << 20))
+            api.attention(*mine, out=out)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in fake.launches.records[1:]:
+        qp, kp, vp, op = struct.unpack_from("<4Q", r["params"], 0)
+        if not (kp - qp == 1 << 20 and vp - qp == 2 << 20 and op - qp == 3 << 20):
+            errors.append((qp, kp, vp, op))
+    assert not errors and hits(fake) == 800
+
+
+def test_fp8_descales_are_written_per_call(fake):
+    descale_at = {f.name: off for f, off in params.layout("sm90", "fp8")[0]}["q_descale"]
+    q, k, v = qkv(dtype="float8_e4m3fn")
+    scalar = lambda: FakeTensor((), "float32")      # noqa: E731
+    api.attention(q, k, v, q_descale=scalar(), k_descale=scalar())          # v_descale left out: 1
+    qd, kd = scalar(), scalar()
+    api.attention(q, k, v, q_descale=qd, k_descale=kd)
+    assert hits(fake) == 1
+    got = struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at)
+    unit = api._unit_descale(0, "torch").data_ptr()
+    assert got == (qd.data_ptr(), kd.data_ptr(), unit)
