@@ -15,6 +15,12 @@ Method (the same as /work/shared/peers/h200-2026-11-29.md, so numbers compare):
 * Every implementation's output is checked against a float64 reference on a slice (batch 0, q heads
   0 and 1) before it is timed; a failing, missing or refusing implementation is reported with the
   reason and not timed.
+* facodegen is timed as users call it, ``facodegen.attention(q, k, v, causal=..., **overrides)``
+  with out allocated per call (column "facodegen-<arch>", the one with the ratio to the best peer),
+  and beside it through a launcher prepared once, ``facodegen.prepare(...)`` then ``run()`` (column
+  "facodegen-<arch> (prepared)": the kernel with the least host work). Both rotate over the same
+  input sets and take turns with the peers; the peers are timed through their public calls.
+* The ``overhead`` suite (run_overhead) times host microseconds per call on a tiny shape instead.
 
 Peers: torch SDPA's FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION and EFFICIENT_ATTENTION
 backends (through (b, h, s, d) transposed views of (b, s, h, d) tensors) and FlashAttention-3
@@ -139,6 +145,26 @@ def is_facodegen(name: str) -> bool:
     return name.startswith("facodegen")
 
 
+# facodegen is timed twice per cell: through the public call (``facodegen.attention``, what users
+# run: the name as given, e.g. "facodegen-sm90") and through a launcher prepared once (the kernel
+# with the least host work: the same name + this suffix), shown beside it, never instead of it.
+PREPARED_SUFFIX = " (prepared)"
+
+
+def prepared_name(name: str) -> str:
+    return name + PREPARED_SUFFIX
+
+
+def is_prepared(name: str) -> bool:
+    return is_facodegen(name) and name.endswith(PREPARED_SUFFIX)
+
+
+def has_ratio(name: str) -> bool:
+    """Whether an implementation gets a ratio to the best peer: facodegen's public call only (the
+    peers are timed through their public calls too, so that is the like-for-like figure)."""
+    return is_facodegen(name) and not is_prepared(name)
+
+
 def best_peer(row: dict) -> tuple[str | None, float | None]:
     """(name, TFLOP/s) of the fastest peer that passed its check, or (None, None)."""
     best = (None, None)
@@ -186,9 +212,10 @@ def _fmt_result(r: dict | None, ceiling: float | None = None) -> str:
 def format_table(rows: list[dict]) -> str:
     """Markdown: one line per cell, TFLOP/s of each implementation (and the fraction of the bf16
     GEMM rate where a row carries ``gemm_tflops``), the best peer and the ratio of each facodegen
-    arch to it ("fail" = ran but failed its check or raised; "–" = not run)."""
+    arch's public call to it; the prepared launcher's column stands beside its public call with no
+    ratio of its own ("fail" = ran but failed its check or raised; "–" = not run)."""
     impls = implementations(rows)
-    ours = [n for n in impls if is_facodegen(n)]
+    ours = [n for n in impls if has_ratio(n)]
     head = ["dtype", "head_dim", "causal", "seqlen", "batch", "heads"]
     head += [n if is_facodegen(n) else PEER_TITLES.get(n, n) for n in impls]
     head += ["best peer"] + [f"{n.removeprefix('facodegen-')}/best" for n in ours]
@@ -491,20 +518,27 @@ def _split_overrides(spec_overrides, arch: str) -> dict:
     return dict(spec_overrides)
 
 
-def _facodegen_fn(arch: str, overrides: dict, s: InputSet, causal: bool):
-    """A zero-argument launcher through ``facodegen.api.prepare`` (argument checks, spec
-    resolution and parameter packing done once). A ``dtype=fp8`` variant on a bf16/fp16 cell
-    quantises the inputs once (per tensor) and is checked against their dequantised values;
-    a ``v_layout=transposed`` variant gets V^T made before timing (api.transpose_v). The 4th
-    element returned is the input set to check against."""
-    torch = _torch()
+def _facodegen_operands(overrides: dict, s: InputSet):
+    """(overrides without dtype, input set to check against, q, k, v) of a facodegen variant: a
+    ``dtype=fp8`` variant on a bf16/fp16 cell quantises the inputs once (per tensor) and is checked
+    against their dequantised values; a ``v_layout=transposed`` variant gets V^T made before timing
+    (api.transpose_v), as a caller who keeps V^T across calls would have it."""
     from . import api
     overrides = dict(overrides)
     if overrides.pop("dtype", None) == "fp8" and not s.fp8:
         s = quantized(s)
-    q, k, v = s.q, s.k, s.v
-    if overrides.get("v_layout") == "transposed":   # the caller keeps V^T: transposed before timing
-        v = api.transpose_v(v)
+    v = api.transpose_v(s.v) if overrides.get("v_layout") == "transposed" else s.v
+    return overrides, s, s.q, s.k, v
+
+
+def _facodegen_fn(arch: str, overrides: dict, s: InputSet, causal: bool):
+    """The prepared path: a zero-argument launcher through ``facodegen.api.prepare`` (argument
+    checks, spec resolution and parameter packing done once, out and lse allocated once), so its
+    time is the kernel's with the least host work. Returns (fn, context, variant, the input set
+    to check against); tune and the scripts time kernels through it too."""
+    torch = _torch()
+    from . import api
+    overrides, s, q, k, v = _facodegen_operands(overrides, s)
     out = torch.empty(q.shape, dtype=torch.bfloat16 if s.fp8 else q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
     launcher = api.prepare(q, k, v, causal=causal, arch=arch, out=out, lse_out=lse, **s.descales, **overrides)
@@ -513,6 +547,39 @@ def _facodegen_fn(arch: str, overrides: dict, s: InputSet, causal: bool):
         launcher()
         return out
     return fn, contextlib.nullcontext, launcher.spec.variant, s
+
+
+def _facodegen_call_fn(arch: str, overrides: dict, s: InputSet, causal: bool):
+    """The public call, as users make it: ``facodegen.attention(q, k, v, causal=..., **overrides)``
+    every time, its argument checks, kernel lookup and out allocation included. Returns (fn,
+    context, variant, the input set to check against) like _facodegen_fn. The variant is read
+    off one ``facodegen.prepare`` of the same arguments, which also makes a refused variant fail
+    here, before anything is timed."""
+    import facodegen
+    overrides, s, q, k, v = _facodegen_operands(overrides, s)
+    kwargs = dict(causal=causal, arch=arch, **s.descales, **overrides)
+    variant = getattr(getattr(facodegen.prepare(q, k, v, **kwargs), "spec", None), "variant", None)
+
+    def fn():
+        return facodegen.attention(q, k, v, **kwargs)
+    return fn, contextlib.nullcontext, variant, s
+
+
+def _facodegen_makers(name: str, arch: str, overrides: dict, causal: bool, prepared: bool = True) -> list:
+    """[(name, make: InputSet -> (fn, context, variant, checked set))] of one facodegen column:
+    the public call under ``name`` and, unless ``prepared`` is False, the prepared launcher beside
+    it under prepared_name(name). Both run over the same rotated input sets and take turns with the
+    peers, so the two differ only by the host work of the public call."""
+    makers = [(name, lambda s: _facodegen_call_fn(arch, overrides, s, causal))]
+    if prepared:
+        makers.append((prepared_name(name), lambda s: _facodegen_fn(arch, overrides, s, causal)))
+    return makers
+
+
+def _facodegen_names(archs, variants: dict | None, prepared: bool) -> list[str]:
+    """The facodegen result names of a cell (for rows of cells that never ran)."""
+    names = list(variants or [facodegen_name(a) for a in archs])
+    return [x for n in names for x in ([n, prepared_name(n)] if prepared else [n])]
 
 
 def _make_inputs(c: dict, n_sets: int) -> list[InputSet]:
@@ -646,12 +713,14 @@ def _time_in_turns(prepared: list, row: dict, c: dict, timing: dict, log) -> Non
 
 
 def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None, check_first: bool = True,
-             timing: dict | None = None, log=print, variants: dict | None = None) -> dict:
+             timing: dict | None = None, log=print, variants: dict | None = None, prepared: bool = True) -> dict:
     """Time facodegen (each arch, or each named variant: {name: "arch:field=value,..."}, names
-    starting with "facodegen") and each peer on one cell, all on the same inputs. Every
-    implementation is built and checked first; then they all take turns group by group
-    (time_cuda_interleaved), so the GPU's clock drift over the cell falls on each alike.
-    ``timing={"interleave": False}`` times them one after the other instead."""
+    starting with "facodegen") and each peer on one cell, all on the same inputs. facodegen is
+    timed through its public call under that name and, unless ``prepared`` is False, through a
+    launcher prepared once beside it (prepared_name). Every implementation is built and checked
+    first; then they all take turns group by group (time_cuda_interleaved), so the GPU's clock
+    drift over the cell falls on each alike. ``timing={"interleave": False}`` times them one after
+    the other instead."""
     torch = _torch()
     timing = dict(timing or {})
     interleave = timing.pop("interleave", True)
@@ -662,15 +731,15 @@ def run_cell(c: dict, archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None,
         n_sets = input_sets_needed(input_bytes(c), l2_bytes())
         input_sets = _make_inputs(c, n_sets)
     except Exception as err:  # noqa: BLE001
-        for arch in archs:
-            row["results"][facodegen_name(arch)] = {"tflops": None, "note": f"inputs failed: {err}"}
+        for name in _facodegen_names(archs, variants, prepared):
+            row["results"][name] = {"tflops": None, "note": f"inputs failed: {err}"}
         return row
     row["input_sets"] = n_sets
     makers = []                       # (name, make: InputSet -> (fn, context factory, ...))
     for name, text in (variants or {facodegen_name(arch): arch + ":" for arch in archs}).items():
         arch, fields = parse_variant(text)
         overrides = {**_split_overrides(spec_overrides, arch), **fields}
-        makers.append((name, (lambda a, o: lambda s: _facodegen_fn(a, o, s, c["causal"]))(arch, overrides)))
+        makers += _facodegen_makers(name, arch, overrides, c["causal"], prepared)
     for name in peers:
         available, note = peer_available(name)
         if not available:
@@ -703,7 +772,7 @@ def _cell_tag(c: dict) -> str:
 
 def run_grid(cells: list[dict], archs=("sm90",), peers=DEFAULT_PEERS, spec_overrides=None,
              budget_s: float | None = None, check_first: bool = True, timing: dict | None = None,
-             log=print, variants: dict | None = None) -> list[dict]:
+             log=print, variants: dict | None = None, prepared: bool = True) -> list[dict]:
     """run_cell over a grid. A cell that raises is reported in its row and the grid goes on;
     once ``budget_s`` seconds have passed, the remaining cells are listed as skipped."""
     if isinstance(archs, str):
@@ -714,16 +783,16 @@ def run_grid(cells: list[dict], archs=("sm90",), peers=DEFAULT_PEERS, spec_overr
         elapsed = time.monotonic() - t0
         if budget_s is not None and elapsed > budget_s:
             row = dict(c, results={n: {"tflops": None, "note": "skipped: time budget spent"}
-                                   for n in (variants or [facodegen_name(a) for a in archs])})
+                                   for n in _facodegen_names(archs, variants, prepared)})
             rows.append(row)
             continue
         log(f"[{i + 1}/{len(cells)}] {_cell_tag(c)}  ({elapsed:.0f} s)")
         try:
-            row = run_cell(c, archs, peers, spec_overrides, check_first, timing, log, variants)
+            row = run_cell(c, archs, peers, spec_overrides, check_first, timing, log, variants, prepared)
         except Exception as err:  # noqa: BLE001
             log("    " + traceback.format_exc().strip().replace("\n", "\n    "))
             row = dict(c, results={n: {"tflops": None, "note": f"cell failed: {err}"}
-                                   for n in (variants or [facodegen_name(a) for a in archs])})
+                                   for n in _facodegen_names(archs, variants, prepared)})
         summary = ", ".join(f"{n} {r['tflops']:.1f}" if r.get("tflops") is not None else f"{n} -"
                             for n, r in row["results"].items())
         log(f"    {summary}")
@@ -733,8 +802,10 @@ def run_grid(cells: list[dict], archs=("sm90",), peers=DEFAULT_PEERS, spec_overr
 
 def run_cli_bench(spec, arch: str | None = None, head_dim: int | None = None, dtype: str | None = None,
                   causal: bool | None = None, seqlen: int = 4096, batch: int = 4, heads: int = 16,
-                  peers=DEFAULT_PEERS, seqlen_k: int | None = None, heads_kv: int | None = None) -> str:
-    """``facodegen bench``: one cell, facodegen against the peers, as a markdown table plus notes.
+                  peers=DEFAULT_PEERS, seqlen_k: int | None = None, heads_kv: int | None = None,
+                  prepared: bool = True) -> str:
+    """``facodegen bench``: one cell, facodegen's public call (and, unless ``prepared`` is False,
+    its prepared launcher beside it) against the peers, as a markdown table plus notes.
 
     ``spec`` is a KernelSpec (its tile fields are passed to the launcher as overrides) or a dict
     of spec overrides, with arch/head_dim/dtype/causal given separately."""
@@ -748,7 +819,7 @@ def run_cli_bench(spec, arch: str | None = None, head_dim: int | None = None, dt
     else:
         overrides = dict(spec or {})
     c = cell(head_dim or 128, bool(causal), seqlen, batch, heads, dtype or "bf16", seqlen_k, heads_kv)
-    row = run_cell(c, (arch or "sm90",), peers, overrides)
+    row = run_cell(c, (arch or "sm90",), peers, overrides, prepared=prepared)
     notes = format_notes([row])
     return format_table([row]) + ("\n\n" + notes if notes else "")
 
@@ -766,6 +837,8 @@ CSV_FIELDS = ("dtype", "head_dim", "causal", "seqlen_q", "seqlen_k", "batch", "h
 def suite_cells(suite: str, dtype: str = "bf16", head_dim: int | None = None,
                 causal: bool | None = None) -> list[dict]:
     """The cells of a suite, optionally only one head_dim and/or one mask."""
+    if suite == OVERHEAD_SUITE:
+        raise ValueError(f"suite: {suite!r} times host microseconds per call (run_overhead), not a grid of cells")
     if suite not in SUITES:
         raise ValueError(f"suite: {suite!r} is not one of {', '.join(SUITES)}")
     cells = SUITES[suite](dtype)
@@ -777,13 +850,14 @@ def suite_cells(suite: str, dtype: str = "bf16", head_dim: int | None = None,
 
 
 def csv_rows(rows: list[dict]) -> list[dict]:
-    """One flat record per (cell, implementation), facodegen's with its ratio to the best peer."""
+    """One flat record per (cell, implementation), facodegen's public call with its ratio to the
+    best peer (the prepared launcher's record has none, as in the table)."""
     out = []
     for row in rows:
         peer, _ = best_peer(row)
         for name, r in row.get("results", {}).items():
             rec = {k: row.get(k) for k in CSV_FIELDS[:8]}
-            ratio = ratio_to_best_peer(row, name) if is_facodegen(name) else None
+            ratio = ratio_to_best_peer(row, name) if has_ratio(name) else None
             rec.update(impl=name, tflops=r.get("tflops"), ms=r.get("ms"), ratio_to_best_peer=ratio,
                        best_peer=peer, err=r.get("err"), variant=r.get("variant"), note=r.get("note"))
             out.append(rec)
@@ -925,3 +999,311 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 GRIDS["evolution"] = evolution_grid
 SUITES["evolution"] = evolution_grid
+
+
+# ----------------------------------------------------------------------------------------------
+# the overhead suite (`facodegen bench --suite overhead`): host microseconds per call
+# ----------------------------------------------------------------------------------------------
+#
+# Where the kernels' suites divide FLOPs by device time, this one asks what a call costs the
+# host: argument checks, kernel lookup, allocation, launch. The shape is tiny, so the GPU's few
+# microseconds per call stay below the host's and the clock on the host measures the host.
+
+OVERHEAD_SUITE = "overhead"
+OVERHEAD_SHAPE = (1, 128, 8, 128)                 # (batch, seqlen, heads, head_dim), q, k and v alike
+OVERHEAD_CASES = (("bf16", True), ("fp16", False), ("fp8", True))   # (dtype, causal); fp8 with descales
+OVERHEAD_OPTIONS = ("plain", "return_lse", "out=")
+OVERHEAD_SDPA = "torch SDPA"                      # the reference of the ratio column
+OVERHEAD_FA3 = "FlashAttention-3"
+OVERHEAD_IMPLS = ("facodegen.attention", "facodegen.attention (CuPy)", "facodegen.prepare()()",
+                  OVERHEAD_SDPA, OVERHEAD_FA3)
+OVERHEAD_PEERS = ("fa3",)                         # optional peers besides SDPA (always timed: the reference)
+# warm-up calls, calls timed per repeat, repeats (medians over these), calls per synchronize for the
+# pure host figure: 100 calls (a few launches each) stay far below the ~1000 launches a stream queues
+# before a launch blocks, so no call of a chunk waits for the GPU.
+OVERHEAD_TIMING = {"warmup": 200, "calls": 2000, "repeats": 5, "chunk": 100}
+OVERHEAD_CSV_FIELDS = ("impl", "dtype", "causal", "options", "host_us", "loop_us", "ratio_to_sdpa", "note")
+
+
+def suite_names() -> tuple[str, ...]:
+    """Every `facodegen bench --suite` name: the TFLOP/s grids (SUITES) and the overhead suite."""
+    return (*SUITES, OVERHEAD_SUITE)
+
+
+def time_host_per_call(fn, synchronize, warmup: int = 200, calls: int = 2000, repeats: int = 5,
+                       chunk: int = 100) -> dict:
+    """Host cost of one call of ``fn`` in microseconds, after ``warmup`` calls, two ways, each the
+    median over ``repeats``:
+
+    * ``loop_us``: ``calls`` back-to-back calls with time.perf_counter() around the loop and one
+      ``synchronize()`` after it, divided by ``calls``: a call's steady-state cost in a loop (the
+      host's as long as the GPU keeps up, else the GPU's).
+    * ``host_us``: the same number of calls in chunks of ``chunk``, a ``synchronize()`` before each
+      chunk and only the chunk's loop on the clock, divided by ``calls``: the pure host time, the GPU
+      never the bottleneck (a chunk never fills the launch queue, so no launch waits for the GPU).
+    """
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    loop, host = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize()
+        loop.append((time.perf_counter() - t0) / calls)
+    chunks = max(1, calls // chunk)
+    for _ in range(repeats):
+        spent = 0.0
+        for _ in range(chunks):
+            synchronize()
+            t0 = time.perf_counter()
+            for _ in range(chunk):
+                fn()
+            spent += time.perf_counter() - t0
+        host.append(spent / (chunks * chunk))
+    synchronize()
+    return {"host_us": statistics.median(host) * 1e6, "loop_us": statistics.median(loop) * 1e6}
+
+
+def overhead_row(impl: str, dtype: str, causal: bool, options: str, host_us: float | None = None,
+                 loop_us: float | None = None, note: str | None = None) -> dict:
+    """One (implementation, case, options) record of the overhead suite."""
+    return {"impl": impl, "dtype": dtype, "causal": bool(causal), "options": options,
+            "host_us": host_us, "loop_us": loop_us, "ratio_to_sdpa": None, "note": note}
+
+
+def _sdpa_host_us(rows: list[dict], row: dict) -> float | None:
+    """SDPA's plain-call host time for the case of ``row``: same mask, same dtype; fp8 rows take
+    SDPA on bf16 (it has no e4m3 path, and bf16 is what the fp8 inputs were quantised from).
+    The options of ``row`` (return_lse, out=) have no SDPA counterpart: their ratio says what the
+    option costs against SDPA's plain call."""
+    dtype = "bf16" if row["dtype"] == "fp8" else row["dtype"]
+    for r in rows:
+        if (r["impl"], r["options"], r["dtype"], r["causal"]) == (OVERHEAD_SDPA, "plain", dtype, row["causal"]):
+            return r["host_us"]
+    return None
+
+
+def with_sdpa_ratios(rows: list[dict]) -> list[dict]:
+    """The rows with ``ratio_to_sdpa`` = host_us / SDPA's (see _sdpa_host_us), where both exist."""
+    out = []
+    for row in rows:
+        ref = _sdpa_host_us(rows, row)
+        ratio = row["host_us"] / ref if row["host_us"] is not None and ref else None
+        out.append(dict(row, ratio_to_sdpa=ratio))
+    return out
+
+
+def _not_run(row: dict) -> bool:
+    """A row that was skipped or whose implementation is unavailable (not a failure)."""
+    return row["host_us"] is None and str(row.get("note") or "").startswith(("skipped", "unavailable"))
+
+
+def format_overhead_table(rows: list[dict]) -> str:
+    """Markdown: one line per (implementation, dtype, mask, options) that ran, with the pure host
+    µs per call, the back-to-back loop's µs per call and the host time's ratio to SDPA's ("fail":
+    it raised). Rows not run (an option or dtype a peer lacks, a peer not installed) stay out of
+    the table; format_overhead_notes gives their reasons."""
+    head = ["implementation", "dtype", "causal", "options", "host µs/call", "loop µs/call", "ratio to SDPA"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if _not_run(r):
+            continue
+        cells = [r["impl"], r["dtype"], "yes" if r["causal"] else "no", r["options"],
+                 "fail" if r["host_us"] is None else f"{r['host_us']:.1f}",
+                 "–" if r["loop_us"] is None else f"{r['loop_us']:.1f}",
+                 "–" if r.get("ratio_to_sdpa") is None else f"{r['ratio_to_sdpa']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_overhead_notes(rows: list[dict]) -> str:
+    """One line per implementation and note (skipped, unavailable, failed, GPU-bound loop) with the
+    rows it applies to: a missing peer is one line, not one per case and option."""
+    groups: dict = {}
+    for r in rows:
+        if r.get("note"):
+            tag = f"{r['dtype']} {'causal' if r['causal'] else 'full'} {r['options']}"
+            groups.setdefault((r["impl"], r["note"]), []).append(tag)
+    return "\n".join(f"- {impl} ({', '.join(tags) if len(tags) <= 3 else f'{len(tags)} rows'}): {note}"
+                     for (impl, note), tags in groups.items())
+
+
+def overhead_csv(rows: list[dict]) -> str:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=OVERHEAD_CSV_FIELDS, lineterminator="\n", extrasaction="ignore")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: ("" if r.get(k) is None else (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]))
+                         for k in OVERHEAD_CSV_FIELDS})
+    return buf.getvalue()
+
+
+def write_overhead_results(rows: list[dict], out_dir, stem: str, env: dict | None = None) -> dict:
+    """Write <stem>.md (table + notes), .csv and .json (rows, shape, timing, environment) into
+    ``out_dir`` (no plot: a table of microseconds reads better); returns {"md": path, ...}."""
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    notes = format_overhead_notes(rows)
+    paths = {"md": out / f"{stem}.md", "csv": out / f"{stem}.csv", "json": out / f"{stem}.json"}
+    paths["md"].write_text(format_overhead_table(rows) + ("\n\nNotes:\n" + notes if notes else "") + "\n")
+    paths["csv"].write_text(overhead_csv(rows))
+    paths["json"].write_text(json.dumps({"env": env or {}, "shape": OVERHEAD_SHAPE, "timing": OVERHEAD_TIMING,
+                                         "rows": rows}, indent=1, default=str) + "\n")
+    return paths
+
+
+def _overhead_inputs(dtype: str, causal: bool) -> InputSet:
+    """One input set of the tiny shape (fp8: quantised per tensor from bf16 randn, with descales).
+    One set is enough: the kernel's time is not what is measured."""
+    batch, seqlen, heads, head_dim = OVERHEAD_SHAPE
+    return _make_inputs(cell(head_dim, causal, seqlen, batch, heads, dtype), 1)[0]
+
+
+def _out_like(s: InputSet):
+    """A torch out buffer for an ``out=`` call: q's shape, bf16 for e4m3 inputs (facodegen's default)."""
+    torch = _torch()
+    return torch.empty(s.q.shape, dtype=torch.bfloat16 if s.fp8 else s.q.dtype, device=s.q.device)
+
+
+def _facodegen_kwargs(s: InputSet, causal: bool, options: str, kwargs: dict, out) -> dict:
+    """facodegen's keyword arguments of one overhead row: mask, descales, the CLI's arch and spec
+    fields, then the option (return_lse=True, or out= an array allocated once)."""
+    extra = {"plain": {}, "return_lse": {"return_lse": True}, "out=": {"out": out}}[options]
+    return dict(causal=causal, **s.descales, **kwargs, **extra)
+
+
+def _overhead_attention(s: InputSet, causal: bool, options: str, kwargs: dict):
+    """``facodegen.attention`` on torch tensors, every call from scratch (what users write)."""
+    import facodegen
+    q, k, v = s.q, s.k, s.v
+    call = _facodegen_kwargs(s, causal, options, kwargs, _out_like(s) if options == "out=" else None)
+    return lambda: facodegen.attention(q, k, v, **call)
+
+
+def _overhead_attention_cupy(s: InputSet, causal: bool, options: str, kwargs: dict):
+    """``facodegen.attention`` on CuPy arrays (zero-copy views of the torch tensors). CuPy has neither
+    bfloat16 nor e4m3, so only the fp16 case runs."""
+    if s.fp8 or str(s.q.dtype) != "torch.float16":
+        raise RuntimeError(f"skipped: CuPy has no {'e4m3' if s.fp8 else 'bfloat16'} dtype")
+    import cupy
+
+    import facodegen
+    q, k, v = (cupy.asarray(x) for x in (s.q, s.k, s.v))
+    out = cupy.empty(q.shape, dtype=q.dtype) if options == "out=" else None
+    call = _facodegen_kwargs(s, causal, options, kwargs, out)
+    return lambda: facodegen.attention(q, k, v, **call)
+
+
+def _overhead_prepared(s: InputSet, causal: bool, options: str, kwargs: dict):
+    """``facodegen.prepare(...)`` once, then the prepared call: the least host work per launch."""
+    import facodegen
+    call = _facodegen_kwargs(s, causal, options, kwargs, _out_like(s) if options == "out=" else None)
+    return facodegen.prepare(s.q, s.k, s.v, **call)
+
+
+def _overhead_sdpa(s: InputSet, causal: bool, options: str, kwargs: dict):
+    """torch SDPA with torch's own backend choice on (b, h, s, d) views made once (no transpose
+    back: the least a caller holding (b, h, s, d) tensors would pay)."""
+    if s.fp8:
+        raise RuntimeError("skipped: SDPA has no e4m3 path")
+    if options != "plain":
+        raise RuntimeError(f"skipped: SDPA has no {'LSE output' if options == 'return_lse' else 'out= argument'}")
+    import torch.nn.functional as F
+    qt, kt, vt = (x.transpose(1, 2) for x in (s.q, s.k, s.v))
+    return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+
+def _overhead_fa3(s: InputSet, causal: bool, options: str, kwargs: dict):
+    """FlashAttention-3's ``flash_attn_func`` ((b, s, h, d), fp8 with (batch, heads_kv) descales)."""
+    import inspect
+
+    mod, err = _fa3_module()
+    if mod is None:
+        raise RuntimeError(f"unavailable: flash_attn_interface not importable ({err})")
+    if options == "out=":
+        raise RuntimeError("skipped: flash_attn_func takes no out=")
+    extra = {}
+    if options == "return_lse":
+        try:
+            takes_probs = "return_attn_probs" in inspect.signature(mod.flash_attn_func).parameters
+        except (TypeError, ValueError):
+            takes_probs = False
+        if not takes_probs:
+            raise RuntimeError("skipped: this flash_attn_func has no return_attn_probs (LSE) switch")
+        extra["return_attn_probs"] = True
+    q, k, v = s.q, s.k, s.v
+    descales = {n: t.reshape(1, 1).expand(k.shape[0], k.shape[2]).contiguous() for n, t in s.descales.items()}
+    return lambda: mod.flash_attn_func(q, k, v, causal=causal, **descales, **extra)
+
+
+OVERHEAD_BUILDERS = {
+    "facodegen.attention": _overhead_attention,
+    "facodegen.attention (CuPy)": _overhead_attention_cupy,
+    "facodegen.prepare()()": _overhead_prepared,
+    OVERHEAD_SDPA: _overhead_sdpa,
+    OVERHEAD_FA3: _overhead_fa3,
+}
+
+
+def _overhead_impls(peers) -> list[str]:
+    """The implementations timed: facodegen's three ways and SDPA always, FlashAttention-3 if asked."""
+    return [n for n in OVERHEAD_IMPLS if n != OVERHEAD_FA3 or "fa3" in peers]
+
+
+def _time_overhead_row(impl: str, s: InputSet, causal: bool, options: str, kwargs: dict, dtype: str,
+                       timing: dict, timer, log) -> dict:
+    """Build one implementation for one case and options, call it once (compiles, or raises before
+    any timing), then time it. A refusal ("skipped: ...", "unavailable: ...") or a failure becomes
+    the row's note, and the suite goes on."""
+    torch = _torch()
+    row = overhead_row(impl, dtype, causal, options)
+    try:
+        fn = OVERHEAD_BUILDERS[impl](s, causal, options, kwargs)
+        fn()
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        row["note"] = msg if msg.startswith(("skipped", "unavailable")) else f"failed: {type(err).__name__}: {msg[:300]}"
+        return row
+    t = timer(fn, torch.cuda.synchronize, **timing)
+    row.update(host_us=t["host_us"], loop_us=t["loop_us"])
+    if t["loop_us"] > 1.25 * t["host_us"]:
+        # back to back, the calls waited for something other than the host (the GPU or a full queue)
+        row["note"] = f"back-to-back loop {t['loop_us']:.1f} µs/call vs {t['host_us']:.1f} host: GPU-bound there"
+    log(f"    {impl} {dtype} {'causal' if causal else 'full'} {options}: {t['host_us']:.1f} µs/call host, "
+        f"{t['loop_us']:.1f} in the loop")
+    return row
+
+
+def run_overhead(arch: str | None = None, overrides: dict | None = None, peers=OVERHEAD_PEERS,
+                 timing: dict | None = None, timer=time_host_per_call, log=print) -> list[dict]:
+    """Host µs per call (time_host_per_call) of facodegen.attention on torch tensors and on CuPy
+    arrays, facodegen.prepare(...)(), torch SDPA and (``"fa3" in peers``, if importable)
+    FlashAttention-3's flash_attn_func, on OVERHEAD_SHAPE for each of OVERHEAD_CASES and
+    OVERHEAD_OPTIONS, one implementation after the other (host time does not drift with the GPU's
+    clock), with each row's ratio to SDPA's plain call (with_sdpa_ratios). ``arch`` and
+    ``overrides`` (spec fields) are passed to facodegen's calls when given."""
+    timing = {**OVERHEAD_TIMING, **(timing or {})}
+    kwargs = {**({"arch": arch} if arch else {}), **(overrides or {})}
+    impls = _overhead_impls(peers)
+    rows = []
+    for dtype, causal in OVERHEAD_CASES:
+        try:
+            s = _overhead_inputs(dtype, causal)
+        except Exception as err:  # noqa: BLE001 (e.g. no e4m3 in this torch: the other cases still run)
+            rows += [overhead_row(i, dtype, causal, o, note=f"skipped: inputs failed: {type(err).__name__}: {err}")
+                     for o in OVERHEAD_OPTIONS for i in impls]
+            continue
+        for options in OVERHEAD_OPTIONS:
+            for impl in impls:
+                rows.append(_time_overhead_row(impl, s, causal, options, kwargs, dtype, timing, timer, log))
+        del s
+    return with_sdpa_ratios(rows)

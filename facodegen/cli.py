@@ -402,7 +402,7 @@ def _check_fp8(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv, seed) -> d
             "O": msg_o, "LSE": msg_l, "passed": ok_o and ok_l}
 
 
-SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8")   # facodegen.bench.SUITES (kept import-light here)
+SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8", "overhead")   # facodegen.bench.suite_names() (kept import-light here)
 
 
 @main.command()
@@ -417,7 +417,12 @@ SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8")   # facodegen.b
                              "torch.compile'd) when asked.")
 @click.option("--suite", type=click.Choice(SUITE_NAMES),
               help="Time a whole grid: fa3-paper (the FlashAttention-3 paper's: head_dim 64/128/256, causal "
-                   "and not, seqlen 512-16k, 16k tokens, hidden 2048), quick (6 of its cells) or sm80.")
+                   "and not, seqlen 512-16k, 16k tokens, hidden 2048), quick (6 of its cells), sm80, evolution "
+                   "or fp8; or overhead: host microseconds per call on a tiny shape (1, 128, 8, 128) of "
+                   "facodegen.attention (torch, CuPy), facodegen.prepare()(), torch SDPA and FlashAttention-3.")
+@click.option("--no-prepared", is_flag=True,
+              help="Time only facodegen's public call (facodegen.attention), not also the launcher prepared "
+                   "once (facodegen.prepare) beside it.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="--suite: folder for bench-<suite>-<dtype>.{md,csv,json,png}.")
 @click.option("--budget-s", type=float, help="--suite: stop timing new cells after this many seconds.")
@@ -425,8 +430,13 @@ SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8")   # facodegen.b
 @click.option("--replot", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="Redraw the table, CSV and PNG of a --suite JSON into --out (no GPU; e.g. where the GPU "
                    "machine had no matplotlib).")
-def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, out_dir, budget_s, no_plot, replot):
+def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, no_prepared, out_dir, budget_s,
+          no_plot, replot):
     """Time a kernel (CUDA events) against its peers and print a table (GPU).
+
+    facodegen is timed as users call it, facodegen.attention(q, k, v, ...) with out allocated per
+    call (the column with the ratio to the best peer), and, in the column beside it, through a
+    launcher prepared once (facodegen.prepare, then run()); --no-prepared drops the second.
 
     With --suite, time facodegen and every importable peer (FlashAttention-3 from
     flash_attn_interface, torch SDPA's flash / cuDNN / mem-efficient backends) over a grid, each
@@ -441,13 +451,14 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, o
       facodegen bench --arch sm80 --head-dim 64 --causal --peers fa2
       facodegen bench --suite fa3-paper --dtype bf16 --arch both --out results/
       facodegen bench --suite quick
+      facodegen bench --suite overhead --out results/
     """
     if replot is not None:
         _bench_replot(replot, out_dir)
         return
     if suite is not None:
         _require_gpu("bench")
-        _bench_suite(spec_fields, suite, peers, out_dir, budget_s, no_plot)
+        _bench_suite(spec_fields, suite, peers, out_dir, budget_s, no_plot, prepared=not no_prepared)
         return
     if spec_fields.get("arch") == "both":
         raise UsageFailure("--arch both is for --suite; give sm80 or sm90")
@@ -467,6 +478,8 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, o
         extra["heads_kv"] = heads_kv
     if peers is not None:
         extra["peers"] = tuple(p.strip() for p in peers.split(",") if p.strip())
+    if no_prepared:
+        extra["prepared"] = False
     _echo_result(run(spec, seqlen=seqlen, batch=batch, heads=heads, **extra))
 
 
@@ -490,10 +503,42 @@ def _bench_replot(path: Path, out_dir: Path) -> None:
         raise click.ClickException(f"plot: {paths['plot_error']}")
 
 
-def _bench_suite(spec_fields: dict, suite: str, peers, out_dir: Path, budget_s, no_plot: bool) -> None:
+def _bench_overhead(spec_fields: dict, peers, out_dir: Path) -> None:
+    """`bench --suite overhead`: host µs per call of facodegen's calls and the peers' on the tiny
+    shape (bench.run_overhead); --arch and tile flags go to facodegen's calls, --peers '' drops
+    FlashAttention-3 (SDPA is always timed: it is the ratio's reference). The table prints last."""
+    from . import bench as B
+
+    fields = dict(spec_fields)
+    arch = fields.pop("arch", None)
+    if arch == "both":
+        raise UsageFailure("--arch both is for the TFLOP/s suites; give sm80 or sm90 (or none) for overhead")
+    for name in ("dtype", "head_dim", "causal"):     # the suite's cases fix these
+        fields.pop(name, None)
+    peer_names = B.OVERHEAD_PEERS if peers is None else tuple(p.strip() for p in peers.split(",") if p.strip())
+    env = B.environment()
+    click.echo(f"bench --suite overhead: (batch, seqlen, heads, head_dim) {B.OVERHEAD_SHAPE}, "
+               f"timing {B.OVERHEAD_TIMING}", err=True)
+    rows = B.run_overhead(arch=arch, overrides=fields or None, peers=peer_names,
+                          log=lambda m: click.echo(m, err=True))
+    paths = B.write_overhead_results(rows, out_dir, "bench-overhead", env=env)
+    notes = B.format_overhead_notes(rows)
+    if notes:
+        click.echo("\nNotes:\n" + notes)
+    click.echo(f"\nwrote {paths['md']}, {paths['csv']}, {paths['json']}")
+    click.echo(f"\nHost µs per call ({env.get('gpu', '?')}, facodegen {env.get('facodegen')}"
+               f"{', commit ' + env['commit'] if env.get('commit') else ''}):")
+    click.echo(B.format_overhead_table(rows))
+
+
+def _bench_suite(spec_fields: dict, suite: str, peers, out_dir: Path, budget_s, no_plot: bool,
+                 prepared: bool = True) -> None:
     from . import api
     from . import bench as B
 
+    if suite == B.OVERHEAD_SUITE:   # host µs per call on a tiny shape: no grid, no TFLOP/s
+        _bench_overhead(spec_fields, peers, out_dir)
+        return
     fields = dict(spec_fields)
     dtype = "fp8" if suite == "fp8" else fields.pop("dtype", "bf16")
     fields.pop("dtype", None)
@@ -529,7 +574,7 @@ def _bench_suite(spec_fields: dict, suite: str, peers, out_dir: Path, budget_s, 
         click.echo(f"fp8 GEMM (torch._scaled_mm 8192^3): {env['fp8_gemm_tflops']:.1f} TFLOP/s", err=True)
         cells = [dict(c, gemm_tflops=env["fp8_gemm_tflops"]) for c in cells]
     rows = B.run_grid(cells, archs=archs, peers=peer_names, spec_overrides=fields or None, budget_s=budget_s,
-                      log=lambda m: click.echo(m, err=True), variants=variants, timing=timing)
+                      log=lambda m: click.echo(m, err=True), variants=variants, timing=timing, prepared=prepared)
     stem = f"bench-{suite}-{dtype}"
     title = f"Attention forward speed, {dtype} ({env.get('gpu', 'GPU')})"
     paths = B.write_results(rows, out_dir, stem, env=env, plot=not no_plot, title=title)

@@ -2,7 +2,8 @@
 
 One panel per (head_dim, causal), sequence lengths along x, one bar per implementation in each
 seqlen group, TFLOP/s on y with the value written on each bar; a bar that ran but failed its check
-is marked with an "x" at its base. Input: the rows of ``bench.run_grid``.
+is marked with an "x" at its base. facodegen's prepared launcher ("... (prepared)") stands next to
+its public call in the same colour, hatched. Input: the rows of ``bench.run_grid``.
 
 matplotlib is an optional dependency (``pip install 'facodegen[plot]'``); it is imported only when
 a plot is drawn, and never through pyplot (no global backend state: a ``Figure`` drawn by Agg).
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import bench
-from .bench import PEER_TITLES, is_facodegen
+from .bench import PEER_TITLES, PREPARED_SUFFIX, is_facodegen, is_prepared
 
 # Fixed colours so an implementation keeps its colour across figures (facodegen in the warm
 # colours, peers in the cool ones; FlashAttention-3 purple as in its paper).
@@ -67,6 +68,28 @@ def _ran(result: dict | None) -> bool:
         ("skipped", "unavailable"))
 
 
+def _colors(impls: list[str]) -> dict:
+    """Each implementation's colour: COLORS, a prepared launcher its public call's, the rest from
+    _FALLBACK in turn."""
+    colors = dict(COLORS)
+    spare = 0
+    for name in sorted(impls, key=is_prepared):      # public calls first: a prepared one copies its colour
+        if name in colors:
+            continue
+        public = name.removesuffix(PREPARED_SUFFIX) if is_prepared(name) else None
+        if public in colors:
+            colors[name] = colors[public]
+        else:
+            colors[name] = _FALLBACK[spare % len(_FALLBACK)]
+            spare += 1
+    return colors
+
+
+def _hatch(name: str) -> dict:
+    """Bar style that sets a prepared launcher's bar apart from its public call's (same colour)."""
+    return {"hatch": "//", "edgecolor": "white"} if is_prepared(name) else {}
+
+
 def plot_rows(rows: list[dict], path, title: str | None = None, subtitle: str | None = None,
               dpi: int = 110) -> Path:
     """Draw the figure for ``rows`` to ``path`` (PNG, or whatever the suffix says); returns the path."""
@@ -83,9 +106,7 @@ def plot_rows(rows: list[dict], path, title: str | None = None, subtitle: str | 
     legend_rows = -(-len(impls) // legend_cols)
     fig = Figure(figsize=(width_in, 4.2 * nrows + (0.9 if title else 0.4) + 0.3 * legend_rows))
     axes = fig.subplots(nrows, ncols, squeeze=False)
-    colors = dict(COLORS)
-    for i, n in enumerate(x for x in impls if x not in colors):
-        colors[n] = _FALLBACK[i % len(_FALLBACK)]
+    colors = _colors(impls)
     handles = {}
     for ri, causal in enumerate(causal_values):
         for ci, (d, family) in enumerate(columns):
@@ -115,7 +136,7 @@ def plot_rows(rows: list[dict], path, title: str | None = None, subtitle: str | 
                         ys.append(res["tflops"])
                     elif not str(res.get("note") or "").lower().startswith(("skipped", "unavailable")):
                         failed.append(x)
-                ax.bar(xs, ys, width * 0.95, color=colors[n], label=impl_title(n))
+                ax.bar(xs, ys, width * 0.95, color=colors[n], label=impl_title(n), **_hatch(n))
                 handles.setdefault(n, colors[n])
                 for x, y in zip(xs, ys):
                     ax.text(x, y + top * 0.01, f"{y:.0f}", ha="center", va="bottom",
@@ -131,7 +152,7 @@ def plot_rows(rows: list[dict], path, title: str | None = None, subtitle: str | 
             ax.set_axisbelow(True)
     if handles:
         from matplotlib.patches import Patch
-        fig.legend([Patch(color=handles[n]) for n in impls if n in handles],
+        fig.legend([Patch(facecolor=handles[n], **_hatch(n)) for n in impls if n in handles],
                    [impl_title(n) for n in impls if n in handles],
                    loc="lower center", ncol=legend_cols, frameon=False,
                    bbox_to_anchor=(0.5, 0.0))

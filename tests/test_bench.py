@@ -328,27 +328,37 @@ def test_run_cell_checks_everyone_then_times_peers_in_turns_inside_their_context
     monkeypatch.setattr(bench, "l2_bytes", lambda: bench.L2_BYTES_DEFAULT)
     monkeypatch.setattr(bench, "_slice_check", lambda o, s, causal, dtype: (True, "", 1e-3))
     monkeypatch.setattr(bench, "peer_available", lambda name: (name != "fa2", "no such backend here"))
-    monkeypatch.setattr(bench, "_facodegen_fn",
+    monkeypatch.setattr(bench, "_facodegen_call_fn",
                         lambda arch, o, s, causal: (impl("ours", 1.0), contextlib.nullcontext, "v", s))
+    monkeypatch.setattr(bench, "_facodegen_fn",
+                        lambda arch, o, s, causal: (impl("prepared", 0.5), contextlib.nullcontext, "v", s))
     monkeypatch.setattr(bench, "_peer_fn", lambda name, s, causal:
                         (impl(name, {"fa3": 2.0, "cudnn": 4.0}[name]),
                          cudnn_backend if name == "cudnn" else contextlib.nullcontext))
     c = bench.cell(64, False, 1024, 1, 2, "bf16")
     row = bench.run_cell(c, peers=("cudnn", "fa2", "fa3"), timing={"warmup": 1, "groups": 2, "calls": 2},
                          log=lambda m: None)
-    assert list(row["results"]) == [bench.facodegen_name("sm90"), "cudnn", "fa2", "fa3"]
-    assert [r["ms"] for n, r in row["results"].items() if n != "fa2"] == [1.0, 4.0, 2.0]
+    ours = bench.facodegen_name("sm90")
+    assert list(row["results"]) == [ours, bench.prepared_name(ours), "cudnn", "fa2", "fa3"]
+    assert [r["ms"] for n, r in row["results"].items() if n != "fa2"] == [1.0, 0.5, 4.0, 2.0]
     assert row["results"]["fa2"]["note"].startswith("unavailable") and row["results"]["fa2"]["tflops"] is None
-    checks, warmups, groups = trace[:3], trace[3:6], trace[6:]
-    assert [n for n, _ in checks] == [n for n, _ in warmups] == ["ours", "cudnn", "fa3"]
-    assert [n for n, _ in groups] == ["ours", "ours", "cudnn", "cudnn", "fa3", "fa3"] * 2
+    checks, warmups, groups = trace[:4], trace[4:8], trace[8:]
+    assert [n for n, _ in checks] == [n for n, _ in warmups] == ["ours", "prepared", "cudnn", "fa3"]
+    assert [n for n, _ in groups] == ["ours", "ours", "prepared", "prepared", "cudnn", "cudnn", "fa3", "fa3"] * 2
     assert all(in_ctx == (n == "cudnn") for n, in_ctx in trace)
+    # the ratio is the public call's; the prepared launcher stands beside it without one
+    table = bench.format_table([row]).splitlines()
+    assert table[0].endswith("| best peer | sm90/best |") and "facodegen-sm90 (prepared)" in table[0]
+    assert table[2].endswith(f"| FlashAttention-3 | {row['results'][ours]['tflops'] / row['results']['fa3']['tflops']:.2f} |")
     one_by_one = []
     monkeypatch.setattr(bench, "time_cuda", lambda fn, **kw: (one_by_one.append(fn), fn(),
                                                             {"ms": 3.0, "min_ms": 3.0, "max_ms": 3.0,
                                                              "host_ms": 0.1})[-1])
     row = bench.run_cell(c, peers=("fa3",), timing={"interleave": False}, log=lambda m: None)
-    assert len(one_by_one) == 2 and row["results"]["fa3"]["ms"] == 3.0
+    assert len(one_by_one) == 3 and row["results"]["fa3"]["ms"] == 3.0
+    one_by_one.clear()
+    row = bench.run_cell(c, peers=("fa3",), timing={"interleave": False}, log=lambda m: None, prepared=False)
+    assert len(one_by_one) == 2 and list(row["results"]) == [ours, "fa3"]
 
 
 def test_clock_probe_reads_nvidia_smi_and_groups_times_by_clock(tmp_path):
@@ -581,3 +591,302 @@ def test_overlap_probe_kernels_keep_their_wgmmas_in_flight():
         gemm = variant[0] > 0
         assert ("DEPBAR.LE gsb0, 0x1" in sass) == gemm and (sass.count("QGMMA") >= probe.GROUP) == gemm
         assert ("MUFU.EX2" in sass) == (variant[3] == "ex2")
+
+
+# ---- the public call and the prepared launcher ------------------------------------------------
+
+def _fake_facodegen(monkeypatch):
+    """facodegen.attention / facodegen.prepare (and api.prepare, which the prepared path uses) that
+    record their calls, and a torch whose empty() hands out labelled buffers. Returns the record."""
+    import types
+
+    import facodegen
+    from facodegen import api
+
+    calls = []
+
+    class Prepared:
+        spec = types.SimpleNamespace(variant="flash_fwd_sm90_test")
+
+        def __init__(self, kw):
+            self.kw = kw
+
+        def __call__(self):
+            calls.append(("run", self.kw))
+            return self.kw.get("out")
+
+    def prepare(q, k, v, **kw):
+        calls.append(("prepare", kw))
+        return Prepared(kw)
+
+    def attention(q, k, v, **kw):
+        calls.append(("attention", kw))
+        return "fresh out"
+
+    monkeypatch.setattr(facodegen, "prepare", prepare)
+    monkeypatch.setattr(facodegen, "attention", attention)
+    monkeypatch.setattr(api, "prepare", prepare)
+    fake_torch = types.SimpleNamespace(empty=lambda *shape, dtype=None, device=None: ("buffer", shape, dtype),
+                                       bfloat16="bf16", float32="f32")
+    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    return calls
+
+
+def test_facodegen_makers_time_the_public_call_and_the_prepared_launcher_beside_it(monkeypatch):
+    """One facodegen column makes two implementations on the same input set: the public call
+    (facodegen.attention every time, out allocated by the call) under the column's name, and the
+    launcher prepared once (out and lse allocated once) under the prepared name."""
+    import types
+
+    calls = _fake_facodegen(monkeypatch)
+    q = types.SimpleNamespace(shape=(1, 128, 8, 64), dtype="fp16", device="cuda:0")
+    s = bench.InputSet(q, q, q)
+    makers = bench._facodegen_makers("facodegen-sm90", "sm90", {"block_n": 64}, True)
+    assert [name for name, _ in makers] == ["facodegen-sm90", "facodegen-sm90 (prepared)"]
+    public, prepared = (make(s) for _, make in makers)
+    assert public[2] == prepared[2] == "flash_fwd_sm90_test" and public[3] is s and prepared[3] is s
+
+    calls.clear()
+    assert public[0]() == "fresh out" and public[0]() == "fresh out"
+    assert calls == [("attention", {"causal": True, "arch": "sm90", "block_n": 64})] * 2    # no out=: per call
+    calls.clear()
+    out = prepared[0]()
+    prepared[0]()
+    assert [what for what, _ in calls] == ["run", "run"]                          # nothing prepared again
+    assert calls[0][1]["out"] is out and out[0] == "buffer" and calls[0][1]["lse_out"][0] == "buffer"
+
+    assert [n for n, _ in bench._facodegen_makers("facodegen x", "sm80", {}, False, prepared=False)] == ["facodegen x"]
+    assert bench._facodegen_names(("sm90", "sm80"), None, True) == [
+        "facodegen-sm90", "facodegen-sm90 (prepared)", "facodegen-sm80", "facodegen-sm80 (prepared)"]
+    assert bench._facodegen_names(("sm90",), {"facodegen a": "sm90:"}, False) == ["facodegen a"]
+
+
+def test_prepared_columns_have_no_ratio_of_their_own():
+    """The table and CSV give the ratio to the best peer for the public call only; the prepared
+    launcher's TFLOP/s stand in the column beside it."""
+    import csv
+    import io
+
+    ours = bench.facodegen_name("sm90")
+    assert bench.is_prepared(bench.prepared_name(ours)) and not bench.is_prepared(ours)
+    assert bench.has_ratio(ours) and not bench.has_ratio(bench.prepared_name(ours)) and not bench.has_ratio("fa3")
+    row = _row({ours: {"tflops": 600.0}, bench.prepared_name(ours): {"tflops": 640.0}, "fa3": {"tflops": 650.0}})
+    lines = format_table([row]).splitlines()
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    assert header[6:9] == [ours, "facodegen-sm90 (prepared)", "FlashAttention-3"]
+    assert header[-2:] == ["best peer", "sm90/best"]
+    first = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert first[7] == "640.0" and first[-1] == f"{600 / 650:.2f}"
+    records = {r["impl"]: r for r in csv.DictReader(io.StringIO(bench.to_csv([row])))}
+    assert float(records[ours]["ratio_to_best_peer"]) == pytest.approx(600 / 650)
+    assert records["facodegen-sm90 (prepared)"]["ratio_to_best_peer"] == ""
+
+
+def test_run_cli_bench_passes_no_prepared(monkeypatch):
+    seen = {}
+
+    def fake_run_cell(c, archs, peers, overrides, *a, prepared=True, **k):
+        seen["prepared"] = prepared
+        return dict(c, flops=0, results={"facodegen-sm90": {"tflops": 1.0}})
+
+    monkeypatch.setattr(bench, "run_cell", fake_run_cell)
+    bench.run_cli_bench({}, arch="sm90", head_dim=128, dtype="bf16", causal=False, seqlen=512, batch=1, heads=2)
+    assert seen["prepared"] is True
+    bench.run_cli_bench({}, arch="sm90", head_dim=128, dtype="bf16", causal=False, seqlen=512, batch=1, heads=2,
+                        prepared=False)
+    assert seen["prepared"] is False
+
+
+# ---- the overhead suite -------------------------------------------------------------------------
+
+def test_overhead_is_a_suite_of_the_cli_and_not_a_grid():
+    from facodegen import cli
+    assert "overhead" in bench.suite_names() and set(cli.SUITE_NAMES) == set(bench.suite_names())
+    with pytest.raises(ValueError, match="host microseconds"):
+        bench.suite_cells("overhead")
+    assert bench.OVERHEAD_SHAPE == (1, 128, 8, 128)
+    assert {d for d, _ in bench.OVERHEAD_CASES} == {"bf16", "fp16", "fp8"}
+    assert set(bench.OVERHEAD_OPTIONS) == {"plain", "return_lse", "out="}
+
+
+def test_time_host_per_call_keeps_the_gpu_off_the_host_figure(monkeypatch):
+    """On a fake clock (2 us of host per call, 1000 us for each synchronize to drain the GPU): the
+    back-to-back loop with one synchronize after it reads 2 + 1000/calls us, the chunked host
+    figure 2 us, since no chunk's synchronize is on the clock."""
+    clock = {"us": 0.0, "calls": 0, "syncs": 0}
+
+    def fn():
+        clock["us"] += 2.0
+        clock["calls"] += 1
+
+    def synchronize():
+        clock["us"] += 1000.0
+        clock["syncs"] += 1
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock["us"] * 1e-6)
+    t = bench.time_host_per_call(fn, synchronize, warmup=3, calls=10, repeats=2, chunk=5)
+    assert t["host_us"] == pytest.approx(2.0) and t["loop_us"] == pytest.approx(2.0 + 1000.0 / 10)
+    assert clock["calls"] == 3 + 2 * 10 + 2 * 10
+    assert clock["syncs"] == 1 + 2 + 2 * 2 + 1
+
+
+def _synthetic_overhead(monkeypatch, host_us: dict):
+    """run_overhead on fakes: no GPU, builders that refuse as the real ones do (SDPA takes neither
+    return_lse nor out= nor e4m3; CuPy only fp16; FlashAttention-3 not importable) and a timer that
+    reads host_us[impl] (the loop figure: the same, except 3x for the prepared call)."""
+    import types
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
+    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    monkeypatch.setattr(bench, "_overhead_inputs",
+                        lambda dtype, causal: bench.InputSet(f"{dtype} q", "k", "v", {"q_descale": 1.0} if dtype == "fp8" else None))
+    seen = []
+
+    def builder(impl, refuse=lambda s, options: None):
+        def build(s, causal, options, kwargs):
+            reason = refuse(s, options)
+            if reason:
+                raise RuntimeError(reason)
+            seen.append((impl, options, kwargs))
+            return lambda: impl
+        return build
+
+    def no_sdpa(s, options):
+        return "skipped: SDPA has no e4m3 path" if s.fp8 else None if options == "plain" else "skipped: SDPA has no LSE"
+
+    def no_fa3(s, options):
+        return "unavailable: flash_attn_interface not importable"
+
+    def cupy_fp16_only(s, options):
+        return None if s.q == "fp16 q" else "skipped: CuPy has no bfloat16 dtype"
+
+    for impl in bench.OVERHEAD_IMPLS:
+        refuse = {bench.OVERHEAD_SDPA: no_sdpa, bench.OVERHEAD_FA3: no_fa3,
+                  "facodegen.attention (CuPy)": cupy_fp16_only}.get(impl, lambda s, options: None)
+        monkeypatch.setitem(bench.OVERHEAD_BUILDERS, impl, builder(impl, refuse))
+
+    def timer(fn, synchronize, **timing):
+        impl = fn()
+        return {"host_us": host_us[impl], "loop_us": host_us[impl] * (3 if impl == "facodegen.prepare()()" else 1)}
+
+    rows = bench.run_overhead(arch="sm90", overrides={"block_n": 64}, timer=timer, log=lambda m: None)
+    return rows, seen
+
+
+def test_overhead_rows_ratios_and_table_from_synthetic_timings(monkeypatch, tmp_path):
+    host_us = {"facodegen.attention": 10.0, "facodegen.attention (CuPy)": 12.0, "facodegen.prepare()()": 4.0,
+               bench.OVERHEAD_SDPA: 20.0, bench.OVERHEAD_FA3: 15.0}
+    rows, seen = _synthetic_overhead(monkeypatch, host_us)
+    assert len(rows) == len(bench.OVERHEAD_CASES) * len(bench.OVERHEAD_OPTIONS) * len(bench.OVERHEAD_IMPLS)
+    assert all(kwargs == {"arch": "sm90", "block_n": 64} for _, _, kwargs in seen)
+
+    def find(impl, dtype, options):
+        return next(r for r in rows if (r["impl"], r["dtype"], r["options"]) == (impl, dtype, options))
+
+    plain = find("facodegen.attention", "bf16", "plain")
+    assert plain["causal"] is True and plain["host_us"] == 10.0 and plain["ratio_to_sdpa"] == pytest.approx(0.5)
+    assert find("facodegen.attention", "fp16", "out=")["ratio_to_sdpa"] == pytest.approx(0.5)   # vs SDPA's plain
+    assert find("facodegen.attention", "fp8", "return_lse")["ratio_to_sdpa"] == pytest.approx(0.5)  # vs SDPA bf16
+    assert find(bench.OVERHEAD_SDPA, "fp16", "plain")["ratio_to_sdpa"] == pytest.approx(1.0)
+    sdpa_lse = find(bench.OVERHEAD_SDPA, "bf16", "return_lse")
+    assert sdpa_lse["host_us"] is None and sdpa_lse["note"].startswith("skipped")
+    fa3 = find(bench.OVERHEAD_FA3, "bf16", "plain")
+    assert fa3["host_us"] is None and fa3["note"].startswith("unavailable")
+    assert find("facodegen.attention (CuPy)", "fp16", "plain")["ratio_to_sdpa"] == pytest.approx(0.6)
+    assert find("facodegen.attention (CuPy)", "bf16", "plain")["note"].startswith("skipped: CuPy")
+    prepared = find("facodegen.prepare()()", "fp16", "plain")
+    assert prepared["loop_us"] == 12.0 and "GPU-bound" in prepared["note"]
+
+    table = bench.format_overhead_table(rows).splitlines()
+    assert table[0] == "| implementation | dtype | causal | options | host µs/call | loop µs/call | ratio to SDPA |"
+    ran = [r for r in rows if r["host_us"] is not None]
+    assert len(ran) == 3 * 3 * 2 + 3 + 2 and len(table) == 2 + len(ran)   # skipped/unavailable: notes only
+    assert all(line.count("|") == 8 for line in table)
+    assert "| facodegen.attention | bf16 | yes | plain | 10.0 | 10.0 | 0.50 |" in table
+    assert "| facodegen.attention (CuPy) | fp16 | no | out= | 12.0 | 12.0 | 0.60 |" in table
+    assert not any(bench.OVERHEAD_FA3 in line for line in table)
+    notes = bench.format_overhead_notes(rows)
+    assert f"- {bench.OVERHEAD_FA3} (9 rows): unavailable: flash_attn_interface not importable" in notes.splitlines()
+    assert f"- {bench.OVERHEAD_SDPA} (fp8 causal plain, fp8 causal return_lse, fp8 causal out=): " \
+        "skipped: SDPA has no e4m3 path" in notes.splitlines()
+
+    paths = bench.write_overhead_results(rows, tmp_path / "out", "bench-overhead", env={"gpu": "fake"})
+    records = paths["csv"].read_text().splitlines()
+    assert records[0] == ",".join(bench.OVERHEAD_CSV_FIELDS) and len(records) == 1 + len(rows)
+    assert "facodegen.attention,bf16,True,plain,10,10,0.5," in records
+    assert paths["md"].read_text().startswith(table[0]) and "Notes:" in paths["md"].read_text()
+    import json
+    data = json.loads(paths["json"].read_text())
+    assert data["env"] == {"gpu": "fake"} and data["shape"] == [1, 128, 8, 128] and len(data["rows"]) == len(rows)
+
+
+def test_overhead_leaves_fa3_out_when_not_asked_for_and_a_failing_case_is_noted(monkeypatch):
+    import types
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
+    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+
+    def inputs(dtype, causal):
+        if dtype == "fp8":
+            raise TypeError("no float8_e4m3fn in this torch")
+        return bench.InputSet("q", "k", "v")
+
+    def broken(s, causal, options, kwargs):
+        raise ValueError("block_n=7 is not a multiple of 16")
+
+    monkeypatch.setattr(bench, "_overhead_inputs", inputs)
+    for impl in bench.OVERHEAD_IMPLS:
+        monkeypatch.setitem(bench.OVERHEAD_BUILDERS, impl, broken)
+    rows = bench.run_overhead(peers=(), timer=None, log=lambda m: None)
+    assert {r["impl"] for r in rows} == set(bench.OVERHEAD_IMPLS) - {bench.OVERHEAD_FA3}
+    assert all(r["host_us"] is None for r in rows)
+    assert all(r["note"].startswith("skipped: inputs failed: TypeError") for r in rows if r["dtype"] == "fp8")
+    assert all(r["note"] == "failed: ValueError: block_n=7 is not a multiple of 16" for r in rows if r["dtype"] != "fp8")
+    table = bench.format_overhead_table(rows).splitlines()
+    assert len(table) == 2 + 3 * 4 * 2 and "| facodegen.attention | bf16 | yes | plain | fail | – | – |" in table
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+
+def test_cli_bench_suite_overhead_help_and_dispatch(monkeypatch, tmp_path):
+    """`bench --suite overhead --help` parses; `bench --suite overhead` hands --arch, the tile flags
+    and --peers to run_overhead, writes its files and prints the table last."""
+    from click.testing import CliRunner
+
+    from facodegen import cli
+    from facodegen import compiler as fc
+
+    runner = CliRunner()
+    result = runner.invoke(cli.main, ["bench", "--suite", "overhead", "--help"])
+    assert result.exit_code == 0, result.output
+    assert "overhead" in result.output and "--no-prepared" in result.output
+
+    seen = {}
+
+    def fake_run_overhead(arch=None, overrides=None, peers=(), log=print, **kw):
+        seen.update(arch=arch, overrides=overrides, peers=peers)
+        return bench.with_sdpa_ratios([bench.overhead_row("facodegen.attention", "bf16", True, "plain", 10.0, 11.0),
+                                       bench.overhead_row(bench.OVERHEAD_SDPA, "bf16", True, "plain", 20.0, 21.0)])
+
+    monkeypatch.setattr(fc, "gpu_available", lambda: (True, "fake GPU"))
+    monkeypatch.setattr(bench, "run_overhead", fake_run_overhead)
+    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "fake GPU", "facodegen": "0"})
+    result = runner.invoke(cli.main, ["bench", "--suite", "overhead", "--arch", "sm90", "--block-n", "64",
+                                      "--peers", "", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert seen == {"arch": "sm90", "overrides": {"block_n": 64}, "peers": ()}
+    assert result.output.rstrip().splitlines()[-1] == f"| {bench.OVERHEAD_SDPA} | bf16 | yes | plain | 20.0 | 21.0 | 1.00 |"
+    assert (tmp_path / "bench-overhead.csv").exists() and (tmp_path / "bench-overhead.json").exists()
+
+
+def test_plot_draws_the_prepared_bar_in_its_public_calls_colour_hatched(tmp_path):
+    from facodegen import plot
+    impls = ["fa3", "facodegen FA1", "facodegen-sm90", "facodegen-sm90 (prepared)", "facodegen FA1 (prepared)"]
+    colors = plot._colors(impls)
+    assert colors["facodegen-sm90 (prepared)"] == colors["facodegen-sm90"] == plot.COLORS["facodegen-sm90"]
+    assert colors["facodegen FA1 (prepared)"] == colors["facodegen FA1"] == plot._FALLBACK[0]
+    assert plot._hatch("facodegen-sm90 (prepared)")["hatch"] and plot._hatch("facodegen-sm90") == {}
+    pytest.importorskip("matplotlib")
+    rows = [_row({"facodegen-sm90": {"tflops": 600.0}, "facodegen-sm90 (prepared)": {"tflops": 640.0},
+                  "fa3": {"tflops": 650.0}})]
+    assert plot.plot_rows(rows, tmp_path / "one.png").stat().st_size > 0
