@@ -41,7 +41,7 @@ COMMON_FIELDS = [
     Field("v", "ptr", "const elem_t*", "V (batch, seqlen_k, heads_kv, head_dim)"),
     Field("o", "ptr", "elem_t*", "O (batch, seqlen_q, heads_q, head_dim)"),
     Field("lse", "ptr", "float*", "row log-sum-exp, natural log, (batch, heads_q, seqlen_q) contiguous"),
-    Field("tile_counter", "ptr", "int*", "work counter of the dynamic tile scheduler (zeroed before launch)"),
+    Field("tile_counter", "ptr", "int*", "work counter of the dynamic tile scheduler: zero at launch, and left at zero by the CTA that draws the last ticket"),
     Field("workspace", "ptr", "float*", "fp32 O, m, l between K/V blocks (sm80 schedule=fa1, loop_order=kv_outer) or of split tiles (sm90 stream_k); else 0"),
     *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"),
     Field("batch", "i32", "int", "batch size"),

@@ -8,7 +8,8 @@ and launches: a few microseconds of host time, against ~0.4 ms to resolve a call
 
 Scratch memory the kernel needs besides the caller's tensors (the tile scheduler's counter, an
 LSE nobody asked for, fa1's and stream_k's fp32 workspace) lives per (plan, stream): launches on
-one stream run in order, so they can share it; launches on two streams never do.
+one stream run in order, so they can share it; launches on two streams never do. The counter is
+zeroed once when the scratch is made; every launch leaves it at zero again.
 
 ``PlanCache`` maps call keys (api.py builds them) to plans: bounded, oldest out first, safe to
 use from several threads (reads are dict lookups; inserts and each plan's image take a lock).
@@ -61,8 +62,9 @@ def _round_up(n: int) -> int:
 
 @dataclass
 class _StreamScratch:
+    stream: object          # the stream as a launch argument (driver.stream_arg)
     holder: object          # the device buffer (the caller's library's array), kept alive here
-    counter: int            # int32 tile counter, zeroed before each launch that uses it
+    counter: int            # int32 tile counter: zeroed here once, left at zero by every launch
     lse: int                # float32 LSE for calls that did not ask for it
     workspace: int          # float32 workspace (fa1, stream_k), 0 if none
 
@@ -76,7 +78,7 @@ class LaunchPlan:
 
     def __init__(self, spec, function: driver.LoadedFunction, grid: tuple[int, int, int], param_bytes: bytes,
                  *, tensor_maps: dict[str, str], lse_floats: int, workspace_floats: int,
-                 stream_k_flags: tuple[int, int], zero_counter: bool, switch_context: bool,
+                 stream_k_flags: tuple[int, int], switch_context: bool,
                  allocate: Callable[[int], tuple[object, int]], outputs=None):
         self.spec = spec
         self.outputs = outputs      # what the caller needs to allocate a hit's results (api._Outputs)
@@ -84,7 +86,6 @@ class LaunchPlan:
         self.grid = grid
         self.threads = spec.threads
         self.smem_bytes = spec.smem_bytes
-        self._zero_counter = zero_counter
         self._switch_context = switch_context
         self._allocate = allocate
         self._scratch_bytes = (_ALIGN, _round_up(4 * lse_floats), 4 * workspace_floats)
@@ -100,7 +101,8 @@ class LaunchPlan:
         self._view = view
         self._storage[self._base:self._base + size] = param_bytes
         self._argument = (ctypes.c_void_p * 1)(address + self._base)
-        self._kernel_params = ctypes.addressof(self._argument)
+        self._launcher = driver.Launcher(function, grid, spec.threads, spec.smem_bytes,
+                                         ctypes.addressof(self._argument)) if function is not None else None
         offsets = _offsets(spec.arch, spec.dtype)
         self._descale_offset = self._base + offsets[_DESCALES[0]] if spec.dtype == "fp8" else None
         first = _PACK_CALL.unpack_from(self._storage, self._base)
@@ -120,10 +122,13 @@ class LaunchPlan:
             return found
         counter_bytes, lse_bytes, workspace_bytes = self._scratch_bytes
         holder, ptr = self._allocate(counter_bytes + lse_bytes + workspace_bytes)
-        scratch = _StreamScratch(holder, ptr, ptr + counter_bytes,
+        scratch = _StreamScratch(driver.stream_arg(stream), holder, ptr, ptr + counter_bytes,
                                  ptr + counter_bytes + lse_bytes if workspace_bytes else 0)
+        # The dynamic scheduler's counter starts at zero (each launch leaves it so: sm90/scheduler),
+        # and so do stream_k's flags (the kernel lowers each one it reads).
+        driver.memset_d32_async(scratch.counter, 0, 1, stream)
         first, count = self._stream_k_flags
-        if count:   # stream_k's flags start down; the kernel lowers each one it reads
+        if count:
             driver.memset_d32_async(scratch.workspace + 4 * first, 0, count, stream)
         with self._lock:
             if len(self._streams) >= MAX_STREAMS_PER_PLAN:
@@ -147,14 +152,9 @@ class LaunchPlan:
                     self._map_ptrs[i] = operands[which]
             if self._switch_context:
                 with driver.on_device(self.function.device):
-                    self._enqueue(stream, scratch)
+                    self._launcher(scratch.stream)
             else:
-                self._enqueue(stream, scratch)
-
-    def _enqueue(self, stream: int, scratch: _StreamScratch) -> None:
-        if self._zero_counter:
-            driver.memset_d32_async(scratch.counter, 0, 1, stream)
-        driver.launch(self.function, self.grid, self.threads, self.smem_bytes, stream, self._kernel_params)
+                self._launcher(scratch.stream)
 
     def param_bytes(self) -> bytes:
         """The FlashParams image as the last launch (or the build) left it."""

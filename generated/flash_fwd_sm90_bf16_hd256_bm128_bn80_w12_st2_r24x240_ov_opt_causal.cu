@@ -76,7 +76,7 @@ struct FlashParams {
     const elem_t*    v;                 // @16: V (batch, seqlen_k, heads_kv, head_dim)
     elem_t*          o;                 // @24: O (batch, seqlen_q, heads_q, head_dim)
     float*           lse;               // @32: row log-sum-exp, natural log, (batch, heads_q, seqlen_q) contiguous
-    int*             tile_counter;      // @40: work counter of the dynamic tile scheduler (zeroed before launch)
+    int*             tile_counter;      // @40: work counter of the dynamic tile scheduler: zero at launch, and left at zero by the CTA that draws the last ticket
     float*           workspace;         // @48: fp32 O, m, l between K/V blocks (sm80 schedule=fa1, loop_order=kv_outer) or of split tiles (sm90 stream_k); else 0
     long long        q_batch_stride;    // @56: q stride between batchs, in elements
     long long        q_row_stride;      // @64: q stride between rows, in elements
@@ -1155,6 +1155,12 @@ __device__ __forceinline__ int producer_next_tile(const FlashParams& p, uint32_t
         int ticket = 0;                                   // lane 0 takes the ticket, the warp shares it
         if (threadIdx.x % 32 == 0) {
             ticket = atomicAdd(p.tile_counter, 1);
+            // Every CTA takes exactly one ticket past the last tile, so the tickets of a launch
+            // are 0 .. num_tiles - 1 and the one that draws the last is the last to touch the
+            // counter: it leaves it at zero for the next launch on the stream (no host memset).
+            if (ticket == p.num_tiles - 1) {
+                *p.tile_counter = 0;
+            }
         }
         return __shfl_sync(0xffffffffu, ticket, 0) + static_cast<int>(gridDim.x);
     }

@@ -79,10 +79,12 @@ class Launches:
         self.memsets = []
         self.switches = []
 
-    def launch(self, function, grid, threads, smem, stream, kernel_params):
-        address = ctypes.c_void_p.from_address(kernel_params).value
-        size = params.layout("sm90", "fp8")[1]      # the largest FlashParams
-        self.records.append({"stream": stream, "grid": grid, "params": ctypes.string_at(address, size)})
+    def launcher(self, function, grid, threads, smem, kernel_params):
+        def launch(stream):
+            address = ctypes.c_void_p.from_address(kernel_params).value
+            size = params.layout("sm90", "fp8")[1]      # the largest FlashParams
+            self.records.append({"stream": stream, "grid": grid, "params": ctypes.string_at(address, size)})
+        return launch
 
     def pointers(self, i=-1):
         return struct.unpack_from("<7Q", self.records[i]["params"], 0)
@@ -94,6 +96,8 @@ def fake(monkeypatch, tmp_path):
     torch = types.ModuleType("torch")
     torch.Tensor = FakeTensor
     torch.float32, torch.uint8, torch.bfloat16, torch.float16 = "float32", "uint8", "bfloat16", "float16"
+    torch.empty_like = lambda x, dtype=None: FakeTensor(x.shape, (dtype or x.dtype).removeprefix("torch."),
+                                                        device=x.device.index)
     torch.ones = lambda shape, dtype, device: FakeTensor(shape, dtype, device=int(str(device).rpartition(":")[2]))
     torch.compiler = types.SimpleNamespace(is_compiling=lambda: False)
     torch.is_grad_enabled = lambda: False
@@ -109,7 +113,8 @@ def fake(monkeypatch, tmp_path):
     monkeypatch.setattr(api, "device_info", lambda ordinal: info)
     monkeypatch.setattr(api, "_prepare", lambda spec, device: api._Prepared(
         driver.LoadedFunction(1, 1, device), spec.smem_bytes, 132))
-    monkeypatch.setattr(driver, "launch", launches.launch)
+    monkeypatch.setattr(driver, "Launcher", launches.launcher)
+    monkeypatch.setattr(driver, "stream_arg", lambda stream: stream)
     monkeypatch.setattr(driver, "memset_d32_async", lambda *a: launches.memsets.append(a))
     monkeypatch.setattr(driver, "on_device", lambda ordinal: launches.switches.append(ordinal) or _Nothing())
     monkeypatch.setattr(driver, "replace_tensor_map_address", lambda m, p: launches.map_moves.append(p))
@@ -210,9 +215,11 @@ def test_another_stream_gets_its_own_scratch(fake):
     fake.stream = 2000
     api.attention(q, k, v, causal=True)
     counter_b = fake.launches.pointers()[5]
-    assert hits(fake) == 1 and counter_a != counter_b
-    assert [r["stream"] for r in fake.launches.records] == [1000, 2000]
-    # each launch of a persistent causal kernel zeroes its own stream's counter first
+    fake.stream = 1000
+    api.attention(q, k, v, causal=True)
+    assert hits(fake) == 2 and counter_a != counter_b
+    assert [r["stream"] for r in fake.launches.records] == [1000, 2000, 1000]
+    # each stream's counter is zeroed once, when its scratch is made (the kernel leaves it at zero)
     assert [(m[0], m[3]) for m in fake.launches.memsets] == [(counter_a, 1000), (counter_b, 2000)]
 
 
