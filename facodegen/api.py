@@ -366,7 +366,7 @@ def transpose_v(v):
 _FP8_KNOBS = ("q_descale", "k_descale", "v_descale")
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Outputs:
     """What a plan-cache hit needs besides the plan: its results' shapes and types, and the
     unit descales standing in for fp8 descales left out."""
@@ -374,8 +374,16 @@ class _Outputs:
     dtype: str                  # numpy-style name: bfloat16, float16
     lse_shape: tuple
     library_dtype: object       # the caller's library's dtype object for ``dtype``
-    library_device: object      # torch.device (None for CuPy)
+    same_dtype: bool            # the output's dtype is q's (not fp8)
     unit_descale_ptrs: tuple    # fp8: q, k, v unit descale addresses (0 where the call gave one); () otherwise
+    _lse_like: object = None
+
+    def new_lse(self, torch, device):
+        """A new (batch, heads, seqlen_q) float32 LSE: empty_like of a template on 4 bytes of
+        storage (strides 0), which parses no arguments and so costs half a torch.empty."""
+        if self._lse_like is None:
+            self._lse_like = torch.empty(1, dtype=torch.float32, device=device).as_strided(self.lse_shape, (0, 0, 0))
+        return torch.empty_like(self._lse_like)
 
 
 @dataclass
@@ -452,8 +460,9 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
 
     spec = resolve_spec(head_dim, dtype, causal, qv.device, arch, shape=(batch, seqlen_q, seqlen_k, heads_q),
                         **spec_fields)
-    if out is None:
-        out = _empty(qv, qv.shape, out_name)
+    if out is None:     # as a plan-cache hit makes it (torch: empty_like(q), q's layout)
+        out = _torch().empty_like(q, dtype=getattr(_torch(), out_name)) if qv.kind == "torch" else \
+            _empty(qv, qv.shape, out_name)
     outv = _view("out", out)
     _check_out(outv, qv, out_name, f" (out_dtype={spec.out_dtype})" if fp8 else "")
     lsev = None
@@ -471,13 +480,13 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     workspace = workspace_floats(spec, batch, heads_q, seqlen_q, head_dim) or \
         stream_k_workspace_floats(spec, prepared.resident_ctas)
     torch = _torch() if qv.kind == "torch" else None
-    outputs = _Outputs(qv.shape, out_name, (batch, heads_q, seqlen_q),
-                       getattr(torch, out_name) if torch else out_name, q.device if torch else None, tuple(unit_ptrs))
+    lse_shape = (batch, heads_q, seqlen_q)
+    outputs = _Outputs(qv.shape, out_name, lse_shape, getattr(torch, out_name) if torch else out_name,
+                       out_name == qv.dtype, tuple(unit_ptrs))
     plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes,
                       tensor_maps=map_operands(spec) if spec.arch == "sm90" else {},
                       lse_floats=batch * heads_q * seqlen_q, workspace_floats=workspace,
                       stream_k_flags=stream_k_flags(spec, launch_grid[0]),
-                      zero_counter=spec.arch == "sm90" and spec.persistent,
                       switch_context=qv.device != _current_device(qv.kind),
                       allocate=functools.partial(_allocate, qv.kind, qv.device), outputs=outputs)
     descale_ptrs = tuple(descales[n].ptr for n in ("q", "k", "v")) if fp8 else None
@@ -579,8 +588,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                              lse_out=lse_out, arch=arch, **spec_fields)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(q, torch.Tensor):
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-                q.requires_grad or k.requires_grad or v.requires_grad)):
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (  # (k, v may be of another library)
+                q.requires_grad or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False))):
             from . import torch_op
             return torch_op.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                                       out=out, lse_out=lse_out, arch=arch, **spec_fields)
@@ -598,7 +607,7 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
     """attention() on torch tensors, eager: a plan-cache hit launches at once; anything unusual
     (a miss, a misaligned view, an unhashable knob) takes the checked path."""
     device = q.get_device()
-    if device >= 0:
+    try:
         knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), (None, None, None))
         key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
                v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
@@ -607,25 +616,22 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
                None if lse_out is None else (lse_out.dtype, lse_out.shape, lse_out.stride(), lse_out.get_device()),
                tuple(None if d is None else (d.dtype, d.shape, d.stride(), d.get_device()) for d in descales),
                tunedb.generation())
-        try:
-            plan = _PLANS.get(key)
-        except TypeError:   # an unhashable knob value: the checked path says what is wrong with it
-            plan = key = None
-        if plan is not None:
-            made = plan.outputs
-            if out is None:
-                out = torch.empty(made.shape, dtype=made.library_dtype, device=made.library_device)
-            if lse_out is None and return_lse:
-                lse_out = torch.empty(made.lse_shape, dtype=torch.float32, device=made.library_device)
-            qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-            if not (qp | kp | vp | op) & 15:
-                plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
-                            0 if lse_out is None else lse_out.data_ptr(),
-                            None if not made.unit_descale_ptrs else tuple(
-                                p if d is None else d.data_ptr() for d, p in zip(descales, made.unit_descale_ptrs)))
-                return (out, lse_out) if return_lse else out
-    else:
-        key = None
+        plan = _PLANS.get(key) if device >= 0 else None
+    except (AttributeError, TypeError):  # not all torch tensors, an unhashable knob: the checked path says
+        plan = key = None
+    if plan is not None:
+        made = plan.outputs
+        if out is None:     # empty_like: the plan's layout (q's), at half torch.empty's host cost
+            out = torch.empty_like(q) if made.same_dtype else torch.empty_like(q, dtype=made.library_dtype)
+        if lse_out is None and return_lse:
+            lse_out = made.new_lse(torch, q.device)
+        qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if not (qp | kp | vp | op) & 15:
+            plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                        0 if lse_out is None else lse_out.data_ptr(),
+                        None if not made.unit_descale_ptrs else tuple(
+                            p if d is None else d.data_ptr() for d, p in zip(descales, made.unit_descale_ptrs)))
+            return (out, lse_out) if return_lse else out
     return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields)
 
 
@@ -636,12 +642,12 @@ def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arc
     if cupy is not None and isinstance(q, cupy.ndarray):
         knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), (None, None, None))
         meta = lambda x: None if x is None else (x.dtype, x.shape, x.strides, x.device.id)  # noqa: E731
-        key = ("cupy", meta(q), meta(k), meta(v), cupy.cuda.runtime.getDevice(), causal.__class__, causal,
-               softmax_scale.__class__, softmax_scale, return_lse, arch, knobs, meta(out), meta(lse_out),
-               tuple(meta(d) if isinstance(d, cupy.ndarray) else d for d in descales), tunedb.generation())
         try:
+            key = ("cupy", meta(q), meta(k), meta(v), cupy.cuda.runtime.getDevice(), causal.__class__, causal,
+                   softmax_scale.__class__, softmax_scale, return_lse, arch, knobs, meta(out), meta(lse_out),
+                   tuple(meta(d) if isinstance(d, cupy.ndarray) else d for d in descales), tunedb.generation())
             plan = _PLANS.get(key)
-        except TypeError:
+        except (AttributeError, TypeError):  # not all CuPy arrays, an unhashable knob: the checked path says
             plan = key = None
         if plan is not None and all(isinstance(d, (cupy.ndarray, type(None))) for d in descales):
             made = plan.outputs
@@ -683,12 +689,13 @@ def _top_left(q, k, v, *, softmax_scale, return_lse, out, lse_out, arch, **spec_
         v_part = v[..., :seqlen_q] if fp8_vt else v[:, :seqlen_q]
         return attention(q, k[:, :seqlen_q], v_part, causal=True, softmax_scale=softmax_scale,
                          return_lse=return_lse, out=out, lse_out=lse_out, arch=arch, **spec_fields)
-    head = attention(q[:, :seqlen_k], k, v, causal=True, softmax_scale=softmax_scale, return_lse=True, arch=arch,
-                     **spec_fields)
-    out_head, lse_head = head
-    if out is None:
+    square = dict(causal=True, softmax_scale=softmax_scale, return_lse=True, arch=arch, **spec_fields)
+    if out is not None:
+        _, lse_head = attention(q[:, :seqlen_k], k, v, out=out[:, :seqlen_k], **square)
+    else:   # the first part's output tells the dtype (fp8 inputs give bf16 or fp16)
+        out_head, lse_head = attention(q[:, :seqlen_k], k, v, **square)
         out = _like_empty(out_head, (q.shape[0], seqlen_q) + tuple(out_head.shape[2:]))
-    out[:, :seqlen_k] = out_head
+        out[:, :seqlen_k] = out_head
     tail = attention(q[:, seqlen_k:], k, v, causal=False, softmax_scale=softmax_scale, return_lse=True,
                      out=out[:, seqlen_k:], arch=arch, **spec_fields)
     if not return_lse and lse_out is None:
