@@ -1,4 +1,4 @@
-"""``facodegen`` command line: emit, inspect, check, bench.
+"""``facodegen`` command line: emit, inspect, check, bench, tune, precompile.
 
 Every command takes the same spec flags, one per KernelSpec knob (only the flags given are
 passed; the rest take the spec's defaults), so the ``facodegen emit ...`` line in a generated
@@ -777,6 +777,110 @@ def _tune_gpu(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, hea
             tunedb.put(entry, path)
             click.echo(f"stored in {path} under {key}")
     _write_report(report, cands, entry=entry, **extra)
+
+
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "bf16": "bf16", "fp16": "fp16"}
+
+
+def _parse_shape(text: str) -> tuple[int, int, int, int, int, int]:
+    """'batch,seqlen_q,seqlen_k,heads_q,heads_kv,head_dim' -> six ints."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 6 or min(values) < 1:
+        raise click.BadParameter(f"{text!r}: expected six positive integers "
+                                 f"batch,seqlen_q,seqlen_k,heads_q,heads_kv,head_dim", param_hint="--shape")
+    return values
+
+
+def model_shapes(config: dict, seqlens, batch: int) -> tuple[list[tuple], str | None]:
+    """The attention shapes of a Hugging Face model config (config.json's dict) at each seqlen
+    (prefill: seqlen_q = seqlen_k), and its dtype name ('bf16'/'fp16', None if it names none)."""
+    config = config.get("text_config", config)
+    try:
+        heads = int(config["num_attention_heads"])
+        heads_kv = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError) as err:
+        raise click.BadParameter(f"the model config has no usable {err} (needs num_attention_heads and "
+                                 f"head_dim or hidden_size)", param_hint="--config") from None
+    dtype = _DTYPE_NAMES.get(str(config.get("torch_dtype") or config.get("dtype") or ""))
+    return [(batch, s, s, heads, heads_kv, head_dim) for s in seqlens], dtype
+
+
+@main.command()
+@click.option("--shape", "shapes", multiple=True, callback=lambda c, p, v: [_parse_shape(x) for x in v],
+              help="batch,seqlen_q,seqlen_k,heads_q,heads_kv,head_dim (repeatable).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="A Hugging Face config.json: its heads, KV heads, head_dim and dtype, at each --seqlens.")
+@click.option("--seqlens", default="512,1024,2048,4096,8192", show_default=True,
+              help="With --config: prefill lengths (comma-separated).")
+@click.option("--batch", default=1, show_default=True, help="With --config: batch size.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), help="Default: the config's, else bf16.")
+@click.option("--causal/--no-causal", default=True, show_default=True)
+@click.option("--arch", type=click.Choice(ARCHS), help="Default: the GPU's (sm90 without one).")
+@click.option("--gpu", type=click.Choice(sorted(GPUS)), default="h200", show_default=True,
+              help="Without a GPU: the budget model's GPU the kernels are picked for.")
+def precompile(shapes, config_path, seqlens, batch, dtype, causal, arch, gpu):
+    """Compile ahead of time the kernels attention() will pick for these shapes, into the
+    compile cache, so the first call of each shape only loads its kernel.
+
+    \b
+    Example:
+      facodegen precompile --config path/to/config.json --seqlens 1024,4096
+      facodegen precompile --shape 1,4096,4096,32,8,128 --no-causal --arch sm80
+    """
+    import json
+
+    from . import api, compiler
+
+    problems = list(shapes)
+    if config_path is not None:
+        try:
+            lengths = [int(x) for x in seqlens.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{seqlens!r} is not a comma-separated list of integers",
+                                     param_hint="--seqlens") from None
+        found, config_dtype = model_shapes(json.loads(config_path.read_text()), lengths, batch)
+        problems += found
+        dtype = dtype or config_dtype
+    if not problems:
+        raise UsageFailure("give --shape and/or --config: nothing to compile")
+    dtype = dtype or "bf16"
+    ok, _ = compiler.gpu_available()
+    seen = {}
+    for b, sq, sk, hq, hkv, d in problems:
+        shape = (b, sq, sk, hq)
+        try:
+            if ok:
+                spec = api.resolve_spec(d, dtype, causal, 0, arch, shape=shape)
+            else:
+                spec = api.spec_for_shape(arch or "sm90", d, dtype, causal, shape, gpu=gpu)
+        except (SpecError, ValueError) as err:
+            raise UsageFailure(f"--shape {b},{sq},{sk},{hq},{hkv},{d}: {err}") from None
+        if spec in seen:
+            continue
+        cached = _compile_for(spec, ok, api, compiler)
+        seen[spec] = cached
+        r = cached.resources
+        click.echo(f"{'cached  ' if cached.from_cache else 'compiled'} {spec.variant}  "
+                   f"(shape {b},{sq},{sk},{hq},{hkv},{d}; {r.registers} registers, {r.spill_stores} bytes spilled)")
+    fresh = sum(not k.from_cache for k in seen.values())
+    click.echo(f"{len(seen)} kernels for {len(problems)} shapes: {fresh} compiled, {len(seen) - fresh} already "
+               f"in the cache ({compiler.cache_dir()})")
+
+
+def _compile_for(spec: KernelSpec, on_gpu: bool, api, compiler):
+    """The kernel as attention() compiles it: for the GPU at hand when there is one."""
+    try:
+        if on_gpu:
+            info = api.device_info(0)
+            sm = f"sm_{info.compute_capability[0]}{info.compute_capability[1]}" if spec.arch == "sm80" else None
+            return compiler.compile(spec, sm=sm)
+        return compiler.compile(spec)
+    except compiler.CompileError as err:
+        raise click.ClickException(str(err)) from None
 
 
 def _echo_result(result):

@@ -333,22 +333,34 @@ _nvrtc_id = None
 
 def nvrtc_identity() -> str:
     """NVRTC's version for the cache key: the library's major.minor, plus the pip package's
-    full version where NVRTC comes from pip (13.0.48 and 13.0.88 may emit different code)."""
+    full version where NVRTC comes from pip (13.0.48 and 13.0.88 may emit different code).
+    With the pip package, read from its dist-info folder alone: loading libnvrtc to ask it
+    takes ~0.15 s, which a process that only reads the compile cache should not pay."""
     global _nvrtc_id
     if _nvrtc_id is None:
-        major, minor = nvrtc_version()
-        ident = f"{major}.{minor}"
-        try:
-            from importlib.metadata import PackageNotFoundError, version
-
-            try:
-                ident += f" (nvidia-cuda-nvrtc {version('nvidia-cuda-nvrtc')})"
-            except PackageNotFoundError:
-                pass
-        except ImportError:  # pragma: no cover
-            pass
-        _nvrtc_id = ident
+        package = _pip_nvrtc_version()
+        if package is not None:
+            major, minor = package.split(".")[:2]
+            _nvrtc_id = f"{major}.{minor} (nvidia-cuda-nvrtc {package})"
+        else:
+            major, minor = nvrtc_version()
+            _nvrtc_id = f"{major}.{minor}"
     return _nvrtc_id
+
+
+def _pip_nvrtc_version() -> str | None:
+    """The version of the first nvidia-cuda-nvrtc dist-info on sys.path (importlib.metadata's
+    answer, without importing it), or None."""
+    prefix = "nvidia_cuda_nvrtc-"
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith(prefix) and name.endswith(".dist-info"):
+                return name[len(prefix):-len(".dist-info")]
+    return None
 
 
 def _nvrtc_compile(source: str, name: str, options: Sequence[str], want: str = "cubin") -> tuple:
@@ -514,20 +526,67 @@ def compile_source(source: str, arch: str, name: str, *, extra_options: Sequence
 
 def compile(spec, *, verbose: bool | None = None, sm: str | None = None) -> CompiledKernel:  # noqa: A001
     """Render ``spec`` (facodegen.render.emit) and compile it; the kernel symbol is spec.variant.
-    ``sm`` picks another real target for sm80 code (see :func:`target`)."""
+    ``sm`` picks another real target for sm80 code (see :func:`target`).
+
+    A spec compiled before (by any process) is found through the spec index without rendering
+    it: ``<cache>/index/<variant>-<hash>.json`` names the cubin entry, the hash being of the spec's
+    fields, the NVRTC options, the templates' bytes, NVRTC's and facodegen's versions."""
     hit = _spec_memo.get((spec, sm))
     if hit is not None:
         return hit
     from .render import emit, emit_command
 
-    try:
-        kernel = compile_source(emit(spec), spec.arch, spec.variant, verbose=verbose, sm=sm)
-    except CompileError as err:
-        hint = (f"the whole generated file: `{emit_command(spec)} -o {spec.variant}.cu` "
-                f"(line numbers above are lines of that file)")
-        raise CompileError(err.name, err.arch, err.log, err.source, hint=hint) from None
+    options = NVRTC_OPTIONS(spec.arch, sm)
+    index = cache_dir() / "index" / f"{spec.variant}-{_spec_index_key(spec, options)[:16]}.json"
+    kernel = _from_index(index, spec, options)
+    if kernel is None:
+        try:
+            kernel = compile_source(emit(spec), spec.arch, spec.variant, verbose=verbose, sm=sm)
+        except CompileError as err:
+            hint = (f"the whole generated file: `{emit_command(spec)} -o {spec.variant}.cu` "
+                    f"(line numbers above are lines of that file)")
+            raise CompileError(err.name, err.arch, err.log, err.source, hint=hint) from None
+        try:
+            index.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(index, json.dumps({"name": kernel.name, "key": kernel.key, "source": kernel.source}).encode())
+        except OSError:
+            pass    # a read-only or full cache: the next process renders again, nothing else
     _spec_memo[(spec, sm)] = kernel
     return kernel
+
+
+def _from_index(index: Path, spec, options: tuple) -> CompiledKernel | None:
+    try:
+        entry = json.loads(index.read_text())
+        name, key, source = entry["name"], entry["key"], entry["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    hit = _memo.get((name, key)) or _load_entry(cache_dir(), name, spec.arch, source, options, key)
+    if hit is not None:
+        _memo[(name, key)] = hit
+    return hit
+
+
+_templates_digest = None
+
+
+def _spec_index_key(spec, options: Sequence[str]) -> str:
+    """sha256 of what decides a spec's rendered source and its cubin, short of rendering it."""
+    global _templates_digest
+    if _templates_digest is None:
+        from .render import template_dir
+        h = hashlib.sha256()
+        root = template_dir()
+        for path in sorted(root.rglob("*.j2")):
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+        _templates_digest = h.hexdigest()
+    h = hashlib.sha256()
+    for part in (json.dumps(spec.as_dict(), sort_keys=True), "\0".join(options), _templates_digest,
+                 nvrtc_identity(), __version__):
+        data = part.encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
 
 
 def clear_memo() -> None:

@@ -292,7 +292,7 @@ def test_compile_error_shows_source_lines():
     assert info.value.log.startswith("broken.cu(3)")
 
 
-def test_compile_spec_error_hint_names_the_emit_command(monkeypatch):
+def test_compile_spec_error_hint_names_the_emit_command(monkeypatch, fresh_cache):
     spec = facodegen.default_spec("sm80", 64)
     import facodegen.render as render
 
