@@ -13,6 +13,8 @@ from .render import emit  # noqa: E402
 from .compiler import CompiledKernel, CompileError, compile  # noqa: E402
 from .api import attention, prepare, transpose_v  # noqa: E402
 from .quantize import quantize_e4m3  # noqa: E402
+from .adapters import flash_attn_func  # noqa: E402
 
 __all__ = ["KernelSpec", "SpecError", "default_spec", "default_specs", "emit", "compile", "CompiledKernel",
-           "CompileError", "attention", "transpose_v", "quantize_e4m3", "prepare", "__version__"]
+           "CompileError", "attention", "transpose_v", "quantize_e4m3", "prepare", "flash_attn_func",
+           "__version__"]

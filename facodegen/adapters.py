@@ -1,0 +1,52 @@
+"""Drop-in entry points with other libraries' signatures, as thin layers over facodegen.attention.
+
+``flash_attn_func`` is FlashAttention-2's (flash_attn.flash_attn_func), exported as
+``facodegen.flash_attn_func``. torch SDPA's call is ``facodegen.torch.scaled_dot_product_attention``
+(a module of its own, since it imports torch) and the Hugging Face transformers backend is
+``facodegen.integrations.transformers``.
+
+Nothing here imports torch or CuPy: ``import facodegen`` keeps working without them.
+"""
+
+from __future__ import annotations
+
+import facodegen
+
+__all__ = ["flash_attn_func"]
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """FlashAttention-2's ``flash_attn_func`` (same parameters, order and defaults) on facodegen's kernels.
+
+    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
+    bf16 torch CUDA tensors (or CuPy arrays), any batch/seq/head strides with contiguous head_dim;
+    heads_kv divides heads_q (GQA/MQA read in place); head_dim 64, 96, 128, 192 or 256. ``causal``
+    is aligned bottom-right as in FlashAttention (seqlen_q=2, seqlen_k=5: row 0 sees keys 0..3);
+    a row with no visible key gives zeros. Returns out (batch, seqlen_q, heads_q, head_dim) in q's
+    dtype.
+
+    Supported: ``softmax_scale`` (default 1/sqrt(head_dim)), ``causal``, ``deterministic`` (accepted
+    and moot: the forward is deterministic and there is no backward yet). ``return_attn_probs=True``
+    returns ``(out, softmax_lse, None)``: softmax_lse is float32 (batch, heads_q, seqlen_q), natural
+    log, as FlashAttention's; the third item, FlashAttention's S_dmask (the probabilities, for
+    testing), is never computed and is None.
+
+    Not supported yet, and raising NotImplementedError: ``dropout_p`` != 0, a ``window_size`` with a
+    non-negative entry (negative means unbounded, as in FlashAttention), ``softcap`` > 0 (FlashAttention
+    treats <= 0 as off), ``alibi_slopes``.
+    """
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p!r} is not supported yet (facodegen has no dropout; "
+                                  f"pass dropout_p=0.0)")
+    if len(window_size) != 2 or any(w >= 0 for w in window_size):
+        raise NotImplementedError(f"window_size={tuple(window_size)!r} is not supported yet (no sliding "
+                                  f"window; pass window_size=(-1, -1))")
+    if softcap > 0.0:
+        raise NotImplementedError(f"softcap={softcap!r} is not supported yet (pass softcap=0.0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not supported yet (pass alibi_slopes=None)")
+    if return_attn_probs:
+        out, lse = facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, return_lse=True)
+        return out, lse, None
+    return facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale)

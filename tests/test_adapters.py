@@ -1,0 +1,441 @@
+"""The drop-in entry points on a CPU: facodegen.torch.scaled_dot_product_attention,
+facodegen.flash_attn_func and the transformers backend (facodegen.integrations.transformers).
+
+Their signatures, every argument they refuse (refused before anything reaches the GPU), and
+their plumbing: facodegen.attention is replaced by a float64 torch implementation of its
+contract (FakeAttention), so the layouts, causal alignment, scale, GQA and out= that reach it
+are checked against torch SDPA, and so is that q/k/v/out are views of the caller's tensors.
+The real kernels are checked in tests/gpu/test_adapters_gpu.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import facodegen  # noqa: E402
+import facodegen.torch as ftorch  # noqa: E402
+from facodegen.adapters import flash_attn_func  # noqa: E402
+
+F = torch.nn.functional
+
+
+class FakeAttention:
+    """facodegen.attention's contract in float64 on the CPU, recording each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, lse_out=None,
+                 arch=None, causal_alignment="bottom_right", **spec_fields):
+        assert not spec_fields and arch is None and lse_out is None
+        assert causal_alignment in ("bottom_right", "top_left")
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        seqlen_k, heads_kv = k.shape[1], k.shape[2]
+        assert k.shape == v.shape == (batch, seqlen_k, heads_kv, head_dim) and heads_q % heads_kv == 0
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head_dim must be contiguous"
+        self.calls.append(dict(q=q, k=k, v=v, causal=causal, softmax_scale=softmax_scale, out=out,
+                               causal_alignment=causal_alignment, return_lse=return_lse))
+        scale = 1 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        group = heads_q // heads_kv
+        qd = q.double().transpose(1, 2)
+        kd = k.double().transpose(1, 2).repeat_interleave(group, dim=1)
+        vd = v.double().transpose(1, 2).repeat_interleave(group, dim=1)
+        s = scale * qd @ kd.transpose(-1, -2)
+        if causal:
+            shift = seqlen_k - seqlen_q if causal_alignment == "bottom_right" else 0
+            rows = torch.arange(seqlen_q)[:, None]
+            s = s.masked_fill(torch.arange(seqlen_k)[None, :] > rows + shift, -math.inf)
+        lse = torch.logsumexp(s, dim=-1)                                     # -inf on rows with no key
+        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        o = (p @ vd).transpose(1, 2).to(q.dtype)
+        if out is not None:
+            assert out.shape == q.shape and out.stride(-1) == 1
+            out.copy_(o)
+            o = out
+        return (o, lse.float()) if return_lse else o
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeAttention()
+    monkeypatch.setattr(facodegen, "attention", f)
+    return f
+
+
+def _same_storage(a, b) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _bottom_right(seqlen_q, seqlen_k):
+    return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool).tril(seqlen_k - seqlen_q)
+
+
+def _close(x, ref):
+    assert x.shape == ref.shape and x.dtype == ref.dtype
+    torch.testing.assert_close(x, ref, rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# signatures
+# ------------------------------------------------------------------------------------------------
+
+SDPA_PARAMS = [("query", None, "P"), ("key", None, "P"), ("value", None, "P"), ("attn_mask", None, "P"),
+               ("dropout_p", 0.0, "P"), ("is_causal", False, "P"), ("scale", None, "K"), ("enable_gqa", False, "K")]
+
+FA2_PARAMS = [("q", None), ("k", None), ("v", None), ("dropout_p", 0.0), ("softmax_scale", None),
+              ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+              ("deterministic", False), ("return_attn_probs", False)]
+
+
+def _params(fn):
+    kinds = {inspect.Parameter.POSITIONAL_OR_KEYWORD: "P", inspect.Parameter.KEYWORD_ONLY: "K"}
+    return [(p.name, None if p.default is inspect.Parameter.empty else p.default, kinds[p.kind])
+            for p in inspect.signature(fn).parameters.values()]
+
+
+def _torch_sdpa_documented():
+    """Names and defaults of torch's SDPA from its docstring (the builtin has no inspect signature)."""
+    doc = F.scaled_dot_product_attention.__doc__
+    head = doc[:doc.index("->")].strip()
+    fn = ast.parse(f"def {head}: pass").body[0]
+    args = fn.args.args + fn.args.kwonlyargs
+    defaults = [None] * (len(fn.args.args) - len(fn.args.defaults)) + fn.args.defaults + fn.args.kw_defaults
+    return [(a.arg, None if d is None else ast.literal_eval(d)) for a, d in zip(args, defaults)]
+
+
+def test_sdpa_signature_matches_torch():
+    ours = _params(ftorch.scaled_dot_product_attention)
+    assert ours == SDPA_PARAMS
+    try:
+        theirs = _params(F.scaled_dot_product_attention)
+    except (TypeError, ValueError):   # a builtin without __text_signature__ (torch 2.13): its documented form
+        assert [(n, d) for n, d, _ in ours] == _torch_sdpa_documented()
+    else:
+        assert ours == theirs
+
+
+def test_sdpa_takes_as_many_positional_arguments_as_torch():
+    """torch's SDPA takes scale and enable_gqa by keyword only (its native schema has a '*')."""
+    q = torch.randn(1, 1, 2, 64)
+    with pytest.raises(TypeError):
+        F.scaled_dot_product_attention(q, q, q, None, 0.0, False, 0.5)
+    with pytest.raises(TypeError):
+        ftorch.scaled_dot_product_attention(q, q, q, None, 0.0, False, 0.5)
+
+
+def test_flash_attn_func_signature_is_flash_attention_2s():
+    assert [(n, d) for n, d, _ in _params(flash_attn_func)] == FA2_PARAMS
+    assert all(kind == "P" for _, _, kind in _params(flash_attn_func)), "FA2's parameters are all positional"
+    assert facodegen.flash_attn_func is flash_attn_func and "flash_attn_func" in facodegen.__all__
+
+
+# ------------------------------------------------------------------------------------------------
+# refused arguments: checked before anything reaches facodegen.attention (CPU tensors are fine)
+# ------------------------------------------------------------------------------------------------
+
+def _bhsd(batch=2, heads=4, seqlen=8, head_dim=64, dtype=torch.float32):
+    return torch.randn(batch, heads, seqlen, head_dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), NotImplementedError, "attn_mask"),
+    (dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
+])
+def test_sdpa_refuses(fake, kwargs, error, name):
+    q = _bhsd()
+    with pytest.raises(error, match=name):
+        ftorch.scaled_dot_product_attention(q, q, q, **kwargs)
+    assert not fake.calls
+
+
+def test_sdpa_attn_mask_message(fake):
+    q = _bhsd()
+    with pytest.raises(NotImplementedError) as err:
+        ftorch.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(8, 8))
+    assert str(err.value) == ("attn_mask is not supported yet (facodegen runs causal or no mask; "
+                              "use is_causal=True)")
+
+
+def test_sdpa_refuses_bad_shapes(fake):
+    q = _bhsd(heads=8)
+    kv = _bhsd(heads=2)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        ftorch.scaled_dot_product_attention(q, kv, kv)
+    with pytest.raises(ValueError, match="divide"):
+        ftorch.scaled_dot_product_attention(q, _bhsd(heads=3), _bhsd(heads=3), enable_gqa=True)
+    with pytest.raises(ValueError, match="query"):
+        ftorch.scaled_dot_product_attention(q[0], q[0], q[0])                    # 3-D: no batch dim
+    with pytest.raises(ValueError, match="batch dims"):
+        ftorch.scaled_dot_product_attention(q, q[:1], q[:1])                     # broadcasting batch
+    with pytest.raises(ValueError, match="head_dim"):
+        ftorch.scaled_dot_product_attention(q, q, _bhsd(heads=8, head_dim=128))
+    with pytest.raises(ValueError, match="value"):
+        ftorch.scaled_dot_product_attention(q, q, _bhsd(heads=8, seqlen=9))
+    with pytest.raises(TypeError, match="key"):
+        ftorch.scaled_dot_product_attention(q, q.numpy(), q)
+    # batch dims that no view merges into one: the adapter never copies
+    q5 = torch.randn(3, 2, 4, 8, 64).transpose(0, 1)
+    with pytest.raises(ValueError, match="query.*without a copy"):
+        ftorch.scaled_dot_product_attention(q5, q5, q5)
+    assert not fake.calls
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(dropout_p=0.1), "dropout_p"),
+    (dict(window_size=(128, 0)), "window_size"),
+    (dict(window_size=(-1, 4)), "window_size"),
+    (dict(softcap=30.0), "softcap"),
+    (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
+])
+def test_flash_attn_func_refuses(fake, kwargs, name):
+    q = _bhsd().transpose(1, 2)
+    with pytest.raises(NotImplementedError, match=name):
+        flash_attn_func(q, q, q, **kwargs)
+    assert not fake.calls
+
+
+def test_flash_attn_func_accepts_what_flash_attention_treats_as_off(fake):
+    q = _bhsd().transpose(1, 2)
+    flash_attn_func(q, q, q, window_size=[-1, -1], softcap=0.0, deterministic=True)
+    flash_attn_func(q, q, q, softcap=-1.0)   # FA2: softcap <= 0 is off
+    assert len(fake.calls) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# plumbing, against torch SDPA (float32 CPU)
+# ------------------------------------------------------------------------------------------------
+
+SHAPES = [   # batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim
+    (2, 4, 4, 16, 16, 64),
+    (2, 4, 4, 5, 12, 64),
+    (2, 4, 4, 12, 5, 64),
+    (1, 8, 2, 7, 19, 128),
+    (3, 6, 1, 1, 9, 64),
+]
+
+
+def _qkv_bhsd(shape, seed=0):
+    batch, hq, hkv, sq, sk, d = shape
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, hq, sq, d, generator=g), torch.randn(batch, hkv, sk, d, generator=g),
+            torch.randn(batch, hkv, sk, d, generator=g))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_sdpa_matches_torch(fake, shape, causal, scale):
+    q, k, v = _qkv_bhsd(shape)
+    gqa = shape[1] != shape[2]
+    out = ftorch.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    _close(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa))
+    assert out.is_contiguous()
+
+    (call,) = fake.calls
+    assert call["causal"] is causal and call["causal_alignment"] == "top_left" and call["softmax_scale"] == scale
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        assert call[name].data_ptr() == x.data_ptr() and _same_storage(call[name], x), f"{name} was copied"
+        assert call[name].shape == x.transpose(1, 2).shape
+    assert _same_storage(call["out"], out) and call["out"].data_ptr() == out.data_ptr(), "out= must alias the result"
+
+
+def test_sdpa_positional_arguments(fake):
+    q, k, v = _qkv_bhsd((2, 4, 4, 6, 10, 64))
+    _close(ftorch.scaled_dot_product_attention(q, k, v, None, 0.0, True),
+           F.scaled_dot_product_attention(q, k, v, None, 0.0, True))
+
+
+def test_sdpa_more_batch_dims_and_strided_inputs(fake):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 4, 9, 64, generator=g)
+    # K and V as views of one packed (batch..., seqlen, 2, heads, d) buffer: strided, never copied
+    kv = torch.randn(2, 3, 11, 2, 4, 64, generator=g)
+    k, v = kv[..., 0, :, :].transpose(-2, -3), kv[..., 1, :, :].transpose(-2, -3)
+    out = ftorch.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.shape == (2, 3, 4, 9, 64) and out.is_contiguous()
+    _close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    (call,) = fake.calls
+    assert call["k"].data_ptr() == k.data_ptr() and _same_storage(call["k"], kv)
+    assert call["v"].data_ptr() == v.data_ptr() and _same_storage(call["v"], kv)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_matches_torch(fake, shape, causal):
+    qh, kh, vh = _qkv_bhsd(shape, seed=2)
+    q, k, v = qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2)   # (batch, seqlen, heads, d) views
+    sq, sk = shape[3], shape[4]
+    mask = _bottom_right(sq, sk) if causal else None
+    ref = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    ref = ref.nan_to_num(0.0)   # rows with no visible key are zeros in FlashAttention
+
+    out = flash_attn_func(q, k, v, causal=causal)
+    _close(out, ref)
+    out2, lse, probs = flash_attn_func(q, k, v, 0.0, None, causal, return_attn_probs=True)
+    _close(out2, ref)
+    assert probs is None and lse.shape == (shape[0], shape[1], sq) and lse.dtype == torch.float32
+    scores = (qh @ kh.repeat_interleave(shape[1] // shape[2], dim=1).transpose(-1, -2)) / math.sqrt(shape[5])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    _close(lse, torch.logsumexp(scores, dim=-1))
+
+    for call in fake.calls:
+        assert call["causal"] is causal and call["causal_alignment"] == "bottom_right"
+        assert call["q"] is q and call["k"] is k and call["v"] is v
+
+
+def test_flash_attn_func_positional_scale(fake):
+    q, k, v = (x.transpose(1, 2) for x in _qkv_bhsd((1, 2, 2, 4, 4, 64)))
+    flash_attn_func(q, k, v, 0.0, 0.25, True)
+    assert fake.calls[0]["softmax_scale"] == 0.25 and fake.calls[0]["causal"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# transformers backend
+# ------------------------------------------------------------------------------------------------
+
+def test_register_without_transformers(monkeypatch):
+    from facodegen.integrations import transformers as fa_tf
+    monkeypatch.setitem(sys.modules, "transformers", None)   # import transformers -> ImportError
+    with pytest.raises(ImportError, match="pip install transformers"):
+        fa_tf.register()
+
+
+class _Module:
+    is_causal = True
+
+
+def _hf_qkv(batch=2, hq=8, hkv=2, sq=6, sk=6, d=64, seed=3):
+    """(batch, heads, seqlen, d) views of (batch, seqlen, heads, d) projections, as transformers makes them."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, sq, hq, d, generator=g).transpose(1, 2),
+            torch.randn(batch, sk, hkv, d, generator=g).transpose(1, 2),
+            torch.randn(batch, sk, hkv, d, generator=g).transpose(1, 2))
+
+
+@pytest.mark.parametrize("sq, sk", [(6, 6), (1, 9), (4, 9)])
+def test_transformers_attention_forward(fake, sq, sk):
+    from facodegen.integrations.transformers import attention_forward
+    q, k, v = _hf_qkv(sq=sq, sk=sk)
+    out, weights = attention_forward(_Module(), q, k, v, None, scaling=0.2)
+    assert weights is None and out.shape == (2, sq, 8, 64)
+    mask = _bottom_right(sq, sk)
+    _close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True).transpose(1, 2))
+    (call,) = fake.calls
+    assert call["causal"] is (sq > 1) and call["causal_alignment"] == "bottom_right" and call["softmax_scale"] == 0.2
+    assert call["k"].shape[2] == 2, "K/V heads must reach the kernel unrepeated"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        assert call[name].data_ptr() == x.data_ptr() and _same_storage(call[name], x), f"{name} was copied"
+
+
+def test_transformers_masks(fake):
+    from facodegen.integrations.transformers import _causal_from_mask, attention_forward
+    q, k, v = _hf_qkv(sq=4, sk=7)
+    causal_bool = _bottom_right(4, 7)[None, None].expand(2, 1, 4, 7)
+    additive = torch.zeros(2, 1, 4, 7).masked_fill(~causal_bool, torch.finfo(torch.float32).min)
+    assert _causal_from_mask(None, 4, 7, True) is True
+    assert _causal_from_mask(torch.ones(2, 7, dtype=torch.bool), 4, 7, True) is True
+    assert _causal_from_mask(torch.ones(2, 7, dtype=torch.long), 4, 7, False) is False
+    assert _causal_from_mask(causal_bool, 4, 7, False) is True
+    assert _causal_from_mask(additive, 4, 7, False) is True
+    assert _causal_from_mask(torch.ones(2, 1, 4, 7, dtype=torch.bool), 4, 7, True) is False
+    padded_2d = torch.ones(2, 7, dtype=torch.long)
+    padded_2d[1, :2] = 0
+    padded_4d = causal_bool.clone()
+    padded_4d[1, :, :, :2] = False
+    top_left = torch.ones(4, 7, dtype=torch.bool).tril()[None, None].expand(2, 1, 4, 7)
+    for mask in (padded_2d, torch.ones(2, 9, dtype=torch.bool), padded_4d, top_left):
+        with pytest.raises(NotImplementedError, match=r"padded batches need variable-length support \(not yet\)"):
+            attention_forward(_Module(), q, k, v, mask)
+    assert not fake.calls
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(dropout=0.1), "dropout"),
+    (dict(softcap=50.0), "softcap"),
+    (dict(sliding_window=4), "sliding_window"),
+    (dict(s_aux=torch.zeros(8)), "s_aux"),
+    (dict(position_bias=torch.zeros(1, 8, 6, 6)), "position_bias"),
+    (dict(cu_seq_lens_q=torch.tensor([0, 6]), cu_seq_lens_k=torch.tensor([0, 6])), "cu_seq_lens"),
+])
+def test_transformers_refuses(fake, kwargs, name):
+    from facodegen.integrations.transformers import attention_forward
+    q, k, v = _hf_qkv()
+    with pytest.raises(NotImplementedError, match=name):
+        attention_forward(_Module(), q, k, v, None, **kwargs)
+    assert not fake.calls
+
+
+def test_transformers_accepts_what_flash_attention_2_accepts(fake):
+    from facodegen.integrations.transformers import attention_forward
+    q, k, v = _hf_qkv(batch=1)
+    attention_forward(_Module(), q, k, v, None, sliding_window=6, softcap=None, s_aux=None, output_attentions=True,
+                      position_ids=torch.arange(3, 9)[None])
+    assert len(fake.calls) == 1
+    with pytest.raises(NotImplementedError, match="packed"):
+        attention_forward(_Module(), q, k, v, None, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    out, _ = attention_forward(_Module(), q, k, v, None, is_causal=False)
+    assert fake.calls[-1]["causal"] is False
+
+
+# a tiny random Llama, float32 on the CPU, facodegen.attention faked: the whole model path
+
+def _tiny_llama(attn_implementation, state_dict=None):
+    transformers = pytest.importorskip("transformers")
+    from facodegen.integrations.transformers import register
+    register()
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    assert model.config._attn_implementation == attn_implementation
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model.eval()
+
+
+def test_transformers_register():
+    transformers = pytest.importorskip("transformers")
+    from facodegen.integrations.transformers import attention_forward, register
+    register()
+    assert transformers.AttentionInterface()["facodegen"] is attention_forward
+    masking = pytest.importorskip("transformers.masking_utils")
+    if hasattr(masking, "AttentionMaskInterface"):
+        assert masking.AttentionMaskInterface()["facodegen"] is masking.AttentionMaskInterface()["flash_attention_2"]
+
+
+@torch.no_grad()
+def test_transformers_llama_matches_sdpa(fake):
+    sdpa = _tiny_llama("sdpa")
+    ours = _tiny_llama("facodegen", sdpa.state_dict())
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    _close(ours(ids).logits, sdpa(ids).logits)
+    assert len(fake.calls) == 2 and all(c["causal"] for c in fake.calls)
+    assert fake.calls[0]["q"].shape == (2, 12, 4, 64) and fake.calls[0]["k"].shape == (2, 12, 2, 64)
+
+    fake.calls.clear()
+    mask = torch.ones_like(ids)
+    want = sdpa.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=True)
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=True)
+    assert torch.equal(got, want)
+    decode = [c for c in fake.calls if c["q"].shape[1] == 1]
+    assert decode and all(c["causal"] is False and c["k"].shape[1] > 12 for c in decode)
+
+
+@torch.no_grad()
+def test_transformers_llama_padded_batch_raises(fake):
+    ours = _tiny_llama("facodegen")
+    ids = torch.randint(3, 128, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(NotImplementedError, match=r"padded batches need variable-length support \(not yet\)"):
+        ours(ids, attention_mask=mask)
+    assert not fake.calls
