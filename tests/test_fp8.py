@@ -313,45 +313,16 @@ def test_api_fp8_argument_errors():
 
 
 # ---------------------------------------------------------------- the Python path of an fp8 call, GPU faked
-class _FakeDevice:
-    def __init__(self, index):
-        self.index = index
-
-
-class _FakeTensor:
-    """Just enough of a torch CUDA tensor for facodegen.api._view."""
-    _next = 1 << 24
-
-    def __init__(self, shape, dtype, strides=None, device=0):
-        self.shape = tuple(shape)
-        self.dtype = f"torch.{dtype}"
-        if strides is None:
-            strides, acc = [], 1
-            for n in reversed(self.shape):
-                strides.insert(0, acc)
-                acc *= n
-        self._strides = tuple(strides)
-        self.is_cuda = True
-        self.device = _FakeDevice(device)
-        self._ptr = _FakeTensor._next
-        _FakeTensor._next += 1 << 24
-
-    def data_ptr(self):
-        return self._ptr
-
-    def stride(self):
-        return self._strides
-
-
 @pytest.mark.parametrize("v_layout", ["row", "transposed"])
 def test_fp8_prepare_packs_params(monkeypatch, v_layout):
     import struct
     import sys
     import types
 
+    from fakes import FakeTensor
     from facodegen import api
 
-    fake_torch = types.SimpleNamespace(Tensor=_FakeTensor, bfloat16="torch.bfloat16")
+    fake_torch = types.SimpleNamespace(Tensor=FakeTensor, bfloat16="torch.bfloat16")
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
     monkeypatch.setattr(api, "device_info", lambda ordinal: info)
@@ -362,15 +333,15 @@ def test_fp8_prepare_packs_params(monkeypatch, v_layout):
     monkeypatch.setattr(tma, "encode", lambda a: encoded.setdefault(len(encoded), a) and bytes(128))
 
     b, sq, sk, hq, hkv, d = 2, 100, 77, 4, 2, 128
-    q = _FakeTensor((b, sq, hq, d), "float8_e4m3fn")
-    k = _FakeTensor((b, sk, hkv, d), "float8_e4m3fn")
-    v_t = _FakeTensor((b, hkv, d, sk), "float8_e4m3fn", strides=(hkv * d * 80, d * 80, 80, 1))
-    v = _FakeTensor((b, sk, hkv, d), "float8_e4m3fn") if v_layout == "row" else v_t
-    out = _FakeTensor((b, sq, hq, d), "bfloat16")
-    lse = _FakeTensor((b, hq, sq), "float32")
-    qd = _FakeTensor((), "float32")
-    kd = _FakeTensor((b, hkv), "float32")
-    vd = _FakeTensor((1,), "float32")
+    q = FakeTensor((b, sq, hq, d), "float8_e4m3fn")
+    k = FakeTensor((b, sk, hkv, d), "float8_e4m3fn")
+    v_t = FakeTensor((b, hkv, d, sk), "float8_e4m3fn", strides=(hkv * d * 80, d * 80, 80, 1))
+    v = FakeTensor((b, sk, hkv, d), "float8_e4m3fn") if v_layout == "row" else v_t
+    out = FakeTensor((b, sq, hq, d), "bfloat16")
+    lse = FakeTensor((b, hq, sq), "float32")
+    qd = FakeTensor((), "float32")
+    kd = FakeTensor((b, hkv), "float32")
+    vd = FakeTensor((1,), "float32")
     prepared = api.prepare(q, k, v, causal=True, out=out, lse_out=lse, q_descale=qd, k_descale=kd, v_descale=vd,
                            v_layout=v_layout)
     spec = prepared.spec
@@ -398,12 +369,12 @@ def test_fp8_prepare_packs_params(monkeypatch, v_layout):
         assert maps[2].strides == (80, d * 80, hkv * d * 80)
     # bad arguments name themselves
     with pytest.raises(TypeError, match="q_descale has dtype float16"):
-        api.prepare(q, k, v, q_descale=_FakeTensor((), "float16"), v_layout=v_layout, out=out, lse_out=lse)
+        api.prepare(q, k, v, q_descale=FakeTensor((), "float16"), v_layout=v_layout, out=out, lse_out=lse)
     with pytest.raises(ValueError, match="sm90"):
         api.prepare(q, k, v, arch="sm80", v_layout=v_layout)
     with pytest.raises(TypeError, match="out must be a torch bfloat16"):
         api.prepare(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, v_layout=v_layout,
-                    out=_FakeTensor((b, sq, hq, d), "float16"), lse_out=lse)
+                    out=FakeTensor((b, sq, hq, d), "float16"), lse_out=lse)
 
 
 # ---------------------------------------------------------------- Q in registers

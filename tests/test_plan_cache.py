@@ -13,53 +13,9 @@ import types
 import pytest
 
 from facodegen import api, driver, params, plan as plan_mod, tma, tunedb
+from fakes import FakeTensor
 
 B, SQ, SK, HQ, HKV, D = 2, 100, 77, 8, 2, 128
-
-
-class FakeDevice:
-    def __init__(self, index):
-        self.index = index
-        self.type = "cuda"
-
-    def __str__(self):
-        return f"cuda:{self.index}"
-
-
-class FakeTensor:
-    """Just enough of a torch CUDA tensor for api's fast path and its checked path."""
-    _next = 1 << 30
-
-    def __init__(self, shape, dtype="bfloat16", strides=None, device=0, ptr=None):
-        self.shape = tuple(shape)
-        self.dtype = f"torch.{dtype}"
-        if strides is None:
-            strides, acc = [], 1
-            for n in reversed(self.shape):
-                strides.insert(0, acc)
-                acc *= n
-        self._strides = tuple(strides)
-        self.is_cuda = True
-        self.requires_grad = False
-        self.device = FakeDevice(device)
-        if ptr is None:
-            ptr = FakeTensor._next
-            FakeTensor._next += 1 << 28
-        self._ptr = ptr
-
-    def data_ptr(self):
-        return self._ptr
-
-    def stride(self):
-        return self._strides
-
-    def get_device(self):
-        return self.device.index
-
-    def offset(self, nbytes):
-        """The same tensor seen from ``nbytes`` further on (a view with a storage offset)."""
-        return FakeTensor(self.shape, self.dtype.removeprefix("torch."), self._strides, self.device.index,
-                          self._ptr + nbytes)
 
 
 class _Nothing:

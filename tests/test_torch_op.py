@@ -18,13 +18,17 @@ def meta(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
+def recording_backend(graphs: list):
+    """A torch.compile backend that keeps each graph's text and runs it as traced."""
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+    return backend
+
+
 def test_compile_fullgraph_traces_the_op_with_no_warning():
     q, k = meta(2, 100, 8, 128), meta(2, 77, 2, 128)
     seen = []
-
-    def backend(gm, example_inputs):
-        seen.append(str(gm.graph))
-        return gm.forward
 
     def layer(q, k, v):
         out, lse = facodegen.attention(q, k, v, causal=True, return_lse=True, block_n=64)
@@ -32,7 +36,7 @@ def test_compile_fullgraph_traces_the_op_with_no_warning():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out, lse = torch.compile(layer, fullgraph=True, backend=backend)(q, k, k)
+        out, lse = torch.compile(layer, fullgraph=True, backend=recording_backend(seen))(q, k, k)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
     assert len(seen) == 1 and "facodegen.attention" in seen[0] and "block_n=64" in seen[0]
@@ -42,16 +46,12 @@ def test_compile_with_out_uses_the_mutating_op():
     q, k = meta(1, 64, 4, 64), meta(1, 200, 4, 64)
     seen = []
 
-    def backend(gm, example_inputs):
-        seen.append(str(gm.graph))
-        return gm.forward
-
     def f(q, k, v):
         out = torch.empty_like(q)
         facodegen.attention(q, k, v, causal=True, causal_alignment="top_left", out=out)
         return out
 
-    assert torch.compile(f, fullgraph=True, backend=backend)(q, k, k).shape == q.shape
+    assert torch.compile(f, fullgraph=True, backend=recording_backend(seen))(q, k, k).shape == q.shape
     assert "facodegen.attention_out" in seen[0]
 
 

@@ -1,0 +1,48 @@
+"""Stand-ins for torch CUDA tensors, for tests of facodegen's Python path without a GPU."""
+
+from __future__ import annotations
+
+
+class FakeDevice:
+    def __init__(self, index):
+        self.index = index
+        self.type = "cuda"
+
+    def __str__(self):
+        return f"cuda:{self.index}"
+
+
+class FakeTensor:
+    """Just enough of a torch CUDA tensor for api's fast path and its checked path."""
+    _next = 1 << 30
+
+    def __init__(self, shape, dtype="bfloat16", strides=None, device=0, ptr=None):
+        self.shape = tuple(shape)
+        self.dtype = f"torch.{dtype}"
+        if strides is None:
+            strides, acc = [], 1
+            for n in reversed(self.shape):
+                strides.insert(0, acc)
+                acc *= n
+        self._strides = tuple(strides)
+        self.is_cuda = True
+        self.requires_grad = False
+        self.device = FakeDevice(device)
+        if ptr is None:
+            ptr = FakeTensor._next
+            FakeTensor._next += 1 << 28
+        self._ptr = ptr
+
+    def data_ptr(self):
+        return self._ptr
+
+    def stride(self):
+        return self._strides
+
+    def get_device(self):
+        return self.device.index
+
+    def offset(self, nbytes):
+        """The same tensor seen from ``nbytes`` further on (a view with a storage offset)."""
+        return FakeTensor(self.shape, self.dtype.removeprefix("torch."), self._strides, self.device.index,
+                          self._ptr + nbytes)
