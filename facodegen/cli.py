@@ -608,6 +608,7 @@ def _bench_suite(spec_fields: dict, suite: str, peers, out_dir: Path, budget_s, 
 @click.option("-j", "--jobs", type=int, help="Compile processes. Default: the CPU count.")
 @click.option("--dry-run", is_flag=True, help="List the candidates and why the others were dropped; no GPU.")
 @click.option("--compile", "do_compile", is_flag=True, help="--dry-run: also compile and drop spills/C75xx warnings.")
+@click.option("--verbose", is_flag=True, help="--dry-run: list every pruned candidate with its reason.")
 @click.option("--top", default=10, show_default=True, help="Rows of the final table.")
 @click.option("--min-gain", default=0.01, show_default=True,
               help="A candidate replaces the default only when this much faster (same run).")
@@ -622,7 +623,7 @@ def _bench_suite(spec_fields: dict, suite: str, peers, out_dir: Path, budget_s, 
 @click.option("--import", "import_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="Merge FILE's entries into the database (per key the newer wins) and exit.")
 def tune(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, heads_kv, gpu, max_candidates, jobs,
-         dry_run, do_compile, top, min_gain, no_store, report, db, show, export_file, import_file):
+         dry_run, do_compile, verbose, top, min_gain, no_store, report, db, show, export_file, import_file):
     """Search the template space of one problem and store the fastest spec (GPU).
 
     Candidates (tile sizes, stages, warps/warpgroups, pingpong, overlap, ...) are pruned by the
@@ -662,7 +663,7 @@ def tune(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, heads_kv
         return
     if dry_run:
         _tune_dry_run(arch or "sm90", head_dim, dtype, causal, gpu, max_candidates, jobs, do_compile, report,
-                      (seqlen, seqlen_k or seqlen))
+                      (seqlen, seqlen_k or seqlen), verbose)
         return
     from .compiler import gpu_available
 
@@ -673,12 +674,14 @@ def tune(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, heads_kv
               max_candidates, jobs, top, min_gain, no_store, report, db)
 
 
-def _tune_counts(cands) -> str:
+def _tune_counts(cands, space: int | None = None) -> str:
     from .tune import summary_counts
 
     counts = summary_counts(cands)
     dropped = ", ".join(f"{v} {k}" for k, v in counts.items() if k not in ("enumerated", "live"))
-    return f"{counts['enumerated']} enumerated, {counts['live']} left" + (f" (dropped: {dropped})" if dropped else "")
+    within = f"{space} points in the space, " if space is not None else ""
+    return (f"{within}{counts['enumerated']} enumerated nearest the default, {counts['live']} left"
+            + (f" (dropped: {dropped})" if dropped else ""))
 
 
 def _compile_with_bar(cands, jobs, sm) -> None:
@@ -704,16 +707,17 @@ def _write_report(report, cands, **extra) -> None:
         click.echo(f"wrote {report}", err=True)
 
 
-def _tune_dry_run(arch, head_dim, dtype, causal, gpu, max_candidates, jobs, do_compile, report, seqlen) -> None:
-    from .tune import enumerate_candidates, format_candidates
+def _tune_dry_run(arch, head_dim, dtype, causal, gpu, max_candidates, jobs, do_compile, report, seqlen,
+                  verbose: bool = False) -> None:
+    from .tune import enumerate_candidates, format_candidates, search_space, space_size
 
     gpu = gpu or __import__("facodegen.spec", fromlist=["DEFAULT_GPU"]).DEFAULT_GPU[arch]
     cands = enumerate_candidates(arch, head_dim, dtype, causal, gpu, max_candidates, seqlen=seqlen)
     if do_compile:
         _compile_with_bar(cands, jobs, None)
     click.echo(f"tune {arch} hd{head_dim} {dtype} {'causal' if causal else 'full'} on {gpu} limits: "
-               f"{_tune_counts(cands)}")
-    click.echo(format_candidates(cands))
+               f"{_tune_counts(cands, space_size(search_space(arch, dtype)))}")
+    click.echo(format_candidates(cands, verbose=verbose))
     _write_report(report, cands, arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, gpu=gpu)
 
 

@@ -2,9 +2,10 @@
 
 Pipeline (each stage records why a candidate was dropped, in ``Candidate.dropped``/``reason``):
 
-1. **enumerate** the product of the knobs in :data:`SEARCH_SPACE` for the arch (plus the default
-   spec, always: what a call of the tuned lengths runs without a tuned entry, i.e. the head_dim
-   defaults with spec.seqlen_rule_fields on top);
+1. **enumerate** the points of the product of the knobs in :data:`SEARCH_SPACE` nearest the
+   default spec, lazily in order of distance (never the product in memory), plus the default
+   itself, always: what a call of the tuned lengths runs without a tuned entry, i.e. the head_dim
+   defaults with spec.seqlen_rule_fields on top;
 2. **budget**: build a :class:`KernelSpec` from each; a ``SpecError`` (shared memory, registers,
    shape rules) drops it with the budget model's own message;
 3. **cap**: rank the survivors by their distance from the default spec (:func:`distance`: about one
@@ -178,14 +179,66 @@ def distance(spec: KernelSpec, default: KernelSpec) -> float:
     return round(d, 3)
 
 
+def _axis_cost(name: str, value, default_value) -> float:
+    """A knob's share of ``distance`` when it alone moves from the default's value to ``value``."""
+    if value == default_value:
+        return 0.0
+    if name in _TILE_FIELDS or name == "consumer_warpgroups":     # block_m = 64 x warpgroups
+        if isinstance(value, int) and isinstance(default_value, int) and value > 0 and default_value > 0:
+            return abs(math.log2(value / default_value))
+        return 1.0
+    if name == "stages" and isinstance(default_value, int):
+        return float(abs(value - default_value))
+    return _SWITCH_WEIGHTS.get(name, 1.0)
+
+
+def neighbourhood(axes: dict, default_fields: dict):
+    """The points of the product of ``axes`` ({knob: values}) in order of increasing distance from
+    ``default_fields`` (the sum of each knob's own cost, _axis_cost), generated one at a time: a
+    heap over per-knob rank vectors, so memory grows with the points taken, never with the
+    product (6-9 million points for sm90)."""
+    import heapq
+
+    names = list(axes)
+    ranked, costs = [], []
+    for name in names:
+        pairs = sorted(((_axis_cost(name, v, default_fields.get(name)), i, v) for i, v in enumerate(axes[name])))
+        ranked.append([v for _, _, v in pairs])
+        costs.append([c for c, _, _ in pairs])
+    if not names or any(not values for values in ranked):
+        return
+    start = (0,) * len(names)
+    heap, seen = [(sum(c[0] for c in costs), start)], {start}
+    while heap:
+        total, index = heapq.heappop(heap)
+        yield {name: ranked[i][j] for i, (name, j) in enumerate(zip(names, index))}
+        for i, j in enumerate(index):
+            if j + 1 < len(ranked[i]):
+                step = index[:i] + (j + 1,) + index[i + 1:]
+                if step not in seen:
+                    seen.add(step)
+                    heapq.heappush(heap, (total - costs[i][j] + costs[i][j + 1], step))
+
+
+def space_size(axes: dict) -> int:
+    """Points in the product of ``axes`` (counted, not enumerated)."""
+    return math.prod(len(v) for v in axes.values())
+
+
+MAX_EXAMINED = 3000     # points built into a KernelSpec at most per search (bounds time and memory)
+
+
 def enumerate_candidates(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str | None = None,
                          max_candidates: int = MAX_CANDIDATES, space: dict | None = None,
-                         seqlen: tuple[int, int] | None = None) -> list[Candidate]:
-    """Every point of the search space, each a live candidate or dropped at 'budget' or 'cap' with
-    the reason; live ones first, in rank order (the default first, then by distance from it).
-    ``seqlen`` = (seqlen_q, seqlen_k): the default is what a call of that length runs without a
-    tuned entry (spec.seqlen_rule_fields on top of the head_dim defaults), so a stored winner is
-    never slower than the rule it replaces."""
+                         seqlen: tuple[int, int] | None = None, max_examined: int = MAX_EXAMINED) -> list[Candidate]:
+    """The points of the search space nearest the default, each a live candidate or dropped at
+    'budget' or 'cap' with the reason; live ones first, in rank order (the default first, then by
+    distance from it). Points are taken lazily in order of distance (:func:`neighbourhood`) until
+    twice ``max_candidates`` have passed the budget model, the space is exhausted, or
+    ``max_examined`` points were built; the nearest ``max_candidates`` stay live and the rest are
+    dropped at 'cap'. ``seqlen`` = (seqlen_q, seqlen_k): the default is what a call of that length
+    runs without a tuned entry (spec.seqlen_rule_fields on top of the head_dim defaults), so a
+    stored winner is never slower than the rule it replaces."""
     gpu = gpu or DEFAULT_GPU[arch]
     base = dict(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, gpu=gpu)
     rule = seqlen_rule_fields(arch, head_dim, dtype, causal, *seqlen) if seqlen else {}
@@ -196,10 +249,13 @@ def enumerate_candidates(arch: str, head_dim: int, dtype: str, causal: bool, gpu
     out: list[Candidate] = []
     default_cand = Candidate(fields={n: getattr(default, n) for n in names}, spec=default, is_default=True)
     seen[default] = default_cand
-    for values in itertools.product(*(axes[n] for n in names)):
-        fields = dict(zip(names, values))
+    wanted, examined = 2 * max(1, max_candidates), 0
+    for fields in neighbourhood(axes, default_cand.fields):
         if any(fields.get(a) and fields.get(b) for a, b in EXCLUSIVE_SWITCHES):
             continue                # not a point of the space (KernelSpec would reject it)
+        if examined >= max_examined or sum(c.alive for c in out) >= wanted:
+            break
+        examined += 1
         cand = Candidate(fields=fields)
         try:
             cand.spec = KernelSpec(**base, **fields)
@@ -382,8 +438,9 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def format_candidates(cands: list[Candidate], show_pruned: bool = True) -> str:
-    """The dry-run listing: live candidates in rank order, then each pruned one with its reason."""
+def format_candidates(cands: list[Candidate], show_pruned: bool = True, verbose: bool = False) -> str:
+    """The dry-run listing: live candidates in rank order, then the pruned ones: with ``verbose``
+    each with its reason, else a count per stage and reason, with one example each."""
     live = [c for c in cands if c.alive]
     rows = []
     for i, c in enumerate(live, 1):
@@ -396,8 +453,23 @@ def format_candidates(cands: list[Candidate], show_pruned: bool = True) -> str:
     if show_pruned and dead:
         out.append("")
         out.append(f"pruned ({len(dead)}):")
-        out.append(_table(["stage", "candidate", "reason"], [[c.dropped, c.label, c.reason] for c in dead]))
+        if verbose:
+            out.append(_table(["stage", "candidate", "reason"], [[c.dropped, c.label, c.reason] for c in dead]))
+        else:
+            groups: dict = {}
+            for c in dead:
+                groups.setdefault((c.dropped, _reason_kind(c.reason)), []).append(c)
+            out.append(_table(["stage", "count", "reason (one example)"],
+                              [[stage, str(len(g)), g[0].reason] for (stage, _), g in
+                               sorted(groups.items(), key=lambda kv: -len(kv[1]))]))
+            out.append("(--verbose lists every pruned candidate)")
     return "\n".join(out)
+
+
+def _reason_kind(reason: str) -> str:
+    """A reason with its numbers blanked: pruned candidates with the same cause group together."""
+    import re
+    return re.sub(r"\d+", "#", reason.split(";")[0])
 
 
 def summary_counts(cands: list[Candidate]) -> dict:

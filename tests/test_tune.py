@@ -425,9 +425,65 @@ def test_cli_tune_dry_run():
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     first = result.output.splitlines()[0]
-    enumerated = math.prod(len(v) for v in T.search_space("sm80").values())
-    assert f"{enumerated} enumerated" in first and "budget" in first
+    space = math.prod(len(v) for v in T.search_space("sm80").values())
+    assert f"{space} points in the space" in first and "enumerated nearest the default" in first
+    assert "budget" in first
     assert "(default)" in result.output and "pruned (" in result.output and "registers" in result.output
+    assert "--verbose lists every pruned candidate" in result.output
+    verbose = CliRunner().invoke(cli.main, ["tune", "--dry-run", "--verbose", "--arch", "sm80", "--head-dim", "128"],
+                                 catch_exceptions=False)
+    pruned = [c for c in T.enumerate_candidates("sm80", 128, "bf16", False, None) if not c.alive]
+    assert all(c.label in verbose.output for c in pruned)
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_dry_run_is_fast_and_small(arch):
+    """The search takes the points nearest the default lazily: the sm90 space has millions of
+    points, the dry run builds a few hundred specs (the issue's bound: 10 s, 1 GB)."""
+    import resource
+    import time
+    start = time.perf_counter()
+    result = CliRunner().invoke(cli.main, ["tune", "--dry-run", "--arch", arch, "--head-dim", "128"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0 and time.perf_counter() - start < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 1 << 20      # KB: under 1 GB
+    assert len(result.output) < 20000
+
+
+def test_neighbourhood_walks_out_from_the_default_in_distance_order():
+    axes = {"block_n": (32, 64, 128), "stages": (1, 2, 3), "q_in_regs": (False, True)}
+    default = {"block_n": 64, "stages": 2, "q_in_regs": False}
+    points = list(T.neighbourhood(axes, default))
+    assert len(points) == 18 and points[0] == default
+    assert len({tuple(p.values()) for p in points}) == 18                     # each point once
+    costs = [sum(T._axis_cost(n, p[n], default[n]) for n in axes) for p in points]
+    assert costs == sorted(costs)
+
+
+def test_the_lazy_space_reaches_the_defaults_rules_and_shipped_winners():
+    """Every default spec and every sequence-length rule spec is a search's default candidate,
+    and the tuning-database winner shipped in docs/results is among the first points the lazy
+    walk reaches from its default."""
+    import gzip
+    from pathlib import Path
+    from facodegen.spec import default_specs
+    for spec in default_specs():
+        cands = T.enumerate_candidates(spec.arch, spec.head_dim, spec.dtype, spec.causal, spec.gpu,
+                                       max_candidates=2)
+        assert cands[0].is_default and cands[0].spec == spec
+    for seqlen in (512, 1024, 2048, 4096, 8192, 16384):
+        for arch, hd, causal in (("sm90", 64, True), ("sm90", 128, False), ("sm90", 256, True)):
+            rule = seqlen_rule_fields(arch, hd, "bf16", causal, seqlen, seqlen)
+            cands = T.enumerate_candidates(arch, hd, "bf16", causal, None, max_candidates=2, seqlen=(seqlen, seqlen))
+            assert cands[0].spec == KernelSpec(arch=arch, head_dim=hd, causal=causal, **rule)
+    shipped = Path(__file__).resolve().parents[1] / "docs/results/tune-sm90-hd128-s4096.json.gz"
+    entry = json.loads(gzip.decompress(shipped.read_bytes()))["entry"]
+    winner = {k: v for k, v in entry["spec"].items() if k in T.search_space("sm90")}
+    default = KernelSpec(arch="sm90", head_dim=128)
+    start = {n: getattr(default, n) for n in T.search_space("sm90")}
+    walk = T.neighbourhood(T.search_space("sm90"), start)
+    reached = any(all(p[k] == v for k, v in winner.items()) for _, p in zip(range(T.MAX_EXAMINED), walk))
+    assert reached, winner
 
 
 def test_cli_tune_dry_run_compile(monkeypatch, tmp_path):
