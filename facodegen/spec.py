@@ -720,6 +720,7 @@ class KernelSpec:
     defer_o_store: bool | None = None
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_choice("arch", self.arch, ARCHS)
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         _check_choice("dtype", self.dtype, DTYPES)
@@ -962,6 +963,44 @@ class KernelSpec:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# The type of every field, checked first (before any rule reads a field): a value of another type
+# is a SpecError naming the field. Text fields take one of their listed values only, so no text a
+# caller (or a tuning-database entry) passes reaches the generated source unless it is listed here.
+TEXT_FIELDS = {"arch": ARCHS, "dtype": DTYPES, "schedule": SCHEDULES, "gpu": tuple(GPUS),
+               "out_dtype": OUT_DTYPES, "v_layout": V_LAYOUTS, **FA1_SWITCHES}
+INT_FIELDS = ("head_dim", "block_m", "block_n", "num_warps", "stages", "consumer_warpgroups", "producer_regs",
+              "consumer_regs", "softmax_chains", "ctas_per_sm", "poly_exp2_tiles", "cluster_m", "q_stages",
+              "p_buffers", "l2_prefetch")
+_REQUIRED = ("arch", "head_dim", "dtype", "causal", "schedule")
+
+
+def _check_types(spec: "KernelSpec") -> None:
+    """Each field None (a default is chosen; not for the problem fields) or of its type: a listed
+    text, an int (not a bool; NumPy integers become ints), a bool (0 and 1, from command lines and
+    scripts, become False and True)."""
+    import numbers
+
+    for f in dataclasses.fields(spec):
+        name, value = f.name, getattr(spec, f.name)
+        if value is None:
+            if name in _REQUIRED:
+                raise SpecError(name, "must be given (it has no default)")
+            continue
+        if name in TEXT_FIELDS:
+            allowed = TEXT_FIELDS[name]
+            if type(value) is not str or value not in allowed:
+                raise SpecError(name, f"{value!r} is not supported; choose one of {', '.join(allowed)}")
+        elif name in INT_FIELDS:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise SpecError(name, f"must be an integer, got {value!r} ({type(value).__name__})")
+            object.__setattr__(spec, name, int(value))
+        elif type(value) is not bool:
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value in (0, 1):
+                object.__setattr__(spec, name, bool(value))
+            else:
+                raise SpecError(name, f"must be True or False, got {value!r} ({type(value).__name__})")
 
 
 def _coerce_bools(spec: "KernelSpec", names) -> None:
