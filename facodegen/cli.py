@@ -652,7 +652,7 @@ def tune(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, heads_kv
             except (ValueError, OSError) as err:
                 raise UsageFailure(f"--import: {err}") from None
             click.echo(f"imported {import_file} into {path}: {counts['added']} added, {counts['replaced']} replaced, "
-                       f"{counts['kept']} kept (newer already there)")
+                       f"{counts['kept']} kept (newer already there), {counts['refused']} refused (invalid)")
         if export_file:
             n = tunedb.export(export_file, path)
             click.echo(f"exported {n} entries from {path} to {export_file}")

@@ -25,10 +25,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields as dataclass_fields
 from pathlib import Path
 
 from .files import atomic_write
@@ -156,12 +157,48 @@ def parse(text: str, origin: str = "tuning database") -> dict | None:
     good = {}
     for k, e in entries.items():
         try:
-            if str(TuneKey.from_dict(e["key"])) != k or not isinstance(e["spec"], dict):
+            key = TuneKey.from_dict(e["key"])
+            if str(key) != k or not isinstance(e["spec"], dict):
                 raise ValueError("key mismatch")
-            good[k] = e
         except (KeyError, TypeError, ValueError):
             _warn(f"facodegen: {origin}: skipping a malformed entry {k!r}")
+            continue
+        problem = entry_problem(key, e["spec"])
+        if problem:
+            _warn(f"facodegen: {origin}: refusing the entry {k!r}: {problem}")
+            continue
+        good[k] = e
     return good
+
+
+_FAMILY = re.compile(r"^(sm80|sm90)-hd(\d+)-(fp16|bf16|fp8)-(causal|full)$")
+
+
+def entry_problem(key: TuneKey, spec_fields: dict) -> str | None:
+    """Why an entry's spec fields cannot be used for its key (None if they can): a field that is
+    not a tuning knob, a value of the wrong type or outside the budget model, named as
+    KernelSpec names it."""
+    from .driver import DeviceInfo
+    from .spec import KernelSpec, SpecError
+
+    m = _FAMILY.match(key.family)
+    if m is None:
+        return f"family {key.family!r} is not arch-hdN-dtype-causal|full"
+    problem = {"arch", "head_dim", "dtype", "causal", "gpu"}
+    knobs = {f.name for f in dataclass_fields(KernelSpec)} - problem
+    unknown = sorted(set(spec_fields) - knobs)
+    if unknown:
+        return f"{', '.join(map(repr, unknown))} {'is not a knob' if len(unknown) == 1 else 'are not knobs'}"
+    try:
+        major, minor = (int(x) for x in key.cc.split("."))
+        gpu = DeviceInfo(0, key.gpu, (major, minor), 0, 0).budget_gpu
+    except ValueError:
+        return f"compute capability {key.cc!r} is not N.N"
+    try:
+        KernelSpec(arch=m[1], head_dim=int(m[2]), dtype=m[3], causal=m[4] == "causal", gpu=gpu, **spec_fields)
+    except SpecError as err:
+        return str(err)
+    return None
 
 
 def read(path=None) -> dict:
@@ -360,12 +397,17 @@ def export(dest, path=None) -> int:
 
 
 def import_file(src, path=None) -> dict:
-    """Merge a file written by :func:`export` (or another database) into the database."""
+    """Merge a file written by :func:`export` (or another database) into the database. Entries
+    that do not make a valid spec for their key are refused with a warning naming each, and
+    counted as ``refused``."""
     src = Path(src).expanduser()
-    entries = parse(src.read_text(), str(src))
+    text = src.read_text()
+    entries = parse(text, str(src))
     if entries is None:
         raise ValueError(f"{src} is not a facodegen tuning database of version {VERSION}")
-    return update(entries, path)
+    counts = update(entries, path)
+    counts["refused"] = len(json.loads(text)["entries"]) - len(entries)
+    return counts
 
 
 # ----------------------------------------------------------------------------------------------

@@ -230,9 +230,9 @@ def test_keys_do_not_collide(change):
     base, other = _key(), _key(**change)
     assert base != other and str(base) != str(other)
     tunedb.put(_entry(base, block_n=64))
-    tunedb.put(_entry(other, block_n=96))
+    tunedb.put(_entry(other, block_n=32))      # (32: valid for every key here, sm80 included)
     assert tunedb.lookup(base)["spec"]["block_n"] == 64
-    assert tunedb.lookup(other)["spec"]["block_n"] == 96
+    assert tunedb.lookup(other)["spec"]["block_n"] == 32
 
 
 def test_merge_newer_wins(_fresh_db):
@@ -298,12 +298,44 @@ def test_export_import(tmp_path, _fresh_db):
     dest = tmp_path / "team.json"
     assert tunedb.export(dest) == 2
     other = tmp_path / "other.json"
-    assert tunedb.import_file(dest, other) == {"added": 2, "replaced": 0, "kept": 0}
+    assert tunedb.import_file(dest, other) == {"added": 2, "replaced": 0, "kept": 0, "refused": 0}
     assert tunedb.read(other) == tunedb.read(_fresh_db)
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.warns(tunedb.TuneDBWarning), pytest.raises(ValueError):
         tunedb.import_file(bad, other)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"block_n": 999}, "block_n"), ({"stages": -3}, "stages"), ({"frobnicate": 1}, "'frobnicate' is not a knob"),
+    ({"pingpong": "no"}, "pingpong: must be True or False"), ({"arch": "sm80"}, "'arch' is not a knob"),
+    ({"gpu": "h200\n#error"}, "'gpu' is not a knob"), ({"v_layout": "row\n#error"}, "v_layout"),
+])
+def test_an_invalid_entry_is_refused_on_import_and_ignored_on_read(tmp_path, _fresh_db, spec, words):
+    good, bad = _key(), _key(causal=True)
+    text = tunedb.dumps({str(good): _entry(good), str(bad): {**_entry(bad), "spec": spec}})
+    src = tmp_path / "team.json"
+    src.write_text(text)
+    with pytest.warns(tunedb.TuneDBWarning, match=words):
+        counts = tunedb.import_file(src)
+    assert counts == {"added": 1, "replaced": 0, "kept": 0, "refused": 1}
+    assert list(tunedb.read()) == [str(good)]
+    # a file written by hand (or by an older facodegen) is read the same way: the entry is ignored
+    # with the warning, never silently, and the lookup finds nothing for its key
+    _fresh_db.write_text(text)
+    tunedb._warned.clear()
+    tunedb.reload()
+    with pytest.warns(tunedb.TuneDBWarning, match="refusing the entry"):
+        assert tunedb.lookup(bad) is None
+    assert tunedb.lookup(good) is not None
+
+
+def test_cli_import_counts_refused_entries(tmp_path, _fresh_db):
+    bad = _key()
+    src = tmp_path / "team.json"
+    src.write_text(tunedb.dumps({str(bad): {**_entry(bad), "spec": {"block_n": 999, "stages": -3, "frobnicate": 1}}}))
+    result = CliRunner().invoke(cli.main, ["tune", "--import", str(src)])
+    assert result.exit_code == 0 and "0 added" in result.output and "1 refused (invalid)" in result.output
 
 
 # ---- attention's lookup (resolve_spec on a fake device) ---------------------------------------
@@ -408,9 +440,15 @@ def test_resolve_spec_seqlen_rules(fake_device):
         KernelSpec(arch="sm90", head_dim=128, gpu="h200", optimistic_max=False)
 
 
-def test_resolve_spec_survives_a_bad_entry(fake_device):
-    _store_tuned(no_such_field=1)
-    assert api.resolve_spec(128, "bf16", False, 0, shape=SHAPE) == KernelSpec(arch="sm90", head_dim=128, gpu="h200")
+def test_resolve_spec_survives_a_bad_entry(fake_device, _fresh_db):
+    """A bad entry is refused with a warning naming it, and the call gets what it gets without
+    one: the sequence-length rule for its shape (not the bare defaults)."""
+    key = tunedb.make_key(H200.name, H200.compute_capability, "13.0 (test)", "sm90", 128, "bf16", False,
+                          4096, 4096, 4, 16)
+    _fresh_db.write_text(tunedb.dumps({str(key): tunedb.make_entry(key, {"no_such_field": 1})}))
+    with pytest.warns(tunedb.TuneDBWarning, match="'no_such_field' is not a knob"):
+        spec = api.resolve_spec(128, "bf16", False, 0, shape=SHAPE)
+    assert spec == api.spec_for_shape("sm90", 128, "bf16", False, SHAPE, gpu="h200")
 
 
 # ---- CLI without a GPU ------------------------------------------------------------------------
