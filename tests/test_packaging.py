@@ -80,3 +80,11 @@ def test_wheel_ships_templates_and_cli(tmp_path):
     assert done.stdout.startswith("// ====")
     assert spec.variant in done.stdout
     assert "__global__" in done.stdout and f"{spec.variant}(" in done.stdout
+
+
+def test_a_plain_install_brings_what_inspect_sass_runs():
+    """`pip install .` (no extras) installs cuobjdump and the nvdisasm it calls."""
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    names = {d.split(">")[0].split("=")[0].split("<")[0].strip() for d in project["dependencies"]}
+    assert {"nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"} <= names
