@@ -17,7 +17,9 @@ versions, sha256 of the cubin). ``root`` is ``$FACODEGEN_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/facodegen``, else ``~/.cache/facodegen``. Both files are written to a
 temporary file in the same folder and moved into place with ``os.replace``, so a reader sees
 an old entry or a whole new one; a sidecar whose cubin hash does not match (a torn pair from
-two writers, a truncated file) is treated as a miss and rebuilt. No locks are taken.
+two writers, a truncated file) is treated as a miss and rebuilt. Processes that miss the same
+entry at once compile it once: each takes ``<root>/.locks/<entry>.lock`` (filelock, released by
+the OS if its holder dies) and looks again before compiling.
 """
 
 from __future__ import annotations
@@ -502,26 +504,50 @@ def compile_source(source: str, arch: str, name: str, *, extra_options: Sequence
     arch = normalize_arch(arch)
     options = NVRTC_OPTIONS(arch, sm) + tuple(extra_options)
     key = cache_key(source, options)
-    if cache:
-        hit = _memo.get((name, key))
-        if hit is not None:
-            return hit
-        root = cache_dir()
-        hit = _load_entry(root, name, arch, source, options, key)
-        if hit is not None:
-            _memo[(name, key)] = hit
-            return hit
+    if not cache:
+        return _compile_now(source, arch, name, options, key, verbose, sm)
+    hit = _memo.get((name, key))
+    if hit is not None:
+        return hit
+    root = cache_dir()
+    hit = _load_entry(root, name, arch, source, options, key)
+    if hit is None:
+        # One compile per entry across processes: the others wait, then read what it stored.
+        with _entry_lock(root, name, key):
+            hit = _load_entry(root, name, arch, source, options, key)
+            if hit is None:
+                hit = _compile_now(source, arch, name, options, key, verbose, sm)
+                _store_entry(root, hit)
+    _memo[(name, key)] = hit
+    return hit
+
+
+def _entry_lock(root: Path, name: str, key: str):
+    """An exclusive lock on one cache entry, held while it is compiled (filelock: flock(2), which
+    the OS releases when its holder dies, so a killed compile leaves no lock behind). Without a
+    writable cache there is nothing to share: no lock."""
+    import contextlib
+
+    import filelock
+
+    locks = root / ".locks"
+    try:
+        locks.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return contextlib.nullcontext()
+    return filelock.FileLock(str(locks / f"{name}-{key[:16]}.lock"))
+
+
+def _compile_now(source: str, arch: str, name: str, options: tuple, key: str, verbose: bool | None,
+                 sm: str | None) -> CompiledKernel:
+    """NVRTC, now (no cache)."""
     if verbose if verbose is not None else not _quiet():
         _say(f"facodegen: compiling {name} for {target(arch, sm)} ...")
     cubin, log = _nvrtc_compile(source, name, options)
     per_function = parse_ptxas_log(log)
     resources = per_function.get(name) or next(iter(per_function.values()), Resources())
-    kernel = CompiledKernel(name=name, arch=arch, source=source, cubin=cubin, log=log,
-                            resources=resources, warnings=ptxas_warnings(log), options=options, key=key)
-    if cache:
-        _store_entry(root, kernel)
-        _memo[(name, key)] = kernel
-    return kernel
+    return CompiledKernel(name=name, arch=arch, source=source, cubin=cubin, log=log,
+                          resources=resources, warnings=ptxas_warnings(log), options=options, key=key)
 
 
 def compile(spec, *, verbose: bool | None = None, sm: str | None = None) -> CompiledKernel:  # noqa: A001

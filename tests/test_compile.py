@@ -225,10 +225,10 @@ def _compile_in_child(args):
 
     barrier.wait(timeout=60)
     kernel = child_fc.compile_source(source, "sm80", "simple_scale")
-    return kernel.key, kernel.cubin
+    return kernel.key, kernel.cubin, kernel.from_cache
 
 
-def test_concurrent_compiles_leave_one_valid_entry(fresh_cache):
+def test_concurrent_compiles_compile_once_and_leave_one_valid_entry(fresh_cache):
     src = unique(SIMPLE)
     workers = 3
     ctx = multiprocessing.get_context("spawn")
@@ -236,11 +236,52 @@ def test_concurrent_compiles_leave_one_valid_entry(fresh_cache):
         barrier = manager.Barrier(workers)
         with ctx.Pool(workers) as pool:
             results = pool.map(_compile_in_child, [(str(fresh_cache), src, barrier)] * workers)
-    assert len({key for key, _ in results}) == 1
-    assert sorted(p.suffix for p in fresh_cache.iterdir()) == [".cubin", ".json"]  # no temp files left
+    assert len({key for key, _, _ in results}) == 1
+    # one process compiled; the others waited on the entry's lock and read what it stored
+    assert sorted(from_cache for _, _, from_cache in results) == [False, True, True]
+    entries = sorted(p.suffix for p in fresh_cache.iterdir() if p.name != ".locks")
+    assert entries == [".cubin", ".json"]                                         # no temp files left
     fc.clear_memo()
     kernel = fc.compile_source(src, "sm80", "simple_scale")
-    assert kernel.from_cache and kernel.cubin in {cubin for _, cubin in results}
+    assert kernel.from_cache and kernel.cubin in {cubin for _, cubin, _ in results}
+
+
+def test_a_killed_compile_leaves_no_lock_and_no_entry(fresh_cache):
+    """A compile killed while it holds the entry's lock: the OS drops the lock with the process,
+    nothing half-written is left, and the next compile of the entry goes through."""
+    import signal
+    import subprocess
+    import sys
+    src = unique(SIMPLE)
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        f"os.environ['FACODEGEN_CACHE_DIR'] = {str(fresh_cache)!r}\n"
+        "from facodegen import compiler as c\n"
+        "c._nvrtc_compile = lambda *a, **k: (print('holding', flush=True), time.sleep(600))\n"
+        f"c.compile_source({src!r}, 'sm80', 'simple_scale', verbose=False)\n")],
+        stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "holding"       # it has the lock and is compiling
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=60)
+    fc.clear_memo()
+    kernel = fc.compile_source(src, "sm80", "simple_scale", verbose=False)
+    assert not kernel.from_cache and kernel.cubin
+    assert not list(fresh_cache.glob(".*.tmp"))
+
+
+def test_a_full_disk_costs_a_recompile_not_a_broken_entry(fresh_cache, monkeypatch, capsys):
+    import errno
+    from facodegen import files
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fc, "atomic_write", full)
+    kernel = fc.compile_source(unique(SIMPLE), "sm80", "simple_scale")
+    assert kernel.cubin and "No space left on device" in capsys.readouterr().err
+    monkeypatch.setattr(fc, "atomic_write", files.atomic_write)
+    fc.clear_memo()
+    assert not fc.compile_source(kernel.source, "sm80", "simple_scale").from_cache   # a miss, not a torn hit
 
 
 def test_stale_temporaries_are_removed(fresh_cache):
