@@ -14,25 +14,8 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .spec import (ARCHS, DTYPES, FA1_SWITCHES, GPUS, HEAD_DIMS, OUT_DTYPES, SCHEDULES, V_LAYOUTS, KernelSpec,
-                   SpecError, default_specs)
-
-# flag value -> KernelSpec field, for the flags that map one to one.
-_SPEC_FLAGS = {
-    "arch": "arch", "head_dim": "head_dim", "dtype": "dtype", "block_m": "block_m",
-    "block_n": "block_n", "warps": "num_warps", "stages": "stages", "causal": "causal",
-    "gpu": "gpu", "q_in_regs": "q_in_regs", "pingpong": "pingpong", "overlap": "intra_wg_overlap",
-    "persistent": "persistent", "consumer_warpgroups": "consumer_warpgroups",
-    "schedule": "schedule", "loop_order": "loop_order", "warp_split": "warp_split", "rescale": "rescale",
-    "separate_o": "separate_o", "l2_hints": "l2_hints", "out_dtype": "out_dtype", "v_layout": "v_layout",
-    "anchor_softmax": "anchor_softmax", "lazy_rescale": "lazy_rescale",
-    "rescale_under_qk": "rescale_under_qk", "softmax_chains": "softmax_chains", "uniform_wg": "uniform_wg",
-    "ctas_per_sm": "ctas_per_sm", "cluster_m": "cluster_m", "o_in_v": "o_in_v", "poly_exp2_tiles": "poly_exp2_tiles", "optimistic_max": "optimistic_max",
-    "q_stages": "q_stages", "p_buffers": "p_buffers", "rebuild_q_desc": "rebuild_q_desc",
-    "dynamic_scheduler": "dynamic_scheduler", "stream_k": "stream_k", "l2_prefetch": "l2_prefetch",
-    "vt_in_place": "vt_in_place", "defer_o_store": "defer_o_store",
-}
-
+from .knobs import KNOBS, Knob
+from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default_specs
 
 class UsageFailure(click.ClickException):
     """A one-line error with exit status 2 (bad spec, no GPU): no usage block, no traceback."""
@@ -53,79 +36,33 @@ def _int_choice(ctx, param, value):
     return None if value is None else int(value)
 
 
+def _knob_option(knob: Knob, arch_choices):
+    """The click option of one knob, from the registry (facodegen/knobs.py)."""
+    if knob.kind == "bool":
+        return click.option(knob.flag, knob.name, default=None, help=knob.doc)
+    if knob.kind == "text":
+        choices, doc = knob.choices, knob.doc
+        if knob.name == "arch":
+            choices = arch_choices
+            if "both" in arch_choices:
+                doc = doc.removesuffix(".") + " or both (--suite)."
+        return click.option(knob.flag, knob.name, type=click.Choice(choices), help=doc)
+    if knob.choices and knob.flag_offers_choices:
+        return click.option(knob.flag, knob.name, type=click.Choice([str(c) for c in knob.choices]),
+                            callback=_int_choice, help=knob.doc)
+    return click.option(knob.flag, knob.name, type=int, help=knob.doc)
+
+
 def spec_options(command, arch_choices=ARCHS):
-    """The spec flags shared by every command."""
-    options = [
-        click.option("--arch", type=click.Choice(arch_choices),
-                     help="Target: sm80 (FA2, mma.sync) or sm90 (FA3, TMA + wgmma)"
-                          + (" or both (--suite)." if "both" in arch_choices else ".")),
-        click.option("--head-dim", type=int, help=f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}."),
-        click.option("--dtype", type=click.Choice(DTYPES),
-                     help="Element type of Q, K, V (and O): fp16, bf16, or fp8 = e4m3 (sm90; O in --out-dtype)."),
-        click.option("--out-dtype", type=click.Choice(OUT_DTYPES), help="fp8: the type of O (default bf16)."),
-        click.option("--v-layout", type=click.Choice(V_LAYOUTS),
-                     help="fp8: row (V as given, transposed in shared memory) or transposed (the caller passes "
-                          "V^T as (batch, heads_kv, head_dim, seqlen_k))."),
-        click.option("--block-m", type=int, help="Query rows per CTA tile (BLOCK_M)."),
-        click.option("--block-n", type=int, help="Key/value rows per tile (BLOCK_N)."),
-        click.option("--warps", type=int, help="Warps per CTA (num_warps)."),
-        click.option("--stages", type=int, help="Depth of the K/V shared-memory ring."),
-        click.option("--causal/--no-causal", default=None, help="Bottom-right aligned causal mask."),
-        click.option("--gpu", type=click.Choice(tuple(GPUS)), help="Whose limits the budget model applies."),
-        click.option("--q-in-regs/--q-in-smem", "q_in_regs", default=None, help="sm80, sm90 fp8: keep Q fragments in registers (sm90: Q K^T reads A from registers)."),
-        click.option("--schedule", type=click.Choice(SCHEDULES),
-                     help="sm80: fa2 (default) or fa1 (FlashAttention-1's schedule, templates/sm80/flash_fwd_fa1.cu.j2)."),
-        click.option("--loop-order", type=click.Choice(FA1_SWITCHES["loop_order"]),
-                     help="fa1: kv_outer (FA1: one CTA per batch x head, O/m/l in global memory) or q_outer (FA2)."),
-        click.option("--warp-split", type=click.Choice(FA1_SWITCHES["warp_split"]),
-                     help="fa1: kv (FA1: warps split the keys, exchange through shared memory) or q (FA2)."),
-        click.option("--rescale", type=click.Choice(FA1_SWITCHES["rescale"]),
-                     help="fa1: every_step (FA1: O normalised every K/V block) or once (FA2)."),
-        click.option("--pingpong/--no-pingpong", default=None, help="sm90: ping-pong scheduling of consumer warpgroups."),
-        click.option("--overlap/--no-overlap", default=None, help="sm90: overlap the next QK^T with this softmax."),
-        click.option("--regs", metavar="P/C", callback=_parse_regs, help="sm90: setmaxnreg producer/consumer, e.g. 24/240."),
-        click.option("--persistent/--no-persistent", default=None, help="sm90: one CTA per SM with a tile scheduler."),
-        click.option("--dynamic-scheduler/--static-scheduler", "dynamic_scheduler", default=None,
-                     help="sm90 persistent: tiles after each CTA's first from an atomic counter (default: causal, fp8 to head_dim 128)."),
-        click.option("--stream-k/--no-stream-k", "stream_k", default=None,
-                     help="sm90 fp8 non-causal, static scheduler: the last waves cut along the keys, one equal share per CTA."),
-        click.option("--consumer-warpgroups", type=int, help="sm90: consumer warpgroups (block_m = 64 x this)."),
-        click.option("--separate-o/--o-aliases-q", "separate_o", default=None,
-                     help="sm90: O staging tile in its own shared-memory buffer (default: when it fits)."),
-        click.option("--l2-hints/--no-l2-hints", default=None, help="sm90: L2 eviction hints on TMA loads."),
-        click.option("--anchor-softmax/--no-anchor-softmax", default=None,
-                     help="sm90: keep the softmax (fp8: its row max pass) ahead of the P V wgmma wait (a shared store ptxas cannot pass)."),
-        click.option("--lazy-rescale/--exact-rescale", default=None,
-                     help="fa2/sm90: rescale O only when a row max grows by more than 2^8 (fp8: 2^0.75)."),
-        click.option("--rescale-under-qk/--rescale-after-pv", default=None,
-                     help="sm90 with --overlap: O's rescale between the next Q K^T and P V issues."),
-        click.option("--uniform-wg/--no-uniform-wg", default=None,
-                     help="sm90: consumer warpgroup index broadcast from lane 0 (descriptors in uniform registers)."),
-        click.option("--ctas-per-sm", type=click.Choice(["1", "2", "3"]), callback=_int_choice,
-                     help="sm90: CTAs sharing one SM (2, 3: one consumer warpgroup each, short sequences)."),
-        click.option("--o-in-v/--o-not-in-v", "o_in_v", default=None,
-                     help="sm90 16-bit: the O staging tile aliases the V ring (next tile's Q K^T under the O store)."),
-        click.option("--q-stages", type=click.Choice(["1", "2"]), callback=_int_choice,
-                     help="sm90: Q buffers (2: the next tile's Q loads while this tile runs)."),
-        click.option("--l2-prefetch", type=click.Choice(["0", "1", "2", "3", "4"]), callback=_int_choice,
-                     help="sm90: K/V blocks ahead of its loads the loader prefetches into L2 (0: off)."),
-        click.option("--vt-in-place/--vt-ring", "vt_in_place", default=None,
-                     help="sm90 fp8, --v-layout row: V lands in its V^T slot and is transposed there (no row-V ring; three stages where they fit)."),
-        click.option("--defer-o-store/--store-o-at-end", "defer_o_store", default=None,
-                     help="sm90 fp8 with --overlap: a tile's O is stored once the next tile's first Q K^T is issued."),
-        click.option("--p-buffers", type=click.Choice(["1", "2"]), callback=_int_choice,
-                     help="sm90 with --overlap --optimistic-max: P register buffers (2: a step's softmax runs under the P V before it)."),
-        click.option("--rebuild-q-desc/--keep-q-desc", "rebuild_q_desc", default=None,
-                     help="sm90, Q in shared memory: Q's wgmma descriptors derived at every Q K^T instead of held in registers."),
-        click.option("--cluster-m", type=click.Choice(["1", "2"]), callback=_int_choice,
-                     help="sm90 16-bit, non-causal: CTAs per cluster sharing each K/V tile (TMA multicast)."),
-        click.option("--softmax-chains", type=click.Choice(["1", "2", "4", "8"]), callback=_int_choice,
-                     help="Independent max/sum chains per row in the softmax."),
-        click.option("--optimistic-max/--exact-max", default=None,
-                     help="sm90: exp2s from the running row max; the row sums (fp8: the max) say when to redo a step."),
-        click.option("--poly-exp2-tiles", type=click.IntRange(min=0),
-                     help="n8 key tiles per score fragment whose exp2 runs on the FMA pipe (polynomial)."),
-    ]
+    """The spec flags shared by every command: one per knob of the registry, in its order
+    (producer_regs and consumer_regs together as --regs P/C)."""
+    options = []
+    for knob in KNOBS:
+        if knob.flag:
+            options.append(_knob_option(knob, arch_choices))
+        elif knob.name == "producer_regs":
+            options.append(click.option("--regs", metavar="P/C", callback=_parse_regs,
+                                        help="sm90: setmaxnreg producer/consumer, e.g. 24/240."))
     for option in reversed(options):
         command = option(command)
     return command
@@ -134,10 +71,10 @@ def spec_options(command, arch_choices=ARCHS):
 def _given_spec_fields(kwargs: dict) -> dict:
     """KernelSpec keyword arguments of the spec flags given on the command line (popped)."""
     fields = {}
-    for flag, name in _SPEC_FLAGS.items():
-        value = kwargs.pop(flag, None)
+    for knob in KNOBS:
+        value = kwargs.pop(knob.name, None) if knob.flag else None
         if value is not None:
-            fields[name] = value
+            fields[knob.name] = value
     regs = kwargs.pop("regs", None)
     if regs is not None:
         fields["producer_regs"], fields["consumer_regs"] = regs

@@ -45,9 +45,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-ARCHS = ("sm80", "sm90")
-HEAD_DIMS = (64, 96, 128, 192, 256)
-DTYPES = ("fp16", "bf16", "fp8")
+from .knobs import ARCHS, DTYPES, FA1_SWITCHES, GPU_NAMES, HEAD_DIMS, INT_FIELDS, OUT_DTYPES, SCHEDULES, \
+    TEXT_FIELDS, V_LAYOUTS
+
 # The 16-bit input types every arch supports (and the shipped default_specs() cover); "fp8" is
 # e4m3 on sm90 only (templates/sm90/flash_fwd_fp8.cu.j2), with its own knobs out_dtype and v_layout.
 DTYPES_16 = ("fp16", "bf16")
@@ -57,9 +57,7 @@ ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
 #                         transposes each V tile in shared memory (FP8 wgmma takes K-major B only)
 #             transposed: the caller passes V^T, (batch, heads_kv, head_dim, seqlen_k) with the keys
 #                         contiguous and a head_dim stride that is a multiple of 16 keys (pad seqlen_k)
-OUT_DTYPES = ("bf16", "fp16")
-V_LAYOUTS = ("row", "transposed")
-SCHEDULES = ("fa2", "fa1")
+# (OUT_DTYPES, V_LAYOUTS and SCHEDULES: facodegen/knobs.py.)
 # The finer switches of the fa1 template (templates/sm80/flash_fwd_fa1.cu.j2), each isolating one
 # idea of FlashAttention-2 (kernel spec field -> choices, FA1's choice first):
 #   loop_order  kv_outer: one CTA per (batch, head), K/V blocks outside, Q blocks inside, O/m/l in
@@ -72,12 +70,7 @@ SCHEDULES = ("fa2", "fa1")
 #   rescale     every_step: O kept normalised, divided by the row sum after every K/V block (FA1)
 #               once:       O unnormalised, divided by the row sum once at the end (FA2)
 # schedule=fa1 takes FA1's choices unless told otherwise; schedule=fa2 (and sm90) is FA2's choices
-# and rejects any other value.
-FA1_SWITCHES = {
-    "loop_order": ("kv_outer", "q_outer"),
-    "warp_split": ("kv", "q"),
-    "rescale": ("every_step", "once"),
-}
+# and rejects any other value. (FA1_SWITCHES: facodegen/knobs.py.)
 FA1_CHOICES = {name: choices[0] for name, choices in FA1_SWITCHES.items()}
 FA2_CHOICES = {name: choices[1] for name, choices in FA1_SWITCHES.items()}
 # Variant-name tokens of the switches flipped away from FA1's choice.
@@ -965,15 +958,12 @@ class KernelSpec:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-# The type of every field, checked first (before any rule reads a field): a value of another type
-# is a SpecError naming the field. Text fields take one of their listed values only, so no text a
-# caller (or a tuning-database entry) passes reaches the generated source unless it is listed here.
-TEXT_FIELDS = {"arch": ARCHS, "dtype": DTYPES, "schedule": SCHEDULES, "gpu": tuple(GPUS),
-               "out_dtype": OUT_DTYPES, "v_layout": V_LAYOUTS, **FA1_SWITCHES}
-INT_FIELDS = ("head_dim", "block_m", "block_n", "num_warps", "stages", "consumer_warpgroups", "producer_regs",
-              "consumer_regs", "softmax_chains", "ctas_per_sm", "poly_exp2_tiles", "cluster_m", "q_stages",
-              "p_buffers", "l2_prefetch")
+# The type of every field (facodegen/knobs.py: TEXT_FIELDS, INT_FIELDS, the rest bools), checked
+# first, before any rule reads a field: a value of another type is a SpecError naming the field.
+# Text fields take one of their listed values only, so no text a caller (or a tuning-database
+# entry) passes reaches the generated source unless the registry lists it.
 _REQUIRED = ("arch", "head_dim", "dtype", "causal", "schedule")
+assert tuple(GPUS) == GPU_NAMES, "the registry's gpu choices are the budget model's GPUs"
 
 
 def _check_types(spec: "KernelSpec") -> None:

@@ -29,60 +29,20 @@ The winner goes into the tuning database (:mod:`facodegen.tunedb`), which
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import statistics
 import time
 from dataclasses import dataclass, field
 
+from . import knobs
 from .spec import DEFAULT_GPU, KernelSpec, SpecError, seqlen_rule_fields
 
-# The knobs searched per arch and why these values. Fields not listed keep the spec's defaults
-# (sm90: producer/consumer registers follow consumer_warpgroups; sm80: schedule fa2).
-SEARCH_SPACE = {
-    "sm90": {
-        # block_m = 64 x consumer warpgroups: 64, 128, 192 rows.
-        "consumer_warpgroups": (1, 2, 3),
-        # wgmma N and the TMA box: multiples of 16; below 64 the QK^T GEMM is too thin to pay for
-        # its barriers, and FA3's own table uses 80..192 for the forward pass.
-        "block_n": (64, 80, 96, 112, 128, 144, 160, 176, 192, 224),
-        # 2 = FA3's ring; 3 where the tiles leave room (short head dims).
-        "stages": (2, 3),
-        "pingpong": (True, False),
-        "intra_wg_overlap": (True, False),
-        # The ablation (docs/perf-notes.md) has non-persistent within 2-5%; searched near the default.
-        "persistent": (True, False),
-        # Own O staging buffer (next Q loads under the epilogue) vs O aliasing Q (more room for K/V).
-        "separate_o": (True, False),
-        "anchor_softmax": (True, False),
-        "rescale_under_qk": (True, False),
-        "softmax_chains": (1, 2, 4),
-        "poly_exp2_tiles": (0, 2, 4, 6),
-        "optimistic_max": (True, False),
-        "uniform_wg": (True, False),
-        "ctas_per_sm": (1, 2, 3),
-        # O's staging tile over the V ring (with separate_o=False); cluster_m is not searched: two-CTA
-        # multicast measured slower in every cell (spec.py) and would double the space again.
-        "o_in_v": (True, False),
-        # A second P buffer: the optimistic softmax runs under the P V before it (more registers).
-        "p_buffers": (1, 2),
-        # Q descriptors derived at every Q K^T (uniform adds) or held across the loop (registers).
-        "rebuild_q_desc": (False, True),
-        # fp8 non-causal: the last waves cut along the keys (a SpecError elsewhere: skipped).
-        "stream_k": (False, True),
-    },
-    "sm80": {
-        "block_m": (64, 128),
-        "block_n": (32, 64, 128),
-        "num_warps": (4, 8),
-        # 3 stages lose occupancy at d128 (perf notes) but may win at d64.
-        "stages": (1, 2, 3),
-        "q_in_regs": (False, True),
-        "lazy_rescale": (True, False),
-        "softmax_chains": (1, 4),
-    },
-}
+# The knobs searched per arch and their values: the registry's ``search`` (facodegen/knobs.py says
+# why those values). Fields not listed keep the spec's defaults (sm90: producer/consumer registers
+# follow consumer_warpgroups; sm80: schedule fa2). cluster_m is not searched: two-CTA multicast
+# measured slower in every cell (spec.py) and would double the space again.
+SEARCH_SPACE = {arch: knobs.search_space(arch) for arch in knobs.ARCHS}
 # Switches that cannot both be on (one O tile placement): such points are skipped, not built.
 EXCLUSIVE_SWITCHES = (("separate_o", "o_in_v"),)
 MAX_CANDIDATES = 48

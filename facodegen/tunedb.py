@@ -29,7 +29,7 @@ import re
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields as dataclass_fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .files import atomic_write
@@ -179,13 +179,13 @@ def entry_problem(key: TuneKey, spec_fields: dict) -> str | None:
     not a tuning knob, a value of the wrong type or outside the budget model, named as
     KernelSpec names it."""
     from .driver import DeviceInfo
+    from .knobs import KNOBS
     from .spec import KernelSpec, SpecError
 
     m = _FAMILY.match(key.family)
     if m is None:
         return f"family {key.family!r} is not arch-hdN-dtype-causal|full"
-    problem = {"arch", "head_dim", "dtype", "causal", "gpu"}
-    knobs = {f.name for f in dataclass_fields(KernelSpec)} - problem
+    knobs = {k.name for k in KNOBS if not k.problem} - set(NOT_STORED)
     unknown = sorted(set(spec_fields) - knobs)
     if unknown:
         return f"{', '.join(map(repr, unknown))} {'is not a knob' if len(unknown) == 1 else 'are not knobs'}"

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import warnings
 
-import numpy as np
 import pytest
 
 from facodegen import api
