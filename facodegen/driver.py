@@ -103,12 +103,21 @@ class DeviceInfo:
 
     @property
     def budget_gpu(self) -> str:
-        """The budget-model GPU name (spec.GPUS key) whose limits fit this device."""
+        """The budget-model GPU name (spec.GPUS key) whose limits fit this device: by name for the
+        ones it knows, else by compute capability (8.6, 8.9 and 12.x have 99 KB of shared memory
+        per block; 8.0, 8.7 and 10.x at least the A100's 163 KB)."""
         lowered = self.name.lower()
         for key in ("h200", "h100", "a100"):
             if key in lowered:
                 return key
-        return "h100" if self.compute_capability == (9, 0) else "a100"
+        cc = self.compute_capability
+        if cc == (9, 0):
+            return "h100"
+        if cc == (8, 6):
+            return "sm86"
+        if cc == (8, 9) or cc[0] == 12:
+            return "sm89"
+        return "a100"
 
 
 def _device(ordinal: int) -> int:

@@ -27,7 +27,7 @@ FA1_SWITCHES = {
     "warp_split": ("kv", "q"),
     "rescale": ("every_step", "once"),
 }
-GPU_NAMES = ("a100", "h100", "h200")
+GPU_NAMES = ("a100", "h100", "h200", "sm86", "sm89")
 BOTH = ("sm80", "sm90")
 SM90 = ("sm90",)
 
@@ -80,7 +80,8 @@ KNOBS: tuple[Knob, ...] = (
          # may win at d64 (perf notes).
          search={"sm90": (2, 3), "sm80": (1, 2, 3)}),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True),
-    Knob("gpu", "text", "Whose limits the budget model applies.", choices=GPU_NAMES, flag="--gpu"),
+    Knob("gpu", "text", "Whose limits the budget model applies (sm86: A10/A40/RTX 30, sm89: L4/L40/RTX 40, 99 KB "
+         "of shared memory per block).", choices=GPU_NAMES, flag="--gpu"),
     Knob("q_in_regs", "bool", "sm80, sm90 fp8: keep Q fragments in registers (sm90: Q K^T reads A from registers).",
          flag="--q-in-regs/--q-in-smem", search={"sm80": (False, True)}),
     Knob("schedule", "text", "sm80: fa2 (default) or fa1 (FlashAttention-1's schedule, "

@@ -95,6 +95,11 @@ GPUS = {
     # 228 KB per SM (CUDA programming guide, compute capability 9.0), 1 KB of it reserved per CTA.
     "h100": GpuLimits("h100", 232448, 65536, 132, (9, 0), 233472),
     "h200": GpuLimits("h200", 232448, 65536, 132, (9, 0), 233472),
+    # 99 KB per block, 100 KB per SM (CUDA programming guide, compute capabilities 8.6 and 8.9):
+    # A10, A40, RTX 30 (8.6); L4, L40, RTX 40 (8.9). The SM counts are the A10's and the L4's; the
+    # launcher reads the real count off the device.
+    "sm86": GpuLimits("sm86", 101376, 65536, 72, (8, 6), 102400),
+    "sm89": GpuLimits("sm89", 101376, 65536, 58, (8, 9), 102400),
 }
 DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 
@@ -366,6 +371,10 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
         # (one 192 KB CTA per SM): causal s1k 255 vs 229, s4k 293 vs 275, non-causal s8k 323 vs 323.
         if head_dim == 256 and 2 * (64 + 2 * 64) * head_dim * 2 <= smem:
             return Tiles(64, 64, 4, 1, why="FA2 hdim256 on H100: 64x64, 4 warps, 2 CTAs/SM")
+        # 99 KB GPUs (sm86, sm89): 128 rows of Q at hdim 256 (64 KB) leave no room for a K/V stage
+        # (64 KB); 64 rows with one 64-key stage take 96 KB.
+        if (128 + 2 * 64) * head_dim * 2 > smem:
+            return Tiles(64, 64, 4, 1, why="hdim256 on a 99 KB GPU: 64x64, 4 warps, 1 stage")
         # hdim 192/256: 8 warps of 16 rows each, so the O accumulator (16 x d per warp, d/2
         # floats per thread) fits in 255 registers; 2 stages where the GPU has the room.
         stages = 2 if 128 * head_dim * 2 + 2 * 2 * 64 * head_dim * 2 <= smem else 1
