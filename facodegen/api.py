@@ -415,7 +415,6 @@ def _check_scale(softmax_scale, head_dim: int) -> float:
 def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, arch, spec_fields: dict) -> _Call:
     """Check every argument, pick and load the kernel, allocate the output (and the LSE where it
     is wanted) and build the launch plan: the slow half of a call, done once per call key."""
-    from .launch import Descale
     qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
     spec_fields = dict(spec_fields)
     fp8 = _is_fp8_call(qv, spec_fields)
@@ -441,23 +440,7 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     seqlen_k, heads_kv = kv.shape[1], kv.shape[2]
     scale = _check_scale(softmax_scale, head_dim)
 
-    descales, keep, unit_ptrs = {}, [], []
-    if fp8:
-        for name, value in zip(("q", "k", "v"), descale_values):
-            arg = f"{name}_descale"
-            if value is not None and _kind(value) == "other":
-                raise TypeError(f"{arg} must be a float32 {qv.kind} tensor on cuda:{qv.device} (a scalar or "
-                                f"(batch, heads_kv)), got {type(value).__name__}")
-            view = _view(arg, value) if value is not None else None
-            strides = check_descale(view, arg, qv, batch, heads_kv)
-            unit = value is None
-            if unit:
-                value = _unit_descale(qv.device, qv.kind)
-                view = _view(arg, value)
-            unit_ptrs.append(view.ptr if unit else 0)
-            keep.append(value)
-            descales[name] = Descale(view.ptr, *strides)
-
+    descales, keep, unit_ptrs = _fp8_descales(qv, descale_values, batch, heads_kv) if fp8 else ({}, (), ())
     spec = resolve_spec(head_dim, dtype, causal, qv.device, arch, shape=(batch, seqlen_q, seqlen_k, heads_q),
                         **spec_fields)
     if out is None:     # as a plan-cache hit makes it (torch: empty_like(q), q's layout)
@@ -465,9 +448,9 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
             _empty(qv, qv.shape, out_name)
     outv = _view("out", out)
     _check_out(outv, qv, out_name, f" (out_dtype={spec.out_dtype})" if fp8 else "")
-    lsev = None
+    lsev, lse_shape = None, (batch, heads_q, seqlen_q)
     if lse_out is None and want_lse:
-        lse_out = _empty(qv, (batch, heads_q, seqlen_q), "float32")
+        lse_out = _empty(qv, lse_shape, "float32")
     if lse_out is not None:
         lsev = _view("lse_out", lse_out)
         _check_lse(lsev, qv)
@@ -480,18 +463,39 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     workspace = workspace_floats(spec, batch, heads_q, seqlen_q, head_dim) or \
         stream_k_workspace_floats(spec, prepared.resident_ctas)
     torch = _torch() if qv.kind == "torch" else None
-    lse_shape = (batch, heads_q, seqlen_q)
     outputs = _Outputs(qv.shape, out_name, lse_shape, getattr(torch, out_name) if torch else out_name,
-                       out_name == qv.dtype, tuple(unit_ptrs))
+                       out_name == qv.dtype, unit_ptrs)
     plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes,
                       tensor_maps=map_operands(spec) if spec.arch == "sm90" else {},
-                      lse_floats=batch * heads_q * seqlen_q, workspace_floats=workspace,
+                      lse_floats=math.prod(lse_shape), workspace_floats=workspace,
                       stream_k_flags=stream_k_flags(spec, launch_grid[0]),
                       switch_context=qv.device != _current_device(qv.kind),
                       allocate=functools.partial(_allocate, qv.kind, qv.device), outputs=outputs)
     descale_ptrs = tuple(descales[n].ptr for n in ("q", "k", "v")) if fp8 else None
     return _Call(plan, qv.kind, qv.device, out, lse_out, (qv.ptr, kv.ptr, vv.ptr, outv.ptr, lse_ptr),
-                 descale_ptrs, tuple(keep))
+                 descale_ptrs, keep)
+
+
+def _fp8_descales(qv: _View, values, batch: int, heads_kv: int) -> tuple[dict, tuple, tuple]:
+    """The q, k, v descales of an fp8 call: ({name: launch.Descale}, the arrays they point into,
+    the unit descales' addresses where one was left out, else 0). Raises naming the argument."""
+    from .launch import Descale
+    descales, keep, unit_ptrs = {}, [], []
+    for name, value in zip(("q", "k", "v"), values):
+        arg = f"{name}_descale"
+        if value is not None and _kind(value) == "other":
+            raise TypeError(f"{arg} must be a float32 {qv.kind} tensor on cuda:{qv.device} (a scalar or "
+                            f"(batch, heads_kv)), got {type(value).__name__}")
+        view = _view(arg, value) if value is not None else None
+        strides = check_descale(view, arg, qv, batch, heads_kv)
+        unit = value is None
+        if unit:
+            value = _unit_descale(qv.device, qv.kind)
+            view = _view(arg, value)
+        unit_ptrs.append(view.ptr if unit else 0)
+        keep.append(value)
+        descales[name] = Descale(view.ptr, *strides)
+    return descales, tuple(keep), tuple(unit_ptrs)
 
 
 def _launch(call: _Call) -> None:
@@ -694,26 +698,18 @@ def _top_left(q, k, v, *, softmax_scale, return_lse, out, lse_out, arch, **spec_
         _, lse_head = attention(q[:, :seqlen_k], k, v, out=out[:, :seqlen_k], **square)
     else:   # the first part's output tells the dtype (fp8 inputs give bf16 or fp16)
         out_head, lse_head = attention(q[:, :seqlen_k], k, v, **square)
-        out = _like_empty(out_head, (q.shape[0], seqlen_q) + tuple(out_head.shape[2:]))
+        like = _view("out", out_head)
+        out = _empty(like, (q.shape[0], seqlen_q) + tuple(out_head.shape[2:]), like.dtype)
         out[:, :seqlen_k] = out_head
     tail = attention(q[:, seqlen_k:], k, v, causal=False, softmax_scale=softmax_scale, return_lse=True,
                      out=out[:, seqlen_k:], arch=arch, **spec_fields)
     if not return_lse and lse_out is None:
         return out
     if lse_out is None:
-        lse_out = _like_empty(lse_head, (q.shape[0], q.shape[2], seqlen_q))
+        lse_out = _empty(_view("lse_out", lse_head), (q.shape[0], q.shape[2], seqlen_q), "float32")
     lse_out[..., :seqlen_k] = lse_head
     lse_out[..., seqlen_k:] = tail[1]
     return (out, lse_out) if return_lse else out
-
-
-def _like_empty(x, shape):
-    """An uninitialised array of ``x``'s library, dtype and device."""
-    if _kind(x) == "torch":
-        return _torch().empty(shape, dtype=x.dtype, device=x.device)
-    cupy = _cupy()
-    with cupy.cuda.Device(x.device.id):
-        return cupy.empty(shape, dtype=x.dtype)
 
 
 # ------------------------------------------------------------------ arrays, streams, devices

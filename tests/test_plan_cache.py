@@ -247,3 +247,55 @@ def test_fp8_descales_are_written_per_call(fake):
     got = struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at)
     unit = api._unit_descale(0, "torch").data_ptr()
     assert got == (qd.data_ptr(), kd.data_ptr(), unit)
+
+
+class SliceableTensor(FakeTensor):
+    """A FakeTensor that slices along dims 1 (and the LSE's last) like a torch view, for the
+    top-left causal split; assignments are recorded, not computed."""
+    writes: list = []
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        shape = list(self.shape)
+        offset = 0
+        for axis, item in enumerate(index):
+            if item is Ellipsis:
+                axis, item = len(shape) - 1, index[-1]
+                start, stop, _ = item.indices(shape[axis])
+                offset += start * self._strides[axis]
+                shape[axis] = stop - start
+                break
+            if isinstance(item, slice):
+                start, stop, _ = item.indices(shape[axis])
+                offset += start * self._strides[axis]
+                shape[axis] = stop - start
+        return SliceableTensor(tuple(shape), self.dtype.removeprefix("torch."), self._strides, self.device.index,
+                               self._ptr + 2 * offset)
+
+    def __setitem__(self, index, value):
+        SliceableTensor.writes.append((self[index].shape, value.shape))
+
+
+@pytest.mark.parametrize("sq, sk", [(40, 100), (100, 40)])
+def test_top_left_causal_is_made_of_bottom_right_launches_on_views(fake, sq, sk):
+    """seqlen_q < seqlen_k: one causal launch over the first seqlen_q keys; seqlen_q > seqlen_k: a
+    causal launch of the first seqlen_k rows into out's first rows, a non-causal one of the rest."""
+    d = 64
+    q = SliceableTensor((1, sq, 2, d))
+    k, v = SliceableTensor((1, sk, 2, d)), SliceableTensor((1, sk, 2, d))
+    fake.launches.records.clear()
+    SliceableTensor.writes = []
+    out = SliceableTensor((1, sq, 2, d))
+    api.attention(q, k, v, causal=True, causal_alignment="top_left", out=out)
+    launched = [struct.unpack_from("<4Q", r["params"], 0) for r in fake.launches.records]
+    if sq < sk:
+        assert launched == [(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())]
+        assert api._PLANS.get(next(iter(api._PLANS._plans))).spec.causal
+    else:
+        row = 2 * d * 2    # bytes of one (heads, head_dim) row of bf16
+        assert launched == [(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()),
+                            (q.data_ptr() + sk * row, k.data_ptr(), v.data_ptr(), out.data_ptr() + sk * row)]
+        causal = [plan.spec.causal for plan in api._PLANS._plans.values()]
+        assert causal == [True, False]
+    with pytest.raises(ValueError, match="causal_alignment must be"):
+        api.attention(q, k, v, causal=True, causal_alignment="center")

@@ -196,7 +196,7 @@ def test_two_ctas_per_sm_halve_the_register_pool_and_double_the_grid():
 
 def test_cluster_m_checks_pads_m_blocks_and_halves_the_kv_box():
     from facodegen import tma
-    from facodegen.launch import grid, num_m_blocks, pack_params, Operand
+    from facodegen.launch import grid, num_m_blocks
     spec = KernelSpec(arch="sm90", head_dim=256, cluster_m=2)
     assert "_cl2" in spec.variant
     assert KernelSpec(arch="sm90", head_dim=256).cluster_m == 1 and KernelSpec().cluster_m == 1
