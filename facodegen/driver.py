@@ -23,9 +23,8 @@ _VOIDP = _c.c_void_p
 _UINT = _c.c_uint
 
 CUDA_ERROR_INVALID_CONTEXT = 201
-CUDA_ERROR_OUT_OF_MEMORY = 2
 _ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8          # CUfunction_attribute
-_DEV_ATTR = {"sms": 16, "major": 75, "minor": 76, "smem_optin": 97, "l2_bytes": 38}   # CUdevice_attribute
+_DEV_ATTR = {"sms": 16, "major": 75, "minor": 76, "smem_optin": 97}   # CUdevice_attribute
 
 _SIGNATURES = {
     "cuInit": [_UINT],
@@ -40,7 +39,6 @@ _SIGNATURES = {
     "cuModuleLoadData": [_c.POINTER(_VOIDP), _c.c_char_p],
     "cuModuleGetFunction": [_c.POINTER(_VOIDP), _VOIDP, _c.c_char_p],
     "cuFuncSetAttribute": [_VOIDP, _c.c_int, _c.c_int],
-    "cuLaunchKernel": [_VOIDP, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _UINT, _VOIDP, _VOIDP, _VOIDP],
     "cuMemsetD32Async": [_c.c_uint64, _UINT, _c.c_size_t, _VOIDP],
     "cuTensorMapReplaceAddress": [_VOIDP, _VOIDP],
     "cuGetErrorName": [_c.c_int, _c.POINTER(_c.c_char_p)],

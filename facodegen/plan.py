@@ -84,8 +84,6 @@ class LaunchPlan:
         self.outputs = outputs      # what the caller needs to allocate a hit's results (api._Outputs)
         self.function = function
         self.grid = grid
-        self.threads = spec.threads
-        self.smem_bytes = spec.smem_bytes
         self._switch_context = switch_context
         self._allocate = allocate
         self._scratch_bytes = (_ALIGN, _round_up(4 * lse_floats), 4 * workspace_floats)
