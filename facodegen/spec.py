@@ -457,130 +457,70 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
                  why="FA3 fp8 hdim256: 128x128")
 
 
-# Sequence-length rules on sm90 (mostly short sequences): tiles that suit the call's length better
-# than the per-head_dim defaults, applied by facodegen.api.resolve_spec when the call's shape is known, no
-# tuned entry exists and the caller chose no tile field. Measured on the H200 (scripts/sweep.py,
-# 2026-11-29, TFLOP/s, default -> rule):
-#   head_dim 128 non-causal, block_n 160 -> 128 (the last of ceil(seqlen_k/160) blocks is mostly
-#   padding at 512 and 1k): s512 460 -> 547, s1k 577 -> 612 (s2k: 656 -> 629, so not there) (d33f916);
-#   head_dim 64 causal up to 4k queries, three CTAs of one consumer warpgroup per SM (64-row tiles,
-#   24/136 registers: each CTA's per-tile prologue, exact first softmax and epilogue run under the
-#   other two's GEMMs; 64 keys up to 1k, 96 beyond). 2026-12-01 (350f483 + ctas_per_sm=3, variants
-#   taking turns, 15 groups, two calls; TFLOP/s rule before (2 warpgroups at 512, two 1-warpgroup
-#   CTAs at 1k, 192x128 beyond) / 3 CTAs x 64 keys / 3 CTAs x 96 keys; cuDNN, FA3): s512 235.2 /
-#   274.8 / 265.9 and 229.5 / 270.9 / 262.7 (C 246.6, 243.8), s1k 312.3 / 352.4 / 354.9 and 307.7 /
-#   348.5 / 346.3 (C 305.7), s2k 384.8 / 417.4 / 428.6 and 375.7 / 408.0 / 418.3 (F 369.7), s4k 441.8 /
-#   449.6 / 467.8 (F 411.1); at s8k 519.9 / 469.7 / 480.9 and s16k 541.1 / 466.3 / 481.3 the 192-row
-#   tile wins; non-causal s512 381.9 / 372.5 / 351.7, s1k 433.4 / 416.7 / 420.7, so not there; fp8
-#   d64 loses with it (causal s2k 460 / 420 / 453, s8k 582 / 457 / 510). Before it (d33f916): 192x128 ->
-#   128x128 (2 consumer warpgroups): s512 203 -> 223, s1k 271 -> 303;
-#   head_dim 128 causal, pingpong on (a tile has 1-8 blocks; the two warpgroups' turns keep the
-#   tensor cores fed through the short loops): s512 315 -> 321, s1k 430 -> 439 with the variants
-#   taking turns (318 -> 331, 450 -> 459 and 316 -> 324, 456 -> 460 in two sequential sweeps); at
-#   s2k 507 -> 503 and beyond it lost 4-5% then. Re-measured on today's kernel (2026-12-01, b3ea912,
-#   15 groups, variants taking turns, two calls): s2k 499 -> 539, s4k 572 -> 608 and 568 -> 602, s8k
-#   612 -> 649 and 614 -> 644 (FlashAttention-3 613-674 in the same runs), so now up to 8k; at 16k
-#   (the row below: 176 keys, O over V) pingpong loses (682 -> 650);
-#   head_dim 256 causal, block_n 80 -> 64 (finer diagonal): s512 301 -> 312 (313 -> 321 and 312 ->
-#   321 in two more runs); s1k 462 -> 461 with the exact softmax, 467 -> 492 with optimistic_max
-#   (c5d6789, variants taking turns), so up to 1k;
-#   two CTAs of one consumer warpgroup per SM (the head_dim-64 causal 1k rule before the three):
-#   s1k 299 -> 308 (975f18b), 303 -> 321 with optimistic_max (a778a8d); at s512 222.7 vs 223.2;
-#   head_dim 128 causal, two 1-warpgroup CTAs with 64 keys lose (2026-12-01: s512 339.5 -> 311.5, s1k
-#   439.5 -> 399.4, s2k 524.3 -> 476.7; three do not compile: the O wgmma needs 94 registers, the
-#   three-CTA launch bound gives 80);
-#   head_dim 256 non-causal, block_n 80 -> 64 (seven 80-key blocks at s512, the last mostly padding;
-#   eight of 64): s512 505 -> 529 (c5d6789);
-#   head_dim 256 up to 1k keys (causal: 1k queries), O's staging tile over the V ring (o_in_v: Q is
-#   free after the tile's last Q K^T, so the next tile's first Q K^T and softmax run while the O
-#   store reads shared memory; short tiles pay that hand-off often): s512 541 -> 557, s1k 661 -> 679,
-#   causal s512 328 -> 344, causal s1k 486 -> 494; from 2k level within noise (s2k 691 / 668, s4k
-#   688 / 693, s8k 734 / 732, causal s2k 606 / 602, s8k 681 / 680) (41e02cc + o_in_v, variants taking
-#   turns);
-#   head_dim 256 non-causal at every length, O over the V ring (2026-12-01, b3ea912, 15 groups,
-#   variants taking turns: default / o_in_v; pingpong / both beside them spill 32+92 bytes): s2k 638 /
-#   686 (and 632 / 682 in a second call), s4k 678 / 697, s8k 720 / 738 (730 / 737), s16k 739 / 749
-#   (FlashAttention-3 709-726); causal from 2k level (s2k 551 / 558, s8k 679 / 678, s16k 714 / 712),
-#   so not there;
-#   head_dim 128 long sequences, O over the V ring with block_n 160 -> 176 (FlashAttention-3's tile:
-#   the V ring then holds O, and the longer step amortises the per-step softmax work; the tile
-#   hand-off it slows matters less the longer the tile): non-causal s8k 654 -> 670 and 657 -> 666,
-#   s16k 664 -> 688 and 669 -> 692, causal s16k 652 -> 674 and 643 -> 671; causal s8k 622 -> 623,
-#   and at s4k it loses (637 -> 611, causal 646 -> 607), s2k 619 -> 553 (121cb80, two runs);
-#   two P buffers (p_buffers=2: the optimistic softmax runs under the P V before it, which one
-#   buffer cannot: it overwrites the P that P V reads) with the Q descriptors in uniform registers
-#   (uniform_wg), where the second P fits (O + S + 2 P <= 240 registers, no spills). 2026-12-01
-#   (session 12, calls 1-3, 12 groups, variants taking turns with FA3 / cuDNN; TFLOP/s rule before
-#   -> new rule): head_dim 128 non-causal 128 keys from 2k, 144 from 8k: s2k 602.6 -> 640.7 (bn128
-#   + p2 alone 636.3, 637.0 vs 608.2 in call 1), s4k 634.4 -> 680.9 (without uniform_wg), s8k 686.0 ->
-#   720.8 (bn128 699.5; call 1 without uniform_wg 687.6 -> 699.4), s16k 697.0 -> 716.9 (without
-#   uniform_wg; bn128 694.2); s512 / s1k stay at 128 keys and one buffer (509.3 / 585.0 vs 494.7 /
-#   585.7); head_dim 128 causal 2k-8k, pingpong + uniform_wg + p2 at 128 keys: s2k 528.4 -> 539.9,
-#   s4k 590.0 -> 620.5 and 592.4 -> 618.1, s8k 634.7 -> 667.4 and 628.7 -> 655.1 (FA3 631.9 / 636.8;
-#   p2 alone 635.5, uniform_wg alone 649.6, no pingpong 653.7-659.7; fp16 s8k no pingpong 595.0 ->
-#   635.6), s512 / s1k pingpong + uniform_wg only (333.9 -> 340.7, 440.0 -> 449.0; with p2 332.2 /
-#   435.9); s16k keeps 176 keys + O over V (690.8 vs 694.7 with p2: level; uniform_wg there 596.8);
-#   head_dim 256 causal up to 4k, 64 keys + O over V + uniform_wg + p2 (80 keys with p2 spill): s512
-#   349.6 -> 354.7, s1k 469.0 -> 471.2, s2k 546.4 -> 572.8 and 536.7 -> 560.5, s4k 640.2 -> 651.9 and
-#   621.7 -> 633.2; s8k 674.7 -> 667.9 and s16k 753.2 -> 708.8 lose, so not there, nor non-causal (s4k
-#   709.8 -> 695.4); head_dim 256 causal from 8k, 80 keys + O over V + uniform_wg (call 5, 15 groups):
-#   s8k 680.3 -> 696.1 (uniform_wg alone 672.1, bn64 + p2 685.0; FA3 684.7), s16k 699.0 -> 729.4 (FA3
-#   709.9); the same kernel non-causal read 734.8 and 753.6 in one call (the spread of one kernel), so
-#   non-causal took it only after call 7 (15 groups, taking turns; rule -> + uniform_wg): s1k 609.8 ->
-#   630.0, s2k 668.0 -> 682.8, s4k 711.1 -> 716.6 (FA3 604.8 / 660.9 / 698.1); s512 keeps 64 keys + O
-#   over V without it. fp8 loses with p2 (d128 24/240: s8k 876.1 -> 788.3, causal s8k 828.3 -> 762.9);
-#   head_dim 256 everywhere, Q's descriptors rebuilt at each Q K^T (rebuild_q_desc: held across the
-#   loop they took ~14 vector registers, and 80 keys with two P buffers spilled 20 bytes), so two P
-#   buffers at 80 keys from 2k (causal) or 1k (non-causal) and at 64 keys below. 2026-12-01 (session
-#   13, calls 1-2, 12 groups, variants taking turns with FA3; TFLOP/s rule before / + rebuild_q_desc /
-#   new rule (F)): causal s512 353.8 / 357.5 / 357.5 (225.0), s1k 452.3 / 458.9 / 458.9 (80 keys + p2
-#   454.3; 444.5), s2k 553.5 / 558.8 / 561.9 (548.6), s4k 626.9 / 632.1 / 634.4 (619.0), s8k 676.6 /
-#   678.8 / 680.1 (665.0), s16k 706.9 / 709.0 / 710.7 (696.1); non-causal s512 519.7 / 517.2 / 527.4
-#   (80 keys 525.0; 488.6), s1k 623.7 / 624.3 / 632.3 (563.0), s2k 681.9 / 681.1 / 681.7 (651.7), s4k
-#   707.2 / 709.0 / 713.2 (683.9), s8k 734.0 / 733.0 / 731.6 (717.8), s16k 742.0 / 747.6 / 747.1
-#   (730.3). Elsewhere rebuild_q_desc frees nothing or costs (head_dim 64 then spills; fp8 head_dim 128 causal
-#   s4k-s16k 736.7 / 737.3, 813.0 / 809.1, 854.8 / 857.7; bf16 head_dim 128 causal s16k 655.3 / 650.2);
-#   head_dim 128 causal from 16k, the non-causal long tile (144 keys, uniform_wg, two P buffers)
-#   instead of 176 keys + O over V (session 13, call 3; 176 + O over V / 128 + pingpong + uniform_wg +
-#   p2 (the 8k rule) / 144 + uniform_wg + p2 / the same + O over V (F)): s16k 657.8 / 671.9 / 681.3 /
-#   668.3 (654.1), s8k 611.7 / 653.5 / 645.7 / 640.3 (631.2).
-# fp8 (e4m3):
-#   head_dim 128 causal, block_n 192 -> 128 up to 2k (a tile's diagonal blocks are a large share
-#   of its 1-16 blocks): s1k 396 -> 428 (bcc4ca6), s2k 569 -> 568 (bcc4ca6) and, with the
-#   conflict-free transposer, 623 -> 647 (9e4f04a); at s8k 820 -> 779, so not there.
-#   head_dim 256 non-causal below 8k keys, stream_k off (its shares add piece boundaries, which
-#   cost more the shorter the tiles): 2026-12-01 (scripts/sweep.py, 10 groups, 16k tokens, TFLOP/s
-#   stream_k / without (F)): s512 750.9 / 870.8 (362.3), s1k 955.6 / 1030.3 (641.8), s2k 1086.5 /
-#   1101.8 (1004.3), s4k 1092.3 / 1104.0 (1078.3); s8k 1124.4 / 1107.1 (1127.6), s16k 1144.5 / 1128.4
-#   (1158.4) keep it.
-#   head_dim 256 non-causal below 8k keys, defer_o_store off too: see defer_o_store_default.
+# Sequence-length rules on sm90: tiles that suit the call's length better than the per-head_dim
+# defaults (applied by facodegen.api.resolve_spec when the call's shape is known, no tuned entry
+# exists and the caller chose none of the rule's fields). First match wins. Each rule's `evidence`
+# is a phrase of docs/seqlen-rules.md, where its measurement is (a test finds each one there).
+_ANY_LENGTH = 1 << 62
+
+
+@dataclass(frozen=True)
+class SeqlenRule:
+    dtypes: tuple[str, ...]
+    head_dims: tuple[int, ...]
+    causal: bool | None             # None: either
+    length: str                     # "seqlen_q" or "seqlen_k": which length the bounds apply to
+    low: int                        # the rule applies for low <= length <= high
+    high: int
+    fields: dict
+    evidence: str
+
+    def matches(self, dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqlen_k: int) -> bool:
+        length = seqlen_q if self.length == "seqlen_q" else seqlen_k
+        return (dtype in self.dtypes and head_dim in self.head_dims and self.causal in (None, causal)
+                and self.low <= length <= self.high)
+
+
+_16 = ("bf16", "fp16")
+_D256 = {"o_in_v": True, "uniform_wg": True, "p_buffers": 2, "rebuild_q_desc": True}
+SEQLEN_RULES = (
+    SeqlenRule(("fp8",), (256,), False, "seqlen_k", 0, 8191, {"stream_k": False, "defer_o_store": False},
+               "head_dim 256 non-causal below 8k keys, stream_k off"),
+    SeqlenRule(_16, (128,), False, "seqlen_k", 0, 1024, {"block_n": 128},
+               "head_dim 128 non-causal, block_n 160 -> 128"),
+    SeqlenRule(_16, (128,), False, "seqlen_k", 1025, 4096, {"block_n": 128, "uniform_wg": True, "p_buffers": 2},
+               "head_dim 128 non-causal 128 keys from 2k, 144 from 8k"),
+    SeqlenRule(_16, (128,), False, "seqlen_k", 4097, _ANY_LENGTH, {"block_n": 144, "uniform_wg": True, "p_buffers": 2},
+               "head_dim 128 non-causal 128 keys from 2k, 144 from 8k"),
+    SeqlenRule(_16, (128,), True, "seqlen_k", 16384, _ANY_LENGTH, {"block_n": 144, "uniform_wg": True, "p_buffers": 2},
+               "head_dim 128 causal from 16k, the non-causal long tile"),
+    SeqlenRule(_16, (64,), True, "seqlen_q", 0, 1024, {"consumer_warpgroups": 1, "ctas_per_sm": 3, "block_n": 64},
+               "head_dim 64 causal up to 4k queries, three CTAs of one consumer warpgroup per SM"),
+    SeqlenRule(_16, (64,), True, "seqlen_q", 1025, 4096, {"consumer_warpgroups": 1, "ctas_per_sm": 3, "block_n": 96},
+               "head_dim 64 causal up to 4k queries, three CTAs of one consumer warpgroup per SM"),
+    SeqlenRule(_16, (128,), True, "seqlen_q", 0, 1024, {"pingpong": True, "uniform_wg": True},
+               "head_dim 128 causal, pingpong on"),
+    SeqlenRule(_16, (128,), True, "seqlen_q", 1025, 8192, {"block_n": 128, "pingpong": True, "uniform_wg": True,
+                                                            "p_buffers": 2},
+               "head_dim 128 causal 2k-8k, pingpong + uniform_wg + p2 at 128 keys"),
+    SeqlenRule(_16, (256,), True, "seqlen_q", 0, 1024, {**_D256, "block_n": 64},
+               "head_dim 256 causal, block_n 80 -> 64"),
+    SeqlenRule(_16, (256,), False, "seqlen_k", 0, 512, {**_D256, "block_n": 64},
+               "head_dim 256 non-causal, block_n 80 -> 64"),
+    SeqlenRule(_16, (256,), None, "seqlen_k", 0, _ANY_LENGTH, _D256,
+               "head_dim 256 everywhere, Q's descriptors rebuilt at each Q K^T"),
+)
 SEQLEN_RULE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups", "o_in_v", "stream_k",
                       "defer_o_store")
 
 
 def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqlen_q: int, seqlen_k: int) -> dict:
-    """Spec fields the table above sets for a call of this shape ({} = the defaults)."""
+    """The fields of the first SEQLEN_RULES row that matches a call of this shape ({} = the defaults)."""
     if arch != "sm90":
         return {}
-    if dtype == "fp8":
-        return {"stream_k": False, "defer_o_store": False} if head_dim == 256 and not causal and seqlen_k < 8192 else {}
-    if head_dim == 128 and not causal:
-        if seqlen_k <= 1024:
-            return {"block_n": 128}
-        return {"block_n": 128 if seqlen_k <= 4096 else 144, "uniform_wg": True, "p_buffers": 2}
-    if head_dim == 128 and seqlen_k >= 16384:
-        return {"block_n": 144, "uniform_wg": True, "p_buffers": 2}   # causal: the non-causal long tile
-    if head_dim == 64 and causal and seqlen_q <= 4096:
-        return {"consumer_warpgroups": 1, "ctas_per_sm": 3, "block_n": 64 if seqlen_q <= 1024 else 96}
-    if head_dim == 128 and causal and seqlen_q <= 1024:
-        return {"pingpong": True, "uniform_wg": True}
-    if head_dim == 128 and causal and seqlen_q <= 8192:
-        return {"block_n": 128, "pingpong": True, "uniform_wg": True, "p_buffers": 2}
-    if head_dim == 256:
-        fields = {"o_in_v": True, "uniform_wg": True, "p_buffers": 2, "rebuild_q_desc": True}
-        if (seqlen_q <= 1024) if causal else (seqlen_k <= 512):
-            fields["block_n"] = 64
-        return fields
+    for rule in SEQLEN_RULES:
+        if rule.matches(dtype, head_dim, causal, seqlen_q, seqlen_k):
+            return dict(rule.fields)
     return {}
 
 

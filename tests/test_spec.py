@@ -425,3 +425,29 @@ def test_vt_in_place_is_an_fp8_row_v_knob_that_frees_the_v_ring():
         with pytest.raises(SpecError) as err:
             KernelSpec(head_dim=128, vt_in_place=True, **kw)
         assert err.value.field == field
+
+
+def test_every_seqlen_rule_points_at_its_measurement_and_makes_a_valid_spec():
+    """SEQLEN_RULES are data: each row's evidence phrase is in docs/seqlen-rules.md, its bounds are
+    ordered, and its fields make a spec for every dtype, head_dim and causal it covers."""
+    from pathlib import Path
+    from facodegen.spec import SEQLEN_RULES
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "seqlen-rules.md").read_text().split())
+    for rule in SEQLEN_RULES:
+        assert " ".join(rule.evidence.split()) in doc, rule.evidence
+        assert 0 <= rule.low <= rule.high and rule.length in ("seqlen_q", "seqlen_k")
+        for dtype in rule.dtypes:
+            for head_dim in rule.head_dims:
+                for causal in ((False, True) if rule.causal is None else (rule.causal,)):
+                    KernelSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal, gpu="h200", **rule.fields)
+
+
+def test_seqlen_rules_first_match_wins():
+    from facodegen.spec import seqlen_rule_fields
+    assert seqlen_rule_fields("sm80", 128, "bf16", False, 512, 512) == {}
+    assert seqlen_rule_fields("sm90", 128, "bf16", False, 512, 512) == {"block_n": 128}
+    # causal head_dim 128 with 16k keys: the long-tile row comes before the short-query rows
+    assert seqlen_rule_fields("sm90", 128, "bf16", True, 1, 16384)["block_n"] == 144
+    assert seqlen_rule_fields("sm90", 128, "bf16", True, 1, 16383) == {"pingpong": True, "uniform_wg": True}
+    assert seqlen_rule_fields("sm90", 256, "fp8", False, 100, 8191) == {"stream_k": False, "defer_o_store": False}
+    assert seqlen_rule_fields("sm90", 256, "fp8", False, 100, 8192) == {}
