@@ -185,24 +185,23 @@ def load_function(cubin: bytes, name: str, ordinal: int, max_dynamic_smem: int =
 
 
 class Launcher:
-    """cuLaunchKernel of one kernel with one argument block, its ctypes arguments built once:
-    a launch converts only the stream (about half the cost of a call with ``argtypes`` to
-    convert, which matters at a few microseconds a call)."""
+    """cuLaunchKernel of one kernel, its ctypes arguments built once: a launch converts nothing
+    (the stream and the argument block come as ctypes objects), about half the cost of a call
+    through ``argtypes``, which matters at a few microseconds a call."""
 
-    def __init__(self, function: LoadedFunction, grid: tuple[int, int, int], threads: int, smem_bytes: int,
-                 kernel_params: int):
+    def __init__(self, function: LoadedFunction, grid: tuple[int, int, int], threads: int, smem_bytes: int):
         self.function = function
         self._launch = _raw().cuLaunchKernel
         self._args = (_VOIDP(function.ptr), _UINT(grid[0]), _UINT(grid[1]), _UINT(grid[2]), _UINT(threads),
                       _UINT(1), _UINT(1), _UINT(smem_bytes))
-        self._params = _VOIDP(kernel_params)
 
-    def __call__(self, stream: _VOIDP) -> None:
-        """Launch on ``stream`` (a ctypes.c_void_p, see ``stream_arg``)."""
-        result = self._launch(*self._args, stream, self._params, None)
+    def __call__(self, stream: _VOIDP, kernel_params: _VOIDP) -> None:
+        """Launch on ``stream`` (see ``stream_arg``) with ``kernel_params``, the address of a
+        ``void*[]`` of argument pointers, as a ctypes.c_void_p."""
+        result = self._launch(*self._args, stream, kernel_params, None)
         if result == CUDA_ERROR_INVALID_CONTEXT:    # a thread that has not touched CUDA yet
             check(lib().cuCtxSetCurrent(primary_context(self.function.device)), "cuCtxSetCurrent")
-            result = self._launch(*self._args, stream, self._params, None)
+            result = self._launch(*self._args, stream, kernel_params, None)
         check(result, "cuLaunchKernel")
 
 

@@ -35,9 +35,9 @@ class Launches:
         self.memsets = []
         self.switches = []
 
-    def launcher(self, function, grid, threads, smem, kernel_params):
-        def launch(stream):
-            address = ctypes.c_void_p.from_address(kernel_params).value
+    def launcher(self, function, grid, threads, smem):
+        def launch(stream, kernel_params):
+            address = ctypes.c_void_p.from_address(kernel_params.value).value
             size = params.layout("sm90", "fp8")[1]      # the largest FlashParams
             self.records.append({"stream": stream, "grid": grid, "params": ctypes.string_at(address, size)})
         return launch
@@ -299,3 +299,24 @@ def test_top_left_causal_is_made_of_bottom_right_launches_on_views(fake, sq, sk)
         assert causal == [True, False]
     with pytest.raises(ValueError, match="causal_alignment must be"):
         api.attention(q, k, v, causal=True, causal_alignment="center")
+
+
+def test_addresses_seen_before_find_their_image_and_move_no_map(fake, monkeypatch):
+    """Layers whose activations come back at the same addresses step after step (what caching
+    allocators do) launch with the image made for them: no cuTensorMapReplaceAddress after the
+    first step; the images per plan are bounded."""
+    layers = [qkv() for _ in range(3)]
+    outs = [FakeTensor(q.shape) for q, _, _ in layers]
+    for _step in range(4):
+        for (q, k, v), out in zip(layers, outs):
+            api.attention(q, k, v, out=out)
+    # the first layer built the plan (its image is the template); the two others made one each
+    assert len(fake.launches.map_moves) == 2 * 4 and len(fake.launches.records) == 12
+    for (q, k, v), out, record in zip(layers, outs, fake.launches.records[-3:]):
+        assert struct.unpack_from("<4Q", record["params"], 0) == (q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                                 out.data_ptr())
+    monkeypatch.setattr(plan_mod, "MAX_IMAGES_PER_PLAN", 2)
+    for q, k, v in (qkv() for _ in range(5)):
+        api.attention(q, k, v, out=FakeTensor(q.shape))
+    plan = next(iter(api._PLANS._plans.values()))
+    assert len(plan._images) <= 2
