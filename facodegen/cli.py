@@ -265,13 +265,23 @@ def _cross_check(kernel) -> str:
 @click.option("--heads", default=8, show_default=True, help="Query heads.")
 @click.option("--heads-kv", type=int, help="Key/value heads (divides --heads). Default: --heads.")
 @click.option("--seed", default=0, show_default=True)
-def check(spec_fields, batch, seqlen_q, seqlen_k, heads, heads_kv, seed):
+@click.option("--fuzz", type=click.IntRange(min=1), help="Run this many seeded random problems (facodegen.fuzz) "
+              "through attention() instead, each against the float64 reference; --seed picks the list.")
+@click.option("--family", type=click.Choice(("forward", "all")), default="all", show_default=True,
+              help="--fuzz: which kernel family's problems.")
+@click.option("--fuzz-case", help="Rerun one fuzz case (the JSON a failing case prints).")
+def check(spec_fields, batch, seqlen_q, seqlen_k, heads, heads_kv, seed, fuzz, family, fuzz_case):
     """Run a kernel on random inputs and compare with the float64 reference (GPU).
 
     \b
     Example:
       facodegen check --arch sm90 --head-dim 128 --causal --seqlen-q 2048
+      facodegen check --fuzz 10000 --seed 1        # seeded random problems through attention()
     """
+    if fuzz or fuzz_case:
+        _require_gpu("check --fuzz")
+        _check_fuzz(fuzz, family, seed, fuzz_case, spec_fields.get("arch"))
+        return
     spec = build_spec(spec_fields)
     _require_gpu("check")
     seqlen_k = seqlen_k or seqlen_q
@@ -288,6 +298,24 @@ def check(spec_fields, batch, seqlen_q, seqlen_k, heads, heads_kv, seed):
         result = _check_with_reference(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv, seed)
     passed = _echo_result(result)
     if passed is False:
+        sys.exit(1)
+
+
+def _check_fuzz(n, family, seed, case_json, arch) -> None:
+    from . import api, fuzz
+
+    if case_json:
+        try:
+            cases = [fuzz.Case.from_json(case_json)]
+        except (ValueError, TypeError) as err:
+            raise UsageFailure(f"--fuzz-case: not a case: {err}") from None
+    else:
+        native = api.default_arch(api.device_info(0))
+        archs = (arch,) if arch else (("sm80", "sm90") if native == "sm90" else ("sm80",))
+        cases = fuzz.generate(n, seed, family, archs)
+    result = fuzz.run(cases, log=lambda line: click.echo(line, err=True))
+    click.echo(fuzz.summary(result))
+    if result["failures"]:
         sys.exit(1)
 
 

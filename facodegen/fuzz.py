@@ -1,0 +1,235 @@
+"""Seeded random problems for ``facodegen check --fuzz N``: each a call of ``facodegen.attention``
+checked against a float64 reference with FlashAttention-3's criterion.
+
+A case is plain data (:class:`Case`): the problem (arch, dtype, shape, causal, scale), how the
+tensors are laid out (contiguous, a strided view of a wider buffer, a view at a 16-byte storage
+offset), the input magnitude and which outputs are asked for (``return_lse``, ``out=``). Shapes
+vary freely while the kernels stay a bounded set (arch x dtype x head_dim x causal, and the
+sequence-length rules' variants), so many thousands of cases share a few dozen compiled kernels.
+
+The criterion (FlashAttention-3's tests/test_flash_attn.py): the largest error of O against the
+float64 reference is at most twice the largest error of a same-precision computation (scores,
+probabilities and P V rounded to the input dtype) plus a noise floor, twice the dtype's rounding
+of the reference; the LSE within 1e-3 + 1e-4 |lse|. fp8 (e4m3 inputs, P rounded to e4m3) is held to
+a relative Frobenius error of 3e-2 of O against the float64 reference on the dequantised inputs,
+the bound of the GPU tests. A failing case prints the one command that reruns it.
+
+Families: ``forward`` (the kernels that exist today); backward, varlen, kvcache and variants join
+as they land.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+
+from .spec import HEAD_DIMS
+
+FAMILIES = ("forward",)
+LAYOUTS = ("contiguous", "strided", "offset")
+MAX_SCORES = 1 << 26        # batch x heads x seqlen_q x seqlen_k at most (the float64 reference's size)
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    arch: str
+    dtype: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    causal: bool
+    softmax_scale: float | None
+    layout: str
+    magnitude: float
+    return_lse: bool
+    use_out: bool
+    seed: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Case":
+        return cls(**json.loads(text))
+
+    def repro(self) -> str:
+        """The command that reruns this case alone."""
+        return f"facodegen check --fuzz-case '{self.to_json()}'"
+
+
+def _length(rng: random.Random) -> int:
+    """Mostly short (where tiles are partial and masks bite), some long, odd values throughout."""
+    band = rng.random()
+    if band < 0.4:
+        return rng.randint(1, 128)
+    if band < 0.8:
+        return rng.randint(129, 1024)
+    if band < 0.95:
+        return rng.randint(1025, 4096)
+    return rng.randint(4097, 8192)
+
+
+def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm90")) -> list[Case]:
+    """``n`` cases from ``seed`` (the same list every time for the same arguments)."""
+    if family not in FAMILIES + ("all",):
+        raise ValueError(f"family: {family!r} is not one of {', '.join(FAMILIES + ('all',))}")
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < n:
+        arch = rng.choice(archs)
+        dtype = rng.choice(("bf16", "fp16", "fp8") if arch == "sm90" else ("bf16", "fp16"))
+        head_dim = rng.choice(HEAD_DIMS)
+        seqlen_q = _length(rng)
+        seqlen_k = seqlen_q if rng.random() < 0.5 else _length(rng)
+        heads_kv = rng.randint(1, 4)
+        heads_q = heads_kv * rng.choice((1, 1, 2, 4, 8))
+        batch = rng.randint(1, 4)
+        while batch > 1 and batch * heads_q * seqlen_q * seqlen_k > MAX_SCORES:
+            batch -= 1
+        if batch * heads_q * seqlen_q * seqlen_k > MAX_SCORES:
+            continue
+        cases.append(Case(
+            family="forward", arch=arch, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, causal=rng.random() < 0.5,
+            softmax_scale=None if rng.random() < 0.6 else round(rng.uniform(0.02, 1.0), 4),
+            layout=rng.choice(LAYOUTS), magnitude=1.0 if rng.random() < 0.8 else rng.choice((4.0, 16.0)),
+            return_lse=rng.random() < 0.5, use_out=rng.random() < 0.3, seed=rng.randrange(1 << 31)))
+    return cases
+
+
+# ------------------------------------------------------------------ references (torch, on the GPU)
+
+def attention_torch(q, k, v, causal: bool, softmax_scale: float, upcast: bool):
+    """O and the natural-log LSE of (batch, seqlen, heads, head_dim) q, k, v; bottom-right causal,
+    GQA by repetition. ``upcast``: in float64; else FlashAttention-3's same-precision reference
+    (scores and P V in the inputs' dtype, softmax in float32)."""
+    import torch
+    group = q.shape[2] // k.shape[2]
+    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    if upcast:
+        q, k, v = (x.double() for x in (q, k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k).float() if not upcast else torch.einsum("bqhd,bkhd->bhqk", q, k)
+    scores = scores * softmax_scale
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    if causal:
+        rows = torch.arange(seqlen_q, device=q.device)[:, None]
+        cols = torch.arange(seqlen_k, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + (seqlen_k - seqlen_q), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)      # rows with no visible key: 0
+    out = torch.einsum("bhqk,bkhd->bqhd", probs if upcast else probs.to(v.dtype), v)
+    return out, lse
+
+
+def _layout(x, layout: str):
+    """``x`` as the case's layout says: itself, a view of every other head of a wider buffer, or a
+    view 16 bytes into a larger allocation (a storage offset, still aligned)."""
+    import torch
+    if layout == "strided":
+        view = torch.empty((*x.shape[:2], 2 * x.shape[2], x.shape[3]), dtype=x.dtype, device=x.device)[:, :, ::2]
+    elif layout == "offset":
+        pad = 16 // x.element_size()
+        view = torch.empty(x.numel() + pad, dtype=x.dtype, device=x.device)[pad:].view(x.shape)
+    else:
+        return x
+    # byte copies for e4m3 (elementwise kernels for float8 vary between torch versions)
+    (view.view(torch.uint8) if x.element_size() == 1 else view).copy_(x.view(torch.uint8) if x.element_size() == 1 else x)
+    return view
+
+
+def run_case(case: Case) -> tuple[bool, str]:
+    """(passed, message) of one case on the GPU."""
+    import torch
+
+    import facodegen
+    gen = torch.Generator(device="cuda").manual_seed(case.seed)
+    dt = torch.bfloat16 if case.dtype in ("bf16", "fp8") else torch.float16
+    shapes = ((case.batch, case.seqlen_q, case.heads_q, case.head_dim),
+              (case.batch, case.seqlen_k, case.heads_kv, case.head_dim),
+              (case.batch, case.seqlen_k, case.heads_kv, case.head_dim))
+    q, k, v = (torch.randn(s, generator=gen, device="cuda", dtype=torch.float32).mul_(case.magnitude).to(dt)
+               for s in shapes)
+    scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
+    kwargs = dict(causal=case.causal, softmax_scale=case.softmax_scale, return_lse=True, arch=case.arch)
+    if case.dtype == "fp8":
+        (q8, qd), (k8, kd), (v8, vd) = (facodegen.quantize_e4m3(x) for x in (q, k, v))
+        q, k, v = (x8.to(torch.float32) * d for x8, d in ((q8, qd), (k8, kd), (v8, vd)))   # what the kernel sees
+        args = [_layout(x, case.layout) for x in (q8, k8, v8)]
+        kwargs.update(q_descale=qd, k_descale=kd, v_descale=vd)
+        out_dtype = torch.bfloat16
+    else:
+        args = [_layout(x, case.layout) for x in (q, k, v)]
+        out_dtype = dt
+    if case.use_out:
+        kwargs["out"] = torch.full(shapes[0], float("nan"), dtype=out_dtype, device="cuda")
+        kwargs["lse_out"] = torch.full((case.batch, case.heads_q, case.seqlen_q), float("nan"), device="cuda")
+    out, lse = facodegen.attention(*args, **kwargs)
+    ref, ref_lse = attention_torch(q, k, v, case.causal, scale, upcast=True)
+    err = (out.double() - ref).abs().max().item()
+    if case.dtype == "fp8":
+        rel = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        ok_o, what = rel <= 3e-2, f"rel_fro {rel:.2e} (bound 3e-2)"
+    else:
+        low, _ = attention_torch(q, k, v, case.causal, scale, upcast=False)
+        bound = 2 * (low.double() - ref).abs().max().item() + 2 * ((ref.to(dt) + 0.3 - 0.3).double() - ref).abs().max().item()
+        ok_o, what = err <= bound, f"max err {err:.2e} (bound {bound:.2e})"
+    finite = torch.isfinite(ref_lse)
+    atol, rtol = (1e-2, 1e-3) if case.dtype == "fp8" else (1e-3, 1e-4)
+    lse_ok = bool(torch.equal(torch.isneginf(lse), ~finite)) and bool(
+        ((lse.double() - ref_lse)[finite].abs() <= atol + rtol * ref_lse[finite].abs()).all())
+    return ok_o and lse_ok and bool(torch.isfinite(out).all()), f"O {what}; LSE {'ok' if lse_ok else 'FAIL'}"
+
+
+def run(cases: list[Case], log=print, fail_fast: bool = False) -> dict:
+    """Run ``cases``; returns {"cases": n, "failures": [(case, message)], "by": {(arch, dtype): [n, failed]}}."""
+    failures, by = [], {}
+    for i, case in enumerate(cases, 1):
+        try:
+            ok, message = run_case(case)
+        except Exception as err:  # noqa: BLE001 (a refused or crashing case is a failure to report)
+            ok, message = False, f"{type(err).__name__}: {err}"
+        tally = by.setdefault((case.arch, case.dtype), [0, 0])
+        tally[0] += 1
+        if not ok:
+            tally[1] += 1
+            failures.append((case, message))
+            log(f"FAIL {message}\n  {case.repro()}")
+            if fail_fast:
+                break
+        if i % 500 == 0:
+            log(f"{i} cases, {len(failures)} failed")
+    return {"cases": sum(n for n, _ in by.values()), "failures": failures, "by": by}
+
+
+def summary(result: dict) -> str:
+    rows = ["| arch | dtype | cases | failed |", "|---|---|---|---|"]
+    for (arch, dtype), (n, failed) in sorted(result["by"].items()):
+        rows.append(f"| {arch} | {dtype} | {n} | {failed} |")
+    rows.append(f"| all | | {result['cases']} | {len(result['failures'])} |")
+    return "\n".join(rows)
+
+
+def representative_cases() -> list[Case]:
+    """One small case per arch, dtype and causal (odd lengths, GQA, a strided layout, the LSE and
+    out= asked for): what the sanitizer sweep (scripts/sanitize.py) runs under each tool."""
+    cases = []
+    for arch, dtypes in (("sm80", ("bf16", "fp16")), ("sm90", ("bf16", "fp16", "fp8"))):
+        for dtype in dtypes:
+            for causal in (False, True):
+                cases.append(Case("forward", arch, dtype, batch=2, seqlen_q=77 if causal else 200, seqlen_k=200,
+                                  heads_q=4, heads_kv=2, head_dim=128, causal=causal, softmax_scale=None,
+                                  layout="strided", magnitude=1.0, return_lse=True, use_out=True, seed=7))
+    return cases
+
+
+if __name__ == "__main__":  # python -m facodegen.fuzz CASE_JSON ... (the sanitizer sweep's child)
+    import sys
+
+    outcome = run([Case.from_json(arg) for arg in sys.argv[1:]])
+    print(summary(outcome))
+    sys.exit(1 if outcome["failures"] else 0)

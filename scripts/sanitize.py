@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""compute-sanitizer over every kernel family and arch (GPU): memcheck, racecheck, synccheck and
+initcheck, each over facodegen.fuzz.representative_cases() (one small case per arch, dtype and
+causal: odd lengths, GQA, strided inputs, LSE and out= asked for), one child process per tool and
+case, and a table of errors per tool and case last.
+
+    python3 scripts/sanitize.py [--tools memcheck,racecheck] [--out DIR]
+
+Each child runs `python -m facodegen.fuzz CASE_JSON` under `compute-sanitizer --tool T
+--error-exitcode 99`; its log goes to DIR/<tool>-<n>.log. Compile the kernels first (one plain
+run of the same cases) so the sanitizer does not time NVRTC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from facodegen import fuzz  # noqa: E402
+
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+_SUMMARY = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)")
+
+
+def errors_in(log: str) -> int | None:
+    """The errors (racecheck: hazards) compute-sanitizer counted, None if it printed no summary."""
+    found = [int(n) for n in _SUMMARY.findall(log)]
+    return sum(found) if found else None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--out", default=os.environ.get("OUT", "sanitize-out"))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    cases = fuzz.representative_cases()
+    warm = subprocess.run([sys.executable, "-m", "facodegen.fuzz", *[c.to_json() for c in cases]],
+                          capture_output=True, text=True)
+    print(warm.stdout or warm.stderr, flush=True)
+    rows = []
+    for tool in args.tools.split(","):
+        for n, case in enumerate(cases):
+            cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99"]
+            if tool == "racecheck":
+                cmd += ["--racecheck-report", "hazard"]
+            done = subprocess.run([*cmd, sys.executable, "-m", "facodegen.fuzz", case.to_json()],
+                                  capture_output=True, text=True)
+            log = done.stdout + done.stderr
+            (out / f"{tool}-{n}.log").write_text(log)
+            errors = errors_in(log)
+            rows.append((tool, f"{case.arch} {case.dtype} {'causal' if case.causal else 'full'}",
+                         "?" if errors is None else str(errors), done.returncode))
+            print(f"{tool:10s} {rows[-1][1]:22s} errors {rows[-1][2]:>4s} exit {done.returncode}", flush=True)
+    print("\n| tool | case | errors | exit |\n|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+    return 0 if all(r[2] == "0" and r[3] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The fuzzer's cases and reference on the CPU (its GPU run is `facodegen check --fuzz N`)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from facodegen import api, fuzz
+from facodegen.spec import HEAD_DIMS
+
+
+def test_cases_are_seeded_valid_and_cover_the_options():
+    cases = fuzz.generate(3000, seed=5)
+    assert cases == fuzz.generate(3000, seed=5) and cases != fuzz.generate(3000, seed=6)
+    for c in cases:
+        assert c.head_dim in HEAD_DIMS and c.heads_q % c.heads_kv == 0
+        assert 1 <= c.seqlen_q <= 8192 and 1 <= c.seqlen_k <= 8192
+        assert c.batch * c.heads_q * c.seqlen_q * c.seqlen_k <= fuzz.MAX_SCORES
+        assert c.dtype != "fp8" or c.arch == "sm90"
+    seen = collections.defaultdict(set)
+    for c in cases:
+        for name in ("arch", "dtype", "causal", "layout", "return_lse", "use_out", "head_dim"):
+            seen[name].add(getattr(c, name))
+        seen["gqa"].add(c.heads_q // c.heads_kv)
+        seen["scaled"].add(c.softmax_scale is not None)
+        seen["large"].add(c.magnitude > 1)
+        seen["short"].add(min(c.seqlen_q, c.seqlen_k) < 8)
+    assert seen["dtype"] == {"bf16", "fp16", "fp8"} and seen["layout"] == set(fuzz.LAYOUTS)
+    assert seen["gqa"] == {1, 2, 4, 8} and seen["head_dim"] == set(HEAD_DIMS)
+    for name in ("causal", "return_lse", "use_out", "scaled", "large", "short"):
+        assert seen[name] == {False, True}, name
+
+
+def test_the_kernels_stay_a_bounded_set():
+    """Shapes vary freely; the specs they resolve to (arch x dtype x head_dim x causal and the
+    sequence-length rules) do not, so 10,000 cases compile a few dozen kernels."""
+    specs = {api.spec_for_shape(c.arch, c.head_dim, c.dtype, c.causal,
+                                (c.batch, c.seqlen_q, c.seqlen_k, c.heads_q), gpu="h200")
+             for c in fuzz.generate(10000, seed=1)}
+    assert len(specs) <= 120, len(specs)
+
+
+def test_a_case_reruns_from_its_command():
+    case = fuzz.generate(1, seed=3)[0]
+    command = case.repro()
+    assert command.startswith("facodegen check --fuzz-case '")
+    assert fuzz.Case.from_json(command.split("'")[1]) == case
+
+
+def test_the_fuzz_reference_is_the_float64_reference():
+    torch = pytest.importorskip("torch")
+    from facodegen.reference import attention_reference
+    for sq, sk, hq, hkv, causal in ((17, 33, 4, 2, True), (33, 17, 2, 1, True), (5, 5, 2, 2, False)):
+        g = torch.Generator().manual_seed(sq)
+        q, k, v = (torch.randn(2, s, h, 16, generator=g) for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+        scale = 0.3
+        out, lse = fuzz.attention_torch(q, k, v, causal, scale, upcast=True)
+        ref, ref_lse = attention_reference(q.numpy(), k.numpy(), v.numpy(), causal=causal, softmax_scale=scale)
+        assert abs(out.numpy() - ref).max() < 1e-12
+        np.testing.assert_allclose(lse.numpy(), ref_lse, rtol=0, atol=1e-12)    # -inf where no key is visible
+        low, _ = fuzz.attention_torch(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), causal,
+                                      scale, upcast=False)
+        assert low.dtype == torch.bfloat16 and 0 < (low.double() - out).abs().max() < 5e-2
+
+
+def test_representative_cases_cover_each_arch_dtype_and_causal():
+    cases = fuzz.representative_cases()
+    assert {(c.arch, c.dtype, c.causal) for c in cases} == {
+        (a, d, c) for a, ds in (("sm80", ("bf16", "fp16")), ("sm90", ("bf16", "fp16", "fp8"))) for d in ds
+        for c in (False, True)}
+
+
+def test_sanitizer_summaries_are_read():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import sanitize
+    assert sanitize.errors_in("========= ERROR SUMMARY: 0 errors\n") == 0
+    assert sanitize.errors_in("========= RACECHECK SUMMARY: 16 hazards displayed (16 errors, 0 warnings)") == 16
+    assert sanitize.errors_in("Traceback ...") is None
+
+
+def test_check_fuzz_without_a_gpu_is_one_clear_line(monkeypatch):
+    from click.testing import CliRunner
+
+    from facodegen import cli, compiler
+    monkeypatch.setattr(compiler, "gpu_available", lambda: (False, "no CUDA GPU (test)"))
+    result = CliRunner().invoke(cli.main, ["check", "--fuzz", "10"])
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
