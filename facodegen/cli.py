@@ -2,7 +2,8 @@
 
 Every command takes the same spec flags, one per KernelSpec knob (only the flags given are
 passed; the rest take the spec's defaults), so the ``facodegen emit ...`` line in a generated
-file's header (render.emit_command) reproduces that file byte for byte.
+file's header (render.emit_command) reproduces that file byte for byte. The flags come from the
+knob registry (facodegen/knobs.py).
 """
 
 from __future__ import annotations

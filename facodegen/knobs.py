@@ -1,19 +1,22 @@
 """The knob registry: each KernelSpec field declared once, with its type, domain, archs, command-line
-flag, tuner values and one line of doc.
+flag, tuner values, variant-name token and one line of doc.
 
 Derived from it (nothing else lists knobs): the type check every KernelSpec runs first
 (spec._check_types), the spec flags of `facodegen emit/inspect/check/bench` (cli.spec_options) and
-the arguments they map to, the tuner's search space (tune.SEARCH_SPACE), and the knob table of
+the fields they give, the variant name (`variant`: each knob's token, in registry order), the
+`facodegen emit` line of a generated file (render.emit_command: the problem and its tile, then the
+knobs a shorter line would not reproduce, spelt by their flags), the tuner's search space
+(tune.SEARCH_SPACE), the knobs a tuning-database entry may set, and the knob table of
 docs/knobs.md (`python -m facodegen.knobs`, kept equal to the registry by a test).
 
-Adding a knob: one entry here, the KernelSpec field (its default rule in spec.py), and the template
-that reads it; the variant name token and the `facodegen emit` line are written in spec.variant and
-render.emit_command.
+Adding a knob: one entry here (where its token belongs in the name), the KernelSpec field with its
+default rule in spec.py, and the template that reads it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 # Domains (spec.py re-exports them under its older names).
 ARCHS = ("sm80", "sm90")
@@ -30,6 +33,31 @@ FA1_SWITCHES = {
 GPU_NAMES = ("a100", "h100", "h200", "sm86", "sm89")
 BOTH = ("sm80", "sm90")
 SM90 = ("sm90",)
+
+
+FA1_CHOICES = {name: choices[0] for name, choices in FA1_SWITCHES.items()}
+# Variant-name tokens of the fa1 switches flipped away from FA1's choice.
+FA1_SWITCH_TOKENS = {"loop_order": "qouter", "warp_split": "splitq", "rescale": "once"}
+
+
+# Variant-name tokens: token(spec, value of the knob) -> its part of the name, or None.
+def _flag(token: str):
+    return lambda spec, value: token if value else None
+
+
+def _count(prefix: str):
+    return lambda spec, value: f"{prefix}{value}" if value != 1 else None
+
+
+def _fa1_switch(name: str):
+    return lambda spec, value: FA1_SWITCH_TOKENS[name] if spec.schedule == "fa1" and value != FA1_CHOICES[name] else None
+
+
+def _scheduler_token(spec, value):
+    """dyn/stat where the persistent scheduler is not the one causal-ness picks by default."""
+    if spec.persistent and value != spec.causal:
+        return "dyn" if value else "stat"
+    return None
 
 
 @dataclass(frozen=True)
@@ -50,6 +78,7 @@ class Knob:
     search: dict | None = None
     problem: bool = False
     flag_offers_choices: bool = True    # False: the flag takes any integer and the spec names what is wrong
+    token: Callable | None = None       # spec -> its part of the variant name, or None (no part)
 
     @property
     def dest(self) -> str:
@@ -60,97 +89,143 @@ class Knob:
 
 KNOBS: tuple[Knob, ...] = (
     Knob("arch", "text", "Target: sm80 (FA2, mma.sync) or sm90 (FA3, TMA + wgmma).", choices=ARCHS, flag="--arch",
-         problem=True),
-    Knob("head_dim", "int", f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}.", choices=HEAD_DIMS,
-         flag="--head-dim", problem=True, flag_offers_choices=False),
+         problem=True,
+         token=lambda s, v: f"flash_fwd_{s.arch}"),
     Knob("dtype", "text", "Element type of Q, K, V (and O): fp16, bf16, or fp8 = e4m3 (sm90; O in --out-dtype).",
-         choices=DTYPES, flag="--dtype", problem=True),
-    Knob("out_dtype", "text", "fp8: the type of O (default bf16).", SM90, OUT_DTYPES, "--out-dtype"),
-    Knob("v_layout", "text", "fp8: row (V as given, transposed in shared memory) or transposed (the caller passes "
-         "V^T as (batch, heads_kv, head_dim, seqlen_k)).", SM90, V_LAYOUTS, "--v-layout"),
+         choices=DTYPES, flag="--dtype", problem=True,
+         token=lambda s, v: s.dtype),
+    Knob("head_dim", "int", f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}.", choices=HEAD_DIMS,
+         flag="--head-dim", problem=True, flag_offers_choices=False,
+         token=lambda s, v: f"hd{s.head_dim}"),
     Knob("block_m", "int", "Query rows per CTA tile (BLOCK_M).", flag="--block-m",
-         search={"sm80": (64, 128)}),
+         search={"sm80": (64, 128)},
+         token=lambda s, v: f"bm{s.block_m}"),
     Knob("block_n", "int", "Key/value rows per tile (BLOCK_N).", flag="--block-n",
          # sm90: wgmma N and the TMA box, multiples of 16; below 64 the Q K^T GEMM is too thin to
          # pay for its barriers, and FA3's own table uses 80..192 for the forward pass.
-         search={"sm90": (64, 80, 96, 112, 128, 144, 160, 176, 192, 224), "sm80": (32, 64, 128)}),
-    Knob("num_warps", "int", "Warps per CTA (num_warps).", flag="--warps", search={"sm80": (4, 8)}),
+         search={"sm90": (64, 80, 96, 112, 128, 144, 160, 176, 192, 224), "sm80": (32, 64, 128)},
+         token=lambda s, v: f"bn{s.block_n}"),
+    Knob("num_warps", "int", "Warps per CTA (num_warps).", flag="--warps", search={"sm80": (4, 8)},
+         token=lambda s, v: f"w{s.num_warps}"),
     Knob("stages", "int", "Depth of the K/V shared-memory ring.", flag="--stages",
          # sm90: 2 = FA3's ring, 3 where the tiles leave room; sm80: 3 lose occupancy at d128 but
          # may win at d64 (perf notes).
-         search={"sm90": (2, 3), "sm80": (1, 2, 3)}),
-    Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True),
+         search={"sm90": (2, 3), "sm80": (1, 2, 3)},
+         token=lambda s, v: f"st{s.stages}"),
     Knob("gpu", "text", "Whose limits the budget model applies (sm86: A10/A40/RTX 30, sm89: L4/L40/RTX 40, 99 KB "
          "of shared memory per block).", choices=GPU_NAMES, flag="--gpu"),
-    Knob("q_in_regs", "bool", "sm80, sm90 fp8: keep Q fragments in registers (sm90: Q K^T reads A from registers).",
-         flag="--q-in-regs/--q-in-smem", search={"sm80": (False, True)}),
-    Knob("schedule", "text", "sm80: fa2 (default) or fa1 (FlashAttention-1's schedule, "
-         "templates/sm80/flash_fwd_fa1.cu.j2).", ("sm80",), SCHEDULES, "--schedule"),
-    Knob("loop_order", "text", "fa1: kv_outer (FA1: one CTA per batch x head, O/m/l in global memory) or q_outer "
-         "(FA2).", ("sm80",), FA1_SWITCHES["loop_order"], "--loop-order"),
-    Knob("warp_split", "text", "fa1: kv (FA1: warps split the keys, exchange through shared memory) or q (FA2).",
-         ("sm80",), FA1_SWITCHES["warp_split"], "--warp-split"),
-    Knob("rescale", "text", "fa1: every_step (FA1: O normalised every K/V block) or once (FA2).", ("sm80",),
-         FA1_SWITCHES["rescale"], "--rescale"),
-    Knob("pingpong", "bool", "sm90: ping-pong scheduling of consumer warpgroups.", SM90,
-         flag="--pingpong/--no-pingpong", search={"sm90": (True, False)}),
-    Knob("intra_wg_overlap", "bool", "sm90: overlap the next QK^T with this softmax.", SM90,
-         flag="--overlap/--no-overlap", search={"sm90": (True, False)}),
-    Knob("producer_regs", "int", "sm90: setmaxnreg registers of the producer warpgroup (--regs P/C).", SM90),
+    Knob("consumer_warpgroups", "int", "sm90: consumer warpgroups (block_m = 64 x this).", SM90, (1, 2, 3),
+         "--consumer-warpgroups", search={"sm90": (1, 2, 3)}, flag_offers_choices=False),
+    Knob("producer_regs", "int", "sm90: setmaxnreg registers of the producer warpgroup (--regs P/C).", SM90,
+         token=lambda s, v: f"r{s.producer_regs}x{s.consumer_regs}"),
     Knob("consumer_regs", "int", "sm90: setmaxnreg registers of each consumer warpgroup (--regs P/C).", SM90),
+    Knob("pingpong", "bool", "sm90: ping-pong scheduling of consumer warpgroups.", SM90,
+         flag="--pingpong/--no-pingpong", search={"sm90": (True, False)},
+         token=_flag("pp")),
+    Knob("intra_wg_overlap", "bool", "sm90: overlap the next QK^T with this softmax.", SM90,
+         flag="--overlap/--no-overlap", search={"sm90": (True, False)},
+         token=_flag("ov")),
     Knob("persistent", "bool", "sm90: one CTA per SM with a tile scheduler.", SM90,
          flag="--persistent/--no-persistent",
          # the ablation (docs/perf-notes.md) has non-persistent within 2-5%: searched near the default
-         search={"sm90": (True, False)}),
-    Knob("dynamic_scheduler", "bool", "sm90 persistent: tiles after each CTA's first from an atomic counter "
-         "(default: causal, fp8 to head_dim 128).", SM90, flag="--dynamic-scheduler/--static-scheduler"),
-    Knob("stream_k", "bool", "sm90 fp8 non-causal, static scheduler: the last waves cut along the keys, one equal "
-         "share per CTA.", SM90, flag="--stream-k/--no-stream-k",
-         # fp8 non-causal only (a SpecError elsewhere: skipped)
-         search={"sm90": (False, True)}),
-    Knob("consumer_warpgroups", "int", "sm90: consumer warpgroups (block_m = 64 x this).", SM90, (1, 2, 3),
-         "--consumer-warpgroups", search={"sm90": (1, 2, 3)}, flag_offers_choices=False),
+         search={"sm90": (True, False)},
+         token=lambda s, v: None if s.persistent else "np"),
     Knob("separate_o", "bool", "sm90: O staging tile in its own shared-memory buffer (default: when it fits).",
          SM90, flag="--separate-o/--o-aliases-q",
          # own O buffer (next Q loads under the epilogue) vs O aliasing Q (more room for K/V)
-         search={"sm90": (True, False)}),
-    Knob("l2_hints", "bool", "sm90: L2 eviction hints on TMA loads.", SM90, flag="--l2-hints/--no-l2-hints"),
+         search={"sm90": (True, False)},
+         token=_flag("so")),
+    Knob("l2_hints", "bool", "sm90: L2 eviction hints on TMA loads.", SM90, flag="--l2-hints/--no-l2-hints",
+         token=lambda s, v: None if s.l2_hints else "nol2"),
     Knob("anchor_softmax", "bool", "sm90: keep the softmax (fp8: its row max pass) ahead of the P V wgmma wait (a "
          "shared store ptxas cannot pass).", SM90, flag="--anchor-softmax/--no-anchor-softmax",
-         search={"sm90": (True, False)}),
-    Knob("lazy_rescale", "bool", "fa2/sm90: rescale O only when a row max grows by more than 2^8 (fp8: 2^0.75).",
-         flag="--lazy-rescale/--exact-rescale", search={"sm80": (True, False)}),
+         search={"sm90": (True, False)},
+         token=_flag("anc")),
     Knob("rescale_under_qk", "bool", "sm90 with --overlap: O's rescale between the next Q K^T and P V issues.", SM90,
-         flag="--rescale-under-qk/--rescale-after-pv", search={"sm90": (True, False)}),
+         flag="--rescale-under-qk/--rescale-after-pv", search={"sm90": (True, False)},
+         token=_flag("rsq")),
     Knob("uniform_wg", "bool", "sm90: consumer warpgroup index broadcast from lane 0 (descriptors in uniform "
-         "registers).", SM90, flag="--uniform-wg/--no-uniform-wg", search={"sm90": (True, False)}),
-    Knob("ctas_per_sm", "int", "sm90: CTAs sharing one SM (2, 3: one consumer warpgroup each, short sequences).",
-         SM90, (1, 2, 3), "--ctas-per-sm", search={"sm90": (1, 2, 3)}),
-    Knob("o_in_v", "bool", "sm90 16-bit: the O staging tile aliases the V ring (next tile's Q K^T under the O "
-         "store).", SM90, flag="--o-in-v/--o-not-in-v", search={"sm90": (True, False)}),
-    Knob("q_stages", "int", "sm90: Q buffers (2: the next tile's Q loads while this tile runs).", SM90, (1, 2),
-         "--q-stages"),
-    Knob("l2_prefetch", "int", "sm90: K/V blocks ahead of its loads the loader prefetches into L2 (0: off).", SM90,
-         (0, 1, 2, 3, 4), "--l2-prefetch"),
-    Knob("vt_in_place", "bool", "sm90 fp8, --v-layout row: V lands in its V^T slot and is transposed there (no "
-         "row-V ring; three stages where they fit).", SM90, flag="--vt-in-place/--vt-ring"),
-    Knob("defer_o_store", "bool", "sm90 fp8 with --overlap: a tile's O is stored once the next tile's first Q K^T "
-         "is issued.", SM90, flag="--defer-o-store/--store-o-at-end"),
-    Knob("p_buffers", "int", "sm90 with --overlap --optimistic-max: P register buffers (2: a step's softmax runs "
-         "under the P V before it).", SM90, (1, 2), "--p-buffers", search={"sm90": (1, 2)}),
-    Knob("rebuild_q_desc", "bool", "sm90, Q in shared memory: Q's wgmma descriptors derived at every Q K^T instead "
-         "of held in registers.", SM90, flag="--rebuild-q-desc/--keep-q-desc", search={"sm90": (False, True)}),
-    Knob("cluster_m", "int", "sm90 16-bit, non-causal: CTAs per cluster sharing each K/V tile (TMA multicast).",
-         SM90, (1, 2), "--cluster-m"),
-    Knob("softmax_chains", "int", "Independent max/sum chains per row in the softmax.", choices=(1, 2, 4, 8),
-         flag="--softmax-chains", search={"sm90": (1, 2, 4), "sm80": (1, 4)}),
+         "registers).", SM90, flag="--uniform-wg/--no-uniform-wg", search={"sm90": (True, False)},
+         token=_flag("uwg")),
     Knob("optimistic_max", "bool", "sm90: exp2s from the running row max; the row sums (fp8: the max) say when to "
-         "redo a step.", SM90, flag="--optimistic-max/--exact-max", search={"sm90": (True, False)}),
+         "redo a step.", SM90, flag="--optimistic-max/--exact-max", search={"sm90": (True, False)},
+         token=_flag("opt")),
+    Knob("q_in_regs", "bool", "sm80, sm90 fp8: keep Q fragments in registers (sm90: Q K^T reads A from registers).",
+         flag="--q-in-regs/--q-in-smem", search={"sm80": (False, True)},
+         token=_flag("qreg")),
+    Knob("schedule", "text", "sm80: fa2 (default) or fa1 (FlashAttention-1's schedule, "
+         "templates/sm80/flash_fwd_fa1.cu.j2).", ("sm80",), SCHEDULES, "--schedule",
+         token=lambda s, v: None if s.schedule == "fa2" else s.schedule),
+    Knob("loop_order", "text", "fa1: kv_outer (FA1: one CTA per batch x head, O/m/l in global memory) or q_outer "
+         "(FA2).", ("sm80",), FA1_SWITCHES["loop_order"], "--loop-order",
+         token=_fa1_switch("loop_order")),
+    Knob("warp_split", "text", "fa1: kv (FA1: warps split the keys, exchange through shared memory) or q (FA2).",
+         ("sm80",), FA1_SWITCHES["warp_split"], "--warp-split",
+         token=_fa1_switch("warp_split")),
+    Knob("rescale", "text", "fa1: every_step (FA1: O normalised every K/V block) or once (FA2).", ("sm80",),
+         FA1_SWITCHES["rescale"], "--rescale",
+         token=_fa1_switch("rescale")),
+    Knob("ctas_per_sm", "int", "sm90: CTAs sharing one SM (2, 3: one consumer warpgroup each, short sequences).",
+         SM90, (1, 2, 3), "--ctas-per-sm", search={"sm90": (1, 2, 3)},
+         token=_count("c")),
+    Knob("cluster_m", "int", "sm90 16-bit, non-causal: CTAs per cluster sharing each K/V tile (TMA multicast).",
+         SM90, (1, 2), "--cluster-m",
+         token=_count("cl")),
+    Knob("o_in_v", "bool", "sm90 16-bit: the O staging tile aliases the V ring (next tile's Q K^T under the O "
+         "store).", SM90, flag="--o-in-v/--o-not-in-v", search={"sm90": (True, False)},
+         token=_flag("oinv")),
+    Knob("q_stages", "int", "sm90: Q buffers (2: the next tile's Q loads while this tile runs).", SM90, (1, 2),
+         "--q-stages",
+         token=_count("q")),
+    Knob("p_buffers", "int", "sm90 with --overlap --optimistic-max: P register buffers (2: a step's softmax runs "
+         "under the P V before it).", SM90, (1, 2), "--p-buffers", search={"sm90": (1, 2)},
+         token=_count("p")),
+    Knob("rebuild_q_desc", "bool", "sm90, Q in shared memory: Q's wgmma descriptors derived at every Q K^T instead "
+         "of held in registers.", SM90, flag="--rebuild-q-desc/--keep-q-desc", search={"sm90": (False, True)},
+         token=_flag("rqd")),
+    Knob("dynamic_scheduler", "bool", "sm90 persistent: tiles after each CTA's first from an atomic counter "
+         "(default: causal, fp8 to head_dim 128).", SM90, flag="--dynamic-scheduler/--static-scheduler",
+         token=_scheduler_token),
+    Knob("stream_k", "bool", "sm90 fp8 non-causal, static scheduler: the last waves cut along the keys, one equal "
+         "share per CTA.", SM90, flag="--stream-k/--no-stream-k",
+         # fp8 non-causal only (a SpecError elsewhere: skipped)
+         search={"sm90": (False, True)},
+         token=_flag("sk")),
+    Knob("l2_prefetch", "int", "sm90: K/V blocks ahead of its loads the loader prefetches into L2 (0: off).", SM90,
+         (0, 1, 2, 3, 4), "--l2-prefetch",
+         token=lambda s, v: f"pf{s.l2_prefetch}" if s.l2_prefetch else None),
+    Knob("vt_in_place", "bool", "sm90 fp8, --v-layout row: V lands in its V^T slot and is transposed there (no "
+         "row-V ring; three stages where they fit).", SM90, flag="--vt-in-place/--vt-ring",
+         token=_flag("vip")),
+    Knob("defer_o_store", "bool", "sm90 fp8 with --overlap: a tile's O is stored once the next tile's first Q K^T "
+         "is issued.", SM90, flag="--defer-o-store/--store-o-at-end",
+         token=_flag("dos")),
+    Knob("out_dtype", "text", "fp8: the type of O (default bf16).", SM90, OUT_DTYPES, "--out-dtype",
+         token=lambda s, v: f"o{s.out_dtype}" if s.dtype == "fp8" else None),
+    Knob("v_layout", "text", "fp8: row (V as given, transposed in shared memory) or transposed (the caller passes "
+         "V^T as (batch, heads_kv, head_dim, seqlen_k)).", SM90, V_LAYOUTS, "--v-layout",
+         token=lambda s, v: "vt" if s.dtype == "fp8" and s.v_layout == "transposed" else None),
+    Knob("lazy_rescale", "bool", "fa2/sm90: rescale O only when a row max grows by more than 2^8 (fp8: 2^0.75).",
+         flag="--lazy-rescale/--exact-rescale", search={"sm80": (True, False)},
+         token=_flag("lz")),
+    Knob("softmax_chains", "int", "Independent max/sum chains per row in the softmax.", choices=(1, 2, 4, 8),
+         flag="--softmax-chains", search={"sm90": (1, 2, 4), "sm80": (1, 4)},
+         token=_count("ch")),
     Knob("poly_exp2_tiles", "int", "n8 key tiles per score fragment whose exp2 runs on the FMA pipe (polynomial).",
-         flag="--poly-exp2-tiles", search={"sm90": (0, 2, 4, 6)}),
+         flag="--poly-exp2-tiles", search={"sm90": (0, 2, 4, 6)},
+         token=lambda s, v: f"px{s.poly_exp2_tiles}" if s.poly_exp2_tiles else None),
+    Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
+         token=_flag("causal")),
 )
 
 BY_NAME = {k.name: k for k in KNOBS}
+
+
+def variant(spec) -> str:
+    """The spec's stable name (kernel symbol, emitted file, cache entry): each knob of its arch
+    adds its token, in registry order."""
+    return "_".join(t for k in KNOBS if k.token is not None and spec.arch in k.archs
+                    and (t := k.token(spec, getattr(spec, k.name))))
 TEXT_FIELDS = {k.name: k.choices for k in KNOBS if k.kind == "text"}
 INT_FIELDS = tuple(k.name for k in KNOBS if k.kind == "int")
 PROBLEM_FIELDS = tuple(k.name for k in KNOBS if k.problem)

@@ -40,47 +40,40 @@ def environment(templates: str | None = None) -> jinja2.Environment:
     )
 
 
+# Always on the emit line (what the kernel computes and its tile), whatever the defaults.
+_EMIT_ALWAYS = ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "stages", "gpu", "causal")
+
+
 def emit_command(spec: KernelSpec) -> str:
-    """The `facodegen emit` command line that reproduces this spec."""
-    flags = [f"--arch {spec.arch}", f"--head-dim {spec.head_dim}", f"--dtype {spec.dtype}",
-             f"--block-m {spec.block_m}", f"--block-n {spec.block_n}", f"--warps {spec.num_warps}",
-             f"--stages {spec.stages}", f"--gpu {spec.gpu}"]
-    if spec.causal:
-        flags.append("--causal")
-    if spec.dtype == "fp8":
-        flags += [f"--out-dtype {spec.out_dtype}", f"--v-layout {spec.v_layout}"]
-    if spec.arch == "sm80":
-        flags.append("--q-in-regs" if spec.q_in_regs else "--q-in-smem")
-        if spec.schedule != "fa2":
-            flags += [f"--schedule {spec.schedule}", f"--loop-order {spec.loop_order}",
-                      f"--warp-split {spec.warp_split}", f"--rescale {spec.rescale}"]
-    else:
-        flags += ["--pingpong" if spec.pingpong else "--no-pingpong",
-                  "--overlap" if spec.intra_wg_overlap else "--no-overlap",
-                  f"--regs {spec.producer_regs}/{spec.consumer_regs}",
-                  "--persistent" if spec.persistent else "--no-persistent",
-                  "--dynamic-scheduler" if spec.dynamic_scheduler else "--static-scheduler",
-                  "--stream-k" if spec.stream_k else "--no-stream-k",
-                  "--separate-o" if spec.separate_o else ("--o-in-v" if spec.o_in_v else "--o-aliases-q"),
-                  "--l2-hints" if spec.l2_hints else "--no-l2-hints",
-                  "--anchor-softmax" if spec.anchor_softmax else "--no-anchor-softmax",
-                  "--uniform-wg" if spec.uniform_wg else "--no-uniform-wg",
-                  f"--ctas-per-sm {spec.ctas_per_sm}", f"--cluster-m {spec.cluster_m}", f"--q-stages {spec.q_stages}",
-                  f"--p-buffers {spec.p_buffers}",
-                  "--rebuild-q-desc" if spec.rebuild_q_desc else "--keep-q-desc"]
-        if spec.l2_prefetch:
-            flags.append(f"--l2-prefetch {spec.l2_prefetch}")
-        if spec.vt_in_place:
-            flags.append("--vt-in-place")
-        if spec.dtype == "fp8":             # its default depends on the shape of the spec: always named
-            flags.append("--defer-o-store" if spec.defer_o_store else "--store-o-at-end")
-        if spec.intra_wg_overlap:
-            flags.append("--rescale-under-qk" if spec.rescale_under_qk else "--rescale-after-pv")
-        flags.append("--optimistic-max" if spec.optimistic_max else "--exact-max")
-    if spec.schedule == "fa2":
-        flags.append("--lazy-rescale" if spec.lazy_rescale else "--exact-rescale")
-    if spec.schedule == "fa2":
-        flags += [f"--softmax-chains {spec.softmax_chains}", f"--poly-exp2-tiles {spec.poly_exp2_tiles}"]
+    """The `facodegen emit` command line that reproduces this spec: the problem and its tile, then
+    every other knob whose value the shorter line would not give by itself (found by building the
+    spec of the shorter line until it is this spec), as the knob registry spells them, in its order."""
+    from .knobs import KNOBS
+    from .spec import SpecError
+
+    mine = [k for k in KNOBS if spec.arch in k.archs]
+    given = {k.name: getattr(spec, k.name) for k in mine if k.name in _EMIT_ALWAYS or k.name == "schedule"}
+    for _ in range(len(mine)):
+        try:
+            built = KernelSpec(**given)
+            missing = [k.name for k in mine if getattr(built, k.name) != getattr(spec, k.name)]
+        except SpecError as err:    # the shorter line makes no spec: name what it complains of, else all
+            missing = [err.field] if err.field not in given else [k.name for k in mine if k.name not in given]
+        if not missing:
+            break
+        given.update({name: getattr(spec, name) for name in missing})
+    flags = []
+    for knob in mine:
+        if knob.name not in given or knob.name == "consumer_regs":
+            continue
+        value = given[knob.name]
+        if knob.name == "producer_regs":            # --regs P/C sets both
+            flags.append(f"--regs {spec.producer_regs}/{spec.consumer_regs}")
+        elif knob.kind == "bool":
+            on, off = knob.flag.split("/")
+            flags.append(on if value else off)
+        else:
+            flags.append(f"{knob.flag} {value}")
     return "facodegen emit " + " ".join(flags)
 
 

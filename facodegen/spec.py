@@ -45,7 +45,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .knobs import ARCHS, DTYPES, FA1_SWITCHES, GPU_NAMES, HEAD_DIMS, INT_FIELDS, OUT_DTYPES, SCHEDULES, \
+from . import knobs as knob_registry
+from .knobs import ARCHS, DTYPES, FA1_CHOICES, FA1_SWITCHES, GPU_NAMES, HEAD_DIMS, INT_FIELDS, OUT_DTYPES, SCHEDULES, \
     TEXT_FIELDS, V_LAYOUTS
 
 # The 16-bit input types every arch supports (and the shipped default_specs() cover); "fp8" is
@@ -71,10 +72,7 @@ ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
 #               once:       O unnormalised, divided by the row sum once at the end (FA2)
 # schedule=fa1 takes FA1's choices unless told otherwise; schedule=fa2 (and sm90) is FA2's choices
 # and rejects any other value. (FA1_SWITCHES: facodegen/knobs.py.)
-FA1_CHOICES = {name: choices[0] for name, choices in FA1_SWITCHES.items()}
 FA2_CHOICES = {name: choices[1] for name, choices in FA1_SWITCHES.items()}
-# Variant-name tokens of the switches flipped away from FA1's choice.
-FA1_SWITCH_TOKENS = {"loop_order": "qouter", "warp_split": "splitq", "rescale": "once"}
 
 # Per-GPU limits the budget model needs. smem_per_block is the opt-in maximum of
 # dynamic shared memory for one block (cudaDevAttrMaxSharedMemoryPerBlockOptin).
@@ -819,73 +817,8 @@ class KernelSpec:
 
     @property
     def variant(self) -> str:
-        """Stable readable name: kernel symbol, emitted file and cache entry."""
-        parts = [f"flash_fwd_{self.arch}", self.dtype, f"hd{self.head_dim}",
-                 f"bm{self.block_m}", f"bn{self.block_n}", f"w{self.num_warps}", f"st{self.stages}"]
-        if self.arch == "sm80":
-            if self.q_in_regs:
-                parts.append("qreg")
-            if self.schedule != "fa2":
-                parts.append(self.schedule)
-            if self.schedule == "fa1":
-                parts += [FA1_SWITCH_TOKENS[name] for name, fa1 in FA1_CHOICES.items() if getattr(self, name) != fa1]
-        else:
-            parts.append(f"r{self.producer_regs}x{self.consumer_regs}")
-            if self.pingpong:
-                parts.append("pp")
-            if self.intra_wg_overlap:
-                parts.append("ov")
-            if not self.persistent:
-                parts.append("np")
-            if self.separate_o:
-                parts.append("so")
-            if not self.l2_hints:
-                parts.append("nol2")
-            if self.anchor_softmax:
-                parts.append("anc")
-            if self.rescale_under_qk:
-                parts.append("rsq")
-            if self.uniform_wg:
-                parts.append("uwg")
-            if self.optimistic_max:
-                parts.append("opt")
-            if self.q_in_regs:
-                parts.append("qreg")
-            if self.ctas_per_sm != 1:
-                parts.append(f"c{self.ctas_per_sm}")
-            if self.cluster_m != 1:
-                parts.append(f"cl{self.cluster_m}")
-            if self.o_in_v:
-                parts.append("oinv")
-            if self.q_stages != 1:
-                parts.append(f"q{self.q_stages}")
-            if self.p_buffers != 1:
-                parts.append(f"p{self.p_buffers}")
-            if self.rebuild_q_desc:
-                parts.append("rqd")
-            if self.persistent and self.dynamic_scheduler != self.causal:
-                parts.append("dyn" if self.dynamic_scheduler else "stat")
-            if self.stream_k:
-                parts.append("sk")
-            if self.l2_prefetch:
-                parts.append(f"pf{self.l2_prefetch}")
-            if self.vt_in_place:
-                parts.append("vip")
-            if self.defer_o_store:
-                parts.append("dos")
-            if self.dtype == "fp8":
-                parts.append(f"o{self.out_dtype}")
-                if self.v_layout == "transposed":
-                    parts.append("vt")
-        if self.lazy_rescale:
-            parts.append("lz")
-        if self.softmax_chains != 1:
-            parts.append(f"ch{self.softmax_chains}")
-        if self.poly_exp2_tiles:
-            parts.append(f"px{self.poly_exp2_tiles}")
-        if self.causal:
-            parts.append("causal")
-        return "_".join(parts)
+        """Stable readable name: kernel symbol, emitted file and cache entry (knobs.variant)."""
+        return knob_registry.variant(self)
 
     def replace(self, **changes) -> "KernelSpec":
         """A new spec with some knobs changed; defaults are re-derived for the rest.

@@ -47,3 +47,32 @@ def test_tuner_space_is_the_registrys():
         assert tune.SEARCH_SPACE[arch] == {k.name: k.search[arch] for k in knobs.KNOBS
                                            if k.search and arch in k.search}
 
+
+
+def test_emit_lines_reproduce_the_specs_around_every_default():
+    """render.emit_command (derived from the registry) gives a line that builds the same spec, for
+    a seeded sample of the tuner's candidates around every default: arch, dtype, head_dim, causal."""
+    import random
+    import shlex
+
+    from facodegen.render import emit_command
+    from facodegen.spec import HEAD_DIMS
+    rng = random.Random(0)
+    specs = []
+    for arch, dtypes in (("sm80", ("bf16",)), ("sm90", ("bf16", "fp8"))):
+        for dtype in dtypes:
+            for head_dim in HEAD_DIMS:
+                for causal in (False, True):
+                    cands = [c.spec for c in tune.enumerate_candidates(arch, head_dim, dtype, causal, None)
+                             if c.spec is not None]
+                    specs += rng.sample(cands, min(4, len(cands)))
+    for spec in specs:
+        ctx = cli.emit.make_context("emit", shlex.split(emit_command(spec))[2:])
+        assert KernelSpec(**cli._given_spec_fields(dict(ctx.params))) == spec, spec.variant
+
+
+def test_the_variant_is_the_registrys_tokens_in_order():
+    spec = KernelSpec(arch="sm90", head_dim=128, causal=True)
+    tokens = [k.token(spec, getattr(spec, k.name)) for k in knobs.KNOBS if k.token and spec.arch in k.archs]
+    assert spec.variant == "_".join(t for t in tokens if t)
+    assert spec.variant.startswith("flash_fwd_sm90_bf16_hd128_") and spec.variant.endswith("_causal")
