@@ -556,7 +556,8 @@ def compile(spec, *, verbose: bool | None = None, sm: str | None = None) -> Comp
 
     A spec compiled before (by any process) is found through the spec index without rendering
     it: ``<cache>/index/<variant>-<hash>.json`` names the cubin entry, the hash being of the spec's
-    fields, the NVRTC options, the templates' bytes, NVRTC's and facodegen's versions."""
+    fields, the NVRTC options, the bytes of the templates and of the modules that render them,
+    NVRTC's and facodegen's versions."""
     hit = _spec_memo.get((spec, sm))
     if hit is not None:
         return hit
@@ -594,17 +595,24 @@ def _from_index(index: Path, spec, options: tuple) -> CompiledKernel | None:
 
 
 _templates_digest = None
+# The Python that turns a spec into source (with the templates): a change to any of them may
+# change a kernel without touching a template, so the spec index keys on their bytes too.
+_RENDERING_MODULES = ("render.py", "params.py", "spec.py", "knobs.py")
 
 
 def _spec_index_key(spec, options: Sequence[str]) -> str:
-    """sha256 of what decides a spec's rendered source and its cubin, short of rendering it."""
+    """sha256 of what decides a spec's rendered source and its cubin, short of rendering it: the
+    spec, the options, the templates and the rendering modules' bytes, NVRTC's and facodegen's
+    versions."""
     global _templates_digest
     if _templates_digest is None:
         from .render import template_dir
         h = hashlib.sha256()
         root = template_dir()
-        for path in sorted(root.rglob("*.j2")):
-            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+        files = [(str(p.relative_to(root)), p) for p in sorted(root.rglob("*.j2"))]
+        files += [(name, _PACKAGE_DIR / name) for name in _RENDERING_MODULES]
+        for name, path in files:
+            h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
         _templates_digest = h.hexdigest()
     h = hashlib.sha256()
     for part in (json.dumps(spec.as_dict(), sort_keys=True), "\0".join(options), _templates_digest,

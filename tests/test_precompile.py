@@ -74,3 +74,20 @@ def test_nvrtc_identity_needs_no_nvrtc_load_with_the_pip_package():
     if package is None:
         pytest.skip("NVRTC is not the pip package here")
     assert ident == f"{'.'.join(package.split('.')[:2])} (nvidia-cuda-nvrtc {package})"
+
+
+def test_the_spec_index_key_follows_the_rendering_code(monkeypatch, tmp_path):
+    """A change to the Python that renders (not only the templates) is a new index key: a stale
+    entry can never hand out a kernel the current code would not emit."""
+    from facodegen import compiler as c
+    spec = KernelSpec(arch="sm80", head_dim=64)
+    options = c.NVRTC_OPTIONS("sm80")
+    before = c._spec_index_key(spec, options)
+    fake = tmp_path / "pkg"
+    fake.mkdir()
+    for name in c._RENDERING_MODULES:
+        (fake / name).write_bytes((c._PACKAGE_DIR / name).read_bytes())
+    (fake / "render.py").write_bytes((fake / "render.py").read_bytes() + b"\n# changed\n")
+    monkeypatch.setattr(c, "_PACKAGE_DIR", fake)
+    monkeypatch.setattr(c, "_templates_digest", None)
+    assert c._spec_index_key(spec, options) != before
