@@ -26,7 +26,6 @@ DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
 FP8_NAMES = {"float8_e4m3fn": "fp8"}
 OUT_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 ELEMENT_SIZES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 ALIGN_BYTES = 16  # cp.async and TMA move 16-byte chunks
 
 
@@ -94,6 +93,12 @@ DeviceInfo = driver.DeviceInfo
 def device_info(ordinal: int) -> DeviceInfo:
     """Name, compute capability, SM count and shared memory of a CUDA device (from the driver)."""
     return driver.device_info(ordinal)
+
+
+def device_target(arch: str, info: DeviceInfo) -> str | None:
+    """The real target ``arch``'s code is compiled for on this device (None: the arch's own).
+    sm80 code is compiled for the GPU at hand: machine code only loads on its own major version."""
+    return f"sm_{info.compute_capability[0]}{info.compute_capability[1]}" if arch == "sm80" else None
 
 
 def default_arch(info: DeviceInfo) -> str:
@@ -211,9 +216,7 @@ class _Prepared:
 def _prepare(spec: KernelSpec, device: int) -> _Prepared:
     """The spec's kernel loaded on ``device`` (compiled, or read from the compile cache, first)."""
     info = device_info(device)
-    # sm80 code is compiled for the GPU at hand (machine code only loads on its own major version).
-    sm = f"sm_{info.compute_capability[0]}{info.compute_capability[1]}" if spec.arch == "sm80" else None
-    kernel = compile_mod.compile(spec, sm=sm)
+    kernel = compile_mod.compile(spec, sm=device_target(spec.arch, info))
     function = driver.load_function(kernel.cubin, spec.variant, device, max_dynamic_smem=spec.smem_bytes)
     with driver.on_device(device):
         resident = resident_ctas(spec, info.sms, function)

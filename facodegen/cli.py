@@ -707,7 +707,7 @@ def _tune_gpu(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, hea
     click.echo(f"tune {arch} hd{head_dim} {dtype} {'causal' if causal else 'full'} on {info.name} "
                f"(batch {batch}, seqlen {seqlen}x{seqlen_k}, heads {heads}/{heads_kv}): {_tune_counts(cands)}",
                err=True)
-    sm = f"sm_{info.compute_capability[0]}{info.compute_capability[1]}" if arch == "sm80" else None
+    sm = api.device_target(arch, info)
     _compile_with_bar(cands, jobs, sm)
     t_compile = time.monotonic() - t0
     click.echo(f"compiled in {t_compile:.0f} s: {_tune_counts(cands)}", err=True)
@@ -845,9 +845,7 @@ def _compile_for(spec: KernelSpec, on_gpu: bool, api, compiler):
     """The kernel as attention() compiles it: for the GPU at hand when there is one."""
     try:
         if on_gpu:
-            info = api.device_info(0)
-            sm = f"sm_{info.compute_capability[0]}{info.compute_capability[1]}" if spec.arch == "sm80" else None
-            return compiler.compile(spec, sm=sm)
+            return compiler.compile(spec, sm=api.device_target(spec.arch, api.device_info(0)))
         return compiler.compile(spec)
     except compiler.CompileError as err:
         raise click.ClickException(str(err)) from None

@@ -113,8 +113,8 @@ def attention_torch(q, k, v, causal: bool, softmax_scale: float, upcast: bool):
     k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
     if upcast:
         q, k, v = (x.double() for x in (q, k, v))
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k).float() if not upcast else torch.einsum("bqhd,bkhd->bhqk", q, k)
-    scores = scores * softmax_scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    scores = (scores if upcast else scores.float()) * softmax_scale
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     if causal:
         rows = torch.arange(seqlen_q, device=q.device)[:, None]
