@@ -314,7 +314,10 @@ def _check_fuzz(n, family, seed, case_json, arch) -> None:
         native = api.default_arch(api.device_info(0))
         archs = (arch,) if arch else (("sm80", "sm90") if native == "sm90" else ("sm80",))
         cases = fuzz.generate(n, seed, family, archs)
-    result = fuzz.run(cases, log=lambda line: click.echo(line, err=True))
+    say = lambda line: click.echo(line, err=True)  # noqa: E731
+    if len(cases) > 1:
+        fuzz.precompile(cases, log=say)
+    result = fuzz.run(cases, log=say)
     click.echo(fuzz.summary(result))
     if result["failures"]:
         sys.exit(1)

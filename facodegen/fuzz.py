@@ -185,6 +185,39 @@ def run_case(case: Case) -> tuple[bool, str]:
     return ok_o and lse_ok and bool(torch.isfinite(out).all()), f"O {what}; LSE {'ok' if lse_ok else 'FAIL'}"
 
 
+def case_spec(case: Case, device: int = 0):
+    """The spec ``facodegen.attention`` picks for ``case`` on ``device`` (its tuning database and
+    sequence-length rules included), as the call would resolve it."""
+    from . import api
+    fields = {"out_dtype": "bf16", "v_layout": "row"} if case.dtype == "fp8" else {}
+    return api.resolve_spec(case.head_dim, case.dtype, case.causal, device, case.arch,
+                            shape=(case.batch, case.seqlen_q, case.seqlen_k, case.heads_q), **fields)
+
+
+def _compile_one(spec):
+    from . import api, compiler
+    kernel = compiler.compile(spec, sm=api.device_target(spec.arch, api.device_info(0)))
+    return kernel.resources.spill_stores
+
+
+def precompile(cases: list[Case], workers: int | None = None, log=print) -> int:
+    """Compile the distinct kernels of ``cases`` into the compile cache in ``workers`` processes
+    (NVRTC is CPU-bound: a few dozen kernels take minutes one after another), so the run that
+    follows only loads them. Returns the number of kernels."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+    import time
+    specs = sorted({case_spec(c) for c in cases}, key=lambda s: s.variant)
+    workers = workers or min(len(specs), os.cpu_count() or 1) or 1
+    start = time.monotonic()
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        spilled = [s.variant for s, spills in zip(specs, pool.map(_compile_one, specs)) if spills]
+    log(f"{len(specs)} kernels compiled or found in the cache in {time.monotonic() - start:.1f} s "
+        f"({workers} processes){'; spilling: ' + ', '.join(spilled) if spilled else ''}")
+    return len(specs)
+
+
 def run(cases: list[Case], log=print, fail_fast: bool = False) -> dict:
     """Run ``cases``; returns {"cases": n, "failures": [(case, message)], "by": {(arch, dtype): [n, failed]}}."""
     failures, by = [], {}

@@ -89,3 +89,17 @@ def test_check_fuzz_without_a_gpu_is_one_clear_line(monkeypatch):
     monkeypatch.setattr(compiler, "gpu_available", lambda: (False, "no CUDA GPU (test)"))
     result = CliRunner().invoke(cli.main, ["check", "--fuzz", "10"])
     assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+
+
+def test_case_spec_is_the_spec_the_call_resolves(monkeypatch):
+    """check --fuzz compiles the kernels of its cases ahead (in parallel) from case_spec: it must name
+    the kernel attention() will look up, or the run compiles them again one by one."""
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    monkeypatch.setattr(api, "_tuned_fields", lambda *a: None)
+    for c in fuzz.generate(200, seed=2):
+        spec = fuzz.case_spec(c)
+        want = api.spec_for_shape(c.arch, c.head_dim, c.dtype, c.causal, (c.batch, c.seqlen_q, c.seqlen_k, c.heads_q),
+                                  gpu="h200", **({"out_dtype": "bf16", "v_layout": "row"} if c.dtype == "fp8" else {}))
+        assert spec == want
+        assert (spec.dtype, spec.arch) == (c.dtype, c.arch)
