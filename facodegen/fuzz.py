@@ -214,21 +214,27 @@ def _compile_one(spec):
 
 
 def precompile(cases: list[Case], workers: int | None = None, log=print) -> int:
-    """Compile the distinct kernels of ``cases`` into the compile cache in ``workers`` processes
-    (NVRTC is CPU-bound: a few dozen kernels take minutes one after another), so the run that
-    follows only loads them. Returns the number of kernels."""
+    """Compile the distinct kernels of ``cases`` into the compile cache (compile_specs), so the run
+    that follows only loads them. Returns the number of kernels."""
+    specs = sorted({case_spec(c) for c in cases}, key=lambda s: s.variant)
+    compile_specs(specs, workers, log)
+    return len(specs)
+
+
+def compile_specs(specs, workers: int | None = None, log=print) -> None:
+    """Compile ``specs`` for the GPU at hand into the compile cache in ``workers`` processes (NVRTC
+    is CPU-bound: a few dozen kernels take minutes one after another)."""
     import concurrent.futures
     import multiprocessing
     import os
     import time
-    specs = sorted({case_spec(c) for c in cases}, key=lambda s: s.variant)
+    specs = list(specs)
     workers = workers or min(len(specs), os.cpu_count() or 1) or 1
     start = time.monotonic()
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         spilled = [s.variant for s, spills in zip(specs, pool.map(_compile_one, specs)) if spills]
     log(f"{len(specs)} kernels compiled or found in the cache in {time.monotonic() - start:.1f} s "
         f"({workers} processes){'; spilling: ' + ', '.join(spilled) if spilled else ''}")
-    return len(specs)
 
 
 def run(cases: list[Case], log=print, fail_fast: bool = False) -> dict:

@@ -103,3 +103,14 @@ def test_case_spec_is_the_spec_the_call_resolves(monkeypatch):
                                   gpu="h200", **({"out_dtype": "bf16", "v_layout": "row"} if c.dtype == "fp8" else {}))
         assert spec == want
         assert (spec.dtype, spec.arch) == (c.dtype, c.arch)
+
+
+def test_warm_cache_covers_what_the_gpu_tests_compile():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import warm_cache
+    from facodegen.spec import default_fp8_specs, default_specs
+    on_h200 = set(warm_cache.shipped_specs("sm90"))
+    assert on_h200 == set(default_specs()) | set(default_fp8_specs())
+    assert set(warm_cache.shipped_specs("sm80")) == {s for s in default_specs() if s.arch == "sm80"}
