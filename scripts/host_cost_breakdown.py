@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Where the host time of a plan-cache hit of facodegen.attention() goes (GPU, torch).
+
+    python3 scripts/host_cost_breakdown.py [--calls 20000]
+
+Times, on (1, 128, 8, 128) bf16 causal tensors, each step of api._attention_torch's hit path in a
+loop of its own (the call-key tuple, the dict lookup, empty_like for O, the data pointers, the
+stream query, the launch) and the whole call, in microseconds per call, best of 5 loops. The
+steps do not add up exactly (a loop of one step keeps its objects in cache), but they say which
+step a faster path must remove.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def per_call_us(fn, calls: int) -> float:
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best / calls * 1e6
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=20000)
+    args = p.parse_args()
+    import torch
+
+    import facodegen
+    from facodegen import api, tunedb
+    q, k, v = (torch.randn(1, 128, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    facodegen.attention(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    device = q.get_device()
+    key = None
+
+    def make_key():
+        nonlocal key
+        key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+               v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
+               bool, True, type(None), None, False, None, (), None, None, (None, None, None), tunedb.generation())
+    make_key()
+    plan = next(iter(api._PLANS._plans.values()))
+    out = torch.empty_like(q)
+    rows = [
+        ("attention() whole call", lambda: facodegen.attention(q, k, v, causal=True)),
+        ("prepare()() whole call", facodegen.prepare(q, k, v, causal=True)),
+        ("torch SDPA whole call", lambda: torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)),
+        ("call key tuple", make_key),
+        ("  tunedb.generation()", tunedb.generation),
+        ("  q.stride()", q.stride),
+        ("  q.shape", lambda: q.shape),
+        ("  torch._C._cuda_getDevice()", torch._C._cuda_getDevice),
+        ("hash(key) + dict get", lambda: api._PLANS.get(key)),
+        ("empty_like(q)", lambda: torch.empty_like(q)),
+        ("4 x data_ptr()", lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())),
+        ("current raw stream", lambda: torch._C._cuda_getCurrentRawStream(device)),
+        ("is_grad_enabled + requires_grad x3", lambda: torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad)),
+        ("torch.compiler.is_compiling()", torch.compiler.is_compiling),
+    ]
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0)
+    rows.append(("plan.launch (patch + cuLaunchKernel)", lambda: plan.launch(stream, *ptrs, None)))
+    rows.append(("  launcher alone (cuLaunchKernel via ctypes)",
+                 lambda: plan._launcher(plan.scratch(stream).stream, plan._last.kernel_params)))
+    print("| step | µs per call |\n|---|---|")
+    for name, fn in rows:
+        us = per_call_us(fn, args.calls)
+        torch.cuda.synchronize()
+        print(f"| {name} | {us:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
