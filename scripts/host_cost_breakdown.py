@@ -5,8 +5,9 @@
 
 Times, on (1, 128, 8, 128) bf16 causal tensors, each step of api._attention_torch's hit path in a
 loop of its own (the call-key tuple, the dict lookup, empty_like for O, the data pointers, the
-stream query, the launch) and the whole call, in microseconds per call, best of 5 loops. The
-steps do not add up exactly (a loop of one step keeps its objects in cache), but they say which
+stream query, the launch) and the whole call, in microseconds per call: bench.time_host_per_call's
+host_us (chunks of calls after a synchronize, so no launch waits for the GPU) and its loop_us.
+The steps do not add up exactly (a loop of one step keeps its objects in cache), but they say which
 step a faster path must remove.
 """
 
@@ -14,30 +15,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def per_call_us(fn, calls: int) -> float:
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - start)
-    return best / calls * 1e6
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calls", type=int, default=20000)
+    p.add_argument("--calls", type=int, default=2000)
     args = p.parse_args()
     import torch
 
     import facodegen
-    from facodegen import api, tunedb
+    from facodegen import api, bench, tunedb
     q, k, v = (torch.randn(1, 128, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     facodegen.attention(q, k, v, causal=True)
     torch.cuda.synchronize()
@@ -75,11 +65,10 @@ def main() -> int:
     rows.append(("plan.launch (patch + cuLaunchKernel)", lambda: plan.launch(stream, *ptrs, None)))
     rows.append(("  launcher alone (cuLaunchKernel via ctypes)",
                  lambda: plan._launcher(plan.scratch(stream).stream, plan._last.kernel_params)))
-    print("| step | µs per call |\n|---|---|")
+    print("| step | host µs per call | loop µs per call |\n|---|---|---|")
     for name, fn in rows:
-        us = per_call_us(fn, args.calls)
-        torch.cuda.synchronize()
-        print(f"| {name} | {us:.2f} |", flush=True)
+        t = bench.time_host_per_call(fn, torch.cuda.synchronize, calls=args.calls)
+        print(f"| {name} | {t['host_us']:.2f} | {t['loop_us']:.2f} |", flush=True)
     return 0
 
 

@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,11 +44,14 @@ def main() -> int:
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--out", default=os.environ.get("OUT", "sanitize-out"))
     p.add_argument("--jobs", type=int, default=8, help="sanitizer runs at once")
+    p.add_argument("--cases", help="indices into representative_cases() (comma-separated; default all)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     cases = fuzz.representative_cases()
+    if args.cases:
+        cases = [cases[int(i)] for i in args.cases.split(",")]
     warm = subprocess.run([sys.executable, "-m", "facodegen.fuzz", *[c.to_json() for c in cases]],
                           capture_output=True, text=True)
     print(warm.stdout or warm.stderr, flush=True)
@@ -70,15 +74,18 @@ def main() -> int:
         print(f"{tool:10s} {row[1]:22s} errors {row[2]:>4s} exit {done.returncode}", flush=True)
         lines = log.splitlines()
         head = lines[:LOG_LINES] + (["... (%d lines left out)" % (len(lines) - LOG_LINES)] if len(lines) > LOG_LINES else [])
-        return row, f"==== {tool} case {n}: {case.to_json()}\n" + "\n".join(head + [x for x in lines[LOG_LINES:] if "SUMMARY" in x])
+        with write_lock, open(out / f"{tool}.log", "a") as f:   # as each child ends: a killed sweep keeps them
+            f.write(f"==== {tool} case {n}: {case.to_json()}\n" + "\n".join(
+                head + [x for x in lines[LOG_LINES:] if "SUMMARY" in x]) + "\n\n")
+        return row
 
     jobs = [(tool, n, case) for tool in args.tools.split(",") for n, case in enumerate(cases)]
     # The children share the GPU: each is small, and the sanitizer's host side is the slow part.
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        done = list(pool.map(one, jobs))
-    rows = [row for row, _ in done]
+    write_lock = threading.Lock()
     for tool in args.tools.split(","):      # one log per tool (a device call brings back few files)
-        (out / f"{tool}.log").write_text("\n\n".join(log for row, log in done if row[0] == tool) + "\n")
+        (out / f"{tool}.log").write_text("")
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(one, jobs))
     print("\n| tool | case | errors | exit |\n|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(map(str, row)) + " |")
