@@ -739,6 +739,20 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         "}\n" :: "r"(bar), "r"(parity), "r"(MBAR_SUSPEND_NS) : "memory");
 }
 
+// Has the phase of `parity` completed? (no wait). A one-shot flag kept in an mbarrier instead of
+// a shared-memory word: the sanitizer's racecheck orders mbarrier operations, not a plain word
+// one thread writes while others read it.
+__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done != 0;
+}
+
 // Named barriers (ids 1..15; 0 is __syncthreads). `threads` counts the syncing and the
 // arriving threads together and is a multiple of 32.
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {

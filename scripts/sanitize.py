@@ -44,6 +44,8 @@ def main() -> int:
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--out", default=os.environ.get("OUT", "sanitize-out"))
     p.add_argument("--jobs", type=int, default=8, help="sanitizer runs at once")
+    p.add_argument("--all-kernels", dest="only_flash", action="store_false",
+                   help="instrument every kernel, not only facodegen's (initcheck always does)")
     p.add_argument("--cases", help="indices into representative_cases() (comma-separated; default all)")
     args = p.parse_args()
     out = Path(args.out)
@@ -60,7 +62,7 @@ def main() -> int:
         cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99"]
         if tool == "racecheck":
             cmd += ["--racecheck-report", "hazard"]
-        if tool != "initcheck":
+        if tool != "initcheck" and args.only_flash:
             # Only facodegen's kernels are instrumented (racecheck over torch's reference kernels costs
             # minutes and says nothing about ours). Not for initcheck: memory written by a kernel it
             # does not instrument counts as never written, so every read of the inputs would be flagged.
