@@ -11,8 +11,8 @@ The criterion (FlashAttention-3's tests/test_flash_attn.py): the largest error o
 float64 reference is at most twice the largest error of a same-precision computation (scores,
 probabilities and P V rounded to the input dtype) plus a noise floor, twice the dtype's rounding
 of the reference; the LSE within 1e-3 + 1e-4 |lse|. fp8 (e4m3 inputs, P rounded to e4m3) is held to
-a relative Frobenius error of 3e-2 of O against the float64 reference on the dequantised inputs,
-the bound of the GPU tests, and its LSE within 1e-2 + 1e-3 |lse| + 2^-12 scale max_k sum_i |q_i k_i|
+a relative Frobenius error of O against the float64 reference on the dequantised inputs of 3e-2 (the
+GPU tests' bound) or twice a bf16 computation's on the same inputs, whichever is larger, and its LSE within 1e-2 + 1e-3 |lse| + 2^-12 scale max_k sum_i |q_i k_i|
 (the fp8 wgmma accumulator's precision, ~14 bits, on the row's scores). A failing case prints the one command that reruns it.
 
 Families: ``forward`` (the kernels that exist today); backward, varlen, kvcache and variants join
@@ -174,7 +174,13 @@ def run_case(case: Case) -> tuple[bool, str]:
     err = (out.double() - ref).abs().max().item()
     if case.dtype == "fp8":
         rel = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        ok_o, what = rel <= 3e-2, f"rel_fro {rel:.2e} (bound 3e-2)"
+        # FlashAttention-3's criterion on its fp8 terms: at most twice a same-precision (bf16) reference's
+        # error, or 3e-2. Where huge logits make the softmax one-hot, a near tie between two keys is decided
+        # by the last bits of the scores: the bf16 reference flips such rows too, and its error says so.
+        low, _ = attention_torch(*(x.to(torch.bfloat16) for x in (q, k, v)), case.causal, scale, upcast=False)
+        rel_low = ((low.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        bound = max(3e-2, 2 * rel_low)
+        ok_o, what = rel <= bound, f"rel_fro {rel:.2e} (bound {bound:.2e}: 3e-2 or 2x bf16's {rel_low:.2e})"
     else:
         low, _ = attention_torch(q, k, v, case.causal, scale, upcast=False)
         bound = 2 * (low.double() - ref).abs().max().item() + 2 * ((ref.to(dt) + 0.3 - 0.3).double() - ref).abs().max().item()
