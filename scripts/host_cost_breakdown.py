@@ -14,6 +14,7 @@ step a faster path must remove.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -32,6 +33,11 @@ def main() -> int:
     facodegen.attention(q, k, v, causal=True)
     torch.cuda.synchronize()
     device = q.get_device()
+    # Each layer of a model calls with its own tensors: one plan, a params image per address set.
+    sets = [tuple(torch.randn_like(q) for _ in range(3)) for _ in range(32)]
+    turns = itertools.cycle(sets)
+    for qkv in sets:
+        facodegen.attention(*qkv, causal=True)
     key = None
 
     def make_key():
@@ -44,6 +50,7 @@ def main() -> int:
     out = torch.empty_like(q)
     rows = [
         ("attention() whole call", lambda: facodegen.attention(q, k, v, causal=True)),
+        ("attention(), 32 input sets in turn (a model's layers)", lambda: facodegen.attention(*next(turns), causal=True)),
         ("prepare()() whole call", facodegen.prepare(q, k, v, causal=True)),
         ("torch SDPA whole call", lambda: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)),
