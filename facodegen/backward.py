@@ -227,14 +227,16 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     from . import api
 
     kind = api._kind(q)
-    try:
-        key = (kind, _meta(do), _meta(q), _meta(k), _meta(v), _meta(out), _meta(lse),
-               None if dq is None else _meta(dq), None if dk is None else _meta(dk),
-               None if dv is None else _meta(dv), causal.__class__, causal, softmax_scale.__class__, softmax_scale,
-               arch, tuple(sorted(knobs.items())), api._current_device(kind))
-        plan = _PLANS.get(key)
-    except (AttributeError, TypeError, ValueError):   # not arrays of one library, an unhashable knob
-        plan = key = None
+    plan = key = None
+    if kind != "other":
+        try:
+            key = (kind, _meta(do), _meta(q), _meta(k), _meta(v), _meta(out), _meta(lse),
+                   None if dq is None else _meta(dq), None if dk is None else _meta(dk),
+                   None if dv is None else _meta(dv), causal.__class__, causal, softmax_scale.__class__,
+                   softmax_scale, arch, tuple(sorted(knobs.items())), api._current_device(kind))
+            plan = _PLANS.get(key)
+        except (AttributeError, TypeError, ValueError):   # not arrays of one library, an unhashable knob
+            plan = key = None
     if plan is None:
         plan = _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, knobs)
         if key is not None:
