@@ -85,13 +85,17 @@ assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range
 # ------------------------------------------------------------------ render and compile
 
 
+_EMIT_ALWAYS = ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "causal")
+_EMIT_DEFAULTS = {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False}
+
+
 def emit_command(spec: BackwardSpec) -> str:
-    """The `facodegen emit` line that reproduces this spec's source."""
+    """The `facodegen emit` line that reproduces this spec's source: the problem and its tile, then
+    the knobs away from their defaults, spelt by BACKWARD_KNOBS' flags."""
     flags = ["--kernel backward"]
     for knob in BACKWARD_KNOBS:
         value = getattr(spec, knob.name)
-        if knob.name == "gpu" and value == DEFAULT_GPU or knob.name in ("stages", "deterministic") and not \
-                (value != 1 if knob.name == "stages" else value):
+        if knob.name not in _EMIT_ALWAYS and value == _EMIT_DEFAULTS.get(knob.name):
             continue
         if knob.kind == "bool":
             on, off = knob.flag.split("/")

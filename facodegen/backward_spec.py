@@ -41,6 +41,9 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          search={"sm80": (64, 128)}, flag_offers_choices=False, token=lambda s, v: f"bn{s.block_n}"),
     Knob("num_warps", "int", "Warps per CTA.", flag="--warps", choices=(4, 8), search={"sm80": (4, 8)},
          token=lambda s, v: f"w{s.num_warps}"),
+    Knob("k_unroll", "int", "k16 steps of each warp GEMM unrolled together (more in flight, more registers).",
+         flag="--k-unroll", choices=(1, 2, 4), search={"sm80": (1, 2)},
+         token=lambda s, v: f"ku{s.k_unroll}" if s.k_unroll != 2 else None),
     Knob("stages", "int", "Q/dO buffers: 1 (the next step's Q, dO load under the dQ GEMM).", flag="--stages",
          choices=(1,), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
     Knob("gpu", "text", "Whose shared-memory limit the budget model applies.", choices=BACKWARD_GPUS, flag="--gpu"),
@@ -64,6 +67,9 @@ DEFAULT_TILES = {64: (128, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8), 192: (6
 SMALL_GPU_TILES = {64: (64, 64, 8), 96: (64, 64, 8), 128: (64, 64, 8), 192: (64, 64, 8), 256: (64, 64, 8)}
 DEFAULT_GPU = "a100"
 
+# k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
+# config (NVRTC 13: 195-255 registers); 4 and full unrolling spill. Not yet timed against 1 on a GPU.
+
 # dK and dV accumulators held in registers across the whole loop, floats per thread: above 128 the
 # S^T / dP^T fragments, addresses and dQ pieces no longer fit in 255 registers without spills.
 MAX_KV_ACC_FLOATS = 128
@@ -85,6 +91,7 @@ class BackwardSpec:
     block_m: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
+    k_unroll: int = 2
     stages: int = 1
     gpu: str | None = None
     deterministic: bool = False
@@ -179,6 +186,7 @@ def _validate(spec: BackwardSpec) -> None:
                                   f"under the dQ GEMM)")
     _choice("num_warps", spec.num_warps, (4, 8))
     _choice("block_m", spec.block_m, (32, 64, 128))
+    _choice("k_unroll", spec.k_unroll, (1, 2, 4))
     if spec.block_n % 16 or not 16 <= spec.block_n <= 256:
         raise SpecError("block_n", f"{spec.block_n}: a multiple of 16 from 16 to 256")
     warps = spec.num_warps

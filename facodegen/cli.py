@@ -23,6 +23,8 @@ KERNELS = ("forward", "backward")
 
 
 def _kernel_option(command):
+    command = click.option("--k-unroll", "k_unroll", type=click.Choice(["1", "2", "4"]), callback=_int_choice,
+                           help="--kernel backward: k16 steps of each warp GEMM unrolled together.")(command)
     command = click.option("--deterministic/--no-deterministic", "deterministic", default=None,
                            help="--kernel backward: bit-identical gradients (refused in this release).")(command)
     return click.option("--kernel", "kernel", type=click.Choice(KERNELS), default="forward", show_default=True,
@@ -30,7 +32,7 @@ def _kernel_option(command):
                              "runs on sm90 GPUs; --arch sm90 is refused until the sm90 backward exists).")(command)
 
 
-def build_backward_spec(fields: dict, deterministic):
+def build_backward_spec(fields: dict, deterministic, k_unroll=None):
     """A BackwardSpec from the spec flags given (only those the backward has)."""
     from .backward_spec import BACKWARD_BY_NAME, BackwardSpec
 
@@ -40,6 +42,8 @@ def build_backward_spec(fields: dict, deterministic):
                            f"{', '.join(k for k in BACKWARD_BY_NAME)})")
     if deterministic is not None:
         fields = {**fields, "deterministic": deterministic}
+    if k_unroll is not None:
+        fields = {**fields, "k_unroll": k_unroll}
     try:
         return BackwardSpec(**fields)
     except SpecError as err:
@@ -169,7 +173,7 @@ def main():
 @click.option("--all", "all_specs", is_flag=True,
               help="Write every default spec as <variant>.cu into --out-dir (stale flash_fwd_*.cu there are removed).")
 @_kernel_option
-def emit(spec_fields, output, out_dir, all_specs, kernel, deterministic):
+def emit(spec_fields, output, out_dir, all_specs, kernel, deterministic, k_unroll):
     """Print (or write) the CUDA source of one kernel.
 
     \b
@@ -184,11 +188,11 @@ def emit(spec_fields, output, out_dir, all_specs, kernel, deterministic):
         from .backward import emit as render_backward
         if all_specs:
             raise UsageFailure("--all writes the forward's default specs; drop --kernel backward")
-        spec = build_backward_spec(spec_fields, deterministic)
+        spec = build_backward_spec(spec_fields, deterministic, k_unroll)
         _write(render_backward(spec), spec, output, out_dir)
         return
-    if deterministic is not None:
-        raise UsageFailure("--deterministic is a --kernel backward flag")
+    if deterministic is not None or k_unroll is not None:
+        raise UsageFailure("--deterministic and --k-unroll are --kernel backward flags")
     try:
         if all_specs:
             if spec_fields:
@@ -242,7 +246,7 @@ def _emit_all(out_dir: Path, render) -> None:
 @click.option("--sass", "what", flag_value="sass",
               help="Print the SASS (cuobjdump) and a count of key instructions.")
 @_kernel_option
-def inspect(spec_fields, what, kernel, deterministic):
+def inspect(spec_fields, what, kernel, deterministic, k_unroll):
     """Compile a kernel (no GPU needed) and report what the compiler made of it.
 
     \b
@@ -253,10 +257,10 @@ def inspect(spec_fields, what, kernel, deterministic):
     from .compiler import ToolNotFoundError
 
     if kernel == "backward":
-        _inspect_backward(build_backward_spec(spec_fields, deterministic), what)
+        _inspect_backward(build_backward_spec(spec_fields, deterministic, k_unroll), what)
         return
-    if deterministic is not None:
-        raise UsageFailure("--deterministic is a --kernel backward flag")
+    if deterministic is not None or k_unroll is not None:
+        raise UsageFailure("--deterministic and --k-unroll are --kernel backward flags")
     spec = build_spec(spec_fields)
     kernel = _compile(spec)
     try:

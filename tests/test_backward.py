@@ -37,6 +37,7 @@ def test_variant_names_the_problem_and_the_tile():
     assert spec.variant == "flash_bwd_sm80_bf16_hd128_bm64_bn128_w8_causal"
     assert spec.kernel_names == (f"{spec.variant}_dot_do_o", spec.variant, f"{spec.variant}_convert_dq")
     assert BackwardSpec(head_dim=64, dtype="fp16").variant == "flash_bwd_sm80_fp16_hd64_bm128_bn128_w8"
+    assert BackwardSpec(head_dim=64, k_unroll=1).variant == "flash_bwd_sm80_bf16_hd64_bm128_bn128_w8_ku1"
     assert len({s.variant for s in DEFAULTS}) == len(DEFAULTS)
 
 
@@ -46,6 +47,7 @@ def test_variant_names_the_problem_and_the_tile():
     ({"head_dim": 80}, "head_dim", "80"),
     ({"deterministic": True}, "deterministic", "atomics"),
     ({"stages": 2}, "stages", "stages=1"),
+    ({"k_unroll": 3}, "k_unroll", "3"),
     ({"num_warps": 6}, "num_warps", "6"),
     ({"block_m": 48}, "block_m", "48"),
     ({"block_n": 72}, "block_n", "multiple of 16"),
@@ -91,7 +93,8 @@ def test_render_is_deterministic_and_says_what_it_is(spec):
 
 def test_emit_command_rebuilds_the_spec():
     runner = CliRunner()
-    for spec in (DEFAULTS[0], BackwardSpec(head_dim=128, block_n=64, num_warps=4, causal=True)):
+    for spec in (DEFAULTS[0], BackwardSpec(head_dim=128, block_n=64, num_warps=4, causal=True, k_unroll=1),
+                 BackwardSpec(head_dim=96, gpu="h200", dtype="fp16")):
         argv = backward.emit_command(spec).split()[2:]
         result = runner.invoke(cli.main, ["emit", *argv])
         assert result.exit_code == 0, result.output
@@ -131,7 +134,8 @@ def test_every_shipped_config_compiles_without_spills(spec, sm):
 @pytest.mark.parametrize("fields", [dict(head_dim=128, block_n=64, num_warps=4),
                                     dict(head_dim=64, block_m=64, block_n=64, causal=True, dtype="fp16"),
                                     dict(head_dim=96, block_m=128, block_n=128),
-                                    dict(head_dim=256, block_m=32, block_n=64)])
+                                    dict(head_dim=256, block_m=32, block_n=64),
+                                    dict(head_dim=128, k_unroll=1, causal=True)])
 def test_non_default_tiles_compile(fields):
     spec = BackwardSpec(**fields)
     r = backward.resources_of(backward.compile(spec))[spec.variant]
@@ -167,6 +171,7 @@ def test_cli_forward_is_still_the_default():
     result = CliRunner().invoke(cli.main, ["emit", "--head-dim", "64"])
     assert result.exit_code == 0 and "flash_fwd_sm80" in result.output.splitlines()[1]
     assert CliRunner().invoke(cli.main, ["emit", "--deterministic"]).exit_code == 2
+    assert CliRunner().invoke(cli.main, ["emit", "--k-unroll", "1"]).exit_code == 2
 
 
 # ------------------------------------------------------------------ attention_backward's plan (fake GPU)
