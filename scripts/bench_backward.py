@@ -8,7 +8,11 @@ with CUDA events after a warm-up; the median of the timed runs counts. Backward 
 Prints a markdown table of TFLOP/s and facodegen's ratio to each peer; writes JSON under --out.
 
     python scripts/bench_backward.py --head-dims 64,128 --seqlens 1024,4096 --out results/
-    python scripts/bench_backward.py --quick          # one cell per head dim: fits a 3-minute device call
+    python scripts/bench_backward.py --quick          # seqlen 2k and 8k: fits a 3-minute device call
+    python scripts/bench_backward.py --quick --peers facodegen --variant k_unroll=1 --variant k_unroll=2
+
+``--variant knob=value[,knob=value]`` (repeatable) adds a column per backward-spec variant, timed
+through ``facodegen.attention_backward(..., **knobs)`` on the forward's O and LSE (no autograd).
 
 Import-safe without a GPU (the pure parts are tested in tests/test_bench_backward.py).
 """
@@ -74,8 +78,35 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def variants_markdown(rows: list[dict], labels: list[str]) -> str:
+    """TFLOP/s of each --variant column beside facodegen's autograd backward."""
+    lines = ["| head_dim | causal | seqlen | facodegen (autograd) | " + " | ".join(labels) + " |",
+             "|---|---|---|---|" + "---|" * len(labels)]
+    fmt = lambda x: "–" if x is None else f"{x:.1f}"  # noqa: E731
+    for r in rows:
+        t = r["tflops"]
+        lines.append(f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | "
+                     f"{fmt(t.get('facodegen'))} | " + " | ".join(fmt(t.get(label)) for label in labels) + " |")
+    return "\n".join(lines)
+
+
 def parse_ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def parse_knobs(text: str) -> dict:
+    """'k_unroll=1,block_n=64' -> {'k_unroll': 1, 'block_n': 64} (ints where they parse)."""
+    knobs = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected knob=value")
+        knobs[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return knobs
+
+
+def variant_label(knobs: dict) -> str:
+    return "facodegen[" + ",".join(f"{k}={v}" for k, v in sorted(knobs.items())) + "]"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,6 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="seqlen 2048 and 8192 only (about a minute)")
     p.add_argument("--out", type=Path, help="folder for bench_backward.json")
+    p.add_argument("--variant", action="append", default=[], type=parse_knobs,
+                   help="backward knobs to time as an extra column, e.g. k_unroll=1,block_n=64 (repeatable)")
     args = p.parse_args(argv)
     if args.quick:
         args.seqlens = (2048, 8192)
@@ -133,6 +166,26 @@ def time_backward(peer: str, cell: dict, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def time_direct(cell: dict, knobs: dict, warmup: int, iters: int) -> float:
+    """Median ms of facodegen.attention_backward(**knobs) on the forward's O and LSE."""
+    import torch
+
+    import facodegen
+    shape = (cell["batch"], cell["seqlen"], cell["heads"], cell["head_dim"])
+    q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = facodegen.attention(q, k, v, causal=cell["causal"], return_lse=True)
+    times = []
+    for i in range(warmup + iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        facodegen.attention_backward(do, q, k, v, out, lse, causal=cell["causal"], **knobs)
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -149,12 +202,21 @@ def main(argv=None) -> int:
                 row["ms"][peer], row["tflops"][peer] = ms, tflops(cell, ms)
             except Exception as err:  # noqa: BLE001 (a peer that cannot run this cell is reported, not fatal)
                 row["errors"][peer] = f"{type(err).__name__}: {err}"[:300]
+        for knobs in args.variant:
+            label = variant_label(knobs)
+            try:
+                ms = time_direct(cell, knobs, args.warmup, args.iters)
+                row["ms"][label], row["tflops"][label] = ms, tflops(cell, ms)
+            except Exception as err:  # noqa: BLE001
+                row["errors"][label] = f"{type(err).__name__}: {err}"[:300]
         rows.append(row)
         t = row["tflops"]
         print(f"hd{cell['head_dim']} {'causal' if cell['causal'] else 'full'} s{cell['seqlen']}: "
               + ", ".join(f"{p} {t[p]:.1f}" for p in t) + (f" errors {row['errors']}" if row["errors"] else ""),
               file=sys.stderr, flush=True)
     table = markdown(rows)
+    if args.variant:
+        table += "\n\n" + variants_markdown(rows, [variant_label(k) for k in args.variant])
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -50,3 +50,14 @@ def test_options(bench):
     assert bench.parse_args(["--quick"]).seqlens == (2048, 8192)
     with pytest.raises(SystemExit):
         bench.parse_args(["--peers", "fa9"])
+
+
+def test_variants(bench):
+    args = bench.parse_args(["--variant", "k_unroll=1,block_n=64", "--variant", "k_unroll=2"])
+    assert args.variant == [{"k_unroll": 1, "block_n": 64}, {"k_unroll": 2}]
+    label = bench.variant_label(args.variant[0])
+    assert label == "facodegen[block_n=64,k_unroll=1]"
+    rows = [dict(head_dim=64, causal=True, seqlen=512, tflops={"facodegen": 100.0, label: 120.0})]
+    assert "| 64 | yes | 512 | 100.0 | 120.0 |" in bench.variants_markdown(rows, [label])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--variant", "k_unroll"])
