@@ -578,8 +578,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     calls with the same key look the plan up and launch (a few microseconds of host time).
 
     On torch tensors under ``torch.compile``/``torch.export``, or with tensors that require grad,
-    the call goes through the ``facodegen::attention`` custom op (facodegen.torch_op). There is
-    no backward yet: a call that would record a gradient raises.
+    the call goes through the ``facodegen::attention`` custom op (facodegen.torch_op), whose
+    backward runs the generated backward kernels (facodegen.attention_backward) on the saved O and
+    LSE. fp8 inputs and out=/lse_out= have no backward: a call that would record a gradient raises.
 
     FP8 (sm90): q, k, v as torch.float8_e4m3fn; ``q_descale``/``k_descale``/``v_descale`` float32
     device tensors, each a scalar or (batch, heads_kv) (default 1); the scores are

@@ -18,6 +18,38 @@ from . import __version__
 from .knobs import KNOBS, Knob
 from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default_specs
 
+# Kernel families `emit` and `inspect` take (--kernel); forward stays the default.
+KERNELS = ("forward", "backward")
+
+
+def _kernel_option(command):
+    command = click.option("--k-unroll", "k_unroll", type=click.Choice(["1", "2", "4"]), callback=_int_choice,
+                           help="--kernel backward: k16 steps of each warp GEMM unrolled together.")(command)
+    command = click.option("--deterministic/--no-deterministic", "deterministic", default=None,
+                           help="--kernel backward: bit-identical gradients (refused in this release).")(command)
+    return click.option("--kernel", "kernel", type=click.Choice(KERNELS), default="forward", show_default=True,
+                        help="Kernel family: the forward, or the backward (dQ, dK, dV: sm80 code, which also "
+                             "runs on sm90 GPUs; --arch sm90 is refused until the sm90 backward exists).")(command)
+
+
+def build_backward_spec(fields: dict, deterministic, k_unroll=None):
+    """A BackwardSpec from the spec flags given (only those the backward has)."""
+    from .backward_spec import BACKWARD_BY_NAME, BackwardSpec
+
+    extra = sorted(set(fields) - set(BACKWARD_BY_NAME))
+    if extra:
+        raise UsageFailure(f"--kernel backward does not take {', '.join(extra)} (its knobs: "
+                           f"{', '.join(k for k in BACKWARD_BY_NAME)})")
+    if deterministic is not None:
+        fields = {**fields, "deterministic": deterministic}
+    if k_unroll is not None:
+        fields = {**fields, "k_unroll": k_unroll}
+    try:
+        return BackwardSpec(**fields)
+    except SpecError as err:
+        raise UsageFailure(f"invalid backward spec: {err}") from None
+
+
 class UsageFailure(click.ClickException):
     """A one-line error with exit status 2 (bad spec, no GPU): no usage block, no traceback."""
     exit_code = 2
@@ -140,7 +172,8 @@ def main():
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), help="Write <variant>.cu into this folder.")
 @click.option("--all", "all_specs", is_flag=True,
               help="Write every default spec as <variant>.cu into --out-dir (stale flash_fwd_*.cu there are removed).")
-def emit(spec_fields, output, out_dir, all_specs):
+@_kernel_option
+def emit(spec_fields, output, out_dir, all_specs, kernel, deterministic, k_unroll):
     """Print (or write) the CUDA source of one kernel.
 
     \b
@@ -151,6 +184,15 @@ def emit(spec_fields, output, out_dir, all_specs):
     """
     from .render import TemplateRenderError, emit as render
 
+    if kernel == "backward":
+        from .backward import emit as render_backward
+        if all_specs:
+            raise UsageFailure("--all writes the forward's default specs; drop --kernel backward")
+        spec = build_backward_spec(spec_fields, deterministic, k_unroll)
+        _write(render_backward(spec), spec, output, out_dir)
+        return
+    if deterministic is not None or k_unroll is not None:
+        raise UsageFailure("--deterministic and --k-unroll are --kernel backward flags")
     try:
         if all_specs:
             if spec_fields:
@@ -164,6 +206,10 @@ def emit(spec_fields, output, out_dir, all_specs):
         source = render(spec)
     except TemplateRenderError as err:
         raise click.ClickException(str(err)) from None
+    _write(source, spec, output, out_dir)
+
+
+def _write(source: str, spec, output, out_dir) -> None:
     if output is not None and out_dir is not None:
         raise UsageFailure("give -o FILE or --out-dir DIR, not both")
     if out_dir is not None:
@@ -199,7 +245,8 @@ def _emit_all(out_dir: Path, render) -> None:
 @click.option("--ptx", "what", flag_value="ptx", help="Print the PTX.")
 @click.option("--sass", "what", flag_value="sass",
               help="Print the SASS (cuobjdump) and a count of key instructions.")
-def inspect(spec_fields, what):
+@_kernel_option
+def inspect(spec_fields, what, kernel, deterministic, k_unroll):
     """Compile a kernel (no GPU needed) and report what the compiler made of it.
 
     \b
@@ -209,6 +256,11 @@ def inspect(spec_fields, what):
     """
     from .compiler import ToolNotFoundError
 
+    if kernel == "backward":
+        _inspect_backward(build_backward_spec(spec_fields, deterministic, k_unroll), what)
+        return
+    if deterministic is not None or k_unroll is not None:
+        raise UsageFailure("--deterministic and --k-unroll are --kernel backward flags")
     spec = build_spec(spec_fields)
     kernel = _compile(spec)
     try:
@@ -220,6 +272,41 @@ def inspect(spec_fields, what):
             click.echo("key instructions: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
         else:
             click.echo(format_resources(spec, kernel))
+    except ToolNotFoundError as err:
+        raise click.ClickException(str(err)) from None
+
+
+def _inspect_backward(spec, what) -> None:
+    """inspect --kernel backward: the three kernels of one generated file."""
+    from . import backward
+    from .compiler import CompileError, ToolNotFoundError
+    from .render import TemplateRenderError
+
+    try:
+        compiled = backward.compile(spec)
+    except (CompileError, TemplateRenderError) as err:
+        raise click.ClickException(str(err)) from None
+    try:
+        if what == "ptx":
+            click.echo(compiled.ptx())
+        elif what == "sass":
+            click.echo(compiled.sass())
+            counts = compiled.sass_counts()
+            click.echo("key instructions: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        else:
+            resources = backward.resources_of(compiled)
+            click.echo(f"{'kernels':<14} {', '.join(spec.kernel_names)} (launch order)")
+            click.echo(f"{'target':<14} {compiled.target}")
+            click.echo(f"{'threads':<14} {spec.threads} ({spec.num_warps} warps)")
+            click.echo(f"{'shared memory':<14} {spec.smem_bytes} B dynamic (main kernel)")
+            for name in spec.kernel_names:
+                r = resources.get(name)
+                if r is not None:
+                    click.echo(f"{name}: {r.registers} registers, stack {r.stack_bytes} B, spills "
+                               f"{r.spill_stores} B stores / {r.spill_loads} B loads")
+            click.echo(f"{'warnings':<14} {len(compiled.warnings) or 'none'}")
+            for w in compiled.warnings:
+                click.echo(f"  {w}")
     except ToolNotFoundError as err:
         raise click.ClickException(str(err)) from None
 

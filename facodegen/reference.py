@@ -150,6 +150,43 @@ def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | No
     return o, lse
 
 
+def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scale: float | None = None):
+    """(dQ, dK, dV) in float64 of O = softmax(scale Q K^T [+ causal mask]) V given dO, with the
+    layouts and masks of :func:`attention_reference`; dK, dV of a kv head are summed over the query
+    heads that share it (GQA/MQA). A query row with no visible key contributes nothing. Computed
+    from the scores directly (P = exp(scale S - LSE), D = rowsum(dO ∘ O), dS = P ∘ (dP - D)), one
+    block of query rows at a time like attention_reference."""
+    do, q, k, v = to_float64(do), to_float64(q), to_float64(k), to_float64(v)
+    b, sq, sk, hq, hkv, d = _shapes(q, k, v)
+    if do.shape != q.shape:
+        raise ValueError(f"do: shape {do.shape} does not match q's {q.shape}")
+    scale = _scale(softmax_scale, d)
+    group = hq // hkv
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    chunk = max(1, min(sq, _CHUNK_ELEMENTS // max(sk, 1)))
+    cols = np.arange(sk)
+    for bi in range(b):
+        for h in range(hq):
+            kh, vh = k[bi, :, h // group, :], v[bi, :, h // group, :]
+            for r0 in range(0, sq, chunk):
+                r1 = min(sq, r0 + chunk)
+                s = scale * (q[bi, r0:r1, h, :] @ kh.T)                       # S = scale Q K^T
+                if causal:
+                    s[causal_mask(np.arange(r0, r1), cols, sq, sk)] = -np.inf
+                m = s.max(axis=1)
+                empty = np.isneginf(m)
+                p = np.exp(s - np.where(empty, 0.0, m)[:, None])               # masked -> 0
+                p /= np.where(empty, 1.0, p.sum(axis=1))[:, None]              # P = softmax(S)
+                g = do[bi, r0:r1, h, :]
+                dp = g @ vh.T                                                  # dP = dO V^T
+                o = p @ vh
+                ds = p * (dp - (g * o).sum(axis=1)[:, None])                  # dS = P ∘ (dP - rowsum(dO ∘ O))
+                dq[bi, r0:r1, h, :] += scale * (ds @ kh)                       # dQ = scale dS K
+                dk[bi, :, h // group, :] += scale * (ds.T @ q[bi, r0:r1, h, :])  # dK = scale dS^T Q
+                dv[bi, :, h // group, :] += p.T @ g                            # dV = P^T dO
+    return dq, dk, dv
+
+
 # ----------------------------------------------------------------------------------------------
 # the tiled algorithms
 # ----------------------------------------------------------------------------------------------

@@ -13,8 +13,13 @@ fake implementation that computes every output's shape from the inputs alone.
 ``knobs`` carries the spec fields a caller gave (block_n=..., out_dtype=...) as text,
 ``name=repr(value)`` joined by commas: an op schema has no dict type.
 
-There is no backward yet: the Autograd kernel raises at the forward when a gradient would be
-recorded, rather than returning an output with no grad_fn.
+Autograd: ``facodegen::attention`` has a backward (torch.library.register_autograd) that runs
+    torch.ops.facodegen.attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, arch,
+                                           knobs) -> (dq, dk, dv)
+(the generated backward kernels, facodegen/backward.py) on the forward's saved O and LSE; the LSE
+output is marked non-differentiable (no gradient flows back through it, as in FlashAttention).
+fp8 inputs and the mutating ``attention_out`` (out=/lse_out=) have no backward: a call that would
+record a gradient raises at the forward rather than returning an output with no grad_fn.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ _ARGS = ("bool causal, float? softmax_scale, str? arch, Tensor? q_descale, Tenso
          "Tensor? v_descale, str knobs")
 _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tensor)")
 _LIB.define(f"attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, {_ARGS}) -> ()")
+_LIB.define("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+            "float? softmax_scale, str? arch, str knobs) -> (Tensor, Tensor, Tensor)")
 
 _DESCALES = ("q_descale", "k_descale", "v_descale")
 
@@ -56,6 +63,10 @@ def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch,
     """facodegen.attention through the operators (the arguments are attention()'s)."""
     descales = [spec_fields.pop(name, None) for name in _DESCALES]
     knobs = encode_knobs(spec_fields)
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
+        if q.dtype == torch.float8_e4m3fn:
+            raise NotImplementedError("facodegen.attention: fp8 (e4m3) inputs have no backward yet; call it under "
+                                      "torch.no_grad() or on tensors that do not require grad")
     if out is None and lse_out is None:
         out, lse = torch.ops.facodegen.attention(q, k, v, causal, softmax_scale, arch, *descales, knobs)
         return (out, lse) if return_lse else out
@@ -104,20 +115,51 @@ def _attention_out_fake(q, k, v, out, lse, causal, softmax_scale, arch, q_descal
     return None
 
 
+def _attention_backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, arch, knobs):
+    from .backward import attention_backward
+    return attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, arch=arch,
+                              **decode_knobs(knobs))
+
+
+def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, arch, knobs):
+    # attention_backward allocates contiguous gradients
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _no_backward(op):
     def autograd_kernel(q, k, v, *args):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise NotImplementedError(
-                "facodegen.attention has no backward yet: call it under torch.no_grad() / "
-                "torch.inference_mode(), or on tensors that do not require grad")
+                "facodegen.attention with out=/lse_out= has no backward: drop out= and lse_out= (use "
+                "return_lse=True) on tensors that require grad, or call it under torch.no_grad()")
         with torch._C._AutoDispatchBelowAutograd():
             return op(q, k, v, *args)
     return autograd_kernel
 
 
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, arch, *_ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale, ctx.arch = causal, softmax_scale, arch
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_grad(ctx, grad_out, grad_lse):
+    """dQ, dK, dV through the generated backward (the LSE output takes no gradient)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    if q.dtype == torch.float8_e4m3fn:
+        raise NotImplementedError("facodegen.attention: fp8 (e4m3) inputs have no backward yet")
+    dq, dk, dv = torch.ops.facodegen.attention_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.causal,
+                                                        ctx.softmax_scale, ctx.arch, "")
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
 _LIB.impl("attention", _attention_cuda, "CUDA")
 _LIB.impl("attention_out", _attention_out_cuda, "CUDA")
-_LIB.impl("attention", _no_backward(torch.ops.facodegen.attention), "Autograd")
+_LIB.impl("attention_backward", _attention_backward_cuda, "CUDA")
 _LIB.impl("attention_out", _no_backward(torch.ops.facodegen.attention_out), "Autograd")
 torch.library.register_fake("facodegen::attention", _attention_fake, lib=_LIB)
 torch.library.register_fake("facodegen::attention_out", _attention_out_fake, lib=_LIB)
+torch.library.register_fake("facodegen::attention_backward", _attention_backward_fake, lib=_LIB)
+torch.library.register_autograd("facodegen::attention", _attention_grad, setup_context=_setup_context, lib=_LIB)

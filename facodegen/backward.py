@@ -1,0 +1,356 @@
+"""The backward pass: render, compile and launch the generated backward kernels, and the public
+``attention_backward(do, q, k, v, out, lse, ...) -> (dq, dk, dv)``.
+
+One generated .cu (templates/sm80/flash_bwd.cu.j2) holds three kernels launched in order on the
+caller's stream: ``<variant>_dot_do_o`` (D = rowsum(dO ∘ O), dq_accum = 0), ``<variant>`` (dK, dV
+of a key block; dq_accum += dS K with fp32 atomics) and ``<variant>_convert_dq`` (dQ =
+softmax_scale * dq_accum). Their one argument is ``BwdParams`` (BWD_FIELDS below, rendered into
+the template and packed here, like FlashParams for the forward). The float32 dq_accum
+(batch, heads_q, seqlen_q, head_dim) and D (batch, heads_q, seqlen_q) are allocated per call in
+the caller's library (torch's caching allocator, CuPy's pool): the only extra memory.
+
+Launches go through driver.Launcher (the forward's launcher) from a ``BackwardPlan`` cached in a
+plan.PlanCache under the call's key (shapes, strides, dtypes, device, options), like the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import struct
+import sys
+import threading
+
+from . import __version__, driver
+from . import compiler as compile_mod
+from .backward_spec import BACKWARD_KNOBS, DEFAULT_GPU, BackwardSpec
+from .params import Field
+from .plan import PlanCache, _Image
+from .spec import SpecError
+
+# ------------------------------------------------------------------ the kernel argument
+
+_TENSORS = ("q", "k", "v", "o", "dout", "dq", "dk", "dv")
+BWD_FIELDS = [
+    Field("q", "ptr", "const elem_t*", "Q (batch, seqlen_q, heads_q, head_dim)"),
+    Field("k", "ptr", "const elem_t*", "K (batch, seqlen_k, heads_kv, head_dim)"),
+    Field("v", "ptr", "const elem_t*", "V (batch, seqlen_k, heads_kv, head_dim)"),
+    Field("o", "ptr", "const elem_t*", "O of the forward (batch, seqlen_q, heads_q, head_dim)"),
+    Field("dout", "ptr", "const elem_t*", "dO (batch, seqlen_q, heads_q, head_dim)"),
+    Field("lse", "ptr", "const float*", "LSE of the forward, natural log, (batch, heads_q, seqlen_q) contiguous"),
+    Field("dq", "ptr", "elem_t*", "dQ (batch, seqlen_q, heads_q, head_dim)"),
+    Field("dk", "ptr", "elem_t*", "dK (batch, seqlen_k, heads_kv, head_dim): summed over the GQA group"),
+    Field("dv", "ptr", "elem_t*", "dV (batch, seqlen_k, heads_kv, head_dim): summed over the GQA group"),
+    Field("dq_accum", "ptr", "float*", "fp32 dQ / softmax_scale (batch, heads_q, seqlen_q, head_dim) contiguous"),
+    Field("dpsum", "ptr", "float*", "D = rowsum(dO ∘ O), (batch, heads_q, seqlen_q) contiguous"),
+    *(Field(f"{t}_{axis}_stride", "i64", "long long", f"{t} stride between {axis}s, in elements")
+      for t in _TENSORS for axis in ("batch", "row", "head")),
+    Field("batch", "i32", "int", "batch size"),
+    Field("seqlen_q", "i32", "int", "query sequence length"),
+    Field("seqlen_k", "i32", "int", "key/value sequence length"),
+    Field("heads_q", "i32", "int", "query heads"),
+    Field("heads_kv", "i32", "int", "key/value heads (divides heads_q: GQA/MQA)"),
+    Field("softmax_scale", "f32", "float", "scale applied to Q K^T"),
+    Field("scale_log2", "f32", "float", "softmax_scale * log2(e)"),
+]
+_POINTERS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "dpsum")
+_PACK_POINTERS = struct.Struct(f"<{len(_POINTERS)}Q")
+
+
+def layout() -> tuple[list[tuple[Field, int]], int, int]:
+    """[(field, offset)], size and alignment of BwdParams (C's natural alignment)."""
+    offset, max_align, placed = 0, 1, []
+    for f in BWD_FIELDS:
+        offset = (offset + f.align - 1) // f.align * f.align
+        placed.append((f, offset))
+        offset += f.size
+        max_align = max(max_align, f.align)
+    return placed, (offset + max_align - 1) // max_align * max_align, max_align
+
+
+def pack(values: dict) -> bytes:
+    placed, size, _ = layout()
+    missing = [f.name for f, _ in placed if f.name not in values]
+    if missing:
+        raise KeyError(f"BwdParams fields missing: {', '.join(missing)}")
+    buf = bytearray(size)
+    for f, off in placed:
+        struct.pack_into({"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}[f.kind], buf, off, values[f.name])
+    return bytes(buf)
+
+
+assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range(len(_POINTERS))]
+
+# ------------------------------------------------------------------ render and compile
+
+
+_EMIT_ALWAYS = ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "causal")
+_EMIT_DEFAULTS = {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False}
+
+
+def emit_command(spec: BackwardSpec) -> str:
+    """The `facodegen emit` line that reproduces this spec's source: the problem and its tile, then
+    the knobs away from their defaults, spelt by BACKWARD_KNOBS' flags."""
+    flags = ["--kernel backward"]
+    for knob in BACKWARD_KNOBS:
+        value = getattr(spec, knob.name)
+        if knob.name not in _EMIT_ALWAYS and value == _EMIT_DEFAULTS.get(knob.name):
+            continue
+        if knob.kind == "bool":
+            on, off = knob.flag.split("/")
+            flags.append(on if value else off)
+        else:
+            flags.append(f"{knob.flag} {value}")
+    return "facodegen emit " + " ".join(flags)
+
+
+def emit(spec: BackwardSpec) -> str:
+    """The CUDA source of the spec's three kernels: byte-identical for equal specs."""
+    import jinja2
+
+    from .render import TemplateRenderError, _describe, environment
+
+    placed, size, align = layout()
+    name = f"{spec.arch}/flash_bwd.cu.j2"
+    try:
+        return environment().get_template(name).render(
+            spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
+            spec_items=sorted(spec.as_dict().items()), smem_bytes=spec.smem_bytes, threads=spec.threads,
+            log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align)
+    except jinja2.TemplateSyntaxError as err:
+        raise TemplateRenderError(_describe(err.filename or name, err.lineno, str(err))) from err
+    except jinja2.UndefinedError as err:
+        raise TemplateRenderError(f"{name}: undefined template variable: {err}") from err
+
+
+_compiled: dict = {}
+
+
+def compile(spec: BackwardSpec, *, sm: str | None = None, verbose: bool | None = None):
+    """Render and compile (NVRTC; cached on disk by source and options like the forward's):
+    a compiler.CompiledKernel whose ``resources`` are the main kernel's; ``resources_of(kernel)``
+    has all three. ``sm``: another real target (the device's, e.g. sm_90 on an H200)."""
+    hit = _compiled.get((spec, sm))
+    if hit is None:
+        try:
+            hit = compile_mod.compile_source(emit(spec), spec.arch, spec.variant, sm=sm, verbose=verbose)
+        except compile_mod.CompileError as err:
+            hint = f"the whole generated file: `{emit_command(spec)} -o {spec.variant}.cu`"
+            raise compile_mod.CompileError(err.name, err.arch, err.log, err.source, hint=hint) from None
+        _compiled[(spec, sm)] = hit
+    return hit
+
+
+def resources_of(kernel) -> dict:
+    """{kernel symbol: compiler.Resources} of the three kernels (from ptxas's report)."""
+    return compile_mod.parse_ptxas_log(kernel.log)
+
+
+# ------------------------------------------------------------------ launch plans
+
+def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
+    """(preprocess, main, postprocess) grids: one warp per query row for the first and last, one CTA
+    per (key block, kv head, batch) for the main kernel."""
+    rows = (-(-seqlen_q // spec.num_warps), heads_q, batch)
+    return rows, (-(-seqlen_k // spec.block_n), heads_kv, batch), rows
+
+
+class BackwardPlan:
+    """One resolved backward call: the three loaded kernels, their grids and a BwdParams image;
+    ``launch`` writes the call's pointers into the image and launches the three in order."""
+
+    def __init__(self, spec: BackwardSpec, functions, grid3, param_bytes: bytes, *, accum_floats: int,
+                 dpsum_floats: int, switch_context: bool, outputs=None):
+        self.spec = spec
+        self.grids = grid3
+        self.outputs = outputs
+        self.device = functions[0].device if functions[0] is not None else -1
+        self.accum_floats, self.dpsum_floats = accum_floats, dpsum_floats
+        self._switch_context = switch_context
+        self._device = functions[0].device if functions[0] is not None else -1
+        smem = (0, spec.smem_bytes, 0)
+        self._launchers = [driver.Launcher(f, g, spec.threads, s) for f, g, s in zip(functions, grid3, smem)] \
+            if functions[0] is not None else []
+        self._image = _Image(param_bytes)
+        self._lock = threading.Lock()
+
+    def launch(self, stream: int, pointers: tuple) -> None:
+        """``pointers``: q, k, v, o, dout, lse, dq, dk, dv, dq_accum, dpsum device addresses."""
+        with self._lock:
+            _PACK_POINTERS.pack_into(self._image.storage, self._image.base, *pointers)
+            arg = driver.stream_arg(stream)
+            if self._switch_context:
+                with driver.on_device(self._device):
+                    for launcher in self._launchers:
+                        launcher(arg, self._image.kernel_params)
+            else:
+                for launcher in self._launchers:
+                    launcher(arg, self._image.kernel_params)
+
+    def param_bytes(self) -> bytes:
+        return self._image.data()
+
+
+@functools.lru_cache(maxsize=128)
+def _load(spec: BackwardSpec, device: int):
+    """The spec's three kernels loaded on ``device`` (compiled first, or read from the cache)."""
+    from .api import device_info, device_target
+    kernel = compile(spec, sm=device_target(spec.arch, device_info(device)))
+    return tuple(driver.load_function(kernel.cubin, name, device, max_dynamic_smem=spec.smem_bytes if i == 1 else 0)
+                 for i, name in enumerate(spec.kernel_names))
+
+
+# ------------------------------------------------------------------ the public call
+
+_PLANS = PlanCache()
+
+
+def _meta(x):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return (x.dtype, tuple(x.shape), x.stride(), x.get_device())
+    return (str(x.dtype), tuple(x.shape), tuple(x.strides), x.device.id)
+
+
+def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
+                       dq=None, dk=None, dv=None, arch: str | None = None, **knobs):
+    """Gradients of attention: (dq, dk, dv) given dO = ``do`` and the forward's ``out`` and ``lse``.
+
+    q, out, do: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
+    fp16 or bf16 CuPy arrays or torch CUDA tensors with attention()'s layout rules (any
+    batch/seq/head strides that are multiples of 8 elements, contiguous head_dim); lse: the
+    forward's float32 natural-log LSE, contiguous (batch, heads_q, seqlen_q) (attention(...,
+    return_lse=True)). ``causal`` and ``softmax_scale`` must be the forward's (bottom-right
+    causal). dK and dV of a kv head are summed over the query heads that share it (GQA/MQA).
+    dq, dk, dv: arrays to write the gradients into (default: new contiguous ones).
+    ``arch``: sm80 (the only backward so far; also what runs on sm90 GPUs, so arch='sm90' runs it
+    too). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
+    current stream; the first call with given shapes/strides/options builds a launch plan.
+    """
+    from . import api
+
+    kind = api._kind(q)
+    plan = key = None
+    if kind != "other":
+        try:
+            key = (kind, _meta(do), _meta(q), _meta(k), _meta(v), _meta(out), _meta(lse),
+                   None if dq is None else _meta(dq), None if dk is None else _meta(dk),
+                   None if dv is None else _meta(dv), causal.__class__, causal, softmax_scale.__class__,
+                   softmax_scale, arch, tuple(sorted(knobs.items())), api._current_device(kind))
+            plan = _PLANS.get(key)
+        except (AttributeError, TypeError, ValueError):   # not arrays of one library, an unhashable knob
+            plan = key = None
+    if plan is None:
+        plan = _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, knobs)
+        if key is not None:
+            _PLANS.put(key, plan)
+    device = plan.device
+    dq = _new_like(kind, device, q) if dq is None else dq
+    dk = _new_like(kind, device, k) if dk is None else dk
+    dv = _new_like(kind, device, v) if dv is None else dv
+    scratch, scratch_ptr = api._allocate(kind, device, 4 * (plan.accum_floats + plan.dpsum_floats))
+    pointers = (_ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(do), _ptr(lse), _ptr(dq), _ptr(dk), _ptr(dv),
+                scratch_ptr, scratch_ptr + 4 * plan.accum_floats)
+    if any(p % 16 for p in pointers[:5] + pointers[6:9]):
+        raise ValueError("do, q, k, v, out, dq, dk, dv: data pointers must be 16-byte aligned")
+    plan.launch(api._current_stream(kind, device), pointers)
+    # The scratch goes back to the caller's allocator when this reference dies; both allocators
+    # (torch's caching allocator, CuPy's pool) reuse a block only in stream order, after these launches.
+    del scratch
+    return dq, dk, dv
+
+
+def _new_like(kind: str, device: int, x):
+    """A new contiguous array of x's shape and dtype on ``device``."""
+    if kind == "torch":
+        torch = sys.modules["torch"]
+        return torch.empty(x.shape, dtype=x.dtype, device=f"cuda:{device}")
+    import cupy
+    with cupy.cuda.Device(device):
+        return cupy.empty(x.shape, dtype=x.dtype)
+
+
+def _ptr(x) -> int:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.data_ptr()
+    return x.data.ptr
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
+
+
+def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, knobs) -> BackwardPlan:
+    """Check every argument (errors name it), pick and load the kernels, build the plan."""
+    from . import api
+
+    qv, kv, vv = api._view("q", q), api._view("k", k), api._view("v", v)
+    api._check_inputs(qv, kv, vv)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    batch, seqlen_q, heads_q, head_dim = qv.shape
+    seqlen_k, heads_kv = kv.shape[1], kv.shape[2]
+    views = {"q": qv, "k": kv, "v": vv}
+    for name, x, like in (("do", do, qv), ("out", out, qv)):
+        view = api._view(name, x)
+        _check_like(view, like, name)
+        views["dout" if name == "do" else "o"] = view
+    lsev = api._view("lse", lse)
+    want = (batch, heads_q, seqlen_q)
+    if lsev.kind != qv.kind or lsev.dtype != "float32" or lsev.device != qv.device:
+        raise TypeError(f"lse must be a float32 {qv.kind} array on cuda:{qv.device} (the forward's return_lse), "
+                        f"got a {lsev.kind} {lsev.dtype} array on cuda:{lsev.device}")
+    if lsev.shape != want or lsev.strides != (heads_q * seqlen_q, seqlen_q, 1):
+        raise ValueError(f"lse must be a contiguous (batch, heads_q, seqlen_q) = {want} array, got shape "
+                         f"{lsev.shape} strides {lsev.strides}")
+    for name, x, like in (("dq", dq, qv), ("dk", dk, kv), ("dv", dv, vv)):
+        if x is not None:
+            views[name] = api._view(name, x)
+            _check_like(views[name], like, name)
+        else:   # a new contiguous array per call (_new_like)
+            views[name] = dataclasses.replace(like, name=name, strides=_contiguous_strides(like.shape))
+    scale = api._check_scale(softmax_scale, head_dim)
+    if arch not in (None, "sm80", "sm90"):
+        raise ValueError(f"arch must be 'sm80', 'sm90' or None, got {arch!r}")
+    info = api.device_info(qv.device)
+    api._check_arch("sm80", info)
+    knobs = dict(knobs)
+    knobs.setdefault("gpu", info.budget_gpu)
+    try:
+        spec = BackwardSpec(arch="sm80", head_dim=head_dim, dtype=api.DTYPE_NAMES[qv.dtype], causal=causal, **knobs)
+    except TypeError as err:
+        raise TypeError(f"attention_backward: {err} (knobs are BackwardSpec fields)") from None
+    if info.smem_per_block_optin and spec.smem_bytes > info.smem_per_block_optin:
+        raise SpecError("block_n", f"the kernel needs {spec.smem_bytes} bytes of shared memory but {info.name} "
+                                   f"allows {info.smem_per_block_optin} per block")
+    functions = _load(spec, qv.device)
+    values = {name: 0 for name in _POINTERS}
+    for t in _TENSORS:
+        values.update(zip((f"{t}_batch_stride", f"{t}_row_stride", f"{t}_head_stride"), views[t].strides[:3]))
+    values.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
+                  softmax_scale=scale, scale_log2=scale * math.log2(math.e))
+    plan = BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k), pack(values),
+                        accum_floats=batch * heads_q * seqlen_q * head_dim, dpsum_floats=batch * heads_q * seqlen_q,
+                        switch_context=qv.device != api._current_device(qv.kind))
+    plan.device = qv.device
+    return plan
+
+
+def _check_like(view, like, name: str) -> None:
+    """``name`` has ``like``'s library, dtype, device and shape, and a layout the kernels take."""
+    from . import api
+    if view.kind != like.kind or view.dtype != like.dtype or view.device != like.device:
+        raise TypeError(f"{name} must be a {like.kind} {like.dtype} array on cuda:{like.device} (like "
+                        f"{like.name}), got a {view.kind} {view.dtype} array on cuda:{view.device}")
+    if tuple(view.shape) != tuple(like.shape):
+        raise ValueError(f"{name} has shape {tuple(view.shape)}; expected {like.name}'s {tuple(like.shape)}")
+    api._check_layout(view)
+
+
+__all__ = ["BackwardPlan", "attention_backward", "compile", "emit", "grids", "layout", "pack", "resources_of"]

@@ -1,0 +1,224 @@
+"""The backward kernel family's spec: ``BackwardSpec`` (problem + knobs), its knob registry, default
+tiles and budget model. Rendering, compiling and launching it live in facodegen/backward.py.
+
+The sm80 backward is FlashAttention-2's algorithm (templates/sm80/flash_bwd.cu.j2): one CTA per
+(key block of block_n keys, kv head, batch) holding K, V in shared memory and dK, dV in
+registers, looping over the query blocks of block_m rows (and over the query heads of its GQA
+group) that see its keys; dQ is accumulated in fp32 in global memory with atomics. The same sm80
+code runs on sm90 GPUs (compiled for the device at hand); an FA3-style sm90 backward is not written yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .knobs import HEAD_DIMS, Knob
+from .spec import GPUS, SpecError
+
+BACKWARD_ARCHS = ("sm80",)
+BACKWARD_DTYPES = ("fp16", "bf16")
+BACKWARD_GPUS = ("a100", "h100", "h200", "sm86", "sm89")
+ELEMENT_BYTES = 2
+
+
+def _flag(token: str):
+    return lambda spec, value: token if value else None
+
+
+# The backward's knobs, declared once (the forward's registry style, its Knob type): the type check,
+# the variant name, the emit line and docs derive from these.
+BACKWARD_KNOBS: tuple[Knob, ...] = (
+    Knob("arch", "text", "Target: sm80 (FA2 backward, mma.sync; also what runs on sm90 GPUs for now).",
+         choices=BACKWARD_ARCHS, flag="--arch", problem=True, token=lambda s, v: f"flash_bwd_{s.arch}"),
+    Knob("dtype", "text", "Element type of Q, K, V, O, dO and the gradients: fp16 or bf16.",
+         choices=BACKWARD_DTYPES, flag="--dtype", problem=True, token=lambda s, v: s.dtype),
+    Knob("head_dim", "int", f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}.", choices=HEAD_DIMS,
+         flag="--head-dim", problem=True, flag_offers_choices=False, token=lambda s, v: f"hd{s.head_dim}"),
+    Knob("block_m", "int", "Query rows per step of a CTA's loop (BLOCK_M).", flag="--block-m",
+         choices=(32, 64, 128), search={"sm80": (64, 128)}, token=lambda s, v: f"bm{s.block_m}"),
+    Knob("block_n", "int", "Keys per CTA (BLOCK_N): the CTA owns their dK, dV.", flag="--block-n",
+         search={"sm80": (64, 128)}, flag_offers_choices=False, token=lambda s, v: f"bn{s.block_n}"),
+    Knob("num_warps", "int", "Warps per CTA.", flag="--warps", choices=(4, 8), search={"sm80": (4, 8)},
+         token=lambda s, v: f"w{s.num_warps}"),
+    Knob("k_unroll", "int", "k16 steps of each warp GEMM unrolled together (more in flight, more registers).",
+         flag="--k-unroll", choices=(1, 2, 4), search={"sm80": (1, 2)},
+         token=lambda s, v: f"ku{s.k_unroll}" if s.k_unroll != 2 else None),
+    Knob("stages", "int", "Q/dO buffers: 1 (the next step's Q, dO load under the dQ GEMM).", flag="--stages",
+         choices=(1,), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
+    Knob("gpu", "text", "Whose shared-memory limit the budget model applies.", choices=BACKWARD_GPUS, flag="--gpu"),
+    Knob("deterministic", "bool", "Bit-identical gradients across runs (not in this slice: dQ's fp32 atomics "
+         "add in any order).", flag="--deterministic/--no-deterministic", token=_flag("det")),
+    Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
+         token=_flag("causal")),
+)
+BACKWARD_BY_NAME = {k.name: k for k in BACKWARD_KNOBS}
+
+# Default tiles (block_m, block_n, num_warps) per head_dim: FlashAttention-2's sm80 backward uses
+# 128x128 (d64), 64x128 (d96, d128), 64x80 (d192), 64x64 (d256), 8 warps. Ours, same budget rules:
+#   d64  128x128: 2*16 KB (Q, dO) + 2*16 KB (K, V) + 2*32 KB (P^T, dS^T) = 128 KB; dK+dV 64 floats/thread
+#   d96   64x128: 104 KB; dK+dV 96 floats/thread
+#   d128  64x128: 128 KB; dK+dV 128 floats/thread (the most the 255 registers leave room for)
+#   d192  64x64:  112 KB; 64 keys, not FA2's 80: 80 keys are 5 slabs of 16, which 8 warps do not split
+#   d256  64x64:  144 KB; dK+dV 128 floats/thread
+# All fit the A100's 163 KB (one CTA per SM: the kernel is register bound at 8 warps anyway).
+# GPUs with 99 KB per block (sm86, sm89): 64x64 up to d128 (80 KB at d128); d192/256 do not fit.
+DEFAULT_TILES = {64: (128, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8), 192: (64, 64, 8), 256: (64, 64, 8)}
+SMALL_GPU_TILES = {64: (64, 64, 8), 96: (64, 64, 8), 128: (64, 64, 8), 192: (64, 64, 8), 256: (64, 64, 8)}
+DEFAULT_GPU = "a100"
+
+# k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
+# config (NVRTC 13: 195-255 registers); 4 and full unrolling spill. Not yet timed against 1 on a GPU.
+
+# dK and dV accumulators held in registers across the whole loop, floats per thread: above 128 the
+# S^T / dP^T fragments, addresses and dQ pieces no longer fit in 255 registers without spills.
+MAX_KV_ACC_FLOATS = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackwardSpec:
+    """One backward kernel set (preprocess, main, postprocess).
+
+    Problem: arch (sm80), head_dim, dtype (fp16/bf16), causal. GQA/MQA does not change the code
+    (the CTA loops over its group's query heads). Knobs: block_m, block_n, num_warps (None: the
+    default for head_dim, see DEFAULT_TILES), stages (1), gpu (the budget model's limits),
+    deterministic (False; True is refused in this slice). Each field is checked on construction
+    with a SpecError naming it; the template repeats the checks as static_asserts."""
+    arch: str = "sm80"
+    head_dim: int = 128
+    dtype: str = "bf16"
+    causal: bool = False
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    k_unroll: int = 2
+    stages: int = 1
+    gpu: str | None = None
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if self.arch == "sm90":
+            raise SpecError("arch", "the sm90 backward is not written yet: the sm80 backward (arch='sm80') "
+                                    "runs on H100/H200, and is what facodegen.attention_backward uses there")
+        _choice("arch", self.arch, BACKWARD_ARCHS)
+        _choice("dtype", self.dtype, BACKWARD_DTYPES)
+        _choice("head_dim", self.head_dim, HEAD_DIMS)
+        set_ = lambda name, value: object.__setattr__(self, name, value)
+        if self.gpu is None:
+            set_("gpu", DEFAULT_GPU)
+        _choice("gpu", self.gpu, BACKWARD_GPUS)
+        table = SMALL_GPU_TILES if GPUS[self.gpu].smem_per_block < 128 * 1024 else DEFAULT_TILES
+        block_m, block_n, warps = table[self.head_dim]
+        for name, value in (("block_m", block_m), ("block_n", block_n), ("num_warps", warps)):
+            if getattr(self, name) is None:
+                set_(name, value)
+        _validate(self)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.block_m, self.block_n, self.head_dim)
+
+    @property
+    def variant(self) -> str:
+        """flash_bwd_sm80_bf16_hd128_bm64_bn128_w8_causal: the main kernel's symbol (the two others
+        add _dot_do_o / _convert_dq), the emitted file's and the cache entry's name."""
+        return "_".join(t for k in BACKWARD_KNOBS if k.token is not None and (t := k.token(self, getattr(self, k.name))))
+
+    @property
+    def kernel_names(self) -> tuple[str, str, str]:
+        """(preprocess, main, postprocess) symbols, in launch order."""
+        return f"{self.variant}_dot_do_o", self.variant, f"{self.variant}_convert_dq"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> BackwardSpec:
+        return BackwardSpec(**{**self.as_dict(), **changes})
+
+
+def smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
+    """Q + dO tiles, K + V tiles, P^T + dS^T tiles (elem_t), LSE and D rows (float32)."""
+    e = ELEMENT_BYTES
+    return 2 * block_m * head_dim * e + 2 * block_n * head_dim * e + 2 * block_n * block_m * e + 2 * block_m * 4
+
+
+def kv_acc_floats(spec: BackwardSpec) -> int:
+    """dK + dV accumulator floats per thread."""
+    return 2 * spec.block_n * spec.head_dim // spec.threads
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise SpecError(name, f"{value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _check_types(spec: BackwardSpec) -> None:
+    for k in BACKWARD_KNOBS:
+        value = getattr(spec, k.name)
+        if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu"):
+            continue
+        if k.kind == "text" and not isinstance(value, str):
+            raise SpecError(k.name, f"must be text ({', '.join(k.choices)}), got {value!r}")
+        if k.kind == "int":
+            if hasattr(value, "item") and not isinstance(value, bool):
+                value = value.item()
+                object.__setattr__(spec, k.name, value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SpecError(k.name, f"must be an integer, got {value!r}")
+        if k.kind == "bool":
+            if value in (0, 1) and not isinstance(value, bool) and isinstance(value, int):
+                object.__setattr__(spec, k.name, bool(value))
+            elif not isinstance(value, bool):
+                raise SpecError(k.name, f"must be True or False, got {value!r}")
+
+
+def _validate(spec: BackwardSpec) -> None:
+    if spec.deterministic:
+        raise SpecError("deterministic", "deterministic=True is not available yet: dQ is summed with fp32 "
+                                         "atomics in any order (use deterministic=False)")
+    if spec.stages != 1:
+        raise SpecError("stages", f"{spec.stages}: only stages=1 (one Q/dO buffer; the next step's loads run "
+                                  f"under the dQ GEMM)")
+    _choice("num_warps", spec.num_warps, (4, 8))
+    _choice("block_m", spec.block_m, (32, 64, 128))
+    _choice("k_unroll", spec.k_unroll, (1, 2, 4))
+    if spec.block_n % 16 or not 16 <= spec.block_n <= 256:
+        raise SpecError("block_n", f"{spec.block_n}: a multiple of 16 from 16 to 256")
+    warps = spec.num_warps
+    warps_sn = min(spec.block_n // 16, warps)
+    if warps % warps_sn or spec.block_n % (16 * warps_sn):
+        raise SpecError("block_n", f"{spec.block_n} keys do not split into 16-key slabs over {warps} warps "
+                                   f"(num_warps)")
+    warps_sm = warps // warps_sn
+    if spec.block_m % (16 * warps_sm):
+        raise SpecError("block_m", f"{spec.block_m} query rows do not split into 16-column pieces over the "
+                                   f"{warps_sm} warps left along the queries (raise block_n or lower num_warps)")
+    warps_kd = warps // warps_sn
+    if spec.head_dim % (16 * warps_kd):
+        raise SpecError("num_warps", f"head_dim {spec.head_dim} does not split into 16-column pieces over "
+                                     f"{warps_kd} warps (raise block_n or lower num_warps)")
+    warps_qm = min(spec.block_m // 16, warps)
+    if warps % warps_qm or spec.head_dim % (16 * (warps // warps_qm)):
+        raise SpecError("block_m", f"{spec.block_m} rows x head_dim {spec.head_dim} of dQ do not split over "
+                                   f"{warps} warps (num_warps)")
+    floats = kv_acc_floats(spec)
+    if floats > MAX_KV_ACC_FLOATS:
+        raise SpecError("block_n", f"{spec.block_n} keys x head_dim {spec.head_dim}: dK and dV take {floats} "
+                                   f"registers per thread at {warps} warps, more than {MAX_KV_ACC_FLOATS} "
+                                   f"(lower block_n or raise num_warps)")
+    limit = GPUS[spec.gpu].smem_per_block
+    if spec.smem_bytes > limit:
+        raise SpecError("block_n", f"block_m {spec.block_m} x block_n {spec.block_n} at head_dim {spec.head_dim} "
+                                   f"needs {spec.smem_bytes} bytes of shared memory, more than the {limit} of gpu="
+                                   f"{spec.gpu} (lower block_m or block_n)")
+
+
+def default_backward_specs() -> list[BackwardSpec]:
+    """Every shipped backward config: each head_dim x dtype x causal with the default tiles."""
+    return [BackwardSpec(head_dim=d, dtype=dt, causal=c) for d in HEAD_DIMS for dt in BACKWARD_DTYPES
+            for c in (False, True)]

@@ -1,0 +1,207 @@
+"""The generated backward on a GPU: dQ, dK, dV against float64 with FlashAttention-3's criterion
+(the kernel's max error <= 2x the same-precision torch reference's + twice the dtype's rounding of
+the float64 result), over FA3's seqlen pairs x MHA/GQA/MQA x causal x head dims x fp16/bf16;
+NaN-poisoned gradient buffers; autograd through facodegen.attention against attention_backward;
+and torch.compile(fullgraph=True) of a forward+backward step.
+
+O and LSE fed to the backward are the float64 reference's (O rounded to the dtype), so this file
+compiles backward kernels only (one per head_dim x dtype x causal, 20, in parallel up front) and
+the forward kernels of the few autograd tests. Budget: < 2 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from facodegen.compiler import gpu_available  # noqa: E402
+
+HAVE_GPU, GPU_WHY = gpu_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason=f"needs a CUDA GPU: {GPU_WHY}")]
+
+import facodegen  # noqa: E402
+from facodegen import api, backward  # noqa: E402
+from facodegen.backward_spec import BackwardSpec, default_backward_specs  # noqa: E402
+
+HEAD_DIMS = (64, 96, 128, 192, 256)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SEQLENS = ((1, 1), (239, 1), (113, 203), (1023, 1024), (128, 128))
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled():
+    """Every shipped backward kernel for this GPU, compiled in parallel (NVRTC releases the GIL)."""
+    info = api.device_info(torch.cuda.current_device())
+    sm = api.device_target("sm80", info)
+    specs = [s.replace(gpu=info.budget_gpu) for s in default_backward_specs()]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda s: backward.compile(s, sm=sm, verbose=False), specs))
+
+
+def reference(q, k, v, do, causal, scale, upcast):
+    """O, LSE and (dQ, dK, dV) by torch autograd: float64 (upcast) or FA3's same-precision reference
+    (scores and P V in the inputs' dtype, softmax in float32). Bottom-right causal, GQA by repetition."""
+    q, k, v = (x.detach().clone().double() if upcast else x.detach().clone() for x in (q, k, v))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    group = q.shape[2] // k.shape[2]
+    kk, vv = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk)
+    scores = (scores if upcast else scores.float()) * scale
+    sq, sk = q.shape[1], k.shape[1]
+    if causal:
+        rows = torch.arange(sq, device=q.device)[:, None]
+        cols = torch.arange(sk, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + (sk - sq), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs if upcast else probs.to(v.dtype), vv)
+    grads = torch.autograd.grad(out, (q, k, v), do.double() if upcast else do)
+    return out.detach(), lse.detach(), grads
+
+
+def check_grads(got, do, q, k, v, causal, scale):
+    """FA3's criterion for each of dQ, dK, dV; returns a message per failure."""
+    _, _, ref = reference(q, k, v, do, causal, scale, upcast=True)
+    _, _, low = reference(q, k, v, do, causal, scale, upcast=False)
+    failures = []
+    for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
+        if not torch.isfinite(g).all():
+            failures.append(f"{name} has non-finite values")
+            continue
+        err = (g.double() - r).abs().max().item()
+        floor = ((r.to(g.dtype) + 0.3 - 0.3).double() - r).abs().max().item()
+        bound = 2 * (lo.double() - r).abs().max().item() + 2 * floor + 1e-6
+        if err > bound:
+            failures.append(f"{name} max err {err:.3e} > bound {bound:.3e}")
+    return failures
+
+
+def make(batch, sq, sk, hq, hkv, d, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen, device="cuda", dtype=torch.float32).to(dtype)  # noqa: E731
+    return rand(batch, sq, hq, d), rand(batch, sk, hkv, d), rand(batch, sk, hkv, d), rand(batch, sq, hq, d)
+
+
+def run_backward(q, k, v, do, causal, scale, poison=False):
+    out64, lse64, _ = reference(q, k, v, do, causal, scale, upcast=True)
+    out, lse = out64.to(q.dtype), lse64.float().contiguous()
+    kwargs = {}
+    if poison:
+        kwargs = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
+    return facodegen.attention_backward(do, q, k, v, out, lse, causal=causal, softmax_scale=scale, **kwargs)
+
+
+# One case per (seqlen pair, causal, head_dim, dtype), the head layout cycling through MHA/GQA/MQA;
+# every head layout crossed with every seqlen pair and causal at head_dim 128 bf16 besides.
+_GRID = [(sq, sk, causal, d, dt, list(HEADS)[i % 3])
+         for i, ((sq, sk), causal, d, dt) in enumerate(itertools.product(SEQLENS, (False, True), HEAD_DIMS, DTYPES))]
+_GRID += [(sq, sk, causal, 128, "bf16", h) for (sq, sk), causal, h in itertools.product(SEQLENS, (False, True), HEADS)
+          if (sq, sk, causal, 128, "bf16", h) not in _GRID]
+
+
+@pytest.mark.parametrize("sq, sk, causal, d, dt, heads", _GRID,
+                         ids=[f"{sq}x{sk}-{'causal' if c else 'full'}-hd{d}-{dt}-{h}" for sq, sk, c, d, dt, h in _GRID])
+def test_gradients_match_float64(sq, sk, causal, d, dt, heads):
+    hq, hkv = HEADS[heads]
+    batch = 2 if sq * sk < 100_000 else 1
+    q, k, v, do = make(batch, sq, sk, hq, hkv, d, DTYPES[dt], seed=sq * 7 + sk * 13 + d)
+    scale = d ** -0.5 if (sq + d) % 2 else 0.3     # the default and another scale
+    got = run_backward(q, k, v, do, causal, scale, poison=(sq == 113))
+    assert check_grads(got, do, q, k, v, causal, scale) == []
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_inputs_and_poisoned_outputs(causal):
+    base = torch.randn(2, 97, 8, 128, device="cuda", dtype=torch.bfloat16)
+    q = base[:, :, ::2]                                   # every other head: a head stride of 256
+    k = torch.randn(2, 150, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 150, 2, 128, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(2, 97, 4, 128, device="cuda", dtype=torch.bfloat16)
+    got = run_backward(q, k, v, do, causal, 0.125, poison=True)
+    assert check_grads(got, do, q, k, v, causal, 0.125) == []
+
+
+@pytest.mark.parametrize("d, causal, heads", [(64, True, "gqa"), (128, False, "mha"), (256, True, "mqa")])
+def test_autograd_through_attention_equals_attention_backward(d, causal, heads):
+    hq, hkv = HEADS[heads]
+    q, k, v, do = make(2, 300, 257, hq, hkv, d, torch.bfloat16, seed=d)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = facodegen.attention(*leaves, causal=causal)
+    assert out.grad_fn is not None
+    out.backward(do)
+    with torch.no_grad():
+        out2, lse = facodegen.attention(q, k, v, causal=causal, return_lse=True)
+    dq, dk, dv = facodegen.attention_backward(do, q, k, v, out2, lse, causal=causal)
+    assert torch.equal(out, out2)
+    torch.testing.assert_close(leaves[0].grad, dq, atol=2e-2, rtol=2e-2)   # dQ: fp32 atomics, any order
+    assert torch.equal(leaves[1].grad, dk) and torch.equal(leaves[2].grad, dv)
+    assert check_grads((leaves[0].grad, leaves[1].grad, leaves[2].grad), do, q, k, v, causal, d ** -0.5) == []
+
+
+def test_compiled_training_step_matches_eager():
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self, dim=256, heads=4, kv_heads=2):
+            super().__init__()
+            self.heads, self.kv_heads, self.d = heads, kv_heads, dim // heads
+            self.q = torch.nn.Linear(dim, dim, bias=False)
+            self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.d, bias=False)
+            self.o = torch.nn.Linear(dim, dim, bias=False)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q = self.q(x).view(b, s, self.heads, self.d)
+            k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.d).unbind(2)
+            return self.o(facodegen.attention(q, k, v, causal=True).reshape(b, s, -1))
+
+    model = Block().cuda().to(torch.bfloat16)
+    x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(model, x):
+        loss = model(x).float().square().mean()
+        return loss, torch.autograd.grad(loss, list(model.parameters()))
+
+    eager_loss, eager_grads = step(model, x)
+    compiled_loss, compiled_grads = torch.compile(step, fullgraph=True)(model, x)
+    torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-3, rtol=1e-3)
+    for a, b in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_non_default_tiles_and_cupy():
+    cupy = pytest.importorskip("cupy")
+    q, k, v, do = make(1, 130, 190, 4, 2, 128, torch.float16, seed=3)
+    ref = run_backward(q, k, v, do, True, 0.1)
+    out64, lse64, _ = reference(q, k, v, do, True, 0.1, upcast=True)
+    out, lse = out64.to(q.dtype), lse64.float().contiguous()
+    small = facodegen.attention_backward(do, q, k, v, out, lse, causal=True, softmax_scale=0.1,
+                                         block_m=64, block_n=64, num_warps=4)
+    assert check_grads(small, do, q, k, v, True, 0.1) == []
+    as_cupy = [cupy.asarray(x) for x in (do, q, k, v, out, lse)]
+    dq, dk, dv = facodegen.attention_backward(*as_cupy, causal=True, softmax_scale=0.1)
+    assert torch.equal(torch.as_tensor(dk, device="cuda"), ref[1])
+    assert torch.equal(torch.as_tensor(dv, device="cuda"), ref[2])
+
+
+def test_errors_name_the_argument():
+    q, k, v, do = make(1, 64, 64, 2, 2, 64, torch.bfloat16, seed=1)
+    out, lse = facodegen.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="lse must be a contiguous"):
+        facodegen.attention_backward(do, q, k, v, out, lse[:, :, :32])
+    with pytest.raises(TypeError, match="do must be a torch bfloat16"):
+        facodegen.attention_backward(do.half(), q, k, v, out, lse)
+    with pytest.raises(TypeError, match="q is a torch tensor on cpu"):
+        facodegen.attention_backward(do, q.cpu(), k, v, out, lse)
+
+
+def test_default_spec_fits_this_gpu():
+    info = api.device_info(torch.cuda.current_device())
+    for d in HEAD_DIMS:
+        assert BackwardSpec(head_dim=d, gpu=info.budget_gpu).smem_bytes <= info.smem_per_block_optin

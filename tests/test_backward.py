@@ -1,0 +1,335 @@
+"""The backward family on the CPU: BackwardSpec and its knobs, rendering, NVRTC compiles of every
+shipped config for sm_80 and sm_90 (no spills, mma.sync in the SASS), the CLI, the launch plan of
+attention_backward (a fake torch and driver record what would be launched), and the autograd
+registration of the torch op on meta tensors. tests/gpu/test_backward_gpu.py runs the kernels."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import warnings
+
+import pytest
+from click.testing import CliRunner
+
+from facodegen import api, backward, cli, driver
+from facodegen.backward_spec import (BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs,
+                                     kv_acc_floats)
+from facodegen.spec import GPUS, HEAD_DIMS, SpecError
+from fakes import FakeTensor
+from test_plan_cache import fake  # noqa: F401 (the fixture)
+
+DEFAULTS = default_backward_specs()
+
+
+# ------------------------------------------------------------------ spec
+
+def test_every_head_dim_dtype_causal_has_a_default():
+    assert len(DEFAULTS) == len(HEAD_DIMS) * 2 * 2
+    for spec in DEFAULTS:
+        assert (spec.block_m, spec.block_n, spec.num_warps) == DEFAULT_TILES[spec.head_dim]
+        assert spec.smem_bytes <= GPUS["a100"].smem_per_block
+        assert kv_acc_floats(spec) <= 128
+
+
+def test_variant_names_the_problem_and_the_tile():
+    spec = BackwardSpec(head_dim=128, dtype="bf16", causal=True)
+    assert spec.variant == "flash_bwd_sm80_bf16_hd128_bm64_bn128_w8_causal"
+    assert spec.kernel_names == (f"{spec.variant}_dot_do_o", spec.variant, f"{spec.variant}_convert_dq")
+    assert BackwardSpec(head_dim=64, dtype="fp16").variant == "flash_bwd_sm80_fp16_hd64_bm128_bn128_w8"
+    assert BackwardSpec(head_dim=64, k_unroll=1).variant == "flash_bwd_sm80_bf16_hd64_bm128_bn128_w8_ku1"
+    assert len({s.variant for s in DEFAULTS}) == len(DEFAULTS)
+
+
+@pytest.mark.parametrize("fields, knob, words", [
+    ({"arch": "sm90"}, "arch", "sm80 backward"),
+    ({"dtype": "fp8"}, "dtype", "fp8"),
+    ({"head_dim": 80}, "head_dim", "80"),
+    ({"deterministic": True}, "deterministic", "atomics"),
+    ({"stages": 2}, "stages", "stages=1"),
+    ({"k_unroll": 3}, "k_unroll", "3"),
+    ({"num_warps": 6}, "num_warps", "6"),
+    ({"block_m": 48}, "block_m", "48"),
+    ({"block_n": 72}, "block_n", "multiple of 16"),
+    ({"block_n": 80}, "block_n", "16-key slabs"),
+    ({"head_dim": 256, "block_n": 128}, "block_n", "registers"),
+    ({"head_dim": 256, "block_m": 128, "block_n": 128, "num_warps": 8}, "block_n", "registers"),
+    ({"head_dim": 256, "gpu": "sm86"}, "block_n", "shared memory"),
+    ({"head_dim": 64.0}, "head_dim", "integer"),
+    ({"causal": "yes"}, "causal", "True or False"),
+    ({"gpu": "v100"}, "gpu", "v100"),
+])
+def test_bad_specs_name_the_knob(fields, knob, words):
+    with pytest.raises(SpecError, match=words) as err:
+        BackwardSpec(**fields)
+    assert err.value.field == knob
+
+
+def test_small_gpus_get_tiles_that_fit():
+    for d in (64, 96, 128):
+        spec = BackwardSpec(head_dim=d, gpu="sm89")
+        assert spec.smem_bytes <= GPUS["sm89"].smem_per_block
+
+
+def test_knobs_are_declared_once():
+    names = [k.name for k in BACKWARD_KNOBS]
+    fields = list(BackwardSpec.__dataclass_fields__)
+    assert sorted(names) == sorted(fields)
+
+
+# ------------------------------------------------------------------ render
+
+@pytest.mark.parametrize("spec", DEFAULTS, ids=lambda s: s.variant)
+def test_render_is_deterministic_and_says_what_it_is(spec):
+    source = backward.emit(spec)
+    assert source == backward.emit(spec.replace())
+    assert backward.emit_command(spec) in source
+    for name in spec.kernel_names:
+        assert f"{name}(const __grid_constant__ BwdParams p)" in source
+    assert "static_assert" in source and f"constexpr int  HEAD_DIM   = {spec.head_dim};" in source
+    for math in ("S^T = K Q^T", "dP^T = V dO^T", "dS^T = P^T ∘ (dP^T - D)", "dV += P^T dO", "dq_accum += dS K"):
+        assert math in source
+
+
+def test_emit_command_rebuilds_the_spec():
+    runner = CliRunner()
+    for spec in (DEFAULTS[0], BackwardSpec(head_dim=128, block_n=64, num_warps=4, causal=True, k_unroll=1),
+                 BackwardSpec(head_dim=96, gpu="h200", dtype="fp16")):
+        argv = backward.emit_command(spec).split()[2:]
+        result = runner.invoke(cli.main, ["emit", *argv])
+        assert result.exit_code == 0, result.output
+        assert result.output == backward.emit(spec)
+
+
+def test_params_layout_matches_the_packer():
+    placed, size, align = backward.layout()
+    assert align == 8 and size % 8 == 0
+    assert [f.name for f, _ in placed][:11] == list(backward._POINTERS)
+    values = {f.name: 0 for f, _ in placed}
+    assert len(backward.pack(values)) == size
+    with pytest.raises(KeyError, match="seqlen_q"):
+        backward.pack({k: v for k, v in values.items() if k != "seqlen_q"})
+
+
+# ------------------------------------------------------------------ compile (NVRTC + cuobjdump)
+
+compiler = pytest.importorskip("facodegen.compiler")
+
+
+@pytest.mark.parametrize("sm", [None, "sm_90"], ids=["sm_80", "sm_90"])
+@pytest.mark.parametrize("spec", DEFAULTS, ids=lambda s: s.variant)
+def test_every_shipped_config_compiles_without_spills(spec, sm):
+    kernel = backward.compile(spec, sm=sm)
+    resources = backward.resources_of(kernel)
+    for name in spec.kernel_names:
+        r = resources[name]
+        assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (name, r)
+        assert r.registers <= 255
+    counts = kernel.sass_counts()
+    assert counts["HMMA"] >= 5 and counts["LDSM"] > 0 and counts["LDGSTS"] > 0
+    assert counts["LDL"] == 0 and counts["STL"] == 0
+    assert "HMMA.16816.F32" + (".BF16" if spec.dtype == "bf16" else "") in kernel.sass()
+
+
+@pytest.mark.parametrize("fields", [dict(head_dim=128, block_n=64, num_warps=4),
+                                    dict(head_dim=64, block_m=64, block_n=64, causal=True, dtype="fp16"),
+                                    dict(head_dim=96, block_m=128, block_n=128),
+                                    dict(head_dim=256, block_m=32, block_n=64),
+                                    dict(head_dim=128, k_unroll=1, causal=True)])
+def test_non_default_tiles_compile(fields):
+    spec = BackwardSpec(**fields)
+    r = backward.resources_of(backward.compile(spec))[spec.variant]
+    assert r.registers <= 255 and r.stack_bytes < 1024
+
+
+# ------------------------------------------------------------------ CLI
+
+def test_cli_emit_and_inspect_backward():
+    runner = CliRunner()
+    result = runner.invoke(cli.main, ["emit", "--kernel", "backward", "--head-dim", "64", "--causal"])
+    assert result.exit_code == 0 and "flash_bwd_sm80_bf16_hd64_bm128_bn128_w8_causal" in result.output
+    result = runner.invoke(cli.main, ["inspect", "--kernel", "backward", "--head-dim", "64", "--causal"])
+    assert result.exit_code == 0, result.output
+    assert "0 B stores / 0 B loads" in result.output and "_convert_dq" in result.output
+    result = runner.invoke(cli.main, ["inspect", "--kernel", "backward", "--head-dim", "64", "--causal", "--sass"])
+    assert result.exit_code == 0 and "HMMA" in result.output.splitlines()[-1]
+    assert cli.KERNELS == ("forward", "backward")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--arch", "sm90"], "sm90 backward is not written yet"),
+    (["--pingpong"], "does not take pingpong"),
+    (["--deterministic"], "deterministic"),
+    (["--head-dim", "80"], "head_dim"),
+])
+def test_cli_backward_errors_in_one_line(argv, words):
+    result = CliRunner().invoke(cli.main, ["emit", "--kernel", "backward", *argv])
+    assert result.exit_code == 2 and words in result.output
+
+
+def test_cli_forward_is_still_the_default():
+    result = CliRunner().invoke(cli.main, ["emit", "--head-dim", "64"])
+    assert result.exit_code == 0 and "flash_fwd_sm80" in result.output.splitlines()[1]
+    assert CliRunner().invoke(cli.main, ["emit", "--deterministic"]).exit_code == 2
+    assert CliRunner().invoke(cli.main, ["emit", "--k-unroll", "1"]).exit_code == 2
+
+
+# ------------------------------------------------------------------ attention_backward's plan (fake GPU)
+
+class BwdLaunches:
+    def __init__(self):
+        self.records = []
+
+    def launcher(self, function, grid, threads, smem):
+        def launch(stream, kernel_params):
+            address = ctypes.c_void_p.from_address(kernel_params.value).value
+            self.records.append({"name": function.ptr, "grid": grid, "threads": threads, "smem": smem,
+                                 "stream": stream, "params": ctypes.string_at(address, backward.layout()[1])})
+        return launch
+
+
+@pytest.fixture
+def bwd(fake, monkeypatch):  # noqa: F811
+    launches = BwdLaunches()
+    monkeypatch.setattr(backward, "_load", lambda spec, device: tuple(
+        driver.LoadedFunction(name, 1, device) for name in spec.kernel_names))
+    monkeypatch.setattr(driver, "Launcher", launches.launcher)
+    monkeypatch.setattr(backward, "_PLANS", backward.PlanCache())
+    fake.bwd = launches
+    return fake
+
+
+def _field(record, name):
+    placed = dict((f.name, (f, off)) for f, off in backward.layout()[0])
+    f, off = placed[name]
+    fmt = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}[f.kind]
+    return struct.unpack_from(fmt, record["params"], off)[0]
+
+
+def _problem(sq=113, sk=203, hq=8, hkv=2, d=128, dtype="bfloat16"):
+    q, do, o = (FakeTensor((2, sq, hq, d), dtype) for _ in range(3))
+    k, v = FakeTensor((2, sk, hkv, d), dtype), FakeTensor((2, sk, hkv, d), dtype)
+    lse = FakeTensor((2, hq, sq), "float32")
+    return do, q, k, v, o, lse
+
+
+def test_a_call_launches_the_three_kernels_in_order(bwd):
+    do, q, k, v, o, lse = _problem()
+    dq, dk, dv = FakeTensor(q.shape), FakeTensor(k.shape), FakeTensor(v.shape)
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, softmax_scale=0.5, dq=dq, dk=dk, dv=dv)
+    spec = BackwardSpec(head_dim=128, causal=True, gpu="h200")
+    recs = bwd.bwd.records
+    assert [r["name"] for r in recs] == list(spec.kernel_names)
+    assert [r["grid"] for r in recs] == [(-(-113 // 8), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 8), 8, 2)]
+    assert [r["smem"] for r in recs] == [0, spec.smem_bytes, 0]
+    main = recs[1]
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("dout", do), ("lse", lse), ("dq", dq), ("dk", dk),
+                    ("dv", dv)):
+        assert _field(main, name) == t.data_ptr()
+    assert _field(main, "dpsum") - _field(main, "dq_accum") == 4 * 2 * 8 * 113 * 128
+    assert (_field(main, "seqlen_q"), _field(main, "seqlen_k"), _field(main, "heads_q"), _field(main, "heads_kv")) \
+        == (113, 203, 8, 2)
+    assert _field(main, "softmax_scale") == 0.5 and abs(_field(main, "scale_log2") - 0.5 * 1.4426950408889634) < 1e-6
+    assert _field(main, "k_row_stride") == 2 * 128 and _field(main, "q_head_stride") == 128
+
+
+def test_a_second_call_hits_the_plan(bwd):
+    args = _problem(sq=64, sk=64, hq=4, hkv=4, d=64)
+    backward.attention_backward(*args)
+    backward.attention_backward(*args)
+    assert backward._PLANS.misses == 1 and len(bwd.bwd.records) == 6
+
+
+@pytest.mark.parametrize("change, error, words", [
+    ({"lse": FakeTensor((2, 8, 112), "float32")}, ValueError, "lse must be a contiguous"),
+    ({"lse": FakeTensor((2, 8, 113), "bfloat16")}, TypeError, "lse must be a float32"),
+    ({"do": FakeTensor((2, 113, 8, 64))}, ValueError, "do has shape"),
+    ({"out": FakeTensor((2, 113, 8, 128), "float16")}, TypeError, "out must be a torch bfloat16"),
+    ({"dk": FakeTensor((2, 203, 8, 128))}, ValueError, "dk has shape"),
+    ({"dq": FakeTensor((2, 113, 8, 128), strides=(8 * 113 * 128, 1, 113, 113 * 8 * 128))}, ValueError, "dq's head_dim"),
+    ({"q": FakeTensor((2, 113, 8, 80)), "do": FakeTensor((2, 113, 8, 80)), "out": FakeTensor((2, 113, 8, 80))},
+     ValueError, "head_dim"),
+    ({"softmax_scale": float("nan")}, ValueError, "softmax_scale"),
+    ({"block_n": 72}, SpecError, "block_n"),
+    ({"arch": "sm75"}, ValueError, "arch"),
+])
+def test_argument_errors_name_the_argument(bwd, change, error, words):
+    do, q, k, v, o, lse = _problem()
+    args = {"do": do, "q": q, "k": k, "v": v, "out": o, "lse": lse}
+    kwargs = {}
+    for name, value in change.items():
+        (args if name in args else kwargs)[name] = value
+    with pytest.raises(error, match=words):
+        backward.attention_backward(args["do"], args["q"], args["k"], args["v"], args["out"], args["lse"],
+                                    **kwargs)
+
+
+# ------------------------------------------------------------------ autograd on meta tensors
+
+torch = pytest.importorskip("torch")
+
+
+def meta(*shape, dtype=torch.bfloat16, grad=True):
+    return torch.empty(*shape, dtype=dtype, device="meta").requires_grad_(grad)
+
+
+def test_autograd_records_a_backward_and_compile_traces_it():
+    import facodegen
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(tag):
+        def compiler(gm, example_inputs):
+            graphs.append((tag, str(gm.graph)))
+            return gm.forward
+        return compiler
+
+    def loss(q, k, v):
+        return facodegen.attention(q, k, v, causal=True).float().sum()
+
+    q, k, v = meta(2, 100, 8, 128), meta(2, 77, 2, 128), meta(2, 77, 2, 128)
+    eager_out = facodegen.attention(q, k, v, causal=True)
+    assert eager_out.grad_fn is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        value = torch.compile(loss, fullgraph=True, backend=aot_autograd(fw_compiler=keep("fw"),
+                                                                         bw_compiler=keep("bw")))(q, k, v)
+        value.backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    tags = {tag: text for tag, text in graphs}
+    assert "facodegen.attention.default" in tags["fw"]
+    assert "facodegen.attention_backward.default" in tags["bw"]
+
+
+def test_lse_is_returned_without_a_gradient():
+    import facodegen
+    q = meta(1, 16, 2, 64)
+    out, lse = facodegen.attention(q, q.detach(), q.detach(), return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+
+
+def test_fp8_that_requires_grad_raises_at_the_forward():
+    import facodegen
+    q = meta(1, 64, 2, 128, dtype=torch.float8_e4m3fn)
+    d = torch.empty((), dtype=torch.float32, device="meta")
+    with pytest.raises(NotImplementedError, match="fp8"):
+        facodegen.attention(q, q.detach(), q.detach(), q_descale=d, k_descale=d, v_descale=d)
+
+
+def test_out_with_grad_raises_at_the_forward():
+    import facodegen
+    q = meta(1, 16, 2, 64)
+    with pytest.raises(NotImplementedError, match="out="):
+        facodegen.attention(q, q.detach(), q.detach(), out=torch.empty_like(q.detach()))
+
+
+def test_backward_op_fake_shapes():
+    q, k = meta(2, 33, 8, 96, grad=False), meta(2, 65, 1, 96, grad=False)
+    lse = torch.empty(2, 8, 33, dtype=torch.float32, device="meta")
+    dq, dk, dv = torch.ops.facodegen.attention_backward(q, q, k, k, q, lse, True, None, None, "")
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape and dq.dtype == q.dtype
+
+
+def test_api_module_is_untouched_by_the_backward_plan_cache():
+    assert api._PLANS is not backward._PLANS

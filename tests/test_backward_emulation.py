@@ -1,0 +1,248 @@
+"""The sm80 backward's main kernel, transliterated into NumPy over an emulated warp: shared memory as
+bytes, ldmatrix(.trans) and mma.sync m16n8k16 with the fragment layouts of the PTX ISA (as
+templates/common/ptx.cuh.j2 documents them), the template's swizzle, warp grids, masks, loop
+bounds and stores, step for step. It checks the kernel's indexing (which fragment is whose, what
+goes where in shared memory, which query blocks a key block visits) against the float64
+reference on the CPU; only the hardware itself is left to the GPU tests.
+
+The emulation follows templates/sm80/flash_bwd.cu.j2 and bwd_gemm.cuh.j2: change them together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from facodegen.backward_spec import BackwardSpec
+from facodegen.reference import attention_backward_reference, attention_reference
+
+E = np.float16     # elem_t (fp16; the emulation rounds like the kernel's cvt.rn)
+
+
+def swz_offset(chunks: int, row: int, chunk: int) -> int:
+    sw = (row & 7) if chunks % 8 == 0 else ((row >> 1) & 3)
+    return row * chunks * 16 + ((chunk ^ sw) << 4)
+
+
+class Smem:
+    def __init__(self, nbytes):
+        self.h = np.zeros(nbytes // 2, dtype=E)     # 16-bit cells
+
+    def ld_pair(self, addr):
+        assert addr % 4 == 0
+        return self.h[addr // 2], self.h[addr // 2 + 1]
+
+    def st_pair(self, addr, lo, hi):
+        assert addr % 4 == 0
+        self.h[addr // 2], self.h[addr // 2 + 1] = E(lo), E(hi)
+
+    def ldmatrix_x4(self, addrs, trans=False):
+        """addrs[lane] = row address lane % 8 of matrix lane // 8. Returns r[lane][i] = (lo, hi) of matrix i:
+        non-trans: row lane/4, cols 2(lane%4), +1; trans: (row 2(lane%4), col lane/4), (row 2(lane%4)+1, col lane/4)."""
+        r = [[None] * 4 for _ in range(32)]
+        for i in range(4):
+            rows = [self.h[addrs[8 * i + j] // 2: addrs[8 * i + j] // 2 + 8] for j in range(8)]
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                if trans:
+                    r[lane][i] = (rows[2 * t][g], rows[2 * t + 1][g])
+                else:
+                    r[lane][i] = (rows[g][2 * t], rows[g][2 * t + 1])
+        return r
+
+
+def mma(d, a, b0, b1):
+    """d[lane][4] += A (16x16) B (16x8); a[lane][4], b0[lane], b1[lane] pairs, in the m16n8k16 layout."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for j, (row, k) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 8 + 2 * t), (g + 8, 8 + 2 * t))):
+            A[row, k], A[row, k + 1] = a[lane][j]
+        B[2 * t, g], B[2 * t + 1, g] = b0[lane]
+        B[8 + 2 * t, g], B[9 + 2 * t, g] = b1[lane]
+    C = A.astype(np.float32) @ B.astype(np.float32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        d[lane][0] += C[g, 2 * t]
+        d[lane][1] += C[g, 2 * t + 1]
+        d[lane][2] += C[g + 8, 2 * t]
+        d[lane][3] += C[g + 8, 2 * t + 1]
+
+
+def warp_gemm(smem, c, m_slabs, n_tiles, k_dim, a_chunks, a_t, a_tile, a_row0, b_chunks, b_kn, b_tile, b_col0):
+    """bwd_gemm.cuh.j2's warp_gemm; c[mt][lane] is a list of n_tiles*4 floats."""
+    for kk in range(k_dim // 16):
+        a = []
+        for mt in range(m_slabs):
+            row0 = a_row0 + 16 * mt
+            if a_t:
+                addrs = [a_tile + swz_offset(a_chunks, 16 * kk + ln % 8 + 8 * (ln // 16), row0 // 8 + (ln // 8) % 2)
+                         for ln in range(32)]
+                a.append(smem.ldmatrix_x4(addrs, trans=True))
+            else:
+                addrs = [a_tile + swz_offset(a_chunks, row0 + ln % 16, 2 * kk + ln // 16) for ln in range(32)]
+                a.append(smem.ldmatrix_x4(addrs))
+        for np_ in range(n_tiles // 2):
+            col0 = b_col0 + 16 * np_
+            if b_kn:
+                addrs = [b_tile + swz_offset(b_chunks, 16 * kk + ln % 16, col0 // 8 + ln // 16) for ln in range(32)]
+                b = smem.ldmatrix_x4(addrs, trans=True)
+            else:
+                addrs = [b_tile + swz_offset(b_chunks, col0 + ln % 8 + 8 * (ln // 16), 2 * kk + (ln // 8) % 2)
+                         for ln in range(32)]
+                b = smem.ldmatrix_x4(addrs)
+            for mt in range(m_slabs):
+                for tile, (x, y) in ((2 * np_, (0, 1)), (2 * np_ + 1, (2, 3))):
+                    d = [c[mt][ln][4 * tile: 4 * tile + 4] for ln in range(32)]
+                    mma(d, a[mt], [b[ln][x] for ln in range(32)], [b[ln][y] for ln in range(32)])
+                    for ln in range(32):
+                        c[mt][ln][4 * tile: 4 * tile + 4] = d[ln]
+
+
+def zeros(m_slabs, n_tiles):
+    return [[[0.0] * (4 * n_tiles) for _ in range(32)] for _ in range(m_slabs)]
+
+
+def load_tile(smem, dst, chunks, rows_matrix, row_begin, rows, row_end):
+    """load_tile: rows [row_begin, row_begin + rows) of a (seqlen, d) matrix, zero past row_end."""
+    for r in range(rows):
+        src = rows_matrix[row_begin + r] if row_begin + r < row_end else np.zeros(chunks * 8)
+        for c in range(chunks):
+            off = dst + swz_offset(chunks, r, c)
+            smem.h[off // 2: off // 2 + 8] = src[8 * c: 8 * c + 8]
+
+
+def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
+    """One launch of the main kernel (every CTA), fp16 storage; returns dq_accum, dk, dv (float)."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    BM, BN, W = spec.block_m, spec.block_n, spec.num_warps
+    rc, pc = d * 2 // 16, BM * 2 // 16
+    wsn = min(BN // 16, W); wsm = W // wsn; wkn = wsn; wkd = W // wkn
+    wqm = min(BM // 16, W); wqd = W // wqm
+    s_slabs, s_tiles = BN // (16 * wsn), BM // (8 * wsm)
+    kv_slabs, kv_tiles = BN // (16 * wkn), d // (8 * wkd)
+    dq_slabs, dq_pairs = BM // (16 * wqm), d // (16 * wqd)
+    q_bytes, kv_bytes, p_bytes = BM * d * 2, BN * d * 2, BN * BM * 2
+    q_s, do_s = 0, q_bytes
+    k_s, v_s = 2 * q_bytes, 2 * q_bytes + kv_bytes
+    pt_s, dst_s = 2 * q_bytes + 2 * kv_bytes, 2 * q_bytes + 2 * kv_bytes + p_bytes
+    scale_log2 = scale * math.log2(math.e)
+    dq_accum = np.zeros((b, hq, sq, d))
+    dk, dv = np.zeros(k.shape), np.zeros(v.shape)
+    group = hq // hkv
+    for batch in range(b):
+        for kv_head in range(hkv):
+            for n_block in range(-(-sk // BN)):
+                smem = Smem(2 * q_bytes + 2 * kv_bytes + 2 * p_bytes)
+                key_begin = n_block * BN
+                keys_valid = min(BN, sk - key_begin)
+                first_row = max(0, key_begin - (sk - sq)) if causal else 0
+                m_first = first_row // BM
+                m_blocks = -(-sq // BM)
+                steps_per_head = m_blocks - m_first if first_row < sq else 0
+                load_tile(smem, k_s, rc, k[batch, :, kv_head], key_begin, BN, sk)
+                load_tile(smem, v_s, rc, v[batch, :, kv_head], key_begin, BN, sk)
+                dv_acc = [zeros(kv_slabs, kv_tiles) for _ in range(W)]
+                dk_acc = [zeros(kv_slabs, kv_tiles) for _ in range(W)]
+                for step in range(steps_per_head * group):
+                    head = kv_head * group + step // steps_per_head
+                    row_begin = (m_first + step % steps_per_head) * BM
+                    load_tile(smem, q_s, rc, q[batch, :, head], row_begin, BM, sq)
+                    load_tile(smem, do_s, rc, do[batch, :, head], row_begin, BM, sq)
+                    lse_s = [(math.inf if lse[batch, head, row_begin + r] == -math.inf else
+                              lse[batch, head, row_begin + r] * math.log2(math.e)) if row_begin + r < sq else math.inf
+                             for r in range(BM)]
+                    dp_s = [dpsum[batch, head, row_begin + r] if row_begin + r < sq else 0.0 for r in range(BM)]
+                    cut = key_begin + BN > sk
+                    crosses = causal and key_begin + BN - 1 > row_begin + sk - sq
+                    for warp in range(W):       # S^T, P^T, dP^T, dS^T
+                        s_key0, s_col0 = (warp % wsn) * 16 * s_slabs, (warp // wsn) * 8 * s_tiles
+                        st = zeros(s_slabs, s_tiles)
+                        warp_gemm(smem, st, s_slabs, s_tiles, d, rc, False, k_s, s_key0, rc, False, q_s, s_col0)
+                        for mt in range(s_slabs):
+                            for ln in range(32):
+                                g, t = ln // 4, ln % 4
+                                for i in range(0, s_tiles * 4, 2):
+                                    key_row = s_key0 + 16 * mt + g + 8 * ((i >> 1) & 1)
+                                    col = s_col0 + 8 * (i >> 2) + 2 * t
+                                    pr = []
+                                    for e in range(2):
+                                        p = 2.0 ** (st[mt][ln][i + e] * scale_log2 - lse_s[col + e])
+                                        if cut or crosses:
+                                            key, query = key_begin + key_row, row_begin + col + e
+                                            if key >= sk or (causal and key > query + sk - sq):
+                                                p = 0.0
+                                        pr.append(p)
+                                    smem.st_pair(pt_s + swz_offset(pc, key_row, col // 8) + 2 * (col % 8), *pr)
+                        dpt = zeros(s_slabs, s_tiles)
+                        warp_gemm(smem, dpt, s_slabs, s_tiles, d, rc, False, v_s, s_key0, rc, False, do_s, s_col0)
+                        for mt in range(s_slabs):
+                            for ln in range(32):
+                                g, t = ln // 4, ln % 4
+                                for i in range(0, s_tiles * 4, 2):
+                                    key_row = s_key0 + 16 * mt + g + 8 * ((i >> 1) & 1)
+                                    col = s_col0 + 8 * (i >> 2) + 2 * t
+                                    at = swz_offset(pc, key_row, col // 8) + 2 * (col % 8)
+                                    p0, p1 = smem.ld_pair(pt_s + at)
+                                    smem.st_pair(dst_s + at, float(p0) * (dpt[mt][ln][i] - dp_s[col]),
+                                                 float(p1) * (dpt[mt][ln][i + 1] - dp_s[col + 1]))
+                    for warp in range(W):       # dV += P^T dO; dK += dS^T Q
+                        kv_key0, kv_col0 = (warp % wkn) * 16 * kv_slabs, (warp // wkn) * 8 * kv_tiles
+                        warp_gemm(smem, dv_acc[warp], kv_slabs, kv_tiles, BM, pc, False, pt_s, kv_key0, rc, True,
+                                  do_s, kv_col0)
+                        warp_gemm(smem, dk_acc[warp], kv_slabs, kv_tiles, BM, pc, False, dst_s, kv_key0, rc, True,
+                                  q_s, kv_col0)
+                    for warp in range(W):       # dq_accum += dS K
+                        dq_row0, dq_col0 = (warp % wqm) * 16 * dq_slabs, (warp // wqm) * 16 * dq_pairs
+                        for dp in range(dq_pairs):
+                            acc = zeros(dq_slabs, 2)
+                            warp_gemm(smem, acc, dq_slabs, 2, BN, pc, True, dst_s, dq_row0, rc, True, k_s,
+                                      dq_col0 + 16 * dp)
+                            for mt in range(dq_slabs):
+                                for ln in range(32):
+                                    g, t = ln // 4, ln % 4
+                                    for i in range(8):
+                                        row = dq_row0 + 16 * mt + g + 8 * ((i >> 1) & 1)
+                                        col = dq_col0 + 16 * dp + 8 * (i >> 2) + 2 * t + (i & 1)
+                                        if row_begin + row < sq:
+                                            dq_accum[batch, head, row_begin + row, col] += acc[mt][ln][i]
+                for warp in range(W):           # finish
+                    kv_key0, kv_col0 = (warp % wkn) * 16 * kv_slabs, (warp // wkn) * 8 * kv_tiles
+                    for mt in range(kv_slabs):
+                        for ln in range(32):
+                            g, t = ln // 4, ln % 4
+                            for i in range(kv_tiles * 4):
+                                row = kv_key0 + 16 * mt + g + 8 * ((i >> 1) & 1)
+                                col = kv_col0 + 8 * (i >> 2) + 2 * t + (i & 1)
+                                if row < keys_valid:
+                                    dk[batch, key_begin + row, kv_head, col] = E(dk_acc[warp][mt][ln][i] * scale)
+                                    dv[batch, key_begin + row, kv_head, col] = E(dv_acc[warp][mt][ln][i])
+    return dq_accum, dk, dv
+
+
+@pytest.mark.parametrize("fields, sq, sk, hq, hkv, causal", [
+    (dict(head_dim=64, block_m=64, block_n=64, num_warps=4), 70, 100, 2, 1, True),     # GQA, ragged, diagonal
+    (dict(head_dim=64, block_m=32, block_n=64, num_warps=8), 45, 30, 2, 2, True),      # seqlen_q > seqlen_k: empty rows
+    (dict(head_dim=96, block_m=64, block_n=32, num_warps=4), 33, 40, 1, 1, False),     # swizzle over 12 chunks
+    (dict(head_dim=64, block_m=128, block_n=128, num_warps=8), 20, 9, 1, 1, False),    # the default d64 tile
+])
+def test_emulated_kernel_matches_the_reference(fields, sq, sk, hq, hkv, causal):
+    spec = BackwardSpec(dtype="fp16", causal=causal, **fields)
+    rng = np.random.default_rng(sq + sk)
+    d = spec.head_dim
+    q, do = (rng.standard_normal((1, sq, hq, d)).astype(E) for _ in range(2))
+    k, v = (rng.standard_normal((1, sk, hkv, d)).astype(E) for _ in range(2))
+    scale = 0.2
+    out, lse = attention_reference(q, k, v, causal, scale)
+    out = out.astype(E)
+    dpsum = np.einsum("bqhd,bqhd->bhq", do.astype(np.float64), out.astype(np.float64))     # the preprocess
+    dq_accum, dk, dv = run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale)
+    dq = (dq_accum * scale).transpose(0, 2, 1, 3)                                          # the postprocess
+    rq, rk, rv = attention_backward_reference(do, q, k, v, causal, scale)
+    for name, got, ref in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        err = np.abs(got - ref).max()
+        assert err <= 2e-2 * max(1.0, np.abs(ref).max()), (name, err)
