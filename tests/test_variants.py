@@ -13,6 +13,9 @@ import struct
 
 import numpy as np
 import pytest
+from fakes import FakeTensor
+from test_plan_cache import HQ, SK, SQ, hits, qkv
+from test_plan_cache import fake as plan_fake  # noqa: F401  (the fake torch and driver, as a fixture)
 
 from facodegen import api, compiler, fuzz, params, reference
 from facodegen.launch import LOG2E, Operand, Variants, pack_params
@@ -161,14 +164,15 @@ def test_window_blocks_skip_only_hidden_keys_and_mask_every_edge(block_m, block_
             n_begin, n_end, n_left, n_right = window_blocks(first, last, sk, lo, hi, block_n)
             # sm90: one decision per tile (scheduler.cuh.j2's block_needs_mask)
             _check_tile(visible, np.arange(first, last + 1), n_begin, n_end,
-                        lambda n: n >= n_right or n < n_left, block_n, sk)
+                        lambda n, n_left=n_left, n_right=n_right: n >= n_right or n < n_left, block_n, sk)
             # sm80: one decision per warp (flash_fwd.cu.j2: the warp's first row's right edge, its
             # last row's (valid or not) left edge)
             for w0 in range(first, last + 1, rows_per_warp):
                 warp_rows = np.arange(w0, min(w0 + rows_per_warp, last + 1))
                 _check_tile(visible, warp_rows, n_begin, n_end,
-                            lambda n: (n + 1) * block_n > sk or (n + 1) * block_n - 1 > w0 + hi
-                            or n * block_n < w0 + rows_per_warp - 1 + lo, block_n, sk)
+                            lambda n, w0=w0, sk=sk, lo=lo, hi=hi: (n + 1) * block_n > sk
+                            or (n + 1) * block_n - 1 > w0 + hi or n * block_n < w0 + rows_per_warp - 1 + lo,
+                            block_n, sk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -206,8 +210,12 @@ def test_bf16_and_fp16_variants_render_alike():
 # facodegen.attention: argument checks and plan keys (fake torch and driver of test_plan_cache)
 # ------------------------------------------------------------------------------------------------
 
-from fakes import FakeTensor  # noqa: E402
-from test_plan_cache import B, HQ, SK, SQ, fake, hits, qkv  # noqa: E402,F401  (fake: the fixture)
+
+
+@pytest.fixture
+def fake(request):
+    """test_plan_cache's fake torch module and driver."""
+    return request.getfixturevalue("plan_fake")
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
