@@ -267,7 +267,9 @@ def summary(result: dict) -> str:
 
 def representative_cases() -> list[Case]:
     """One small case per arch, dtype and causal (odd lengths, GQA, a strided layout, the LSE and
-    out= asked for): what the sanitizer sweep (scripts/sanitize.py) runs under each tool."""
+    out= asked for), and per arch and causal a bf16 variants case (a window that skips and masks
+    blocks, softcap and sinks at once): what the sanitizer sweep (scripts/sanitize.py) runs under
+    each tool."""
     cases = []
     for arch, dtypes in (("sm80", ("bf16", "fp16")), ("sm90", ("bf16", "fp16", "fp8"))):
         for dtype in dtypes:
@@ -275,6 +277,12 @@ def representative_cases() -> list[Case]:
                 cases.append(Case("forward", arch, dtype, batch=2, seqlen_q=77 if causal else 200, seqlen_k=200,
                                   heads_q=4, heads_kv=2, head_dim=128, causal=causal, softmax_scale=None,
                                   layout="strided", magnitude=1.0, return_lse=True, use_out=True, seed=7))
+        for causal in (False, True):
+            cases.append(Case("variants", arch, "bf16", batch=2, seqlen_q=77 if causal else 300, seqlen_k=300,
+                              heads_q=4, heads_kv=2, head_dim=128, causal=causal, softmax_scale=None,
+                              layout="strided", magnitude=1.0, return_lse=True, use_out=True, seed=7,
+                              window_left=64 if causal else 33, window_right=-1 if causal else 17, softcap=30.0,
+                              sinks=True))
     return cases
 
 
