@@ -88,6 +88,9 @@ def spec_options(command, arch_choices=ARCHS):
         elif knob.name == "producer_regs":
             options.append(click.option("--regs", metavar="P/C", callback=_parse_regs,
                                         help="sm90: setmaxnreg producer/consumer, e.g. 24/240."))
+        if knob.name == "softcap":      # (--softcap [C] above takes a value, so the off switch is its own)
+            options.append(click.option("--no-softcap", "no_softcap", is_flag=True, default=None,
+                                        help="No softcap (the default)."))
         if knob.name == "local":
             for side in ("left", "right"):
                 options.append(click.option(f"--window-{side}", f"window_{side}", type=click.IntRange(min=-1),
@@ -123,6 +126,8 @@ def _given_spec_fields(kwargs: dict, runtime: dict | None = None) -> dict:
             del runtime["softcap"]
     elif fields.get("softcap") == "on":
         fields["softcap"] = True
+    if kwargs.pop("no_softcap", None):
+        fields["softcap"] = False
     return fields
 
 

@@ -419,8 +419,9 @@ def test_emit_takes_the_run_time_values_and_its_line_reproduces_the_file():
     assert again.exit_code == 0 and again.output == source
     bare = runner.invoke(main, ["emit", "--arch", "sm80", "--softcap", "--local"])
     assert bare.exit_code == 0 and "run-time values" not in bare.output and "_local_softcap" in bare.output
-    off = runner.invoke(main, ["emit", "--arch", "sm80", "--softcap", "0"])
-    assert off.exit_code == 0 and "softcap" not in off.output.splitlines()[1]
+    for off_args in (["--softcap", "0"], ["--no-softcap"]):
+        off = runner.invoke(main, ["emit", "--arch", "sm80", *off_args])
+        assert off.exit_code == 0 and "softcap" not in off.output.splitlines()[1], off.output
     bad = runner.invoke(main, ["emit", "--arch", "sm80", "--window-left", "-2"])
     assert bad.exit_code == 2 and "--window-left" in bad.output
     fp8 = runner.invoke(main, ["emit", "--arch", "sm90", "--dtype", "fp8", "--window-left", "8"])
