@@ -26,27 +26,31 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     a row with no visible key gives zeros. Returns out (batch, seqlen_q, heads_q, head_dim) in q's
     dtype.
 
-    Supported: ``softmax_scale`` (default 1/sqrt(head_dim)), ``causal``, ``deterministic`` (accepted
-    and moot: the forward is deterministic and there is no backward yet). ``return_attn_probs=True``
+    Supported: ``softmax_scale`` (default 1/sqrt(head_dim)), ``causal``, ``window_size=(left, right)``
+    (FlashAttention's sliding window, -1 = unbounded on that side, on the causal diagonal; with
+    ``causal`` the right side is 0), ``softcap`` (> 0: logits c * tanh(scale * s / c); <= 0 is off, as
+    in FlashAttention), ``deterministic`` (accepted and moot: the forward is deterministic and there
+    is no backward yet). ``return_attn_probs=True``
     returns ``(out, softmax_lse, None)``: softmax_lse is float32 (batch, heads_q, seqlen_q), natural
     log, as FlashAttention's; the third item, FlashAttention's S_dmask (the probabilities, for
     testing), is never computed and is None.
 
-    Not supported yet, and raising NotImplementedError: ``dropout_p`` != 0, a ``window_size`` with a
-    non-negative entry (negative means unbounded, as in FlashAttention), ``softcap`` > 0 (FlashAttention
-    treats <= 0 as off), ``alibi_slopes``.
+    Not supported yet, and raising NotImplementedError: ``dropout_p`` != 0, ``alibi_slopes``.
     """
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p!r} is not supported yet (facodegen has no dropout; "
                                   f"pass dropout_p=0.0)")
-    if len(window_size) != 2 or any(w >= 0 for w in window_size):
-        raise NotImplementedError(f"window_size={tuple(window_size)!r} is not supported yet (no sliding "
-                                  f"window; pass window_size=(-1, -1))")
-    if softcap > 0.0:
-        raise NotImplementedError(f"softcap={softcap!r} is not supported yet (pass softcap=0.0)")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not supported yet (pass alibi_slopes=None)")
+    # FlashAttention: any negative side is unbounded, softcap <= 0 is off
+    window = tuple(-1 if isinstance(w, int) and not isinstance(w, bool) and w < 0 else w for w in window_size)
+    variants = {}
+    if window != (-1, -1):
+        variants["window_size"] = window
+    if softcap > 0.0:
+        variants["softcap"] = softcap
     if return_attn_probs:
-        out, lse = facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, return_lse=True)
+        out, lse = facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, return_lse=True,
+                                       **variants)
         return out, lse, None
-    return facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale)
+    return facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, **variants)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from . import compiler as compile_mod
 from . import driver, tunedb
-from .launch import (Operand, grid, pack_params, resident_ctas, stream_k_flags, stream_k_workspace_floats,
+from .launch import (Operand, Variants, grid, pack_params, resident_ctas, stream_k_flags, stream_k_workspace_floats,
                      workspace_floats)
 from .plan import LaunchPlan, PlanCache
 from .tma import map_operands
@@ -400,6 +400,7 @@ class _Call:
     pointers: tuple          # q, k, v, o, lse (0: the plan's scratch)
     descales: tuple | None   # fp8: q, k, v descale addresses
     keep_alive: tuple        # device arrays the addresses point into (unit descales)
+    sinks: int = 0           # the fp32 sinks' address (spec.sinks), else 0
 
 
 def _is_fp8_call(qv: _View, spec_fields: dict) -> bool:
@@ -415,9 +416,112 @@ def _check_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, arch, spec_fields: dict) -> _Call:
+# ------------------------------------------------------------------ attention variants
+
+def _variant_args(window_size, softcap, sinks) -> tuple | None:
+    """(window_size, softcap, sinks, "bottom_right") where a call asks for a variant, else None
+    (the hot path's test: two comparisons and an identity check)."""
+    if sinks is None and softcap == 0.0 and (window_size == (-1, -1) or window_size == [-1, -1]):
+        return None
+    return window_size, softcap, sinks, "bottom_right"
+
+
+def _check_alignment(causal_alignment) -> None:
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be 'bottom_right' or 'top_left', got {causal_alignment!r}")
+
+
+def _check_window(window_size) -> tuple[int, int]:
+    """(left, right) of a window_size argument: two integers >= -1 (-1: unbounded on that side)."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of integers >= -1 (-1: unbounded), "
+                         f"got {window_size!r}") from None
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"window_size: the {side} size must be an integer, got {value!r}")
+        if value < -1:
+            raise ValueError(f"window_size: the {side} size must be >= -1 (-1: unbounded), got {value}")
+    return int(left), int(right)
+
+
+def _check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or math.isnan(softcap) \
+            or softcap < 0 or math.isinf(softcap):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    return float(softcap)
+
+
+def _check_sinks(sinks, q: _View) -> _View | None:
+    """sinks: None, or a float32 (heads_q,) array of q's library on q's device, contiguous."""
+    if sinks is None:
+        return None
+    if _kind(sinks) == "other":
+        raise TypeError(f"sinks must be a float32 {q.kind} array of shape (heads_q,) = ({q.shape[2]},) on "
+                        f"cuda:{q.device}, got {type(sinks).__name__}")
+    s = _view("sinks", sinks)
+    if s.kind != q.kind:
+        raise TypeError(f"sinks is a {s.kind} array but q is a {q.kind} array; pass one kind")
+    if s.dtype != "float32":
+        raise TypeError(f"sinks has dtype {s.dtype}; sinks are float32 logits, one per query head")
+    if s.device != q.device:
+        raise ValueError(f"sinks is on cuda:{s.device} but q is on cuda:{q.device}; put it on q's device")
+    if tuple(s.shape) != (q.shape[2],) or (q.shape[2] > 1 and s.strides != (1,)):
+        raise ValueError(f"sinks has shape {tuple(s.shape)} strides {s.strides}; expected a contiguous (heads_q,) = "
+                         f"({q.shape[2]},) array")
+    if s.ptr % 4:
+        raise ValueError("sinks' data pointer is not 4-byte aligned")
+    return s
+
+
+def window_params(left: int, right: int, causal: bool, seqlen_q: int, seqlen_k: int,
+                  top_left: bool = False) -> tuple[bool, bool, int, int]:
+    """(local, causal, window_left, window_right) of a call's window: whether it needs the window
+    kernel, the spec's causal flag, and FlashParams' window in the bottom-right frame the kernels
+    use (key j visible to query i iff i + d - window_left <= j <= i + d + window_right, d =
+    seqlen_k - seqlen_q). causal=True is the window (left, 0), as FlashAttention has it; top_left
+    moves the diagonal to d = 0 (i' = i). Unbounded sides (-1) and sides wider than the sequence
+    are the same (the window then reaches every key on that side); the values are kept within
+    +-(seqlen_q + seqlen_k + 1), so the kernel's sums never overflow. No window kernel where the
+    window cuts nothing (plain attention) or is exactly the bottom-right causal mask."""
+    if causal:
+        right = 0
+    shift = 0 if not top_left else seqlen_k - seqlen_q   # the bottom-right frame's diagonal is d further
+    big = seqlen_q + seqlen_k + 1
+    window_left = big if left < 0 else max(-big, min(big, left + shift))
+    window_right = big if right < 0 else max(-big, min(big, right - shift))
+    left_open = window_left >= seqlen_k - 1            # the last row's window reaches key 0
+    right_open = window_right >= seqlen_q - 1          # the first row's window reaches the last key
+    if left_open and right_open:
+        return False, False, 0, 0
+    if left_open and window_right == 0:
+        return False, True, 0, 0
+    return True, bool(causal or right == 0), window_left, window_right
+
+
+def _variants(variant, qv: _View, seqlen_k: int, causal: bool, fp8: bool) -> tuple[dict, bool, Variants, _View | None]:
+    """The spec fields, causal flag, run-time values and sinks view of a call's window_size,
+    softcap, sinks and causal_alignment (``variant``). Raises naming the argument."""
+    window_size, softcap, sinks, alignment = variant
+    left, right = _check_window(window_size)
+    cap = _check_softcap(softcap)
+    sv = _check_sinks(sinks, qv)
+    if fp8 and ((left, right) != (-1, -1) or cap or sv is not None):
+        raise ValueError("window_size, softcap and sinks are not supported with fp8 (e4m3) inputs yet; "
+                         "use bf16/fp16 q, k, v")
+    _, seqlen_q, _, _ = qv.shape
+    local, causal, window_left, window_right = window_params(left, right, causal, seqlen_q, seqlen_k,
+                                                             alignment == "top_left")
+    fields = {"local": local, "softcap": cap > 0, "sinks": sv is not None}
+    return fields, causal, Variants(window_left, window_right, cap, sv.ptr if sv is not None else 0), sv
+
+
+def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, arch, spec_fields: dict,
+             variant: tuple | None = None) -> _Call:
     """Check every argument, pick and load the kernel, allocate the output (and the LSE where it
-    is wanted) and build the launch plan: the slow half of a call, done once per call key."""
+    is wanted) and build the launch plan: the slow half of a call, done once per call key.
+    ``variant``: (window_size, softcap, sinks, causal_alignment) of a call that gave any of them."""
     qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
     spec_fields = dict(spec_fields)
     fp8 = _is_fp8_call(qv, spec_fields)
@@ -442,6 +546,12 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     batch, seqlen_q, heads_q, head_dim = qv.shape
     seqlen_k, heads_kv = kv.shape[1], kv.shape[2]
     scale = _check_scale(softmax_scale, head_dim)
+    variants, sinks_view = None, None
+    if "local" in spec_fields:      # (softcap and sinks are attention()'s own arguments)
+        raise ValueError("local is set by window_size=(left, right), whose sizes the kernel needs; pass window_size")
+    if variant is not None:
+        fields, causal, variants, sinks_view = _variants(variant, qv, seqlen_k, causal, fp8)
+        spec_fields.update(fields)
 
     descales, keep, unit_ptrs = _fp8_descales(qv, descale_values, batch, heads_kv) if fp8 else ({}, (), ())
     spec = resolve_spec(head_dim, dtype, causal, qv.device, arch, shape=(batch, seqlen_q, seqlen_k, heads_q),
@@ -462,7 +572,7 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     launch_grid = grid(spec, batch, heads_q, seqlen_q, prepared.resident_ctas)
     lse_ptr = lsev.ptr if lsev is not None else 0
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lse_ptr, 0, scale,
-                              descales=descales or None)
+                              descales=descales or None, variants=variants)
     workspace = workspace_floats(spec, batch, heads_q, seqlen_q, head_dim) or \
         stream_k_workspace_floats(spec, prepared.resident_ctas)
     torch = _torch() if qv.kind == "torch" else None
@@ -476,7 +586,7 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
                       allocate=functools.partial(_allocate, qv.kind, qv.device), outputs=outputs)
     descale_ptrs = tuple(descales[n].ptr for n in ("q", "k", "v")) if fp8 else None
     return _Call(plan, qv.kind, qv.device, out, lse_out, (qv.ptr, kv.ptr, vv.ptr, outv.ptr, lse_ptr),
-                 descale_ptrs, keep)
+                 descale_ptrs, keep, sinks_view.ptr if sinks_view is not None else 0)
 
 
 def _fp8_descales(qv: _View, values, batch: int, heads_kv: int) -> tuple[dict, tuple, tuple]:
@@ -502,7 +612,7 @@ def _fp8_descales(qv: _View, values, batch: int, heads_kv: int) -> tuple[dict, t
 
 
 def _launch(call: _Call) -> None:
-    call.plan.launch(_current_stream(call.kind, call.device), *call.pointers, descales=call.descales)
+    call.plan.launch(_current_stream(call.kind, call.device), *call.pointers, descales=call.descales, sinks=call.sinks)
 
 
 # ------------------------------------------------------------------ the prepared path
@@ -541,12 +651,20 @@ class PreparedAttention:
 
 
 def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
-            out=None, lse_out=None, arch: str | None = None, **spec_fields) -> PreparedAttention:
+            out=None, lse_out=None, arch: str | None = None, causal_alignment: str = "bottom_right",
+            window_size=(-1, -1), softcap: float = 0.0, sinks=None, **spec_fields) -> PreparedAttention:
     """Check the arguments, pick and compile the kernel, and bind everything for launching;
-    the arguments are those of :func:`attention`. Calling the result launches again on the
-    current stream with the same arrays."""
+    the arguments are those of :func:`attention` (causal_alignment="top_left" with causal and
+    seqlen_q != seqlen_k only together with a variant: window_size, softcap or sinks). Calling the
+    result launches again on the current stream with the same arrays."""
+    _check_alignment(causal_alignment)
+    # top-left causal runs as the window (-1, 0) on its diagonal: one launch (attention() splits it)
+    variant = _variant_args(window_size, softcap, sinks) or (
+        ((-1, -1), 0.0, None, causal_alignment) if causal_alignment != "bottom_right" else None)
+    if variant is not None:
+        variant = variant[:3] + (causal_alignment,)
     call = _resolve(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse_out=lse_out,
-                    want_lse=bool(return_lse), arch=arch, spec_fields=spec_fields)
+                    want_lse=bool(return_lse), arch=arch, spec_fields=spec_fields, variant=variant)
     return PreparedAttention(call, bool(return_lse))
 
 
@@ -558,7 +676,7 @@ CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
               out=None, lse_out=None, arch: str | None = None, causal_alignment: str = "bottom_right",
-              **spec_fields):
+              window_size=(-1, -1), softcap: float = 0.0, sinks=None, **spec_fields):
     """Attention forward, O = softmax(scale * Q K^T [+ causal mask]) V.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
@@ -587,11 +705,29 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     (q*q_descale)(k*k_descale)^T and V is v*v_descale. ``out_dtype="bf16"`` (default) or "fp16";
     ``v_layout="transposed"`` takes V^T (batch, heads_kv, head_dim, seqlen_k), keys contiguous, head_dim
     stride a multiple of 16 (see facodegen.quantize for bf16 -> e4m3).
+
+    Attention variants (bf16/fp16, sm80 and sm90; a kernel is compiled per feature, the values are
+    run-time arguments):
+
+    * ``window_size=(left, right)``, FlashAttention's sliding window (-1: unbounded on that side):
+      query row i sees keys j with i' - left <= j <= i' + right, i' = i + seqlen_k - seqlen_q (the
+      causal diagonal; i' = i under ``causal_alignment="top_left"``). ``causal=True`` is the window
+      (left, 0). Key blocks outside every row's window are skipped, not masked. A row that sees
+      no key gets O = 0 and LSE = -inf.
+    * ``softcap=c`` (0: off): the logits become c * tanh(softmax_scale * s / c) before the softmax
+      (FlashAttention-2/3's convention; tanh.approx, relative error ~5e-4 of a logit near the cap).
+    * ``sinks``: float32 (heads_q,) logits, one per query head (gpt-oss): each joins its head's
+      softmax denominator and adds no value, O = sum_j e^(x_j) v_j / (sum_j e^(x_j) + e^(sink)).
+      The LSE returned includes the sink, log(sum_j e^(x_j) + e^(sink)), as FlashAttention-4's and
+      vLLM's kernels return it; a row that sees no key gets O = 0 and LSE = sink.
+    Not with fp8 inputs yet.
     """
+    variant = _variant_args(window_size, softcap, sinks)
     if causal_alignment != "bottom_right":
-        if causal_alignment not in CAUSAL_ALIGNMENTS:
-            raise ValueError(f"causal_alignment must be 'bottom_right' or 'top_left', got {causal_alignment!r}")
-        if causal is True and q.shape[1] != k.shape[1]:
+        _check_alignment(causal_alignment)
+        if variant is not None:
+            variant = variant[:3] + (causal_alignment,)     # the window kernel takes the top-left diagonal
+        elif causal is True and q.shape[1] != k.shape[1]:
             return _top_left(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
                              lse_out=lse_out, arch=arch, **spec_fields)
     torch = sys.modules.get("torch")
@@ -599,10 +735,24 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (  # (k, v may be of another library)
                 q.requires_grad or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False))):
             from . import torch_op
+            if variant is not None:
+                spec_fields = dict(spec_fields, window_size=window_size, softcap=softcap, sinks=sinks,
+                                   causal_alignment=variant[3])
             return torch_op.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                                       out=out, lse_out=lse_out, arch=arch, **spec_fields)
-        return _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields)
-    return _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields)
+        return _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields,
+                                variant)
+    return _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant)
+
+
+def _variant_key(variant, meta) -> tuple | None:
+    """The part of a plan key a variant call adds: the window and softcap values (a new value is a
+    new plan: its FlashParams image holds them) and the sinks' metadata (their address is patched
+    per call); None for a plain call."""
+    if variant is None:
+        return None
+    window_size, softcap, sinks, alignment = variant
+    return (tuple(window_size), softcap.__class__, softcap, None if sinks is None else meta(sinks), alignment)
 
 
 def _split_knobs(spec_fields: dict) -> tuple[tuple, tuple]:
@@ -611,7 +761,12 @@ def _split_knobs(spec_fields: dict) -> tuple[tuple, tuple]:
     return knobs, tuple(spec_fields.get(n) for n in _FP8_KNOBS)
 
 
-def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields):
+def _torch_meta(x):
+    return x.dtype, x.shape, x.stride(), x.get_device()
+
+
+def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields,
+                     variant=None):
     """attention() on torch tensors, eager: a plan-cache hit launches at once; anything unusual
     (a miss, a misaligned view, an unhashable knob) takes the checked path."""
     device = q.get_device()
@@ -623,7 +778,7 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
                None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
                None if lse_out is None else (lse_out.dtype, lse_out.shape, lse_out.stride(), lse_out.get_device()),
                tuple(None if d is None else (d.dtype, d.shape, d.stride(), d.get_device()) for d in descales),
-               tunedb.generation())
+               tunedb.generation(), None if variant is None else _variant_key(variant, _torch_meta))
         plan = _PLANS.get(key) if device >= 0 else None
     except (AttributeError, TypeError):  # not all torch tensors, an unhashable knob: the checked path says
         plan = key = None
@@ -638,12 +793,13 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
             plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
                         0 if lse_out is None else lse_out.data_ptr(),
                         None if not made.unit_descale_ptrs else tuple(
-                            p if d is None else d.data_ptr() for d, p in zip(descales, made.unit_descale_ptrs)))
+                            p if d is None else d.data_ptr() for d, p in zip(descales, made.unit_descale_ptrs)),
+                        0 if variant is None or variant[2] is None else variant[2].data_ptr())
             return (out, lse_out) if return_lse else out
-    return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields)
+    return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant)
 
 
-def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields):
+def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant=None):
     """attention() on CuPy arrays (and the errors for anything else)."""
     cupy = sys.modules.get("cupy")
     key = None
@@ -653,11 +809,13 @@ def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arc
         try:
             key = ("cupy", meta(q), meta(k), meta(v), cupy.cuda.runtime.getDevice(), causal.__class__, causal,
                    softmax_scale.__class__, softmax_scale, return_lse, arch, knobs, meta(out), meta(lse_out),
-                   tuple(meta(d) if isinstance(d, cupy.ndarray) else d for d in descales), tunedb.generation())
+                   tuple(meta(d) if isinstance(d, cupy.ndarray) else d for d in descales), tunedb.generation(),
+                   None if variant is None else _variant_key(variant, meta))
             plan = _PLANS.get(key)
         except (AttributeError, TypeError):  # not all CuPy arrays, an unhashable knob: the checked path says
             plan = key = None
-        if plan is not None and all(isinstance(d, (cupy.ndarray, type(None))) for d in descales):
+        sinks = None if variant is None else variant[2]
+        if plan is not None and all(isinstance(d, (cupy.ndarray, type(None))) for d in descales + (sinks,)):
             made = plan.outputs
             with cupy.cuda.Device(q.device.id):
                 if out is None:
@@ -669,16 +827,17 @@ def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arc
                     plan.launch(cupy.cuda.get_current_stream().ptr, qp, kp, vp, op,
                                 0 if lse_out is None else lse_out.data.ptr,
                                 None if not made.unit_descale_ptrs else tuple(
-                                    p if d is None else d.data.ptr for d, p in zip(descales, made.unit_descale_ptrs)))
+                                    p if d is None else d.data.ptr for d, p in zip(descales, made.unit_descale_ptrs)),
+                                0 if sinks is None else sinks.data.ptr)
                     return (out, lse_out) if return_lse else out
-    return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields)
+    return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant)
 
 
-def _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields):
+def _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant=None):
     """The checked path: resolve the call (raising on bad input), remember its plan under
     ``key`` (None: not cacheable) and launch it."""
     call = _resolve(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse_out=lse_out,
-                    want_lse=bool(return_lse), arch=arch, spec_fields=spec_fields)
+                    want_lse=bool(return_lse), arch=arch, spec_fields=spec_fields, variant=variant)
     if key is not None:
         _PLANS.put(key, call.plan)
     _launch(call)

@@ -9,6 +9,7 @@ knob registry (facodegen/knobs.py).
 from __future__ import annotations
 
 import functools
+from inspect import signature as _signature
 import sys
 from pathlib import Path
 
@@ -69,8 +70,31 @@ def _int_choice(ctx, param, value):
     return None if value is None else int(value)
 
 
+def _softcap_value(ctx, param, value):
+    """--softcap [C]: C > 0 sets the softcap switch and is shown in the emitted header; bare --softcap
+    is the switch alone; 0 is off."""
+    if value is None or value == "on":
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        raise click.BadParameter(f"expected a softcap value C >= 0 (0: off), got {value!r}") from None
+    if not number >= 0 or number == float("inf"):
+        raise click.BadParameter(f"softcap must be a finite number >= 0 (0: off), got {value!r}")
+    return number
+
+
+# Run-time values the command line may give for the variant switches (the kernel takes any; the
+# emitted header shows them): --window-left/--window-right set `local`, --softcap C sets `softcap`.
+RUNTIME_FLAGS = ("window_left", "window_right")
+
+
 def _knob_option(knob: Knob, arch_choices):
     """The click option of one knob, from the registry (facodegen/knobs.py)."""
+    if knob.name == "softcap":
+        return click.option("--softcap", "softcap", is_flag=False, flag_value="on", default=None,
+                            callback=_softcap_value, metavar="[C]",
+                            help=knob.doc + " --softcap alone: the kernel; --softcap 0: off.")
     if knob.kind == "bool":
         return click.option(knob.flag, knob.name, default=None, help=knob.doc)
     if knob.kind == "text":
@@ -96,14 +120,26 @@ def spec_options(command, arch_choices=ARCHS):
         elif knob.name == "producer_regs":
             options.append(click.option("--regs", metavar="P/C", callback=_parse_regs,
                                         help="sm90: setmaxnreg producer/consumer, e.g. 24/240."))
+        if knob.name == "softcap":      # (--softcap [C] above takes a value, so the off switch is its own)
+            options.append(click.option("--no-softcap", "no_softcap", is_flag=True, default=None,
+                                        help="No softcap (the default)."))
+        if knob.name == "local":
+            for side in ("left", "right"):
+                options.append(click.option(f"--window-{side}", f"window_{side}", type=click.IntRange(min=-1),
+                                            help=f"Sliding window: keys a row sees {'before' if side == 'left' else 'after'} "
+                                                 f"its diagonal key (-1: unbounded); sets --local, the value is "
+                                                 f"run-time (shown in the header)."))
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def _given_spec_fields(kwargs: dict) -> dict:
-    """KernelSpec keyword arguments of the spec flags given on the command line (popped)."""
+def _given_spec_fields(kwargs: dict, runtime: dict | None = None) -> dict:
+    """KernelSpec keyword arguments of the spec flags given on the command line (popped). The
+    run-time values of the variant switches (--window-left/--window-right, --softcap C) set their
+    switch and go into ``runtime``."""
     fields = {}
+    runtime = {} if runtime is None else runtime
     for knob in KNOBS:
         value = kwargs.pop(knob.name, None) if knob.flag else None
         if value is not None:
@@ -111,6 +147,19 @@ def _given_spec_fields(kwargs: dict) -> dict:
     regs = kwargs.pop("regs", None)
     if regs is not None:
         fields["producer_regs"], fields["consumer_regs"] = regs
+    window = [kwargs.pop(name, None) for name in RUNTIME_FLAGS]
+    if window != [None, None]:
+        fields["local"] = True
+        runtime["window_left"], runtime["window_right"] = (-1 if w is None else w for w in window)
+    if isinstance(fields.get("softcap"), float):
+        runtime["softcap"] = fields["softcap"]
+        fields["softcap"] = fields["softcap"] > 0
+        if not fields["softcap"]:
+            del runtime["softcap"]
+    elif fields.get("softcap") == "on":
+        fields["softcap"] = True
+    if kwargs.pop("no_softcap", None):
+        fields["softcap"] = False
     return fields
 
 
@@ -129,7 +178,10 @@ def with_spec(command=None, *, arch_choices=ARCHS):
 
     @functools.wraps(command)
     def wrapper(**kwargs):
-        fields = _given_spec_fields(kwargs)
+        runtime = {}
+        fields = _given_spec_fields(kwargs, runtime)
+        if "runtime" in _signature(command).parameters:
+            kwargs["runtime"] = runtime
         return command(spec_fields=fields, **kwargs)
     return spec_options(wrapper, arch_choices)
 
@@ -173,13 +225,14 @@ def main():
 @click.option("--all", "all_specs", is_flag=True,
               help="Write every default spec as <variant>.cu into --out-dir (stale flash_fwd_*.cu there are removed).")
 @_kernel_option
-def emit(spec_fields, output, out_dir, all_specs, kernel, deterministic, k_unroll):
+def emit(spec_fields, output, out_dir, all_specs, kernel, deterministic, k_unroll, runtime=None):
     """Print (or write) the CUDA source of one kernel.
 
     \b
     Example:
       facodegen emit --arch sm90 --head-dim 128 --dtype bf16 --causal
       facodegen emit --arch sm80 --head-dim 64 -o fwd.cu
+      facodegen emit --arch sm90 --window-left 256 --window-right 0 --softcap 50 --sinks
       facodegen emit --all --out-dir generated      # regenerates generated/
     """
     from .render import TemplateRenderError, emit as render
@@ -203,7 +256,7 @@ def emit(spec_fields, output, out_dir, all_specs, kernel, deterministic, k_unrol
             _emit_all(out_dir, render)
             return
         spec = build_spec(spec_fields)
-        source = render(spec)
+        source = render(spec, runtime=runtime)
     except TemplateRenderError as err:
         raise click.ClickException(str(err)) from None
     _write(source, spec, output, out_dir)
@@ -355,7 +408,7 @@ def _cross_check(kernel) -> str:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--fuzz", type=click.IntRange(min=1), help="Run this many seeded random problems (facodegen.fuzz) "
               "through attention() instead, each against the float64 reference; --seed picks the list.")
-@click.option("--family", type=click.Choice(("forward", "all")), default="all", show_default=True,
+@click.option("--family", type=click.Choice(("forward", "variants", "all")), default="all", show_default=True,
               help="--fuzz: which kernel family's problems.")
 @click.option("--fuzz-case", help="Rerun one fuzz case (the JSON a failing case prints).")
 def check(spec_fields, batch, seqlen_q, seqlen_k, heads, heads_kv, seed, fuzz, family, fuzz_case):

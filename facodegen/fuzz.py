@@ -15,8 +15,10 @@ a relative Frobenius error of O against the float64 reference on the dequantised
 GPU tests' bound) or twice a bf16 computation's on the same inputs, whichever is larger, and its LSE within 1e-2 + 1e-3 |lse| + 2^-12 scale max_k sum_i |q_i k_i|
 (the fp8 wgmma accumulator's precision, ~14 bits, on the row's scores). A failing case prints the one command that reruns it.
 
-Families: ``forward`` (the kernels that exist today); backward, varlen, kvcache and variants join
-as they land.
+Families: ``forward`` (the kernels that exist today) and ``variants`` (16-bit problems with a
+sliding window whose sides are drawn from 0, 1, a few keys, the sequence length and beyond,
+-1 = unbounded, causal or not and either alignment, softcap values, sinks); backward, varlen and
+kvcache join as they land.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 from .spec import HEAD_DIMS
 
-FAMILIES = ("forward",)
+FAMILIES = ("forward", "variants")
 LAYOUTS = ("contiguous", "strided", "offset")
 MAX_SCORES = 1 << 26        # batch x heads x seqlen_q x seqlen_k at most (the float64 reference's size)
 
@@ -50,6 +52,12 @@ class Case:
     return_lse: bool
     use_out: bool
     seed: int
+    # the variants family (facodegen.attention's window_size, softcap, sinks, causal_alignment)
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    sinks: bool = False
+    top_left: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -75,15 +83,34 @@ def _length(rng: random.Random) -> int:
     return rng.randint(4097, 8192)
 
 
+def _window_side(rng: random.Random, seqlen: int) -> int:
+    """A window side: unbounded, 0, 1, a few keys, about the sequence, or past it."""
+    return rng.choice((-1, -1, 0, 1, rng.randint(2, 64), rng.randint(1, max(1, seqlen)), seqlen + rng.randint(0, 300)))
+
+
+def _variant_fields(rng: random.Random, seqlen_q: int, seqlen_k: int) -> dict:
+    """window_size, softcap, sinks and alignment of a variants case (at least one variant on)."""
+    while True:
+        fields = dict(window_left=_window_side(rng, seqlen_k) if rng.random() < 0.7 else -1,
+                      window_right=_window_side(rng, seqlen_k) if rng.random() < 0.5 else -1,
+                      softcap=rng.choice((0.0, 0.0, 5.0, 30.0, 50.0)),
+                      sinks=rng.random() < 0.4, top_left=rng.random() < 0.25)
+        if fields["sinks"] or fields["softcap"] or (fields["window_left"], fields["window_right"]) != (-1, -1):
+            return fields
+
+
 def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm90")) -> list[Case]:
-    """``n`` cases from ``seed`` (the same list every time for the same arguments)."""
+    """``n`` cases from ``seed`` (the same list every time for the same arguments); family "all"
+    draws each case's family in turn."""
     if family not in FAMILIES + ("all",):
         raise ValueError(f"family: {family!r} is not one of {', '.join(FAMILIES + ('all',))}")
     rng = random.Random(seed)
     cases = []
     while len(cases) < n:
+        this_family = rng.choice(FAMILIES) if family == "all" else family
         arch = rng.choice(archs)
-        dtype = rng.choice(("bf16", "fp16", "fp8") if arch == "sm90" else ("bf16", "fp16"))
+        variants = this_family == "variants"
+        dtype = rng.choice(("bf16", "fp16", "fp8") if arch == "sm90" and not variants else ("bf16", "fp16"))
         head_dim = rng.choice(HEAD_DIMS)
         seqlen_q = _length(rng)
         seqlen_k = seqlen_q if rng.random() < 0.5 else _length(rng)
@@ -94,21 +121,25 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             batch -= 1
         if batch * heads_q * seqlen_q * seqlen_k > MAX_SCORES:
             continue
+        extra = _variant_fields(rng, seqlen_q, seqlen_k) if variants else {}
         cases.append(Case(
-            family="forward", arch=arch, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            family=this_family, arch=arch, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, causal=rng.random() < 0.5,
             softmax_scale=None if rng.random() < 0.6 else round(rng.uniform(0.02, 1.0), 4),
             layout=rng.choice(LAYOUTS), magnitude=1.0 if rng.random() < 0.8 else rng.choice((4.0, 16.0)),
-            return_lse=rng.random() < 0.5, use_out=rng.random() < 0.3, seed=rng.randrange(1 << 31)))
+            return_lse=rng.random() < 0.5, use_out=rng.random() < 0.3, seed=rng.randrange(1 << 31), **extra))
     return cases
 
 
 # ------------------------------------------------------------------ references (torch, on the GPU)
 
-def attention_torch(q, k, v, causal: bool, softmax_scale: float, upcast: bool):
+def attention_torch(q, k, v, causal: bool, softmax_scale: float, upcast: bool, *, window_size=(-1, -1),
+                    softcap: float = 0.0, sinks=None, top_left: bool = False):
     """O and the natural-log LSE of (batch, seqlen, heads, head_dim) q, k, v; bottom-right causal,
     GQA by repetition. ``upcast``: in float64; else FlashAttention-3's same-precision reference
-    (scores and P V in the inputs' dtype, softmax in float32)."""
+    (scores and P V in the inputs' dtype, softmax in float32). The variants as facodegen.attention
+    takes them (window_size, softcap, sinks (heads_q,) whose logits join the denominator and the
+    LSE, top_left alignment); see facodegen.reference.attention_reference."""
     import torch
     group = q.shape[2] // k.shape[2]
     k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
@@ -116,12 +147,26 @@ def attention_torch(q, k, v, causal: bool, softmax_scale: float, upcast: bool):
         q, k, v = (x.double() for x in (q, k, v))
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k)
     scores = (scores if upcast else scores.float()) * softmax_scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    left, right = window_size
     if causal:
-        rows = torch.arange(seqlen_q, device=q.device)[:, None]
+        right = 0
+    if left >= 0 or right >= 0:
+        rows = torch.arange(seqlen_q, device=q.device)[:, None] + (0 if top_left else seqlen_k - seqlen_q)
         cols = torch.arange(seqlen_k, device=q.device)[None, :]
-        scores = scores.masked_fill(cols > rows + (seqlen_k - seqlen_q), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
+        hidden = torch.zeros((seqlen_q, seqlen_k), dtype=torch.bool, device=q.device)
+        if left >= 0:
+            hidden |= cols < rows - left
+        if right >= 0:
+            hidden |= cols > rows + right
+        scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:     # the sink as one more logit with no value
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)      # rows with no visible key: 0
     out = torch.einsum("bhqk,bkhd->bqhd", probs if upcast else probs.to(v.dtype), v)
     return out, lse
@@ -169,8 +214,14 @@ def run_case(case: Case) -> tuple[bool, str]:
     if case.use_out:
         kwargs["out"] = torch.full(shapes[0], float("nan"), dtype=out_dtype, device="cuda")
         kwargs["lse_out"] = torch.full((case.batch, case.heads_q, case.seqlen_q), float("nan"), device="cuda")
+    variants = {}
+    if case.family == "variants":
+        sinks = (torch.randn(case.heads_q, generator=gen, device="cuda") * 2.0) if case.sinks else None
+        variants = dict(window_size=(case.window_left, case.window_right), softcap=case.softcap, sinks=sinks)
+        kwargs.update(variants, causal_alignment="top_left" if case.top_left else "bottom_right")
+        variants["top_left"] = case.top_left
     out, lse = facodegen.attention(*args, **kwargs)
-    ref, ref_lse = attention_torch(q, k, v, case.causal, scale, upcast=True)
+    ref, ref_lse = attention_torch(q, k, v, case.causal, scale, upcast=True, **variants)
     err = (out.double() - ref).abs().max().item()
     if case.dtype == "fp8":
         rel = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -182,7 +233,7 @@ def run_case(case: Case) -> tuple[bool, str]:
         bound = max(3e-2, 2 * rel_low)
         ok_o, what = rel <= bound, f"rel_fro {rel:.2e} (bound {bound:.2e}: 3e-2 or 2x bf16's {rel_low:.2e})"
     else:
-        low, _ = attention_torch(q, k, v, case.causal, scale, upcast=False)
+        low, _ = attention_torch(q, k, v, case.causal, scale, upcast=False, **variants)
         bound = 2 * (low.double() - ref).abs().max().item() + 2 * ((ref.to(dt) + 0.3 - 0.3).double() - ref).abs().max().item()
         ok_o, what = err <= bound, f"max err {err:.2e} (bound {bound:.2e})"
     finite = torch.isfinite(ref_lse)
@@ -209,7 +260,12 @@ def case_spec(case: Case, device: int = 0):
     sequence-length rules included), as the call would resolve it."""
     from . import api
     fields = {"out_dtype": "bf16", "v_layout": "row"} if case.dtype == "fp8" else {}
-    return api.resolve_spec(case.head_dim, case.dtype, case.causal, device, case.arch,
+    causal = case.causal
+    if case.family == "variants":     # the switches api._variants derives from the call's arguments
+        local, causal, _, _ = api.window_params(case.window_left, case.window_right, case.causal, case.seqlen_q,
+                                                case.seqlen_k, case.top_left)
+        fields.update(local=local, softcap=case.softcap > 0, sinks=case.sinks)
+    return api.resolve_spec(case.head_dim, case.dtype, causal, device, case.arch,
                             shape=(case.batch, case.seqlen_q, case.seqlen_k, case.heads_q), **fields)
 
 
@@ -274,7 +330,9 @@ def summary(result: dict) -> str:
 
 def representative_cases() -> list[Case]:
     """One small case per arch, dtype and causal (odd lengths, GQA, a strided layout, the LSE and
-    out= asked for): what the sanitizer sweep (scripts/sanitize.py) runs under each tool."""
+    out= asked for), and per arch and causal a bf16 variants case (a window that skips and masks
+    blocks, softcap and sinks at once): what the sanitizer sweep (scripts/sanitize.py) runs under
+    each tool."""
     cases = []
     for arch, dtypes in (("sm80", ("bf16", "fp16")), ("sm90", ("bf16", "fp16", "fp8"))):
         for dtype in dtypes:
@@ -282,6 +340,12 @@ def representative_cases() -> list[Case]:
                 cases.append(Case("forward", arch, dtype, batch=2, seqlen_q=77 if causal else 200, seqlen_k=200,
                                   heads_q=4, heads_kv=2, head_dim=128, causal=causal, softmax_scale=None,
                                   layout="strided", magnitude=1.0, return_lse=True, use_out=True, seed=7))
+        for causal in (False, True):
+            cases.append(Case("variants", arch, "bf16", batch=2, seqlen_q=77 if causal else 300, seqlen_k=300,
+                              heads_q=4, heads_kv=2, head_dim=128, causal=causal, softmax_scale=None,
+                              layout="strided", magnitude=1.0, return_lse=True, use_out=True, seed=7,
+                              window_left=64 if causal else 33, window_right=-1 if causal else 17, softcap=30.0,
+                              sinks=True))
     return cases
 
 

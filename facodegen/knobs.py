@@ -216,7 +216,19 @@ KNOBS: tuple[Knob, ...] = (
          token=lambda s, v: f"px{s.poly_exp2_tiles}" if s.poly_exp2_tiles else None),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
+    # Attention variants (issue 40): one kernel per feature; the window sizes and the softcap value
+    # are run-time FlashParams fields, so the CLI's --window-left/--window-right and --softcap N
+    # (cli.py) set these switches and show their values in the emitted header.
+    Knob("local", "bool", "Sliding window: key j visible to query i iff i' - left <= j <= i' + right (i' on the "
+         "causal diagonal); left/right are run-time (--window-left/--window-right).", flag="--local/--no-local",
+         problem=True, token=_flag("local")),
+    Knob("softcap", "bool", "Logit softcap c*tanh(s*scale/c) before the softmax; c is run-time (--softcap C).",
+         flag="--softcap/--no-softcap", problem=True, token=_flag("softcap")),
+    Knob("sinks", "bool", "Attention sinks: one learnable fp32 logit per query head joins the softmax "
+         "denominator (gpt-oss).", flag="--sinks/--no-sinks", problem=True, token=_flag("sinks")),
 )
+# The attention variants' switches: off in every default kernel (whose source they leave unchanged).
+VARIANT_FEATURES = ("local", "softcap", "sinks")
 
 BY_NAME = {k.name: k for k in KNOBS}
 

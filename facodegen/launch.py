@@ -82,12 +82,24 @@ class Descale:
     head_stride: int = 0
 
 
+@dataclass(frozen=True)
+class Variants:
+    """Run-time values of the attention variants (spec.local, spec.softcap, spec.sinks): the window in
+    the causal mask's bottom-right frame (params.VARIANT_FIELDS; api.window_params makes them), the
+    softcap c (0: off) and the address of the fp32 sinks (0: none; patched per call by the plan)."""
+    window_left: int = 0
+    window_right: int = 0
+    softcap: float = 0.0
+    sinks_ptr: int = 0
+
+
 def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand, lse_ptr: int,
                 tile_counter_ptr: int, softmax_scale: float, workspace_ptr: int = 0,
-                descales: dict[str, Descale] | None = None) -> bytes:
+                descales: dict[str, Descale] | None = None, variants: Variants | None = None) -> bytes:
     """FlashParams bytes. dtype=fp8: ``descales`` = {"q": Descale, "k": ..., "v": ...}, and with
     v_layout=transposed ``v`` is V^T with shape (batch, heads_kv, head_dim, seqlen_k) and strides
-    (batch, head, dim, 1)."""
+    (batch, head, dim, 1). ``variants``: the run-time values of a spec with local/softcap/sinks; with
+    softcap c the kernel's softmax_scale is c (scores are tanh(s * softmax_scale / c) by then)."""
     batch, seqlen_q, heads_q, _ = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
     m_blocks = num_m_blocks(spec, seqlen_q)
@@ -110,7 +122,18 @@ def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand
         from . import tma
         values.update(tma.tensor_maps(spec, q.ptr, k.ptr, v.ptr, o.ptr, batch, seqlen_q, seqlen_k, heads_q,
                                       heads_kv, q.bsh_strides, k.bsh_strides, v.bsh_strides, o.bsh_strides))
-    return params_mod.pack(spec.arch, values, spec.dtype)
+    has_variants = params_mod.has_variants(spec)
+    if has_variants:
+        variants = variants or Variants()
+        softcap_scale = 0.0
+        if spec.softcap:
+            if not variants.softcap > 0:
+                raise ValueError(f"spec.softcap needs a softcap value > 0, got {variants.softcap!r}")
+            softcap_scale = softmax_scale / variants.softcap
+            values["softmax_scale"], values["scale_log2"] = variants.softcap, variants.softcap * LOG2E
+        values.update(window_left=variants.window_left, window_right=variants.window_right,
+                      softcap_scale=softcap_scale, sinks=variants.sinks_ptr)
+    return params_mod.pack(spec.arch, values, spec.dtype, has_variants)
 
 
 def resident_ctas(spec: KernelSpec, num_sms: int, function=None) -> int:

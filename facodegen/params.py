@@ -75,14 +75,35 @@ FP8_FIELDS = [
 ]
 
 
-def fields(arch: str, dtype: str | None = None) -> list[Field]:
-    return COMMON_FIELDS + (TMA_FIELDS if arch == "sm90" else []) + (FP8_FIELDS if dtype == "fp8" else [])
+# Kernels with an attention variant (spec.local, spec.softcap or spec.sinks; one set of fields for
+# all three, after the others, so the default kernels' struct is unchanged): the run-time values of
+# the variants. The window is in the bottom-right frame of the causal mask, key j visible to query
+# i iff i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right; the
+# host folds top-left alignment and "unbounded" (-1) into them (api._window_params), so the
+# values may be negative or exceed the sequence (kept within +-(seqlen_q + seqlen_k + 1)).
+VARIANT_FIELDS = [
+    Field("window_left", "i32", "int", "local: keys a row sees before its diagonal key (run-time window size)"),
+    Field("window_right", "i32", "int", "local: keys a row sees after its diagonal key"),
+    Field("softcap_scale", "f32", "float", "softcap: softmax_scale / c, so the score is c * tanh(s * softcap_scale); "
+                                           "softmax_scale and scale_log2 then hold c and c * log2(e)"),
+    Field("sinks", "ptr", "const float*", "sinks: fp32 logit per query head (heads_q,), natural-log units; else 0"),
+]
 
 
-def layout(arch: str, dtype: str | None = None) -> tuple[list[tuple[Field, int]], int, int]:
+def fields(arch: str, dtype: str | None = None, variants: bool = False) -> list[Field]:
+    return COMMON_FIELDS + (TMA_FIELDS if arch == "sm90" else []) + (FP8_FIELDS if dtype == "fp8" else []) \
+        + (VARIANT_FIELDS if variants else [])
+
+
+def has_variants(spec) -> bool:
+    """Does the spec's FlashParams carry VARIANT_FIELDS (any of local, softcap, sinks)?"""
+    return bool(spec.local or spec.softcap or spec.sinks)
+
+
+def layout(arch: str, dtype: str | None = None, variants: bool = False) -> tuple[list[tuple[Field, int]], int, int]:
     """[(field, offset)], total size and alignment with C's natural-alignment rules."""
     offset, max_align, placed = 0, 1, []
-    for f in fields(arch, dtype):
+    for f in fields(arch, dtype, variants):
         offset = (offset + f.align - 1) // f.align * f.align
         placed.append((f, offset))
         offset += f.size
@@ -91,9 +112,9 @@ def layout(arch: str, dtype: str | None = None) -> tuple[list[tuple[Field, int]]
     return placed, size, max_align
 
 
-def pack(arch: str, values: dict, dtype: str | None = None) -> bytes:
+def pack(arch: str, values: dict, dtype: str | None = None, variants: bool = False) -> bytes:
     """Host bytes of FlashParams; every field must be given (tensor maps as 128 bytes)."""
-    placed, size, _ = layout(arch, dtype)
+    placed, size, _ = layout(arch, dtype, variants)
     buf = bytearray(size)
     missing = [f.name for f, _ in placed if f.name not in values]
     if missing:

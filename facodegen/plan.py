@@ -37,11 +37,12 @@ _CALL_POINTERS = ("q", "k", "v", "o", "lse", "tile_counter", "workspace")
 _DESCALES = ("q_descale", "k_descale", "v_descale")
 _PACK_CALL = struct.Struct("<7Q")
 _PACK_DESCALES = struct.Struct("<3Q")
+_PACK_SINKS = struct.Struct("<Q")
 _OPERANDS = ("q", "k", "v", "o")
 
 
-def _offsets(arch: str, dtype: str) -> dict[str, int]:
-    placed, _, _ = params_mod.layout(arch, dtype)
+def _offsets(arch: str, dtype: str, variants: bool = False) -> dict[str, int]:
+    placed, _, _ = params_mod.layout(arch, dtype, variants)
     return {f.name: off for f, off in placed}
 
 
@@ -117,8 +118,9 @@ class LaunchPlan:
         self._lock = threading.Lock()
         self._launcher = driver.Launcher(function, grid, spec.threads, spec.smem_bytes) \
             if function is not None else None
-        offsets = _offsets(spec.arch, spec.dtype)
+        offsets = _offsets(spec.arch, spec.dtype, params_mod.has_variants(spec))
         self._descale_offset = offsets[_DESCALES[0]] if spec.dtype == "fp8" else None
+        self._sinks_offset = offsets["sinks"] if spec.sinks else None
         self._maps = [(offsets[name], _OPERANDS.index(operand)) for name, operand in tensor_maps.items()]
         first = _Image(param_bytes)
         self._images = {_PACK_CALL.unpack_from(param_bytes, 0)[:4] if self._maps else None: first}
@@ -161,8 +163,9 @@ class LaunchPlan:
         return image
 
     def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
-               descales: tuple[int, int, int] | None = None) -> None:
-        """Launch on ``stream`` with these device addresses; ``lse`` 0 writes the LSE to scratch."""
+               descales: tuple[int, int, int] | None = None, sinks: int = 0) -> None:
+        """Launch on ``stream`` with these device addresses; ``lse`` 0 writes the LSE to scratch;
+        ``sinks``: the fp32 sinks' address of a spec with sinks (patched into the image)."""
         scratch = self._streams.get(stream) or self.scratch(stream)
         operands = (q, k, v, o) if self._maps else None
         with self._lock:
@@ -171,6 +174,8 @@ class LaunchPlan:
                                  scratch.workspace)
             if descales is not None:
                 _PACK_DESCALES.pack_into(image.storage, image.base + self._descale_offset, *descales)
+            if self._sinks_offset is not None:
+                _PACK_SINKS.pack_into(image.storage, image.base + self._sinks_offset, sinks)
             self._last = image
             if self._switch_context:
                 with driver.on_device(self.function.device):

@@ -116,14 +116,42 @@ def _exp_from(x: np.ndarray, m_new: np.ndarray) -> np.ndarray:
 # the direct formula
 # ----------------------------------------------------------------------------------------------
 
-def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | None = None):
+def window_mask(rows: np.ndarray, cols: np.ndarray, seqlen_q: int, seqlen_k: int, window_size=(-1, -1),
+                causal: bool = False, top_left: bool = False) -> np.ndarray:
+    """Boolean (len(rows), len(cols)), True where key ``col`` is HIDDEN from query ``row`` under
+    FlashAttention's sliding window (left, right) (-1: unbounded): visible iff
+    i' - left <= col <= i' + right with i' = row + seqlen_k - seqlen_q (i' = row when ``top_left``);
+    ``causal`` makes right 0."""
+    left, right = window_size
+    if causal:
+        right = 0
+    diag = rows[:, None] + (0 if top_left else seqlen_k - seqlen_q)
+    hidden = np.zeros((len(rows), len(cols)), dtype=bool)
+    if left >= 0:
+        hidden |= cols[None, :] < diag - left
+    if right >= 0:
+        hidden |= cols[None, :] > diag + right
+    return hidden
+
+
+def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | None = None, *,
+                        window_size=(-1, -1), softcap: float = 0.0, sinks=None, top_left: bool = False):
     """(O, LSE) in float64: O (batch, seqlen_q, heads_q, d), LSE (batch, heads_q, seqlen_q).
 
     Inputs of any float dtype (NumPy, CuPy or torch) are upcast to float64. Loops over batch,
-    heads and blocks of query rows, so at most 128 MB of scores are live at a time."""
+    heads and blocks of query rows, so at most 128 MB of scores are live at a time.
+
+    Attention variants (facodegen.attention's): ``window_size`` (see window_mask; ``top_left``
+    aligns it and causal to the top-left corner), ``softcap`` c > 0 (logits c tanh(scale s / c)),
+    ``sinks`` (heads_q,) logits that join each head's denominator with no value; the LSE then
+    includes the sink, and a row with no visible key has O = 0 and LSE = its sink."""
     q, k, v = to_float64(q), to_float64(k), to_float64(v)
     b, sq, sk, hq, hkv, d = _shapes(q, k, v)
     scale = _scale(softmax_scale, d)
+    sink = None if sinks is None else to_float64(sinks).reshape(-1)
+    if sink is not None and sink.shape != (hq,):
+        raise ValueError(f"sinks: expected shape ({hq},), got {sink.shape}")
+    windowed = tuple(window_size) != (-1, -1) or top_left
     group = hq // hkv
     o = np.zeros((b, sq, hq, d))
     lse = np.full((b, hq, sq), -np.inf)
@@ -138,12 +166,20 @@ def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | No
             for r0 in range(0, sq, chunk):
                 r1 = min(sq, r0 + chunk)
                 s = scale * (q[bi, r0:r1, h, :] @ kh.T)                       # S = scale Q K^T
-                if causal:
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                if windowed:
+                    s[window_mask(np.arange(r0, r1), cols, sq, sk, window_size, causal, top_left)] = -np.inf
+                elif causal:
                     s[causal_mask(np.arange(r0, r1), cols, sq, sk)] = -np.inf
                 m = s.max(axis=1)
+                if sink is not None:
+                    m = np.maximum(m, sink[h])
                 empty = np.isneginf(m)
                 p = np.exp(s - np.where(empty, 0.0, m)[:, None])               # masked -> 0
                 l = p.sum(axis=1)
+                if sink is not None:
+                    l = l + np.exp(sink[h] - np.where(empty, 0.0, m))
                 o[bi, r0:r1, h, :] = (p @ vh) / np.where(empty, 1.0, l)[:, None]
                 with np.errstate(divide="ignore"):
                     lse[bi, h, r0:r1] = np.where(empty, -np.inf, m + np.log(np.where(empty, 1.0, l)))

@@ -9,7 +9,7 @@ from pathlib import Path
 import jinja2
 
 from . import __version__
-from .params import TENSOR_MAP_ALIGN, layout
+from .params import TENSOR_MAP_ALIGN, has_variants, layout
 from .spec import KernelSpec
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -44,10 +44,13 @@ def environment(templates: str | None = None) -> jinja2.Environment:
 _EMIT_ALWAYS = ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "stages", "gpu", "causal")
 
 
-def emit_command(spec: KernelSpec) -> str:
+def emit_command(spec: KernelSpec, runtime: dict | None = None) -> str:
     """The `facodegen emit` command line that reproduces this spec: the problem and its tile, then
     every other knob whose value the shorter line would not give by itself (found by building the
-    spec of the shorter line until it is this spec), as the knob registry spells them, in its order."""
+    spec of the shorter line until it is this spec), as the knob registry spells them, in its order.
+    ``runtime``: the run-time values the command line gave (window_left, window_right, softcap):
+    they stand in for --local / --softcap, as --window-left L --window-right R / --softcap C."""
+    runtime = runtime or {}
     from .knobs import KNOBS
     from .spec import SpecError
 
@@ -69,6 +72,10 @@ def emit_command(spec: KernelSpec) -> str:
         value = given[knob.name]
         if knob.name == "producer_regs":            # --regs P/C sets both
             flags.append(f"--regs {spec.producer_regs}/{spec.consumer_regs}")
+        elif knob.name == "local" and value and "window_left" in runtime:
+            flags.append(f"--window-left {runtime['window_left']} --window-right {runtime['window_right']}")
+        elif knob.name == "softcap" and value and "softcap" in runtime:
+            flags.append(f"--softcap {runtime['softcap']!r}")
         elif knob.kind == "bool":
             on, off = knob.flag.split("/")
             flags.append(on if value else off)
@@ -77,18 +84,34 @@ def emit_command(spec: KernelSpec) -> str:
     return "facodegen emit " + " ".join(flags)
 
 
-def context(spec: KernelSpec) -> dict:
-    """Everything a template may read: the spec and constants derived from it once."""
-    placed, size, align = layout(spec.arch, spec.dtype)
+def _runtime_note(spec: KernelSpec, runtime: dict) -> str:
+    """The header's line of run-time values the command line gave (empty if none)."""
+    parts = []
+    if spec.local and "window_left" in runtime:
+        parts.append(f"window_size = ({runtime['window_left']}, {runtime['window_right']})")
+    if spec.softcap and "softcap" in runtime:
+        parts.append(f"softcap = {runtime['softcap']!r}")
+    return ", ".join(parts)
+
+
+def context(spec: KernelSpec, runtime: dict | None = None) -> dict:
+    """Everything a template may read: the spec and constants derived from it once. ``runtime``:
+    run-time values given on the command line (shown in the header, not compiled in)."""
+    placed, size, align = layout(spec.arch, spec.dtype, has_variants(spec))
+    runtime = runtime or {}
+    hidden = set() if spec.dtype == "fp8" else {"out_dtype", "v_layout", "vt_in_place", "defer_o_store"}
+    if not has_variants(spec):
+        hidden |= {"local", "softcap", "sinks"}
     return {
         "spec": spec,
         "arch": spec.arch,
         "kernel_name": spec.variant,
         "version": __version__,
-        "emit_command": emit_command(spec),
-        # fp8's knobs (fixed for the 16-bit types) are left out of the header of bf16/fp16 kernels
-        "spec_items": sorted((k, v) for k, v in spec.as_dict().items()
-                             if spec.dtype == "fp8" or k not in ("out_dtype", "v_layout", "vt_in_place", "defer_o_store")),
+        "emit_command": emit_command(spec, runtime),
+        "runtime_note": _runtime_note(spec, runtime),
+        # fp8's knobs (fixed for the 16-bit types) are left out of the header of bf16/fp16 kernels,
+        # and the variant switches out of kernels that have none
+        "spec_items": sorted((k, v) for k, v in spec.as_dict().items() if k not in hidden),
         "smem_bytes": spec.smem_bytes,
         "threads": spec.threads,
         "log2e": repr(math.log2(math.e)),
@@ -99,9 +122,11 @@ def context(spec: KernelSpec) -> dict:
     }
 
 
-def emit(spec: KernelSpec, templates: str | None = None) -> str:
+def emit(spec: KernelSpec, templates: str | None = None, runtime: dict | None = None) -> str:
     """The CUDA source of one kernel: byte-identical for equal specs. ``templates``: another copy
-    of templates/ to render from (scripts/patch_ab.py times an older tree's kernel that way)."""
+    of templates/ to render from (scripts/patch_ab.py times an older tree's kernel that way).
+    ``runtime``: run-time values (window_left, window_right, softcap) to show in the header; the
+    code is the same for any."""
     if spec.schedule == "fa1":
         name = f"{spec.arch}/flash_fwd_fa1.cu.j2"
     elif spec.dtype == "fp8":
@@ -109,7 +134,7 @@ def emit(spec: KernelSpec, templates: str | None = None) -> str:
     else:
         name = f"{spec.arch}/flash_fwd.cu.j2"
     try:
-        return environment(templates).get_template(name).render(**context(spec))
+        return environment(templates).get_template(name).render(**context(spec, runtime))
     except jinja2.TemplateSyntaxError as err:
         raise TemplateRenderError(_describe(err.filename or name, err.lineno, str(err))) from err
     except jinja2.UndefinedError as err:

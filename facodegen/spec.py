@@ -658,6 +658,12 @@ class KernelSpec:
     l2_prefetch: int | None = None
     vt_in_place: bool | None = None
     defer_o_store: bool | None = None
+    # Attention variants (problem fields; the values are run-time FlashParams fields): ``local``
+    # (sliding window: window_left/window_right), ``softcap`` (c * tanh(s * scale / c), c in
+    # softcap_scale), ``sinks`` (one fp32 logit per query head in the softmax denominator).
+    local: bool = False
+    softcap: bool = False
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -675,6 +681,11 @@ class KernelSpec:
             tiles = fa1_tiles(self.head_dim, self.warp_split)
         else:
             tiles = default_tiles(self.arch, self.head_dim, self.dtype, self.causal, gpu)
+            if self.arch == "sm80" and self.softcap is True and tiles.block_m * tiles.block_n // tiles.num_warps > 2048:
+                # the tanh pass over 128 S floats a thread (head_dim 64's 128x128, 4 warps, at 254
+                # registers without it) spills 20-40 bytes (ptxas, NVRTC 13.0): half the keys per step
+                tiles = dataclasses.replace(tiles, block_n=tiles.block_n // 2,
+                                            why=tiles.why + "; softcap: block_n halved (no spills)")
         fill = {"gpu": gpu}
         if self.arch == "sm80":
             fill.update(block_m=tiles.block_m, block_n=tiles.block_n, num_warps=tiles.num_warps,
@@ -826,7 +837,8 @@ class KernelSpec:
         Knobs that were only defaults (not given by the caller) are dropped so that a
         change of head_dim, say, picks that head_dim's default tiles."""
         given = {k: v for k, v in self.as_dict().items()
-                 if k in ("arch", "head_dim", "dtype", "causal", "gpu", "schedule", "out_dtype", "v_layout")}
+                 if k in ("arch", "head_dim", "dtype", "causal", "gpu", "schedule", "out_dtype", "v_layout",
+                          "local", "softcap", "sinks")}
         if changes.get("dtype", self.dtype) != "fp8":
             given.pop("out_dtype", None)     # fp8 knobs go when the dtype changes away from fp8
             given.pop("v_layout", None)
@@ -844,7 +856,7 @@ class KernelSpec:
 # first, before any rule reads a field: a value of another type is a SpecError naming the field.
 # Text fields take one of their listed values only, so no text a caller (or a tuning-database
 # entry) passes reaches the generated source unless the registry lists it.
-_REQUIRED = ("arch", "head_dim", "dtype", "causal", "schedule")
+_REQUIRED = ("arch", "head_dim", "dtype", "causal", "schedule", "local", "softcap", "sinks")
 assert tuple(GPUS) == GPU_NAMES, "the registry's gpu choices are the budget model's GPUs"
 
 
@@ -1024,8 +1036,24 @@ def sm90_consumer_registers(head_dim: int, block_n: int, dtype: str, q_in_regs: 
     return o_acc + s_acc + p_buffers * p_frag + q_frag + REG_OVERHEAD["sm90-fp8" if dtype == "fp8" else "sm90"]
 
 
+def _check_variants(spec: KernelSpec) -> None:
+    """local / softcap / sinks: the fa2 schedule of sm80 and the 16-bit sm90 kernel have them."""
+    for name in ("local", "softcap", "sinks"):
+        if not getattr(spec, name):
+            continue
+        if spec.dtype == "fp8":
+            raise SpecError(name, "the fp8 kernel has no attention variants yet (window, softcap, sinks): "
+                                  f"use dtype=bf16/fp16 or {name}=False")
+        if spec.schedule == "fa1":
+            raise SpecError(name, f"schedule=fa1 has no attention variants: use schedule=fa2 or {name}=False")
+    if spec.local and spec.cluster_m != 1:
+        raise SpecError("cluster_m", "local (sliding window) m-blocks see different key ranges, so two CTAs "
+                                     "cannot share their K/V loads: use cluster_m=1")
+
+
 def _validate(spec: KernelSpec) -> None:
     limits = GPUS[spec.gpu]
+    _check_variants(spec)
     if not isinstance(spec.lazy_rescale, bool):
         raise SpecError("lazy_rescale", f"must be True or False, got {spec.lazy_rescale!r}")
     if spec.lazy_rescale and spec.dtype == "fp8" and (spec.optimistic_max or spec.rescale_under_qk):

@@ -1,7 +1,8 @@
 """facodegen's forward as PyTorch operators, so torch.compile, torch.export and CUDA graphs see it.
 
     torch.ops.facodegen.attention(q, k, v, causal, softmax_scale, arch, q_descale, k_descale,
-                                  v_descale, knobs) -> (out, lse)
+                                  v_descale, knobs, window_size, softcap, sinks,
+                                  causal_alignment) -> (out, lse)
     torch.ops.facodegen.attention_out(q, k, v, out!, lse!, causal, ...)   -> ()   (writes out, lse)
 
 ``facodegen.attention`` calls them on torch tensors while Dynamo traces it, and when an input
@@ -32,8 +33,11 @@ import torch
 from . import api
 
 _LIB = torch.library.Library("facodegen", "DEF")
+# The attention variants (window_size, softcap, sinks: facodegen.attention's) come last, with
+# defaults, so a call that names none of them is the op's older form.
 _ARGS = ("bool causal, float? softmax_scale, str? arch, Tensor? q_descale, Tensor? k_descale, "
-         "Tensor? v_descale, str knobs")
+         "Tensor? v_descale, str knobs, int[] window_size=[-1, -1], float softcap=0., Tensor? sinks=None, "
+         "str causal_alignment=\"bottom_right\"")
 _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tensor)")
 _LIB.define(f"attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, {_ARGS}) -> ()")
 _LIB.define("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
@@ -62,19 +66,21 @@ def decode_knobs(knobs: str) -> dict:
 def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch, **spec_fields):
     """facodegen.attention through the operators (the arguments are attention()'s)."""
     descales = [spec_fields.pop(name, None) for name in _DESCALES]
+    variant = (list(spec_fields.pop("window_size", (-1, -1))), float(spec_fields.pop("softcap", 0.0)),
+               spec_fields.pop("sinks", None), spec_fields.pop("causal_alignment", "bottom_right"))
     knobs = encode_knobs(spec_fields)
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
         if q.dtype == torch.float8_e4m3fn:
             raise NotImplementedError("facodegen.attention: fp8 (e4m3) inputs have no backward yet; call it under "
                                       "torch.no_grad() or on tensors that do not require grad")
     if out is None and lse_out is None:
-        out, lse = torch.ops.facodegen.attention(q, k, v, causal, softmax_scale, arch, *descales, knobs)
+        out, lse = torch.ops.facodegen.attention(q, k, v, causal, softmax_scale, arch, *descales, knobs, *variant)
         return (out, lse) if return_lse else out
     if out is None:
         out = q.new_empty(q.shape, dtype=_out_dtype(q, knobs))
     if lse_out is None:
         lse_out = q.new_empty(_lse_shape(q), dtype=torch.float32)
-    torch.ops.facodegen.attention_out(q, k, v, out, lse_out, causal, softmax_scale, arch, *descales, knobs)
+    torch.ops.facodegen.attention_out(q, k, v, out, lse_out, causal, softmax_scale, arch, *descales, knobs, *variant)
     return (out, lse_out) if return_lse else out
 
 
@@ -97,21 +103,35 @@ def _lse_shape(q) -> tuple:
 
 # ------------------------------------------------------------------ implementations
 
-def _attention_cuda(q, k, v, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs):
+def _variant(window_size, softcap, sinks, causal_alignment):
+    """api's variant tuple of the op's last arguments (None: a plain call). Top-left causal without
+    a variant runs as the window (-1, 0) on its diagonal (one launch)."""
+    if causal_alignment == "bottom_right" and api._variant_args(list(window_size), softcap, sinks) is None:
+        return None
+    return tuple(window_size), softcap, sinks, causal_alignment
+
+
+def _attention_cuda(q, k, v, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs,
+                    window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right"):
     return api._attention_torch(torch, q, k, v, causal, softmax_scale, True, None, None, arch,
-                                _fields(knobs, (q_descale, k_descale, v_descale)))
+                                _fields(knobs, (q_descale, k_descale, v_descale)),
+                                _variant(window_size, softcap, sinks, causal_alignment))
 
 
-def _attention_out_cuda(q, k, v, out, lse, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs):
+def _attention_out_cuda(q, k, v, out, lse, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs,
+                        window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right"):
     api._attention_torch(torch, q, k, v, causal, softmax_scale, True, out, lse, arch,
-                         _fields(knobs, (q_descale, k_descale, v_descale)))
+                         _fields(knobs, (q_descale, k_descale, v_descale)),
+                         _variant(window_size, softcap, sinks, causal_alignment))
 
 
-def _attention_fake(q, k, v, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs):
+def _attention_fake(q, k, v, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs,
+                    window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right"):
     return q.new_empty(q.shape, dtype=_out_dtype(q, knobs)), q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
-def _attention_out_fake(q, k, v, out, lse, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs):
+def _attention_out_fake(q, k, v, out, lse, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs,
+                        window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right"):
     return None
 
 

@@ -825,15 +825,16 @@ __device__ __forceinline__ void store_o_rows(elem_t* o_rows, long long o_row_str
     }
 }
 
-// A tile none of whose rows sees any key (causal, seqlen_q > seqlen_k): O = 0, LSE = -inf.
+// A tile none of whose rows sees any key (causal, seqlen_q > seqlen_k): O = 0, LSE = -inf (with
+// sinks, the sink logit: its row's whole denominator).
 __device__ __forceinline__ void store_empty_tile(elem_t* o_rows, long long o_row_stride, float* lse_rows,
-                                                 int rows_valid, int tid) {
+                                                 int rows_valid, int tid, float empty_lse = NEG_INF) {
     const uint32_t zero[4] = {0u, 0u, 0u, 0u};
     for (int i = tid; i < rows_valid * ROW_CHUNKS; i += THREADS) {
         st_global_128(o_rows + (i / ROW_CHUNKS) * o_row_stride + (i % ROW_CHUNKS) * 8, zero);
     }
     for (int row = tid; row < rows_valid; row += THREADS) {
-        lse_rows[row] = NEG_INF;
+        lse_rows[row] = empty_lse;
     }
 }
 
@@ -852,6 +853,7 @@ flash_fwd_sm80_fp16_hd64_bm128_bn128_w4_st2_causal(const __grid_constant__ Flash
     const int row_begin = m_block * BLOCK_M;                // first query row of the tile
     const int rows_valid = min(BLOCK_M, seqlen_q - row_begin);
     // K/V blocks 0 .. n_blocks-1 (causal: none past the diagonal of the tile's last row).
+    constexpr int n_begin = 0;
     const int n_blocks = kv_blocks_visible<BLOCK_N>(row_begin + rows_valid, seqlen_q, seqlen_k, IS_CAUSAL);
 
     // O and LSE rows of this tile (built where used: no register holds them through the main loop).
@@ -862,7 +864,7 @@ flash_fwd_sm80_fp16_hd64_bm128_bn128_w4_st2_causal(const __grid_constant__ Flash
         return p.lse + (static_cast<long long>(opaque(batch)) * p.heads_q + opaque(head)) * seqlen_q + row_begin;
     };
 
-    if (n_blocks == 0) {   // no row of this tile sees any key: O = 0, LSE = -inf
+    if (n_blocks == n_begin) {   // no row of this tile sees any key: O = 0, LSE = -inf
         store_empty_tile(o_tile(), p.o_row_stride, lse_tile(), rows_valid, threadIdx.x);
         return;
     }
@@ -872,22 +874,22 @@ flash_fwd_sm80_fp16_hd64_bm128_bn128_w4_st2_causal(const __grid_constant__ Flash
     const uint32_t v_smem0 = k_smem0 + STAGES * KV_TILE_BYTES;    // v_smem[stage] likewise
 
     // ================= load: Q and the K/V ring =================
-    // K/V blocks are visited in reverse, n = n_blocks-1 down to 0 (only the first can be cut by
+    // K/V blocks are visited in reverse, n = n_blocks-1 down to n_begin (only the first can be cut by
     // seqlen_k); step it = n_blocks-1-n uses ring stage it % STAGES. Commit groups, in order:
     // {Q, K(step 0)}, V(0), K(1), V(1), K(2), ... The prologue commits K of steps 0..STAGES-1 and
     // V of steps 0..STAGES-2; each step then commits V of step it+STAGES-1 (at its top) and K of
     // step it+STAGES (in its middle), empty groups past the last block. So at both waits of a
     // step exactly 2*STAGES-2 younger groups may stay in flight. STAGES = 1 is FlashAttention-2's
     // interleaving: V is fetched under Q K^T, the next K under the softmax and P V.
-    auto load_k = [&](int n, int stage) {   // K block n -> k_smem[stage]; nothing past the last block (n < 0)
-        if (n >= 0) {
+    auto load_k = [&](int n, int stage) {   // K block n -> k_smem[stage]; nothing past the last block (n < n_begin)
+        if (n >= n_begin) {
             load_kv_tile(k_smem0 + stage * KV_TILE_BYTES,
                          p.k + opaque(batch) * p.k_batch_stride + opaque(kv_head) * p.k_head_stride, p.k_row_stride, n,
                          seqlen_k);
         }
     };
     auto load_v = [&](int n, int stage) {   // V block n -> v_smem[stage]
-        if (n >= 0) {
+        if (n >= n_begin) {
             load_kv_tile(v_smem0 + stage * KV_TILE_BYTES,
                          p.v + opaque(batch) * p.v_batch_stride + opaque(kv_head) * p.v_head_stride, p.v_row_stride, n,
                          seqlen_k);
@@ -925,7 +927,7 @@ flash_fwd_sm80_fp16_hd64_bm128_bn128_w4_st2_causal(const __grid_constant__ Flash
     }
 
     int stage = 0;   // ring stage of this step
-    for (int n = n_blocks - 1; n >= 0; --n) {
+    for (int n = n_blocks - 1; n >= n_begin; --n) {
         const ThreadPos tp = thread_pos();
         const int col_begin = n * BLOCK_N;   // first key of this block
 

@@ -33,7 +33,7 @@ class FakeAttention:
         self.calls = []
 
     def __call__(self, q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, lse_out=None,
-                 arch=None, causal_alignment="bottom_right", **spec_fields):
+                 arch=None, causal_alignment="bottom_right", window_size=(-1, -1), softcap=0.0, **spec_fields):
         assert not spec_fields and arch is None and lse_out is None
         assert causal_alignment in ("bottom_right", "top_left")
         batch, seqlen_q, heads_q, head_dim = q.shape
@@ -41,14 +41,22 @@ class FakeAttention:
         assert k.shape == v.shape == (batch, seqlen_k, heads_kv, head_dim) and heads_q % heads_kv == 0
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head_dim must be contiguous"
         self.calls.append(dict(q=q, k=k, v=v, causal=causal, softmax_scale=softmax_scale, out=out,
-                               causal_alignment=causal_alignment, return_lse=return_lse))
+                               causal_alignment=causal_alignment, return_lse=return_lse, window_size=window_size,
+                               softcap=softcap))
         scale = 1 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
         group = heads_q // heads_kv
         qd = q.double().transpose(1, 2)
         kd = k.double().transpose(1, 2).repeat_interleave(group, dim=1)
         vd = v.double().transpose(1, 2).repeat_interleave(group, dim=1)
         s = scale * qd @ kd.transpose(-1, -2)
-        if causal:
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if tuple(window_size) != (-1, -1):
+            from facodegen.reference import window_mask
+            hidden = window_mask(torch.arange(seqlen_q).numpy(), torch.arange(seqlen_k).numpy(), seqlen_q, seqlen_k,
+                                 window_size, causal, causal_alignment == "top_left")
+            s = s.masked_fill(torch.from_numpy(hidden), -math.inf)
+        elif causal:
             shift = seqlen_k - seqlen_q if causal_alignment == "bottom_right" else 0
             rows = torch.arange(seqlen_q)[:, None]
             s = s.masked_fill(torch.arange(seqlen_k)[None, :] > rows + shift, -math.inf)
@@ -189,9 +197,6 @@ def test_sdpa_refuses_bad_shapes(fake):
 
 @pytest.mark.parametrize("kwargs, name", [
     (dict(dropout_p=0.1), "dropout_p"),
-    (dict(window_size=(128, 0)), "window_size"),
-    (dict(window_size=(-1, 4)), "window_size"),
-    (dict(softcap=30.0), "softcap"),
     (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
 ])
 def test_flash_attn_func_refuses(fake, kwargs, name):
@@ -205,7 +210,26 @@ def test_flash_attn_func_accepts_what_flash_attention_treats_as_off(fake):
     q = _bhsd().transpose(1, 2)
     flash_attn_func(q, q, q, window_size=[-1, -1], softcap=0.0, deterministic=True)
     flash_attn_func(q, q, q, softcap=-1.0)   # FA2: softcap <= 0 is off
-    assert len(fake.calls) == 2
+    flash_attn_func(q, q, q, window_size=(-5, -2))   # FA2: any negative side is unbounded
+    assert len(fake.calls) == 3
+    assert all(c["window_size"] == (-1, -1) and c["softcap"] == 0.0 for c in fake.calls)
+
+
+@pytest.mark.parametrize("kwargs", [dict(window_size=(3, 0)), dict(window_size=(-1, 2)), dict(softcap=30.0),
+                                    dict(window_size=(2, 1), softcap=5.0, causal=True)])
+def test_flash_attn_func_passes_window_and_softcap(fake, kwargs):
+    """window_size and softcap reach facodegen.attention as given (FlashAttention's meaning), and the
+    result is the float64 reference's."""
+    from facodegen.reference import attention_reference
+    q = _bhsd().transpose(1, 2)
+    k = torch.randn(q.shape[0], 9, q.shape[2], q.shape[3])
+    out, lse, _ = flash_attn_func(q, k, k, return_attn_probs=True, **kwargs)
+    call = fake.calls[-1]
+    assert call["window_size"] == kwargs.get("window_size", (-1, -1)) and call["softcap"] == kwargs.get("softcap", 0.0)
+    ref, ref_lse = attention_reference(q, k, k, causal=kwargs.get("causal", False),
+                                       window_size=kwargs.get("window_size", (-1, -1)), softcap=kwargs.get("softcap", 0.0))
+    _close(out, torch.from_numpy(ref).to(out.dtype))
+    torch.testing.assert_close(lse.double(), torch.from_numpy(ref_lse), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -70,6 +70,9 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert {(c.arch, c.dtype, c.causal) for c in cases} == {
         (a, d, c) for a, ds in (("sm80", ("bf16", "fp16")), ("sm90", ("bf16", "fp16", "fp8"))) for d in ds
         for c in (False, True)}
+    variants = [c for c in cases if c.family == "variants"]
+    assert {(c.arch, c.causal) for c in variants} == {(a, c) for a in ("sm80", "sm90") for c in (False, True)}
+    assert all(c.sinks and c.softcap and c.window_left >= 0 for c in variants)
 
 
 def test_sanitizer_summaries_are_read():

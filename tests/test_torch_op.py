@@ -92,3 +92,27 @@ def test_requires_grad_records_the_backward():
 def test_a_meta_tensor_in_eager_is_refused_by_name():
     with pytest.raises(TypeError, match="q is a torch tensor on meta"):
         facodegen.attention(meta(1, 16, 2, 64), meta(1, 16, 2, 64), meta(1, 16, 2, 64))
+
+
+def test_compile_and_export_carry_the_variants():
+    """window_size, softcap and sinks reach the op as arguments (and the sinks tensor as an input)
+    under torch.compile(fullgraph=True) and torch.export; the fake shapes are the plain call's."""
+    q, k = meta(2, 100, 8, 128), meta(2, 77, 2, 128)
+    sinks = meta(8, dtype=torch.float32)
+    seen = []
+
+    def layer(q, k, v, sinks):
+        return facodegen.attention(q, k, v, causal=True, window_size=(64, 0), softcap=30.0, sinks=sinks,
+                                   return_lse=True)
+
+    out, lse = torch.compile(layer, fullgraph=True, backend=recording_backend(seen))(q, k, k, sinks)
+    assert out.shape == q.shape and lse.shape == (2, 8, 100)
+    assert "facodegen.attention" in seen[0] and "[64, 0]" in seen[0] and "30.0" in seen[0]
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, sinks):
+            return facodegen.attention(q, k, v, window_size=(16, 16), sinks=sinks, causal_alignment="top_left")
+
+    program = torch.export.export(Attention(), (q, k, k, sinks))
+    text = str(program.graph)
+    assert "torch.ops.facodegen.attention.default" in text and "[16, 16]" in text and "top_left" in text

@@ -1,0 +1,68 @@
+"""scripts/bench_variants.py without a GPU: it imports without torch, and its pure parts (the cells,
+visible-pair counts, ideal speed-up, ratios, the table) are right."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_variants", ROOT / "scripts" / "bench_variants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_imports_without_torch_and_documents_its_arguments():
+    code = ("import sys; sys.modules['torch'] = None; import importlib.util as u; "
+            f"s = u.spec_from_file_location('b', r'{ROOT / 'scripts' / 'bench_variants.py'}'); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); print(len(m.cells()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "6"
+    helped = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_variants.py"), "--help"],
+                            capture_output=True, text=True, check=False)
+    assert helped.returncode == 0 and "--out" in helped.stdout and "--seqlens" in helped.stdout
+
+
+def test_cells_are_16k_tokens_of_16_heads_at_head_dim_128():
+    b = _load()
+    cells = b.cells()
+    assert [(c["variant"], c["seqlen"], c["batch"]) for c in cells] == [
+        ("window", 4096, 4), ("softcap", 4096, 4), ("sinks", 4096, 4),
+        ("window", 16384, 1), ("softcap", 16384, 1), ("sinks", 16384, 1)]
+    assert all(c["heads"] == 16 and c["head_dim"] == 128 for c in cells)
+    assert cells[0]["window_size"] == (4096, 0) and cells[1]["softcap"] == 50.0
+
+
+def test_visible_pairs_and_the_ideal_speedup():
+    b = _load()
+    assert b.visible_pairs(4, 4) == 16
+    assert b.visible_pairs(4, 4, causal=True) == 10
+    assert b.visible_pairs(4, 4, (1, 0)) == 7            # 1 + 2 + 2 + 2
+    assert b.visible_pairs(3, 5, (0, 0)) == 3
+    assert b.visible_pairs(5, 2, (-1, 0)) == 3           # rows 0..2 see nothing (bottom-right)
+    s = 16384
+    full = s * (s + 1) // 2
+    window = sum(min(i, 4096) + 1 for i in range(s))
+    assert b.ideal_window_speedup(s) == pytest.approx(full / window)
+    assert b.ideal_window_speedup(s) == pytest.approx(2.29, abs=0.01)    # issue 40's ideal
+    assert b.ideal_window_speedup(4096) == pytest.approx(1.0)
+
+
+def test_ratios_and_table():
+    b = _load()
+    row = dict(variant="window", seqlen=16384, batch=1,
+               ms={"facodegen_window": 1.0, "facodegen_full_causal": 2.1, "fa3_window": 1.05}, notes=[])
+    r = b.ratios(row)
+    assert r["vs_fa3_window"] == pytest.approx(1.05) and r["vs_own_full_causal"] == pytest.approx(2.1)
+    cap = dict(variant="softcap", seqlen=4096, batch=4, ms={"facodegen_plain": 2.0, "facodegen_softcap": 2.08},
+               notes=["FlashAttention-3 skipped: x"])
+    assert b.ratios(cap) == {"cost": pytest.approx(1.04)}
+    table = b.format_table([row, cap])
+    assert table.splitlines()[0].startswith("| variant | seqlen")
+    assert "vs_own_full_causal 2.10x" in table and "cost 1.040" in table and "FlashAttention-3 skipped" in table
