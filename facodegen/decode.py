@@ -274,8 +274,8 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
     block_n = 128 if head_dim <= 64 else 64
     stage = 2 * block_n * head_dim * 2
     stages = max(2, min(4, (96 * 1024) // stage))   # ~96 KB of ring: d64 3, d96 4, d128 3, d192/d256 2
-    fields = dict(arch=arch, dtype=dtype, head_dim=head_dim, block_m=block_m, block_n=block_n, num_warps=4,
-                  stages=stages, pack_gqa=pack_gqa, split=split, paged=paged)
+    fields = {"arch": arch, "dtype": dtype, "head_dim": head_dim, "block_m": block_m, "block_n": block_n,
+              "num_warps": 4, "stages": stages, "pack_gqa": pack_gqa, "split": split, "paged": paged}
     fields.update(knobs)
     return DecodeSpec(**fields)
 

@@ -433,3 +433,70 @@ def attention_reference_fp8(q, k, v, q_descale=1.0, k_descale=1.0, v_descale=1.0
     kf = dequantize_fp8(k, k_descale)
     vf = dequantize_fp8(v, v_descale, v_layout=v_layout)
     return attention_reference(qf, kf, vf, causal=causal, softmax_scale=softmax_scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV-cache attention (decode): contiguous or paged cache, append, per-sequence lengths
+# ----------------------------------------------------------------------------------------------
+
+def kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=None, k=None, v=None, causal: bool = True,
+                      softmax_scale: float | None = None):
+    """Float64 FlashAttention-3 ``flash_attn_with_kvcache``: returns (O, LSE, k_cache', v_cache').
+
+    q (batch, seqlen_q, heads_q, d); caches (batch, capacity, heads_kv, d) or, with ``page_table``
+    (batch, max_pages) int, pages (num_pages, page_size, heads_kv, d): key j of sequence b is row
+    j % page_size of page page_table[b, j // page_size]. New tokens k/v (batch, seqlen_new, heads_kv,
+    d) are written at cache_seqlens[b] + i first (into float64 copies of the caches, returned), then
+    sequence b attends over its first cache_seqlens[b] + seqlen_new keys, bottom-right causal.
+    Clamps as the kernels do: cache_seqlens to [0, capacity], positions past the capacity dropped,
+    page indices into [0, num_pages). A row with no visible key: O = 0, LSE = -inf."""
+    q = to_float64(q)
+    kc, vc = to_float64(k_cache).copy(), to_float64(v_cache).copy()
+    lengths = np.asarray(to_float64(cache_seqlens), dtype=np.int64)
+    batch, seqlen_q, heads_q, d = q.shape
+    heads_kv = kc.shape[2]
+    group = heads_q // heads_kv
+    scale = _scale(softmax_scale, d)
+    if page_table is not None:
+        table = np.asarray(to_float64(page_table), dtype=np.int64)
+        page_size, num_pages = kc.shape[1], kc.shape[0]
+        capacity = table.shape[1] * page_size
+
+        def rows(b, positions):
+            pages = np.clip(table[b, positions // page_size], 0, num_pages - 1)
+            return pages, positions % page_size
+    else:
+        capacity = kc.shape[1]
+
+        def rows(b, positions):
+            return np.full_like(positions, b), positions
+    seqlen_new = 0
+    if k is not None:
+        kn, vn = to_float64(k), to_float64(v)
+        seqlen_new = kn.shape[1]
+    o = np.zeros((batch, seqlen_q, heads_q, d))
+    lse = np.full((batch, heads_q, seqlen_q), -np.inf)
+    for b in range(batch):
+        cached = int(np.clip(lengths[b], 0, capacity))
+        if seqlen_new:
+            positions = np.arange(cached, cached + seqlen_new)
+            keep = positions < capacity
+            pages, slots = rows(b, positions[keep])
+            kc[pages, slots] = kn[b, :seqlen_new][keep]
+            vc[pages, slots] = vn[b, :seqlen_new][keep]
+        seqlen_k = min(cached + seqlen_new, capacity)
+        pages, slots = rows(b, np.arange(seqlen_k))
+        keys, values = kc[pages, slots], vc[pages, slots]          # (seqlen_k, heads_kv, d)
+        for h in range(heads_q):
+            s = q[b, :, h] @ keys[:, h // group].T * scale          # (seqlen_q, seqlen_k)
+            if causal:
+                cols = np.arange(seqlen_k)[None, :]
+                limit = seqlen_k - seqlen_q + np.arange(seqlen_q)[:, None]
+                s = np.where(cols <= limit, s, -np.inf)
+            m = s.max(axis=1, initial=-np.inf)
+            seen = np.isfinite(m)
+            p = np.exp(s - np.where(seen, m, 0.0)[:, None])
+            l_sum = p.sum(axis=1)
+            o[b, :, h] = np.where(seen[:, None], (p @ values[:, h // group]) / np.where(seen, l_sum, 1.0)[:, None], 0.0)
+            lse[b, h] = np.where(seen, m + np.log(np.where(seen, l_sum, 1.0)), -np.inf)
+    return o, lse, kc, vc
