@@ -64,7 +64,7 @@ DECODE_KNOBS: tuple[Knob, ...] = (
     Knob("block_n", "int", "Keys per K/V ring stage; each warp takes block_n / num_warps of them.",
          choices=(32, 64, 128, 256), flag="--block-n", token=_tok("bn{}")),
     Knob("num_warps", "int", "Warps per CTA; they split the keys of a stage and merge through shared memory.",
-         choices=(2, 4, 8), flag="--num-warps", token=_tok("w{}")),
+         choices=(2, 4, 8), flag="--warps", token=_tok("w{}")),
     Knob("stages", "int", "Depth of the cp.async K/V ring (stages - 1 in flight under the math).",
          choices=(2, 3, 4, 5, 6), flag="--stages", token=_tok("st{}")),
     Knob("pack_gqa", "bool", "The query heads of one KV head share the M tile (each K/V byte read once per group).",
@@ -184,7 +184,7 @@ COMBINE_KNOBS: tuple[Knob, ...] = (
     Knob("head_dim", "int", "Head dimension d.", choices=DECODE_HEAD_DIMS, flag="--head-dim", problem=True,
          flag_offers_choices=False, token=_tok("hd{}")),
     Knob("num_warps", "int", "Warps per CTA; one output row (batch, query, head) per warp.", choices=(4, 8),
-         flag="--num-warps", token=lambda s, v: None if v == 4 else f"w{v}"),
+         flag="--warps", token=lambda s, v: None if v == 4 else f"w{v}"),
 )
 
 

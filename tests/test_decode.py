@@ -347,3 +347,47 @@ def test_decode_params_values(fake):
     assert (get("num_pages"), get("page_shift"), get("causal")) == (3 * 1024 // 16, 4, 0)
     assert get("softmax_scale") == 0.5 and abs(get("scale_log2") - 0.5 * 1.4426950408889634) < 1e-6
     assert get("k_page_stride") == 16 * 2 * 64 and get("k_row_stride") == 2 * 64 and get("page_table_stride") == 64
+
+
+# ------------------------------------------------------------------ CLI
+
+def test_cli_kernels_tuple():
+    from facodegen import cli
+    assert cli.KERNELS[0] == "forward" and {"decode", "combine", "append"} <= set(cli.KERNELS)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--arch", "sm90", "--kernel", "decode", "--page-size", "64", "--split-kv", "--pack-gqa"],
+    ["--arch", "sm80", "--kernel", "decode", "--head-dim", "64", "--block-n", "128", "--stages", "4"],
+    ["--kernel", "combine", "--head-dim", "96", "--dtype", "fp16"],
+    ["--kernel", "append", "--paged"],
+])
+def test_cli_emit_reproduces_itself(argv):
+    import shlex
+
+    from click.testing import CliRunner
+
+    from facodegen import cli
+    runner = CliRunner()
+    first = runner.invoke(cli.main, ["emit", *argv])
+    assert first.exit_code == 0, first.output
+    line = first.output.splitlines()[4].removeprefix("//").strip()
+    assert line.startswith("facodegen emit --kernel")
+    again = runner.invoke(cli.main, shlex.split(line)[1:])
+    assert again.exit_code == 0 and again.output == first.output
+
+
+def test_cli_decode_errors_and_inspect():
+    from click.testing import CliRunner
+
+    from facodegen import cli
+    runner = CliRunner()
+    bad = runner.invoke(cli.main, ["emit", "--kernel", "decode", "--causal"])
+    assert bad.exit_code == 2 and "--causal" in bad.output
+    bad = runner.invoke(cli.main, ["emit", "--kernel", "decode", "--block-n", "32"])
+    assert bad.exit_code == 2 and "block_n" in bad.output
+    bad = runner.invoke(cli.main, ["emit", "--split-kv"])
+    assert bad.exit_code == 2 and "--kernel decode" in bad.output
+    res = runner.invoke(cli.main, ["inspect", "--kernel", "decode", "--arch", "sm80", "--head-dim", "64", "--resources"])
+    assert res.exit_code == 0, res.output
+    assert "flash_decode_sm80_bf16_hd64" in res.output and "0 B stores, 0 B loads" in res.output
