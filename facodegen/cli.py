@@ -214,9 +214,8 @@ def emit(spec_fields, output, out_dir, all_specs, kernel="forward", page_size=No
         if kernel != "forward":
             if all_specs:
                 raise UsageFailure("--all writes the forward's default specs; drop --kernel")
-            from .decode import render as render_decode
+            from .decode import render
             spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa)
-            render = lambda _spec: render_decode(spec)  # noqa: E731 (the same write path below)
         elif any(x is not None for x in (page_size, paged, split_kv, pack_gqa)):
             raise UsageFailure("--page-size, --paged, --split-kv and --pack-gqa belong to --kernel decode/append")
         if all_specs:
