@@ -391,3 +391,43 @@ def test_cli_decode_errors_and_inspect():
     res = runner.invoke(cli.main, ["inspect", "--kernel", "decode", "--arch", "sm80", "--head-dim", "64", "--resources"])
     assert res.exit_code == 0, res.output
     assert "flash_decode_sm80_bf16_hd64" in res.output and "0 B stores, 0 B loads" in res.output
+
+
+# ------------------------------------------------------------------ scripts/bench_decode.py (pure parts)
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_decode"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_decode_grid_and_table():
+    bd = _bench_module()
+    grid = bd.cells()
+    assert grid and all(c.kv_bytes <= 60e9 for c in grid)
+    assert not any(c.batch == 64 and c.context == 262144 and c.d == 128 for c in grid)   # 68.7 GB and more: skipped
+    assert any(c.batch == 8 and c.context == 262144 and c.heads_kv == 32 for c in grid)   # 34 GB kept
+    assert {c.layout for c in grid} == set(bd.LAYOUTS)
+    cell = bd.Cell(1, 262144, 32, 8, 128, "paged64")
+    assert cell.page_size == 64 and cell.kv_bytes == 2 * 262144 * 8 * 128 * 2
+    assert bd.parse_int_list("1k,256k,8") == (1024, 262144, 8)
+    assert bd.parse_heads("32/32,64/8") == ((32, 32), (64, 8))
+    assert bd.input_sets(10 ** 10) == 1 and bd.input_sets(1 << 20) == bd.MAX_SETS
+    assert abs(bd.tbps(4 * 10 ** 9, 1.0) - 4.0) < 1e-12 and bd.tbps(1, None) is None
+    rows = [{"cell": "a", "kv_bytes": 1e9, "facodegen": 4.0, "fa3": 3.8, "sdpa": 4.1, "splits": 3},
+            {"cell": "b", "kv_bytes": 1e9, "facodegen": 3.0}]
+    text = bd.table(rows)
+    assert "1.05x" in text and "0.98x" in text and "| b |" in text and text.count("\n") == 3
+    assert abs(bd.geomean([1.0, 4.0]) - 2.0) < 1e-12
+    assert len(bd.cells(**bd.QUICK)) == 10        # b64 x 256k x d128 (68.7 GB) skipped in both layouts
+
+
+def test_bench_decode_lists_cells(capsys):
+    bd = _bench_module()
+    assert bd.main(["--quick", "--list"]) == 0
+    assert "b64 ctx8192 h32/8 d128 paged64" in capsys.readouterr().out
