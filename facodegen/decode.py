@@ -37,6 +37,9 @@ SMEM_LIMIT = {"sm80": 166912, "sm90": 232448}
 # Accumulator floats one thread may hold for O (M_SLABS x HEAD_DIM / 8 x 4): 128 leaves room for
 # S, the fragments and the addresses under 255 registers with no spills (ptxas reports, tests).
 MAX_O_FLOATS = 128
+# S (this warp's keys) and O accumulator floats together: 160 compiles without spills (d64 x 64 rows x
+# 16 keys a warp, d128 x 32 rows, d256 x 16 rows); d64 x 64 rows x 32 keys a warp (192) spilled.
+MAX_ACC_FLOATS = 160
 O_PAD_FLOATS = 8                    # row padding of the fp32 O exchange tile (bank-conflict-free float2 stores)
 
 
@@ -132,6 +135,11 @@ class DecodeSpec:
             raise _spec_error(f"block_m={self.block_m} at head_dim {self.head_dim}: the O accumulator would take "
                             f"{self.block_m * self.head_dim // 32} floats per thread (at most {MAX_O_FLOATS}); "
                             f"use block_m <= {most}", "block_m")
+        held = self.block_m // 16 * (self.block_n // self.num_warps + self.head_dim) // 2
+        if held > MAX_ACC_FLOATS:
+            raise _spec_error(f"block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}: the S "
+                              f"and O accumulators would take {held} floats per thread (at most {MAX_ACC_FLOATS}); "
+                              f"lower block_n or block_m", "block_n")
         if self.smem_bytes > SMEM_LIMIT[self.arch]:
             raise _spec_error(f"stages={self.stages}, block_n={self.block_n}: {self.smem_bytes} bytes of shared "
                             f"memory, more than {self.arch}'s {SMEM_LIMIT[self.arch]}; lower stages or block_n",
@@ -271,7 +279,7 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
         block_m *= 2                    # one M tile per work item where the O registers allow
     # d <= 64: 128 keys a stage (a warp's 32 keys make two k16 P V slices); wider heads: 64 keys,
     # so a stage stays 32-64 KB and a ring of 2-4 stages fits twice per H200 SM (d <= 128).
-    block_n = 128 if head_dim <= 64 else 64
+    block_n = 128 if head_dim <= 64 and block_m <= 32 else 64   # (d64 x 64 rows: S and O would not fit)
     stage = 2 * block_n * head_dim * 2
     stages = max(2, min(4, (96 * 1024) // stage))   # ~96 KB of ring: d64 3, d96 4, d128 3, d192/d256 2
     fields = {"arch": arch, "dtype": dtype, "head_dim": head_dim, "block_m": block_m, "block_n": block_n,
