@@ -34,6 +34,7 @@ from .api import (
     _current_device,
     _current_stream,
     _empty,
+    _torch,
     _View,
     _view,
     default_arch,
@@ -487,8 +488,8 @@ def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, sof
     if arch == "sm90" and info.compute_capability != (9, 0):
         raise ValueError(f"arch='sm90' needs a compute capability 9.0 GPU; {info.name} is "
                          f"{info.compute_capability[0]}.{info.compute_capability[1]}: use arch='sm80'")
-    if out is None:
-        out = _empty(qv, qv.shape, qv.dtype)
+    if out is None:     # as a plan hit makes it (torch: empty_like, q's layout where q is dense)
+        out = _torch().empty_like(q) if qv.kind == "torch" else _empty(qv, qv.shape, qv.dtype)
     outv = _view("out", out)
     if views["out"] is None:
         check_arguments(qv, views["k_cache"], views["v_cache"], slv, views["page_table"], views["k"], views["v"],
