@@ -525,7 +525,7 @@ _FA_UNSUPPORTED = {
 }
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *, block_table=None,
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
                             page_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                             rotary_interleaved=True, num_splits=0, pack_gqa=None, return_softmax_lse=False,
                             out=None, **fa_args):
@@ -535,7 +535,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     return_softmax_lse, out. Refused with an error naming it: rotary_cos/rotary_sin,
     cache_batch_idx, cache_leftpad, window_size other than (-1, -1), softcap != 0, alibi_slopes,
     qv, cu_seqlens_q/cu_seqlens_k_new/max_seqlen_q, rotary_seqlens, descales, scheduler_metadata,
-    attention_chunk, sm_margin; any other keyword is an error too."""
+    attention_chunk, sm_margin; any other keyword is an error too. Arguments after v are keyword-only
+    (FA2 and FA3 order them differently: a positional rotary_cos must never land in cache_seqlens)."""
     for name, value in fa_args.items():
         if name not in _FA_UNSUPPORTED:
             raise TypeError(f"flash_attn_with_kvcache got an unexpected argument {name!r}")
