@@ -259,7 +259,8 @@ def check_arguments(qv, kc, vc, sl, pt, kn, vn, outv, num_splits) -> _Problem:
                     num_pages, capacity, seqlen_new)
 
 
-def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict) -> tuple[dec.DecodeSpec, int]:
+def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
+           smem_per_sm: int = 233472) -> tuple[dec.DecodeSpec, int]:
     """(decode spec, num_splits) of a call: the default spec with the caller's knobs, and the split
     heuristic on the cache's capacity when num_splits is 0 (a pure function of the shapes)."""
     unknown = sorted(set(knobs) - set(CALL_KNOBS))
@@ -275,7 +276,7 @@ def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict)
     if num_splits == 0:
         work = problem.batch * (problem.heads_q // heads_per_cta) * m_blocks
         n_blocks = -(-problem.capacity // base.block_n)
-        num_splits = dec.num_splits_heuristic(work, n_blocks, sms, dec.ctas_per_sm(base))
+        num_splits = dec.num_splits_heuristic(work, n_blocks, sms, dec.ctas_per_sm(base, smem_per_sm))
     if num_splits > 1:
         from dataclasses import replace
         base = replace(base, split=True)
@@ -308,11 +309,12 @@ def _values_decode(spec, problem, num_splits, m_blocks, heads_per_cta, qv, kc, v
 
 
 def build_plan(qv, kc, vc, sl, pt, kn, vn, out_strides, *, causal, softmax_scale, num_splits, arch, knobs,
-               device: int, sms: int, load, allocate, switch_context=False) -> DecodePlan:
+               device: int, sms: int, load, allocate, switch_context=False,
+               smem_per_sm: int = 233472) -> DecodePlan:
     """A DecodePlan for checked views. ``load(spec) -> LoadedFunction`` (None in CPU tests);
     ``out_strides``: O's (batch, row, head) strides in elements."""
     problem = check_arguments(qv, kc, vc, sl, pt, kn, vn, None, num_splits)
-    spec, splits = choose(problem, arch, sms, num_splits, knobs)
+    spec, splits = choose(problem, arch, sms, num_splits, knobs, smem_per_sm)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     specs, kernels, grids = {}, {}, {}
     grid, m_blocks, heads_per_cta = _grid_decode(spec, problem, splits)
@@ -496,7 +498,7 @@ def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, sof
                         outv, num_splits)
     plan = build_plan(qv, views["k_cache"], views["v_cache"], slv, views["page_table"], views["k"], views["v"],
                       outv.strides[:3], causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
-                      arch=arch, knobs=knobs, device=qv.device, sms=info.sms,
+                      arch=arch, knobs=knobs, device=qv.device, sms=info.sms, smem_per_sm=_smem_per_sm(info),
                       load=functools.partial(_load_on, qv.device),
                       allocate=functools.partial(_allocate, qv.kind, qv.device),
                       switch_context=qv.device != _current_device(qv.kind))
@@ -508,6 +510,16 @@ def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, sof
                 views["page_table"].ptr if page_table is not None else 0,
                 views["k"].ptr if k is not None else 0, views["v"].ptr if v is not None else 0)
     return (out, lse) if return_lse else out
+
+
+def _smem_per_sm(info) -> int:
+    """Shared memory of one SM (the budget model's; an A100-class GPU without one: its per-block
+    opt-in plus the 1 KB reserved, i.e. one decode CTA of ~100 KB per SM)."""
+    from .spec import GPUS
+
+    limits = GPUS.get(info.budget_gpu)
+    return (limits.smem_per_sm if limits and limits.smem_per_sm else
+            max(info.smem_per_block_optin, limits.smem_per_block if limits else 0) + 1024)
 
 
 def _load_on(device: int, spec):

@@ -448,3 +448,19 @@ def test_bench_decode_lists_cells(capsys):
     bd = _bench_module()
     assert bd.main(["--quick", "--list"]) == 0
     assert "b64 ctx8192 h32/8 d128 paged64" in capsys.readouterr().out
+
+
+def test_split_count_follows_the_gpu(fake, monkeypatch):
+    """An A100 holds one ~100 KB decode CTA per SM (108 slots), an H200 two (264): fewer splits there."""
+    args, kw = _call_args(batch=1, capacity=262144)
+    kvcache.attention_with_kvcache(*args, **kw)
+    h200 = list(kvcache._PLANS._plans.values())[-1].num_splits
+    a100 = api.DeviceInfo(0, "NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912)
+    monkeypatch.setattr(kvcache, "device_info", lambda ordinal: a100)
+    kvcache._PLANS.clear()                      # (the same call key: a process sees one GPU per ordinal)
+    kvcache.attention_with_kvcache(*args, **kw)
+    plan = list(kvcache._PLANS._plans.values())[-1]
+    assert plan.specs["decode"].arch == "sm80"
+    assert (h200, plan.num_splits) == (dec.num_splits_heuristic(8, 4096, 132, 2),
+                                       dec.num_splits_heuristic(8, 4096, 108, 1))
+    assert plan.num_splits < h200
