@@ -498,6 +498,22 @@ def compile_spec(spec, sm: str | None = None):
     return compile_source(render(spec), arch, spec.variant, sm=sm)
 
 
+def compile_many(specs, sm_of=lambda spec: None, threads: int = 4) -> list:
+    """Compile several specs in parallel threads (NVRTC releases the GIL); ``sm_of(spec)`` gives each
+    its target. The first compile runs alone: NVRTC loads libnvrtc-builtins on its first use, and
+    threads that all make that first call at once have failed to open it ("failed to open
+    libnvrtc-builtins.so")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    specs = list(specs)
+    if not specs:
+        return []
+    first = compile_spec(specs[0], sm=sm_of(specs[0]))
+    with ThreadPoolExecutor(threads) as pool:
+        rest = list(pool.map(lambda spec: compile_spec(spec, sm=sm_of(spec)), specs[1:]))
+    return [first, *rest]
+
+
 def shipped_specs() -> list:
     """The decode, combine and append configs the public call picks by default for every dtype,
     head_dim, paging, split and packing choice at seqlen_q x group <= 64 rows (tests compile all of

@@ -13,7 +13,6 @@ device, and the host cost of a warm call. The kernels are compiled up front in p
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -36,7 +35,7 @@ def _arch():
 
 @pytest.fixture(scope="module", autouse=True)
 def precompiled():
-    """Compile the kernels these tests run, in parallel (NVRTC releases the GIL)."""
+    """Compile the kernels these tests run, in parallel (decode.compile_many)."""
     if not HAVE_GPU:
         return
     arch = _arch()
@@ -54,10 +53,8 @@ def precompiled():
             specs.add(dec.AppendSpec(dtype=dtype, head_dim=d, paged=False))
             specs.add(dec.AppendSpec(dtype=dtype, head_dim=d, paged=True))
 
-    def build(spec):
-        dec.compile_spec(spec, sm=None if spec.kernel == "decode" else sm)
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(build, sorted(specs, key=lambda s: s.variant)))
+    dec.compile_many(sorted(specs, key=lambda s: s.variant), sm_of=lambda s: None if s.kernel == "decode" else sm,
+                     threads=16)
 
 
 def make_case(*, dtype="bf16", batch=3, seqlen_q=1, heads_q=8, heads_kv=2, d=128, capacity=1024, page_size=0,
