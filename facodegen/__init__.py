@@ -1,4 +1,4 @@
-"""facodegen: a code generator for FlashAttention forward kernels (sm80 and sm90).
+"""facodegen: a code generator for FlashAttention kernels (sm80 and sm90): forward, backward, decode.
 
 spec -> render -> compile -> launch, one module each:
 ``spec`` (KernelSpec, budget model), ``render`` (Jinja2 -> CUDA), ``compiler`` (NVRTC ->
@@ -16,7 +16,9 @@ from .quantize import quantize_e4m3  # noqa: E402
 from .adapters import flash_attn_func  # noqa: E402
 from .backward import attention_backward  # noqa: E402
 from .backward_spec import BackwardSpec  # noqa: E402
+from .kvcache import attention_with_kvcache, flash_attn_with_kvcache  # noqa: E402
 
 __all__ = ["KernelSpec", "SpecError", "default_spec", "default_specs", "emit", "compile", "CompiledKernel",
            "CompileError", "attention", "transpose_v", "quantize_e4m3", "prepare", "flash_attn_func",
-           "attention_backward", "BackwardSpec", "__version__"]
+           "attention_backward", "BackwardSpec", "attention_with_kvcache", "flash_attn_with_kvcache",
+           "__version__"]

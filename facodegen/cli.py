@@ -20,19 +20,6 @@ from .knobs import KNOBS, Knob
 from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default_specs
 
 # Kernel families `emit` and `inspect` take (--kernel); forward stays the default.
-KERNELS = ("forward", "backward")
-
-
-def _kernel_option(command):
-    command = click.option("--k-unroll", "k_unroll", type=click.Choice(["1", "2", "4"]), callback=_int_choice,
-                           help="--kernel backward: k16 steps of each warp GEMM unrolled together.")(command)
-    command = click.option("--deterministic/--no-deterministic", "deterministic", default=None,
-                           help="--kernel backward: bit-identical gradients (refused in this release).")(command)
-    return click.option("--kernel", "kernel", type=click.Choice(KERNELS), default="forward", show_default=True,
-                        help="Kernel family: the forward, or the backward (dQ, dK, dV: sm80 code, which also "
-                             "runs on sm90 GPUs; --arch sm90 is refused until the sm90 backward exists).")(command)
-
-
 def build_backward_spec(fields: dict, deterministic, k_unroll=None):
     """A BackwardSpec from the spec flags given (only those the backward has)."""
     from .backward_spec import BACKWARD_BY_NAME, BackwardSpec
@@ -54,6 +41,72 @@ def build_backward_spec(fields: dict, deterministic, k_unroll=None):
 class UsageFailure(click.ClickException):
     """A one-line error with exit status 2 (bad spec, no GPU): no usage block, no traceback."""
     exit_code = 2
+
+
+# What `--kernel` picks for emit/inspect: the forward (KernelSpec, the registry's flags) or one of
+# the decode family's kernels (facodegen/decode.py: DecodeSpec, CombineSpec, AppendSpec).
+# Kernel families of `facodegen emit/inspect --kernel`: the forward (default), the backward (dQ, dK,
+# dV: sm80 code, which also runs on sm90 GPUs), and the decode family (decode, combine, append).
+KERNELS = ("forward", "backward", "decode", "combine", "append")
+# Forward spec flags the decode family reads (the rest belong to the forward only).
+_DECODE_SHARED_FLAGS = {
+    "decode": ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "stages"),
+    "combine": ("arch", "dtype", "head_dim", "num_warps"),
+    "append": ("arch", "dtype", "head_dim"),
+}
+
+
+def _kernel_options(command):
+    """--kernel, the backward's flags (--k-unroll, --deterministic) and the decode family's (--page-size,
+    --paged, --split-kv, --pack-gqa)."""
+    options = [
+        click.option("--kernel", type=click.Choice(KERNELS), default="forward", show_default=True,
+                     help="Which kernel: the forward; the backward (sm80 code, which also runs on sm90 GPUs; "
+                          "--arch sm90 is refused until the sm90 backward exists); the decode family's decode, "
+                          "combine or append."),
+        click.option("--k-unroll", "k_unroll", type=click.Choice(["1", "2", "4"]), callback=_int_choice,
+                     help="--kernel backward: k16 steps of each warp GEMM unrolled together."),
+        click.option("--deterministic/--no-deterministic", "deterministic", default=None,
+                     help="--kernel backward: bit-identical gradients (refused in this release)."),
+        click.option("--page-size", type=int, default=None,
+                     help="decode/append: a paged KV cache (the page size is a runtime value; any power of two)."),
+        click.option("--paged/--contiguous", "paged", default=None, help="decode/append: paged or contiguous cache."),
+        click.option("--split-kv/--no-split-kv", "split_kv", default=None,
+                     help="decode: keys split across CTAs (fp32 partials for the combine kernel)."),
+        click.option("--pack-gqa/--no-pack-gqa", "pack_gqa", default=None,
+                     help="decode: the query heads of one KV head share the M tile."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def decode_family_spec(kernel: str, spec_fields: dict, page_size=None, paged=None, split_kv=None, pack_gqa=None):
+    """The DecodeSpec/CombineSpec/AppendSpec of `--kernel decode|combine|append` and its flags."""
+    from . import decode as dec
+
+    extra = sorted(set(spec_fields) - set(_DECODE_SHARED_FLAGS[kernel]))
+    if extra:
+        raise UsageFailure(f"--kernel {kernel} does not take --{extra[0].replace('_', '-')} "
+                           f"(its flags: {', '.join('--' + f.replace('_', '-') for f in _DECODE_SHARED_FLAGS[kernel])})")
+    fields = dict(spec_fields)
+    if page_size is not None:
+        if page_size < 1 or page_size & (page_size - 1):
+            raise UsageFailure(f"--page-size {page_size}: a power of two")
+        paged = True if paged is None else paged
+    try:
+        if kernel == "decode":
+            arch = fields.pop("arch", "sm90")
+            dtype = fields.pop("dtype", "bf16")
+            head_dim = fields.pop("head_dim", 128)
+            options = {k: v for k, v in (("pack_gqa", pack_gqa),) if v is not None}
+            return dec.default_decode_spec(arch, dtype, head_dim, group=4, paged=bool(paged), split=bool(split_kv),
+                                           **options, **fields)
+        if kernel == "combine":
+            return dec.CombineSpec(**fields)
+        return dec.AppendSpec(paged=bool(paged), **fields)
+    except SpecError as err:
+        raise UsageFailure(f"invalid {kernel} spec: {err}") from None
 
 
 def _parse_regs(ctx, param, value):
@@ -220,12 +273,13 @@ def main():
 
 @main.command()
 @with_spec
+@_kernel_options
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write the source to this file.")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), help="Write <variant>.cu into this folder.")
 @click.option("--all", "all_specs", is_flag=True,
               help="Write every default spec as <variant>.cu into --out-dir (stale flash_fwd_*.cu there are removed).")
-@_kernel_option
-def emit(spec_fields, output, out_dir, all_specs, kernel, deterministic, k_unroll, runtime=None):
+def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministic=None, k_unroll=None, page_size=None,
+         paged=None, split_kv=None, pack_gqa=None, runtime=None):
     """Print (or write) the CUDA source of one kernel.
 
     \b
@@ -247,6 +301,13 @@ def emit(spec_fields, output, out_dir, all_specs, kernel, deterministic, k_unrol
     if deterministic is not None or k_unroll is not None:
         raise UsageFailure("--deterministic and --k-unroll are --kernel backward flags")
     try:
+        if kernel != "forward":
+            if all_specs:
+                raise UsageFailure("--all writes the forward's default specs; drop --kernel")
+            from .decode import render
+            spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa)
+        elif any(x is not None for x in (page_size, paged, split_kv, pack_gqa)):
+            raise UsageFailure("--page-size, --paged, --split-kv and --pack-gqa belong to --kernel decode/append")
         if all_specs:
             if spec_fields:
                 raise UsageFailure("--all writes the default specs; drop the spec flags "
@@ -255,8 +316,11 @@ def emit(spec_fields, output, out_dir, all_specs, kernel, deterministic, k_unrol
                 raise UsageFailure("--all needs --out-dir DIR (and no -o)")
             _emit_all(out_dir, render)
             return
-        spec = build_spec(spec_fields)
-        source = render(spec, runtime=runtime)
+        if kernel == "forward":
+            spec = build_spec(spec_fields)
+            source = render(spec, runtime=runtime)
+        else:
+            source = render(spec)
     except TemplateRenderError as err:
         raise click.ClickException(str(err)) from None
     _write(source, spec, output, out_dir)
@@ -298,8 +362,9 @@ def _emit_all(out_dir: Path, render) -> None:
 @click.option("--ptx", "what", flag_value="ptx", help="Print the PTX.")
 @click.option("--sass", "what", flag_value="sass",
               help="Print the SASS (cuobjdump) and a count of key instructions.")
-@_kernel_option
-def inspect(spec_fields, what, kernel, deterministic, k_unroll):
+@_kernel_options
+def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=None, page_size=None, paged=None,
+            split_kv=None, pack_gqa=None):
     """Compile a kernel (no GPU needed) and report what the compiler made of it.
 
     \b
@@ -314,8 +379,19 @@ def inspect(spec_fields, what, kernel, deterministic, k_unroll):
         return
     if deterministic is not None or k_unroll is not None:
         raise UsageFailure("--deterministic and --k-unroll are --kernel backward flags")
-    spec = build_spec(spec_fields)
-    kernel = _compile(spec)
+    if kernel != "forward":
+        from .compiler import CompileError
+        from .decode import compile_spec
+        from .render import TemplateRenderError
+
+        spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa)
+        try:
+            kernel = compile_spec(spec)
+        except (CompileError, TemplateRenderError) as err:
+            raise click.ClickException(str(err)) from None
+    else:
+        spec = build_spec(spec_fields)
+        kernel = _compile(spec)
     try:
         if what == "ptx":
             click.echo(kernel.ptx())
@@ -369,7 +445,7 @@ def format_resources(spec: KernelSpec, kernel) -> str:
     rows = [
         ("kernel", spec.variant),
         ("target", kernel.target),
-        ("threads", f"{spec.threads} ({spec.num_warps} warps)"),
+        ("threads", f"{spec.threads} ({spec.threads // 32} warps)"),
         ("registers", f"{r.registers} per thread"),
         ("shared memory", f"{r.shared_bytes} B static + {spec.smem_bytes} B dynamic = "
                           f"{r.shared_bytes + spec.smem_bytes} B"),

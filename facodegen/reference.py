@@ -506,3 +506,168 @@ def attention_reference_fp8(q, k, v, q_descale=1.0, k_descale=1.0, v_descale=1.0
     kf = dequantize_fp8(k, k_descale)
     vf = dequantize_fp8(v, v_descale, v_layout=v_layout)
     return attention_reference(qf, kf, vf, causal=causal, softmax_scale=softmax_scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV-cache attention (decode): contiguous or paged cache, append, per-sequence lengths
+# ----------------------------------------------------------------------------------------------
+
+def kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=None, k=None, v=None, causal: bool = True,
+                      softmax_scale: float | None = None):
+    """Float64 FlashAttention-3 ``flash_attn_with_kvcache``: returns (O, LSE, k_cache', v_cache').
+
+    q (batch, seqlen_q, heads_q, d); caches (batch, capacity, heads_kv, d) or, with ``page_table``
+    (batch, max_pages) int, pages (num_pages, page_size, heads_kv, d): key j of sequence b is row
+    j % page_size of page page_table[b, j // page_size]. New tokens k/v (batch, seqlen_new, heads_kv,
+    d) are written at cache_seqlens[b] + i first (into float64 copies of the caches, returned), then
+    sequence b attends over its first cache_seqlens[b] + seqlen_new keys, bottom-right causal.
+    Clamps as the kernels do: cache_seqlens to [0, capacity], positions past the capacity dropped,
+    page indices into [0, num_pages). A row with no visible key: O = 0, LSE = -inf."""
+    q = to_float64(q)
+    kc, vc = to_float64(k_cache).copy(), to_float64(v_cache).copy()
+    lengths = np.asarray(to_float64(cache_seqlens), dtype=np.int64)
+    batch, seqlen_q, heads_q, d = q.shape
+    heads_kv = kc.shape[2]
+    group = heads_q // heads_kv
+    scale = _scale(softmax_scale, d)
+    if page_table is not None:
+        table = np.asarray(to_float64(page_table), dtype=np.int64)
+        page_size, num_pages = kc.shape[1], kc.shape[0]
+        capacity = table.shape[1] * page_size
+
+        def rows(b, positions):
+            pages = np.clip(table[b, positions // page_size], 0, num_pages - 1)
+            return pages, positions % page_size
+    else:
+        capacity = kc.shape[1]
+
+        def rows(b, positions):
+            return np.full_like(positions, b), positions
+    seqlen_new = 0
+    if k is not None:
+        kn, vn = to_float64(k), to_float64(v)
+        seqlen_new = kn.shape[1]
+    o = np.zeros((batch, seqlen_q, heads_q, d))
+    lse = np.full((batch, heads_q, seqlen_q), -np.inf)
+    for b in range(batch):
+        cached = int(np.clip(lengths[b], 0, capacity))
+        if seqlen_new:
+            positions = np.arange(cached, cached + seqlen_new)
+            keep = positions < capacity
+            pages, slots = rows(b, positions[keep])
+            kc[pages, slots] = kn[b, :seqlen_new][keep]
+            vc[pages, slots] = vn[b, :seqlen_new][keep]
+        seqlen_k = min(cached + seqlen_new, capacity)
+        pages, slots = rows(b, np.arange(seqlen_k))
+        keys, values = kc[pages, slots], vc[pages, slots]          # (seqlen_k, heads_kv, d)
+        for h in range(heads_q):
+            s = q[b, :, h] @ keys[:, h // group].T * scale          # (seqlen_q, seqlen_k)
+            if causal:
+                cols = np.arange(seqlen_k)[None, :]
+                limit = seqlen_k - seqlen_q + np.arange(seqlen_q)[:, None]
+                s = np.where(cols <= limit, s, -np.inf)
+            m = s.max(axis=1, initial=-np.inf)
+            seen = np.isfinite(m)
+            p = np.exp(s - np.where(seen, m, 0.0)[:, None])
+            l_sum = p.sum(axis=1)
+            o[b, :, h] = np.where(seen[:, None], (p @ values[:, h // group]) / np.where(seen, l_sum, 1.0)[:, None], 0.0)
+            lse[b, h] = np.where(seen, m + np.log(np.where(seen, l_sum, 1.0)), -np.inf)
+    return o, lse, kc, vc
+
+
+def decode_tiled_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=None, seqlen_new: int = 0,
+                           causal: bool = True, softmax_scale: float | None = None, block_m: int = 16,
+                           block_n: int = 64, num_warps: int = 4, num_splits: int = 1, pack_gqa: bool = True):
+    """The decode kernel's algorithm (templates/decode/flash_decode.cu.j2 + flash_combine.cu.j2) in
+    float64 NumPy, with its index arithmetic: work items (M tile of packed rows, split, head block,
+    sequence), the keys a tile sees (kv_end) and its split of the key blocks, each warp's share of a
+    block with its own online softmax (base 2), the warps' merge, then the LSE combine of the splits.
+    Caches as kvcache_reference's (already holding any appended tokens; seqlen_new counts them).
+    Returns (O, LSE); equals kvcache_reference up to rounding."""
+    q = to_float64(q)
+    kc, vc = to_float64(k_cache), to_float64(v_cache)
+    lengths = np.asarray(to_float64(cache_seqlens), dtype=np.int64)
+    batch, seqlen_q, heads_q, d = q.shape
+    heads_kv = kc.shape[2]
+    group = heads_q // heads_kv
+    scale = _scale(softmax_scale, d)
+    scale_log2 = scale * math.log2(math.e)
+    paged = page_table is not None
+    table = np.asarray(to_float64(page_table), dtype=np.int64) if paged else None
+    capacity = table.shape[1] * kc.shape[1] if paged else kc.shape[1]
+    per_cta = group if pack_gqa else 1
+    rows_per_item = seqlen_q * per_cta
+    m_blocks = -(-rows_per_item // block_m)
+    keys_per_warp = block_n // num_warps
+    o_part = np.zeros((num_splits, batch, seqlen_q, heads_q, d))
+    lse_part = np.full((num_splits, batch, heads_q, seqlen_q), -np.inf)
+
+    def limit(packed, seqlen_k):
+        query = min(packed // per_cta, seqlen_q - 1)
+        return min(max(seqlen_k - seqlen_q + query + 1, 0), seqlen_k) if causal else seqlen_k
+
+    def key_rows(b, keys, kv_end):
+        valid = keys < kv_end
+        if paged:
+            pages = np.where(valid, table[b, np.minimum(keys, capacity - 1) // kc.shape[1]], 0)
+            pages = np.clip(pages, 0, kc.shape[0] - 1)
+            return pages, keys % kc.shape[1], valid
+        return np.full_like(keys, b), np.minimum(keys, kc.shape[1] - 1), valid
+
+    for b in range(batch):
+        seqlen_k = min(int(np.clip(lengths[b], 0, capacity)) + seqlen_new, capacity)
+        for hb in range(heads_q // per_cta):
+            head0 = hb * per_cta
+            kv_head = head0 // group
+            for m_block in range(m_blocks):
+                row_begin = m_block * block_m
+                rows_valid = min(block_m, rows_per_item - row_begin)
+                packed = row_begin + np.arange(block_m)
+                query = np.minimum(packed // per_cta, seqlen_q - 1)
+                head = head0 + packed % per_cta
+                q_tile = np.where((packed < rows_per_item)[:, None], q[b, query, np.minimum(head, heads_q - 1)], 0.0)
+                limits = np.array([limit(int(r), seqlen_k) for r in packed])
+                kv_end = limit(row_begin + rows_valid - 1, seqlen_k)
+                n_blocks = -(-kv_end // block_n)
+                per_split = -(-n_blocks // num_splits)
+                for split in range(num_splits):
+                    begin = min(split * per_split, n_blocks)
+                    end = min(begin + per_split, n_blocks)
+                    m_w = np.full((num_warps, block_m), -np.inf)
+                    l_w = np.zeros((num_warps, block_m))
+                    o_w = np.zeros((num_warps, block_m, d))
+                    for n in range(begin, end):
+                        for w in range(num_warps):
+                            keys = n * block_n + w * keys_per_warp + np.arange(keys_per_warp)
+                            pages, slots, valid = key_rows(b, keys, kv_end)
+                            kt = np.where(valid[:, None], kc[pages, slots, kv_head], 0.0)
+                            vt = np.where(valid[:, None], vc[pages, slots, kv_head], 0.0)
+                            s = q_tile @ kt.T
+                            s = np.where(keys[None, :] < limits[:, None], s, -np.inf)
+                            m_new = np.maximum(m_w[w], s.max(axis=1))
+                            shift = np.where(np.isneginf(m_new), 0.0, m_new * scale_log2)
+                            p = np.exp2(s * scale_log2 - shift[:, None])
+                            alpha = np.exp2(m_w[w] * scale_log2 - shift)
+                            l_w[w] = alpha * l_w[w] + p.sum(axis=1)
+                            o_w[w] = alpha[:, None] * o_w[w] + p @ vt
+                            m_w[w] = m_new
+                    m_all = m_w.max(axis=0)
+                    shift = np.where(np.isneginf(m_all), 0.0, m_all * scale_log2)
+                    weights = np.exp2(m_w * scale_log2 - shift[None, :])
+                    l_all = (weights * l_w).sum(axis=0)
+                    inv = np.where(l_all > 0, 1.0 / np.where(l_all > 0, l_all, 1.0), 0.0)
+                    o_tile = (weights[:, :, None] * o_w).sum(axis=0) * inv[:, None]
+                    lse_tile = np.where(l_all > 0, m_all * scale + np.log(np.where(l_all > 0, l_all, 1.0)), -np.inf)
+                    for r in range(rows_valid):
+                        o_part[split, b, query[r], head[r]] = o_tile[r]
+                        lse_part[split, b, head[r], query[r]] = lse_tile[r]
+    # the combine: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s
+    lse_max = lse_part.max(axis=0)
+    shift = np.where(np.isneginf(lse_max), 0.0, lse_max)
+    w = np.exp(lse_part - shift[None])
+    total = w.sum(axis=0)
+    lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+    w_o = w.transpose(0, 1, 3, 2)[..., None]                            # (splits, batch, seqlen_q, heads, 1)
+    inv_total = np.where(total > 0, 1.0 / np.where(total > 0, total, 1.0), 0.0).transpose(0, 2, 1)[..., None]
+    o = (w_o * o_part).sum(axis=0) * inv_total
+    return o, lse

@@ -1,0 +1,569 @@
+"""``attention_with_kvcache``: decode attention over a contiguous or paged KV cache (issue #39).
+
+FlashAttention-3's ``flash_attn_with_kvcache`` semantics for the arguments listed in the docstring;
+``flash_attn_with_kvcache`` is the FlashAttention-signature alias, which refuses by name every
+FlashAttention argument not implemented here (never ignores it).
+
+A call runs up to three generated kernels on the caller's current stream: the append
+(``flash_append_*``: new k/v into the cache in place, when k/v are given), the decode
+(``flash_decode_*``) and, when the keys are split across CTAs, the combine (``flash_combine_*``).
+Everything that depends only on (shapes, strides, dtypes, device, options) is resolved once into
+a ``DecodePlan`` (plan.PlanCache, keyed like the forward's): a later call with the same key packs
+the call's pointers into the plan's argument images and launches (driver.Launcher), with no
+device->host synchronisation and no data-dependent host work: sequence lengths and page tables
+are read on the device only. The split-KV workspace is allocated once per plan and stream, so the
+call is CUDA-graph capturable once warm.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+import sys
+import threading
+from dataclasses import dataclass
+
+from . import decode as dec
+from . import driver
+from .api import (
+    ALIGN_BYTES,
+    DTYPE_NAMES,
+    _allocate,
+    _check_same_place,
+    _current_device,
+    _current_stream,
+    _empty,
+    _torch,
+    _View,
+    _view,
+    default_arch,
+    device_info,
+    device_target,
+)
+from .plan import MAX_STREAMS_PER_PLAN, PlanCache, _Image
+
+# Knobs a caller may pass (**knobs): the decode spec's tuning knobs.
+CALL_KNOBS = ("block_m", "block_n", "num_warps", "stages", "pack_gqa")
+
+
+# ------------------------------------------------------------------ the plan
+
+@dataclass
+class _Kernel:
+    """One launch of a plan: its launcher and argument image, and how many leading pointers a call patches."""
+    launcher: object            # driver.Launcher (None in CPU tests)
+    image: _Image
+    pack: struct.Struct         # the call pointers at the start of the image
+
+
+@dataclass
+class _Scratch:
+    holder: object
+    stream: object
+    lse: int                    # float32 LSE for calls that did not ask for it
+    o_partial: int              # split: fp32 partial O
+    lse_partial: int            # split: fp32 partial LSE
+
+
+class DecodePlan:
+    """One resolved kvcache call: the append (optional), decode and combine (optional) kernels with
+    their argument images, grids and per-stream scratch (the split workspace and an LSE)."""
+
+    def __init__(self, specs: dict, kernels: dict, grids: dict, *, lse_floats: int, partial_floats: tuple[int, int],
+                 allocate, switch_context: bool, device: int, outputs: tuple):
+        self.specs, self.kernels, self.grids = specs, kernels, grids
+        self.num_splits = 1
+        self.outputs = outputs          # (out shape, lse shape)
+        self._allocate = allocate
+        self._switch_context = switch_context
+        self._device = device
+        self._sizes = (_round16(4 * lse_floats), _round16(4 * partial_floats[0]), _round16(4 * partial_floats[1]))
+        self._streams: dict[int, _Scratch] = {}
+        self._lock = threading.Lock()
+
+    def scratch(self, stream: int) -> _Scratch:
+        found = self._streams.get(stream)
+        if found is not None:
+            return found
+        lse_b, o_b, l_b = self._sizes
+        holder, ptr = self._allocate(lse_b + o_b + l_b)
+        scratch = _Scratch(holder, driver.stream_arg(stream), ptr, ptr + lse_b if o_b else 0,
+                           ptr + lse_b + o_b if l_b else 0)
+        with self._lock:
+            if len(self._streams) >= MAX_STREAMS_PER_PLAN:
+                self._streams.pop(next(iter(self._streams)))
+            self._streams[stream] = scratch
+        return scratch
+
+    def pointer_sets(self, scratch: _Scratch, q, k_cache, v_cache, o, lse, cache_seqlens, page_table, k_new, v_new):
+        """The call pointers of each kernel, in its argument struct's order (decode.CALL_POINTERS)."""
+        lse = lse or scratch.lse
+        split = "combine" in self.kernels
+        sets = {"decode": (q, k_cache, v_cache, o, 0 if split else lse, scratch.o_partial, scratch.lse_partial,
+                           cache_seqlens, page_table)}
+        if split:
+            sets["combine"] = (scratch.o_partial, scratch.lse_partial, o, lse)
+        if "append" in self.kernels:
+            sets["append"] = (k_new, v_new, k_cache, v_cache, cache_seqlens, page_table)
+        return sets
+
+    def launch(self, stream: int, q: int, k_cache: int, v_cache: int, o: int, lse: int, cache_seqlens: int,
+               page_table: int = 0, k_new: int = 0, v_new: int = 0) -> None:
+        """Launch append (if any), decode, combine (if any) on ``stream`` with these addresses."""
+        scratch = self._streams.get(stream) or self.scratch(stream)
+        sets = self.pointer_sets(scratch, q, k_cache, v_cache, o, lse, cache_seqlens, page_table, k_new, v_new)
+        with self._lock:
+            for name in ("append", "decode", "combine"):
+                kernel = self.kernels.get(name)
+                if kernel is None:
+                    continue
+                kernel.pack.pack_into(kernel.image.storage, kernel.image.base, *sets[name])
+                if kernel.launcher is None:
+                    continue
+                if self._switch_context:
+                    with driver.on_device(self._device):
+                        kernel.launcher(scratch.stream, kernel.image.kernel_params)
+                else:
+                    kernel.launcher(scratch.stream, kernel.image.kernel_params)
+
+    def param_bytes(self, name: str) -> bytes:
+        return self.kernels[name].image.data()
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+# ------------------------------------------------------------------ argument checks
+
+def _dims(t: _View, rank: int, what: str) -> None:
+    if len(t.shape) != rank:
+        raise ValueError(f"{t.name} must be {rank}-D {what}, got shape {t.shape}")
+
+
+def _check_rows(t: _View) -> None:
+    """head_dim contiguous, 16-byte aligned base and strides (cp.async moves 16-byte chunks)."""
+    if t.strides[-1] != 1:
+        raise ValueError(f"{t.name}'s head_dim must be contiguous (stride 1), got strides {t.strides}")
+    if any(s < 0 for s in t.strides):
+        raise ValueError(f"{t.name} has a negative stride {t.strides}")
+    if t.ptr % ALIGN_BYTES:
+        raise ValueError(f"{t.name}'s data pointer is not {ALIGN_BYTES}-byte aligned")
+    for axis, stride, size in zip(("first", "second", "third"), t.strides[:3], t.shape[:3]):
+        if size > 1 and (stride * 2) % ALIGN_BYTES:
+            raise ValueError(f"{t.name}'s {axis} axis stride ({stride} elements) must be a multiple of "
+                             f"{ALIGN_BYTES // 2} elements ({ALIGN_BYTES} bytes)")
+
+
+def _check_int32(t: _View, shape: tuple, what: str, q: _View) -> None:
+    if t.kind != q.kind:
+        raise TypeError(f"{t.name} is a {t.kind} array but q is a {q.kind} array; pass one kind")
+    if t.dtype != "int32":
+        raise TypeError(f"{t.name} has dtype {t.dtype}; it must be int32 {what}")
+    if t.device != q.device:
+        raise ValueError(f"{t.name} is on cuda:{t.device} but q is on cuda:{q.device}; put it on q's device")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{t.name} has shape {t.shape}; expected {what} = {tuple(shape)}")
+    if t.strides[-1] != 1:
+        raise ValueError(f"{t.name} must be contiguous along its last axis, got strides {t.strides}")
+
+
+@dataclass(frozen=True)
+class _Problem:
+    batch: int
+    seqlen_q: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: str
+    paged: bool
+    page_size: int
+    num_pages: int
+    capacity: int
+    seqlen_new: int
+
+
+def check_arguments(qv, kc, vc, sl, pt, kn, vn, outv, num_splits) -> _Problem:
+    """Everything the host can check without a sync; each error names the argument."""
+    _dims(qv, 4, "(batch, seqlen_q, heads_q, head_dim)")
+    batch, seqlen_q, heads_q, head_dim = qv.shape
+    if qv.dtype not in DTYPE_NAMES:
+        raise TypeError(f"q has dtype {qv.dtype}; supported: {', '.join(DTYPE_NAMES)}")
+    paged = pt is not None
+    layout = "(num_pages, page_size, heads_kv, head_dim)" if paged else "(batch, seqlen_cache, heads_kv, head_dim)"
+    for t in (kc, vc):
+        _dims(t, 4, layout)
+    _check_same_place(qv, [t for t in (kc, vc, kn, vn, outv) if t is not None])
+    for t in (kc, vc, kn, vn, outv):
+        if t is not None and t.dtype != qv.dtype:
+            raise TypeError(f"{t.name} has dtype {t.dtype} but q has {qv.dtype}; they must share one dtype")
+    if tuple(kc.shape) != tuple(vc.shape):
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {kc.shape} and {vc.shape}")
+    if head_dim not in dec.DECODE_HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} is not supported; choose one of "
+                         f"{', '.join(map(str, dec.DECODE_HEAD_DIMS))}")
+    if kc.shape[3] != head_dim:
+        raise ValueError(f"k_cache has head_dim {kc.shape[3]} but q has head_dim {head_dim}")
+    for name, value in (("batch (q.shape[0])", batch), ("seqlen_q (q.shape[1])", seqlen_q),
+                        ("heads_q (q.shape[2])", heads_q), ("heads_kv (k_cache.shape[2])", kc.shape[2]),
+                        ("k_cache.shape[0]", kc.shape[0]), ("k_cache.shape[1]", kc.shape[1])):
+        if value < 1:
+            raise ValueError(f"{name} is {value}; it must be at least 1")
+    heads_kv = kc.shape[2]
+    if heads_q % heads_kv:
+        raise ValueError(f"heads_kv={heads_kv} (k_cache.shape[2]) must divide heads_q={heads_q} (q.shape[2])")
+    if seqlen_q > dec.MAX_SEQLEN_Q:
+        raise ValueError(f"seqlen_q={seqlen_q} (q.shape[1]): attention_with_kvcache takes 1 to "
+                         f"{dec.MAX_SEQLEN_Q} query tokens per sequence in this version; run longer chunks "
+                         f"through facodegen.attention")
+    if paged:
+        _dims(pt, 2, "(batch, max_pages_per_sequence)")
+        if pt.shape[0] != batch:
+            raise ValueError(f"page_table has {pt.shape[0]} rows but q has batch {batch}; page_table is "
+                             f"(batch, max_pages_per_sequence) int32")
+        _check_int32(pt, (batch, pt.shape[1]), "(batch, max_pages_per_sequence)", qv)
+        page_size = kc.shape[1]
+        if page_size & (page_size - 1):
+            raise ValueError(f"page size {page_size} (k_cache.shape[1]) must be a power of two (16 to 256 are "
+                             f"the sizes measured)")
+        num_pages, capacity = kc.shape[0], pt.shape[1] * page_size
+    else:
+        if kc.shape[0] != batch:
+            raise ValueError(f"k_cache has batch {kc.shape[0]} but q has batch {batch} (without page_table the "
+                             f"cache is (batch, seqlen_cache, heads_kv, head_dim))")
+        page_size, num_pages, capacity = 0, 0, kc.shape[1]
+    _check_int32(sl, (batch,), "(batch,)", qv)
+    seqlen_new = 0
+    if (kn is None) != (vn is None):
+        raise ValueError("k and v (new tokens to append) must be given together")
+    if kn is not None:
+        _dims(kn, 4, "(batch, seqlen_new, heads_kv, head_dim)")
+        want = (batch, kn.shape[1], heads_kv, head_dim)
+        for t in (kn, vn):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{t.name} has shape {t.shape}; expected (batch, seqlen_new, heads_kv, head_dim) "
+                                 f"= {want}")
+        seqlen_new = kn.shape[1]
+        if seqlen_new > capacity:
+            raise ValueError(f"k has {seqlen_new} new tokens per sequence but the cache holds {capacity} "
+                             f"(cache capacity: {'max_pages x page_size' if paged else 'k_cache.shape[1]'})")
+    if outv is not None and tuple(outv.shape) != tuple(qv.shape):
+        raise ValueError(f"out has shape {outv.shape}, q has {qv.shape}; they must match")
+    for t in (qv, kc, vc, kn, vn, outv):
+        if t is not None:
+            _check_rows(t)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= dec.MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits!r}: an integer from 0 (heuristic) to {dec.MAX_SPLITS}")
+    return _Problem(batch, seqlen_q, heads_q, heads_kv, head_dim, DTYPE_NAMES[qv.dtype], paged, page_size,
+                    num_pages, capacity, seqlen_new)
+
+
+def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
+           smem_per_sm: int = 233472) -> tuple[dec.DecodeSpec, int]:
+    """(decode spec, num_splits) of a call: the default spec with the caller's knobs, and the split
+    heuristic on the cache's capacity when num_splits is 0 (a pure function of the shapes)."""
+    unknown = sorted(set(knobs) - set(CALL_KNOBS))
+    if unknown:
+        raise TypeError(f"attention_with_kvcache got unknown argument(s) {', '.join(unknown)}; knobs it takes: "
+                        f"{', '.join(CALL_KNOBS)}")
+    group = problem.heads_q // problem.heads_kv
+    base = dec.default_decode_spec(arch, problem.dtype, problem.head_dim, seqlen_q=problem.seqlen_q, group=group,
+                                   paged=problem.paged, **knobs)
+    heads_per_cta = group if base.pack_gqa else 1
+    rows = problem.seqlen_q * heads_per_cta
+    m_blocks = -(-rows // base.block_m)
+    if num_splits == 0:
+        work = problem.batch * (problem.heads_q // heads_per_cta) * m_blocks
+        n_blocks = -(-problem.capacity // base.block_n)
+        num_splits = dec.num_splits_heuristic(work, n_blocks, sms, dec.ctas_per_sm(base, smem_per_sm))
+    if num_splits > 1:
+        from dataclasses import replace
+        base = replace(base, split=True)
+    return base, num_splits
+
+
+# ------------------------------------------------------------------ building a plan
+
+def _grid_decode(spec, problem, num_splits):
+    heads_per_cta = problem.heads_q // problem.heads_kv if spec.pack_gqa else 1
+    m_blocks = -(-(problem.seqlen_q * heads_per_cta) // spec.block_m)
+    return (m_blocks * num_splits, problem.heads_q // heads_per_cta, problem.batch), m_blocks, heads_per_cta
+
+
+def _values_decode(spec, problem, num_splits, m_blocks, heads_per_cta, qv, kc, vc, outv, pt, scale):
+    z = dict.fromkeys(dec.DECODE_CALL_POINTERS, 0)
+    return {**z,
+            "q_batch_stride": qv.strides[0], "q_row_stride": qv.strides[1], "q_head_stride": qv.strides[2],
+            "k_page_stride": kc.strides[0], "k_row_stride": kc.strides[1], "k_head_stride": kc.strides[2],
+            "v_page_stride": vc.strides[0], "v_row_stride": vc.strides[1], "v_head_stride": vc.strides[2],
+            "o_batch_stride": outv[0], "o_row_stride": outv[1], "o_head_stride": outv[2],
+            "page_table_stride": pt.strides[0] if pt is not None else 0,
+            "batch": problem.batch, "seqlen_q": problem.seqlen_q, "heads_q": problem.heads_q,
+            "heads_kv": problem.heads_kv, "group": problem.heads_q // problem.heads_kv,
+            "causal": 0, "rows_per_item": problem.seqlen_q * heads_per_cta, "num_m_blocks": m_blocks,
+            "num_splits": num_splits, "seqlen_new": problem.seqlen_new, "capacity": problem.capacity,
+            "num_pages": problem.num_pages,
+            "page_shift": problem.page_size.bit_length() - 1 if problem.paged else 0,
+            "softmax_scale": scale, "scale_log2": scale * math.log2(math.e)}
+
+
+def build_plan(qv, kc, vc, sl, pt, kn, vn, out_strides, *, causal, softmax_scale, num_splits, arch, knobs,
+               device: int, sms: int, load, allocate, switch_context=False,
+               smem_per_sm: int = 233472) -> DecodePlan:
+    """A DecodePlan for checked views. ``load(spec) -> LoadedFunction`` (None in CPU tests);
+    ``out_strides``: O's (batch, row, head) strides in elements."""
+    problem = check_arguments(qv, kc, vc, sl, pt, kn, vn, None, num_splits)
+    spec, splits = choose(problem, arch, sms, num_splits, knobs, smem_per_sm)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+    specs, kernels, grids = {}, {}, {}
+    grid, m_blocks, heads_per_cta = _grid_decode(spec, problem, splits)
+    values = _values_decode(spec, problem, splits, m_blocks, heads_per_cta, qv, kc, vc, out_strides, pt, scale)
+    values["causal"] = int(bool(causal))
+    specs["decode"], grids["decode"] = spec, grid
+    kernels["decode"] = _kernel(load, spec, grid, dec.pack("decode", values), "decode")
+    if splits > 1:
+        cspec = dec.CombineSpec(dtype=problem.dtype, head_dim=problem.head_dim)
+        rows = problem.batch * problem.seqlen_q * problem.heads_q
+        cgrid = (-(-rows // cspec.num_warps), 1, 1)
+        cvalues = {**dict.fromkeys(dec.COMBINE_CALL_POINTERS, 0),
+                   "o_batch_stride": out_strides[0], "o_row_stride": out_strides[1], "o_head_stride": out_strides[2],
+                   "batch": problem.batch, "seqlen_q": problem.seqlen_q, "heads_q": problem.heads_q,
+                   "num_splits": splits}
+        specs["combine"], grids["combine"] = cspec, cgrid
+        kernels["combine"] = _kernel(load, cspec, cgrid, dec.pack("combine", cvalues), "combine")
+    if problem.seqlen_new:
+        aspec = dec.AppendSpec(dtype=problem.dtype, head_dim=problem.head_dim, paged=problem.paged)
+        chunks = problem.seqlen_new * problem.heads_kv * problem.head_dim * 2 // 16
+        agrid = (-(-chunks // aspec.threads), problem.batch, 1)
+        avalues = {**dict.fromkeys(dec.APPEND_CALL_POINTERS, 0),
+                   **{f"kn_{a}_stride": s for a, s in zip(("batch", "row", "head"), kn.strides[:3])},
+                   **{f"vn_{a}_stride": s for a, s in zip(("batch", "row", "head"), vn.strides[:3])},
+                   **{f"k_{a}_stride": s for a, s in zip(("page", "row", "head"), kc.strides[:3])},
+                   **{f"v_{a}_stride": s for a, s in zip(("page", "row", "head"), vc.strides[:3])},
+                   "page_table_stride": pt.strides[0] if pt is not None else 0,
+                   "batch": problem.batch, "seqlen_new": problem.seqlen_new, "heads_kv": problem.heads_kv,
+                   "capacity": problem.capacity, "num_pages": problem.num_pages,
+                   "page_shift": values["page_shift"]}
+        specs["append"], grids["append"] = aspec, agrid
+        kernels["append"] = _kernel(load, aspec, agrid, dec.pack("append", avalues), "append")
+    lse_floats = problem.batch * problem.heads_q * problem.seqlen_q
+    partial = (splits * problem.batch * problem.seqlen_q * problem.heads_q * problem.head_dim,
+               splits * lse_floats) if splits > 1 else (0, 0)
+    plan = DecodePlan(specs, kernels, grids, lse_floats=lse_floats, partial_floats=partial, allocate=allocate,
+                      switch_context=switch_context, device=device,
+                      outputs=(tuple(qv.shape), (problem.batch, problem.heads_q, problem.seqlen_q)))
+    plan.num_splits = splits
+    return plan
+
+
+def _kernel(load, spec, grid, param_bytes: bytes, name: str) -> _Kernel:
+    function = load(spec) if load is not None else None
+    launcher = driver.Launcher(function, grid, spec.threads, spec.smem_bytes) if function is not None else None
+    return _Kernel(launcher, _Image(param_bytes), struct.Struct(f"<{len(dec.CALL_POINTERS[name])}Q"))
+
+
+@functools.lru_cache(maxsize=256)
+def _load(spec, device: int):
+    """The spec's kernel loaded on ``device`` (compiled for its target, or read from the compile cache)."""
+    info = device_info(device)
+    sm = device_target("sm80", info) if spec.kernel != "decode" else device_target(spec.arch, info)
+    kernel = dec.compile_spec(spec, sm=sm)
+    return driver.load_function(kernel.cubin, spec.variant, device,
+                                max_dynamic_smem=spec.smem_bytes if spec.smem_bytes > 48 * 1024 else 0)
+
+
+# ------------------------------------------------------------------ the public call
+
+_PLANS = PlanCache()
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=None, k=None, v=None,
+                           causal: bool = True, softmax_scale: float | None = None, num_splits: int = 0,
+                           return_lse: bool = False, out=None, arch: str | None = None, **knobs):
+    """Decode attention over a KV cache, FlashAttention-3's ``flash_attn_with_kvcache`` semantics.
+
+    q: (batch, seqlen_q, heads_q, head_dim), seqlen_q 1..16, fp16/bf16, head_dim 64/96/128/192/256.
+    k_cache, v_cache: (batch, seqlen_cache, heads_kv, head_dim), or with ``page_table`` the pages
+    (num_pages, page_size, heads_kv, head_dim) (page_size a power of two) and page_table
+    (batch, max_pages) int32: key j of sequence b is row j % page_size of page page_table[b][j // page_size].
+    cache_seqlens: (batch,) int32, the keys already in each sequence's cache.
+    k, v: (batch, seqlen_new, heads_kv, head_dim) new tokens, written into the cache in place at
+    cache_seqlens[b] before the attention (cache_seqlens itself is not changed, as in FlashAttention);
+    the attention then runs over cache_seqlens[b] + seqlen_new keys.
+    causal: bottom-right per sequence (query i of seqlen_q sees keys <= seqlen_k - seqlen_q + i).
+    num_splits: key splits per sequence (0: a heuristic on the shapes; 1: no split).
+    heads_kv divides heads_q (GQA/MQA). Returns O like q (and the float32 LSE (batch, heads_q,
+    seqlen_q), natural log, with ``return_lse``). Knobs: block_m, block_n, num_warps, stages, pack_gqa.
+
+    Hostile values never make a kernel read or write out of bounds: cache_seqlens are clamped to
+    [0, capacity] (capacity: seqlen_cache, or max_pages x page_size), keys and appended tokens past
+    the capacity are dropped, page indices are clamped into [0, num_pages). A sequence with no key
+    gets O = 0 and LSE = -inf.
+    """
+    torch = sys.modules.get("torch")
+    kind = "torch" if torch is not None and isinstance(q, torch.Tensor) else "other"
+    key = None
+    try:
+        knob_key = tuple(sorted(knobs.items())) if knobs else ()
+        if kind == "torch":
+            meta = _torch_meta
+            device = q.get_device()
+            current = torch._C._cuda_getDevice()
+        else:
+            meta = _cupy_meta
+            cupy = sys.modules.get("cupy")
+            device = q.device.id if cupy is not None and isinstance(q, cupy.ndarray) else -1
+            current = cupy.cuda.runtime.getDevice() if device >= 0 else -1
+        key = (kind, meta(q), meta(k_cache), meta(v_cache), meta(cache_seqlens), meta(page_table), meta(k), meta(v),
+               meta(out), device, current, causal.__class__, causal, softmax_scale.__class__, softmax_scale,
+               num_splits, bool(return_lse), arch, knob_key)
+        plan = _PLANS.get(key) if device >= 0 else None
+    except (AttributeError, TypeError):   # not all arrays of one library, an unhashable knob: the checked path
+        plan = key = None
+    if plan is None:
+        return _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits,
+                     return_lse, out, arch, knobs)
+    out_shape, lse_shape = plan.outputs
+    if kind == "torch":
+        if out is None:
+            out = torch.empty_like(q)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        ptr = _torch_ptr
+    else:
+        import cupy
+        with cupy.cuda.Device(device):
+            if out is None:
+                out = cupy.empty(out_shape, dtype=q.dtype)
+            lse = cupy.empty(lse_shape, dtype=cupy.float32) if return_lse else None
+            stream = cupy.cuda.get_current_stream().ptr
+        ptr = _cupy_ptr
+    pointers = (ptr(q), ptr(k_cache), ptr(v_cache), ptr(out))
+    if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or \
+            (k is not None and (ptr(k) | ptr(v)) & 15):    # a misaligned view: the checked path says so
+        return _miss(None, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits,
+                     return_lse, out, arch, knobs)
+    plan.launch(stream, *pointers, ptr(lse) if lse is not None else 0, ptr(cache_seqlens),
+                ptr(page_table) if page_table is not None else 0,
+                ptr(k) if k is not None else 0, ptr(v) if v is not None else 0)
+    return (out, lse) if return_lse else out
+
+
+def _torch_meta(x):
+    return None if x is None else (x.dtype, x.shape, x.stride(), x.get_device())
+
+
+def _cupy_meta(x):
+    return None if x is None else (x.dtype, x.shape, x.strides, x.device.id)
+
+
+def _torch_ptr(x) -> int:
+    return x.data_ptr()
+
+
+def _cupy_ptr(x) -> int:
+    return x.data.ptr
+
+
+def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, return_lse,
+          out, arch, knobs):
+    """The checked path: every argument checked (errors name it), the plan built and remembered."""
+    qv = _view("q", q)
+    views = {name: (_view(name, x) if x is not None else None) for name, x in
+             (("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table), ("k", k), ("v", v),
+              ("out", out))}
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        raise TypeError("cache_seqlens must be a (batch,) int32 device tensor on q's device (an int or None is "
+                        "not taken: the call never syncs or allocates per call)")
+    slv = _view("cache_seqlens", cache_seqlens)
+    problem = check_arguments(qv, views["k_cache"], views["v_cache"], slv, views["page_table"], views["k"],
+                              views["v"], views["out"], num_splits)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
+    info = device_info(qv.device)
+    arch = arch or default_arch(info)
+    if arch not in dec.DECODE_ARCHS:
+        raise ValueError(f"arch={arch!r}: choose one of {', '.join(dec.DECODE_ARCHS)}")
+    if arch == "sm90" and info.compute_capability != (9, 0):
+        raise ValueError(f"arch='sm90' needs a compute capability 9.0 GPU; {info.name} is "
+                         f"{info.compute_capability[0]}.{info.compute_capability[1]}: use arch='sm80'")
+    if out is None:     # as a plan hit makes it (torch: empty_like, q's layout where q is dense)
+        out = _torch().empty_like(q) if qv.kind == "torch" else _empty(qv, qv.shape, qv.dtype)
+    outv = _view("out", out)
+    if views["out"] is None:
+        check_arguments(qv, views["k_cache"], views["v_cache"], slv, views["page_table"], views["k"], views["v"],
+                        outv, num_splits)
+    plan = build_plan(qv, views["k_cache"], views["v_cache"], slv, views["page_table"], views["k"], views["v"],
+                      outv.strides[:3], causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                      arch=arch, knobs=knobs, device=qv.device, sms=info.sms, smem_per_sm=_smem_per_sm(info),
+                      load=functools.partial(_load_on, qv.device),
+                      allocate=functools.partial(_allocate, qv.kind, qv.device),
+                      switch_context=qv.device != _current_device(qv.kind))
+    if key is not None:
+        _PLANS.put(key, plan)
+    lse = _empty(qv, (problem.batch, problem.heads_q, problem.seqlen_q), "float32") if return_lse else None
+    plan.launch(_current_stream(qv.kind, qv.device), qv.ptr, views["k_cache"].ptr, views["v_cache"].ptr, outv.ptr,
+                _view("lse", lse).ptr if lse is not None else 0, slv.ptr,
+                views["page_table"].ptr if page_table is not None else 0,
+                views["k"].ptr if k is not None else 0, views["v"].ptr if v is not None else 0)
+    return (out, lse) if return_lse else out
+
+
+def _smem_per_sm(info) -> int:
+    """Shared memory of one SM (the budget model's; an A100-class GPU without one: its per-block
+    opt-in plus the 1 KB reserved, i.e. one decode CTA of ~100 KB per SM)."""
+    from .spec import GPUS
+
+    limits = GPUS.get(info.budget_gpu)
+    return (limits.smem_per_sm if limits and limits.smem_per_sm else
+            max(info.smem_per_block_optin, limits.smem_per_block if limits else 0) + 1024)
+
+
+def _load_on(device: int, spec):
+    return _load(spec, device)
+
+
+# ------------------------------------------------------------------ FlashAttention's signature
+
+# FlashAttention arguments with their "not used" values; anything else is refused by name.
+_FA_UNSUPPORTED = {
+    "rotary_cos": None, "rotary_sin": None, "cache_batch_idx": None, "cache_leftpad": None, "alibi_slopes": None,
+    "qv": None, "cu_seqlens_q": None, "cu_seqlens_k_new": None, "max_seqlen_q": None, "rotary_seqlens": None,
+    "q_descale": None, "k_descale": None, "v_descale": None, "scheduler_metadata": None, "attention_chunk": 0,
+    "softcap": 0.0, "sm_margin": 0,
+}
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
+                            page_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            rotary_interleaved=True, num_splits=0, pack_gqa=None, return_softmax_lse=False,
+                            out=None, **fa_args):
+    """FlashAttention's ``flash_attn_with_kvcache`` (FA2 and FA3 spellings: ``block_table`` or
+    ``page_table``) on facodegen's kernels. Implemented: q, k_cache, v_cache, k, v, cache_seqlens
+    ((batch,) int32 tensor), block_table/page_table, softmax_scale, causal, num_splits, pack_gqa,
+    return_softmax_lse, out. Refused with an error naming it: rotary_cos/rotary_sin,
+    cache_batch_idx, cache_leftpad, window_size other than (-1, -1), softcap != 0, alibi_slopes,
+    qv, cu_seqlens_q/cu_seqlens_k_new/max_seqlen_q, rotary_seqlens, descales, scheduler_metadata,
+    attention_chunk, sm_margin; any other keyword is an error too. Arguments after v are keyword-only
+    (FA2 and FA3 order them differently: a positional rotary_cos must never land in cache_seqlens)."""
+    for name, value in fa_args.items():
+        if name not in _FA_UNSUPPORTED:
+            raise TypeError(f"flash_attn_with_kvcache got an unexpected argument {name!r}")
+        unused = _FA_UNSUPPORTED[name]
+        if not (value is None if unused is None else value == unused):
+            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not implemented by facodegen yet "
+                                      f"(got {type(value).__name__}); leave it at its default ({unused!r})")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"flash_attn_with_kvcache: window_size={tuple(window_size)} (local attention) is "
+                                  f"not implemented by facodegen yet; only (-1, -1)")
+    if block_table is not None and page_table is not None:
+        raise ValueError("give block_table or page_table, not both (they are the same argument)")
+    if cache_seqlens is None:
+        raise TypeError("flash_attn_with_kvcache: cache_seqlens is required here, a (batch,) int32 tensor")
+    knobs = {} if pack_gqa is None else {"pack_gqa": bool(pack_gqa)}
+    return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=block_table if block_table is not None
+                                  else page_table, k=k, v=v, causal=bool(causal), softmax_scale=softmax_scale,
+                                  num_splits=num_splits, return_lse=bool(return_softmax_lse), out=out, **knobs)

@@ -1,0 +1,493 @@
+"""Decode (issue #39, slice 1) on the CPU: specs and their errors, variant names, the split
+heuristic, the kvcache reference, render + NVRTC compile of every shipped decode/combine/append
+config for sm_80 and sm_90a with no spills, the public call's plans and argument errors (fake torch
+and driver), the FlashAttention alias's refusals."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+import types
+
+import numpy as np
+import pytest
+from fakes import FakeTensor
+
+from facodegen import api, driver, kvcache
+from facodegen import decode as dec
+from facodegen import plan as plan_mod
+from facodegen.reference import attention_reference, kvcache_reference
+from facodegen.spec import SpecError
+
+# ------------------------------------------------------------------ specs, names, defaults
+
+def test_variant_names():
+    spec = dec.DecodeSpec(arch="sm80", dtype="bf16", head_dim=128, block_m=16, block_n=128, num_warps=4, stages=2,
+                          pack_gqa=True, split=True, paged=True)
+    assert spec.variant == "flash_decode_sm80_bf16_hd128_bm16_bn128_w4_st2_pack_split_paged"
+    assert dec.CombineSpec(dtype="bf16", head_dim=128).variant == "flash_combine_bf16_hd128"
+    assert dec.AppendSpec(dtype="fp16", head_dim=64, paged=True).variant == "flash_append_fp16_hd64_paged"
+
+
+@pytest.mark.parametrize("fields, knob", [
+    ({"block_n": 32, "num_warps": 4}, "block_n"),           # 8 keys a warp: not a k16 slice
+    ({"head_dim": 256, "block_m": 32}, "block_m"),          # O would take 256 floats a thread
+    ({"head_dim": 256, "block_n": 256, "stages": 6}, "stages"),  # 1.5 MB of ring
+    ({"head_dim": 80}, "head_dim"),
+    ({"dtype": "fp8"}, "dtype"),
+    ({"block_n": 64.0}, "block_n"),
+    ({"paged": "yes"}, "paged"),
+    ({"arch": "sm100"}, "arch"),
+])
+def test_spec_errors_name_the_knob(fields, knob):
+    with pytest.raises(SpecError) as err:
+        dec.DecodeSpec(**fields)
+    assert err.value.field == knob and knob in str(err.value)
+
+
+def test_defaults_fit_and_pack():
+    for head_dim in dec.DECODE_HEAD_DIMS:
+        for rows in (1, 4, 8, 16, 32, 64, 128):
+            spec = dec.default_decode_spec("sm90", "bf16", head_dim, seqlen_q=1, group=rows)
+            assert spec.pack_gqa == (rows > 1)
+            assert spec.block_m * head_dim // 32 <= dec.MAX_O_FLOATS
+            assert spec.smem_bytes <= dec.SMEM_LIMIT["sm80"]      # the A100 takes them too
+            assert (spec.stages - 1) * spec.stage_bytes >= 32 * 1024   # bytes in flight per CTA (Little's law)
+    assert dec.default_decode_spec("sm90", "bf16", 128, group=4, block_n=128).block_n == 128   # the caller wins
+
+
+def test_split_heuristic():
+    h = dec.num_splits_heuristic
+    assert h(264, 100, 132, 2) == 1                 # a full wave already: no split
+    assert h(1000, 4096, 132, 1) == 1
+    assert h(8, 4096, 132, 2) == 29                 # batch 1, 8 KV heads, 256k keys: ~0.88 of 264 slots
+    assert h(8, 3, 132, 2) == 3                     # never more splits than key blocks
+    assert h(1, 1, 132) == 1 and h(0, 5, 132) == 1
+    for work in (1, 2, 7, 8, 32, 64, 100):
+        splits = h(work, 10_000, 132, 2)
+        assert 1 <= splits <= dec.MAX_SPLITS
+        assert work * splits >= min(0.8 * 264, work * dec.MAX_SPLITS) * 0.85 or work * splits >= 0.85 * 264
+    # MQA with few blocks still splits (FA3's <= 4 blocks rule is left out)
+    assert h(1, 4, 132, 2) == 4
+
+
+def test_pointer_order_and_struct_sizes():
+    for kernel, names in dec.CALL_POINTERS.items():
+        placed, size, align = dec.layout(kernel)
+        assert [f.name for f, _ in placed][:len(names)] == list(names)
+        assert size % align == 0
+
+
+# ------------------------------------------------------------------ render + compile
+
+def test_render_header_and_static_asserts():
+    spec = dec.default_decode_spec("sm90", "bf16", 128, group=4, paged=True, split=True)
+    source = dec.render(spec)
+    assert source.startswith("// ===") and spec.variant in source.splitlines()[1]
+    assert "facodegen emit --kernel decode" in source and "static_assert" in source
+    assert dec.render(spec) == source              # deterministic
+
+
+def _targets(spec):
+    if spec.kernel == "decode":
+        return [None]                              # sm80 -> sm_80, sm90 -> sm_90a
+    return [None, "sm_90"]                         # arch-neutral kernels: the A100's and the H200's target
+
+
+def _shipped_groups():
+    """The shipped configs in a few groups (per arch and dtype; combine/append), each compiled in
+    parallel threads (NVRTC releases the GIL), so the ~180 compiles take minutes of CPU, not of wall."""
+    groups = {}
+    for spec in dec.shipped_specs():
+        key = f"decode-{spec.arch}-{spec.dtype}" if spec.kernel == "decode" else f"{spec.kernel}-{spec.dtype}"
+        groups.setdefault(key, []).append(spec)
+    return groups
+
+
+@pytest.mark.parametrize("group", sorted(_shipped_groups()))
+def test_shipped_configs_compile_without_spills(group):
+    bad = []
+    for sm_index in (0, 1):     # decode: its arch's own target; combine/append: sm_80, then sm_90
+        chosen = [(spec, _targets(spec)[sm_index]) for spec in _shipped_groups()[group]
+                  if len(_targets(spec)) > sm_index]
+        if not chosen:
+            continue
+        sms = {spec: sm for spec, sm in chosen}
+        compiled = dec.compile_many([spec for spec, _ in chosen], sm_of=sms.get)
+        for (spec, sm), kernel in zip(chosen, compiled):
+            r = kernel.resources
+            if (r.spill_stores, r.spill_loads, r.stack_bytes) != (0, 0, 0) or kernel.warnings or r.registers > 255:
+                bad.append((spec.variant, sm, r, kernel.warnings))
+    assert not bad
+
+
+def test_decode_sass_has_the_pipeline():
+    kernel = dec.compile_spec(dec.default_decode_spec("sm90", "bf16", 128, group=8, paged=True, split=True))
+    try:
+        counts = kernel.sass_counts()
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+    assert counts["HMMA"] > 0 and counts["LDSM"] > 0 and counts["LDGSTS"] > 0
+    assert counts["LDL"] == 0 and counts["STL"] == 0
+
+
+# ------------------------------------------------------------------ the reference
+
+def _random_case(rng, batch=3, seqlen_q=2, heads_q=8, heads_kv=2, d=64, capacity=48, page=8, new=2):
+    q = rng.standard_normal((batch, seqlen_q, heads_q, d))
+    kc = rng.standard_normal((batch, capacity, heads_kv, d))
+    vc = rng.standard_normal((batch, capacity, heads_kv, d))
+    kn = rng.standard_normal((batch, new, heads_kv, d))
+    vn = rng.standard_normal((batch, new, heads_kv, d))
+    lengths = np.array([0, 17, capacity - new][:batch], dtype=np.int32)
+    pages = batch * capacity // page
+    table = rng.permutation(pages).reshape(batch, capacity // page).astype(np.int32)
+    kp, vp = np.zeros((pages, page, heads_kv, d)), np.zeros((pages, page, heads_kv, d))
+    for b in range(batch):
+        for j in range(capacity // page):
+            kp[table[b, j]] = kc[b, j * page:(j + 1) * page]
+            vp[table[b, j]] = vc[b, j * page:(j + 1) * page]
+    return q, kc, vc, kn, vn, lengths, table, kp, vp
+
+
+def test_reference_matches_attention_on_the_prefix_and_paging():
+    rng = np.random.default_rng(1)
+    q, kc, vc, kn, vn, lengths, table, kp, vp = _random_case(rng)
+    o, lse, kc2, vc2 = kvcache_reference(q, kc, vc, lengths, k=kn, v=vn)
+    for b in range(q.shape[0]):
+        keys = int(lengths[b]) + kn.shape[1]
+        o_b, lse_b = attention_reference(q[b:b + 1], kc2[b:b + 1, :keys], vc2[b:b + 1, :keys], causal=True)
+        np.testing.assert_allclose(o[b:b + 1], o_b, atol=1e-12)
+        np.testing.assert_allclose(lse[b:b + 1], lse_b, atol=1e-12)
+        np.testing.assert_array_equal(kc2[b, lengths[b]:keys], kn[b])     # appended in place
+    o_p, lse_p, _, _ = kvcache_reference(q, kp, vp, lengths, page_table=table, k=kn, v=vn)
+    np.testing.assert_allclose(o_p, o, atol=1e-12)
+    np.testing.assert_allclose(lse_p, lse, atol=1e-12)
+
+
+def test_reference_clamps_hostile_lengths_and_pages():
+    rng = np.random.default_rng(2)
+    q, kc, vc, kn, vn, lengths, table, kp, vp = _random_case(rng)
+    o, _, _, _ = kvcache_reference(q, kc, vc, np.array([-5, 10**6, 3], np.int32), k=kn, v=vn)
+    assert np.isfinite(o).all()
+    bad = table.copy()
+    bad[0, 0], bad[1, 1] = -7, 10**6
+    o2, _, _, _ = kvcache_reference(q, kp, vp, lengths, page_table=bad)
+    assert np.isfinite(o2).all()
+    o3, lse3, _, _ = kvcache_reference(q, kc, vc, np.zeros(3, np.int32))   # no key at all
+    assert (o3 == 0).all() and np.isneginf(lse3).all()
+
+
+# ------------------------------------------------------------------ the public call on fakes
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    state = types.SimpleNamespace(device=0, stream=1000, records=[])
+    torch = types.ModuleType("torch")
+    torch.Tensor = FakeTensor
+    torch.float32, torch.uint8, torch.bfloat16, torch.float16, torch.int32 = (
+        "float32", "uint8", "bfloat16", "float16", "int32")
+    torch.empty_like = lambda x, dtype=None: FakeTensor(x.shape, (dtype or x.dtype).removeprefix("torch."),
+                                                        device=x.device.index)
+    torch._C = types.SimpleNamespace(_cuda_getDevice=lambda: state.device,
+                                     _cuda_getCurrentRawStream=lambda device: state.stream)
+    torch.cuda = types.SimpleNamespace(current_device=lambda: state.device)
+    torch.empty = lambda shape, dtype, device: FakeTensor(shape if isinstance(shape, tuple) else (shape,),
+                                                          str(dtype).removeprefix("torch."),
+                                                          device=int(str(device).rpartition(":")[2]))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(kvcache, "device_info", lambda ordinal: info)
+    monkeypatch.setattr(kvcache, "_load_on", lambda device, spec: driver.LoadedFunction(1, 1, device))
+
+    def launcher(function, grid, threads, smem):
+        def launch(stream, kernel_params):
+            address = ctypes.c_void_p.from_address(kernel_params.value).value
+            state.records.append({"grid": grid, "threads": threads, "smem": smem,
+                                  "head": ctypes.string_at(address, 128)})
+        return launch
+    monkeypatch.setattr(driver, "Launcher", launcher)
+    monkeypatch.setattr(driver, "stream_arg", lambda stream: stream)
+    monkeypatch.setattr(driver, "on_device", lambda ordinal: _Nothing())
+    monkeypatch.setattr(kvcache, "_PLANS", plan_mod.PlanCache())
+    return state
+
+
+def _call_args(batch=2, seqlen_q=1, heads_q=32, heads_kv=8, d=128, capacity=4096, paged=False, page=64, new=0,
+               dtype="bfloat16"):
+    q = FakeTensor((batch, seqlen_q, heads_q, d), dtype)
+    if paged:
+        pages = batch * capacity // page
+        kc, vc = FakeTensor((pages, page, heads_kv, d), dtype), FakeTensor((pages, page, heads_kv, d), dtype)
+        table = FakeTensor((batch, capacity // page), "int32")
+    else:
+        kc, vc = FakeTensor((batch, capacity, heads_kv, d), dtype), FakeTensor((batch, capacity, heads_kv, d), dtype)
+        table = None
+    lengths = FakeTensor((batch,), "int32")
+    extra = {}
+    if new:
+        extra = {"k": FakeTensor((batch, new, heads_kv, d), dtype), "v": FakeTensor((batch, new, heads_kv, d), dtype)}
+    return (q, kc, vc, lengths), dict(page_table=table, **extra)
+
+
+def test_plan_split_launches_decode_then_combine(fake):
+    args, kw = _call_args(batch=1, capacity=262144, paged=True, page=256, new=1)
+    kvcache.attention_with_kvcache(*args, **kw)
+    plan = next(iter(kvcache._PLANS._plans.values()))
+    assert plan.num_splits > 1 and set(plan.kernels) == {"append", "decode", "combine"}
+    assert plan.specs["decode"].split and plan.specs["decode"].paged and plan.specs["decode"].pack_gqa
+    assert [r["grid"] for r in fake.records] == [plan.grids["append"], plan.grids["decode"], plan.grids["combine"]]
+    assert plan.grids["decode"] == (plan.num_splits, 8, 1)        # one CTA per (split, KV head, sequence)
+    # a second call with other tensors hits the plan and patches only its pointers
+    args2, kw2 = _call_args(batch=1, capacity=262144, paged=True, page=256, new=1)
+    out = kvcache.attention_with_kvcache(*args2, **kw2)
+    assert kvcache._PLANS.misses == 1 and len(fake.records) == 6
+    q, kc, vc, lengths = args2
+    pointers = struct.unpack_from("<9Q", fake.records[4]["head"], 0)
+    assert pointers[:4] == (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr())
+    assert pointers[4] == 0 and pointers[5] and pointers[6]           # split: partials, no direct LSE
+    assert pointers[7:] == (lengths.data_ptr(), kw2["page_table"].data_ptr())
+    combine = struct.unpack_from("<4Q", fake.records[5]["head"], 0)
+    assert combine[:3] == (pointers[5], pointers[6], out.data_ptr()) and combine[3]   # LSE to scratch
+    append = struct.unpack_from("<6Q", fake.records[3]["head"], 0)
+    assert append == (kw2["k"].data_ptr(), kw2["v"].data_ptr(), kc.data_ptr(), vc.data_ptr(), lengths.data_ptr(),
+                      kw2["page_table"].data_ptr())
+
+
+def test_plan_no_split_for_a_full_batch(fake):
+    args, kw = _call_args(batch=64, capacity=4096)
+    _, lse = kvcache.attention_with_kvcache(*args, **kw, return_lse=True)
+    plan = next(iter(kvcache._PLANS._plans.values()))
+    assert plan.num_splits == 1 and set(plan.kernels) == {"decode"} and not plan.specs["decode"].split
+    pointers = struct.unpack_from("<9Q", fake.records[0]["head"], 0)
+    assert pointers[4] == lse.data_ptr() and pointers[5] == pointers[6] == 0
+    kvcache.attention_with_kvcache(*args, **kw, num_splits=3)
+    plan = list(kvcache._PLANS._plans.values())[-1]
+    assert plan.num_splits == 3 and plan.grids["decode"] == (3, 8, 64)
+
+
+def test_mha_without_packing_and_seqlen_q(fake):
+    args, kw = _call_args(batch=2, seqlen_q=4, heads_q=16, heads_kv=16)
+    kvcache.attention_with_kvcache(*args, **kw, num_splits=1)
+    plan = next(iter(kvcache._PLANS._plans.values()))
+    assert plan.grids["decode"] == (1, 16, 2)
+    args, kw = _call_args(batch=2, seqlen_q=16, heads_q=32, heads_kv=4)      # 16 x 8 = 128 packed rows
+    kvcache.attention_with_kvcache(*args, **kw, num_splits=1)
+    plan = list(kvcache._PLANS._plans.values())[-1]
+    spec = plan.specs["decode"]
+    assert plan.grids["decode"] == (-(-128 // spec.block_m), 4, 2)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a, kw: ((a[0], a[1], a[2], FakeTensor((2,), "int64")), kw), "cache_seqlens has dtype int64"),
+    (lambda a, kw: ((a[0], a[1], a[2], FakeTensor((3,), "int32")), kw), r"cache_seqlens has shape \(3,\)"),
+    (lambda a, kw: ((FakeTensor((2, 17, 32, 128)),) + a[1:], kw), "seqlen_q=17"),
+    (lambda a, kw: ((FakeTensor((2, 1, 32, 128), "float32"),) + a[1:], kw), "q has dtype float32"),
+    (lambda a, kw: ((a[0], FakeTensor((2, 4096, 8, 128), "float16"), a[2], a[3]), kw), "k_cache has dtype float16"),
+    (lambda a, kw: ((a[0], FakeTensor((2, 4096, 5, 128)), FakeTensor((2, 4096, 5, 128)), a[3]), kw), "heads_kv=5"),
+    (lambda a, kw: ((FakeTensor((2, 1, 32, 80)),) + a[1:], kw), "head_dim=80"),
+    (lambda a, kw: (a, dict(kw, page_table=FakeTensor((2,), "int32"))), "page_table must be 2-D"),
+    (lambda a, kw: (a, dict(kw, k=FakeTensor((2, 1, 8, 128)))), "k and v"),
+    (lambda a, kw: (a, dict(kw, k=FakeTensor((2, 1, 8, 128)), v=FakeTensor((2, 1, 4, 128)))), "v has shape"),
+    (lambda a, kw: (a, dict(kw, k=FakeTensor((2, 5000, 8, 128)), v=FakeTensor((2, 5000, 8, 128)))),
+     "cache holds 4096"),
+    (lambda a, kw: (a, dict(kw, num_splits=-1)), "num_splits"),
+    (lambda a, kw: (a, dict(kw, block_z=3)), "block_z"),
+    (lambda a, kw: (a, dict(kw, out=FakeTensor((2, 1, 32, 64)))), "out has shape"),
+    (lambda a, kw: ((a[0].offset(2),) + a[1:], kw), "q's data pointer"),
+])
+def test_argument_errors_name_the_argument(fake, change, match):
+    args, kw = _call_args()
+    args, kw = change(args, kw)
+    with pytest.raises((TypeError, ValueError)) as err:
+        kvcache.attention_with_kvcache(*args, **kw)
+    assert err.match(match)
+    assert fake.records == []
+
+
+def test_paged_errors(fake):
+    args, _ = _call_args(paged=True, page=64)
+    q, _, _, lengths = args
+    with pytest.raises(ValueError, match="page_table has 3 rows"):
+        kvcache.attention_with_kvcache(*args, page_table=FakeTensor((3, 64), "int32"))
+    with pytest.raises(TypeError, match="page_table has dtype int64"):
+        kvcache.attention_with_kvcache(*args, page_table=FakeTensor((2, 64), "int64"))
+    odd = FakeTensor((128, 48, 8, 128))
+    with pytest.raises(ValueError, match="power of two"):
+        kvcache.attention_with_kvcache(q, odd, odd, lengths, page_table=FakeTensor((2, 64), "int32"))
+
+
+@pytest.mark.parametrize("name, value", [
+    ("rotary_cos", object()), ("cache_batch_idx", object()), ("cache_leftpad", object()), ("softcap", 30.0),
+    ("alibi_slopes", object()), ("window_size", (128, 0)),
+])
+def test_flash_attn_alias_refuses_what_it_lacks(fake, name, value):
+    args, _ = _call_args()
+    q, kc, vc, lengths = args
+    with pytest.raises(NotImplementedError, match=name):
+        kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, **{name: value})
+    with pytest.raises(TypeError, match="frobnicate"):
+        kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, frobnicate=1)
+
+
+def test_flash_attn_alias_runs(fake):
+    args, kw = _call_args(paged=True)
+    q, kc, vc, lengths = args
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, block_table=kw["page_table"],
+                                               causal=True, return_softmax_lse=True, pack_gqa=False)
+    plan = next(iter(kvcache._PLANS._plans.values()))
+    assert plan.specs["decode"].paged and not plan.specs["decode"].pack_gqa
+    assert lse.shape == (2, 32, 1) and out.shape == q.shape
+
+
+def test_decode_params_values(fake):
+    args, kw = _call_args(batch=3, seqlen_q=2, heads_q=8, heads_kv=2, d=64, capacity=1024, paged=True, page=16, new=2)
+    kvcache.attention_with_kvcache(*args, **kw, softmax_scale=0.5, causal=False, num_splits=1)
+    plan = next(iter(kvcache._PLANS._plans.values()))
+    raw = plan.param_bytes("decode")
+    offsets = {f.name: (f, off) for f, off in dec.layout("decode")[0]}
+
+    def get(name):
+        f, off = offsets[name]
+        return struct.unpack_from({"i32": "<i", "i64": "<q", "f32": "<f", "ptr": "<Q"}[f.kind], raw, off)[0]
+    assert (get("batch"), get("seqlen_q"), get("heads_q"), get("heads_kv"), get("group")) == (3, 2, 8, 2, 4)
+    assert (get("rows_per_item"), get("num_splits"), get("seqlen_new"), get("capacity")) == (8, 1, 2, 1024)
+    assert (get("num_pages"), get("page_shift"), get("causal")) == (3 * 1024 // 16, 4, 0)
+    assert get("softmax_scale") == 0.5 and abs(get("scale_log2") - 0.5 * 1.4426950408889634) < 1e-6
+    assert get("k_page_stride") == 16 * 2 * 64 and get("k_row_stride") == 2 * 64 and get("page_table_stride") == 64
+
+
+# ------------------------------------------------------------------ CLI
+
+def test_cli_kernels_tuple():
+    from facodegen import cli
+    assert cli.KERNELS[0] == "forward" and {"decode", "combine", "append"} <= set(cli.KERNELS)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--arch", "sm90", "--kernel", "decode", "--page-size", "64", "--split-kv", "--pack-gqa"],
+    ["--arch", "sm80", "--kernel", "decode", "--head-dim", "64", "--block-n", "128", "--stages", "4"],
+    ["--kernel", "combine", "--head-dim", "96", "--dtype", "fp16"],
+    ["--kernel", "append", "--paged"],
+])
+def test_cli_emit_reproduces_itself(argv):
+    import shlex
+
+    from click.testing import CliRunner
+
+    from facodegen import cli
+    runner = CliRunner()
+    first = runner.invoke(cli.main, ["emit", *argv])
+    assert first.exit_code == 0, first.output
+    line = first.output.splitlines()[4].removeprefix("//").strip()
+    assert line.startswith("facodegen emit --kernel")
+    again = runner.invoke(cli.main, shlex.split(line)[1:])
+    assert again.exit_code == 0 and again.output == first.output
+
+
+def test_cli_decode_errors_and_inspect():
+    from click.testing import CliRunner
+
+    from facodegen import cli
+    runner = CliRunner()
+    bad = runner.invoke(cli.main, ["emit", "--kernel", "decode", "--causal"])
+    assert bad.exit_code == 2 and "--causal" in bad.output
+    bad = runner.invoke(cli.main, ["emit", "--kernel", "decode", "--block-n", "32"])
+    assert bad.exit_code == 2 and "block_n" in bad.output
+    bad = runner.invoke(cli.main, ["emit", "--split-kv"])
+    assert bad.exit_code == 2 and "--kernel decode" in bad.output
+    res = runner.invoke(cli.main, ["inspect", "--kernel", "decode", "--arch", "sm80", "--head-dim", "64", "--resources"])
+    assert res.exit_code == 0, res.output
+    assert "flash_decode_sm80_bf16_hd64" in res.output and "0 B stores, 0 B loads" in res.output
+
+
+# ------------------------------------------------------------------ scripts/bench_decode.py (pure parts)
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_decode"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_decode_grid_and_table():
+    bd = _bench_module()
+    grid = bd.cells()
+    assert grid and all(c.kv_bytes <= 60e9 for c in grid)
+    assert not any(c.batch == 64 and c.context == 262144 and c.d == 128 for c in grid)   # 68.7 GB and more: skipped
+    assert any(c.batch == 8 and c.context == 262144 and c.heads_kv == 32 for c in grid)   # 34 GB kept
+    assert {c.layout for c in grid} == set(bd.LAYOUTS)
+    cell = bd.Cell(1, 262144, 32, 8, 128, "paged64")
+    assert cell.page_size == 64 and cell.kv_bytes == 2 * 262144 * 8 * 128 * 2
+    assert bd.parse_int_list("1k,256k,8") == (1024, 262144, 8)
+    assert bd.parse_heads("32/32,64/8") == ((32, 32), (64, 8))
+    assert bd.input_sets(10 ** 10) == 1 and bd.input_sets(1 << 20) == bd.MAX_SETS
+    assert abs(bd.tbps(4 * 10 ** 9, 1.0) - 4.0) < 1e-12 and bd.tbps(1, None) is None
+    rows = [{"cell": "a", "kv_bytes": 1e9, "facodegen": 4.0, "fa3": 3.8, "sdpa": 4.1, "splits": 3},
+            {"cell": "b", "kv_bytes": 1e9, "facodegen": 3.0}]
+    text = bd.table(rows)
+    assert "1.05x" in text and "0.98x" in text and "| b |" in text and text.count("\n") == 3
+    assert abs(bd.geomean([1.0, 4.0]) - 2.0) < 1e-12
+    assert len(bd.cells(**bd.QUICK)) == 10        # b64 x 256k x d128 (68.7 GB) skipped in both layouts
+
+
+def test_bench_decode_lists_cells(capsys):
+    bd = _bench_module()
+    assert bd.main(["--quick", "--list"]) == 0
+    assert "b64 ctx8192 h32/8 d128 paged64" in capsys.readouterr().out
+
+
+def test_split_count_follows_the_gpu(fake, monkeypatch):
+    """An A100 holds one ~100 KB decode CTA per SM (108 slots), an H200 two (264): fewer splits there."""
+    args, kw = _call_args(batch=1, capacity=262144)
+    kvcache.attention_with_kvcache(*args, **kw)
+    h200 = list(kvcache._PLANS._plans.values())[-1].num_splits
+    a100 = api.DeviceInfo(0, "NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912)
+    monkeypatch.setattr(kvcache, "device_info", lambda ordinal: a100)
+    kvcache._PLANS.clear()                      # (the same call key: a process sees one GPU per ordinal)
+    kvcache.attention_with_kvcache(*args, **kw)
+    plan = list(kvcache._PLANS._plans.values())[-1]
+    assert plan.specs["decode"].arch == "sm80"
+    assert (h200, plan.num_splits) == (dec.num_splits_heuristic(8, 4096, 132, 2),
+                                       dec.num_splits_heuristic(8, 4096, 108, 1))
+    assert plan.num_splits < h200
+
+
+@pytest.mark.parametrize("knobs", [
+    {"num_splits": 1}, {"num_splits": 3}, {"num_splits": 8, "block_n": 32, "num_warps": 2},
+    {"num_splits": 2, "pack_gqa": False}, {"num_splits": 2, "block_m": 16, "causal": False},
+])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kernel_algorithm_matches_the_reference(knobs, paged):
+    """The decode kernel's tiling, split, warp merge and combine (reference.decode_tiled_reference)
+    against the direct float64 formula, with appended tokens, lengths 0 and past the capacity,
+    seqlen_q 2 x GQA 4 (8 packed rows: padding rows in a 16-row tile), shuffled pages."""
+    from facodegen.reference import decode_tiled_reference
+    rng = np.random.default_rng(5)
+    q, kc, vc, kn, vn, lengths, table, kp, vp = _random_case(rng, batch=3, seqlen_q=2, heads_q=8, heads_kv=2, d=16,
+                                                              capacity=96, page=16, new=2)
+    lengths = np.array([0, 40, 200], np.int32)                  # 200: past the capacity, clamped
+    causal = knobs.pop("causal", True)
+    if paged:
+        ref_o, ref_lse, kc2, vc2 = kvcache_reference(q, kp, vp, lengths, page_table=table, k=kn, v=vn, causal=causal)
+    else:
+        ref_o, ref_lse, kc2, vc2 = kvcache_reference(q, kc, vc, lengths, k=kn, v=vn, causal=causal)
+    o, lse = decode_tiled_reference(q, kc2, vc2, lengths, page_table=table if paged else None, seqlen_new=2,
+                                    causal=causal, **knobs)
+    np.testing.assert_allclose(o, ref_o, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=1e-12)
