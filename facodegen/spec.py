@@ -681,9 +681,13 @@ class KernelSpec:
             tiles = fa1_tiles(self.head_dim, self.warp_split)
         else:
             tiles = default_tiles(self.arch, self.head_dim, self.dtype, self.causal, gpu)
-            if self.arch == "sm80" and self.softcap is True and tiles.block_m * tiles.block_n // tiles.num_warps > 2048:
+            if self.arch == "sm80" and self.softcap is True and (
+                    tiles.block_m * tiles.block_n // tiles.num_warps > 2048
+                    or (self.head_dim == 256 and tiles.num_warps == 4 and self.causal)):
                 # the tanh pass over 128 S floats a thread (head_dim 64's 128x128, 4 warps, at 254
-                # registers without it) spills 20-40 bytes (ptxas, NVRTC 13.0): half the keys per step
+                # registers without it) spills 20-40 bytes (ptxas, NVRTC 13.0), and so does head_dim
+                # 256's causal 64x64 on 4 warps (the H200 budget's tile; 24 bytes, 128 O floats a
+                # thread beside the mask and the tanh; 64x32: 242 registers): half the keys per step
                 tiles = dataclasses.replace(tiles, block_n=tiles.block_n // 2,
                                             why=tiles.why + "; softcap: block_n halved (no spills)")
         fill = {"gpu": gpu}
