@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .fuzz import FAMILIES as FUZZ_FAMILIES
 from .knobs import KNOBS, Knob
 from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default_specs
 
@@ -484,7 +485,7 @@ def _cross_check(kernel) -> str:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--fuzz", type=click.IntRange(min=1), help="Run this many seeded random problems (facodegen.fuzz) "
               "through attention() instead, each against the float64 reference; --seed picks the list.")
-@click.option("--family", type=click.Choice(("forward", "variants", "all")), default="all", show_default=True,
+@click.option("--family", type=click.Choice((*FUZZ_FAMILIES, "all")), default="all", show_default=True,
               help="--fuzz: which kernel family's problems.")
 @click.option("--fuzz-case", help="Rerun one fuzz case (the JSON a failing case prints).")
 def check(spec_fields, batch, seqlen_q, seqlen_k, heads, heads_kv, seed, fuzz, family, fuzz_case):

@@ -15,10 +15,12 @@ a relative Frobenius error of O against the float64 reference on the dequantised
 GPU tests' bound) or twice a bf16 computation's on the same inputs, whichever is larger, and its LSE within 1e-2 + 1e-3 |lse| + 2^-12 scale max_k sum_i |q_i k_i|
 (the fp8 wgmma accumulator's precision, ~14 bits, on the row's scores). A failing case prints the one command that reruns it.
 
-Families: ``forward`` (the kernels that exist today) and ``variants`` (16-bit problems with a
-sliding window whose sides are drawn from 0, 1, a few keys, the sequence length and beyond,
--1 = unbounded, causal or not and either alignment, softcap values, sinks); backward, varlen and
-kvcache join as they land.
+Families: ``forward``; ``variants`` (16-bit problems with a sliding window whose sides are drawn
+from 0, 1, a few keys, the sequence length and beyond, -1 = unbounded, causal or not and either
+alignment, softcap values, sinks); ``backward`` (dQ, dK, dV of attention() under autograd against
+float64 autograd, FlashAttention-3's criterion per gradient); ``kvcache`` (attention_with_kvcache:
+1-16 query tokens, contiguous or paged caches with shuffled pages, random lengths from 0, appends,
+split counts). Varlen joins when it lands.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from dataclasses import asdict, dataclass
 
 from .spec import HEAD_DIMS
 
-FAMILIES = ("forward", "variants")
+FAMILIES = ("forward", "variants", "backward", "kvcache")
+KVCACHE_PAGE_SIZES = (0, 0, 16, 64, 256)   # 0: contiguous
 LAYOUTS = ("contiguous", "strided", "offset")
 MAX_SCORES = 1 << 26        # batch x heads x seqlen_q x seqlen_k at most (the float64 reference's size)
 
@@ -58,6 +61,11 @@ class Case:
     softcap: float = 0.0
     sinks: bool = False
     top_left: bool = False
+    # the kvcache family (facodegen.attention_with_kvcache): seqlen_k is the cache's capacity, each
+    # sequence's length drawn from the case's seed; page_size 0 = a contiguous cache
+    page_size: int = 0
+    seqlen_new: int = 0
+    num_splits: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -122,12 +130,27 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
         if batch * heads_q * seqlen_q * seqlen_k > MAX_SCORES:
             continue
         extra = _variant_fields(rng, seqlen_q, seqlen_k) if variants else {}
+        if this_family == "backward":
+            # float64 autograd keeps scores, probabilities and their gradients: an 8th of the forward's size
+            if batch * heads_q * seqlen_q * seqlen_k > MAX_SCORES // 8:
+                continue
+            dtype = rng.choice(("bf16", "fp16"))
+        elif this_family == "kvcache":
+            dtype = rng.choice(("bf16", "fp16"))
+            page_size = rng.choice(KVCACHE_PAGE_SIZES)
+            seqlen_q = rng.randint(1, 16)
+            seqlen_k = (rng.randint(1, 32) * page_size) if page_size else rng.randint(1, 4096)
+            extra = dict(page_size=page_size, seqlen_new=rng.choice((0, 0, 1, 3)),
+                         num_splits=rng.choice((0, 0, 1, rng.randint(2, 8))))
+            if seqlen_k < extra["seqlen_new"] or batch * heads_q * seqlen_q * seqlen_k > MAX_SCORES:
+                continue
         cases.append(Case(
             family=this_family, arch=arch, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, causal=rng.random() < 0.5,
             softmax_scale=None if rng.random() < 0.6 else round(rng.uniform(0.02, 1.0), 4),
-            layout=rng.choice(LAYOUTS), magnitude=1.0 if rng.random() < 0.8 else rng.choice((4.0, 16.0)),
-            return_lse=rng.random() < 0.5, use_out=rng.random() < 0.3, seed=rng.randrange(1 << 31), **extra))
+            layout="contiguous" if this_family == "kvcache" else rng.choice(LAYOUTS), magnitude=1.0 if rng.random() < 0.8 else rng.choice((4.0, 16.0)),
+            return_lse=rng.random() < 0.5, use_out=this_family != "backward" and rng.random() < 0.3,
+            seed=rng.randrange(1 << 31), **extra))
     return cases
 
 
@@ -190,6 +213,10 @@ def _layout(x, layout: str):
 
 def run_case(case: Case) -> tuple[bool, str]:
     """(passed, message) of one case on the GPU."""
+    if case.family == "backward":
+        return _run_backward(case)
+    if case.family == "kvcache":
+        return _run_kvcache(case)
     import torch
 
     import facodegen
@@ -255,10 +282,127 @@ def run_case(case: Case) -> tuple[bool, str]:
     return ok_o and lse_ok and bool(torch.isfinite(out).all()), f"O {what}; LSE {lse_what}"
 
 
+def grad_criterion(got, ref, low) -> str | None:
+    """FlashAttention-3's criterion for one gradient: its largest error against the float64 ``ref``
+    at most twice the same-precision ``low``'s plus twice the dtype's rounding of ``ref``; None if
+    it holds, else what failed."""
+    import torch
+    if not bool(torch.isfinite(got).all()):
+        return "non-finite values"
+    err = (got.double() - ref).abs().max().item()
+    floor = ((ref.to(got.dtype) + 0.3 - 0.3).double() - ref).abs().max().item()
+    bound = 2 * (low.double() - ref).abs().max().item() + 2 * floor + 1e-6
+    return None if err <= bound else f"max err {err:.3e} > bound {bound:.3e}"
+
+
+def _run_backward(case: Case) -> tuple[bool, str]:
+    """dQ, dK, dV of attention() under autograd (the generated backward) against float64 autograd
+    of the reference, FlashAttention-3's criterion for each."""
+    import torch
+
+    import facodegen
+    gen = torch.Generator(device="cuda").manual_seed(case.seed)
+    dt = torch.bfloat16 if case.dtype == "bf16" else torch.float16
+    shapes = ((case.batch, case.seqlen_q, case.heads_q, case.head_dim),
+              (case.batch, case.seqlen_k, case.heads_kv, case.head_dim),
+              (case.batch, case.seqlen_k, case.heads_kv, case.head_dim))
+    q, k, v = (torch.randn(s, generator=gen, device="cuda").mul_(case.magnitude).to(dt) for s in shapes)
+    do = torch.randn(shapes[0], generator=gen, device="cuda").to(dt)
+    scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
+    leaves = [_layout(x, case.layout).requires_grad_(True) for x in (q, k, v)]
+    out = facodegen.attention(*leaves, causal=case.causal, softmax_scale=case.softmax_scale, arch=case.arch)
+    got = torch.autograd.grad(out, leaves, do)
+
+    def reference(upcast: bool):
+        inputs = [(x.double() if upcast else x).detach().requires_grad_(True) for x in (q, k, v)]
+        ref_out, _ = attention_torch(*inputs, case.causal, scale, upcast=upcast)
+        return torch.autograd.grad(ref_out, inputs, do.double() if upcast else do)
+    failures = [f"{name} {why}" for name, g, r, lo in zip(("dq", "dk", "dv"), got, reference(True), reference(False))
+                if (why := grad_criterion(g, r, lo))]
+    return not failures, "; ".join(failures) or "dq, dk, dv ok"
+
+
+def _run_kvcache(case: Case) -> tuple[bool, str]:
+    """attention_with_kvcache (the generated decode/combine/append kernels) on a cache of capacity
+    seqlen_k, contiguous or paged with shuffled pages, each sequence's length random (0 included),
+    seqlen_new tokens appended first, against facodegen.reference.kvcache_reference: O per sequence
+    by FlashAttention-3's criterion, the LSE, -inf rows, the caches after the append."""
+    import numpy as np
+    import torch
+
+    import facodegen
+
+    from .reference import kvcache_reference
+    gen = torch.Generator(device="cuda").manual_seed(case.seed)
+    cpu = torch.Generator().manual_seed(case.seed)
+    dt = torch.bfloat16 if case.dtype == "bf16" else torch.float16
+    b, hq, hkv, d, cap = case.batch, case.heads_q, case.heads_kv, case.head_dim, case.seqlen_k
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").mul_(case.magnitude).to(dt)
+    q = randn(b, case.seqlen_q, hq, d)
+    k_full, v_full = randn(b, cap, hkv, d), randn(b, cap, hkv, d)
+    table = None
+    if case.page_size:
+        per_seq = cap // case.page_size
+        table = torch.randperm(b * per_seq, generator=cpu).to("cuda").view(b, per_seq).to(torch.int32)
+        k_cache = torch.empty(b * per_seq, case.page_size, hkv, d, dtype=dt, device="cuda")
+        v_cache = torch.empty_like(k_cache)
+        k_cache[table.view(-1).long()] = k_full.view(-1, case.page_size, hkv, d)
+        v_cache[table.view(-1).long()] = v_full.view(-1, case.page_size, hkv, d)
+    else:
+        k_cache, v_cache = k_full, v_full
+    lengths = torch.randint(0, cap - case.seqlen_new + 1, (b,), generator=cpu).to(torch.int32).cuda()
+    kn = vn = None
+    if case.seqlen_new:
+        kn, vn = randn(b, case.seqlen_new, hkv, d), randn(b, case.seqlen_new, hkv, d)
+    scale = case.softmax_scale if case.softmax_scale is not None else d ** -0.5
+
+    def host(x):
+        return None if x is None else x.detach().cpu().double().numpy() if x.is_floating_point() else x.cpu().numpy()
+    ref_o, ref_lse, ref_kc, ref_vc = kvcache_reference(
+        host(q), host(k_cache), host(v_cache), host(lengths), page_table=host(table), k=host(kn), v=host(vn),
+        causal=case.causal, softmax_scale=scale)
+    out = torch.full_like(q, float("nan"))
+    _, lse = facodegen.attention_with_kvcache(q, k_cache, v_cache, lengths, page_table=table, k=kn, v=vn,
+                                              causal=case.causal, softmax_scale=case.softmax_scale,
+                                              num_splits=case.num_splits, return_lse=True, out=out, arch=case.arch)
+    o, lse = host(out), host(lse)
+    problems = []
+    if not np.isfinite(o).all():
+        problems.append("O has NaN/inf (an element never written?)")
+    if not (np.array_equal(host(k_cache), ref_kc) and np.array_equal(host(v_cache), ref_vc)):
+        problems.append("the caches after the append differ")
+    empty = np.isneginf(ref_lse)
+    if not np.array_equal(np.isneginf(lse), empty):
+        problems.append("LSE -inf rows differ")
+    elif np.abs(lse[~empty] - ref_lse[~empty]).max(initial=0) > 1e-3 + 1e-4 * np.abs(ref_lse[~empty]).max(initial=0):
+        problems.append(f"LSE max err {np.abs(lse[~empty] - ref_lse[~empty]).max():.3e}")
+    for seq in range(b):    # O: a same-precision reference over this sequence's own keys
+        seqlen_k = min(int(lengths[seq]) + case.seqlen_new, cap)
+        if seqlen_k == 0 or not np.isfinite(o[seq]).all():
+            continue
+        if table is None:
+            keys, values = ref_kc[seq, :seqlen_k], ref_vc[seq, :seqlen_k]
+        else:
+            pos = np.arange(seqlen_k)
+            pages = host(table)[seq, pos // case.page_size]
+            keys, values = ref_kc[pages, pos % case.page_size], ref_vc[pages, pos % case.page_size]
+        low, _ = attention_torch(q[seq:seq + 1], torch.from_numpy(keys).to("cuda", dt)[None],
+                                 torch.from_numpy(values).to("cuda", dt)[None], case.causal, scale, upcast=False)
+        ref = torch.from_numpy(ref_o[seq:seq + 1]).to("cuda")
+        why = grad_criterion(torch.from_numpy(o[seq:seq + 1]).to("cuda", dt), ref, low.double().nan_to_num(0.0))
+        if why:
+            problems.append(f"O of sequence {seq} ({seqlen_k} keys): {why}")
+    return not problems, "; ".join(problems) or "O, LSE and the caches ok"
+
+
 def case_spec(case: Case, device: int = 0):
     """The spec ``facodegen.attention`` picks for ``case`` on ``device`` (its tuning database and
     sequence-length rules included), as the call would resolve it."""
     from . import api
+    if case.family in ("backward", "kvcache"):
+        return None     # forward kernels of the backward cases, the decode family: compiled on first use
     fields = {"out_dtype": "bf16", "v_layout": "row"} if case.dtype == "fp8" else {}
     causal = case.causal
     if case.family == "variants":     # the switches api._variants derives from the call's arguments
@@ -278,7 +422,7 @@ def _compile_one(spec):
 def precompile(cases: list[Case], workers: int | None = None, log=print) -> int:
     """Compile the distinct kernels of ``cases`` into the compile cache (compile_specs), so the run
     that follows only loads them. Returns the number of kernels."""
-    specs = sorted({case_spec(c) for c in cases}, key=lambda s: s.variant)
+    specs = sorted({case_spec(c) for c in cases} - {None}, key=lambda s: s.variant)
     compile_specs(specs, workers, log)
     return len(specs)
 
@@ -300,14 +444,14 @@ def compile_specs(specs, workers: int | None = None, log=print) -> None:
 
 
 def run(cases: list[Case], log=print, fail_fast: bool = False) -> dict:
-    """Run ``cases``; returns {"cases": n, "failures": [(case, message)], "by": {(arch, dtype): [n, failed]}}."""
+    """Run ``cases``; returns {"cases": n, "failures": [(case, message)], "by": {(family, arch, dtype): [n, failed]}}."""
     failures, by = [], {}
     for i, case in enumerate(cases, 1):
         try:
             ok, message = run_case(case)
         except Exception as err:  # noqa: BLE001 (a refused or crashing case is a failure to report)
             ok, message = False, f"{type(err).__name__}: {err}"
-        tally = by.setdefault((case.arch, case.dtype), [0, 0])
+        tally = by.setdefault((case.family, case.arch, case.dtype), [0, 0])
         tally[0] += 1
         if not ok:
             tally[1] += 1
@@ -321,10 +465,10 @@ def run(cases: list[Case], log=print, fail_fast: bool = False) -> dict:
 
 
 def summary(result: dict) -> str:
-    rows = ["| arch | dtype | cases | failed |", "|---|---|---|---|"]
-    for (arch, dtype), (n, failed) in sorted(result["by"].items()):
-        rows.append(f"| {arch} | {dtype} | {n} | {failed} |")
-    rows.append(f"| all | | {result['cases']} | {len(result['failures'])} |")
+    rows = ["| family | arch | dtype | cases | failed |", "|---|---|---|---|---|"]
+    for (family, arch, dtype), (n, failed) in sorted(result["by"].items()):
+        rows.append(f"| {family} | {arch} | {dtype} | {n} | {failed} |")
+    rows.append(f"| all | | | {result['cases']} | {len(result['failures'])} |")
     return "\n".join(rows)
 
 

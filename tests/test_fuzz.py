@@ -117,3 +117,28 @@ def test_warm_cache_covers_what_the_gpu_tests_compile():
     on_h200 = set(warm_cache.shipped_specs("sm90"))
     assert on_h200 == set(default_specs()) | set(default_fp8_specs())
     assert set(warm_cache.shipped_specs("sm80")) == {s for s in default_specs() if s.arch == "sm80"}
+
+
+def test_backward_and_kvcache_families_are_drawn_within_their_kernels_limits():
+    cases = fuzz.generate(4000, seed=9, family="all")
+    by = collections.Counter(c.family for c in cases)
+    assert set(by) == set(fuzz.FAMILIES) and min(by.values()) > 500, by
+    for c in cases:
+        if c.family == "backward":
+            assert c.dtype in ("bf16", "fp16") and not c.use_out
+            assert c.batch * c.heads_q * c.seqlen_q * c.seqlen_k <= fuzz.MAX_SCORES // 8
+        if c.family == "kvcache":
+            assert 1 <= c.seqlen_q <= 16 and c.layout == "contiguous" and c.dtype in ("bf16", "fp16")
+            assert c.seqlen_new <= c.seqlen_k and c.page_size in fuzz.KVCACHE_PAGE_SIZES
+            assert c.page_size == 0 or c.seqlen_k % c.page_size == 0
+        if c.family in ("backward", "kvcache"):
+            assert fuzz.case_spec(c) is None        # their kernels compile on first use
+    kv = [c for c in cases if c.family == "kvcache"]
+    assert {c.page_size for c in kv} == set(fuzz.KVCACHE_PAGE_SIZES) and {c.num_splits > 1 for c in kv} == {False, True}
+    assert fuzz.Case.from_json(kv[0].to_json()) == kv[0]
+
+
+def test_summary_counts_each_family():
+    result = {"cases": 3, "failures": [], "by": {("kvcache", "sm90", "bf16"): [2, 0], ("backward", "sm80", "fp16"): [1, 0]}}
+    table = fuzz.summary(result)
+    assert "| kvcache | sm90 | bf16 | 2 | 0 |" in table and "| backward | sm80 | fp16 | 1 | 0 |" in table
