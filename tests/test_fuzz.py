@@ -72,6 +72,11 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
         for c in (False, True)}
     variants = [c for c in cases if c.family == "variants"]
     assert {(c.arch, c.causal) for c in variants} == {(a, c) for a in ("sm80", "sm90") for c in (False, True)}
+    assert {c.family for c in cases} == set(fuzz.FAMILIES)
+    assert {(c.dtype, c.causal) for c in cases if c.family == "backward"} == {
+        (d, c) for d in ("bf16", "fp16") for c in (False, True)}
+    kv = [c for c in cases if c.family == "kvcache"]
+    assert any(c.page_size and c.seqlen_new and c.num_splits > 1 for c in kv)
     assert all(c.sinks and c.softcap and c.window_left >= 0 for c in variants)
 
 
