@@ -25,7 +25,7 @@ import threading
 from . import __version__, driver
 from . import compiler as compile_mod
 from .backward_spec import BACKWARD_KNOBS, DEFAULT_GPU, BackwardSpec
-from .params import Field
+from .params import Field, pack_fields, place
 from .plan import PlanCache, _Image
 from .spec import SpecError
 
@@ -59,25 +59,12 @@ _PACK_POINTERS = struct.Struct(f"<{len(_POINTERS)}Q")
 
 
 def layout() -> tuple[list[tuple[Field, int]], int, int]:
-    """[(field, offset)], size and alignment of BwdParams (C's natural alignment)."""
-    offset, max_align, placed = 0, 1, []
-    for f in BWD_FIELDS:
-        offset = (offset + f.align - 1) // f.align * f.align
-        placed.append((f, offset))
-        offset += f.size
-        max_align = max(max_align, f.align)
-    return placed, (offset + max_align - 1) // max_align * max_align, max_align
+    """[(field, offset)], size and alignment of BwdParams (params.place)."""
+    return place(BWD_FIELDS)
 
 
 def pack(values: dict) -> bytes:
-    placed, size, _ = layout()
-    missing = [f.name for f, _ in placed if f.name not in values]
-    if missing:
-        raise KeyError(f"BwdParams fields missing: {', '.join(missing)}")
-    buf = bytearray(size)
-    for f, off in placed:
-        struct.pack_into({"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}[f.kind], buf, off, values[f.name])
-    return bytes(buf)
+    return pack_fields(BWD_FIELDS, values, "BwdParams")
 
 
 assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range(len(_POINTERS))]

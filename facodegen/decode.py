@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from .knobs import Knob
-from .params import Field
+from .params import Field, pack_fields, place
 from .spec import SpecError
 
 DECODE_ARCHS = ("sm80", "sm90")
@@ -416,27 +416,12 @@ CALL_POINTERS = {"decode": DECODE_CALL_POINTERS, "combine": COMBINE_CALL_POINTER
 
 
 def layout(kernel: str) -> tuple[list[tuple[Field, int]], int, int]:
-    """[(field, offset)], size and alignment of a kernel's argument struct (C's natural alignment)."""
-    offset, max_align, placed = 0, 1, []
-    for f in FIELDS[kernel]:
-        offset = (offset + f.align - 1) // f.align * f.align
-        placed.append((f, offset))
-        offset += f.size
-        max_align = max(max_align, f.align)
-    return placed, (offset + max_align - 1) // max_align * max_align, max_align
+    """[(field, offset)], size and alignment of a kernel's argument struct (params.place)."""
+    return place(FIELDS[kernel])
 
 
 def pack(kernel: str, values: dict) -> bytes:
-    import struct
-
-    placed, size, _ = layout(kernel)
-    missing = [f.name for f, _ in placed if f.name not in values]
-    if missing:
-        raise KeyError(f"{kernel} arguments missing: {', '.join(missing)}")
-    buf = bytearray(size)
-    for f, off in placed:
-        struct.pack_into({"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}[f.kind], buf, off, values[f.name])
-    return bytes(buf)
+    return pack_fields(FIELDS[kernel], values, f"{kernel} arguments")
 
 
 def _check_pointer_order() -> None:

@@ -101,15 +101,37 @@ def has_variants(spec) -> bool:
 
 
 def layout(arch: str, dtype: str | None = None, variants: bool = False) -> tuple[list[tuple[Field, int]], int, int]:
-    """[(field, offset)], total size and alignment with C's natural-alignment rules."""
+    """[(field, offset)], total size and alignment of FlashParams (place)."""
+    return place(fields(arch, dtype, variants))
+
+
+def place(field_list) -> tuple[list[tuple[Field, int]], int, int]:
+    """[(field, offset)], total size and alignment of a C struct of these fields in this order, with
+    C's natural-alignment rules: one layout rule for every kernel's argument struct (FlashParams,
+    the backward's, the decode family's)."""
     offset, max_align, placed = 0, 1, []
-    for f in fields(arch, dtype, variants):
+    for f in field_list:
         offset = (offset + f.align - 1) // f.align * f.align
         placed.append((f, offset))
         offset += f.size
         max_align = max(max_align, f.align)
     size = (offset + max_align - 1) // max_align * max_align
     return placed, size, max_align
+
+
+_SCALAR_FORMATS = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}
+
+
+def pack_fields(field_list, values: dict, struct_name: str) -> bytes:
+    """The bytes of a struct of scalar fields (place's layout) holding ``values`` (every field)."""
+    placed, size, _ = place(field_list)
+    missing = [f.name for f, _ in placed if f.name not in values]
+    if missing:
+        raise KeyError(f"{struct_name} fields missing: {', '.join(missing)}")
+    buf = bytearray(size)
+    for f, off in placed:
+        struct.pack_into(_SCALAR_FORMATS[f.kind], buf, off, values[f.name])
+    return bytes(buf)
 
 
 def pack(arch: str, values: dict, dtype: str | None = None, variants: bool = False) -> bytes:
