@@ -484,3 +484,24 @@ def test_function_launches():
     fn((4,), (256,), (x, cupy.float32(2.0), cupy.int32(1000)))
     cupy.cuda.Device().synchronize()
     assert cupy.allclose(x, 2 * cupy.arange(1000, dtype=cupy.float32))
+
+
+DYNAMIC_SMEM_ONLY = r'''
+extern "C" __global__ void dynamic_smem_only(float* x) {
+    extern __shared__ float staged[];
+    staged[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    x[threadIdx.x] = staged[blockDim.x - 1 - threadIdx.x];
+}
+'''
+
+
+@needs_cuobjdump
+def test_cross_check_allows_the_reserved_kilobyte_of_a_dynamic_shared_memory_kernel():
+    """sm_90a reserves 1 KB for a kernel that uses only dynamic shared memory (ptxas: 0 static),
+    as the decode kernel does: inspect must not call that a disagreement."""
+    for arch in ("sm80", "sm90"):
+        kernel = fc.compile_source(DYNAMIC_SMEM_ONLY, arch, "dynamic_smem_only")
+        assert kernel.resources.shared_bytes == 0
+        assert kernel.cuobjdump_resources()["SHARED"] in (0, fc.SM90_RESERVED_SMEM)
+        assert kernel.cross_check() == []
