@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Everything a change must pass on a GPU, in one device call, each step under its own time limit so a
+# slow step cannot take the others' time; logs under $OUT (default ./verify-out), a summary last.
+#
+#   OUT=/path bash scripts/verify_gpu.sh [steps...]      # steps: tests fuzz sanitize bench (default: all)
+#
+# Order and isolation are deliberate (H200, 2026-12-03): the fuzz runs alone (a racecheck sharing the
+# GPU starved it to a few hundred cases in three minutes); the sanitizer runs after it; the timings
+# last, on an idle GPU. The kernels are compiled first in parallel processes (a fresh machine has
+# an empty compile cache: one by one they took minutes).
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-verify-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+export FACODEGEN_CACHE_DIR="${FACODEGEN_CACHE_DIR:-/tmp/facodegen-verify-cache}"
+steps="${*:-tests fuzz sanitize bench}"
+start=$(date +%s)
+summary=()
+step() {   # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, note its exit status and time
+    local name=$1 limit=$2
+    shift 2
+    local t0=$(date +%s)
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    summary+=("| $name | $rc | $(( $(date +%s) - t0 )) s | $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-100) |")
+}
+
+for s in $steps; do
+    case $s in tests|fuzz|sanitize|bench) ;; *) echo "unknown step: $s (tests fuzz sanitize bench)"; exit 2 ;; esac
+done
+python3 scripts/warm_cache.py --fuzz 10000 > "$OUT/warm.log" 2>&1
+for s in $steps; do
+    case $s in
+        tests)
+            step pytest 300 python3 -m pytest -q -rs -n 8 tests/gpu ;;
+        fuzz)
+            step fuzz 240 python3 -m facodegen check --fuzz 10000 --seed 1 --family all ;;
+        sanitize)
+            step sanitize 240 python3 scripts/sanitize.py --out "$OUT/sanitize"
+            step sanitize_decode 120 python3 scripts/sanitize_decode.py --out "$OUT/sanitize-decode" ;;
+        bench)
+            step host_cost 60 python3 scripts/host_cost_breakdown.py
+            step bench_backward 120 python3 scripts/bench_backward.py --quick --out "$OUT"
+            step bench_decode 180 python3 scripts/bench_decode.py --quick --out "$OUT"
+            step bench_variants 90 python3 scripts/bench_variants.py --out "$OUT" ;;
+    esac
+done
+echo
+echo "verify_gpu.sh: $(( $(date +%s) - start )) s, logs in $OUT"
+echo "| step | exit | time | last line |"
+echo "|---|---|---|---|"
+printf '%s\n' "${summary[@]}"
