@@ -394,16 +394,24 @@ def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=No
         spec = build_spec(spec_fields)
         kernel = _compile(spec)
     try:
-        if what == "ptx":
-            click.echo(kernel.ptx())
-        elif what == "sass":
-            click.echo(kernel.sass())
-            counts = kernel.sass_counts()
-            click.echo("key instructions: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-        else:
+        if not _echo_listing(kernel, what):
             click.echo(format_resources(spec, kernel))
     except ToolNotFoundError as err:
         raise click.ClickException(str(err)) from None
+
+
+def _echo_listing(kernel, what) -> bool:
+    """inspect --ptx / --sass of a compiled kernel (any family); False for --resources, whose report
+    is each family's own."""
+    if what == "ptx":
+        click.echo(kernel.ptx())
+    elif what == "sass":
+        click.echo(kernel.sass())
+        counts = kernel.sass_counts()
+        click.echo("key instructions: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    else:
+        return False
+    return True
 
 
 def _inspect_backward(spec, what) -> None:
@@ -417,13 +425,7 @@ def _inspect_backward(spec, what) -> None:
     except (CompileError, TemplateRenderError) as err:
         raise click.ClickException(str(err)) from None
     try:
-        if what == "ptx":
-            click.echo(compiled.ptx())
-        elif what == "sass":
-            click.echo(compiled.sass())
-            counts = compiled.sass_counts()
-            click.echo("key instructions: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-        else:
+        if not _echo_listing(compiled, what):
             resources = backward.resources_of(compiled)
             click.echo(f"{'kernels':<14} {', '.join(spec.kernel_names)} (launch order)")
             click.echo(f"{'target':<14} {compiled.target}")
