@@ -211,12 +211,15 @@ def _layout(x, layout: str):
     return view
 
 
-def run_case(case: Case) -> tuple[bool, str]:
-    """(passed, message) of one case on the GPU."""
+def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
+    """(passed, message) of one case on the GPU. ``launch_only``: make the inputs and run facodegen's
+    call, check only that the outputs are finite, and skip the references (the sanitizer sweep's
+    mode: compute-sanitizer is there for memory and races, and the float64 and same-precision
+    references are most of a case's kernels, all of them instrumented by initcheck)."""
     if case.family == "backward":
-        return _run_backward(case)
+        return _run_backward(case, launch_only)
     if case.family == "kvcache":
-        return _run_kvcache(case)
+        return _run_kvcache(case, launch_only)
     import torch
 
     import facodegen
@@ -248,6 +251,8 @@ def run_case(case: Case) -> tuple[bool, str]:
         kwargs.update(variants, causal_alignment="top_left" if case.top_left else "bottom_right")
         variants["top_left"] = case.top_left
     out, lse = facodegen.attention(*args, **kwargs)
+    if launch_only:
+        return _launched(out, lse)
     ref, ref_lse = attention_torch(q, k, v, case.causal, scale, upcast=True, **variants)
     err = (out.double() - ref).abs().max().item()
     if case.dtype == "fp8":
@@ -295,7 +300,7 @@ def grad_criterion(got, ref, low) -> str | None:
     return None if err <= bound else f"max err {err:.3e} > bound {bound:.3e}"
 
 
-def _run_backward(case: Case) -> tuple[bool, str]:
+def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     """dQ, dK, dV of attention() under autograd (the generated backward) against float64 autograd
     of the reference, FlashAttention-3's criterion for each."""
     import torch
@@ -312,6 +317,8 @@ def _run_backward(case: Case) -> tuple[bool, str]:
     leaves = [_layout(x, case.layout).requires_grad_(True) for x in (q, k, v)]
     out = facodegen.attention(*leaves, causal=case.causal, softmax_scale=case.softmax_scale, arch=case.arch)
     got = torch.autograd.grad(out, leaves, do)
+    if launch_only:
+        return _launched(*got)
 
     def reference(upcast: bool):
         inputs = [(x.double() if upcast else x).detach().requires_grad_(True) for x in (q, k, v)]
@@ -322,7 +329,7 @@ def _run_backward(case: Case) -> tuple[bool, str]:
     return not failures, "; ".join(failures) or "dq, dk, dv ok"
 
 
-def _run_kvcache(case: Case) -> tuple[bool, str]:
+def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     """attention_with_kvcache (the generated decode/combine/append kernels) on a cache of capacity
     seqlen_k, contiguous or paged with shuffled pages, each sequence's length random (0 included),
     seqlen_new tokens appended first, against facodegen.reference.kvcache_reference: O per sequence
@@ -360,13 +367,16 @@ def _run_kvcache(case: Case) -> tuple[bool, str]:
 
     def host(x):
         return None if x is None else x.detach().cpu().double().numpy() if x.is_floating_point() else x.cpu().numpy()
-    ref_o, ref_lse, ref_kc, ref_vc = kvcache_reference(
-        host(q), host(k_cache), host(v_cache), host(lengths), page_table=host(table), k=host(kn), v=host(vn),
-        causal=case.causal, softmax_scale=scale)
+    if not launch_only:     # before the call: an append changes the caches in place
+        ref_o, ref_lse, ref_kc, ref_vc = kvcache_reference(
+            host(q), host(k_cache), host(v_cache), host(lengths), page_table=host(table), k=host(kn), v=host(vn),
+            causal=case.causal, softmax_scale=scale)
     out = torch.full_like(q, float("nan"))
     _, lse = facodegen.attention_with_kvcache(q, k_cache, v_cache, lengths, page_table=table, k=kn, v=vn,
                                               causal=case.causal, softmax_scale=case.softmax_scale,
                                               num_splits=case.num_splits, return_lse=True, out=out, arch=case.arch)
+    if launch_only:
+        return _launched(out, lse)
     o, lse = host(out), host(lse)
     problems = []
     if not np.isfinite(o).all():
@@ -443,12 +453,22 @@ def compile_specs(specs, workers: int | None = None, log=print) -> None:
         f"({workers} processes){'; spilling: ' + ', '.join(spilled) if spilled else ''}")
 
 
-def run(cases: list[Case], log=print, fail_fast: bool = False) -> dict:
+def _launched(*outputs) -> tuple[bool, str]:
+    """launch_only's check: the outputs (NaN-poisoned where the case asks) hold no NaN or +inf
+    (-inf is a valid LSE)."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    bad = [i for i, x in enumerate(outputs) if x is not None and bool((x.isnan() | (x == float("inf"))).any())]
+    return not bad, f"launched; output(s) {bad} hold NaN or +inf" if bad else "launched"
+
+
+def run(cases: list[Case], log=print, fail_fast: bool = False, launch_only: bool = False) -> dict:
     """Run ``cases``; returns {"cases": n, "failures": [(case, message)], "by": {(family, arch, dtype): [n, failed]}}."""
     failures, by = [], {}
     for i, case in enumerate(cases, 1):
         try:
-            ok, message = run_case(case)
+            ok, message = run_case(case, launch_only)
         except Exception as err:  # noqa: BLE001 (a refused or crashing case is a failure to report)
             ok, message = False, f"{type(err).__name__}: {err}"
         tally = by.setdefault((case.family, case.arch, case.dtype), [0, 0])
@@ -507,9 +527,10 @@ def representative_cases() -> list[Case]:
     return cases
 
 
-if __name__ == "__main__":  # python -m facodegen.fuzz CASE_JSON ... (the sanitizer sweep's child)
+if __name__ == "__main__":  # python -m facodegen.fuzz [--launch-only] CASE_JSON ... (the sanitizer sweep's child)
     import sys
 
-    outcome = run([Case.from_json(arg) for arg in sys.argv[1:]])
+    launch_only = "--launch-only" in sys.argv[1:]
+    outcome = run([Case.from_json(arg) for arg in sys.argv[1:] if arg != "--launch-only"], launch_only=launch_only)
     print(summary(outcome))
     sys.exit(1 if outcome["failures"] else 0)

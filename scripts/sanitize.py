@@ -6,7 +6,8 @@ case, and a table of errors per tool and case last.
 
     python3 scripts/sanitize.py [--tools memcheck,racecheck] [--out DIR]
 
-Each child runs `python -m facodegen.fuzz CASE_JSON` under `compute-sanitizer --tool T
+Each child runs `python -m facodegen.fuzz --launch-only CASE_JSON` (facodegen's call on the case's inputs,
+no references: their kernels are most of a case's, and initcheck instruments them all) under `compute-sanitizer --tool T
 --error-exitcode 99` (racecheck, memcheck and synccheck instrument only facodegen's kernels); the first
 lines of each child's log and its summary go to DIR/<tool>.log. Compile the kernels first (one plain
 run of the same cases) so the sanitizer does not time NVRTC.
@@ -67,7 +68,7 @@ def main() -> int:
             # minutes and says nothing about ours). Not for initcheck: memory written by a kernel it
             # does not instrument counts as never written, so every read of the inputs would be flagged.
             cmd += ["--kernel-name", "kns=flash_"]
-        done = subprocess.run([*cmd, sys.executable, "-m", "facodegen.fuzz", case.to_json()],
+        done = subprocess.run([*cmd, sys.executable, "-m", "facodegen.fuzz", "--launch-only", case.to_json()],
                               check=False, capture_output=True, text=True)
         log = done.stdout + done.stderr
         errors = errors_in(log)
