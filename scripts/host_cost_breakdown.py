@@ -33,6 +33,8 @@ def main() -> int:
     facodegen.attention(q, k, v, causal=True)
     torch.cuda.synchronize()
     device = q.get_device()
+    qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    facodegen.attention(qg, kg, vg, causal=True)
     # Each layer of a model calls with its own tensors: one plan, a params image per address set.
     sets = [tuple(torch.randn_like(q) for _ in range(3)) for _ in range(32)]
     turns = itertools.cycle(sets)
@@ -52,6 +54,11 @@ def main() -> int:
         ("attention() whole call", lambda: facodegen.attention(q, k, v, causal=True)),
         ("attention(), 32 input sets in turn (a model's layers)", lambda: facodegen.attention(*next(turns), causal=True)),
         ("prepare()() whole call", facodegen.prepare(q, k, v, causal=True)),
+        # Training: the forward of a call that records the backward (the torch op with its autograd
+        # node, LSE saved), beside SDPA's with autograd (#38: at most 2x SDPA's).
+        ("attention() recording autograd", lambda: facodegen.attention(qg, kg, vg, causal=True)),
+        ("torch SDPA recording autograd", lambda: torch.nn.functional.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), is_causal=True)),
         ("torch SDPA whole call", lambda: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)),
         ("call key tuple", make_key),
