@@ -12,6 +12,10 @@ set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-verify-out}"
 mkdir -p "$OUT"
+# Peers carried as unpacked wheels (.whl/*.tar.xz, e.g. FlashAttention-3: carry [".whl"]) go to /tmp/site.
+for archive in .whl/*.tar.xz; do
+    [ -e "$archive" ] && mkdir -p /tmp/site && tar -xJf "$archive" -C /tmp/site && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+done
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 export FACODEGEN_CACHE_DIR="${FACODEGEN_CACHE_DIR:-/tmp/facodegen-verify-cache}"
 steps="${*:-tests fuzz sanitize bench}"
