@@ -12,13 +12,16 @@ set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-verify-out}"
 mkdir -p "$OUT"
+steps="${*:-tests fuzz sanitize bench}"
+for s in $steps; do
+    case $s in tests|fuzz|sanitize|bench) ;; *) echo "unknown step: $s (tests fuzz sanitize bench)"; exit 2 ;; esac
+done
 # Peers carried as unpacked wheels (.whl/*.tar.xz, e.g. FlashAttention-3: carry [".whl"]) go to /tmp/site.
 for archive in .whl/*.tar.xz; do
     [ -e "$archive" ] && mkdir -p /tmp/site && tar -xJf "$archive" -C /tmp/site && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 done
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 export FACODEGEN_CACHE_DIR="${FACODEGEN_CACHE_DIR:-/tmp/facodegen-verify-cache}"
-steps="${*:-tests fuzz sanitize bench}"
 start=$(date +%s)
 summary=()
 step() {   # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, note its exit status and time
@@ -30,9 +33,6 @@ step() {   # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, note its e
     summary+=("| $name | $rc | $(( $(date +%s) - t0 )) s | $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-100) |")
 }
 
-for s in $steps; do
-    case $s in tests|fuzz|sanitize|bench) ;; *) echo "unknown step: $s (tests fuzz sanitize bench)"; exit 2 ;; esac
-done
 python3 scripts/warm_cache.py --fuzz 10000 > "$OUT/warm.log" 2>&1
 for s in $steps; do
     case $s in
