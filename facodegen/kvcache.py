@@ -378,9 +378,50 @@ def _load(spec, device: int):
 _PLANS = PlanCache()
 
 
+def check_values(cache_seqlens, page_table, *, seqlen_new: int, capacity: int, num_pages: int) -> None:
+    """check_inputs=True: the values the host cannot see without a device sync, as host arrays
+    (cache_seqlens (batch,), page_table (batch, max_pages) or None). Raises ValueError naming the
+    argument: a negative length, a length plus the new tokens past the capacity, a page index out
+    of [0, num_pages) among the pages a sequence uses. (The kernels clamp all of these; this says
+    the caller has a bug instead of computing on clamped values.)"""
+    import numpy as np
+    lengths = np.asarray(cache_seqlens, dtype=np.int64)
+    bad = np.flatnonzero(lengths < 0)
+    if bad.size:
+        raise ValueError(f"cache_seqlens[{bad[0]}] = {lengths[bad[0]]} is negative")
+    bad = np.flatnonzero(lengths + seqlen_new > capacity)
+    if bad.size:
+        raise ValueError(f"cache_seqlens[{bad[0]}] = {lengths[bad[0]]} plus {seqlen_new} new token(s) exceeds the "
+                         f"cache capacity {capacity}")
+    if page_table is None:
+        return
+    table = np.asarray(page_table, dtype=np.int64)
+    page_size = capacity // table.shape[1]
+    for b, length in enumerate(lengths):
+        used = table[b, :-(-(int(length) + seqlen_new) // page_size)]
+        wrong = np.flatnonzero((used < 0) | (used >= num_pages))
+        if wrong.size:
+            raise ValueError(f"page_table[{b}, {wrong[0]}] = {used[wrong[0]]} is not a page of the cache "
+                             f"(0 .. {num_pages - 1}), and sequence {b} uses it")
+
+
+def _check_values_on_device(cache_seqlens, page_table, k, k_cache) -> None:
+    """check_inputs=True: copy the lengths and the page table to the host (a sync) and check_values."""
+    def host(x):
+        return None if x is None else (x.cpu().numpy() if hasattr(x, "cpu") else x.get())
+    seqlen_new = 0 if k is None else int(k.shape[1])
+    if page_table is not None:
+        num_pages, capacity = int(k_cache.shape[0]), int(page_table.shape[1]) * int(k_cache.shape[1])
+    else:
+        num_pages, capacity = 0, int(k_cache.shape[1])
+    check_values(host(cache_seqlens), host(page_table), seqlen_new=seqlen_new, capacity=capacity,
+                 num_pages=num_pages)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=None, k=None, v=None,
                            causal: bool = True, softmax_scale: float | None = None, num_splits: int = 0,
-                           return_lse: bool = False, out=None, arch: str | None = None, **knobs):
+                           return_lse: bool = False, out=None, arch: str | None = None, check_inputs: bool = False,
+                           **knobs):
     """Decode attention over a KV cache, FlashAttention-3's ``flash_attn_with_kvcache`` semantics.
 
     q: (batch, seqlen_q, heads_q, head_dim), seqlen_q 1..16, fp16/bf16, head_dim 64/96/128/192/256.
@@ -399,8 +440,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     Hostile values never make a kernel read or write out of bounds: cache_seqlens are clamped to
     [0, capacity] (capacity: seqlen_cache, or max_pages x page_size), keys and appended tokens past
     the capacity are dropped, page indices are clamped into [0, num_pages). A sequence with no key
-    gets O = 0 and LSE = -inf.
+    gets O = 0 and LSE = -inf. ``check_inputs=True`` checks those values on the host first (a
+    device sync per call; ValueError naming cache_seqlens or page_table: see check_values).
     """
+    if check_inputs:
+        _check_values_on_device(cache_seqlens, page_table, k, k_cache)
     torch = sys.modules.get("torch")
     kind = "torch" if torch is not None and isinstance(q, torch.Tensor) else "other"
     key = None

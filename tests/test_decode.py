@@ -491,3 +491,27 @@ def test_kernel_algorithm_matches_the_reference(knobs, paged):
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=1e-12)
+
+
+def test_check_values_names_the_argument_and_the_bad_entry():
+    """check_inputs=True: negative lengths, lengths past the capacity with the new tokens, and page
+    indices out of range among the pages a sequence uses are errors naming cache_seqlens/page_table;
+    an out-of-range entry in pages a sequence does not reach is not."""
+    table = np.array([[0, 1, 2, 3], [4, 5, 99, -1]])
+    kvcache.check_values(np.array([200, 128]), table, seqlen_new=0, capacity=256, num_pages=8)   # uses 2 pages of seq 1
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = -3 is negative"):
+        kvcache.check_values(np.array([0, -3]), None, seqlen_new=0, capacity=256, num_pages=0)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 250 plus 7 new token\(s\) exceeds the cache capacity 256"):
+        kvcache.check_values(np.array([250, 0]), None, seqlen_new=7, capacity=256, num_pages=0)
+    with pytest.raises(ValueError, match=r"page_table\[1, 2\] = 99 is not a page of the cache \(0 .. 7\)"):
+        kvcache.check_values(np.array([0, 129]), table, seqlen_new=0, capacity=256, num_pages=8)
+    with pytest.raises(ValueError, match=r"page_table\[1, 2\] = 99"):
+        kvcache.check_values(np.array([0, 128]), table, seqlen_new=1, capacity=256, num_pages=8)   # the append's page
+
+
+def test_check_inputs_runs_before_the_call():
+    torch = pytest.importorskip("torch")
+    q = torch.zeros(2, 1, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 128, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 129 plus 0 new token\(s\) exceeds the cache capacity 128"):
+        kvcache.attention_with_kvcache(q, cache, cache, torch.tensor([5, 129], dtype=torch.int32), check_inputs=True)
