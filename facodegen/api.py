@@ -805,7 +805,7 @@ def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arc
     key = None
     if cupy is not None and isinstance(q, cupy.ndarray):
         knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), (None, None, None))
-        meta = lambda x: None if x is None else (x.dtype, x.shape, x.strides, x.device.id)  # noqa: E731
+        meta = _cupy_meta
         try:
             key = ("cupy", meta(q), meta(k), meta(v), cupy.cuda.runtime.getDevice(), causal.__class__, causal,
                    softmax_scale.__class__, softmax_scale, return_lse, arch, knobs, meta(out), meta(lse_out),
@@ -876,6 +876,29 @@ def _top_left(q, k, v, *, softmax_scale, return_lse, out, lse_out, arch, **spec_
 
 
 # ------------------------------------------------------------------ arrays, streams, devices
+
+def _torch_meta(x):
+    return None if x is None else (x.dtype, x.shape, x.stride(), x.get_device())
+
+
+def _cupy_meta(x):
+    return None if x is None else (x.dtype, x.shape, x.strides, x.device.id)
+
+
+def _torch_ptr(x) -> int:
+    return x.data_ptr()
+
+
+def _cupy_ptr(x) -> int:
+    return x.data.ptr
+
+
+# Per library (api._kind), for the plan-cache keys and the launch pointers of the other families'
+# calls (attention_backward, attention_with_kvcache): what identifies an array's layout (None for
+# an argument left out) and its device address. Chosen once per call by the first argument's kind.
+ARRAY_META = {"torch": _torch_meta, "cupy": _cupy_meta}
+ARRAY_PTR = {"torch": _torch_ptr, "cupy": _cupy_ptr}
+
 
 def _empty(like: _View, shape, dtype: str):
     if like.kind == "torch":

@@ -147,15 +147,14 @@ class BackwardPlan:
     """One resolved backward call: the three loaded kernels, their grids and a BwdParams image;
     ``launch`` writes the call's pointers into the image and launches the three in order."""
 
-    def __init__(self, spec: BackwardSpec, functions, grid3, param_bytes: bytes, *, accum_floats: int,
+    def __init__(self, spec: BackwardSpec, functions, grid3, param_bytes: bytes, *, device: int, accum_floats: int,
                  dpsum_floats: int, switch_context: bool, outputs=None):
         self.spec = spec
         self.grids = grid3
         self.outputs = outputs
-        self.device = functions[0].device if functions[0] is not None else -1
+        self.device = device
         self.accum_floats, self.dpsum_floats = accum_floats, dpsum_floats
         self._switch_context = switch_context
-        self._device = functions[0].device if functions[0] is not None else -1
         smem = (0, spec.smem_bytes, 0)
         self._launchers = [driver.Launcher(f, g, spec.threads, s) for f, g, s in zip(functions, grid3, smem)] \
             if functions[0] is not None else []
@@ -168,7 +167,7 @@ class BackwardPlan:
             _PACK_POINTERS.pack_into(self._image.storage, self._image.base, *pointers)
             arg = driver.stream_arg(stream)
             if self._switch_context:
-                with driver.on_device(self._device):
+                with driver.on_device(self.device):
                     for launcher in self._launchers:
                         launcher(arg, self._image.kernel_params)
             else:
@@ -193,13 +192,6 @@ def _load(spec: BackwardSpec, device: int):
 _PLANS = PlanCache()
 
 
-def _meta(x):
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return (x.dtype, tuple(x.shape), x.stride(), x.get_device())
-    return (str(x.dtype), tuple(x.shape), tuple(x.strides), x.device.id)
-
-
 def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                        dq=None, dk=None, dv=None, arch: str | None = None, **knobs):
     """Gradients of attention: (dq, dk, dv) given dO = ``do`` and the forward's ``out`` and ``lse``.
@@ -220,10 +212,10 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     kind = api._kind(q)
     plan = key = None
     if kind != "other":
+        meta = api.ARRAY_META[kind]
         try:
-            key = (kind, _meta(do), _meta(q), _meta(k), _meta(v), _meta(out), _meta(lse),
-                   None if dq is None else _meta(dq), None if dk is None else _meta(dk),
-                   None if dv is None else _meta(dv), causal.__class__, causal, softmax_scale.__class__,
+            key = (kind, meta(do), meta(q), meta(k), meta(v), meta(out), meta(lse), meta(dq), meta(dk), meta(dv),
+                   causal.__class__, causal, softmax_scale.__class__,
                    softmax_scale, arch, tuple(sorted(knobs.items())), api._current_device(kind))
             plan = _PLANS.get(key)
         except (AttributeError, TypeError, ValueError):   # not arrays of one library, an unhashable knob
@@ -237,7 +229,8 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     dk = _new_like(kind, device, k) if dk is None else dk
     dv = _new_like(kind, device, v) if dv is None else dv
     scratch, scratch_ptr = api._allocate(kind, device, 4 * (plan.accum_floats + plan.dpsum_floats))
-    pointers = (_ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(do), _ptr(lse), _ptr(dq), _ptr(dk), _ptr(dv),
+    ptr = api.ARRAY_PTR[kind]       # (kind is torch or cupy: _resolve refused anything else)
+    pointers = (ptr(q), ptr(k), ptr(v), ptr(out), ptr(do), ptr(lse), ptr(dq), ptr(dk), ptr(dv),
                 scratch_ptr, scratch_ptr + 4 * plan.accum_floats)
     if any(p % 16 for p in pointers[:5] + pointers[6:9]):
         raise ValueError("do, q, k, v, out, dq, dk, dv: data pointers must be 16-byte aligned")
@@ -256,13 +249,6 @@ def _new_like(kind: str, device: int, x):
     import cupy
     with cupy.cuda.Device(device):
         return cupy.empty(x.shape, dtype=x.dtype)
-
-
-def _ptr(x) -> int:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return x.data_ptr()
-    return x.data.ptr
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -322,11 +308,9 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
         values.update(zip((f"{t}_batch_stride", f"{t}_row_stride", f"{t}_head_stride"), views[t].strides[:3]))
     values.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
-    plan = BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k), pack(values),
-                        accum_floats=batch * heads_q * seqlen_q * head_dim, dpsum_floats=batch * heads_q * seqlen_q,
-                        switch_context=qv.device != api._current_device(qv.kind))
-    plan.device = qv.device
-    return plan
+    return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k), pack(values),
+                        device=qv.device, accum_floats=batch * heads_q * seqlen_q * head_dim,
+                        dpsum_floats=batch * heads_q * seqlen_q, switch_context=qv.device != api._current_device(qv.kind))
 
 
 def _check_like(view, like, name: str) -> None:

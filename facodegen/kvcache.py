@@ -28,8 +28,11 @@ from . import decode as dec
 from . import driver
 from .api import (
     ALIGN_BYTES,
+    ARRAY_META,
+    ARRAY_PTR,
     DTYPE_NAMES,
     _allocate,
+    _check_arch,
     _check_same_place,
     _current_device,
     _current_stream,
@@ -451,11 +454,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     try:
         knob_key = tuple(sorted(knobs.items())) if knobs else ()
         if kind == "torch":
-            meta = _torch_meta
+            meta = ARRAY_META["torch"]
             device = q.get_device()
             current = torch._C._cuda_getDevice()
         else:
-            meta = _cupy_meta
+            meta = ARRAY_META["cupy"]
             cupy = sys.modules.get("cupy")
             device = q.device.id if cupy is not None and isinstance(q, cupy.ndarray) else -1
             current = cupy.cuda.runtime.getDevice() if device >= 0 else -1
@@ -474,7 +477,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
             out = torch.empty_like(q)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
         stream = torch._C._cuda_getCurrentRawStream(device)
-        ptr = _torch_ptr
+        ptr = ARRAY_PTR["torch"]
     else:
         import cupy
         with cupy.cuda.Device(device):
@@ -482,7 +485,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
                 out = cupy.empty(out_shape, dtype=q.dtype)
             lse = cupy.empty(lse_shape, dtype=cupy.float32) if return_lse else None
             stream = cupy.cuda.get_current_stream().ptr
-        ptr = _cupy_ptr
+        ptr = ARRAY_PTR["cupy"]
     pointers = (ptr(q), ptr(k_cache), ptr(v_cache), ptr(out))
     if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or \
             (k is not None and (ptr(k) | ptr(v)) & 15):    # a misaligned view: the checked path says so
@@ -492,22 +495,6 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
                 ptr(page_table) if page_table is not None else 0,
                 ptr(k) if k is not None else 0, ptr(v) if v is not None else 0)
     return (out, lse) if return_lse else out
-
-
-def _torch_meta(x):
-    return None if x is None else (x.dtype, x.shape, x.stride(), x.get_device())
-
-
-def _cupy_meta(x):
-    return None if x is None else (x.dtype, x.shape, x.strides, x.device.id)
-
-
-def _torch_ptr(x) -> int:
-    return x.data_ptr()
-
-
-def _cupy_ptr(x) -> int:
-    return x.data.ptr
 
 
 def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, return_lse,
@@ -531,9 +518,7 @@ def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, sof
     arch = arch or default_arch(info)
     if arch not in dec.DECODE_ARCHS:
         raise ValueError(f"arch={arch!r}: choose one of {', '.join(dec.DECODE_ARCHS)}")
-    if arch == "sm90" and info.compute_capability != (9, 0):
-        raise ValueError(f"arch='sm90' needs a compute capability 9.0 GPU; {info.name} is "
-                         f"{info.compute_capability[0]}.{info.compute_capability[1]}: use arch='sm80'")
+    _check_arch(arch, info)
     if out is None:     # as a plan hit makes it (torch: empty_like, q's layout where q is dense)
         out = _torch().empty_like(q) if qv.kind == "torch" else _empty(qv, qv.shape, qv.dtype)
     outv = _view("out", out)
