@@ -158,3 +158,15 @@ def test_launch_only_checks_that_the_outputs_were_written():
     ok, message = fuzz._launched(torch.zeros(3), torch.tensor([float("nan")]))
     assert not ok and "[1]" in message
     assert not fuzz._launched(torch.tensor([float("inf")]))[0]
+
+
+def test_fa3_bound_is_twice_the_same_precision_error_plus_twice_the_rounding():
+    torch = pytest.importorskip("torch")
+    ref = torch.tensor([1.0, 1.0 + 2.0 ** -10, -3.0], dtype=torch.float64)
+    low = ref + torch.tensor([0.0, 0.01, -0.02], dtype=torch.float64)
+    rounding = ((ref.to(torch.bfloat16) + 0.3 - 0.3).double() - ref).abs().max().item()
+    assert rounding > 0
+    assert fuzz.fa3_bound(ref, low, torch.bfloat16) == pytest.approx(2 * 0.02 + 2 * rounding)
+    assert fuzz.fa3_failure(low.to(torch.bfloat16), ref, low) is None
+    assert "max err" in fuzz.fa3_failure((ref + 1).to(torch.bfloat16), ref, low)
+    assert fuzz.fa3_failure(torch.tensor([float("nan")]), ref[:1], low[:1]) == "non-finite values"

@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from facodegen.compiler import gpu_available  # noqa: E402
+from facodegen.fuzz import fa3_bound  # noqa: E402
 
 HAVE_GPU, GPU_WHY = gpu_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason=f"needs a CUDA GPU: {GPU_WHY}")]
@@ -75,8 +76,7 @@ def check_grads(got, do, q, k, v, causal, scale):
             failures.append(f"{name} has non-finite values")
             continue
         err = (g.double() - r).abs().max().item()
-        floor = ((r.to(g.dtype) + 0.3 - 0.3).double() - r).abs().max().item()
-        bound = 2 * (lo.double() - r).abs().max().item() + 2 * floor + 1e-6
+        bound = fa3_bound(r, lo, g.dtype) + 1e-6
         if err > bound:
             failures.append(f"{name} max err {err:.3e} > bound {bound:.3e}")
     return failures
