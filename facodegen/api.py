@@ -212,11 +212,17 @@ class _Prepared:
     resident_ctas: int      # CTAs running at once: the persistent grid (launch.resident_ctas)
 
 
+def compile_for_device(spec: KernelSpec, device: int = 0):
+    """The spec's kernel as attention() compiles it for ``device``: for its real target (sm80 code for
+    the GPU's own major version: device_target), from the compile cache when it is there."""
+    return compile_mod.compile(spec, sm=device_target(spec.arch, device_info(device)))
+
+
 @functools.lru_cache(maxsize=256)
 def _prepare(spec: KernelSpec, device: int) -> _Prepared:
     """The spec's kernel loaded on ``device`` (compiled, or read from the compile cache, first)."""
     info = device_info(device)
-    kernel = compile_mod.compile(spec, sm=device_target(spec.arch, info))
+    kernel = compile_for_device(spec, device)
     function = driver.load_function(kernel.cubin, spec.variant, device, max_dynamic_smem=spec.smem_bytes)
     with driver.on_device(device):
         resident = resident_ctas(spec, info.sms, function)

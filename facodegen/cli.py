@@ -1067,7 +1067,7 @@ def _compile_for(spec: KernelSpec, on_gpu: bool, api, compiler):
     """The kernel as attention() compiles it: for the GPU at hand when there is one."""
     try:
         if on_gpu:
-            return compiler.compile(spec, sm=api.device_target(spec.arch, api.device_info(0)))
+            return api.compile_for_device(spec)
         return compiler.compile(spec)
     except compiler.CompileError as err:
         raise click.ClickException(str(err)) from None

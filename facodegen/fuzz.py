@@ -430,9 +430,8 @@ def case_spec(case: Case, device: int = 0):
 
 
 def _compile_one(spec):
-    from . import api, compiler
-    kernel = compiler.compile(spec, sm=api.device_target(spec.arch, api.device_info(0)))
-    return kernel.resources.spill_stores
+    from . import api
+    return api.compile_for_device(spec).resources.spill_stores
 
 
 def precompile(cases: list[Case], workers: int | None = None, log=print) -> int:
