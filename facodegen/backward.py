@@ -94,21 +94,13 @@ def emit_command(spec: BackwardSpec) -> str:
 
 def emit(spec: BackwardSpec) -> str:
     """The CUDA source of the spec's three kernels: byte-identical for equal specs."""
-    import jinja2
-
-    from .render import TemplateRenderError, _describe, environment
+    from .render import render_template
 
     placed, size, align = layout()
-    name = f"{spec.arch}/flash_bwd.cu.j2"
-    try:
-        return environment().get_template(name).render(
-            spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
-            spec_items=sorted(spec.as_dict().items()), smem_bytes=spec.smem_bytes, threads=spec.threads,
-            log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align)
-    except jinja2.TemplateSyntaxError as err:
-        raise TemplateRenderError(_describe(err.filename or name, err.lineno, str(err))) from err
-    except jinja2.UndefinedError as err:
-        raise TemplateRenderError(f"{name}: undefined template variable: {err}") from err
+    return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(
+        spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
+        spec_items=sorted(spec.as_dict().items()), smem_bytes=spec.smem_bytes, threads=spec.threads,
+        log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align))
 
 
 _compiled: dict = {}

@@ -457,10 +457,8 @@ def emit_command(spec) -> str:
 
 def render(spec) -> str:
     """The CUDA source of a decode, combine or append kernel (byte-identical for equal specs)."""
-    import jinja2
-
     from . import __version__
-    from .render import TemplateRenderError, _describe, environment
+    from .render import render_template
 
     placed, size, align = layout(spec.kernel)
     context = {
@@ -469,13 +467,7 @@ def render(spec) -> str:
         "placed": placed, "size": size, "align": align, "log2e": repr(math.log2(math.e)),
         "o_pad": O_PAD_FLOATS, "max_o_floats": MAX_O_FLOATS,
     }
-    name = TEMPLATES[spec.kernel]
-    try:
-        return environment().get_template(name).render(**context)
-    except jinja2.TemplateSyntaxError as err:
-        raise TemplateRenderError(_describe(err.filename or name, err.lineno, str(err))) from err
-    except jinja2.UndefinedError as err:
-        raise TemplateRenderError(f"{name}: undefined template variable: {err}") from err
+    return render_template(TEMPLATES[spec.kernel], context)
 
 
 def compile_spec(spec, sm: str | None = None):

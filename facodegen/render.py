@@ -133,8 +133,15 @@ def emit(spec: KernelSpec, templates: str | None = None, runtime: dict | None = 
         name = f"{spec.arch}/flash_fwd_fp8.cu.j2"
     else:
         name = f"{spec.arch}/flash_fwd.cu.j2"
+    return render_template(name, context(spec, runtime), templates)
+
+
+def render_template(name: str, values: dict, templates: str | None = None) -> str:
+    """Template ``name`` rendered with ``values``, a template's syntax error or undefined variable
+    raised as TemplateRenderError with the failing line and its neighbours: every kernel family
+    renders through here."""
     try:
-        return environment(templates).get_template(name).render(**context(spec, runtime))
+        return environment(templates).get_template(name).render(**values)
     except jinja2.TemplateSyntaxError as err:
         raise TemplateRenderError(_describe(err.filename or name, err.lineno, str(err))) from err
     except jinja2.UndefinedError as err:
