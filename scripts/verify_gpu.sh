@@ -33,7 +33,7 @@ step() {   # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, note its e
     summary+=("| $name | $rc | $(( $(date +%s) - t0 )) s | $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-100) |")
 }
 
-python3 scripts/warm_cache.py --fuzz 10000 > "$OUT/warm.log" 2>&1
+timeout 150 python3 scripts/warm_cache.py --fuzz 10000 > "$OUT/warm.log" 2>&1; echo "warm: exit $? after $(( $(date +%s) - start )) s" >> "$OUT/warm.log"
 for s in $steps; do
     case $s in
         tests)
