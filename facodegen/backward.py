@@ -170,11 +170,32 @@ class BackwardPlan:
         return self._image.data()
 
 
+def compile_for_device(spec: BackwardSpec, device: int = 0):
+    """The spec's kernels as attention_backward compiles them for ``device`` (its real target), from
+    the compile cache when they are there."""
+    from .api import device_info, device_target
+    return compile(spec, sm=device_target(spec.arch, device_info(device)))
+
+
+def choose(head_dim: int, dtype: str, causal: bool, info, knobs: dict) -> BackwardSpec:
+    """The backward spec of a call on the device ``info`` describes: the default tiles for its GPU
+    with the caller's knobs, refused (naming block_n) where its shared memory does not fit."""
+    knobs = dict(knobs)
+    knobs.setdefault("gpu", info.budget_gpu)
+    try:
+        spec = BackwardSpec(arch="sm80", head_dim=head_dim, dtype=dtype, causal=causal, **knobs)
+    except TypeError as err:
+        raise TypeError(f"attention_backward: {err} (knobs are BackwardSpec fields)") from None
+    if info.smem_per_block_optin and spec.smem_bytes > info.smem_per_block_optin:
+        raise SpecError("block_n", f"the kernel needs {spec.smem_bytes} bytes of shared memory but {info.name} "
+                                   f"allows {info.smem_per_block_optin} per block")
+    return spec
+
+
 @functools.lru_cache(maxsize=128)
 def _load(spec: BackwardSpec, device: int):
     """The spec's three kernels loaded on ``device`` (compiled first, or read from the cache)."""
-    from .api import device_info, device_target
-    kernel = compile(spec, sm=device_target(spec.arch, device_info(device)))
+    kernel = compile_for_device(spec, device)
     return tuple(driver.load_function(kernel.cubin, name, device, max_dynamic_smem=spec.smem_bytes if i == 1 else 0)
                  for i, name in enumerate(spec.kernel_names))
 
@@ -285,15 +306,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
         raise ValueError(f"arch must be 'sm80', 'sm90' or None, got {arch!r}")
     info = api.device_info(qv.device)
     api._check_arch("sm80", info)
-    knobs = dict(knobs)
-    knobs.setdefault("gpu", info.budget_gpu)
-    try:
-        spec = BackwardSpec(arch="sm80", head_dim=head_dim, dtype=api.DTYPE_NAMES[qv.dtype], causal=causal, **knobs)
-    except TypeError as err:
-        raise TypeError(f"attention_backward: {err} (knobs are BackwardSpec fields)") from None
-    if info.smem_per_block_optin and spec.smem_bytes > info.smem_per_block_optin:
-        raise SpecError("block_n", f"the kernel needs {spec.smem_bytes} bytes of shared memory but {info.name} "
-                                   f"allows {info.smem_per_block_optin} per block")
+    spec = choose(head_dim, api.DTYPE_NAMES[qv.dtype], causal, info, knobs)
     functions = _load(spec, qv.device)
     values = {name: 0 for name in _POINTERS}
     for t in _TENSORS:
@@ -316,4 +329,4 @@ def _check_like(view, like, name: str) -> None:
     api._check_layout(view)
 
 
-__all__ = ["BackwardPlan", "attention_backward", "compile", "emit", "grids", "layout", "pack", "resources_of"]
+__all__ = ["BackwardPlan", "attention_backward", "choose", "compile", "compile_for_device", "emit", "grids", "layout", "pack", "resources_of"]

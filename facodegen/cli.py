@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from inspect import signature as _signature
+import signal
 import sys
 from pathlib import Path
 
@@ -536,9 +537,11 @@ def _check_fuzz(n, family, seed, case_json, arch) -> None:
     say = lambda line: click.echo(line, err=True)  # noqa: E731
     if len(cases) > 1:
         fuzz.precompile(cases, log=say)
+    # A time limit (timeout's SIGTERM) ends the run like Ctrl-C: with the table of what ran.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     result = fuzz.run(cases, log=say)
     click.echo(fuzz.summary(result))
-    if result["failures"]:
+    if result["failures"] or result["interrupted"]:
         sys.exit(1)
 
 

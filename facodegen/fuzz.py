@@ -374,8 +374,8 @@ def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     def host(x):
         return None if x is None else x.detach().cpu().double().numpy() if x.is_floating_point() else x.cpu().numpy()
     if not launch_only:     # before the call: an append changes the caches in place
-        ref_o, ref_lse, ref_kc, ref_vc = kvcache_reference(
-            host(q), host(k_cache), host(v_cache), host(lengths), page_table=host(table), k=host(kn), v=host(vn),
+        ref_o, ref_lse, ref_kc, ref_vc = kvcache_reference(    # (it copies the tensors to float64 NumPy)
+            q, k_cache, v_cache, lengths, page_table=table, k=kn, v=vn,
             causal=case.causal, softmax_scale=scale)
     out = torch.full_like(q, float("nan"))
     _, lse = facodegen.attention_with_kvcache(q, k_cache, v_cache, lengths, page_table=table, k=kn, v=vn,
@@ -413,12 +413,32 @@ def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     return not problems, "; ".join(problems) or "O, LSE and the caches ok"
 
 
-def case_spec(case: Case, device: int = 0):
-    """The spec ``facodegen.attention`` picks for ``case`` on ``device`` (its tuning database and
-    sequence-length rules included), as the call would resolve it."""
+def case_specs(case: Case, device: int = 0) -> list:
+    """Every kernel spec ``case`` launches on ``device``, as the calls resolve them: the forward's
+    (backward cases: and the backward's), or the decode family's decode, combine and append."""
     from . import api
-    if case.family in ("backward", "kvcache"):
-        return None     # forward kernels of the backward cases, the decode family: compiled on first use
+    if case.family == "kvcache":
+        from . import kvcache
+        info = api.device_info(device)
+        paged = case.page_size > 0
+        problem = kvcache._Problem(case.batch, case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim, case.dtype,
+                                   paged, case.page_size, case.batch * case.seqlen_k // case.page_size if paged else 0,
+                                   case.seqlen_k, case.seqlen_new)
+        specs, _ = kvcache.plan_specs(problem, case.arch, info.sms, case.num_splits, {}, kvcache._smem_per_sm(info))
+        return list(specs.values())
+    forward = case_spec(case, device)
+    if case.family == "backward":
+        from . import backward
+        return [forward, backward.choose(case.head_dim, case.dtype, case.causal, api.device_info(device), {})]
+    return [forward]
+
+
+def case_spec(case: Case, device: int = 0):
+    """The forward spec ``facodegen.attention`` picks for ``case`` on ``device`` (its tuning database
+    and sequence-length rules included), as the call would resolve it."""
+    from . import api
+    if case.family == "kvcache":
+        raise ValueError("a kvcache case launches no forward kernel (case_specs lists its kernels)")
     fields = {"out_dtype": "bf16", "v_layout": "row"} if case.dtype == "fp8" else {}
     causal = case.causal
     if case.family == "variants":     # the switches api._variants derives from the call's arguments
@@ -430,14 +450,23 @@ def case_spec(case: Case, device: int = 0):
 
 
 def _compile_one(spec):
-    from . import api
-    return api.compile_for_device(spec).resources.spill_stores
+    """Compile any family's spec for device 0 (its module's compile_for_device); its spilled bytes."""
+    from . import api, backward, kvcache
+    from .backward_spec import BackwardSpec
+    from .spec import KernelSpec
+    if isinstance(spec, KernelSpec):
+        kernel = api.compile_for_device(spec)
+    elif isinstance(spec, BackwardSpec):
+        kernel = backward.compile_for_device(spec)
+    else:   # the decode family's DecodeSpec, CombineSpec, AppendSpec
+        kernel = kvcache.compile_for_device(spec)
+    return kernel.resources.spill_stores
 
 
 def precompile(cases: list[Case], workers: int | None = None, log=print) -> int:
     """Compile the distinct kernels of ``cases`` into the compile cache (compile_specs), so the run
     that follows only loads them. Returns the number of kernels."""
-    specs = sorted({case_spec(c) for c in cases} - {None}, key=lambda s: s.variant)
+    specs = sorted({s for c in cases for s in case_specs(c)}, key=lambda s: (type(s).__name__, s.variant))
     compile_specs(specs, workers, log)
     return len(specs)
 
@@ -469,11 +498,20 @@ def _launched(*outputs) -> tuple[bool, str]:
 
 
 def run(cases: list[Case], log=print, fail_fast: bool = False, launch_only: bool = False) -> dict:
-    """Run ``cases``; returns {"cases": n, "failures": [(case, message)], "by": {(family, arch, dtype): [n, failed]}}."""
+    """Run ``cases``; returns {"cases": n, "failures": [(case, message)], "by": {(family, arch, dtype): [n, failed]},
+    "interrupted": bool}. A KeyboardInterrupt (Ctrl-C, or SIGTERM under `check --fuzz`: a time limit)
+    ends the run early with the cases run so far counted."""
+    import time
     failures, by = [], {}
+    start = time.monotonic()
+    interrupted = False
     for i, case in enumerate(cases, 1):
         try:
             ok, message = run_case(case, launch_only)
+        except KeyboardInterrupt:
+            interrupted = True
+            log(f"interrupted after {i - 1} of {len(cases)} cases ({time.monotonic() - start:.0f} s)")
+            break
         except Exception as err:  # noqa: BLE001 (a refused or crashing case is a failure to report)
             ok, message = False, f"{type(err).__name__}: {err}"
         tally = by.setdefault((case.family, case.arch, case.dtype), [0, 0])
@@ -485,15 +523,16 @@ def run(cases: list[Case], log=print, fail_fast: bool = False, launch_only: bool
             if fail_fast:
                 break
         if i % 500 == 0:
-            log(f"{i} cases, {len(failures)} failed")
-    return {"cases": sum(n for n, _ in by.values()), "failures": failures, "by": by}
+            log(f"{i} cases, {len(failures)} failed, {time.monotonic() - start:.0f} s")
+    return {"cases": sum(n for n, _ in by.values()), "failures": failures, "by": by, "interrupted": interrupted}
 
 
 def summary(result: dict) -> str:
     rows = ["| family | arch | dtype | cases | failed |", "|---|---|---|---|---|"]
     for (family, arch, dtype), (n, failed) in sorted(result["by"].items()):
         rows.append(f"| {family} | {arch} | {dtype} | {n} | {failed} |")
-    rows.append(f"| all | | | {result['cases']} | {len(result['failures'])} |")
+    rows.append(f"| all{' (interrupted)' if result.get('interrupted') else ''} | | | {result['cases']} | "
+                f"{len(result['failures'])} |")
     return "\n".join(rows)
 
 
@@ -536,6 +575,9 @@ if __name__ == "__main__":  # python -m facodegen.fuzz [--launch-only] CASE_JSON
     import sys
 
     launch_only = "--launch-only" in sys.argv[1:]
-    outcome = run([Case.from_json(arg) for arg in sys.argv[1:] if arg != "--launch-only"], launch_only=launch_only)
+    given = [Case.from_json(arg) for arg in sys.argv[1:] if arg != "--launch-only"]
+    if len(given) > 1:      # in parallel first (the sweep's warm-up run): one by one it takes minutes
+        precompile(given)
+    outcome = run(given, launch_only=launch_only)
     print(summary(outcome))
     sys.exit(1 if outcome["failures"] else 0)

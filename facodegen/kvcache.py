@@ -286,6 +286,19 @@ def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
     return base, num_splits
 
 
+def plan_specs(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
+               smem_per_sm: int = 233472) -> tuple[dict, int]:
+    """({"decode": spec[, "combine": spec][, "append": spec]}, num_splits): the kernels a call
+    launches, in order: the combine when the keys are split, the append (first) when new tokens come."""
+    spec, splits = choose(problem, arch, sms, num_splits, knobs, smem_per_sm)
+    specs = {"decode": spec}
+    if splits > 1:
+        specs["combine"] = dec.CombineSpec(dtype=problem.dtype, head_dim=problem.head_dim)
+    if problem.seqlen_new:
+        specs["append"] = dec.AppendSpec(dtype=problem.dtype, head_dim=problem.head_dim, paged=problem.paged)
+    return specs, splits
+
+
 # ------------------------------------------------------------------ building a plan
 
 def _grid_decode(spec, problem, num_splits):
@@ -317,7 +330,8 @@ def build_plan(qv, kc, vc, sl, pt, kn, vn, out_strides, *, causal, softmax_scale
     """A DecodePlan for checked views. ``load(spec) -> LoadedFunction`` (None in CPU tests);
     ``out_strides``: O's (batch, row, head) strides in elements."""
     problem = check_arguments(qv, kc, vc, sl, pt, kn, vn, None, num_splits)
-    spec, splits = choose(problem, arch, sms, num_splits, knobs, smem_per_sm)
+    chosen, splits = plan_specs(problem, arch, sms, num_splits, knobs, smem_per_sm)
+    spec = chosen["decode"]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     specs, kernels, grids = {}, {}, {}
     grid, m_blocks, heads_per_cta = _grid_decode(spec, problem, splits)
@@ -326,7 +340,7 @@ def build_plan(qv, kc, vc, sl, pt, kn, vn, out_strides, *, causal, softmax_scale
     specs["decode"], grids["decode"] = spec, grid
     kernels["decode"] = _kernel(load, spec, grid, dec.pack("decode", values), "decode")
     if splits > 1:
-        cspec = dec.CombineSpec(dtype=problem.dtype, head_dim=problem.head_dim)
+        cspec = chosen["combine"]
         rows = problem.batch * problem.seqlen_q * problem.heads_q
         cgrid = (-(-rows // cspec.num_warps), 1, 1)
         cvalues = {**dict.fromkeys(dec.COMBINE_CALL_POINTERS, 0),
@@ -336,7 +350,7 @@ def build_plan(qv, kc, vc, sl, pt, kn, vn, out_strides, *, causal, softmax_scale
         specs["combine"], grids["combine"] = cspec, cgrid
         kernels["combine"] = _kernel(load, cspec, cgrid, dec.pack("combine", cvalues), "combine")
     if problem.seqlen_new:
-        aspec = dec.AppendSpec(dtype=problem.dtype, head_dim=problem.head_dim, paged=problem.paged)
+        aspec = chosen["append"]
         chunks = problem.seqlen_new * problem.heads_kv * problem.head_dim * 2 // 16
         agrid = (-(-chunks // aspec.threads), problem.batch, 1)
         avalues = {**dict.fromkeys(dec.APPEND_CALL_POINTERS, 0),
@@ -366,12 +380,18 @@ def _kernel(load, spec, grid, param_bytes: bytes, name: str) -> _Kernel:
     return _Kernel(launcher, _Image(param_bytes), struct.Struct(f"<{len(dec.CALL_POINTERS[name])}Q"))
 
 
+def compile_for_device(spec, device: int = 0):
+    """A decode, combine or append spec's kernel compiled for ``device``'s real target (combine and
+    append are arch-neutral: sm80 code for the device), from the compile cache when it is there."""
+    info = device_info(device)
+    sm = device_target("sm80", info) if spec.kernel != "decode" else device_target(spec.arch, info)
+    return dec.compile_spec(spec, sm=sm)
+
+
 @functools.lru_cache(maxsize=256)
 def _load(spec, device: int):
     """The spec's kernel loaded on ``device`` (compiled for its target, or read from the compile cache)."""
-    info = device_info(device)
-    sm = device_target("sm80", info) if spec.kernel != "decode" else device_target(spec.arch, info)
-    kernel = dec.compile_spec(spec, sm=sm)
+    kernel = compile_for_device(spec, device)
     return driver.load_function(kernel.cubin, spec.variant, device,
                                 max_dynamic_smem=spec.smem_bytes if spec.smem_bytes > 48 * 1024 else 0)
 

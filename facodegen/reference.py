@@ -524,7 +524,7 @@ def kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=None, k=
     Clamps as the kernels do: cache_seqlens to [0, capacity], positions past the capacity dropped,
     page indices into [0, num_pages). A row with no visible key: O = 0, LSE = -inf."""
     q = to_float64(q)
-    kc, vc = to_float64(k_cache).copy(), to_float64(v_cache).copy()
+    kc, vc = to_float64(k_cache), to_float64(v_cache)       # copies: the append writes into them
     lengths = np.asarray(to_float64(cache_seqlens), dtype=np.int64)
     batch, seqlen_q, heads_q, d = q.shape
     heads_kv = kc.shape[2]
@@ -560,18 +560,21 @@ def kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=None, k=
         seqlen_k = min(cached + seqlen_new, capacity)
         pages, slots = rows(b, np.arange(seqlen_k))
         keys, values = kc[pages, slots], vc[pages, slots]          # (seqlen_k, heads_kv, d)
-        for h in range(heads_q):
-            s = q[b, :, h] @ keys[:, h // group].T * scale          # (seqlen_q, seqlen_k)
-            if causal:
-                cols = np.arange(seqlen_k)[None, :]
-                limit = seqlen_k - seqlen_q + np.arange(seqlen_q)[:, None]
-                s = np.where(cols <= limit, s, -np.inf)
-            m = s.max(axis=1, initial=-np.inf)
-            seen = np.isfinite(m)
-            p = np.exp(s - np.where(seen, m, 0.0)[:, None])
-            l_sum = p.sum(axis=1)
-            o[b, :, h] = np.where(seen[:, None], (p @ values[:, h // group]) / np.where(seen, l_sum, 1.0)[:, None], 0.0)
-            lse[b, h] = np.where(seen, m + np.log(np.where(seen, l_sum, 1.0)), -np.inf)
+        # All heads at once: query head h reads key head h // group, so the queries reshape to
+        # (heads_kv, group * seqlen_q) rows per key head.
+        rows_q = q[b].reshape(seqlen_q, heads_kv, group, d).transpose(1, 2, 0, 3).reshape(heads_kv, group * seqlen_q, d)
+        s = rows_q @ keys.transpose(1, 2, 0) * scale               # (heads_kv, group * seqlen_q, seqlen_k)
+        if causal:
+            cols = np.arange(seqlen_k)[None, :]
+            limit = seqlen_k - seqlen_q + np.tile(np.arange(seqlen_q), group)[:, None]
+            s = np.where(cols <= limit, s, -np.inf)
+        m = s.max(axis=2, initial=-np.inf)
+        seen = np.isfinite(m)
+        p = np.exp(s - np.where(seen, m, 0.0)[..., None])
+        l_sum = p.sum(axis=2)
+        rows_o = np.where(seen[..., None], (p @ values.transpose(1, 0, 2)) / np.where(seen, l_sum, 1.0)[..., None], 0.0)
+        o[b] = rows_o.reshape(heads_kv, group, seqlen_q, d).transpose(2, 0, 1, 3).reshape(seqlen_q, heads_q, d)
+        lse[b] = np.where(seen, m + np.log(np.where(seen, l_sum, 1.0)), -np.inf).reshape(heads_q, seqlen_q)
     return o, lse, kc, vc
 
 

@@ -3,6 +3,7 @@
 # slow step cannot take the others' time; logs under $OUT (default ./verify-out), a summary last.
 #
 #   OUT=/path bash scripts/verify_gpu.sh [steps...]      # steps: tests fuzz sanitize bench (default: all)
+#   FUZZ_S=330 SANITIZE_S=240 ... bash scripts/verify_gpu.sh fuzz   # the slow steps' time limits (seconds)
 #
 # Order and isolation are deliberate (H200, 2026-12-03): the fuzz runs alone (a racecheck sharing the
 # GPU starved it to a few hundred cases in three minutes); the sanitizer runs after it; the timings
@@ -39,10 +40,10 @@ for s in $steps; do
         tests)
             step pytest 300 python3 -m pytest -q -rs -n 8 tests/gpu ;;
         fuzz)
-            step fuzz 240 python3 -m facodegen check --fuzz 10000 --seed 1 --family all ;;
+            step fuzz "${FUZZ_S:-330}" python3 -m facodegen check --fuzz 10000 --seed 1 --family all ;;
         sanitize)
-            step sanitize 240 python3 scripts/sanitize.py --out "$OUT/sanitize"
-            step sanitize_decode 120 python3 scripts/sanitize_decode.py --out "$OUT/sanitize-decode" ;;
+            step sanitize "${SANITIZE_S:-240}" python3 scripts/sanitize.py --out "$OUT/sanitize"
+            step sanitize_decode "${SANITIZE_DECODE_S:-120}" python3 scripts/sanitize_decode.py --out "$OUT/sanitize-decode" ;;
         bench)
             step host_cost 60 python3 scripts/host_cost_breakdown.py
             step bench_backward 120 python3 scripts/bench_backward.py --quick --out "$OUT"

@@ -5,7 +5,8 @@
 
 A device call starts on a fresh machine with an empty cache; the GPU tests compile each default
 spec on first use, one after another (about 40 kernels, minutes of NVRTC). Run this first and the
-tests only load them. --fuzz N also compiles the kernels of `facodegen check --fuzz N`'s cases.
+tests only load them. --fuzz N also compiles the kernels of `facodegen check --fuzz N --family all`'s
+cases (seed 1), every family's.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def main() -> int:
     specs = set(shipped_specs(native))
     if args.fuzz:
         archs = ("sm80", "sm90") if native == "sm90" else ("sm80",)
-        specs |= {fuzz.case_spec(c) for c in fuzz.generate(args.fuzz, 1, "forward", archs)}
-    fuzz.compile_specs(sorted(specs, key=lambda s: s.variant), args.jobs)
+        specs |= {s for c in fuzz.generate(args.fuzz, 1, "all", archs) for s in fuzz.case_specs(c)}
+    fuzz.compile_specs(sorted(specs, key=lambda s: (type(s).__name__, s.variant)), args.jobs)
     return 0
 
 

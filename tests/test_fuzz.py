@@ -136,11 +136,49 @@ def test_backward_and_kvcache_families_are_drawn_within_their_kernels_limits():
             assert 1 <= c.seqlen_q <= 16 and c.layout == "contiguous" and c.dtype in ("bf16", "fp16")
             assert c.seqlen_new <= c.seqlen_k and c.page_size in fuzz.KVCACHE_PAGE_SIZES
             assert c.page_size == 0 or c.seqlen_k % c.page_size == 0
-        if c.family in ("backward", "kvcache"):
-            assert fuzz.case_spec(c) is None        # their kernels compile on first use
     kv = [c for c in cases if c.family == "kvcache"]
     assert {c.page_size for c in kv} == set(fuzz.KVCACHE_PAGE_SIZES) and {c.num_splits > 1 for c in kv} == {False, True}
     assert fuzz.Case.from_json(kv[0].to_json()) == kv[0]
+
+
+def _dense(name, shape, dtype):
+    strides = [1]
+    for n in reversed(shape[1:]):
+        strides.insert(0, strides[0] * n)
+    return api._View(name, "torch", 1 << 20, tuple(shape), tuple(strides), dtype, 0)
+
+
+def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
+    """precompile compiles what case_specs lists: the backward's forward and backward kernels, and the
+    decode family's kernels as the call's own check_arguments and plan_specs pick them from the
+    case's arrays (a wrong problem, e.g. the page count, would compile kernels the run never uses)."""
+    from facodegen import backward, kvcache
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    monkeypatch.setattr(api, "_tuned_fields", lambda *a: None)
+    cases = fuzz.generate(3000, seed=4, family="all")
+    for c in cases:
+        specs = fuzz.case_specs(c)
+        if c.family in ("forward", "variants"):
+            assert specs == [fuzz.case_spec(c)]
+        elif c.family == "backward":
+            assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, {})]
+            assert (specs[1].head_dim, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)
+        else:
+            dtype = {"fp16": "float16", "bf16": "bfloat16"}[c.dtype]
+            q = _dense("q", (c.batch, c.seqlen_q, c.heads_q, c.head_dim), dtype)
+            rows = (c.batch * c.seqlen_k // c.page_size, c.page_size) if c.page_size else (c.batch, c.seqlen_k)
+            kc, vc = (_dense(n, rows + (c.heads_kv, c.head_dim), dtype) for n in ("k_cache", "v_cache"))
+            lengths = _dense("cache_seqlens", (c.batch,), "int32")
+            table = _dense("page_table", (c.batch, c.seqlen_k // c.page_size), "int32") if c.page_size else None
+            new = [_dense(n, (c.batch, c.seqlen_new, c.heads_kv, c.head_dim), dtype) if c.seqlen_new else None
+                   for n in ("k", "v")]
+            problem = kvcache.check_arguments(q, kc, vc, lengths, table, *new, None, c.num_splits)
+            want, splits = kvcache.plan_specs(problem, c.arch, info.sms, c.num_splits, {}, kvcache._smem_per_sm(info))
+            assert specs == list(want.values())
+            assert ("combine" in want) == (splits > 1) and ("append" in want) == (c.seqlen_new > 0)
+    with pytest.raises(ValueError, match="case_specs"):
+        fuzz.case_spec(next(c for c in cases if c.family == "kvcache"))
 
 
 def test_summary_counts_each_family():
@@ -170,3 +208,21 @@ def test_fa3_bound_is_twice_the_same_precision_error_plus_twice_the_rounding():
     assert fuzz.fa3_failure(low.to(torch.bfloat16), ref, low) is None
     assert "max err" in fuzz.fa3_failure((ref + 1).to(torch.bfloat16), ref, low)
     assert fuzz.fa3_failure(torch.tensor([float("nan")]), ref[:1], low[:1]) == "non-finite values"
+
+
+def test_an_interrupted_run_reports_the_cases_it_ran(monkeypatch):
+    """A time limit (SIGTERM under check --fuzz) or Ctrl-C ends the run with a table of what ran."""
+    cases = fuzz.generate(5, seed=3)
+    calls = []
+
+    def run_case(case, launch_only=False):
+        calls.append(case)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return True, "ok"
+    monkeypatch.setattr(fuzz, "run_case", run_case)
+    lines = []
+    result = fuzz.run(cases, log=lines.append)
+    assert result["interrupted"] and result["cases"] == 2 and not result["failures"]
+    assert "interrupted after 2 of 5 cases" in lines[-1]
+    assert "| all (interrupted) | | | 2 | 0 |" in fuzz.summary(result)
