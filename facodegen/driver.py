@@ -22,6 +22,7 @@ _c = ctypes
 _VOIDP = _c.c_void_p
 _UINT = _c.c_uint
 
+CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_INVALID_CONTEXT = 201
 _ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8          # CUfunction_attribute
 _DEV_ATTR = {"sms": 16, "major": 75, "minor": 76, "smem_optin": 97}   # CUdevice_attribute
@@ -50,7 +51,9 @@ class DriverError(RuntimeError):
 
     def __init__(self, call: str, result: int, detail: str = ""):
         self.call, self.result = call, result
-        super().__init__(f"{call} failed with {error_name(result)} ({result}){': ' + detail if detail else ''}")
+        hint = ("; the GPU is out of memory: free tensors (torch.cuda.empty_cache()) or run smaller problems"
+                if result == CUDA_ERROR_OUT_OF_MEMORY else "")
+        super().__init__(f"{call} failed with {error_name(result)} ({result}){': ' + detail if detail else ''}{hint}")
 
 
 _LIB = None

@@ -320,3 +320,32 @@ def test_addresses_seen_before_find_their_image_and_move_no_map(fake, monkeypatc
         api.attention(q, k, v, out=FakeTensor(q.shape))
     plan = next(iter(api._PLANS._plans.values()))
     assert len(plan._images) <= 2
+
+
+def test_out_of_memory_is_one_clear_error_and_the_next_call_works(fake, monkeypatch):
+    """#37: the device out of memory while a call loads its kernel (cuModuleLoadData) or makes its
+    scratch (the caller's library's allocation) raises once, naming the step, and leaves no half-made
+    state behind: the same call succeeds once memory is free, with its scratch zeroed as new."""
+    q, k, v = qkv()
+    real_prepare = api._prepare
+    monkeypatch.setattr(api, "_prepare", lambda spec, device: driver.check(
+        driver.CUDA_ERROR_OUT_OF_MEMORY, "cuModuleLoadData", spec.variant))
+    with pytest.raises(driver.DriverError, match=r"cuModuleLoadData failed.*flash_fwd_sm90.*out of memory"):
+        api.attention(q, k, v, causal=True)
+    assert len(api._PLANS) == 0 and fake.launches.records == []
+    monkeypatch.setattr(api, "_prepare", real_prepare)
+
+    torch = sys.modules["torch"]
+    make = torch.empty
+
+    def out_of_memory(*a, **kw):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB")
+    torch.empty = out_of_memory
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        api.attention(q, k, v, causal=True)
+    assert fake.launches.records == [] and fake.launches.memsets == []
+    torch.empty = make
+    out = api.attention(q, k, v, causal=True)
+    assert len(fake.launches.records) == 1 and len(fake.launches.memsets) == 1      # a scratch made, zeroed
+    assert fake.launches.pointers()[:4] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    assert fake.launches.pointers()[5] != 0     # the tile counter: in the scratch made now
