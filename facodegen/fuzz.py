@@ -497,15 +497,52 @@ def _launched(*outputs) -> tuple[bool, str]:
     return not bad, f"launched; output(s) {bad} hold NaN or +inf" if bad else "launched"
 
 
-def run(cases: list[Case], log=print, fail_fast: bool = False, launch_only: bool = False) -> dict:
+CASE_SECONDS = 120.0    # a case still running after this long is taken for a hung kernel
+SLOW_CASE_SECONDS = 5.0     # a case that took longer is logged (most take milliseconds)
+
+
+def _watchdog(current: list, limit: float, log, done, exit=None) -> None:
+    """Ends the process when the case in ``current`` ([index, case, start] or None) has run more than
+    ``limit`` seconds: a hung kernel never returns to Python (a synchronize waits on it, so neither
+    Ctrl-C nor SIGTERM gets through), and the case that hung is what the run must report. The main
+    thread waits on the GPU without the GIL (torch, ctypes), so this thread runs."""
+    import os
+    import time
+    exit = exit or os._exit
+    while not done.wait(min(1.0, limit / 4)):
+        running = current[0]
+        if running is not None and time.monotonic() - running[2] > limit:
+            index, case, start = running
+            log(f"HUNG: case {index} still running after {time.monotonic() - start:.0f} s (a kernel that never "
+                f"finishes?); the run stops here\n  {case.repro()}")
+            exit(3)
+            return
+
+
+def run(cases: list[Case], log=print, fail_fast: bool = False, launch_only: bool = False,
+        case_seconds: float | None = CASE_SECONDS) -> dict:
     """Run ``cases``; returns {"cases": n, "failures": [(case, message)], "by": {(family, arch, dtype): [n, failed]},
     "interrupted": bool}. A KeyboardInterrupt (Ctrl-C, or SIGTERM under `check --fuzz`: a time limit)
-    ends the run early with the cases run so far counted."""
+    ends the run early with the cases run so far counted. A case that runs longer than ``case_seconds``
+    (None: no limit) ends the process with exit status 3 after logging its reproducer (_watchdog)."""
+    import threading
+    current, done = [None], threading.Event()
+    if case_seconds:
+        threading.Thread(target=_watchdog, args=(current, case_seconds, log, done), daemon=True).start()
+    try:
+        return _run(cases, log, fail_fast, launch_only, current)
+    finally:
+        done.set()
+
+
+def _run(cases, log, fail_fast, launch_only, current) -> dict:
     import time
     failures, by = [], {}
     start = time.monotonic()
     interrupted = False
     for i, case in enumerate(cases, 1):
+        began = time.monotonic()
+        current[0] = (i, case, began)
         try:
             ok, message = run_case(case, launch_only)
         except KeyboardInterrupt:
@@ -522,7 +559,9 @@ def run(cases: list[Case], log=print, fail_fast: bool = False, launch_only: bool
             log(f"FAIL {message}\n  {case.repro()}")
             if fail_fast:
                 break
-        if i % 500 == 0:
+        if time.monotonic() - began > SLOW_CASE_SECONDS:     # where a run's time goes, if not to a hang
+            log(f"slow: case {i} took {time.monotonic() - began:.1f} s\n  {case.repro()}")
+        if i % 250 == 0:
             log(f"{i} cases, {len(failures)} failed, {time.monotonic() - start:.0f} s")
     return {"cases": sum(n for n, _ in by.values()), "failures": failures, "by": by, "interrupted": interrupted}
 
@@ -578,6 +617,7 @@ if __name__ == "__main__":  # python -m facodegen.fuzz [--launch-only] CASE_JSON
     given = [Case.from_json(arg) for arg in sys.argv[1:] if arg != "--launch-only"]
     if len(given) > 1:      # in parallel first (the sweep's warm-up run): one by one it takes minutes
         precompile(given)
-    outcome = run(given, launch_only=launch_only)
+    # Under a sanitizer (--launch-only) a case runs many times slower: the sweep times its children itself.
+    outcome = run(given, launch_only=launch_only, case_seconds=None if launch_only else CASE_SECONDS)
     print(summary(outcome))
     sys.exit(1 if outcome["failures"] else 0)

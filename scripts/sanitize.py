@@ -47,6 +47,8 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=8, help="sanitizer runs at once")
     p.add_argument("--all-kernels", dest="only_flash", action="store_false",
                    help="instrument every kernel, not only facodegen's (initcheck always does)")
+    p.add_argument("--child-seconds", type=int, default=240, help="a tool x case run still going after this is "
+                   "killed and reported as a timeout")
     p.add_argument("--cases", help="indices into representative_cases() (comma-separated; default all)")
     args = p.parse_args()
     out = Path(args.out)
@@ -68,13 +70,18 @@ def main() -> int:
             # minutes and says nothing about ours). Not for initcheck: memory written by a kernel it
             # does not instrument counts as never written, so every read of the inputs would be flagged.
             cmd += ["--kernel-name", "kns=flash_"]
-        done = subprocess.run([*cmd, sys.executable, "-m", "facodegen.fuzz", "--launch-only", case.to_json()],
-                              check=False, capture_output=True, text=True)
-        log = done.stdout + done.stderr
+        try:
+            done = subprocess.run([*cmd, sys.executable, "-m", "facodegen.fuzz", "--launch-only", case.to_json()],
+                                  check=False, capture_output=True, text=True, timeout=args.child_seconds)
+            log, status = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as err:    # a hung kernel (or a tool far slower than usual): say so
+            log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (err.stdout, err.stderr))
+            log += f"\nsanitize.py: no result after {args.child_seconds} s; the child was killed"
+            status = "timeout"
         errors = errors_in(log)
-        row = (tool, f"{case.arch} {case.dtype} {'causal' if case.causal else 'full'}",
-               "?" if errors is None else str(errors), done.returncode)
-        print(f"{tool:10s} {row[1]:22s} errors {row[2]:>4s} exit {done.returncode}", flush=True)
+        row = (tool, f"{case.family} {case.arch} {case.dtype} {'causal' if case.causal else 'full'}",
+               "?" if errors is None else str(errors), status)
+        print(f"{tool:10s} {row[1]:32s} errors {row[2]:>4s} exit {status}", flush=True)
         lines = log.splitlines()
         head = lines[:LOG_LINES] + (["... (%d lines left out)" % (len(lines) - LOG_LINES)] if len(lines) > LOG_LINES else [])
         with write_lock, open(out / f"{tool}.log", "a") as f:   # as each child ends: a killed sweep keeps them

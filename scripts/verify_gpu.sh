@@ -29,12 +29,12 @@ step() {   # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, note its e
     local name=$1 limit=$2
     shift 2
     local t0=$(date +%s)
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1     # -k: a step blocked on a hung kernel ignores SIGTERM
     local rc=$?
     summary+=("| $name | $rc | $(( $(date +%s) - t0 )) s | $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-100) |")
 }
 
-timeout 150 python3 scripts/warm_cache.py --fuzz 10000 > "$OUT/warm.log" 2>&1; echo "warm: exit $? after $(( $(date +%s) - start )) s" >> "$OUT/warm.log"
+timeout -k 15 150 python3 scripts/warm_cache.py --fuzz 10000 > "$OUT/warm.log" 2>&1; echo "warm: exit $? after $(( $(date +%s) - start )) s" >> "$OUT/warm.log"
 for s in $steps; do
     case $s in
         tests)

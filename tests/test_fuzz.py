@@ -226,3 +226,36 @@ def test_an_interrupted_run_reports_the_cases_it_ran(monkeypatch):
     assert result["interrupted"] and result["cases"] == 2 and not result["failures"]
     assert "interrupted after 2 of 5 cases" in lines[-1]
     assert "| all (interrupted) | | | 2 | 0 |" in fuzz.summary(result)
+
+
+def test_a_hung_case_is_named_and_ends_the_process():
+    """A kernel that never finishes blocks the run in a synchronize where no signal gets through: the
+    watchdog names the case (its reproducer) and ends the process, so a time-limited device call
+    reports the hang instead of coming back empty."""
+    import threading
+    import time
+    case = fuzz.generate(1, seed=5)[0]
+    lines, exits = [], []
+    current, done = [(7, case, time.monotonic() - 10.0)], threading.Event()
+    fuzz._watchdog(current, 1.0, lines.append, done, exit=exits.append)
+    assert exits == [3] and lines[0].startswith("HUNG: case 7 still running after") and case.repro() in lines[0]
+    lines.clear()
+    current[0] = (8, case, time.monotonic())        # a case within its time: the watchdog waits
+    threading.Timer(0.6, done.set).start()
+    fuzz._watchdog(current, 1.0, lines.append, done, exit=exits.append)
+    assert lines == [] and exits == [3]
+
+
+def test_slow_cases_are_logged(monkeypatch):
+    import time
+    cases = fuzz.generate(2, seed=6)
+    now = [0.0]
+
+    def run_case(case, launch_only=False):
+        now[0] += 7.0 if case is cases[0] else 0.5     # the first case is slow, the second is not
+        return True, "ok"
+    monkeypatch.setattr(fuzz, "run_case", run_case)
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    lines = []
+    fuzz.run(cases, log=lines.append, case_seconds=None)
+    assert len(lines) == 1 and lines[0].startswith("slow: case 1 took 7.0 s") and cases[0].repro() in lines[0]
