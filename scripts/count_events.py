@@ -34,6 +34,7 @@ def main() -> int:
     from trace_steps import apply_patch
 
     text = open(args.patch).read()
+    compiler.spec_index = False     # the kernels compiled here are patched renderings: not the index's
     plain_emit = render.emit
     render.emit = lambda spec: apply_patch(plain_emit(spec), text)
     overrides = dict(bench.parse_variant("sm90:" + args.variant)[1], dtype="fp8")

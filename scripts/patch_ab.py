@@ -47,6 +47,7 @@ def main() -> int:
     from clock_probe import samples_during, smi_samples, smi_sampling
     from trace_steps import apply_patch
     overrides = dict(bench.parse_variant("sm90:" + args.variant)[1], dtype=args.dtype)
+    compiler.spec_index = False     # the kernels compiled here are patched renderings: not the index's
     plain_emit = render.emit
     emitters = {"plain": plain_emit}
     for f in args.patch:

@@ -237,6 +237,7 @@ def main() -> int:
     c = parse_cell(args.cell, "fp8")
     overrides = bench.parse_variant("sm90:" + args.variant)[1]
     s = bench._make_inputs(c, 1)[0]
+    compiler.spec_index = False     # the kernels compiled here are patched renderings: not the index's
     plain_emit = render.emit
     patched = (lambda source: apply_patch(source, open(args.patch).read())) if args.patch else (lambda x: x)
     transforms = {"plain": lambda source: source}
