@@ -21,7 +21,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lab"))   # sweep.py, trace_steps.py
 
 
 def main() -> int:

@@ -210,9 +210,10 @@ def test_fp8_grid_is_issue_6s_and_counts_one_byte_inputs():
 
 
 def _script(name: str):
-    """scripts/<name>.py as a module (the scripts are not a package)."""
+    """scripts/lab/<name>.py (a lab probe) or scripts/<name>.py as a module (neither is a package)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    path = ROOT / "scripts" / "lab" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path if path.exists() else ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

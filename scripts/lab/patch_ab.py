@@ -26,10 +26,10 @@ import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell", action="append", required=True, help="head_dim,seqlen,causal (16k tokens, hidden 2048)")
     p.add_argument("--patch", action="append", default=[])
@@ -41,7 +41,7 @@ def main() -> int:
     p.add_argument("--peers", default="")
     p.add_argument("--groups", type=int, default=10)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from facodegen import api, bench, compiler, render
     from sweep import parse_cell
     from clock_probe import samples_during, smi_samples, smi_sampling

@@ -22,12 +22,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-NEW = Path(__file__).resolve().parents[1]
+NEW = Path(__file__).resolve().parents[2]
+
+
+def sweep_script(tree: Path) -> Path:
+    """The tree's own sweep: scripts/lab/sweep.py, or scripts/sweep.py in a tree from before the lab
+    probes moved into scripts/lab/."""
+    for path in (tree / "scripts" / "lab" / "sweep.py", tree / "scripts" / "sweep.py"):
+        if path.exists():
+            return path
+    raise SystemExit(f"{tree}: neither scripts/lab/sweep.py nor scripts/sweep.py")
 
 
 def run_sweep(tree: Path, out: Path, sweep_args: list[str], peers: str, env: dict) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(tree / "scripts" / "sweep.py"), "--out", str(out), *sweep_args]
+    cmd = [sys.executable, str(sweep_script(tree)), "--out", str(out), *sweep_args]
     if peers:
         cmd += ["--peers", peers]
     run_env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH", "")) if p))
@@ -55,8 +64,8 @@ def tflops(records: list[dict]) -> dict[tuple[str, str], float]:
     return table
 
 
-def main() -> int:
-    argv = sys.argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     sweep_args = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

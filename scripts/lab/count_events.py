@@ -18,15 +18,15 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell", action="append", required=True, help="head_dim,seqlen,causal (as sweep.py's)")
     p.add_argument("--patch", required=True)
     p.add_argument("--variant", default="", help="spec overrides k=v,... for every kernel")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import cupy
     import torch
     from facodegen import api, bench, compiler, render

@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
 
 SHAPES = {"bf16": (16, (64, 80, 96, 112, 128, 160, 176, 192, 256)),
           "fp8": (32, (64, 96, 128, 160, 192, 224, 256))}
@@ -88,11 +88,11 @@ def compile_all() -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="compile only (no GPU): report registers and spills")
     p.add_argument("--ms", type=float, default=20.0, help="target milliseconds per timed launch")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     kernels = compile_all()
     if args.check:
         for (dtype, n), (_, res) in kernels.items():

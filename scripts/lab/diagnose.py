@@ -210,13 +210,13 @@ def run_one_fp8(fields: dict, shape: dict) -> dict:
     return compare(out, lse, o_ref, lse_ref, FP8_TOLERANCE, prepared.spec.variant, elapsed, extra)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="sm90")
     parser.add_argument("--case", action="append", help="one case; repeatable (default: the ladder)")
     parser.add_argument("--timeout-s", type=float, default=40)
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         fields, shape = json.loads(args.child)
         print(json.dumps(run_one(fields, shape)), flush=True)

@@ -30,7 +30,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
 
 GROUP = 8
 CHAINS = 8          # independent side chains per thread: one op of the side's pipe each per round
@@ -179,13 +179,13 @@ def compile_all(variants) -> dict:
 log_of: dict = {}   # ptxas's log per variant (compile_all)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="compile only (no GPU): registers, spills, SASS counts")
     p.add_argument("--iters", type=int, default=20000, help="GEMM groups per warpgroup")
     p.add_argument("--side-iters", type=int, default=200000, help="side rounds when no GEMM runs")
     p.add_argument("--vt-slabs", action="store_true", help="V^T 128B- against 32B-swizzled (VT_SLAB_VARIANTS)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     kernels = compile_all(VT_SLAB_VARIANTS if args.vt_slabs else VARIANTS)
     if args.check:
         for v, (cubin, res) in kernels.items():

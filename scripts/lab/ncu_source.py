@@ -74,7 +74,7 @@ def summarize(csv_text: str, top: int = 25) -> str:
     return "\n".join(out)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=".")
     p.add_argument("--cell", default="128,8192,0")
@@ -83,7 +83,7 @@ def main() -> int:
     p.add_argument("--peer", default="fa3", help="the peer ncu_compare's child builds (runs, not profiled)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--csv", help="summarise this saved source.csv instead of profiling")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.csv:
         with open(args.csv) as f:
             print(summarize(f.read(), args.top))

@@ -34,7 +34,7 @@ import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
 
 TRACE_CTAS = 8
 TRACE_STEPS = 1024          # ring positions (k_iter) recorded per consumer warpgroup
@@ -221,7 +221,7 @@ def analyse_tiles(tiles, period: float) -> dict:
                                                       "extra_share": extra / busy if busy else float("nan")}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell", default="256,16384,0", help="head_dim,seqlen,causal (16k tokens, hidden 2048)")
     p.add_argument("--variant", default="", help="spec overrides k=v,... (as scripts/sweep.py's)")
@@ -229,7 +229,7 @@ def main() -> int:
     p.add_argument("--patch", default=None,
                    help="a source patch to try (blocks 'OLD\\n===\\nNEW' separated by lines '%%%%'): "
                         "the patched kernel is timed beside the plain one, and traced")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import numpy as np
     import torch
     from facodegen import api, bench, compiler, render
