@@ -2,10 +2,10 @@
 """Old tree against new tree on one GPU, the two taking turns (GPU): the only comparison of two
 template versions that survives the 5-10% that whole grids move between device calls.
 
-    python3 scripts/ab_trees.py --old .old --out $OUT --rounds 2 --peers fa3 -- \
+    python3 scripts/lab.py ab-trees --old .old --out $OUT --rounds 2 --peers fa3 -- \
         --dtype fp8 --cell 128,8192,1 --variant sm90: --variant sm90:pingpong=1
 
-Everything after ``--`` goes to scripts/sweep.py, which runs once per tree and round (new, old,
+Everything after ``--`` goes to scripts/lab.py sweep, which runs once per tree and round (new, old,
 new, old, ...), each time from that tree's own package (PYTHONPATH), with a shared compile cache so
 a tree's kernels compile once. --peers are timed in the first new round only. ``--old`` is a copy
 of the old tree's facodegen/, templates/ and scripts/ (e.g. `git worktree add` of the base commit,
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--old", required=True, help="the old tree (facodegen/, templates/, scripts/)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--peers", default="", help="peers for the first new round (scripts/sweep.py --peers)")
+    p.add_argument("--peers", default="", help="peers for the first new round (scripts/lab.py sweep --peers)")
     args = p.parse_args(own)
     env = dict(os.environ)
     env.setdefault("FACODEGEN_CACHE_DIR", "/tmp/facodegen-ab-cache")

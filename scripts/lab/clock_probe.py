@@ -2,7 +2,7 @@
 """Why one cell's median moves between runs (GPU): every group's time beside the SM clock and
 power the GPU reported while it ran.
 
-    python3 scripts/clock_probe.py --out $OUT --cell 128,8192,1 --peers fa3 --groups 40
+    python3 scripts/lab.py clock-probe --out $OUT --cell 128,8192,1 --peers fa3 --groups 40
 
 Times facodegen's default kernel and the peers on one cell of the FlashAttention-3 paper's grid
 (head_dim,seqlen,causal; 16k tokens, hidden 2048) with facodegen.bench's timer (groups of back-to-back

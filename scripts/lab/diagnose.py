@@ -1,9 +1,9 @@
 """Localise a wrong or hanging kernel on the GPU: each case in its own process with a timeout.
 
-    python3 scripts/diagnose.py --arch sm90                 # the built-in ladder of cases
-    python3 scripts/diagnose.py --case 'arch=sm90,head_dim=128,seqlen_q=128,seqlen_k=128'
-    python3 scripts/diagnose.py --arch fp8                  # the e4m3 ladder (sm90)
-    python3 scripts/diagnose.py --case 'dtype=fp8,head_dim=128,seqlen_q=1000,seqlen_k=1000,v_layout=transposed'
+    python3 scripts/lab.py diagnose --arch sm90                 # the built-in ladder of cases
+    python3 scripts/lab.py diagnose --case 'arch=sm90,head_dim=128,seqlen_q=128,seqlen_k=128'
+    python3 scripts/lab.py diagnose --arch fp8                  # the e4m3 ladder (sm90)
+    python3 scripts/lab.py diagnose --case 'dtype=fp8,head_dim=128,seqlen_q=1000,seqlen_k=1000,v_layout=transposed'
 
 fp8 cases (dtype=fp8) quantise randn bf16 inputs to e4m3 per tensor (facodegen.quantize) and compare
 with the float64 reference of the same dequantised inputs (tolerance 3e-2); ``descale=head`` gives

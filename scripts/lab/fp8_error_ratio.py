@@ -1,6 +1,6 @@
 """fp8 accuracy against FlashAttention-3's on the same inputs, per spec variant (GPU).
 
-    python3 scripts/fp8_error_ratio.py --head-dim 128 --variant sm90: --variant sm90:block_n=128
+    python3 scripts/lab.py fp8-error-ratio --head-dim 128 --variant sm90: --variant sm90:block_n=128
 
 For each variant (``arch:field=value,...``, bench.parse_variant; dtype fp8) and each shape of the GPU
 test's FP8_SHAPES that has more than 1000 outputs (tests/gpu/test_numerics.py's test_fp8_default_spec,

@@ -1,6 +1,6 @@
 """Profile facodegen and a peer on one cell with Nsight Compute, side by side (GPU).
 
-    python3 scripts/ncu_compare.py --out $OUT --cell 128,8192,0 --variant sm90: --peer fa3
+    python3 scripts/lab.py ncu-compare --out $OUT --cell 128,8192,0 --variant sm90: --peer fa3
 
 runs itself under ``ncu --clock-control none --profile-from-start off`` (warm-up and compilation
 stay outside the profiled range), one launch per implementation, with the sections that say where

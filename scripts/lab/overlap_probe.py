@@ -1,15 +1,15 @@
 """Does an SM run its tensor cores and its MUFU (or FMA) pipe at the same time? (GPU)
 
-    python3 scripts/overlap_probe.py                    # GPU: the table, rates per SM clock
-    python3 scripts/overlap_probe.py --check            # CPU: compile every variant for sm_90a
-    python3 scripts/overlap_probe.py --vt-slabs         # GPU: B (V^T) 128B- against 32B-swizzled
+    python3 scripts/lab.py overlap-probe                    # GPU: the table, rates per SM clock
+    python3 scripts/lab.py overlap-probe --check            # CPU: compile every variant for sm_90a
+    python3 scripts/lab.py overlap-probe --vt-slabs         # GPU: B (V^T) 128B- against 32B-swizzled
 
 The fp8 kernels' profiles (docs/perf-notes.md, sessions 15-16) read as if the GEMMs and the exp2s
 never overlapped: at head_dim 256 the tensor pipe's 68.5% and the XU's share of the exp2s (~35%)
 add up to the whole step, for FlashAttention-3 as for facodegen, pingpong or not. This probe asks
 the hardware directly. One CTA per SM, three warpgroups:
   - GEMM warpgroups (0, 1 or 2) issue groups of 8 e4m3 wgmmas m64nNk32 into their own
-    accumulators, one group in flight (commit, wait for the one before), as scripts/wgmma_rate.py;
+    accumulators, one group in flight (commit, wait for the one before), as scripts/lab.py wgmma-rate;
     `rs` takes A from registers as the P V GEMM does, `ss` both operands from shared memory;
     `rs32` / `ss32` read B 32B-swizzled, one k32 step per N x 32-byte slab (a V^T tile in 32-key
     slabs, the layout a row-major V tile can be transposed into in place), instead of four k32

@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
 """A source patch against the plain kernel, the two taking turns on the same inputs (GPU, sm90).
 
-    python3 scripts/patch_ab.py --cell 256,8192,0 --cell 256,16384,1 --patch a.patch --patch b.patch \
+    python3 scripts/lab.py patch-ab --cell 256,8192,0 --cell 256,16384,1 --patch a.patch --patch b.patch \
         [--templates .old/templates] [--dtype fp8] [--variant k=v,...] [--peers fa3] [--groups 10] [--out DIR]
 
 Renders each cell's kernel as facodegen.api picks it (with --variant's spec overrides), applies each
-patch (scripts/trace_steps.py's format: blocks 'OLD\\n===\\nNEW' separated by lines '%%%') to the
+patch (scripts/lab.py trace-steps' format: blocks 'OLD\\n===\\nNEW' separated by lines '%%%') to the
 rendered source (--templates: renders it from another copy of templates/ instead, e.g. the base
 commit's: `git worktree add /tmp/base HEAD~1 && cp -r /tmp/base/templates .old/`, carried), and times
 the plain kernel, every patched one and the peers group by group in turn
 (facodegen.bench.time_cuda_interleaved), so clock drift falls on all alike. Every output is checked
 against the float64 reference on a slice first; a patch that breaks it (a bound, e.g. O never
 stored) is timed anyway and marked. nvidia-smi samples the SM clock and power meanwhile (as
-scripts/clock_probe.py does): the table gives each kernel's median of both over its groups, since a
+scripts/lab.py clock-probe does): the table gives each kernel's median of both over its groups, since a
 patch can move the power-capped clock as much as the kernel's cycles. Prints TFLOP/s and
 patched/plain per cell, last.
 """

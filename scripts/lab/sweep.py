@@ -1,7 +1,7 @@
 """Time spec variants side by side on the same inputs (ablations and hand tuning on the GPU).
 
-    python3 scripts/sweep.py --out $OUT --plan sm90-ablation
-    python3 scripts/sweep.py --out $OUT --cell 128,8192,0 --variant 'sm90:pingpong=0' --variant 'sm90:'
+    python3 scripts/lab.py sweep --out $OUT --plan sm90-ablation
+    python3 scripts/lab.py sweep --out $OUT --cell 128,8192,0 --variant 'sm90:pingpong=0' --variant 'sm90:'
 
 A variant is ``arch:field=value,...`` (bench.parse_variant; empty fields = that arch's defaults); a cell is
 ``head_dim,seqlen,causal`` on the FlashAttention-3 paper's grid (16k tokens, hidden 2048), or

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a consumer step's time goes, read off the SM clock inside the kernel (GPU, sm90 fp8).
 
-    python3 scripts/trace_steps.py --cell 256,16384,0 [--variant k=v,...] [--patch FILE] [--out DIR]
+    python3 scripts/lab.py trace-steps --cell 256,16384,0 [--variant k=v,...] [--patch FILE] [--out DIR]
 
 Renders the cell's fp8 kernel (as facodegen.api would pick it), adds `%clock` reads to the copy it
 compiles (the generated kernel itself is untouched) and runs it on randn inputs. Per step of the
@@ -49,7 +49,7 @@ TRACE_TILES = 128
 TILE_EVENTS = ("fetch", "q", "s0", "tail", "stored")
 
 HEADER = f"""
-// ---- scripts/trace_steps.py: %clock at the consumer step's stages (a traced copy) ----
+// ---- scripts/lab.py trace-steps: %clock at the consumer step's stages (a traced copy) ----
 __device__ unsigned int fcg_trace[{TRACE_CTAS}][2][{TRACE_STEPS}][{len(EVENTS)}];
 __device__ unsigned int fcg_trace_vt[{len(V_EVENTS)}][{TRACE_CTAS}][{TRACE_STEPS}];
 __device__ __forceinline__ unsigned int fcg_clock() {{
@@ -224,7 +224,7 @@ def analyse_tiles(tiles, period: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell", default="256,16384,0", help="head_dim,seqlen,causal (16k tokens, hidden 2048)")
-    p.add_argument("--variant", default="", help="spec overrides k=v,... (as scripts/sweep.py's)")
+    p.add_argument("--variant", default="", help="spec overrides k=v,... (as scripts/lab.py sweep's)")
     p.add_argument("--out", default=None)
     p.add_argument("--patch", default=None,
                    help="a source patch to try (blocks 'OLD\\n===\\nNEW' separated by lines '%%%%'): "

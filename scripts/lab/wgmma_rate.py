@@ -1,7 +1,7 @@
 """Tensor-core rate of one wgmma shape on this GPU: does a tile's N cost in proportion to its FLOPs?
 
-    python3 scripts/wgmma_rate.py                         # GPU: the table (TFLOP/s per dtype and N)
-    python3 scripts/wgmma_rate.py --check                 # CPU: compile every variant for sm_90a
+    python3 scripts/lab.py wgmma-rate                         # GPU: the table (TFLOP/s per dtype and N)
+    python3 scripts/lab.py wgmma-rate --check                 # CPU: compile every variant for sm_90a
 
 The kernels' S = Q K^T runs wgmma.m64nNk16 (16-bit) or .m64nNk32 (e4m3) with N = block_n (80, 96,
 160, 176 ...), O += P V with N = head_dim. Each variant here is a persistent grid of one CTA per
