@@ -490,6 +490,11 @@ def _store_entry(root: Path, kernel: CompiledKernel) -> None:
 
 _memo: dict[tuple[str, str], CompiledKernel] = {}   # (name, key) -> kernel
 _spec_memo: dict = {}
+# compile()'s spec index maps a spec to the cubin of its plain rendering. Code that compiles a spec
+# from other source (scripts/lab's patch_ab, trace_steps and count_events replace render.emit with
+# a patched rendering) sets this False, so a patched kernel is neither taken from the index (it
+# would be the plain one) nor written into it (a later plain compile would load the patched one).
+spec_index = True
 
 
 def _say(message: str) -> None:
@@ -563,7 +568,8 @@ def compile(spec, *, verbose: bool | None = None, sm: str | None = None) -> Comp
     A spec compiled before (by any process) is found through the spec index without rendering
     it: ``<cache>/index/<variant>-<hash>.json`` names the cubin entry, the hash being of the spec's
     fields, the NVRTC options, the bytes of the templates and of the modules that render them,
-    NVRTC's and facodegen's versions."""
+    NVRTC's and facodegen's versions. With the module's ``spec_index`` False it renders (through
+    whatever render.emit is then) and leaves the index alone."""
     hit = _spec_memo.get((spec, sm))
     if hit is not None:
         return hit
@@ -571,7 +577,7 @@ def compile(spec, *, verbose: bool | None = None, sm: str | None = None) -> Comp
 
     options = NVRTC_OPTIONS(spec.arch, sm)
     index = cache_dir() / "index" / f"{spec.variant}-{_spec_index_key(spec, options)[:16]}.json"
-    kernel = _from_index(index, spec, options)
+    kernel = _from_index(index, spec, options) if spec_index else None
     if kernel is None:
         try:
             kernel = compile_source(emit(spec), spec.arch, spec.variant, verbose=verbose, sm=sm)
@@ -580,8 +586,9 @@ def compile(spec, *, verbose: bool | None = None, sm: str | None = None) -> Comp
                     f"(line numbers above are lines of that file)")
             raise CompileError(err.name, err.arch, err.log, err.source, hint=hint) from None
         try:
-            index.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(index, json.dumps({"name": kernel.name, "key": kernel.key, "source": kernel.source}).encode())
+            if spec_index:
+                index.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(index, json.dumps({"name": kernel.name, "key": kernel.key, "source": kernel.source}).encode())
         except OSError:
             pass    # a read-only or full cache: the next process renders again, nothing else
     _spec_memo[(spec, sm)] = kernel

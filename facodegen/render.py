@@ -124,7 +124,7 @@ def context(spec: KernelSpec, runtime: dict | None = None) -> dict:
 
 def emit(spec: KernelSpec, templates: str | None = None, runtime: dict | None = None) -> str:
     """The CUDA source of one kernel: byte-identical for equal specs. ``templates``: another copy
-    of templates/ to render from (scripts/patch_ab.py times an older tree's kernel that way).
+    of templates/ to render from (scripts/lab.py patch-ab times an older tree's kernel that way).
     ``runtime``: run-time values (window_left, window_right, softcap) to show in the header; the
     code is the same for any."""
     if spec.schedule == "fa1":

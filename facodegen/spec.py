@@ -120,7 +120,7 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 # fp8 (templates/sm90/fp8_softmax.cuh.j2: a row keeps its max while a step raises it by at most 0.75
 # in log2 units, so p stays under e4m3's 448; a warp none of whose rows moved skips O's 128 FMULs,
 # behind a vote between two straight-line exp2 paths): on at head_dim 256. H200, 2026-12-02
-# (scripts/sweep.py, 8 groups, TFLOP/s lazy / exact, F = FlashAttention-3 fp8 in the same run): s16k
+# (scripts/lab.py sweep, 8 groups, TFLOP/s lazy / exact, F = FlashAttention-3 fp8 in the same run): s16k
 # 1194.2 / 1116.6 (F 1125.3), s8k 1163.2 / 1106.4 (1102.4), causal s16k 1139.6 / 1102.9 (1122.1), causal
 # s8k 1075.5 / 1054.5 (1039.1); off at head_dim 128 (s16k 926.2 / 928.2, causal s16k 905.7 / 918.9) and
 # 64 (s16k 680.0 / 673.1), where O's rescale is 64 / 32 FMULs a thread. A bound with O never rescaled
@@ -132,7 +132,7 @@ def lazy_rescale_default(arch: str, head_dim: int, dtype: str = "bf16") -> bool:
     return arch == "sm80" and 64 < head_dim <= 128
 
 # rescale_under_qk's default (sm90 with intra_wg_overlap; FlashAttention-3's order, sm90/roles.cuh.j2):
-# on for bf16/fp16 head_dim 128, whose default has no pingpong. On the H200 (scripts/sweep.py,
+# on for bf16/fp16 head_dim 128, whose default has no pingpong. On the H200 (scripts/lab.py sweep,
 # 2026-11-29, TFLOP/s on vs off, same run): d128 causal s1k/2k/8k 446/562/644 vs 440/548/578
 # (0391f98), s4k 638 vs 608 (175a467); but with pingpong (the non-causal d128 default then) s8k 615 vs
 # 625, d256 690 vs 697, d64 causal 467 vs 484, and fp8 -2 to -7% (d256 s8k 995 vs 1070).
@@ -141,13 +141,13 @@ def rescale_under_qk_default(head_dim: int, dtype: str, causal: bool) -> bool:
 
 # q_in_regs on sm90 fp8 (Q K^T with A from registers, Q's shared buffer freed after one ldmatrix
 # pass per tile) stays off: it takes Q (64 rows x head_dim bytes per warpgroup) off the shared-memory reads of
-# every step, but on the H200 (scripts/sweep.py, 2026-11-29, commit 2dcfa54, TFLOP/s off vs on, same
+# every step, but on the H200 (scripts/lab.py sweep, 2026-11-29, commit 2dcfa54, TFLOP/s off vs on, same
 # run) d128 s2k 797 vs 790, s8k 877 vs 850, s16k 892 vs 856, causal s8k 846 vs 799, s16k 866 vs 838;
 # d256 (block_n 64 to fit its 32 registers) s8k 1058 vs 917. So Q's shared-memory reads do not bound
 # the step; the knob stays for experiments.
 FP8_Q_IN_REGS_DEFAULT = False
 
-# anchor_softmax's default (sm90; sm90/roles.cuh.j2). 16-bit: off. On the H200 (scripts/sweep.py,
+# anchor_softmax's default (sm90; sm90/roles.cuh.j2). 16-bit: off. On the H200 (scripts/lab.py sweep,
 # 2026-11-29, commit 43c5445, TFLOP/s anchored vs not, same run) it lost in 6 of 8 cells, e.g. d128
 # causal s4k 578 vs 608, d256 s8k 666 vs 695; d128 s1k/s8k +1%.
 # fp8 (exact max, af2d74d: the anchor holds the row max pass, not the whole softmax, ahead of the P V
@@ -160,7 +160,7 @@ FP8_Q_IN_REGS_DEFAULT = False
 # 1068.1, s16k 1117 / 1077, causal s16k 1107 / 1064; again 2026-12-01 at 9a25329, s16k 1123.6 / 1128.9,
 # s8k 1105.0 / 1105.7, causal s16k 1088.9 / 1071.2). head_dim 128 non-causal (exact + anchored vs the
 # optimistic step) lost in session 14 (s8k 887 / 857, s16k 901 / 858) but, with two softmax chains,
-# wins since: 2026-12-01 at 9a25329 (scripts/sweep.py, 10 groups) s8k 876.1 / 930.7 (F 873.1), s16k
+# wins since: 2026-12-01 at 9a25329 (scripts/lab.py sweep, 10 groups) s8k 876.1 / 930.7 (F 873.1), s16k
 # 889.8 / 940.1 (F 879.6), s2k 786.6 / 848.3 (F 730.9); with the mask-free loop (ab_trees, two rounds
 # each) s8k 879.9, 873.7 / 922.6, 919.9 (F 872.8), s16k 906.4, 899.9 / 931.9, 932.5 (F 900.6). So on
 # for head_dim 64 and 128.
@@ -168,7 +168,7 @@ def anchor_softmax_default(head_dim: int, dtype: str, causal: bool) -> bool:
     return dtype == "fp8" and head_dim in (64, 128)
 
 # softmax_chains' default (common/softmax.cuh.j2: independent FMNMX/FADD chains per row in the row
-# max and row sum). On the H200 (scripts/sweep.py with the variants taking turns group by group,
+# max and row sum). On the H200 (scripts/lab.py sweep with the variants taking turns group by group,
 # 2026-11-29, TFLOP/s 1 chain vs 4): sm90 bf16 d64 s2k 479 vs 486, s16k 511 vs 530, causal s16k 491
 # vs 498; d128 s8k 634 (1) vs 632 (2) vs 618 (4), s2k 598 vs 589 (4); d256 s8k 707 vs 708, causal s8k
 # 670 vs 658; fp8 d64 s8k 635 vs 646, causal 562 vs 583, fp8 d256 s8k 963 vs 1013, causal 904 vs 919,
@@ -194,7 +194,7 @@ def softmax_chains_default(arch: str, head_dim: int, dtype: str, causal: bool) -
 # poly_exp2_tiles' default (common/softmax.cuh.j2: n8 key tiles of each score fragment whose exp2 runs
 # as a polynomial on the FMA pipe instead of MUFU.EX2, FlashAttention-4's emulation). MUFU does 16
 # exp2 per clock per SM against 128 FMAs, but a polynomial exp2 is 8 instructions against 2, and the
-# step is bound by instruction issue, not by MUFU: on the H200 (scripts/sweep.py, variants taking
+# step is bound by instruction issue, not by MUFU: on the H200 (scripts/lab.py sweep, variants taking
 # turns, 2026-11-29, 235d2ba + descriptors, TFLOP/s tiles 0 / 2 / 4) d128 s8k 622 / 616 / 584, causal
 # s8k 602 / 563 / 545, d64 s8k 528 / 479 / 466 (8: 419), d256 s8k 678 / 659; fp8 d128 s8k 798 / 816 /
 # 802, fp8 d64 s8k 641 / 616 / 593, fp8 d256 998 / 943 / 930. Off everywhere.
@@ -204,7 +204,7 @@ POLY_EXP2_TILES_DEFAULT = 0
 # optimistic_max's default (sm90; common/softmax.cuh.j2's softmax_step_optimistic, the fp8 kernel's
 # softmax_step_fp8_optimistic: the exp2s of a step start from the running max; the row sums, for
 # fp8 the max pass beside them, decide whether the step needs the new max).
-# On the H200 (scripts/sweep.py, variants taking turns, 2026-11-29, TFLOP/s exact vs optimistic, FA3
+# On the H200 (scripts/lab.py sweep, variants taking turns, 2026-11-29, TFLOP/s exact vs optimistic, FA3
 # in the same run): d128 s8k 592 vs 670 (FA3 652), s1k 602 vs 646, causal s8k 573 vs 624 (638),
 # causal s2k 499 vs 528, causal s512 329 vs 333; d64 s8k 503 vs 566 (512); d256 s8k 669 vs 706 (703),
 # s512 492 vs 501. d64 causal without pingpong s8k 464 vs 458, s1k 297 vs 288, with it (its default
@@ -229,7 +229,7 @@ def optimistic_max_default(head_dim: int, dtype: str, causal: bool) -> bool:
 # (again in session 8: fp8 d128 s8k 881 vs 877, causal 821 vs 813, fp8 d64 s8k 662 vs 628). On for
 # fp8 head_dim 256 with the in-kernel V^T (128x128 at 24/240, see fp8_tiles): with the index in a
 # uniform register its consumers fit 240 without spilling (44-60 bytes off), and on the H200
-# (scripts/sweep.py, 2026-11-29, TFLOP/s 128x128 off vs on) s2k 1062 vs 1098, s8k 1072 vs 1094,
+# (scripts/lab.py sweep, 2026-11-29, TFLOP/s 128x128 off vs on) s2k 1062 vs 1098, s8k 1072 vs 1094,
 # s16k 1074 vs 1102, causal s2k 822 vs 889, s8k 992 vs 1050, s16k 1038 vs 1096. With the caller's V^T
 # only where the consumers need it to fit: causal, since the fp8 mask-free loop (bde33cc; without it 4
 # bytes of spills, NVRTC 13.0). The non-causal one fits without and runs faster so (H200, 2026-12-01,
@@ -240,7 +240,7 @@ def uniform_wg_default(head_dim: int, dtype: str, v_layout: str, causal: bool) -
 # dynamic_scheduler's default (sm90, persistent: the tiles after each CTA's first are handed out by an
 # atomic counter instead of every gridDim.x-th tile; sm90/scheduler.cuh.j2). Causal: on (its tiles differ
 # in length). Non-causal tiles are equal, but the SMs are not quite: with the counter the ones that run
-# ahead take the last wave's tiles. H200, scripts/ab_trees.py (old tree static, new dynamic, 8 groups x 2
+# ahead take the last wave's tiles. H200, scripts/lab.py ab-trees (old tree static, new dynamic, 8 groups x 2
 # rounds, 2026-12-01, df44c17, new/old), fp8: head_dim 128 s2k 1.021, s8k 1.004 and 0.997, s16k 1.010
 # and 1.007; head_dim 64 s2k 1.058, s16k 1.009; head_dim 256 s2k 1.007, s8k 0.997, s16k 1.000 and
 # 0.989, so static there. 16-bit non-causal (same run, TFLOP/s static vs dynamic): d64 s2k 521.2 vs
@@ -251,8 +251,8 @@ def dynamic_scheduler_default(head_dim: int, dtype: str, causal: bool) -> bool:
 
 # stream_k's default (sm90 fp8 non-causal, persistent with the static scheduler): on at head_dim 256,
 # where 16k tokens make 1024 tiles, 7.76 waves on 132 SMs. H200, 2026-12-01, TFLOP/s default / stream_k
-# (scripts/sweep.py, 10 groups, FA3 in the same run): s8k 1097.1 / 1103.3 (1114.2), s16k 1109.9 / 1127.5
-# (1138.2); scripts/ab_trees.py (8 groups x 2 rounds): s8k 1076.0, 1080.6 / 1081.6, 1084.1 (1090.0), s16k
+# (scripts/lab.py sweep, 10 groups, FA3 in the same run): s8k 1097.1 / 1103.3 (1114.2), s16k 1109.9 / 1127.5
+# (1138.2); scripts/lab.py ab-trees (8 groups x 2 rounds): s8k 1076.0, 1080.6 / 1081.6, 1084.1 (1090.0), s16k
 # 1084.1, 1087.4 / 1104.7, 1106.7 (1110.2). Gains short of the ~3% idle last wave: each share adds about
 # two piece boundaries (a tile's pipeline fill and drain), which cost more at 8k than at 16k. Off at
 # head_dim 128 (against the dynamic scheduler, its default: s8k 869.9 / 865.1, s16k 887.2 / 893.5) and
@@ -264,8 +264,8 @@ def stream_k_default(head_dim: int, dtype: str, causal: bool) -> bool:
 
 # defer_o_store's default (sm90 fp8, the overlapped loop: a tile's O is stored under the next tile's
 # first Q K^T instead of between the tiles, where both warpgroups drained 64 KB of O at ~16-30 B/cycle
-# with nothing else to run; scripts/trace_steps.py, session 23). On at head_dim 256 non-causal with the
-# in-kernel V^T. H200, 2026-12-02, scripts/sweep.py, TFLOP/s default / defer_o_store (F =
+# with nothing else to run; scripts/lab.py trace-steps, session 23). On at head_dim 256 non-causal with the
+# in-kernel V^T. H200, 2026-12-02, scripts/lab.py sweep, TFLOP/s default / defer_o_store (F =
 # FlashAttention-3 fp8 in the same run), 10-16 groups, first with O kept in o_reg (two runs), then
 # packed to bf16 at the tile's end (the form here): s8k 1105.1 / 1109.0 (1113.5), 1123.4 / 1127.9
 # (1127.4), 1113.8 / 1112.8 (1111.1); s16k 1125.2 / 1132.7 (1137.8), 1140.4 / 1145.1 (1148.5), 1126.3 /
@@ -282,8 +282,8 @@ def defer_o_store_default(head_dim: int, dtype: str, v_layout: str | None, causa
 # The fp8 K/V ring's depth with the caller's V^T (v_layout=transposed): three stages where they fit at
 # head_dim 64 and 256 (at 256 x 128 keys: 224 KB with Q, the room the in-kernel transpose's row-major V
 # ring takes at two). At head_dim 256 the V^T ring is the step's critical loop: a tile is released after
-# the P V of its step and its TMA load takes ~3000 cycles, about a step (scripts/trace_steps.py, H200,
-# 2026-12-01, session 19). H200, scripts/sweep.py, 8-10 groups (TFLOP/s two / three stages; F =
+# the P V of its step and its TMA load takes ~3000 cycles, about a step (scripts/lab.py trace-steps, H200,
+# 2026-12-01, session 19). H200, scripts/lab.py sweep, 8-10 groups (TFLOP/s two / three stages; F =
 # FlashAttention-3 fp8 with row V, in the same run), head_dim 256 in three calls: s16k 1133.9 / 1161.9,
 # - / 1153.3, 1126.8 / 1159.8 (F 1131.2, 1133.1, 1131.3); s8k 1086.9 / 1120.2, - / 1125.5, 1087.3 /
 # 1121.2 (F 1106.1, 1113.1, 1107.3); causal s16k 1078.7 / 1102.9, - / 1106.9, 1087.6 / 1114.6 (F
@@ -293,12 +293,12 @@ def defer_o_store_default(head_dim: int, dtype: str, v_layout: str | None, causa
 FP8_VT_THREE_STAGE_HEAD_DIMS = (64, 256)
 
 
-# vt_in_place (V transposed in its own V^T slot, three stages) stays off: H200, 2026-12-02, scripts/sweep.py
+# vt_in_place (V transposed in its own V^T slot, three stages) stays off: H200, 2026-12-02, scripts/lab.py sweep
 # 8 groups (TFLOP/s default / vt_in_place, F = FlashAttention-3 fp8): d256 s16k 1123.5 / 1118.0 and 1117.9 /
 # 1118.4 (F 1127.5, 1126.0), s8k 1096.5 / 1098.3 (1109.6), causal s16k 1095.2 / 1066.5 and 1087.1 / 1060.5
 # (1111.8, 1106.9), causal s8k 1061.2 / 1026.3 (1046.6); d128 s8k 936.7 / 845.5 (888.2); d64 s16k 680.6 /
 # 670.9 (654.6). Its V loads take 1472 cycles instead of 3102, but the step's period stays (2979 vs 2966,
-# scripts/trace_steps.py; docs/perf-notes.md session 22).
+# scripts/lab.py trace-steps; docs/perf-notes.md session 22).
 def fp8_stages_default(head_dim: int, v_layout: str, block_m, block_n, q_stages: int, smem: int,
                        tile_stages: int, vt_in_place: bool = False) -> int:
     """vt_in_place (no row-major V ring): three stages wherever they fit, as the caller's V^T."""
@@ -313,7 +313,7 @@ def fp8_stages_default(head_dim: int, v_layout: str, block_m, block_n, q_stages:
 # and each consumer warpgroup starts its next tile at once): on for 16-bit causal kernels where the
 # second Q tile fits beside O's own place (its own buffer or the V ring). Causal tiles are short and
 # many (1-16 blocks at 2k queries), so the Q load that follows the last Q K^T of a tile is on the path
-# from one tile to the next. H200, scripts/sweep.py, variants taking turns, 15 groups (2026-12-01,
+# from one tile to the next. H200, scripts/lab.py sweep, variants taking turns, 15 groups (2026-12-01,
 # 350f483, TFLOP/s q_stages 1 vs 2; two calls): d64 causal s512 241.7 vs 244.7 and 244.1 vs 246.3,
 # s1k 324.8 vs 324.3, s2k 391.4 vs 400.1 and 394.7 vs 402.3, s8k 519.3 vs 525.2; d128 causal s512
 # 341.6 vs 334.5, s1k 447.1 vs 452.9 and 443.8 vs 448.1, s2k 535.3 vs 545.1, s4k 594.1 vs 601.4, s8k
@@ -403,7 +403,7 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
         # 128x160 with its own O buffer fills 225 KB (Q 32K + O 32K + 2x(K+V) of 160 rows);
         # FA3's 128x176 fits only with O aliasing Q (see the budget model above). No pingpong: with
         # O's rescale under Q K^T (rescale_under_qk) the two warpgroups overlap better on their own
-        # (H200, scripts/sweep.py, 2026-11-29, commit 0391f98, non-causal TFLOP/s: s4k 686 without
+        # (H200, scripts/lab.py sweep, 2026-11-29, commit 0391f98, non-causal TFLOP/s: s4k 686 without
         # pingpong vs 610 with it, s16k 637 vs 630; FA3 699 / 678).
         bn = 128 if causal else 160
         return Tiles(128, bn, 12, 2, consumer_warpgroups=2, pingpong=False,
@@ -419,7 +419,7 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
 def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
     """sm90 e4m3 defaults: FlashAttention-3's tile_size_fwd_sm90 fp8 rows (kernel-facts 2.1; block_n
     adjusted below), 2 stages, intra-warpgroup overlap, no pingpong but at head_dim 64 causal (FA3
-    pingpongs fp8 at head_dim >= 128; on the H200, scripts/sweep.py 2026-11-29, pingpong off vs on: d128 s8k 802 vs 782 and
+    pingpongs fp8 at head_dim >= 128; on the H200, scripts/lab.py sweep 2026-11-29, pingpong off vs on: d128 s8k 802 vs 782 and
     s2k 736 vs 724 at 9f281b1, d128 s2k 697 vs 678 and d256 causal s16k 912 vs 872 at 82f6f54, d256
     s8k 935 vs 948; with pingpong the causal consumers spill at hd128-256). Shared memory: Q + 2 x
     (K + V^T) + 2 x V (row V: the TMA lands V there and the producer transposes it into V^T); O goes
@@ -447,7 +447,7 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
                      why="FA3 fp8 hdim192: 128x160 -> 128x128")
     # 128x128 at 24/240: Q 32K + 2 x (K 32K + V^T 32K) (+ 2 x V 32K with the in-kernel V^T) = 160K
     # (224K). With the in-kernel V^T the transposers then have 24 registers and keep two ldmatrix in
-    # flight, and the consumers need uniform_wg to fit 240. On the H200 (scripts/sweep.py, 2026-11-29,
+    # flight, and the consumers need uniform_wg to fit 240. On the H200 (scripts/lab.py sweep, 2026-11-29,
     # TFLOP/s, 128x96 at 40/232 (the default before) vs 128x128 at 24/240 with uniform_wg,
     # FlashAttention-3 in the same run): s2k 996 / 1098 (F 1137), s8k 994 / 1094 (F 1149), s16k 1015 /
     # 1102 (F 1160), causal s2k 840 / 889 (F 898), s8k 985 / 1050 (F 1176), s16k 1009 / 1096 (F 1217).
@@ -538,7 +538,7 @@ def sm90_cta_register_pool(threads: int, ctas_per_sm: int = 1) -> int:
 # bound at the O wgmma).
 # cluster_m's default (sm90 16-bit non-causal: two CTAs of a cluster share each K/V tile, each loading
 # half and multicasting it; FlashAttention-3 does this for bf16 head_dim >= 128 non-causal). Off: on the
-# H200 (scripts/sweep.py, variants taking turns, 2026-11-29, TFLOP/s default vs cluster_m=2; 66 clusters
+# H200 (scripts/lab.py sweep, variants taking turns, 2026-11-29, TFLOP/s default vs cluster_m=2; 66 clusters
 # resident, all 132 SMs) d128 s512 544 / 536, s2k 690 / 684, s8k 686 / 674 and 682 / 664, s16k 697 /
 # 679; d256 s2k 698 / 668 and 673 / 634, s4k 716 / 675, s8k 735 / 683 and 733 / 681 (non-persistent
 # 722), s16k 756 / 694. The kernels read K/V at half the L2 traffic but each CTA then waits for the

@@ -1038,7 +1038,7 @@ struct StreamKShare {
 // This CTA's share, worked out once by thread 0 in the kernel's setup (before its __syncthreads):
 // the ~6 integer divisions by runtime values sat on every role's path from one tile to the next
 // (a static tile decode took ~1500 cycles against ~700 for the dynamic scheduler's published tile,
-// scripts/trace_steps.py, 2026-12-02). One per CTA, so a file-scope __shared__ and not a
+// scripts/lab.py trace-steps, 2026-12-02). One per CTA, so a file-scope __shared__ and not a
 // SharedState member: the struct must be known before SharedState, which the other scheduler
 // functions need.
 __shared__ StreamKShare cta_stream_k_share;

@@ -7,9 +7,9 @@
 
 Each cell's spec is picked as facodegen.api.resolve_spec picks it on the H200 with no tuning
 database (api.spec_for_shape: the sequence-length rule, gpu=h200, the variant's fields winning),
-then rendered, patched (scripts/trace_steps.py's patch format; --patch adds one kernel per patch)
-and traced (--traced: trace_steps' clock reads too) as scripts/sweep.py, patch_ab.py and
-trace_steps.py would, and compiled through
+then rendered, patched (scripts/lab.py trace-steps' patch format; --patch adds one kernel per patch)
+and traced (--traced: trace_steps' clock reads too) as scripts/lab.py sweep, lab.py patch-ab and
+lab.py trace-steps would, and compiled through
 facodegen.compiler. Prints registers and spills per kernel, so a patch or variant that does not
 compile, or spills, is found before a device call; the device finds the same sources under the
 same keys when the cache folder is carried (`carry: [".fcgcache"]`; the key holds NVRTC's version).
@@ -21,16 +21,16 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lab"))   # sweep.py, trace_steps.py
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cell", action="append", default=[], help="head_dim,seqlen,causal (as sweep.py's)")
-    p.add_argument("--variant", action="append", default=[], help="arch:field=value,... (as sweep.py's)")
+    p.add_argument("--cell", action="append", default=[], help="head_dim,seqlen,causal (as lab.py sweep's)")
+    p.add_argument("--variant", action="append", default=[], help="arch:field=value,... (as lab.py sweep's)")
     p.add_argument("--dtype", default="fp8")
     p.add_argument("--patch", action="append", default=[])
-    p.add_argument("--traced", action="store_true", help="also the traced copies (scripts/trace_steps.py)")
+    p.add_argument("--traced", action="store_true", help="also the traced copies (scripts/lab.py trace-steps)")
     args = p.parse_args()
     from facodegen import api, bench, compiler, render
     from sweep import parse_cell

@@ -210,16 +210,17 @@ def test_fp8_grid_is_issue_6s_and_counts_one_byte_inputs():
 
 
 def _script(name: str):
-    """scripts/<name>.py as a module (the scripts are not a package)."""
+    """scripts/lab/<name>.py (a lab probe) or scripts/<name>.py as a module (neither is a package)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    path = ROOT / "scripts" / "lab" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path if path.exists() else ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_ncu_compare_summarizes_two_kernels_side_by_side():
-    """scripts/ncu_compare.py's table: per kernel (launch order) the key metrics and stall ratios of
+    """scripts/lab.py ncu-compare's table: per kernel (launch order) the key metrics and stall ratios of
     an ncu text report, whatever the unit column holds."""
     ncu = _script("ncu_compare")
     report = """==PROF== Connected
@@ -241,7 +242,7 @@ def test_ncu_compare_summarizes_two_kernels_side_by_side():
 
 
 def test_ncu_source_summarizes_stalls_and_bank_conflicts():
-    """scripts/ncu_source.py: samples per stall reason, the instructions with the most samples and
+    """scripts/lab.py ncu-source: samples per stall reason, the instructions with the most samples and
     their main reason, and the instructions with more shared-memory wavefronts than ideal."""
     ncu = _script("ncu_source")
     head = ('"Address","Source","# Samples","Instructions Executed","L1 Wavefronts Shared",'
@@ -362,7 +363,7 @@ def test_run_cell_checks_everyone_then_times_peers_in_turns_inside_their_context
 
 
 def test_clock_probe_reads_nvidia_smi_and_groups_times_by_clock(tmp_path):
-    """scripts/clock_probe.py: nvidia-smi's csv lines as (time, MHz, W, reasons), and each group's time
+    """scripts/lab.py clock-probe: nvidia-smi's csv lines as (time, MHz, W, reasons), and each group's time
     filed under the SM clock sampled while it ran, with the quartiles over all groups."""
     probe = _script("clock_probe")
     smi = tmp_path / "smi.csv"
@@ -473,7 +474,7 @@ def test_time_in_turns_falls_back_to_each_alone_inside_its_context(monkeypatch):
 
 
 def test_trace_steps_traces_a_copy_of_the_fp8_kernel_and_reads_its_phases():
-    """scripts/trace_steps.py: the traced copy of the head_dim 256 fp8 kernels has a clock read at
+    """scripts/lab.py trace-steps: the traced copy of the head_dim 256 fp8 kernels has a clock read at
     each consumer stage, at each V tile's four events and at each K load's issue, still compiles for
     sm_90a (without spills for the row-V kernel), and the medians come out of a synthetic timeline
     as laid in."""
@@ -530,7 +531,7 @@ def test_trace_steps_traces_a_copy_of_the_fp8_kernel_and_reads_its_phases():
 
 
 def test_patch_ab_reads_the_patches_as_trace_steps_does(monkeypatch, capsys):
-    """scripts/patch_ab.py (GPU): imports without a GPU, documents its arguments, and applies source
+    """scripts/lab.py patch-ab (GPU): imports without a GPU, documents its arguments, and applies source
     patches with trace_steps' apply_patch, whose leading comment block (no separator) is skipped."""
     ab = _script("patch_ab")
     monkeypatch.setattr(sys, "argv", ["patch_ab.py", "--help"])
@@ -542,7 +543,7 @@ def test_patch_ab_reads_the_patches_as_trace_steps_does(monkeypatch, capsys):
 
 
 def test_patch_ab_times_another_copy_of_the_templates(tmp_path):
-    """scripts/patch_ab.py --templates: render.emit renders from another copy of templates/, the same
+    """scripts/lab.py patch-ab --templates: render.emit renders from another copy of templates/, the same
     text from an identical copy and the other text from an edited one."""
     import shutil
 
@@ -577,7 +578,7 @@ def test_precompile_compiles_the_cells_kernels_into_the_cache(monkeypatch, tmp_p
 
 
 def test_overlap_probe_kernels_keep_their_wgmmas_in_flight():
-    """scripts/overlap_probe.py: the probe's kernels compile for sm_90a without spills or ptxas's
+    """scripts/lab.py overlap-probe: the probe's kernels compile for sm_90a without spills or ptxas's
     wgmma serialisation, with one group of wgmmas in flight while the next is issued, and the side
     warpgroup's loop runs its op (MUFU.EX2 for ex2) and no wgmma."""
     from facodegen import compiler

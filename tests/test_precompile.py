@@ -68,6 +68,27 @@ def test_the_spec_index_finds_a_kernel_without_rendering(fresh_cache, monkeypatc
         compiler.compile(spec, verbose=False)
 
 
+def test_a_patched_rendering_with_the_spec_index_off_is_compiled_and_not_indexed(fresh_cache, monkeypatch):
+    """scripts/lab's patch_ab, trace_steps and count_events replace render.emit with a patched
+    rendering and turn compiler.spec_index off: compile() then builds the patched source although
+    the plain spec is in the index, and writes nothing there, so the plain kernel is still what a
+    later compile finds."""
+    from facodegen import render
+    spec = KernelSpec(arch="sm80", head_dim=64, dtype="fp16")
+    plain = compiler.compile(spec, verbose=False)
+    plain_emit = render.emit
+    compiler.clear_memo()
+    monkeypatch.setattr(render, "emit", lambda s: plain_emit(s) + "\n// patched\n")
+    monkeypatch.setattr(compiler, "spec_index", False)
+    patched = compiler.compile(spec, verbose=False)
+    assert patched.source == plain.source + "\n// patched\n"
+    monkeypatch.setattr(render, "emit", plain_emit)
+    monkeypatch.setattr(compiler, "spec_index", True)
+    compiler.clear_memo()
+    again = compiler.compile(spec, verbose=False)
+    assert again.from_cache and again.source == plain.source
+
+
 def test_nvrtc_identity_needs_no_nvrtc_load_with_the_pip_package():
     ident = compiler.nvrtc_identity()
     package = compiler._pip_nvrtc_version()

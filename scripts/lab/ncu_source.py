@@ -1,7 +1,7 @@
 """Where one facodegen kernel's warps wait, instruction by instruction (GPU, Nsight Compute).
 
-    python3 scripts/ncu_source.py --out $OUT --cell 256,8192,0 --dtype fp8
-    python3 scripts/ncu_source.py --csv $OUT/source.csv          # summarise a saved profile (no GPU)
+    python3 scripts/lab.py ncu-source --out $OUT --cell 256,8192,0 --dtype fp8
+    python3 scripts/lab.py ncu-source --csv $OUT/source.csv          # summarise a saved profile (no GPU)
 
 Profiles one launch of the kernel (after warm-up, ``--clock-control none``) with the SourceCounters
 section and ``--page source --print-source sass --csv``: per SASS instruction, the warp-state samples
@@ -11,7 +11,7 @@ main reason), and every instruction whose shared-memory accesses take more wavef
 (bank conflicts). Samples attach to the instruction a warp waits at: a barrier's wait shows on the
 instruction after the BAR, a wgmma's on its WARPGROUP.DEPBAR, an mbarrier's on the branch after its
 try-wait. A cell is ``head_dim,seqlen,causal`` of the FlashAttention-3 paper's grid, as in
-scripts/ncu_compare.py (whose --child builds and warms the launchers).
+scripts/lab.py ncu-compare (whose --child builds and warms the launchers).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def summarize(csv_text: str, top: int = 25) -> str:
     return "\n".join(out)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=".")
     p.add_argument("--cell", default="128,8192,0")
@@ -83,7 +83,7 @@ def main() -> int:
     p.add_argument("--peer", default="fa3", help="the peer ncu_compare's child builds (runs, not profiled)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--csv", help="summarise this saved source.csv instead of profiling")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.csv:
         with open(args.csv) as f:
             print(summarize(f.read(), args.top))

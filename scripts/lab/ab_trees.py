@@ -2,10 +2,10 @@
 """Old tree against new tree on one GPU, the two taking turns (GPU): the only comparison of two
 template versions that survives the 5-10% that whole grids move between device calls.
 
-    python3 scripts/ab_trees.py --old .old --out $OUT --rounds 2 --peers fa3 -- \
+    python3 scripts/lab.py ab-trees --old .old --out $OUT --rounds 2 --peers fa3 -- \
         --dtype fp8 --cell 128,8192,1 --variant sm90: --variant sm90:pingpong=1
 
-Everything after ``--`` goes to scripts/sweep.py, which runs once per tree and round (new, old,
+Everything after ``--`` goes to scripts/lab.py sweep, which runs once per tree and round (new, old,
 new, old, ...), each time from that tree's own package (PYTHONPATH), with a shared compile cache so
 a tree's kernels compile once. --peers are timed in the first new round only. ``--old`` is a copy
 of the old tree's facodegen/, templates/ and scripts/ (e.g. `git worktree add` of the base commit,
@@ -22,12 +22,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-NEW = Path(__file__).resolve().parents[1]
+NEW = Path(__file__).resolve().parents[2]
+
+
+def sweep_script(tree: Path) -> Path:
+    """The tree's own sweep: scripts/lab/sweep.py, or scripts/sweep.py in a tree from before the lab
+    probes moved into scripts/lab/."""
+    for path in (tree / "scripts" / "lab" / "sweep.py", tree / "scripts" / "sweep.py"):
+        if path.exists():
+            return path
+    raise SystemExit(f"{tree}: neither scripts/lab/sweep.py nor scripts/sweep.py")
 
 
 def run_sweep(tree: Path, out: Path, sweep_args: list[str], peers: str, env: dict) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(tree / "scripts" / "sweep.py"), "--out", str(out), *sweep_args]
+    cmd = [sys.executable, str(sweep_script(tree)), "--out", str(out), *sweep_args]
     if peers:
         cmd += ["--peers", peers]
     run_env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH", "")) if p))
@@ -55,15 +64,15 @@ def tflops(records: list[dict]) -> dict[tuple[str, str], float]:
     return table
 
 
-def main() -> int:
-    argv = sys.argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     sweep_args = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", required=True, help="the old tree (facodegen/, templates/, scripts/)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--peers", default="", help="peers for the first new round (scripts/sweep.py --peers)")
+    p.add_argument("--peers", default="", help="peers for the first new round (scripts/lab.py sweep --peers)")
     args = p.parse_args(own)
     env = dict(os.environ)
     env.setdefault("FACODEGEN_CACHE_DIR", "/tmp/facodegen-ab-cache")

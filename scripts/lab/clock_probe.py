@@ -2,7 +2,7 @@
 """Why one cell's median moves between runs (GPU): every group's time beside the SM clock and
 power the GPU reported while it ran.
 
-    python3 scripts/clock_probe.py --out $OUT --cell 128,8192,1 --peers fa3 --groups 40
+    python3 scripts/lab.py clock-probe --out $OUT --cell 128,8192,1 --peers fa3 --groups 40
 
 Times facodegen's default kernel and the peers on one cell of the FlashAttention-3 paper's grid
 (head_dim,seqlen,causal; 16k tokens, hidden 2048) with facodegen.bench's timer (groups of back-to-back
@@ -26,7 +26,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]      # the checkout's facodegen, and sweep.py beside this
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]   # the checkout's facodegen, and sweep.py beside this
 
 from facodegen import bench  # noqa: E402
 from sweep import parse_cell  # noqa: E402
@@ -65,7 +65,7 @@ def samples_during(samples: list, t0: float, t1: float) -> list:
     return [x for x in samples if t0 - 0.01 <= x[0] <= t1 + 0.01]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=".")
     p.add_argument("--cell", default="128,8192,1")
@@ -73,7 +73,7 @@ def main() -> int:
     p.add_argument("--peers", default="fa3")
     p.add_argument("--groups", type=int, default=40)
     p.add_argument("--calls", type=int, default=bench.CALLS_PER_GROUP)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     c = parse_cell(args.cell, args.dtype)
     causal = c["causal"]

@@ -1,9 +1,9 @@
 """Localise a wrong or hanging kernel on the GPU: each case in its own process with a timeout.
 
-    python3 scripts/diagnose.py --arch sm90                 # the built-in ladder of cases
-    python3 scripts/diagnose.py --case 'arch=sm90,head_dim=128,seqlen_q=128,seqlen_k=128'
-    python3 scripts/diagnose.py --arch fp8                  # the e4m3 ladder (sm90)
-    python3 scripts/diagnose.py --case 'dtype=fp8,head_dim=128,seqlen_q=1000,seqlen_k=1000,v_layout=transposed'
+    python3 scripts/lab.py diagnose --arch sm90                 # the built-in ladder of cases
+    python3 scripts/lab.py diagnose --case 'arch=sm90,head_dim=128,seqlen_q=128,seqlen_k=128'
+    python3 scripts/lab.py diagnose --arch fp8                  # the e4m3 ladder (sm90)
+    python3 scripts/lab.py diagnose --case 'dtype=fp8,head_dim=128,seqlen_q=1000,seqlen_k=1000,v_layout=transposed'
 
 fp8 cases (dtype=fp8) quantise randn bf16 inputs to e4m3 per tensor (facodegen.quantize) and compare
 with the float64 reference of the same dequantised inputs (tolerance 3e-2); ``descale=head`` gives
@@ -210,13 +210,13 @@ def run_one_fp8(fields: dict, shape: dict) -> dict:
     return compare(out, lse, o_ref, lse_ref, FP8_TOLERANCE, prepared.spec.variant, elapsed, extra)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="sm90")
     parser.add_argument("--case", action="append", help="one case; repeatable (default: the ladder)")
     parser.add_argument("--timeout-s", type=float, default=40)
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         fields, shape = json.loads(args.child)
         print(json.dumps(run_one(fields, shape)), flush=True)

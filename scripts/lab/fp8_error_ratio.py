@@ -1,6 +1,6 @@
 """fp8 accuracy against FlashAttention-3's on the same inputs, per spec variant (GPU).
 
-    python3 scripts/fp8_error_ratio.py --head-dim 128 --variant sm90: --variant sm90:block_n=128
+    python3 scripts/lab.py fp8-error-ratio --head-dim 128 --variant sm90: --variant sm90:block_n=128
 
 For each variant (``arch:field=value,...``, bench.parse_variant; dtype fp8) and each shape of the GPU
 test's FP8_SHAPES that has more than 1000 outputs (tests/gpu/test_numerics.py's test_fp8_default_spec,
@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -25,12 +25,12 @@ from facodegen import bench  # noqa: E402
 from facodegen.spec import KernelSpec  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, required=True)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--variant", action="append", default=[], help="arch:field=value,... (repeatable)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import test_numerics as cases    # tests/gpu: the fp8 GPU test's inputs and error measure
 
     for text in args.variant or ["sm90:"]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a consumer step's time goes, read off the SM clock inside the kernel (GPU, sm90 fp8).
 
-    python3 scripts/trace_steps.py --cell 256,16384,0 [--variant k=v,...] [--patch FILE] [--out DIR]
+    python3 scripts/lab.py trace-steps --cell 256,16384,0 [--variant k=v,...] [--patch FILE] [--out DIR]
 
 Renders the cell's fp8 kernel (as facodegen.api would pick it), adds `%clock` reads to the copy it
 compiles (the generated kernel itself is untouched) and runs it on randn inputs. Per step of the
@@ -34,7 +34,7 @@ import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
 
 TRACE_CTAS = 8
 TRACE_STEPS = 1024          # ring positions (k_iter) recorded per consumer warpgroup
@@ -49,7 +49,7 @@ TRACE_TILES = 128
 TILE_EVENTS = ("fetch", "q", "s0", "tail", "stored")
 
 HEADER = f"""
-// ---- scripts/trace_steps.py: %clock at the consumer step's stages (a traced copy) ----
+// ---- scripts/lab.py trace-steps: %clock at the consumer step's stages (a traced copy) ----
 __device__ unsigned int fcg_trace[{TRACE_CTAS}][2][{TRACE_STEPS}][{len(EVENTS)}];
 __device__ unsigned int fcg_trace_vt[{len(V_EVENTS)}][{TRACE_CTAS}][{TRACE_STEPS}];
 __device__ __forceinline__ unsigned int fcg_clock() {{
@@ -221,15 +221,15 @@ def analyse_tiles(tiles, period: float) -> dict:
                                                       "extra_share": extra / busy if busy else float("nan")}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell", default="256,16384,0", help="head_dim,seqlen,causal (16k tokens, hidden 2048)")
-    p.add_argument("--variant", default="", help="spec overrides k=v,... (as scripts/sweep.py's)")
+    p.add_argument("--variant", default="", help="spec overrides k=v,... (as scripts/lab.py sweep's)")
     p.add_argument("--out", default=None)
     p.add_argument("--patch", default=None,
                    help="a source patch to try (blocks 'OLD\\n===\\nNEW' separated by lines '%%%%'): "
                         "the patched kernel is timed beside the plain one, and traced")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import numpy as np
     import torch
     from facodegen import api, bench, compiler, render
@@ -237,6 +237,7 @@ def main() -> int:
     c = parse_cell(args.cell, "fp8")
     overrides = bench.parse_variant("sm90:" + args.variant)[1]
     s = bench._make_inputs(c, 1)[0]
+    compiler.spec_index = False     # the kernels compiled here are patched renderings: not the index's
     plain_emit = render.emit
     patched = (lambda source: apply_patch(source, open(args.patch).read())) if args.patch else (lambda x: x)
     transforms = {"plain": lambda source: source}

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Count events inside an fp8 kernel with a source patch that adds counters (GPU, sm90).
 
-    python3 scripts/count_events.py --cell 256,16384,1 --cell 256,16384,0 \
+    python3 scripts/lab.py count-events --cell 256,16384,1 --cell 256,16384,0 \
         --patch docs/experiments/fp8-vote-count.blocks [--variant k=v,...]
 
 Renders each cell's kernel as facodegen.api picks it (with --variant's spec overrides), applies the
-patch (scripts/trace_steps.py's format), which must define `__device__ unsigned long long
+patch (scripts/lab.py trace-steps' format), which must define `__device__ unsigned long long
 fcg_count[4]` and bump its slots (e.g. one atomicAdd per warp and step: which way a vote went), runs
 the kernel once to load it, zeroes the counters, runs it once more and prints them with the share of
 slot 1 in slots 0 + 1.
@@ -18,15 +18,15 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cell", action="append", required=True, help="head_dim,seqlen,causal (as sweep.py's)")
+    p.add_argument("--cell", action="append", required=True, help="head_dim,seqlen,causal (as lab.py sweep's)")
     p.add_argument("--patch", required=True)
     p.add_argument("--variant", default="", help="spec overrides k=v,... for every kernel")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import cupy
     import torch
     from facodegen import api, bench, compiler, render
@@ -34,6 +34,7 @@ def main() -> int:
     from trace_steps import apply_patch
 
     text = open(args.patch).read()
+    compiler.spec_index = False     # the kernels compiled here are patched renderings: not the index's
     plain_emit = render.emit
     render.emit = lambda spec: apply_patch(plain_emit(spec), text)
     overrides = dict(bench.parse_variant("sm90:" + args.variant)[1], dtype="fp8")

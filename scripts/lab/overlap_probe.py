@@ -1,15 +1,15 @@
 """Does an SM run its tensor cores and its MUFU (or FMA) pipe at the same time? (GPU)
 
-    python3 scripts/overlap_probe.py                    # GPU: the table, rates per SM clock
-    python3 scripts/overlap_probe.py --check            # CPU: compile every variant for sm_90a
-    python3 scripts/overlap_probe.py --vt-slabs         # GPU: B (V^T) 128B- against 32B-swizzled
+    python3 scripts/lab.py overlap-probe                    # GPU: the table, rates per SM clock
+    python3 scripts/lab.py overlap-probe --check            # CPU: compile every variant for sm_90a
+    python3 scripts/lab.py overlap-probe --vt-slabs         # GPU: B (V^T) 128B- against 32B-swizzled
 
 The fp8 kernels' profiles (docs/perf-notes.md, sessions 15-16) read as if the GEMMs and the exp2s
 never overlapped: at head_dim 256 the tensor pipe's 68.5% and the XU's share of the exp2s (~35%)
 add up to the whole step, for FlashAttention-3 as for facodegen, pingpong or not. This probe asks
 the hardware directly. One CTA per SM, three warpgroups:
   - GEMM warpgroups (0, 1 or 2) issue groups of 8 e4m3 wgmmas m64nNk32 into their own
-    accumulators, one group in flight (commit, wait for the one before), as scripts/wgmma_rate.py;
+    accumulators, one group in flight (commit, wait for the one before), as scripts/lab.py wgmma-rate;
     `rs` takes A from registers as the P V GEMM does, `ss` both operands from shared memory;
     `rs32` / `ss32` read B 32B-swizzled, one k32 step per N x 32-byte slab (a V^T tile in 32-key
     slabs, the layout a row-major V tile can be transposed into in place), instead of four k32
@@ -30,7 +30,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
 
 GROUP = 8
 CHAINS = 8          # independent side chains per thread: one op of the side's pipe each per round
@@ -179,13 +179,13 @@ def compile_all(variants) -> dict:
 log_of: dict = {}   # ptxas's log per variant (compile_all)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="compile only (no GPU): registers, spills, SASS counts")
     p.add_argument("--iters", type=int, default=20000, help="GEMM groups per warpgroup")
     p.add_argument("--side-iters", type=int, default=200000, help="side rounds when no GEMM runs")
     p.add_argument("--vt-slabs", action="store_true", help="V^T 128B- against 32B-swizzled (VT_SLAB_VARIANTS)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     kernels = compile_all(VT_SLAB_VARIANTS if args.vt_slabs else VARIANTS)
     if args.check:
         for v, (cubin, res) in kernels.items():

@@ -1,7 +1,7 @@
 """Time spec variants side by side on the same inputs (ablations and hand tuning on the GPU).
 
-    python3 scripts/sweep.py --out $OUT --plan sm90-ablation
-    python3 scripts/sweep.py --out $OUT --cell 128,8192,0 --variant 'sm90:pingpong=0' --variant 'sm90:'
+    python3 scripts/lab.py sweep --out $OUT --plan sm90-ablation
+    python3 scripts/lab.py sweep --out $OUT --cell 128,8192,0 --variant 'sm90:pingpong=0' --variant 'sm90:'
 
 A variant is ``arch:field=value,...`` (bench.parse_variant; empty fields = that arch's defaults); a cell is
 ``head_dim,seqlen,causal`` on the FlashAttention-3 paper's grid (16k tokens, hidden 2048), or
@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
 
 from facodegen import bench  # noqa: E402
 
@@ -66,7 +66,7 @@ def parse_cell(text: str, dtype: str) -> dict:
     return bench.cell(head_dim, bool(causal), seqlen, batch, heads, dtype, seqlen_k=seqlen_k)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".")
     parser.add_argument("--plan", choices=sorted(PLANS), action="append")
@@ -79,7 +79,7 @@ def main() -> int:
     parser.add_argument("--sequential", action="store_true",
                         help="time each variant's groups in one block (default: the variants take turns "
                              "group by group, so clock drift falls on all alike)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     jobs = []
     for name in args.plan or []:
         plan = PLANS[name]

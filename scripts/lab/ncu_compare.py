@@ -1,6 +1,6 @@
 """Profile facodegen and a peer on one cell with Nsight Compute, side by side (GPU).
 
-    python3 scripts/ncu_compare.py --out $OUT --cell 128,8192,0 --variant sm90: --peer fa3
+    python3 scripts/lab.py ncu-compare --out $OUT --cell 128,8192,0 --variant sm90: --peer fa3
 
 runs itself under ``ncu --clock-control none --profile-from-start off`` (warm-up and compilation
 stay outside the profiled range), one launch per implementation, with the sections that say where
@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "SchedulerStats", "WarpStateStats", "InstructionStats",
             "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables")
@@ -38,7 +38,7 @@ def child(args) -> None:
     import torch
 
     from facodegen import bench
-    from sweep import parse_cell   # scripts/ is this script's sys.path[0]
+    from sweep import parse_cell   # scripts/lab/ is this script's sys.path[0]
     c = parse_cell(args.cell, args.dtype)
     s = bench._make_inputs(c, 1)[0]
     arch, fields = bench.parse_variant(args.variant)
@@ -76,7 +76,7 @@ def summarize(report: str) -> str:
     return "\n".join(rows)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=".")
     p.add_argument("--cell", default="128,8192,0")
@@ -84,7 +84,7 @@ def main() -> int:
     p.add_argument("--variant", default="sm90:")
     p.add_argument("--peer", default="fa3")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.child:
         child(args)
         return 0

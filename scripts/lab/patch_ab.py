@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
 """A source patch against the plain kernel, the two taking turns on the same inputs (GPU, sm90).
 
-    python3 scripts/patch_ab.py --cell 256,8192,0 --cell 256,16384,1 --patch a.patch --patch b.patch \
+    python3 scripts/lab.py patch-ab --cell 256,8192,0 --cell 256,16384,1 --patch a.patch --patch b.patch \
         [--templates .old/templates] [--dtype fp8] [--variant k=v,...] [--peers fa3] [--groups 10] [--out DIR]
 
 Renders each cell's kernel as facodegen.api picks it (with --variant's spec overrides), applies each
-patch (scripts/trace_steps.py's format: blocks 'OLD\\n===\\nNEW' separated by lines '%%%') to the
+patch (scripts/lab.py trace-steps' format: blocks 'OLD\\n===\\nNEW' separated by lines '%%%') to the
 rendered source (--templates: renders it from another copy of templates/ instead, e.g. the base
 commit's: `git worktree add /tmp/base HEAD~1 && cp -r /tmp/base/templates .old/`, carried), and times
 the plain kernel, every patched one and the peers group by group in turn
 (facodegen.bench.time_cuda_interleaved), so clock drift falls on all alike. Every output is checked
 against the float64 reference on a slice first; a patch that breaks it (a bound, e.g. O never
 stored) is timed anyway and marked. nvidia-smi samples the SM clock and power meanwhile (as
-scripts/clock_probe.py does): the table gives each kernel's median of both over its groups, since a
+scripts/lab.py clock-probe does): the table gives each kernel's median of both over its groups, since a
 patch can move the power-capped clock as much as the kernel's cycles. Prints TFLOP/s and
 patched/plain per cell, last.
 """
@@ -26,10 +26,10 @@ import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cell", action="append", required=True, help="head_dim,seqlen,causal (16k tokens, hidden 2048)")
     p.add_argument("--patch", action="append", default=[])
@@ -41,12 +41,13 @@ def main() -> int:
     p.add_argument("--peers", default="")
     p.add_argument("--groups", type=int, default=10)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from facodegen import api, bench, compiler, render
     from sweep import parse_cell
     from clock_probe import samples_during, smi_samples, smi_sampling
     from trace_steps import apply_patch
     overrides = dict(bench.parse_variant("sm90:" + args.variant)[1], dtype=args.dtype)
+    compiler.spec_index = False     # the kernels compiled here are patched renderings: not the index's
     plain_emit = render.emit
     emitters = {"plain": plain_emit}
     for f in args.patch:

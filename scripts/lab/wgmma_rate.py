@@ -1,7 +1,7 @@
 """Tensor-core rate of one wgmma shape on this GPU: does a tile's N cost in proportion to its FLOPs?
 
-    python3 scripts/wgmma_rate.py                         # GPU: the table (TFLOP/s per dtype and N)
-    python3 scripts/wgmma_rate.py --check                 # CPU: compile every variant for sm_90a
+    python3 scripts/lab.py wgmma-rate                         # GPU: the table (TFLOP/s per dtype and N)
+    python3 scripts/lab.py wgmma-rate --check                 # CPU: compile every variant for sm_90a
 
 The kernels' S = Q K^T runs wgmma.m64nNk16 (16-bit) or .m64nNk32 (e4m3) with N = block_n (80, 96,
 160, 176 ...), O += P V with N = head_dim. Each variant here is a persistent grid of one CTA per
@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
 
 SHAPES = {"bf16": (16, (64, 80, 96, 112, 128, 160, 176, 192, 256)),
           "fp8": (32, (64, 96, 128, 160, 192, 224, 256))}
@@ -88,11 +88,11 @@ def compile_all() -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="compile only (no GPU): report registers and spills")
     p.add_argument("--ms", type=float, default=20.0, help="target milliseconds per timed launch")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     kernels = compile_all()
     if args.check:
         for (dtype, n), (_, res) in kernels.items():
