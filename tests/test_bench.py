@@ -880,7 +880,7 @@ def test_cli_bench_suite_overhead_help_and_dispatch(monkeypatch, tmp_path):
 
 
 def test_plot_draws_the_prepared_bar_in_its_public_calls_colour_hatched(tmp_path):
-    from facodegen import plot
+    from facodegen.bench import plot
     impls = ["fa3", "facodegen FA1", "facodegen-sm90", "facodegen-sm90 (prepared)", "facodegen FA1 (prepared)"]
     colors = plot._colors(impls)
     assert colors["facodegen-sm90 (prepared)"] == colors["facodegen-sm90"] == plot.COLORS["facodegen-sm90"]

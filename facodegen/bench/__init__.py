@@ -38,7 +38,7 @@ import statistics
 import time
 import traceback
 
-from .reference import check, compare, dtype_name
+from ..reference import check, compare, dtype_name
 
 WARMUP = 5
 GROUPS = 7
@@ -390,7 +390,7 @@ class InputSet:
 
 def quantized(s: InputSet) -> InputSet:
     """The e4m3 (per-tensor scale) version of a bf16/fp16 input set (facodegen.quantize)."""
-    from .quantize import quantize_e4m3
+    from ..quantize import quantize_e4m3
     (q8, qd), (k8, kd), (v8, vd) = (quantize_e4m3(x) for x in (s.q, s.k, s.v))
     return InputSet(q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd})
 
@@ -523,7 +523,7 @@ def _facodegen_operands(overrides: dict, s: InputSet):
     ``dtype=fp8`` variant on a bf16/fp16 cell quantises the inputs once (per tensor) and is checked
     against their dequantised values; a ``v_layout=transposed`` variant gets V^T made before timing
     (api.transpose_v), as a caller who keeps V^T across calls would have it."""
-    from . import api
+    from .. import api
     overrides = dict(overrides)
     if overrides.pop("dtype", None) == "fp8" and not s.fp8:
         s = quantized(s)
@@ -537,7 +537,7 @@ def _facodegen_fn(arch: str, overrides: dict, s: InputSet, causal: bool):
     time is the kernel's with the least host work. Returns (fn, context, variant, the input set
     to check against); tune and the scripts time kernels through it too."""
     torch = _torch()
-    from . import api
+    from .. import api
     overrides, s, q, k, v = _facodegen_operands(overrides, s)
     out = torch.empty(q.shape, dtype=torch.bfloat16 if s.fp8 else q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
@@ -585,7 +585,7 @@ def _facodegen_names(archs, variants: dict | None, prepared: bool) -> list[str]:
 def _make_inputs(c: dict, n_sets: int) -> list[InputSet]:
     """Fresh randn inputs; fp8 cells quantise bf16 randn to e4m3 per tensor."""
     torch = _torch()
-    from .reference import random_qkv
+    from ..reference import random_qkv
     dtype = "bf16" if c["dtype"] == "fp8" else c["dtype"]
     sets = []
     for _ in range(n_sets):
@@ -882,13 +882,13 @@ def environment() -> dict:
     import os
     import subprocess
 
-    from . import __version__
+    from .. import __version__
     env: dict = {"facodegen": __version__, "date": datetime.date.today().isoformat()}
     if os.environ.get("FACODEGEN_COMMIT"):
         # a copied checkout whose .git lags the tree (e.g. a lent GPU machine) says which commit it is
         env["commit"] = os.environ["FACODEGEN_COMMIT"]
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         done = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
         if done.returncode == 0 and "commit" not in env:
@@ -899,7 +899,7 @@ def environment() -> dict:
     except Exception:  # noqa: BLE001
         pass
     try:
-        from .compiler import nvrtc_identity
+        from ..compiler import nvrtc_identity
         env["nvrtc"] = nvrtc_identity()
     except Exception:  # noqa: BLE001
         pass
@@ -978,7 +978,7 @@ def _field_types() -> dict:
     """KernelSpec field name -> "int" | "bool" | "str", read off the dataclass (one source of truth)."""
     import dataclasses
 
-    from .spec import KernelSpec
+    from ..spec import KernelSpec
     return {f.name: str(f.type).split(" |")[0] for f in dataclasses.fields(KernelSpec)}
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import bench
-from .bench import PEER_TITLES, PREPARED_SUFFIX, is_facodegen, is_prepared
+from .. import bench
+from . import PEER_TITLES, PREPARED_SUFFIX, is_facodegen, is_prepared
 
 # Fixed colours so an implementation keeps its colour across figures (facodegen in the warm
 # colours, peers in the cool ones; FlashAttention-3 purple as in its paper).
