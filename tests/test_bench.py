@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from facodegen import bench
-from facodegen.bench import overhead, runner, timing, variants
+from facodegen.bench import overhead, results, runner, timing, variants
 from facodegen.bench import (attention_flops, best_peer, fa3_paper_grid, format_notes, format_table,
                              input_bytes, input_sets_needed, make_grid, quick_grid, ratio_to_best_peer,
                              sm80_grid, tflops)
@@ -871,8 +871,8 @@ def test_cli_bench_suite_overhead_help_and_dispatch(monkeypatch, tmp_path):
                                        bench.overhead_row(bench.OVERHEAD_SDPA, "bf16", True, "plain", 20.0, 21.0)])
 
     monkeypatch.setattr(fc, "gpu_available", lambda: (True, "fake GPU"))
-    monkeypatch.setattr(bench, "run_overhead", fake_run_overhead)
-    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "fake GPU", "facodegen": "0"})
+    monkeypatch.setattr(overhead, "run_overhead", fake_run_overhead)
+    monkeypatch.setattr(results, "environment", lambda: {"gpu": "fake GPU", "facodegen": "0"})
     result = runner.invoke(cli.main, ["bench", "--suite", "overhead", "--arch", "sm90", "--block-n", "64",
                                       "--peers", "", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
