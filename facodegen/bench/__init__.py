@@ -50,8 +50,8 @@ imported from their module.
 
 from __future__ import annotations
 
-from .grids import (attention_flops, tflops, cell, FA3_SEQLENS, fa3_paper_grid, quick_grid, sm80_grid,
-                    fp8_grid, evolution_grid, GRIDS, make_grid)
+from .grids import (attention_flops, tflops, cell, TOKENS_PER_BATCH, HIDDEN, paper_cell, FA3_SEQLENS,
+                    fa3_paper_grid, quick_grid, sm80_grid, fp8_grid, evolution_grid, GRIDS, make_grid)
 from .inputs import (L2_BYTES_DEFAULT, MAX_INPUT_SETS, input_bytes, input_sets_needed, l2_bytes,
                      reference_torch, InputSet, quantized)
 from .overhead import (OVERHEAD_SHAPE, OVERHEAD_CASES, OVERHEAD_OPTIONS, OVERHEAD_SDPA, OVERHEAD_FA3,
@@ -71,8 +71,8 @@ from .variants import parse_variant
 
 __all__ = [
     # grids
-    "attention_flops", "tflops", "cell", "FA3_SEQLENS", "fa3_paper_grid", "quick_grid", "sm80_grid",
-    "fp8_grid", "evolution_grid", "GRIDS", "make_grid",
+    "attention_flops", "tflops", "cell", "TOKENS_PER_BATCH", "HIDDEN", "paper_cell", "FA3_SEQLENS",
+    "fa3_paper_grid", "quick_grid", "sm80_grid", "fp8_grid", "evolution_grid", "GRIDS", "make_grid",
     # inputs
     "L2_BYTES_DEFAULT", "MAX_INPUT_SETS", "input_bytes", "input_sets_needed", "l2_bytes", "reference_torch",
     "InputSet", "quantized",
