@@ -593,7 +593,7 @@ def _check_fp8(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv, seed) -> d
             "O": msg_o, "LSE": msg_l, "passed": ok_o and ok_l}
 
 
-SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8", "overhead")   # facodegen.bench.suite_names() (kept import-light here)
+SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8", "overhead")   # facodegen.bench.suites.suite_names() (kept import-light here)
 
 
 @main.command()
@@ -656,12 +656,10 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
     spec = build_spec(spec_fields)
     _require_gpu("bench")
     try:
-        from . import bench as bench_module
+        from .bench import runner
     except ImportError as err:
         raise click.ClickException(f"facodegen.bench is not available: {err}") from None
-    run = getattr(bench_module, "run_cli_bench", None)
-    if run is None:
-        raise click.ClickException("facodegen.bench.run_cli_bench is not available in this version")
+    run = runner.run_cli_bench
     extra = {}
     if seqlen_k is not None:
         extra["seqlen_k"] = seqlen_k
@@ -677,7 +675,7 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
 def _bench_replot(path: Path, out_dir: Path) -> None:
     import json
 
-    from . import bench as B
+    from .bench import results, tables
 
     try:
         data = json.loads(path.read_text())
@@ -686,9 +684,9 @@ def _bench_replot(path: Path, out_dir: Path) -> None:
         raise UsageFailure(f"--replot: {path} is not a `bench --suite` JSON file ({err})") from None
     dtype = rows[0]["dtype"] if rows else "bf16"
     stem = path.stem if path.parent.resolve() != out_dir.resolve() else path.stem + "-replot"
-    paths = B.write_results(rows, out_dir, stem, env=env,
-                            title=f"Attention forward speed, {dtype} ({env.get('gpu', 'GPU')})")
-    click.echo(B.format_table(rows))
+    paths = results.write_results(rows, out_dir, stem, env=env,
+                                  title=f"Attention forward speed, {dtype} ({env.get('gpu', 'GPU')})")
+    click.echo(tables.format_table(rows))
     click.echo("\nwrote " + ", ".join(str(paths[k]) for k in ("md", "csv", "json", "png") if paths.get(k)))
     if paths.get("plot_error"):
         raise click.ClickException(f"plot: {paths['plot_error']}")
@@ -696,9 +694,9 @@ def _bench_replot(path: Path, out_dir: Path) -> None:
 
 def _bench_overhead(spec_fields: dict, peers, out_dir: Path) -> None:
     """`bench --suite overhead`: host µs per call of facodegen's calls and the peers' on the tiny
-    shape (bench.run_overhead); --arch and tile flags go to facodegen's calls, --peers '' drops
-    FlashAttention-3 (SDPA is always timed: it is the ratio's reference). The table prints last."""
-    from . import bench as B
+    shape (bench.overhead.run_overhead); --arch and tile flags go to facodegen's calls, --peers ''
+    drops FlashAttention-3 (SDPA is always timed: it is the ratio's reference). The table prints last."""
+    from .bench import overhead, results
 
     fields = dict(spec_fields)
     arch = fields.pop("arch", None)
@@ -706,28 +704,28 @@ def _bench_overhead(spec_fields: dict, peers, out_dir: Path) -> None:
         raise UsageFailure("--arch both is for the TFLOP/s suites; give sm80 or sm90 (or none) for overhead")
     for name in ("dtype", "head_dim", "causal"):     # the suite's cases fix these
         fields.pop(name, None)
-    peer_names = B.OVERHEAD_PEERS if peers is None else tuple(p.strip() for p in peers.split(",") if p.strip())
-    env = B.environment()
-    click.echo(f"bench --suite overhead: (batch, seqlen, heads, head_dim) {B.OVERHEAD_SHAPE}, "
-               f"timing {B.OVERHEAD_TIMING}", err=True)
-    rows = B.run_overhead(arch=arch, overrides=fields or None, peers=peer_names,
-                          log=lambda m: click.echo(m, err=True))
-    paths = B.write_overhead_results(rows, out_dir, "bench-overhead", env=env)
-    notes = B.format_overhead_notes(rows)
+    peer_names = overhead.OVERHEAD_PEERS if peers is None else tuple(p.strip() for p in peers.split(",") if p.strip())
+    env = results.environment()
+    click.echo(f"bench --suite overhead: (batch, seqlen, heads, head_dim) {overhead.OVERHEAD_SHAPE}, "
+               f"timing {overhead.OVERHEAD_TIMING}", err=True)
+    rows = overhead.run_overhead(arch=arch, overrides=fields or None, peers=peer_names,
+                                 log=lambda m: click.echo(m, err=True))
+    paths = overhead.write_overhead_results(rows, out_dir, "bench-overhead", env=env)
+    notes = overhead.format_overhead_notes(rows)
     if notes:
         click.echo("\nNotes:\n" + notes)
     click.echo(f"\nwrote {paths['md']}, {paths['csv']}, {paths['json']}")
     click.echo(f"\nHost µs per call ({env.get('gpu', '?')}, facodegen {env.get('facodegen')}"
                f"{', commit ' + env['commit'] if env.get('commit') else ''}):")
-    click.echo(B.format_overhead_table(rows))
+    click.echo(overhead.format_overhead_table(rows))
 
 
 def _bench_suite(spec_fields: dict, suite: str, peers, out_dir: Path, budget_s, no_plot: bool,
                  prepared: bool = True) -> None:
     from . import api
-    from . import bench as B
+    from .bench import results, runner, suites, tables, timing
 
-    if suite == B.OVERHEAD_SUITE:   # host µs per call on a tiny shape: no grid, no TFLOP/s
+    if suite == suites.OVERHEAD_SUITE:   # host µs per call on a tiny shape: no grid, no TFLOP/s
         _bench_overhead(spec_fields, peers, out_dir)
         return
     fields = dict(spec_fields)
@@ -746,35 +744,36 @@ def _bench_suite(spec_fields: dict, suite: str, peers, out_dir: Path, budget_s, 
         except ValueError as err:
             raise UsageFailure(str(err)) from None
         archs = (arch,)
-    cells = B.suite_cells(suite, dtype, head_dim, causal)
+    cells = suites.suite_cells(suite, dtype, head_dim, causal)
     if not cells:
         raise UsageFailure(f"no cell of suite {suite} has head_dim={head_dim} and causal={causal}")
-    peer_names = B.SUITE_PEERS if peers is None else tuple(p.strip() for p in peers.split(",") if p.strip())
-    env = B.environment()
+    peer_names = suites.SUITE_PEERS if peers is None else tuple(p.strip() for p in peers.split(",") if p.strip())
+    env = results.environment()
     click.echo(f"bench --suite {suite}: {len(cells)} cells, {dtype}, facodegen {', '.join(archs)}, peers "
                + ", ".join(f"{p} ({'ok' if env['peers'].get(p, [False])[0] else 'unavailable'})" for p in peer_names)
                + (f", spec overrides {fields}" if fields else ""), err=True)
-    variants, timing = None, None
+    variants, grid_timing = None, None
     if suite == "evolution":   # one column per FA1 -> FA2 switch, beside the sm80 and sm90 kernels
-        variants, timing = B.EVOLUTION_VARIANTS, B.EVOLUTION_TIMING
-        env["gemm_tflops"] = B.gemm_ceiling()
+        variants, grid_timing = suites.EVOLUTION_VARIANTS, suites.EVOLUTION_TIMING
+        env["gemm_tflops"] = timing.gemm_ceiling()
         click.echo(f"bf16 GEMM (torch.mm 8192^3): {env['gemm_tflops']:.1f} TFLOP/s", err=True)
         cells = [dict(c, gemm_tflops=env["gemm_tflops"]) for c in cells]
     if dtype == "fp8":   # issue 6's ceiling: an e4m3 8192^3 GEMM on this GPU
-        env["fp8_gemm_tflops"] = B.fp8_gemm_ceiling()
+        env["fp8_gemm_tflops"] = timing.fp8_gemm_ceiling()
         click.echo(f"fp8 GEMM (torch._scaled_mm 8192^3): {env['fp8_gemm_tflops']:.1f} TFLOP/s", err=True)
         cells = [dict(c, gemm_tflops=env["fp8_gemm_tflops"]) for c in cells]
-    rows = B.run_grid(cells, archs=archs, peers=peer_names, spec_overrides=fields or None, budget_s=budget_s,
-                      log=lambda m: click.echo(m, err=True), variants=variants, timing=timing, prepared=prepared)
+    rows = runner.run_grid(cells, archs=archs, peers=peer_names, spec_overrides=fields or None, budget_s=budget_s,
+                           log=lambda m: click.echo(m, err=True), variants=variants, timing=grid_timing,
+                           prepared=prepared)
     stem = f"bench-{suite}-{dtype}"
     title = f"Attention forward speed, {dtype} ({env.get('gpu', 'GPU')})"
-    paths = B.write_results(rows, out_dir, stem, env=env, plot=not no_plot, title=title)
-    notes = B.format_notes(rows)
+    paths = results.write_results(rows, out_dir, stem, env=env, plot=not no_plot, title=title)
+    notes = tables.format_notes(rows)
     if notes:
         click.echo("\nNotes:\n" + notes)
     click.echo(f"\nTFLOP/s ({dtype}, {env.get('gpu', '?')}, facodegen {env.get('facodegen')}"
                f"{', commit ' + env['commit'] if env.get('commit') else ''}):")
-    click.echo(B.format_table(rows))
+    click.echo(tables.format_table(rows))
     written = [str(paths[k]) for k in ("md", "csv", "json", "png") if paths.get(k)]
     click.echo("\nwrote " + ", ".join(written))
     if paths.get("plot_error"):
@@ -916,8 +915,9 @@ def _tune_gpu(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, hea
               top, min_gain, no_store, report, db) -> None:
     import time
 
-    from . import api, bench as B, tunedb
+    from . import api, tunedb
     from . import tune as T
+    from .bench.grids import attention_flops, cell
 
     t0 = time.monotonic()
     info = api.device_info(0)
@@ -927,7 +927,7 @@ def _tune_gpu(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, hea
     except ValueError as err:
         raise UsageFailure(str(err)) from None
     gpu = gpu or info.budget_gpu
-    c = B.cell(head_dim, causal, seqlen, batch, heads, dtype, seqlen_k, heads_kv)
+    c = cell(head_dim, causal, seqlen, batch, heads, dtype, seqlen_k, heads_kv)
     cands = T.enumerate_candidates(arch, head_dim, dtype, causal, gpu, max_candidates, seqlen=(seqlen, seqlen_k))
     click.echo(f"tune {arch} hd{head_dim} {dtype} {'causal' if causal else 'full'} on {info.name} "
                f"(batch {batch}, seqlen {seqlen}x{seqlen_k}, heads {heads}/{heads_kv}): {_tune_counts(cands)}",
@@ -941,7 +941,7 @@ def _tune_gpu(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, hea
         T.time_candidates(cands, c, arch, on_done=lambda x: bar.update(1),
                           log=lambda m: click.echo(m, err=True))
     winner, default = T.pick_winner(cands, min_gain)
-    flops = B.attention_flops(batch, heads, seqlen, seqlen_k, head_dim, causal)
+    flops = attention_flops(batch, heads, seqlen, seqlen_k, head_dim, causal)
     seconds = time.monotonic() - t0
     dropped = [x for x in cands if x.dropped in ("compile", "spill", "ptxas", "check", "launch")]
     if dropped:

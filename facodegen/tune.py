@@ -14,9 +14,9 @@ Pipeline (each stage records why a candidate was dropped, in ``Candidate.dropped
 4. **compile** the rest with NVRTC in worker processes (``ProcessPoolExecutor``, spawn: NVRTC is
    CPU-bound, the disk cache makes re-runs fast); a compile error, a spill (ptxas reports spill
    stores or loads) or a ptxas C75xx warning (wgmma serialised, setmaxnreg ignored) drops it;
-5. **time** (GPU) every survivor on one input set with ``bench.time_cuda`` (warm-up, median of
+5. **time** (GPU) every survivor on one input set with ``bench.timing.time_cuda`` (warm-up, median of
    groups), each output first checked against the float64 reference on a slice
-   (``bench._slice_check``); a failed check drops it;
+   (``bench.inputs._slice_check``); a failed check drops it;
 6. **final round**: the default and the fastest ``final_top`` candidates are timed again
    ``final_reps`` times, interleaved; each one's time is the median of its rounds. The fastest
    wins, but a candidate replaces the default only when it is at least ``min_gain`` (1%) faster
@@ -328,23 +328,25 @@ def time_candidates(cands: list[Candidate], c: dict, arch: str, *, timing: dict 
                     on_done=None, final_top: int = FINAL_TOP, final_reps: int = FINAL_REPS, log=None) -> None:
     """Check and time every live candidate on one input set, then the final round (module
     docstring). Times land in ``Candidate.times_ms``."""
-    from . import bench
+    from .bench.inputs import _make_inputs, _slice_check
+    from .bench.timing import _torch, time_cuda
+    from .bench.variants import _facodegen_fn
 
-    torch = bench._torch()
+    torch = _torch()
     timing = timing or {}
-    inputs, = bench._make_inputs(c, 1)
+    inputs, = _make_inputs(c, 1)
     fns = {}
     for cand in [x for x in cands if x.alive]:
         try:
-            fn, _, _, checked = bench._facodegen_fn(arch, cand.overrides(), inputs, c["causal"])
+            fn, _, _, checked = _facodegen_fn(arch, cand.overrides(), inputs, c["causal"])
             o = fn()
             torch.cuda.synchronize()
-            ok, msg, err = bench._slice_check(o, checked, c["causal"], c["dtype"])
+            ok, msg, err = _slice_check(o, checked, c["causal"], c["dtype"])
             cand.err = err
             if not ok:
                 cand.drop("check", f"check failed: {msg}")
             else:
-                cand.times_ms.append(bench.time_cuda(fn, **timing)["ms"])
+                cand.times_ms.append(time_cuda(fn, **timing)["ms"])
                 fns[id(cand)] = fn
         except Exception as err:  # noqa: BLE001
             cand.drop("launch", _first_line(err))
@@ -358,7 +360,7 @@ def time_candidates(cands: list[Candidate], c: dict, arch: str, *, timing: dict 
     final = ([default] if default else []) + others
     for _ in range(final_reps):
         for cand in final:
-            cand.times_ms.append(bench.time_cuda(fns[id(cand)], **timing)["ms"])
+            cand.times_ms.append(time_cuda(fns[id(cand)], **timing)["ms"])
     del fns
     torch.cuda.synchronize()
 
@@ -445,7 +447,7 @@ def format_results(cands: list[Candidate], flops: float, top: int = 10, winner: 
     round (the default and the contenders timed again beside it, which alone decide the winner), by
     median time, then the candidates timed once in the screening round ("screen only": a single
     time is noisier, so one of these can show above the default without having beaten it)."""
-    from .bench import tflops
+    from .bench.grids import tflops
 
     def final_round(c: Candidate) -> bool:
         return c.is_default or len(c.times_ms) > 1
@@ -493,7 +495,7 @@ def device_key(info, arch: str, head_dim: int, dtype: str, causal: bool, c: dict
 
 def make_db_entry(key, winner: Candidate, default: Candidate | None, flops: float, c: dict, cands) -> dict:
     from . import tunedb
-    from .bench import tflops
+    from .bench.grids import tflops
 
     info = {
         "variant": winner.spec.variant, "is_default": winner.is_default,

@@ -319,14 +319,15 @@ def ncu_child(args) -> int:
     install_wheels(args, lambda m: None)
     sys.path.insert(0, str(ROOT))
     import torch
-    from facodegen import bench
+    from facodegen.bench.inputs import _make_inputs
+    from facodegen.bench.variants import _facodegen_fn, _split_overrides
     p = plan(args)
     cells = select_cells(args, p["grid"])
     c = cells[0]
     archs = resolve_archs(p["archs"], print)
-    inputs = bench._make_inputs(c, 1)[0]
+    inputs = _make_inputs(c, 1)[0]
     for arch in archs:
-        fn, _, variant, _ = bench._facodegen_fn(arch, bench._split_overrides(p["spec"], arch), inputs, c["causal"])
+        fn, _, variant, _ = _facodegen_fn(arch, _split_overrides(p["spec"], arch), inputs, c["causal"])
         fn()
         torch.cuda.synchronize()
         print(f"ncu child: ran {variant or arch} on {c}")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from facodegen import bench
+from facodegen.bench import overhead, results, runner, timing, variants
 from facodegen.bench import (attention_flops, best_peer, fa3_paper_grid, format_notes, format_table,
                              input_bytes, input_sets_needed, make_grid, quick_grid, ratio_to_best_peer,
                              sm80_grid, tflops)
@@ -134,7 +135,7 @@ def test_run_cli_bench_accepts_spec_or_dict(monkeypatch):
         seen.update(cell=c, archs=archs, peers=peers, overrides=overrides)
         return dict(c, flops=0, results={f"facodegen-{archs[0]}": {"tflops": 500.0}, "fa3": {"tflops": 600.0}})
 
-    monkeypatch.setattr(bench, "run_cell", fake_run_cell)
+    monkeypatch.setattr(runner, "run_cell", fake_run_cell)
     spec = KernelSpec(arch="sm90", head_dim=128, dtype="bf16", causal=True, block_n=128)
     text = bench.run_cli_bench(spec, seqlen=8192, batch=2, heads=16)
     assert seen["archs"] == ("sm90",) and seen["cell"]["causal"] is True and seen["cell"]["seqlen_q"] == 8192
@@ -146,10 +147,10 @@ def test_run_cli_bench_accepts_spec_or_dict(monkeypatch):
 
 
 def test_split_overrides():
-    assert bench._split_overrides(None, "sm90") == {}
-    assert bench._split_overrides({"stages": 1}, "sm80") == {"stages": 1}
+    assert variants._split_overrides(None, "sm90") == {}
+    assert variants._split_overrides({"stages": 1}, "sm80") == {"stages": 1}
     per_arch = {"sm80": {"block_n": 32}, "sm90": {"pingpong": False}}
-    assert bench._split_overrides(per_arch, "sm90") == {"pingpong": False}
+    assert variants._split_overrides(per_arch, "sm90") == {"pingpong": False}
 
 
 def test_device_run_script_plans_without_a_gpu():
@@ -283,7 +284,8 @@ def _fake_torch_with_events(monkeypatch):
     import types
     _FakeEvent.clock = 0.0
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_FakeEvent, synchronize=lambda: None))
-    monkeypatch.setattr(bench, "_torch", lambda: fake)
+    for module in (timing, runner):           # the events are timing's, the synchronize after a cell runner's
+        monkeypatch.setattr(module, "_torch", lambda: fake)
 
 
 def test_time_cuda_interleaved_takes_turns_and_records_spans(monkeypatch):
@@ -325,15 +327,15 @@ def test_run_cell_checks_everyone_then_times_peers_in_turns_inside_their_context
         inside["cudnn"] = False
 
     _fake_torch_with_events(monkeypatch)
-    monkeypatch.setattr(bench, "_make_inputs", lambda c, n: [object()])
-    monkeypatch.setattr(bench, "l2_bytes", lambda: bench.L2_BYTES_DEFAULT)
-    monkeypatch.setattr(bench, "_slice_check", lambda o, s, causal, dtype: (True, "", 1e-3))
-    monkeypatch.setattr(bench, "peer_available", lambda name: (name != "fa2", "no such backend here"))
-    monkeypatch.setattr(bench, "_facodegen_call_fn",
+    monkeypatch.setattr(runner, "_make_inputs", lambda c, n: [object()])
+    monkeypatch.setattr(runner, "l2_bytes", lambda: bench.L2_BYTES_DEFAULT)
+    monkeypatch.setattr(runner, "_slice_check", lambda o, s, causal, dtype: (True, "", 1e-3))
+    monkeypatch.setattr(runner, "peer_available", lambda name: (name != "fa2", "no such backend here"))
+    monkeypatch.setattr(variants, "_facodegen_call_fn",
                         lambda arch, o, s, causal: (impl("ours", 1.0), contextlib.nullcontext, "v", s))
-    monkeypatch.setattr(bench, "_facodegen_fn",
+    monkeypatch.setattr(variants, "_facodegen_fn",
                         lambda arch, o, s, causal: (impl("prepared", 0.5), contextlib.nullcontext, "v", s))
-    monkeypatch.setattr(bench, "_peer_fn", lambda name, s, causal:
+    monkeypatch.setattr(runner, "_peer_fn", lambda name, s, causal:
                         (impl(name, {"fa3": 2.0, "cudnn": 4.0}[name]),
                          cudnn_backend if name == "cudnn" else contextlib.nullcontext))
     c = bench.cell(64, False, 1024, 1, 2, "bf16")
@@ -352,7 +354,7 @@ def test_run_cell_checks_everyone_then_times_peers_in_turns_inside_their_context
     assert table[0].endswith("| best peer | sm90/best |") and "facodegen-sm90 (prepared)" in table[0]
     assert table[2].endswith(f"| FlashAttention-3 | {row['results'][ours]['tflops'] / row['results']['fa3']['tflops']:.2f} |")
     one_by_one = []
-    monkeypatch.setattr(bench, "time_cuda", lambda fn, **kw: (one_by_one.append(fn), fn(),
+    monkeypatch.setattr(runner, "time_cuda", lambda fn, **kw: (one_by_one.append(fn), fn(),
                                                             {"ms": 3.0, "min_ms": 3.0, "max_ms": 3.0,
                                                              "host_ms": 0.1})[-1])
     row = bench.run_cell(c, peers=("fa3",), timing={"interleave": False}, log=lambda m: None)
@@ -401,7 +403,7 @@ def recorded_backend(monkeypatch):
         events.append("exit")
 
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
-    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    monkeypatch.setattr(runner, "_torch", lambda: fake_torch)
     return events, backend
 
 
@@ -409,13 +411,13 @@ def test_run_impl_enters_a_single_use_context_once(monkeypatch, recorded_backend
     """SDPA's backend choice (torch.nn.attention.sdpa_kernel) is a single-use context manager: the
     check and the timing of one implementation run inside one entry of it."""
     events, backend = recorded_backend
-    monkeypatch.setattr(bench, "_slice_check", lambda o, s, causal, dtype: (True, "", 1e-3))
+    monkeypatch.setattr(runner, "_slice_check", lambda o, s, causal, dtype: (True, "", 1e-3))
     calls = []
-    monkeypatch.setattr(bench, "time_cuda", lambda fn, **kw: (fn(), fn(), calls.append(events[:]),
+    monkeypatch.setattr(runner, "time_cuda", lambda fn, **kw: (fn(), fn(), calls.append(events[:]),
                                                             {"ms": 1.0, "min_ms": 0.9, "max_ms": 1.1,
                                                              "host_ms": 0.1})[-1])
     c = bench.cell(64, False, 1024, 1, 2, "bf16")
-    result = bench._run_impl("cudnn", lambda s: (lambda: events.append("call"), backend), [object()], c,
+    result = runner._run_impl("cudnn", lambda s: (lambda: events.append("call"), backend), [object()], c,
                              True, {}, print)
     assert result["tflops"] and result["err"] == 1e-3 and result["note"] is None
     assert calls == [["enter", "call", "call", "call"]] and events[-1] == "exit" and events.count("enter") == 1
@@ -426,15 +428,15 @@ def test_build_and_check_hands_out_only_checked_implementations(monkeypatch, rec
     an implementation that passed it comes back (with its rotation and context) to take turns."""
     events, backend = recorded_backend
     verdict = {"ok": True}
-    monkeypatch.setattr(bench, "_slice_check", lambda o, s, causal, dtype: (verdict["ok"], "off by 2x", 0.5))
+    monkeypatch.setattr(runner, "_slice_check", lambda o, s, causal, dtype: (verdict["ok"], "off by 2x", 0.5))
     c = bench.cell(64, False, 1024, 1, 2, "bf16")
     make = lambda s: (lambda: events.append("call"), backend)  # noqa: E731
-    result, rotate, context = bench._build_and_check("cudnn", make, [object(), object()], c, True, print)
+    result, rotate, context = runner._build_and_check("cudnn", make, [object(), object()], c, True, print)
     assert events == ["enter", "call", "exit"] and result["err"] == 0.5 and context is backend
     rotate()
     assert events[-1] == "call"
     verdict["ok"] = False
-    result, rotate, context = bench._build_and_check("cudnn", make, [object()], c, True, print)
+    result, rotate, context = runner._build_and_check("cudnn", make, [object()], c, True, print)
     assert rotate is None and context is None and result["note"] == "check failed: off by 2x"
 
 
@@ -459,15 +461,15 @@ def test_time_in_turns_falls_back_to_each_alone_inside_its_context(monkeypatch):
         rotate()
         return {"ms": 2.0, "min_ms": 1.9, "max_ms": 2.1, "host_ms": 0.1}
 
-    monkeypatch.setattr(bench, "time_cuda_interleaved", interleaved)
-    monkeypatch.setattr(bench, "time_cuda", alone)
+    monkeypatch.setattr(runner, "time_cuda_interleaved", interleaved)
+    monkeypatch.setattr(runner, "time_cuda", alone)
     c = bench.cell(64, False, 1024, 1, 2, "bf16")
     row = {"results": {"ours": {"note": None}, "cudnn": {"note": None}}}
 
     def broken():
         raise ValueError("bad launch")
     prepared = [("ours", lambda: None, context_of("ours")), ("cudnn", broken, context_of("cudnn"))]
-    bench._time_in_turns(prepared, row, c, {}, lambda msg: None)
+    runner._time_in_turns(prepared, row, c, {}, lambda msg: None)
     assert entered == ["ours", "cudnn"]
     assert row["results"]["ours"]["ms"] == 2.0 and row["results"]["ours"]["tflops"] > 0
     assert "tflops" not in row["results"]["cudnn"] and "bad launch" in row["results"]["cudnn"]["note"]
@@ -629,7 +631,7 @@ def _fake_facodegen(monkeypatch):
     monkeypatch.setattr(api, "prepare", prepare)
     fake_torch = types.SimpleNamespace(empty=lambda *shape, dtype=None, device=None: ("buffer", shape, dtype),
                                        bfloat16="bf16", float32="f32")
-    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    monkeypatch.setattr(variants, "_torch", lambda: fake_torch)
     return calls
 
 
@@ -642,7 +644,7 @@ def test_facodegen_makers_time_the_public_call_and_the_prepared_launcher_beside_
     calls = _fake_facodegen(monkeypatch)
     q = types.SimpleNamespace(shape=(1, 128, 8, 64), dtype="fp16", device="cuda:0")
     s = bench.InputSet(q, q, q)
-    makers = bench._facodegen_makers("facodegen-sm90", "sm90", {"block_n": 64}, True)
+    makers = variants._facodegen_makers("facodegen-sm90", "sm90", {"block_n": 64}, True)
     assert [name for name, _ in makers] == ["facodegen-sm90", "facodegen-sm90 (prepared)"]
     public, prepared = (make(s) for _, make in makers)
     assert public[2] == prepared[2] == "flash_fwd_sm90_test" and public[3] is s and prepared[3] is s
@@ -656,10 +658,10 @@ def test_facodegen_makers_time_the_public_call_and_the_prepared_launcher_beside_
     assert [what for what, _ in calls] == ["run", "run"]                          # nothing prepared again
     assert calls[0][1]["out"] is out and out[0] == "buffer" and calls[0][1]["lse_out"][0] == "buffer"
 
-    assert [n for n, _ in bench._facodegen_makers("facodegen x", "sm80", {}, False, prepared=False)] == ["facodegen x"]
-    assert bench._facodegen_names(("sm90", "sm80"), None, True) == [
+    assert [n for n, _ in variants._facodegen_makers("facodegen x", "sm80", {}, False, prepared=False)] == ["facodegen x"]
+    assert variants._facodegen_names(("sm90", "sm80"), None, True) == [
         "facodegen-sm90", "facodegen-sm90 (prepared)", "facodegen-sm80", "facodegen-sm80 (prepared)"]
-    assert bench._facodegen_names(("sm90",), {"facodegen a": "sm90:"}, False) == ["facodegen a"]
+    assert variants._facodegen_names(("sm90",), {"facodegen a": "sm90:"}, False) == ["facodegen a"]
 
 
 def test_prepared_columns_have_no_ratio_of_their_own():
@@ -690,7 +692,7 @@ def test_run_cli_bench_passes_no_prepared(monkeypatch):
         seen["prepared"] = prepared
         return dict(c, flops=0, results={"facodegen-sm90": {"tflops": 1.0}})
 
-    monkeypatch.setattr(bench, "run_cell", fake_run_cell)
+    monkeypatch.setattr(runner, "run_cell", fake_run_cell)
     bench.run_cli_bench({}, arch="sm90", head_dim=128, dtype="bf16", causal=False, seqlen=512, batch=1, heads=2)
     assert seen["prepared"] is True
     bench.run_cli_bench({}, arch="sm90", head_dim=128, dtype="bf16", causal=False, seqlen=512, batch=1, heads=2,
@@ -724,7 +726,7 @@ def test_time_host_per_call_keeps_the_gpu_off_the_host_figure(monkeypatch):
         clock["us"] += 1000.0
         clock["syncs"] += 1
 
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock["us"] * 1e-6)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["us"] * 1e-6)
     t = bench.time_host_per_call(fn, synchronize, warmup=3, calls=10, repeats=2, chunk=5)
     assert t["host_us"] == pytest.approx(2.0) and t["loop_us"] == pytest.approx(2.0 + 1000.0 / 10)
     assert clock["calls"] == 3 + 2 * 10 + 2 * 10
@@ -738,8 +740,8 @@ def _synthetic_overhead(monkeypatch, host_us: dict):
     import types
 
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
-    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
-    monkeypatch.setattr(bench, "_overhead_inputs",
+    monkeypatch.setattr(overhead, "_torch", lambda: fake_torch)
+    monkeypatch.setattr(overhead, "_overhead_inputs",
                         lambda dtype, causal: bench.InputSet(f"{dtype} q", "k", "v", {"q_descale": 1.0} if dtype == "fp8" else None))
     seen = []
 
@@ -764,7 +766,7 @@ def _synthetic_overhead(monkeypatch, host_us: dict):
     for impl in bench.OVERHEAD_IMPLS:
         refuse = {bench.OVERHEAD_SDPA: no_sdpa, bench.OVERHEAD_FA3: no_fa3,
                   "facodegen.attention (CuPy)": cupy_fp16_only}.get(impl, lambda s, options: None)
-        monkeypatch.setitem(bench.OVERHEAD_BUILDERS, impl, builder(impl, refuse))
+        monkeypatch.setitem(overhead.OVERHEAD_BUILDERS, impl, builder(impl, refuse))
 
     def timer(fn, synchronize, **timing):
         impl = fn()
@@ -825,7 +827,7 @@ def test_overhead_leaves_fa3_out_when_not_asked_for_and_a_failing_case_is_noted(
     import types
 
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
-    monkeypatch.setattr(bench, "_torch", lambda: fake_torch)
+    monkeypatch.setattr(overhead, "_torch", lambda: fake_torch)
 
     def inputs(dtype, causal):
         if dtype == "fp8":
@@ -835,9 +837,9 @@ def test_overhead_leaves_fa3_out_when_not_asked_for_and_a_failing_case_is_noted(
     def broken(s, causal, options, kwargs):
         raise ValueError("block_n=7 is not a multiple of 16")
 
-    monkeypatch.setattr(bench, "_overhead_inputs", inputs)
+    monkeypatch.setattr(overhead, "_overhead_inputs", inputs)
     for impl in bench.OVERHEAD_IMPLS:
-        monkeypatch.setitem(bench.OVERHEAD_BUILDERS, impl, broken)
+        monkeypatch.setitem(overhead.OVERHEAD_BUILDERS, impl, broken)
     rows = bench.run_overhead(peers=(), timer=None, log=lambda m: None)
     assert {r["impl"] for r in rows} == set(bench.OVERHEAD_IMPLS) - {bench.OVERHEAD_FA3}
     assert all(r["host_us"] is None for r in rows)
@@ -870,8 +872,8 @@ def test_cli_bench_suite_overhead_help_and_dispatch(monkeypatch, tmp_path):
                                        bench.overhead_row(bench.OVERHEAD_SDPA, "bf16", True, "plain", 20.0, 21.0)])
 
     monkeypatch.setattr(fc, "gpu_available", lambda: (True, "fake GPU"))
-    monkeypatch.setattr(bench, "run_overhead", fake_run_overhead)
-    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "fake GPU", "facodegen": "0"})
+    monkeypatch.setattr(overhead, "run_overhead", fake_run_overhead)
+    monkeypatch.setattr(results, "environment", lambda: {"gpu": "fake GPU", "facodegen": "0"})
     result = runner.invoke(cli.main, ["bench", "--suite", "overhead", "--arch", "sm90", "--block-n", "64",
                                       "--peers", "", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -881,7 +883,7 @@ def test_cli_bench_suite_overhead_help_and_dispatch(monkeypatch, tmp_path):
 
 
 def test_plot_draws_the_prepared_bar_in_its_public_calls_colour_hatched(tmp_path):
-    from facodegen import plot
+    from facodegen.bench import plot
     impls = ["fa3", "facodegen FA1", "facodegen-sm90", "facodegen-sm90 (prepared)", "facodegen FA1 (prepared)"]
     colors = plot._colors(impls)
     assert colors["facodegen-sm90 (prepared)"] == colors["facodegen-sm90"] == plot.COLORS["facodegen-sm90"]

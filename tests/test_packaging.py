@@ -72,6 +72,10 @@ def test_wheel_ships_templates_and_cli(tmp_path):
                            check=True, capture_output=True, text=True, cwd=elsewhere, env=env).stdout.split()
     assert Path(where[0]).is_relative_to(venv), where   # the installed copy, not the checkout
     assert Path(where[1]) == Path(where[0]).parent / "templates"
+    # the subpackages ship too (each must be listed under [tool.setuptools] packages)
+    bench = subprocess.run([str(py), "-c", "import facodegen.bench.runner, facodegen.bench.plot as p; print(p.__file__)"],
+                           check=True, capture_output=True, text=True, cwd=elsewhere, env=env).stdout.strip()
+    assert Path(bench) == Path(where[0]).parent / "bench" / "plot.py"
 
     done = subprocess.run([str(bin_dir / "facodegen"), "emit", "--arch", "sm80"], capture_output=True,
                           text=True, cwd=elsewhere, env=env)

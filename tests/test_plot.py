@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from facodegen import bench, plot
+from facodegen import bench
+from facodegen.bench import plot
 
 
 def synthetic_rows(suite: str = "fa3-paper", seed: int = 0) -> list[dict]:
@@ -117,7 +118,8 @@ def test_cli_replot(tmp_path):
 
 def test_families_get_their_own_panels(tmp_path):
     pytest.importorskip("matplotlib")
-    from facodegen import bench, plot
+    from facodegen import bench
+    from facodegen.bench import plot
     rows = [dict(c, results={"facodegen FA1": {"tflops": 10.0 + i}, "fa2": {"tflops": 300.0}})
             for i, c in enumerate(bench.evolution_grid())]
     assert [k[2] for k in plot.panels(rows)] == ["16k tokens per batch", "batch 1"]

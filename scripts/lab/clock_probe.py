@@ -29,6 +29,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]   # the checkout's facodegen, and sweep.py beside this
 
 from facodegen import bench  # noqa: E402
+from facodegen.bench.inputs import _make_inputs  # noqa: E402
+from facodegen.bench.peers import _peer_fn  # noqa: E402
+from facodegen.bench.variants import _facodegen_fn  # noqa: E402
 from sweep import parse_cell  # noqa: E402
 
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
@@ -77,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     c = parse_cell(args.cell, args.dtype)
     causal = c["causal"]
-    s = bench._make_inputs(c, 1)[0]
-    fns = {"facodegen": bench._facodegen_fn("sm90", {}, s, causal)[:2]}
+    s = _make_inputs(c, 1)[0]
+    fns = {"facodegen": _facodegen_fn("sm90", {}, s, causal)[:2]}
     for name in filter(None, args.peers.split(",")):
-        fns[name] = bench._peer_fn(name, s, causal)     # (fn, its context: an SDPA peer's backend)
+        fns[name] = _peer_fn(name, s, causal)     # (fn, its context: an SDPA peer's backend)
     smi_path = os.path.join(args.out, "smi.csv")
     spans = [[] for _ in fns]
     with smi_sampling(smi_path):

@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     import cupy
     import torch
     from facodegen import api, bench, compiler, render
+    from facodegen.bench.inputs import _make_inputs
+    from facodegen.bench.variants import _facodegen_fn
     from sweep import parse_cell
     from trace_steps import apply_patch
 
@@ -40,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = dict(bench.parse_variant("sm90:" + args.variant)[1], dtype="fp8")
     for cell in args.cell:
         c = parse_cell(cell, "fp8")
-        s = bench._make_inputs(c, 1)[0]
+        s = _make_inputs(c, 1)[0]
         compiler.clear_memo()
         api._prepare.cache_clear()
-        fn, _, variant, _ = bench._facodegen_fn("sm90", overrides, s, c["causal"])
+        fn, _, variant, _ = _facodegen_fn("sm90", overrides, s, c["causal"])
         fn()
         torch.cuda.synchronize()
         (_, _), kernel = next(iter(compiler._spec_memo.items()))

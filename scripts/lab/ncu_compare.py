@@ -38,12 +38,15 @@ def child(args) -> None:
     import torch
 
     from facodegen import bench
+    from facodegen.bench.inputs import _make_inputs
+    from facodegen.bench.peers import _peer_fn
+    from facodegen.bench.variants import _facodegen_fn
     from sweep import parse_cell   # scripts/lab/ is this script's sys.path[0]
     c = parse_cell(args.cell, args.dtype)
-    s = bench._make_inputs(c, 1)[0]
+    s = _make_inputs(c, 1)[0]
     arch, fields = bench.parse_variant(args.variant)
-    ours = bench._facodegen_fn(arch, fields, s, c["causal"])[0]
-    peer, peer_context = bench._peer_fn(args.peer, s, c["causal"])   # SDPA peers: their backend's context
+    ours = _facodegen_fn(arch, fields, s, c["causal"])[0]
+    peer, peer_context = _peer_fn(args.peer, s, c["causal"])   # SDPA peers: their backend's context
     with peer_context():
         for fn in (ours, peer):
             for _ in range(3):

@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from facodegen import api, bench, compiler, render
+    from facodegen.bench.inputs import _make_inputs, _slice_check
+    from facodegen.bench.peers import _peer_fn
+    from facodegen.bench.variants import _facodegen_fn
     from sweep import parse_cell
     from clock_probe import samples_during, smi_samples, smi_sampling
     from trace_steps import apply_patch
@@ -60,22 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for text in args.cell:
         c = parse_cell(text, args.dtype)
-        s = bench._make_inputs(c, 1)[0]
+        s = _make_inputs(c, 1)[0]
         names, fns = [], []
         row = {"cell": text}
         for name, emit in emitters.items():
             render.emit = emit
             compiler.clear_memo()
             api._prepare.cache_clear()
-            fn, _, variant, checked = bench._facodegen_fn("sm90", overrides, s, c["causal"])
-            ok, _, err = bench._slice_check(fn(), checked, c["causal"], args.dtype)
+            fn, _, variant, checked = _facodegen_fn("sm90", overrides, s, c["causal"])
+            ok, _, err = _slice_check(fn(), checked, c["causal"], args.dtype)
             row[f"{name} check"] = f"{'ok' if ok else 'FAILS'} rel_fro {err:.2e}"
             print(f"{text} {name}: {variant} {row[f'{name} check']}", flush=True)
             names.append(name)
             fns.append(fn)
         render.emit = plain_emit
         for peer in filter(None, args.peers.split(",")):
-            fns.append(bench._peer_fn(peer, s, c["causal"])[0])
+            fns.append(_peer_fn(peer, s, c["causal"])[0])
             names.append(peer)
         smi_path = os.path.join(args.out or "/tmp", f"smi_{text.replace(',', '_')}.csv")
         spans = [[] for _ in fns]

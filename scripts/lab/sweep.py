@@ -60,8 +60,8 @@ def parse_cell(text: str, dtype: str) -> dict:
     """head_dim,seqlen,causal (16k tokens per batch, hidden 2048), or with more fields
     head_dim,seqlen,causal,batch[,heads[,seqlen_k]] (seqlen is then seqlen_q)."""
     head_dim, seqlen, causal, *rest = (int(x) for x in text.split(","))
-    batch = rest[0] if rest else 16384 // seqlen
-    heads = rest[1] if len(rest) > 1 else 2048 // head_dim
+    batch = rest[0] if rest else bench.TOKENS_PER_BATCH // seqlen
+    heads = rest[1] if len(rest) > 1 else bench.HIDDEN // head_dim
     seqlen_k = rest[2] if len(rest) > 2 else None
     return bench.cell(head_dim, bool(causal), seqlen, batch, heads, dtype, seqlen_k=seqlen_k)
 

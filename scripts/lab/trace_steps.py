@@ -233,10 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
     from facodegen import api, bench, compiler, render
+    from facodegen.bench.inputs import _make_inputs
+    from facodegen.bench.variants import _facodegen_fn
     from sweep import parse_cell
     c = parse_cell(args.cell, "fp8")
     overrides = bench.parse_variant("sm90:" + args.variant)[1]
-    s = bench._make_inputs(c, 1)[0]
+    s = _make_inputs(c, 1)[0]
     compiler.spec_index = False     # the kernels compiled here are patched renderings: not the index's
     plain_emit = render.emit
     patched = (lambda source: apply_patch(source, open(args.patch).read())) if args.patch else (lambda x: x)
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         render.emit = lambda spec, transform=transform: transform(plain_emit(spec))
         compiler.clear_memo()
         api._prepare.cache_clear()
-        fn, _, variant, _ = bench._facodegen_fn("sm90", dict(overrides, dtype="fp8"), s, c["causal"])
+        fn, _, variant, _ = _facodegen_fn("sm90", dict(overrides, dtype="fp8"), s, c["causal"])
         t = bench.time_cuda(fn)
         flops = bench.attention_flops(c["batch"], c["heads_q"], c["seqlen_q"], c["seqlen_k"], c["head_dim"],
                                       c["causal"])

@@ -1,9 +1,9 @@
-"""Benchmark plots in the style of the FlashAttention papers' figures.
+"""The plot of a grid's results, in the style of the FlashAttention papers' figures.
 
 One panel per (head_dim, causal), sequence lengths along x, one bar per implementation in each
 seqlen group, TFLOP/s on y with the value written on each bar; a bar that ran but failed its check
 is marked with an "x" at its base. facodegen's prepared launcher ("... (prepared)") stands next to
-its public call in the same colour, hatched. Input: the rows of ``bench.run_grid``.
+its public call in the same colour, hatched. Input: the rows of ``runner.run_grid``.
 
 matplotlib is an optional dependency (``pip install 'facodegen[plot]'``); it is imported only when
 a plot is drawn, and never through pyplot (no global backend state: a ``Figure`` drawn by Agg).
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import bench
-from .bench import PEER_TITLES, PREPARED_SUFFIX, is_facodegen, is_prepared
+from . import tables
+from .tables import PEER_TITLES, PREPARED_SUFFIX, is_facodegen, is_prepared
 
 # Fixed colours so an implementation keeps its colour across figures (facodegen in the warm
 # colours, peers in the cool ones; FlashAttention-3 purple as in its paper).
@@ -58,7 +58,7 @@ def panels(rows: list[dict]) -> list[tuple[int, bool, str]]:
 
 def implementations(rows: list[dict]) -> list[str]:
     """Implementations in the rows, peers first and facodegen last (rightmost bar of a group)."""
-    return bench.implementations(rows, facodegen_first=False)
+    return tables.implementations(rows, facodegen_first=False)
 
 
 def _ran(result: dict | None) -> bool:

@@ -1,0 +1,50 @@
+"""The suites of `facodegen bench --suite`: each TFLOP/s suite's grid by name (SUITES), the peers a
+suite times (SUITE_PEERS), the evolution suite's facodegen variants and timing, and the overhead
+suite's name (its cases, callables and tables are overhead.py's)."""
+
+from __future__ import annotations
+
+from .grids import GRIDS
+
+# Each TFLOP/s suite times one of grids.GRIDS under the same name, but for the FA3 paper's ("fa3"),
+# which is "fa3-paper" here.
+SUITES = {"fa3-paper": GRIDS["fa3"], **{name: grid for name, grid in GRIDS.items() if name != "fa3"}}
+SUITE_PEERS = ("fa3", "cudnn", "fa2", "efficient")
+OVERHEAD_SUITE = "overhead"  # host microseconds per call: run_overhead, not a grid
+
+
+def suite_cells(suite: str, dtype: str = "bf16", head_dim: int | None = None,
+                causal: bool | None = None) -> list[dict]:
+    """The cells of a suite, optionally only one head_dim and/or one mask."""
+    if suite == OVERHEAD_SUITE:
+        raise ValueError(f"suite: {suite!r} times host microseconds per call (run_overhead), not a grid of cells")
+    if suite not in SUITES:
+        raise ValueError(f"suite: {suite!r} is not one of {', '.join(SUITES)}")
+    cells = SUITES[suite](dtype)
+    if head_dim is not None:
+        cells = [c for c in cells if c["head_dim"] == head_dim]
+    if causal is not None:
+        cells = [c for c in cells if c["causal"] == causal]
+    return cells
+
+
+# facodegen variants of the evolution suite (name -> variant, see parse_variant): FA1's schedule,
+# each FA2 idea switched on alone, all of them in the fa1 template, the fa2 kernel, the sm90 (FA3)
+# kernel. One table column (and plot bar) each.
+EVOLUTION_VARIANTS = {
+    "facodegen FA1": "sm80:schedule=fa1",
+    "facodegen FA1 + seq. parallel": "sm80:schedule=fa1,loop_order=q_outer",
+    "facodegen FA1 + split Q": "sm80:schedule=fa1,warp_split=q",
+    "facodegen FA1 + rescale once": "sm80:schedule=fa1,rescale=once",
+    "facodegen FA1 + all three": "sm80:schedule=fa1,loop_order=q_outer,warp_split=q,rescale=once",
+    "facodegen FA2 (sm80)": "sm80:",
+    "facodegen FA3 (sm90)": "sm90:",
+    "facodegen FA3 fp8 (sm90)": "sm90:dtype=fp8",
+}
+# FA1 at batch 1 runs on 16 CTAs (~0.5 s a call at 16k): few calls per cell.
+EVOLUTION_TIMING = {"warmup": 2, "groups": 3, "calls": 3}
+
+
+def suite_names() -> tuple[str, ...]:
+    """Every `facodegen bench --suite` name: the TFLOP/s grids (SUITES) and the overhead suite."""
+    return (*SUITES, OVERHEAD_SUITE)
