@@ -373,6 +373,7 @@ def transpose_v(v):
 # ------------------------------------------------------------------ resolving a call (once per key)
 
 _FP8_KNOBS = ("q_descale", "k_descale", "v_descale")
+_NO_DESCALES = (None, None, None)
 
 
 @dataclass
@@ -777,14 +778,18 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
     (a miss, a misaligned view, an unhashable knob) takes the checked path."""
     device = q.get_device()
     try:
-        knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), (None, None, None))
+        if spec_fields:
+            knobs, descales = _split_knobs(spec_fields)
+            descale_key = tuple(None if d is None else (d.dtype, d.shape, d.stride(), d.get_device())
+                                for d in descales)
+        else:   # the common call: no generator to run (a quarter of the key's cost)
+            knobs, descales, descale_key = (), _NO_DESCALES, None
         key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
                v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
                causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch, knobs,
                None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
                None if lse_out is None else (lse_out.dtype, lse_out.shape, lse_out.stride(), lse_out.get_device()),
-               tuple(None if d is None else (d.dtype, d.shape, d.stride(), d.get_device()) for d in descales),
-               tunedb.generation(), None if variant is None else _variant_key(variant, _torch_meta))
+               descale_key, tunedb.generation(), None if variant is None else _variant_key(variant, _torch_meta))
         plan = _PLANS.get(key) if device >= 0 else None
     except (AttributeError, TypeError):  # not all torch tensors, an unhashable knob: the checked path says
         plan = key = None
@@ -810,7 +815,7 @@ def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arc
     cupy = sys.modules.get("cupy")
     key = None
     if cupy is not None and isinstance(q, cupy.ndarray):
-        knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), (None, None, None))
+        knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), _NO_DESCALES)
         meta = _cupy_meta
         try:
             key = ("cupy", meta(q), meta(k), meta(v), cupy.cuda.runtime.getDevice(), causal.__class__, causal,

@@ -202,6 +202,8 @@ class Launcher:
         """Launch on ``stream`` (see ``stream_arg``) with ``kernel_params``, the address of a
         ``void*[]`` of argument pointers, as a ctypes.c_void_p."""
         result = self._launch(*self._args, stream, kernel_params, None)
+        if not result:
+            return
         if result == CUDA_ERROR_INVALID_CONTEXT:    # a thread that has not touched CUDA yet
             check(lib().cuCtxSetCurrent(primary_context(self.function.device)), "cuCtxSetCurrent")
             result = self._launch(*self._args, stream, kernel_params, None)

@@ -46,7 +46,7 @@ def main() -> int:
         nonlocal key
         key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
                v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
-               bool, True, type(None), None, False, None, (), None, None, (None, None, None), tunedb.generation())
+               bool, True, type(None), None, False, None, (), None, None, None, tunedb.generation(), None)
     make_key()
     plan = next(iter(api._PLANS._plans.values()))
     out = torch.empty_like(q)
