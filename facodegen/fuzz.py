@@ -497,7 +497,7 @@ def _launched(*outputs) -> tuple[bool, str]:
     return not bad, f"launched; output(s) {bad} hold NaN or +inf" if bad else "launched"
 
 
-CASE_SECONDS = 120.0    # a case still running after this long is taken for a hung kernel
+CASE_SECONDS = 60.0     # a case still running after this long is taken for a hung kernel
 SLOW_CASE_SECONDS = 5.0     # a case that took longer is logged (most take milliseconds)
 
 
