@@ -170,7 +170,7 @@ def time_backward(name: str, c: dict, warmup: int = WARMUP, iters: int = ITERS, 
     forward run once, the graph retained; fwd-bwd: the forward inside each call too)."""
     import torch
 
-    from .timing import time_cuda_interleaved
+    from .timing import time_cuda
     dt = _torch_dtype(c["dtype"])
     q, k, v = (torch.randn(_shape(c), device="cuda", dtype=dt).requires_grad_(True) for _ in range(3))
     do = torch.randn(_shape(c), device="cuda", dtype=dt)
@@ -186,7 +186,7 @@ def time_backward(name: str, c: dict, warmup: int = WARMUP, iters: int = ITERS, 
             with context():
                 o = forward()
             return torch.autograd.grad(o, (q, k, v), do)
-    return time_cuda_interleaved([fn], warmup=warmup, groups=iters, calls=1)[0]
+    return time_cuda(fn, warmup=warmup, groups=iters, calls=1)
 
 
 def time_direct(c: dict, knobs: dict, warmup: int = WARMUP, iters: int = ITERS) -> dict:
