@@ -593,7 +593,8 @@ def _check_fp8(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv, seed) -> d
             "O": msg_o, "LSE": msg_l, "passed": ok_o and ok_l}
 
 
-SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8", "overhead")   # facodegen.bench.suites.suite_names() (kept import-light here)
+SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8", "overhead", "decode",
+               "variants")   # facodegen.bench.suites.suite_names() (kept import-light here)
 
 
 @main.command()
@@ -608,21 +609,38 @@ SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8", "overhead")   #
                              "torch.compile'd) when asked.")
 @click.option("--suite", type=click.Choice(SUITE_NAMES),
               help="Time a whole grid: fa3-paper (the FlashAttention-3 paper's: head_dim 64/128/256, causal "
-                   "and not, seqlen 512-16k, 16k tokens, hidden 2048), quick (6 of its cells), sm80, evolution "
-                   "or fp8; or overhead: host microseconds per call on a tiny shape (1, 128, 8, 128) of "
-                   "facodegen.attention (torch, CuPy), facodegen.prepare()(), torch SDPA and FlashAttention-3.")
+                   "and not, seqlen 512-16k, 16k tokens, hidden 2048; with --backward or --fwd-bwd the "
+                   "backward), quick (6 of its cells), sm80, evolution or fp8; overhead: host microseconds per "
+                   "call on a tiny shape (1, 128, 8, 128) of facodegen.attention (torch, CuPy), "
+                   "facodegen.prepare()(), torch SDPA and FlashAttention-3; decode: TB/s of "
+                   "facodegen.attention_with_kvcache beside FlashAttention-3's flash_attn_with_kvcache and SDPA; "
+                   "variants: window, softcap and sinks (time ratios).")
 @click.option("--no-prepared", is_flag=True,
               help="Time only facodegen's public call (facodegen.attention), not also the launcher prepared "
                    "once (facodegen.prepare) beside it.")
+@click.option("--backward", is_flag=True,
+              help="--suite fa3-paper: time the backward (torch.autograd.grad through facodegen.attention) "
+                   "beside torch SDPA's cuDNN and flash backends' backward; TFLOP/s with backward FLOPs = "
+                   "2.5 x forward (bf16 or fp16).")
+@click.option("--fwd-bwd", is_flag=True,
+              help="--suite fa3-paper: time forward + backward together (FLOPs = 3.5 x forward), same peers.")
+@click.option("--variant", "bwd_variants", multiple=True, metavar="KNOB=VALUE[,...]",
+              help="--backward: also time facodegen.attention_backward(..., **knobs) on the forward's O and LSE "
+                   "as a column of its own, e.g. k_unroll=1,block_n=64 (repeatable).")
+@click.option("--quick", is_flag=True,
+              help="A short run: --backward/--fwd-bwd seqlen 2k and 8k only; --suite decode its quick subset "
+                   "(GQA 32/8, d128, contiguous and paged 64, context 8k and 256k); --suite variants fewer "
+                   "groups and calls.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
-              show_default=True, help="--suite: folder for bench-<suite>-<dtype>.{md,csv,json,png}.")
+              show_default=True, help="--suite: folder for bench-<suite>-<dtype>.{md,csv,json,png} "
+              "(bench-fa3-paper-backward-<dtype>.*, bench-decode.*, bench-variants.*).")
 @click.option("--budget-s", type=float, help="--suite: stop timing new cells after this many seconds.")
 @click.option("--no-plot", is_flag=True, help="--suite: skip the PNG.")
 @click.option("--replot", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="Redraw the table, CSV and PNG of a --suite JSON into --out (no GPU; e.g. where the GPU "
                    "machine had no matplotlib).")
-def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, no_prepared, out_dir, budget_s,
-          no_plot, replot):
+def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, no_prepared, backward, fwd_bwd,
+          bwd_variants, quick, out_dir, budget_s, no_plot, replot):
     """Time a kernel (CUDA events) against its peers and print a table (GPU).
 
     facodegen is timed as users call it, facodegen.attention(q, k, v, ...) with out allocated per
@@ -636,6 +654,11 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
     (matplotlib: pip install 'facodegen[plot]'). --head-dim / --causal pick part of the grid; other
     spec flags override facodegen's tiles on every cell.
 
+    --suite fa3-paper --backward (or --fwd-bwd) times the backward (or forward + backward) over the
+    same grid beside torch SDPA's cuDNN and flash backends; --suite decode times
+    facodegen.attention_with_kvcache's effective bandwidth (K+V bytes / time) beside FlashAttention-3's
+    flash_attn_with_kvcache and SDPA; --suite variants times windows, softcap and sinks.
+
     \b
     Example:
       facodegen bench --arch sm90 --head-dim 128 --seqlen 8192 --batch 2 --heads 16
@@ -643,13 +666,26 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
       facodegen bench --suite fa3-paper --dtype bf16 --arch both --out results/
       facodegen bench --suite quick
       facodegen bench --suite overhead --out results/
+      facodegen bench --suite fa3-paper --backward --head-dim 128 --quick --out results/
+      facodegen bench --suite fa3-paper --fwd-bwd --out results/
+      facodegen bench --suite decode --quick --out results/
+      facodegen bench --suite variants --out results/
     """
     if replot is not None:
         _bench_replot(replot, out_dir)
         return
+    mode = "fwd-bwd" if fwd_bwd else "backward" if backward else None
+    _check_suite_options(suite, spec_fields, peers, backward, fwd_bwd, bwd_variants, quick, no_prepared, budget_s)
     if suite is not None:
         _require_gpu("bench")
-        _bench_suite(spec_fields, suite, peers, out_dir, budget_s, no_plot, prepared=not no_prepared)
+        if mode is not None:
+            _bench_backward(spec_fields, peers, out_dir, no_plot, mode, bwd_variants, quick)
+        elif suite == "decode":
+            _bench_decode(spec_fields, peers, out_dir, quick)
+        elif suite == "variants":
+            _bench_variants(out_dir, quick)
+        else:
+            _bench_suite(spec_fields, suite, peers, out_dir, budget_s, no_plot, prepared=not no_prepared)
         return
     if spec_fields.get("arch") == "both":
         raise UsageFailure("--arch both is for --suite; give sm80 or sm90")
@@ -670,6 +706,151 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
     if no_prepared:
         extra["prepared"] = False
     _echo_result(run(spec, seqlen=seqlen, batch=batch, heads=heads, **extra))
+
+
+def _flag_of(field: str) -> str:
+    """The command-line spelling of a spec field (--block-n, --causal, --regs)."""
+    if field in ("producer_regs", "consumer_regs"):
+        return "--regs"
+    for knob in KNOBS:
+        if knob.name == field and knob.flag:
+            return knob.flag.split("/")[0]
+    return "--" + field.replace("_", "-")
+
+
+def _check_suite_options(suite, spec_fields: dict, peers, backward: bool, fwd_bwd: bool, variants, quick: bool,
+                         no_prepared: bool, budget_s) -> None:
+    """Usage errors (exit 2, naming the option) for options the chosen suite does not take: --backward
+    and --fwd-bwd only with --suite fa3-paper and a dtype with a backward, --variant only with
+    --backward, --quick only where a suite has a short form, and no spec flag the decode, variants or
+    backward suites cannot honour."""
+    timed = "--fwd-bwd" if fwd_bwd else "--backward" if backward else None
+    if backward and fwd_bwd:
+        raise UsageFailure("--backward and --fwd-bwd: give one (--fwd-bwd times forward + backward together)")
+    if timed and suite != "fa3-paper":
+        raise UsageFailure(f"{timed} is for --suite fa3-paper (got {'no --suite' if suite is None else '--suite ' + suite})")
+    if variants and not backward:
+        raise UsageFailure("--variant (backward knobs) is for --suite fa3-paper --backward")
+    if quick and not (timed or suite in ("decode", "variants")):
+        raise UsageFailure("--quick is for --suite fa3-paper --backward/--fwd-bwd, --suite decode and --suite variants "
+                           "(--suite quick is the forward's short grid)")
+    own = timed or (f"--suite {suite}" if suite in ("decode", "variants") else None)
+    if own is None:
+        return
+    if no_prepared:
+        raise UsageFailure(f"--no-prepared is for the forward suites, not {own}")
+    if budget_s is not None:
+        raise UsageFailure(f"--budget-s is for the forward suites, not {own}")
+    if timed:
+        allowed = ("dtype", "head_dim", "causal")
+        if spec_fields.get("dtype", "bf16") not in ("bf16", "fp16"):
+            raise UsageFailure(f"--dtype {spec_fields['dtype']}: {spec_fields['dtype']} has no backward; "
+                               f"{timed} takes bf16 or fp16")
+    elif suite == "decode":
+        allowed = ("dtype", "head_dim")
+        if spec_fields.get("dtype", "bf16") != "bf16":
+            raise UsageFailure(f"--dtype {spec_fields['dtype']}: --suite decode is bf16 only")
+    else:
+        allowed = ()
+        if peers is not None:
+            raise UsageFailure("--peers is not for --suite variants (FlashAttention-3 is timed where importable)")
+    extra = [f for f in spec_fields if f not in allowed]
+    if extra:
+        hint = " (time backward knobs with --variant knob=value)" if timed == "--backward" else ""
+        raise UsageFailure(f"{', '.join(dict.fromkeys(_flag_of(f) for f in extra))}: not for {own}{hint}")
+
+
+def _peer_list(peers) -> tuple[str, ...] | None:
+    return None if peers is None else tuple(p.strip() for p in peers.split(",") if p.strip())
+
+
+def _written(paths: dict) -> str:
+    return "wrote " + ", ".join(str(paths[k]) for k in ("md", "csv", "json", "png") if paths.get(k))
+
+
+def _bench_backward(spec_fields: dict, peers, out_dir: Path, no_plot: bool, mode: str, variants, quick: bool) -> None:
+    """`bench --suite fa3-paper --backward|--fwd-bwd`: bench.backward.run_backward over the FA3-paper
+    cells (--head-dim / --causal pick part, --quick seqlen 2k and 8k), beside SDPA's cuDNN and flash
+    backends (--peers cudnn,fa2; flash = fa2), --variant knobs as extra columns. The table prints last."""
+    from .bench import backward as bw
+    from .bench import results
+
+    dtype = spec_fields.get("dtype", "bf16")
+    head_dim, causal = spec_fields.get("head_dim"), spec_fields.get("causal")
+    if head_dim is not None and head_dim not in bw.HEAD_DIMS:
+        raise UsageFailure(f"--head-dim {head_dim}: no cell of suite fa3-paper has it "
+                           f"({', '.join(map(str, bw.HEAD_DIMS))})")
+    try:
+        peer_names = bw.BACKWARD_PEERS if peers is None else bw.peer_names(_peer_list(peers))
+    except ValueError as err:
+        raise UsageFailure(f"--peers: {err}") from None
+    try:
+        knobs = [bw.parse_knobs(text) for text in variants]
+    except ValueError as err:
+        raise UsageFailure(f"--variant: {err}") from None
+    cells = bw.backward_cells((head_dim,) if head_dim else bw.HEAD_DIMS, bw.QUICK_SEQLENS if quick else bw.SEQLENS,
+                              (False, True) if causal is None else (causal,), dtype)
+    env = results.environment()
+    click.echo(f"bench --suite fa3-paper --{mode}: {len(cells)} cells, {dtype}, peers {', '.join(peer_names) or 'none'}"
+               + (f", variants {', '.join(bw.variant_label(k) for k in knobs)}" if knobs else ""), err=True)
+    rows = bw.run_backward(cells, peer_names, variants=knobs, mode=mode, log=lambda m: click.echo(m, err=True))
+    paths = bw.write_backward_results(rows, out_dir, bw.result_stem(mode, dtype), env=env, plot=not no_plot,
+                                      peers=peer_names, variants=knobs)
+    notes = [f"- {r['head_dim']} {'causal' if r['causal'] else 'full'} s{r['seqlen_q']} {n}: {x['note']}"
+             for r in rows for n, x in r["results"].items() if x.get("note")]
+    if notes:
+        click.echo("\nNotes:\n" + "\n".join(notes))
+    click.echo("\n" + _written(paths))
+    if paths.get("plot_error"):
+        click.echo(f"plot skipped: {paths['plot_error']}", err=True)
+    click.echo(f"\nTFLOP/s ({'backward' if mode == 'backward' else 'forward + backward'}, FLOPs = {bw.MODES[mode]} x "
+               f"forward; {dtype}, {env.get('gpu', '?')}, facodegen {env.get('facodegen')}"
+               f"{', commit ' + env['commit'] if env.get('commit') else ''}):")
+    click.echo(bw.full_table(rows, peer_names, knobs))
+
+
+def _bench_decode(spec_fields: dict, peers, out_dir: Path, quick: bool) -> None:
+    """`bench --suite decode`: bench.decode.run_decode over the decode cells (--quick: the quick subset,
+    --head-dim: one d), beside FlashAttention-3 and SDPA (--peers fa3,sdpa). The table prints last."""
+    from .bench import decode as dec
+    from .bench import results
+
+    head_dim = spec_fields.get("head_dim")
+    peer_names = dec.DECODE_PEERS if peers is None else _peer_list(peers)
+    unknown = [p for p in peer_names if p not in dec.DECODE_PEERS]
+    if unknown:
+        raise UsageFailure(f"--peers: unknown {', '.join(unknown)} for --suite decode (known: "
+                           f"{', '.join(dec.DECODE_PEERS)})")
+    cells = dec.suite_cells(quick, head_dim)
+    if not cells:
+        raise UsageFailure(f"--head-dim {head_dim}: no cell of suite decode has it "
+                           f"({', '.join(map(str, dec.HEAD_DIMS))})")
+    env = results.environment()
+    click.echo(f"bench --suite decode: {len(cells)} cells, bf16, peers {', '.join(peer_names) or 'none'}", err=True)
+    rows = dec.run_decode(cells, peer_names, log=lambda m: click.echo(m, err=True))
+    grid = dict(dec.QUICK if quick else dec.FULL)
+    paths = dec.write_decode_results(rows, out_dir, "bench-decode", env=env, grid=grid)
+    click.echo("\n" + _written(paths))
+    click.echo(f"\nEffective TB/s (K+V bytes / time; {env.get('gpu', '?')}, facodegen {env.get('facodegen')}"
+               f"{', commit ' + env['commit'] if env.get('commit') else ''}):")
+    click.echo(dec.summary(rows))
+
+
+def _bench_variants(out_dir: Path, quick: bool) -> None:
+    """`bench --suite variants`: bench.variants_suite.run_variants (window, softcap, sinks; time ratios)."""
+    from .bench import results
+    from .bench import variants_suite as vs
+
+    cells = vs.cells()
+    env = results.environment()
+    click.echo(f"bench --suite variants: {len(cells)} cells, bf16 causal d{vs.HEAD_DIM}"
+               + (f", timing {vs.QUICK_TIMING}" if quick else ""), err=True)
+    rows = vs.run_variants(cells, quick, log=lambda m: click.echo(m, err=True))
+    paths = vs.write_variants_results(rows, out_dir, "bench-variants", env=env)
+    click.echo("\n" + _written(paths))
+    click.echo(f"\nms ({env.get('gpu', '?')}, facodegen {env.get('facodegen')}"
+               f"{', commit ' + env['commit'] if env.get('commit') else ''}):")
+    click.echo(vs.format_table(rows))
 
 
 def _bench_replot(path: Path, out_dir: Path) -> None:

@@ -2,273 +2,67 @@
 flash_attn_with_kvcache (num_splits=0, its own heuristics) and torch SDPA's flash backend (GQA through
 enable_gqa), in one run, one query token per sequence, bf16, full caches (cache_seqlens = context).
 
-Cells: batch {1, 8, 64} x context {1k, 8k, 32k, 256k} x heads q/kv {32/32, 32/8, 64/8} x d {64, 128}
-x layout {contiguous, paged 64, paged 256}, skipping cells whose K+V exceed --max-gb (60 GB).
-Effective bandwidth = bytes of K and V read (2 x batch x context x heads_kv x d x 2) / time.
-Timing: facodegen.bench.time_cuda_interleaved (CUDA events, warm-up, implementations in turns group
-by group, median of the group means); where one cell's K+V is under twice the L2 the calls rotate
-over several caches so no timing is of a warm L2. Each implementation's O is checked against
-facodegen's reference-tested output on the first cell it runs (max |diff| < 2e-2) before timing.
+A thin wrapper of facodegen.bench.decode (the same as ``facodegen bench --suite decode``), which
+holds the cells, the timing (timing.time_cuda_interleaved, caches rotated past twice the L2), the
+check and the table. Cells: batch {1, 8, 64} x context {1k, 8k, 32k, 256k} x heads q/kv {32/32,
+32/8, 64/8} x d {64, 128} x layout {contiguous, paged 64, paged 256}, skipping cells whose K+V
+exceed --max-gb (60 GB). Effective bandwidth = bytes of K and V read / time.
 
     python scripts/bench_decode.py --quick --out results/           # ~3 minutes on an H200
     python scripts/bench_decode.py --batch 1,8 --context 32k,256k --heads 32/8 --d 128 --layout contiguous,paged64
 
-Prints a markdown table (TB/s of each, then the ratios) and writes JSON under --out. Importing this
-module needs no GPU (its pure parts are unit-tested on the CPU).
+Prints a markdown table (TB/s of each, then the ratios) and writes bench-decode.{md,csv,json} under
+--out. Importing this module needs no GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-BATCHES = (1, 8, 64)
-CONTEXTS = (1024, 8192, 32768, 262144)
-HEADS = ((32, 32), (32, 8), (64, 8))
-HEAD_DIMS = (64, 128)
-LAYOUTS = ("contiguous", "paged64", "paged256")
-MAX_GB = 60.0
-L2_BYTES = 60 * 1024 * 1024
-MAX_SETS = 8
-QUICK = {"batch": (1, 8, 64), "context": (8192, 262144), "heads": ((32, 8),), "d": (128,),
-         "layout": ("contiguous", "paged64")}
-PEERS = ("fa3", "sdpa")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from facodegen.bench import decode as dec  # noqa: E402
 
 
-@dataclass(frozen=True)
-class Cell:
-    batch: int
-    context: int
-    heads_q: int
-    heads_kv: int
-    d: int
-    layout: str
-
-    @property
-    def page_size(self) -> int:
-        return int(self.layout.removeprefix("paged")) if self.layout.startswith("paged") else 0
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes of K and V a decode step reads (bf16)."""
-        return 2 * self.batch * self.context * self.heads_kv * self.d * 2
-
-    @property
-    def name(self) -> str:
-        return f"b{self.batch} ctx{self.context} h{self.heads_q}/{self.heads_kv} d{self.d} {self.layout}"
-
-
-def parse_int_list(text: str) -> tuple[int, ...]:
-    """'1,8,64' or '1k,256k' -> ints (k = 1024)."""
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
-    return tuple(out)
-
-
-def parse_heads(text: str) -> tuple[tuple[int, int], ...]:
-    """'32/32,32/8' -> ((32, 32), (32, 8))."""
-    pairs = []
-    for part in text.split(","):
-        q, kv = part.split("/")
-        pairs.append((int(q), int(kv)))
-    return tuple(pairs)
-
-
-def cells(batch=BATCHES, context=CONTEXTS, heads=HEADS, d=HEAD_DIMS, layout=LAYOUTS,
-          max_gb: float = MAX_GB) -> list[Cell]:
-    """The grid, K+V kept to max_gb (decimal GB), paged layouts only where the page divides the context."""
-    out = []
-    for b in batch:
-        for ctx in context:
-            for hq, hkv in heads:
-                for dim in d:
-                    for lay in layout:
-                        cell = Cell(b, ctx, hq, hkv, dim, lay)
-                        if cell.kv_bytes > max_gb * 1e9:
-                            continue
-                        if cell.page_size and ctx % cell.page_size:
-                            continue
-                        out.append(cell)
-    return out
-
-
-def input_sets(kv_bytes: int, l2_bytes: int = L2_BYTES) -> int:
-    """Caches to rotate over so the calls do not find K/V in the L2: enough for 2 x L2, at most MAX_SETS."""
-    return max(1, min(MAX_SETS, math.ceil(2 * l2_bytes / max(kv_bytes, 1))))
-
-
-def tbps(kv_bytes: int, ms: float | None) -> float | None:
-    return None if not ms else kv_bytes / (ms * 1e-3) / 1e12
-
-
-def table(rows: list[dict]) -> str:
-    """Markdown: one row per cell, TB/s of facodegen and each peer, then facodegen / peer ratios last."""
-    head = "| cell | K+V MB | facodegen TB/s | FA3 TB/s | SDPA flash TB/s | splits | vs FA3 | vs SDPA | vs best |"
-    lines = [head, "|" + "---|" * 9]
-    for r in rows:
-        ours, fa3, sdpa = r.get("facodegen"), r.get("fa3"), r.get("sdpa")
-        best = max([x for x in (fa3, sdpa) if x], default=None)
-
-        lines.append(f"| {r['cell']} | {r['kv_bytes'] / 1e6:.0f} | {_num(ours)} | {_num(fa3)} | {_num(sdpa)} | "
-                     f"{r.get('splits', '–')} | {_ratio(ours, fa3)} | {_ratio(ours, sdpa)} | {_ratio(ours, best)} |")
-    return "\n".join(lines)
-
-
-def _num(x) -> str:
-    return f"{x:.2f}" if x else "–"
-
-
-def _ratio(ours, peer) -> str:
-    return f"{ours / peer:.2f}x" if ours and peer else "–"
-
-
-def geomean(values) -> float | None:
-    values = [v for v in values if v]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
-
-
-# ------------------------------------------------------------------ GPU part
-
-def _fa3():
-    try:
-        import flash_attn_interface
-        return flash_attn_interface.flash_attn_with_kvcache
-    except Exception:  # noqa: BLE001 (missing or broken: skipped)
-        return None
-
-
-def run_cell(cell: Cell, peers=PEERS, check: bool = True) -> dict:
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    import facodegen
-    from facodegen import bench
-
-    dt = torch.bfloat16
-    sets = input_sets(cell.kv_bytes)
-    q = torch.randn(cell.batch, 1, cell.heads_q, cell.d, dtype=dt, device="cuda")
-    lengths = torch.full((cell.batch,), cell.context, dtype=torch.int32, device="cuda")
-    caches = []
-    for _ in range(sets):
-        if cell.page_size:
-            pages = cell.batch * cell.context // cell.page_size
-            shape = (pages, cell.page_size, cell.heads_kv, cell.d)
-            table_ = torch.randperm(pages, device="cuda").view(cell.batch, -1).to(torch.int32)
-        else:
-            shape, table_ = (cell.batch, cell.context, cell.heads_kv, cell.d), None
-        caches.append((torch.randn(shape, dtype=dt, device="cuda"), torch.randn(shape, dtype=dt, device="cuda"),
-                       table_))
-    turn = {"i": 0}
-
-    def rotate():
-        turn["i"] = (turn["i"] + 1) % sets
-        return caches[turn["i"]]
-
-    def ours():
-        kc, vc, pt = rotate()
-        return facodegen.attention_with_kvcache(q, kc, vc, lengths, page_table=pt, num_splits=0)
-
-    fns, names = [ours], ["facodegen"]
-    fa3 = _fa3() if "fa3" in peers else None
-    if fa3 is not None:
-        def fa3_call():
-            kc, vc, pt = rotate()
-            out = fa3(q, kc, vc, cache_seqlens=lengths, page_table=pt, causal=True, num_splits=0)
-            return out[0] if isinstance(out, tuple) else out
-        fns.append(fa3_call)
-        names.append("fa3")
-    if "sdpa" in peers and not cell.page_size:
-        def sdpa_call():
-            kc, vc, _ = rotate()
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
-                                                      enable_gqa=cell.heads_q != cell.heads_kv).transpose(1, 2)
-        fns.append(sdpa_call)
-        names.append("sdpa")
-    result = {"cell": cell.name, **asdict(cell), "kv_bytes": cell.kv_bytes, "sets": sets}
-    # correctness first: every implementation against facodegen on the same cache
-    good = []
-    turn["i"] = -1
-    want = ours().float()
-    for name, fn in zip(names, fns):
-        turn["i"] = -1
-        try:
-            got = fn().float()
-            err = (got - want).abs().max().item()
-            if check and not err < 2e-2:
-                result[name + "_note"] = f"differs from facodegen by {err:.3e}: not timed"
-                continue
-            good.append((name, fn))
-        except Exception as exc:  # noqa: BLE001 (a peer that refuses the cell)
-            result[name + "_note"] = f"{type(exc).__name__}: {str(exc)[:120]}"
-    timings = bench.time_cuda_interleaved([fn for _, fn in good])
-    for (name, _), t in zip(good, timings):
-        result[name] = tbps(cell.kv_bytes, t["ms"])
-        result[name + "_ms"] = t["ms"]
-        result[name + "_host_ms"] = t["host_ms"]
-    from facodegen import kvcache
-    plans = [p for p in kvcache._PLANS._plans.values() if p.outputs[0] == tuple(q.shape)]
-    if plans:
-        result["splits"] = plans[-1].num_splits
-        result["variant"] = plans[-1].specs["decode"].variant
-    caches.clear()
-    torch.cuda.empty_cache()
-    return result
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=dec.parse_int_list, default=dec.BATCHES)
+    ap.add_argument("--context", type=dec.parse_int_list, default=dec.CONTEXTS)
+    ap.add_argument("--heads", type=dec.parse_heads, default=dec.HEADS)
+    ap.add_argument("--d", type=dec.parse_int_list, default=dec.HEAD_DIMS)
+    ap.add_argument("--layout", type=lambda s: tuple(s.split(",")), default=dec.LAYOUTS)
+    ap.add_argument("--peers", type=lambda s: tuple(x for x in s.split(",") if x), default=dec.DECODE_PEERS)
+    ap.add_argument("--max-gb", type=float, default=dec.MAX_GB)
+    ap.add_argument("--quick", action="store_true", help="a subset that runs in ~3 minutes: " + json.dumps(dec.QUICK))
+    ap.add_argument("--out", type=Path, help="write bench-decode.{md,csv,json} here")
+    ap.add_argument("--list", action="store_true", help="print the cells and exit")
+    args = ap.parse_args(argv)
+    args.grid = {"batch": args.batch, "context": args.context, "heads": args.heads, "d": args.d, "layout": args.layout}
+    if args.quick:
+        args.grid = dict(dec.QUICK)
+    bad = [x for x in args.grid["layout"] if x not in dec.LAYOUTS]
+    if bad:
+        ap.error(f"--layout {bad[0]}: choose from {', '.join(dec.LAYOUTS)}")
+    return args
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=parse_int_list, default=BATCHES)
-    ap.add_argument("--context", type=parse_int_list, default=CONTEXTS)
-    ap.add_argument("--heads", type=parse_heads, default=HEADS)
-    ap.add_argument("--d", type=parse_int_list, default=HEAD_DIMS)
-    ap.add_argument("--layout", type=lambda s: tuple(s.split(",")), default=LAYOUTS)
-    ap.add_argument("--peers", type=lambda s: tuple(x for x in s.split(",") if x), default=PEERS)
-    ap.add_argument("--max-gb", type=float, default=MAX_GB)
-    ap.add_argument("--quick", action="store_true", help="a subset that runs in ~3 minutes: " + json.dumps(QUICK))
-    ap.add_argument("--out", type=Path, help="write decode-<time>.json here")
-    ap.add_argument("--list", action="store_true", help="print the cells and exit")
-    args = ap.parse_args(argv)
-    grid = {"batch": args.batch, "context": args.context, "heads": args.heads, "d": args.d, "layout": args.layout}
-    if args.quick:
-        grid = dict(QUICK)
-    bad = [x for x in grid["layout"] if x not in LAYOUTS]
-    if bad:
-        ap.error(f"--layout {bad[0]}: choose from {', '.join(LAYOUTS)}")
-    todo = cells(**grid, max_gb=args.max_gb)
+    args = parse_args(argv)
+    todo = dec.cells(**args.grid, max_gb=args.max_gb)
     if args.list:
         for c in todo:
             print(c.name, f"{c.kv_bytes / 1e9:.2f} GB")
         return 0
-    rows = []
-    t0 = time.time()
-    for cell in todo:
-        try:
-            row = run_cell(cell, args.peers)
-        except Exception as exc:  # noqa: BLE001 (one cell's failure must not lose the others)
-            row = {"cell": cell.name, "kv_bytes": cell.kv_bytes, "error": f"{type(exc).__name__}: {exc}"}
-        rows.append(row)
-        print(f"[{time.time() - t0:6.1f}s] {cell.name}: " + ", ".join(
-            f"{k} {row[k]:.2f} TB/s" for k in ("facodegen", "fa3", "sdpa") if row.get(k)) +
-            (f" ERROR {row['error']}" if "error" in row else ""), file=sys.stderr, flush=True)
-    print(table(rows))
-    for peer in ("fa3", "sdpa"):
-        g = geomean(r["facodegen"] / r[peer] for r in rows if r.get("facodegen") and r.get(peer))
-        if g:
-            print(f"\ngeomean facodegen / {peer}: {g:.3f}x")
+    from facodegen.bench import results
+    env = results.environment()
+    rows = dec.run_decode(todo, args.peers, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(dec.summary(rows))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"decode-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(json.dumps({"rows": rows, "grid": {k: list(v) for k, v in grid.items()}}, indent=1))
-        print(f"wrote {path}", file=sys.stderr)
+        paths = dec.write_decode_results(rows, args.out, env=env, grid=args.grid)
+        print(f"wrote {paths['md']}, {paths['csv']}, {paths['json']}", file=sys.stderr)
     return 0
 
 

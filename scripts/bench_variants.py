@@ -1,184 +1,52 @@
 """Time the attention variants (issue 40) on the GPU: bf16, causal, 16 heads, head_dim 128, 16k tokens
 per batch (batch = 16384 / seqlen).
 
-* window (4096, 0) at seqlen 4k and 16k: facodegen's window kernel beside FlashAttention-3's
-  ``flash_attn_interface.flash_attn_func(..., window_size=(4096, 0))`` (skipped where the module is
-  missing) and beside facodegen's own full causal kernel (the ideal speed-up is the ratio of
-  visible (query, key) pairs, printed as `ideal`);
-* softcap 50 and sinks: facodegen with each beside facodegen without it (and FA3's softcap where
-  its module takes one).
-
-Each group of implementations is timed in turns (facodegen.bench.time_cuda_interleaved: CUDA events,
-warm-up, the median of groups of back-to-back calls) through the call users make
-(``facodegen.attention``). Results are time ratios (FLOPs differ between variants). JSON goes to
-``--out`` (a folder: bench_variants.json in it), the markdown table is printed last.
+A thin wrapper of facodegen.bench.variants_suite (the same as ``facodegen bench --suite variants``):
+window (4096, 0) beside FlashAttention-3's window and facodegen's own full causal kernel; softcap 50
+and sinks beside facodegen without them (and FA3's softcap where its module takes one); each group
+timed in turns (timing.time_cuda_interleaved) through ``facodegen.attention``. Results are time
+ratios. Files go to ``--out`` (a folder: bench-variants.{md,json} in it), the markdown table is
+printed last.
 
     python scripts/bench_variants.py --out /tmp/bench-variants
     python scripts/bench_variants.py --seqlens 4096 --quick
 
-The pure parts (cells, visible-pair counts, ratios, the table) import without torch or a GPU and
-are tested in tests/test_bench_variants.py.
+Imports without torch or a GPU (tested in tests/test_bench_variants.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-TOKENS = 16384
-HEADS = 16
-HEAD_DIM = 128
-WINDOW = (4096, 0)
-SOFTCAP = 50.0
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from facodegen.bench import variants_suite as vs  # noqa: E402
 
 
-def cells(seqlens=(4096, 16384)) -> list[dict]:
-    """The measured problems: per seqlen the window row, then softcap and sinks at the same shape."""
-    out = []
-    for s in seqlens:
-        base = dict(seqlen=s, batch=max(1, TOKENS // s), heads=HEADS, head_dim=HEAD_DIM)
-        out.append(dict(base, variant="window", window_size=WINDOW))
-        out.append(dict(base, variant="softcap", softcap=SOFTCAP))
-        out.append(dict(base, variant="sinks"))
-    return out
-
-
-def visible_pairs(seqlen_q: int, seqlen_k: int, window=(-1, -1), causal: bool = False) -> int:
-    """(query, key) pairs a bottom-right aligned window (FlashAttention's (left, right), -1 unbounded)
-    leaves visible: the work the kernels must do."""
-    left, right = window
-    if causal:
-        right = 0
-    total = 0
-    for i in range(seqlen_q):
-        d = i + seqlen_k - seqlen_q
-        lo = 0 if left < 0 else max(0, d - left)
-        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, d + right)
-        total += max(0, hi - lo + 1)
-    return total
-
-
-def ideal_window_speedup(seqlen: int, window=WINDOW) -> float:
-    """Full causal's visible pairs over the window's: what skipping every hidden tile could give."""
-    return visible_pairs(seqlen, seqlen, (-1, 0)) / visible_pairs(seqlen, seqlen, window)
-
-
-def ratios(row: dict) -> dict:
-    """Time ratios of one measured row (>1: the named one is faster, except `cost`, the variant's
-    time over the plain kernel's)."""
-    ms = row["ms"]
-    out = {}
-    if row["variant"] == "window":
-        if ms.get("fa3_window"):
-            out["vs_fa3_window"] = ms["fa3_window"] / ms["facodegen_window"]
-        out["vs_own_full_causal"] = ms["facodegen_full_causal"] / ms["facodegen_window"]
-        out["ideal"] = ideal_window_speedup(row["seqlen"])
-    else:
-        name = f"facodegen_{row['variant']}"
-        out["cost"] = ms[name] / ms["facodegen_plain"]
-        if ms.get(f"fa3_{row['variant']}") and ms.get("fa3_plain"):
-            out["fa3_cost"] = ms[f"fa3_{row['variant']}"] / ms["fa3_plain"]
-            out["vs_fa3"] = ms[f"fa3_{row['variant']}"] / ms[name]
-    return out
-
-
-def format_table(rows: list[dict]) -> str:
-    lines = ["| variant | seqlen | batch | ms (facodegen) | peers (ms) | ratios |", "|---|---|---|---|---|---|"]
-    for row in rows:
-        ms = row["ms"]
-        ours = ms.get(f"facodegen_{row['variant']}")
-        peers = ", ".join(f"{k} {v:.3f}" for k, v in ms.items() if k != f"facodegen_{row['variant']}" and v)
-        rat = ", ".join(f"{k} {v:.2f}x" if k != "cost" and k != "fa3_cost" else f"{k} {v:.3f}"
-                        for k, v in ratios(row).items())
-        lines.append(f"| {row['variant']} | {row['seqlen']} | {row['batch']} | "
-                     f"{'' if ours is None else f'{ours:.3f}'} | {peers} | {rat} |")
-    for note in sorted({n for row in rows for n in row.get("notes", ())}):
-        lines.append(f"\n{note}")
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------ the GPU part
-
-def _fa3():
-    try:
-        import flash_attn_interface
-        return flash_attn_interface, None
-    except Exception as err:  # noqa: BLE001 (any import failure: the peer is skipped)
-        return None, f"FlashAttention-3 skipped: flash_attn_interface not importable ({type(err).__name__}: {err})"
-
-
-def _fa3_call(fa3, q, k, v, **kwargs):
-    out = fa3.flash_attn_func(q, k, v, causal=True, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def measure(cell: dict, quick: bool = False) -> dict:
-    import torch
-
-    import facodegen
-    from facodegen.bench import time_cuda_interleaved
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shape = (cell["batch"], cell["seqlen"], cell["heads"], cell["head_dim"])
-    q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    sinks = torch.randn(cell["heads"], generator=gen, device="cuda") if cell["variant"] == "sinks" else None
-    fa3, why = _fa3()
-    notes = [why] if why else []
-    fns = {}
-    if cell["variant"] == "window":
-        fns["facodegen_window"] = lambda: facodegen.attention(q, k, v, causal=True, window_size=cell["window_size"])
-        fns["facodegen_full_causal"] = lambda: facodegen.attention(q, k, v, causal=True)
-        if fa3 is not None:
-            fns["fa3_window"] = lambda: _fa3_call(fa3, q, k, v, window_size=cell["window_size"])
-    else:
-        fns["facodegen_plain"] = lambda: facodegen.attention(q, k, v, causal=True)
-        if cell["variant"] == "softcap":
-            fns["facodegen_softcap"] = lambda: facodegen.attention(q, k, v, causal=True, softcap=cell["softcap"])
-            if fa3 is not None:
-                fns["fa3_plain"] = lambda: _fa3_call(fa3, q, k, v)
-                fns["fa3_softcap"] = lambda: _fa3_call(fa3, q, k, v, softcap=cell["softcap"])
-        else:
-            fns["facodegen_sinks"] = lambda: facodegen.attention(q, k, v, causal=True, sinks=sinks)
-    usable = {}
-    for name, fn in fns.items():          # a peer that fails is noted and left out, not fatal
-        try:
-            fn()
-            usable[name] = fn
-        except Exception as err:  # noqa: BLE001
-            notes.append(f"{name} skipped: {type(err).__name__}: {err}")
-    torch.cuda.synchronize()
-    check = {}
-    if "fa3_window" in usable:            # the two windows agree (same bf16 inputs)
-        check["max_abs_diff_vs_fa3"] = (usable["facodegen_window"]().float() - usable["fa3_window"]().float()).abs().max().item()
-    kwargs = dict(warmup=2, groups=3, calls=5) if quick else {}
-    timed = time_cuda_interleaved(list(usable.values()), **kwargs)
-    row = dict(cell, ms={name: t["ms"] for name, t in zip(usable, timed)},
-               host_ms={name: t["host_ms"] for name, t in zip(usable, timed)}, notes=notes, check=check)
-    row["ratios"] = ratios(row)
-    return row
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqlens", default=",".join(map(str, vs.SEQLENS)), help="comma-separated sequence lengths")
+    parser.add_argument("--out", type=Path, help="folder for bench-variants.{md,json}")
+    parser.add_argument("--quick", action="store_true", help="fewer groups and calls (a smoke run)")
+    return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqlens", default="4096,16384", help="comma-separated sequence lengths")
-    parser.add_argument("--out", type=Path, help="folder for bench_variants.json")
-    parser.add_argument("--quick", action="store_true", help="fewer groups and calls (a smoke run)")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     import torch
     if not torch.cuda.is_available():
         print("bench_variants needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = []
-    for cell in cells(tuple(int(s) for s in args.seqlens.split(","))):
-        rows.append(measure(cell, args.quick))
-        print(f"{cell['variant']} s{cell['seqlen']}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in rows[-1]["ms"].items()),
-              file=sys.stderr, flush=True)
+    from facodegen.bench import results
+    env = results.environment()
+    rows = vs.run_variants(vs.cells(tuple(int(s) for s in args.seqlens.split(","))), args.quick,
+                           log=lambda m: print(m, file=sys.stderr, flush=True))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__)
-        (args.out / "bench_variants.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
-    print(format_table(rows))
+        paths = vs.write_variants_results(rows, args.out, env=env)
+        print(f"wrote {paths['md']}, {paths['json']}", file=sys.stderr)
+    print(vs.format_table(rows))
     return 0
 
 

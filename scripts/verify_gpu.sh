@@ -46,9 +46,9 @@ for s in $steps; do
             step sanitize_decode "${SANITIZE_DECODE_S:-120}" python3 scripts/sanitize_decode.py --out "$OUT/sanitize-decode" ;;
         bench)
             step host_cost 60 python3 scripts/host_cost_breakdown.py
-            step bench_backward 120 python3 scripts/bench_backward.py --quick --out "$OUT"
-            step bench_decode 180 python3 scripts/bench_decode.py --quick --out "$OUT"
-            step bench_variants 90 python3 scripts/bench_variants.py --out "$OUT" ;;
+            step bench_backward 120 python3 -m facodegen bench --suite fa3-paper --backward --quick --out "$OUT"
+            step bench_decode 180 python3 -m facodegen bench --suite decode --quick --out "$OUT"
+            step bench_variants 90 python3 -m facodegen bench --suite variants --out "$OUT" ;;
     esac
 done
 echo

@@ -1,27 +1,22 @@
-"""scripts/bench_variants.py without a GPU: it imports without torch, and its pure parts (the cells,
-visible-pair counts, ideal speed-up, ratios, the table) are right."""
+"""The variants suite without a GPU (facodegen.bench.variants_suite: the cells, visible-pair counts,
+ideal speed-up, ratios, the table, the files) and scripts/bench_variants.py, its thin wrapper, which
+imports without torch."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from facodegen.bench import variants_suite as b
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_variants", ROOT / "scripts" / "bench_variants.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_imports_without_torch_and_documents_its_arguments():
     code = ("import sys; sys.modules['torch'] = None; import importlib.util as u; "
             f"s = u.spec_from_file_location('b', r'{ROOT / 'scripts' / 'bench_variants.py'}'); "
-            "m = u.module_from_spec(s); s.loader.exec_module(m); print(len(m.cells()))")
+            "m = u.module_from_spec(s); s.loader.exec_module(m); print(len(m.vs.cells()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "6"
     helped = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_variants.py"), "--help"],
@@ -30,17 +25,16 @@ def test_imports_without_torch_and_documents_its_arguments():
 
 
 def test_cells_are_16k_tokens_of_16_heads_at_head_dim_128():
-    b = _load()
     cells = b.cells()
     assert [(c["variant"], c["seqlen"], c["batch"]) for c in cells] == [
         ("window", 4096, 4), ("softcap", 4096, 4), ("sinks", 4096, 4),
         ("window", 16384, 1), ("softcap", 16384, 1), ("sinks", 16384, 1)]
     assert all(c["heads"] == 16 and c["head_dim"] == 128 for c in cells)
     assert cells[0]["window_size"] == (4096, 0) and cells[1]["softcap"] == 50.0
+    assert b.QUICK_TIMING == {"warmup": 2, "groups": 3, "calls": 5}
 
 
 def test_visible_pairs_and_the_ideal_speedup():
-    b = _load()
     assert b.visible_pairs(4, 4) == 16
     assert b.visible_pairs(4, 4, causal=True) == 10
     assert b.visible_pairs(4, 4, (1, 0)) == 7            # 1 + 2 + 2 + 2
@@ -54,8 +48,7 @@ def test_visible_pairs_and_the_ideal_speedup():
     assert b.ideal_window_speedup(4096) == pytest.approx(1.0)
 
 
-def test_ratios_and_table():
-    b = _load()
+def test_ratios_table_and_files(tmp_path):
     row = dict(variant="window", seqlen=16384, batch=1,
                ms={"facodegen_window": 1.0, "facodegen_full_causal": 2.1, "fa3_window": 1.05}, notes=[])
     r = b.ratios(row)
@@ -66,3 +59,13 @@ def test_ratios_and_table():
     table = b.format_table([row, cap])
     assert table.splitlines()[0].startswith("| variant | seqlen")
     assert "vs_own_full_causal 2.10x" in table and "cost 1.040" in table and "FlashAttention-3 skipped" in table
+    paths = b.write_variants_results([row, cap], tmp_path, env={"gpu": "fake"})
+    assert paths["md"].read_text() == table + "\n" and '"gpu": "fake"' in paths["json"].read_text()
+
+
+def test_run_variants_measures_each_cell(monkeypatch):
+    seen = []
+    monkeypatch.setattr(b, "measure", lambda cell, quick=False: seen.append((cell["variant"], quick)) or
+                        dict(cell, ms={"facodegen_plain": 1.0}))
+    rows = b.run_variants(b.cells((4096,)), quick=True, log=lambda m: None)
+    assert seen == [("window", True), ("softcap", True), ("sinks", True)] and len(rows) == 3

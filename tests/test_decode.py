@@ -410,9 +410,9 @@ def test_cli_decode_errors_and_inspect():
     assert "flash_decode_sm80_bf16_hd64" in res.output and "0 B stores, 0 B loads" in res.output
 
 
-# ------------------------------------------------------------------ scripts/bench_decode.py (pure parts)
+# ------------------------------------------------------------------ facodegen.bench.decode (pure parts)
 
-def _bench_module():
+def _bench_script():
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
@@ -423,8 +423,12 @@ def _bench_module():
     return module
 
 
-def test_bench_decode_grid_and_table():
-    bd = _bench_module()
+def test_bench_decode_grid_and_table(tmp_path):
+    import csv
+    import io
+
+    from facodegen.bench import decode as bd
+    from facodegen.bench import inputs
     grid = bd.cells()
     assert grid and all(c.kv_bytes <= 60e9 for c in grid)
     assert not any(c.batch == 64 and c.context == 262144 and c.d == 128 for c in grid)   # 68.7 GB and more: skipped
@@ -434,7 +438,8 @@ def test_bench_decode_grid_and_table():
     assert cell.page_size == 64 and cell.kv_bytes == 2 * 262144 * 8 * 128 * 2
     assert bd.parse_int_list("1k,256k,8") == (1024, 262144, 8)
     assert bd.parse_heads("32/32,64/8") == ((32, 32), (64, 8))
-    assert bd.input_sets(10 ** 10) == 1 and bd.input_sets(1 << 20) == bd.MAX_SETS
+    assert bd.input_sets(10 ** 10) == 1 and bd.input_sets(1 << 20) == inputs.MAX_INPUT_SETS == 8
+    assert bd.input_sets(30 * 2 ** 20) == 4                 # 2 x 60 MiB of L2 over 30 MiB of K+V, as before
     assert abs(bd.tbps(4 * 10 ** 9, 1.0) - 4.0) < 1e-12 and bd.tbps(1, None) is None
     rows = [{"cell": "a", "kv_bytes": 1e9, "facodegen": 4.0, "fa3": 3.8, "sdpa": 4.1, "splits": 3},
             {"cell": "b", "kv_bytes": 1e9, "facodegen": 3.0}]
@@ -442,12 +447,38 @@ def test_bench_decode_grid_and_table():
     assert "1.05x" in text and "0.98x" in text and "| b |" in text and text.count("\n") == 3
     assert abs(bd.geomean([1.0, 4.0]) - 2.0) < 1e-12
     assert len(bd.cells(**bd.QUICK)) == 10        # b64 x 256k x d128 (68.7 GB) skipped in both layouts
+    assert bd.suite_cells(quick=True) == bd.cells(**bd.QUICK) and bd.suite_cells(head_dim=64) == bd.cells(d=(64,))
+    assert bd.suite_cells(quick=True, head_dim=64) == []
+    assert "geomean facodegen / fa3: 1.053x" in bd.summary(rows)
+    records = list(csv.DictReader(io.StringIO(bd.to_csv(rows))))
+    assert [(r["cell"], r["impl"]) for r in records] == [("a", "facodegen"), ("a", "fa3"), ("a", "sdpa"),
+                                                         ("b", "facodegen")]
+    assert float(records[1]["ratio"]) == pytest.approx(4.0 / 3.8, rel=1e-5)
+    paths = bd.write_decode_results(rows, tmp_path, env={"gpu": "fake"}, grid=bd.QUICK)
+    assert paths["json"].name == "bench-decode.json" and paths["md"].read_text().startswith("| cell |")
+    with pytest.raises(ValueError, match="layout paged7"):
+        bd.cells(layout=("paged7",))
 
 
-def test_bench_decode_lists_cells(capsys):
-    bd = _bench_module()
+def test_bench_decode_script_lists_cells(capsys):
+    bd = _bench_script()
     assert bd.main(["--quick", "--list"]) == 0
     assert "b64 ctx8192 h32/8 d128 paged64" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bd.main(["--layout", "paged7", "--list"])
+
+
+def test_bench_decode_script_hands_its_grid_to_the_package(monkeypatch, tmp_path):
+    from facodegen.bench import decode as dec
+    from facodegen.bench import results
+    bd = _bench_script()
+    seen = {}
+    monkeypatch.setattr(results, "environment", lambda: {"gpu": "fake"})
+    monkeypatch.setattr(dec, "run_decode", lambda todo, peers, log=print: seen.update(todo=todo, peers=peers) or [])
+    assert bd.main(["--batch", "1", "--context", "32k", "--heads", "32/8", "--d", "128", "--layout", "contiguous",
+                    "--peers", "fa3", "--out", str(tmp_path)]) == 0
+    assert seen == {"todo": [dec.Cell(1, 32768, 32, 8, 128, "contiguous")], "peers": ("fa3",)}
+    assert (tmp_path / "bench-decode.json").exists()
 
 
 def test_split_count_follows_the_gpu(fake, monkeypatch):

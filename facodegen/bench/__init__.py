@@ -41,9 +41,17 @@ One module per job:
 * suites: the `--suite` names and their grids, peers, the evolution suite's variants.
 * results: CSV records, the environment, write_results (.md, .csv, .json, .png).
 * overhead: the overhead suite (host microseconds per call), cases to files.
+* backward: the backward suite (`--suite fa3-paper --backward` / `--fwd-bwd`): facodegen.attention
+  under autograd beside SDPA's cuDNN and flash backends, backward FLOPs = 2.5 x forward (3.5 x for
+  forward + backward), timed with time_cuda, rows written by write_results.
+* decode: the decode suite (`--suite decode`): effective K+V bandwidth of
+  facodegen.attention_with_kvcache beside FlashAttention-3's flash_attn_with_kvcache and SDPA.
+* variants_suite: the variants suite (`--suite variants`): windows, softcap and sinks (time ratios);
+  not to be confused with variants (facodegen's spec variants as the forward suites time them).
 * plot: the papers' style of figure (matplotlib, imported only when drawing).
 
-The names below are the package's API (``from facodegen import bench; bench.run_grid(...)``); the
+The backward, decode and variants suites are used through their modules (``from facodegen.bench
+import backward; backward.run_backward(...)``). The names below are the package's API (``from facodegen import bench; bench.run_grid(...)``); the
 private helpers that tools reach for (``variants._facodegen_fn``, ``inputs._make_inputs``, ...) are
 imported from their module.
 """
@@ -61,8 +69,8 @@ from .overhead import (OVERHEAD_SHAPE, OVERHEAD_CASES, OVERHEAD_OPTIONS, OVERHEA
 from .peers import DEFAULT_PEERS, peer_available
 from .results import CSV_FIELDS, csv_rows, to_csv, environment, write_results
 from .runner import run_cell, run_grid, run_cli_bench
-from .suites import (SUITES, SUITE_PEERS, OVERHEAD_SUITE, EVOLUTION_VARIANTS, EVOLUTION_TIMING, suite_cells,
-                     suite_names)
+from .suites import (SUITES, SUITE_PEERS, OVERHEAD_SUITE, DECODE_SUITE, VARIANTS_SUITE, OWN_RUNNER_SUITES,
+                     EVOLUTION_VARIANTS, EVOLUTION_TIMING, suite_cells, suite_names)
 from .tables import (PEER_TITLES, PREPARED_SUFFIX, facodegen_name, is_facodegen, prepared_name, is_prepared,
                      has_ratio, best_peer, ratio_to_best_peer, implementations, format_table, format_notes)
 from .timing import (WARMUP, GROUPS, CALLS_PER_GROUP, time_cuda_interleaved, time_cuda, time_host_per_call,
@@ -88,8 +96,8 @@ __all__ = [
     # runner
     "run_cell", "run_grid", "run_cli_bench",
     # suites
-    "SUITES", "SUITE_PEERS", "OVERHEAD_SUITE", "EVOLUTION_VARIANTS", "EVOLUTION_TIMING", "suite_cells",
-    "suite_names",
+    "SUITES", "SUITE_PEERS", "OVERHEAD_SUITE", "DECODE_SUITE", "VARIANTS_SUITE", "OWN_RUNNER_SUITES",
+    "EVOLUTION_VARIANTS", "EVOLUTION_TIMING", "suite_cells", "suite_names",
     # tables
     "PEER_TITLES", "PREPARED_SUFFIX", "facodegen_name", "is_facodegen", "prepared_name", "is_prepared",
     "has_ratio", "best_peer", "ratio_to_best_peer", "implementations", "format_table", "format_notes",

@@ -1,6 +1,7 @@
 """The suites of `facodegen bench --suite`: each TFLOP/s suite's grid by name (SUITES), the peers a
-suite times (SUITE_PEERS), the evolution suite's facodegen variants and timing, and the overhead
-suite's name (its cases, callables and tables are overhead.py's)."""
+suite times (SUITE_PEERS), the evolution suite's facodegen variants and timing, and the names of the
+suites with runners of their own: overhead (overhead.py), decode (decode.py), variants
+(variants_suite.py). The backward of the fa3-paper grid is backward.py's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from .grids import GRIDS
 SUITES = {"fa3-paper": GRIDS["fa3"], **{name: grid for name, grid in GRIDS.items() if name != "fa3"}}
 SUITE_PEERS = ("fa3", "cudnn", "fa2", "efficient")
 OVERHEAD_SUITE = "overhead"  # host microseconds per call: run_overhead, not a grid
+DECODE_SUITE = "decode"      # TB/s of decode steps: decode.run_decode over decode.Cell's
+VARIANTS_SUITE = "variants"  # windows, softcap, sinks (time ratios): variants_suite.run_variants
+# Suites that are not a grid of forward TFLOP/s cells (their own runners); the forward grid
+# "fa3-paper" also times the backward (backward.run_backward: `bench --suite fa3-paper --backward`).
+OWN_RUNNER_SUITES = (OVERHEAD_SUITE, DECODE_SUITE, VARIANTS_SUITE)
 
 
 def suite_cells(suite: str, dtype: str = "bf16", head_dim: int | None = None,
@@ -18,6 +24,8 @@ def suite_cells(suite: str, dtype: str = "bf16", head_dim: int | None = None,
     """The cells of a suite, optionally only one head_dim and/or one mask."""
     if suite == OVERHEAD_SUITE:
         raise ValueError(f"suite: {suite!r} times host microseconds per call (run_overhead), not a grid of cells")
+    if suite in OWN_RUNNER_SUITES:
+        raise ValueError(f"suite: {suite!r} has its own cells and runner (bench.{suite if suite == 'decode' else 'variants_suite'})")
     if suite not in SUITES:
         raise ValueError(f"suite: {suite!r} is not one of {', '.join(SUITES)}")
     cells = SUITES[suite](dtype)
@@ -46,5 +54,6 @@ EVOLUTION_TIMING = {"warmup": 2, "groups": 3, "calls": 3}
 
 
 def suite_names() -> tuple[str, ...]:
-    """Every `facodegen bench --suite` name: the TFLOP/s grids (SUITES) and the overhead suite."""
-    return (*SUITES, OVERHEAD_SUITE)
+    """Every `facodegen bench --suite` name: the TFLOP/s grids (SUITES), the overhead, decode and
+    variants suites."""
+    return (*SUITES, *OWN_RUNNER_SUITES)

@@ -1,0 +1,298 @@
+"""The decode suite (`facodegen bench --suite decode`, scripts/bench_decode.py): decode bandwidth,
+facodegen.attention_with_kvcache beside FlashAttention-3's flash_attn_with_kvcache (num_splits=0, its
+own heuristics) and torch SDPA's flash backend (GQA through enable_gqa), in one run, one query token
+per sequence, bf16, full caches (cache_seqlens = context).
+
+Cells: batch {1, 8, 64} x context {1k, 8k, 32k, 256k} x heads q/kv {32/32, 32/8, 64/8} x d {64, 128}
+x layout {contiguous, paged 64, paged 256}, skipping cells whose K+V exceed ``max_gb`` (60 GB); QUICK
+is a subset that runs in about 3 minutes on an H200. Effective bandwidth = bytes of K and V read
+(2 x batch x context x heads_kv x d x 2) / time.
+
+Timing: timing.time_cuda_interleaved (CUDA events, warm-up, implementations in turns group by group,
+median of the group means); where one cell's K+V is under twice the L2 (inputs.L2_BYTES_DEFAULT) the
+calls rotate over several caches (inputs.input_sets_needed) so no timing is of a warm L2. Each
+implementation's O is checked against facodegen's reference-tested output on the first cache
+(max |diff| < 2e-2) before timing. The pure parts import without torch."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+
+from .inputs import L2_BYTES_DEFAULT, input_sets_needed
+
+BATCHES = (1, 8, 64)
+CONTEXTS = (1024, 8192, 32768, 262144)
+HEADS = ((32, 32), (32, 8), (64, 8))
+HEAD_DIMS = (64, 128)
+LAYOUTS = ("contiguous", "paged64", "paged256")
+MAX_GB = 60.0
+QUICK = {"batch": (1, 8, 64), "context": (8192, 262144), "heads": ((32, 8),), "d": (128,),
+         "layout": ("contiguous", "paged64")}
+FULL = {"batch": BATCHES, "context": CONTEXTS, "heads": HEADS, "d": HEAD_DIMS, "layout": LAYOUTS}
+DECODE_PEERS = ("fa3", "sdpa")
+IMPLS = ("facodegen", *DECODE_PEERS)
+CSV_FIELDS = ("cell", "batch", "context", "heads_q", "heads_kv", "d", "layout", "kv_bytes", "impl", "tbps", "ms",
+              "host_ms", "ratio", "splits", "note")
+
+
+@dataclass(frozen=True)
+class Cell:
+    batch: int
+    context: int
+    heads_q: int
+    heads_kv: int
+    d: int
+    layout: str
+
+    @property
+    def page_size(self) -> int:
+        return int(self.layout.removeprefix("paged")) if self.layout.startswith("paged") else 0
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V a decode step reads (bf16)."""
+        return 2 * self.batch * self.context * self.heads_kv * self.d * 2
+
+    @property
+    def name(self) -> str:
+        return f"b{self.batch} ctx{self.context} h{self.heads_q}/{self.heads_kv} d{self.d} {self.layout}"
+
+
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """'1,8,64' or '1k,256k' -> ints (k = 1024)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+    return tuple(out)
+
+
+def parse_heads(text: str) -> tuple[tuple[int, int], ...]:
+    """'32/32,32/8' -> ((32, 32), (32, 8))."""
+    pairs = []
+    for part in text.split(","):
+        q, kv = part.split("/")
+        pairs.append((int(q), int(kv)))
+    return tuple(pairs)
+
+
+def cells(batch=BATCHES, context=CONTEXTS, heads=HEADS, d=HEAD_DIMS, layout=LAYOUTS,
+          max_gb: float = MAX_GB) -> list[Cell]:
+    """The grid, K+V kept to max_gb (decimal GB), paged layouts only where the page divides the context."""
+    bad = [x for x in layout if x not in LAYOUTS]
+    if bad:
+        raise ValueError(f"layout {bad[0]}: choose from {', '.join(LAYOUTS)}")
+    out = []
+    for b in batch:
+        for ctx in context:
+            for hq, hkv in heads:
+                for dim in d:
+                    for lay in layout:
+                        cell = Cell(b, ctx, hq, hkv, dim, lay)
+                        if cell.kv_bytes > max_gb * 1e9:
+                            continue
+                        if cell.page_size and ctx % cell.page_size:
+                            continue
+                        out.append(cell)
+    return out
+
+
+def suite_cells(quick: bool = False, head_dim: int | None = None, max_gb: float = MAX_GB) -> list[Cell]:
+    """`bench --suite decode`'s cells: the full grid or QUICK, optionally one head_dim."""
+    grid = dict(QUICK if quick else FULL)
+    if head_dim is not None:
+        grid["d"] = tuple(x for x in grid["d"] if x == head_dim)
+    return cells(**grid, max_gb=max_gb)
+
+
+def input_sets(kv_bytes: int, l2_bytes: int = L2_BYTES_DEFAULT) -> int:
+    """Caches to rotate over so the calls do not find K/V in the L2: enough for 2 x L2, at most
+    inputs.MAX_INPUT_SETS (inputs.input_sets_needed)."""
+    return input_sets_needed(kv_bytes, l2_bytes)
+
+
+def tbps(kv_bytes: int, ms: float | None) -> float | None:
+    return None if not ms else kv_bytes / (ms * 1e-3) / 1e12
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one row per cell, TB/s of facodegen and each peer, then facodegen / peer ratios last."""
+    head = "| cell | K+V MB | facodegen TB/s | FA3 TB/s | SDPA flash TB/s | splits | vs FA3 | vs SDPA | vs best |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        ours, fa3, sdpa = r.get("facodegen"), r.get("fa3"), r.get("sdpa")
+        best = max([x for x in (fa3, sdpa) if x], default=None)
+        lines.append(f"| {r['cell']} | {r['kv_bytes'] / 1e6:.0f} | {_num(ours)} | {_num(fa3)} | {_num(sdpa)} | "
+                     f"{r.get('splits', '–')} | {_ratio(ours, fa3)} | {_ratio(ours, sdpa)} | {_ratio(ours, best)} |")
+    return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return f"{x:.2f}" if x else "–"
+
+
+def _ratio(ours, peer) -> str:
+    return f"{ours / peer:.2f}x" if ours and peer else "–"
+
+
+def geomean(values) -> float | None:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def geomeans(rows: list[dict]) -> dict:
+    """peer -> geomean of facodegen / peer over the cells where both ran."""
+    out = {}
+    for peer in DECODE_PEERS:
+        g = geomean(r["facodegen"] / r[peer] for r in rows if r.get("facodegen") and r.get(peer))
+        if g:
+            out[peer] = g
+    return out
+
+
+def summary(rows: list[dict]) -> str:
+    """The table and the geomean lines, as printed."""
+    return table(rows) + "".join(f"\n\ngeomean facodegen / {peer}: {g:.3f}x" for peer, g in geomeans(rows).items())
+
+
+def to_csv(rows: list[dict]) -> str:
+    """One record per (cell, implementation): TB/s, ms, facodegen's ratio to that peer, the note."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        for impl in IMPLS:
+            if r.get(impl) is None and not r.get(impl + "_note") and not r.get("error"):
+                continue
+            ratio = r["facodegen"] / r[impl] if impl != "facodegen" and r.get("facodegen") and r.get(impl) else None
+            rec = {k: r.get(k) for k in CSV_FIELDS[:8]}
+            rec.update(impl=impl, tbps=r.get(impl), ms=r.get(impl + "_ms"), host_ms=r.get(impl + "_host_ms"),
+                       ratio=ratio, splits=r.get("splits"), note=r.get(impl + "_note") or r.get("error"))
+            writer.writerow({k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v))
+                             for k, v in rec.items()})
+    return buf.getvalue()
+
+
+def write_decode_results(rows: list[dict], out_dir, stem: str = "bench-decode", env: dict | None = None,
+                         grid: dict | None = None) -> dict:
+    """Write <stem>.md (table, geomeans), .csv and .json (rows, grid, environment) into ``out_dir``."""
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / f"{stem}.md", "csv": out / f"{stem}.csv", "json": out / f"{stem}.json"}
+    paths["md"].write_text(summary(rows) + "\n")
+    paths["csv"].write_text(to_csv(rows))
+    paths["json"].write_text(json.dumps({"env": env or {}, "grid": {k: list(v) for k, v in (grid or {}).items()},
+                                         "rows": rows}, indent=1, default=str) + "\n")
+    return paths
+
+
+# ------------------------------------------------------------------ GPU part
+
+def _fa3():
+    from .peers import _fa3_module
+    mod, _ = _fa3_module()
+    return getattr(mod, "flash_attn_with_kvcache", None) if mod is not None else None
+
+
+def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import facodegen
+
+    from .timing import time_cuda_interleaved
+
+    dt = torch.bfloat16
+    sets = input_sets(cell.kv_bytes)
+    q = torch.randn(cell.batch, 1, cell.heads_q, cell.d, dtype=dt, device="cuda")
+    lengths = torch.full((cell.batch,), cell.context, dtype=torch.int32, device="cuda")
+    caches = []
+    for _ in range(sets):
+        if cell.page_size:
+            pages = cell.batch * cell.context // cell.page_size
+            shape = (pages, cell.page_size, cell.heads_kv, cell.d)
+            table_ = torch.randperm(pages, device="cuda").view(cell.batch, -1).to(torch.int32)
+        else:
+            shape, table_ = (cell.batch, cell.context, cell.heads_kv, cell.d), None
+        caches.append((torch.randn(shape, dtype=dt, device="cuda"), torch.randn(shape, dtype=dt, device="cuda"),
+                       table_))
+    turn = {"i": 0}
+
+    def rotate():
+        turn["i"] = (turn["i"] + 1) % sets
+        return caches[turn["i"]]
+
+    def ours():
+        kc, vc, pt = rotate()
+        return facodegen.attention_with_kvcache(q, kc, vc, lengths, page_table=pt, num_splits=0)
+
+    fns, names = [ours], ["facodegen"]
+    fa3 = _fa3() if "fa3" in peers else None
+    if fa3 is not None:
+        def fa3_call():
+            kc, vc, pt = rotate()
+            out = fa3(q, kc, vc, cache_seqlens=lengths, page_table=pt, causal=True, num_splits=0)
+            return out[0] if isinstance(out, tuple) else out
+        fns.append(fa3_call)
+        names.append("fa3")
+    if "sdpa" in peers and not cell.page_size:
+        def sdpa_call():
+            kc, vc, _ = rotate()
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                                      enable_gqa=cell.heads_q != cell.heads_kv).transpose(1, 2)
+        fns.append(sdpa_call)
+        names.append("sdpa")
+    result = {"cell": cell.name, **asdict(cell), "kv_bytes": cell.kv_bytes, "sets": sets}
+    # correctness first: every implementation against facodegen on the same cache
+    good = []
+    turn["i"] = -1
+    want = ours().float()
+    for name, fn in zip(names, fns):
+        turn["i"] = -1
+        try:
+            got = fn().float()
+            err = (got - want).abs().max().item()
+            if check and not err < 2e-2:
+                result[name + "_note"] = f"differs from facodegen by {err:.3e}: not timed"
+                continue
+            good.append((name, fn))
+        except Exception as exc:  # noqa: BLE001 (a peer that refuses the cell)
+            result[name + "_note"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    timings = time_cuda_interleaved([fn for _, fn in good])
+    for (name, _), t in zip(good, timings):
+        result[name] = tbps(cell.kv_bytes, t["ms"])
+        result[name + "_ms"] = t["ms"]
+        result[name + "_host_ms"] = t["host_ms"]
+    from .. import kvcache
+    plans = [p for p in kvcache._PLANS._plans.values() if p.outputs[0] == tuple(q.shape)]
+    if plans:
+        result["splits"] = plans[-1].num_splits
+        result["variant"] = plans[-1].specs["decode"].variant
+    caches.clear()
+    torch.cuda.empty_cache()
+    return result
+
+
+def run_decode(todo: list[Cell], peers=DECODE_PEERS, log=print) -> list[dict]:
+    """run_cell over the cells; a cell that raises is reported in its row and the run goes on."""
+    rows = []
+    t0 = time.time()
+    for cell in todo:
+        try:
+            row = run_cell(cell, peers)
+        except Exception as exc:  # noqa: BLE001 (one cell's failure must not lose the others)
+            row = {"cell": cell.name, **asdict(cell), "kv_bytes": cell.kv_bytes, "error": f"{type(exc).__name__}: {exc}"}
+        rows.append(row)
+        log(f"[{time.time() - t0:6.1f}s] {cell.name}: " + ", ".join(
+            f"{k} {row[k]:.2f} TB/s" for k in IMPLS if row.get(k)) +
+            (f" ERROR {row['error']}" if "error" in row else ""))
+    return rows

@@ -1,0 +1,165 @@
+"""`facodegen bench --suite fa3-paper --backward/--fwd-bwd`, `--suite decode` and `--suite variants`
+without a GPU (click's CliRunner, the runners monkeypatched): each reaches its runner with the right
+cells and options, writes its files under --out and prints its table last; options a suite cannot
+honour are usage errors (exit 2) that name the option."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from facodegen import cli
+from facodegen import compiler as fc
+from facodegen.bench import backward as bw
+from facodegen.bench import decode as dec
+from facodegen.bench import results
+from facodegen.bench import variants_suite as vs
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(fc, "gpu_available", lambda: (True, "fake GPU"))
+    monkeypatch.setattr(results, "environment", lambda: {"gpu": "fake GPU", "facodegen": "0"})
+
+
+@pytest.fixture
+def backward_calls(monkeypatch):
+    seen = []
+
+    def fake_run_backward(cells, peers=bw.BACKWARD_PEERS, facodegen=True, variants=(), mode="backward",
+                          warmup=bw.WARMUP, iters=bw.ITERS, log=print):
+        seen.append(dict(cells=cells, peers=tuple(peers), variants=list(variants), mode=mode, facodegen=facodegen))
+        rows = []
+        for c in cells:
+            res = {"facodegen": {"tflops": 200.0}, **{p: {"tflops": 400.0} for p in peers}}
+            res.update({bw.variant_label(k): {"tflops": 250.0} for k in variants})
+            rows.append(dict(c, flops=bw.cell_flops(c, mode), mode=mode, results=res))
+        return rows
+
+    monkeypatch.setattr(bw, "run_backward", fake_run_backward)
+    return seen
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli.main, ["bench", *args])
+
+
+def test_backward_reaches_run_backward_with_the_fa3_paper_cells(fake_gpu, backward_calls, tmp_path):
+    result = invoke("--suite", "fa3-paper", "--backward", "--out", str(tmp_path), "--no-plot")
+    assert result.exit_code == 0, result.output
+    (call,) = backward_calls
+    assert call["cells"] == bw.backward_cells() and len(call["cells"]) == 36
+    assert call["peers"] == ("cudnn", "fa2") and call["mode"] == "backward" and call["variants"] == []
+    assert result.output.rstrip().splitlines()[-1] == "| geomean | | | | | | 0.50x | 0.50x |"
+    assert "backward, FLOPs = 2.5 x forward" in result.output
+    for ext in ("md", "csv", "json"):
+        assert (tmp_path / f"bench-fa3-paper-backward-bf16.{ext}").exists()
+
+
+def test_backward_head_dim_causal_quick_peers_variants_dtype(fake_gpu, backward_calls, tmp_path):
+    result = invoke("--suite", "fa3-paper", "--backward", "--head-dim", "128", "--causal", "--quick", "--dtype",
+                    "fp16", "--peers", "flash", "--variant", "k_unroll=1,block_n=64", "--variant", "k_unroll=2",
+                    "--out", str(tmp_path), "--no-plot")
+    assert result.exit_code == 0, result.output
+    (call,) = backward_calls
+    assert call["cells"] == [bw.paper_cell(128, True, 2048, "fp16"), bw.paper_cell(128, True, 8192, "fp16")]
+    assert call["peers"] == ("fa2",) and call["variants"] == [{"k_unroll": 1, "block_n": 64}, {"k_unroll": 2}]
+    assert "facodegen[block_n=64,k_unroll=1]" in result.output
+    assert (tmp_path / "bench-fa3-paper-backward-fp16.md").exists()
+
+
+def test_fwd_bwd_is_forward_plus_backward(fake_gpu, backward_calls, tmp_path):
+    result = invoke("--suite", "fa3-paper", "--fwd-bwd", "--no-causal", "--out", str(tmp_path), "--no-plot")
+    assert result.exit_code == 0, result.output
+    (call,) = backward_calls
+    assert call["mode"] == "fwd-bwd" and len(call["cells"]) == 18 and not any(c["causal"] for c in call["cells"])
+    assert "forward + backward, FLOPs = 3.5 x forward" in result.output
+    assert (tmp_path / "bench-fa3-paper-fwd-bwd-bf16.json").exists()
+
+
+def test_decode_reaches_run_decode(fake_gpu, monkeypatch, tmp_path):
+    seen = []
+
+    def fake_run_decode(todo, peers=dec.DECODE_PEERS, log=print):
+        seen.append((todo, tuple(peers)))
+        return [{"cell": c.name, "kv_bytes": c.kv_bytes, "facodegen": 4.0, "fa3": 3.8} for c in todo]
+
+    monkeypatch.setattr(dec, "run_decode", fake_run_decode)
+    result = invoke("--suite", "decode", "--quick", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert seen == [(dec.cells(**dec.QUICK), ("fa3", "sdpa"))]
+    assert result.output.rstrip().splitlines()[-1] == "geomean facodegen / fa3: 1.053x"
+    assert all((tmp_path / f"bench-decode.{ext}").exists() for ext in ("md", "csv", "json"))
+    seen.clear()
+    result = invoke("--suite", "decode", "--head-dim", "64", "--peers", "sdpa", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert seen == [(dec.cells(d=(64,)), ("sdpa",))]
+
+
+def test_variants_reaches_run_variants(fake_gpu, monkeypatch, tmp_path):
+    seen = []
+
+    def fake_run_variants(todo, quick=False, log=print):
+        seen.append((todo, quick))
+        return [dict(c, ms={"facodegen_plain": 1.0, f"facodegen_{c['variant']}": 1.1}, notes=[]) for c in todo
+                if c["variant"] != "window"]
+
+    monkeypatch.setattr(vs, "run_variants", fake_run_variants)
+    result = invoke("--suite", "variants", "--quick", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert seen == [(vs.cells(), True)]
+    assert result.output.rstrip().splitlines()[-1].startswith("| sinks | 16384 | 1 |")
+    assert (tmp_path / "bench-variants.json").exists() and (tmp_path / "bench-variants.md").exists()
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--suite", "fa3-paper", "--backward", "--dtype", "fp8"], ["--dtype fp8", "no backward"]),
+    (["--suite", "fa3-paper", "--fwd-bwd", "--dtype", "fp8"], ["--dtype fp8", "--fwd-bwd"]),
+    (["--suite", "quick", "--backward"], ["--backward", "--suite fa3-paper"]),
+    (["--backward"], ["--backward", "no --suite"]),
+    (["--suite", "fa3-paper", "--backward", "--fwd-bwd"], ["--backward and --fwd-bwd"]),
+    (["--suite", "fa3-paper", "--variant", "k_unroll=1"], ["--variant"]),
+    (["--suite", "fa3-paper", "--fwd-bwd", "--variant", "k_unroll=1"], ["--variant"]),
+    (["--suite", "fa3-paper", "--backward", "--variant", "k_unroll"], ["--variant", "knob=value"]),
+    (["--suite", "fa3-paper", "--backward", "--block-n", "64"], ["--block-n", "--backward"]),
+    (["--suite", "fa3-paper", "--backward", "--arch", "sm90"], ["--arch", "--backward"]),
+    (["--suite", "fa3-paper", "--backward", "--head-dim", "96"], ["--head-dim 96"]),
+    (["--suite", "fa3-paper", "--backward", "--peers", "fa3"], ["--peers", "fa3"]),
+    (["--suite", "fa3-paper", "--backward", "--budget-s", "10"], ["--budget-s"]),
+    (["--suite", "fa3-paper", "--backward", "--no-prepared"], ["--no-prepared"]),
+    (["--suite", "fa3-paper", "--quick"], ["--quick"]),
+    (["--quick"], ["--quick"]),
+    (["--suite", "decode", "--dtype", "fp16"], ["--dtype fp16", "decode"]),
+    (["--suite", "decode", "--causal"], ["--causal", "--suite decode"]),
+    (["--suite", "decode", "--peers", "fa2"], ["--peers", "fa2"]),
+    (["--suite", "decode", "--head-dim", "256"], ["--head-dim 256"]),
+    (["--suite", "variants", "--arch", "sm90"], ["--arch", "--suite variants"]),
+    (["--suite", "variants", "--peers", "fa3"], ["--peers"]),
+])
+def test_bad_combinations_are_usage_errors_naming_the_option(fake_gpu, backward_calls, monkeypatch, args, names):
+    monkeypatch.setattr(dec, "run_decode", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr(vs, "run_variants", lambda *a, **k: pytest.fail("ran"))
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("Error: ") and len(result.output.strip().splitlines()) == 1
+    for name in names:
+        assert name in result.output
+    assert backward_calls == []
+
+
+def test_usage_errors_come_before_the_gpu_check(monkeypatch):
+    monkeypatch.setattr(fc, "gpu_available", lambda: (False, "no CUDA GPU (test)"))
+    assert "fp8 has no backward" in invoke("--suite", "fa3-paper", "--backward", "--dtype", "fp8").output
+    assert "needs a CUDA GPU" in invoke("--suite", "decode").output
+
+
+def test_suite_names_and_help():
+    from facodegen import bench
+    assert set(cli.SUITE_NAMES) == set(bench.suite_names()) >= {"decode", "variants"}
+    for suite in ("decode", "variants"):
+        with pytest.raises(ValueError, match="own cells and runner"):
+            bench.suite_cells(suite)
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for text in ("--backward", "--fwd-bwd", "--variant", "--quick", "--suite decode --quick", "--suite variants"):
+        assert text in result.output
