@@ -472,3 +472,20 @@ def test_fp8_transposers_at_24_registers_keep_loads_in_flight_without_spills(cau
     first_perm = next(i for i, op in enumerate(loop) if op.startswith("PRMT"))
     in_flight = {op.split()[1] for op in loop[:first_perm] if op.startswith("LDSM")}
     assert len(in_flight) >= 2, loop[:first_perm]
+
+
+@pytest.mark.parametrize("vt_in_place", [False, True])
+def test_the_end_of_the_v_stream_is_marked_per_ring_slot(vt_in_place):
+    """The loader runs up to STAGES tiles ahead of the transposers, so the end of the V stream must
+    belong to the ring slot whose v_full phase carries no tile: one end-of-stream barrier for the whole
+    ring (as at 4ea21e5) let the transposers stop at the slot before it, and the consumers then waited
+    forever for that slot's V^T (a hang: the device fuzz of 2026-12-03 sat silent at its third case,
+    an fp8 one). The loader marks the end in the slot it sends it through; the transposers test the
+    slot they just waited on."""
+    spec = KernelSpec(arch="sm90", head_dim=128, dtype="fp8", v_layout="row", vt_in_place=vt_in_place)
+    source = render.emit(spec)
+    assert "uint64_t v_stream_end[STAGES];" in source
+    assert "mbar_arrive(smem_u32(&state.v_stream_end[stage]));" in source
+    assert re.search(r"mbar_test\(smem_u32\(&state\.v_stream_end\[stage\]\), 0\)", source)
+    # every use names a slot: no whole-ring end left anywhere
+    assert not re.search(r"&state\.v_stream_end\)", source)
