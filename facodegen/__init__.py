@@ -13,12 +13,14 @@ from .render import emit  # noqa: E402
 from .compiler import CompiledKernel, CompileError, compile  # noqa: E402
 from .api import attention, prepare, transpose_v  # noqa: E402
 from .quantize import quantize_e4m3  # noqa: E402
-from .adapters import flash_attn_func  # noqa: E402
+from .varlen import attention_varlen  # noqa: E402
+from .adapters import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 from .backward import attention_backward  # noqa: E402
 from .backward_spec import BackwardSpec  # noqa: E402
 from .kvcache import attention_with_kvcache, flash_attn_with_kvcache  # noqa: E402
 
 __all__ = ["KernelSpec", "SpecError", "default_spec", "default_specs", "emit", "compile", "CompiledKernel",
            "CompileError", "attention", "transpose_v", "quantize_e4m3", "prepare", "flash_attn_func",
+           "attention_varlen", "flash_attn_varlen_func",
            "attention_backward", "BackwardSpec", "attention_with_kvcache", "flash_attn_with_kvcache",
            "__version__"]

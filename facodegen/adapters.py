@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import facodegen
 
-__all__ = ["flash_attn_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -37,13 +37,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     Not supported yet, and raising NotImplementedError: ``dropout_p`` != 0, ``alibi_slopes``.
     """
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p!r} is not supported yet (facodegen has no dropout; "
-                                  f"pass dropout_p=0.0)")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not supported yet (pass alibi_slopes=None)")
-    # FlashAttention: any negative side is unbounded, softcap <= 0 is off
-    window = tuple(-1 if isinstance(w, int) and not isinstance(w, bool) and w < 0 else w for w in window_size)
+    _refuse_unsupported(dropout_p, alibi_slopes)
+    window = _window(window_size)
     variants = {}
     if window != (-1, -1):
         variants["window_size"] = window
@@ -54,3 +49,51 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                        **variants)
         return out, lse, None
     return facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, **variants)
+
+
+def _refuse_unsupported(dropout_p, alibi_slopes) -> None:
+    """FlashAttention's arguments no facodegen kernel supports yet: NotImplementedError naming them."""
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p!r} is not supported yet (facodegen has no dropout; "
+                                  f"pass dropout_p=0.0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not supported yet (pass alibi_slopes=None)")
+
+
+def _window(window_size) -> tuple:
+    """FlashAttention's window_size with any negative side as -1 (unbounded)."""
+    return tuple(-1 if isinstance(w, int) and not isinstance(w, bool) and w < 0 else w for w in window_size)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """FlashAttention-2's ``flash_attn_varlen_func`` (same parameters, order and defaults) on facodegen's
+    varlen kernel (facodegen.attention_varlen).
+
+    q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim), fp16 or bf16, packed one
+    sequence after another; cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) prefix sums on the same
+    device; max_seqlen_q, max_seqlen_k: host ints. ``causal`` is aligned bottom-right per sequence.
+    Returns out (total_q, heads_q, head_dim); ``return_attn_probs=True`` returns ``(out,
+    softmax_lse, None)`` with softmax_lse float32 (heads_q, total_q), as FlashAttention-2's varlen.
+
+    Supported: ``softmax_scale``, ``causal``, ``deterministic`` (moot: the forward is deterministic).
+    Not supported yet, and raising NotImplementedError: ``dropout_p`` != 0, ``alibi_slopes``,
+    ``window_size`` other than unbounded, ``softcap`` > 0, ``block_table`` (paged K/V).
+    """
+    _refuse_unsupported(dropout_p, alibi_slopes)
+    if _window(window_size) != (-1, -1):
+        raise NotImplementedError(f"window_size={tuple(window_size)!r}: facodegen's varlen kernel has no sliding "
+                                  f"window yet (pass window_size=(-1, -1))")
+    if softcap > 0.0:
+        raise NotImplementedError(f"softcap={softcap!r}: facodegen's varlen kernel has no softcap yet (pass 0.0)")
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged K/V) is not supported by facodegen's varlen kernel yet (pass "
+                                  "block_table=None; for decoding over a paged cache see "
+                                  "facodegen.flash_attn_with_kvcache)")
+    if return_attn_probs:
+        out, lse = facodegen.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              causal=bool(causal), softmax_scale=softmax_scale, return_lse=True)
+        return out, lse, None
+    return facodegen.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      causal=bool(causal), softmax_scale=softmax_scale)

@@ -20,7 +20,10 @@ from 0, 1, a few keys, the sequence length and beyond, -1 = unbounded, causal or
 alignment, softcap values, sinks); ``backward`` (dQ, dK, dV of attention() under autograd against
 float64 autograd, FlashAttention-3's criterion per gradient); ``kvcache`` (attention_with_kvcache:
 1-16 query tokens, contiguous or paged caches with shuffled pages, random lengths from 0, appends,
-split counts). Varlen joins when it lands.
+split counts); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
+case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; sm80's kernel,
+which an H100 runs compiled for sm_90). The families are appended in this order, so adding one leaves
+the draws of a single family's run unchanged for a seed (``all`` draws among them all).
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from dataclasses import asdict, dataclass
 
 from .spec import HEAD_DIMS
 
-FAMILIES = ("forward", "variants", "backward", "kvcache")
+FAMILIES = ("forward", "variants", "backward", "kvcache", "varlen")
 KVCACHE_PAGE_SIZES = (0, 0, 16, 64, 256)   # 0: contiguous
 LAYOUTS = ("contiguous", "strided", "offset")
+VARLEN_REPRESENTATIVE_SEED = 11
 MAX_SCORES = 1 << 26        # batch x heads x seqlen_q x seqlen_k at most (the float64 reference's size)
 
 
@@ -144,6 +148,9 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
                          num_splits=rng.choice((0, 0, 1, rng.randint(2, 8))))
             if seqlen_k < extra["seqlen_new"] or batch * heads_q * seqlen_q * seqlen_k > MAX_SCORES:
                 continue
+        elif this_family == "varlen":
+            # seqlen_q / seqlen_k are the calls' max_seqlen; the sequences' own lengths come from the seed
+            arch, dtype = "sm80", rng.choice(("bf16", "fp16"))
         cases.append(Case(
             family=this_family, arch=arch, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, causal=rng.random() < 0.5,
@@ -220,6 +227,8 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         return _run_backward(case, launch_only)
     if case.family == "kvcache":
         return _run_kvcache(case, launch_only)
+    if case.family == "varlen":
+        return _run_varlen(case, launch_only)
     import torch
 
     import facodegen
@@ -413,6 +422,69 @@ def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     return not problems, "; ".join(problems) or "O, LSE and the caches ok"
 
 
+def varlen_lengths(case: Case) -> tuple[list[int], list[int]]:
+    """Each sequence's query and key lengths in a varlen case, drawn from its seed: 0, 1, the case's
+    maximum or any length up to it; one sequence has the maximum query length (so the grid's bound
+    max_seqlen_q = case.seqlen_q is met and no call packs zero tokens)."""
+    rng = random.Random(case.seed)
+
+    def length(limit: int) -> int:
+        return rng.choice((0, 1, limit, rng.randint(1, limit), rng.randint(1, limit)))
+    lengths_q = [length(case.seqlen_q) for _ in range(case.batch)]
+    lengths_k = [length(case.seqlen_k) for _ in range(case.batch)]
+    longest = rng.randrange(case.batch)
+    lengths_q[longest] = case.seqlen_q
+    lengths_k[longest] = max(lengths_k[longest], 1)     # (and some key, so total_k >= 1)
+    return lengths_q, lengths_k
+
+
+def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
+    """attention_varlen on packed sequences of varlen_lengths(case) (the case's layout applied to the
+    packed tensors, O poisoned with NaN where the case passes out=), each sequence's O against a
+    float64 computation of that sequence alone by FlashAttention-3's criterion, the LSE (heads_q,
+    total_q) within 1e-3 + 1e-4 |lse| and -inf exactly where the reference has it."""
+    import itertools
+
+    import torch
+
+    import facodegen
+    gen = torch.Generator(device="cuda").manual_seed(case.seed)
+    dt = torch.bfloat16 if case.dtype == "bf16" else torch.float16
+    lengths_q, lengths_k = varlen_lengths(case)
+    cu_q, cu_k = ([0, *itertools.accumulate(lengths)] for lengths in (lengths_q, lengths_k))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").mul_(case.magnitude).to(dt)
+    q = randn(cu_q[-1], case.heads_q, case.head_dim)
+    k, v = randn(cu_k[-1], case.heads_kv, case.head_dim), randn(cu_k[-1], case.heads_kv, case.head_dim)
+    args = [_layout(x[None], case.layout)[0] for x in (q, k, v)]
+    out = torch.full_like(q, float("nan")) if case.use_out else None
+    out, lse = facodegen.attention_varlen(*args, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
+                                          torch.tensor(cu_k, dtype=torch.int32, device="cuda"), case.seqlen_q,
+                                          case.seqlen_k, causal=case.causal, softmax_scale=case.softmax_scale,
+                                          return_lse=True, out=out)
+    if launch_only:
+        return _launched(out, lse)
+    scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
+    problems = []
+    for seq, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
+        if q0 == q1:
+            continue
+        one = [x[None, a:b] for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
+        ref, ref_lse = attention_torch(*one, case.causal, scale, upcast=True)
+        low, _ = attention_torch(*one, case.causal, scale, upcast=False)
+        why = fa3_failure(out[None, q0:q1], ref.nan_to_num(0.0), low.double().nan_to_num(0.0))
+        got_lse, ref_lse = lse[:, q0:q1].double(), ref_lse[0]
+        seen = torch.isfinite(ref_lse)
+        if not torch.equal(torch.isneginf(got_lse), ~seen):
+            why = (why + "; " if why else "") + "LSE -inf rows differ"
+        elif bool(((got_lse - ref_lse).abs() > 1e-3 + 1e-4 * ref_lse.abs())[seen].any()):
+            why = (why + "; " if why else "") + f"LSE max err {(got_lse - ref_lse)[seen].abs().max().item():.3e}"
+        if why:
+            problems.append(f"sequence {seq} ({q1 - q0} queries, {k1 - k0} keys): {why}")
+    return not problems, "; ".join(problems) or f"O and LSE ok ({case.batch} sequences, {cu_q[-1]} query tokens)"
+
+
 def case_specs(case: Case, device: int = 0) -> list:
     """Every kernel spec ``case`` launches on ``device``, as the calls resolve them: the forward's
     (backward cases: and the backward's), or the decode family's decode, combine and append."""
@@ -441,6 +513,8 @@ def case_spec(case: Case, device: int = 0):
         raise ValueError("a kvcache case launches no forward kernel (case_specs lists its kernels)")
     fields = {"out_dtype": "bf16", "v_layout": "row"} if case.dtype == "fp8" else {}
     causal = case.causal
+    if case.family == "varlen":     # as varlen.attention_varlen resolves it: max_seqlen in the shape
+        fields["varlen"] = True
     if case.family == "variants":     # the switches api._variants derives from the call's arguments
         local, causal, _, _ = api.window_params(case.window_left, case.window_right, case.causal, case.seqlen_q,
                                                 case.seqlen_k, case.top_left)
@@ -607,6 +681,13 @@ def representative_cases() -> list[Case]:
     cases.append(Case("kvcache", "sm90", "fp16", batch=2, seqlen_q=1, seqlen_k=777, heads_q=32, heads_kv=4,
                       head_dim=64, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7))
+    # Varlen per dtype and causal: six packed sequences (seed 11: queries with no key, keys with no
+    # query, one query against 257 keys, odd lengths), GQA, a strided token axis, O poisoned.
+    for dtype in ("bf16", "fp16"):
+        for causal in (False, True):
+            cases.append(Case("varlen", "sm80", dtype, batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
+                              head_dim=128, causal=causal, softmax_scale=None, layout="strided", magnitude=1.0,
+                              return_lse=True, use_out=True, seed=VARLEN_REPRESENTATIVE_SEED))
     return cases
 
 

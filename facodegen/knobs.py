@@ -226,6 +226,11 @@ KNOBS: tuple[Knob, ...] = (
          flag="--softcap/--no-softcap", problem=True, token=_flag("softcap")),
     Knob("sinks", "bool", "Attention sinks: one learnable fp32 logit per query head joins the softmax "
          "denominator (gpt-oss).", flag="--sinks/--no-sinks", problem=True, token=_flag("sinks")),
+    # Variable-length batches (issue 39): packed (total_tokens, heads, head_dim) tensors, each
+    # sequence's start and length read from the cu_seqlens_q/cu_seqlens_k FlashParams fields.
+    Knob("varlen", "bool", "sm80 fa2: packed variable-length sequences (attention_varlen: each CTA reads its "
+         "sequence's start and length from cu_seqlens).", ("sm80",), flag="--varlen/--no-varlen", problem=True,
+         token=_flag("varlen")),
 )
 # The attention variants' switches: off in every default kernel (whose source they leave unchanged).
 VARIANT_FEATURES = ("local", "softcap", "sinks")

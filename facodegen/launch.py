@@ -93,15 +93,33 @@ class Variants:
     sinks_ptr: int = 0
 
 
+@dataclass(frozen=True)
+class Varlen:
+    """The sequence boundaries of a varlen call (spec.varlen; params.VARLEN_FIELDS): the int32
+    cu_seqlens addresses (patched per call by the plan), the number of sequences, the caller's
+    max_seqlen_q / max_seqlen_k (the grid's bound) and the packed query tokens (the LSE's head
+    stride). The operands are then (1, total_tokens, heads, head_dim): one row per token."""
+    cu_seqlens_q_ptr: int
+    cu_seqlens_k_ptr: int
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    total_q: int
+
+
 def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand, lse_ptr: int,
                 tile_counter_ptr: int, softmax_scale: float, workspace_ptr: int = 0,
-                descales: dict[str, Descale] | None = None, variants: Variants | None = None) -> bytes:
+                descales: dict[str, Descale] | None = None, variants: Variants | None = None,
+                varlen: Varlen | None = None) -> bytes:
     """FlashParams bytes. dtype=fp8: ``descales`` = {"q": Descale, "k": ..., "v": ...}, and with
     v_layout=transposed ``v`` is V^T with shape (batch, heads_kv, head_dim, seqlen_k) and strides
     (batch, head, dim, 1). ``variants``: the run-time values of a spec with local/softcap/sinks; with
-    softcap c the kernel's softmax_scale is c (scores are tanh(s * softmax_scale / c) by then)."""
+    softcap c the kernel's softmax_scale is c (scores are tanh(s * softmax_scale / c) by then).
+    ``varlen``: the sequence boundaries of a spec with varlen (q, k, v, o packed as one batch)."""
     batch, seqlen_q, heads_q, _ = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
+    if spec.varlen:     # the grid's bounds: sequences x the longest sequence's query blocks
+        batch, seqlen_q, seqlen_k = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
     m_blocks = num_m_blocks(spec, seqlen_q)
     values = {
         "q": q.ptr, "k": k.ptr, "v": v.ptr, "o": o.ptr, "lse": lse_ptr, "tile_counter": tile_counter_ptr,
@@ -133,7 +151,10 @@ def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand
             values["softmax_scale"], values["scale_log2"] = variants.softcap, variants.softcap * LOG2E
         values.update(window_left=variants.window_left, window_right=variants.window_right,
                       softcap_scale=softcap_scale, sinks=variants.sinks_ptr)
-    return params_mod.pack(spec.arch, values, spec.dtype, has_variants)
+    if spec.varlen:
+        values.update(cu_seqlens_q=varlen.cu_seqlens_q_ptr, cu_seqlens_k=varlen.cu_seqlens_k_ptr,
+                      total_q=varlen.total_q)
+    return params_mod.pack(spec.arch, values, spec.dtype, has_variants, spec.varlen)
 
 
 def resident_ctas(spec: KernelSpec, num_sms: int, function=None) -> int:

@@ -90,9 +90,21 @@ VARIANT_FIELDS = [
 ]
 
 
-def fields(arch: str, dtype: str | None = None, variants: bool = False) -> list[Field]:
+# Varlen kernels (spec.varlen) only, last, so the other kernels' struct is unchanged: the packed
+# tensors' sequence boundaries. Sequence b's rows are tokens cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1
+# of q and o (cu_seqlens_k: of k and v); each tensor's row stride is its token stride (batch strides
+# are unused). batch, seqlen_q, seqlen_k and num_m_blocks then hold the sequence count and the
+# caller's max_seqlen_q/max_seqlen_k (the grid's bounds); the LSE is (heads_q, total_q).
+VARLEN_FIELDS = [
+    Field("cu_seqlens_q", "ptr", "const int*", "varlen: int32 (batch + 1,) prefix sums of the query lengths"),
+    Field("cu_seqlens_k", "ptr", "const int*", "varlen: int32 (batch + 1,) prefix sums of the key lengths"),
+    Field("total_q", "i32", "int", "varlen: query tokens of all sequences (the LSE's head stride)"),
+]
+
+
+def fields(arch: str, dtype: str | None = None, variants: bool = False, varlen: bool = False) -> list[Field]:
     return COMMON_FIELDS + (TMA_FIELDS if arch == "sm90" else []) + (FP8_FIELDS if dtype == "fp8" else []) \
-        + (VARIANT_FIELDS if variants else [])
+        + (VARIANT_FIELDS if variants else []) + (VARLEN_FIELDS if varlen else [])
 
 
 def has_variants(spec) -> bool:
@@ -100,9 +112,15 @@ def has_variants(spec) -> bool:
     return bool(spec.local or spec.softcap or spec.sinks)
 
 
-def layout(arch: str, dtype: str | None = None, variants: bool = False) -> tuple[list[tuple[Field, int]], int, int]:
+def layout(arch: str, dtype: str | None = None, variants: bool = False,
+           varlen: bool = False) -> tuple[list[tuple[Field, int]], int, int]:
     """[(field, offset)], total size and alignment of FlashParams (place)."""
-    return place(fields(arch, dtype, variants))
+    return place(fields(arch, dtype, variants, varlen))
+
+
+def spec_layout(spec) -> tuple[list[tuple[Field, int]], int, int]:
+    """layout() of the FlashParams that ``spec``'s kernel takes."""
+    return layout(spec.arch, spec.dtype, has_variants(spec), spec.varlen)
 
 
 def place(field_list) -> tuple[list[tuple[Field, int]], int, int]:
@@ -134,9 +152,9 @@ def pack_fields(field_list, values: dict, struct_name: str) -> bytes:
     return bytes(buf)
 
 
-def pack(arch: str, values: dict, dtype: str | None = None, variants: bool = False) -> bytes:
+def pack(arch: str, values: dict, dtype: str | None = None, variants: bool = False, varlen: bool = False) -> bytes:
     """Host bytes of FlashParams; every field must be given (tensor maps as 128 bytes)."""
-    placed, size, _ = layout(arch, dtype, variants)
+    placed, size, _ = layout(arch, dtype, variants, varlen)
     buf = bytearray(size)
     missing = [f.name for f, _ in placed if f.name not in values]
     if missing:

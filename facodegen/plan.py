@@ -38,11 +38,12 @@ _DESCALES = ("q_descale", "k_descale", "v_descale")
 _PACK_CALL = struct.Struct("<7Q")
 _PACK_DESCALES = struct.Struct("<3Q")
 _PACK_SINKS = struct.Struct("<Q")
+_PACK_CU_SEQLENS = struct.Struct("<2Q")     # cu_seqlens_q, cu_seqlens_k (params.VARLEN_FIELDS, adjacent)
 _OPERANDS = ("q", "k", "v", "o")
 
 
-def _offsets(arch: str, dtype: str, variants: bool = False) -> dict[str, int]:
-    placed, _, _ = params_mod.layout(arch, dtype, variants)
+def _offsets(arch: str, dtype: str, variants: bool = False, varlen: bool = False) -> dict[str, int]:
+    placed, _, _ = params_mod.layout(arch, dtype, variants, varlen)
     return {f.name: off for f, off in placed}
 
 
@@ -53,6 +54,8 @@ def _check_layout() -> None:
         if dtype == "fp8":
             first = off[_DESCALES[0]]
             assert [off[n] for n in _DESCALES] == [first, first + 8, first + 16], "descale order changed"
+    off = _offsets("sm80", "bf16", varlen=True)
+    assert off["cu_seqlens_k"] == off["cu_seqlens_q"] + 8, "cu_seqlens order changed"
 
 
 _check_layout()
@@ -118,9 +121,10 @@ class LaunchPlan:
         self._lock = threading.Lock()
         self._launcher = driver.Launcher(function, grid, spec.threads, spec.smem_bytes) \
             if function is not None else None
-        offsets = _offsets(spec.arch, spec.dtype, params_mod.has_variants(spec))
+        offsets = _offsets(spec.arch, spec.dtype, params_mod.has_variants(spec), spec.varlen)
         self._descale_offset = offsets[_DESCALES[0]] if spec.dtype == "fp8" else None
         self._sinks_offset = offsets["sinks"] if spec.sinks else None
+        self._cu_seqlens_offset = offsets["cu_seqlens_q"] if spec.varlen else None
         self._maps = [(offsets[name], _OPERANDS.index(operand)) for name, operand in tensor_maps.items()]
         first = _Image(param_bytes)
         self._images = {_PACK_CALL.unpack_from(param_bytes, 0)[:4] if self._maps else None: first}
@@ -163,9 +167,11 @@ class LaunchPlan:
         return image
 
     def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
-               descales: tuple[int, int, int] | None = None, sinks: int = 0) -> None:
+               descales: tuple[int, int, int] | None = None, sinks: int = 0,
+               cu_seqlens: tuple[int, int] = (0, 0)) -> None:
         """Launch on ``stream`` with these device addresses; ``lse`` 0 writes the LSE to scratch;
-        ``sinks``: the fp32 sinks' address of a spec with sinks (patched into the image)."""
+        ``sinks``: the fp32 sinks' address of a spec with sinks; ``cu_seqlens``: the int32
+        cu_seqlens_q and cu_seqlens_k addresses of a varlen spec (both patched into the image)."""
         scratch = self._streams.get(stream) or self.scratch(stream)
         operands = (q, k, v, o) if self._maps else None
         with self._lock:
@@ -176,6 +182,8 @@ class LaunchPlan:
                 _PACK_DESCALES.pack_into(image.storage, image.base + self._descale_offset, *descales)
             if self._sinks_offset is not None:
                 _PACK_SINKS.pack_into(image.storage, image.base + self._sinks_offset, sinks)
+            if self._cu_seqlens_offset is not None:
+                _PACK_CU_SEQLENS.pack_into(image.storage, image.base + self._cu_seqlens_offset, *cu_seqlens)
             self._last = image
             if self._switch_context:
                 with driver.on_device(self.function.device):

@@ -186,6 +186,46 @@ def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | No
     return o, lse
 
 
+def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, softmax_scale: float | None = None):
+    """(O, LSE) in float64 of packed variable-length attention (FlashAttention's flash_attn_varlen_func):
+    O (total_q, heads_q, d), LSE (heads_q, total_q).
+
+    q (total_q, heads_q, d), k and v (total_k, heads_kv, d); sequence b is query tokens
+    cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 against key tokens cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1,
+    causal aligned bottom-right within the sequence. A row that sees no key (and every row of a
+    sequence with no key) gets O = 0 and LSE = -inf; tokens no sequence covers stay O = 0, LSE = -inf.
+    All heads of a sequence at once (query head h reads key head h // (heads_q // heads_kv)), so this
+    is a second derivation of what attention_reference computes per sequence."""
+    q, k, v = to_float64(q), to_float64(k), to_float64(v)
+    cu_q = np.asarray(to_float64(cu_seqlens_q), dtype=np.int64)
+    cu_k = np.asarray(to_float64(cu_seqlens_k), dtype=np.int64)
+    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or cu_q.shape != cu_k.shape or cu_q.ndim != 1:
+        raise ValueError(f"varlen_reference: q (total_q, heads_q, d), k = v (total_k, heads_kv, d) and two "
+                         f"(batch + 1,) cu_seqlens, got {q.shape}, {k.shape}, {v.shape}, {cu_q.shape}, {cu_k.shape}")
+    total_q, heads_q, d = q.shape
+    group = heads_q // k.shape[1]
+    scale = _scale(softmax_scale, d)
+    o = np.zeros(q.shape)
+    lse = np.full((heads_q, total_q), -np.inf)
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        seqlen_q, seqlen_k = q1 - q0, k1 - k0
+        if seqlen_q <= 0:
+            continue
+        keys = np.repeat(k[k0:k1], group, axis=1).transpose(1, 0, 2)          # (heads_q, seqlen_k, d)
+        values = np.repeat(v[k0:k1], group, axis=1).transpose(1, 0, 2)
+        s = scale * (q[q0:q1].transpose(1, 0, 2) @ keys.transpose(0, 2, 1))     # (heads_q, seqlen_q, seqlen_k)
+        if causal:
+            s = np.where(causal_mask(np.arange(seqlen_q), np.arange(seqlen_k), seqlen_q, seqlen_k), -np.inf, s)
+        m = s.max(axis=2, initial=-np.inf)
+        seen = np.isfinite(m)
+        p = np.exp(s - np.where(seen, m, 0.0)[..., None])                      # hidden keys: exp(-inf) = 0
+        l_sum = p.sum(axis=2)
+        o[q0:q1] = np.where(seen[..., None], (p @ values) / np.where(seen, l_sum, 1.0)[..., None], 0.0).transpose(1, 0, 2)
+        lse[:, q0:q1] = np.where(seen, m + np.log(np.where(seen, l_sum, 1.0)), -np.inf)
+    return o, lse
+
+
 def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scale: float | None = None):
     """(dQ, dK, dV) in float64 of O = softmax(scale Q K^T [+ causal mask]) V given dO, with the
     layouts and masks of :func:`attention_reference`; dK, dV of a kv head are summed over the query

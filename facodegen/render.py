@@ -9,7 +9,7 @@ from pathlib import Path
 import jinja2
 
 from . import __version__
-from .params import TENSOR_MAP_ALIGN, has_variants, layout
+from .params import TENSOR_MAP_ALIGN, has_variants, spec_layout
 from .spec import KernelSpec
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -97,11 +97,13 @@ def _runtime_note(spec: KernelSpec, runtime: dict) -> str:
 def context(spec: KernelSpec, runtime: dict | None = None) -> dict:
     """Everything a template may read: the spec and constants derived from it once. ``runtime``:
     run-time values given on the command line (shown in the header, not compiled in)."""
-    placed, size, align = layout(spec.arch, spec.dtype, has_variants(spec))
+    placed, size, align = spec_layout(spec)
     runtime = runtime or {}
     hidden = set() if spec.dtype == "fp8" else {"out_dtype", "v_layout", "vt_in_place", "defer_o_store"}
     if not has_variants(spec):
         hidden |= {"local", "softcap", "sinks"}
+    if not spec.varlen:
+        hidden.add("varlen")
     return {
         "spec": spec,
         "arch": spec.arch,
@@ -110,7 +112,7 @@ def context(spec: KernelSpec, runtime: dict | None = None) -> dict:
         "emit_command": emit_command(spec, runtime),
         "runtime_note": _runtime_note(spec, runtime),
         # fp8's knobs (fixed for the 16-bit types) are left out of the header of bf16/fp16 kernels,
-        # and the variant switches out of kernels that have none
+        # and the variant switches (and varlen) out of kernels that have none
         "spec_items": sorted((k, v) for k, v in spec.as_dict().items() if k not in hidden),
         "smem_bytes": spec.smem_bytes,
         "threads": spec.threads,

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from . import knobs as knob_registry
 from .knobs import ARCHS, DTYPES, FA1_CHOICES, FA1_SWITCHES, GPU_NAMES, HEAD_DIMS, INT_FIELDS, OUT_DTYPES, SCHEDULES, \
-    TEXT_FIELDS, V_LAYOUTS
+    TEXT_FIELDS, V_LAYOUTS, VARIANT_FEATURES
 
 # The 16-bit input types every arch supports (and the shipped default_specs() cover); "fp8" is
 # e4m3 on sm90 only (templates/sm90/flash_fwd_fp8.cu.j2), with its own knobs out_dtype and v_layout.
@@ -664,6 +664,9 @@ class KernelSpec:
     local: bool = False
     softcap: bool = False
     sinks: bool = False
+    # Packed variable-length sequences (attention_varlen): the grid's z is the sequence and each CTA
+    # reads its sequence's first token and length from cu_seqlens (FlashParams' VARLEN_FIELDS).
+    varlen: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -842,7 +845,7 @@ class KernelSpec:
         change of head_dim, say, picks that head_dim's default tiles."""
         given = {k: v for k, v in self.as_dict().items()
                  if k in ("arch", "head_dim", "dtype", "causal", "gpu", "schedule", "out_dtype", "v_layout",
-                          "local", "softcap", "sinks")}
+                          "local", "softcap", "sinks", "varlen")}
         if changes.get("dtype", self.dtype) != "fp8":
             given.pop("out_dtype", None)     # fp8 knobs go when the dtype changes away from fp8
             given.pop("v_layout", None)
@@ -860,7 +863,7 @@ class KernelSpec:
 # first, before any rule reads a field: a value of another type is a SpecError naming the field.
 # Text fields take one of their listed values only, so no text a caller (or a tuning-database
 # entry) passes reaches the generated source unless the registry lists it.
-_REQUIRED = ("arch", "head_dim", "dtype", "causal", "schedule", "local", "softcap", "sinks")
+_REQUIRED = ("arch", "head_dim", "dtype", "causal", "schedule", "local", "softcap", "sinks", "varlen")
 assert tuple(GPUS) == GPU_NAMES, "the registry's gpu choices are the budget model's GPUs"
 
 
@@ -1055,9 +1058,25 @@ def _check_variants(spec: KernelSpec) -> None:
                                      "cannot share their K/V loads: use cluster_m=1")
 
 
+def _check_varlen(spec: KernelSpec) -> None:
+    """varlen: the first slice is the fa2 schedule of sm80 (which also runs on sm90 GPUs), 16-bit, with
+    no attention variant (their windows are resolved per call on the host from one seqlen pair)."""
+    if not spec.varlen:
+        return
+    if spec.arch != "sm80":
+        raise SpecError("varlen", f"variable-length sequences run on the sm80 kernel (on sm90 GPUs too, compiled "
+                                  f"for sm_90); arch={spec.arch} has no varlen kernel yet: use arch=sm80")
+    if spec.schedule != "fa2":
+        raise SpecError("varlen", "schedule=fa1 has no varlen kernel: use schedule=fa2")
+    for name in VARIANT_FEATURES:
+        if getattr(spec, name):
+            raise SpecError(name, f"varlen has no attention variants yet: use {name}=False")
+
+
 def _validate(spec: KernelSpec) -> None:
     limits = GPUS[spec.gpu]
     _check_variants(spec)
+    _check_varlen(spec)
     if not isinstance(spec.lazy_rescale, bool):
         raise SpecError("lazy_rescale", f"must be True or False, got {spec.lazy_rescale!r}")
     if spec.lazy_rescale and spec.dtype == "fp8" and (spec.optimistic_max or spec.rescale_under_qk):

@@ -164,6 +164,10 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
         elif c.family == "backward":
             assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, {})]
             assert (specs[1].head_dim, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)
+        elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen in the shape
+            from facodegen import varlen
+            assert specs == [api.resolve_spec(c.head_dim, c.dtype, c.causal, 0, varlen.check_arch(None),
+                                              shape=(c.batch, c.seqlen_q, c.seqlen_k, c.heads_q), varlen=True)]
         else:
             dtype = {"fp16": "float16", "bf16": "bfloat16"}[c.dtype]
             q = _dense("q", (c.batch, c.seqlen_q, c.heads_q, c.head_dim), dtype)
@@ -259,3 +263,29 @@ def test_slow_cases_are_logged(monkeypatch):
     lines = []
     fuzz.run(cases, log=lines.append, case_seconds=None)
     assert len(lines) == 1 and lines[0].startswith("slow: case 1 took 7.0 s") and cases[0].repro() in lines[0]
+
+
+def test_varlen_cases_are_sm80_16bit_and_their_lengths_fit():
+    cases = fuzz.generate(500, seed=4, family="varlen")
+    assert {c.family for c in cases} == {"varlen"} and {c.arch for c in cases} == {"sm80"}
+    assert {c.dtype for c in cases} == {"bf16", "fp16"} and {c.causal for c in cases} == {False, True}
+    drawn = set()
+    for c in cases:
+        lengths_q, lengths_k = fuzz.varlen_lengths(c)
+        assert fuzz.varlen_lengths(c) == (lengths_q, lengths_k) and len(lengths_q) == len(lengths_k) == c.batch
+        assert max(lengths_q) == c.seqlen_q and max(lengths_k) <= c.seqlen_k and sum(lengths_k) >= 1
+        drawn |= {min(lengths_q), min(lengths_k)}
+        assert api.spec_for_shape("sm80", c.head_dim, c.dtype, c.causal, (c.batch, c.seqlen_q, c.seqlen_k, c.heads_q),
+                                  varlen=True).varlen
+    assert {0, 1} <= drawn
+
+
+def test_adding_varlen_left_the_other_families_draws_unchanged():
+    """The families are appended: a single family's cases for a seed are what they were before varlen
+    (the digests of the tree before it, commit 42b06b0)."""
+    import hashlib
+    before = {"forward": "bc988c84aecf", "variants": "1c75f1dac4d1", "backward": "34d69a1f7b28",
+              "kvcache": "c7dd4993d16a"}
+    for family, digest in before.items():
+        cases = fuzz.generate(300, seed=1, family=family)
+        assert hashlib.sha1("".join(c.to_json() for c in cases).encode()).hexdigest()[:12] == digest, family

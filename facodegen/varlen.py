@@ -1,0 +1,218 @@
+"""``attention_varlen``: attention over packed variable-length sequences, FlashAttention's
+``flash_attn_varlen_func`` semantics, on the sm80 forward kernel built with ``varlen=True``.
+
+q is (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim): the sequences one after
+another, sequence b's queries at tokens cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 and its keys at
+cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1 (int32 device arrays of shape (batch + 1,)). The kernel
+reads the boundaries itself (grid z = sequence), so a call never syncs: max_seqlen_q and
+max_seqlen_k are host ints the caller knows, and only max_seqlen_q shapes the grid.
+
+The checks and the plumbing are the forward's (api.py): the packed tensors are seen as one batch
+of total_tokens rows, so the dtype, device, head_dim, GQA, stride and alignment checks, the spec
+resolution, the compiled-kernel cache and the launch plan are the same code. A plan is keyed by
+the tensors' layouts and max_seqlen_q/k, never by the values in cu_seqlens: a call whose
+boundaries change (same total tokens) is a plan-cache hit that patches their addresses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+import sys
+
+from . import api, tunedb
+from .api import (ARRAY_META, ARRAY_PTR, DTYPE_NAMES, _allocate, _check_inputs, _check_out, _check_same_place,
+                  _check_scale, _current_device, _current_stream, _empty, _kind, _torch, _View, _view,
+                  resolve_spec)
+from .launch import Varlen, grid, pack_params
+from .plan import LaunchPlan, PlanCache
+
+VARLEN_ARCH = "sm80"    # the varlen kernel is the sm80 forward's (compiled for sm_90 on H100/H200)
+
+_PLANS = PlanCache()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """What a plan-cache hit allocates: O like q, the LSE (heads_q, total_q) float32."""
+    shape: tuple
+    dtype: str
+    lse_shape: tuple
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False, out=None,
+                     arch: str | None = None, **spec_fields):
+    """Attention over packed variable-length sequences (FlashAttention's ``flash_attn_varlen_func``).
+
+    q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim), fp16 or bf16 torch CUDA
+    tensors or CuPy arrays (any token/head strides, contiguous head_dim; heads_kv divides heads_q).
+    cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) device arrays of prefix sums (cu_seqlens[0] = 0):
+    sequence b is tokens cu_seqlens[b] .. cu_seqlens[b+1]-1. max_seqlen_q, max_seqlen_k: host ints at
+    least each sequence's length (the grid covers max_seqlen_q query rows per sequence: rows past it
+    are not computed, as in FlashAttention; nothing reads cu_seqlens on the host).
+
+    Per sequence, exactly attention() of that sequence: causal aligned bottom-right (the last query
+    sees every key), a zero-length sequence produces nothing, a query that sees no key gets O = 0
+    and LSE = -inf. Returns O (total_q, heads_q, head_dim) in q's dtype, and with ``return_lse`` the
+    float32 natural-log LSE (heads_q, total_q) (FlashAttention-2/3 varlen's layout). ``out`` receives
+    O in place. ``arch``: "sm80" (the default; the same kernel runs on sm90 GPUs). Spec fields
+    (block_n=..., stages=...) override the defaults. No backward yet, no attention variants.
+    """
+    torch = sys.modules.get("torch")
+    key = plan = None
+    try:
+        if torch is not None and isinstance(q, torch.Tensor):
+            kind, device, current = "torch", q.get_device(), torch._C._cuda_getDevice()
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                raise NotImplementedError("attention_varlen has no backward yet: call it under torch.no_grad() "
+                                          "or on detached tensors")
+        else:
+            cupy = sys.modules.get("cupy")
+            kind = "cupy" if cupy is not None and isinstance(q, cupy.ndarray) else "other"
+            device = q.device.id if kind == "cupy" else -1
+            current = cupy.cuda.runtime.getDevice() if kind == "cupy" else -1
+        if device >= 0:
+            meta = ARRAY_META[kind]
+            key = (kind, meta(q), meta(k), meta(v), meta(cu_seqlens_q), meta(cu_seqlens_k),
+                   max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k, current,
+                   causal.__class__, causal, softmax_scale.__class__, softmax_scale, bool(return_lse), arch,
+                   tuple(sorted(spec_fields.items())), meta(out), tunedb.generation())
+            plan = _PLANS.get(key)
+    except (AttributeError, TypeError):     # not all arrays of one library, an unhashable knob: the checked path
+        key = plan = None
+    if plan is None:
+        return _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                     bool(return_lse), out, arch, spec_fields)
+    made = plan.outputs
+    if kind == "torch":
+        if out is None:
+            out = torch.empty_like(q)
+        lse = torch.empty(made.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+        stream = torch._C._cuda_getCurrentRawStream(device)
+    else:
+        with cupy.cuda.Device(device):
+            if out is None:
+                out = cupy.empty(made.shape, dtype=made.dtype)
+            lse = cupy.empty(made.lse_shape, dtype=cupy.float32) if return_lse else None
+            stream = cupy.cuda.get_current_stream().ptr
+    ptr = ARRAY_PTR[kind]
+    pointers = (ptr(q), ptr(k), ptr(v), ptr(out))
+    if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or (ptr(cu_seqlens_q) | ptr(cu_seqlens_k)) & 3:
+        return _miss(None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                     bool(return_lse), out, arch, spec_fields)     # misaligned: the checked path says which
+    _launch(plan, stream, pointers, ptr(lse) if lse is not None else 0, ptr(cu_seqlens_q), ptr(cu_seqlens_k))
+    return (out, lse) if return_lse else out
+
+
+def _launch(plan: LaunchPlan, stream: int, pointers: tuple, lse: int, cu_seqlens_q: int, cu_seqlens_k: int) -> None:
+    if plan.grid[0]:    # max_seqlen_q = 0: every sequence is empty, there is nothing to compute
+        plan.launch(stream, *pointers, lse, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+
+
+# ------------------------------------------------------------------ the checked path
+
+def as_one_batch(t: _View) -> _View:
+    """A packed (total_tokens, heads, head_dim) view as the forward's checks and FlashParams take it:
+    one batch of total_tokens rows (its batch stride is never used)."""
+    return dataclasses.replace(t, shape=(1,) + tuple(t.shape), strides=(0,) + tuple(t.strides))
+
+
+def check_packed(q: _View, k: _View, v: _View) -> None:
+    """q, k, v of a varlen call: 3-D packed tensors with tokens, then the forward's checks."""
+    for t in (q, k, v):
+        if len(t.shape) != 3:
+            raise ValueError(f"{t.name} must be 3-D (total_tokens, heads, head_dim): the sequences packed one after "
+                             f"another, got shape {t.shape}")
+        if t.shape[0] < 1:
+            raise ValueError(f"{t.name} has no tokens (shape {t.shape}); a varlen call needs at least one")
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    if heads_kv < 1 or heads_q % heads_kv:   # (said here: the forward's message counts 4-D axes)
+        raise ValueError(f"heads_kv={heads_kv} (k.shape[1]) must divide heads_q={heads_q} (q.shape[1]) for GQA/MQA")
+    _check_inputs(*(as_one_batch(t) for t in (q, k, v)))
+
+
+def check_cu_seqlens(q: _View, cu_seqlens_q, cu_seqlens_k) -> tuple[_View, _View]:
+    """The views of cu_seqlens_q and cu_seqlens_k: int32 (batch + 1,) contiguous arrays of q's library
+    on q's device, batch >= 1, the same shape. Raises naming the argument."""
+    views = []
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if _kind(x) == "other":
+            raise TypeError(f"{name} must be an int32 {q.kind} array of shape (batch + 1,) on cuda:{q.device}, got "
+                            f"{type(x).__name__}")
+        c = _view(name, x)
+        _check_same_place(q, (c,))
+        if c.dtype != "int32":
+            raise TypeError(f"{name} has dtype {c.dtype}; cu_seqlens are int32 prefix sums of the sequence lengths "
+                            f"(FlashAttention's: torch.int32, starting at 0)")
+        if len(c.shape) != 1 or c.shape[0] < 2:
+            raise ValueError(f"{name} must be 1-D of shape (batch + 1,) with batch >= 1, got shape {tuple(c.shape)}")
+        if c.strides != (1,):
+            raise ValueError(f"{name} must be contiguous, got strides {c.strides}")
+        if c.ptr % 4:
+            raise ValueError(f"{name}'s data pointer is not 4-byte aligned")
+        views.append(c)
+    if views[0].shape != views[1].shape:
+        raise ValueError(f"cu_seqlens_k has shape {views[1].shape} but cu_seqlens_q has {views[0].shape}; both hold "
+                         f"batch + 1 sequence boundaries")
+    return views[0], views[1]
+
+
+def check_max_seqlen(name: str, value) -> int:
+    """A max_seqlen argument: a host int >= 0 (a device tensor would need a sync to read)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a host int (the longest sequence's length), got {type(value).__name__}; "
+                        f"a varlen call reads no device value on the host (FlashAttention's max_seqlen is an int too)")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def check_arch(arch) -> str:
+    if arch not in (None, VARLEN_ARCH):
+        raise ValueError(f"arch={arch!r}: attention_varlen runs the sm80 kernel (on sm90 GPUs too, compiled for "
+                         f"sm_90); pass arch='sm80' or leave it out")
+    return VARLEN_ARCH
+
+
+def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
+          out, arch, spec_fields):
+    """The checked path: every argument checked (errors name it), the plan built, remembered under
+    ``key`` (None: not cacheable) and launched."""
+    qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
+    check_packed(qv, kv, vv)
+    cu_q, cu_k = check_cu_seqlens(qv, cu_seqlens_q, cu_seqlens_k)
+    max_q, max_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if "varlen" in spec_fields:
+        raise ValueError("varlen is attention_varlen's own switch; leave it out of the spec fields")
+    total_q, heads_q, head_dim = qv.shape
+    scale = _check_scale(softmax_scale, head_dim)
+    batch = cu_q.shape[0] - 1
+    spec = resolve_spec(head_dim, DTYPE_NAMES[qv.dtype], causal, qv.device, check_arch(arch),
+                        shape=(batch, max_q, max_k, heads_q), varlen=True, **spec_fields)
+    if out is None:     # as a plan-cache hit makes it (torch: empty_like(q), q's layout)
+        out = _torch().empty_like(q) if qv.kind == "torch" else _empty(qv, qv.shape, qv.dtype)
+    outv = _view("out", out)
+    if tuple(outv.shape) != tuple(qv.shape):
+        raise ValueError(f"out has shape {tuple(outv.shape)}, q has {tuple(qv.shape)}; they must match")
+    _check_out(as_one_batch(outv), as_one_batch(qv))
+    lse_shape = (heads_q, total_q)
+    lse = _empty(qv, lse_shape, "float32") if return_lse else None
+
+    prepared = api._prepare(spec, qv.device)     # (through the module: tests stand a fake in)
+    launch_grid = grid(spec, batch, heads_q, max_q, prepared.resident_ctas)
+    lse_ptr = _view("lse", lse).ptr if lse is not None else 0
+    boundaries = Varlen(cu_q.ptr, cu_k.ptr, batch, max_q, max_k, total_q)
+    param_bytes = pack_params(spec, *(as_one_batch(t).operand() for t in (qv, kv, vv, outv)), lse_ptr, 0, scale,
+                              varlen=boundaries)
+    plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes, tensor_maps={}, lse_floats=heads_q * total_q,
+                      workspace_floats=0, stream_k_flags=(0, 0), switch_context=qv.device != _current_device(qv.kind),
+                      allocate=functools.partial(_allocate, qv.kind, qv.device),
+                      outputs=_Outputs(qv.shape, qv.dtype, lse_shape))
+    if key is not None:
+        _PLANS.put(key, plan)
+    _launch(plan, _current_stream(qv.kind, qv.device), (qv.ptr, kv.ptr, vv.ptr, outv.ptr), lse_ptr, cu_q.ptr, cu_k.ptr)
+    return (out, lse) if return_lse else out

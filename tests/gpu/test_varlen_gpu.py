@@ -1,0 +1,106 @@
+"""attention_varlen on a GPU, against the float64 varlen reference (facodegen.reference.varlen_reference).
+
+Packed sequences with odd lengths (1, 17, 1000), empty ones (no queries, or queries with no key),
+GQA/MQA, causal or not, fp16 and bf16, head dims 64/128/256, a strided token axis; O and the LSE
+are poisoned with NaN first (an element the kernel never writes fails). O per sequence by
+FlashAttention-3's criterion (facodegen.fuzz.fa3_bound: twice a same-precision computation's error
+plus twice the dtype's rounding of the reference); the LSE (heads_q, total_q) within 1e-3 + 1e-4
+|lse|, -inf exactly where the reference has it. Then the fuzz family's representative cases, and a
+second call with other boundaries (a plan-cache hit) against the reference again.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import facodegen
+from facodegen import fuzz, varlen
+from facodegen.reference import varlen_reference
+
+torch = pytest.importorskip("torch")
+HAVE_GPU = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU (torch.cuda)")]
+
+# query lengths, key lengths, heads_q, heads_kv, head_dim
+CASES = [
+    ((1, 17, 1000, 0), (1, 17, 1000, 5), 4, 2, 128),       # odd lengths, an empty query sequence
+    ((17, 1000, 1), (300, 17, 0), 8, 1, 64),                 # MQA; q > k (causal: rows see none); no keys
+    ((1000, 0, 333, 1), (999, 0, 1000, 1000), 2, 2, 256),    # all empty; q < k; one query against 1000 keys
+    ((129, 64, 1), (128, 65, 3), 6, 3, 128),                 # tile edges
+]
+
+
+def _packed(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cu_q, cu_k = ([0, *itertools.accumulate(lengths)] for lengths in (lengths_q, lengths_k))
+    q = torch.randn(cu_q[-1], heads_q, head_dim, generator=gen, device="cuda").to(dtype)
+    # K and V on a strided token axis: every other row of a wider buffer
+    k, v = (torch.randn(2 * cu_k[-1], heads_kv, head_dim, generator=gen, device="cuda").to(dtype)[::2]
+            for _ in range(2))
+    return q, k, v, torch.tensor(cu_q, dtype=torch.int32, device="cuda"), \
+        torch.tensor(cu_k, dtype=torch.int32, device="cuda")
+
+
+def _check(q, k, v, cu_q, cu_k, out, lse, causal, dtype):
+    o_ref, lse_ref = varlen_reference(q, k, v, cu_q, cu_k, causal=causal)
+    o, lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
+    assert lse.shape == lse_ref.shape
+    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref)), "LSE -inf rows differ"
+    seen = np.isfinite(lse_ref)
+    assert np.all(np.abs(lse - lse_ref)[seen] <= 1e-3 + 1e-4 * np.abs(lse_ref)[seen])
+    assert np.isfinite(o).all(), "O has NaN (a row never written?)"
+    bounds = cu_q.tolist(), cu_k.tolist()
+    for seq, (q0, q1, k0, k1) in enumerate(zip(bounds[0], bounds[0][1:], bounds[1], bounds[1][1:])):
+        if q0 == q1:
+            continue
+        one = [x[None, a:b] for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
+        low, _ = fuzz.attention_torch(*one, causal, q.shape[-1] ** -0.5, upcast=False)
+        ref = torch.from_numpy(o_ref[None, q0:q1]).cuda()
+        why = fuzz.fa3_failure(out[None, q0:q1], ref, low.double().nan_to_num(0.0))
+        assert why is None, f"sequence {seq}: {why}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"q{'-'.join(map(str, c[0]))}_h{c[2]}x{c[3]}_d{c[4]}")
+def test_varlen_matches_the_float64_reference(case, causal, dtype):
+    lengths_q, lengths_k, heads_q, heads_kv, head_dim = case
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
+    out = torch.full_like(q, float("nan"))
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                          return_lse=True, out=out)
+    torch.cuda.synchronize()
+    _check(q, k, v, cu_q, cu_k, out, lse, causal, dtype)
+
+
+def test_new_boundaries_hit_the_plan_and_are_right():
+    """The same packed tensors with other boundaries (same total tokens): a plan-cache hit whose
+    cu_seqlens addresses are patched in; the result follows the new boundaries."""
+    q, k, v, cu_q, cu_k = _packed((17, 1000, 1), (300, 17, 200), 4, 2, 128, torch.bfloat16)
+    facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True)
+    misses = varlen._PLANS.misses
+    cu_q2 = torch.tensor([0, 500, 1000, 1018], dtype=torch.int32, device="cuda")
+    cu_k2 = torch.tensor([0, 1, 300, 517], dtype=torch.int32, device="cuda")
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q2, cu_k2, 1000, 300, causal=True, return_lse=True)
+    assert varlen._PLANS.misses == misses
+    torch.cuda.synchronize()
+    _check(q, k, v, cu_q2, cu_k2, out, lse, True, torch.bfloat16)
+
+
+def test_flash_attn_varlen_func_returns_flash_attentions_tuple():
+    q, k, v, cu_q, cu_k = _packed((17, 33), (17, 40), 4, 4, 64, torch.float16)
+    out, lse, probs = facodegen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 33, 40, causal=True,
+                                                       return_attn_probs=True)
+    assert probs is None and lse.shape == (4, 50)
+    torch.cuda.synchronize()
+    _check(q, k, v, cu_q, cu_k, out, lse, True, torch.float16)
+
+
+@pytest.mark.parametrize("case", [c for c in fuzz.representative_cases() if c.family == "varlen"],
+                         ids=lambda c: f"{c.dtype}-{'causal' if c.causal else 'full'}")
+def test_fuzz_representative_varlen_cases(case):
+    ok, message = fuzz.run_case(case)
+    assert ok, f"{message}\n  {case.repro()}"

@@ -1,0 +1,259 @@
+"""Variable-length attention (facodegen.attention_varlen) on the CPU: the varlen kernels render and
+compile without spills, the float64 varlen reference agrees with the padded one sequence by
+sequence, every argument error names its argument, a call whose cu_seqlens values change is a
+plan-cache hit, and the FlashParams bytes hold the sequence boundaries where the struct says.
+The kernels' numbers on a GPU: tests/gpu/test_varlen_gpu.py."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+import facodegen
+from facodegen import KernelSpec, SpecError, adapters, params, plan as plan_mod, varlen
+from facodegen.reference import attention_reference, varlen_reference
+from fakes import FakeTensor
+from test_plan_cache import fake  # noqa: F401 (the fake torch and driver fixture)
+
+compiler = pytest.importorskip("facodegen.compiler")
+
+SM80_DEFAULTS = [s for s in facodegen.default_specs() if s.arch == "sm80"]
+VARLEN_SPECS = [s.replace(varlen=True) for s in SM80_DEFAULTS]
+
+
+# ------------------------------------------------------------------ spec, render, compile
+
+def test_varlen_spec_is_the_default_kernel_with_varlen():
+    for plain, packed in zip(SM80_DEFAULTS, VARLEN_SPECS):
+        assert packed.varlen and packed.variant == plain.variant + "_varlen"
+        assert (packed.block_m, packed.block_n, packed.num_warps, packed.stages) == \
+            (plain.block_m, plain.block_n, plain.num_warps, plain.stages)
+    assert {s.head_dim for s in VARLEN_SPECS} == set(facodegen.spec.HEAD_DIMS)
+
+
+@pytest.mark.parametrize("fields, knob", [
+    (dict(arch="sm90"), "varlen"),
+    (dict(arch="sm80", schedule="fa1"), "varlen"),
+    (dict(arch="sm80", local=True), "local"),
+    (dict(arch="sm80", sinks=True), "sinks"),
+])
+def test_varlen_refuses_what_it_does_not_have(fields, knob):
+    with pytest.raises(SpecError) as err:
+        KernelSpec(varlen=True, **fields)
+    assert err.value.field == knob
+
+
+def test_plain_kernels_do_not_mention_varlen():
+    source = facodegen.emit(SM80_DEFAULTS[0])
+    assert "varlen" not in source and "cu_seqlens" not in source
+
+
+def test_the_varlen_kernel_reads_cu_seqlens_and_says_so():
+    source = facodegen.emit(VARLEN_SPECS[0])
+    lines = [line.strip() for line in source.splitlines()]
+    assert "//   varlen               = True" in source and lines[4].endswith("--varlen")
+    for line in ("const int sequence = blockIdx.z;", "const int seqlen_q = p.cu_seqlens_q[sequence + 1] - q_start();",
+                 "const int k_start = p.cu_seqlens_k[sequence];", "if (rows_valid <= 0) return;"):
+        assert any(x.startswith(line) for x in lines), line
+    assert "cu_seqlens_q;" in source and "total_q;" in source     # the FlashParams fields
+
+
+@pytest.fixture(scope="module", params=[(s, sm) for s in VARLEN_SPECS for sm in ("sm_80", "sm_90")],
+                ids=lambda p: f"{p[0].variant}-{p[1]}")
+def varlen_kernel(request):
+    spec, sm = request.param
+    return compiler.compile(spec, sm=sm)
+
+
+def test_varlen_kernels_compile_without_spills(varlen_kernel):
+    r = varlen_kernel.resources
+    assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), varlen_kernel.log
+    assert 0 < r.registers <= 255
+
+
+# ------------------------------------------------------------------ the float64 reference
+
+def _packed(lengths_q, lengths_k, heads_q=4, heads_kv=2, d=16, seed=0):
+    rng = np.random.default_rng(seed)
+    cu_q, cu_k = np.concatenate([[0], np.cumsum(lengths_q)]), np.concatenate([[0], np.cumsum(lengths_k)])
+    q = rng.standard_normal((cu_q[-1], heads_q, d))
+    k, v = (rng.standard_normal((cu_k[-1], heads_kv, d)) for _ in range(2))
+    return q, k, v, cu_q.astype(np.int32), cu_k.astype(np.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_reference_is_the_padded_reference_per_sequence(causal):
+    lengths_q, lengths_k = [1, 17, 0, 40, 5, 3], [1, 30, 9, 17, 0, 3]     # empty queries, empty keys, q > k
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k)
+    o, lse = varlen_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=0.3)
+    assert o.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    for b in range(len(lengths_q)):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        ref_o, ref_lse = attention_reference(q[None, rows], k[None, cu_k[b]:cu_k[b + 1]], v[None, cu_k[b]:cu_k[b + 1]],
+                                             causal=causal, softmax_scale=0.3)
+        np.testing.assert_allclose(o[rows], ref_o[0], rtol=0, atol=1e-12)
+        np.testing.assert_allclose(lse[:, rows], ref_lse[0], rtol=0, atol=1e-12)     # -inf where no key is seen
+    if causal:      # sequence 3 has 40 queries and 17 keys: its first 23 rows see none
+        assert np.isneginf(lse[:, cu_q[3]:cu_q[3] + 23]).all() and not o[cu_q[3]:cu_q[3] + 23].any()
+    assert np.isneginf(lse[:, cu_q[4]:cu_q[5]]).all()       # no keys at all
+
+
+# ------------------------------------------------------------------ argument errors (fake torch)
+
+HQ, HKV, D = 8, 2, 128
+
+
+def _args(lengths=(1, 17, 0, 100), dtype="bfloat16", **changes):
+    total = sum(lengths)
+    args = dict(q=FakeTensor((total, HQ, D), dtype), k=FakeTensor((total, HKV, D), dtype),
+                v=FakeTensor((total, HKV, D), dtype), cu_seqlens_q=FakeTensor((len(lengths) + 1,), "int32"),
+                cu_seqlens_k=FakeTensor((len(lengths) + 1,), "int32"), max_seqlen_q=max(lengths),
+                max_seqlen_k=max(lengths))
+    args.update(changes)
+    return args
+
+
+def _call(args, **kw):
+    a = dict(args)
+    return facodegen.attention_varlen(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("cu_seqlens_q"),
+                                      a.pop("cu_seqlens_k"), a.pop("max_seqlen_q"), a.pop("max_seqlen_k"), **a, **kw)
+
+
+@pytest.mark.parametrize("changes, kw, error, words", [
+    (dict(q=FakeTensor((2, 118, HQ, D))), {}, ValueError, "q must be 3-D (total_tokens"),
+    (dict(k=FakeTensor((0, HKV, D))), {}, ValueError, "k has no tokens"),
+    (dict(v=FakeTensor((118, HKV, D), "float16")), {}, TypeError, "v has dtype float16"),
+    (dict(q=FakeTensor((118, 5, D))), {}, ValueError, "heads_kv=2 (k.shape[1]) must divide heads_q=5 (q.shape[1])"),
+    (dict(q=FakeTensor((118, HQ, 80))), {}, ValueError, "head_dim"),
+    (dict(q=FakeTensor((118, HQ, D), strides=(HQ * D + 4, D, 1))), {}, ValueError, "q's seqlen stride"),
+    (dict(cu_seqlens_q=FakeTensor((5,), "int64")), {}, TypeError, "cu_seqlens_q has dtype int64"),
+    (dict(cu_seqlens_k=FakeTensor((5,), "float32")), {}, TypeError, "cu_seqlens_k has dtype float32"),
+    (dict(cu_seqlens_q=FakeTensor((1,), "int32"), cu_seqlens_k=FakeTensor((1,), "int32")), {}, ValueError,
+     "cu_seqlens_q must be 1-D of shape (batch + 1,) with batch >= 1"),
+    (dict(cu_seqlens_q=FakeTensor((5, 1), "int32")), {}, ValueError, "cu_seqlens_q must be 1-D"),
+    (dict(cu_seqlens_k=FakeTensor((4,), "int32")), {}, ValueError, "cu_seqlens_k has shape (4,) but cu_seqlens_q"),
+    (dict(cu_seqlens_k=FakeTensor((5,), "int32", strides=(2,))), {}, ValueError, "cu_seqlens_k must be contiguous"),
+    (dict(cu_seqlens_q=FakeTensor((5,), "int32", device=1)), {}, ValueError, "cu_seqlens_q is on cuda:1"),
+    (dict(cu_seqlens_q=[0, 1, 18, 18, 118]), {}, TypeError, "cu_seqlens_q must be an int32 torch array"),
+    (dict(max_seqlen_q=100.0), {}, TypeError, "max_seqlen_q must be a host int"),
+    (dict(max_seqlen_k=FakeTensor((), "int32")), {}, TypeError, "max_seqlen_k must be a host int"),
+    (dict(max_seqlen_k=True), {}, TypeError, "max_seqlen_k must be a host int"),
+    (dict(max_seqlen_q=-1), {}, ValueError, "max_seqlen_q must be >= 0"),
+    ({}, dict(causal=1), TypeError, "causal must be True or False"),
+    ({}, dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be a finite number"),
+    ({}, dict(arch="sm90"), ValueError, "arch='sm90': attention_varlen runs the sm80 kernel"),
+    ({}, dict(out=FakeTensor((118, HQ, 64))), ValueError, "out has shape (118, 8, 64), q has (118, 8, 128)"),
+    ({}, dict(out=FakeTensor((118, HQ, D), "float16")), TypeError, "out must be a torch bfloat16 array"),
+    ({}, dict(varlen=False), ValueError, "varlen is attention_varlen's own switch"),
+])
+def test_argument_errors_name_the_argument(fake, changes, kw, error, words):  # noqa: F811
+    with pytest.raises(error) as err:
+        _call(_args(**changes), **kw)
+    assert words in str(err.value)
+
+
+def test_a_tensor_that_needs_grad_is_refused(fake):  # noqa: F811
+    args = _args()
+    args["q"].requires_grad = True
+    import sys
+    sys.modules["torch"].is_grad_enabled = lambda: True
+    with pytest.raises(NotImplementedError, match="no backward"):
+        _call(args)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(dropout_p=0.1), "dropout_p=0.1"), (dict(alibi_slopes=object()), "alibi_slopes"),
+    (dict(window_size=(16, 0)), "window_size=(16, 0)"), (dict(softcap=30.0), "softcap=30.0"),
+    (dict(block_table=object()), "block_table"),
+])
+def test_flash_attn_varlen_func_refuses_what_is_unsupported_by_name(kw, words):
+    a = _args()
+    with pytest.raises(NotImplementedError) as err:
+        adapters.flash_attn_varlen_func(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], 100, 100, **kw)
+    assert words in str(err.value)
+
+
+def test_flash_attn_varlen_func_runs_attention_varlen(varlen_plans):
+    a = _args()
+    out, lse, probs = adapters.flash_attn_varlen_func(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
+                                                      100, 100, causal=True, window_size=(-5, -1),
+                                                      return_attn_probs=True, deterministic=True)
+    assert out.shape == a["q"].shape and lse.shape == (HQ, 118) and probs is None
+    (spec,) = {p.spec for p in varlen._PLANS._plans.values()}
+    assert spec.varlen and spec.causal and spec.arch == "sm80"
+
+
+# ------------------------------------------------------------------ plan cache and FlashParams bytes
+
+@pytest.fixture
+def varlen_plans(fake, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(varlen, "_PLANS", plan_mod.PlanCache())
+    return fake
+
+
+def _fields(record) -> dict:
+    placed, _, _ = params.layout("sm80", "bf16", varlen=True)
+    formats = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}
+    return {f.name: struct.unpack_from(formats[f.kind], record["params"], off)[0] for f, off in placed}
+
+
+def test_new_cu_seqlens_values_hit_the_plan_and_are_patched_in(varlen_plans):
+    state = varlen_plans
+    args = _args()
+    out, lse = _call(args, causal=True, return_lse=True)
+    # the same layouts, other boundaries (same total tokens): new cu_seqlens arrays, new q/k/v/out
+    again = _args(cu_seqlens_q=FakeTensor((5,), "int32"), cu_seqlens_k=FakeTensor((5,), "int32"))
+    out2, lse2 = _call(again, causal=True, return_lse=True)
+    assert varlen._PLANS.misses == 1 and len(state.launches.records) == 2
+    first, second = (_fields(r) for r in state.launches.records)
+    assert (second["cu_seqlens_q"], second["cu_seqlens_k"]) == (again["cu_seqlens_q"].data_ptr(),
+                                                                again["cu_seqlens_k"].data_ptr())
+    assert (second["q"], second["o"], second["lse"]) == (again["q"].data_ptr(), out2.data_ptr(), lse2.data_ptr())
+    unchanged = set(first) - {"q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k"}
+    assert {n: first[n] for n in unchanged} == {n: second[n] for n in unchanged}
+    # another max_seqlen_q is another grid: a new plan
+    _call(_args(max_seqlen_q=17), causal=True)
+    assert varlen._PLANS.misses == 2
+
+
+def test_flashparams_bytes_of_a_varlen_call(varlen_plans):
+    state = varlen_plans
+    lengths = (1, 17, 0, 100)
+    args = _args(lengths, q=FakeTensor((118, HQ, D), strides=(3 * HQ * D, D, 1)))   # a strided token axis
+    out = _call(args, softmax_scale=0.25)
+    (record,) = state.launches.records
+    placed, size, _ = params.layout("sm80", "bf16", varlen=True)
+    offsets = {f.name: off for f, off in placed}
+    plain = params.layout("sm80", "bf16")
+    # the varlen fields come after the plain struct's (its layout, and plan.py's pointer offsets, unchanged)
+    assert [f.name for f, _ in placed[:len(plain[0])]] == [f.name for f, _ in plain[0]]
+    assert offsets["cu_seqlens_q"] >= plain[1] and offsets["cu_seqlens_k"] == offsets["cu_seqlens_q"] + 8
+    raw = record["params"]
+    assert struct.unpack_from("<2Q", raw, offsets["cu_seqlens_q"]) == (args["cu_seqlens_q"].data_ptr(),
+                                                                        args["cu_seqlens_k"].data_ptr())
+    f = _fields(record)
+    assert f["q"] == args["q"].data_ptr() and f["o"] == out.data_ptr() and f["lse"] != 0     # scratch LSE
+    assert (f["batch"], f["seqlen_q"], f["seqlen_k"], f["heads_q"], f["heads_kv"], f["total_q"]) == \
+        (4, 100, 100, HQ, HKV, 118)
+    spec = next(iter(varlen._PLANS._plans.values())).spec
+    assert f["num_m_blocks"] == -(-100 // spec.block_m)
+    assert record["grid"] == (f["num_m_blocks"], HQ, 4)
+    assert (f["q_row_stride"], f["q_head_stride"], f["k_row_stride"], f["o_row_stride"]) == \
+        (3 * HQ * D, D, HKV * D, HQ * D)
+    assert f["softmax_scale"] == 0.25
+
+
+def test_all_sequences_empty_launches_nothing(varlen_plans):
+    out = _call(_args(max_seqlen_q=0))
+    assert out.shape == (118, HQ, D) and varlen_plans.launches.records == []
+
+
+def test_the_cli_emits_a_varlen_kernel():
+    from click.testing import CliRunner
+
+    from facodegen.cli import main
+    result = CliRunner().invoke(main, ["emit", "--arch", "sm80", "--varlen", "--head-dim", "64"])
+    assert result.exit_code == 0, result.output
+    assert "flash_fwd_sm80_bf16_hd64_bm128_bn128_w4_st2_varlen(const __grid_constant__ FlashParams p)" in result.output
