@@ -127,7 +127,8 @@ def test_warm_cache_covers_what_the_gpu_tests_compile():
 def test_backward_and_kvcache_families_are_drawn_within_their_kernels_limits():
     cases = fuzz.generate(4000, seed=9, family="all")
     by = collections.Counter(c.family for c in cases)
-    assert set(by) == set(fuzz.FAMILIES) and min(by.values()) > 500, by
+    # every family its share (#37 asks >= 2,000 per family of 10,000), refused draws redrawn in-family
+    assert by == {f: 4000 // len(fuzz.FAMILIES) for f in fuzz.FAMILIES}, by
     for c in cases:
         if c.family == "backward":
             assert c.dtype in ("bf16", "fp16") and not c.use_out
