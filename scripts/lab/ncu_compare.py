@@ -79,13 +79,19 @@ def summarize(report: str) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_child_arguments(p: argparse.ArgumentParser, peer_help: str | None = None) -> None:
+    """The options of the child process that runs our kernel and the peer (ncu-source profiles the
+    same child, so it takes them too)."""
     p.add_argument("--out", default=".")
     p.add_argument("--cell", default="128,8192,0")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--variant", default="sm90:")
-    p.add_argument("--peer", default="fa3")
+    p.add_argument("--peer", default="fa3", help=peer_help)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_child_arguments(p)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

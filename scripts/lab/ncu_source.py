@@ -25,6 +25,8 @@ import shutil
 import subprocess
 import sys
 
+from ncu_compare import add_child_arguments  # scripts/lab/ is this script's sys.path[0]
+
 STALL_PREFIX = "stall_"
 
 
@@ -76,11 +78,7 @@ def summarize(csv_text: str, top: int = 25) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=".")
-    p.add_argument("--cell", default="128,8192,0")
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--variant", default="sm90:")
-    p.add_argument("--peer", default="fa3", help="the peer ncu_compare's child builds (runs, not profiled)")
+    add_child_arguments(p, "the peer ncu_compare's child builds (runs, not profiled)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--csv", help="summarise this saved source.csv instead of profiling")
     args = p.parse_args(argv)
