@@ -48,9 +48,12 @@ One module per job:
   facodegen.attention_with_kvcache beside FlashAttention-3's flash_attn_with_kvcache and SDPA.
 * variants_suite: the variants suite (`--suite variants`): windows, softcap and sinks (time ratios);
   not to be confused with variants (facodegen's spec variants as the forward suites time them).
+* varlen_suite: the varlen suite (`--suite varlen`): facodegen.attention_varlen on mixed lengths beside
+  FlashAttention-3's flash_attn_varlen_func, and the padded way (facodegen.attention, SDPA's cuDNN) on
+  the same sequences padded to the longest; TFLOP/s of the real (unpadded) work.
 * plot: the papers' style of figure (matplotlib, imported only when drawing).
 
-The backward, decode and variants suites are used through their modules (``from facodegen.bench
+The backward, decode, variants and varlen suites are used through their modules (``from facodegen.bench
 import backward; backward.run_backward(...)``). The names below are the package's API (``from facodegen import bench; bench.run_grid(...)``); the
 private helpers that tools reach for (``variants._facodegen_fn``, ``inputs._make_inputs``, ...) are
 imported from their module.
@@ -69,7 +72,7 @@ from .overhead import (OVERHEAD_SHAPE, OVERHEAD_CASES, OVERHEAD_OPTIONS, OVERHEA
 from .peers import DEFAULT_PEERS, peer_available
 from .results import CSV_FIELDS, csv_rows, to_csv, environment, write_results
 from .runner import run_cell, run_grid, run_cli_bench
-from .suites import (SUITES, SUITE_PEERS, OVERHEAD_SUITE, DECODE_SUITE, VARIANTS_SUITE, OWN_RUNNER_SUITES,
+from .suites import (SUITES, SUITE_PEERS, OVERHEAD_SUITE, DECODE_SUITE, VARIANTS_SUITE, VARLEN_SUITE, OWN_RUNNER_SUITES,
                      EVOLUTION_VARIANTS, EVOLUTION_TIMING, suite_cells, suite_names)
 from .tables import (PEER_TITLES, PREPARED_SUFFIX, facodegen_name, is_facodegen, prepared_name, is_prepared,
                      has_ratio, best_peer, ratio_to_best_peer, implementations, format_table, format_notes)
@@ -96,7 +99,7 @@ __all__ = [
     # runner
     "run_cell", "run_grid", "run_cli_bench",
     # suites
-    "SUITES", "SUITE_PEERS", "OVERHEAD_SUITE", "DECODE_SUITE", "VARIANTS_SUITE", "OWN_RUNNER_SUITES",
+    "SUITES", "SUITE_PEERS", "OVERHEAD_SUITE", "DECODE_SUITE", "VARIANTS_SUITE", "VARLEN_SUITE", "OWN_RUNNER_SUITES",
     "EVOLUTION_VARIANTS", "EVOLUTION_TIMING", "suite_cells", "suite_names",
     # tables
     "PEER_TITLES", "PREPARED_SUFFIX", "facodegen_name", "is_facodegen", "prepared_name", "is_prepared",

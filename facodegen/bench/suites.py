@@ -1,7 +1,7 @@
 """The suites of `facodegen bench --suite`: each TFLOP/s suite's grid by name (SUITES), the peers a
 suite times (SUITE_PEERS), the evolution suite's facodegen variants and timing, and the names of the
 suites with runners of their own: overhead (overhead.py), decode (decode.py), variants
-(variants_suite.py). The backward of the fa3-paper grid is backward.py's."""
+(variants_suite.py), varlen (varlen_suite.py). The backward of the fa3-paper grid is backward.py's."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ SUITE_PEERS = ("fa3", "cudnn", "fa2", "efficient")
 OVERHEAD_SUITE = "overhead"  # host microseconds per call: run_overhead, not a grid
 DECODE_SUITE = "decode"      # TB/s of decode steps: decode.run_decode over decode.Cell's
 VARIANTS_SUITE = "variants"  # windows, softcap, sinks (time ratios): variants_suite.run_variants
+VARLEN_SUITE = "varlen"      # packed mixed lengths beside padded: varlen_suite.run_varlen
 # Suites that are not a grid of forward TFLOP/s cells (their own runners); the forward grid
 # "fa3-paper" also times the backward (backward.run_backward: `bench --suite fa3-paper --backward`).
-OWN_RUNNER_SUITES = (OVERHEAD_SUITE, DECODE_SUITE, VARIANTS_SUITE)
+OWN_RUNNER_SUITES = (OVERHEAD_SUITE, DECODE_SUITE, VARIANTS_SUITE, VARLEN_SUITE)
 
 
 def suite_cells(suite: str, dtype: str = "bf16", head_dim: int | None = None,
@@ -25,7 +26,8 @@ def suite_cells(suite: str, dtype: str = "bf16", head_dim: int | None = None,
     if suite == OVERHEAD_SUITE:
         raise ValueError(f"suite: {suite!r} times host microseconds per call (run_overhead), not a grid of cells")
     if suite in OWN_RUNNER_SUITES:
-        raise ValueError(f"suite: {suite!r} has its own cells and runner (bench.{suite if suite == 'decode' else 'variants_suite'})")
+        module = suite if suite == DECODE_SUITE else f"{suite}_suite"
+        raise ValueError(f"suite: {suite!r} has its own cells and runner (bench.{module})")
     if suite not in SUITES:
         raise ValueError(f"suite: {suite!r} is not one of {', '.join(SUITES)}")
     cells = SUITES[suite](dtype)
@@ -54,6 +56,6 @@ EVOLUTION_TIMING = {"warmup": 2, "groups": 3, "calls": 3}
 
 
 def suite_names() -> tuple[str, ...]:
-    """Every `facodegen bench --suite` name: the TFLOP/s grids (SUITES), the overhead, decode and
-    variants suites."""
+    """Every `facodegen bench --suite` name: the TFLOP/s grids (SUITES), the overhead, decode,
+    variants and varlen suites."""
     return (*SUITES, *OWN_RUNNER_SUITES)
