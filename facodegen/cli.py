@@ -594,7 +594,7 @@ def _check_fp8(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv, seed) -> d
 
 
 SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8", "overhead", "decode",
-               "variants")   # facodegen.bench.suites.suite_names() (kept import-light here)
+               "variants", "varlen")   # facodegen.bench.suites.suite_names() (kept import-light here)
 
 
 @main.command()
@@ -614,7 +614,9 @@ SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8", "overhead", "de
                    "call on a tiny shape (1, 128, 8, 128) of facodegen.attention (torch, CuPy), "
                    "facodegen.prepare()(), torch SDPA and FlashAttention-3; decode: TB/s of "
                    "facodegen.attention_with_kvcache beside FlashAttention-3's flash_attn_with_kvcache and SDPA; "
-                   "variants: window, softcap and sinks (time ratios).")
+                   "variants: window, softcap and sinks (time ratios); varlen: facodegen.attention_varlen on "
+                   "mixed lengths beside FlashAttention-3's flash_attn_varlen_func and the padded way "
+                   "(facodegen.attention, SDPA's cuDNN).")
 @click.option("--no-prepared", is_flag=True,
               help="Time only facodegen's public call (facodegen.attention), not also the launcher prepared "
                    "once (facodegen.prepare) beside it.")
@@ -630,10 +632,10 @@ SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8", "overhead", "de
 @click.option("--quick", is_flag=True,
               help="A short run: --backward/--fwd-bwd seqlen 2k and 8k only; --suite decode its quick subset "
                    "(GQA 32/8, d128, contiguous and paged 64, context 8k and 256k); --suite variants fewer "
-                   "groups and calls.")
+                   "groups and calls; --suite varlen head_dim 128 only, fewer groups and calls.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="--suite: folder for bench-<suite>-<dtype>.{md,csv,json,png} "
-              "(bench-fa3-paper-backward-<dtype>.*, bench-decode.*, bench-variants.*).")
+              "(bench-fa3-paper-backward-<dtype>.*, bench-decode.*, bench-variants.*, bench-varlen.*).")
 @click.option("--budget-s", type=float, help="--suite: stop timing new cells after this many seconds.")
 @click.option("--no-plot", is_flag=True, help="--suite: skip the PNG.")
 @click.option("--replot", type=click.Path(dir_okay=False, exists=True, path_type=Path),
@@ -657,7 +659,9 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
     --suite fa3-paper --backward (or --fwd-bwd) times the backward (or forward + backward) over the
     same grid beside torch SDPA's cuDNN and flash backends; --suite decode times
     facodegen.attention_with_kvcache's effective bandwidth (K+V bytes / time) beside FlashAttention-3's
-    flash_attn_with_kvcache and SDPA; --suite variants times windows, softcap and sinks.
+    flash_attn_with_kvcache and SDPA; --suite variants times windows, softcap and sinks; --suite varlen
+    times facodegen.attention_varlen on mixed lengths beside FlashAttention-3's flash_attn_varlen_func
+    and the same sequences padded to the longest (facodegen.attention, SDPA's cuDNN backend).
 
     \b
     Example:
@@ -670,6 +674,7 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
       facodegen bench --suite fa3-paper --fwd-bwd --out results/
       facodegen bench --suite decode --quick --out results/
       facodegen bench --suite variants --out results/
+      facodegen bench --suite varlen --quick --out results/
     """
     if replot is not None:
         _bench_replot(replot, out_dir)
@@ -684,6 +689,8 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
             _bench_decode(spec_fields, peers, out_dir, quick)
         elif suite == "variants":
             _bench_variants(out_dir, quick)
+        elif suite == "varlen":
+            _bench_varlen(spec_fields, peers, out_dir, quick)
         else:
             _bench_suite(spec_fields, suite, peers, out_dir, budget_s, no_plot, prepared=not no_prepared)
         return
@@ -731,10 +738,10 @@ def _check_suite_options(suite, spec_fields: dict, peers, backward: bool, fwd_bw
         raise UsageFailure(f"{timed} is for --suite fa3-paper (got {'no --suite' if suite is None else '--suite ' + suite})")
     if variants and not backward:
         raise UsageFailure("--variant (backward knobs) is for --suite fa3-paper --backward")
-    if quick and not (timed or suite in ("decode", "variants")):
-        raise UsageFailure("--quick is for --suite fa3-paper --backward/--fwd-bwd, --suite decode and --suite variants "
-                           "(--suite quick is the forward's short grid)")
-    own = timed or (f"--suite {suite}" if suite in ("decode", "variants") else None)
+    if quick and not (timed or suite in ("decode", "variants", "varlen")):
+        raise UsageFailure("--quick is for --suite fa3-paper --backward/--fwd-bwd, --suite decode, --suite variants and "
+                           "--suite varlen (--suite quick is the forward's short grid)")
+    own = timed or (f"--suite {suite}" if suite in ("decode", "variants", "varlen") else None)
     if own is None:
         return
     if no_prepared:
@@ -750,6 +757,10 @@ def _check_suite_options(suite, spec_fields: dict, peers, backward: bool, fwd_bw
         allowed = ("dtype", "head_dim")
         if spec_fields.get("dtype", "bf16") != "bf16":
             raise UsageFailure(f"--dtype {spec_fields['dtype']}: --suite decode is bf16 only")
+    elif suite == "varlen":
+        allowed = ("dtype", "head_dim", "causal")
+        if spec_fields.get("dtype", "bf16") != "bf16":
+            raise UsageFailure(f"--dtype {spec_fields['dtype']}: --suite varlen is bf16 only")
     else:
         allowed = ()
         if peers is not None:
@@ -851,6 +862,34 @@ def _bench_variants(out_dir: Path, quick: bool) -> None:
     click.echo(f"\nms ({env.get('gpu', '?')}, facodegen {env.get('facodegen')}"
                f"{', commit ' + env['commit'] if env.get('commit') else ''}):")
     click.echo(vs.format_table(rows))
+
+
+def _bench_varlen(spec_fields: dict, peers, out_dir: Path, quick: bool) -> None:
+    """`bench --suite varlen`: bench.varlen_suite.run_varlen over the varlen cells (--quick: head_dim 128
+    and fewer groups; --head-dim / --causal pick part), beside FA3 varlen and cuDNN padded (--peers
+    fa3,cudnn; facodegen's padded kernels are always timed). The table prints last."""
+    from .bench import results
+    from .bench import varlen_suite as vl
+
+    head_dim, causal = spec_fields.get("head_dim"), spec_fields.get("causal")
+    peer_names = vl.VARLEN_PEERS if peers is None else _peer_list(peers)
+    unknown = [p for p in peer_names if p not in vl.VARLEN_PEERS]
+    if unknown:
+        raise UsageFailure(f"--peers: unknown {', '.join(unknown)} for --suite varlen (known: "
+                           f"{', '.join(vl.VARLEN_PEERS)})")
+    cells = vl.cells(quick, head_dim, causal)
+    if not cells:
+        raise UsageFailure(f"--head-dim {head_dim}: no cell of suite varlen{' --quick' if quick else ''} has it "
+                           f"({', '.join(map(str, vl.QUICK_HEAD_DIMS if quick else vl.HEAD_DIMS))})")
+    env = results.environment()
+    click.echo(f"bench --suite varlen: {len(cells)} cells, bf16, ~{vl.TOTAL_TOKENS} tokens each, peers "
+               f"{', '.join(peer_names) or 'none'}" + (f", timing {vl.QUICK_TIMING}" if quick else ""), err=True)
+    rows = vl.run_varlen(cells, peer_names, quick, log=lambda m: click.echo(m, err=True))
+    paths = vl.write_varlen_results(rows, out_dir, "bench-varlen", env=env)
+    click.echo("\n" + _written(paths))
+    click.echo(f"\nTFLOP/s of the real tokens ({env.get('gpu', '?')}, facodegen {env.get('facodegen')}"
+               f"{', commit ' + env['commit'] if env.get('commit') else ''}):")
+    click.echo(vl.summary(rows))
 
 
 def _bench_replot(path: Path, out_dir: Path) -> None:

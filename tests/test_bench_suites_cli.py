@@ -1,4 +1,4 @@
-"""`facodegen bench --suite fa3-paper --backward/--fwd-bwd`, `--suite decode` and `--suite variants`
+"""`facodegen bench --suite fa3-paper --backward/--fwd-bwd`, `--suite decode`, `--suite variants` and `--suite varlen`
 without a GPU (click's CliRunner, the runners monkeypatched): each reaches its runner with the right
 cells and options, writes its files under --out and prints its table last; options a suite cannot
 honour are usage errors (exit 2) that name the option."""
@@ -14,6 +14,7 @@ from facodegen.bench import backward as bw
 from facodegen.bench import decode as dec
 from facodegen.bench import results
 from facodegen.bench import variants_suite as vs
+from facodegen.bench import varlen_suite as vl
 
 
 @pytest.fixture
@@ -112,6 +113,31 @@ def test_variants_reaches_run_variants(fake_gpu, monkeypatch, tmp_path):
     assert (tmp_path / "bench-variants.json").exists() and (tmp_path / "bench-variants.md").exists()
 
 
+def test_varlen_reaches_run_varlen(fake_gpu, monkeypatch, tmp_path):
+    seen = []
+
+    def fake_run_varlen(todo, peers=vl.VARLEN_PEERS, quick=False, log=print):
+        seen.append((todo, tuple(peers), quick))
+        return [dict(c, results={vl.FACODEGEN_VARLEN: {"tflops": 400.0}, vl.PADDED_SM80: {"tflops": 390.0},
+                                 **({vl.FA3_VARLEN: {"tflops": 500.0}} if "fa3" in peers else {})}, notes=[])
+                for c in todo]
+
+    monkeypatch.setattr(vl, "run_varlen", fake_run_varlen)
+    result = invoke("--suite", "varlen", "--quick", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert seen == [(vl.cells(quick=True), ("fa3", "cudnn"), True)]
+    out = result.output
+    assert "TFLOP/s of the real tokens" in out and "cuDNN backend has no packed varlen" in out
+    table = out[out.index("| cell |"):out.index("\n\nNotes:")].splitlines()
+    assert len(table) == 2 + 4 and table[2].endswith("| 400.0 | 500.0 | 390.0 | 0.80x | 1.03x | – |")
+    assert out.rstrip().splitlines()[-1] == "- equal 8x4096 d128 causal: varlen / facodegen padded (sm80) = 1.026 (within 5%)"
+    assert all((tmp_path / f"bench-varlen.{ext}").exists() for ext in ("md", "csv", "json"))
+    seen.clear()
+    result = invoke("--suite", "varlen", "--head-dim", "64", "--no-causal", "--peers", "cudnn", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert seen == [(vl.cells(head_dim=64, causal=False), ("cudnn",), False)] and len(seen[0][0]) == 2
+
+
 @pytest.mark.parametrize("args, names", [
     (["--suite", "fa3-paper", "--backward", "--dtype", "fp8"], ["--dtype fp8", "no backward"]),
     (["--suite", "fa3-paper", "--fwd-bwd", "--dtype", "fp8"], ["--dtype fp8", "--fwd-bwd"]),
@@ -135,10 +161,20 @@ def test_variants_reaches_run_variants(fake_gpu, monkeypatch, tmp_path):
     (["--suite", "decode", "--head-dim", "256"], ["--head-dim 256"]),
     (["--suite", "variants", "--arch", "sm90"], ["--arch", "--suite variants"]),
     (["--suite", "variants", "--peers", "fa3"], ["--peers"]),
+    (["--suite", "varlen", "--dtype", "fp16"], ["--dtype fp16", "--suite varlen is bf16 only"]),
+    (["--suite", "varlen", "--arch", "sm90"], ["--arch", "--suite varlen"]),
+    (["--suite", "varlen", "--block-n", "64"], ["--block-n", "--suite varlen"]),
+    (["--suite", "varlen", "--peers", "fa2"], ["--peers", "fa2", "fa3, cudnn"]),
+    (["--suite", "varlen", "--head-dim", "256"], ["--head-dim 256", "64, 128"]),
+    (["--suite", "varlen", "--quick", "--head-dim", "64"], ["--head-dim 64", "--quick"]),
+    (["--suite", "varlen", "--budget-s", "10"], ["--budget-s", "--suite varlen"]),
+    (["--suite", "varlen", "--no-prepared"], ["--no-prepared", "--suite varlen"]),
+    (["--suite", "varlen", "--backward"], ["--backward", "--suite varlen"]),
 ])
 def test_bad_combinations_are_usage_errors_naming_the_option(fake_gpu, backward_calls, monkeypatch, args, names):
     monkeypatch.setattr(dec, "run_decode", lambda *a, **k: pytest.fail("ran"))
     monkeypatch.setattr(vs, "run_variants", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr(vl, "run_varlen", lambda *a, **k: pytest.fail("ran"))
     result = invoke(*args)
     assert result.exit_code == 2, result.output
     assert result.output.startswith("Error: ") and len(result.output.strip().splitlines()) == 1
@@ -151,15 +187,18 @@ def test_usage_errors_come_before_the_gpu_check(monkeypatch):
     monkeypatch.setattr(fc, "gpu_available", lambda: (False, "no CUDA GPU (test)"))
     assert "fp8 has no backward" in invoke("--suite", "fa3-paper", "--backward", "--dtype", "fp8").output
     assert "needs a CUDA GPU" in invoke("--suite", "decode").output
+    assert "--suite varlen is bf16 only" in invoke("--suite", "varlen", "--dtype", "fp16").output
+    assert "needs a CUDA GPU" in invoke("--suite", "varlen").output
 
 
 def test_suite_names_and_help():
     from facodegen import bench
-    assert set(cli.SUITE_NAMES) == set(bench.suite_names()) >= {"decode", "variants"}
-    for suite in ("decode", "variants"):
+    assert set(cli.SUITE_NAMES) == set(bench.suite_names()) >= {"decode", "variants", "varlen"}
+    for suite in ("decode", "variants", "varlen"):
         with pytest.raises(ValueError, match="own cells and runner"):
             bench.suite_cells(suite)
     result = invoke("--help")
     assert result.exit_code == 0
-    for text in ("--backward", "--fwd-bwd", "--variant", "--quick", "--suite decode --quick", "--suite variants"):
+    for text in ("--backward", "--fwd-bwd", "--variant", "--quick", "--suite decode --quick", "--suite variants",
+                 "--suite varlen --quick", "flash_attn_varlen_func"):
         assert text in result.output
