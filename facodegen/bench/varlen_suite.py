@@ -66,7 +66,8 @@ CSV_FIELDS = ("cell", "dtype", "head_dim", "causal", "heads", "sequences", "toke
 NOTES = (
     "TFLOP/s count only the real (unpadded) work: the sum over sequences of 4 * heads * seqlen^2 * "
     "head_dim, half for causal; the padded columns compute every sequence padded to the longest "
-    "(real/padded: the share of their work that is real) and are charged the real FLOPs.",
+    "(real/padded: the share of their work that is real) and are charged the real FLOPs; the copies "
+    "that pad and unpad are not timed.",
     "cuDNN padded: torch SDPA's CUDNN_ATTENTION backend on (batch, max_seqlen) tensors; SDPA's cuDNN "
     "backend has no packed varlen call, so cuDNN is timed the padded way only.",
     "facodegen varlen is the sm80 kernel (compiled for the GPU at hand); facodegen padded (sm80) is the "
