@@ -315,3 +315,18 @@ def test_kvcache_has_no_backward():
         out = torch.ops.facodegen.attention_with_kvcache(q, kc, vc, lengths, None, kw["k"], kw["v"], True, None, 0,
                                                          None, "")[0]
         assert out.shape == q.shape and not out.requires_grad
+
+
+def test_kvcache_dynamic_shapes_through_aot_autograd():
+    """dynamic=True (batch and page count symbolic: the fake's shape checks take SymInts) and the
+    aot_eager backend, which functionalizes the cache mutation as inductor does."""
+    torch._dynamo.reset()
+
+    def step(q, kc, vc, lengths, table, k, v):
+        return facodegen.attention_with_kvcache(q, kc, vc, lengths, page_table=table, k=k, v=v, return_lse=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
+    for batch in (2, 3, 5):
+        q, kc, vc, lengths, kw = kv_case(paged=True, new=1, batch=batch)
+        out, lse = compiled(q, kc, vc, lengths, kw["page_table"], kw["k"], kw["v"])
+        assert out.shape == q.shape and lse.shape == (batch, 8, 1)
