@@ -465,7 +465,49 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     the capacity are dropped, page indices are clamped into [0, num_pages). A sequence with no key
     gets O = 0 and LSE = -inf. ``check_inputs=True`` checks those values on the host first (a
     device sync per call; ValueError naming cache_seqlens or page_table: see check_values).
+
+    On torch tensors under ``torch.compile``/``torch.export`` the call goes through the
+    ``facodegen::attention_with_kvcache`` custom op (``_out`` with ``out=``; facodegen.torch_op),
+    which marks k_cache and v_cache mutated. There is no backward: a call on tensors that require
+    grad (with grad enabled) raises NotImplementedError.
     """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(q, torch.Tensor) and (torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and _requires_grad(q, k_cache, v_cache, k, v))):
+        from . import torch_op      # (lazily: a CuPy caller never imports torch)
+        return torch_op.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=page_table, k=k, v=v,
+                                               causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                                               return_lse=return_lse, out=out, arch=arch, check_inputs=check_inputs,
+                                               **knobs)
+    return _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, return_lse,
+                  out, arch, check_inputs, knobs)
+
+
+def _requires_grad(*tensors) -> bool:
+    return any(getattr(t, "requires_grad", False) for t in tensors)
+
+
+def check_options(cache_seqlens, causal, softmax_scale, num_splits, knobs: dict) -> None:
+    """The arguments that are not arrays (and cache_seqlens' kind): each error names the argument."""
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        raise TypeError("cache_seqlens must be a (batch,) int32 device tensor on q's device (an int or None is "
+                        "not taken: the call never syncs or allocates per call)")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= dec.MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits!r}: an integer from 0 (heuristic) to {dec.MAX_SPLITS}")
+    unknown = sorted(set(knobs) - set(CALL_KNOBS))
+    if unknown:
+        raise TypeError(f"attention_with_kvcache got unknown argument(s) {', '.join(unknown)}; knobs it takes: "
+                        f"{', '.join(CALL_KNOBS)}")
+
+
+def _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, return_lse, out,
+           arch, check_inputs, knobs, lse_out=None):
+    """attention_with_kvcache launched from its plan (the torch operators' CUDA implementations run this
+    too; ``lse_out``, theirs only: a contiguous float32 (batch, heads_q, seqlen_q) tensor the LSE goes to)."""
     if check_inputs:
         _check_values_on_device(cache_seqlens, page_table, k, k_cache)
     torch = sys.modules.get("torch")
@@ -490,12 +532,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
         plan = key = None
     if plan is None:
         return _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits,
-                     return_lse, out, arch, knobs)
+                     return_lse, out, arch, knobs, lse_out)
     out_shape, lse_shape = plan.outputs
     if kind == "torch":
         if out is None:
             out = torch.empty_like(q)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+        lse = lse_out if lse_out is not None else \
+            torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
         stream = torch._C._cuda_getCurrentRawStream(device)
         ptr = ARRAY_PTR["torch"]
     else:
@@ -510,7 +553,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or \
             (k is not None and (ptr(k) | ptr(v)) & 15):    # a misaligned view: the checked path says so
         return _miss(None, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits,
-                     return_lse, out, arch, knobs)
+                     return_lse, out, arch, knobs, lse_out)
     plan.launch(stream, *pointers, ptr(lse) if lse is not None else 0, ptr(cache_seqlens),
                 ptr(page_table) if page_table is not None else 0,
                 ptr(k) if k is not None else 0, ptr(v) if v is not None else 0)
@@ -518,22 +561,18 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
 
 
 def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, return_lse,
-          out, arch, knobs):
+          out, arch, knobs, lse_out=None):
     """The checked path: every argument checked (errors name it), the plan built and remembered."""
     qv = _view("q", q)
     views = {name: (_view(name, x) if x is not None else None) for name, x in
              (("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table), ("k", k), ("v", v),
               ("out", out))}
     if cache_seqlens is None or isinstance(cache_seqlens, int):
-        raise TypeError("cache_seqlens must be a (batch,) int32 device tensor on q's device (an int or None is "
-                        "not taken: the call never syncs or allocates per call)")
+        check_options(cache_seqlens, causal, softmax_scale, num_splits, knobs)
     slv = _view("cache_seqlens", cache_seqlens)
     problem = check_arguments(qv, views["k_cache"], views["v_cache"], slv, views["page_table"], views["k"],
                               views["v"], views["out"], num_splits)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
+    check_options(cache_seqlens, causal, softmax_scale, num_splits, knobs)
     info = device_info(qv.device)
     arch = arch or default_arch(info)
     if arch not in dec.DECODE_ARCHS:
@@ -553,7 +592,8 @@ def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, sof
                       switch_context=qv.device != _current_device(qv.kind))
     if key is not None:
         _PLANS.put(key, plan)
-    lse = _empty(qv, (problem.batch, problem.heads_q, problem.seqlen_q), "float32") if return_lse else None
+    lse = lse_out if lse_out is not None else \
+        _empty(qv, (problem.batch, problem.heads_q, problem.seqlen_q), "float32") if return_lse else None
     plan.launch(_current_stream(qv.kind, qv.device), qv.ptr, views["k_cache"].ptr, views["v_cache"].ptr, outv.ptr,
                 _view("lse", lse).ptr if lse is not None else 0, slv.ptr,
                 views["page_table"].ptr if page_table is not None else 0,

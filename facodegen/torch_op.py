@@ -5,6 +5,12 @@
                                   causal_alignment) -> (out, lse)
     torch.ops.facodegen.attention_out(q, k, v, out!, lse!, causal, ...)   -> ()   (writes out, lse)
 
+    torch.ops.facodegen.attention_with_kvcache(q, k_cache!, v_cache!, cache_seqlens, page_table, k, v,
+                                               causal, softmax_scale, num_splits, arch, knobs,
+                                               check_inputs) -> (out, lse)   (appends k, v to the caches)
+    torch.ops.facodegen.attention_with_kvcache_out(q, k_cache!, v_cache!, cache_seqlens, page_table, k, v,
+                                                   out!, lse!, causal, ...) -> ()   (writes out, lse too)
+
 ``facodegen.attention`` calls them on torch tensors while Dynamo traces it, and when an input
 requires grad; an eager call that records no gradient skips the dispatcher and launches
 straight from its plan (api.py), since the op's dispatch costs more than the launch itself.
@@ -21,6 +27,12 @@ Autograd: ``facodegen::attention`` has a backward (torch.library.register_autogr
 output is marked non-differentiable (no gradient flows back through it, as in FlashAttention).
 fp8 inputs and the mutating ``attention_out`` (out=/lse_out=) have no backward: a call that would
 record a gradient raises at the forward rather than returning an output with no grad_fn.
+
+``facodegen.attention_with_kvcache`` (facodegen/kvcache.py) calls the kvcache ops on torch tensors
+while Dynamo traces it; an eager call launches from its plan. Both ops mark k_cache and v_cache
+mutated (the append writes the new k, v into them in place, as flash_attn_with_kvcache does), so
+torch.compile functionalizes the write and orders later reads of the caches after it. They have no
+backward: a call on tensors that require grad (with grad enabled) raises.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ import functools
 
 import torch
 
-from . import api
+from . import api, kvcache
 
 _LIB = torch.library.Library("facodegen", "DEF")
 # The attention variants (window_size, softcap, sinks: facodegen.attention's) come last, with
@@ -42,6 +54,12 @@ _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tenso
 _LIB.define(f"attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, {_ARGS}) -> ()")
 _LIB.define("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
             "float? softmax_scale, str? arch, str knobs) -> (Tensor, Tensor, Tensor)")
+# The kvcache ops: the caches are written (the append), k/v are the new tokens (None: no append).
+_KV_IN = ("Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? page_table, Tensor? k, "
+          "Tensor? v")
+_KV_ARGS = "bool causal, float? softmax_scale, int num_splits, str? arch, str knobs, bool check_inputs=False"
+_LIB.define(f"attention_with_kvcache({_KV_IN}, {_KV_ARGS}) -> (Tensor, Tensor)")
+_LIB.define(f"attention_with_kvcache_out({_KV_IN}, Tensor(c!) out, Tensor(d!) lse, {_KV_ARGS}) -> ()")
 
 _DESCALES = ("q_descale", "k_descale", "v_descale")
 
@@ -82,6 +100,25 @@ def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch,
         lse_out = q.new_empty(_lse_shape(q), dtype=torch.float32)
     torch.ops.facodegen.attention_out(q, k, v, out, lse_out, causal, softmax_scale, arch, *descales, knobs, *variant)
     return (out, lse_out) if return_lse else out
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table, k, v, causal, softmax_scale,
+                           num_splits, return_lse, out, arch, check_inputs, **knobs):
+    """facodegen.attention_with_kvcache through the operators (the arguments are its own)."""
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k_cache, v_cache, k, v)):
+        raise NotImplementedError("facodegen.attention_with_kvcache has no backward (decode attention that writes "
+                                  "the caches in place): call it under torch.no_grad() or torch.inference_mode(), "
+                                  "or on tensors that do not require grad")
+    kvcache.check_options(cache_seqlens, causal, softmax_scale, num_splits, knobs)   # before the schema's errors
+    args = (causal, softmax_scale, num_splits, arch, encode_knobs(knobs), bool(check_inputs))
+    if out is None:
+        out, lse = torch.ops.facodegen.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, k, v,
+                                                              *args)
+        return (out, lse) if return_lse else out
+    lse = q.new_empty(_lse_shape(q), dtype=torch.float32)
+    torch.ops.facodegen.attention_with_kvcache_out(q, k_cache, v_cache, cache_seqlens, page_table, k, v, out, lse,
+                                                   *args)
+    return (out, lse) if return_lse else out
 
 
 def _fields(knobs: str, descales) -> dict:
@@ -135,6 +172,61 @@ def _attention_out_fake(q, k, v, out, lse, causal, softmax_scale, arch, q_descal
     return None
 
 
+def _kvcache_cuda(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, arch,
+                  knobs, check_inputs=False):
+    return kvcache._eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits,
+                          True, None, arch, check_inputs, decode_knobs(knobs))
+
+
+def _kvcache_out_cuda(q, k_cache, v_cache, cache_seqlens, page_table, k, v, out, lse, causal, softmax_scale,
+                      num_splits, arch, knobs, check_inputs=False):
+    if lse.dtype != torch.float32 or tuple(lse.shape) != _lse_shape(q) or not lse.is_contiguous() or \
+            lse.device != q.device:
+        raise ValueError(f"lse must be a contiguous float32 tensor of shape {_lse_shape(q)} on {q.device}, got "
+                         f"{lse.dtype} {tuple(lse.shape)} strides {lse.stride()} on {lse.device}")
+    kvcache._eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, True,
+                   out, arch, check_inputs, decode_knobs(knobs), lse)
+
+
+def _shape_view(name: str, x):
+    """api._View of a fake or meta tensor: its shape, strides and dtype (no address: taken as aligned)."""
+    if x is None:
+        return None
+    index = x.device.index
+    return api._View(name, "torch", 0, tuple(x.shape), tuple(x.stride()), str(x.dtype).removeprefix("torch."),
+                     -1 if index is None else index)
+
+
+def _kvcache_check(q, k_cache, v_cache, cache_seqlens, page_table, k, v, out, num_splits):
+    """The eager path's shape checks (kvcache.check_arguments) on the shapes alone, errors naming the argument."""
+    views = [_shape_view(name, x) for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                                  ("cache_seqlens", cache_seqlens), ("page_table", page_table),
+                                                  ("k", k), ("v", v), ("out", out))]
+    kvcache.check_arguments(*views, num_splits)
+
+
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, arch,
+                  knobs, check_inputs=False):
+    _kvcache_check(q, k_cache, v_cache, cache_seqlens, page_table, k, v, None, num_splits)
+    return torch.empty_like(q), q.new_empty(_lse_shape(q), dtype=torch.float32)   # O as the plan makes it
+
+
+def _kvcache_out_fake(q, k_cache, v_cache, cache_seqlens, page_table, k, v, out, lse, causal, softmax_scale,
+                      num_splits, arch, knobs, check_inputs=False):
+    _kvcache_check(q, k_cache, v_cache, cache_seqlens, page_table, k, v, out, num_splits)
+    return None
+
+
+def _kvcache_no_backward(op):
+    def autograd_kernel(q, k_cache, v_cache, cache_seqlens, page_table, k, v, *args):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
+            raise NotImplementedError("facodegen.attention_with_kvcache has no backward: call it under "
+                                      "torch.no_grad() or on tensors that do not require grad")
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(q, k_cache, v_cache, cache_seqlens, page_table, k, v, *args)
+    return autograd_kernel
+
+
 def _attention_backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, arch, knobs):
     from .backward import attention_backward
     return attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, arch=arch,
@@ -183,3 +275,10 @@ torch.library.register_fake("facodegen::attention", _attention_fake, lib=_LIB)
 torch.library.register_fake("facodegen::attention_out", _attention_out_fake, lib=_LIB)
 torch.library.register_fake("facodegen::attention_backward", _attention_backward_fake, lib=_LIB)
 torch.library.register_autograd("facodegen::attention", _attention_grad, setup_context=_setup_context, lib=_LIB)
+_LIB.impl("attention_with_kvcache", _kvcache_cuda, "CUDA")
+_LIB.impl("attention_with_kvcache_out", _kvcache_out_cuda, "CUDA")
+_LIB.impl("attention_with_kvcache", _kvcache_no_backward(torch.ops.facodegen.attention_with_kvcache), "Autograd")
+_LIB.impl("attention_with_kvcache_out", _kvcache_no_backward(torch.ops.facodegen.attention_with_kvcache_out),
+          "Autograd")
+torch.library.register_fake("facodegen::attention_with_kvcache", _kvcache_fake, lib=_LIB)
+torch.library.register_fake("facodegen::attention_with_kvcache_out", _kvcache_out_fake, lib=_LIB)

@@ -201,6 +201,8 @@ def fake(monkeypatch):
     torch._C = types.SimpleNamespace(_cuda_getDevice=lambda: state.device,
                                      _cuda_getCurrentRawStream=lambda device: state.stream)
     torch.cuda = types.SimpleNamespace(current_device=lambda: state.device)
+    torch.compiler = types.SimpleNamespace(is_compiling=lambda: False)     # eager: the plan path, not the op
+    torch.is_grad_enabled = lambda: True
     torch.empty = lambda shape, dtype, device: FakeTensor(shape if isinstance(shape, tuple) else (shape,),
                                                           str(dtype).removeprefix("torch."),
                                                           device=int(str(device).rpartition(":")[2]))

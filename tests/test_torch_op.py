@@ -116,3 +116,217 @@ def test_compile_and_export_carry_the_variants():
     program = torch.export.export(Attention(), (q, k, k, sinks))
     text = str(program.graph)
     assert "torch.ops.facodegen.attention.default" in text and "[16, 16]" in text and "top_left" in text
+
+
+# ------------------------------------------------------------------ attention_with_kvcache
+
+def kv_case(*, paged=False, new=0, batch=2, seqlen_q=1, heads_q=8, heads_kv=2, d=128, capacity=256, page=64):
+    """(q, k_cache, v_cache, cache_seqlens, keyword arguments) of a decode step on meta tensors."""
+    if paged:
+        pages = batch * capacity // page
+        kc, vc = meta(pages, page, heads_kv, d), meta(pages, page, heads_kv, d)
+        kw = {"page_table": meta(batch, capacity // page, dtype=torch.int32)}
+    else:
+        kc, vc = meta(batch, capacity, heads_kv, d), meta(batch, capacity, heads_kv, d)
+        kw = {}
+    if new:
+        kw.update(k=meta(batch, new, heads_kv, d), v=meta(batch, new, heads_kv, d))
+    return meta(batch, seqlen_q, heads_q, d), kc, vc, meta(batch, dtype=torch.int32), kw
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("new", [0, 1, 4])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_kvcache_compile_fullgraph_traces_the_op(paged, new, return_lse):
+    """One graph, the op in it (fullgraph: no graph break), O like q and the float32 LSE from the fake."""
+    torch._dynamo.reset()       # (one code object per parametrization: no recompile limit)
+    q, kc, vc, lengths, kw = kv_case(paged=paged, new=new, seqlen_q=new or 1)
+    seen = []
+
+    def step(q, kc, vc, lengths, kw):
+        return facodegen.attention_with_kvcache(q, kc, vc, lengths, **kw, return_lse=return_lse, num_splits=2,
+                                                block_n=64)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.compile(step, fullgraph=True, backend=recording_backend(seen))(q, kc, vc, lengths, kw)
+    out, lse = got if return_lse else (got, None)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == "meta"
+    if return_lse:
+        assert lse.shape == (2, 8, q.shape[1]) and lse.dtype == torch.float32
+    assert len(seen) == 1 and "facodegen.attention_with_kvcache" in seen[0] and "block_n=64" in seen[0]
+
+
+def test_kvcache_explain_counts_no_graph_break():
+    q, kc, vc, lengths, kw = kv_case(paged=True, new=1)
+
+    def step(q, kc, vc, lengths, kw):
+        out = facodegen.attention_with_kvcache(q, kc, vc, lengths, **kw)
+        return facodegen.attention(out, out, out)       # the layer goes on after the decode
+
+    explained = torch._dynamo.explain(step)(q, kc, vc, lengths, kw)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+
+
+def test_kvcache_fake_impl_shapes_under_fake_tensor_mode():
+    """The op itself (and its _out form) on FakeTensorMode CUDA-device tensors: shapes from shapes only."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        def t(*shape, dtype=torch.float16):     # (a fake CUDA tensor: no GPU needed)
+            return torch.empty(*shape, dtype=dtype, device="cuda")
+        q, kc, vc = t(3, 4, 16, 64), t(40, 16, 4, 64), t(40, 16, 4, 64)
+        lengths, table = t(3, dtype=torch.int32), t(3, 8, dtype=torch.int32)
+        out, lse = torch.ops.facodegen.attention_with_kvcache(q, kc, vc, lengths, table, t(3, 4, 4, 64),
+                                                              t(3, 4, 4, 64), True, 0.1, 0, None, "")
+        assert out.shape == q.shape and out.dtype == torch.float16 and out.device.type == "cuda"
+        assert lse.shape == (3, 16, 4) and lse.dtype == torch.float32
+        o2, l2 = t(3, 4, 16, 64), t(3, 16, 4, dtype=torch.float32)
+        assert torch.ops.facodegen.attention_with_kvcache_out(q, kc, vc, lengths, table, None, None, o2, l2, True,
+                                                              None, 1, "sm90", "") is None
+
+
+def test_kvcache_schema_marks_the_caches_mutated():
+    for name in ("attention_with_kvcache", "attention_with_kvcache_out"):
+        schema = getattr(torch.ops.facodegen, name).default._schema
+        written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        assert written == ({"k_cache", "v_cache"} if name == "attention_with_kvcache" else
+                           {"k_cache", "v_cache", "out", "lse"})
+    returns = torch.ops.facodegen.attention_with_kvcache.default._schema.returns
+    assert len(returns) == 2 and all(r.alias_info is None for r in returns)   # fresh O and LSE
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+def test_kvcache_opcheck_on_meta(with_out):
+    """torch.library.opcheck's schema, fake-tensor, autograd-registration and AOT checks (on meta
+    tensors: the mutation check sees no data here; tests/gpu/test_decode_gpu.py runs the kernels)."""
+    q, kc, vc, lengths, kw = kv_case(paged=True, new=1)
+    extra = (meta(*q.shape), meta(2, 8, 1, dtype=torch.float32)) if with_out else ()
+    op = torch.ops.facodegen.attention_with_kvcache_out if with_out else torch.ops.facodegen.attention_with_kvcache
+    torch.library.opcheck(op.default, (q, kc, vc, lengths, kw["page_table"], kw["k"], kw["v"], *extra, True, None, 0,
+                                       None, "block_n=64"))
+
+
+def test_kvcache_compile_with_out_uses_the_mutating_op():
+    q, kc, vc, lengths, kw = kv_case(new=1)
+    seen = []
+
+    def step(q, kc, vc, lengths, kw):
+        out = torch.empty_like(q)
+        o, lse = facodegen.attention_with_kvcache(q, kc, vc, lengths, **kw, out=out, return_lse=True)
+        return o, lse
+
+    out, lse = torch.compile(step, fullgraph=True, backend=recording_backend(seen))(q, kc, vc, lengths, kw)
+    assert out.shape == q.shape and lse.shape == (2, 8, 1) and lse.dtype == torch.float32
+    assert "facodegen.attention_with_kvcache_out" in seen[0]
+
+
+def test_kvcache_flash_attn_signature_compiles_too():
+    q, kc, vc, lengths, kw = kv_case(paged=True, new=1)
+
+    def step(q, kc, vc, lengths, table, k, v):
+        return facodegen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, block_table=table,
+                                                 causal=True, return_softmax_lse=True)
+
+    out, lse = torch.compile(step, fullgraph=True, backend="eager")(q, kc, vc, lengths, kw["page_table"], kw["k"],
+                                                                      kw["v"])
+    assert out.shape == q.shape and lse.shape == (2, 8, 1)
+
+
+def test_kvcache_export_records_the_cache_mutation():
+    class Decode(torch.nn.Module):
+        def forward(self, q, kc, vc, lengths, k, v):
+            return facodegen.attention_with_kvcache(q, kc, vc, lengths, k=k, v=v)
+
+    q, kc, vc, lengths, kw = kv_case(new=1)
+    program = torch.export.export(Decode(), (q, kc, vc, lengths, kw["k"], kw["v"]))
+    assert "torch.ops.facodegen.attention_with_kvcache.default" in str(program.graph)
+    # the functional form (run_decompositions) writes the caches back: the op's (a!)/(b!) at work
+    functional = program.run_decompositions()
+    mutated = {spec.target for spec in functional.graph_signature.output_specs
+               if spec.kind.name == "USER_INPUT_MUTATION"}
+    assert mutated == {"kc", "vc"} and "auto_functionalized" in str(functional.graph)
+
+
+def _trace(fn, *args):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="eager")(*args)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"q": (2, 1, 8, 80)}, "head_dim=80 is not supported"),
+    ({"k_cache": (3, 256, 2, 128)}, "k_cache has batch 3 but q has batch 2"),
+    ({"q": (2, 1, 7, 128)}, "heads_kv=2 .* must divide heads_q=7"),
+    ({"cache_seqlens": (2, 1)}, "cache_seqlens has shape"),
+    ({"q": (2, 17, 8, 128)}, "seqlen_q=17"),
+])
+def test_kvcache_bad_shapes_give_the_eager_errors_under_compile(change, match):
+    """The fake implementation runs the eager path's shape checks: the same message while tracing."""
+    q, kc, vc, lengths, kw = kv_case()
+    shapes = {"q": q.shape, "k_cache": kc.shape, "cache_seqlens": lengths.shape, **change}
+    args = (meta(*shapes["q"]), meta(*shapes["k_cache"]), meta(*shapes["k_cache"]),
+            meta(*shapes["cache_seqlens"], dtype=torch.int32))
+    with pytest.raises(Exception, match=match):
+        _trace(lambda q, kc, vc, lengths: facodegen.attention_with_kvcache(q, kc, vc, lengths), *args)
+    if shapes["q"][1] <= 16:    # eager says the same on CUDA tensors; on meta it stops at the device first
+        with pytest.raises(TypeError, match="q is a torch tensor on meta"):
+            facodegen.attention_with_kvcache(*args)
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    ({"causal": "yes"}, TypeError, "causal must be True or False"),
+    ({"num_splits": -1}, ValueError, "num_splits=-1"),
+    ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be a finite number"),
+    ({"block_q": 64}, TypeError, "unknown argument.*block_q"),
+    ({"k": "new"}, ValueError, "k and v .* must be given together"),
+])
+def test_kvcache_bad_options_are_named(kw, error, match):
+    q, kc, vc, lengths, _ = kv_case()
+    if "k" in kw:
+        kw = {"k": meta(2, 1, 2, 128)}
+    with pytest.raises(Exception, match=match):
+        _trace(lambda q, kc, vc, lengths: facodegen.attention_with_kvcache(q, kc, vc, lengths, **kw), q, kc, vc,
+               lengths)
+    from facodegen import kvcache
+    if "k" not in kw:
+        with pytest.raises(error, match=match):
+            kvcache.check_options(lengths, **{"causal": True, "softmax_scale": None, "num_splits": 0, "knobs": {},
+                                              **{n: x for n, x in kw.items() if n != "block_q"},
+                                              **({"knobs": {"block_q": 64}} if "block_q" in kw else {})})
+
+
+def test_kvcache_int_lengths_are_refused_under_compile():
+    q, kc, vc, _, _ = kv_case()
+    with pytest.raises(Exception, match="cache_seqlens must be a .batch,. int32 device tensor"):
+        _trace(lambda q, kc, vc: facodegen.attention_with_kvcache(q, kc, vc, 5), q, kc, vc)
+
+
+def test_kvcache_has_no_backward():
+    q, kc, vc, lengths, kw = kv_case(new=1)
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="attention_with_kvcache has no backward.*torch.no_grad"):
+        facodegen.attention_with_kvcache(q, kc, vc, lengths, **kw)
+    with pytest.raises(NotImplementedError, match="no backward"):      # the op itself, called directly
+        torch.ops.facodegen.attention_with_kvcache(q, kc, vc, lengths, None, kw["k"], kw["v"], True, None, 0, None,
+                                                   "")
+    with torch.no_grad():   # no gradient recorded: the eager path (which refuses meta tensors by name)
+        with pytest.raises(TypeError, match="q is a torch tensor on meta"):
+            facodegen.attention_with_kvcache(q, kc, vc, lengths, **kw)
+        out = torch.ops.facodegen.attention_with_kvcache(q, kc, vc, lengths, None, kw["k"], kw["v"], True, None, 0,
+                                                         None, "")[0]
+        assert out.shape == q.shape and not out.requires_grad
+
+
+def test_kvcache_dynamic_shapes_through_aot_autograd():
+    """dynamic=True (batch and page count symbolic: the fake's shape checks take SymInts) and the
+    aot_eager backend, which functionalizes the cache mutation as inductor does."""
+    torch._dynamo.reset()
+
+    def step(q, kc, vc, lengths, table, k, v):
+        return facodegen.attention_with_kvcache(q, kc, vc, lengths, page_table=table, k=k, v=v, return_lse=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
+    for batch in (2, 3, 5):
+        q, kc, vc, lengths, kw = kv_case(paged=True, new=1, batch=batch)
+        out, lse = compiled(q, kc, vc, lengths, kw["page_table"], kw["k"], kw["v"])
+        assert out.shape == q.shape and lse.shape == (batch, 8, 1)

@@ -259,3 +259,73 @@ def test_host_cost_of_a_warm_call():
         torch.cuda.synchronize()
         print(f"host cost per warm call (paged, num_splits={splits}): {host_us:.1f} us")
         assert host_us < 40, f"{host_us:.1f} us per call (target 15)"
+
+
+def _appended_rows(k_cache, lengths, table):
+    """Row cache_seqlens[b] of each sequence (where a one-token append lands), (batch, heads_kv, d)."""
+    batch = lengths.shape[0]
+    if table is None:
+        return k_cache[torch.arange(batch, device=lengths.device), lengths.long()]
+    page = k_cache.shape[1]
+    pages = table[torch.arange(batch, device=lengths.device), (lengths // page).long()]
+    return k_cache[pages.long(), (lengths % page).long()]
+
+
+@pytest.mark.parametrize("page_size", [0, 64])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_torch_compile_decode_step_with_append_matches_eager(page_size, with_out):
+    """torch.compile(fullgraph=True) of a decode step (append one token, attend, read the appended
+    row back in the same graph: the op's cache mutation orders that read) is the eager call bit for bit."""
+    case = make_case(batch=3, heads_q=32, heads_kv=8, capacity=1024, page_size=page_size, lengths=[0, 500, 1023],
+                     new=1)
+    table = case["page_table"]
+
+    def step(q, k_cache, v_cache, lengths, k, v):
+        out = torch.empty_like(q) if with_out else None
+        o, lse = facodegen.attention_with_kvcache(q, k_cache, v_cache, lengths, page_table=table, k=k, v=v,
+                                                  return_lse=True, out=out)
+        return o, lse, _appended_rows(k_cache, lengths, table), _appended_rows(v_cache, lengths, table)
+
+    def inputs():
+        return (case["q"], case["k_cache"].clone(), case["v_cache"].clone(), case["cache_seqlens"], case["k"],
+                case["v"])
+
+    eager_in, compiled_in = inputs(), inputs()
+    want = step(*eager_in)
+    got = torch.compile(step, fullgraph=True)(*compiled_in)
+    torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(compiled_in[1], eager_in[1]) and torch.equal(compiled_in[2], eager_in[2])
+    assert torch.equal(got[2], case["k"][:, 0]) and torch.equal(got[3], case["v"][:, 0])   # the append landed
+    assert not torch.equal(compiled_in[1], case["k_cache"])
+
+
+def test_cuda_graph_replay_of_a_decode_step_with_append():
+    """The eager call with an append, captured once: each replay writes the new token at the
+    lengths the device holds then, and attends over it."""
+    case = make_case(batch=2, heads_q=32, heads_kv=8, capacity=2048, page_size=64, lengths=[100, 2000], new=1)
+    args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"])
+    kw = {"page_table": case["page_table"], "k": case["k"], "v": case["v"]}
+    facodegen.attention_with_kvcache(*args, **kw)            # warm: plan, compile, workspace
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        facodegen.attention_with_kvcache(*args, **kw)        # the side stream's scratch
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = facodegen.attention_with_kvcache(*args, **kw)
+    for lengths in ([1500, 7], [0, 2047]):
+        case["cache_seqlens"].copy_(torch.tensor(lengths, dtype=torch.int32))
+        before = (case["k_cache"].clone(), case["v_cache"].clone())
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, _, ref_kc, ref_vc = kvcache_reference(
+            _np(case["q"]), _np(before[0]), _np(before[1]), _np(case["cache_seqlens"]),
+            page_table=_np(case["page_table"]), k=_np(case["k"]), v=_np(case["v"]))
+        assert np.abs(out.double().cpu().numpy() - ref_o).max() < 2e-2
+        np.testing.assert_array_equal(_np(case["k_cache"]), ref_kc)
+        np.testing.assert_array_equal(_np(case["v_cache"]), ref_vc)
+        assert torch.equal(_appended_rows(case["k_cache"], case["cache_seqlens"], case["page_table"]),
+                           case["k"][:, 0])
