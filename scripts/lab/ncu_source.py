@@ -25,8 +25,6 @@ import shutil
 import subprocess
 import sys
 
-from ncu_compare import add_child_arguments  # scripts/lab/ is this script's sys.path[0]
-
 STALL_PREFIX = "stall_"
 
 
@@ -78,6 +76,7 @@ def summarize(csv_text: str, top: int = 25) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ncu_compare import add_child_arguments  # scripts/lab/ is this script's sys.path[0]
     add_child_arguments(p, "the peer ncu_compare's child builds (runs, not profiled)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--csv", help="summarise this saved source.csv instead of profiling")
