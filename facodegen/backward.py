@@ -84,11 +84,7 @@ def emit_command(spec: BackwardSpec) -> str:
         value = getattr(spec, knob.name)
         if knob.name not in _EMIT_ALWAYS and value == _EMIT_DEFAULTS.get(knob.name):
             continue
-        if knob.kind == "bool":
-            on, off = knob.flag.split("/")
-            flags.append(on if value else off)
-        else:
-            flags.append(f"{knob.flag} {value}")
+        flags.append(knob.command_text(value))
     return "facodegen emit " + " ".join(flags)
 
 

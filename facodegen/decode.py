@@ -445,11 +445,7 @@ def emit_command(spec) -> str:
     flags = [f"--kernel {spec.kernel}"]
     for knob in KNOBS_OF[spec.kernel]:
         value = getattr(spec, knob.name)
-        if knob.kind == "bool":
-            on, off = knob.flag.split("/")
-            flags.append(on if value else off)
-        else:
-            flags.append(f"{knob.flag} {value}")
+        flags.append(knob.command_text(value))
     if spec.kernel != "decode":
         flags.append(f"--arch {spec.arch}")
     return "facodegen emit " + " ".join(flags)

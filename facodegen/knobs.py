@@ -80,6 +80,14 @@ class Knob:
     flag_offers_choices: bool = True    # False: the flag takes any integer and the spec names what is wrong
     token: Callable | None = None       # spec -> its part of the variant name, or None (no part)
 
+    def command_text(self, value) -> str:
+        """This knob at ``value`` on a `facodegen emit` line: the on or off flag of a bool, else the
+        flag and the value."""
+        if self.kind == "bool":
+            on, off = self.flag.split("/")
+            return on if value else off
+        return f"{self.flag} {value}"
+
     @property
     def dest(self) -> str:
         """The click parameter name of the flag (what the command function receives)."""

@@ -76,11 +76,8 @@ def emit_command(spec: KernelSpec, runtime: dict | None = None) -> str:
             flags.append(f"--window-left {runtime['window_left']} --window-right {runtime['window_right']}")
         elif knob.name == "softcap" and value and "softcap" in runtime:
             flags.append(f"--softcap {runtime['softcap']!r}")
-        elif knob.kind == "bool":
-            on, off = knob.flag.split("/")
-            flags.append(on if value else off)
         else:
-            flags.append(f"{knob.flag} {value}")
+            flags.append(knob.command_text(value))
     return "facodegen emit " + " ".join(flags)
 
 
