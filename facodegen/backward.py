@@ -25,7 +25,7 @@ import threading
 from . import __version__, driver
 from . import compiler as compile_mod
 from .backward_spec import BACKWARD_KNOBS, DEFAULT_GPU, BackwardSpec
-from .params import Field, pack_fields, place
+from .params import Field, pack_fields, place, stride_fields
 from .plan import PlanCache, _Image
 from .spec import SpecError
 
@@ -44,8 +44,7 @@ BWD_FIELDS = [
     Field("dv", "ptr", "elem_t*", "dV (batch, seqlen_k, heads_kv, head_dim): summed over the GQA group"),
     Field("dq_accum", "ptr", "float*", "fp32 dQ / softmax_scale (batch, heads_q, seqlen_q, head_dim) contiguous"),
     Field("dpsum", "ptr", "float*", "D = rowsum(dO ∘ O), (batch, heads_q, seqlen_q) contiguous"),
-    *(Field(f"{t}_{axis}_stride", "i64", "long long", f"{t} stride between {axis}s, in elements")
-      for t in _TENSORS for axis in ("batch", "row", "head")),
+    *(field for t in _TENSORS for field in stride_fields(t)),
     Field("batch", "i32", "int", "batch size"),
     Field("seqlen_q", "i32", "int", "query sequence length"),
     Field("seqlen_k", "i32", "int", "key/value sequence length"),

@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from .knobs import Knob
-from .params import Field, pack_fields, place
+from .params import Field, pack_fields, place, stride_fields
 from .spec import SpecError
 
 DECODE_ARCHS = ("sm80", "sm90")
@@ -343,11 +343,6 @@ def _i32(name, doc):
     return Field(name, "i32", "int", doc)
 
 
-def _strides(tensor: str, first: str = "batch") -> list[Field]:
-    return [_i64(f"{tensor}_{axis}_stride", f"{tensor} stride between {axis}s, in elements")
-            for axis in (first, "row", "head")]
-
-
 # Pointers first (a launch patches them in place; DECODE_CALL_POINTERS is their order).
 DECODE_FIELDS = [
     _ptr("q", "const elem_t*", "Q (batch, seqlen_q, heads_q, head_dim)"),
@@ -359,7 +354,7 @@ DECODE_FIELDS = [
     _ptr("lse_partial", "float*", "split: fp32 LSE (num_splits, batch, heads_q, seqlen_q)"),
     _ptr("cache_seqlens", "const int*", "keys already in the cache per sequence (batch,) int32"),
     _ptr("page_table", "const int*", "paged: (batch, max_pages) int32 page of each page_size keys"),
-    *_strides("q"), *_strides("k", "page"), *_strides("v", "page"), *_strides("o"),
+    *stride_fields("q"), *stride_fields("k", "page"), *stride_fields("v", "page"), *stride_fields("o"),
     _i64("page_table_stride", "page_table stride between sequences, in elements"),
     _i32("batch", "sequences"),
     _i32("seqlen_q", "query tokens per sequence"),
@@ -385,7 +380,7 @@ COMBINE_FIELDS = [
     _ptr("lse_partial", "const float*", "fp32 LSE (num_splits, batch, heads_q, seqlen_q)"),
     _ptr("o", "elem_t*", "O (batch, seqlen_q, heads_q, head_dim)"),
     _ptr("lse", "float*", "LSE (batch, heads_q, seqlen_q) float32"),
-    *_strides("o"),
+    *stride_fields("o"),
     _i32("batch", "sequences"),
     _i32("seqlen_q", "query tokens per sequence"),
     _i32("heads_q", "query heads"),
@@ -400,7 +395,7 @@ APPEND_FIELDS = [
     _ptr("v_cache", "elem_t*", "V cache, written in place"),
     _ptr("cache_seqlens", "const int*", "keys already in the cache per sequence (batch,) int32"),
     _ptr("page_table", "const int*", "paged: (batch, max_pages) int32"),
-    *_strides("kn"), *_strides("vn"), *_strides("k", "page"), *_strides("v", "page"),
+    *stride_fields("kn"), *stride_fields("vn"), *stride_fields("k", "page"), *stride_fields("v", "page"),
     _i64("page_table_stride", "page_table stride between sequences, in elements"),
     _i32("batch", "sequences"),
     _i32("seqlen_new", "new tokens per sequence"),

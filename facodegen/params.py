@@ -30,9 +30,11 @@ class Field:
         return TENSOR_MAP_ALIGN if self.kind == "tmap" else self.size
 
 
-def _strides(tensor: str) -> list[Field]:
+def stride_fields(tensor: str, first: str = "batch") -> list[Field]:
+    """``tensor``'s three element strides, between ``first``s (batches, or a paged cache's pages),
+    rows and heads: every kernel argument struct spells them so."""
     return [Field(f"{tensor}_{axis}_stride", "i64", "long long", f"{tensor} stride between {axis}s, in elements")
-            for axis in ("batch", "row", "head")]
+            for axis in (first, "row", "head")]
 
 
 COMMON_FIELDS = [
@@ -43,7 +45,7 @@ COMMON_FIELDS = [
     Field("lse", "ptr", "float*", "row log-sum-exp, natural log, (batch, heads_q, seqlen_q) contiguous"),
     Field("tile_counter", "ptr", "int*", "work counter of the dynamic tile scheduler: zero at launch, and left at zero by the CTA that draws the last ticket"),
     Field("workspace", "ptr", "float*", "fp32 O, m, l between K/V blocks (sm80 schedule=fa1, loop_order=kv_outer) or of split tiles (sm90 stream_k); else 0"),
-    *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"),
+    *stride_fields("q"), *stride_fields("k"), *stride_fields("v"), *stride_fields("o"),
     Field("batch", "i32", "int", "batch size"),
     Field("seqlen_q", "i32", "int", "query sequence length"),
     Field("seqlen_k", "i32", "int", "key/value sequence length"),
