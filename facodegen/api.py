@@ -468,12 +468,9 @@ def _check_sinks(sinks, q: _View) -> _View | None:
         raise TypeError(f"sinks must be a float32 {q.kind} array of shape (heads_q,) = ({q.shape[2]},) on "
                         f"cuda:{q.device}, got {type(sinks).__name__}")
     s = _view("sinks", sinks)
-    if s.kind != q.kind:
-        raise TypeError(f"sinks is a {s.kind} array but q is a {q.kind} array; pass one kind")
+    _check_same_place(q, (s,))
     if s.dtype != "float32":
         raise TypeError(f"sinks has dtype {s.dtype}; sinks are float32 logits, one per query head")
-    if s.device != q.device:
-        raise ValueError(f"sinks is on cuda:{s.device} but q is on cuda:{q.device}; put it on q's device")
     if tuple(s.shape) != (q.shape[2],) or (q.shape[2] > 1 and s.strides != (1,)):
         raise ValueError(f"sinks has shape {tuple(s.shape)} strides {s.strides}; expected a contiguous (heads_q,) = "
                          f"({q.shape[2]},) array")

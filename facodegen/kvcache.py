@@ -160,12 +160,9 @@ def _check_rows(t: _View) -> None:
 
 
 def _check_int32(t: _View, shape: tuple, what: str, q: _View) -> None:
-    if t.kind != q.kind:
-        raise TypeError(f"{t.name} is a {t.kind} array but q is a {q.kind} array; pass one kind")
+    _check_same_place(q, (t,))
     if t.dtype != "int32":
         raise TypeError(f"{t.name} has dtype {t.dtype}; it must be int32 {what}")
-    if t.device != q.device:
-        raise ValueError(f"{t.name} is on cuda:{t.device} but q is on cuda:{q.device}; put it on q's device")
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{t.name} has shape {t.shape}; expected {what} = {tuple(shape)}")
     if t.strides[-1] != 1:
