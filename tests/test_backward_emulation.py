@@ -102,6 +102,16 @@ def warp_gemm(smem, c, m_slabs, n_tiles, k_dim, a_chunks, a_t, a_tile, a_row0, b
                         c[mt][ln][4 * tile: 4 * tile + 4] = d[ln]
 
 
+def fragment_elements(m_slabs, elems, row0, col0, step=1):
+    """(slab, lane, element, row, column) of each element of a warp's mma.sync accumulators: m_slabs
+    16-row slabs of ``elems`` floats per lane (every ``step``-th), the warp's tile at (row0, col0)."""
+    for mt in range(m_slabs):
+        for ln in range(32):
+            g, t = ln // 4, ln % 4
+            for i in range(0, elems, step):
+                yield mt, ln, i, row0 + 16 * mt + g + 8 * ((i >> 1) & 1), col0 + 8 * (i >> 2) + 2 * t + (i & 1)
+
+
 def zeros(m_slabs, n_tiles):
     return [[[0.0] * (4 * n_tiles) for _ in range(32)] for _ in range(m_slabs)]
 
@@ -163,33 +173,23 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                         s_key0, s_col0 = (warp % wsn) * 16 * s_slabs, (warp // wsn) * 8 * s_tiles
                         st = zeros(s_slabs, s_tiles)
                         warp_gemm(smem, st, s_slabs, s_tiles, d, rc, False, k_s, s_key0, rc, False, q_s, s_col0)
-                        for mt in range(s_slabs):
-                            for ln in range(32):
-                                g, t = ln // 4, ln % 4
-                                for i in range(0, s_tiles * 4, 2):
-                                    key_row = s_key0 + 16 * mt + g + 8 * ((i >> 1) & 1)
-                                    col = s_col0 + 8 * (i >> 2) + 2 * t
-                                    pr = []
-                                    for e in range(2):
-                                        p = 2.0 ** (st[mt][ln][i + e] * scale_log2 - lse_s[col + e])
-                                        if cut or crosses:
-                                            key, query = key_begin + key_row, row_begin + col + e
-                                            if key >= sk or (causal and key > query + sk - sq):
-                                                p = 0.0
-                                        pr.append(p)
-                                    smem.st_pair(pt_s + swz_offset(pc, key_row, col // 8) + 2 * (col % 8), *pr)
+                        for mt, ln, i, key_row, col in fragment_elements(s_slabs, s_tiles * 4, s_key0, s_col0, 2):
+                            pr = []
+                            for e in range(2):
+                                p = 2.0 ** (st[mt][ln][i + e] * scale_log2 - lse_s[col + e])
+                                if cut or crosses:
+                                    key, query = key_begin + key_row, row_begin + col + e
+                                    if key >= sk or (causal and key > query + sk - sq):
+                                        p = 0.0
+                                pr.append(p)
+                            smem.st_pair(pt_s + swz_offset(pc, key_row, col // 8) + 2 * (col % 8), *pr)
                         dpt = zeros(s_slabs, s_tiles)
                         warp_gemm(smem, dpt, s_slabs, s_tiles, d, rc, False, v_s, s_key0, rc, False, do_s, s_col0)
-                        for mt in range(s_slabs):
-                            for ln in range(32):
-                                g, t = ln // 4, ln % 4
-                                for i in range(0, s_tiles * 4, 2):
-                                    key_row = s_key0 + 16 * mt + g + 8 * ((i >> 1) & 1)
-                                    col = s_col0 + 8 * (i >> 2) + 2 * t
-                                    at = swz_offset(pc, key_row, col // 8) + 2 * (col % 8)
-                                    p0, p1 = smem.ld_pair(pt_s + at)
-                                    smem.st_pair(dst_s + at, float(p0) * (dpt[mt][ln][i] - dp_s[col]),
-                                                 float(p1) * (dpt[mt][ln][i + 1] - dp_s[col + 1]))
+                        for mt, ln, i, key_row, col in fragment_elements(s_slabs, s_tiles * 4, s_key0, s_col0, 2):
+                            at = swz_offset(pc, key_row, col // 8) + 2 * (col % 8)
+                            p0, p1 = smem.ld_pair(pt_s + at)
+                            smem.st_pair(dst_s + at, float(p0) * (dpt[mt][ln][i] - dp_s[col]),
+                                         float(p1) * (dpt[mt][ln][i + 1] - dp_s[col + 1]))
                     for warp in range(W):       # dV += P^T dO; dK += dS^T Q
                         kv_key0, kv_col0 = (warp % wkn) * 16 * kv_slabs, (warp // wkn) * 8 * kv_tiles
                         warp_gemm(smem, dv_acc[warp], kv_slabs, kv_tiles, BM, pc, False, pt_s, kv_key0, rc, True,
@@ -202,25 +202,15 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                             acc = zeros(dq_slabs, 2)
                             warp_gemm(smem, acc, dq_slabs, 2, BN, pc, True, dst_s, dq_row0, rc, True, k_s,
                                       dq_col0 + 16 * dp)
-                            for mt in range(dq_slabs):
-                                for ln in range(32):
-                                    g, t = ln // 4, ln % 4
-                                    for i in range(8):
-                                        row = dq_row0 + 16 * mt + g + 8 * ((i >> 1) & 1)
-                                        col = dq_col0 + 16 * dp + 8 * (i >> 2) + 2 * t + (i & 1)
-                                        if row_begin + row < sq:
-                                            dq_accum[batch, head, row_begin + row, col] += acc[mt][ln][i]
+                            for mt, ln, i, row, col in fragment_elements(dq_slabs, 8, dq_row0, dq_col0 + 16 * dp):
+                                if row_begin + row < sq:
+                                    dq_accum[batch, head, row_begin + row, col] += acc[mt][ln][i]
                 for warp in range(W):           # finish
                     kv_key0, kv_col0 = (warp % wkn) * 16 * kv_slabs, (warp // wkn) * 8 * kv_tiles
-                    for mt in range(kv_slabs):
-                        for ln in range(32):
-                            g, t = ln // 4, ln % 4
-                            for i in range(kv_tiles * 4):
-                                row = kv_key0 + 16 * mt + g + 8 * ((i >> 1) & 1)
-                                col = kv_col0 + 8 * (i >> 2) + 2 * t + (i & 1)
-                                if row < keys_valid:
-                                    dk[batch, key_begin + row, kv_head, col] = E(dk_acc[warp][mt][ln][i] * scale)
-                                    dv[batch, key_begin + row, kv_head, col] = E(dv_acc[warp][mt][ln][i])
+                    for mt, ln, i, row, col in fragment_elements(kv_slabs, kv_tiles * 4, kv_key0, kv_col0):
+                        if row < keys_valid:
+                            dk[batch, key_begin + row, kv_head, col] = E(dk_acc[warp][mt][ln][i] * scale)
+                            dv[batch, key_begin + row, kv_head, col] = E(dv_acc[warp][mt][ln][i])
     return dq_accum, dk, dv
 
 
