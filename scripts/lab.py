@@ -48,6 +48,8 @@ SUBCOMMANDS = {
                  "a ladder of cases, one process each with a timeout, error by rows and columns: a wrong or hung kernel"),
     "fp8-error-ratio": ("fp8_error_ratio", "GPU",
                         "fp8 error over FlashAttention-3's on the GPU test's inputs, per variant: before an fp8 default"),
+    "peer-error": ("peer_error", "GPU",
+                   "fuzz cases run by facodegen and by FA2 on the same inputs, both criteria: a kernel bug or precision"),
     "experiments": ("experiments", "CPU",
                     "whether each docs/experiments record applies to this tree: after a template change"),
 }

@@ -1,0 +1,112 @@
+"""Same-precision references with FlashAttention's rounding points (torch, any device).
+
+FlashAttention-3's test criterion bounds a kernel's error by twice that of a same-precision
+computation (fuzz.fa3_bound). Its reference, standard attention in the inputs' dtype, rounds P
+*after* normalising it, so a one-hot row (a single visible key, or logits thousands apart) gets
+P = 1 exactly and O = V with no error at all. FlashAttention (FA2, FA3, and these kernels) cannot
+do that: it rounds the *unnormalised* P = exp2(s*scale*log2(e) - m*scale*log2(e)) to the dtype for
+the P V matmul, with the exponent formed by one FFMA whose residual at the row maximum is the
+rounding of m*scale*log2(e) (up to half a float32 ulp of the logit, ~1e-3 for logits in the
+thousands), and divides by a row sum l of the float32 P. O then carries P's relative rounding
+(fp16: 2^-11) times |V|; the backward builds D = rowsum(dO * O) from that rounded O and recomputes
+P from the LSE the same way, so dS = P (dP - D) is no longer 0 where the reference's is.
+
+These functions compute attention with exactly those rounding points (one key tile: no online
+rescaling), so a fuzz case is held to the error of the algorithm it runs in its precision, not
+only to standard attention's: fuzz.fa3_bound takes the larger of the two same-precision errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+LOG2E = math.log2(math.e)
+
+
+def _ffma_exponent(u, c: float, shift):
+    """float32 fma(u, c, -shift) as FFMA forms it: u * c exactly (a float32 product fits a float64),
+    one rounding to float32 (``shift`` is a float32 already)."""
+    return (u.double() * float(c) - shift.double()).float()
+
+
+def _visible(seqlen_q: int, seqlen_k: int, causal: bool, window_size, top_left: bool, device):
+    """(seqlen_q, seqlen_k) bool: which keys each query sees (bottom-right aligned unless top_left)."""
+    import torch
+    left, right = window_size
+    if causal:
+        right = 0
+    rows = torch.arange(seqlen_q, device=device)[:, None] + (0 if top_left else seqlen_k - seqlen_q)
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    hidden = torch.zeros((seqlen_q, seqlen_k), dtype=torch.bool, device=device)
+    if left >= 0:
+        hidden |= cols < rows - left
+    if right >= 0:
+        hidden |= cols > rows + right
+    return ~hidden
+
+
+def _scores(q, k, causal, softmax_scale, window_size, softcap, top_left):
+    """(u, c, visible): the float32 values the kernel's exponent multiplies (the raw dot products,
+    or with softcap the capped scaled scores), their multiplier c (scale log2(e), or log2(e)), and
+    the (seqlen_q, seqlen_k) visibility. Products of 16-bit floats are exact in float32, so only the
+    sum's order differs from the tensor cores'."""
+    import torch
+    raw = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float())
+    if softcap:
+        u, c = softcap * torch.tanh(raw * (softmax_scale / softcap)), LOG2E
+    else:
+        u, c = raw, softmax_scale * LOG2E
+    c = float(torch.tensor(c, dtype=torch.float32))     # the kernel's multiplier is a float32
+    visible = _visible(q.shape[1], k.shape[1], causal, window_size, top_left, q.device)
+    return u.masked_fill(~visible, float("-inf")), c, visible
+
+
+def attention_flash_rounding(q, k, v, causal: bool, softmax_scale: float, *, window_size=(-1, -1),
+                             softcap: float = 0.0, sinks=None, top_left: bool = False):
+    """O (q's dtype) and the float32 natural-log LSE of (batch, seqlen, heads, head_dim) q, k, v as
+    FlashAttention rounds them: unnormalised P in v's dtype, float32 row sums, the exponent by
+    FFMA. GQA by repetition; the variants as fuzz.attention_torch takes them."""
+    import torch
+    group = q.shape[2] // k.shape[2]
+    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    u, c, _ = _scores(q, k, causal, softmax_scale, window_size, softcap, top_left)
+    row_max = u.amax(dim=-1, keepdim=True)
+    seen = torch.isfinite(row_max)
+    shift = torch.where(seen, row_max.double() * c, 0.0).float()
+    p = torch.exp2(_ffma_exponent(u, c, shift))                     # -inf where hidden: 0
+    row_sum = p.sum(dim=-1, keepdim=True)
+    # natural-log LSE of the scaled scores: max (in those units) + log(sum)
+    lse = shift.double() / LOG2E + torch.log(row_sum.double())
+    if sinks is not None:       # the sink's logit joins the sum with no value
+        sink = sinks.double()[None, :, None, None]
+        row_sum = (row_sum.double() + torch.exp(sink - shift.double() / LOG2E)).float()
+        lse = torch.logaddexp(lse, sink.expand_as(lse))
+    out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype).float(), v.float())
+    out = out / row_sum.transpose(1, 2).clamp_min(1e-30)
+    out = torch.where(seen.transpose(1, 2), out, 0.0)
+    return out.to(v.dtype), torch.where(seen, lse, float("-inf")).squeeze(-1).float()
+
+
+def attention_backward_flash_rounding(q, k, v, do, causal: bool, softmax_scale: float):
+    """(dQ, dK, dV) in the inputs' dtype as FlashAttention's backward rounds them, from this
+    module's forward: D = rowsum(dO * O) of the dtype-rounded O, P recomputed from the LSE by FFMA
+    (exp2(s scale log2(e) - LSE log2(e))), P and dS rounded to the dtype for their matmuls, float32
+    accumulation, dK and dV summed over a GQA group in float32."""
+    import torch
+    out, lse = attention_flash_rounding(q, k, v, causal, softmax_scale)
+    group = q.shape[2] // k.shape[2]
+    kr, vr = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    u, c, visible = _scores(q, kr, causal, softmax_scale, (-1, -1), 0.0, False)
+    lse_log2 = torch.where(torch.isfinite(lse), lse.double() * LOG2E, float("inf")).float()[..., None]
+    p = torch.exp2(_ffma_exponent(u, c, lse_log2)).masked_fill(~visible, 0.0)
+    dt = q.dtype
+    d_v = torch.einsum("bhqk,bqhd->bkhd", p.to(dt).float(), do.float())
+    d_p = torch.einsum("bqhd,bkhd->bhqk", do.float(), vr.float())
+    delta = (do.float() * out.float()).sum(dim=-1).transpose(1, 2)[..., None]
+    d_s = (p * (d_p - delta)).to(dt).float()
+    d_q = torch.einsum("bhqk,bkhd->bqhd", d_s, kr.float()) * softmax_scale
+    d_k = torch.einsum("bhqk,bqhd->bkhd", d_s, q.float()) * softmax_scale
+
+    def group_sum(x):
+        return x.unflatten(2, (k.shape[2], group)).sum(dim=3)
+    return d_q.to(dt), group_sum(d_k).to(dt), group_sum(d_v).to(dt)
