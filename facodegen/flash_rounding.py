@@ -70,7 +70,7 @@ def attention_flash_rounding(q, k, v, causal: bool, softmax_scale: float, *, win
     group = q.shape[2] // k.shape[2]
     k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
     u, c, _ = _scores(q, k, causal, softmax_scale, window_size, softcap, top_left)
-    row_max = u.amax(dim=-1, keepdim=True)
+    row_max = u.amax(dim=-1, keepdim=True) if u.shape[-1] else u.new_full((*u.shape[:-1], 1), float("-inf"))
     seen = torch.isfinite(row_max)
     shift = torch.where(seen, row_max.double() * c, 0.0).float()
     p = torch.exp2(_ffma_exponent(u, c, shift))                     # -inf where hidden: 0

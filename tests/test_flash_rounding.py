@@ -88,3 +88,10 @@ def test_backward_of_a_one_hot_row_has_the_d_mismatch():
     d_q, d_k, d_v = flash_rounding.attention_backward_flash_rounding(q, k, v, do, False, 0.8)
     assert d_q.abs().max().item() > 0
     assert torch.allclose(d_v.double(), do.double().sum(dim=1, keepdim=True), rtol=2e-2, atol=2e-2)
+
+
+def test_no_keys_gives_zero_and_minus_infinity():
+    """A varlen sequence with no keys (the fuzz's empty sequences): O = 0, LSE = -inf, no error."""
+    q, k, v = _inputs(5, 0, 2, 1, 64, 1.0, torch.float16, 3)
+    out, lse = flash_rounding.attention_flash_rounding(q, k, v, True, 0.125)
+    assert out.shape == q.shape and not out.any() and torch.isneginf(lse).all()
