@@ -551,7 +551,9 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     seqlen_k, heads_kv = kv.shape[1], kv.shape[2]
     scale = _check_scale(softmax_scale, head_dim)
     variants, sinks_view = None, None
-    if "local" in spec_fields:      # (softcap and sinks are attention()'s own arguments)
+    # local=True alone has no sizes; a whole spec's local=False (the tuner's, tests' spec_kwargs) is the
+    # default. softcap and sinks are attention()'s own arguments.
+    if spec_fields.pop("local", False):
         raise ValueError("local is set by window_size=(left, right), whose sizes the kernel needs; pass window_size")
     if variant is not None:
         fields, causal, variants, sinks_view = _variants(variant, qv, seqlen_k, causal, fp8)

@@ -306,6 +306,10 @@ def test_top_left_causal_with_a_variant_is_one_window_launch(fake):
 def test_the_window_switch_comes_with_its_sizes(fake):
     with pytest.raises(ValueError, match="pass window_size"):
         api.attention(*qkv(), local=True)
+    # a whole spec's fields (the tuner's and the GPU tests' spec_kwargs) carry local=False: the default
+    api.attention(*qkv(), local=False)
+    plan = next(iter(api._PLANS._plans.values()))
+    assert not plan.spec.local and len(fake.launches.records) == 1
 
 
 def test_fp8_refuses_the_variants():

@@ -133,13 +133,17 @@ def test_another_stream_runs_there():
     _check(out, None, q, k, v, True)
 
 
-def test_requires_grad_raises_at_the_forward():
+def test_requires_grad_records_the_backward():
+    """An input that requires grad makes the call autograd's (the generated backward); under
+    no_grad the same call records nothing."""
     q, k, v = _qkv(1, 64, 64, 2, 2, 64)
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="no backward"):
-        api.attention(q, k, v)
+    out = api.attention(q, k, v)
+    assert out.requires_grad and out.grad_fn is not None
+    out.float().square().sum().backward()
+    assert q.grad is not None and bool(torch.isfinite(q.grad).all()) and bool(q.grad.abs().sum() > 0)
     with torch.no_grad():
-        api.attention(q, k, v)
+        assert not api.attention(q, k, v).requires_grad
 
 
 def test_torch_compile_fullgraph_no_warning():
