@@ -560,7 +560,7 @@ def _check_with_reference(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv,
     else:
         import cupy as xp
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_kv, spec.head_dim, spec.dtype, seed=seed, xp=xp)
-    knobs = {k_: v_ for k_, v_ in spec.as_dict().items() if k_ not in ("head_dim", "dtype", "causal")}
+    knobs = spec.launch_fields()
     o, lse = api.attention(q, k, v, causal=spec.causal, return_lse=True, **knobs)
     ref_o, ref_lse = attention_reference(q, k, v, spec.causal)
     ok_o, msg_o = check_o(o, ref_o, spec.dtype)
@@ -582,7 +582,7 @@ def _check_fp8(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv, seed) -> d
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_kv, spec.head_dim, "bf16", seed=seed, xp=torch)
     (q8, qd), (k8, kd), (v8, vd) = quantize_e4m3(q), quantize_e4m3(k), quantize_e4m3(v)
     v_arg = api.transpose_v(v8) if spec.v_layout == "transposed" else v8
-    knobs = {k_: v_ for k_, v_ in spec.as_dict().items() if k_ not in ("head_dim", "dtype", "causal")}
+    knobs = spec.launch_fields()
     o, lse = api.attention(q8, k8, v_arg, causal=spec.causal, return_lse=True, q_descale=qd, k_descale=kd,
                            v_descale=vd, **knobs)
     ref_o, ref_lse = attention_reference_fp8(q8, k8, v8, qd, kd, vd, causal=spec.causal)

@@ -858,6 +858,14 @@ class KernelSpec:
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
+    def launch_fields(self) -> dict:
+        """The spec overrides with which attention() or prepare() runs exactly this spec: every field
+        but those the call reads off its tensors and arguments (head_dim, dtype, causal) and the
+        variant switches that are off (window_size, softcap and sinks turn them on, with the sizes and
+        values the kernel needs; a switch that is on stays, and the call says what to pass)."""
+        return {k: v for k, v in self.as_dict().items()
+                if k not in ("head_dim", "dtype", "causal") and not (k in VARIANT_FEATURES and not v)}
+
 
 # The type of every field (facodegen/knobs.py: TEXT_FIELDS, INT_FIELDS, the rest bools), checked
 # first, before any rule reads a field: a value of another type is a SpecError naming the field.

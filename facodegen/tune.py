@@ -107,7 +107,7 @@ class Candidate:
     def overrides(self) -> dict:
         """Every spec field but the family ones: what a launch passes so nothing is re-derived
         (and the tuning database is not consulted)."""
-        return {k: v for k, v in self.spec.as_dict().items() if k not in ("arch", "head_dim", "dtype", "causal")}
+        return {k: v for k, v in self.spec.launch_fields().items() if k != "arch"}
 
 
 def describe(fields: dict) -> str:

@@ -430,3 +430,24 @@ def test_emit_takes_the_run_time_values_and_its_line_reproduces_the_file():
     assert bad.exit_code == 2 and "--window-left" in bad.output
     fp8 = runner.invoke(main, ["emit", "--arch", "sm90", "--dtype", "fp8", "--window-left", "8"])
     assert fp8.exit_code == 2 and "local" in fp8.output
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_a_whole_spec_runs_through_its_launch_fields(fake, arch):
+    """The tuner, `facodegen check`, the bench runner and the GPU tests pass a spec to attention()
+    as KernelSpec.launch_fields(): each candidate the tuner would time resolves to itself (the
+    variant switches that are off are not passed: their arguments would refuse False)."""
+    from facodegen import tune
+    q, k, v = qkv()
+    candidates = [c for c in tune.enumerate_candidates(arch, q.shape[-1], "bf16", causal=True, max_candidates=4)
+                  if c.spec is not None]
+    assert len(candidates) >= 2
+    for cand in candidates:
+        fields = cand.spec.launch_fields()
+        assert not {"local", "softcap", "sinks", "head_dim", "dtype", "causal"} & set(fields)
+        api.attention(q, k, v, causal=True, **fields)
+        assert api._PLANS._plans[next(reversed(api._PLANS._plans))].spec == cand.spec
+    on = KernelSpec(arch=arch, head_dim=q.shape[-1], dtype="bf16", causal=False, local=True)
+    assert on.launch_fields()["local"] is True     # a switch that is on stays: the call says what to pass
+    with pytest.raises(ValueError, match="pass window_size"):
+        api.attention(q, k, v, **on.launch_fields())

@@ -237,7 +237,7 @@ def run_cli_bench(spec, arch: str | None = None, head_dim: int | None = None, dt
         head_dim = head_dim or fields["head_dim"]
         dtype = dtype or fields["dtype"]
         causal = fields["causal"] if causal is None else causal
-        overrides = {k: v for k, v in fields.items() if k not in ("arch", "head_dim", "dtype", "causal")}
+        overrides = {k: v for k, v in spec.launch_fields().items() if k != "arch"}
     else:
         overrides = dict(spec or {})
     c = cell(head_dim or 128, bool(causal), seqlen, batch, heads, dtype or "bf16", seqlen_k, heads_kv)

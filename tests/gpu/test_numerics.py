@@ -66,8 +66,8 @@ def attention(*args, **kwargs):
 
 
 def spec_kwargs(spec: KernelSpec) -> dict:
-    """Every field of the spec except those the API reads off the tensors or takes by name."""
-    return {k: v for k, v in spec.as_dict().items() if k not in ("head_dim", "dtype", "causal")}
+    """The spec's fields as a call's overrides (KernelSpec.launch_fields)."""
+    return spec.launch_fields()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -606,7 +606,7 @@ def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int
     out_t = torch.bfloat16 if spec.out_dtype == "bf16" else torch.float16
     out = torch.full((b, sq, hq, d), float("nan"), device="cuda", dtype=out_t)
     lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
-    fields = {k_: v_ for k_, v_ in spec.as_dict().items() if k_ not in ("head_dim", "dtype", "causal")}
+    fields = spec.launch_fields()
     call = prepare(q8, k8, v_arg, causal=spec.causal, return_lse=True, out=out, lse_out=lse, q_descale=qd,
                    k_descale=kd, v_descale=vd, **fields)
     assert call.spec == spec
