@@ -74,6 +74,19 @@ def main() -> int:
             q.requires_grad or k.requires_grad or v.requires_grad)),
         ("torch.compiler.is_compiling()", torch.compiler.is_compiling),
     ]
+    # Decode (#39): a paged one-token step through attention_with_kvcache, FA3's call beside it.
+    cache = [torch.randn(8, 64, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    q1 = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.tensor([500], dtype=torch.int32, device="cuda")
+    table = torch.arange(8, dtype=torch.int32, device="cuda")[None]
+    rows.append(("attention_with_kvcache() paged, 1 token", lambda: facodegen.attention_with_kvcache(
+        q1, *cache, lengths, page_table=table, num_splits=1)))
+    try:
+        from flash_attn_interface import flash_attn_with_kvcache
+        rows.append(("FA3 flash_attn_with_kvcache paged, 1 token", lambda: flash_attn_with_kvcache(
+            q1, *cache, cache_seqlens=lengths, page_table=table, causal=True, num_splits=1)))
+    except ImportError:
+        pass
     stream = torch._C._cuda_getCurrentRawStream(device)
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0)
     rows.append(("plan.launch (patch + cuLaunchKernel)", lambda: plan.launch(stream, *ptrs, None)))
