@@ -40,6 +40,48 @@ def errors_in(log: str) -> int | None:
     return sum(found) if found else None
 
 
+def run_children(jobs, sanitizer: str, out: Path, workers: int, child_seconds: int, only_flash: bool = True) -> list:
+    """Run each job (tool, label, python argv, what the log calls it) as `compute-sanitizer --tool
+    TOOL python ARGV` in ``workers`` threads, each child killed after ``child_seconds`` (status
+    "timeout"); append the first LOG_LINES lines of each child's log and its summary to
+    out/<tool>.log as the child ends (a killed sweep keeps what finished). Returns (tool, label,
+    errors or "?", exit status) per job, in order."""
+    write_lock = threading.Lock()
+    for tool in {job[0] for job in jobs}:      # one log per tool (a device call brings back few files)
+        (out / f"{tool}.log").write_text("")
+
+    def one(job):
+        tool, label, argv, what = job
+        cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99"]
+        if tool == "racecheck":
+            cmd += ["--racecheck-report", "hazard"]
+        if tool != "initcheck" and only_flash:
+            # Only facodegen's kernels are instrumented (racecheck over torch's reference kernels costs
+            # minutes and says nothing about ours). Not for initcheck: memory written by a kernel it
+            # does not instrument counts as never written, so every read of the inputs would be flagged.
+            cmd += ["--kernel-name", "kns=flash_"]
+        try:
+            done = subprocess.run([*cmd, sys.executable, *argv], check=False, capture_output=True, text=True,
+                                  timeout=child_seconds)
+            log, status = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as err:    # a hung kernel (or a tool far slower than usual): say so
+            log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (err.stdout, err.stderr))
+            log += f"\nsanitize: no result after {child_seconds} s; the child was killed"
+            status = "timeout"
+        errors = errors_in(log)
+        row = (tool, label, "?" if errors is None else str(errors), status)
+        print(f"{tool:10s} {label:32s} errors {row[2]:>4s} exit {status}", flush=True)
+        lines = log.splitlines()
+        head = lines[:LOG_LINES] + (["... (%d lines left out)" % (len(lines) - LOG_LINES)] if len(lines) > LOG_LINES else [])
+        with write_lock, open(out / f"{tool}.log", "a") as f:
+            f.write(f"==== {tool}: {what}\n" + "\n".join(head + [x for x in lines[LOG_LINES:] if "SUMMARY" in x]) + "\n\n")
+        return row
+
+    # The children share the GPU: each is small, and the sanitizer's host side is the slow part.
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, jobs))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tools", default=",".join(TOOLS))
@@ -60,42 +102,10 @@ def main() -> int:
     warm = subprocess.run([sys.executable, "-m", "facodegen.fuzz", *[c.to_json() for c in cases]],
                           capture_output=True, text=True)
     print(warm.stdout or warm.stderr, flush=True)
-    def one(job):
-        tool, n, case = job
-        cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99"]
-        if tool == "racecheck":
-            cmd += ["--racecheck-report", "hazard"]
-        if tool != "initcheck" and args.only_flash:
-            # Only facodegen's kernels are instrumented (racecheck over torch's reference kernels costs
-            # minutes and says nothing about ours). Not for initcheck: memory written by a kernel it
-            # does not instrument counts as never written, so every read of the inputs would be flagged.
-            cmd += ["--kernel-name", "kns=flash_"]
-        try:
-            done = subprocess.run([*cmd, sys.executable, "-m", "facodegen.fuzz", "--launch-only", case.to_json()],
-                                  check=False, capture_output=True, text=True, timeout=args.child_seconds)
-            log, status = done.stdout + done.stderr, done.returncode
-        except subprocess.TimeoutExpired as err:    # a hung kernel (or a tool far slower than usual): say so
-            log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (err.stdout, err.stderr))
-            log += f"\nsanitize.py: no result after {args.child_seconds} s; the child was killed"
-            status = "timeout"
-        errors = errors_in(log)
-        row = (tool, f"{case.family} {case.arch} {case.dtype} {'causal' if case.causal else 'full'}",
-               "?" if errors is None else str(errors), status)
-        print(f"{tool:10s} {row[1]:32s} errors {row[2]:>4s} exit {status}", flush=True)
-        lines = log.splitlines()
-        head = lines[:LOG_LINES] + (["... (%d lines left out)" % (len(lines) - LOG_LINES)] if len(lines) > LOG_LINES else [])
-        with write_lock, open(out / f"{tool}.log", "a") as f:   # as each child ends: a killed sweep keeps them
-            f.write(f"==== {tool} case {n}: {case.to_json()}\n" + "\n".join(
-                head + [x for x in lines[LOG_LINES:] if "SUMMARY" in x]) + "\n\n")
-        return row
-
-    jobs = [(tool, n, case) for tool in args.tools.split(",") for n, case in enumerate(cases)]
-    # The children share the GPU: each is small, and the sanitizer's host side is the slow part.
-    write_lock = threading.Lock()
-    for tool in args.tools.split(","):      # one log per tool (a device call brings back few files)
-        (out / f"{tool}.log").write_text("")
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(one, jobs))
+    jobs = [(tool, f"{case.family} {case.arch} {case.dtype} {'causal' if case.causal else 'full'}",
+             ["-m", "facodegen.fuzz", "--launch-only", case.to_json()], case.to_json())
+            for tool in args.tools.split(",") for case in cases]
+    rows = run_children(jobs, sanitizer, out, args.jobs, args.child_seconds, args.only_flash)
     print("\n| tool | case | errors | exit |\n|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(map(str, row)) + " |")

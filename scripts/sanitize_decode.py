@@ -7,15 +7,15 @@ appended past the capacity, contiguous and paged, split and not. The kernels mus
     python3 scripts/sanitize_decode.py [--tools memcheck,initcheck] [--out DIR]
 
 The parent runs every case once (compiling the kernels), then each (tool, case) in a child process
-`compute-sanitizer --tool T --error-exitcode 99 python scripts/sanitize_decode.py --case N`, and prints
-a table of errors per tool and case. Logs go to DIR/<tool>-<case>.log.
+`compute-sanitizer --tool T --error-exitcode 99 python scripts/sanitize_decode.py --case N` (sanitize.py's
+run_children: several at once, each under a time limit), and prints a table of errors per tool and
+case. Logs go to DIR/<tool>.log. The kernels are compiled first in parallel processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -59,10 +59,22 @@ def run_case(index: int) -> None:
     assert torch.isfinite(out).all(), f"{name}: O not finite"
 
 
+def fuzz_case(index: int, arch: str):
+    """The case's shapes as a fuzz kvcache Case: what fuzz.case_specs needs to list its kernels."""
+    from facodegen import fuzz
+    _, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, _, new, splits = CASES[index]
+    return fuzz.Case("kvcache", arch, "bf16", batch=batch, seqlen_q=seqlen_q, seqlen_k=capacity, heads_q=heads_q,
+                     heads_kv=heads_kv, head_dim=d, causal=True, softmax_scale=None, layout="contiguous",
+                     magnitude=1.0, return_lse=True, use_out=False, seed=index, page_size=page_size,
+                     seqlen_new=new, num_splits=splits)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--out", type=Path, default=Path("sanitize-decode"))
+    p.add_argument("--jobs", type=int, default=8, help="sanitizer runs at once")
+    p.add_argument("--child-seconds", type=int, default=120)
     p.add_argument("--case", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.case is not None:
@@ -72,24 +84,22 @@ def main() -> int:
     if tool_path is None:
         print("compute-sanitizer not found on PATH", file=sys.stderr)
         return 2
-    for i in range(len(CASES)):
-        run_case(i)                                          # compile first: the sanitizer runs are slow
-    args.out.mkdir(parents=True, exist_ok=True)
-    from sanitize import errors_in  # scripts/sanitize.py's summary parser
+    from facodegen import api, fuzz
+    from sanitize import run_children     # scripts/sanitize.py
 
-    rows = []
-    for tool in args.tools.split(","):
-        for i, case in enumerate(CASES):
-            cmd = [tool_path, "--tool", tool, "--error-exitcode", "99", "--kernel-name", "kns=flash_",
-                   sys.executable, __file__, "--case", str(i)]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-            log = done.stdout + done.stderr
-            (args.out / f"{tool}-{i}.log").write_text(log)
-            rows.append((tool, case[0], done.returncode, errors_in(log)))
-    print("| tool | case | exit | errors |\n|---|---|---|---|")
-    for tool, name, rc, errors in rows:
-        print(f"| {tool} | {name} | {rc} | {'?' if errors is None else errors} |")
-    return 0 if all(rc == 0 and not errors for _, _, rc, errors in rows) else 1
+    # compile every kernel first, in parallel processes (one by one they took the whole step on a fresh H200)
+    arch = api.default_arch(api.device_info(0))
+    fuzz.precompile([fuzz_case(i, arch) for i in range(len(CASES))])
+    for i in range(len(CASES)):
+        run_case(i)                                          # each case once, plainly: it must run at all
+    args.out.mkdir(parents=True, exist_ok=True)
+    jobs = [(tool, name, [__file__, "--case", str(i)], f"case {i}: {name}")
+            for tool in args.tools.split(",") for i, (name, *_) in enumerate(CASES)]
+    rows = run_children(jobs, tool_path, args.out, args.jobs, args.child_seconds)
+    print("| tool | case | errors | exit |\n|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+    return 0 if all(r[2] == "0" and r[3] == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -90,6 +90,20 @@ def test_sanitizer_summaries_are_read():
     assert sanitize.errors_in("Traceback ...") is None
 
 
+def test_the_hostile_decode_cases_list_their_kernels(monkeypatch):
+    """sanitize_decode.py compiles its cases' kernels in parallel first (fuzz.precompile over the
+    cases' shapes as kvcache Cases): each names the decode kernel (and append/combine as it has them)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import sanitize_decode
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    for i, (name, *_, new, splits) in enumerate(sanitize_decode.CASES):
+        kinds = {type(s).__name__ for s in fuzz.case_specs(sanitize_decode.fuzz_case(i, "sm90"))}
+        assert "DecodeSpec" in kinds and ("AppendSpec" in kinds) == bool(new), name
+
+
 def test_check_fuzz_without_a_gpu_is_one_clear_line(monkeypatch):
     from click.testing import CliRunner
 
