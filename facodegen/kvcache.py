@@ -44,7 +44,7 @@ from .api import (
     device_info,
     device_target,
 )
-from .plan import MAX_STREAMS_PER_PLAN, PlanCache, _Image
+from .plan import PlanCache, Scratch, StreamScratch, _Image
 
 # Knobs a caller may pass (**knobs): the decode spec's tuning knobs.
 CALL_KNOBS = ("block_m", "block_n", "num_warps", "stages", "pack_gqa")
@@ -60,15 +60,6 @@ class _Kernel:
     pack: struct.Struct         # the call pointers at the start of the image
 
 
-@dataclass
-class _Scratch:
-    holder: object
-    stream: object
-    lse: int                    # float32 LSE for calls that did not ask for it
-    o_partial: int              # split: fp32 partial O
-    lse_partial: int            # split: fp32 partial LSE
-
-
 class DecodePlan:
     """One resolved kvcache call: the append (optional), decode and combine (optional) kernels with
     their argument images, grids and per-stream scratch (the split workspace and an LSE)."""
@@ -78,28 +69,17 @@ class DecodePlan:
         self.specs, self.kernels, self.grids = specs, kernels, grids
         self.num_splits = 1
         self.outputs = outputs          # (out shape, lse shape)
-        self._allocate = allocate
         self._switch_context = switch_context
         self._device = device
-        self._sizes = (_round16(4 * lse_floats), _round16(4 * partial_floats[0]), _round16(4 * partial_floats[1]))
-        self._streams: dict[int, _Scratch] = {}
+        # an LSE for calls that did not ask for it; a split's fp32 partial O and partial LSE
+        self._scratch = StreamScratch({"lse": 4 * lse_floats, "o_partial": 4 * partial_floats[0],
+                                       "lse_partial": 4 * partial_floats[1]}, allocate)
         self._lock = threading.Lock()
 
-    def scratch(self, stream: int) -> _Scratch:
-        found = self._streams.get(stream)
-        if found is not None:
-            return found
-        lse_b, o_b, l_b = self._sizes
-        holder, ptr = self._allocate(lse_b + o_b + l_b)
-        scratch = _Scratch(holder, driver.stream_arg(stream), ptr, ptr + lse_b if o_b else 0,
-                           ptr + lse_b + o_b if l_b else 0)
-        with self._lock:
-            if len(self._streams) >= MAX_STREAMS_PER_PLAN:
-                self._streams.pop(next(iter(self._streams)))
-            self._streams[stream] = scratch
-        return scratch
+    def scratch(self, stream: int) -> Scratch:
+        return self._scratch.get(stream)
 
-    def pointer_sets(self, scratch: _Scratch, q, k_cache, v_cache, o, lse, cache_seqlens, page_table, k_new, v_new):
+    def pointer_sets(self, scratch: Scratch, q, k_cache, v_cache, o, lse, cache_seqlens, page_table, k_new, v_new):
         """The call pointers of each kernel, in its argument struct's order (decode.CALL_POINTERS)."""
         lse = lse or scratch.lse
         split = "combine" in self.kernels
@@ -114,7 +94,7 @@ class DecodePlan:
     def launch(self, stream: int, q: int, k_cache: int, v_cache: int, o: int, lse: int, cache_seqlens: int,
                page_table: int = 0, k_new: int = 0, v_new: int = 0) -> None:
         """Launch append (if any), decode, combine (if any) on ``stream`` with these addresses."""
-        scratch = self._streams.get(stream) or self.scratch(stream)
+        scratch = self._scratch.get(stream)
         sets = self.pointer_sets(scratch, q, k_cache, v_cache, o, lse, cache_seqlens, page_table, k_new, v_new)
         with self._lock:
             for name in ("append", "decode", "combine"):
@@ -132,10 +112,6 @@ class DecodePlan:
 
     def param_bytes(self, name: str) -> bytes:
         return self.kernels[name].image.data()
-
-
-def _round16(n: int) -> int:
-    return -(-n // 16) * 16
 
 
 # ------------------------------------------------------------------ argument checks

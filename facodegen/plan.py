@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
 from . import driver
@@ -65,13 +64,52 @@ def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-@dataclass
-class _StreamScratch:
-    stream: object          # the stream as a launch argument (driver.stream_arg)
-    holder: object          # the device buffer (the caller's library's array), kept alive here
-    counter: int            # int32 tile counter: zeroed here once, left at zero by every launch
-    lse: int                # float32 LSE for calls that did not ask for it
-    workspace: int          # float32 workspace (fa1, stream_k), 0 if none
+class Scratch:
+    """One stream's scratch: ``stream`` (as a launch argument, driver.stream_arg), ``holder`` (the
+    device buffer, the caller's library's array, kept alive here) and one device address per
+    region, by the region's name (0 for a region of no bytes)."""
+    def __init__(self, stream, holder, regions: dict[str, int]):
+        self.stream, self.holder = stream, holder
+        self.__dict__.update(regions)
+
+
+class StreamScratch:
+    """A plan's scratch memory per CUDA stream: one allocation per stream, cut into named regions of
+    fixed byte sizes (each 16-byte aligned), made on a stream's first launch (then ``on_new(scratch,
+    stream)``, e.g. to zero a counter) and kept for at most MAX_STREAMS_PER_PLAN streams, the oldest
+    dropped first. Launches on one stream run in order, so they can share a scratch; launches on two
+    streams never do. Safe to use from several threads."""
+
+    def __init__(self, regions: dict[str, int], allocate: Callable[[int], tuple[object, int]], on_new=None):
+        self.regions = {name: _round_up(size) for name, size in regions.items()}
+        self._allocate = allocate
+        self._on_new = on_new
+        self._streams: dict[int, Scratch] = {}
+        self._lock = threading.Lock()
+
+    def offset(self, name: str) -> int:
+        """Byte offset of region ``name`` inside a stream's buffer."""
+        names = list(self.regions)
+        return sum(self.regions[n] for n in names[:names.index(name)])
+
+    def get(self, stream: int) -> Scratch:
+        found = self._streams.get(stream)
+        return found if found is not None else self._make(stream)
+
+    def _make(self, stream: int) -> Scratch:
+        holder, ptr = self._allocate(sum(self.regions.values()))
+        regions, at = {}, ptr
+        for name, size in self.regions.items():
+            regions[name] = at if size else 0
+            at += size
+        scratch = Scratch(driver.stream_arg(stream), holder, regions)
+        if self._on_new is not None:
+            self._on_new(scratch, stream)
+        with self._lock:
+            if len(self._streams) >= MAX_STREAMS_PER_PLAN:
+                self._streams.pop(next(iter(self._streams)))
+            self._streams[stream] = scratch
+        return scratch
 
 
 class _Image:
@@ -114,10 +152,10 @@ class LaunchPlan:
         self.function = function
         self.grid = grid
         self._switch_context = switch_context
-        self._allocate = allocate
-        self._scratch_bytes = (_ALIGN, _round_up(4 * lse_floats), 4 * workspace_floats)
+        # the tile scheduler's int32 counter, an LSE nobody asked for, fa1's and stream_k's fp32 workspace
+        self._scratch = StreamScratch({"counter": _ALIGN, "lse": 4 * lse_floats, "workspace": 4 * workspace_floats},
+                                      allocate, self._zero_counters)
         self._stream_k_flags = stream_k_flags
-        self._streams: dict[int, _StreamScratch] = {}
         self._lock = threading.Lock()
         self._launcher = driver.Launcher(function, grid, spec.threads, spec.smem_bytes) \
             if function is not None else None
@@ -132,29 +170,19 @@ class LaunchPlan:
 
     def workspace_range(self) -> tuple[int, int]:
         """(byte offset, bytes) of the fp32 workspace inside a stream's scratch buffer."""
-        counter_bytes, lse_bytes, workspace_bytes = self._scratch_bytes
-        return counter_bytes + lse_bytes, workspace_bytes
+        return self._scratch.offset("workspace"), self._scratch.regions["workspace"]
 
-    def scratch(self, stream: int) -> _StreamScratch:
-        """This plan's scratch on ``stream``, made (and its stream_k flags zeroed) on first use."""
-        found = self._streams.get(stream)
-        if found is not None:
-            return found
-        counter_bytes, lse_bytes, workspace_bytes = self._scratch_bytes
-        holder, ptr = self._allocate(counter_bytes + lse_bytes + workspace_bytes)
-        scratch = _StreamScratch(driver.stream_arg(stream), holder, ptr, ptr + counter_bytes,
-                                 ptr + counter_bytes + lse_bytes if workspace_bytes else 0)
-        # The dynamic scheduler's counter starts at zero (each launch leaves it so: sm90/scheduler),
-        # and so do stream_k's flags (the kernel lowers each one it reads).
+    def scratch(self, stream: int) -> Scratch:
+        """This plan's scratch on ``stream`` (counter, lse, workspace), made on first use."""
+        return self._scratch.get(stream)
+
+    def _zero_counters(self, scratch: Scratch, stream: int) -> None:
+        """The dynamic scheduler's counter starts at zero (each launch leaves it so: sm90/scheduler),
+        and so do stream_k's flags (the kernel lowers each one it reads)."""
         driver.memset_d32_async(scratch.counter, 0, 1, stream)
         first, count = self._stream_k_flags
         if count:
             driver.memset_d32_async(scratch.workspace + 4 * first, 0, count, stream)
-        with self._lock:
-            if len(self._streams) >= MAX_STREAMS_PER_PLAN:
-                self._streams.pop(next(iter(self._streams)))
-            self._streams[stream] = scratch
-        return scratch
 
     def _image(self, operands: tuple) -> _Image:
         """The image whose TMA maps point at ``operands`` (made from the last one; lock held)."""
@@ -172,7 +200,7 @@ class LaunchPlan:
         """Launch on ``stream`` with these device addresses; ``lse`` 0 writes the LSE to scratch;
         ``sinks``: the fp32 sinks' address of a spec with sinks; ``cu_seqlens``: the int32
         cu_seqlens_q and cu_seqlens_k addresses of a varlen spec (both patched into the image)."""
-        scratch = self._streams.get(stream) or self.scratch(stream)
+        scratch = self._scratch.get(stream)
         operands = (q, k, v, o) if self._maps else None
         with self._lock:
             image = self._images.get(operands) or self._image(operands)

@@ -349,3 +349,23 @@ def test_out_of_memory_is_one_clear_error_and_the_next_call_works(fake, monkeypa
     assert len(fake.launches.records) == 1 and len(fake.launches.memsets) == 1      # a scratch made, zeroed
     assert fake.launches.pointers()[:4] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
     assert fake.launches.pointers()[5] != 0     # the tile counter: in the scratch made now
+
+
+def test_stream_scratch_regions_and_streams(monkeypatch):
+    """One allocation per stream cut into 16-byte aligned regions (0 for an empty one), on_new once
+    per stream, at most MAX_STREAMS_PER_PLAN streams kept (the oldest dropped)."""
+    monkeypatch.setattr(driver, "stream_arg", lambda stream: stream)
+    made, new = [], []
+
+    def allocate(nbytes):
+        made.append(nbytes)
+        return object(), 4096 * len(made)
+    scratch = plan_mod.StreamScratch({"counter": 4, "lse": 36, "none": 0, "work": 8}, allocate,
+                                     lambda s, stream: new.append(stream))
+    s = scratch.get(7)
+    assert made == [16 + 48 + 0 + 16] and new == [7]
+    assert (s.counter, s.lse, s.none, s.work) == (4096, 4096 + 16, 0, 4096 + 64) and s.stream == 7
+    assert scratch.offset("work") == 64 and scratch.get(7) is s and new == [7]
+    for stream in range(100, 100 + plan_mod.MAX_STREAMS_PER_PLAN):
+        scratch.get(stream)
+    assert scratch.get(7) is not s and new.count(7) == 2      # evicted by the 16 newer streams, made again
