@@ -3,7 +3,7 @@
 Every command takes the same spec flags, one per KernelSpec knob (only the flags given are
 passed; the rest take the spec's defaults), so the ``facodegen emit ...`` line in a generated
 file's header (render.emit_command) reproduces that file byte for byte. The flags come from the
-knob registry (facodegen/knobs.py).
+knob registry (facodegen/spec/knobs.py).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .fuzz import FAMILIES as FUZZ_FAMILIES
-from .knobs import KNOBS, Knob
+from .verify.fuzz import FAMILIES as FUZZ_FAMILIES
+from .spec.knobs import KNOBS, Knob
 from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default_specs
 
 # Kernel families `emit` and `inspect` take (--kernel); forward stays the default.
 def build_backward_spec(fields: dict, deterministic, k_unroll=None):
     """A BackwardSpec from the spec flags given (only those the backward has)."""
-    from .backward_spec import BACKWARD_BY_NAME, BackwardSpec
+    from .spec.backward import BACKWARD_BY_NAME, BackwardSpec
 
     extra = sorted(set(fields) - set(BACKWARD_BY_NAME))
     if extra:
@@ -46,7 +46,7 @@ class UsageFailure(click.ClickException):
 
 
 # What `--kernel` picks for emit/inspect: the forward (KernelSpec, the registry's flags) or one of
-# the decode family's kernels (facodegen/decode.py: DecodeSpec, CombineSpec, AppendSpec).
+# the decode family's kernels (facodegen/spec/decode.py: DecodeSpec, CombineSpec, AppendSpec).
 # Kernel families of `facodegen emit/inspect --kernel`: the forward (default), the backward (dQ, dK,
 # dV: sm80 code, which also runs on sm90 GPUs), and the decode family (decode, combine, append).
 KERNELS = ("forward", "backward", "decode", "combine", "append")
@@ -85,7 +85,7 @@ def _kernel_options(command):
 
 def decode_family_spec(kernel: str, spec_fields: dict, page_size=None, paged=None, split_kv=None, pack_gqa=None):
     """The DecodeSpec/CombineSpec/AppendSpec of `--kernel decode|combine|append` and its flags."""
-    from . import decode as dec
+    from .spec import decode as dec
 
     extra = sorted(set(spec_fields) - set(_DECODE_SHARED_FLAGS[kernel]))
     if extra:
@@ -145,7 +145,7 @@ RUNTIME_FLAGS = ("window_left", "window_right")
 
 
 def _knob_option(knob: Knob, arch_choices):
-    """The click option of one knob, from the registry (facodegen/knobs.py)."""
+    """The click option of one knob, from the registry (facodegen/spec/knobs.py)."""
     if knob.name == "softcap":
         return click.option("--softcap", "softcap", is_flag=False, flag_value="on", default=None,
                             callback=_softcap_value, metavar="[C]",
@@ -242,7 +242,7 @@ def with_spec(command=None, *, arch_choices=ARCHS):
 
 
 def _require_gpu(command: str) -> None:
-    from .compiler import gpu_available
+    from .runtime.compiler import gpu_available
 
     ok, reason = gpu_available()
     if not ok:
@@ -250,8 +250,8 @@ def _require_gpu(command: str) -> None:
 
 
 def _compile(spec: KernelSpec):
-    from .compiler import CompileError, compile as compile_spec
-    from .render import TemplateRenderError
+    from .runtime.compiler import CompileError, compile as compile_spec
+    from .codegen.render import TemplateRenderError
 
     try:
         return compile_spec(spec)
@@ -291,10 +291,10 @@ def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministi
       facodegen emit --arch sm90 --window-left 256 --window-right 0 --softcap 50 --sinks
       facodegen emit --all --out-dir generated      # regenerates generated/
     """
-    from .render import TemplateRenderError, emit as render
+    from .codegen.render import TemplateRenderError, emit as render
 
     if kernel == "backward":
-        from .backward import emit as render_backward
+        from .ops.backward import emit as render_backward
         if all_specs:
             raise UsageFailure("--all writes the forward's default specs; drop --kernel backward")
         spec = build_backward_spec(spec_fields, deterministic, k_unroll)
@@ -306,7 +306,7 @@ def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministi
         if kernel != "forward":
             if all_specs:
                 raise UsageFailure("--all writes the forward's default specs; drop --kernel")
-            from .decode import render
+            from .spec.decode import render
             spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa)
         elif any(x is not None for x in (page_size, paged, split_kv, pack_gqa)):
             raise UsageFailure("--page-size, --paged, --split-kv and --pack-gqa belong to --kernel decode/append")
@@ -374,7 +374,7 @@ def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=No
       facodegen inspect --arch sm90 --head-dim 128            # resources
       facodegen inspect --arch sm80 --head-dim 64 --sass | tail -12
     """
-    from .compiler import ToolNotFoundError
+    from .runtime.compiler import ToolNotFoundError
 
     if kernel == "backward":
         _inspect_backward(build_backward_spec(spec_fields, deterministic, k_unroll), what)
@@ -382,9 +382,9 @@ def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=No
     if deterministic is not None or k_unroll is not None:
         raise UsageFailure("--deterministic and --k-unroll are --kernel backward flags")
     if kernel != "forward":
-        from .compiler import CompileError
-        from .decode import compile_spec
-        from .render import TemplateRenderError
+        from .runtime.compiler import CompileError
+        from .spec.decode import compile_spec
+        from .codegen.render import TemplateRenderError
 
         spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa)
         try:
@@ -417,9 +417,9 @@ def _echo_listing(kernel, what) -> bool:
 
 def _inspect_backward(spec, what) -> None:
     """inspect --kernel backward: the three kernels of one generated file."""
-    from . import backward
-    from .compiler import CompileError, ToolNotFoundError
-    from .render import TemplateRenderError
+    from .ops import backward
+    from .runtime.compiler import CompileError, ToolNotFoundError
+    from .codegen.render import TemplateRenderError
 
     try:
         compiled = backward.compile(spec)
@@ -469,7 +469,7 @@ def format_resources(spec: KernelSpec, kernel) -> str:
 
 def _cross_check(kernel) -> str:
     """'agrees with ptxas' / what differs from cuobjdump; '' where cuobjdump is absent."""
-    from .compiler import ToolNotFoundError
+    from .runtime.compiler import ToolNotFoundError
 
     try:
         diff = kernel.cross_check()
@@ -486,7 +486,7 @@ def _cross_check(kernel) -> str:
 @click.option("--heads", default=8, show_default=True, help="Query heads.")
 @click.option("--heads-kv", type=int, help="Key/value heads (divides --heads). Default: --heads.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--fuzz", type=click.IntRange(min=1), help="Run this many seeded random problems (facodegen.fuzz) "
+@click.option("--fuzz", type=click.IntRange(min=1), help="Run this many seeded random problems (facodegen.verify.fuzz) "
               "through attention() instead, each against the float64 reference; --seed picks the list.")
 @click.option("--family", type=click.Choice((*FUZZ_FAMILIES, "all")), default="all", show_default=True,
               help="--fuzz: which kernel family's problems.")
@@ -508,9 +508,9 @@ def check(spec_fields, batch, seqlen_q, seqlen_k, heads, heads_kv, seed, fuzz, f
     seqlen_k = seqlen_k or seqlen_q
     heads_kv = heads_kv or heads
     try:
-        from . import api
+        from .ops import api
     except ImportError as err:
-        raise click.ClickException(f"facodegen.api is not available: {err}") from None
+        raise click.ClickException(f"facodegen.ops.api is not available: {err}") from None
     check_spec = getattr(api, "check_spec", None)
     if check_spec is not None:
         result = check_spec(spec, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
@@ -523,7 +523,8 @@ def check(spec_fields, batch, seqlen_q, seqlen_k, heads, heads_kv, seed, fuzz, f
 
 
 def _check_fuzz(n, family, seed, case_json, arch) -> None:
-    from . import api, fuzz
+    from .ops import api
+    from .verify import fuzz
 
     if case_json:
         try:
@@ -546,9 +547,9 @@ def _check_fuzz(n, family, seed, case_json, arch) -> None:
 
 
 def _check_with_reference(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv, seed) -> dict:
-    """Random inputs through facodegen.api.attention, O and LSE against the float64 reference."""
-    from .reference import attention_reference, check_lse, random_qkv
-    from .reference import check as check_o
+    """Random inputs through facodegen.ops.api.attention, O and LSE against the float64 reference."""
+    from .verify.reference import attention_reference, check_lse, random_qkv
+    from .verify.reference import check as check_o
 
     if spec.dtype == "fp8":
         return _check_fp8(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv, seed)
@@ -573,8 +574,8 @@ def _check_with_reference(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv,
 def _check_fp8(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv, seed) -> dict:
     """fp8: randn bf16 quantised to e4m3 per tensor (torch), against the float64 reference of the same
     dequantised inputs (reference.FP8_TOLERANCE)."""
-    from .quantize import quantize_e4m3
-    from .reference import attention_reference_fp8, check, check_lse, random_qkv
+    from .ops.quantize import quantize_e4m3
+    from .verify.reference import attention_reference_fp8, check, check_lse, random_qkv
     try:
         import torch
     except ImportError:
@@ -942,7 +943,7 @@ def _bench_overhead(spec_fields: dict, peers, out_dir: Path) -> None:
 
 def _bench_suite(spec_fields: dict, suite: str, peers, out_dir: Path, budget_s, no_plot: bool,
                  prepared: bool = True) -> None:
-    from . import api
+    from .ops import api
     from .bench import results, runner, suites, tables, timing
 
     if suite == suites.OVERHEAD_SUITE:   # host µs per call on a tiny shape: no grid, no TFLOP/s
@@ -1049,7 +1050,7 @@ def tune(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, heads_kv
       facodegen tune --show
       facodegen tune --export team.json      # and on another machine: --import team.json
     """
-    from . import tunedb
+    from .tuning import tunedb
 
     head_dim = int(head_dim)
     if show or export_file or import_file:
@@ -1075,7 +1076,7 @@ def tune(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, heads_kv
         _tune_dry_run(arch or "sm90", head_dim, dtype, causal, gpu, max_candidates, jobs, do_compile, report,
                       (seqlen, seqlen_k or seqlen), verbose)
         return
-    from .compiler import gpu_available
+    from .runtime.compiler import gpu_available
 
     ok, reason = gpu_available()
     if not ok:
@@ -1085,7 +1086,7 @@ def tune(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, heads_kv
 
 
 def _tune_counts(cands, space: int | None = None) -> str:
-    from .tune import summary_counts
+    from .tuning.tune import summary_counts
 
     counts = summary_counts(cands)
     dropped = ", ".join(f"{v} {k}" for k, v in counts.items() if k not in ("enumerated", "live"))
@@ -1097,7 +1098,7 @@ def _tune_counts(cands, space: int | None = None) -> str:
 def _compile_with_bar(cands, jobs, sm) -> None:
     import os
 
-    from .tune import compile_candidates
+    from .tuning.tune import compile_candidates
 
     live = [c for c in cands if c.alive]
     n_jobs = max(1, min(jobs or os.cpu_count() or 1, len(live) or 1))
@@ -1109,7 +1110,7 @@ def _compile_with_bar(cands, jobs, sm) -> None:
 def _write_report(report, cands, **extra) -> None:
     import json
 
-    from .tune import report as rows
+    from .tuning.tune import report as rows
 
     if report is not None:
         report.parent.mkdir(parents=True, exist_ok=True)
@@ -1119,7 +1120,7 @@ def _write_report(report, cands, **extra) -> None:
 
 def _tune_dry_run(arch, head_dim, dtype, causal, gpu, max_candidates, jobs, do_compile, report, seqlen,
                   verbose: bool = False) -> None:
-    from .tune import enumerate_candidates, format_candidates, search_space, space_size
+    from .tuning.tune import enumerate_candidates, format_candidates, search_space, space_size
 
     gpu = gpu or __import__("facodegen.spec", fromlist=["DEFAULT_GPU"]).DEFAULT_GPU[arch]
     cands = enumerate_candidates(arch, head_dim, dtype, causal, gpu, max_candidates, seqlen=seqlen)
@@ -1135,8 +1136,9 @@ def _tune_gpu(arch, head_dim, dtype, causal, seqlen, seqlen_k, batch, heads, hea
               top, min_gain, no_store, report, db) -> None:
     import time
 
-    from . import api, tunedb
-    from . import tune as T
+    from .ops import api
+    from .tuning import tunedb
+    from .tuning import tune as T
     from .bench.grids import attention_flops, cell
 
     t0 = time.monotonic()
@@ -1248,7 +1250,8 @@ def precompile(shapes, config_path, seqlens, batch, dtype, causal, arch, gpu):
     """
     import json
 
-    from . import api, compiler
+    from .ops import api
+    from .runtime import compiler
 
     problems = list(shapes)
     if config_path is not None:

@@ -96,10 +96,10 @@ struct FlashParams {
     float            softmax_scale;     // @180: scale applied to Q K^T (default 1/sqrt(head_dim))
     float            scale_log2;        // @184: softmax_scale * log2(e): exp(x*scale) = exp2(x*scale_log2)
 };
-// The host packs these bytes from facodegen/params.py (offsets listed above each field
+// The host packs these bytes from facodegen/runtime/params.py (offsets listed above each field
 // are the natural-alignment ones); NVRTC has no offsetof, so size and alignment are checked.
-static_assert(sizeof(FlashParams) == 192, "FlashParams size must match facodegen/params.py");
-static_assert(alignof(FlashParams) == 8, "FlashParams alignment must match facodegen/params.py");
+static_assert(sizeof(FlashParams) == 192, "FlashParams size must match facodegen/runtime/params.py");
+static_assert(alignof(FlashParams) == 8, "FlashParams alignment must match facodegen/runtime/params.py");
 // ---- PTX wrappers shared by the kernels: shared-memory addresses, cp.async, ldmatrix,
 // ---- mma.sync m16n8k16, 128-bit shared/global moves, fast exp2 / log2, warp-uniform values ----
 // (Needs common/types.cuh.j2 for uint32_t and ELEM_PTX.)
@@ -549,7 +549,7 @@ static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM is a multiple of the k16 step of Q K
 static_assert(ROW_CHUNKS % 8 == 0 || ROW_CHUNKS % 4 == 0, "swizzle works on groups of 4 or 8 chunks");
 static_assert(STAGES >= 1 && STAGES <= 4, "K/V ring depth");
 static_assert(Q_TILE_BYTES + 2 * STAGES * KV_TILE_BYTES == SMEM_BYTES,
-              "shared memory = Q tile + STAGES x (K tile + V tile), as facodegen/spec.py budgets it");
+              "shared memory = Q tile + STAGES x (K tile + V tile), as facodegen/spec/__init__.py budgets it");
 static_assert(M_SLABS * N_TILES * 4 + M_SLABS * D_TILES * 4 <= 224, "S and O accumulators must fit in registers");
 
 // Loop order of P V (warp_pv): keys outer (P fragments die one k16 slice at a time: needed when

@@ -104,10 +104,10 @@ struct FlashParams {
     CUtensorMap      tma_v;             // @448: TMA descriptor of V, box (slab cols, BLOCK_N rows)
     CUtensorMap      tma_o;             // @576: TMA descriptor of O, box (slab cols, 64 rows): one store per consumer warpgroup
 };
-// The host packs these bytes from facodegen/params.py (offsets listed above each field
+// The host packs these bytes from facodegen/runtime/params.py (offsets listed above each field
 // are the natural-alignment ones); NVRTC has no offsetof, so size and alignment are checked.
-static_assert(sizeof(FlashParams) == 704, "FlashParams size must match facodegen/params.py");
-static_assert(alignof(FlashParams) == 64, "FlashParams alignment must match facodegen/params.py");
+static_assert(sizeof(FlashParams) == 704, "FlashParams size must match facodegen/runtime/params.py");
+static_assert(alignof(FlashParams) == 64, "FlashParams alignment must match facodegen/runtime/params.py");
 // ---- PTX wrappers shared by the kernels: shared-memory addresses, cp.async, ldmatrix,
 // ---- mma.sync m16n8k16, 128-bit shared/global moves, fast exp2 / log2, warp-uniform values ----
 // (Needs common/types.cuh.j2 for uint32_t and ELEM_PTX.)
@@ -742,7 +742,7 @@ __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGS));
 }
 // ---- sm90 TMA: tiled 4-D loads (global -> shared, mbarrier completion) and stores ----
-// Tensor maps are (D, S, H, B) innermost first (facodegen/tma.py); coordinates are
+// Tensor maps are (D, S, H, B) innermost first (facodegen/runtime/tma.py); coordinates are
 // {column, row, head, batch} in elements. Out-of-range elements of a load box are
 // zero-filled (the whole box's bytes are still credited to the mbarrier); out-of-range
 // elements of a store box are not written.

@@ -205,7 +205,7 @@ def environment(log) -> dict:
         env["cupy"] = f"unavailable: {err}"
     try:
         from facodegen import __version__
-        from facodegen import compiler as fc
+        from facodegen.runtime import compiler as fc
         env["facodegen"] = __version__
         env["nvrtc"] = fc.nvrtc_identity() if hasattr(fc, "nvrtc_identity") else str(fc.nvrtc_version())
         if hasattr(fc, "gpu_available"):

@@ -28,7 +28,9 @@ def main() -> int:
     import torch
 
     import facodegen
-    from facodegen import api, bench, tunedb
+    from facodegen.ops import api
+    from facodegen import bench
+    from facodegen.tuning import tunedb
     q, k, v = (torch.randn(1, 128, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     facodegen.attention(q, k, v, causal=True)
     torch.cuda.synchronize()

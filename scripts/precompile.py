@@ -5,12 +5,12 @@
         --cell 256,16384,0 --cell 256,16384,1 --variant sm90: --variant sm90:pingpong=1 \
         [--patch FILE ...] [--traced]
 
-Each cell's spec is picked as facodegen.api.resolve_spec picks it on the H200 with no tuning
+Each cell's spec is picked as facodegen.ops.api.resolve_spec picks it on the H200 with no tuning
 database (api.spec_for_shape: the sequence-length rule, gpu=h200, the variant's fields winning),
 then rendered, patched (scripts/lab.py trace-steps' patch format; --patch adds one kernel per patch)
 and traced (--traced: trace_steps' clock reads too) as scripts/lab.py sweep, lab.py patch-ab and
 lab.py trace-steps would, and compiled through
-facodegen.compiler. Prints registers and spills per kernel, so a patch or variant that does not
+facodegen.runtime.compiler. Prints registers and spills per kernel, so a patch or variant that does not
 compile, or spills, is found before a device call; the device finds the same sources under the
 same keys when the cache folder is carried (`carry: [".fcgcache"]`; the key holds NVRTC's version).
 """
@@ -32,7 +32,10 @@ def main() -> int:
     p.add_argument("--patch", action="append", default=[])
     p.add_argument("--traced", action="store_true", help="also the traced copies (scripts/lab.py trace-steps)")
     args = p.parse_args()
-    from facodegen import api, bench, compiler, render
+    from facodegen.ops import api
+    from facodegen import bench
+    from facodegen.runtime import compiler
+    from facodegen.codegen import render
     from sweep import parse_cell
     from trace_steps import apply_patch, traced
 

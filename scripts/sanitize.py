@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """compute-sanitizer over every kernel family and arch (GPU): memcheck, racecheck, synccheck and
-initcheck, each over facodegen.fuzz.representative_cases() (one small case per arch, dtype and
+initcheck, each over facodegen.verify.fuzz.representative_cases() (one small case per arch, dtype and
 causal: odd lengths, GQA, strided inputs, LSE and out= asked for), one child process per tool and
 case, and a table of errors per tool and case last.
 
     python3 scripts/sanitize.py [--tools memcheck,racecheck] [--out DIR]
 
-Each child runs `python -m facodegen.fuzz --launch-only CASE_JSON` (facodegen's call on the case's inputs,
+Each child runs `python -m facodegen.verify.fuzz --launch-only CASE_JSON` (facodegen's call on the case's inputs,
 no references: their kernels are most of a case's, and initcheck instruments them all) under `compute-sanitizer --tool T
 --error-exitcode 99` (racecheck, memcheck and synccheck instrument only facodegen's kernels); the first
 lines of each child's log and its summary go to DIR/<tool>.log. Compile the kernels first (one plain
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from facodegen import fuzz  # noqa: E402
+from facodegen.verify import fuzz  # noqa: E402
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 LOG_LINES = 120       # of each child's log, kept in <tool>.log (then its summary lines)
@@ -99,11 +99,11 @@ def main() -> int:
     cases = fuzz.representative_cases()
     if args.cases:
         cases = [cases[int(i)] for i in args.cases.split(",")]
-    warm = subprocess.run([sys.executable, "-m", "facodegen.fuzz", *[c.to_json() for c in cases]],
+    warm = subprocess.run([sys.executable, "-m", "facodegen.verify.fuzz", *[c.to_json() for c in cases]],
                           capture_output=True, text=True)
     print(warm.stdout or warm.stderr, flush=True)
     jobs = [(tool, f"{case.family} {case.arch} {case.dtype} {'causal' if case.causal else 'full'}",
-             ["-m", "facodegen.fuzz", "--launch-only", case.to_json()], case.to_json())
+             ["-m", "facodegen.verify.fuzz", "--launch-only", case.to_json()], case.to_json())
             for tool in args.tools.split(",") for case in cases]
     rows = run_children(jobs, sanitizer, out, args.jobs, args.child_seconds, args.only_flash)
     print("\n| tool | case | errors | exit |\n|---|---|---|---|")

@@ -61,7 +61,7 @@ def run_case(index: int) -> None:
 
 def fuzz_case(index: int, arch: str):
     """The case's shapes as a fuzz kvcache Case: what fuzz.case_specs needs to list its kernels."""
-    from facodegen import fuzz
+    from facodegen.verify import fuzz
     _, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, _, new, splits = CASES[index]
     return fuzz.Case("kvcache", arch, "bf16", batch=batch, seqlen_q=seqlen_q, seqlen_k=capacity, heads_q=heads_q,
                      heads_kv=heads_kv, head_dim=d, causal=True, softmax_scale=None, layout="contiguous",
@@ -84,7 +84,8 @@ def main() -> int:
     if tool_path is None:
         print("compute-sanitizer not found on PATH", file=sys.stderr)
         return 2
-    from facodegen import api, fuzz
+    from facodegen.ops import api
+    from facodegen.verify import fuzz
     from sanitize import run_children     # scripts/sanitize.py
 
     # compile every kernel first, in parallel processes (one by one they took the whole step on a fresh H200)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from facodegen import api, fuzz  # noqa: E402
+from facodegen.ops import api
+from facodegen.verify import fuzz  # noqa: E402
 from facodegen.spec import default_fp8_specs, default_specs  # noqa: E402
 
 

@@ -11,7 +11,7 @@
   whose ``fresh_cache`` compiles a kernel again. A hit still looks for cuobjdump first, so a
   missing tool raises as before.
 * ``@pytest.mark.gpu`` tests are skipped, with the reason from
-  ``facodegen.compiler.gpu_available()``, where no CUDA GPU is found. ``requires_gpu`` is the
+  ``facodegen.runtime.compiler.gpu_available()``, where no CUDA GPU is found. ``requires_gpu`` is the
   same marker under a readable name: ``from conftest import requires_gpu`` is not needed,
   just use ``@pytest.mark.gpu``.
 """
@@ -33,7 +33,7 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER") and shared and os.environ.get("FACODEGEN_CACHE_DIR") == shared:
         pass    # an xdist worker: the controller made the session's cache (and removes it)
     elif "FACODEGEN_CACHE_DIR" not in os.environ or not os.environ.get("FACODEGEN_KEEP_TEST_CACHE"):
-        # set before any test module imports facodegen.compiler and compiles
+        # set before any test module imports facodegen.runtime.compiler and compiles
         import tempfile
 
         root = tempfile.mkdtemp(prefix="facodegen-test-cache-")
@@ -44,13 +44,13 @@ def pytest_configure(config):
 
 
 def _share_cuobjdump(root: str) -> None:
-    """Wrap facodegen.compiler._cuobjdump with a disk cache keyed by the cubin's sha256 and the flag
+    """Wrap facodegen.runtime.compiler._cuobjdump with a disk cache keyed by the cubin's sha256 and the flag
     (a file read: holding every kernel's SASS in memory too would double what the memo holds)."""
     import hashlib
     from pathlib import Path
 
-    from facodegen import compiler as fc
-    from facodegen.files import atomic_write
+    from facodegen.runtime import compiler as fc
+    from facodegen.runtime.files import atomic_write
 
     run = fc._cuobjdump
     folder = Path(root) / ".test-cuobjdump"
@@ -85,7 +85,7 @@ def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
-    from facodegen.compiler import gpu_available
+    from facodegen.runtime.compiler import gpu_available
 
     ok, reason = gpu_available()
     if ok:
@@ -104,7 +104,7 @@ def cache_root() -> str:
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """An empty cache dir and an empty in-process memo for one test."""
-    from facodegen import compiler as fc
+    from facodegen.runtime import compiler as fc
 
     root = tmp_path / "cache"
     monkeypatch.setenv("FACODEGEN_CACHE_DIR", str(root))

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 import facodegen  # noqa: E402
 import facodegen.torch as ftorch  # noqa: E402
-from facodegen.adapters import flash_attn_func  # noqa: E402
+from facodegen.ops.adapters import flash_attn_func  # noqa: E402
 
 F = torch.nn.functional
 
@@ -52,7 +52,7 @@ class FakeAttention:
         if softcap:
             s = softcap * torch.tanh(s / softcap)
         if tuple(window_size) != (-1, -1):
-            from facodegen.reference import window_mask
+            from facodegen.verify.reference import window_mask
             hidden = window_mask(torch.arange(seqlen_q).numpy(), torch.arange(seqlen_k).numpy(), seqlen_q, seqlen_k,
                                  window_size, causal, causal_alignment == "top_left")
             s = s.masked_fill(torch.from_numpy(hidden), -math.inf)
@@ -220,7 +220,7 @@ def test_flash_attn_func_accepts_what_flash_attention_treats_as_off(fake):
 def test_flash_attn_func_passes_window_and_softcap(fake, kwargs):
     """window_size and softcap reach facodegen.attention as given (FlashAttention's meaning), and the
     result is the float64 reference's."""
-    from facodegen.reference import attention_reference
+    from facodegen.verify.reference import attention_reference
     q = _bhsd().transpose(1, 2)
     k = torch.randn(q.shape[0], 9, q.shape[2], q.shape[3])
     out, lse, _ = flash_attn_func(q, k, k, return_attn_probs=True, **kwargs)

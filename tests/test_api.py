@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from facodegen import api
+from facodegen.ops import api
 
 
 def view(name="q", shape=(2, 64, 8, 128), strides=None, dtype="bfloat16", device=0, kind="torch", ptr=1 << 20):
@@ -86,7 +86,7 @@ def test_spec_for_shape_picks_what_resolve_spec_would_without_a_device():
     """api.spec_for_shape (resolve_spec's device-free half, used by scripts/precompile.py): the
     sequence-length rule for the shape unless the caller sets one of its fields, a tuned entry over
     the rule, the caller's fields over both, and defaults where tuned fields do not fit them."""
-    from facodegen import api
+    from facodegen.ops import api
     from facodegen.spec import KernelSpec
     short = api.spec_for_shape("sm90", 256, "fp8", False, (4, 4096, 4096, 8), gpu="h200")
     assert short == KernelSpec(arch="sm90", head_dim=256, dtype="fp8", gpu="h200", stream_k=False,

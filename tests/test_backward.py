@@ -12,9 +12,10 @@ import warnings
 import pytest
 from click.testing import CliRunner
 
-from facodegen import api, backward, cli, driver
-from facodegen.backward_spec import (BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs,
-                                     kv_acc_floats)
+from facodegen.ops import api, backward
+from facodegen import cli
+from facodegen.runtime import driver
+from facodegen.spec.backward import BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs, kv_acc_floats
 from facodegen.spec import GPUS, HEAD_DIMS, SpecError
 from fakes import FakeTensor
 from test_plan_cache import fake  # noqa: F401 (the fixture)
@@ -113,7 +114,7 @@ def test_params_layout_matches_the_packer():
 
 # ------------------------------------------------------------------ compile (NVRTC + cuobjdump)
 
-compiler = pytest.importorskip("facodegen.compiler")
+compiler = pytest.importorskip("facodegen.runtime.compiler")
 
 
 @pytest.mark.parametrize("sm", [None, "sm_90"], ids=["sm_80", "sm_90"])

@@ -15,8 +15,8 @@ import math
 import numpy as np
 import pytest
 
-from facodegen.backward_spec import BackwardSpec
-from facodegen.reference import attention_backward_reference, attention_reference
+from facodegen.spec.backward import BackwardSpec
+from facodegen.verify.reference import attention_backward_reference, attention_reference
 
 E = np.float16     # elem_t (fp16; the emulation rounds like the kernel's cvt.rn)
 

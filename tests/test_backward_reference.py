@@ -1,4 +1,4 @@
-"""facodegen.reference.attention_backward_reference against torch autograd in float64 (and a
+"""facodegen.verify.reference.attention_backward_reference against torch autograd in float64 (and a
 finite difference), over causal/GQA/odd lengths: the float64 truth the GPU backward tests use."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from facodegen.reference import attention_backward_reference, attention_reference
+from facodegen.verify.reference import attention_backward_reference, attention_reference
 
 torch = pytest.importorskip("torch")
 

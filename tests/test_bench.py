@@ -482,8 +482,8 @@ def test_trace_steps_traces_a_copy_of_the_fp8_kernel_and_reads_its_phases():
     as laid in."""
     import numpy as np
 
-    from facodegen import compiler
-    from facodegen.render import emit
+    from facodegen.runtime import compiler
+    from facodegen.codegen.render import emit
     from facodegen.spec import KernelSpec
 
     trace = _script("trace_steps")
@@ -549,7 +549,7 @@ def test_patch_ab_times_another_copy_of_the_templates(tmp_path):
     text from an identical copy and the other text from an edited one."""
     import shutil
 
-    from facodegen import render
+    from facodegen.codegen import render
     from facodegen.spec import KernelSpec
     spec = KernelSpec(arch="sm90", head_dim=128, dtype="fp8")
     copy = tmp_path / "templates"
@@ -565,7 +565,7 @@ def test_precompile_compiles_the_cells_kernels_into_the_cache(monkeypatch, tmp_p
     """scripts/precompile.py: the kernel of a cell and variant, as the device would pick it (stream_k
     off by the rule at head_dim 256 below 8k keys), compiled into FACODEGEN_CACHE_DIR, and a
     source patch's kernel beside it; registers and spills printed for each."""
-    from facodegen import compiler
+    from facodegen.runtime import compiler
     monkeypatch.setenv("FACODEGEN_CACHE_DIR", str(tmp_path))
     compiler.clear_memo()
     patch = tmp_path / "tag.patch"
@@ -583,7 +583,7 @@ def test_overlap_probe_kernels_keep_their_wgmmas_in_flight():
     """scripts/lab.py overlap-probe: the probe's kernels compile for sm_90a without spills or ptxas's
     wgmma serialisation, with one group of wgmmas in flight while the next is issued, and the side
     warpgroup's loop runs its op (MUFU.EX2 for ex2) and no wgmma."""
-    from facodegen import compiler
+    from facodegen.runtime import compiler
 
     probe = _script("overlap_probe")
     kernels = probe.compile_all([(2, "rs", 256, "none"), (2, "rs32", 256, "none"), (2, "rs", 256, "ex2"), (0, "ss", 256, "ex2")])
@@ -604,7 +604,7 @@ def _fake_facodegen(monkeypatch):
     import types
 
     import facodegen
-    from facodegen import api
+    from facodegen.ops import api
 
     calls = []
 
@@ -857,7 +857,7 @@ def test_cli_bench_suite_overhead_help_and_dispatch(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
     from facodegen import cli
-    from facodegen import compiler as fc
+    from facodegen.runtime import compiler as fc
 
     runner = CliRunner()
     result = runner.invoke(cli.main, ["bench", "--suite", "overhead", "--help"])

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from facodegen import cli
-from facodegen import compiler as fc
+from facodegen.runtime import compiler as fc
 from facodegen.bench import backward as bw
 from facodegen.bench import decode as dec
 from facodegen.bench import results

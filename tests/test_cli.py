@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 import facodegen
 from facodegen import cli
-from facodegen import compiler as fc
-from facodegen.render import emit_command
+from facodegen.runtime import compiler as fc
+from facodegen.codegen.render import emit_command
 
 SMALL = ["--arch", "sm80", "--head-dim", "64"]
 
@@ -172,10 +172,10 @@ def test_check_calls_api_check_spec(runner, monkeypatch):
     import types
 
     calls = []
-    fake = types.ModuleType("facodegen.api")
+    fake = types.ModuleType("facodegen.ops.api")
     fake.check_spec = lambda spec, **kw: calls.append((spec, kw)) or {"max_error": 0.001, "passed": False}
-    monkeypatch.setitem(sys.modules, "facodegen.api", fake)
-    monkeypatch.setattr(facodegen, "api", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "facodegen.ops.api", fake)
+    monkeypatch.setattr(facodegen.ops, "api", fake)
     monkeypatch.setattr(fc, "gpu_available", lambda: (True, "fake GPU"))
     result = runner.invoke(cli.main, ["check", *SMALL, "--seqlen-q", "128", "--heads", "4"])
     assert result.exit_code == 1  # passed False
@@ -231,7 +231,7 @@ def test_check_falls_back_to_api_attention_and_reference(runner, monkeypatch, br
 
     import numpy as np
 
-    from facodegen import reference
+    from facodegen.verify import reference
 
     real_random = reference.random_qkv
     monkeypatch.setattr(reference, "random_qkv", lambda *a, xp=None, **kw: real_random(*a, xp=np, **kw))
@@ -241,10 +241,10 @@ def test_check_falls_back_to_api_attention_and_reference(runner, monkeypatch, br
         o, lse = reference.attention_reference(q, k, v, causal)
         return (np.zeros_like(o) if broken else o).astype(np.float16), lse.astype(np.float32)
 
-    fake = types.ModuleType("facodegen.api")
+    fake = types.ModuleType("facodegen.ops.api")
     fake.attention = fake_attention
-    monkeypatch.setitem(sys.modules, "facodegen.api", fake)
-    monkeypatch.setattr(facodegen, "api", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "facodegen.ops.api", fake)
+    monkeypatch.setattr(facodegen.ops, "api", fake)
     monkeypatch.setattr(fc, "gpu_available", lambda: (True, "fake GPU"))
     result = runner.invoke(cli.main, ["check", *SMALL, "--dtype", "fp16", "--causal", "--seqlen-q", "64",
                                       "--seqlen-k", "80", "--heads", "2", "--batch", "1"])

@@ -1,4 +1,4 @@
-"""facodegen.compiler: NVRTC -> cubin, disk cache, errors, resource report, SASS/PTX (no GPU)."""
+"""facodegen.runtime.compiler: NVRTC -> cubin, disk cache, errors, resource report, SASS/PTX (no GPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import facodegen
-from facodegen import compiler as fc
+from facodegen.runtime import compiler as fc
 
 # ---- tiny kernels with known properties ----------------------------------------------------
 
@@ -221,7 +221,7 @@ def _compile_in_child(args):
     root, source, barrier = args
     os.environ["FACODEGEN_CACHE_DIR"] = root
     os.environ["FACODEGEN_QUIET"] = "1"
-    from facodegen import compiler as child_fc
+    from facodegen.runtime import compiler as child_fc
 
     barrier.wait(timeout=60)
     kernel = child_fc.compile_source(source, "sm80", "simple_scale")
@@ -256,7 +256,7 @@ def test_a_killed_compile_leaves_no_lock_and_no_entry(fresh_cache):
     child = subprocess.Popen([sys.executable, "-c", (
         "import os, sys, time\n"
         f"os.environ['FACODEGEN_CACHE_DIR'] = {str(fresh_cache)!r}\n"
-        "from facodegen import compiler as c\n"
+        "from facodegen.runtime import compiler as c\n"
         "c._nvrtc_compile = lambda *a, **k: (print('holding', flush=True), time.sleep(600))\n"
         f"c.compile_source({src!r}, 'sm80', 'simple_scale', verbose=False)\n")],
         stdout=subprocess.PIPE, text=True)
@@ -271,7 +271,7 @@ def test_a_killed_compile_leaves_no_lock_and_no_entry(fresh_cache):
 
 def test_a_full_disk_costs_a_recompile_not_a_broken_entry(fresh_cache, monkeypatch, capsys):
     import errno
-    from facodegen import files
+    from facodegen.runtime import files
 
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -335,7 +335,7 @@ def test_compile_error_shows_source_lines():
 
 def test_compile_spec_error_hint_names_the_emit_command(monkeypatch, fresh_cache):
     spec = facodegen.default_spec("sm80", 64)
-    import facodegen.render as render
+    import facodegen.codegen.render as render
 
     monkeypatch.setattr(render, "emit", lambda s: BROKEN.replace("broken", s.variant))
     fc.clear_memo()

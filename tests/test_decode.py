@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from fakes import FakeTensor
 
-from facodegen import api, driver, kvcache
-from facodegen import decode as dec
-from facodegen import plan as plan_mod
-from facodegen.reference import attention_reference, kvcache_reference
+from facodegen.ops import api, kvcache
+from facodegen.runtime import driver
+from facodegen.spec import decode as dec
+from facodegen.runtime import plan as plan_mod
+from facodegen.verify.reference import attention_reference, kvcache_reference
 from facodegen.spec import SpecError
 
 # ------------------------------------------------------------------ specs, names, defaults
@@ -508,7 +509,7 @@ def test_kernel_algorithm_matches_the_reference(knobs, paged):
     """The decode kernel's tiling, split, warp merge and combine (reference.decode_tiled_reference)
     against the direct float64 formula, with appended tokens, lengths 0 and past the capacity,
     seqlen_q 2 x GQA 4 (8 packed rows: padding rows in a 16-row tile), shuffled pages."""
-    from facodegen.reference import decode_tiled_reference
+    from facodegen.verify.reference import decode_tiled_reference
     rng = np.random.default_rng(5)
     q, kc, vc, kn, vn, lengths, table, kp, vp = _random_case(rng, batch=3, seqlen_q=2, heads_q=8, heads_kv=2, d=16,
                                                               capacity=96, page=16, new=2)

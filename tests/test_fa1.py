@@ -22,10 +22,10 @@ from click.testing import CliRunner
 
 import facodegen
 from facodegen import KernelSpec, SpecError
-from facodegen.launch import grid, needs_workspace, workspace_floats
-from facodegen.params import fields
-from facodegen.reference import attention_reference, causal_mask, flash1_reference, random_qkv
-from facodegen.render import emit_command
+from facodegen.runtime.launch import grid, needs_workspace, workspace_floats
+from facodegen.runtime.params import fields
+from facodegen.verify.reference import attention_reference, causal_mask, flash1_reference, random_qkv
+from facodegen.codegen.render import emit_command
 from facodegen.spec import FA1_CHOICES, FA1_SWITCHES, FA2_CHOICES
 
 FA1 = dict(arch="sm80", schedule="fa1")
@@ -167,7 +167,7 @@ def test_cli_rejects_fa1_knobs_for_fa2():
     assert result.exit_code == 2 and "warp_split" in result.output
 
 
-compiler = pytest.importorskip("facodegen.compiler")
+compiler = pytest.importorskip("facodegen.runtime.compiler")
 
 
 @pytest.fixture(scope="module", params=COMPILE_SPECS, ids=lambda s: s.variant)

@@ -1,4 +1,4 @@
-"""facodegen.flash_rounding: the same-precision reference with FlashAttention's rounding points,
+"""facodegen.verify.flash_rounding: the same-precision reference with FlashAttention's rounding points,
 against float64 (CPU torch). It must be as accurate as the algorithm (close to float64 on ordinary
 inputs) and reproduce the one inexactness standard attention lacks: a one-hot row's P rounded
 before it is normalised."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from facodegen import flash_rounding, fuzz
+from facodegen.verify import flash_rounding, fuzz
 
 torch = pytest.importorskip("torch")
 

@@ -7,10 +7,11 @@ import re
 import numpy as np
 import pytest
 
-from facodegen import params, render, tma
-from facodegen.api import _View, check_descale, check_fp8_inputs
-from facodegen.quantize import E4M3_MAX, e4m3_decode, e4m3_encode, quantize_e4m3_numpy
-from facodegen.reference import attention_reference, attention_reference_fp8
+from facodegen.runtime import params, tma
+from facodegen.codegen import render
+from facodegen.ops.api import _View, check_descale, check_fp8_inputs
+from facodegen.ops.quantize import E4M3_MAX, e4m3_decode, e4m3_encode, quantize_e4m3_numpy
+from facodegen.verify.reference import attention_reference, attention_reference_fp8
 from facodegen.spec import KernelSpec, SpecError, default_fp8_specs, default_specs, register_estimate, V_LAYOUTS
 
 
@@ -90,7 +91,7 @@ def test_fp8_tma_geometry():
 # ---------------------------------------------------------------- compile
 @pytest.mark.parametrize("spec", default_fp8_specs(), ids=lambda s: s.variant)
 def test_fp8_default_compiles_clean(spec):
-    from facodegen import compiler
+    from facodegen.runtime import compiler
     k = compiler.compile(spec, verbose=False)
     r = k.resources
     assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), r
@@ -108,7 +109,7 @@ def test_fp8_p_shuffles_only_for_a_caller_transposed_v(causal):
     """pack_p_slice keeps P's keys in its registers for the in-kernel V^T (FA3's key order);
     p_to_natural_order moves them by quad shuffles for the caller's V^T: same tiles, more SHFL (the
     softmax's row reductions are shuffles in both)."""
-    from facodegen import compiler
+    from facodegen.runtime import compiler
     shfl = {}
     for layout in ("row", "transposed"):
         spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=128, causal=causal, v_layout=layout,
@@ -320,7 +321,7 @@ def test_fp8_prepare_packs_params(monkeypatch, v_layout):
     import types
 
     from fakes import FakeTensor
-    from facodegen import api
+    from facodegen.ops import api
 
     fake_torch = types.SimpleNamespace(Tensor=FakeTensor, bfloat16="torch.bfloat16")
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
@@ -383,7 +384,7 @@ def test_fp8_q_in_regs_reads_q_from_registers(head_dim, block_n, causal):
     """q_in_regs: every Q K^T QGMMA takes A from registers (none from a shared-memory descriptor),
     Q comes in by ldmatrix (non-transposed, beside the transposer's .trans ones), and the consumer
     still fits its registers without spills; the register estimate counts Q's head_dim / 8."""
-    from facodegen import compiler
+    from facodegen.runtime import compiler
     spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=head_dim, block_n=block_n, causal=causal, q_in_regs=True)
     assert "qreg" in spec.variant
     assert register_estimate(spec) == register_estimate(spec.replace(block_n=block_n, q_in_regs=False)) + head_dim // 8
@@ -455,7 +456,7 @@ def test_fp8_transposers_at_24_registers_keep_loads_in_flight_without_spills(cau
     (two distinct destination quads before the first byte_perm) and nothing after the producer's
     setmaxnreg.dec spills."""
     import re
-    from facodegen import compiler
+    from facodegen.runtime import compiler
     spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=256, block_n=128, producer_regs=24, consumer_regs=240,
                       persistent=True, causal=causal)
     sass = compiler.compile(spec, verbose=False).sass().splitlines()

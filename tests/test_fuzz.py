@@ -7,7 +7,8 @@ import collections
 import numpy as np
 import pytest
 
-from facodegen import api, fuzz
+from facodegen.ops import api
+from facodegen.verify import fuzz
 from facodegen.spec import HEAD_DIMS
 
 
@@ -51,7 +52,7 @@ def test_a_case_reruns_from_its_command():
 
 def test_the_fuzz_reference_is_the_float64_reference():
     torch = pytest.importorskip("torch")
-    from facodegen.reference import attention_reference
+    from facodegen.verify.reference import attention_reference
     for sq, sk, hq, hkv, causal in ((17, 33, 4, 2, True), (33, 17, 2, 1, True), (5, 5, 2, 2, False)):
         g = torch.Generator().manual_seed(sq)
         q, k, v = (torch.randn(2, s, h, 16, generator=g) for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
@@ -107,7 +108,8 @@ def test_the_hostile_decode_cases_list_their_kernels(monkeypatch):
 def test_check_fuzz_without_a_gpu_is_one_clear_line(monkeypatch):
     from click.testing import CliRunner
 
-    from facodegen import cli, compiler
+    from facodegen import cli
+    from facodegen.runtime import compiler
     monkeypatch.setattr(compiler, "gpu_available", lambda: (False, "no CUDA GPU (test)"))
     result = CliRunner().invoke(cli.main, ["check", "--fuzz", "10"])
     assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
@@ -167,7 +169,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
     """precompile compiles what case_specs lists: the backward's forward and backward kernels, and the
     decode family's kernels as the call's own check_arguments and plan_specs pick them from the
     case's arrays (a wrong problem, e.g. the page count, would compile kernels the run never uses)."""
-    from facodegen import backward, kvcache
+    from facodegen.ops import backward, kvcache
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
     monkeypatch.setattr(api, "device_info", lambda ordinal: info)
     monkeypatch.setattr(api, "_tuned_fields", lambda *a: None)
@@ -180,7 +182,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, {})]
             assert (specs[1].head_dim, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)
         elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen in the shape
-            from facodegen import varlen
+            from facodegen.ops import varlen
             assert specs == [api.resolve_spec(c.head_dim, c.dtype, c.causal, 0, varlen.check_arch(None),
                                               shape=(c.batch, c.seqlen_q, c.seqlen_k, c.heads_q), varlen=True)]
         else:

@@ -7,7 +7,9 @@ import dataclasses
 from pathlib import Path
 
 
-from facodegen import cli, knobs, tune
+from facodegen import cli
+from facodegen.spec import knobs
+from facodegen.tuning import tune
 from facodegen.spec import KernelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +25,7 @@ def test_the_registry_covers_kernelspec_exactly():
 
 def test_docs_table_is_the_registry():
     text = (ROOT / "docs" / "knobs.md").read_text()
-    assert knobs.markdown_table() in text, "regenerate docs/knobs.md: python -m facodegen.knobs"
+    assert knobs.markdown_table() in text, "regenerate docs/knobs.md: python -m facodegen.spec.knobs"
 
 
 def test_every_flagged_knob_is_a_flag_of_emit_with_its_domain():
@@ -58,7 +60,7 @@ def test_emit_lines_reproduce_the_specs_around_every_default():
     import random
     import shlex
 
-    from facodegen.render import emit_command
+    from facodegen.codegen.render import emit_command
     from facodegen.spec import HEAD_DIMS
     rng = random.Random(0)
     specs = []

@@ -67,7 +67,7 @@ def test_wheel_ships_templates_and_cli(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    where = subprocess.run([str(py), "-c", "import facodegen, facodegen.render as r; "
+    where = subprocess.run([str(py), "-c", "import facodegen, facodegen.codegen.render as r; "
                             "print(facodegen.__file__); print(r.template_dir())"],
                            check=True, capture_output=True, text=True, cwd=elsewhere, env=env).stdout.split()
     assert Path(where[0]).is_relative_to(venv), where   # the installed copy, not the checkout

@@ -12,7 +12,9 @@ import types
 
 import pytest
 
-from facodegen import api, driver, params, plan as plan_mod, tma, tunedb
+from facodegen.ops import api
+from facodegen.runtime import driver, params, plan as plan_mod, tma
+from facodegen.tuning import tunedb
 from fakes import FakeTensor
 
 B, SQ, SK, HQ, HKV, D = 2, 100, 77, 8, 2, 128
@@ -185,7 +187,7 @@ def test_a_tuning_database_write_is_seen_at_once(fake):
     api.attention(q, k, v)
     assert hits(fake) == 1
     info = api.device_info(0)
-    from facodegen import compiler
+    from facodegen.runtime import compiler
     key = tunedb.make_key(info.name, info.compute_capability, compiler.nvrtc_identity(), "sm90", D, "bf16",
                           False, SQ, SK, B, HQ)
     tunedb.put(tunedb.make_entry(key, {"block_n": 96, "stages": 2}))

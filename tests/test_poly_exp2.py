@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from facodegen import KernelSpec
-from facodegen.render import template_dir
+from facodegen.codegen.render import template_dir
 
-compile_mod = pytest.importorskip("facodegen.compiler")
+compile_mod = pytest.importorskip("facodegen.runtime.compiler")
 
 
 def _template_poly():

@@ -8,7 +8,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from facodegen import compiler
+from facodegen.runtime import compiler
 from facodegen.cli import main, model_shapes
 from facodegen.spec import KernelSpec
 
@@ -53,7 +53,7 @@ def test_the_spec_index_finds_a_kernel_without_rendering(fresh_cache, monkeypatc
     spec = KernelSpec(arch="sm80", head_dim=64, dtype="fp16")
     first = compiler.compile(spec, verbose=False)
     compiler.clear_memo()
-    from facodegen import render
+    from facodegen.codegen import render
 
     def no_render(*args, **kwargs):
         raise AssertionError("rendered")
@@ -73,7 +73,7 @@ def test_a_patched_rendering_with_the_spec_index_off_is_compiled_and_not_indexed
     rendering and turn compiler.spec_index off: compile() then builds the patched source although
     the plain spec is in the index, and writes nothing there, so the plain kernel is still what a
     later compile finds."""
-    from facodegen import render
+    from facodegen.codegen import render
     spec = KernelSpec(arch="sm80", head_dim=64, dtype="fp16")
     plain = compiler.compile(spec, verbose=False)
     plain_emit = render.emit
@@ -100,15 +100,17 @@ def test_nvrtc_identity_needs_no_nvrtc_load_with_the_pip_package():
 def test_the_spec_index_key_follows_the_rendering_code(monkeypatch, tmp_path):
     """A change to the Python that renders (not only the templates) is a new index key: a stale
     entry can never hand out a kernel the current code would not emit."""
-    from facodegen import compiler as c
+    from facodegen.runtime import compiler as c
     spec = KernelSpec(arch="sm80", head_dim=64)
     options = c.NVRTC_OPTIONS("sm80")
     before = c._spec_index_key(spec, options)
     fake = tmp_path / "pkg"
     fake.mkdir()
     for name in c._RENDERING_MODULES:
+        (fake / name).parent.mkdir(parents=True, exist_ok=True)
         (fake / name).write_bytes((c._PACKAGE_DIR / name).read_bytes())
-    (fake / "render.py").write_bytes((fake / "render.py").read_bytes() + b"\n# changed\n")
+    render = fake / "codegen" / "render.py"
+    render.write_bytes(render.read_bytes() + b"\n# changed\n")
     monkeypatch.setattr(c, "_PACKAGE_DIR", fake)
     monkeypatch.setattr(c, "_templates_digest", None)
     assert c._spec_index_key(spec, options) != before

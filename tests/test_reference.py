@@ -1,12 +1,12 @@
-"""CPU tests of facodegen.reference: the float64 reference, the FA1/FA2 tiled algorithms, metrics."""
+"""CPU tests of facodegen.verify.reference: the float64 reference, the FA1/FA2 tiled algorithms, metrics."""
 
 import math
 
 import numpy as np
 import pytest
 
-from facodegen.reference import (TOLERANCE, attention_reference, check, check_lse, compare,
-                                 flash1_reference, flash2_reference, n_block_max, random_qkv)
+from facodegen.verify.reference import (TOLERANCE, attention_reference, check, check_lse, compare, flash1_reference,
+                                        flash2_reference, n_block_max, random_qkv)
 
 
 def naive(q, k, v, causal, scale):
@@ -66,7 +66,7 @@ def test_reference_matches_naive_formula(shape, scale):
 
 def test_reference_row_chunking(monkeypatch):
     """The row-block loop gives the same answer as one block."""
-    import facodegen.reference as ref
+    import facodegen.verify.reference as ref
     q, k, v = random_qkv(1, 50, 40, 2, 1, 16, "fp64", seed=3)
     whole = attention_reference(q, k, v, True)
     monkeypatch.setattr(ref, "_CHUNK_ELEMENTS", 40 * 7)   # 7 rows at a time

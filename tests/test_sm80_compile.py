@@ -14,7 +14,7 @@ import pytest
 import facodegen
 from facodegen import KernelSpec
 
-compiler = pytest.importorskip("facodegen.compiler")
+compiler = pytest.importorskip("facodegen.runtime.compiler")
 
 K = lambda **kw: KernelSpec(arch="sm80", **kw)  # noqa: E731
 

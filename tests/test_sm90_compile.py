@@ -13,7 +13,7 @@ import facodegen
 from facodegen import KernelSpec
 from facodegen.spec import default_fp8_specs
 
-compile_mod = pytest.importorskip("facodegen.compiler")
+compile_mod = pytest.importorskip("facodegen.runtime.compiler")
 
 K = lambda **kw: KernelSpec(arch="sm90", **kw)  # noqa: E731
 

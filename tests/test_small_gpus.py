@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from facodegen import compiler
-from facodegen.driver import DeviceInfo
+from facodegen.runtime import compiler
+from facodegen.runtime.driver import DeviceInfo
 from facodegen.spec import GPUS, HEAD_DIMS, KernelSpec
 
 

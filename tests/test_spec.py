@@ -183,7 +183,7 @@ def test_sm90_separate_o_is_derived_from_the_budget():
 
 
 def test_two_ctas_per_sm_halve_the_register_pool_and_double_the_grid():
-    from facodegen.launch import grid, resident_ctas
+    from facodegen.runtime.launch import grid, resident_ctas
     from facodegen.spec import sm90_cta_register_pool
     one = KernelSpec(arch="sm90", head_dim=64, causal=True, consumer_warpgroups=1)
     two = one.replace(consumer_warpgroups=1, ctas_per_sm=2)
@@ -195,8 +195,8 @@ def test_two_ctas_per_sm_halve_the_register_pool_and_double_the_grid():
 
 
 def test_cluster_m_checks_pads_m_blocks_and_halves_the_kv_box():
-    from facodegen import tma
-    from facodegen.launch import grid, num_m_blocks
+    from facodegen.runtime import tma
+    from facodegen.runtime.launch import grid, num_m_blocks
     spec = KernelSpec(arch="sm90", head_dim=256, cluster_m=2)
     assert "_cl2" in spec.variant
     assert KernelSpec(arch="sm90", head_dim=256).cluster_m == 1 and KernelSpec().cluster_m == 1
@@ -219,7 +219,7 @@ def test_cluster_m_checks_pads_m_blocks_and_halves_the_kv_box():
 
 
 def test_three_ctas_per_sm_split_a_third_of_the_register_file():
-    from facodegen.launch import resident_ctas
+    from facodegen.runtime.launch import resident_ctas
     from facodegen.spec import register_split, sm90_cta_register_pool
     three = KernelSpec(arch="sm90", head_dim=64, causal=True, consumer_warpgroups=1, ctas_per_sm=3, block_n=64)
     assert register_split(1, 3) == (three.producer_regs, three.consumer_regs) == (24, 136)

@@ -9,7 +9,7 @@ import string
 
 import pytest
 
-from facodegen.render import emit
+from facodegen.codegen.render import emit
 from facodegen.spec import INT_FIELDS, TEXT_FIELDS, KernelSpec, SpecError
 
 FIELDS = [f.name for f in dataclasses.fields(KernelSpec)]

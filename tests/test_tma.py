@@ -1,8 +1,9 @@
-"""facodegen/tma.py: argument checks and map geometry (CPU; the driver call needs a GPU)."""
+"""facodegen/runtime/tma.py: argument checks and map geometry (CPU; the driver call needs a GPU)."""
 
 import pytest
 
-from facodegen import KernelSpec, tma
+from facodegen import KernelSpec
+from facodegen.runtime import tma
 
 PTR = 0x7F00_0000_0000
 B, S, H, D = 2, 1000, 8, 128

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import facodegen  # noqa: E402
-from facodegen import torch_op  # noqa: E402
+from facodegen.ops import torch_op  # noqa: E402
 
 
 def meta(*shape, dtype=torch.bfloat16):
@@ -287,7 +287,7 @@ def test_kvcache_bad_options_are_named(kw, error, match):
     with pytest.raises(Exception, match=match):
         _trace(lambda q, kc, vc, lengths: facodegen.attention_with_kvcache(q, kc, vc, lengths, **kw), q, kc, vc,
                lengths)
-    from facodegen import kvcache
+    from facodegen.ops import kvcache
     if "k" not in kw:
         with pytest.raises(error, match=match):
             kvcache.check_options(lengths, **{"causal": True, "softmax_scale": None, "num_splits": 0, "knobs": {},

@@ -12,7 +12,9 @@ import multiprocessing
 import pytest
 from click.testing import CliRunner
 
-from facodegen import api, cli, tune as T, tunedb
+from facodegen.ops import api
+from facodegen import cli
+from facodegen.tuning import tune as T, tunedb
 from facodegen.spec import KernelSpec, SpecError, seqlen_rule_fields
 
 
@@ -454,7 +456,7 @@ def test_resolve_spec_survives_a_bad_entry(fake_device, _fresh_db):
 # ---- CLI without a GPU ------------------------------------------------------------------------
 
 def _no_gpu(monkeypatch):
-    from facodegen import compiler
+    from facodegen.runtime import compiler
     monkeypatch.setattr(compiler, "gpu_available", lambda: (False, "no CUDA GPU (test)"))
 
 

@@ -17,9 +17,11 @@ from fakes import FakeTensor
 from test_plan_cache import HQ, SK, SQ, hits, qkv
 from test_plan_cache import fake as plan_fake  # noqa: F401  (the fake torch and driver, as a fixture)
 
-from facodegen import api, compiler, fuzz, params, reference
-from facodegen.launch import LOG2E, Operand, Variants, pack_params
-from facodegen.render import emit
+from facodegen.ops import api
+from facodegen.runtime import compiler, params
+from facodegen.verify import fuzz, reference
+from facodegen.runtime.launch import LOG2E, Operand, Variants, pack_params
+from facodegen.codegen.render import emit
 from facodegen.spec import KernelSpec, SpecError, default_specs
 
 FEATURES = {"local": dict(local=True), "softcap": dict(softcap=True), "sinks": dict(sinks=True),
@@ -437,7 +439,7 @@ def test_a_whole_spec_runs_through_its_launch_fields(fake, arch):
     """The tuner, `facodegen check`, the bench runner and the GPU tests pass a spec to attention()
     as KernelSpec.launch_fields(): each candidate the tuner would time resolves to itself (the
     variant switches that are off are not passed: their arguments would refuse False)."""
-    from facodegen import tune
+    from facodegen.tuning import tune
     q, k, v = qkv()
     candidates = [c for c in tune.enumerate_candidates(arch, q.shape[-1], "bf16", causal=True, max_candidates=4)
                   if c.spec is not None]

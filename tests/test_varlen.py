@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 
 import facodegen
-from facodegen import KernelSpec, SpecError, adapters, params, plan as plan_mod, varlen
-from facodegen.reference import attention_reference, varlen_reference
+from facodegen import KernelSpec, SpecError
+from facodegen.ops import adapters, varlen
+from facodegen.runtime import params, plan as plan_mod
+from facodegen.verify.reference import attention_reference, varlen_reference
 from fakes import FakeTensor
 from test_plan_cache import fake  # noqa: F401 (the fake torch and driver fixture)
 
-compiler = pytest.importorskip("facodegen.compiler")
+compiler = pytest.importorskip("facodegen.runtime.compiler")
 
 SM80_DEFAULTS = [s for s in facodegen.default_specs() if s.arch == "sm80"]
 VARLEN_SPECS = [s.replace(varlen=True) for s in SM80_DEFAULTS]

@@ -61,19 +61,19 @@ imported from their module.
 
 from __future__ import annotations
 
-from .grids import (attention_flops, tflops, cell, TOKENS_PER_BATCH, HIDDEN, paper_cell, FA3_SEQLENS,
-                    fa3_paper_grid, quick_grid, sm80_grid, fp8_grid, evolution_grid, GRIDS, make_grid)
-from .inputs import (L2_BYTES_DEFAULT, MAX_INPUT_SETS, input_bytes, input_sets_needed, l2_bytes,
-                     reference_torch, InputSet, quantized)
-from .overhead import (OVERHEAD_SHAPE, OVERHEAD_CASES, OVERHEAD_OPTIONS, OVERHEAD_SDPA, OVERHEAD_FA3,
-                       OVERHEAD_IMPLS, OVERHEAD_PEERS, OVERHEAD_TIMING, OVERHEAD_CSV_FIELDS,
-                       OVERHEAD_BUILDERS, overhead_row, with_sdpa_ratios, format_overhead_table,
-                       format_overhead_notes, overhead_csv, write_overhead_results, run_overhead)
+from .grids import (attention_flops, tflops, cell, TOKENS_PER_BATCH, HIDDEN, paper_cell, FA3_SEQLENS, fa3_paper_grid,
+                    quick_grid, sm80_grid, fp8_grid, evolution_grid, GRIDS, make_grid)
+from .inputs import (L2_BYTES_DEFAULT, MAX_INPUT_SETS, input_bytes, input_sets_needed, l2_bytes, reference_torch,
+                     InputSet, quantized)
+from .overhead import (OVERHEAD_SHAPE, OVERHEAD_CASES, OVERHEAD_OPTIONS, OVERHEAD_SDPA, OVERHEAD_FA3, OVERHEAD_IMPLS,
+                       OVERHEAD_PEERS, OVERHEAD_TIMING, OVERHEAD_CSV_FIELDS, OVERHEAD_BUILDERS, overhead_row,
+                       with_sdpa_ratios, format_overhead_table, format_overhead_notes, overhead_csv,
+                       write_overhead_results, run_overhead)
 from .peers import DEFAULT_PEERS, peer_available
 from .results import CSV_FIELDS, csv_rows, to_csv, environment, write_results
 from .runner import run_cell, run_grid, run_cli_bench
-from .suites import (SUITES, SUITE_PEERS, OVERHEAD_SUITE, DECODE_SUITE, VARIANTS_SUITE, VARLEN_SUITE, OWN_RUNNER_SUITES,
-                     EVOLUTION_VARIANTS, EVOLUTION_TIMING, suite_cells, suite_names)
+from .suites import (SUITES, SUITE_PEERS, OVERHEAD_SUITE, DECODE_SUITE, VARIANTS_SUITE, VARLEN_SUITE,
+                     OWN_RUNNER_SUITES, EVOLUTION_VARIANTS, EVOLUTION_TIMING, suite_cells, suite_names)
 from .tables import (PEER_TITLES, PREPARED_SUFFIX, facodegen_name, is_facodegen, prepared_name, is_prepared,
                      has_ratio, best_peer, ratio_to_best_peer, implementations, format_table, format_notes)
 from .timing import (WARMUP, GROUPS, CALLS_PER_GROUP, time_cuda_interleaved, time_cuda, time_host_per_call,

@@ -272,7 +272,7 @@ def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True) -> dict:
         result[name] = tbps(cell.kv_bytes, t["ms"])
         result[name + "_ms"] = t["ms"]
         result[name + "_host_ms"] = t["host_ms"]
-    from .. import kvcache
+    from ..ops import kvcache
     plans = [p for p in kvcache._PLANS._plans.values() if p.outputs[0] == tuple(q.shape)]
     if plans:
         result["splits"] = plans[-1].num_splits

@@ -4,7 +4,7 @@ half of that for causal: the papers' convention). Runs anywhere: no torch, no GP
 
 from __future__ import annotations
 
-from ..reference import dtype_name
+from ..verify.reference import dtype_name
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,

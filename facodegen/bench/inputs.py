@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..reference import check, compare
+from ..verify.reference import check, compare
 from .timing import _torch
 
 L2_BYTES_DEFAULT = 60 * 1024 * 1024
@@ -81,8 +81,8 @@ class InputSet:
 
 
 def quantized(s: InputSet) -> InputSet:
-    """The e4m3 (per-tensor scale) version of a bf16/fp16 input set (facodegen.quantize)."""
-    from ..quantize import quantize_e4m3
+    """The e4m3 (per-tensor scale) version of a bf16/fp16 input set (facodegen.ops.quantize)."""
+    from ..ops.quantize import quantize_e4m3
     (q8, qd), (k8, kd), (v8, vd) = (quantize_e4m3(x) for x in (s.q, s.k, s.v))
     return InputSet(q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd})
 
@@ -106,7 +106,7 @@ def _slice_check(o, s: InputSet, causal: bool, dtype: str) -> tuple[bool, str, f
 def _make_inputs(c: dict, n_sets: int) -> list[InputSet]:
     """Fresh randn inputs; fp8 cells quantise bf16 randn to e4m3 per tensor."""
     torch = _torch()
-    from ..reference import random_qkv
+    from ..verify.reference import random_qkv
     dtype = "bf16" if c["dtype"] == "fp8" else c["dtype"]
     sets = []
     for _ in range(n_sets):

@@ -62,7 +62,7 @@ def environment() -> dict:
     except Exception:  # noqa: BLE001
         pass
     try:
-        from ..compiler import nvrtc_identity
+        from ..runtime.compiler import nvrtc_identity
         env["nvrtc"] = nvrtc_identity()
     except Exception:  # noqa: BLE001
         pass

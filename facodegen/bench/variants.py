@@ -47,7 +47,7 @@ def _facodegen_operands(overrides: dict, s: InputSet):
     ``dtype=fp8`` variant on a bf16/fp16 cell quantises the inputs once (per tensor) and is checked
     against their dequantised values; a ``v_layout=transposed`` variant gets V^T made before timing
     (api.transpose_v), as a caller who keeps V^T across calls would have it."""
-    from .. import api
+    from ..ops import api
     overrides = dict(overrides)
     if overrides.pop("dtype", None) == "fp8" and not s.fp8:
         s = quantized(s)
@@ -56,12 +56,12 @@ def _facodegen_operands(overrides: dict, s: InputSet):
 
 
 def _facodegen_fn(arch: str, overrides: dict, s: InputSet, causal: bool):
-    """The prepared path: a zero-argument launcher through ``facodegen.api.prepare`` (argument
+    """The prepared path: a zero-argument launcher through ``facodegen.ops.api.prepare`` (argument
     checks, spec resolution and parameter packing done once, out and lse allocated once), so its
     time is the kernel's with the least host work. Returns (fn, context, variant, the input set
     to check against); tune and the scripts time kernels through it too."""
     torch = _torch()
-    from .. import api
+    from ..ops import api
     overrides, s, q, k, v = _facodegen_operands(overrides, s)
     out = torch.empty(q.shape, dtype=torch.bfloat16 if s.fp8 else q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)

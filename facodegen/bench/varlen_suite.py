@@ -308,7 +308,7 @@ def _inputs(c: dict) -> list[dict]:
 
 def _check_varlen(out, s: dict, c: dict) -> tuple[bool, str, float]:
     """The first and the last sequence, heads 0 and 1, against the float64 reference."""
-    from ..reference import check, compare
+    from ..verify.reference import check, compare
     from .inputs import reference_torch
     q, k, v = s["packed"]
     cu = cu_seqlens(c["lengths"])
@@ -338,7 +338,7 @@ def _impls(c: dict, sets: list[dict], peers=VARLEN_PEERS) -> tuple[dict, list[st
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
-    from .. import api
+    from ..ops import api
     from .peers import _fa3_module
 
     causal, n = c["causal"], len(sets)

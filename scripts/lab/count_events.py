@@ -4,7 +4,7 @@
     python3 scripts/lab.py count-events --cell 256,16384,1 --cell 256,16384,0 \
         --patch docs/experiments/fp8-vote-count.blocks [--variant k=v,...]
 
-Renders each cell's kernel as facodegen.api picks it (with --variant's spec overrides), applies the
+Renders each cell's kernel as facodegen.ops.api picks it (with --variant's spec overrides), applies the
 patch (scripts/lab.py trace-steps' format), which must define `__device__ unsigned long long
 fcg_count[4]` and bump its slots (e.g. one atomicAdd per warp and step: which way a vote went), runs
 the kernel once to load it, zeroes the counters, runs it once more and prints them with the share of
@@ -29,7 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import cupy
     import torch
-    from facodegen import api, bench, compiler, render
+    from facodegen.ops import api
+    from facodegen import bench
+    from facodegen.runtime import compiler
+    from facodegen.codegen import render
     from facodegen.bench.inputs import _make_inputs
     from facodegen.bench.variants import _facodegen_fn
     from sweep import parse_cell

@@ -5,7 +5,7 @@
     python3 scripts/lab.py diagnose --arch fp8                  # the e4m3 ladder (sm90)
     python3 scripts/lab.py diagnose --case 'dtype=fp8,head_dim=128,seqlen_q=1000,seqlen_k=1000,v_layout=transposed'
 
-fp8 cases (dtype=fp8) quantise randn bf16 inputs to e4m3 per tensor (facodegen.quantize) and compare
+fp8 cases (dtype=fp8) quantise randn bf16 inputs to e4m3 per tensor (facodegen.ops.quantize) and compare
 with the float64 reference of the same dequantised inputs (tolerance 3e-2); ``descale=head`` gives
 k and v per-(batch, kv head) descales, ``v_layout=transposed`` passes V^T (padded to 16 keys).
 
@@ -110,7 +110,7 @@ def run_one(fields: dict, shape: dict) -> dict:
         return run_one_fp8(fields, shape)
 
     import facodegen
-    from facodegen.reference import attention_reference
+    from facodegen.verify.reference import attention_reference
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[fields.pop("dtype", "bf16")]
     causal = fields.pop("causal", False)
@@ -168,8 +168,8 @@ def run_one_fp8(fields: dict, shape: dict) -> dict:
     import torch
 
     import facodegen
-    from facodegen.quantize import quantize_e4m3
-    from facodegen.reference import FP8_TOLERANCE, attention_reference_fp8
+    from facodegen.ops.quantize import quantize_e4m3
+    from facodegen.verify.reference import FP8_TOLERANCE, attention_reference_fp8
 
     fields.pop("dtype")
     causal = fields.pop("causal", False)

@@ -91,7 +91,10 @@ def git_patch_status(path: str, history: bool) -> str:
 
 
 def blocks_status(name: str, text: str, compile_it: bool) -> str:
-    from facodegen import api, bench, compiler, render
+    from facodegen.ops import api
+    from facodegen import bench
+    from facodegen.runtime import compiler
+    from facodegen.codegen import render
     from sweep import parse_cell
     from trace_steps import apply_patch
 

@@ -167,7 +167,7 @@ SMEM = (64 + 256) * 128 + 1024
 
 
 def compile_all(variants) -> dict:
-    from facodegen import compiler
+    from facodegen.runtime import compiler
     out = {}
     for v in variants:
         cubin, log = compiler._nvrtc_compile(source(v), f"probe_{name(v)}", compiler.NVRTC_OPTIONS("sm90"))

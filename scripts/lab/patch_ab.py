@@ -4,7 +4,7 @@
     python3 scripts/lab.py patch-ab --cell 256,8192,0 --cell 256,16384,1 --patch a.patch --patch b.patch \
         [--templates .old/templates] [--dtype fp8] [--variant k=v,...] [--peers fa3] [--groups 10] [--out DIR]
 
-Renders each cell's kernel as facodegen.api picks it (with --variant's spec overrides), applies each
+Renders each cell's kernel as facodegen.ops.api picks it (with --variant's spec overrides), applies each
 patch (scripts/lab.py trace-steps' format: blocks 'OLD\\n===\\nNEW' separated by lines '%%%') to the
 rendered source (--templates: renders it from another copy of templates/ instead, e.g. the base
 commit's: `git worktree add /tmp/base HEAD~1 && cp -r /tmp/base/templates .old/`, carried), and times
@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=10)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from facodegen import api, bench, compiler, render
+    from facodegen.ops import api
+    from facodegen import bench
+    from facodegen.runtime import compiler
+    from facodegen.codegen import render
     from facodegen.bench.inputs import _make_inputs, _slice_check
     from facodegen.bench.peers import _peer_fn
     from facodegen.bench.variants import _facodegen_fn

@@ -6,7 +6,7 @@ criterion with and without FlashAttention's rounding points in the same-precisio
 For a failing 16-bit case this separates a kernel bug from the algorithm's precision: if FA2
 (torch's flash backend, aten._scaled_dot_product_flash_attention: bottom-right causal, GQA by
 repetition) fails standard attention's bound on the same inputs too, and both pass once the
-reference has FlashAttention's rounding points (facodegen.flash_rounding), the error is the
+reference has FlashAttention's rounding points (facodegen.verify.flash_rounding), the error is the
 algorithm's. FA2 stands in for facodegen.attention inside fuzz.run_case, so inputs, layouts and
 references are the fuzz's own.
 """
@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from facodegen import fuzz  # noqa: E402
+from facodegen.verify import fuzz  # noqa: E402
 
 
 def fa2_attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, out=None, lse_out=None, **rest):

@@ -3,7 +3,7 @@
 
     python3 scripts/lab.py trace-steps --cell 256,16384,0 [--variant k=v,...] [--patch FILE] [--out DIR]
 
-Renders the cell's fp8 kernel (as facodegen.api would pick it), adds `%clock` reads to the copy it
+Renders the cell's fp8 kernel (as facodegen.ops.api would pick it), adds `%clock` reads to the copy it
 compiles (the generated kernel itself is untouched) and runs it on randn inputs. Per step of the
 steady loop, thread 0 of each consumer warpgroup of the first TRACE_CTAS CTAs records:
   start (loop top), k (its K tile arrived), vt (Q K^T issued and the V^T tile arrived: the issue
@@ -232,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import numpy as np
     import torch
-    from facodegen import api, bench, compiler, render
+    from facodegen.ops import api
+    from facodegen import bench
+    from facodegen.runtime import compiler
+    from facodegen.codegen import render
     from facodegen.bench.inputs import _make_inputs
     from facodegen.bench.variants import _facodegen_fn
     from sweep import parse_cell

@@ -78,7 +78,7 @@ SMEM = (64 + 256) * 128 + 1024
 
 
 def compile_all() -> dict:
-    from facodegen import compiler
+    from facodegen.runtime import compiler
     out = {}
     for dtype, (_, ns) in SHAPES.items():
         for n in ns:

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import facodegen  # noqa: E402
 import facodegen.torch as ftorch  # noqa: E402
-from facodegen.reference import check_lse  # noqa: E402
+from facodegen.verify.reference import check_lse  # noqa: E402
 
 F = torch.nn.functional
 

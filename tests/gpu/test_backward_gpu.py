@@ -18,15 +18,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from facodegen.compiler import gpu_available  # noqa: E402
-from facodegen.fuzz import fa3_bound  # noqa: E402
+from facodegen.runtime.compiler import gpu_available  # noqa: E402
+from facodegen.verify.fuzz import fa3_bound  # noqa: E402
 
 HAVE_GPU, GPU_WHY = gpu_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason=f"needs a CUDA GPU: {GPU_WHY}")]
 
 import facodegen  # noqa: E402
-from facodegen import api, backward  # noqa: E402
-from facodegen.backward_spec import BackwardSpec, default_backward_specs  # noqa: E402
+from facodegen.ops import api, backward  # noqa: E402
+from facodegen.spec.backward import BackwardSpec, default_backward_specs  # noqa: E402
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

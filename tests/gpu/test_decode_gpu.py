@@ -1,4 +1,4 @@
-"""attention_with_kvcache on a GPU against the float64 reference (facodegen.reference.kvcache_reference)
+"""attention_with_kvcache on a GPU against the float64 reference (facodegen.verify.reference.kvcache_reference)
 with FlashAttention-3's criterion: the largest error of O is at most twice that of a same-precision
 computation plus twice the dtype's rounding of the reference; the LSE within 1e-3 + 1e-4 |lse|; rows
 with no visible key exactly O = 0 and LSE = -inf. Outputs are NaN-poisoned before each call.
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import facodegen
-from facodegen import decode as dec
-from facodegen.fuzz import attention_torch, fa3_bound
-from facodegen.reference import kvcache_reference
+from facodegen.spec import decode as dec
+from facodegen.verify.fuzz import attention_torch, fa3_bound
+from facodegen.verify.reference import kvcache_reference
 
 torch = pytest.importorskip("torch")
 HAVE_GPU = torch.cuda.is_available()

@@ -13,8 +13,8 @@ import warnings
 
 import pytest
 
-from facodegen import api
-from facodegen.reference import attention_reference, check, check_lse
+from facodegen.ops import api
+from facodegen.verify.reference import attention_reference, check, check_lse
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")]

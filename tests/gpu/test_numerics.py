@@ -8,7 +8,7 @@ Then a few non-default specs, the zero-copy and stream semantics of the API, str
 outputs, determinism, and the argument errors.
 
 bf16 inputs come from torch (CuPy has no bfloat16), fp16 inputs from CuPy, so both adapters of
-facodegen.api are exercised. Kernels are compiled once per spec and reused (api caches them).
+facodegen.ops.api are exercised. Kernels are compiled once per spec and reused (api caches them).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import re
 import numpy as np
 import pytest
 
-from facodegen.reference import attention_reference, check, check_lse, random_qkv
+from facodegen.verify.reference import attention_reference, check, check_lse, random_qkv
 from facodegen.spec import KernelSpec, default_fp8_specs, default_specs
 
 
 def _gpu() -> tuple[bool, str]:
     try:
-        from facodegen.compiler import gpu_available
+        from facodegen.runtime.compiler import gpu_available
     except Exception:  # noqa: BLE001
         gpu_available = None
     if gpu_available is not None:
@@ -61,7 +61,7 @@ def arch_supported(arch: str) -> bool:
 
 
 def attention(*args, **kwargs):
-    from facodegen.api import attention as attn
+    from facodegen.ops.api import attention as attn
     return attn(*args, **kwargs)
 
 
@@ -123,7 +123,7 @@ def run_case(spec: KernelSpec, shape, scale=None, seed=None, lib=None, shape_k=N
     assert ok_o and ok_l, f"{where}: O {msg_o}; LSE {msg_l}"
     empty = np.isneginf(ref_lse)                 # rows with no visible key: O exactly 0
     if empty.any():
-        from facodegen.reference import to_float64
+        from facodegen.verify.reference import to_float64
         got = to_float64(out).transpose(0, 2, 1, 3)[empty]
         assert (got == 0).all(), f"{where}: rows with no visible key must be 0"
     return f"{where}: {msg_o}; {msg_l}"
@@ -253,7 +253,7 @@ def test_cluster_multicast_many_tiles_per_cta(head_dim, persistent):
     if not arch_supported("sm90"):
         pytest.skip(f"sm90 kernels do not run on compute capability {CC[0]}.{CC[1]}")
     spec = KernelSpec(arch="sm90", head_dim=head_dim, dtype="bf16", cluster_m=2, persistent=persistent)
-    from facodegen import api
+    from facodegen.ops import api
     resident = api._prepare(spec, 0).resident_ctas
     assert resident % 2 == 0 and 2 <= resident <= api.device_info(0).sms, resident
     # 256 tiles over <= 132 CTAs; 11 m-blocks (padded to 12) with a ragged last K/V block
@@ -331,7 +331,7 @@ def test_poly_exp2_matches_exp2():
     softmax feeds it: x <= 8 (lazy rescale's slack, fp8's offset) down to -126 within 1e-4, rounding
     boundaries included; below that under 2^-126 (a denormal the FTZ arithmetic reads as 0), and
     -inf (a masked score) exactly 0, so a row with no visible key keeps a zero sum."""
-    from facodegen.render import context, environment
+    from facodegen.codegen.render import context, environment
     spec = KernelSpec(arch=_native_arch())
     header = "".join(environment().get_template(name).render(**context(spec))
                      for name in ("common/types.cuh.j2", "common/ptx.cuh.j2"))
@@ -587,10 +587,10 @@ def _fp8_case(spec: KernelSpec, shape, descale_per_head: bool = False, seed: int
     """(kernel O, LSE, reference O, LSE, FA3's O or None) on randn bf16 quantised to e4m3;
     ``key_growth`` (seqlen_k factors) scales each key before quantising. ``poison_workspace``
     (stream_k): the split tiles' slots hold NaN before the launch, and every flag must be 0 after it."""
-    from facodegen.api import prepare, transpose_v
-    from facodegen.launch import stream_k_flags
-    from facodegen.quantize import quantize_e4m3
-    from facodegen.reference import attention_reference_fp8
+    from facodegen.ops.api import prepare, transpose_v
+    from facodegen.runtime.launch import stream_k_flags
+    from facodegen.ops.quantize import quantize_e4m3
+    from facodegen.verify.reference import attention_reference_fp8
     b, sq, sk, hq, hkv = shape
     d = spec.head_dim
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -646,7 +646,7 @@ def test_fp8_default_spec(spec):
 def _check_fp8_shapes(spec, seed0: int) -> None:
     """Every FP8_SHAPES case (the second with per-head descales): no NaN, O within FP8_TOLERANCE and
     1.1x FlashAttention-3's error where it runs, LSE close."""
-    from facodegen.reference import FP8_TOLERANCE
+    from facodegen.verify.reference import FP8_TOLERANCE
     for i, shape in enumerate(FP8_SHAPES):
         o, lse, o_ref, lse_ref, fa3 = _fp8_case(spec, shape, descale_per_head=(i == 1), seed=seed0 + i)
         assert not np.isnan(o).any(), (shape, "NaN in O")
@@ -694,7 +694,7 @@ def test_fp8_vt_in_place(head_dim, causal):
                                     dict(head_dim=64, l2_prefetch=4, v_layout="transposed")],
                          ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_fp8_non_default_spec(fields):
-    from facodegen.reference import FP8_TOLERANCE
+    from facodegen.verify.reference import FP8_TOLERANCE
     spec = KernelSpec(arch="sm90", dtype="fp8", **fields)
     o, _, o_ref, _, _ = _fp8_case(spec, (2, 1000, 1000, 4, 2), seed=7)
     assert not np.isnan(o).any() and _rel(o, o_ref) <= FP8_TOLERANCE
@@ -708,7 +708,7 @@ def test_fp8_many_tiles_per_cta(fields):
     """More tiles than CTAs (176-288 tiles on at most 132 CTAs), so the persistent CTAs go on past
     their first tile, through the counter (dynamic_scheduler, the default at head_dim 64/128) or the
     static order; odd lengths, a ragged last K/V block, GQA."""
-    from facodegen.reference import FP8_TOLERANCE
+    from facodegen.verify.reference import FP8_TOLERANCE
     spec = KernelSpec(arch="sm90", dtype="fp8", **fields)
     for shape in [(2, 2048, 512, 8, 4), (3, 1384, 777, 6, 2)]:
         o, _, o_ref, _, _ = _fp8_case(spec, shape, seed=11)
@@ -728,7 +728,7 @@ def test_fp8_stream_k(fields):
     back at 0, for the next launch. On 132 SMs: one to three waves, shares of one to two tiles,
     seqlen_k of 4 to 16 blocks and a ragged last one; GQA; one K/V block per tile (17 keys) cuts
     nothing."""
-    from facodegen.reference import FP8_TOLERANCE
+    from facodegen.verify.reference import FP8_TOLERANCE
     spec = KernelSpec(arch="sm90", dtype="fp8", dynamic_scheduler=False, stream_k=True, **fields)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for shape in [(2, 2048, 1000, 8, 4), (3, 1384, 777, 6, 2), (1, 4096, 1000, 9, 3), (1, 4096, 2000, 13, 13),
@@ -747,7 +747,7 @@ def _check_fp8_multi_tile(spec, seed: int) -> None:
     """Shapes of several tiles per CTA (stream-K's split tiles at head_dim 256 non-causal; empty
     causal tiles with 3000 queries over 1000 keys), O, LSE and the stream-K workspace poisoned with
     NaN: no NaN, O within FP8_TOLERANCE and 1.1x FlashAttention-3's error where it runs, LSE close."""
-    from facodegen.reference import FP8_TOLERANCE
+    from facodegen.verify.reference import FP8_TOLERANCE
     for shape in [(2, 2048, 1000, 8, 4), (1, 4096, 2000, 13, 13), (1, 3000, 1000, 16, 4)]:
         o, lse, o_ref, lse_ref, fa3 = _fp8_case(spec, shape, seed=seed, poison_workspace=True)
         err = _rel(o, o_ref)
@@ -797,7 +797,7 @@ def test_fp8_row_max_that_keeps_growing(fields):
     passes e4m3's 448 (no NaN, O within the fp8 bound, and within 1.1x FA3's error on the same inputs
     if FA3 is there). The exact step (head_dim 128's default) takes the new max every step; the lazy
     one (head_dim 256's default) each time it rises by more than 2^0.75."""
-    from facodegen.reference import FP8_TOLERANCE
+    from facodegen.verify.reference import FP8_TOLERANCE
     spec = KernelSpec(arch="sm90", dtype="fp8", **fields)
     s = 1000
     growth = 1.0 + 6.0 * (1.0 - torch.arange(s, device="cuda", dtype=torch.float32) / s)
@@ -813,7 +813,7 @@ def test_fp8_row_max_that_keeps_growing(fields):
 def test_fp8_q_in_regs_odd_shapes(shape):
     """q_in_regs frees the Q buffer per warp once its rows are in registers, also in tiles with no
     visible key (causal, 1000 queries over 300 keys) and with a partial Q tile (17, 1)."""
-    from facodegen.reference import FP8_TOLERANCE
+    from facodegen.verify.reference import FP8_TOLERANCE
     spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=128, causal=True, block_n=128, q_in_regs=True)
     o, lse, o_ref, lse_ref, _ = _fp8_case(spec, shape, seed=11)
     assert not np.isnan(o).any() and _rel(o, o_ref) <= FP8_TOLERANCE, (shape, _rel(o, o_ref))
@@ -849,7 +849,7 @@ def test_tune_checks_and_times_a_few_candidates(arch, dtype):
     if not arch_supported(arch):
         pytest.skip(f"{arch} kernels need a newer GPU than compute capability {CC}")
     from facodegen import bench
-    from facodegen import tune as T
+    from facodegen.tuning import tune as T
     cands = T.enumerate_candidates(arch, 64, dtype, causal=True, max_candidates=3)
     T.compile_candidates(cands, jobs=1, sm=None)
     c = bench.cell(64, True, 333, 2, 4, dtype)

@@ -3,7 +3,7 @@
 Each case runs facodegen.attention on torch tensors with O and LSE poisoned with NaN (an element
 the kernel never writes fails), on both archs where the GPU runs them, and checks O with
 FlashAttention-3's criterion (the error against float64 at most twice a same-precision
-computation's plus twice the dtype's rounding of the reference, as facodegen.fuzz does) and the
+computation's plus twice the dtype's rounding of the reference, as facodegen.verify.fuzz does) and the
 LSE within 1e-3 + 1e-4 |lse|, -inf exactly where the reference has it. The cases cover windows of 0,
 1 and past the sequence, seqlen_q != seqlen_k both ways (rows that see no key: O = 0, LSE = -inf,
 or the sink with sinks), GQA/MQA, odd lengths, a single query row, top-left alignment, and head
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from facodegen import fuzz
+from facodegen.verify import fuzz
 
 torch = pytest.importorskip("torch")
 HAVE_GPU = torch.cuda.is_available()
@@ -96,7 +96,7 @@ def test_window_values_change_per_call_without_a_new_kernel(arch):
     """The same kernel (the plan's spec) for windows 16 and 300, each call right."""
     if arch == "sm90" and CC != (9, 0):
         pytest.skip("sm90 needs compute capability 9.0")
-    from facodegen import api
+    from facodegen.ops import api
     before = set(api._PLANS._plans)
     for window in ((16, 0), (300, 0), (16, 0)):
         _check(arch, "bf16", (128, 700, 700, 4, 2, True, window, 0.0, False, False))

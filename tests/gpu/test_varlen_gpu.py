@@ -1,9 +1,9 @@
-"""attention_varlen on a GPU, against the float64 varlen reference (facodegen.reference.varlen_reference).
+"""attention_varlen on a GPU, against the float64 varlen reference (facodegen.verify.reference.varlen_reference).
 
 Packed sequences with odd lengths (1, 17, 1000), empty ones (no queries, or queries with no key),
 GQA/MQA, causal or not, fp16 and bf16, head dims 64/128/256, a strided token axis; O and the LSE
 are poisoned with NaN first (an element the kernel never writes fails). O per sequence by
-FlashAttention-3's criterion (facodegen.fuzz.fa3_bound: twice a same-precision computation's error
+FlashAttention-3's criterion (facodegen.verify.fuzz.fa3_bound: twice a same-precision computation's error
 plus twice the dtype's rounding of the reference); the LSE (heads_q, total_q) within 1e-3 + 1e-4
 |lse|, -inf exactly where the reference has it. Then the fuzz family's representative cases, and a
 second call with other boundaries (a plan-cache hit) against the reference again.
@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import facodegen
-from facodegen import fuzz, varlen
-from facodegen.reference import varlen_reference
+from facodegen.verify import fuzz
+from facodegen.ops import varlen
+from facodegen.verify.reference import varlen_reference
 
 torch = pytest.importorskip("torch")
 HAVE_GPU = torch.cuda.is_available()

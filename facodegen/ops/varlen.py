@@ -21,12 +21,12 @@ import functools
 import numbers
 import sys
 
-from . import api, tunedb
+from . import api
+from ..tuning import tunedb
 from .api import (ARRAY_META, ARRAY_PTR, DTYPE_NAMES, _allocate, _check_inputs, _check_out, _check_same_place,
-                  _check_scale, _current_device, _current_stream, _empty, _kind, _torch, _View, _view,
-                  resolve_spec)
-from .launch import Varlen, grid, pack_params
-from .plan import LaunchPlan, PlanCache
+                  _check_scale, _current_device, _current_stream, _empty, _kind, _torch, _View, _view, resolve_spec)
+from ..runtime.launch import Varlen, grid, pack_params
+from ..runtime.plan import LaunchPlan, PlanCache
 
 VARLEN_ARCH = "sm80"    # the varlen kernel is the sm80 forward's (compiled for sm_90 on H100/H200)
 

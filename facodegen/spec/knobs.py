@@ -7,7 +7,7 @@ the fields they give, the variant name (`variant`: each knob's token, in registr
 `facodegen emit` line of a generated file (render.emit_command: the problem and its tile, then the
 knobs a shorter line would not reproduce, spelt by their flags), the tuner's search space
 (tune.SEARCH_SPACE), the knobs a tuning-database entry may set, and the knob table of
-docs/knobs.md (`python -m facodegen.knobs`, kept equal to the registry by a test).
+docs/knobs.md (`python -m facodegen.spec.knobs`, kept equal to the registry by a test).
 
 Adding a knob: one entry here (where its token belongs in the name), the KernelSpec field with its
 default rule in spec.py, and the template that reads it.

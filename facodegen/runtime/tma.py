@@ -141,7 +141,7 @@ _ENCODE = None
 
 
 def libcuda() -> ctypes.CDLL:
-    """libcuda.so.1 (facodegen.driver loads it and runs cuInit once)."""
+    """libcuda.so.1 (facodegen.runtime.driver loads it and runs cuInit once)."""
     from .driver import lib
     return lib()
 

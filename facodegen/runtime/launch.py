@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from . import params as params_mod
-from .spec import KernelSpec
+from ..spec import KernelSpec
 
 LOG2E = math.log2(math.e)
 

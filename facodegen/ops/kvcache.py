@@ -24,27 +24,12 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from . import decode as dec
-from . import driver
-from .api import (
-    ALIGN_BYTES,
-    ARRAY_META,
-    ARRAY_PTR,
-    DTYPE_NAMES,
-    _allocate,
-    _check_arch,
-    _check_same_place,
-    _current_device,
-    _current_stream,
-    _empty,
-    _torch,
-    _View,
-    _view,
-    default_arch,
-    device_info,
-    device_target,
-)
-from .plan import PlanCache, Scratch, StreamScratch, _Image
+from ..spec import decode as dec
+from ..runtime import driver
+from .api import (ALIGN_BYTES, ARRAY_META, ARRAY_PTR, DTYPE_NAMES, _allocate, _check_arch, _check_same_place,
+                  _current_device, _current_stream, _empty, _torch, _View, _view, default_arch, device_info,
+                  device_target)
+from ..runtime.plan import PlanCache, Scratch, StreamScratch, _Image
 
 # Knobs a caller may pass (**knobs): the decode spec's tuning knobs.
 CALL_KNOBS = ("block_m", "block_n", "num_warps", "stages", "pack_gqa")
@@ -440,14 +425,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     device sync per call; ValueError naming cache_seqlens or page_table: see check_values).
 
     On torch tensors under ``torch.compile``/``torch.export`` the call goes through the
-    ``facodegen::attention_with_kvcache`` custom op (``_out`` with ``out=``; facodegen.torch_op),
+    ``facodegen::attention_with_kvcache`` custom op (``_out`` with ``out=``; facodegen.ops.torch_op),
     which marks k_cache and v_cache mutated. There is no backward: a call on tensors that require
     grad (with grad enabled) raises NotImplementedError.
     """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(q, torch.Tensor) and (torch.compiler.is_compiling() or (
             torch.is_grad_enabled() and _requires_grad(q, k_cache, v_cache, k, v))):
-        from . import torch_op      # (lazily: a CuPy caller never imports torch)
+        from . import torch_op
         return torch_op.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=page_table, k=k, v=v,
                                                causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                                                return_lse=return_lse, out=out, arch=arch, check_inputs=check_inputs,
@@ -577,7 +562,7 @@ def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, sof
 def _smem_per_sm(info) -> int:
     """Shared memory of one SM (the budget model's; an A100-class GPU without one: its per-block
     opt-in plus the 1 KB reserved, i.e. one decode CTA of ~100 KB per SM)."""
-    from .spec import GPUS
+    from ..spec import GPUS
 
     limits = GPUS.get(info.budget_gpu)
     return (limits.smem_per_sm if limits and limits.smem_per_sm else

@@ -22,12 +22,13 @@ import struct
 import sys
 import threading
 
-from . import __version__, driver
-from . import compiler as compile_mod
-from .backward_spec import BACKWARD_KNOBS, DEFAULT_GPU, BackwardSpec
-from .params import Field, pack_fields, place, stride_fields
-from .plan import PlanCache, _Image
-from .spec import SpecError
+from .. import __version__
+from ..runtime import driver
+from ..runtime import compiler as compile_mod
+from ..spec.backward import BACKWARD_KNOBS, DEFAULT_GPU, BackwardSpec
+from ..runtime.params import Field, pack_fields, place, stride_fields
+from ..runtime.plan import PlanCache, _Image
+from ..spec import SpecError
 
 # ------------------------------------------------------------------ the kernel argument
 
@@ -89,7 +90,7 @@ def emit_command(spec: BackwardSpec) -> str:
 
 def emit(spec: BackwardSpec) -> str:
     """The CUDA source of the spec's three kernels: byte-identical for equal specs."""
-    from .render import render_template
+    from ..codegen.render import render_template
 
     placed, size, align = layout()
     return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(

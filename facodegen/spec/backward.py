@@ -1,5 +1,5 @@
 """The backward kernel family's spec: ``BackwardSpec`` (problem + knobs), its knob registry, default
-tiles and budget model. Rendering, compiling and launching it live in facodegen/backward.py.
+tiles and budget model. Rendering, compiling and launching it live in facodegen/ops/backward.py.
 
 The sm80 backward is FlashAttention-2's algorithm (templates/sm80/flash_bwd.cu.j2): one CTA per
 (key block of block_n keys, kv head, batch) holding K, V in shared memory and dK, dV in
@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .knobs import HEAD_DIMS, Knob
-from .spec import GPUS, SpecError
+from . import GPUS, SpecError
 
 BACKWARD_ARCHS = ("sm80",)
 BACKWARD_DTYPES = ("fp16", "bf16")

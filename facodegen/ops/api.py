@@ -13,13 +13,14 @@ import math
 import sys
 from dataclasses import dataclass
 
-from . import compiler as compile_mod
-from . import driver, tunedb
-from .launch import (Operand, Variants, grid, pack_params, resident_ctas, stream_k_flags, stream_k_workspace_floats,
-                     workspace_floats)
-from .plan import LaunchPlan, PlanCache
-from .tma import map_operands
-from .spec import HEAD_DIMS, SEQLEN_RULE_FIELDS, KernelSpec, SpecError, seqlen_rule_fields
+from ..runtime import compiler as compile_mod
+from ..runtime import driver
+from ..tuning import tunedb
+from ..runtime.launch import (Operand, Variants, grid, pack_params, resident_ctas, stream_k_flags,
+                              stream_k_workspace_floats, workspace_floats)
+from ..runtime.plan import LaunchPlan, PlanCache
+from ..runtime.tma import map_operands
+from ..spec import HEAD_DIMS, SEQLEN_RULE_FIELDS, KernelSpec, SpecError, seqlen_rule_fields
 
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
 # dtype=fp8 (sm90): e4m3 inputs (torch.float8_e4m3fn); other float8 flavours are refused by name.
@@ -235,7 +236,7 @@ def resolve_spec(head_dim: int, dtype: str, causal: bool, device: int, arch: str
                  *, shape: tuple[int, int, int, int] | None = None, **spec_fields) -> KernelSpec:
     """The spec a call will run: arch and GPU budget from the device, the rest from the tuning
     database's entry for this device and ``shape`` = (batch, seqlen_q, seqlen_k, heads_q) where
-    there is one (facodegen.tunedb), else from the defaults and the measured sequence-length
+    there is one (facodegen.tuning.tunedb), else from the defaults and the measured sequence-length
     table of spec.seqlen_rule_fields. Fields the caller gives always win;
     a tuned entry that does not combine with them into a valid spec is not used."""
     info = device_info(device)
@@ -270,7 +271,7 @@ def spec_for_shape(arch: str, head_dim: int, dtype: str, causal: bool, shape: tu
 def _tuned_fields(info: DeviceInfo, arch: str, head_dim: int, dtype: str, causal: bool, shape) -> dict | None:
     """Spec fields of the tuning database's entry for this call, or None (one stat per call while
     the database file is unchanged; any problem with it means defaults)."""
-    from . import tunedb
+    from ..tuning import tunedb
     try:
         batch, seqlen_q, seqlen_k, heads_q = shape
         key = tunedb.make_key(info.name, info.compute_capability, compile_mod.nvrtc_identity(), arch, head_dim,
@@ -287,7 +288,7 @@ def check_fp8_inputs(q: _View, k: _View, v: _View, v_layout: str) -> None:
     for t in (q, k, v):
         if t.dtype not in FP8_NAMES:
             raise TypeError(f"{t.name} has dtype {t.dtype}; dtype=fp8 takes float8_e4m3fn (e4m3) q, k and v "
-                            f"(quantise bf16/fp16 with facodegen.quantize.quantize_e4m3)")
+                            f"(quantise bf16/fp16 with facodegen.ops.quantize.quantize_e4m3)")
         if len(t.shape) != 4:
             raise ValueError(f"{t.name} must be 4-D, got shape {t.shape}")
     _check_same_place(q, (k, v))
@@ -598,7 +599,7 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
 def _fp8_descales(qv: _View, values, batch: int, heads_kv: int) -> tuple[dict, tuple, tuple]:
     """The q, k, v descales of an fp8 call: ({name: launch.Descale}, the arrays they point into,
     the unit descales' addresses where one was left out, else 0). Raises naming the argument."""
-    from .launch import Descale
+    from ..runtime.launch import Descale
     descales, keep, unit_ptrs = {}, [], []
     for name, value in zip(("q", "k", "v"), values):
         arg = f"{name}_descale"
@@ -702,7 +703,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     calls with the same key look the plan up and launch (a few microseconds of host time).
 
     On torch tensors under ``torch.compile``/``torch.export``, or with tensors that require grad,
-    the call goes through the ``facodegen::attention`` custom op (facodegen.torch_op), whose
+    the call goes through the ``facodegen::attention`` custom op (facodegen.ops.torch_op), whose
     backward runs the generated backward kernels (facodegen.attention_backward) on the saved O and
     LSE. fp8 inputs and out=/lse_out= have no backward: a call that would record a gradient raises.
 
@@ -710,7 +711,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     device tensors, each a scalar or (batch, heads_kv) (default 1); the scores are
     (q*q_descale)(k*k_descale)^T and V is v*v_descale. ``out_dtype="bf16"`` (default) or "fp16";
     ``v_layout="transposed"`` takes V^T (batch, heads_kv, head_dim, seqlen_k), keys contiguous, head_dim
-    stride a multiple of 16 (see facodegen.quantize for bf16 -> e4m3).
+    stride a multiple of 16 (see facodegen.ops.quantize for bf16 -> e4m3).
 
     Attention variants (bf16/fp16, sm80 and sm90; a kernel is compiled per feature, the values are
     run-time arguments):

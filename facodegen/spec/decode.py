@@ -23,8 +23,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from .knobs import Knob
-from .params import Field, pack_fields, place, stride_fields
-from .spec import SpecError
+from ..runtime.params import Field, pack_fields, place, stride_fields
+from . import SpecError
 
 DECODE_ARCHS = ("sm80", "sm90")
 DECODE_DTYPES = ("fp16", "bf16")
@@ -448,8 +448,8 @@ def emit_command(spec) -> str:
 
 def render(spec) -> str:
     """The CUDA source of a decode, combine or append kernel (byte-identical for equal specs)."""
-    from . import __version__
-    from .render import render_template
+    from .. import __version__
+    from ..codegen.render import render_template
 
     placed, size, align = layout(spec.kernel)
     context = {
@@ -464,7 +464,7 @@ def render(spec) -> str:
 def compile_spec(spec, sm: str | None = None):
     """Render and NVRTC-compile (cached on disk by source): sm80 -> sm_80 (or ``sm``, the device's
     target), sm90 -> sm_90a."""
-    from .compiler import compile_source
+    from ..runtime.compiler import compile_source
 
     arch = spec.arch
     if spec.kernel != "decode" and sm is None:

@@ -11,7 +11,7 @@ The criterion (FlashAttention-3's tests/test_flash_attn.py): the largest error o
 float64 reference is at most twice the largest error of a same-precision computation (scores,
 probabilities and P V rounded to the input dtype) plus a noise floor, twice the dtype's rounding
 of the reference; the LSE within 1e-3 + 1e-4 |lse|. The same-precision error is the larger of
-standard attention's and FlashAttention's own rounding points' (facodegen.flash_rounding: P
+standard attention's and FlashAttention's own rounding points' (facodegen.verify.flash_rounding: P
 rounded before it is normalised), which differ where a row is one-hot: standard attention is then
 exact, and no FlashAttention (FA2, FA3, these kernels) is (the H200 fuzz of 2026-12-03 found 12
 such fp16 cases in 10,000, all with logits in the thousands). fp8 (e4m3 inputs, P rounded to e4m3) is held to
@@ -37,7 +37,7 @@ import random
 from dataclasses import asdict, dataclass
 
 from .flash_rounding import attention_backward_flash_rounding, attention_flash_rounding
-from .spec import HEAD_DIMS
+from ..spec import HEAD_DIMS
 
 FAMILIES = ("forward", "variants", "backward", "kvcache", "varlen")
 KVCACHE_PAGE_SIZES = (0, 0, 16, 64, 256)   # 0: contiguous
@@ -175,7 +175,7 @@ def attention_torch(q, k, v, causal: bool, softmax_scale: float, upcast: bool, *
     GQA by repetition. ``upcast``: in float64; else FlashAttention-3's same-precision reference
     (scores and P V in the inputs' dtype, softmax in float32). The variants as facodegen.attention
     takes them (window_size, softcap, sinks (heads_q,) whose logits join the denominator and the
-    LSE, top_left alignment); see facodegen.reference.attention_reference."""
+    LSE, top_left alignment); see facodegen.verify.reference.attention_reference."""
     import torch
     group = q.shape[2] // k.shape[2]
     k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
@@ -306,7 +306,7 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
 def fa3_bound(ref, lows, dtype) -> float:
     """FlashAttention-3's bound on the largest error of a result against the float64 ``ref``: twice
     the largest error of the same-precision computations ``lows`` (one tensor or several: standard
-    attention in the dtype, and FlashAttention's own rounding points, facodegen.flash_rounding) plus
+    attention in the dtype, and FlashAttention's own rounding points, facodegen.verify.flash_rounding) plus
     twice the rounding of ``ref`` to ``dtype`` (the noise floor)."""
     floor = ((ref.to(dtype) + 0.3 - 0.3).double() - ref).abs().max().item()
     lows = (lows,) if hasattr(lows, "shape") else lows
@@ -358,7 +358,7 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
 def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     """attention_with_kvcache (the generated decode/combine/append kernels) on a cache of capacity
     seqlen_k, contiguous or paged with shuffled pages, each sequence's length random (0 included),
-    seqlen_new tokens appended first, against facodegen.reference.kvcache_reference: O per sequence
+    seqlen_new tokens appended first, against facodegen.verify.reference.kvcache_reference: O per sequence
     by FlashAttention-3's criterion, the LSE, -inf rows, the caches after the append."""
     import numpy as np
     import torch
@@ -501,9 +501,9 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
 def case_specs(case: Case, device: int = 0) -> list:
     """Every kernel spec ``case`` launches on ``device``, as the calls resolve them: the forward's
     (backward cases: and the backward's), or the decode family's decode, combine and append."""
-    from . import api
+    from ..ops import api
     if case.family == "kvcache":
-        from . import kvcache
+        from ..ops import kvcache
         info = api.device_info(device)
         paged = case.page_size > 0
         problem = kvcache._Problem(case.batch, case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim, case.dtype,
@@ -513,7 +513,7 @@ def case_specs(case: Case, device: int = 0) -> list:
         return list(specs.values())
     forward = case_spec(case, device)
     if case.family == "backward":
-        from . import backward
+        from ..ops import backward
         return [forward, backward.choose(case.head_dim, case.dtype, case.causal, api.device_info(device), {})]
     return [forward]
 
@@ -521,7 +521,7 @@ def case_specs(case: Case, device: int = 0) -> list:
 def case_spec(case: Case, device: int = 0):
     """The forward spec ``facodegen.attention`` picks for ``case`` on ``device`` (its tuning database
     and sequence-length rules included), as the call would resolve it."""
-    from . import api
+    from ..ops import api
     if case.family == "kvcache":
         raise ValueError("a kvcache case launches no forward kernel (case_specs lists its kernels)")
     fields = {"out_dtype": "bf16", "v_layout": "row"} if case.dtype == "fp8" else {}
@@ -538,9 +538,9 @@ def case_spec(case: Case, device: int = 0):
 
 def _compile_one(spec):
     """Compile any family's spec for device 0 (its module's compile_for_device); its spilled bytes."""
-    from . import api, backward, kvcache
-    from .backward_spec import BackwardSpec
-    from .spec import KernelSpec
+    from ..ops import api, backward, kvcache
+    from ..spec.backward import BackwardSpec
+    from ..spec import KernelSpec
     if isinstance(spec, KernelSpec):
         kernel = api.compile_for_device(spec)
     elif isinstance(spec, BackwardSpec):
@@ -704,7 +704,7 @@ def representative_cases() -> list[Case]:
     return cases
 
 
-if __name__ == "__main__":  # python -m facodegen.fuzz [--launch-only] CASE_JSON ... (the sanitizer sweep's child)
+if __name__ == "__main__":  # python -m facodegen.verify.fuzz [--launch-only] CASE_JSON ... (the sanitizer sweep's child)
     import sys
 
     launch_only = "--launch-only" in sys.argv[1:]

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import jinja2
 
-from . import __version__
-from .params import TENSOR_MAP_ALIGN, has_variants, spec_layout
-from .spec import KernelSpec
+from .. import __version__
+from ..runtime.params import TENSOR_MAP_ALIGN, has_variants, spec_layout
+from ..spec import KernelSpec
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]     # facodegen/
 
 
 def template_dir() -> Path:
@@ -51,8 +51,8 @@ def emit_command(spec: KernelSpec, runtime: dict | None = None) -> str:
     ``runtime``: the run-time values the command line gave (window_left, window_right, softcap):
     they stand in for --local / --softcap, as --window-left L --window-right R / --softcap C."""
     runtime = runtime or {}
-    from .knobs import KNOBS
-    from .spec import SpecError
+    from ..spec.knobs import KNOBS
+    from ..spec import SpecError
 
     mine = [k for k in KNOBS if spec.arch in k.archs]
     given = {k.name: getattr(spec, k.name) for k in mine if k.name in _EMIT_ALWAYS or k.name == "schedule"}

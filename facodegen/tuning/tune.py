@@ -23,7 +23,7 @@ Pipeline (each stage records why a candidate was dropped, in ``Candidate.dropped
    in the same run, so a stored config is never slower than the default it replaces; when the
    default wins, the default is stored (the database then says "tuned: the default is best").
 
-The winner goes into the tuning database (:mod:`facodegen.tunedb`), which
+The winner goes into the tuning database (:mod:`facodegen.tuning.tunedb`), which
 ``facodegen.attention()`` reads.
 """
 
@@ -35,10 +35,10 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from . import knobs
-from .spec import DEFAULT_GPU, KernelSpec, SpecError, seqlen_rule_fields
+from ..spec import knobs
+from ..spec import DEFAULT_GPU, KernelSpec, SpecError, seqlen_rule_fields
 
-# The knobs searched per arch and their values: the registry's ``search`` (facodegen/knobs.py says
+# The knobs searched per arch and their values: the registry's ``search`` (facodegen/spec/knobs.py says
 # why those values). Fields not listed keep the spec's defaults (sm90: producer/consumer registers
 # follow consumer_warpgroups; sm80: schedule fa2). cluster_m is not searched: two-CTA multicast
 # measured slower in every cell (spec.py) and would double the space again.
@@ -244,7 +244,7 @@ def enumerate_candidates(arch: str, head_dim: int, dtype: str, causal: bool, gpu
 def compile_worker(spec_fields: dict, sm: str | None) -> dict:
     """Compile one spec (runs in a worker process); what ptxas said about it, no cubin (the parent
     reads the cubin from the disk cache when it launches)."""
-    from . import compiler
+    from ..runtime import compiler
 
     t0 = time.perf_counter()
     try:
@@ -328,9 +328,9 @@ def time_candidates(cands: list[Candidate], c: dict, arch: str, *, timing: dict 
                     on_done=None, final_top: int = FINAL_TOP, final_reps: int = FINAL_REPS, log=None) -> None:
     """Check and time every live candidate on one input set, then the final round (module
     docstring). Times land in ``Candidate.times_ms``."""
-    from .bench.inputs import _make_inputs, _slice_check
-    from .bench.timing import _torch, time_cuda
-    from .bench.variants import _facodegen_fn
+    from ..bench.inputs import _make_inputs, _slice_check
+    from ..bench.timing import _torch, time_cuda
+    from ..bench.variants import _facodegen_fn
 
     torch = _torch()
     timing = timing or {}
@@ -447,7 +447,7 @@ def format_results(cands: list[Candidate], flops: float, top: int = 10, winner: 
     round (the default and the contenders timed again beside it, which alone decide the winner), by
     median time, then the candidates timed once in the screening round ("screen only": a single
     time is noisier, so one of these can show above the default without having beaten it)."""
-    from .bench.grids import tflops
+    from ..bench.grids import tflops
 
     def final_round(c: Candidate) -> bool:
         return c.is_default or len(c.times_ms) > 1
@@ -487,7 +487,7 @@ def report(cands: list[Candidate]) -> list[dict]:
 def device_key(info, arch: str, head_dim: int, dtype: str, causal: bool, c: dict):
     """The tuning-database key of this device and problem (``info`` is api.DeviceInfo)."""
     from . import tunedb
-    from .compiler import nvrtc_identity
+    from ..runtime.compiler import nvrtc_identity
 
     return tunedb.make_key(info.name, info.compute_capability, nvrtc_identity(), arch, head_dim, dtype, causal,
                            c["seqlen_q"], c["seqlen_k"], c["batch"], c["heads_q"])
@@ -495,7 +495,7 @@ def device_key(info, arch: str, head_dim: int, dtype: str, causal: bool, c: dict
 
 def make_db_entry(key, winner: Candidate, default: Candidate | None, flops: float, c: dict, cands) -> dict:
     from . import tunedb
-    from .bench.grids import tflops
+    from ..bench.grids import tflops
 
     info = {
         "variant": winner.spec.variant, "is_default": winner.is_default,

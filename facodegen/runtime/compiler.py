@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from . import __version__
+from .. import __version__
 from .files import atomic_write
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +407,7 @@ def _check(status: int, what: str) -> None:
 # Cache
 # ---------------------------------------------------------------------------------------------
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]     # facodegen/
 
 
 def cache_dir() -> Path:
@@ -562,7 +562,7 @@ def _compile_now(source: str, arch: str, name: str, options: tuple, key: str, ve
 
 
 def compile(spec, *, verbose: bool | None = None, sm: str | None = None) -> CompiledKernel:  # noqa: A001
-    """Render ``spec`` (facodegen.render.emit) and compile it; the kernel symbol is spec.variant.
+    """Render ``spec`` (facodegen.codegen.render.emit) and compile it; the kernel symbol is spec.variant.
     ``sm`` picks another real target for sm80 code (see :func:`target`).
 
     A spec compiled before (by any process) is found through the spec index without rendering
@@ -573,7 +573,7 @@ def compile(spec, *, verbose: bool | None = None, sm: str | None = None) -> Comp
     hit = _spec_memo.get((spec, sm))
     if hit is not None:
         return hit
-    from .render import emit, emit_command
+    from ..codegen.render import emit, emit_command
 
     options = NVRTC_OPTIONS(spec.arch, sm)
     index = cache_dir() / "index" / f"{spec.variant}-{_spec_index_key(spec, options)[:16]}.json"
@@ -610,7 +610,7 @@ def _from_index(index: Path, spec, options: tuple) -> CompiledKernel | None:
 _templates_digest = None
 # The Python that turns a spec into source (with the templates): a change to any of them may
 # change a kernel without touching a template, so the spec index keys on their bytes too.
-_RENDERING_MODULES = ("render.py", "params.py", "spec.py", "knobs.py")
+_RENDERING_MODULES = ("codegen/render.py", "runtime/params.py", "spec/__init__.py", "spec/knobs.py")
 
 
 def _spec_index_key(spec, options: Sequence[str]) -> str:
@@ -619,7 +619,7 @@ def _spec_index_key(spec, options: Sequence[str]) -> str:
     versions."""
     global _templates_digest
     if _templates_digest is None:
-        from .render import template_dir
+        from ..codegen.render import template_dir
         h = hashlib.sha256()
         root = template_dir()
         files = [(str(p.relative_to(root)), p) for p in sorted(root.rglob("*.j2"))]

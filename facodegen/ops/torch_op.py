@@ -23,12 +23,12 @@ fake implementation that computes every output's shape from the inputs alone.
 Autograd: ``facodegen::attention`` has a backward (torch.library.register_autograd) that runs
     torch.ops.facodegen.attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, arch,
                                            knobs) -> (dq, dk, dv)
-(the generated backward kernels, facodegen/backward.py) on the forward's saved O and LSE; the LSE
+(the generated backward kernels, facodegen/ops/backward.py) on the forward's saved O and LSE; the LSE
 output is marked non-differentiable (no gradient flows back through it, as in FlashAttention).
 fp8 inputs and the mutating ``attention_out`` (out=/lse_out=) have no backward: a call that would
 record a gradient raises at the forward rather than returning an output with no grad_fn.
 
-``facodegen.attention_with_kvcache`` (facodegen/kvcache.py) calls the kvcache ops on torch tensors
+``facodegen.attention_with_kvcache`` (facodegen/ops/kvcache.py) calls the kvcache ops on torch tensors
 while Dynamo traces it; an eager call launches from its plan. Both ops mark k_cache and v_cache
 mutated (the append writes the new k, v into them in place, as flash_attn_with_kvcache does), so
 torch.compile functionalizes the write and orders later reads of the caches after it. They have no

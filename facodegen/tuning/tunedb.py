@@ -32,7 +32,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .files import atomic_write
+from ..runtime.files import atomic_write
 
 FORMAT = "facodegen-tunedb"
 VERSION = 1
@@ -111,7 +111,7 @@ def default_path() -> Path | None:
     if env is not None and env.strip():
         path = None if env.strip().lower() in _OFF else Path(env).expanduser()
     else:
-        from .compiler import cache_dir
+        from ..runtime.compiler import cache_dir
         path = cache_dir() / "tuned.json"
     _path_memo[state] = path
     return path
@@ -178,9 +178,9 @@ def entry_problem(key: TuneKey, spec_fields: dict) -> str | None:
     """Why an entry's spec fields cannot be used for its key (None if they can): a field that is
     not a tuning knob, a value of the wrong type or outside the budget model, named as
     KernelSpec names it."""
-    from .driver import DeviceInfo
-    from .knobs import KNOBS
-    from .spec import KernelSpec, SpecError
+    from ..runtime.driver import DeviceInfo
+    from ..spec.knobs import KNOBS
+    from ..spec import KernelSpec, SpecError
 
     m = _FAMILY.match(key.family)
     if m is None:
@@ -292,7 +292,7 @@ def lookup(key: TuneKey, path=None) -> dict | None:
 def make_entry(key: TuneKey, spec_fields: dict, **info) -> dict:
     """An entry: the key, the spec fields to apply (family and gpu fields left out), and what was
     measured (``info``: variant, tflops, ms, default_variant, default_tflops, shape, ...)."""
-    from . import __version__
+    from .. import __version__
     entry = {"key": key.as_dict(), "spec": {k: v for k, v in spec_fields.items() if k not in NOT_STORED}}
     entry.update(info)
     entry.setdefault("tuned_at", time.strftime("%Y-%m-%dT%H:%M:%S%z"))

@@ -523,7 +523,7 @@ def dequantize_fp8(x, descale=1.0, heads_kv: int | None = None, v_layout: str = 
     ``x``: torch float8_e4m3fn tensor, NumPy uint8 bytes (decoded as e4m3) or float array of e4m3
     values. ``v_layout="transposed"``: x is V^T (batch, heads_kv, d, seqlen_k) and comes back as V.
     Per-(batch, kv head) descales apply to q head h as kv head h // (heads / heads_kv)."""
-    from .quantize import e4m3_decode
+    from ..ops.quantize import e4m3_decode
     if isinstance(x, np.ndarray) and x.dtype == np.uint8:
         values = e4m3_decode(x)
     else:

@@ -46,8 +46,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from . import knobs as knob_registry
-from .knobs import ARCHS, DTYPES, FA1_CHOICES, FA1_SWITCHES, GPU_NAMES, HEAD_DIMS, INT_FIELDS, OUT_DTYPES, SCHEDULES, \
-    TEXT_FIELDS, V_LAYOUTS, VARIANT_FEATURES
+from .knobs import (ARCHS, DTYPES, FA1_CHOICES, FA1_SWITCHES, GPU_NAMES, HEAD_DIMS, INT_FIELDS, OUT_DTYPES,
+                    SCHEDULES, TEXT_FIELDS, V_LAYOUTS, VARIANT_FEATURES)
 
 # The 16-bit input types every arch supports (and the shipped default_specs() cover); "fp8" is
 # e4m3 on sm90 only (templates/sm90/flash_fwd_fp8.cu.j2), with its own knobs out_dtype and v_layout.
@@ -58,7 +58,7 @@ ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
 #                         transposes each V tile in shared memory (FP8 wgmma takes K-major B only)
 #             transposed: the caller passes V^T, (batch, heads_kv, head_dim, seqlen_k) with the keys
 #                         contiguous and a head_dim stride that is a multiple of 16 keys (pad seqlen_k)
-# (OUT_DTYPES, V_LAYOUTS and SCHEDULES: facodegen/knobs.py.)
+# (OUT_DTYPES, V_LAYOUTS and SCHEDULES: facodegen/spec/knobs.py.)
 # The finer switches of the fa1 template (templates/sm80/flash_fwd_fa1.cu.j2), each isolating one
 # idea of FlashAttention-2 (kernel spec field -> choices, FA1's choice first):
 #   loop_order  kv_outer: one CTA per (batch, head), K/V blocks outside, Q blocks inside, O/m/l in
@@ -71,7 +71,7 @@ ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
 #   rescale     every_step: O kept normalised, divided by the row sum after every K/V block (FA1)
 #               once:       O unnormalised, divided by the row sum once at the end (FA2)
 # schedule=fa1 takes FA1's choices unless told otherwise; schedule=fa2 (and sm90) is FA2's choices
-# and rejects any other value. (FA1_SWITCHES: facodegen/knobs.py.)
+# and rejects any other value. (FA1_SWITCHES: facodegen/spec/knobs.py.)
 FA2_CHOICES = {name: choices[1] for name, choices in FA1_SWITCHES.items()}
 
 # Per-GPU limits the budget model needs. smem_per_block is the opt-in maximum of
@@ -456,7 +456,7 @@ def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
 
 
 # Sequence-length rules on sm90: tiles that suit the call's length better than the per-head_dim
-# defaults (applied by facodegen.api.resolve_spec when the call's shape is known, no tuned entry
+# defaults (applied by facodegen.ops.api.resolve_spec when the call's shape is known, no tuned entry
 # exists and the caller chose none of the rule's fields). First match wins. Each rule's `evidence`
 # is a phrase of docs/seqlen-rules.md, where its measurement is (a test finds each one there).
 _ANY_LENGTH = 1 << 62
@@ -867,7 +867,7 @@ class KernelSpec:
                 if k not in ("head_dim", "dtype", "causal") and not (k in VARIANT_FEATURES and not v)}
 
 
-# The type of every field (facodegen/knobs.py: TEXT_FIELDS, INT_FIELDS, the rest bools), checked
+# The type of every field (facodegen/spec/knobs.py: TEXT_FIELDS, INT_FIELDS, the rest bools), checked
 # first, before any rule reads a field: a value of another type is a SpecError naming the field.
 # Text fields take one of their listed values only, so no text a caller (or a tuning-database
 # entry) passes reaches the generated source unless the registry lists it.

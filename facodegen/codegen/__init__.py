@@ -1,0 +1,1 @@
+"""Code generation: a spec rendered to CUDA source through the Jinja templates."""
