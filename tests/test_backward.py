@@ -117,8 +117,19 @@ def test_params_layout_matches_the_packer():
 compiler = pytest.importorskip("facodegen.runtime.compiler")
 
 
-@pytest.mark.parametrize("sm", [None, "sm_90"], ids=["sm_80", "sm_90"])
-@pytest.mark.parametrize("spec", DEFAULTS, ids=lambda s: s.variant)
+def _compile_targets():
+    """(spec, sm) pairs: every shipped config for sm_90 (what an H100/H200 runs), and for sm_80 (the
+    A100's) one seeded config per head_dim: a spill follows the head dim's tile, and compiling all
+    of them twice cost a minute of the CI's 5 (#36: sweeps become seeded samples)."""
+    import random
+    pairs = [(spec, "sm_90") for spec in DEFAULTS]
+    rng = random.Random(2026)
+    for head_dim in sorted({s.head_dim for s in DEFAULTS}):
+        pairs.append((rng.choice([s for s in DEFAULTS if s.head_dim == head_dim]), None))
+    return pairs
+
+
+@pytest.mark.parametrize("spec, sm", _compile_targets(), ids=lambda x: getattr(x, "variant", None) or str(x or "sm_80"))
 def test_every_shipped_config_compiles_without_spills(spec, sm):
     kernel = backward.compile(spec, sm=sm)
     resources = backward.resources_of(kernel)
