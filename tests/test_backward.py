@@ -46,7 +46,6 @@ def test_variant_names_the_problem_and_the_tile():
     ({"arch": "sm90"}, "arch", "sm80 backward"),
     ({"dtype": "fp8"}, "dtype", "fp8"),
     ({"head_dim": 80}, "head_dim", "80"),
-    ({"deterministic": True}, "deterministic", "atomics"),
     ({"stages": 2}, "stages", "stages=1"),
     ({"k_unroll": 3}, "k_unroll", "3"),
     ({"num_warps": 6}, "num_warps", "6"),
@@ -105,7 +104,7 @@ def test_emit_command_rebuilds_the_spec():
 def test_params_layout_matches_the_packer():
     placed, size, align = backward.layout()
     assert align == 8 and size % 8 == 0
-    assert [f.name for f, _ in placed][:11] == list(backward._POINTERS)
+    assert [f.name for f, _ in placed][:len(backward._POINTERS)] == list(backward._POINTERS)
     values = {f.name: 0 for f, _ in placed}
     assert len(backward.pack(values)) == size
     with pytest.raises(KeyError, match="seqlen_q"):
@@ -143,6 +142,57 @@ def test_every_shipped_config_compiles_without_spills(spec, sm):
     assert "HMMA.16816.F32" + (".BF16" if spec.dtype == "bf16" else "") in kernel.sass()
 
 
+@pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False), (256, True)])
+def test_deterministic_backward_adds_dq_in_turns(head_dim, causal):
+    """deterministic=True: the same kernels plus a turn per query block (an acquire load, a sleep
+    while waiting, a fence and the increment), no spills; the default has none of that."""
+    spec = BackwardSpec(head_dim=head_dim, causal=causal, deterministic=True)
+    assert spec.variant.endswith("_det") or "_det" in spec.variant
+    kernel = backward.compile(spec, sm="sm_90")
+    r = backward.resources_of(kernel)[spec.variant]
+    assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0) and r.registers <= 255
+    sass, plain = kernel.sass(), backward.compile(BackwardSpec(head_dim=head_dim, causal=causal), sm="sm_90").sass()
+    assert "NANOSLEEP" in sass and "NANOSLEEP" not in plain
+    assert "MEMBAR" in sass and "dq_semaphore = 0" in backward.emit(spec)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1000, 1000, True), (1000, 1000, False), (1000, 77, True),
+                                                        (77, 1000, True), (1, 1000, True), (300, 5, False)])
+@pytest.mark.parametrize("resident", [1, 3])
+def test_deterministic_turns_never_deadlock(seqlen_q, seqlen_k, causal, resident):
+    """The main kernel's turn protocol, replayed with its own index arithmetic: CTAs start in
+    grid order with only ``resident`` at a time, each walks its steps (query head, query block),
+    waiting at each until the block's count equals its n_block, then adds one. Every CTA finishes,
+    and every query block ends counted by exactly the key blocks that add into it, in order."""
+    block_m, block_n, group = 64, 128, 2
+    n_blocks, m_blocks = -(-seqlen_k // block_n), -(-seqlen_q // block_m)
+
+    def steps(n_block):     # as the kernel's setup computes them
+        first_row = max(0, n_block * block_n - (seqlen_k - seqlen_q)) if causal else 0
+        m_first = first_row // block_m
+        per_head = m_blocks - m_first if first_row < seqlen_q else 0
+        return [(h, m_first + i) for h in range(group) for i in range(per_head)]
+    todo = {n: steps(n) for n in range(n_blocks)}
+    turns, order = {}, {}
+    waiting, running = list(range(n_blocks)), []
+    while waiting or running:
+        while waiting and len(running) < resident:      # the GPU starts CTAs in grid order
+            running.append(waiting.pop(0))
+        progressed = False
+        for n in list(running):
+            while todo[n] and turns.get(todo[n][0], 0) == n:
+                step = todo[n].pop(0)
+                turns[step] = turns.get(step, 0) + 1
+                order.setdefault(step, []).append(n)
+                progressed = True
+            if not todo[n]:
+                running.remove(n)
+                progressed = True
+        assert progressed, f"deadlock: running {running}, next steps {[todo[n][:1] for n in running]}"
+    for step, added in order.items():
+        assert added == list(range(len(added))) and turns[step] == len(added)
+
+
 @pytest.mark.parametrize("fields", [dict(head_dim=128, block_n=64, num_warps=4),
                                     dict(head_dim=64, block_m=64, block_n=64, causal=True, dtype="fp16"),
                                     dict(head_dim=96, block_m=128, block_n=128),
@@ -171,7 +221,6 @@ def test_cli_emit_and_inspect_backward():
 @pytest.mark.parametrize("argv, words", [
     (["--arch", "sm90"], "sm90 backward is not written yet"),
     (["--pingpong"], "does not take pingpong"),
-    (["--deterministic"], "deterministic"),
     (["--head-dim", "80"], "head_dim"),
 ])
 def test_cli_backward_errors_in_one_line(argv, words):
@@ -243,6 +292,17 @@ def test_a_call_launches_the_three_kernels_in_order(bwd):
         == (113, 203, 8, 2)
     assert _field(main, "softmax_scale") == 0.5 and abs(_field(main, "scale_log2") - 0.5 * 1.4426950408889634) < 1e-6
     assert _field(main, "k_row_stride") == 2 * 128 and _field(main, "q_head_stride") == 128
+    assert _field(main, "dq_semaphore") == 0       # only the deterministic kernels take turns
+
+
+def test_deterministic_call_gets_its_kernels_and_turn_counters(bwd):
+    do, q, k, v, o, lse = _problem()
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
+    spec = BackwardSpec(head_dim=128, causal=True, gpu="h200", deterministic=True)
+    main = bwd.bwd.records[1]
+    assert main["name"] == spec.variant
+    # the scratch: dq_accum, D, then one int32 per (batch, heads_q, query block of block_m rows)
+    assert _field(main, "dq_semaphore") - _field(main, "dpsum") == 4 * 2 * 8 * 113
 
 
 def test_a_second_call_hits_the_plan(bwd):

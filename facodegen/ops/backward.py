@@ -3,7 +3,8 @@
 
 One generated .cu (templates/sm80/flash_bwd.cu.j2) holds three kernels launched in order on the
 caller's stream: ``<variant>_dot_do_o`` (D = rowsum(dO ∘ O), dq_accum = 0), ``<variant>`` (dK, dV
-of a key block; dq_accum += dS K with fp32 atomics) and ``<variant>_convert_dq`` (dQ =
+of a key block; dq_accum += dS K with fp32 atomics, in key-block order when the spec is
+deterministic) and ``<variant>_convert_dq`` (dQ =
 softmax_scale * dq_accum). Their one argument is ``BwdParams`` (BWD_FIELDS below, rendered into
 the template and packed here, like FlashParams for the forward). The float32 dq_accum
 (batch, heads_q, seqlen_q, head_dim) and D (batch, heads_q, seqlen_q) are allocated per call in
@@ -45,6 +46,8 @@ BWD_FIELDS = [
     Field("dv", "ptr", "elem_t*", "dV (batch, seqlen_k, heads_kv, head_dim): summed over the GQA group"),
     Field("dq_accum", "ptr", "float*", "fp32 dQ / softmax_scale (batch, heads_q, seqlen_q, head_dim) contiguous"),
     Field("dpsum", "ptr", "float*", "D = rowsum(dO ∘ O), (batch, heads_q, seqlen_q) contiguous"),
+    Field("dq_semaphore", "ptr", "int*", "deterministic: key blocks that have added into each (batch, heads_q, "
+                                         "query block) of dq_accum"),
     *(field for t in _TENSORS for field in stride_fields(t)),
     Field("batch", "i32", "int", "batch size"),
     Field("seqlen_q", "i32", "int", "query sequence length"),
@@ -54,7 +57,7 @@ BWD_FIELDS = [
     Field("softmax_scale", "f32", "float", "scale applied to Q K^T"),
     Field("scale_log2", "f32", "float", "softmax_scale * log2(e)"),
 ]
-_POINTERS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "dpsum")
+_POINTERS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "dpsum", "dq_semaphore")
 _PACK_POINTERS = struct.Struct(f"<{len(_POINTERS)}Q")
 
 
@@ -136,12 +139,13 @@ class BackwardPlan:
     ``launch`` writes the call's pointers into the image and launches the three in order."""
 
     def __init__(self, spec: BackwardSpec, functions, grid3, param_bytes: bytes, *, device: int, accum_floats: int,
-                 dpsum_floats: int, switch_context: bool, outputs=None):
+                 dpsum_floats: int, semaphore_ints: int = 0, switch_context: bool, outputs=None):
         self.spec = spec
         self.grids = grid3
         self.outputs = outputs
         self.device = device
         self.accum_floats, self.dpsum_floats = accum_floats, dpsum_floats
+        self.semaphore_ints = semaphore_ints     # deterministic: one int32 per (batch, heads_q, query block)
         self._switch_context = switch_context
         smem = (0, spec.smem_bytes, 0)
         self._launchers = [driver.Launcher(f, g, spec.threads, s) for f, g, s in zip(functions, grid3, smem)] \
@@ -150,7 +154,7 @@ class BackwardPlan:
         self._lock = threading.Lock()
 
     def launch(self, stream: int, pointers: tuple) -> None:
-        """``pointers``: q, k, v, o, dout, lse, dq, dk, dv, dq_accum, dpsum device addresses."""
+        """``pointers``: q, k, v, o, dout, lse, dq, dk, dv, dq_accum, dpsum, dq_semaphore device addresses."""
         with self._lock:
             _PACK_POINTERS.pack_into(self._image.storage, self._image.base, *pointers)
             arg = driver.stream_arg(stream)
@@ -237,10 +241,11 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     dq = _new_like(kind, device, q) if dq is None else dq
     dk = _new_like(kind, device, k) if dk is None else dk
     dv = _new_like(kind, device, v) if dv is None else dv
-    scratch, scratch_ptr = api._allocate(kind, device, 4 * (plan.accum_floats + plan.dpsum_floats))
+    scratch, scratch_ptr = api._allocate(kind, device, 4 * (plan.accum_floats + plan.dpsum_floats + plan.semaphore_ints))
     ptr = api.ARRAY_PTR[kind]       # (kind is torch or cupy: _resolve refused anything else)
+    semaphores = scratch_ptr + 4 * (plan.accum_floats + plan.dpsum_floats) if plan.semaphore_ints else 0
     pointers = (ptr(q), ptr(k), ptr(v), ptr(out), ptr(do), ptr(lse), ptr(dq), ptr(dk), ptr(dv),
-                scratch_ptr, scratch_ptr + 4 * plan.accum_floats)
+                scratch_ptr, scratch_ptr + 4 * plan.accum_floats, semaphores)
     if any(p % 16 for p in pointers[:5] + pointers[6:9]):
         raise ValueError("do, q, k, v, out, dq, dk, dv: data pointers must be 16-byte aligned")
     plan.launch(api._current_stream(kind, device), pointers)
@@ -311,7 +316,9 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
     return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k), pack(values),
                         device=qv.device, accum_floats=batch * heads_q * seqlen_q * head_dim,
-                        dpsum_floats=batch * heads_q * seqlen_q, switch_context=qv.device != api._current_device(qv.kind))
+                        dpsum_floats=batch * heads_q * seqlen_q,
+                        semaphore_ints=batch * heads_q * -(-seqlen_q // spec.block_m) if spec.deterministic else 0,
+                        switch_context=qv.device != api._current_device(qv.kind))
 
 
 def _check_like(view, like, name: str) -> None:

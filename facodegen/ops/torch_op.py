@@ -262,8 +262,10 @@ def _attention_grad(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     if q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError("facodegen.attention: fp8 (e4m3) inputs have no backward yet")
+    # torch.use_deterministic_algorithms(True) asks for bit-identical gradients: dQ's adds in a fixed order
+    knobs = "deterministic=True" if torch.are_deterministic_algorithms_enabled() else ""
     dq, dk, dv = torch.ops.facodegen.attention_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.causal,
-                                                        ctx.softmax_scale, ctx.arch, "")
+                                                        ctx.softmax_scale, ctx.arch, knobs)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 

@@ -4,7 +4,8 @@ tiles and budget model. Rendering, compiling and launching it live in facodegen/
 The sm80 backward is FlashAttention-2's algorithm (templates/sm80/flash_bwd.cu.j2): one CTA per
 (key block of block_n keys, kv head, batch) holding K, V in shared memory and dK, dV in
 registers, looping over the query blocks of block_m rows (and over the query heads of its GQA
-group) that see its keys; dQ is accumulated in fp32 in global memory with atomics. The same sm80
+group) that see its keys; dQ is accumulated in fp32 in global memory with atomics (deterministic:
+in key-block order, one key block at a time per query block). The same sm80
 code runs on sm90 GPUs (compiled for the device at hand); an FA3-style sm90 backward is not written yet.
 """
 
@@ -47,8 +48,9 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("stages", "int", "Q/dO buffers: 1 (the next step's Q, dO load under the dQ GEMM).", flag="--stages",
          choices=(1,), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
     Knob("gpu", "text", "Whose shared-memory limit the budget model applies.", choices=BACKWARD_GPUS, flag="--gpu"),
-    Knob("deterministic", "bool", "Bit-identical gradients across runs (not in this slice: dQ's fp32 atomics "
-         "add in any order).", flag="--deterministic/--no-deterministic", token=_flag("det")),
+    Knob("deterministic", "bool", "Bit-identical gradients across runs: the key blocks add into each query "
+         "block's fp32 dQ in key-block order (a turn counter per query block) instead of in any order.",
+         flag="--deterministic/--no-deterministic", token=_flag("det")),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
 )
@@ -82,7 +84,7 @@ class BackwardSpec:
     Problem: arch (sm80), head_dim, dtype (fp16/bf16), causal. GQA/MQA does not change the code
     (the CTA loops over its group's query heads). Knobs: block_m, block_n, num_warps (None: the
     default for head_dim, see DEFAULT_TILES), stages (1), gpu (the budget model's limits),
-    deterministic (False; True is refused in this slice). Each field is checked on construction
+    deterministic (False: dQ's fp32 adds land in any order). Each field is checked on construction
     with a SpecError naming it; the template repeats the checks as static_asserts."""
     arch: str = "sm80"
     head_dim: int = 128
@@ -178,9 +180,6 @@ def _check_types(spec: BackwardSpec) -> None:
 
 
 def _validate(spec: BackwardSpec) -> None:
-    if spec.deterministic:
-        raise SpecError("deterministic", "deterministic=True is not available yet: dQ is summed with fp32 "
-                                         "atomics in any order (use deterministic=False)")
     if spec.stages != 1:
         raise SpecError("stages", f"{spec.stages}: only stages=1 (one Q/dO buffer; the next step's loads run "
                                   f"under the dQ GEMM)")

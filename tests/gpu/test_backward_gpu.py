@@ -127,6 +127,36 @@ def test_strided_inputs_and_poisoned_outputs(causal):
     assert check_grads(got, do, q, k, v, causal, 0.125) == []
 
 
+@pytest.mark.parametrize("sq, sk, causal, d, heads", [(1023, 1024, True, 128, "gqa"), (239, 1, False, 64, "mha"),
+                                                      (113, 2000, True, 256, "mqa"), (2048, 2048, False, 96, "mha")])
+def test_deterministic_gradients_are_bit_identical_and_right(sq, sk, causal, d, heads):
+    """deterministic=True: dQ's fp32 adds in key-block order, so three runs give the same bits (and
+    each passes the criterion); many key blocks per query block (sk 2000: 16) make the turns count."""
+    hq, hkv = HEADS[heads]
+    q, k, v, do = make(2, sq, sk, hq, hkv, d, torch.bfloat16, seed=sq + sk + d)
+    out64, lse64, _ = reference(q, k, v, do, causal, d ** -0.5, upcast=True)
+    out, lse = out64.to(q.dtype), lse64.float().contiguous()
+    runs = [facodegen.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=True) for _ in range(3)]
+    torch.cuda.synchronize()
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    assert check_grads(runs[0], do, q, k, v, causal, d ** -0.5) == []
+
+
+def test_autograd_is_deterministic_under_torch_use_deterministic_algorithms():
+    q, k, v, do = make(2, 1000, 1000, 8, 2, 128, torch.bfloat16, seed=5)
+    grads = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            facodegen.attention(*leaves, causal=True).backward(do)
+            grads.append(leaves[0].grad)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(grads[0], grads[1])
+
+
 @pytest.mark.parametrize("d, causal, heads", [(64, True, "gqa"), (128, False, "mha"), (256, True, "mqa")])
 def test_autograd_through_attention_equals_attention_backward(d, causal, heads):
     hq, hkv = HEADS[heads]
