@@ -76,6 +76,7 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert {c.family for c in cases} == set(fuzz.FAMILIES)
     assert {(c.dtype, c.causal) for c in cases if c.family == "backward"} == {
         (d, c) for d in ("bf16", "fp16") for c in (False, True)}
+    assert {c.deterministic for c in cases if c.family == "backward"} == {False, True}   # the turn counters too
     kv = [c for c in cases if c.family == "kvcache"]
     assert any(c.page_size and c.seqlen_new and c.num_splits > 1 for c in kv)
     assert all(c.sinks and c.softcap and c.window_left >= 0 for c in variants)
@@ -155,6 +156,9 @@ def test_backward_and_kvcache_families_are_drawn_within_their_kernels_limits():
             assert c.page_size == 0 or c.seqlen_k % c.page_size == 0
     kv = [c for c in cases if c.family == "kvcache"]
     assert {c.page_size for c in kv} == set(fuzz.KVCACHE_PAGE_SIZES) and {c.num_splits > 1 for c in kv} == {False, True}
+    # about a quarter of the backward cases run autograd under torch.use_deterministic_algorithms
+    share = sum(c.deterministic for c in cases if c.family == "backward") / by["backward"]
+    assert 0.15 < share < 0.35 and not any(c.deterministic for c in cases if c.family != "backward")
     assert fuzz.Case.from_json(kv[0].to_json()) == kv[0]
 
 
@@ -179,7 +183,9 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
         if c.family in ("forward", "variants"):
             assert specs == [fuzz.case_spec(c)]
         elif c.family == "backward":
-            assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, {})]
+            knobs = {"deterministic": True} if c.deterministic else {}
+            assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs)]
+            assert specs[1].deterministic == c.deterministic
             assert (specs[1].head_dim, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)
         elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen in the shape
             from facodegen.ops import varlen
