@@ -22,7 +22,8 @@ GPU tests' bound) or twice a bf16 computation's on the same inputs, whichever is
 Families: ``forward``; ``variants`` (16-bit problems with a sliding window whose sides are drawn
 from 0, 1, a few keys, the sequence length and beyond, -1 = unbounded, causal or not and either
 alignment, softcap values, sinks); ``backward`` (dQ, dK, dV of attention() under autograd against
-float64 autograd, FlashAttention-3's criterion per gradient); ``kvcache`` (attention_with_kvcache:
+float64 autograd, FlashAttention-3's criterion per gradient; a quarter of them deterministic, run
+twice and compared bit for bit); ``kvcache`` (attention_with_kvcache:
 1-16 query tokens, contiguous or paged caches with shuffled pages, random lengths from 0, appends,
 split counts); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
 case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; sm80's kernel,
