@@ -95,3 +95,25 @@ def test_no_keys_gives_zero_and_minus_infinity():
     q, k, v = _inputs(5, 0, 2, 1, 64, 1.0, torch.float16, 3)
     out, lse = flash_rounding.attention_flash_rounding(q, k, v, True, 0.125)
     assert out.shape == q.shape and not out.any() and torch.isneginf(lse).all()
+
+
+def test_the_summation_orders_are_the_same_products_in_other_orders():
+    """ORDERS: three sums of the same products. On ordinary inputs they agree to float32 rounding;
+    at one-hot logits their P roundings differ, so the largest error of the three is a fairer
+    same-precision error than one draw."""
+    q, k, v = _inputs(64, 1, 4, 2, 128, 16.0, torch.float16, 11)
+    ref, _ = fuzz.attention_torch(q, k, v, False, 0.7, upcast=True)
+    outs = [flash_rounding.attention_flash_rounding(q, k, v, False, 0.7, order=o)[0] for o in flash_rounding.ORDERS]
+    errors = [(o.double() - ref).abs().max().item() for o in outs]
+    assert len(set(errors)) > 1 and max(errors) <= 2.0 ** -10 * v.double().abs().max().item()
+    k = k.repeat_interleave(2, dim=2)     # GQA as the forward repeats it
+    raw = [flash_rounding._dot(q, k, o) for o in flash_rounding.ORDERS]
+    exact = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double())
+    for r in raw:
+        assert (r.double() - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
+    q, k, v = _inputs(20, 30, 2, 2, 64, 1.0, torch.bfloat16, 12)
+    grads = [flash_rounding.attention_backward_flash_rounding(q, k, v, q, True, 0.125, order=o)
+             for o in flash_rounding.ORDERS]
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert (a.double() - b.double()).abs().max().item() <= 2e-2 * a.double().abs().max().item()

@@ -45,13 +45,30 @@ def _visible(seqlen_q: int, seqlen_k: int, causal: bool, window_size, top_left: 
     return ~hidden
 
 
-def _scores(q, k, causal, softmax_scale, window_size, softcap, top_left):
+# The order in which a kernel's tensor cores sum a score's head_dim products is not specified, and
+# the one-hot rows' error (the FFMA residual's P rounding) depends on the score's last bits. So a
+# reference error is one draw: ORDERS are three summation orders of the same products (torch's
+# float32 einsum, correctly rounded from float64, the einsum over head_dim reversed), and
+# fuzz.fa3_bound takes the largest error among them.
+ORDERS = (0, 1, 2)
+
+
+def _dot(q, k, order: int):
+    import torch
+    if order == 1:
+        return torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()).float()
+    if order == 2:
+        q, k = q.flip(-1), k.flip(-1)
+    return torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float())
+
+
+def _scores(q, k, causal, softmax_scale, window_size, softcap, top_left, order=0):
     """(u, c, visible): the float32 values the kernel's exponent multiplies (the raw dot products,
     or with softcap the capped scaled scores), their multiplier c (scale log2(e), or log2(e)), and
     the (seqlen_q, seqlen_k) visibility. Products of 16-bit floats are exact in float32, so only the
     sum's order differs from the tensor cores'."""
     import torch
-    raw = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float())
+    raw = _dot(q, k, order)
     if softcap:
         u, c = softcap * torch.tanh(raw * (softmax_scale / softcap)), LOG2E
     else:
@@ -62,14 +79,14 @@ def _scores(q, k, causal, softmax_scale, window_size, softcap, top_left):
 
 
 def attention_flash_rounding(q, k, v, causal: bool, softmax_scale: float, *, window_size=(-1, -1),
-                             softcap: float = 0.0, sinks=None, top_left: bool = False):
+                             softcap: float = 0.0, sinks=None, top_left: bool = False, order: int = 0):
     """O (q's dtype) and the float32 natural-log LSE of (batch, seqlen, heads, head_dim) q, k, v as
     FlashAttention rounds them: unnormalised P in v's dtype, float32 row sums, the exponent by
     FFMA. GQA by repetition; the variants as fuzz.attention_torch takes them."""
     import torch
     group = q.shape[2] // k.shape[2]
     k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
-    u, c, _ = _scores(q, k, causal, softmax_scale, window_size, softcap, top_left)
+    u, c, _ = _scores(q, k, causal, softmax_scale, window_size, softcap, top_left, order)
     row_max = u.amax(dim=-1, keepdim=True) if u.shape[-1] else u.new_full((*u.shape[:-1], 1), float("-inf"))
     seen = torch.isfinite(row_max)
     shift = torch.where(seen, row_max.double() * c, 0.0).float()
@@ -87,16 +104,16 @@ def attention_flash_rounding(q, k, v, causal: bool, softmax_scale: float, *, win
     return out.to(v.dtype), torch.where(seen, lse, float("-inf")).squeeze(-1).float()
 
 
-def attention_backward_flash_rounding(q, k, v, do, causal: bool, softmax_scale: float):
+def attention_backward_flash_rounding(q, k, v, do, causal: bool, softmax_scale: float, order: int = 0):
     """(dQ, dK, dV) in the inputs' dtype as FlashAttention's backward rounds them, from this
     module's forward: D = rowsum(dO * O) of the dtype-rounded O, P recomputed from the LSE by FFMA
     (exp2(s scale log2(e) - LSE log2(e))), P and dS rounded to the dtype for their matmuls, float32
     accumulation, dK and dV summed over a GQA group in float32."""
     import torch
-    out, lse = attention_flash_rounding(q, k, v, causal, softmax_scale)
+    out, lse = attention_flash_rounding(q, k, v, causal, softmax_scale, order=order)
     group = q.shape[2] // k.shape[2]
     kr, vr = (x.repeat_interleave(group, dim=2) for x in (k, v))
-    u, c, visible = _scores(q, kr, causal, softmax_scale, (-1, -1), 0.0, False)
+    u, c, visible = _scores(q, kr, causal, softmax_scale, (-1, -1), 0.0, False, order)   # as the forward summed S
     lse_log2 = torch.where(torch.isfinite(lse), lse.double() * LOG2E, float("inf")).float()[..., None]
     p = torch.exp2(_ffma_exponent(u, c, lse_log2)).masked_fill(~visible, 0.0)
     dt = q.dtype

@@ -51,12 +51,12 @@ def standard_reference_only():
     import torch
     saved = fuzz.attention_flash_rounding, fuzz.attention_backward_flash_rounding
 
-    def backward(q, k, v, do, causal, scale):
+    def backward(q, k, v, do, causal, scale, order=0):
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
         out, _ = fuzz.attention_torch(*leaves, causal, scale, upcast=False)
         return torch.autograd.grad(out, leaves, do)
-    fuzz.attention_flash_rounding = lambda q, k, v, causal, scale, **kw: fuzz.attention_torch(q, k, v, causal, scale,
-                                                                                             False, **kw)
+    fuzz.attention_flash_rounding = lambda q, k, v, causal, scale, order=0, **kw: fuzz.attention_torch(
+        q, k, v, causal, scale, False, **kw)
     fuzz.attention_backward_flash_rounding = backward
     try:
         yield
