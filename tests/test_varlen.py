@@ -220,6 +220,29 @@ def test_new_cu_seqlens_values_hit_the_plan_and_are_patched_in(varlen_plans):
     assert varlen._PLANS.misses == 2
 
 
+def test_other_total_tokens_hit_the_plan_and_patch_total_q(varlen_plans):
+    """The same sequences count and max_seqlen with other total tokens (a training step's next
+    batch): a hit whose FlashParams differ from the first call's only in the pointers and total_q;
+    the LSE comes out (heads_q, total_q); a larger total that did not ask for the LSE writes it to
+    a temporary, not past the plan's scratch."""
+    state = varlen_plans
+    _call(_args((1, 17, 0, 100)), causal=True, return_lse=True)
+    out, lse = _call(_args((100, 3, 50, 60)), causal=True, return_lse=True)      # 213 tokens
+    assert varlen._PLANS.misses == 1 and out.shape == (213, HQ, D) and lse.shape == (HQ, 213)
+    first, second = (_fields(r) for r in state.launches.records)
+    assert (first["total_q"], second["total_q"]) == (118, 213) and second["lse"] == lse.data_ptr()
+    changed = {n for n in first if first[n] != second[n]}
+    assert changed <= {"q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "total_q"}
+    # without the LSE (another plan): its scratch holds 118 tokens' LSE
+    _call(_args((1, 17, 0, 100)), causal=True)
+    scratch_lse = _fields(state.launches.records[-1])["lse"]
+    _call(_args((100, 3, 50, 60)), causal=True)                                    # 213 > 118: a temporary
+    third = _fields(state.launches.records[-1])
+    assert third["total_q"] == 213 and third["lse"] not in (0, scratch_lse)
+    _call(_args((1, 2, 3, 100)), causal=True)                                      # 106 <= 118: the scratch
+    assert _fields(state.launches.records[-1])["lse"] == scratch_lse and varlen._PLANS.misses == 2
+
+
 def test_flashparams_bytes_of_a_varlen_call(varlen_plans):
     state = varlen_plans
     lengths = (1, 17, 0, 100)

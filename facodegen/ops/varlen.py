@@ -10,8 +10,9 @@ max_seqlen_k are host ints the caller knows, and only max_seqlen_q shapes the gr
 The checks and the plumbing are the forward's (api.py): the packed tensors are seen as one batch
 of total_tokens rows, so the dtype, device, head_dim, GQA, stride and alignment checks, the spec
 resolution, the compiled-kernel cache and the launch plan are the same code. A plan is keyed by
-the tensors' layouts and max_seqlen_q/k, never by the values in cu_seqlens: a call whose
-boundaries change (same total tokens) is a plan-cache hit that patches their addresses.
+the tensors' layouts (not their token counts), the number of sequences and max_seqlen_q/k, never
+by the values in cu_seqlens: a call whose boundaries or total tokens change is a plan-cache hit
+that patches the cu_seqlens addresses and total_q (the LSE's head stride) into its FlashParams.
 """
 
 from __future__ import annotations
@@ -74,41 +75,56 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             device = q.device.id if kind == "cupy" else -1
             current = cupy.cuda.runtime.getDevice() if kind == "cupy" else -1
         if device >= 0:
-            meta = ARRAY_META[kind]
-            key = (kind, meta(q), meta(k), meta(v), meta(cu_seqlens_q), meta(cu_seqlens_k),
+            meta, packed = ARRAY_META[kind], _PACKED_META[kind]
+            key = (kind, packed(q), packed(k), packed(v), meta(cu_seqlens_q), meta(cu_seqlens_k),
                    max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k, current,
                    causal.__class__, causal, softmax_scale.__class__, softmax_scale, bool(return_lse), arch,
-                   tuple(sorted(spec_fields.items())), meta(out), tunedb.generation())
+                   tuple(sorted(spec_fields.items())), packed(out), tunedb.generation())
             plan = _PLANS.get(key)
     except (AttributeError, TypeError):     # not all arrays of one library, an unhashable knob: the checked path
         key = plan = None
     if plan is None:
         return _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      bool(return_lse), out, arch, spec_fields)
-    made = plan.outputs
+    total_q, heads_q = q.shape[0], q.shape[1]
+    # The plan's scratch LSE holds the total it was built for; a larger total not asking for the
+    # LSE writes it to a temporary instead.
+    lse_needed = return_lse or total_q > plan.outputs.lse_shape[1]
     if kind == "torch":
         if out is None:
             out = torch.empty_like(q)
-        lse = torch.empty(made.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device) if lse_needed else None
         stream = torch._C._cuda_getCurrentRawStream(device)
     else:
         with cupy.cuda.Device(device):
             if out is None:
-                out = cupy.empty(made.shape, dtype=made.dtype)
-            lse = cupy.empty(made.lse_shape, dtype=cupy.float32) if return_lse else None
+                out = cupy.empty(q.shape, dtype=q.dtype)
+            lse = cupy.empty((heads_q, total_q), dtype=cupy.float32) if lse_needed else None
             stream = cupy.cuda.get_current_stream().ptr
     ptr = ARRAY_PTR[kind]
     pointers = (ptr(q), ptr(k), ptr(v), ptr(out))
     if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or (ptr(cu_seqlens_q) | ptr(cu_seqlens_k)) & 3:
         return _miss(None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      bool(return_lse), out, arch, spec_fields)     # misaligned: the checked path says which
-    _launch(plan, stream, pointers, ptr(lse) if lse is not None else 0, ptr(cu_seqlens_q), ptr(cu_seqlens_k))
+    _launch(plan, stream, pointers, ptr(lse) if lse is not None else 0, ptr(cu_seqlens_q), ptr(cu_seqlens_k), total_q)
     return (out, lse) if return_lse else out
 
 
-def _launch(plan: LaunchPlan, stream: int, pointers: tuple, lse: int, cu_seqlens_q: int, cu_seqlens_k: int) -> None:
+def _packed_meta(meta):
+    """A packed tensor's plan-key meta without its token count (calls with other totals hit too)."""
+    def packed(x):
+        m = meta(x)
+        return m and (m[0], m[1][1:], m[2], m[3])
+    return packed
+
+
+_PACKED_META = {kind: _packed_meta(meta) for kind, meta in ARRAY_META.items()}
+
+
+def _launch(plan: LaunchPlan, stream: int, pointers: tuple, lse: int, cu_seqlens_q: int, cu_seqlens_k: int,
+            total_q: int) -> None:
     if plan.grid[0]:    # max_seqlen_q = 0: every sequence is empty, there is nothing to compute
-        plan.launch(stream, *pointers, lse, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+        plan.launch(stream, *pointers, lse, varlen=(cu_seqlens_q, cu_seqlens_k, total_q))
 
 
 # ------------------------------------------------------------------ the checked path
@@ -214,5 +230,6 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                       outputs=_Outputs(qv.shape, qv.dtype, lse_shape))
     if key is not None:
         _PLANS.put(key, plan)
-    _launch(plan, _current_stream(qv.kind, qv.device), (qv.ptr, kv.ptr, vv.ptr, outv.ptr), lse_ptr, cu_q.ptr, cu_k.ptr)
+    _launch(plan, _current_stream(qv.kind, qv.device), (qv.ptr, kv.ptr, vv.ptr, outv.ptr), lse_ptr, cu_q.ptr, cu_k.ptr,
+            total_q)
     return (out, lse) if return_lse else out

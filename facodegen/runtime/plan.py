@@ -37,7 +37,7 @@ _DESCALES = ("q_descale", "k_descale", "v_descale")
 _PACK_CALL = struct.Struct("<7Q")
 _PACK_DESCALES = struct.Struct("<3Q")
 _PACK_SINKS = struct.Struct("<Q")
-_PACK_CU_SEQLENS = struct.Struct("<2Q")     # cu_seqlens_q, cu_seqlens_k (params.VARLEN_FIELDS, adjacent)
+_PACK_VARLEN = struct.Struct("<2Qi")     # cu_seqlens_q, cu_seqlens_k, total_q (params.VARLEN_FIELDS, adjacent)
 _OPERANDS = ("q", "k", "v", "o")
 
 
@@ -54,7 +54,8 @@ def _check_layout() -> None:
             first = off[_DESCALES[0]]
             assert [off[n] for n in _DESCALES] == [first, first + 8, first + 16], "descale order changed"
     off = _offsets("sm80", "bf16", varlen=True)
-    assert off["cu_seqlens_k"] == off["cu_seqlens_q"] + 8, "cu_seqlens order changed"
+    assert (off["cu_seqlens_k"], off["total_q"]) == (off["cu_seqlens_q"] + 8, off["cu_seqlens_q"] + 16), \
+        "VARLEN_FIELDS order changed"
 
 
 _check_layout()
@@ -162,7 +163,7 @@ class LaunchPlan:
         offsets = _offsets(spec.arch, spec.dtype, params_mod.has_variants(spec), spec.varlen)
         self._descale_offset = offsets[_DESCALES[0]] if spec.dtype == "fp8" else None
         self._sinks_offset = offsets["sinks"] if spec.sinks else None
-        self._cu_seqlens_offset = offsets["cu_seqlens_q"] if spec.varlen else None
+        self._varlen_offset = offsets["cu_seqlens_q"] if spec.varlen else None
         self._maps = [(offsets[name], _OPERANDS.index(operand)) for name, operand in tensor_maps.items()]
         first = _Image(param_bytes)
         self._images = {_PACK_CALL.unpack_from(param_bytes, 0)[:4] if self._maps else None: first}
@@ -196,10 +197,10 @@ class LaunchPlan:
 
     def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
                descales: tuple[int, int, int] | None = None, sinks: int = 0,
-               cu_seqlens: tuple[int, int] = (0, 0)) -> None:
+               varlen: tuple[int, int, int] = (0, 0, 0)) -> None:
         """Launch on ``stream`` with these device addresses; ``lse`` 0 writes the LSE to scratch;
-        ``sinks``: the fp32 sinks' address of a spec with sinks; ``cu_seqlens``: the int32
-        cu_seqlens_q and cu_seqlens_k addresses of a varlen spec (both patched into the image)."""
+        ``sinks``: the fp32 sinks' address of a spec with sinks; ``varlen``: a varlen spec's int32
+        cu_seqlens_q and cu_seqlens_k addresses and its total_q (the LSE's head stride), patched in."""
         scratch = self._scratch.get(stream)
         operands = (q, k, v, o) if self._maps else None
         with self._lock:
@@ -210,8 +211,8 @@ class LaunchPlan:
                 _PACK_DESCALES.pack_into(image.storage, image.base + self._descale_offset, *descales)
             if self._sinks_offset is not None:
                 _PACK_SINKS.pack_into(image.storage, image.base + self._sinks_offset, sinks)
-            if self._cu_seqlens_offset is not None:
-                _PACK_CU_SEQLENS.pack_into(image.storage, image.base + self._cu_seqlens_offset, *cu_seqlens)
+            if self._varlen_offset is not None:
+                _PACK_VARLEN.pack_into(image.storage, image.base + self._varlen_offset, *varlen)
             self._last = image
             if self._switch_context:
                 with driver.on_device(self.function.device):

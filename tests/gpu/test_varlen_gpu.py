@@ -91,6 +91,24 @@ def test_new_boundaries_hit_the_plan_and_are_right():
     _check(q, k, v, cu_q2, cu_k2, out, lse, True, torch.bfloat16)
 
 
+@pytest.mark.parametrize("return_lse", [True, False])
+def test_other_totals_hit_the_plan_and_are_right(return_lse):
+    """A training step's next batch: the same number of sequences and max_seqlen, other lengths and
+    total tokens (more than the first's: without the LSE asked, it goes to a temporary)."""
+    first = _packed((17, 1000, 1), (300, 17, 200), 4, 2, 128, torch.bfloat16)
+    facodegen.attention_varlen(*first, 1000, 300, causal=True, return_lse=return_lse)
+    misses = varlen._PLANS.misses
+    q, k, v, cu_q, cu_k = _packed((500, 900, 33), (300, 5, 250), 4, 2, 128, torch.bfloat16)
+    got = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=return_lse)
+    assert varlen._PLANS.misses == misses
+    torch.cuda.synchronize()
+    out, lse = got if return_lse else (got, None)
+    if lse is None:     # the LSE the call wrote to its temporary is not returned: check O against a fresh call's
+        out_ref, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=True)
+        assert torch.equal(out, out_ref)
+    _check(q, k, v, cu_q, cu_k, out, lse, True, torch.bfloat16)
+
+
 def test_flash_attn_varlen_func_returns_flash_attentions_tuple():
     q, k, v, cu_q, cu_k = _packed((17, 33), (17, 40), 4, 4, 64, torch.float16)
     out, lse, probs = facodegen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 33, 40, causal=True,
