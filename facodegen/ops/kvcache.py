@@ -525,12 +525,10 @@ def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, sof
     views = {name: (_view(name, x) if x is not None else None) for name, x in
              (("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table), ("k", k), ("v", v),
               ("out", out))}
-    if cache_seqlens is None or isinstance(cache_seqlens, int):
-        check_options(cache_seqlens, causal, softmax_scale, num_splits, knobs)
+    check_options(cache_seqlens, causal, softmax_scale, num_splits, knobs)   # (before cache_seqlens' view)
     slv = _view("cache_seqlens", cache_seqlens)
     problem = check_arguments(qv, views["k_cache"], views["v_cache"], slv, views["page_table"], views["k"],
                               views["v"], views["out"], num_splits)
-    check_options(cache_seqlens, causal, softmax_scale, num_splits, knobs)
     info = device_info(qv.device)
     arch = arch or default_arch(info)
     if arch not in dec.DECODE_ARCHS:
