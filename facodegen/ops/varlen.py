@@ -34,14 +34,6 @@ VARLEN_ARCH = "sm80"    # the varlen kernel is the sm80 forward's (compiled for 
 _PLANS = PlanCache()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Outputs:
-    """What a plan-cache hit allocates: O like q, the LSE (heads_q, total_q) float32."""
-    shape: tuple
-    dtype: str
-    lse_shape: tuple
-
-
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False, out=None,
                      arch: str | None = None, **spec_fields):
@@ -87,9 +79,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         return _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      bool(return_lse), out, arch, spec_fields)
     total_q, heads_q = q.shape[0], q.shape[1]
-    # The plan's scratch LSE holds the total it was built for; a larger total not asking for the
-    # LSE writes it to a temporary instead.
-    lse_needed = return_lse or total_q > plan.outputs.lse_shape[1]
+    # plan.outputs: the tokens whose LSE the plan's scratch holds (the total it was built for); a
+    # larger total not asking for the LSE writes it to a temporary instead.
+    lse_needed = return_lse or total_q > plan.outputs
     if kind == "torch":
         if out is None:
             out = torch.empty_like(q)
@@ -215,8 +207,7 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if tuple(outv.shape) != tuple(qv.shape):
         raise ValueError(f"out has shape {tuple(outv.shape)}, q has {tuple(qv.shape)}; they must match")
     _check_out(as_one_batch(outv), as_one_batch(qv))
-    lse_shape = (heads_q, total_q)
-    lse = _empty(qv, lse_shape, "float32") if return_lse else None
+    lse = _empty(qv, (heads_q, total_q), "float32") if return_lse else None
 
     prepared = api._prepare(spec, qv.device)     # (through the module: tests stand a fake in)
     launch_grid = grid(spec, batch, heads_q, max_q, prepared.resident_ctas)
@@ -227,7 +218,7 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes, tensor_maps={}, lse_floats=heads_q * total_q,
                       workspace_floats=0, stream_k_flags=(0, 0), switch_context=qv.device != _current_device(qv.kind),
                       allocate=functools.partial(_allocate, qv.kind, qv.device),
-                      outputs=_Outputs(qv.shape, qv.dtype, lse_shape))
+                      outputs=total_q)     # the tokens its scratch LSE holds
     if key is not None:
         _PLANS.put(key, plan)
     _launch(plan, _current_stream(qv.kind, qv.device), (qv.ptr, kv.ptr, vv.ptr, outv.ptr), lse_ptr, cu_q.ptr, cu_k.ptr,
