@@ -156,6 +156,7 @@ class LaunchPlan:
         # the tile scheduler's int32 counter, an LSE nobody asked for, fa1's and stream_k's fp32 workspace
         self._scratch = StreamScratch({"counter": _ALIGN, "lse": 4 * lse_floats, "workspace": 4 * workspace_floats},
                                       allocate, self._zero_counters)
+        self._workspace_bytes = 4 * workspace_floats     # (its region is rounded up to 16 bytes)
         self._stream_k_flags = stream_k_flags
         self._lock = threading.Lock()
         self._launcher = driver.Launcher(function, grid, spec.threads, spec.smem_bytes) \
@@ -171,7 +172,7 @@ class LaunchPlan:
 
     def workspace_range(self) -> tuple[int, int]:
         """(byte offset, bytes) of the fp32 workspace inside a stream's scratch buffer."""
-        return self._scratch.offset("workspace"), self._scratch.regions["workspace"]
+        return self._scratch.offset("workspace"), self._workspace_bytes
 
     def scratch(self, stream: int) -> Scratch:
         """This plan's scratch on ``stream`` (counter, lse, workspace), made on first use."""
