@@ -288,8 +288,7 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         bound = max(3e-2, 2 * rel_low)
         ok_o, what = rel <= bound, f"rel_fro {rel:.2e} (bound {bound:.2e}: 3e-2 or 2x bf16's {rel_low:.2e})"
     else:
-        low, _ = attention_torch(q, k, v, case.causal, scale, upcast=False, **variants)
-        bound = fa3_bound(ref, (low, *flash_outputs(q, k, v, case.causal, scale, **variants)), dt)
+        bound = fa3_bound(ref, same_precision_outputs(q, k, v, case.causal, scale, **variants), dt)
         ok_o, what = err <= bound, f"max err {err:.2e} (bound {bound:.2e})"
     finite = torch.isfinite(ref_lse)
     atol, rtol = (1e-2, 1e-3) if case.dtype == "fp8" else (1e-3, 1e-4)
@@ -310,10 +309,13 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     return ok_o and lse_ok and bool(torch.isfinite(out).all()), f"O {what}; LSE {lse_what}"
 
 
-def flash_outputs(q, k, v, causal, scale, **variants) -> list:
-    """O as FlashAttention rounds it (facodegen.verify.flash_rounding), once per summation order of
-    the scores: the same-precision errors the criterion takes the largest of."""
-    return [attention_flash_rounding(q, k, v, causal, scale, order=o, **variants)[0] for o in ORDERS]
+def same_precision_outputs(q, k, v, causal, scale, **variants) -> list:
+    """The same-precision O's whose largest error the criterion takes (fa3_bound's ``lows``):
+    standard attention in the inputs' dtype (a row that sees no key: 0), and O as FlashAttention
+    rounds it (facodegen.verify.flash_rounding) once per summation order of the scores."""
+    low, _ = attention_torch(q, k, v, causal, scale, upcast=False, **variants)
+    return [low.double().nan_to_num(0.0),
+            *(attention_flash_rounding(q, k, v, causal, scale, order=o, **variants)[0] for o in ORDERS)]
 
 
 def fa3_bound(ref, lows, dtype) -> float:
@@ -448,10 +450,9 @@ def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
             pages = host(table)[seq, pos // case.page_size]
             keys, values = ref_kc[pages, pos % case.page_size], ref_vc[pages, pos % case.page_size]
         one = (q[seq:seq + 1], torch.from_numpy(keys).to("cuda", dt)[None], torch.from_numpy(values).to("cuda", dt)[None])
-        low, _ = attention_torch(*one, case.causal, scale, upcast=False)
         ref = torch.from_numpy(ref_o[seq:seq + 1]).to("cuda")
         why = fa3_failure(torch.from_numpy(o[seq:seq + 1]).to("cuda", dt), ref,
-                          (low.double().nan_to_num(0.0), *flash_outputs(*one, case.causal, scale)))
+                          same_precision_outputs(*one, case.causal, scale))
         if why:
             problems.append(f"O of sequence {seq} ({seqlen_k} keys): {why}")
     return not problems, "; ".join(problems) or "O, LSE and the caches ok"
@@ -507,9 +508,7 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
             continue
         one = [x[None, a:b] for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
         ref, ref_lse = attention_torch(*one, case.causal, scale, upcast=True)
-        low, _ = attention_torch(*one, case.causal, scale, upcast=False)
-        why = fa3_failure(out[None, q0:q1], ref.nan_to_num(0.0),
-                          (low.double().nan_to_num(0.0), *flash_outputs(*one, case.causal, scale)))
+        why = fa3_failure(out[None, q0:q1], ref.nan_to_num(0.0), same_precision_outputs(*one, case.causal, scale))
         got_lse, ref_lse = lse[:, q0:q1].double(), ref_lse[0]
         seen = torch.isfinite(ref_lse)
         if not torch.equal(torch.isneginf(got_lse), ~seen):
