@@ -29,7 +29,7 @@ def _ffma_exponent(u, c: float, shift):
     return (u.double() * float(c) - shift.double()).float()
 
 
-def _visible(seqlen_q: int, seqlen_k: int, causal: bool, window_size, top_left: bool, device):
+def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool, window_size, top_left: bool, device):
     """(seqlen_q, seqlen_k) bool: which keys each query sees (bottom-right aligned unless top_left)."""
     import torch
     left, right = window_size
@@ -74,7 +74,7 @@ def _scores(q, k, causal, softmax_scale, window_size, softcap, top_left, order=0
     else:
         u, c = raw, softmax_scale * LOG2E
     c = float(torch.tensor(c, dtype=torch.float32))     # the kernel's multiplier is a float32
-    visible = _visible(q.shape[1], k.shape[1], causal, window_size, top_left, q.device)
+    visible = visible_keys(q.shape[1], k.shape[1], causal, window_size, top_left, q.device)
     return u.masked_fill(~visible, float("-inf")), c, visible
 
 

@@ -37,7 +37,7 @@ import json
 import random
 from dataclasses import asdict, dataclass
 
-from .flash_rounding import ORDERS, attention_backward_flash_rounding, attention_flash_rounding
+from .flash_rounding import ORDERS, attention_backward_flash_rounding, attention_flash_rounding, visible_keys
 from ..spec import HEAD_DIMS
 
 FAMILIES = ("forward", "variants", "backward", "kvcache", "varlen")
@@ -193,19 +193,9 @@ def attention_torch(q, k, v, causal: bool, softmax_scale: float, upcast: bool, *
     scores = (scores if upcast else scores.float()) * softmax_scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    left, right = window_size
-    if causal:
-        right = 0
-    if left >= 0 or right >= 0:
-        rows = torch.arange(seqlen_q, device=q.device)[:, None] + (0 if top_left else seqlen_k - seqlen_q)
-        cols = torch.arange(seqlen_k, device=q.device)[None, :]
-        hidden = torch.zeros((seqlen_q, seqlen_k), dtype=torch.bool, device=q.device)
-        if left >= 0:
-            hidden |= cols < rows - left
-        if right >= 0:
-            hidden |= cols > rows + right
-        scores = scores.masked_fill(hidden, float("-inf"))
+    if causal or window_size != (-1, -1):
+        scores = scores.masked_fill(~visible_keys(q.shape[1], k.shape[1], causal, window_size, top_left, q.device),
+                                    float("-inf"))
     if sinks is not None:     # the sink as one more logit with no value
         sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
         lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
