@@ -66,6 +66,15 @@ def test_variants_table_and_knobs():
     assert "facodegen (autograd)" in bw.full_table(rows, variants=[knobs])
     with pytest.raises(ValueError, match="knob=value"):
         bw.parse_knobs("k_unroll")
+    # Each value typed by its knob: a bool knob given as text was passed on as the string 'True'.
+    assert bw.parse_knobs("deterministic=True") == {"deterministic": True}
+    assert bw.parse_knobs("deterministic=0") == {"deterministic": False}
+    with pytest.raises(ValueError, match="deterministic='maybe'"):
+        bw.parse_knobs("deterministic=maybe")
+    with pytest.raises(ValueError, match="block_n='wide'"):
+        bw.parse_knobs("block_n=wide")
+    with pytest.raises(ValueError, match="'blockn' is not a backward knob"):
+        bw.parse_knobs("blockn=64")
     assert bw.peer_names(["flash", "cudnn"]) == ("fa2", "cudnn")
     with pytest.raises(ValueError, match="fa9"):
         bw.peer_names(["fa9"])

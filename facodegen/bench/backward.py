@@ -79,14 +79,18 @@ def variant_label(knobs: dict) -> str:
 
 
 def parse_knobs(text: str) -> dict:
-    """'k_unroll=1,block_n=64' -> {'k_unroll': 1, 'block_n': 64} (ints where they parse); ValueError
-    on an item without '='."""
+    """'k_unroll=1,deterministic=true' -> {'k_unroll': 1, 'deterministic': True}, each value typed
+    by its BackwardSpec knob; ValueError on an item without '=' or a name that is no backward knob."""
+    from ..spec.backward import BACKWARD_BY_NAME
     knobs = {}
     for item in filter(None, text.split(",")):
         name, sep, value = item.partition("=")
+        name = name.strip()
         if not sep:
             raise ValueError(f"{item!r}: expected knob=value")
-        knobs[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+        if name not in BACKWARD_BY_NAME:
+            raise ValueError(f"{name!r} is not a backward knob ({', '.join(BACKWARD_BY_NAME)})")
+        knobs[name] = BACKWARD_BY_NAME[name].parse(value)
     return knobs
 
 

@@ -10,26 +10,18 @@ from .inputs import InputSet, quantized
 from .tables import facodegen_name, prepared_name
 from .timing import _torch
 
-def _field_types() -> dict:
-    """KernelSpec field name -> "int" | "bool" | "str", read off the dataclass (one source of truth)."""
-    import dataclasses
-
-    from ..spec import KernelSpec
-    return {f.name: str(f.type).split(" |")[0] for f in dataclasses.fields(KernelSpec)}
-
-
 def parse_variant(text: str) -> tuple[str, dict]:
-    """``arch:field=value,...`` -> (arch, spec fields typed as KernelSpec declares them); an empty
-    field list means that arch's defaults (e.g. ``sm90:pingpong=0,block_n=128``)."""
+    """``arch:field=value,...`` -> (arch, spec fields typed by their knobs); an empty field list
+    means that arch's defaults (e.g. ``sm90:pingpong=0,block_n=128``)."""
+    from ..spec.knobs import KNOBS
+    by_name = {k.name: k for k in KNOBS}
     arch, _, rest = text.partition(":")
-    types = _field_types()
     fields: dict = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in types:
+        if key not in by_name:
             raise ValueError(f"variant {text!r}: {key!r} is not a KernelSpec field")
-        kind = types[key]
-        fields[key] = bool(int(value)) if kind == "bool" else int(value) if kind == "int" else value
+        fields[key] = by_name[key].parse(value)
     return arch, fields
 
 

@@ -88,6 +88,22 @@ class Knob:
             return on if value else off
         return f"{self.flag} {value}"
 
+    def parse(self, text: str):
+        """This knob's value from command-line text ('1', 'true', 'fa1'), typed as the spec wants it;
+        ValueError naming the knob otherwise."""
+        text = text.strip()
+        if self.kind == "bool":
+            spelled = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+            if text.lower() not in spelled:
+                raise ValueError(f"{self.name}={text!r}: expected 1/0 or true/false")
+            return spelled[text.lower()]
+        if self.kind == "int":
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"{self.name}={text!r}: expected an integer") from None
+        return text
+
     @property
     def dest(self) -> str:
         """The click parameter name of the flag (what the command function receives)."""
