@@ -127,3 +127,38 @@ def attention_backward_flash_rounding(q, k, v, do, causal: bool, softmax_scale: 
     def group_sum(x):
         return x.unflatten(2, (k.shape[2], group)).sum(dim=3)
     return d_q.to(dt), group_sum(d_k).to(dt), group_sum(d_v).to(dt)
+
+
+# float32's unit roundoff. A float32 sum of n terms x errs by about sqrt(n) u |x|_2 (a random walk
+# of roundings at the partial sums' size); the floor admits twice that, the criterion's own 2x. The
+# kernels' measured noise on one-key rows is a quarter to a fifth of it (H200, 2026-12-03: sm80
+# backward d256 937 x 1 causal, inputs x16: dQ 7.3e-3 against a floor of 3.6e-2).
+UNIT_ROUNDOFF_FP32 = 2.0 ** -24
+ACCUMULATION_NOISE_FACTOR = 2.0
+
+
+def backward_accumulation_floor(q, k, v, do, causal: bool, softmax_scale: float):
+    """Per-element floors (float64, the shapes of dQ and dK) for the float32 noise of dS = P (dP - D).
+
+    dP_ij = dO_i . V_j and D_i = dO_i . O_i are float32 sums of exact products, and where a row
+    sees one key (P = 1, O = V) they are the same products summed in two orders: dS is then pure
+    rounding noise, and dQ = dS K, dK = dS^T Q carry it at |K|, |Q| (logits in the thousands: noise
+    of 1e-2). No same-precision reference reproduces it (the order is the tensor cores'); its size
+    is known: ACCUMULATION_NOISE_FACTOR sqrt(d) u (|dO_i o V_j|_2 + |dO_i o O_i|_2) per P_ij, carried
+    through the dQ and dK GEMMs in absolute values. Where dS is not near 0 the floor is ~1e-3 of
+    the criterion's bound, so it admits nothing else."""
+    import torch
+    out, _ = attention_flash_rounding(q, k, v, causal, softmax_scale)
+    group = q.shape[2] // k.shape[2]
+    kr, vr = (x.repeat_interleave(group, dim=2).double() for x in (k, v))
+    qd, dod = q.double(), do.double()
+    u, c, visible = _scores(q, k.repeat_interleave(group, dim=2), causal, softmax_scale, (-1, -1), 0.0, False)
+    lse = torch.logsumexp(u.double().masked_fill(~visible, float("-inf")) * (c / LOG2E), dim=-1, keepdim=True)
+    p = torch.exp(u.double() * (c / LOG2E) - lse).nan_to_num(0.0).masked_fill(~visible, 0.0)
+    d_p_norm = torch.einsum("bqhd,bkhd->bhqk", dod ** 2, vr ** 2).sqrt()
+    delta_norm = (dod * out.double()).pow(2).sum(dim=-1).sqrt().transpose(1, 2)[..., None]
+    noise = ACCUMULATION_NOISE_FACTOR * q.shape[-1] ** 0.5 * UNIT_ROUNDOFF_FP32 * p * (d_p_norm + delta_norm)
+    floor_dq = torch.einsum("bhqk,bkhd->bqhd", noise, kr.abs()) * softmax_scale
+    floor_dk = torch.einsum("bhqk,bqhd->bkhd", noise, qd.abs()) * softmax_scale
+    return floor_dq, floor_dk.unflatten(2, (k.shape[2], group)).sum(dim=3)
+
