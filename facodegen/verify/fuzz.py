@@ -328,9 +328,15 @@ def fa3_failure(got, ref, lows, floor=None) -> str | None:
     if not bool(torch.isfinite(got).all()):
         return "non-finite values"
     diff = (got.double() - ref).abs()
-    err = (diff if floor is None else (diff - floor).clamp_min(0.0)).max().item()
+    excess = diff if floor is None else (diff - floor).clamp_min(0.0)
+    err = excess.max().item()
     bound = fa3_bound(ref, lows, got.dtype) + 1e-6
-    return None if err <= bound else f"max err {err:.3e} > bound {bound:.3e}"
+    if err <= bound:
+        return None
+    worst = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
+    lows = (lows,) if hasattr(lows, "shape") else lows
+    return (f"max err {err:.3e} > bound {bound:.3e} (at {worst}: got {got[worst].item():.6g}, float64 "
+            f"{ref[worst].item():.6g}, same-precision {', '.join(f'{low[worst].item():.6g}' for low in lows)})")
 
 
 def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
