@@ -235,14 +235,10 @@ def test_fa3_bound_is_twice_the_same_precision_error_plus_twice_the_rounding():
     assert fuzz.fa3_failure(low.to(torch.bfloat16), ref, low) is None
     assert "max err" in fuzz.fa3_failure((ref + 1).to(torch.bfloat16), ref, low)
     assert fuzz.fa3_failure(torch.tensor([float("nan")]), ref[:1], low[:1]) == "non-finite values"
-    # several same-precision computations: the largest error sets the bound
-    worse = ref + torch.tensor([0.0, 0.0, 0.05], dtype=torch.float64)
-    assert fuzz.fa3_bound(ref, (low, worse), torch.bfloat16) == pytest.approx(2 * 0.05 + 2 * rounding)
     # a per-element floor comes off each element's error, not off the largest one
     got = (ref + torch.tensor([0.5, 0.0, 0.0], dtype=torch.float64)).to(torch.bfloat16)
     assert fuzz.fa3_failure(got, ref, low, torch.tensor([0.5, 0.0, 0.0], dtype=torch.float64)) is None
     assert "max err" in fuzz.fa3_failure(got, ref, low, torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64))
-    assert fuzz.fa3_bound(ref, (worse, low), torch.bfloat16) == fuzz.fa3_bound(ref, (low, worse), torch.bfloat16)
 
 
 def test_an_interrupted_run_reports_the_cases_it_ran(monkeypatch):

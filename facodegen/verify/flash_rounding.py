@@ -11,9 +11,14 @@ thousands), and divides by a row sum l of the float32 P. O then carries P's rela
 (fp16: 2^-11) times |V|; the backward builds D = rowsum(dO * O) from that rounded O and recomputes
 P from the LSE the same way, so dS = P (dP - D) is no longer 0 where the reference's is.
 
-These functions compute attention with exactly those rounding points (one key tile: no online
-rescaling), so a fuzz case is held to the error of the algorithm it runs in its precision, not
-only to standard attention's: fuzz.fa3_bound takes the larger of the two same-precision errors.
+attention_flash_rounding and attention_backward_flash_rounding compute attention with exactly
+those rounding points (one key tile: no online rescaling) in a chosen summation order: a model of
+the kernels. Their error on a one-hot row is one draw of P's rounding (the kernel's draw may be
+twice as large: the H200 fuzz found such rows with three orders drawn), so the fuzz criterion
+takes the bound of that rounding, per element, off each error (forward_floor, backward_floor:
+fuzz.fa3_failure's ``floor``), with float32's noise where dS cancels; the backward model stays a
+second same-precision computation of the gradients (D from the rounded O). The tests hold the
+floors against the models in every order.
 """
 
 from __future__ import annotations
@@ -129,36 +134,55 @@ def attention_backward_flash_rounding(q, k, v, do, causal: bool, softmax_scale: 
     return d_q.to(dt), group_sum(d_k).to(dt), group_sum(d_v).to(dt)
 
 
-# float32's unit roundoff. A float32 sum of n terms x errs by about sqrt(n) u |x|_2 (a random walk
-# of roundings at the partial sums' size); the floor admits twice that, the criterion's own 2x. The
-# kernels' measured noise on one-key rows is a quarter to a fifth of it (H200, 2026-12-03: sm80
-# backward d256 937 x 1 causal, inputs x16: dQ 7.3e-3 against a floor of 3.6e-2).
+# Relative rounding of P to the dtype (half an ulp at 1), and float32's unit roundoff. A float32 sum
+# of n terms x errs by about sqrt(n) u |x|_2 (a random walk of roundings at the partial sums' size);
+# the floor admits twice that, the criterion's own 2x. The kernels' measured noise on one-key rows is
+# a quarter to a fifth of it (H200, 2026-12-03: sm80 backward d256 937 x 1 causal, inputs x16:
+# dQ 7.3e-3 against a floor of 3.6e-2 on like inputs).
+P_ROUNDING = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 UNIT_ROUNDOFF_FP32 = 2.0 ** -24
 ACCUMULATION_NOISE_FACTOR = 2.0
 
 
-def backward_accumulation_floor(q, k, v, do, causal: bool, softmax_scale: float):
-    """Per-element floors (float64, the shapes of dQ and dK) for the float32 noise of dS = P (dP - D).
-
-    dP_ij = dO_i . V_j and D_i = dO_i . O_i are float32 sums of exact products, and where a row
-    sees one key (P = 1, O = V) they are the same products summed in two orders: dS is then pure
-    rounding noise, and dQ = dS K, dK = dS^T Q carry it at |K|, |Q| (logits in the thousands: noise
-    of 1e-2). No same-precision reference reproduces it (the order is the tensor cores'); its size
-    is known: ACCUMULATION_NOISE_FACTOR sqrt(d) u (|dO_i o V_j|_2 + |dO_i o O_i|_2) per P_ij, carried
-    through the dQ and dK GEMMs in absolute values. Where dS is not near 0 the floor is ~1e-3 of
-    the criterion's bound, so it admits nothing else."""
+def forward_floor(q, k, v, causal: bool, softmax_scale: float, **variants):
+    """Per-element floor (float64, O's shape) for the rounding FlashAttention adds to O: each P_ij
+    rounded to the dtype *before* it is normalised, a relative error of up to P_ROUNDING, so O_id
+    errs by sum_j e_ij P_ij V_jd with |e_ij| <= P_ROUNDING: P_ROUNDING |P_i o V_d|_2 (exact where a
+    row is one-hot, where standard attention, which rounds P after normalising, is exact and no
+    same-precision draw bounds FlashAttention's error; the roundings' random walk elsewhere)."""
     import torch
-    out, _ = attention_flash_rounding(q, k, v, causal, softmax_scale)
+    from .fuzz import attention_probabilities
+    group = q.shape[2] // k.shape[2]
+    p, _ = attention_probabilities(q, k, causal, softmax_scale, True, **variants)
+    v2 = v.double().repeat_interleave(group, dim=2) ** 2
+    return P_ROUNDING[str(v.dtype).removeprefix("torch.")] * torch.einsum("bhqk,bkhd->bqhd", p ** 2, v2).sqrt()
+
+
+def backward_floor(q, k, v, do, causal: bool, softmax_scale: float):
+    """Per-element floors (float64, the shapes of dQ and dK) for what FlashAttention's dS = P (dP - D)
+    carries beyond a same-precision reference's:
+    - D = rowsum(dO o O) from the kernel's O, whose P roundings (forward_floor) move D_i by
+      sum_j e_ij P_ij dP_ij: P_ROUNDING |P_i o dP_i|_2 (O's own rounding to the dtype, a random
+      walk over head_dim, is in attention_backward_flash_rounding, which the criterion takes as a
+      second same-precision computation);
+    - dP_ij = dO_i . V_j and D_i are float32 sums of exact products: where a row sees one key (P = 1,
+      O = V) they are the same products in two orders, and dS is pure rounding noise, known in size:
+      ACCUMULATION_NOISE_FACTOR sqrt(d) u (|dO_i o V_j|_2 + |dO_i o O_i|_2).
+    Both per P_ij, carried through dQ = dS K and dK = dS^T Q in absolute values (logits in the
+    thousands: 1e-2)."""
+    import torch
+    from .fuzz import attention_probabilities
     group = q.shape[2] // k.shape[2]
     kr, vr = (x.repeat_interleave(group, dim=2).double() for x in (k, v))
     qd, dod = q.double(), do.double()
-    u, c, visible = _scores(q, k.repeat_interleave(group, dim=2), causal, softmax_scale, (-1, -1), 0.0, False)
-    lse = torch.logsumexp(u.double().masked_fill(~visible, float("-inf")) * (c / LOG2E), dim=-1, keepdim=True)
-    p = torch.exp(u.double() * (c / LOG2E) - lse).nan_to_num(0.0).masked_fill(~visible, 0.0)
+    p, _ = attention_probabilities(q, k, causal, softmax_scale, True)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vr)
+    d_p = torch.einsum("bqhd,bkhd->bhqk", dod, vr)
     d_p_norm = torch.einsum("bqhd,bkhd->bhqk", dod ** 2, vr ** 2).sqrt()
-    delta_norm = (dod * out.double()).pow(2).sum(dim=-1).sqrt().transpose(1, 2)[..., None]
-    noise = ACCUMULATION_NOISE_FACTOR * q.shape[-1] ** 0.5 * UNIT_ROUNDOFF_FP32 * p * (d_p_norm + delta_norm)
+    delta_norm = (dod * out).norm(dim=-1).transpose(1, 2)[..., None]
+    d_rounding = P_ROUNDING[str(q.dtype).removeprefix("torch.")] * (p * d_p).norm(dim=-1, keepdim=True)
+    accumulation = ACCUMULATION_NOISE_FACTOR * q.shape[-1] ** 0.5 * UNIT_ROUNDOFF_FP32 * (d_p_norm + delta_norm)
+    noise = p * (accumulation + d_rounding)
     floor_dq = torch.einsum("bhqk,bkhd->bqhd", noise, kr.abs()) * softmax_scale
     floor_dk = torch.einsum("bhqk,bqhd->bkhd", noise, qd.abs()) * softmax_scale
     return floor_dq, floor_dk.unflatten(2, (k.shape[2], group)).sum(dim=3)
-
