@@ -187,10 +187,12 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs)]
             assert specs[1].deterministic == c.deterministic
             assert (specs[1].head_dim, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)
-        elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen in the shape
+        elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen's plan_bound in the shape
             from facodegen.ops import varlen
+            bound = varlen.plan_bound
             assert specs == [api.resolve_spec(c.head_dim, c.dtype, c.causal, 0, varlen.check_arch(None),
-                                              shape=(c.batch, c.seqlen_q, c.seqlen_k, c.heads_q), varlen=True)]
+                                              shape=(c.batch, bound(c.seqlen_q), bound(c.seqlen_k), c.heads_q),
+                                              varlen=True)]
         else:
             dtype = {"fp16": "float16", "bf16": "bfloat16"}[c.dtype]
             q = _dense("q", (c.batch, c.seqlen_q, c.heads_q, c.head_dim), dtype)

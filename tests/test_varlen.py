@@ -215,9 +215,23 @@ def test_new_cu_seqlens_values_hit_the_plan_and_are_patched_in(varlen_plans):
     assert (second["q"], second["o"], second["lse"]) == (again["q"].data_ptr(), out2.data_ptr(), lse2.data_ptr())
     unchanged = set(first) - {"q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k"}
     assert {n: first[n] for n in unchanged} == {n: second[n] for n in unchanged}
-    # another max_seqlen_q is another grid: a new plan
-    _call(_args(max_seqlen_q=17), causal=True)
-    assert varlen._PLANS.misses == 2
+    # a longer max_seqlen under the same power of two (a server's growing sequences): the same plan
+    _call(_args(max_seqlen_q=128, max_seqlen_k=101), causal=True, return_lse=True)
+    assert varlen._PLANS.misses == 1
+    # past it, another grid: a new plan
+    _call(_args(max_seqlen_q=129), causal=True, return_lse=True)
+    _call(_args(max_seqlen_q=17), causal=True, return_lse=True)
+    assert varlen._PLANS.misses == 3
+    assert [r["grid"][0] for r in state.launches.records[-3:]] == [-(-n // _plan_spec().block_m) for n in (128, 256, 32)]
+
+
+def _plan_spec():
+    return next(iter(varlen._PLANS._plans.values())).spec
+
+
+def test_plan_bound_rounds_up_to_a_power_of_two():
+    assert [varlen.plan_bound(n) for n in (0, 1, 2, 3, 100, 128, 129, 8192)] == [0, 1, 2, 4, 128, 128, 256, 8192]
+    assert varlen.plan_bound(-3) == -3
 
 
 def test_other_total_tokens_hit_the_plan_and_patch_total_q(varlen_plans):
@@ -260,10 +274,11 @@ def test_flashparams_bytes_of_a_varlen_call(varlen_plans):
                                                                         args["cu_seqlens_k"].data_ptr())
     f = _fields(record)
     assert f["q"] == args["q"].data_ptr() and f["o"] == out.data_ptr() and f["lse"] != 0     # scratch LSE
+    # the grid's bounds: max_seqlen 100's plan_bound
     assert (f["batch"], f["seqlen_q"], f["seqlen_k"], f["heads_q"], f["heads_kv"], f["total_q"]) == \
-        (4, 100, 100, HQ, HKV, 118)
+        (4, 128, 128, HQ, HKV, 118)
     spec = next(iter(varlen._PLANS._plans.values())).spec
-    assert f["num_m_blocks"] == -(-100 // spec.block_m)
+    assert f["num_m_blocks"] == -(-128 // spec.block_m)
     assert record["grid"] == (f["num_m_blocks"], HQ, 4)
     assert (f["q_row_stride"], f["q_head_stride"], f["k_row_stride"], f["o_row_stride"]) == \
         (3 * HQ * D, D, HKV * D, HQ * D)

@@ -7,11 +7,15 @@ cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1 (int32 device arrays of shape (batch + 1,
 reads the boundaries itself (grid z = sequence), so a call never syncs: max_seqlen_q and
 max_seqlen_k are host ints the caller knows, and only max_seqlen_q shapes the grid.
 
+A plan is built for max_seqlen rounded up to a power of two (plan_bound): the grid covers that
+many query rows per sequence, and a tile past its sequence's end returns at once, so a server
+whose longest sequence grows each step meets a new plan only when it crosses a power of two.
+
 The checks and the plumbing are the forward's (api.py): the packed tensors are seen as one batch
 of total_tokens rows, so the dtype, device, head_dim, GQA, stride and alignment checks, the spec
 resolution, the compiled-kernel cache and the launch plan are the same code. A plan is keyed by
-the tensors' layouts (not their token counts), the number of sequences and max_seqlen_q/k, never
-by the values in cu_seqlens: a call whose boundaries or total tokens change is a plan-cache hit
+the tensors' layouts (not their token counts), the number of sequences and max_seqlen_q/k's
+plan_bound, never by the values in cu_seqlens: a call whose boundaries or total tokens change is a plan-cache hit
 that patches the cu_seqlens addresses and total_q (the LSE's head stride) into its FlashParams.
 """
 
@@ -43,8 +47,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     tensors or CuPy arrays (any token/head strides, contiguous head_dim; heads_kv divides heads_q).
     cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) device arrays of prefix sums (cu_seqlens[0] = 0):
     sequence b is tokens cu_seqlens[b] .. cu_seqlens[b+1]-1. max_seqlen_q, max_seqlen_k: host ints at
-    least each sequence's length (the grid covers max_seqlen_q query rows per sequence: rows past it
-    are not computed, as in FlashAttention; nothing reads cu_seqlens on the host).
+    least each sequence's length (the grid covers max_seqlen_q query rows per sequence, rounded up to
+    a power of two so that growing lengths reuse a plan: rows past that are not computed, as in
+    FlashAttention; nothing reads cu_seqlens on the host).
 
     Per sequence, exactly attention() of that sequence: causal aligned bottom-right (the last query
     sees every key), a zero-length sequence produces nothing, a query that sees no key gets O = 0
@@ -69,7 +74,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         if device >= 0:
             meta, packed = ARRAY_META[kind], _PACKED_META[kind]
             key = (kind, packed(q), packed(k), packed(v), meta(cu_seqlens_q), meta(cu_seqlens_k),
-                   max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k, current,
+                   max_seqlen_q.__class__, plan_bound(max_seqlen_q), max_seqlen_k.__class__,
+                   plan_bound(max_seqlen_k), current,
                    causal.__class__, causal, softmax_scale.__class__, softmax_scale, bool(return_lse), arch,
                    tuple(sorted(spec_fields.items())), packed(out), tunedb.generation())
             plan = _PLANS.get(key)
@@ -100,6 +106,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                      bool(return_lse), out, arch, spec_fields)     # misaligned: the checked path says which
     _launch(plan, stream, pointers, ptr(lse) if lse is not None else 0, ptr(cu_seqlens_q), ptr(cu_seqlens_k), total_q)
     return (out, lse) if return_lse else out
+
+
+def plan_bound(max_seqlen: int) -> int:
+    """The length a plan is built for: ``max_seqlen`` rounded up to a power of two (0 stays 0; a
+    negative value is left as it is, for the checked path to refuse)."""
+    return max_seqlen if max_seqlen <= 0 else 1 << (max_seqlen - 1).bit_length()
 
 
 def _packed_meta(meta):
@@ -191,7 +203,8 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
     check_packed(qv, kv, vv)
     cu_q, cu_k = check_cu_seqlens(qv, cu_seqlens_q, cu_seqlens_k)
-    max_q, max_k = check_max_seqlen("max_seqlen_q", max_seqlen_q), check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    max_q, max_k = (plan_bound(check_max_seqlen(name, value)) for name, value in
+                    (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     if "varlen" in spec_fields:

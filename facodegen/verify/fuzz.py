@@ -562,14 +562,17 @@ def case_spec(case: Case, device: int = 0):
         raise ValueError("a kvcache case launches no forward kernel (case_specs lists its kernels)")
     fields = {"out_dtype": "bf16", "v_layout": "row"} if case.dtype == "fp8" else {}
     causal = case.causal
-    if case.family == "varlen":     # as varlen.attention_varlen resolves it: max_seqlen in the shape
+    seqlen_q, seqlen_k = case.seqlen_q, case.seqlen_k
+    if case.family == "varlen":     # as varlen.attention_varlen resolves it: max_seqlen's plan_bound in the shape
+        from ..ops.varlen import plan_bound
         fields["varlen"] = True
+        seqlen_q, seqlen_k = plan_bound(seqlen_q), plan_bound(seqlen_k)
     if case.family == "variants":     # the switches api._variants derives from the call's arguments
         local, causal, _, _ = api.window_params(case.window_left, case.window_right, case.causal, case.seqlen_q,
                                                 case.seqlen_k, case.top_left)
         fields.update(local=local, softcap=case.softcap > 0, sinks=case.sinks)
     return api.resolve_spec(case.head_dim, case.dtype, causal, device, case.arch,
-                            shape=(case.batch, case.seqlen_q, case.seqlen_k, case.heads_q), **fields)
+                            shape=(case.batch, seqlen_q, seqlen_k, case.heads_q), **fields)
 
 
 def _compile_one(spec):

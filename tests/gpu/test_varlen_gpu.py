@@ -109,6 +109,19 @@ def test_other_totals_hit_the_plan_and_are_right(return_lse):
     _check(q, k, v, cu_q, cu_k, out, lse, True, torch.bfloat16)
 
 
+def test_a_longer_max_seqlen_under_the_same_power_of_two_hits_the_plan_and_is_right():
+    """A server's next step: every sequence one token longer, max_seqlen 600 -> 601 (plan_bound 1024
+    both): the plan of the first call, whose grid covers 1024 rows per sequence, and exact results."""
+    first = _packed((600, 3, 17), (600, 3, 17), 4, 2, 128, torch.float16)
+    facodegen.attention_varlen(*first, 600, 600, causal=True, return_lse=True)
+    misses = varlen._PLANS.misses
+    q, k, v, cu_q, cu_k = _packed((601, 4, 18), (601, 4, 18), 4, 2, 128, torch.float16)
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 601, 601, causal=True, return_lse=True)
+    assert varlen._PLANS.misses == misses
+    torch.cuda.synchronize()
+    _check(q, k, v, cu_q, cu_k, out, lse, True, torch.float16)
+
+
 def test_flash_attn_varlen_func_returns_flash_attentions_tuple():
     q, k, v, cu_q, cu_k = _packed((17, 33), (17, 40), 4, 4, 64, torch.float16)
     out, lse, probs = facodegen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 33, 40, causal=True,
