@@ -3,7 +3,10 @@
 # slow step cannot take the others' time; logs under $OUT (default ./verify-out), a summary last.
 #
 #   OUT=/path bash scripts/verify_gpu.sh [steps...]      # steps: tests fuzz sanitize bench (default: all)
+#                                                        # bench = host bwd decode variants (each a step too)
 #   FUZZ_S=330 SANITIZE_S=240 ... bash scripts/verify_gpu.sh fuzz   # the slow steps' time limits (seconds)
+#   TESTS="tests/gpu/test_backward_gpu.py ..."           # what the tests step runs (default: tests/gpu)
+#   BWD_VARIANTS="k_unroll=1 deterministic=true"         # backward knob sets the bwd step times beside the default
 #
 # Order and isolation are deliberate (H200, 2026-12-03): the fuzz runs alone (a racecheck sharing the
 # GPU starved it to a few hundred cases in three minutes); the sanitizer runs after it; the timings
@@ -14,8 +17,10 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-verify-out}"
 mkdir -p "$OUT"
 steps="${*:-tests fuzz sanitize bench}"
+steps="${steps/bench/host bwd decode variants}"
 for s in $steps; do
-    case $s in tests|fuzz|sanitize|bench) ;; *) echo "unknown step: $s (tests fuzz sanitize bench)"; exit 2 ;; esac
+    case $s in tests|fuzz|sanitize|host|bwd|decode|variants) ;;
+        *) echo "unknown step: $s (tests fuzz sanitize bench host bwd decode variants)"; exit 2 ;; esac
 done
 # Peers carried as unpacked wheels (.whl/*.tar.xz, e.g. FlashAttention-3: carry [".whl"]) go to /tmp/site.
 for archive in .whl/*.tar.xz; do
@@ -38,16 +43,23 @@ timeout -k 15 150 python3 scripts/warm_cache.py --fuzz 10000 > "$OUT/warm.log" 2
 for s in $steps; do
     case $s in
         tests)
-            step pytest 300 python3 -m pytest -q -rs -n 8 tests/gpu ;;
+            step pytest "${TESTS_S:-300}" python3 -m pytest -q -rs -n 8 ${TESTS:-tests/gpu} ;;
         fuzz)
             step fuzz "${FUZZ_S:-330}" python3 -m facodegen check --fuzz 10000 --seed 1 --family all ;;
         sanitize)
             step sanitize "${SANITIZE_S:-240}" python3 scripts/sanitize.py --out "$OUT/sanitize"
             step sanitize_decode "${SANITIZE_DECODE_S:-120}" python3 scripts/sanitize_decode.py --out "$OUT/sanitize-decode" ;;
-        bench)
+        host)
             step host_cost 60 python3 scripts/host_cost_breakdown.py
-            step bench_backward 120 python3 -m facodegen bench --suite fa3-paper --backward --quick --out "$OUT"
-            step bench_decode 180 python3 -m facodegen bench --suite decode --quick --out "$OUT"
+            step overhead 60 python3 -m facodegen bench --suite overhead --out "$OUT" ;;
+        bwd)
+            variant_args=()
+            for knobs in ${BWD_VARIANTS:-}; do variant_args+=(--variant "$knobs"); done
+            step bench_backward "${BWD_S:-120}" python3 -m facodegen bench --suite fa3-paper --backward --quick \
+                ${BWD_HEAD_DIM:+--head-dim $BWD_HEAD_DIM} "${variant_args[@]}" --out "$OUT" ;;
+        decode)
+            step bench_decode 180 python3 -m facodegen bench --suite decode --quick --out "$OUT" ;;
+        variants)
             step bench_variants 90 python3 -m facodegen bench --suite variants --out "$OUT" ;;
     esac
 done
