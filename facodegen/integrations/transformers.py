@@ -19,7 +19,8 @@ Not supported yet, raising NotImplementedError: padded batches (an attention_mas
 key), packed sequences (varlen kwargs, or position_ids that restart in a batch of one), dropout
 in training, ``softcap``, attention sinks (``s_aux``), ``position_bias``, and a
 ``sliding_window`` narrower than the keys (a wider one hides nothing and is accepted, as
-flash_attention_2 does). There is no backward pass: training raises (see facodegen.attention).
+flash_attention_2 does). Training runs facodegen's generated backward through autograd (fp16/bf16;
+see facodegen.attention).
 """
 
 from __future__ import annotations

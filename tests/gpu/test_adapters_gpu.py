@@ -205,3 +205,39 @@ def test_transformers_padded_batch_raises(llamas):
     mask[0, :4] = 0
     with pytest.raises(NotImplementedError, match=r"padded batches need variable-length support \(not yet\)"):
         llamas["facodegen"](ids, attention_mask=mask)
+
+
+def test_twenty_training_steps_of_a_llama_track_sdpa():
+    """Issue #38's training check: a small random-weight Llama trained 20 steps (AdamW, the same
+    initial weights and batches) with facodegen's attention (forward and generated backward, bf16)
+    tracks SDPA's bf16 run at every step within twice SDPA's own bf16-vs-fp32 gap + 1e-3."""
+    transformers = pytest.importorskip("transformers")
+    from facodegen.integrations.transformers import register
+    register()
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    state = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").state_dict()
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(3, 1024, (4, 256), generator=gen).cuda() for _ in range(20)]
+
+    def train(impl: str, dtype) -> list[float]:
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+        model.load_state_dict(state)
+        model = model.to("cuda", dtype).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for ids in batches:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    ours, sdpa, exact = train("facodegen", torch.bfloat16), train("sdpa", torch.bfloat16), train("sdpa", torch.float32)
+    for step, (a, b, c) in enumerate(zip(ours, sdpa, exact)):
+        assert abs(a - b) <= 2 * abs(b - c) + 1e-3, (f"step {step}: facodegen {a:.5f}, sdpa bf16 {b:.5f}, "
+                                                      f"sdpa fp32 {c:.5f}\n{ours}\n{sdpa}\n{exact}")
+    assert ours[-1] < ours[0]       # it trained
