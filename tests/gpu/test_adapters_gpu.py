@@ -137,15 +137,20 @@ def _rel(x, ref) -> float:
     return ((x - ref).norm() / ref.norm()).item()
 
 
-@pytest.fixture(scope="module")
-def llamas():
+def _llama_config(**overrides):
+    """transformers with facodegen registered, and a small Llama's config (GQA 8/2, head_dim 64)."""
     transformers = pytest.importorskip("transformers")
     from facodegen.integrations.transformers import register
     register()
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                                      max_position_embeddings=2048, initializer_range=0.1,   # peaky attention
-                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    fields = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    return transformers, transformers.LlamaConfig(**(fields | overrides))
+
+
+@pytest.fixture(scope="module")
+def llamas():
+    transformers, config = _llama_config(initializer_range=0.1)    # peaky attention
     torch.manual_seed(0)
     models, state = {}, None
     for impl in ("sdpa", "eager", "facodegen"):
@@ -211,12 +216,7 @@ def test_twenty_training_steps_of_a_llama_track_sdpa():
     """Issue #38's training check: a small random-weight Llama trained 20 steps (AdamW, the same
     initial weights and batches) with facodegen's attention (forward and generated backward, bf16)
     tracks SDPA's bf16 run at every step within twice SDPA's own bf16-vs-fp32 gap + 1e-3."""
-    transformers = pytest.importorskip("transformers")
-    from facodegen.integrations.transformers import register
-    register()
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                                      max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    transformers, config = _llama_config()
     torch.manual_seed(0)
     state = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").state_dict()
     gen = torch.Generator().manual_seed(2)
