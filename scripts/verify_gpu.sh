@@ -7,6 +7,7 @@
 #   FUZZ_S=330 SANITIZE_S=240 ... bash scripts/verify_gpu.sh fuzz   # the slow steps' time limits (seconds)
 #   TESTS="tests/gpu/test_backward_gpu.py ..."           # what the tests step runs (default: tests/gpu)
 #   BWD_VARIANTS="k_unroll=1 deterministic=true"         # backward knob sets the bwd step times beside the default
+#   WARM_FUZZ=0                                          # warm only the shipped kernels, not the fuzz's (no fuzz step)
 #
 # Order and isolation are deliberate (H200, 2026-12-03): the fuzz runs alone (a racecheck sharing the
 # GPU starved it to a few hundred cases in three minutes); the sanitizer runs after it; the timings
@@ -39,7 +40,7 @@ step() {   # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, note its e
     summary+=("| $name | $rc | $(( $(date +%s) - t0 )) s | $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-100) |")
 }
 
-timeout -k 15 150 python3 scripts/warm_cache.py --fuzz 10000 > "$OUT/warm.log" 2>&1; echo "warm: exit $? after $(( $(date +%s) - start )) s" >> "$OUT/warm.log"
+timeout -k 15 150 python3 scripts/warm_cache.py --fuzz "${WARM_FUZZ:-10000}" > "$OUT/warm.log" 2>&1; echo "warm: exit $? after $(( $(date +%s) - start )) s" >> "$OUT/warm.log"
 for s in $steps; do
     case $s in
         tests)
