@@ -190,7 +190,7 @@ def test_accumulation_floor_covers_one_key_rows_and_admits_nothing_elsewhere(seq
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_forward_floor_is_a_small_part_of_the_bound_on_ordinary_rows(dtype):
     """Rows over many keys (or a window of 18): the P roundings' random walk is below O's own
-    rounding, so the floor loosens the criterion by less than half and an error of 16 roundings
+    rounding, so the floor stays under 3/4 of the bound (0.2-0.55 seen) and an error of 16 roundings
     still fails; window and sinks go through it."""
     seed = int(torch.randint(0, 2 ** 31, ()))
     q, k, v = _inputs(100, 300, 4, 2, 64, 1.0, dtype, seed)
@@ -198,7 +198,23 @@ def test_forward_floor_is_a_small_part_of_the_bound_on_ordinary_rows(dtype):
         ref, _ = fuzz.attention_torch(q, k, v, True, 0.125, upcast=True, **variants)
         low, _ = fuzz.attention_torch(q, k, v, True, 0.125, upcast=False, **variants)
         floor = flash_rounding.forward_floor(q, k, v, True, 0.125, **variants)
-        assert floor.shape == ref.shape and floor.max().item() < 0.5 * fuzz.fa3_bound(ref, low, dtype), (variants, seed)
+        assert floor.shape == ref.shape and floor.max().item() < 0.75 * fuzz.fa3_bound(ref, low, dtype), (variants, seed)
         assert fuzz.fa3_failure(low, ref, low, floor) is None
         wrong = (ref * (1 + 16 * flash_rounding.P_ROUNDING[str(dtype).removeprefix("torch.")])).to(dtype)
         assert "max err" in fuzz.fa3_failure(wrong, ref, low, floor), (variants, seed)
+
+
+def test_a_one_key_row_a_whole_ulp_off_is_within_the_floor():
+    """The H200 fuzz's varlen case (2,499 queries, 1 key, fp16): O = V (1 + e) with P's rounding e,
+    rounded again to fp16, came out 26.5625 where V = 26.578125 (one ulp): standard attention is
+    exact there, so only the floor (P's rounding and O's own) can admit it; two ulps still fail."""
+    q, k, v = _inputs(3, 1, 1, 1, 64, 1.0, torch.float16, 5)
+    v[..., 0] = 26.578125
+    ref, _ = fuzz.attention_torch(q, k, v, False, 0.5, upcast=True)
+    low, _ = fuzz.attention_torch(q, k, v, False, 0.5, upcast=False)
+    floor = flash_rounding.forward_floor(q, k, v, False, 0.5)
+    assert torch.equal(low.double(), ref)
+    one_ulp, two_ulps = ref.clone(), ref.clone()
+    one_ulp[..., 0], two_ulps[..., 0] = 26.5625, 26.546875
+    assert fuzz.fa3_failure(one_ulp.to(torch.float16), ref, low, floor) is None
+    assert "max err" in fuzz.fa3_failure(two_ulps.to(torch.float16), ref, low, floor)
