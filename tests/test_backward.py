@@ -489,6 +489,32 @@ def test_out_with_grad_raises_at_the_forward():
         facodegen.attention(q, q.detach(), q.detach(), out=torch.empty_like(q.detach()))
 
 
+@pytest.mark.parametrize("variant", [{"window_size": (16, 0)}, {"softcap": 30.0}, {"sinks": "sinks"},
+                                     {"window_size": (8, 8), "causal_alignment": "top_left"}])
+def test_variants_that_require_grad_raise_at_the_forward(meta_launches, variant):
+    """The backward kernels compute plain attention's gradients: a window, softcap or sinks call that
+    would record a gradient raises, eager, traced and through the op, rather than returning O with
+    another function's backward."""
+    import facodegen
+    if "sinks" in variant:
+        variant = {"sinks": torch.empty(2, dtype=torch.float32, device="meta")}
+    q = meta(1, 16, 2, 64)
+    with pytest.raises(NotImplementedError, match="window_size, softcap and sinks have no backward"):
+        facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant)
+    assert not meta_launches.forwards
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="window_size, softcap and sinks have no backward"):
+        torch.compile(lambda q: facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant),
+                      fullgraph=True, backend="aot_eager")(q)
+    op_args = dict(window_size=[-1, -1], softcap=0.0, sinks=None, causal_alignment="bottom_right")
+    op_args.update({n: list(x) if n == "window_size" else x for n, x in variant.items()})
+    with pytest.raises(NotImplementedError, match="window_size, softcap and sinks have no backward"):
+        torch.ops.facodegen.attention(q, q.detach(), q.detach(), True, None, None, None, None, None, "", **op_args)
+    with torch.no_grad():       # no gradient recorded: the eager launch
+        facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant)
+    assert len(meta_launches.forwards) == 1
+
+
 def test_backward_op_fake_shapes():
     q, k = meta(2, 33, 8, 96, grad=False), meta(2, 65, 1, 96, grad=False)
     lse = torch.empty(2, 8, 33, dtype=torch.float32, device="meta")

@@ -705,8 +705,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     On torch tensors that require grad, the call records its backward: the generated backward
     kernels (facodegen.attention_backward) on the saved O and LSE; the LSE takes no gradient. Under
     ``torch.compile``/``torch.export`` the call goes through the ``facodegen::attention`` custom op
-    (facodegen.ops.torch_op), whose autograd formula runs the same backward. fp8 inputs and
-    out=/lse_out= have no backward: a call that would record a gradient raises.
+    (facodegen.ops.torch_op), whose autograd formula runs the same backward. fp8 inputs, the
+    variants below and out=/lse_out= have no backward: a call that would record a gradient raises.
 
     FP8 (sm90): q, k, v as torch.float8_e4m3fn; ``q_descale``/``k_descale``/``v_descale`` float32
     device tensors, each a scalar or (batch, heads_kv) (default 1); the scores are
@@ -728,7 +728,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
       softmax denominator and adds no value, O = sum_j e^(x_j) v_j / (sum_j e^(x_j) + e^(sink)).
       The LSE returned includes the sink, log(sum_j e^(x_j) + e^(sink)), as FlashAttention-4's and
       vLLM's kernels return it; a row that sees no key gets O = 0 and LSE = sink.
-    Not with fp8 inputs yet.
+    Not with fp8 inputs yet, and no backward yet (a call on tensors that require grad raises).
     """
     variant = _variant_args(window_size, softcap, sinks)
     if causal_alignment != "bottom_right":

@@ -28,8 +28,10 @@ Autograd: ``facodegen::attention`` has a backward (torch.library.register_autogr
 output is marked non-differentiable (no gradient flows back through it, as in FlashAttention).
 That formula is what AOTAutograd traces under torch.compile; in eager mode _Attention does the same
 work at a fraction of the op's autograd kernel's host cost (see _Attention).
-fp8 inputs and the mutating ``attention_out`` (out=/lse_out=) have no backward: a call that would
-record a gradient raises at the forward rather than returning an output with no grad_fn.
+fp8 inputs, the variants (window_size, softcap, sinks: the backward kernels compute plain
+attention's gradients) and the mutating ``attention_out`` (out=/lse_out=) have no backward: a call
+that would record a gradient raises at the forward rather than returning an output with no grad_fn
+or a wrong one.
 
 ``facodegen.attention_with_kvcache`` (facodegen/ops/kvcache.py) calls the kvcache ops on torch tensors
 while Dynamo traces it; an eager call launches from its plan. Both ops mark k_cache and v_cache
@@ -89,13 +91,19 @@ _FP8_HAS_NO_BACKWARD = ("facodegen.attention: fp8 (e4m3) inputs have no backward
                         "torch.no_grad() or on tensors that do not require grad")
 _OUT_HAS_NO_BACKWARD = ("facodegen.attention with out=/lse_out= has no backward: drop out= and lse_out= (use "
                         "return_lse=True) on tensors that require grad, or call it under torch.no_grad()")
+_VARIANTS_HAVE_NO_BACKWARD = ("facodegen.attention: window_size, softcap and sinks have no backward yet (the "
+                              "generated backward computes plain attention's gradients); call it under "
+                              "torch.no_grad() or on tensors that do not require grad")
 
 
-def _refuse_without_backward(q, out, lse_out) -> None:
-    """A call that would record a gradient raises at the forward where the backward has no kernel,
-    rather than returning an output with no grad_fn."""
+def _refuse_without_backward(q, out, lse_out, variant) -> None:
+    """A call that would record a gradient raises at the forward where the backward has no kernel
+    (``variant``: api's window_size, softcap, sinks, causal_alignment, or None), rather than
+    returning an output with no grad_fn or with a backward of another function."""
     if q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError(_FP8_HAS_NO_BACKWARD)
+    if variant is not None:
+        raise NotImplementedError(_VARIANTS_HAVE_NO_BACKWARD)
     if out is not None or lse_out is not None:
         raise NotImplementedError(_OUT_HAS_NO_BACKWARD)
 
@@ -103,12 +111,12 @@ def _refuse_without_backward(q, out, lse_out) -> None:
 def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch, variant=None, **spec_fields):
     """facodegen.attention through the operators, as Dynamo and torch.export trace it (the arguments
     are attention()'s; ``variant``: api's (window_size, softcap, sinks, causal_alignment) or None)."""
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
+        _refuse_without_backward(q, out, lse_out, variant)
     descales = [spec_fields.pop(name, None) for name in _DESCALES]
     window_size, softcap, sinks, alignment = variant or ((-1, -1), 0.0, None, "bottom_right")
     variant = (list(window_size), float(softcap), sinks, alignment)
     knobs = encode_knobs(spec_fields)
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
-        _refuse_without_backward(q, out, lse_out)
     if out is None and lse_out is None:
         out, lse = torch.ops.facodegen.attention(q, k, v, causal, softmax_scale, arch, *descales, knobs, *variant)
         return (out, lse) if return_lse else out
@@ -265,7 +273,9 @@ def _no_backward(op):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, arch, *_ = inputs
+    q, k, v, causal, softmax_scale, arch, *_, window_size, softcap, sinks, causal_alignment = inputs
+    if _variant(window_size, softcap, sinks, causal_alignment) is not None:    # the op called by hand
+        raise NotImplementedError(_VARIANTS_HAVE_NO_BACKWARD)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.arch = causal, softmax_scale, arch
@@ -293,7 +303,7 @@ def _attention_grad(ctx, grad_out, grad_lse):
 def attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant):
     """facodegen.attention in eager mode on tensors that record a gradient (api.attention's
     arguments): _Attention, the direct launches of the no-grad call and of attention_backward."""
-    _refuse_without_backward(q, out, lse_out)
+    _refuse_without_backward(q, out, lse_out, variant)
     out, lse = _Attention.apply(q, k, v, (causal, softmax_scale, arch, spec_fields, variant))
     return (out, lse) if return_lse else out
 
