@@ -302,9 +302,10 @@ def _attention_grad(ctx, grad_out, grad_lse):
 
 def attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant):
     """facodegen.attention in eager mode on tensors that record a gradient (api.attention's
-    arguments): _Attention, the direct launches of the no-grad call and of attention_backward."""
+    arguments): _Attention, the direct launches of the no-grad call and of attention_backward.
+    (``variant`` is refused: the backward kernels have no window, softcap or sink.)"""
     _refuse_without_backward(q, out, lse_out, variant)
-    out, lse = _Attention.apply(q, k, v, (causal, softmax_scale, arch, spec_fields, variant))
+    out, lse = _Attention.apply(q, k, v, (causal, softmax_scale, arch, spec_fields))
     return (out, lse) if return_lse else out
 
 
@@ -315,14 +316,13 @@ class _Attention(torch.autograd.Function):
     autograd formula (_setup_context, _attention_grad) at a fraction of its host cost: per call,
     torch.library's autograd kernel rebinds the op's 14 arguments to its schema
     (torch._library.utils.fill_defaults), several times the cost of this whole forward.
-    ``call``: (causal, softmax_scale, arch, spec_fields, variant), one argument for Function.apply
-    to walk rather than five."""
+    ``call``: (causal, softmax_scale, arch, spec_fields), one argument for Function.apply to walk
+    rather than four."""
 
     @staticmethod
     def forward(ctx, q, k, v, call):
-        causal, softmax_scale, arch, spec_fields, variant = call
-        out, lse = api._attention_torch(torch, q, k, v, causal, softmax_scale, True, None, None, arch, spec_fields,
-                                        variant)
+        causal, softmax_scale, arch, spec_fields = call
+        out, lse = api._attention_torch(torch, q, k, v, causal, softmax_scale, True, None, None, arch, spec_fields)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
@@ -332,7 +332,7 @@ class _Attention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, softmax_scale, arch, _, _ = ctx.call
+        causal, softmax_scale, arch, _ = ctx.call
         dq, dk, dv = backward.attention_backward(grad_out.contiguous(), q, k, v, out, lse, causal=causal,
                                                  softmax_scale=softmax_scale, arch=arch, **_backward_knobs())
         return dq, dk, dv, None
