@@ -466,10 +466,7 @@ def test_lse_is_returned_without_a_gradient(meta_launches):
     import facodegen
     q = meta(1, 16, 2, 64)
     out, lse = facodegen.attention(q, q.detach(), q.detach(), return_lse=True)
-    assert out.requires_grad and not lse.requires_grad
-    out, lse = torch.compile(lambda q: facodegen.attention(q, q.detach(), q.detach(), return_lse=True),
-                             fullgraph=True, backend="aot_eager")(q)
-    assert out.requires_grad and not lse.requires_grad
+    assert out.requires_grad and not lse.requires_grad      # traced: tests/test_torch_op.py
     traced = torch.ops.facodegen.attention(q, q.detach(), q.detach(), False, None, None, None, None, None, "")
     assert not traced[1].requires_grad      # the op's own formula marks it too
 

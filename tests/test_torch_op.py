@@ -85,9 +85,10 @@ def test_knobs_round_trip_and_refuse_what_a_schema_cannot_carry():
 
 def test_requires_grad_records_the_backward_while_tracing():
     q = meta(1, 16, 2, 64).requires_grad_(True)
-    out = torch.compile(lambda q: facodegen.attention(q, q.detach(), q.detach()), fullgraph=True,
-                        backend="aot_eager")(q)
+    out, lse = torch.compile(lambda q: facodegen.attention(q, q.detach(), q.detach(), return_lse=True),
+                             fullgraph=True, backend="aot_eager")(q)
     assert out.requires_grad and out.grad_fn is not None   # tests/test_backward.py: the rest of autograd
+    assert not lse.requires_grad
 
 
 @pytest.mark.parametrize("grad", [False, True])
