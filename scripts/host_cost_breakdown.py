@@ -5,7 +5,8 @@
 
 Times, on (1, 128, 8, 128) bf16 causal tensors, each step of api._attention_torch's hit path in a
 loop of its own (the call-key tuple, the dict lookup, empty_like for O, the data pointers, the
-stream query, the launch) and the whole call, in microseconds per call: bench.time_host_per_call's
+stream query, the launch) and the whole call; the call that records autograd and its pieces;
+a forward + backward beside SDPA's; in microseconds per call: bench.time_host_per_call's
 host_us (chunks of calls after a synchronize, so no launch waits for the GPU) and its loop_us.
 The steps do not add up exactly (a loop of one step keeps its objects in cache), but they say which
 step a faster path must remove.
@@ -37,6 +38,25 @@ def main() -> int:
     device = q.get_device()
     qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     facodegen.attention(qg, kg, vg, causal=True)
+    dout = torch.randn_like(q)
+    dout_t = dout.transpose(1, 2)
+    o_saved, lse_saved = facodegen.attention(q, k, v, causal=True, return_lse=True)
+
+    class AllocateOnly(torch.autograd.Function):
+        """torch_op._Attention's autograd bookkeeping around a forward that launches nothing."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, call):
+            out, lse = torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.call = call
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            return None, None, None, None
+
     # Each layer of a model calls with its own tensors: one plan, a params image per address set.
     sets = [tuple(torch.randn_like(q) for _ in range(3)) for _ in range(32)]
     turns = itertools.cycle(sets)
@@ -56,11 +76,25 @@ def main() -> int:
         ("attention() whole call", lambda: facodegen.attention(q, k, v, causal=True)),
         ("attention(), 32 input sets in turn (a model's layers)", lambda: facodegen.attention(*next(turns), causal=True)),
         ("prepare()() whole call", facodegen.prepare(q, k, v, causal=True)),
-        # Training: the forward of a call that records the backward (the torch op with its autograd
-        # node, LSE saved), beside SDPA's with autograd (#38: at most 2x SDPA's).
+        # Training: the forward of a call that records the backward (torch_op._Attention: the plan
+        # launch inside an autograd.Function, O and LSE saved), beside SDPA's with autograd (#38: at
+        # most 2x SDPA's), then its pieces: the Function's forward body alone (the plan launch with
+        # the LSE), the Function's bookkeeping around a forward that only allocates O and LSE, and
+        # the op's register_autograd formula that torch.compile traces (what eager calls used before).
         ("attention() recording autograd", lambda: facodegen.attention(qg, kg, vg, causal=True)),
         ("torch SDPA recording autograd", lambda: torch.nn.functional.scaled_dot_product_attention(
             qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), is_causal=True)),
+        ("  _Attention's forward body: api._attention_torch with the LSE", lambda: api._attention_torch(
+            torch, qg, kg, vg, True, None, True, None, None, None, {})),
+        ("  autograd.Function around O, LSE allocation only", lambda: AllocateOnly.apply(qg, kg, vg, None)),
+        ("  torch.ops.facodegen.attention recording (register_autograd)", lambda: torch.ops.facodegen.attention(
+            qg, kg, vg, True, None, None, None, None, None, "")),
+        # A training step's attention: forward and backward (three backward launches, dQ accumulator).
+        ("attention() forward + backward", lambda: facodegen.attention(qg, kg, vg, causal=True).backward(dout)),
+        ("torch SDPA forward + backward", lambda: torch.nn.functional.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), is_causal=True).backward(dout_t)),
+        ("  attention_backward() alone", lambda: facodegen.attention_backward(dout, q, k, v, o_saved, lse_saved,
+                                                                              causal=True)),
         ("torch SDPA whole call", lambda: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)),
         ("call key tuple", make_key),

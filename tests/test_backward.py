@@ -345,7 +345,94 @@ def meta(*shape, dtype=torch.bfloat16, grad=True):
     return torch.empty(*shape, dtype=dtype, device="meta").requires_grad_(grad)
 
 
-def test_autograd_records_a_backward_and_compile_traces_it():
+class MetaLaunches:
+    """Stand-ins for the eager launches on meta tensors: api._attention_torch (the forward's plan
+    path) and backward.attention_backward, each recording its arguments and returning empty outputs."""
+
+    def __init__(self):
+        self.forwards, self.backwards = [], []
+
+    def forward(self, torch_, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields,
+                variant=None):
+        made = torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        self.forwards.append(dict(q=q, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
+                                  lse_out=lse_out, arch=arch, spec_fields=spec_fields, variant=variant, made=made))
+        return made if return_lse else made[0]
+
+    def backward(self, do, q, k, v, out, lse, **kwargs):
+        self.backwards.append(dict(do=do, q=q, k=k, v=v, out=out, lse=lse, **kwargs))
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@pytest.fixture
+def meta_launches(monkeypatch):
+    launches = MetaLaunches()
+    monkeypatch.setattr(api, "_attention_torch", launches.forward)
+    monkeypatch.setattr(backward, "attention_backward", launches.backward)
+    return launches
+
+
+class DispatchedOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the operators dispatched below autograd while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_autograd_launches_without_the_op(meta_launches):
+    """An eager call that records a gradient launches from the plan inside an autograd.Function
+    (torch_op._Attention) and its backward calls attention_backward: neither dispatches a facodegen
+    operator (torch.library's autograd kernel for the op rebinds its 14 arguments to the schema per
+    call: several times this path's host cost)."""
+    import facodegen
+    q, k, v = meta(2, 100, 8, 128), meta(2, 77, 2, 128), meta(2, 77, 2, 128)
+    with DispatchedOps() as ops:
+        out, lse = facodegen.attention(q, k, v, causal=True, softmax_scale=0.1, return_lse=True, block_n=64)
+        out.float().sum().backward()
+    assert not [name for name in ops.names if name.startswith("facodegen::")], ops.names
+    assert type(out.grad_fn).__name__ == "_AttentionBackward" and not lse.requires_grad
+    [fwd] = meta_launches.forwards
+    assert fwd["q"] is q and fwd["return_lse"] is True and fwd["out"] is None and fwd["lse_out"] is None
+    assert (fwd["causal"], fwd["softmax_scale"], fwd["spec_fields"], fwd["variant"]) == (True, 0.1, {"block_n": 64},
+                                                                                          None)
+    [bwd] = meta_launches.backwards
+    assert torch._C._is_alias_of(bwd["out"], fwd["made"][0]) and torch._C._is_alias_of(bwd["lse"], fwd["made"][1])
+    assert bwd["q"] is q and bwd["k"] is k and bwd["v"] is v and bwd["do"].shape == q.shape
+    assert {n: x for n, x in bwd.items() if n not in ("do", "q", "k", "v", "out", "lse")} == \
+        {"causal": True, "softmax_scale": 0.1, "arch": None}     # the forward's knobs are not the backward's
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_eager_backward_is_deterministic_under_torch_use_deterministic_algorithms(meta_launches):
+    import facodegen
+    q = meta(1, 16, 2, 64)
+    out = facodegen.attention(q, q.detach(), q.detach(), arch="sm90")
+    torch.use_deterministic_algorithms(True)     # read at backward time, as the op's formula reads it
+    try:
+        out.float().sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    [bwd] = meta_launches.backwards
+    assert bwd["deterministic"] is True and bwd["arch"] == "sm90" and bwd["causal"] is False
+
+
+def test_eager_autograd_takes_no_second_derivative(meta_launches):
+    import facodegen
+    q = meta(1, 16, 2, 64)
+    out = facodegen.attention(q, q.detach(), q.detach())
+    (dq,) = torch.autograd.grad(out, q, torch.empty_like(out).requires_grad_(True), create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dq.float().sum().backward()
+
+
+def test_autograd_records_a_backward_and_compile_traces_it(meta_launches):
+    """Eager: torch_op._Attention records the backward; Dynamo traces the op instead (the eager
+    launch is never called), and AOTAutograd its register_autograd formula."""
     import facodegen
     from torch._dynamo.backends.common import aot_autograd
 
@@ -362,23 +449,27 @@ def test_autograd_records_a_backward_and_compile_traces_it():
 
     q, k, v = meta(2, 100, 8, 128), meta(2, 77, 2, 128), meta(2, 77, 2, 128)
     eager_out = facodegen.attention(q, k, v, causal=True)
-    assert eager_out.grad_fn is not None
+    assert type(eager_out.grad_fn).__name__ == "_AttentionBackward" and len(meta_launches.forwards) == 1
+    torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         value = torch.compile(loss, fullgraph=True, backend=aot_autograd(fw_compiler=keep("fw"),
                                                                          bw_compiler=keep("bw")))(q, k, v)
         value.backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert len(meta_launches.forwards) == 1 and not meta_launches.backwards   # the traced ops, not _Attention
     tags = {tag: text for tag, text in graphs}
     assert "facodegen.attention.default" in tags["fw"]
     assert "facodegen.attention_backward.default" in tags["bw"]
 
 
-def test_lse_is_returned_without_a_gradient():
+def test_lse_is_returned_without_a_gradient(meta_launches):
     import facodegen
     q = meta(1, 16, 2, 64)
     out, lse = facodegen.attention(q, q.detach(), q.detach(), return_lse=True)
-    assert out.requires_grad and not lse.requires_grad
+    assert out.requires_grad and not lse.requires_grad      # traced: tests/test_torch_op.py
+    traced = torch.ops.facodegen.attention(q, q.detach(), q.detach(), False, None, None, None, None, None, "")
+    assert not traced[1].requires_grad      # the op's own formula marks it too
 
 
 def test_fp8_that_requires_grad_raises_at_the_forward():
@@ -394,6 +485,35 @@ def test_out_with_grad_raises_at_the_forward():
     q = meta(1, 16, 2, 64)
     with pytest.raises(NotImplementedError, match="out="):
         facodegen.attention(q, q.detach(), q.detach(), out=torch.empty_like(q.detach()))
+
+
+VARIANTS = {"window": lambda: {"window_size": (16, 0)}, "softcap": lambda: {"softcap": 30.0},
+            "sinks": lambda: {"sinks": torch.empty(2, dtype=torch.float32, device="meta")},
+            "window_top_left": lambda: {"window_size": (8, 8), "causal_alignment": "top_left"}}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variants_that_require_grad_raise_at_the_forward(meta_launches, name):
+    """The backward kernels compute plain attention's gradients: a window, softcap or sinks call that
+    would record a gradient raises, eager, traced and through the op, rather than returning O with
+    another function's backward."""
+    import facodegen
+    variant = VARIANTS[name]()
+    q = meta(1, 16, 2, 64)
+    with pytest.raises(NotImplementedError, match="window_size, softcap and sinks have no backward"):
+        facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant)
+    assert not meta_launches.forwards
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="window_size, softcap and sinks have no backward"):
+        torch.compile(lambda q: facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant),
+                      fullgraph=True, backend="aot_eager")(q)
+    op_args = dict(window_size=[-1, -1], softcap=0.0, sinks=None, causal_alignment="bottom_right")
+    op_args.update({n: list(x) if n == "window_size" else x for n, x in variant.items()})
+    with pytest.raises(NotImplementedError, match="window_size, softcap and sinks have no backward"):
+        torch.ops.facodegen.attention(q, q.detach(), q.detach(), True, None, None, None, None, None, "", **op_args)
+    with torch.no_grad():       # no gradient recorded: the eager launch
+        facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant)
+    assert len(meta_launches.forwards) == 1
 
 
 def test_backward_op_fake_shapes():

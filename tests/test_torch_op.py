@@ -83,15 +83,20 @@ def test_knobs_round_trip_and_refuse_what_a_schema_cannot_carry():
         torch_op.encode_knobs({"block_n": [64]})
 
 
-def test_requires_grad_records_the_backward():
+def test_requires_grad_records_the_backward_while_tracing():
     q = meta(1, 16, 2, 64).requires_grad_(True)
-    out = facodegen.attention(q, q.detach(), q.detach())
+    out, lse = torch.compile(lambda q: facodegen.attention(q, q.detach(), q.detach(), return_lse=True),
+                             fullgraph=True, backend="aot_eager")(q)
     assert out.requires_grad and out.grad_fn is not None   # tests/test_backward.py: the rest of autograd
+    assert not lse.requires_grad
 
 
-def test_a_meta_tensor_in_eager_is_refused_by_name():
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_meta_tensor_in_eager_is_refused_by_name(grad):
+    """Eager calls launch (with a gradient recorded or not): a meta tensor is refused as a CPU one is."""
+    q = meta(1, 16, 2, 64).requires_grad_(grad)
     with pytest.raises(TypeError, match="q is a torch tensor on meta"):
-        facodegen.attention(meta(1, 16, 2, 64), meta(1, 16, 2, 64), meta(1, 16, 2, 64))
+        facodegen.attention(q, meta(1, 16, 2, 64), meta(1, 16, 2, 64))
 
 
 def test_compile_and_export_carry_the_variants():

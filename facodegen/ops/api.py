@@ -702,10 +702,11 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     and builds a launch plan (and compiles the kernel if the compile cache has none); later
     calls with the same key look the plan up and launch (a few microseconds of host time).
 
-    On torch tensors under ``torch.compile``/``torch.export``, or with tensors that require grad,
-    the call goes through the ``facodegen::attention`` custom op (facodegen.ops.torch_op), whose
-    backward runs the generated backward kernels (facodegen.attention_backward) on the saved O and
-    LSE. fp8 inputs and out=/lse_out= have no backward: a call that would record a gradient raises.
+    On torch tensors that require grad, the call records its backward: the generated backward
+    kernels (facodegen.attention_backward) on the saved O and LSE; the LSE takes no gradient. Under
+    ``torch.compile``/``torch.export`` the call goes through the ``facodegen::attention`` custom op
+    (facodegen.ops.torch_op), whose autograd formula runs the same backward. fp8 inputs, the
+    variants below and out=/lse_out= have no backward: a call that would record a gradient raises.
 
     FP8 (sm90): q, k, v as torch.float8_e4m3fn; ``q_descale``/``k_descale``/``v_descale`` float32
     device tensors, each a scalar or (batch, heads_kv) (default 1); the scores are
@@ -727,7 +728,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
       softmax denominator and adds no value, O = sum_j e^(x_j) v_j / (sum_j e^(x_j) + e^(sink)).
       The LSE returned includes the sink, log(sum_j e^(x_j) + e^(sink)), as FlashAttention-4's and
       vLLM's kernels return it; a row that sees no key gets O = 0 and LSE = sink.
-    Not with fp8 inputs yet.
+    Not with fp8 inputs yet, and no backward yet (a call on tensors that require grad raises).
     """
     variant = _variant_args(window_size, softcap, sinks)
     if causal_alignment != "bottom_right":
@@ -739,14 +740,15 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                              lse_out=lse_out, arch=arch, **spec_fields)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(q, torch.Tensor):
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (  # (k, v may be of another library)
-                q.requires_grad or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False))):
+        if torch.compiler.is_compiling():   # Dynamo and torch.export trace the ops (and their autograd formula)
             from . import torch_op
-            if variant is not None:
-                spec_fields = dict(spec_fields, window_size=window_size, softcap=softcap, sinks=sinks,
-                                   causal_alignment=variant[3])
             return torch_op.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                                      out=out, lse_out=lse_out, arch=arch, **spec_fields)
+                                      out=out, lse_out=lse_out, arch=arch, variant=variant, **spec_fields)
+        if torch.is_grad_enabled() and (    # (k, v may be of another library)
+                q.requires_grad or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False)):
+            from . import torch_op
+            return torch_op.attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch,
+                                                spec_fields, variant)
         return _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields,
                                 variant)
     return _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant)

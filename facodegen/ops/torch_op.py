@@ -11,9 +11,10 @@
     torch.ops.facodegen.attention_with_kvcache_out(q, k_cache!, v_cache!, cache_seqlens, page_table, k, v,
                                                    out!, lse!, causal, ...) -> ()   (writes out, lse too)
 
-``facodegen.attention`` calls them on torch tensors while Dynamo traces it, and when an input
-requires grad; an eager call that records no gradient skips the dispatcher and launches
-straight from its plan (api.py), since the op's dispatch costs more than the launch itself.
+``facodegen.attention`` calls them on torch tensors while Dynamo traces it; an eager call skips
+the dispatcher and launches straight from its plan (api.py), since the op's dispatch costs more
+than the launch itself. An eager call that records a gradient does too, inside an
+autograd.Function (_Attention, below), whose backward calls attention_backward directly.
 The ops are defined with ``torch.library.Library`` (cheaper per call than ``custom_op``) and a
 fake implementation that computes every output's shape from the inputs alone.
 
@@ -25,8 +26,12 @@ Autograd: ``facodegen::attention`` has a backward (torch.library.register_autogr
                                            knobs) -> (dq, dk, dv)
 (the generated backward kernels, facodegen/ops/backward.py) on the forward's saved O and LSE; the LSE
 output is marked non-differentiable (no gradient flows back through it, as in FlashAttention).
-fp8 inputs and the mutating ``attention_out`` (out=/lse_out=) have no backward: a call that would
-record a gradient raises at the forward rather than returning an output with no grad_fn.
+That formula is what AOTAutograd traces under torch.compile; in eager mode _Attention does the same
+work at a fraction of the op's autograd kernel's host cost (see _Attention).
+fp8 inputs, the variants (window_size, softcap, sinks: the backward kernels compute plain
+attention's gradients) and the mutating ``attention_out`` (out=/lse_out=) have no backward: a call
+that would record a gradient raises at the forward rather than returning an output with no grad_fn
+or a wrong one.
 
 ``facodegen.attention_with_kvcache`` (facodegen/ops/kvcache.py) calls the kvcache ops on torch tensors
 while Dynamo traces it; an eager call launches from its plan. Both ops mark k_cache and v_cache
@@ -41,8 +46,9 @@ import ast
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from . import api, kvcache
+from . import api, backward, kvcache
 
 _LIB = torch.library.Library("facodegen", "DEF")
 # The attention variants (window_size, softcap, sinks: facodegen.attention's) come last, with
@@ -81,16 +87,36 @@ def decode_knobs(knobs: str) -> dict:
     return fields
 
 
-def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch, **spec_fields):
-    """facodegen.attention through the operators (the arguments are attention()'s)."""
-    descales = [spec_fields.pop(name, None) for name in _DESCALES]
-    variant = (list(spec_fields.pop("window_size", (-1, -1))), float(spec_fields.pop("softcap", 0.0)),
-               spec_fields.pop("sinks", None), spec_fields.pop("causal_alignment", "bottom_right"))
-    knobs = encode_knobs(spec_fields)
+_FP8_HAS_NO_BACKWARD = ("facodegen.attention: fp8 (e4m3) inputs have no backward yet; call it under "
+                        "torch.no_grad() or on tensors that do not require grad")
+_OUT_HAS_NO_BACKWARD = ("facodegen.attention with out=/lse_out= has no backward: drop out= and lse_out= (use "
+                        "return_lse=True) on tensors that require grad, or call it under torch.no_grad()")
+_VARIANTS_HAVE_NO_BACKWARD = ("facodegen.attention: window_size, softcap and sinks have no backward yet (the "
+                              "generated backward computes plain attention's gradients); call it under "
+                              "torch.no_grad() or on tensors that do not require grad")
+
+
+def _refuse_without_backward(q, out, lse_out, variant) -> None:
+    """A call that would record a gradient raises at the forward where the backward has no kernel
+    (``variant``: api's window_size, softcap, sinks, causal_alignment, or None), rather than
+    returning an output with no grad_fn or with a backward of another function."""
+    if q.dtype == torch.float8_e4m3fn:
+        raise NotImplementedError(_FP8_HAS_NO_BACKWARD)
+    if variant is not None:
+        raise NotImplementedError(_VARIANTS_HAVE_NO_BACKWARD)
+    if out is not None or lse_out is not None:
+        raise NotImplementedError(_OUT_HAS_NO_BACKWARD)
+
+
+def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch, variant=None, **spec_fields):
+    """facodegen.attention through the operators, as Dynamo and torch.export trace it (the arguments
+    are attention()'s; ``variant``: api's (window_size, softcap, sinks, causal_alignment) or None)."""
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
-        if q.dtype == torch.float8_e4m3fn:
-            raise NotImplementedError("facodegen.attention: fp8 (e4m3) inputs have no backward yet; call it under "
-                                      "torch.no_grad() or on tensors that do not require grad")
+        _refuse_without_backward(q, out, lse_out, variant)
+    descales = [spec_fields.pop(name, None) for name in _DESCALES]
+    window_size, softcap, sinks, alignment = variant or ((-1, -1), 0.0, None, "bottom_right")
+    variant = (list(window_size), float(softcap), sinks, alignment)
+    knobs = encode_knobs(spec_fields)
     if out is None and lse_out is None:
         out, lse = torch.ops.facodegen.attention(q, k, v, causal, softmax_scale, arch, *descales, knobs, *variant)
         return (out, lse) if return_lse else out
@@ -228,9 +254,8 @@ def _kvcache_no_backward(op):
 
 
 def _attention_backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, arch, knobs):
-    from .backward import attention_backward
-    return attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, arch=arch,
-                              **decode_knobs(knobs))
+    return backward.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                       arch=arch, **decode_knobs(knobs))
 
 
 def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, arch, knobs):
@@ -241,32 +266,76 @@ def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, arc
 def _no_backward(op):
     def autograd_kernel(q, k, v, *args):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise NotImplementedError(
-                "facodegen.attention with out=/lse_out= has no backward: drop out= and lse_out= (use "
-                "return_lse=True) on tensors that require grad, or call it under torch.no_grad()")
+            raise NotImplementedError(_OUT_HAS_NO_BACKWARD)
         with torch._C._AutoDispatchBelowAutograd():
             return op(q, k, v, *args)
     return autograd_kernel
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, arch, *_ = inputs
+    q, k, v, causal, softmax_scale, arch, *_, window_size, softcap, sinks, causal_alignment = inputs
+    if _variant(window_size, softcap, sinks, causal_alignment) is not None:    # the op called by hand
+        raise NotImplementedError(_VARIANTS_HAVE_NO_BACKWARD)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.arch = causal, softmax_scale, arch
     ctx.mark_non_differentiable(lse)
 
 
+def _backward_knobs() -> dict:
+    """The backward's knobs at backward time: torch.use_deterministic_algorithms(True) asks for
+    bit-identical gradients, dQ's adds in a fixed order."""
+    return {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}
+
+
 def _attention_grad(ctx, grad_out, grad_lse):
     """dQ, dK, dV through the generated backward (the LSE output takes no gradient)."""
     q, k, v, out, lse = ctx.saved_tensors
     if q.dtype == torch.float8_e4m3fn:
-        raise NotImplementedError("facodegen.attention: fp8 (e4m3) inputs have no backward yet")
-    # torch.use_deterministic_algorithms(True) asks for bit-identical gradients: dQ's adds in a fixed order
-    knobs = "deterministic=True" if torch.are_deterministic_algorithms_enabled() else ""
+        raise NotImplementedError(_FP8_HAS_NO_BACKWARD)
     dq, dk, dv = torch.ops.facodegen.attention_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.causal,
-                                                        ctx.softmax_scale, ctx.arch, knobs)
+                                                        ctx.softmax_scale, ctx.arch, encode_knobs(_backward_knobs()))
     return dq, dk, dv, None, None, None, None, None, None, None
+
+
+# ------------------------------------------------------------------ eager autograd
+
+def attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant):
+    """facodegen.attention in eager mode on tensors that record a gradient (api.attention's
+    arguments): _Attention, the direct launches of the no-grad call and of attention_backward.
+    (``variant`` is refused: the backward kernels have no window, softcap or sink.)"""
+    _refuse_without_backward(q, out, lse_out, variant)
+    out, lse = _Attention.apply(q, k, v, (causal, softmax_scale, arch, spec_fields))
+    return (out, lse) if return_lse else out
+
+
+class _Attention(torch.autograd.Function):
+    """Attention with its backward, outside the dispatcher: the forward launches from the plan as a
+    no-grad call does (api._attention_torch, the LSE too) and saves O and LSE; the backward calls
+    attention_backward, whose plan launches the generated kernels. The same work as the op's
+    autograd formula (_setup_context, _attention_grad) at a fraction of its host cost: per call,
+    torch.library's autograd kernel rebinds the op's 14 arguments to its schema
+    (torch._library.utils.fill_defaults), several times the cost of this whole forward.
+    ``call``: (causal, softmax_scale, arch, spec_fields), one argument for Function.apply to walk
+    rather than four."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call):
+        causal, softmax_scale, arch, spec_fields = call
+        out, lse = api._attention_torch(torch, q, k, v, causal, softmax_scale, True, None, None, arch, spec_fields)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = call
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, softmax_scale, arch, _ = ctx.call
+        dq, dk, dv = backward.attention_backward(grad_out.contiguous(), q, k, v, out, lse, causal=causal,
+                                                 softmax_scale=softmax_scale, arch=arch, **_backward_knobs())
+        return dq, dk, dv, None
 
 
 _LIB.impl("attention", _attention_cuda, "CUDA")

@@ -1,7 +1,8 @@
 """The generated backward on a GPU: dQ, dK, dV against float64 with FlashAttention-3's criterion
 (the kernel's max error <= 2x the same-precision torch reference's + twice the dtype's rounding of
 the float64 result), over FA3's seqlen pairs x MHA/GQA/MQA x causal x head dims x fp16/bf16;
-NaN-poisoned gradient buffers; autograd through facodegen.attention against attention_backward;
+NaN-poisoned gradient buffers; autograd through facodegen.attention against attention_backward
+and against the op's register_autograd formula, and its host cost against SDPA's (issue #38);
 and torch.compile(fullgraph=True) of a forward+backward step.
 
 O and LSE fed to the backward are the float64 reference's (O rounded to the dtype), so this file
@@ -172,6 +173,48 @@ def test_autograd_through_attention_equals_attention_backward(d, causal, heads):
     torch.testing.assert_close(leaves[0].grad, dq, atol=2e-2, rtol=2e-2)   # dQ: fp32 atomics, any order
     assert torch.equal(leaves[1].grad, dk) and torch.equal(leaves[2].grad, dv)
     assert check_grads((leaves[0].grad, leaves[1].grad, leaves[2].grad), do, q, k, v, causal, d ** -0.5) == []
+
+
+def test_eager_autograd_equals_the_ops_formula():
+    """The eager recording call (torch_op._Attention: plan launches, no dispatcher) against the
+    op's register_autograd formula (what torch.compile traces) on one GQA problem: the same O and
+    LSE, and under torch.use_deterministic_algorithms(True) the same dQ, dK, dV bits, which meet
+    the float64 criterion; dO a strided view (the backward takes it contiguous)."""
+    q, k, v, _ = make(2, 300, 257, 8, 2, 128, torch.bfloat16, seed=11)
+    do = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    eager = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    traced = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    torch.use_deterministic_algorithms(True)
+    try:
+        out, lse = facodegen.attention(*eager, causal=True, return_lse=True)
+        assert type(out.grad_fn).__name__ == "_AttentionBackward" and not lse.requires_grad
+        out.backward(do)
+        op_out, op_lse = torch.ops.facodegen.attention(*traced, True, None, None, None, None, None, "")
+        assert type(op_out.grad_fn).__name__ != "_AttentionBackward" and not op_lse.requires_grad
+        op_out.backward(do)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.cuda.synchronize()
+    assert torch.equal(out, op_out) and torch.equal(lse, op_lse)
+    for a, b in zip(eager, traced):
+        assert torch.equal(a.grad, b.grad)
+    assert check_grads([x.grad for x in eager], do, q, k, v, True, 128 ** -0.5) == []
+
+
+def test_recording_host_cost_is_at_most_twice_sdpas():
+    """Issue #38's bar: a facodegen.attention() call that records autograd costs the host at most
+    2x what SDPA's does with autograd, on (1, 128, 8, 128) bf16 causal (the overhead suite's shape;
+    scripts/host_cost_breakdown.py has the breakdown)."""
+    from facodegen import bench
+    q, k, v = (torch.randn(1, 128, 8, 128, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+               for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    timing = {"warmup": 100, "calls": 1000, "repeats": 5, "chunk": 100}
+    ours = bench.time_host_per_call(lambda: facodegen.attention(q, k, v, causal=True), torch.cuda.synchronize,
+                                    **timing)["host_us"]
+    sdpa = bench.time_host_per_call(lambda: torch.nn.functional.scaled_dot_product_attention(
+        qt, kt, vt, is_causal=True), torch.cuda.synchronize, **timing)["host_us"]
+    assert ours <= 2 * sdpa, f"facodegen.attention() recording autograd: {ours:.1f} µs, SDPA's {sdpa:.1f} µs"
 
 
 def test_compiled_training_step_matches_eager():
