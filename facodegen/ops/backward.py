@@ -26,8 +26,8 @@ import threading
 from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
-from ..spec.backward import BACKWARD_KNOBS, DEFAULT_GPU, BackwardSpec
-from ..runtime.params import Field, pack_fields, place, stride_fields
+from ..spec.backward import BACKWARD_KNOBS, DEFAULT_GPU, SM90_GPU, SM90_STAGES, BackwardSpec
+from ..runtime.params import TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields, place, stride_fields
 from ..runtime.plan import PlanCache, _Image
 from ..spec import SpecError
 
@@ -57,17 +57,43 @@ BWD_FIELDS = [
     Field("softmax_scale", "f32", "float", "scale applied to Q K^T"),
     Field("scale_log2", "f32", "float", "softmax_scale * log2(e)"),
 ]
+# sm90 only, after the others: the TMA maps of the tiles the producer loads (boxes of one swizzle
+# slab of head_dim columns; Q and dO: block_m rows, K and V: block_n rows).
+BWD_TMA_FIELDS = [
+    Field("tma_q", "tmap", "CUtensorMap", "TMA descriptor of Q, box (64 cols, BLOCK_M rows)"),
+    Field("tma_k", "tmap", "CUtensorMap", "TMA descriptor of K, box (64 cols, BLOCK_N rows)"),
+    Field("tma_v", "tmap", "CUtensorMap", "TMA descriptor of V, box (64 cols, BLOCK_N rows)"),
+    Field("tma_dout", "tmap", "CUtensorMap", "TMA descriptor of dO, box (64 cols, BLOCK_M rows)"),
+]
+# Which tensor each map describes (a launch points the maps at the call's tensors).
+_MAP_OPERANDS = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_dout": "dout"}
 _POINTERS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "dpsum", "dq_semaphore")
 _PACK_POINTERS = struct.Struct(f"<{len(_POINTERS)}Q")
 
 
-def layout() -> tuple[list[tuple[Field, int]], int, int]:
+def fields(arch: str = "sm80") -> list[Field]:
+    return BWD_FIELDS + (BWD_TMA_FIELDS if arch == "sm90" else [])
+
+
+def layout(arch: str = "sm80") -> tuple[list[tuple[Field, int]], int, int]:
     """[(field, offset)], size and alignment of BwdParams (params.place)."""
-    return place(BWD_FIELDS)
+    return place(fields(arch))
 
 
-def pack(values: dict) -> bytes:
-    return pack_fields(BWD_FIELDS, values, "BwdParams")
+def pack(values: dict, arch: str = "sm80") -> bytes:
+    """BwdParams' bytes; sm90's tensor maps are given as 128 bytes each."""
+    scalars = [f for f in fields(arch) if f.kind != "tmap"]
+    data = bytearray(pack_fields(scalars, values, "BwdParams"))
+    if arch == "sm90":
+        placed, size, _ = layout(arch)
+        data = data + bytes(size - len(data))
+        for f, off in placed:
+            if f.kind == "tmap":
+                value = values[f.name]
+                if len(value) != TENSOR_MAP_BYTES:
+                    raise ValueError(f"{f.name} must be {TENSOR_MAP_BYTES} bytes, got {len(value)}")
+                data[off:off + TENSOR_MAP_BYTES] = value
+    return bytes(data)
 
 
 assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range(len(_POINTERS))]
@@ -76,7 +102,8 @@ assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range
 
 
 _EMIT_ALWAYS = ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "causal")
-_EMIT_DEFAULTS = {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False}
+_EMIT_DEFAULTS = {"sm80": {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False},
+                  "sm90": {"gpu": SM90_GPU, "stages": SM90_STAGES, "k_unroll": 2, "deterministic": False}}
 
 
 def emit_command(spec: BackwardSpec) -> str:
@@ -85,7 +112,7 @@ def emit_command(spec: BackwardSpec) -> str:
     flags = ["--kernel backward"]
     for knob in BACKWARD_KNOBS:
         value = getattr(spec, knob.name)
-        if knob.name not in _EMIT_ALWAYS and value == _EMIT_DEFAULTS.get(knob.name):
+        if knob.name not in _EMIT_ALWAYS and value == _EMIT_DEFAULTS[spec.arch].get(knob.name):
             continue
         flags.append(knob.command_text(value))
     return "facodegen emit " + " ".join(flags)
@@ -95,11 +122,11 @@ def emit(spec: BackwardSpec) -> str:
     """The CUDA source of the spec's three kernels: byte-identical for equal specs."""
     from ..codegen.render import render_template
 
-    placed, size, align = layout()
+    placed, size, align = layout(spec.arch)
     return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
         spec_items=sorted(spec.as_dict().items()), smem_bytes=spec.smem_bytes, threads=spec.threads,
-        log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align))
+        log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN))
 
 
 _compiled: dict = {}
