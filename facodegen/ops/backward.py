@@ -179,11 +179,23 @@ class BackwardPlan:
             if functions[0] is not None else []
         self._image = _Image(param_bytes)
         self._lock = threading.Lock()
+        # sm90: (offset of a TMA map in BwdParams, index of its tensor in ``pointers``), and the
+        # tensors the maps point at now (the first call's): a launch with others moves them.
+        offsets = {f.name: off for f, off in layout(spec.arch)[0]}
+        self._maps = [(offsets[name], _POINTERS.index(operand)) for name, operand in _MAP_OPERANDS.items()] \
+            if spec.arch == "sm90" else []
+        self._map_targets: tuple | None = None
 
     def launch(self, stream: int, pointers: tuple) -> None:
         """``pointers``: q, k, v, o, dout, lse, dq, dk, dv, dq_accum, dpsum, dq_semaphore device addresses."""
         with self._lock:
             _PACK_POINTERS.pack_into(self._image.storage, self._image.base, *pointers)
+            if self._maps:
+                targets = tuple(pointers[i] for _, i in self._maps)
+                if targets != self._map_targets:
+                    for (offset, _), ptr in zip(self._maps, targets):
+                        driver.replace_tensor_map_address(self._image.address + offset, ptr)
+                    self._map_targets = targets
             arg = driver.stream_arg(stream)
             if self._switch_context:
                 with driver.on_device(self.device):
@@ -204,13 +216,13 @@ def compile_for_device(spec: BackwardSpec, device: int = 0):
     return compile(spec, sm=device_target(spec.arch, device_info(device)))
 
 
-def choose(head_dim: int, dtype: str, causal: bool, info, knobs: dict) -> BackwardSpec:
+def choose(head_dim: int, dtype: str, causal: bool, info, knobs: dict, arch: str = "sm80") -> BackwardSpec:
     """The backward spec of a call on the device ``info`` describes: the default tiles for its GPU
     with the caller's knobs, refused (naming block_n) where its shared memory does not fit."""
     knobs = dict(knobs)
     knobs.setdefault("gpu", info.budget_gpu)
     try:
-        spec = BackwardSpec(arch="sm80", head_dim=head_dim, dtype=dtype, causal=causal, **knobs)
+        spec = BackwardSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **knobs)
     except TypeError as err:
         raise TypeError(f"attention_backward: {err} (knobs are BackwardSpec fields)") from None
     if info.smem_per_block_optin and spec.smem_bytes > info.smem_per_block_optin:
@@ -243,8 +255,9 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     return_lse=True)). ``causal`` and ``softmax_scale`` must be the forward's (bottom-right
     causal). dK and dV of a kv head are summed over the query heads that share it (GQA/MQA).
     dq, dk, dv: arrays to write the gradients into (default: new contiguous ones).
-    ``arch``: sm80 (the only backward so far; also what runs on sm90 GPUs, so arch='sm90' runs it
-    too). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
+    ``arch``: None or sm80 (FlashAttention-2's backward, mma.sync: the default on every GPU for now),
+    or sm90 (FlashAttention-3's backward, TMA + wgmma: head_dim 64 and 128 so far, H100/H200 only;
+    not yet the default, nor what facodegen.attention's autograd runs: see AUTOGRAD_ARCH). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
     current stream; the first call with given shapes/strides/options builds a launch plan.
     """
     from . import api
@@ -333,19 +346,61 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     if arch not in (None, "sm80", "sm90"):
         raise ValueError(f"arch must be 'sm80', 'sm90' or None, got {arch!r}")
     info = api.device_info(qv.device)
-    api._check_arch("sm80", info)
-    spec = choose(head_dim, api.DTYPE_NAMES[qv.dtype], causal, info, knobs)
+    arch = arch or "sm80"           # the default stays sm80 until the sm90 backward is verified on a GPU
+    api._check_arch(arch, info)
+    spec = choose(head_dim, api.DTYPE_NAMES[qv.dtype], causal, info, knobs, arch)
     functions = _load(spec, qv.device)
     values = {name: 0 for name in _POINTERS}
     for t in _TENSORS:
         values.update(zip((f"{t}_batch_stride", f"{t}_row_stride", f"{t}_head_stride"), views[t].strides[:3]))
     values.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
-    return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k), pack(values),
+    if spec.arch == "sm90":
+        values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv))
+    return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k),
+                        pack(values, spec.arch),
                         device=qv.device, accum_floats=batch * heads_q * seqlen_q * head_dim,
                         dpsum_floats=batch * heads_q * seqlen_q,
                         semaphore_ints=batch * heads_q * -(-seqlen_q // spec.block_m) if spec.deterministic else 0,
                         switch_context=qv.device != api._current_device(qv.kind))
+
+
+def tensor_map_args(spec: BackwardSpec, views: dict, batch: int, seqlen_q: int, seqlen_k: int, heads_q: int,
+                    heads_kv: int) -> dict:
+    """Checked cuTensorMapEncodeTiled arguments of the sm90 kernel's four maps (BWD_TMA_FIELDS):
+    boxes of one swizzle slab of head_dim columns x block_m rows (Q, dO) or block_n rows (K, V)."""
+    from ..runtime import tma
+    swizzle, box_cols = tma.slab_geometry(spec.head_dim)
+    out = {}
+    for name, operand in _MAP_OPERANDS.items():
+        view = views[operand]
+        seqlen, heads, rows = (seqlen_k, heads_kv, spec.block_n) if operand in ("k", "v") else \
+            (seqlen_q, heads_q, spec.block_m)
+        try:
+            out[name] = tma.tiled_args(view.ptr, spec.dtype, (batch, seqlen, heads, spec.head_dim),
+                                       view.strides[:3], rows, box_cols, swizzle)
+        except ValueError as err:
+            raise ValueError(f"{'do' if operand == 'dout' else operand}: {err}") from None
+    return out
+
+
+def tensor_maps(spec: BackwardSpec, views: dict, batch: int, seqlen_q: int, seqlen_k: int, heads_q: int,
+                heads_kv: int) -> dict[str, bytes]:
+    """The sm90 kernel's four TMA maps (128 bytes each) for the call's tensors; a launch with other
+    tensors of the same layout points them there (BackwardPlan.launch)."""
+    from ..runtime import tma
+    args = tensor_map_args(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+    return {name: tma.encode(a) for name, a in args.items()}
+
+
+# The backward that facodegen.attention(..., arch=A)'s autograd runs for each forward arch A: the sm80
+# code until the sm90 backward has passed tests/gpu/test_backward_gpu.py on an H100/H200 (then the lead
+# maps "sm90" to itself here and in attention_backward's default).
+AUTOGRAD_ARCH = {"sm90": "sm80"}
+
+
+def autograd_arch(forward_arch: str | None) -> str | None:
+    return AUTOGRAD_ARCH.get(forward_arch, forward_arch)
 
 
 def _check_like(view, like, name: str) -> None:
