@@ -438,6 +438,14 @@ def _inspect_backward(spec, what) -> None:
                 if r is not None:
                     click.echo(f"{name}: {r.registers} registers, stack {r.stack_bytes} B, spills "
                                f"{r.spill_stores} B stores / {r.spill_loads} B loads")
+            if spec.arch == "sm90":
+                # ptxas reports the count at entry (64K / threads); setmaxnreg then moves registers
+                # from the producer warpgroup to the consumers, whose code uses up to the highest one named
+                import re
+                from .spec.backward import SM90_CONSUMER_REGS, SM90_PRODUCER_REGS
+                highest = max((int(x) for x in re.findall(r"\bR(\d+)\b", compiled.sass())), default=0)
+                click.echo(f"{'setmaxnreg':<14} producer {SM90_PRODUCER_REGS}, consumers {SM90_CONSUMER_REGS} per "
+                           f"thread; highest register in the SASS: R{highest}")
             click.echo(f"{'warnings':<14} {len(compiled.warnings) or 'none'}")
             for w in compiled.warnings:
                 click.echo(f"  {w}")

@@ -26,7 +26,8 @@ import threading
 from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
-from ..spec.backward import BACKWARD_KNOBS, DEFAULT_GPU, SM90_GPU, SM90_STAGES, BackwardSpec
+from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_PRODUCER_REGS,
+                              SM90_STAGES, BackwardSpec)
 from ..runtime.params import TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields, place, stride_fields
 from ..runtime.plan import PlanCache, _Image
 from ..spec import SpecError
@@ -126,7 +127,8 @@ def emit(spec: BackwardSpec) -> str:
     return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
         spec_items=sorted(spec.as_dict().items()), smem_bytes=spec.smem_bytes, threads=spec.threads,
-        log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN))
+        log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
+        producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS))
 
 
 _compiled: dict = {}

@@ -87,6 +87,9 @@ DEFAULT_GPU = "a100"
 #   d128: K, V 64 KB + 2 stages x (Q, dO 32 KB + rows) + dS^T 2 x 16 KB = 162 KB
 SM90_TILES = {64: (64, 128, 12), 128: (64, 128, 12)}
 SM90_STAGES = 2
+# setmaxnreg split (FlashAttention-3's for 2 MMA warpgroups): the producer warpgroup gives registers to
+# the consumers, 128 x (24 + 2 x 240) = 64512 = the 168 per thread the 384-thread CTA starts with.
+SM90_PRODUCER_REGS, SM90_CONSUMER_REGS = 24, 240
 SM90_GPU = "h200"
 SM90_GPUS = ("h100", "h200")
 
