@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from facodegen.ops import api, backward
 from facodegen import cli
 from facodegen.runtime import driver
-from facodegen.spec.backward import BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs, kv_acc_floats
+from facodegen.spec.backward import (BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs, kv_acc_floats,
+                                     sm90_dq_cols)
 from facodegen.spec import GPUS, HEAD_DIMS, SpecError
 from fakes import FakeTensor
 from test_plan_cache import fake  # noqa: F401 (the fixture)
@@ -467,16 +468,19 @@ def test_sm90_compiles_clean_with_the_hopper_instructions(spec):
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     s_dp = [x for x in hgmma if f"HGMMA.64x{spec.block_m}x16{ty}" in x and "tnsp" not in x]
     dv_dk = [x for x in hgmma if f"HGMMA.64x{d}x16{ty}" in x and ".tnspB" in x and ".tnspA" not in x]
-    dq = [x for x in hgmma if f"HGMMA.64x{d // 2}x16{ty}" in x and ".tnspA.tnspB" in x]
+    dq_cols = sm90_dq_cols(d)                   # d128: 64 columns each over all keys; d64: all over own keys
+    dq = [x for x in hgmma if f"HGMMA.64x{dq_cols}x16{ty}" in x and ".tnspA.tnspB" in x]
     assert len(s_dp) == 2 * d // 16            # S^T and dP^T: k = head_dim, both operands K-major
     assert len(dv_dk) == 2 * spec.block_m // 16  # dV and dK: A from registers, B (dO, Q) MN-major
-    assert len(dq) == spec.block_n // 16        # dQ: dS^T and K, both MN-major
+    assert len(dq) == (spec.block_n if dq_cols < d else 64) // 16   # dQ: dS^T and K, both MN-major
     assert len(hgmma) == len(s_dp) + len(dv_dk) + len(dq)
     assert counts["UTMALDG"] == 4 and counts["USETMAXREG"] == 2
     setmaxnreg = [" ".join(x.split()[1:4]) for x in sass.splitlines() if "USETMAXREG" in x]
     assert sorted(setmaxnreg) == ["USETMAXREG.DEALLOC.CTAPOOL 0x18 ;", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0"]
     assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass and "SYNCS.ARRIVE.TRANS64" in sass
-    assert "REDG.E.ADD.F32x2" in sass and "BAR.SYNC.DEFER_BLOCKING 0x1, 0x100" in sass
+    assert "REDG.E.ADD.F32x2" in sass
+    # split by columns, the warpgroups meet once a step (both dS^T halves written); by keys, never
+    assert ("BAR.SYNC.DEFER_BLOCKING 0x1, 0x100" in sass) == (dq_cols < d)
 
 
 def test_sm90_consumers_fit_their_240_registers():

@@ -27,7 +27,7 @@ from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_PRODUCER_REGS,
-                              SM90_STAGES, BackwardSpec)
+                              SM90_STAGES, BackwardSpec, sm90_dq_cols)
 from ..runtime.params import TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields, place, stride_fields
 from ..runtime.plan import PlanCache, _Image
 from ..spec import SpecError
@@ -128,7 +128,7 @@ def emit(spec: BackwardSpec) -> str:
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
         spec_items=sorted(spec.as_dict().items()), smem_bytes=spec.smem_bytes, threads=spec.threads,
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
-        producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS))
+        producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim)))
 
 
 _compiled: dict = {}

@@ -91,6 +91,16 @@ SM90_STAGES = 2
 # the consumers, 128 x (24 + 2 x 240) = 64512 = the 168 per thread the 384-thread CTA starts with.
 SM90_PRODUCER_REGS, SM90_CONSUMER_REGS = 24, 240
 SM90_GPU = "h200"
+
+
+def sm90_dq_cols(head_dim: int) -> int:
+    """head_dim columns of dQ = dS K that each sm90 consumer warpgroup computes. Split by columns when
+    each half is whole 64-column swizzle slabs of the K tile (d128: 64 each, over all 128 keys, both
+    warpgroups' dS^T rows); else (d64) by keys: each warpgroup the whole head_dim over its own 64 keys,
+    both adding into dq_accum (FlashAttention-3 instead loads K 64-byte swizzled at d64 so that 32
+    columns are whole slabs; a wgmma operand starting inside a 128-byte swizzle row is not a layout
+    CUTLASS builds)."""
+    return head_dim // 2 if (head_dim // 2) % 64 == 0 else head_dim
 SM90_GPUS = ("h100", "h200")
 
 # k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
