@@ -45,7 +45,7 @@ def test_variant_names_the_problem_and_the_tile():
 
 @pytest.mark.parametrize("fields, knob, words", [
     ({"arch": "sm75"}, "arch", "sm75"),
-    ({"arch": "sm90", "head_dim": 96}, "head_dim", "written for head_dim 64, 128"),
+    ({"arch": "sm90", "head_dim": 192}, "head_dim", "written for head_dim 64, 96, 128"),
     ({"arch": "sm90", "deterministic": True}, "deterministic", "no deterministic mode"),
     ({"arch": "sm90", "block_m": 128}, "block_m", "block_m=64"),
     ({"arch": "sm90", "block_n": 64}, "block_n", "block_n=128"),
@@ -228,7 +228,7 @@ def test_cli_emit_and_inspect_backward():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--arch", "sm90", "--head-dim", "96"], "sm90 backward is written for head_dim 64, 128"),
+    (["--arch", "sm90", "--head-dim", "256"], "sm90 backward is written for head_dim 64, 96, 128"),
     (["--arch", "sm90", "--deterministic"], "deterministic"),
     (["--pingpong"], "does not take pingpong"),
     (["--head-dim", "80"], "head_dim"),
@@ -419,7 +419,7 @@ def test_api_module_is_untouched_by_the_backward_plan_cache():
 
 # ------------------------------------------------------------------ sm90 (FlashAttention-3's backward)
 
-SM90 = [BackwardSpec(arch="sm90", head_dim=d, dtype=dt, causal=c) for d in (64, 128) for dt in ("bf16", "fp16")
+SM90 = [BackwardSpec(arch="sm90", head_dim=d, dtype=dt, causal=c) for d in (64, 96, 128) for dt in ("bf16", "fp16")
         for c in (False, True)]
 
 

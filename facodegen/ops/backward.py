@@ -258,7 +258,7 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     causal). dK and dV of a kv head are summed over the query heads that share it (GQA/MQA).
     dq, dk, dv: arrays to write the gradients into (default: new contiguous ones).
     ``arch``: None or sm80 (FlashAttention-2's backward, mma.sync: the default on every GPU for now),
-    or sm90 (FlashAttention-3's backward, TMA + wgmma: head_dim 64 and 128 so far, H100/H200 only;
+    or sm90 (FlashAttention-3's backward, TMA + wgmma: head_dim 64, 96 and 128 so far, H100/H200 only;
     not yet the default, nor what facodegen.attention's autograd runs: see AUTOGRAD_ARCH). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
     current stream; the first call with given shapes/strides/options builds a launch plan.
     """

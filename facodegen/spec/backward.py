@@ -12,7 +12,7 @@ The sm90 backward is FlashAttention-3's algorithm (templates/sm90/flash_bwd.cu.j
 per key block, with K, V loaded once by TMA, Q and dO (and the LSE, D rows) through a
 ``stages``-deep TMA ring filled by a producer warp, and two consumer warpgroups of 64 keys each
 computing every GEMM with wgmma (P^T and dS^T stay in registers as the A operand of dV and dK; dS^T
-goes through shared memory for dQ). First slice: head_dim 64 and 128, block_m 64, block_n 128,
+goes through shared memory for dQ). First slice: head_dim 64, 96 and 128, block_m 64, block_n 128,
 not deterministic; what it does not cover is refused naming the field.
 """
 
@@ -84,8 +84,9 @@ DEFAULT_GPU = "a100"
 # (dK, dV: 2 x head_dim/2 floats per thread, 128 at d128, beside S^T and dP^T at 32 each under the
 # 240 registers of setmaxnreg), and 64 queries are one m64 wgmma for dQ.
 #   d64:  K, V 32 KB + 2 stages x (Q, dO 16 KB + rows) + dS^T 2 x 16 KB = 97 KB
+#   d96:  K, V 48 KB + 2 stages x (Q, dO 24 KB + rows) + dS^T 2 x 16 KB = 130 KB (64-byte swizzle, as the forward)
 #   d128: K, V 64 KB + 2 stages x (Q, dO 32 KB + rows) + dS^T 2 x 16 KB = 162 KB
-SM90_TILES = {64: (64, 128, 12), 128: (64, 128, 12)}
+SM90_TILES = {64: (64, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12)}
 SM90_STAGES = 2
 # setmaxnreg split (FlashAttention-3's for 2 MMA warpgroups): the producer warpgroup gives registers to
 # the consumers, 128 x (24 + 2 x 240) = 64512 = the 168 per thread the 384-thread CTA starts with.

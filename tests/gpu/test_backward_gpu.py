@@ -248,7 +248,7 @@ def test_default_spec_fits_this_gpu():
 
 HAVE_SM90 = HAVE_GPU and torch.cuda.get_device_capability() == (9, 0)
 sm90_only = pytest.mark.skipif(not HAVE_SM90, reason="the sm90 backward needs an H100/H200")
-SM90_HEAD_DIMS = (64, 128)
+SM90_HEAD_DIMS = (64, 96, 128)
 SM90_SEQLENS = ((1, 1), (239, 1), (113, 203), (1023, 1024), (128, 128), (64, 65), (200, 64))
 # Every seqlen pair x causal x head_dim x dtype, the head layout cycling through MHA/GQA/MQA, and every
 # head layout at head_dim 128 bf16 besides.
