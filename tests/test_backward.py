@@ -537,4 +537,21 @@ def test_sm90_is_not_yet_the_default(bwd):
     do, q, k, v, o, lse = _problem()
     backward.attention_backward(do, q, k, v, o, lse)
     assert bwd.bwd.records[1]["name"] == BackwardSpec(head_dim=128, gpu="h200").variant
-    assert backward.autograd_arch("sm90") == "sm80" and backward.autograd_arch(None) is None
+    assert backward.autograd_arch("sm90") is None and backward.autograd_arch("sm80") == "sm80"
+
+
+def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
+    """With backward.SM90_BY_DEFAULT on (after the GPU verified it), arch=None picks the sm90 backward
+    on an sm90 GPU where it covers the call, else the sm80 one (head_dim 256, deterministic)."""
+    monkeypatch.setattr(backward, "SM90_BY_DEFAULT", True)
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
+    do, q, k, v, o, lse = _problem()
+    backward.attention_backward(do, q, k, v, o, lse, causal=True)
+    assert bwd.bwd.records[1]["name"] == BackwardSpec(arch="sm90", head_dim=128, causal=True).variant
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
+    assert bwd.bwd.records[4]["name"] == BackwardSpec(head_dim=128, causal=True, gpu="h200", deterministic=True).variant
+    do, q, k, v, o, lse = _problem(d=256)
+    backward.attention_backward(do, q, k, v, o, lse)
+    assert bwd.bwd.records[7]["name"] == BackwardSpec(head_dim=256, gpu="h200").variant

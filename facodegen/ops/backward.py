@@ -259,7 +259,7 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     dq, dk, dv: arrays to write the gradients into (default: new contiguous ones).
     ``arch``: None or sm80 (FlashAttention-2's backward, mma.sync: the default on every GPU for now),
     or sm90 (FlashAttention-3's backward, TMA + wgmma: head_dim 64, 96 and 128 so far, H100/H200 only;
-    not yet the default, nor what facodegen.attention's autograd runs: see AUTOGRAD_ARCH). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
+    not yet the default, nor what facodegen.attention's autograd runs: see SM90_BY_DEFAULT). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
     current stream; the first call with given shapes/strides/options builds a launch plan.
     """
     from . import api
@@ -348,7 +348,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     if arch not in (None, "sm80", "sm90"):
         raise ValueError(f"arch must be 'sm80', 'sm90' or None, got {arch!r}")
     info = api.device_info(qv.device)
-    arch = arch or "sm80"           # the default stays sm80 until the sm90 backward is verified on a GPU
+    arch = arch or default_arch(info, head_dim, api.DTYPE_NAMES[qv.dtype], causal, knobs)
     api._check_arch(arch, info)
     spec = choose(head_dim, api.DTYPE_NAMES[qv.dtype], causal, info, knobs, arch)
     functions = _load(spec, qv.device)
@@ -395,14 +395,30 @@ def tensor_maps(spec: BackwardSpec, views: dict, batch: int, seqlen_q: int, seql
     return {name: tma.encode(a) for name, a in args.items()}
 
 
-# The backward that facodegen.attention(..., arch=A)'s autograd runs for each forward arch A: the sm80
-# code until the sm90 backward has passed tests/gpu/test_backward_gpu.py on an H100/H200 (then the lead
-# maps "sm90" to itself here and in attention_backward's default).
-AUTOGRAD_ARCH = {"sm90": "sm80"}
+# Does attention_backward(arch=None), and so facodegen.attention's autograd, run the sm90 backward on
+# sm90 GPUs where it covers the call (head_dim, knobs)? False until `pytest tests/gpu/test_backward_gpu.py
+# -k sm90` has passed on an H100/H200: until then arch=None is the sm80 backward everywhere.
+SM90_BY_DEFAULT = False
+
+
+def default_arch(info, head_dim: int, dtype: str, causal: bool, knobs: dict) -> str:
+    """attention_backward's arch when the caller gives none: sm90 on a compute capability 9.0 GPU if
+    SM90_BY_DEFAULT and the sm90 backward takes this call's head_dim and knobs, else sm80."""
+    if SM90_BY_DEFAULT and info.compute_capability == (9, 0):
+        try:
+            BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal,
+                         **{"gpu": info.budget_gpu, **knobs})
+            return "sm90"
+        except (SpecError, TypeError):
+            pass
+    return "sm80"
 
 
 def autograd_arch(forward_arch: str | None) -> str | None:
-    return AUTOGRAD_ARCH.get(forward_arch, forward_arch)
+    """The arch facodegen.attention(..., arch=A)'s autograd asks attention_backward for: the sm80 code
+    for an sm80 forward, else the default (default_arch), so that the forward's arch never forces a
+    backward that does not cover the call."""
+    return "sm80" if forward_arch == "sm80" else None
 
 
 def _check_like(view, like, name: str) -> None:

@@ -265,7 +265,7 @@ def _attention_grad(ctx, grad_out, grad_lse):
         raise NotImplementedError("facodegen.attention: fp8 (e4m3) inputs have no backward yet")
     # torch.use_deterministic_algorithms(True) asks for bit-identical gradients: dQ's adds in a fixed order
     knobs = "deterministic=True" if torch.are_deterministic_algorithms_enabled() else ""
-    # the backward of the forward's arch, as backward.AUTOGRAD_ARCH maps it (sm90: the sm80 code for now)
+    # an sm80 forward gets the sm80 backward, any other the default (backward.default_arch)
     dq, dk, dv = torch.ops.facodegen.attention_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.causal,
                                                         ctx.softmax_scale, autograd_arch(ctx.arch), knobs)
     return dq, dk, dv, None, None, None, None, None, None, None
