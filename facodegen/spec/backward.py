@@ -116,11 +116,12 @@ MAX_KV_ACC_FLOATS = 128
 class BackwardSpec:
     """One backward kernel set (preprocess, main, postprocess).
 
-    Problem: arch (sm80), head_dim, dtype (fp16/bf16), causal. GQA/MQA does not change the code
-    (the CTA loops over its group's query heads). Knobs: block_m, block_n, num_warps (None: the
-    default for head_dim, see DEFAULT_TILES), stages (1), gpu (the budget model's limits),
-    deterministic (False: dQ's fp32 adds land in any order). Each field is checked on construction
-    with a SpecError naming it; the template repeats the checks as static_asserts."""
+    Problem: arch (sm80, or sm90: head_dim 64/96/128 so far), head_dim, dtype (fp16/bf16), causal.
+    GQA/MQA does not change the code (the CTA loops over its group's query heads). Knobs: block_m,
+    block_n, num_warps (None: the default for head_dim, see DEFAULT_TILES / SM90_TILES), stages
+    (None: sm80 1, sm90 SM90_STAGES), gpu (the budget model's limits), deterministic (False: dQ's
+    fp32 adds land in any order; sm80 only). Each field is checked on construction with a SpecError
+    naming it; the template repeats the checks as static_asserts."""
     arch: str = "sm80"
     head_dim: int = 128
     dtype: str = "bf16"
