@@ -48,7 +48,8 @@ class UsageFailure(click.ClickException):
 # What `--kernel` picks for emit/inspect: the forward (KernelSpec, the registry's flags) or one of
 # the decode family's kernels (facodegen/spec/decode.py: DecodeSpec, CombineSpec, AppendSpec).
 # Kernel families of `facodegen emit/inspect --kernel`: the forward (default), the backward (dQ, dK,
-# dV: sm80 code, which also runs on sm90 GPUs), and the decode family (decode, combine, append).
+# dV: sm80 code, which also runs on sm90 GPUs, or the sm90 code), and the decode family (decode,
+# combine, append).
 KERNELS = ("forward", "backward", "decode", "combine", "append")
 # Forward spec flags the decode family reads (the rest belong to the forward only).
 _DECODE_SHARED_FLAGS = {
@@ -63,9 +64,9 @@ def _kernel_options(command):
     --paged, --split-kv, --pack-gqa)."""
     options = [
         click.option("--kernel", type=click.Choice(KERNELS), default="forward", show_default=True,
-                     help="Which kernel: the forward; the backward (sm80 code, which also runs on sm90 GPUs; "
-                          "--arch sm90 is refused until the sm90 backward exists); the decode family's decode, "
-                          "combine or append."),
+                     help="Which kernel: the forward; the backward (--arch sm80: FlashAttention-2's, which also "
+                          "runs on sm90 GPUs; --arch sm90: FlashAttention-3's, head_dim 64, 96, 128); the decode "
+                          "family's decode, combine or append."),
         click.option("--k-unroll", "k_unroll", type=click.Choice(["1", "2", "4"]), callback=_int_choice,
                      help="--kernel backward: k16 steps of each warp GEMM unrolled together."),
         click.option("--deterministic/--no-deterministic", "deterministic", default=None,
@@ -437,6 +438,14 @@ def _inspect_backward(spec, what) -> None:
                 if r is not None:
                     click.echo(f"{name}: {r.registers} registers, stack {r.stack_bytes} B, spills "
                                f"{r.spill_stores} B stores / {r.spill_loads} B loads")
+            if spec.arch == "sm90":
+                # ptxas reports the count at entry (64K / threads); setmaxnreg then moves registers
+                # from the producer warpgroup to the consumers, whose code uses up to the highest one named
+                import re
+                from .spec.backward import SM90_CONSUMER_REGS, SM90_PRODUCER_REGS
+                highest = max((int(x) for x in re.findall(r"\bR(\d+)\b", compiled.sass())), default=0)
+                click.echo(f"{'setmaxnreg':<14} producer {SM90_PRODUCER_REGS}, consumers {SM90_CONSUMER_REGS} per "
+                           f"thread; highest register in the SASS: R{highest}")
             click.echo(f"{'warnings':<14} {len(compiled.warnings) or 'none'}")
             for w in compiled.warnings:
                 click.echo(f"  {w}")

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from facodegen.ops import api, backward
 from facodegen import cli
 from facodegen.runtime import driver
-from facodegen.spec.backward import BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs, kv_acc_floats
+from facodegen.spec.backward import (BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs, kv_acc_floats,
+                                     sm90_dq_cols)
 from facodegen.spec import GPUS, HEAD_DIMS, SpecError
 from fakes import FakeTensor
 from test_plan_cache import fake  # noqa: F401 (the fixture)
@@ -43,7 +44,15 @@ def test_variant_names_the_problem_and_the_tile():
 
 
 @pytest.mark.parametrize("fields, knob, words", [
-    ({"arch": "sm90"}, "arch", "sm80 backward"),
+    ({"arch": "sm75"}, "arch", "sm75"),
+    ({"arch": "sm90", "head_dim": 192}, "head_dim", "written for head_dim 64, 96, 128"),
+    ({"arch": "sm90", "deterministic": True}, "deterministic", "no deterministic mode"),
+    ({"arch": "sm90", "block_m": 128}, "block_m", "block_m=64"),
+    ({"arch": "sm90", "block_n": 64}, "block_n", "block_n=128"),
+    ({"arch": "sm90", "num_warps": 8}, "num_warps", "12 warps"),
+    ({"arch": "sm90", "stages": 1}, "stages", "2 deep"),
+    ({"arch": "sm90", "k_unroll": 1}, "k_unroll", "sm80 knob"),
+    ({"arch": "sm90", "gpu": "a100"}, "gpu", "h100, h200"),
     ({"dtype": "fp8"}, "dtype", "fp8"),
     ({"head_dim": 80}, "head_dim", "80"),
     ({"stages": 2}, "stages", "stages=1"),
@@ -219,7 +228,8 @@ def test_cli_emit_and_inspect_backward():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--arch", "sm90"], "sm90 backward is not written yet"),
+    (["--arch", "sm90", "--head-dim", "256"], "sm90 backward is written for head_dim 64, 96, 128"),
+    (["--arch", "sm90", "--deterministic"], "deterministic"),
     (["--pingpong"], "does not take pingpong"),
     (["--head-dim", "80"], "head_dim"),
 ])
@@ -418,7 +428,8 @@ def test_eager_backward_is_deterministic_under_torch_use_deterministic_algorithm
     finally:
         torch.use_deterministic_algorithms(False)
     [bwd] = meta_launches.backwards
-    assert bwd["deterministic"] is True and bwd["arch"] == "sm90" and bwd["causal"] is False
+    # an sm90 forward asks for the default backward (backward.autograd_arch): the one that covers the call
+    assert bwd["deterministic"] is True and bwd["arch"] is None and bwd["causal"] is False
 
 
 def test_eager_autograd_takes_no_second_derivative(meta_launches):
@@ -525,3 +536,143 @@ def test_backward_op_fake_shapes():
 
 def test_api_module_is_untouched_by_the_backward_plan_cache():
     assert api._PLANS is not backward._PLANS
+
+
+# ------------------------------------------------------------------ sm90 (FlashAttention-3's backward)
+
+SM90 = [BackwardSpec(arch="sm90", head_dim=d, dtype=dt, causal=c) for d in (64, 96, 128) for dt in ("bf16", "fp16")
+        for c in (False, True)]
+
+
+def test_sm90_spec_defaults():
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True)
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.stages, spec.gpu) == (64, 128, 12, 2, "h200")
+    assert spec.threads == 384 and spec.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_causal"
+    # K, V + 2 x (Q, dO, LSE and D rows) + 2 dS^T tiles + 1 KB of alignment
+    assert spec.smem_bytes == 2 * 128 * 128 * 2 + 2 * (2 * 64 * 128 * 2 + 2 * 64 * 4) + 2 * 128 * 64 * 2 + 1024
+    assert all(s.smem_bytes <= GPUS["h100"].smem_per_block for s in SM90)
+    assert BackwardSpec(head_dim=128).stages == 1          # sm80 untouched
+
+
+@pytest.mark.parametrize("spec", SM90, ids=lambda s: s.variant)
+def test_sm90_render_says_what_it_is(spec):
+    source = backward.emit(spec)
+    assert source == backward.emit(spec.replace())
+    assert backward.emit_command(spec) in source
+    for name in spec.kernel_names:
+        assert f"{name}(const __grid_constant__ BwdParams p)" in source
+    assert "tma_dout;" in source and "static_assert" in source
+    for math in ("S^T = K Q^T", "dP^T = V dO^T", "dS^T = P^T ∘ (dP^T - D)", "dV += P^T dO", "dK += dS^T Q",
+                 "dQ = dS K", "producer", "consumers"):
+        assert math in source
+    argv = backward.emit_command(spec).split()[2:]
+    result = CliRunner().invoke(cli.main, ["emit", *argv])
+    assert result.exit_code == 0 and result.output == source
+
+
+@pytest.mark.parametrize("spec", SM90, ids=lambda s: s.variant)
+def test_sm90_compiles_clean_with_the_hopper_instructions(spec):
+    """Every shipped sm90 config: no stack, no spills, no ptxas wgmma note (C75xx: serialised wgmma,
+    setmaxnreg ignored); the SASS has the five GEMMs as HGMMA of the shapes the design uses, the TMA
+    loads (K, V, Q, dO: one UTMALDG each in the slab loop), mbarrier waits and arrivals (SYNCS), the
+    register split, and dQ's fp32 vector reductions."""
+    kernel = backward.compile(spec)
+    resources = backward.resources_of(kernel)
+    for name in spec.kernel_names:
+        r = resources[name]
+        assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (name, r)
+    assert "C75" not in kernel.log, kernel.log
+    sass = kernel.sass()
+    counts = kernel.sass_counts()
+    assert counts["LDL"] == 0 and counts["STL"] == 0 and counts["HMMA"] == 0
+    d, ty = spec.head_dim, ".F32.BF16 " if spec.dtype == "bf16" else ".F32 "   # (fp16's SASS names no type)
+    hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
+    s_dp = [x for x in hgmma if f"HGMMA.64x{spec.block_m}x16{ty}" in x and "tnsp" not in x]
+    dv_dk = [x for x in hgmma if f"HGMMA.64x{d}x16{ty}" in x and ".tnspB" in x and ".tnspA" not in x]
+    dq_cols = sm90_dq_cols(d)                   # d128: 64 columns each over all keys; d64: all over own keys
+    dq = [x for x in hgmma if f"HGMMA.64x{dq_cols}x16{ty}" in x and ".tnspA.tnspB" in x]
+    assert len(s_dp) == 2 * d // 16            # S^T and dP^T: k = head_dim, both operands K-major
+    assert len(dv_dk) == 2 * spec.block_m // 16  # dV and dK: A from registers, B (dO, Q) MN-major
+    assert len(dq) == (spec.block_n if dq_cols < d else 64) // 16   # dQ: dS^T and K, both MN-major
+    assert len(hgmma) == len(s_dp) + len(dv_dk) + len(dq)
+    assert counts["UTMALDG"] == 4 and counts["USETMAXREG"] == 2
+    setmaxnreg = [" ".join(x.split()[1:4]) for x in sass.splitlines() if "USETMAXREG" in x]
+    assert sorted(setmaxnreg) == ["USETMAXREG.DEALLOC.CTAPOOL 0x18 ;", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0"]
+    assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass and "SYNCS.ARRIVE.TRANS64" in sass
+    assert "REDG.E.ADD.F32x2" in sass
+    # split by columns, the warpgroups meet once a step (both dS^T halves written); by keys, never
+    assert ("BAR.SYNC.DEFER_BLOCKING 0x1, 0x100" in sass) == (dq_cols < d)
+
+
+def test_sm90_consumers_fit_their_240_registers():
+    """ptxas reports the entry count (168 = 64K / 384 threads); the consumer warpgroups run above it
+    after setmaxnreg. The highest register the SASS names stays below their 240."""
+    import re
+    for spec in (SM90[0], SM90[-1]):
+        sass = backward.compile(spec).sass()
+        assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
+
+
+def test_cli_inspect_sm90_backward():
+    runner = CliRunner()
+    result = runner.invoke(cli.main, ["inspect", "--kernel", "backward", "--arch", "sm90", "--head-dim", "128"])
+    assert result.exit_code == 0, result.output
+    assert "sm_90a" in result.output and "0 B stores / 0 B loads" in result.output
+    result = runner.invoke(cli.main, ["inspect", "--kernel", "backward", "--arch", "sm90", "--head-dim", "128",
+                                      "--sass"])
+    assert result.exit_code == 0 and "HGMMA 32" in result.output.splitlines()[-1]
+
+
+def _field90(record, name):
+    placed = dict((f.name, (f, off)) for f, off in backward.layout("sm90")[0])
+    f, off = placed[name]
+    fmt = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}[f.kind]
+    return struct.unpack_from(fmt, record["params"], off)[0]
+
+
+def test_sm90_call_launches_three_kernels_and_moves_its_maps(bwd, monkeypatch):
+    from facodegen.runtime import tma
+    encoded = []
+    monkeypatch.setattr(tma, "encode", lambda args: encoded.append(args) or bytes(128))
+    moves = []
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: moves.append(ptr))
+    do, q, k, v, o, lse = _problem()
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90")
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200")
+    recs = bwd.bwd.records
+    assert [r["name"] for r in recs] == list(spec.kernel_names)
+    assert [r["grid"] for r in recs] == [(-(-113 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 12), 8, 2)]
+    assert [r["smem"] for r in recs] == [0, spec.smem_bytes, 0] and {r["threads"] for r in recs} == {384}
+    # the maps: Q and dO in boxes of 64 columns x block_m rows, K and V x block_n rows, 128B swizzle
+    assert [a.ptr for a in encoded] == [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()]
+    assert [a.box for a in encoded] == [(64, 64, 1, 1), (64, 128, 1, 1), (64, 128, 1, 1), (64, 64, 1, 1)]
+    assert [a.dims for a in encoded] == [(128, 113, 8, 2), (128, 203, 2, 2), (128, 203, 2, 2), (128, 113, 8, 2)]
+    assert moves == [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()]
+    do2, q2, k2, v2, o2, lse2 = _problem()
+    backward.attention_backward(do2, q2, k2, v2, o2, lse2, causal=True, arch="sm90")
+    assert backward._PLANS.misses == 1 and len(encoded) == 4     # the plan's maps, pointed at the new tensors
+    assert moves[4:] == [q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), do2.data_ptr()]
+
+
+def test_sm90_is_not_yet_the_default(bwd):
+    do, q, k, v, o, lse = _problem()
+    backward.attention_backward(do, q, k, v, o, lse)
+    assert bwd.bwd.records[1]["name"] == BackwardSpec(head_dim=128, gpu="h200").variant
+    assert backward.autograd_arch("sm90") is None and backward.autograd_arch("sm80") == "sm80"
+
+
+def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
+    """With backward.SM90_BY_DEFAULT on (after the GPU verified it), arch=None picks the sm90 backward
+    on an sm90 GPU where it covers the call, else the sm80 one (head_dim 256, deterministic)."""
+    monkeypatch.setattr(backward, "SM90_BY_DEFAULT", True)
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
+    do, q, k, v, o, lse = _problem()
+    backward.attention_backward(do, q, k, v, o, lse, causal=True)
+    assert bwd.bwd.records[1]["name"] == BackwardSpec(arch="sm90", head_dim=128, causal=True).variant
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
+    assert bwd.bwd.records[4]["name"] == BackwardSpec(head_dim=128, causal=True, gpu="h200", deterministic=True).variant
+    do, q, k, v, o, lse = _problem(d=256)
+    backward.attention_backward(do, q, k, v, o, lse)
+    assert bwd.bwd.records[7]["name"] == BackwardSpec(head_dim=256, gpu="h200").variant

@@ -26,8 +26,9 @@ import threading
 from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
-from ..spec.backward import BACKWARD_KNOBS, DEFAULT_GPU, BackwardSpec
-from ..runtime.params import Field, pack_fields, place, stride_fields
+from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_PRODUCER_REGS,
+                              SM90_STAGES, BackwardSpec, sm90_dq_cols)
+from ..runtime.params import TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields, place, stride_fields
 from ..runtime.plan import PlanCache, _Image
 from ..spec import SpecError
 
@@ -57,17 +58,43 @@ BWD_FIELDS = [
     Field("softmax_scale", "f32", "float", "scale applied to Q K^T"),
     Field("scale_log2", "f32", "float", "softmax_scale * log2(e)"),
 ]
+# sm90 only, after the others: the TMA maps of the tiles the producer loads (boxes of one swizzle
+# slab of head_dim columns; Q and dO: block_m rows, K and V: block_n rows).
+BWD_TMA_FIELDS = [
+    Field("tma_q", "tmap", "CUtensorMap", "TMA descriptor of Q, box (64 cols, BLOCK_M rows)"),
+    Field("tma_k", "tmap", "CUtensorMap", "TMA descriptor of K, box (64 cols, BLOCK_N rows)"),
+    Field("tma_v", "tmap", "CUtensorMap", "TMA descriptor of V, box (64 cols, BLOCK_N rows)"),
+    Field("tma_dout", "tmap", "CUtensorMap", "TMA descriptor of dO, box (64 cols, BLOCK_M rows)"),
+]
+# Which tensor each map describes (a launch points the maps at the call's tensors).
+_MAP_OPERANDS = {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_dout": "dout"}
 _POINTERS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "dpsum", "dq_semaphore")
 _PACK_POINTERS = struct.Struct(f"<{len(_POINTERS)}Q")
 
 
-def layout() -> tuple[list[tuple[Field, int]], int, int]:
+def fields(arch: str = "sm80") -> list[Field]:
+    return BWD_FIELDS + (BWD_TMA_FIELDS if arch == "sm90" else [])
+
+
+def layout(arch: str = "sm80") -> tuple[list[tuple[Field, int]], int, int]:
     """[(field, offset)], size and alignment of BwdParams (params.place)."""
-    return place(BWD_FIELDS)
+    return place(fields(arch))
 
 
-def pack(values: dict) -> bytes:
-    return pack_fields(BWD_FIELDS, values, "BwdParams")
+def pack(values: dict, arch: str = "sm80") -> bytes:
+    """BwdParams' bytes; sm90's tensor maps are given as 128 bytes each."""
+    scalars = [f for f in fields(arch) if f.kind != "tmap"]
+    data = bytearray(pack_fields(scalars, values, "BwdParams"))
+    if arch == "sm90":
+        placed, size, _ = layout(arch)
+        data = data + bytes(size - len(data))
+        for f, off in placed:
+            if f.kind == "tmap":
+                value = values[f.name]
+                if len(value) != TENSOR_MAP_BYTES:
+                    raise ValueError(f"{f.name} must be {TENSOR_MAP_BYTES} bytes, got {len(value)}")
+                data[off:off + TENSOR_MAP_BYTES] = value
+    return bytes(data)
 
 
 assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range(len(_POINTERS))]
@@ -76,7 +103,8 @@ assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range
 
 
 _EMIT_ALWAYS = ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "causal")
-_EMIT_DEFAULTS = {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False}
+_EMIT_DEFAULTS = {"sm80": {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False},
+                  "sm90": {"gpu": SM90_GPU, "stages": SM90_STAGES, "k_unroll": 2, "deterministic": False}}
 
 
 def emit_command(spec: BackwardSpec) -> str:
@@ -85,7 +113,7 @@ def emit_command(spec: BackwardSpec) -> str:
     flags = ["--kernel backward"]
     for knob in BACKWARD_KNOBS:
         value = getattr(spec, knob.name)
-        if knob.name not in _EMIT_ALWAYS and value == _EMIT_DEFAULTS.get(knob.name):
+        if knob.name not in _EMIT_ALWAYS and value == _EMIT_DEFAULTS[spec.arch].get(knob.name):
             continue
         flags.append(knob.command_text(value))
     return "facodegen emit " + " ".join(flags)
@@ -95,11 +123,12 @@ def emit(spec: BackwardSpec) -> str:
     """The CUDA source of the spec's three kernels: byte-identical for equal specs."""
     from ..codegen.render import render_template
 
-    placed, size, align = layout()
+    placed, size, align = layout(spec.arch)
     return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
         spec_items=sorted(spec.as_dict().items()), smem_bytes=spec.smem_bytes, threads=spec.threads,
-        log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align))
+        log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
+        producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim)))
 
 
 _compiled: dict = {}
@@ -152,11 +181,23 @@ class BackwardPlan:
             if functions[0] is not None else []
         self._image = _Image(param_bytes)
         self._lock = threading.Lock()
+        # sm90: (offset of a TMA map in BwdParams, index of its tensor in ``pointers``), and the
+        # tensors the maps point at now (the first call's): a launch with others moves them.
+        offsets = {f.name: off for f, off in layout(spec.arch)[0]}
+        self._maps = [(offsets[name], _POINTERS.index(operand)) for name, operand in _MAP_OPERANDS.items()] \
+            if spec.arch == "sm90" else []
+        self._map_targets: tuple | None = None
 
     def launch(self, stream: int, pointers: tuple) -> None:
         """``pointers``: q, k, v, o, dout, lse, dq, dk, dv, dq_accum, dpsum, dq_semaphore device addresses."""
         with self._lock:
             _PACK_POINTERS.pack_into(self._image.storage, self._image.base, *pointers)
+            if self._maps:
+                targets = tuple(pointers[i] for _, i in self._maps)
+                if targets != self._map_targets:
+                    for (offset, _), ptr in zip(self._maps, targets):
+                        driver.replace_tensor_map_address(self._image.address + offset, ptr)
+                    self._map_targets = targets
             arg = driver.stream_arg(stream)
             if self._switch_context:
                 with driver.on_device(self.device):
@@ -177,13 +218,13 @@ def compile_for_device(spec: BackwardSpec, device: int = 0):
     return compile(spec, sm=device_target(spec.arch, device_info(device)))
 
 
-def choose(head_dim: int, dtype: str, causal: bool, info, knobs: dict) -> BackwardSpec:
+def choose(head_dim: int, dtype: str, causal: bool, info, knobs: dict, arch: str = "sm80") -> BackwardSpec:
     """The backward spec of a call on the device ``info`` describes: the default tiles for its GPU
     with the caller's knobs, refused (naming block_n) where its shared memory does not fit."""
     knobs = dict(knobs)
     knobs.setdefault("gpu", info.budget_gpu)
     try:
-        spec = BackwardSpec(arch="sm80", head_dim=head_dim, dtype=dtype, causal=causal, **knobs)
+        spec = BackwardSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **knobs)
     except TypeError as err:
         raise TypeError(f"attention_backward: {err} (knobs are BackwardSpec fields)") from None
     if info.smem_per_block_optin and spec.smem_bytes > info.smem_per_block_optin:
@@ -216,8 +257,9 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     return_lse=True)). ``causal`` and ``softmax_scale`` must be the forward's (bottom-right
     causal). dK and dV of a kv head are summed over the query heads that share it (GQA/MQA).
     dq, dk, dv: arrays to write the gradients into (default: new contiguous ones).
-    ``arch``: sm80 (the only backward so far; also what runs on sm90 GPUs, so arch='sm90' runs it
-    too). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
+    ``arch``: None or sm80 (FlashAttention-2's backward, mma.sync: the default on every GPU for now),
+    or sm90 (FlashAttention-3's backward, TMA + wgmma: head_dim 64, 96 and 128 so far, H100/H200 only;
+    not yet the default, nor what facodegen.attention's autograd runs: see SM90_BY_DEFAULT). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
     current stream; the first call with given shapes/strides/options builds a launch plan.
     """
     from . import api
@@ -306,19 +348,77 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     if arch not in (None, "sm80", "sm90"):
         raise ValueError(f"arch must be 'sm80', 'sm90' or None, got {arch!r}")
     info = api.device_info(qv.device)
-    api._check_arch("sm80", info)
-    spec = choose(head_dim, api.DTYPE_NAMES[qv.dtype], causal, info, knobs)
+    arch = arch or default_arch(info, head_dim, api.DTYPE_NAMES[qv.dtype], causal, knobs)
+    api._check_arch(arch, info)
+    spec = choose(head_dim, api.DTYPE_NAMES[qv.dtype], causal, info, knobs, arch)
     functions = _load(spec, qv.device)
     values = {name: 0 for name in _POINTERS}
     for t in _TENSORS:
         values.update(zip((f"{t}_batch_stride", f"{t}_row_stride", f"{t}_head_stride"), views[t].strides[:3]))
     values.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
-    return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k), pack(values),
+    if spec.arch == "sm90":
+        values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv))
+    return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k),
+                        pack(values, spec.arch),
                         device=qv.device, accum_floats=batch * heads_q * seqlen_q * head_dim,
                         dpsum_floats=batch * heads_q * seqlen_q,
                         semaphore_ints=batch * heads_q * -(-seqlen_q // spec.block_m) if spec.deterministic else 0,
                         switch_context=qv.device != api._current_device(qv.kind))
+
+
+def tensor_map_args(spec: BackwardSpec, views: dict, batch: int, seqlen_q: int, seqlen_k: int, heads_q: int,
+                    heads_kv: int) -> dict:
+    """Checked cuTensorMapEncodeTiled arguments of the sm90 kernel's four maps (BWD_TMA_FIELDS):
+    boxes of one swizzle slab of head_dim columns x block_m rows (Q, dO) or block_n rows (K, V)."""
+    from ..runtime import tma
+    swizzle, box_cols = tma.slab_geometry(spec.head_dim)
+    out = {}
+    for name, operand in _MAP_OPERANDS.items():
+        view = views[operand]
+        seqlen, heads, rows = (seqlen_k, heads_kv, spec.block_n) if operand in ("k", "v") else \
+            (seqlen_q, heads_q, spec.block_m)
+        try:
+            out[name] = tma.tiled_args(view.ptr, spec.dtype, (batch, seqlen, heads, spec.head_dim),
+                                       view.strides[:3], rows, box_cols, swizzle)
+        except ValueError as err:
+            raise ValueError(f"{'do' if operand == 'dout' else operand}: {err}") from None
+    return out
+
+
+def tensor_maps(spec: BackwardSpec, views: dict, batch: int, seqlen_q: int, seqlen_k: int, heads_q: int,
+                heads_kv: int) -> dict[str, bytes]:
+    """The sm90 kernel's four TMA maps (128 bytes each) for the call's tensors; a launch with other
+    tensors of the same layout points them there (BackwardPlan.launch)."""
+    from ..runtime import tma
+    args = tensor_map_args(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+    return {name: tma.encode(a) for name, a in args.items()}
+
+
+# Does attention_backward(arch=None), and so facodegen.attention's autograd, run the sm90 backward on
+# sm90 GPUs where it covers the call (head_dim, knobs)? False until `pytest tests/gpu/test_backward_gpu.py
+# -k sm90` has passed on an H100/H200: until then arch=None is the sm80 backward everywhere.
+SM90_BY_DEFAULT = False
+
+
+def default_arch(info, head_dim: int, dtype: str, causal: bool, knobs: dict) -> str:
+    """attention_backward's arch when the caller gives none: sm90 on a compute capability 9.0 GPU if
+    SM90_BY_DEFAULT and the sm90 backward takes this call's head_dim and knobs, else sm80."""
+    if SM90_BY_DEFAULT and info.compute_capability == (9, 0):
+        try:
+            BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal,
+                         **{"gpu": info.budget_gpu, **knobs})
+            return "sm90"
+        except (SpecError, TypeError):
+            pass
+    return "sm80"
+
+
+def autograd_arch(forward_arch: str | None) -> str | None:
+    """The arch facodegen.attention(..., arch=A)'s autograd asks attention_backward for: the sm80 code
+    for an sm80 forward, else the default (default_arch), so that the forward's arch never forces a
+    backward that does not cover the call."""
+    return "sm80" if forward_arch == "sm80" else None
 
 
 def _check_like(view, like, name: str) -> None:

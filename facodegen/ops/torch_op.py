@@ -293,8 +293,10 @@ def _attention_grad(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     if q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError(_FP8_HAS_NO_BACKWARD)
+    # an sm80 forward gets the sm80 backward, any other the default (backward.default_arch)
     dq, dk, dv = torch.ops.facodegen.attention_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.causal,
-                                                        ctx.softmax_scale, ctx.arch, encode_knobs(_backward_knobs()))
+                                                        ctx.softmax_scale, backward.autograd_arch(ctx.arch),
+                                                        encode_knobs(_backward_knobs()))
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -334,7 +336,8 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         causal, softmax_scale, arch, _ = ctx.call
         dq, dk, dv = backward.attention_backward(grad_out.contiguous(), q, k, v, out, lse, causal=causal,
-                                                 softmax_scale=softmax_scale, arch=arch, **_backward_knobs())
+                                                 softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
+                                                 **_backward_knobs())
         return dq, dk, dv, None
 
 

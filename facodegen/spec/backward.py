@@ -6,7 +6,14 @@ The sm80 backward is FlashAttention-2's algorithm (templates/sm80/flash_bwd.cu.j
 registers, looping over the query blocks of block_m rows (and over the query heads of its GQA
 group) that see its keys; dQ is accumulated in fp32 in global memory with atomics (deterministic:
 in key-block order, one key block at a time per query block). The same sm80
-code runs on sm90 GPUs (compiled for the device at hand); an FA3-style sm90 backward is not written yet.
+code runs on sm90 GPUs (compiled for the device at hand).
+
+The sm90 backward is FlashAttention-3's algorithm (templates/sm90/flash_bwd.cu.j2): the same CTA
+per key block, with K, V loaded once by TMA, Q and dO (and the LSE, D rows) through a
+``stages``-deep TMA ring filled by a producer warp, and two consumer warpgroups of 64 keys each
+computing every GEMM with wgmma (P^T and dS^T stay in registers as the A operand of dV and dK; dS^T
+goes through shared memory for dQ). First slice: head_dim 64, 96 and 128, block_m 64, block_n 128,
+not deterministic; what it does not cover is refused naming the field.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from dataclasses import dataclass
 from .knobs import HEAD_DIMS, Knob
 from . import GPUS, SpecError
 
-BACKWARD_ARCHS = ("sm80",)
+BACKWARD_ARCHS = ("sm80", "sm90")
 BACKWARD_DTYPES = ("fp16", "bf16")
 BACKWARD_GPUS = ("a100", "h100", "h200", "sm86", "sm89")
 ELEMENT_BYTES = 2
@@ -30,7 +37,8 @@ def _flag(token: str):
 # The backward's knobs, declared once (the forward's registry style, its Knob type): the type check,
 # the variant name, the emit line and docs derive from these.
 BACKWARD_KNOBS: tuple[Knob, ...] = (
-    Knob("arch", "text", "Target: sm80 (FA2 backward, mma.sync; also what runs on sm90 GPUs for now).",
+    Knob("arch", "text", "Target: sm80 (FA2 backward, mma.sync; also what runs on sm90 GPUs by default) or sm90 "
+         "(FA3 backward: TMA, wgmma, a producer warp and two consumer warpgroups).",
          choices=BACKWARD_ARCHS, flag="--arch", problem=True, token=lambda s, v: f"flash_bwd_{s.arch}"),
     Knob("dtype", "text", "Element type of Q, K, V, O, dO and the gradients: fp16 or bf16.",
          choices=BACKWARD_DTYPES, flag="--dtype", problem=True, token=lambda s, v: s.dtype),
@@ -45,8 +53,9 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("k_unroll", "int", "k16 steps of each warp GEMM unrolled together (more in flight, more registers).",
          flag="--k-unroll", choices=(1, 2, 4), search={"sm80": (1, 2)},
          token=lambda s, v: f"ku{s.k_unroll}" if s.k_unroll != 2 else None),
-    Knob("stages", "int", "Q/dO buffers: 1 (the next step's Q, dO load under the dQ GEMM).", flag="--stages",
-         choices=(1,), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
+    Knob("stages", "int", "Q/dO buffers: sm80 1 (the next step's Q, dO load under the dQ GEMM); sm90 2 (the "
+         "TMA ring the producer warp fills).", flag="--stages",
+         choices=(1, 2), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
     Knob("gpu", "text", "Whose shared-memory limit the budget model applies.", choices=BACKWARD_GPUS, flag="--gpu"),
     Knob("deterministic", "bool", "Bit-identical gradients across runs: the key blocks add into each query "
          "block's fp32 dQ in key-block order (a turn counter per query block) instead of in any order.",
@@ -69,6 +78,32 @@ DEFAULT_TILES = {64: (128, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8), 192: (6
 SMALL_GPU_TILES = {64: (64, 64, 8), 96: (64, 64, 8), 128: (64, 64, 8), 192: (64, 64, 8), 256: (64, 64, 8)}
 DEFAULT_GPU = "a100"
 
+# sm90 (FlashAttention-3's backward, templates/sm90/flash_bwd.cu.j2): (block_m, block_n, num_warps)
+# per head_dim written so far. FA3 uses 128x128 at d64 and 64x128 (causal) / 80x128 at d128 with
+# two MMA warpgroups; this first slice takes 64x128 for both: each consumer warpgroup owns 64 keys
+# (dK, dV: 2 x head_dim/2 floats per thread, 128 at d128, beside S^T and dP^T at 32 each under the
+# 240 registers of setmaxnreg), and 64 queries are one m64 wgmma for dQ.
+#   d64:  K, V 32 KB + 2 stages x (Q, dO 16 KB + rows) + dS^T 2 x 16 KB = 97 KB
+#   d96:  K, V 48 KB + 2 stages x (Q, dO 24 KB + rows) + dS^T 2 x 16 KB = 130 KB (64-byte swizzle, as the forward)
+#   d128: K, V 64 KB + 2 stages x (Q, dO 32 KB + rows) + dS^T 2 x 16 KB = 162 KB
+SM90_TILES = {64: (64, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12)}
+SM90_STAGES = 2
+# setmaxnreg split (FlashAttention-3's for 2 MMA warpgroups): the producer warpgroup gives registers to
+# the consumers, 128 x (24 + 2 x 240) = 64512 = the 168 per thread the 384-thread CTA starts with.
+SM90_PRODUCER_REGS, SM90_CONSUMER_REGS = 24, 240
+SM90_GPU = "h200"
+
+
+def sm90_dq_cols(head_dim: int) -> int:
+    """head_dim columns of dQ = dS K that each sm90 consumer warpgroup computes. Split by columns when
+    each half is whole 64-column swizzle slabs of the K tile (d128: 64 each, over all 128 keys, both
+    warpgroups' dS^T rows); else (d64) by keys: each warpgroup the whole head_dim over its own 64 keys,
+    both adding into dq_accum (FlashAttention-3 instead loads K 64-byte swizzled at d64 so that 32
+    columns are whole slabs; a wgmma operand starting inside a 128-byte swizzle row is not a layout
+    CUTLASS builds)."""
+    return head_dim // 2 if (head_dim // 2) % 64 == 0 else head_dim
+SM90_GPUS = ("h100", "h200")
+
 # k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
 # config (NVRTC 13: 195-255 registers); 4 and full unrolling spill. Not yet timed against 1 on a GPU.
 
@@ -81,11 +116,12 @@ MAX_KV_ACC_FLOATS = 128
 class BackwardSpec:
     """One backward kernel set (preprocess, main, postprocess).
 
-    Problem: arch (sm80), head_dim, dtype (fp16/bf16), causal. GQA/MQA does not change the code
-    (the CTA loops over its group's query heads). Knobs: block_m, block_n, num_warps (None: the
-    default for head_dim, see DEFAULT_TILES), stages (1), gpu (the budget model's limits),
-    deterministic (False: dQ's fp32 adds land in any order). Each field is checked on construction
-    with a SpecError naming it; the template repeats the checks as static_asserts."""
+    Problem: arch (sm80, or sm90: head_dim 64/96/128 so far), head_dim, dtype (fp16/bf16), causal.
+    GQA/MQA does not change the code (the CTA loops over its group's query heads). Knobs: block_m,
+    block_n, num_warps (None: the default for head_dim, see DEFAULT_TILES / SM90_TILES), stages
+    (None: sm80 1, sm90 SM90_STAGES), gpu (the budget model's limits), deterministic (False: dQ's
+    fp32 adds land in any order; sm80 only). Each field is checked on construction with a SpecError
+    naming it; the template repeats the checks as static_asserts."""
     arch: str = "sm80"
     head_dim: int = 128
     dtype: str = "bf16"
@@ -94,28 +130,36 @@ class BackwardSpec:
     block_n: int | None = None
     num_warps: int | None = None
     k_unroll: int = 2
-    stages: int = 1
+    stages: int | None = None
     gpu: str | None = None
     deterministic: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
-        if self.arch == "sm90":
-            raise SpecError("arch", "the sm90 backward is not written yet: the sm80 backward (arch='sm80') "
-                                    "runs on H100/H200, and is what facodegen.attention_backward uses there")
         _choice("arch", self.arch, BACKWARD_ARCHS)
         _choice("dtype", self.dtype, BACKWARD_DTYPES)
         _choice("head_dim", self.head_dim, HEAD_DIMS)
         set_ = lambda name, value: object.__setattr__(self, name, value)
         if self.gpu is None:
-            set_("gpu", DEFAULT_GPU)
+            set_("gpu", SM90_GPU if self.arch == "sm90" else DEFAULT_GPU)
         _choice("gpu", self.gpu, BACKWARD_GPUS)
-        table = SMALL_GPU_TILES if GPUS[self.gpu].smem_per_block < 128 * 1024 else DEFAULT_TILES
-        block_m, block_n, warps = table[self.head_dim]
+        if self.arch == "sm90":
+            tile = SM90_TILES.get(self.head_dim)
+            if tile is None:
+                raise SpecError("head_dim", f"{self.head_dim}: the sm90 backward is written for head_dim "
+                                            f"{', '.join(map(str, SM90_TILES))} so far (arch='sm80' has the others)")
+            block_m, block_n, warps = tile
+            if self.stages is None:
+                set_("stages", SM90_STAGES)
+        else:
+            table = SMALL_GPU_TILES if GPUS[self.gpu].smem_per_block < 128 * 1024 else DEFAULT_TILES
+            block_m, block_n, warps = table[self.head_dim]
+            if self.stages is None:
+                set_("stages", 1)
         for name, value in (("block_m", block_m), ("block_n", block_n), ("num_warps", warps)):
             if getattr(self, name) is None:
                 set_(name, value)
-        _validate(self)
+        (_validate_sm90 if self.arch == "sm90" else _validate)(self)
 
     @property
     def threads(self) -> int:
@@ -123,6 +167,8 @@ class BackwardSpec:
 
     @property
     def smem_bytes(self) -> int:
+        if self.arch == "sm90":
+            return sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages)
         return smem_bytes(self.block_m, self.block_n, self.head_dim)
 
     @property
@@ -149,6 +195,14 @@ def smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
     return 2 * block_m * head_dim * e + 2 * block_n * head_dim * e + 2 * block_n * block_m * e + 2 * block_m * 4
 
 
+def sm90_smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int) -> int:
+    """K + V tiles, ``stages`` x (Q + dO tiles and the LSE, D rows), two dS^T tiles (taking turns
+    between steps), and 1 KB to align the tiles to 1024 bytes (the 128-byte swizzle's period)."""
+    e = ELEMENT_BYTES
+    return (2 * block_n * head_dim * e + stages * (2 * block_m * head_dim * e + 2 * block_m * 4)
+            + 2 * block_n * block_m * e + 1024)
+
+
 def kv_acc_floats(spec: BackwardSpec) -> int:
     """dK + dV accumulator floats per thread."""
     return 2 * spec.block_n * spec.head_dim // spec.threads
@@ -162,7 +216,7 @@ def _choice(name: str, value, allowed) -> None:
 def _check_types(spec: BackwardSpec) -> None:
     for k in BACKWARD_KNOBS:
         value = getattr(spec, k.name)
-        if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu"):
+        if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages"):
             continue
         if k.kind == "text" and not isinstance(value, str):
             raise SpecError(k.name, f"must be text ({', '.join(k.choices)}), got {value!r}")
@@ -215,6 +269,31 @@ def _validate(spec: BackwardSpec) -> None:
         raise SpecError("block_n", f"block_m {spec.block_m} x block_n {spec.block_n} at head_dim {spec.head_dim} "
                                    f"needs {spec.smem_bytes} bytes of shared memory, more than the {limit} of gpu="
                                    f"{spec.gpu} (lower block_m or block_n)")
+
+
+def _validate_sm90(spec: BackwardSpec) -> None:
+    """The first sm90 slice: FA3's 64 x 128 tile with two consumer warpgroups, a 2-deep Q/dO ring."""
+    if spec.deterministic:
+        raise SpecError("deterministic", "the sm90 backward has no deterministic mode yet (arch='sm80' has one)")
+    if spec.block_m != 64:
+        raise SpecError("block_m", f"{spec.block_m}: the sm90 backward takes block_m=64 (one m64 wgmma of "
+                                   f"queries for dQ) so far")
+    if spec.block_n != 128:
+        raise SpecError("block_n", f"{spec.block_n}: the sm90 backward takes block_n=128 (two consumer "
+                                   f"warpgroups of 64 keys) so far")
+    if spec.num_warps != 12:
+        raise SpecError("num_warps", f"{spec.num_warps}: the sm90 backward runs 12 warps (a producer "
+                                     f"warpgroup and two consumer warpgroups)")
+    if spec.stages != SM90_STAGES:
+        raise SpecError("stages", f"{spec.stages}: the sm90 backward's Q/dO ring is {SM90_STAGES} deep")
+    if spec.k_unroll != 2:
+        raise SpecError("k_unroll", f"{spec.k_unroll}: k_unroll is an sm80 knob (wgmma has no such choice)")
+    if spec.gpu not in SM90_GPUS:
+        raise SpecError("gpu", f"{spec.gpu}: the sm90 backward runs on {', '.join(SM90_GPUS)}")
+    limit = GPUS[spec.gpu].smem_per_block
+    if spec.smem_bytes > limit:
+        raise SpecError("block_n", f"{spec.smem_bytes} bytes of shared memory, more than the {limit} of gpu="
+                                   f"{spec.gpu}")
 
 
 def default_backward_specs() -> list[BackwardSpec]:

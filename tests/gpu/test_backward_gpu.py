@@ -89,12 +89,12 @@ def make(batch, sq, sk, hq, hkv, d, dtype, seed):
     return rand(batch, sq, hq, d), rand(batch, sk, hkv, d), rand(batch, sk, hkv, d), rand(batch, sq, hq, d)
 
 
-def run_backward(q, k, v, do, causal, scale, poison=False):
+def run_backward(q, k, v, do, causal, scale, poison=False, **knobs):
     out64, lse64, _ = reference(q, k, v, do, causal, scale, upcast=True)
     out, lse = out64.to(q.dtype), lse64.float().contiguous()
-    kwargs = {}
+    kwargs = dict(knobs)
     if poison:
-        kwargs = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
+        kwargs.update({n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))})
     return facodegen.attention_backward(do, q, k, v, out, lse, causal=causal, softmax_scale=scale, **kwargs)
 
 
@@ -285,3 +285,73 @@ def test_default_spec_fits_this_gpu():
     info = api.device_info(torch.cuda.current_device())
     for d in HEAD_DIMS:
         assert BackwardSpec(head_dim=d, gpu=info.budget_gpu).smem_bytes <= info.smem_per_block_optin
+
+
+# ------------------------------------------------------------------ sm90 (FlashAttention-3's backward)
+
+HAVE_SM90 = HAVE_GPU and torch.cuda.get_device_capability() == (9, 0)
+sm90_only = pytest.mark.skipif(not HAVE_SM90, reason="the sm90 backward needs an H100/H200")
+SM90_HEAD_DIMS = (64, 96, 128)
+SM90_SEQLENS = ((1, 1), (239, 1), (113, 203), (1023, 1024), (128, 128), (64, 65), (200, 64))
+# Every seqlen pair x causal x head_dim x dtype, the head layout cycling through MHA/GQA/MQA, and every
+# head layout at head_dim 128 bf16 besides.
+_GRID90 = [(sq, sk, causal, d, dt, list(HEADS)[i % 3]) for i, ((sq, sk), causal, d, dt)
+           in enumerate(itertools.product(SM90_SEQLENS, (False, True), SM90_HEAD_DIMS, DTYPES))]
+_GRID90 += [(sq, sk, causal, 128, "bf16", h) for (sq, sk), causal, h in itertools.product(SM90_SEQLENS, (False, True),
+                                                                                          HEADS)
+            if (sq, sk, causal, 128, "bf16", h) not in _GRID90]
+
+
+@sm90_only
+@pytest.mark.parametrize("sq, sk, causal, d, dt, heads", _GRID90,
+                         ids=[f"sm90-{sq}x{sk}-{'causal' if c else 'full'}-hd{d}-{dt}-{h}" for sq, sk, c, d, dt, h in _GRID90])
+def test_sm90_gradients_match_float64(sq, sk, causal, d, dt, heads):
+    hq, hkv = HEADS[heads]
+    batch = 2 if sq * sk < 100_000 else 1
+    q, k, v, do = make(batch, sq, sk, hq, hkv, d, DTYPES[dt], seed=sq * 7 + sk * 13 + d + 1)
+    scale = d ** -0.5 if (sq + d) % 2 else 0.3
+    got = run_backward(q, k, v, do, causal, scale, poison=(sq == 113), arch="sm90")
+    assert check_grads(got, do, q, k, v, causal, scale) == []
+
+
+@sm90_only
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_strided_inputs_and_a_second_call_on_other_tensors(causal):
+    """Strided Q (a head stride of 256), then a second call of the same layout on other tensors: the
+    plan's TMA maps must follow the new pointers."""
+    base = torch.randn(2, 97, 8, 128, device="cuda", dtype=torch.bfloat16)
+    q = base[:, :, ::2]
+    k = torch.randn(2, 150, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 150, 2, 128, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(2, 97, 4, 128, device="cuda", dtype=torch.bfloat16)
+    got = run_backward(q, k, v, do, causal, 0.125, poison=True, arch="sm90")
+    assert check_grads(got, do, q, k, v, causal, 0.125) == []
+    q2, k2, v2, do2 = (torch.randn_like(x) for x in (base, k, v, do))
+    q2 = q2[:, :, ::2]
+    got2 = run_backward(q2, k2, v2, do2, causal, 0.125, arch="sm90")
+    assert check_grads(got2, do2, q2, k2, v2, causal, 0.125) == []
+
+
+@sm90_only
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
+def test_sm90_matches_sm80(d, causal):
+    """The two backwards on the same O and LSE: dK, dV within bf16 rounding of each other (different
+    summation orders), dQ too (fp32 atomics in any order)."""
+    q, k, v, do = make(2, 700, 900, 8, 2, d, torch.bfloat16, seed=11)
+    a = run_backward(q, k, v, do, causal, d ** -0.5, arch="sm80")
+    b = run_backward(q, k, v, do, causal, d ** -0.5, arch="sm90")
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=2e-2, rtol=2e-2)
+
+
+@sm90_only
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_sm90_backward_of_the_sm90_forward_at_large_logits(dt):
+    """Inputs x16 (logits in the thousands): the sm90 forward's LSE with the sm90 backward, against
+    float64. The sm80 backward recomputes S in mma.sync order and its P = exp(S - LSE) was ~1% off
+    here (README, facodegen check --fuzz); both sm90 kernels sum the scores the wgmma way."""
+    q, k, v, do = make(1, 300, 300, 4, 4, 128, DTYPES[dt], seed=7)
+    q, k = q * 4, k * 4
+    out, lse = facodegen.attention(q, k, v, causal=True, return_lse=True, arch="sm90")
+    got = facodegen.attention_backward(do, q, k, v, out, lse, causal=True, arch="sm90")
+    assert check_grads(got, do, q, k, v, True, 128 ** -0.5) == []

@@ -1,0 +1,221 @@
+"""The sm90 backward's main kernel (templates/sm90/flash_bwd.cu.j2, bwd_ops.cuh.j2), transliterated
+into NumPy over one CTA: shared memory as bytes with the kernel's offsets, TMA loads that swizzle
+and zero-fill as the hardware does, wgmma that reads its operands through the kernel's descriptors
+(start address, LBO, SBO, swizzle; K-major and MN-major in the canonical layouts the forward's
+GPU-verified operands use) and writes the m64 accumulator layout, the RS A fragments packed from
+registers, the masks, the dS^T stores, the dQ split between the warpgroups and the reductions into
+dq_accum. It checks the kernel's indexing against the float64 reference on the CPU; the hardware
+itself (and the proxy and barrier protocol) is left to tests/gpu/test_backward_gpu.py.
+
+Follows the templates step for step: change them together.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from facodegen.spec.backward import BackwardSpec, sm90_dq_cols
+from facodegen.verify.reference import attention_backward_reference, attention_reference
+
+E = np.float16     # elem_t (fp16: the emulation rounds where the kernel converts)
+WG_ROWS, WG_THREADS = 64, 128
+LOG2E = float(np.log2(np.e))
+
+
+def swizzle(addr, sw):
+    """sm90/tma.cuh.j2 swizzle_xor on an absolute address (tiles start on 1024-byte boundaries)."""
+    return addr ^ (((addr >> 7) & (sw // 16 - 1)) << 4)
+
+
+class Smem:
+    def __init__(self, nbytes):
+        self.h = np.zeros(nbytes // 2, dtype=E)
+
+    def tma_load(self, dst, slab_bytes, sw, x, row0, rows):
+        """load_tile: rows [row0, row0 + rows) of x (seqlen, d) in slabs of sw/2 columns, rows past
+        the end read as zeros."""
+        cols = sw // 2
+        for s in range(x.shape[1] // cols):
+            for r in range(rows):
+                for c in range(0, cols, 8):                  # 16-byte chunks
+                    src = x[row0 + r, s * cols + c: s * cols + c + 8] if row0 + r < x.shape[0] else np.zeros(8)
+                    addr = swizzle(dst + s * slab_bytes + r * sw + 2 * c, sw)
+                    self.h[addr // 2: addr // 2 + 8] = src
+
+    def read(self, addrs):
+        return self.h[np.asarray(addrs) // 2].astype(np.float64)
+
+
+def operand(smem, start, lbo, sbo, sw, mn_size, k_major):
+    """The [mn_size x 16] operand a wgmma reads from a descriptor (start, LBO, SBO, swizzle sw)."""
+    mn = np.arange(mn_size)[:, None]
+    k = np.arange(16)[None, :]
+    if k_major:     # 8-row groups SBO apart, a row of sw bytes holds the k elements
+        lin = start + (mn // 8) * sbo + (mn % 8) * sw + 2 * k
+    else:           # MN-major: sw/2-element MN slabs LBO apart, 8-row k groups SBO apart
+        lin = start + (mn // (sw // 2)) * lbo + (k // 8) * sbo + (k % 8) * sw + 2 * (mn % (sw // 2))
+    return smem.read(swizzle(lin, sw))
+
+
+def acc_index(n):
+    """(row, col) of register i of thread t in an m64 x n fp32 accumulator: arrays (128, n/2)."""
+    t = np.arange(WG_THREADS)[:, None]
+    i = np.arange(n // 2)[None, :]
+    warp, lane = t // 32, t % 32
+    return 16 * warp + lane // 4 + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)
+
+
+def to_regs(mat):
+    rows, cols = acc_index(mat.shape[1])
+    return mat[rows, cols]
+
+
+def from_regs(regs, n):
+    rows, cols = acc_index(n)
+    out = np.zeros((WG_ROWS, n))
+    out[rows, cols] = regs
+    return out
+
+
+def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
+    """dq_accum (batch, heads_q, seqlen_q, d) and dK, dV (batch, seqlen_k, heads_kv, d) as the
+    main kernel leaves them (dK already times softmax_scale)."""
+    batch, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    bm, bn, stages = spec.block_m, spec.block_n, spec.stages
+    sw = 128 if d % 64 == 0 else 64
+    slab_cols = sw // 2
+    q_slab, kv_slab, q_tile, kv_tile = bm * sw, bn * sw, bm * d * 2, bn * d * 2
+    ds_row, ds_tile_bytes, ds_sw = bm * 2, bn * bm * 2, 128
+    dq_cols = sm90_dq_cols(d)
+    split_keys = dq_cols == d
+    dq_k_steps = (WG_ROWS if split_keys else bn) // 16
+    k_smem, v_smem = 0, kv_tile
+    q_smem0 = v_smem + kv_tile
+    do_smem0 = q_smem0 + stages * q_tile
+    ds_smem0 = do_smem0 + stages * q_tile
+    dq_accum = np.zeros((batch, hq, sq, d))
+    dk_out, dv_out = np.zeros(k.shape), np.zeros(v.shape)
+    group = hq // hkv
+    m_blocks = -(-sq // bm)
+    for b in range(batch):
+        for kv_head in range(hkv):
+            for n_block in range(-(-sk // bn)):
+                smem = Smem(ds_smem0 + 2 * ds_tile_bytes)
+                key_begin = n_block * bn
+                first_row = max(0, key_begin - (sk - sq)) if causal else 0
+                m_first = first_row // bm
+                steps_per_head = m_blocks - m_first if first_row < sq else 0
+                steps = steps_per_head * group
+                smem.tma_load(k_smem, kv_slab, sw, k[b, :, kv_head], key_begin, bn)
+                smem.tma_load(v_smem, kv_slab, sw, v[b, :, kv_head], key_begin, bn)
+                dv_acc = [np.zeros((WG_THREADS, d // 2)) for _ in range(2)]
+                dk_acc = [np.zeros((WG_THREADS, d // 2)) for _ in range(2)]
+                for step in range(steps):
+                    stage = step % stages
+                    head = kv_head * group + step // steps_per_head
+                    row_begin = (m_first + step % steps_per_head) * bm
+                    q_t, do_t = q_smem0 + stage * q_tile, do_smem0 + stage * q_tile
+                    smem.tma_load(q_t, q_slab, sw, q[b, :, head], row_begin, bm)
+                    smem.tma_load(do_t, q_slab, sw, do[b, :, head], row_begin, bm)
+                    rows = row_begin + np.arange(bm)
+                    lse_rows = np.where(rows < sq, lse[b, head, np.minimum(rows, sq - 1)], -np.inf)
+                    lse_rows = np.where(lse_rows == -np.inf, np.inf, lse_rows * LOG2E)
+                    d_rows = np.where(rows < sq, dpsum[b, head, np.minimum(rows, sq - 1)], 0.0)
+                    ds_tile = ds_smem0 + (step & 1) * ds_tile_bytes
+                    frags = []
+                    for wg in range(2):
+                        # S^T = K Q^T, dP^T = V dO^T (gemm_keys_rows)
+                        k_rows, v_rows = k_smem + wg * WG_ROWS * sw, v_smem + wg * WG_ROWS * sw
+                        st, dpt = np.zeros((WG_ROWS, bm)), np.zeros((WG_ROWS, bm))
+                        for kk in range(d // 16):
+                            in_row, slab = (kk % (slab_cols // 16)) * 32, kk // (slab_cols // 16)
+                            for acc, key_rows, tile in ((st, k_rows, q_t), (dpt, v_rows, do_t)):
+                                a = operand(smem, key_rows + slab * kv_slab + in_row, 16, 8 * sw, sw, WG_ROWS, True)
+                                bt = operand(smem, tile + slab * q_slab + in_row, 16, 8 * sw, sw, bm, True)
+                                acc += a @ bt.T
+                        st, dpt = to_regs(st), to_regs(dpt)
+                        # P^T = exp2(S^T scale log2(e) - LSE log2(e)), masked; dS^T = P^T (dP^T - D)
+                        key_rows_i, col = acc_index(bm)
+                        key = key_begin + wg * WG_ROWS + key_rows_i
+                        query = row_begin + col
+                        p = np.exp2(st * scale * LOG2E - lse_rows[col])
+                        hidden = (key >= sk) | ((key > query + sk - sq) if causal else False)
+                        p = np.where(hidden, 0.0, p)
+                        p_frag = p.astype(E).astype(np.float64)
+                        ds = (p * (dpt - d_rows[col])).astype(E)
+                        # dS^T -> shared memory (128-byte swizzled rows of bm queries)
+                        offset = (wg * WG_ROWS + key_rows_i) * ds_row + 2 * col
+                        smem.h[(ds_tile + swizzle(offset, ds_sw)) // 2] = ds
+                        frags.append((p_frag, ds.astype(np.float64)))
+                    for wg in range(2):
+                        p_frag, ds_frag = frags[wg]
+                        # dV += P^T dO, dK += dS^T Q (gemm_frag_rows: A from registers, B MN-major)
+                        for acc, frag, tile in ((dv_acc, p_frag, do_t), (dk_acc, ds_frag, q_t)):
+                            a_full = from_regs(frag, bm)
+                            total = from_regs(acc[wg], d)
+                            for kk in range(bm // 16):
+                                bmat = operand(smem, tile + kk * 16 * sw, q_slab, 8 * sw, sw, d, False)   # [d x 16]
+                                total += a_full[:, 16 * kk: 16 * kk + 16] @ bmat.T
+                            acc[wg] = to_regs(total)
+                        # dQ = dS K (gemm_dq), then dq_accum += dQ
+                        dq_col0 = 0 if split_keys else wg * dq_cols
+                        k_dq = k_smem + wg * WG_ROWS * sw if split_keys else k_smem + (dq_col0 // slab_cols) * kv_slab
+                        ds_rows = ds_tile + (wg * WG_ROWS * ds_row if split_keys else 0)
+                        dq = np.zeros((bm, dq_cols))
+                        for kk in range(dq_k_steps):
+                            a = operand(smem, ds_rows + kk * 16 * ds_row, ds_tile_bytes, 8 * ds_sw, ds_sw, bm, False)
+                            bmat = operand(smem, k_dq + kk * 16 * sw, kv_slab, 8 * sw, sw, dq_cols, False)
+                            dq += a @ bmat.T
+                        row, col = acc_index(dq_cols)
+                        regs = to_regs(dq)
+                        keep = row_begin + row < sq
+                        np.add.at(dq_accum[b, head], (row_begin + row[keep], dq_col0 + col[keep]), regs[keep])
+                # finish: dK *= scale, rows below seqlen_k
+                for wg in range(2):
+                    row, col = acc_index(d)
+                    key = key_begin + wg * WG_ROWS + row
+                    keep = key < sk
+                    dk_out[b, key[keep], kv_head, col[keep]] = (dk_acc[wg] * scale)[keep].astype(E)
+                    dv_out[b, key[keep], kv_head, col[keep]] = dv_acc[wg][keep].astype(E)
+    return dq_accum, dk_out, dv_out
+
+
+@pytest.mark.parametrize("d, sq, sk, hq, hkv, causal", [
+    (64, 70, 150, 2, 1, True),      # dQ split by keys; GQA; seqlen_k cut inside the second key block
+    (64, 130, 40, 1, 1, False),     # three query blocks, one short key block
+    (96, 65, 129, 2, 2, True),      # 64-byte swizzle, dQ split by keys
+    (128, 100, 130, 2, 1, True),    # dQ split by 64-column slabs; causal diagonal inside blocks
+    (128, 200, 60, 1, 1, True),     # seqlen_q > seqlen_k: rows that see no key
+])
+def test_emulated_sm90_kernel_matches_the_reference(d, sq, sk, hq, hkv, causal):
+    spec = BackwardSpec(arch="sm90", head_dim=d, dtype="fp16", causal=causal)
+    rng = np.random.default_rng(sq + sk + d)
+    q, do = (rng.standard_normal((1, sq, hq, d)).astype(E) for _ in range(2))
+    k, v = (rng.standard_normal((1, sk, hkv, d)).astype(E) for _ in range(2))
+    scale = 0.2
+    out, lse = attention_reference(q, k, v, causal, scale)
+    out = out.astype(E)
+    dpsum = np.einsum("bqhd,bqhd->bhq", do.astype(np.float64), out.astype(np.float64))     # the preprocess
+    dq_accum, dk, dv = run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale)
+    dq = (dq_accum * scale).transpose(0, 2, 1, 3)                                          # the postprocess
+    rq, rk, rv = attention_backward_reference(do, q, k, v, causal, scale)
+    for name, got, ref in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        err = np.abs(got - ref).max()
+        assert err <= 2e-2 * max(1.0, np.abs(ref).max()), (name, err)
+
+
+def test_the_descriptor_model_reads_back_what_tma_wrote():
+    """The emulation's own check: an MN-major and a K-major read of a TMA-written tile give the tile."""
+    rng = np.random.default_rng(0)
+    for sw in (64, 128):
+        x = rng.standard_normal((64, 128)).astype(E)
+        smem = Smem(64 * 128 * 2)
+        smem.tma_load(0, 64 * sw, sw, x, 0, 64)
+        for kk in range(4):     # K-major over the first slab: rows x 16 columns
+            got = operand(smem, (kk % (sw // 32)) * 32 + (kk // (sw // 32)) * 64 * sw, 16, 8 * sw, sw, 64, True)
+            np.testing.assert_array_equal(got, x[:, 16 * kk: 16 * kk + 16])
+        for kk in range(4):     # MN-major: k = rows 16kk.., mn = all 128 columns
+            got = operand(smem, kk * 16 * sw, 64 * sw, 8 * sw, sw, 128, False)
+            np.testing.assert_array_equal(got, x[16 * kk: 16 * kk + 16].T)
