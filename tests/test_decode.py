@@ -208,6 +208,7 @@ def fake(monkeypatch):
                                                           str(dtype).removeprefix("torch."),
                                                           device=int(str(device).rpartition(":")[2]))
     monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(api, "_TORCH", None)     # api._torch() finds the fake
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
     monkeypatch.setattr(kvcache, "device_info", lambda ordinal: info)
     monkeypatch.setattr(kvcache, "_load_on", lambda device, spec: driver.LoadedFunction(1, 1, device))

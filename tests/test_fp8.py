@@ -325,6 +325,7 @@ def test_fp8_prepare_packs_params(monkeypatch, v_layout):
 
     fake_torch = types.SimpleNamespace(Tensor=FakeTensor, bfloat16="torch.bfloat16")
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setattr(api, "_TORCH", None)     # api._torch() finds the fake
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
     monkeypatch.setattr(api, "device_info", lambda ordinal: info)
     monkeypatch.setattr(api, "_prepare", lambda spec, device: api._Prepared(None, spec.smem_bytes, 132))

@@ -65,6 +65,7 @@ def fake(monkeypatch, tmp_path):
     torch.empty = lambda shape, dtype, device: FakeTensor(shape if isinstance(shape, tuple) else (shape,), dtype,
                                                           device=int(str(device).rpartition(":")[2]))
     monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(api, "_TORCH", None)     # api._torch() finds the fake
 
     launches = Launches()
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)

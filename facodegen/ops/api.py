@@ -32,8 +32,18 @@ ALIGN_BYTES = 16  # cp.async and TMA move 16-byte chunks
 
 # ------------------------------------------------------------------ tensor adapters
 
+_TORCH = None
+
+
 def _torch():
-    return sys.modules.get("torch")
+    """torch if the process has imported it (facodegen never imports it for a CuPy user), kept once
+    found: Dynamo, tracing attention(), would otherwise trace sys.modules.get, and fails ("dictionary
+    changed size during iteration") once a lazy import (CuPy's) has grown sys.modules between two
+    compiles."""
+    global _TORCH
+    if _TORCH is None:
+        _TORCH = sys.modules.get("torch")
+    return _TORCH
 
 
 def _cupy():
@@ -728,7 +738,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
       softmax denominator and adds no value, O = sum_j e^(x_j) v_j / (sum_j e^(x_j) + e^(sink)).
       The LSE returned includes the sink, log(sum_j e^(x_j) + e^(sink)), as FlashAttention-4's and
       vLLM's kernels return it; a row that sees no key gets O = 0 and LSE = sink.
-    Not with fp8 inputs yet, and no backward yet (a call on tensors that require grad raises).
+    Tensors that require grad record the generated backward (fp16/bf16, plain attention); fp8 inputs
+    and the variants (window, softcap, sinks) have no backward yet and raise there.
     """
     variant = _variant_args(window_size, softcap, sinks)
     if causal_alignment != "bottom_right":
@@ -738,7 +749,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         elif causal is True and q.shape[1] != k.shape[1]:
             return _top_left(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
                              lse_out=lse_out, arch=arch, **spec_fields)
-    torch = sys.modules.get("torch")
+    torch = _torch()
     if torch is not None and isinstance(q, torch.Tensor):
         if torch.compiler.is_compiling():   # Dynamo and torch.export trace the ops (and their autograd formula)
             from . import torch_op

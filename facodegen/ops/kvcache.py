@@ -429,7 +429,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     which marks k_cache and v_cache mutated. There is no backward: a call on tensors that require
     grad (with grad enabled) raises NotImplementedError.
     """
-    torch = sys.modules.get("torch")
+    torch = _torch()
     if torch is not None and isinstance(q, torch.Tensor) and (torch.compiler.is_compiling() or (
             torch.is_grad_enabled() and _requires_grad(q, k_cache, v_cache, k, v))):
         from . import torch_op
@@ -468,7 +468,7 @@ def _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax
     too; ``lse_out``, theirs only: a contiguous float32 (batch, heads_q, seqlen_q) tensor the LSE goes to)."""
     if check_inputs:
         _check_values_on_device(cache_seqlens, page_table, k, k_cache)
-    torch = sys.modules.get("torch")
+    torch = _torch()
     kind = "torch" if torch is not None and isinstance(q, torch.Tensor) else "other"
     key = None
     try:

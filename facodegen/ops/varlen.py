@@ -58,7 +58,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     O in place. ``arch``: "sm80" (the default; the same kernel runs on sm90 GPUs). Spec fields
     (block_n=..., stages=...) override the defaults. No backward yet, no attention variants.
     """
-    torch = sys.modules.get("torch")
+    torch = _torch()
     key = plan = None
     try:
         if torch is not None and isinstance(q, torch.Tensor):
