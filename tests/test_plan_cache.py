@@ -39,7 +39,7 @@ class Launches:
 
     def launcher(self, function, grid, threads, smem):
         def launch(stream, kernel_params):
-            address = ctypes.c_void_p.from_address(kernel_params.value).value
+            address = ctypes.c_void_p.from_address(kernel_params).value
             size = params.layout("sm90", "fp8")[1]      # the largest FlashParams
             self.records.append({"stream": stream, "grid": grid, "params": ctypes.string_at(address, size)})
         return launch
