@@ -829,6 +829,7 @@ def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arc
             current = cupy.cuda.runtime.getDevice()
             key = ("cupy", meta(q), meta(k), meta(v), current, causal.__class__, causal,
                    softmax_scale.__class__, softmax_scale, return_lse, arch, knobs, meta(out), meta(lse_out),
+                   None if descales is _NO_DESCALES else  # (the common call: no generator to run)
                    tuple(meta(d) if isinstance(d, cupy.ndarray) else d for d in descales), tunedb.generation(),
                    None if variant is None else _variant_key(variant, meta))
             plan = _PLANS.get(key)
