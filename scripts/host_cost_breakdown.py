@@ -8,6 +8,9 @@ loop of its own (the call-key tuple, the dict lookup, empty_like for O, the data
 stream query, the launch) and the whole call; the call that records autograd and its pieces;
 a forward + backward beside SDPA's; in microseconds per call: bench.time_host_per_call's
 host_us (chunks of calls after a synchronize, so no launch waits for the GPU) and its loop_us.
+Then the alternatives beside each piece: cuLaunchKernel through CuPy's binding and through ctypes,
+other ways to allocate O and the LSE, the fp8 call with descales (sm90) and the CuPy fp16 call
+with the CuPy calls on its hit path.
 The steps do not add up exactly (a loop of one step keeps its objects in cache), but they say which
 step a faster path must remove.
 """
@@ -126,13 +129,113 @@ def main() -> int:
     stream = torch._C._cuda_getCurrentRawStream(device)
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0)
     rows.append(("plan.launch (patch + cuLaunchKernel)", lambda: plan.launch(stream, *ptrs, None)))
-    rows.append(("  launcher alone (cuLaunchKernel via ctypes)",
-                 lambda: plan._launcher(plan.scratch(stream).stream, plan._last.kernel_params)))
+    rows.append(("  launcher alone (driver.Launcher: CuPy's cuLaunchKernel binding)",
+                 lambda: plan._launcher(stream, plan._last.kernel_params)))
+    rows += _launch_rows(plan, stream, ptrs)
+    rows += _allocation_rows(torch, q)
+    if torch.cuda.get_device_capability(device) == (9, 0):
+        rows += _fp8_rows(torch, q, k, v)
+    rows += _cupy_rows(torch, q, k, v)
     print("| step | host µs per call | loop µs per call |\n|---|---|---|")
     for name, fn in rows:
         t = bench.time_host_per_call(fn, torch.cuda.synchronize, calls=args.calls)
         print(f"| {name} | {t['host_us']:.2f} | {t['loop_us']:.2f} |", flush=True)
     return 0
+
+
+def _launch_rows(plan, stream: int, ptrs: tuple) -> list:
+    """cuLaunchKernel of the plan's kernel on ``ptrs`` (q, k, v, out, lse: tensors that outlive the
+    timing), two ways: CuPy's Cython binding called bare (what driver.Launcher wraps) and ctypes with
+    prebuilt ctypes arguments (the launcher before 2026-12-03): the binding's gain is the difference."""
+    import ctypes
+
+    from cupy_backends.cuda.api.driver import launchKernel
+    from facodegen.runtime.plan import _Image
+    function, grid, spec = plan.function, plan.grid, plan.spec
+    plan.launch(stream, *ptrs, None)        # the image now points at ptrs' tensors, not a freed O
+    image = _Image(plan.param_bytes())      # our own copy: the plan may drop its images; `bare` keeps this one
+    ints = (function.ptr, *grid, spec.threads, 1, 1, spec.smem_bytes, stream)
+    raw = ctypes.CDLL("libcuda.so.1").cuLaunchKernel      # no argtypes: the arguments are ctypes objects
+    u = ctypes.c_uint
+    prebuilt = (ctypes.c_void_p(function.ptr), u(grid[0]), u(grid[1]), u(grid[2]), u(spec.threads), u(1), u(1),
+                u(spec.smem_bytes), ctypes.c_void_p(stream), ctypes.c_void_p(image.kernel_params), None)
+
+    def bare():
+        launchKernel(*ints, image.kernel_params, 0)
+    return [("  cuLaunchKernel via CuPy's binding, bare", bare),
+            ("  cuLaunchKernel via ctypes, prebuilt arguments (the launcher before)", lambda: raw(*prebuilt))]
+
+
+def _allocation_rows(torch, q) -> list:
+    """Ways to allocate O (q's shape) and the LSE; empty_like keeps q's layout where q is dense,
+    which is what the plan's O strides were packed for (api._resolve allocates the miss's O so)."""
+    from facodegen.ops import api
+    shape, strides = tuple(q.shape), q.stride()
+    made = api._Outputs(shape, "bfloat16", (shape[0], shape[2], shape[1]), torch.bfloat16, None, True, ())
+    made.new_lse(torch, q.device)
+    return [("  empty_like(q, dtype=float16) (fp8's O)", lambda: torch.empty_like(q, dtype=torch.float16)),
+            ("  q.new_empty(shape tuple)", lambda: q.new_empty(shape)),
+            ("  torch.empty(*shape, dtype=, device=)", lambda: torch.empty(*shape, dtype=q.dtype, device=q.device)),
+            ("  torch.empty_strided(shape, strides, dtype=, device=)",
+             lambda: torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device)),
+            ("  LSE: new_lse (empty_like of a stride-0 template)", lambda: made.new_lse(torch, q.device)),
+            ("  LSE: q.new_empty(lse shape, dtype=float32)",
+             lambda: q.new_empty(made.lse_shape, dtype=torch.float32))]
+
+
+def _fp8_rows(torch, q, k, v) -> list:
+    """The fp8 call of `bench --suite overhead` (e4m3 inputs, scalar descales) and its extra pieces."""
+    import facodegen
+    from facodegen.ops import api
+    q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+    descales = {f"{n}_descale": torch.ones((), dtype=torch.float32, device=q.device) for n in "qkv"}
+    out = torch.empty_like(q)
+    for options in ({}, {"return_lse": True}, {"out": out}):
+        facodegen.attention(q8, k8, v8, causal=True, **descales, **options)
+    plan = next(p for p in api._PLANS._plans.values() if p.spec.dtype == "fp8")
+    stream = torch._C._cuda_getCurrentRawStream(q.get_device())
+    ptrs = (q8.data_ptr(), k8.data_ptr(), v8.data_ptr(), out.data_ptr(), 0)
+    descale_ptrs = tuple(d.data_ptr() for d in descales.values())
+    dq, dk, dv = descales.values()
+    return [("attention() fp8 + descales whole call",
+             lambda: facodegen.attention(q8, k8, v8, causal=True, **descales)),
+            ("attention() fp8 + descales, return_lse", lambda: facodegen.attention(
+                q8, k8, v8, causal=True, return_lse=True, **descales)),
+            ("attention() fp8 + descales, out=", lambda: facodegen.attention(q8, k8, v8, causal=True, out=out,
+                                                                            **descales)),
+            ("  fp8: _split_knobs(descales)", lambda: api._split_knobs(descales)),
+            ("  fp8: 3 descale metas (key)",
+             lambda: (api._torch_meta(dq), api._torch_meta(dk), api._torch_meta(dv))),
+            ("  fp8: plan.launch with descales", lambda: plan.launch(stream, *ptrs, descale_ptrs))]
+
+
+def _cupy_rows(torch, q, k, v) -> list:
+    """The CuPy fp16 call of `bench --suite overhead` and the CuPy calls on its hit path."""
+    try:
+        import cupy
+    except ImportError:
+        return []
+    import numpy
+
+    import facodegen
+    q16, k16, v16 = (cupy.asarray(x.to(torch.float16)) for x in (q, k, v))
+    facodegen.attention(q16, k16, v16)
+    facodegen.attention(q16, k16, v16, return_lse=True)
+    shape, fp16 = q16.shape, numpy.dtype("float16")
+    device = cupy.cuda.Device(q16.data.device_id)
+
+    def switch_device():
+        with device:
+            pass
+    return [("attention() CuPy fp16 whole call", lambda: facodegen.attention(q16, k16, v16)),
+            ("attention() CuPy fp16, return_lse", lambda: facodegen.attention(q16, k16, v16, return_lse=True)),
+            ("  cupy.cuda.runtime.getDevice()", cupy.cuda.runtime.getDevice),
+            ("  cupy key: 3 x (dtype, shape, strides, data.device_id)", lambda: tuple(
+                (x.dtype, x.shape, x.strides, x.data.device_id) for x in (q16, k16, v16))),
+            ("  cupy.ndarray(shape, numpy.dtype) (the hit's O)", lambda: cupy.ndarray(shape, fp16)),
+            ("  cupy.empty(shape, dtype='float16') (the hit's O before)", lambda: cupy.empty(shape, dtype="float16")),
+            ("  with cupy.cuda.Device(q's) (the hit before, every call)", switch_device),
+            ("  cupy.cuda.get_current_stream().ptr", lambda: cupy.cuda.get_current_stream().ptr)]
 
 
 if __name__ == "__main__":

@@ -253,7 +253,7 @@ class BwdLaunches:
 
     def launcher(self, function, grid, threads, smem):
         def launch(stream, kernel_params):
-            address = ctypes.c_void_p.from_address(kernel_params.value).value
+            address = ctypes.c_void_p.from_address(kernel_params).value
             self.records.append({"name": function.ptr, "grid": grid, "threads": threads, "smem": smem,
                                  "stream": stream, "params": ctypes.string_at(address, backward.layout()[1])})
         return launch

@@ -215,7 +215,7 @@ def fake(monkeypatch):
 
     def launcher(function, grid, threads, smem):
         def launch(stream, kernel_params):
-            address = ctypes.c_void_p.from_address(kernel_params.value).value
+            address = ctypes.c_void_p.from_address(kernel_params).value
             state.records.append({"grid": grid, "threads": threads, "smem": smem,
                                   "head": ctypes.string_at(address, 128)})
         return launch

@@ -39,7 +39,7 @@ class Launches:
 
     def launcher(self, function, grid, threads, smem):
         def launch(stream, kernel_params):
-            address = ctypes.c_void_p.from_address(kernel_params.value).value
+            address = ctypes.c_void_p.from_address(kernel_params).value
             size = params.layout("sm90", "fp8")[1]      # the largest FlashParams
             self.records.append({"stream": stream, "grid": grid, "params": ctypes.string_at(address, size)})
         return launch
@@ -372,3 +372,136 @@ def test_stream_scratch_regions_and_streams(monkeypatch):
     for stream in range(100, 100 + plan_mod.MAX_STREAMS_PER_PLAN):
         scratch.get(stream)
     assert scratch.get(7) is not s and new.count(7) == 2      # evicted by the 16 newer streams, made again
+
+
+class FakeCupyArray:
+    """Just enough of a CuPy array for api's CuPy hit path and its checked path: strides in bytes,
+    numpy dtypes, the address and device in ``data`` (a MemoryPointer's ptr and device_id)."""
+    _next = 1 << 40
+
+    def __init__(self, shape, dtype="float16", strides=None, device=0, ptr=None):
+        import numpy
+        self.shape, self.dtype = tuple(shape) if isinstance(shape, tuple) else (shape,), numpy.dtype(dtype)
+        if strides is None:
+            strides, acc = [], 1
+            for n in reversed(self.shape):
+                strides.insert(0, acc)
+                acc *= n
+        self.strides = tuple(s * self.dtype.itemsize for s in strides)
+        if ptr is None:
+            ptr, FakeCupyArray._next = FakeCupyArray._next, FakeCupyArray._next + (1 << 28)
+        self.data = types.SimpleNamespace(ptr=ptr, device_id=device)
+        self.device = types.SimpleNamespace(id=device)
+
+
+@pytest.fixture
+def fake_cupy(fake, monkeypatch):
+    """The fake driver of ``fake`` and a fake cupy whose current device is ``fake.device`` (arrays
+    are made there), each device with its own current stream; ``fake.switches`` records the devices
+    made current by cupy.cuda.Device."""
+    fake.switches = []
+
+    class Device:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            fake.switches.append(self.device)
+            self.before, fake.device = fake.device, self.device
+
+        def __exit__(self, *exc):
+            fake.device = self.before
+
+    class ndarray(FakeCupyArray):  # noqa: N801 (CuPy's name)
+        def __init__(self, shape, dtype, strides=None, device=None, ptr=None):
+            super().__init__(shape, dtype, strides, fake.device if device is None else device, ptr)
+
+    cupy = types.ModuleType("cupy")
+    cupy.ndarray = ndarray
+    cupy.empty = lambda shape, dtype: ndarray(shape, dtype)
+    cupy.uint8, cupy.float32 = "uint8", "float32"
+    import numpy
+    cupy.dtype = numpy.dtype
+    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDevice=lambda: fake.device),
+                                      get_current_stream=lambda: types.SimpleNamespace(ptr=5000 + fake.device))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    fake.cupy = cupy
+    return fake
+
+
+def cupy_qkv(fake, hkv=HKV, device=0, q_strides=None):
+    made = fake.cupy.ndarray
+    return (made((B, SQ, HQ, D), "float16", strides=q_strides, device=device),
+            made((B, SK, hkv, D), "float16", device=device), made((B, SK, hkv, D), "float16", device=device))
+
+
+def test_cupy_second_call_hits_and_allocates_what_the_miss_did(fake_cupy):
+    fake = fake_cupy
+    first_out, first_lse = api.attention(*cupy_qkv(fake), causal=True, return_lse=True)
+    q, k, v = cupy_qkv(fake)
+    out, lse = api.attention(q, k, v, causal=True, return_lse=True)
+    assert (api._PLANS.misses, hits(fake)) == (1, 1)
+    for made, like in ((out, first_out), (lse, first_lse)):
+        assert (made.shape, made.dtype, made.strides, made.data.device_id) == \
+            (like.shape, like.dtype, like.strides, like.data.device_id)
+    assert out.shape == q.shape and str(out.dtype) == "float16"
+    assert lse.shape == (B, HQ, SQ) and str(lse.dtype) == "float32"
+    assert fake.launches.pointers()[:5] == (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
+    assert fake.launches.records[-1]["stream"] == 5000
+    # q's device is the current one: the miss's helpers switch (their own way), the hit never does
+    switches = list(fake.switches)
+    api.attention(q, k, v, causal=True, return_lse=True)
+    assert fake.switches == switches and hits(fake) == 2
+
+
+def test_cupy_arrays_on_another_device_hit_with_their_device_current(fake_cupy):
+    """cuda:1 arrays with cuda:0 current: the hit allocates on cuda:1 and launches on cuda:1's stream."""
+    fake = fake_cupy
+    api.attention(*cupy_qkv(fake, device=1), causal=True)
+    fake.switches.clear()
+    q, k, v = cupy_qkv(fake, device=1)
+    out = api.attention(q, k, v, causal=True)
+    assert hits(fake) == 1 and fake.switches == [1] and fake.device == 0
+    assert out.data.device_id == 1 and fake.launches.records[-1]["stream"] == 5001
+
+
+@pytest.mark.parametrize("change", ["stride", "gqa", "current device", "lse"])
+def test_cupy_anything_that_changes_the_launch_misses(fake_cupy, change):
+    fake = fake_cupy
+    api.attention(*cupy_qkv(fake))
+    kwargs = {}
+    args = cupy_qkv(fake)
+    if change == "stride":
+        args = cupy_qkv(fake, q_strides=(SQ * HQ * 2 * D, HQ * 2 * D, D, 1))
+    elif change == "gqa":
+        args = cupy_qkv(fake, hkv=4)
+    elif change == "current device":
+        fake.device = 1
+    elif change == "lse":
+        kwargs = dict(return_lse=True)
+    api.attention(*args, **kwargs)
+    assert (api._PLANS.misses, hits(fake)) == (2, 0)
+
+
+@pytest.mark.parametrize("fields", [dict(q_descale="dq", k_descale="dk", v_descale="dv"), dict(k_descale="dk"),
+                                    dict(q_descale=None, k_descale="dk"), dict(block_n=64, q_descale="dq"),
+                                    dict(stages=2, block_n=64)])
+def test_split_knobs_keeps_every_knob_and_descale(fields):
+    """The fast case (descales only) and the general one give what a plain reading of the fields does."""
+    knobs, descales = api._split_knobs(fields)
+    assert knobs == tuple(sorted((n, x) for n, x in fields.items() if not n.endswith("_descale")))
+    assert descales == tuple(fields.get(f"{n}_descale") for n in "qkv")
+
+
+def test_fp8_hits_write_the_unit_descale_where_one_is_left_out(fake):
+    descale_at = {f.name: off for f, off in params.layout("sm90", "fp8")[0]}["q_descale"]
+    q, k, v = qkv(dtype="float8_e4m3fn")
+    unit = api._unit_descale(0, "torch").data_ptr()
+    for _ in range(2):
+        api.attention(q, k, v)      # every descale left out
+    assert struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at) == (unit, unit, unit)
+    for _ in range(2):
+        dv = FakeTensor((), "float32")
+        api.attention(q, k, v, v_descale=dv)
+    assert struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at) == (unit, unit, dv.data_ptr())
+    assert (api._PLANS.misses, hits(fake)) == (2, 2)

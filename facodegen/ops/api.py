@@ -394,7 +394,8 @@ class _Outputs:
     shape: tuple
     dtype: str                  # numpy-style name: bfloat16, float16
     lse_shape: tuple
-    library_dtype: object       # the caller's library's dtype object for ``dtype``
+    library_dtype: object       # the caller's library's dtype object for ``dtype`` (CuPy: a numpy.dtype)
+    lse_library_dtype: object   # CuPy: numpy.dtype("float32"), the LSE's (torch: None, new_lse makes it)
     same_dtype: bool            # the output's dtype is q's (not fp8)
     unit_descale_ptrs: tuple    # fp8: q, k, v unit descale addresses (0 where the call gave one); () otherwise
     _lse_like: object = None
@@ -592,9 +593,12 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
                               descales=descales or None, variants=variants)
     workspace = workspace_floats(spec, batch, heads_q, seqlen_q, head_dim) or \
         stream_k_workspace_floats(spec, prepared.resident_ctas)
-    torch = _torch() if qv.kind == "torch" else None
-    outputs = _Outputs(qv.shape, out_name, lse_shape, getattr(torch, out_name) if torch else out_name,
-                       out_name == qv.dtype, unit_ptrs)
+    if qv.kind == "torch":
+        library_dtype, lse_library_dtype = getattr(_torch(), out_name), None    # (new_lse makes the LSE)
+    else:   # numpy.dtype objects: CuPy takes them as they are (a name is parsed again on every call)
+        library_dtype, lse_library_dtype = _cupy().dtype(out_name), _cupy().dtype("float32")
+    outputs = _Outputs(qv.shape, out_name, lse_shape, library_dtype, lse_library_dtype, out_name == qv.dtype,
+                       unit_ptrs)
     plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes,
                       tensor_maps=map_operands(spec) if spec.arch == "sm90" else {},
                       lse_floats=math.prod(lse_shape), workspace_floats=workspace,
@@ -777,12 +781,18 @@ def _variant_key(variant, meta) -> tuple | None:
 
 def _split_knobs(spec_fields: dict) -> tuple[tuple, tuple]:
     """(the knobs as a sorted tuple, the fp8 descale arrays): the parts of the key kwargs make."""
-    knobs = tuple(sorted((n, x) for n, x in spec_fields.items() if n not in _FP8_KNOBS))
-    return knobs, tuple(spec_fields.get(n) for n in _FP8_KNOBS)
+    descales = (spec_fields.get("q_descale"), spec_fields.get("k_descale"), spec_fields.get("v_descale"))
+    if len(spec_fields) == (descales[0] is not None) + (descales[1] is not None) + (descales[2] is not None):
+        return (), descales     # an fp8 call with descales and nothing else: no generator, no sort
+    return tuple(sorted((n, x) for n, x in spec_fields.items() if n not in _FP8_KNOBS)), descales
 
 
-def _torch_meta(x):
-    return x.dtype, x.shape, x.stride(), x.get_device()
+def _descale_ptrs(descales: tuple, unit_ptrs: tuple, ptr) -> tuple[int, int, int]:
+    """The q, k, v descale addresses of an fp8 hit: each given array's (``ptr(array)``), else the
+    plan's unit descale's (``unit_ptrs``; the key tells given from left out)."""
+    dq, dk, dv = descales
+    return (unit_ptrs[0] if dq is None else ptr(dq), unit_ptrs[1] if dk is None else ptr(dk),
+            unit_ptrs[2] if dv is None else ptr(dv))
 
 
 def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields,
@@ -793,8 +803,7 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
     try:
         if spec_fields:
             knobs, descales = _split_knobs(spec_fields)
-            descale_key = tuple(None if d is None else (d.dtype, d.shape, d.stride(), d.get_device())
-                                for d in descales)
+            descale_key = (_torch_meta(descales[0]), _torch_meta(descales[1]), _torch_meta(descales[2]))
         else:   # the common call: no generator to run (a quarter of the key's cost)
             knobs, descales, descale_key = (), _NO_DESCALES, None
         key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
@@ -816,8 +825,7 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
         if not (qp | kp | vp | op) & 15:
             plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
                         0 if lse_out is None else lse_out.data_ptr(),
-                        None if not made.unit_descale_ptrs else tuple(
-                            p if d is None else d.data_ptr() for d, p in zip(descales, made.unit_descale_ptrs)),
+                        _descale_ptrs(descales, made.unit_descale_ptrs, _torch_ptr) if made.unit_descale_ptrs else None,
                         0 if variant is None or variant[2] is None else variant[2].data_ptr())
             return (out, lse_out) if return_lse else out
     return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant)
@@ -831,30 +839,45 @@ def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arc
         knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), _NO_DESCALES)
         meta = _cupy_meta
         try:
-            key = ("cupy", meta(q), meta(k), meta(v), cupy.cuda.runtime.getDevice(), causal.__class__, causal,
+            current = cupy.cuda.runtime.getDevice()
+            key = ("cupy", meta(q), meta(k), meta(v), current, causal.__class__, causal,
                    softmax_scale.__class__, softmax_scale, return_lse, arch, knobs, meta(out), meta(lse_out),
+                   None if descales is _NO_DESCALES else  # (the common call: no generator to run)
                    tuple(meta(d) if isinstance(d, cupy.ndarray) else d for d in descales), tunedb.generation(),
                    None if variant is None else _variant_key(variant, meta))
             plan = _PLANS.get(key)
         except (AttributeError, TypeError):  # not all CuPy arrays, an unhashable knob: the checked path says
             plan = key = None
         sinks = None if variant is None else variant[2]
-        if plan is not None and all(isinstance(d, (cupy.ndarray, type(None))) for d in descales + (sinks,)):
-            made = plan.outputs
-            with cupy.cuda.Device(q.device.id):
-                if out is None:
-                    out = cupy.empty(made.shape, dtype=made.dtype)
-                if lse_out is None and return_lse:
-                    lse_out = cupy.empty(made.lse_shape, dtype=cupy.float32)
-                qp, kp, vp, op = q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr
-                if not (qp | kp | vp | op) & 15:
-                    plan.launch(cupy.cuda.get_current_stream().ptr, qp, kp, vp, op,
-                                0 if lse_out is None else lse_out.data.ptr,
-                                None if not made.unit_descale_ptrs else tuple(
-                                    p if d is None else d.data.ptr for d, p in zip(descales, made.unit_descale_ptrs)),
-                                0 if sinks is None else sinks.data.ptr)
-                    return (out, lse_out) if return_lse else out
+        if plan is not None and (descales is _NO_DESCALES and sinks is None or
+                                 all(isinstance(d, (cupy.ndarray, type(None))) for d in descales + (sinks,))):
+            device = q.data.device_id
+            if device == current:   # the common case: no device switch (two runtime calls) around the launch
+                result = _cupy_hit(cupy, plan, q, k, v, out, lse_out, return_lse, descales, sinks)
+            else:
+                with cupy.cuda.Device(device):
+                    result = _cupy_hit(cupy, plan, q, k, v, out, lse_out, return_lse, descales, sinks)
+            if result is not None:
+                return result
     return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant)
+
+
+def _cupy_hit(cupy, plan: LaunchPlan, q, k, v, out, lse_out, return_lse, descales, sinks):
+    """A CuPy plan-cache hit with q's device current: allocate what the call did not pass, launch on
+    the current stream and return attention()'s result; None where an address is not 16-byte
+    aligned (the checked path then says which)."""
+    made = plan.outputs
+    if out is None:
+        out = cupy.ndarray(made.shape, made.library_dtype)
+    if lse_out is None and return_lse:
+        lse_out = cupy.ndarray(made.lse_shape, made.lse_library_dtype)
+    qp, kp, vp, op = q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr
+    if (qp | kp | vp | op) & 15:
+        return None
+    plan.launch(cupy.cuda.get_current_stream().ptr, qp, kp, vp, op, 0 if lse_out is None else lse_out.data.ptr,
+                _descale_ptrs(descales, made.unit_descale_ptrs, _cupy_ptr) if made.unit_descale_ptrs else None,
+                0 if sinks is None else sinks.data.ptr)
+    return (out, lse_out) if return_lse else out
 
 
 def _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant=None):
@@ -905,8 +928,8 @@ def _torch_meta(x):
     return None if x is None else (x.dtype, x.shape, x.stride(), x.get_device())
 
 
-def _cupy_meta(x):
-    return None if x is None else (x.dtype, x.shape, x.strides, x.device.id)
+def _cupy_meta(x):    # (x.data.device_id: x.device's id without making a Device object)
+    return None if x is None else (x.dtype, x.shape, x.strides, x.data.device_id)
 
 
 def _torch_ptr(x) -> int:

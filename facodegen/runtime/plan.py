@@ -126,7 +126,7 @@ class _Image:
         self.storage[self.base:self.base + len(data)] = data
         self.size = len(data)
         self._argument = (ctypes.c_void_p * 1)(self.address)
-        self.kernel_params = ctypes.c_void_p(ctypes.addressof(self._argument))
+        self.kernel_params = ctypes.addressof(self._argument)     # (driver.Launcher takes ints)
 
     def data(self) -> bytes:
         return bytes(self.storage[self.base:self.base + self.size])

@@ -1,0 +1,92 @@
+"""driver.Launcher on the CPU: what it hands CuPy's cuLaunchKernel binding, and how it handles the
+binding's errors (a thread with no current context, any other CUresult). The binding is faked;
+the GPU tests launch for real."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from facodegen.runtime import driver
+
+
+class FakeDriverError(Exception):
+    """cupy_backends' CUDADriverError: the failing CUresult as ``status``."""
+
+    def __init__(self, status):
+        super().__init__(f"CUresult {status}")
+        self.status = status
+
+
+class FakeBinding:
+    """launchKernel that records its arguments and fails with the given CUresults first."""
+
+    def __init__(self, *failures):
+        self.calls = []
+        self.failures = list(failures)
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        if self.failures:
+            raise FakeDriverError(self.failures.pop(0))
+
+
+@pytest.fixture
+def binding(monkeypatch):
+    made = {}
+
+    def install(*failures):
+        made["binding"] = FakeBinding(*failures)
+        return made["binding"]
+    monkeypatch.setattr(driver, "_launch_binding", lambda: (made["binding"], FakeDriverError))
+    context_calls = []
+    monkeypatch.setattr(driver, "lib", lambda: types.SimpleNamespace(
+        cuCtxSetCurrent=lambda ctx: context_calls.append(ctx) or 0))
+    monkeypatch.setattr(driver, "primary_context", lambda ordinal: 0xC0 + ordinal)
+    install.context_calls = context_calls
+    return install
+
+
+def _launcher():
+    return driver.Launcher(driver.LoadedFunction(ptr=0x7F00_1234, module=1, device=3), (132, 8, 2), 384, 200_000)
+
+
+def test_the_binding_gets_plain_ints_in_cuLaunchKernel_order(binding):
+    fake = binding()
+    _launcher()(0x5555_0000, 0x7000_0040)
+    # f, grid x/y/z, block x/y/z, dynamic shared memory, stream, kernelParams, extra (none)
+    assert fake.calls == [(0x7F00_1234, 132, 8, 2, 384, 1, 1, 200_000, 0x5555_0000, 0x7000_0040, 0)]
+    assert all(type(a) is int for a in fake.calls[0])
+    assert binding.context_calls == []
+
+
+def test_a_thread_without_a_context_gets_the_primary_one_and_one_retry(binding):
+    fake = binding(driver.CUDA_ERROR_INVALID_CONTEXT)
+    _launcher()(7, 8)
+    assert binding.context_calls == [0xC0 + 3]      # the function's device's primary context
+    assert len(fake.calls) == 2 and fake.calls[0] == fake.calls[1]
+
+
+def test_a_failed_retry_raises_driver_error(binding):
+    binding(driver.CUDA_ERROR_INVALID_CONTEXT, 700)
+    with pytest.raises(driver.DriverError, match=r"cuLaunchKernel failed with CUresult 700 \(700\)") as raised:
+        _launcher()(7, 8)
+    assert raised.value.result == 700 and raised.value.call == "cuLaunchKernel"
+
+
+def test_another_error_raises_driver_error_without_retrying(binding):
+    fake = binding(driver.CUDA_ERROR_OUT_OF_MEMORY)
+    with pytest.raises(driver.DriverError, match="cuLaunchKernel failed.*the GPU is out of memory"):
+        _launcher()(7, 8)
+    assert len(fake.calls) == 1 and binding.context_calls == []
+
+
+def test_cupys_binding_has_the_signature_launcher_relies_on():
+    """Imported without libcuda (it loads the driver on first call) and without ``import cupy``."""
+    binding = pytest.importorskip("cupy_backends.cuda.api.driver")
+    assert binding.launchKernel.__doc__.startswith(
+        "launchKernel(intptr_t f, unsigned int grid_dim_x, unsigned int grid_dim_y, unsigned int grid_dim_z, "
+        "unsigned int block_dim_x, unsigned int block_dim_y, unsigned int block_dim_z, "
+        "unsigned int shared_mem_bytes, intptr_t stream, intptr_t kernel_params, intptr_t extra)")
+    assert issubclass(binding.CUDADriverError, Exception)
