@@ -285,9 +285,10 @@ def _problem(sq=113, sk=203, hq=8, hkv=2, d=128, dtype="bfloat16"):
 
 
 def test_a_call_launches_the_three_kernels_in_order(bwd):
+    """The sm80 kernels' launches and BwdParams (on this fake H200, arch=None would be the sm90 backward)."""
     do, q, k, v, o, lse = _problem()
     dq, dk, dv = FakeTensor(q.shape), FakeTensor(k.shape), FakeTensor(v.shape)
-    backward.attention_backward(do, q, k, v, o, lse, causal=True, softmax_scale=0.5, dq=dq, dk=dk, dv=dv)
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, softmax_scale=0.5, dq=dq, dk=dk, dv=dv, arch="sm80")
     spec = BackwardSpec(head_dim=128, causal=True, gpu="h200")
     recs = bwd.bwd.records
     assert [r["name"] for r in recs] == list(spec.kernel_names)
@@ -654,17 +655,13 @@ def test_sm90_call_launches_three_kernels_and_moves_its_maps(bwd, monkeypatch):
     assert moves[4:] == [q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), do2.data_ptr()]
 
 
-def test_sm90_is_not_yet_the_default(bwd):
-    do, q, k, v, o, lse = _problem()
-    backward.attention_backward(do, q, k, v, o, lse)
-    assert bwd.bwd.records[1]["name"] == BackwardSpec(head_dim=128, gpu="h200").variant
+def test_an_sm80_forward_asks_for_the_sm80_backward():
     assert backward.autograd_arch("sm90") is None and backward.autograd_arch("sm80") == "sm80"
 
 
 def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
-    """With backward.SM90_BY_DEFAULT on (after the GPU verified it), arch=None picks the sm90 backward
-    on an sm90 GPU where it covers the call, else the sm80 one (head_dim 256, deterministic)."""
-    monkeypatch.setattr(backward, "SM90_BY_DEFAULT", True)
+    """arch=None picks the sm90 backward on an sm90 GPU where it covers the call, else the sm80 one
+    (head_dim 256, deterministic)."""
     from facodegen.runtime import tma
     monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
     monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)

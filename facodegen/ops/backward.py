@@ -259,7 +259,7 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     dq, dk, dv: arrays to write the gradients into (default: new contiguous ones).
     ``arch``: None or sm80 (FlashAttention-2's backward, mma.sync: the default on every GPU for now),
     or sm90 (FlashAttention-3's backward, TMA + wgmma: head_dim 64, 96 and 128 so far, H100/H200 only;
-    not yet the default, nor what facodegen.attention's autograd runs: see SM90_BY_DEFAULT). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
+    the default on sm90 GPUs where it covers the call: default_arch). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
     current stream; the first call with given shapes/strides/options builds a launch plan.
     """
     from . import api
@@ -395,16 +395,12 @@ def tensor_maps(spec: BackwardSpec, views: dict, batch: int, seqlen_q: int, seql
     return {name: tma.encode(a) for name, a in args.items()}
 
 
-# Does attention_backward(arch=None), and so facodegen.attention's autograd, run the sm90 backward on
-# sm90 GPUs where it covers the call (head_dim, knobs)? False until `pytest tests/gpu/test_backward_gpu.py
-# -k sm90` has passed on an H100/H200: until then arch=None is the sm80 backward everywhere.
-SM90_BY_DEFAULT = False
-
-
 def default_arch(info, head_dim: int, dtype: str, causal: bool, knobs: dict) -> str:
-    """attention_backward's arch when the caller gives none: sm90 on a compute capability 9.0 GPU if
-    SM90_BY_DEFAULT and the sm90 backward takes this call's head_dim and knobs, else sm80."""
-    if SM90_BY_DEFAULT and info.compute_capability == (9, 0):
+    """attention_backward's arch when the caller gives none, and so what facodegen.attention's
+    autograd runs: sm90 on a compute capability 9.0 GPU where the sm90 backward takes this call's
+    head_dim and knobs (H200, 2026-12-03: all its GPU tests pass, and at head_dim 128 it runs 2.5-2.7x
+    the sm80 backward's TFLOP/s), else sm80 (head_dim 192/256, deterministic)."""
+    if info.compute_capability == (9, 0):
         try:
             BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal,
                          **{"gpu": info.budget_gpu, **knobs})

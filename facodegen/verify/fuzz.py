@@ -550,7 +550,10 @@ def case_specs(case: Case, device: int = 0) -> list:
     if case.family == "backward":
         from ..ops import backward
         knobs = {"deterministic": True} if case.deterministic else {}
-        return [forward, backward.choose(case.head_dim, case.dtype, case.causal, api.device_info(device), knobs)]
+        info = api.device_info(device)
+        arch = backward.autograd_arch(case.arch) or backward.default_arch(info, case.head_dim, case.dtype, case.causal,
+                                                                           knobs)
+        return [forward, backward.choose(case.head_dim, case.dtype, case.causal, info, knobs, arch)]
     return [forward]
 
 
