@@ -50,6 +50,8 @@ SUBCOMMANDS = {
                         "fp8 error over FlashAttention-3's on the GPU test's inputs, per variant: before an fp8 default"),
     "peer-error": ("peer_error", "GPU",
                    "fuzz cases run by facodegen and by FA2 on the same inputs, both criteria: a kernel bug or precision"),
+    "backward-lse": ("backward_lse", "GPU",
+                     "a failing backward case re-run on the forward's LSE, float64's LSE, float64's O: whose error"),
     "experiments": ("experiments", "CPU",
                     "whether each docs/experiments record applies to this tree: after a template change"),
 }

@@ -350,12 +350,9 @@ def fa3_failure(got, ref, lows, floor=None) -> str | None:
             + ("" if floor is None else f", floor {floor[worst].item():.3g}") + ")")
 
 
-def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
-    """dQ, dK, dV of attention() under autograd (the generated backward) against float64 autograd
-    of the reference, FlashAttention-3's criterion for each."""
+def backward_inputs(case: Case) -> tuple:
+    """(q, k, v, do, softmax_scale) of a backward case on the GPU, contiguous, from its seed."""
     import torch
-
-    import facodegen
     gen = torch.Generator(device="cuda").manual_seed(case.seed)
     dt = torch.bfloat16 if case.dtype == "bf16" else torch.float16
     shapes = ((case.batch, case.seqlen_q, case.heads_q, case.head_dim),
@@ -364,6 +361,16 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     q, k, v = (torch.randn(s, generator=gen, device="cuda").mul_(case.magnitude).to(dt) for s in shapes)
     do = torch.randn(shapes[0], generator=gen, device="cuda").to(dt)
     scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
+    return q, k, v, do, scale
+
+
+def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
+    """dQ, dK, dV of attention() under autograd (the generated backward) against float64 autograd
+    of the reference, FlashAttention-3's criterion for each."""
+    import torch
+
+    import facodegen
+    q, k, v, do, scale = backward_inputs(case)
     leaves = [_layout(x, case.layout).requires_grad_(True) for x in (q, k, v)]
     out = facodegen.attention(*leaves, causal=case.causal, softmax_scale=case.softmax_scale, arch=case.arch)
     if case.deterministic:      # only around facodegen's backward: torch's own ops may refuse the mode
@@ -380,16 +387,24 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     if case.deterministic and not all(torch.equal(a, b) for a, b in zip(got, again)):
         return False, "deterministic: two backward runs differ"
 
+    failures = backward_failures(q, k, v, do, case.causal, scale, got)
+    return not failures, "; ".join(failures) or "dq, dk, dv ok"
+
+
+def backward_failures(q, k, v, do, causal: bool, scale: float, grads) -> list[str]:
+    """FlashAttention-3's criterion for (dQ, dK, dV) ``grads`` of contiguous q, k, v, do against
+    float64 autograd: "dq max err ..." per gradient that fails."""
+    import torch
+
     def reference(upcast: bool):
         inputs = [(x.double() if upcast else x).detach().requires_grad_(True) for x in (q, k, v)]
-        ref_out, _ = attention_torch(*inputs, case.causal, scale, upcast=upcast)
+        ref_out, _ = attention_torch(*inputs, causal, scale, upcast=upcast)
         return torch.autograd.grad(ref_out, inputs, do.double() if upcast else do)
-    flash_low = attention_backward_flash_rounding(q, k, v, do, case.causal, scale)
-    floors = (*backward_floor(q, k, v, do, case.causal, scale), None)
-    failures = [f"{name} {why}" for name, g, r, lo, flash, floor in zip(("dq", "dk", "dv"), got, reference(True),
-                                                                        reference(False), flash_low, floors)
-                if (why := fa3_failure(g, r, (lo, flash), floor))]
-    return not failures, "; ".join(failures) or "dq, dk, dv ok"
+    flash_low = attention_backward_flash_rounding(q, k, v, do, causal, scale)
+    floors = (*backward_floor(q, k, v, do, causal, scale), None)
+    return [f"{name} {why}" for name, g, r, lo, flash, floor in zip(("dq", "dk", "dv"), grads, reference(True),
+                                                                    reference(False), flash_low, floors)
+            if (why := fa3_failure(g, r, (lo, flash), floor))]
 
 
 def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
