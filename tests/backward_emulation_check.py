@@ -1,0 +1,31 @@
+"""The check both backward emulations (tests/test_backward_emulation.py, sm80;
+tests/test_backward_sm90_emulation.py, sm90) end with: a transliterated main kernel, fed the
+preprocess's D and the reference LSE, gives dQ, dK, dV of the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from facodegen.verify.reference import attention_backward_reference, attention_reference
+
+E = np.float16     # elem_t (fp16: the emulations round where the kernels convert)
+
+
+def check_emulated_backward(run_main_kernel, spec, sq: int, sk: int, hq: int, hkv: int, causal: bool,
+                            seed: int) -> None:
+    """run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale) -> (dq_accum, dk, dv) against
+    attention_backward_reference, within 2e-2 of the largest gradient (fp16 operands)."""
+    rng = np.random.default_rng(seed)
+    d = spec.head_dim
+    q, do = (rng.standard_normal((1, sq, hq, d)).astype(E) for _ in range(2))
+    k, v = (rng.standard_normal((1, sk, hkv, d)).astype(E) for _ in range(2))
+    scale = 0.2
+    out, lse = attention_reference(q, k, v, causal, scale)
+    out = out.astype(E)
+    dpsum = np.einsum("bqhd,bqhd->bhq", do.astype(np.float64), out.astype(np.float64))     # the preprocess
+    dq_accum, dk, dv = run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale)
+    dq = (dq_accum * scale).transpose(0, 2, 1, 3)                                          # the postprocess
+    rq, rk, rv = attention_backward_reference(do, q, k, v, causal, scale)
+    for name, got, ref in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        err = np.abs(got - ref).max()
+        assert err <= 2e-2 * max(1.0, np.abs(ref).max()), (name, err)
