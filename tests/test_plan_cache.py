@@ -54,8 +54,9 @@ def fake(monkeypatch, tmp_path):
     torch = types.ModuleType("torch")
     torch.Tensor = FakeTensor
     torch.float32, torch.uint8, torch.bfloat16, torch.float16 = "float32", "uint8", "bfloat16", "float16"
-    torch.empty_like = lambda x, dtype=None: FakeTensor(x.shape, (dtype or x.dtype).removeprefix("torch."),
-                                                        device=x.device.index)
+    torch.contiguous_format = "contiguous_format"
+    torch.empty_like = lambda x, dtype=None, memory_format=None: FakeTensor(
+        x.shape, (dtype or x.dtype).removeprefix("torch."), device=x.device.index)     # (contiguous, as both give)
     torch.ones = lambda shape, dtype, device: FakeTensor(shape, dtype, device=int(str(device).rpartition(":")[2]))
     torch.compiler = types.SimpleNamespace(is_compiling=lambda: False)
     torch.is_grad_enabled = lambda: False
