@@ -74,8 +74,10 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     variants = [c for c in cases if c.family == "variants"]
     assert {(c.arch, c.causal) for c in variants} == {(a, c) for a in ("sm80", "sm90") for c in (False, True)}
     assert {c.family for c in cases} == set(fuzz.FAMILIES)
-    assert {(c.dtype, c.causal) for c in cases if c.family == "backward"} == {
-        (d, c) for d in ("bf16", "fp16") for c in (False, True)}
+    assert {(c.arch, c.dtype, c.causal) for c in cases if c.family == "backward"} == {
+        (a, d, c) for a in ("sm80", "sm90") for d in ("bf16", "fp16") for c in (False, True)}
+    # the sm90 backward's two dQ splits (by columns at head_dim 128, by keys at 64), neither deterministic
+    assert {c.head_dim for c in cases if c.family == "backward" and c.arch == "sm90" and not c.deterministic} == {64, 128}
     assert {c.deterministic for c in cases if c.family == "backward"} == {False, True}   # the turn counters too
     kv = [c for c in cases if c.family == "kvcache"]
     assert any(c.page_size and c.seqlen_new and c.num_splits > 1 for c in kv)

@@ -722,7 +722,7 @@ def summary(result: dict) -> str:
 def representative_cases() -> list[Case]:
     """One small case per arch, dtype and causal (odd lengths, GQA, a strided layout, the LSE and
     out= asked for), and per arch and causal a bf16 variants case (a window that skips and masks
-    blocks, softcap and sinks at once), the backward per dtype and causal (fp16's deterministic), and two decode-family
+    blocks, softcap and sinks at once), the backward per arch, dtype and causal (sm80 fp16's deterministic), and two decode-family
     cases (paged with an append and a split, contiguous MQA-like packing): what the sanitizer sweep
     (scripts/sanitize.py) runs under each tool."""
     cases = []
@@ -738,13 +738,16 @@ def representative_cases() -> list[Case]:
                               layout="strided", magnitude=1.0, return_lse=True, use_out=True, seed=7,
                               window_left=64 if causal else 33, window_right=-1 if causal else 17, softcap=30.0,
                               sinks=True))
-    # The backward (sm80 code on either arch: once per dtype and causal, odd lengths, GQA, strided)
-    # and the decode family (paged with an append and a split; contiguous with GQA packing).
-    for dtype in ("bf16", "fp16"):
-        for causal in (False, True):
-            cases.append(Case("backward", "sm80", dtype, batch=2, seqlen_q=113, seqlen_k=203, heads_q=4, heads_kv=2,
-                              head_dim=128, causal=causal, softmax_scale=None, layout="strided", magnitude=1.0,
-                              return_lse=False, use_out=False, seed=7 if dtype == "bf16" else 8))  # fp16: deterministic
+    # The backward once per dtype and causal (odd lengths, GQA, strided): after an sm80 forward the
+    # sm80 backward; after an sm90 one the sm90 backward (head_dim 128: dQ split by columns between
+    # the consumer warpgroups; 64: by keys, both adding into the same dQ rows); then the decode family
+    # (paged with an append and a split; contiguous with GQA packing).
+    for arch, seeds, head_dims in (("sm80", (7, 8), (128, 128)), ("sm90", (7, 9), (128, 64))):   # seed 8: deterministic
+        for dtype, seed, head_dim in zip(("bf16", "fp16"), seeds, head_dims):
+            for causal in (False, True):
+                cases.append(Case("backward", arch, dtype, batch=2, seqlen_q=113, seqlen_k=203, heads_q=4, heads_kv=2,
+                                  head_dim=head_dim, causal=causal, softmax_scale=None, layout="strided",
+                                  magnitude=1.0, return_lse=False, use_out=False, seed=seed))
     cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
