@@ -18,6 +18,7 @@ from facodegen.codegen.render import context, environment, template_dir
 KERNELS = ("sm90/flash_fwd.cu.j2", "sm90/flash_fwd_fp8.cu.j2")
 # The plumbing both forward kernels take from one place: macro -> the file that defines it.
 SHARED_MACROS = {
+    "prefetch_tensor_maps": "sm90/roles.cuh.j2",    # loader warp: the tensor-map descriptors
     "producer_tile_loop": "sm90/roles.cuh.j2",      # loader warp: scheduler loop, K and Q TMA loads
     "consumer_tile_loop": "sm90/roles.cuh.j2",      # consumer warpgroup: scheduler loop, LSE store
     "consumer_mainloop": "sm90/roles.cuh.j2",       # S = Q K^T, softmax, O += P V over the K/V ring
@@ -55,18 +56,22 @@ def test_each_forward_kernel_calls_the_shared_plumbing(kernel):
     assert set(SHARED_INCLUDES) <= included
 
 
-def test_no_forward_kernel_defines_a_shared_device_function_itself():
-    """gemm_qk's SS form and the tile constants live once, in the shared files."""
+def test_no_forward_kernel_keeps_a_copy_of_the_shared_code():
+    """gemm_qk's SS form, the tile constants, the ring barriers' setup and the descriptor prefetches
+    live once, in the shared files."""
     for kernel in KERNELS:
         source = (template_dir() / kernel).read_text()
         assert "void gemm_qk(float (&s)[S_REGS], uint32_t q_rows" not in source
         assert "constexpr int KV_TILE_BYTES" not in source
         assert "mbar_init(smem_u32(&state.k_full[s])" not in source
+        assert "tma_prefetch_desc(" not in source
 
 
 # The kernel locals each role macro takes as an argument; renamed below, none may appear by its own name.
 _ROLES = """\
-{% from "sm90/roles.cuh.j2" import producer_tile_loop, consumer_tile_loop, consumer_mainloop with context %}
+{% from "sm90/roles.cuh.j2" import prefetch_tensor_maps, producer_tile_loop, consumer_tile_loop, consumer_mainloop
+   with context %}
+{{ prefetch_tensor_maps("IS_LEADER", ["tma_q", "tma_k"]) }}
 {% call producer_tile_loop(q_smem="Q_BUF", k_smem0="K_RING0", leader="IS_LEADER", group="GQA") %}
 // V load
 {% endcall %}
