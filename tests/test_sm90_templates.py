@@ -23,7 +23,8 @@ SHARED_MACROS = {
     "consumer_tile_loop": "sm90/roles.cuh.j2",      # consumer warpgroup: scheduler loop, LSE store
     "consumer_mainloop": "sm90/roles.cuh.j2",       # S = Q K^T, softmax, O += P V over the K/V ring
     "gemm_qk_ss": "sm90/gemm_qk.cuh.j2",            # the SS wgmma loop of S = Q K^T
-    "init_ring_barriers": "sm90/ring_barriers.cuh.j2",   # the rings' and Q's mbarriers
+    "shared_state": "sm90/shared_state.cuh.j2",     # struct SharedState: the kernel's barriers, the roles' slots
+    "init_ring_barriers": "sm90/shared_state.cuh.j2",   # the rings' and Q's mbarriers
 }
 SHARED_INCLUDES = ("sm90/tile_layout.cuh.j2", "sm90/scheduler.cuh.j2", "sm90/load_tile.cuh.j2",
                    "sm90/barriers.cuh.j2", "sm90/tma.cuh.j2", "sm90/pingpong.cuh.j2")
@@ -57,14 +58,15 @@ def test_each_forward_kernel_calls_the_shared_plumbing(kernel):
 
 
 def test_no_forward_kernel_keeps_a_copy_of_the_shared_code():
-    """gemm_qk's SS form, the tile constants, the ring barriers' setup and the descriptor prefetches
-    live once, in the shared files."""
+    """gemm_qk's SS form, the tile constants, SharedState's shared part, the ring barriers' setup and
+    the descriptor prefetches live once, in the shared files."""
     for kernel in KERNELS:
         source = (template_dir() / kernel).read_text()
         assert "void gemm_qk(float (&s)[S_REGS], uint32_t q_rows" not in source
         assert "constexpr int KV_TILE_BYTES" not in source
         assert "mbar_init(smem_u32(&state.k_full[s])" not in source
         assert "tma_prefetch_desc(" not in source
+        assert "int tile_slot[4];" not in source and "struct SharedState {" not in source
 
 
 # The kernel locals each role macro takes as an argument; renamed below, none may appear by its own name.
