@@ -28,7 +28,8 @@ from ..runtime import driver
 from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_PRODUCER_REGS,
                               SM90_STAGES, BackwardSpec, sm90_dq_cols)
-from ..runtime.params import TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields, place, stride_fields
+from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields,
+                               place, stride_fields)
 from ..runtime.plan import PlanCache, _Image
 from ..spec import SpecError
 
@@ -50,13 +51,8 @@ BWD_FIELDS = [
     Field("dq_semaphore", "ptr", "int*", "deterministic: key blocks that have added into each (batch, heads_q, "
                                          "query block) of dq_accum"),
     *(field for t in _TENSORS for field in stride_fields(t)),
-    Field("batch", "i32", "int", "batch size"),
-    Field("seqlen_q", "i32", "int", "query sequence length"),
-    Field("seqlen_k", "i32", "int", "key/value sequence length"),
-    Field("heads_q", "i32", "int", "query heads"),
-    Field("heads_kv", "i32", "int", "key/value heads (divides heads_q: GQA/MQA)"),
-    Field("softmax_scale", "f32", "float", "scale applied to Q K^T"),
-    Field("scale_log2", "f32", "float", "softmax_scale * log2(e)"),
+    *SHAPE_FIELDS,
+    *SCALE_FIELDS,
 ]
 # sm90 only, after the others: the TMA maps of the tiles the producer loads (boxes of one swizzle
 # slab of head_dim columns; Q and dO: block_m rows, K and V: block_n rows).
@@ -351,7 +347,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
         raise ValueError(f"arch must be 'sm80', 'sm90' or None, got {arch!r}")
     info = api.device_info(qv.device)
     arch = arch or default_arch(info, head_dim, api.DTYPE_NAMES[qv.dtype], causal, knobs)
-    api._check_arch(arch, info)
+    api._check_arch(arch, info)     # before the spec's own checks: the clearer error for a GPU without it
     spec = choose(head_dim, api.DTYPE_NAMES[qv.dtype], causal, info, knobs, arch)
     functions = _load(spec, qv.device)
     values = {name: 0 for name in _POINTERS}

@@ -37,6 +37,20 @@ def stride_fields(tensor: str, first: str = "batch") -> list[Field]:
             for axis in (first, "row", "head")]
 
 
+# The problem's shape, and the softmax scale in both forms: the forward's and the backward's structs
+# (ops/backward.py BWD_FIELDS) both carry them.
+SHAPE_FIELDS = [
+    Field("batch", "i32", "int", "batch size"),
+    Field("seqlen_q", "i32", "int", "query sequence length"),
+    Field("seqlen_k", "i32", "int", "key/value sequence length"),
+    Field("heads_q", "i32", "int", "query heads"),
+    Field("heads_kv", "i32", "int", "key/value heads (divides heads_q: GQA/MQA)"),
+]
+SCALE_FIELDS = [
+    Field("softmax_scale", "f32", "float", "scale applied to Q K^T (default 1/sqrt(head_dim))"),
+    Field("scale_log2", "f32", "float", "softmax_scale * log2(e): exp(x*scale) = exp2(x*scale_log2)"),
+]
+
 COMMON_FIELDS = [
     Field("q", "ptr", "const elem_t*", "Q (batch, seqlen_q, heads_q, head_dim)"),
     Field("k", "ptr", "const elem_t*", "K (batch, seqlen_k, heads_kv, head_dim)"),
@@ -46,15 +60,10 @@ COMMON_FIELDS = [
     Field("tile_counter", "ptr", "int*", "work counter of the dynamic tile scheduler: zero at launch, and left at zero by the CTA that draws the last ticket"),
     Field("workspace", "ptr", "float*", "fp32 O, m, l between K/V blocks (sm80 schedule=fa1, loop_order=kv_outer) or of split tiles (sm90 stream_k); else 0"),
     *stride_fields("q"), *stride_fields("k"), *stride_fields("v"), *stride_fields("o"),
-    Field("batch", "i32", "int", "batch size"),
-    Field("seqlen_q", "i32", "int", "query sequence length"),
-    Field("seqlen_k", "i32", "int", "key/value sequence length"),
-    Field("heads_q", "i32", "int", "query heads"),
-    Field("heads_kv", "i32", "int", "key/value heads (divides heads_q: GQA/MQA)"),
+    *SHAPE_FIELDS,
     Field("num_m_blocks", "i32", "int", "ceil(seqlen_q / BLOCK_M), rounded up to whole clusters"),
     Field("num_tiles", "i32", "int", "num_m_blocks * heads_q * batch"),
-    Field("softmax_scale", "f32", "float", "scale applied to Q K^T (default 1/sqrt(head_dim))"),
-    Field("scale_log2", "f32", "float", "softmax_scale * log2(e): exp(x*scale) = exp2(x*scale_log2)"),
+    *SCALE_FIELDS,
 ]
 
 TMA_FIELDS = [
