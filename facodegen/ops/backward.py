@@ -214,9 +214,11 @@ def compile_for_device(spec: BackwardSpec, device: int = 0):
     return compile(spec, sm=device_target(spec.arch, device_info(device)))
 
 
-def choose(head_dim: int, dtype: str, causal: bool, info, knobs: dict, arch: str = "sm80") -> BackwardSpec:
-    """The backward spec of a call on the device ``info`` describes: the default tiles for its GPU
-    with the caller's knobs, refused (naming block_n) where its shared memory does not fit."""
+def choose(head_dim: int, dtype: str, causal: bool, info, knobs: dict, arch: str | None = None) -> BackwardSpec:
+    """The backward spec of a call on the device ``info`` describes: ``arch`` (None: default_arch's
+    pick for the call), the default tiles for its GPU with the caller's knobs, refused (naming
+    block_n) where its shared memory does not fit."""
+    arch = arch or default_arch(info, head_dim, dtype, causal, knobs)
     knobs = dict(knobs)
     knobs.setdefault("gpu", info.budget_gpu)
     try:

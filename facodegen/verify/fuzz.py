@@ -289,8 +289,7 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         bound = max(3e-2, 2 * rel_low)
         ok_o, what = rel <= bound, f"rel_fro {rel:.2e} (bound {bound:.2e}: 3e-2 or 2x bf16's {rel_low:.2e})"
     else:
-        low, _ = attention_torch(q, k, v, case.causal, scale, upcast=False, **variants)
-        why = fa3_failure(out, ref.nan_to_num(0.0), low.nan_to_num(0.0),
+        why = fa3_failure(out, ref.nan_to_num(0.0), _standard_low(q, k, v, case.causal, scale, **variants),
                           forward_floor(q, k, v, case.causal, scale, **variants))
         ok_o, what = why is None, why or f"max err {err:.2e} ok"
     finite = torch.isfinite(ref_lse)
@@ -312,10 +311,10 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     return ok_o and lse_ok and bool(torch.isfinite(out).all()), f"O {what}; LSE {lse_what}"
 
 
-def _standard_low(q, k, v, causal, scale):
+def _standard_low(q, k, v, causal, scale, **variants):
     """Standard attention in the inputs' dtype (a row that sees no key: 0), the criterion's
     same-precision computation."""
-    low, _ = attention_torch(q, k, v, causal, scale, upcast=False)
+    low, _ = attention_torch(q, k, v, causal, scale, upcast=False, **variants)
     return low.nan_to_num(0.0)
 
 
@@ -565,10 +564,8 @@ def case_specs(case: Case, device: int = 0) -> list:
     if case.family == "backward":
         from ..ops import backward
         knobs = {"deterministic": True} if case.deterministic else {}
-        info = api.device_info(device)
-        arch = backward.autograd_arch(case.arch) or backward.default_arch(info, case.head_dim, case.dtype, case.causal,
-                                                                           knobs)
-        return [forward, backward.choose(case.head_dim, case.dtype, case.causal, info, knobs, arch)]
+        return [forward, backward.choose(case.head_dim, case.dtype, case.causal, api.device_info(device), knobs,
+                                         backward.autograd_arch(case.arch))]
     return [forward]
 
 
