@@ -18,6 +18,7 @@ step a faster path must remove.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -129,7 +130,8 @@ def main() -> int:
     stream = torch._C._cuda_getCurrentRawStream(device)
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0)
     rows.append(("plan.launch (patch + cuLaunchKernel)", lambda: plan.launch(stream, *ptrs, None)))
-    rows.append(("  launcher alone (driver.Launcher: CuPy's cuLaunchKernel binding)",
+    binding = "CuPy's binding" if isinstance(plan._launcher._launch, functools.partial) else "ctypes"
+    rows.append((f"  launcher alone (driver.Launcher, {binding})",
                  lambda: plan._launcher(stream, plan._last.kernel_params)))
     rows += _launch_rows(plan, stream, ptrs)
     rows += _allocation_rows(torch, q)

@@ -4,6 +4,8 @@ the GPU tests launch for real."""
 
 from __future__ import annotations
 
+import functools
+import sys
 import types
 
 import pytest
@@ -39,7 +41,8 @@ def binding(monkeypatch):
     def install(*failures):
         made["binding"] = FakeBinding(*failures)
         return made["binding"]
-    monkeypatch.setattr(driver, "_launch_binding", lambda: (made["binding"], FakeDriverError))
+    monkeypatch.setattr(driver, "_launch_binding",
+                        lambda: (lambda *fixed: functools.partial(made["binding"], *fixed), FakeDriverError))
     context_calls = []
     monkeypatch.setattr(driver, "lib", lambda: types.SimpleNamespace(
         cuCtxSetCurrent=lambda ctx: context_calls.append(ctx) or 0))
@@ -90,3 +93,43 @@ def test_cupys_binding_has_the_signature_launcher_relies_on():
         "unsigned int block_dim_x, unsigned int block_dim_y, unsigned int block_dim_z, "
         "unsigned int shared_mem_bytes, intptr_t stream, intptr_t kernel_params, intptr_t extra)")
     assert issubclass(binding.CUDADriverError, Exception)
+
+
+
+def test_the_binding_is_cupys_only_where_cupy_is_imported(monkeypatch):
+    """CuPy's binding imports cupy on its first call (~150 ms): a torch-only process must not pay it."""
+    monkeypatch.setattr(driver, "lib", lambda: None)
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    assert driver._launch_binding() == (None, driver.LaunchError)
+    pytest.importorskip("cupy_backends.cuda.api.driver")
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    bind, error = driver._launch_binding()
+    assert bind(1, 2, 3, 4, 5, 6, 7, 8).func.__name__ == "launchKernel" and error.__name__ == "CUDADriverError"
+
+
+def _ctypes_launcher(monkeypatch, status: int):
+    """driver.Launcher on the ctypes binding, over a cuLaunchKernel that records its arguments."""
+    calls = []
+
+    def cu_launch_kernel(*args):
+        calls.append(args)
+        return status
+    monkeypatch.setattr(driver, "lib", lambda: types.SimpleNamespace(cuLaunchKernel=cu_launch_kernel,
+                                                                     cuCtxSetCurrent=lambda ctx: 0))
+    monkeypatch.setattr(driver, "primary_context", lambda ordinal: 0xC0)
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    return _launcher(), calls
+
+
+def test_the_ctypes_binding_passes_cuLaunchKernel_its_arguments_as_ctypes_values(monkeypatch):
+    launcher, calls = _ctypes_launcher(monkeypatch, 0)
+    launcher(0x5555_0000, 0x7000_0040)
+    values = [None if a is None else a.value for a in calls[0]]
+    assert values == [0x7F00_1234, 132, 8, 2, 384, 1, 1, 200_000, 0x5555_0000, 0x7000_0040, None]
+
+
+def test_the_ctypes_binding_raises_driver_error_with_the_status(monkeypatch):
+    launcher, calls = _ctypes_launcher(monkeypatch, 700)
+    with pytest.raises(driver.DriverError, match="cuLaunchKernel failed") as raised:
+        launcher(7, 8)
+    assert raised.value.result == 700 and len(calls) == 1

@@ -1,5 +1,5 @@
 """The CUDA driver calls facodegen makes, on libcuda.so.1 through ctypes (the launch itself
-through CuPy's Cython binding: see Launcher).
+through CuPy's Cython binding where CuPy is already imported: see Launcher).
 
 Loading a cubin, launching it, zeroing a counter and pointing a TMA map at another tensor are
 a few driver calls each; doing them here, not through CuPy, keeps ``import cupy`` (about 0.1 s)
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 from dataclasses import dataclass
 
 _c = ctypes
@@ -189,39 +190,72 @@ def load_function(cubin: bytes, name: str, ordinal: int, max_dynamic_smem: int =
 
 
 class Launcher:
-    """cuLaunchKernel of one kernel through CuPy's Cython binding of the driver
-    (cupy_backends.cuda.api.driver.launchKernel): it takes plain ints and converts them in C, and
-    releases the GIL around the call. Measured on a CPU with a stub libcuda (the driver's own time
-    left out), a launch through this class costs ~0.3 µs (the bare binding ~0.15 µs) against ~0.8 to
-    1.2 µs through ctypes with prebuilt ctypes arguments, the launcher before: at a few microseconds
-    a call that matters. cupy_backends loads libcuda itself, in ~3 ms and without ``import cupy``."""
+    """cuLaunchKernel of one kernel, through one of two bindings (_launch_binding), both taking
+    plain ints:
+
+    - CuPy's Cython binding (cupy_backends.cuda.api.driver.launchKernel), where the process has
+      imported CuPy: it converts the ints in C and releases the GIL (H200, 2026-12-03: 4.69 µs a
+      bare launch against 5.85 through ctypes). Its first call loads libcuda through ``import
+      cupy`` (~150 ms, measured on the H200: 173 ms for a first call that was 20 ms without it), so
+    - ctypes with argtypes set, everywhere else (torch users who never import CuPy).
+    The launcher is chosen when the plan is built; CuPy imported later leaves earlier plans on ctypes."""
 
     def __init__(self, function: LoadedFunction, grid: tuple[int, int, int], threads: int, smem_bytes: int):
         self.function = function
-        self._launch, self._error = _launch_binding()
-        self._args = (function.ptr, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes)
+        binding, self._error = _launch_binding()
+        # (f, grid x/y/z, block x/y/z, dynamic shared memory): the arguments before stream, kernelParams, extra
+        self._launch = (binding or _ctypes_launch)(function.ptr, grid[0], grid[1], grid[2], threads, 1, 1,
+                                                   smem_bytes)
 
     def __call__(self, stream: int, kernel_params: int) -> None:
         """Launch on ``stream`` (a CUstream handle, 0: the legacy default stream) with
         ``kernel_params``, the address of a ``void*[]`` of argument pointers."""
         try:
-            self._launch(*self._args, stream, kernel_params, 0)
+            self._launch(stream, kernel_params, 0)
         except self._error as err:
             if err.status != CUDA_ERROR_INVALID_CONTEXT:    # raise DriverError, as every call here does
                 raise DriverError("cuLaunchKernel", err.status) from None
             # a thread that has not touched CUDA yet: make the device's primary context current, once
             check(lib().cuCtxSetCurrent(primary_context(self.function.device)), "cuCtxSetCurrent")
             try:
-                self._launch(*self._args, stream, kernel_params, 0)
+                self._launch(stream, kernel_params, 0)
             except self._error as again:
                 raise DriverError("cuLaunchKernel", again.status) from None
 
 
 def _launch_binding():
-    """(CuPy's launchKernel, the CUDADriverError it raises, with the failing CUresult as .status)."""
+    """(CuPy's launchKernel, or None for ctypes; the exception a launch raises, with the failing
+    CUresult as .status): CuPy's binding where CuPy is imported, else ctypes (see Launcher)."""
     lib()       # cuInit, and facodegen's message where there is no driver
-    from cupy_backends.cuda.api.driver import CUDADriverError, launchKernel
-    return launchKernel, CUDADriverError
+    if "cupy" in sys.modules:
+        from cupy_backends.cuda.api.driver import CUDADriverError, launchKernel
+
+        def bind(*fixed):
+            return functools.partial(launchKernel, *fixed)
+        return bind, CUDADriverError
+    return None, LaunchError
+
+
+class LaunchError(RuntimeError):
+    """A failed cuLaunchKernel through ctypes (CuPy's CUDADriverError's shape: ``status``)."""
+
+    def __init__(self, status: int):
+        super().__init__(f"cuLaunchKernel: CUresult {status}")
+        self.status = status
+
+
+def _ctypes_launch(function: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int):
+    """cuLaunchKernel of one kernel through ctypes as ``launch(stream, kernel_params, extra=0)``,
+    raising LaunchError: the fixed arguments are ctypes objects made here, once (CPU, stub
+    libcuda: 1.3 µs a call, against 1.7 with argtypes converting all eleven)."""
+    raw, u = lib().cuLaunchKernel, _UINT
+    fixed = (_VOIDP(function), u(gx), u(gy), u(gz), u(bx), u(by), u(bz), u(smem))
+
+    def launch(stream: int, kernel_params: int, extra: int = 0) -> None:
+        status = raw(*fixed, _VOIDP(stream), _VOIDP(kernel_params), None)
+        if status != 0:
+            raise LaunchError(status)
+    return launch
 
 
 def stream_arg(stream: int) -> int:

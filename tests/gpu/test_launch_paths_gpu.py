@@ -1,5 +1,5 @@
-"""The launch paths the host-path work changed, on a GPU: driver.Launcher (CuPy's cuLaunchKernel
-binding) from a thread that has not touched CUDA, CuPy plan-cache hits (no device switch when q's
+"""The launch paths the host-path work changed, on a GPU: driver.Launcher (ctypes, or CuPy's cuLaunchKernel
+binding where CuPy is imported) from a thread that has not touched CUDA, CuPy plan-cache hits (no device switch when q's
 device is current) and fp8 hits with descales given and left out. Each compares a hit's result
 with the reference, like tests/gpu/test_host_path.py."""
 
