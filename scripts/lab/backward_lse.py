@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  forward {label}: LSE max err {(lse_f.double() - ref_lse).abs().where(seen, 0).max().item():.3e}")
         _score_errors(q, k, worst, scale)
         _single_key(q, k, v, do, worst, scale, archs)
+        _row(q, k, v, worst, scale, archs)
         feeds = {"forward O, LSE": (out, lse), "forward O, float64 LSE": (out, ref_lse.float()),
                  "float64 O, LSE": (ref_out.to(q.dtype), ref_lse.float())}
         for arch in archs:
@@ -124,6 +125,30 @@ def _single_key(q, k, v, do, worst, scale, archs) -> None:
                 print(f"    {barch} backward: n/a ({type(e).__name__})")
                 continue
             print(f"    {barch} backward on it: dV/dO - 1 = {dv.double().mean().item() - 1:+.3e}")
+
+
+def _row(q, k, v, worst, scale, archs) -> None:
+    """The worst row's top logits (float64) and its LSE error when the call holds only its batch
+    (another batch's keys next in memory or not) and only the keys up to and around its top key."""
+    import torch
+
+    import facodegen
+    b, h, i = worst
+    group = q.shape[2] // k.shape[2]
+    logits = (k[b, :, h // group].double() @ q[b, i, h].double()) * scale
+    top = torch.topk(logits, 5)
+    print(f"  row {worst}: top logits {[round(x, 3) for x in top.values.tolist()]} at keys {top.indices.tolist()}, "
+          f"float64 LSE {torch.logsumexp(logits, 0).item():.6f}")
+    j = int(top.indices[0])
+    cuts = {"its batch alone": slice(0, k.shape[1]), f"keys 0..{j}": slice(0, j + 1),
+            f"keys {j // 128 * 128}..{j // 128 * 128 + 127}": slice(j // 128 * 128, j // 128 * 128 + 128)}
+    for name, keys in cuts.items():
+        qb = q[b:b + 1].contiguous()
+        kb, vb = (x[b:b + 1, keys].contiguous() for x in (k, v))
+        exact = torch.logsumexp((kb[0, :, h // group].double() @ q[b, i, h].double()) * scale, 0).item()
+        for arch in archs:
+            _, lse = facodegen.attention(qb, kb, vb, softmax_scale=scale, arch=arch, return_lse=True)
+            print(f"  {name}, {arch} forward: LSE - float64 {lse[0, h, i].item() - exact:+.3e}")
 
 
 if __name__ == "__main__":
