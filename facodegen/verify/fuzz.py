@@ -370,6 +370,8 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
 
     import facodegen
     q, k, v, do, scale = backward_inputs(case)
+    if launch_only:
+        return _launched(*_backward_launches(case, q, k, v, do))
     leaves = [_layout(x, case.layout).requires_grad_(True) for x in (q, k, v)]
     out = facodegen.attention(*leaves, causal=case.causal, softmax_scale=case.softmax_scale, arch=case.arch)
     if case.deterministic:      # only around facodegen's backward: torch's own ops may refuse the mode
@@ -381,13 +383,30 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
             torch.use_deterministic_algorithms(False)
     else:
         got = torch.autograd.grad(out, leaves, do)
-    if launch_only:
-        return _launched(*got)
     if case.deterministic and not all(torch.equal(a, b) for a, b in zip(got, again)):
         return False, "deterministic: two backward runs differ"
 
     failures = backward_failures(q, k, v, do, case.causal, scale, got)
     return not failures, "; ".join(failures) or "dq, dk, dv ok"
+
+
+def _backward_launches(case: Case, q, k, v, do) -> tuple:
+    """The sanitizer sweep's backward (launch_only): the forward into a NaN-poisoned O and LSE, then
+    attention_backward on them, the kernels autograd runs. Not through autograd, whose O is
+    torch.empty_like's: compute-sanitizer's initcheck does not count the sm90 forward's TMA (bulk
+    tensor) stores as writes, so every backward read of an O that only they wrote is flagged (H200,
+    2026-12-03: 115,612 reports in the sm90 backward's first kernel, which reads O and dO); the
+    forward cases poison their out= for the same reason."""
+    import torch
+
+    import facodegen
+    q, k, v = (_layout(x, case.layout) for x in (q, k, v))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device, dtype=torch.float32)
+    facodegen.attention(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, arch=case.arch, out=out,
+                        lse_out=lse)
+    return facodegen.attention_backward(do, q, k, v, out, lse, causal=case.causal, softmax_scale=case.softmax_scale,
+                                        arch=case.arch, **({"deterministic": True} if case.deterministic else {}))
 
 
 def backward_failures(q, k, v, do, causal: bool, scale: float, grads) -> list[str]:
