@@ -722,7 +722,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
     bf16 CuPy arrays or torch CUDA tensors (any batch/seq/head strides, contiguous head_dim;
-    heads_kv divides heads_q). Returns O in q's dtype (and the float32 natural-log LSE of shape
+    heads_kv divides heads_q). head_dim: any multiple of 8 in [8, 256]; 64, 96, 128, 192 and 256 have
+    kernels of their own, the others run on the next one's tile with the columns past head_dim
+    zero-filled inside the kernel (nothing copied; fp8 and the backward take those five only).
+    Returns O in q's dtype (and the float32 natural-log LSE of shape
     (batch, heads_q, seqlen_q) when ``return_lse``), in the caller's library, computed on its
     current stream. ``out``/``lse_out`` receive the results in place. Spec fields (block_n=...,
     stages=...) may be given to override the defaults.
