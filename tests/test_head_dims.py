@@ -292,3 +292,20 @@ def test_zero_columns_change_nothing_but_the_scale(d, causal):
     np.testing.assert_allclose(got[..., :d], want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(got[..., d:], 0.0)
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------ the fuzzer and the sanitizer sweep
+
+def test_the_head_dims_family_draws_padded_16_bit_forwards(monkeypatch):
+    from facodegen.verify import fuzz
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    monkeypatch.setattr(api, "_tuned_fields", lambda *a: None)
+    cases = fuzz.generate(200, seed=3, family="head_dims")
+    assert {c.head_dim for c in cases} == set(fuzz.PADDED_HEAD_DIMS)
+    assert {c.dtype for c in cases} == {"bf16", "fp16"} and {c.arch for c in cases} == {"sm80", "sm90"}
+    for c in cases[:40]:
+        spec = fuzz.case_spec(c)
+        assert (spec.head_dim_real, spec.head_dim) == (c.head_dim, tile_head_dim(c.head_dim))
+    sweep = [c for c in fuzz.representative_cases() if c.family == "head_dims"]
+    assert {(c.arch, c.head_dim) for c in sweep} == {(a, d) for a in ("sm80", "sm90") for d in (8, 80)}
