@@ -131,6 +131,9 @@ def test_sm80_predicates_the_columns_past_d(d):
     assert "cp_async_16(to_k, chunk_in ? from : tile, chunk_in ? 16 : 0);" in src     # full rows
     assert "const bool valid = chunk_in && k * LOAD_ROWS_PER_PASS < rows_left;" in src  # rows cut by seqlen
     assert "i < ROWS_PER_WARP * REAL_CHUNKS" in src and "i < rows_valid * REAL_CHUNKS" in src   # O, empty O
+    # the variant kernels load and store through the same functions
+    variants = emit(KernelSpec(arch="sm80", head_dim=d, local=True, softcap=True, sinks=True))
+    assert "chunk_in ? from : tile" in variants and "i < rows_valid * REAL_CHUNKS" in variants
 
 
 # ------------------------------------------------------------------ compiled: no spills, the instructions

@@ -152,3 +152,27 @@ def test_padded_head_dims_have_no_backward_or_fp8_yet():
         f8 = [x.to(torch.float8_e4m3fn) for x in (q, k, v)]
         with pytest.raises(ValueError, match="head_dim=80 is not supported by dtype=fp8"):
             facodegen.attention(*f8)
+
+
+@pytest.mark.parametrize("arch", ("sm80", "sm90"))
+@pytest.mark.parametrize("d", (40, 200))
+def test_padded_head_dims_take_the_variants(arch, d):
+    """A window, softcap and sinks on a padded head_dim: the variant kernels load and store through the
+    same padded paths."""
+    _skip_unless_runs(arch)
+    import facodegen
+    q, k, v = _inputs((300, 700, 4, 2), d, "bf16", seed=d)
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    sinks = torch.randn(4, generator=gen, device="cuda")
+    variants = dict(window_size=(129, 17), softcap=30.0, sinks=sinks)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, 4, 300), float("nan"), device="cuda")
+    call = facodegen.prepare(q, k, v, out=out, lse_out=lse, arch=arch, **variants)
+    assert call.spec.head_dim_real == d and call.spec.local and call.spec.softcap and call.spec.sinks
+    call()
+    torch.cuda.synchronize()
+    ref, ref_lse = reference.attention_reference(q, k, v, **variants)
+    ok, msg = reference.check(out, ref, "bf16")
+    assert ok, msg
+    ok, msg = reference.check_lse(lse, ref_lse)
+    assert ok, msg
