@@ -330,3 +330,13 @@ def test_the_head_dims_family_draws_padded_16_bit_forwards(monkeypatch):
         assert (spec.head_dim_real, spec.head_dim) == (c.head_dim, tile_head_dim(c.head_dim))
     sweep = [c for c in fuzz.representative_cases() if c.family == "head_dims"]
     assert {(c.arch, c.head_dim) for c in sweep} == {(a, d) for a in ("sm80", "sm90") for d in (8, 80)}
+
+
+def test_precompile_takes_a_padded_head_dim():
+    """A model's head_dim 80 (Phi-2) precompiles the head_dim 96 tile's kernel with d = 80."""
+    from click.testing import CliRunner
+
+    from facodegen.cli import main
+    result = CliRunner().invoke(main, ["precompile", "--shape", "1,128,128,8,8,80", "--arch", "sm80", "--gpu", "a100"])
+    assert result.exit_code == 0, result.output
+    assert "flash_fwd_sm80_bf16_hd96_d80_" in result.output and "0 bytes spilled" in result.output
