@@ -4,7 +4,7 @@
 #
 #   OUT=/path bash scripts/verify_gpu.sh [steps...]      # steps: tests fuzz sanitize bench (default: all)
 #                                                        # bench = host bwd decode variants (each a step too)
-#   FUZZ_S=330 SANITIZE_S=240 ... bash scripts/verify_gpu.sh fuzz   # the slow steps' time limits (seconds)
+#   FUZZ_S=390 SANITIZE_S=240 ... bash scripts/verify_gpu.sh fuzz   # the slow steps' time limits (seconds)
 #   TESTS="tests/gpu/test_backward_gpu.py ..."           # what the tests step runs (default: tests/gpu)
 #   BWD_VARIANTS="k_unroll=1 deterministic=true"         # backward knob sets the bwd step times beside the default
 #   WARM_FUZZ=0                                          # warm only the shipped kernels, not the fuzz's (no fuzz step)
@@ -40,13 +40,13 @@ step() {   # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, note its e
     summary+=("| $name | $rc | $(( $(date +%s) - t0 )) s | $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-100) |")
 }
 
-timeout -k 15 150 python3 scripts/warm_cache.py --fuzz "${WARM_FUZZ:-10000}" > "$OUT/warm.log" 2>&1; echo "warm: exit $? after $(( $(date +%s) - start )) s" >> "$OUT/warm.log"
+timeout -k 15 150 python3 scripts/warm_cache.py --fuzz "${WARM_FUZZ:-12000}" > "$OUT/warm.log" 2>&1; echo "warm: exit $? after $(( $(date +%s) - start )) s" >> "$OUT/warm.log"
 for s in $steps; do
     case $s in
         tests)
             step pytest "${TESTS_S:-300}" python3 -m pytest -q -rs -n 8 ${TESTS:-tests/gpu} ;;
         fuzz)
-            step fuzz "${FUZZ_S:-330}" python3 -m facodegen check --fuzz 10000 --seed 1 --family all ;;
+            step fuzz "${FUZZ_S:-390}" python3 -m facodegen check --fuzz 12000 --seed 1 --family all ;;
         sanitize)
             step sanitize "${SANITIZE_S:-240}" python3 scripts/sanitize.py --out "$OUT/sanitize"
             step sanitize_decode "${SANITIZE_DECODE_S:-120}" python3 scripts/sanitize_decode.py --out "$OUT/sanitize-decode" ;;

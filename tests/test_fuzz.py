@@ -147,7 +147,7 @@ def test_backward_and_kvcache_families_are_drawn_within_their_kernels_limits():
     cases = fuzz.generate(4000, seed=9, family="all")
     by = collections.Counter(c.family for c in cases)
     # every family its share (#37 asks >= 2,000 per family of 10,000), refused draws redrawn in-family
-    assert by == {f: 4000 // len(fuzz.FAMILIES) for f in fuzz.FAMILIES}, by
+    assert set(by) == set(fuzz.FAMILIES) and max(by.values()) - min(by.values()) <= 1, by
     for c in cases:
         if c.family == "backward":
             assert c.dtype in ("bf16", "fp16") and not c.use_out
@@ -182,7 +182,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
     cases = fuzz.generate(3000, seed=4, family="all")
     for c in cases:
         specs = fuzz.case_specs(c)
-        if c.family in ("forward", "variants"):
+        if c.family in ("forward", "variants", "head_dims"):
             assert specs == [fuzz.case_spec(c)]
         elif c.family == "backward":
             knobs = {"deterministic": True} if c.deterministic else {}

@@ -40,7 +40,7 @@ def test_precompile_compiles_once_then_finds_the_cache(fresh_cache, tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["precompile"], "nothing to compile"),
     (["precompile", "--shape", "1,2,3"], "six positive integers"),
-    (["precompile", "--shape", "1,128,128,8,8,80"], "head_dim"),
+    (["precompile", "--shape", "1,128,128,8,8,84"], "multiple of 8"),
 ])
 def test_precompile_bad_input_is_one_clear_line(args, words):
     result = CliRunner().invoke(main, args)

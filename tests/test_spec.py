@@ -36,7 +36,9 @@ def test_user_values_win_over_defaults():
 
 @pytest.mark.parametrize("fields, knob, words", [
     (dict(arch="sm70"), "arch", "sm80"),
-    (dict(head_dim=80), "head_dim", "64"),
+    (dict(head_dim=84), "head_dim", "multiple of 8 in [8, 256]"),
+    (dict(head_dim=264), "head_dim", "multiple of 8 in [8, 256]"),
+    (dict(head_dim=96, head_dim_real=112), "head_dim_real", "use head_dim=128"),
     (dict(dtype="fp32"), "dtype", "bf16"),
     (dict(block_m=96, num_warps=4), "block_m", "multiple of 16*num_warps=64"),
     (dict(block_n=24), "block_n", "multiple of 16"),

@@ -234,7 +234,7 @@ def run_cli_bench(spec, arch: str | None = None, head_dim: int | None = None, dt
     if hasattr(spec, "as_dict"):
         fields = spec.as_dict()
         arch = arch or fields["arch"]
-        head_dim = head_dim or fields["head_dim"]
+        head_dim = head_dim or fields["head_dim_real"]      # the problem's d (80 on the 96 tile: 80)
         dtype = dtype or fields["dtype"]
         causal = fields["causal"] if causal is None else causal
         overrides = {k: v for k, v in spec.launch_fields().items() if k != "arch"}

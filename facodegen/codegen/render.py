@@ -11,6 +11,7 @@ import jinja2
 from .. import __version__
 from ..runtime.params import TENSOR_MAP_ALIGN, has_variants, spec_layout
 from ..spec import KernelSpec
+from ..spec.knobs import tile_head_dim
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]     # facodegen/
 
@@ -56,6 +57,8 @@ def emit_command(spec: KernelSpec, runtime: dict | None = None) -> str:
 
     mine = [k for k in KNOBS if spec.arch in k.archs]
     given = {k.name: getattr(spec, k.name) for k in mine if k.name in _EMIT_ALWAYS or k.name == "schedule"}
+    if spec.padded and tile_head_dim(spec.head_dim_real) == spec.head_dim:
+        given["head_dim"] = spec.head_dim_real      # --head-dim 80 (the tile of 96 follows)
     for _ in range(len(mine)):
         try:
             built = KernelSpec(**given)
@@ -69,6 +72,8 @@ def emit_command(spec: KernelSpec, runtime: dict | None = None) -> str:
     for knob in mine:
         if knob.name not in given or knob.name == "consumer_regs":
             continue
+        if knob.name == "head_dim_real" and given["head_dim"] == spec.head_dim_real:
+            continue                                # --head-dim gave it (the whole tile's d, or d of a padded one)
         value = given[knob.name]
         if knob.name == "producer_regs":            # --regs P/C sets both
             flags.append(f"--regs {spec.producer_regs}/{spec.consumer_regs}")
@@ -101,6 +106,8 @@ def context(spec: KernelSpec, runtime: dict | None = None) -> dict:
         hidden |= {"local", "softcap", "sinks"}
     if not spec.varlen:
         hidden.add("varlen")
+    if not spec.padded:
+        hidden.add("head_dim_real")     # (the kernels of a whole tile show head_dim alone, as before)
     return {
         "spec": spec,
         "arch": spec.arch,

@@ -21,6 +21,7 @@ from ..runtime.launch import (Operand, Variants, grid, pack_params, resident_cta
 from ..runtime.plan import LaunchPlan, PlanCache
 from ..runtime.tma import map_operands
 from ..spec import HEAD_DIMS, SEQLEN_RULE_FIELDS, KernelSpec, SpecError, seqlen_rule_fields
+from ..spec.knobs import head_dim_problem, tile_head_dim
 
 DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
 # dtype=fp8 (sm90): e4m3 inputs (torch.float8_e4m3fn); other float8 flavours are refused by name.
@@ -141,17 +142,28 @@ def _check_same_place(q: _View, others) -> None:
             raise ValueError(f"{t.name} is on cuda:{t.device} but q is on cuda:{q.device}; put them on one device")
 
 
-def _check_attention_shape(q: _View, k: _View) -> None:
+# Where a path takes only the head dims with their own tiles, what its error adds.
+ANY_HEAD_DIM_NOTE = "(the 16-bit forward, attention(), takes any multiple of 8 in [8, 256])"
+
+
+def _check_attention_shape(q: _View, k: _View, any_head_dim: bool = False, what: str = "") -> None:
     """q (batch, seqlen_q, heads_q, d) against k (batch, seqlen_k, heads_kv, d): one batch, one
-    supported head_dim, no empty dimension, heads_kv dividing heads_q."""
+    supported head_dim (any_head_dim: any multiple of 8 in [8, 256], the 16-bit forward's; else one of
+    HEAD_DIMS, ``what`` naming the path), no empty dimension, heads_kv dividing heads_q."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
     if k.shape[0] != batch:
         raise ValueError(f"k has batch {k.shape[0]} but q has batch {batch}")
     if k.shape[3] != head_dim:
         raise ValueError(f"k and v have head_dim {k.shape[3]} but q has head_dim {head_dim}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim={head_dim} is not supported; choose one of {', '.join(map(str, HEAD_DIMS))}")
+    if any_head_dim:
+        why = head_dim_problem(head_dim)
+        if why is not None:
+            raise ValueError(f"head_dim (q.shape[3]) {why}")
+    elif head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} is not supported{' by ' + what if what else ''}; choose one of "
+                         f"{', '.join(map(str, HEAD_DIMS))}"
+                         + ("" if head_dim_problem(head_dim) else f" {ANY_HEAD_DIM_NOTE}"))
     for name, value in (("batch", batch), ("seqlen_q (q.shape[1])", seqlen_q),
                         ("seqlen_k (k.shape[1])", seqlen_k), ("heads_q (q.shape[2])", heads_q),
                         ("heads_kv (k.shape[2])", heads_kv)):
@@ -161,7 +173,8 @@ def _check_attention_shape(q: _View, k: _View) -> None:
         raise ValueError(f"heads_kv={heads_kv} (k.shape[2]) must divide heads_q={heads_q} (q.shape[2]) for GQA/MQA")
 
 
-def _check_inputs(q: _View, k: _View, v: _View) -> None:
+def _check_inputs(q: _View, k: _View, v: _View, any_head_dim: bool = False, what: str = "") -> None:
+    """q, k, v of one call (``any_head_dim``, ``what``: _check_attention_shape's)."""
     for t in (q, k, v):
         if len(t.shape) != 4:
             raise ValueError(f"{t.name} must be 4-D (batch, seqlen, heads, head_dim), got shape {t.shape}")
@@ -173,7 +186,7 @@ def _check_inputs(q: _View, k: _View, v: _View) -> None:
         raise TypeError(f"q has dtype {q.dtype}; supported: {', '.join(DTYPE_NAMES)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
-    _check_attention_shape(q, k)
+    _check_attention_shape(q, k, any_head_dim, what)
     for t in (q, k, v):
         _check_layout(t)
 
@@ -253,7 +266,8 @@ def resolve_spec(head_dim: int, dtype: str, causal: bool, device: int, arch: str
     arch = arch or default_arch(info)
     _check_arch(arch, info)
     spec_fields.setdefault("gpu", info.budget_gpu)
-    tuned = _tuned_fields(info, arch, head_dim, dtype, causal, shape) if shape is not None else None
+    # a head_dim on another one's tile (80 on 96) takes that tile's tuned entries
+    tuned = _tuned_fields(info, arch, _tile(head_dim), dtype, causal, shape) if shape is not None else None
     spec = spec_for_shape(arch, head_dim, dtype, causal, shape, tuned, **spec_fields)
     if info.smem_per_block_optin and spec.smem_bytes > info.smem_per_block_optin:
         raise ValueError(f"stages/block sizes: the kernel needs {spec.smem_bytes} bytes of shared memory but "
@@ -269,13 +283,19 @@ def spec_for_shape(arch: str, head_dim: int, dtype: str, causal: bool, shape: tu
     rule fields that do not combine with them into a valid spec are dropped."""
     if not tuned and shape is not None and not any(f in spec_fields for f in SEQLEN_RULE_FIELDS):
         _, seqlen_q, seqlen_k, _ = shape
-        tuned = seqlen_rule_fields(arch, head_dim, dtype, causal, seqlen_q, seqlen_k)
+        tuned = seqlen_rule_fields(arch, _tile(head_dim), dtype, causal, seqlen_q, seqlen_k)
     if tuned:
         try:
             return KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **{**tuned, **spec_fields})
         except (SpecError, TypeError):
             pass  # the caller's fields do not fit the tuned tiles: defaults + the caller's fields
     return KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **spec_fields)
+
+
+def _tile(head_dim) -> int:
+    """The tile head_dim a call's head_dim runs on (80 -> 96; a head_dim no kernel takes as it is, for
+    KernelSpec to reject)."""
+    return tile_head_dim(head_dim) if head_dim_problem(head_dim) is None else head_dim
 
 
 def _tuned_fields(info: DeviceInfo, arch: str, head_dim: int, dtype: str, causal: bool, shape) -> dict | None:
@@ -311,7 +331,7 @@ def check_fp8_inputs(q: _View, k: _View, v: _View, v_layout: str) -> None:
         what = "(batch, seqlen_k, heads_kv, head_dim)" if v_layout == "row" else \
             "(batch, heads_kv, head_dim, seqlen_k) (v_layout='transposed': V^T)"
         raise ValueError(f"v has shape {v.shape}; expected {what} = {tuple(want_v)}")
-    _check_attention_shape(q, k)
+    _check_attention_shape(q, k, what="dtype=fp8 (e4m3)")
     _check_layout(q)
     _check_layout(k)
     if v_layout == "row":
@@ -555,7 +575,7 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
         spec_fields["out_dtype"] = out_dtype
         dtype, out_name = "fp8", OUT_DTYPE_NAMES[out_dtype]
     else:
-        _check_inputs(qv, kv, vv)
+        _check_inputs(qv, kv, vv, any_head_dim=True)     # d outside HEAD_DIMS: the next tile, padded
         dtype, out_name = DTYPE_NAMES[qv.dtype], qv.dtype
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
@@ -702,7 +722,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
     bf16 CuPy arrays or torch CUDA tensors (any batch/seq/head strides, contiguous head_dim;
-    heads_kv divides heads_q). Returns O in q's dtype (and the float32 natural-log LSE of shape
+    heads_kv divides heads_q). head_dim: any multiple of 8 in [8, 256]; 64, 96, 128, 192 and 256 have
+    kernels of their own, the others run on the next one's tile with the columns past head_dim
+    zero-filled inside the kernel (nothing copied; fp8 and the backward take those five only).
+    Returns O in q's dtype (and the float32 natural-log LSE of shape
     (batch, heads_q, seqlen_q) when ``return_lse``), in the caller's library, computed on its
     current stream. ``out``/``lse_out`` receive the results in place. Spec fields (block_n=...,
     stages=...) may be given to override the defaults.

@@ -320,7 +320,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     from . import api
 
     qv, kv, vv = api._view("q", q), api._view("k", k), api._view("v", v)
-    api._check_inputs(qv, kv, vv)
+    api._check_inputs(qv, kv, vv, what="attention_backward")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     batch, seqlen_q, heads_q, head_dim = qv.shape

@@ -49,6 +49,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import api, backward, kvcache
+from ..spec import HEAD_DIMS
+from ..spec.knobs import head_dim_problem
 
 _LIB = torch.library.Library("facodegen", "DEF")
 # The attention variants (window_size, softcap, sinks: facodegen.attention's) come last, with
@@ -98,10 +100,15 @@ _VARIANTS_HAVE_NO_BACKWARD = ("facodegen.attention: window_size, softcap and sin
 
 def _refuse_without_backward(q, out, lse_out, variant) -> None:
     """A call that would record a gradient raises at the forward where the backward has no kernel
-    (``variant``: api's window_size, softcap, sinks, causal_alignment, or None), rather than
-    returning an output with no grad_fn or with a backward of another function."""
+    (``variant``: api's window_size, softcap, sinks, causal_alignment, or None; a head_dim outside
+    HEAD_DIMS, which the forward pads), rather than returning an output with no grad_fn or with a
+    backward of another function."""
     if q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError(_FP8_HAS_NO_BACKWARD)
+    if q.dim() == 4 and q.shape[-1] not in HEAD_DIMS and head_dim_problem(int(q.shape[-1])) is None:
+        raise NotImplementedError(f"facodegen.attention: head_dim={q.shape[-1]} has no backward yet (the backward "
+                                  f"takes head_dim {', '.join(map(str, HEAD_DIMS))}); call it under "
+                                  f"torch.no_grad() or on tensors that do not require grad")
     if variant is not None:
         raise NotImplementedError(_VARIANTS_HAVE_NO_BACKWARD)
     if out is not None or lse_out is not None:

@@ -150,7 +150,7 @@ def check_packed(q: _View, k: _View, v: _View) -> None:
     heads_q, heads_kv = q.shape[1], k.shape[1]
     if heads_kv < 1 or heads_q % heads_kv:   # (said here: the forward's message counts 4-D axes)
         raise ValueError(f"heads_kv={heads_kv} (k.shape[1]) must divide heads_q={heads_q} (q.shape[1]) for GQA/MQA")
-    _check_inputs(*(as_one_batch(t) for t in (q, k, v)))
+    _check_inputs(*(as_one_batch(t) for t in (q, k, v)), what="attention_varlen")
 
 
 def check_cu_seqlens(q: _View, cu_seqlens_q, cu_seqlens_k) -> tuple[_View, _View]:

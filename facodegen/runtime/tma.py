@@ -130,8 +130,8 @@ def tiled_args(ptr: int, dtype: str, shape_bshd, strides_elems, box_rows: int, b
     if swizzle and box_cols * e > swizzle:
         raise ValueError(f"box_cols: {box_cols} x {e} bytes exceed the {swizzle}-byte swizzle span "
                          f"(at most {swizzle // e} columns)")
-    if box_cols > head_dim:
-        raise ValueError(f"box_cols: {box_cols} exceeds head_dim={head_dim}")
+    # box_cols may exceed head_dim: a kernel whose tile is wider than the tensor's rows (head_dim 80 on
+    # the 96-column tile) loads zeros past head_dim and its stores are clipped there (issue 40).
     return TiledArgs(ptr=ptr, dtype_code=DTYPE_CODES[dtype], dims=(head_dim, seqlen, heads, batch),
                      strides=(stride_bytes["row"], stride_bytes["head"], stride_bytes["batch"]),
                      box=(box_cols, box_rows, 1, 1), swizzle_code=SWIZZLE_CODES[swizzle])
@@ -247,9 +247,11 @@ def in_place_v_args(row_v: TiledArgs) -> TiledArgs:
 def tensor_map_args(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch: int, seqlen_q: int,
                     seqlen_k: int, heads_q: int, heads_kv: int, q_strides, k_strides, v_strides,
                     o_strides) -> dict[str, TiledArgs]:
-    """Checked arguments of the four maps of one call (see ``tensor_maps``)."""
-    d = spec.head_dim
-    swizzle, box_cols = slab_geometry(d, ELEMENT_BYTES[spec.dtype])
+    """Checked arguments of the four maps of one call (see ``tensor_maps``). The maps' innermost
+    dimension is the problem's head dimension (spec.head_dim_real), the boxes slabs of the tile's
+    (spec.head_dim): where d < D the loads fill columns d..D-1 with zeros and the O store skips them."""
+    d = spec.head_dim_real
+    swizzle, box_cols = slab_geometry(spec.head_dim, ELEMENT_BYTES[spec.dtype])
     wg_rows = 64        # the epilogue stores O one consumer warpgroup (64 rows) at a time
     if spec.dtype == "fp8":
         return _fp8_map_args(spec, q_ptr, k_ptr, v_ptr, batch, seqlen_q, seqlen_k, heads_q, heads_kv,
@@ -313,7 +315,8 @@ def tensor_maps(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch: int
     slab of head_dim (``slab_geometry``: 64, or 32 for head_dim 96):
     Q: slab x block_m (loaded once per tile), K and V: slab x block_n (one ring stage; with
     cluster_m=2 slab x block_n/2, each CTA's share of the stage),
-    O: slab x 64 (each consumer warpgroup stores its own 64 rows)."""
+    O: slab x 64 (each consumer warpgroup stores its own 64 rows). The global head_dim is
+    spec.head_dim_real: a padded kernel's last slab reaches past it (zeros in, nothing out)."""
     args = tensor_map_args(spec, q_ptr, k_ptr, v_ptr, o_ptr, batch, seqlen_q, seqlen_k, heads_q, heads_kv,
                            q_strides, k_strides, v_strides, o_strides)
     return {name: encode(a) for name, a in args.items()}

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from . import knobs as knob_registry
 from .knobs import (ARCHS, DTYPES, FA1_CHOICES, FA1_SWITCHES, GPU_NAMES, HEAD_DIMS, INT_FIELDS, OUT_DTYPES,
-                    SCHEDULES, TEXT_FIELDS, V_LAYOUTS, VARIANT_FEATURES)
+                    SCHEDULES, TEXT_FIELDS, V_LAYOUTS, VARIANT_FEATURES, head_dim_problem, tile_head_dim)
 
 # The 16-bit input types every arch supports (and the shipped default_specs() cover); "fp8" is
 # e4m3 on sm90 only (templates/sm90/flash_fwd_fp8.cu.j2), with its own knobs out_dtype and v_layout.
@@ -618,6 +618,10 @@ class KernelSpec:
 
     arch: str = "sm80"
     head_dim: int = 128
+    # The problem's head dimension where it is below the tile's (issue 40): KernelSpec(head_dim=80) is
+    # head_dim=96 (the tile: shared memory, MMAs, registers) with head_dim_real=80 (columns 80..95 of
+    # Q, K, V load as zeros, O's are not stored). Default: head_dim.
+    head_dim_real: int | None = None
     dtype: str = "bf16"
     causal: bool = False
     block_m: int | None = None
@@ -671,6 +675,7 @@ class KernelSpec:
     def __post_init__(self) -> None:
         _check_types(self)
         _check_choice("arch", self.arch, ARCHS)
+        _resolve_head_dim(self)
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("schedule", self.schedule, SCHEDULES)
@@ -834,6 +839,11 @@ class KernelSpec:
         return smem_bytes(self)
 
     @property
+    def padded(self) -> bool:
+        """The problem's head dimension (head_dim_real) is below the tile's (head_dim)."""
+        return self.head_dim_real != self.head_dim
+
+    @property
     def variant(self) -> str:
         """Stable readable name: kernel symbol, emitted file and cache entry (knobs.variant)."""
         return knob_registry.variant(self)
@@ -849,6 +859,8 @@ class KernelSpec:
         if changes.get("dtype", self.dtype) != "fp8":
             given.pop("out_dtype", None)     # fp8 knobs go when the dtype changes away from fp8
             given.pop("v_layout", None)
+        if self.padded and "head_dim" not in changes:
+            given["head_dim_real"] = self.head_dim_real     # a new head_dim is a new problem: its own d
         given.update(changes)
         if self.schedule == "fa1" and given.get("schedule") == "fa1":
             for name in FA1_SWITCHES:   # the schedule's switches go with it
@@ -860,11 +872,12 @@ class KernelSpec:
 
     def launch_fields(self) -> dict:
         """The spec overrides with which attention() or prepare() runs exactly this spec: every field
-        but those the call reads off its tensors and arguments (head_dim, dtype, causal) and the
+        but those the call reads off its tensors and arguments (head_dim and head_dim_real, dtype, causal) and the
         variant switches that are off (window_size, softcap and sinks turn them on, with the sizes and
         values the kernel needs; a switch that is on stays, and the call says what to pass)."""
         return {k: v for k, v in self.as_dict().items()
-                if k not in ("head_dim", "dtype", "causal") and not (k in VARIANT_FEATURES and not v)}
+                if k not in ("head_dim", "head_dim_real", "dtype", "causal")
+                and not (k in VARIANT_FEATURES and not v)}
 
 
 # The type of every field (facodegen/spec/knobs.py: TEXT_FIELDS, INT_FIELDS, the rest bools), checked
@@ -986,6 +999,41 @@ def _resolve_fp8(spec: "KernelSpec") -> None:
     _check_choice("v_layout", spec.v_layout, V_LAYOUTS)
 
 
+def _resolve_head_dim(spec: "KernelSpec") -> None:
+    """head_dim and head_dim_real: a head_dim outside HEAD_DIMS (a multiple of 8 in [8, 256]) becomes
+    head_dim_real on the tile of tile_head_dim(head_dim); head_dim_real defaults to head_dim and may
+    not exceed it."""
+    head_dim, real = spec.head_dim, spec.head_dim_real
+    if real is None or (real == head_dim and head_dim not in HEAD_DIMS):
+        why = head_dim_problem(head_dim)
+        if why is not None:
+            raise SpecError("head_dim", why)
+        object.__setattr__(spec, "head_dim_real", head_dim)
+        object.__setattr__(spec, "head_dim", tile_head_dim(head_dim))
+        return
+    why = head_dim_problem(real)
+    if why is not None:
+        raise SpecError("head_dim_real", why)
+    if head_dim in HEAD_DIMS and real > head_dim:
+        raise SpecError("head_dim_real", f"head_dim_real={real} exceeds the tile's head_dim={head_dim}: use "
+                                         f"head_dim={tile_head_dim(real)} (or leave head_dim_real out)")
+
+
+def _check_padded(spec: "KernelSpec") -> None:
+    """head_dim_real < head_dim: the 16-bit fa2 forward (sm80, sm90) without varlen pads its tiles."""
+    if not spec.padded:
+        return
+    what = f"head_dim={spec.head_dim_real} (on the head_dim {spec.head_dim} tile)"
+    if spec.dtype == "fp8":
+        raise SpecError("head_dim", f"{what}: the fp8 kernel takes head_dim {', '.join(map(str, HEAD_DIMS))} only; "
+                                    f"use dtype=bf16/fp16 or one of those head dims")
+    if spec.schedule == "fa1":
+        raise SpecError("head_dim", f"{what}: schedule=fa1 takes head_dim {', '.join(map(str, HEAD_DIMS))} only; "
+                                    f"use schedule=fa2")
+    if spec.varlen:
+        raise SpecError("head_dim", f"{what}: varlen takes head_dim {', '.join(map(str, HEAD_DIMS))} only yet")
+
+
 def _check_choice(name: str, value, allowed) -> None:
     if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
         raise SpecError(name, f"{value!r} is not supported; choose one of {', '.join(map(str, allowed))}")
@@ -1083,6 +1131,7 @@ def _check_varlen(spec: KernelSpec) -> None:
 
 def _validate(spec: KernelSpec) -> None:
     limits = GPUS[spec.gpu]
+    _check_padded(spec)
     _check_variants(spec)
     _check_varlen(spec)
     if not isinstance(spec.lazy_rescale, bool):

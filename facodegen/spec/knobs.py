@@ -21,6 +21,26 @@ from typing import Callable
 # Domains (spec.py re-exports them under its older names).
 ARCHS = ("sm80", "sm90")
 HEAD_DIMS = (64, 96, 128, 192, 256)
+# Any head_dim that is a multiple of 8 in [8, 256] runs (16-bit forward, issue 40): on the tile of
+# tile_head_dim(d), the smallest of HEAD_DIMS >= d, with the columns past d zero-filled on load and
+# not stored (spec field head_dim_real).
+HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 8, 256, 8
+
+
+def head_dim_problem(head_dim) -> str | None:
+    """Why ``head_dim`` is no head dimension any forward kernel takes (None if it is one): an integer,
+    a multiple of 8 in [8, 256]."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        return f"must be an integer, got {head_dim!r}"
+    if head_dim % HEAD_DIM_STEP or not HEAD_DIM_MIN <= head_dim <= HEAD_DIM_MAX:
+        return (f"{head_dim} is not supported: it must be a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, "
+                f"{HEAD_DIM_MAX}] (rows of 16 bytes for the 16-byte loads and TMA)")
+    return None
+
+
+def tile_head_dim(head_dim: int) -> int:
+    """The tile head_dim a head dimension runs on: the smallest of HEAD_DIMS >= head_dim."""
+    return next(d for d in HEAD_DIMS if d >= head_dim)
 DTYPES = ("fp16", "bf16", "fp8")
 OUT_DTYPES = ("bf16", "fp16")
 V_LAYOUTS = ("row", "transposed")
@@ -118,9 +138,14 @@ KNOBS: tuple[Knob, ...] = (
     Knob("dtype", "text", "Element type of Q, K, V (and O): fp16, bf16, or fp8 = e4m3 (sm90; O in --out-dtype).",
          choices=DTYPES, flag="--dtype", problem=True,
          token=lambda s, v: s.dtype),
-    Knob("head_dim", "int", f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}.", choices=HEAD_DIMS,
-         flag="--head-dim", problem=True, flag_offers_choices=False,
+    Knob("head_dim", "int", f"Head dimension d of the kernel's tiles: {', '.join(map(str, HEAD_DIMS))}; any other "
+         f"multiple of 8 in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}] runs on the next one's tile (sets --head-dim-real).",
+         choices=HEAD_DIMS, flag="--head-dim", problem=True, flag_offers_choices=False,
          token=lambda s, v: f"hd{s.head_dim}"),
+    Knob("head_dim_real", "int", "The problem's head dimension when below the tile's head_dim (default: head_dim): "
+         "Q/K/V columns past it load as zeros, O's are not stored.", flag="--head-dim-real", problem=True,
+         flag_offers_choices=False,
+         token=lambda s, v: f"d{v}" if v != s.head_dim else None),
     Knob("block_m", "int", "Query rows per CTA tile (BLOCK_M).", flag="--block-m",
          search={"sm80": (64, 128)},
          token=lambda s, v: f"bm{s.block_m}"),

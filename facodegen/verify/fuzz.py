@@ -41,7 +41,10 @@ from dataclasses import asdict, dataclass
 from .flash_rounding import attention_backward_flash_rounding, backward_floor, forward_floor, visible_keys
 from ..spec import HEAD_DIMS
 
-FAMILIES = ("forward", "variants", "backward", "kvcache", "varlen")
+FAMILIES = ("forward", "variants", "backward", "kvcache", "varlen", "head_dims")
+# The head_dims family: the 16-bit forward at head dims outside HEAD_DIMS, each on the next one's tile
+# with the columns past it zero-filled in the kernel (issue 40); a fixed few, so the kernels stay few.
+PADDED_HEAD_DIMS = (8, 40, 80, 112, 160, 200, 248)
 KVCACHE_PAGE_SIZES = (0, 0, 16, 64, 256)   # 0: contiguous
 LAYOUTS = ("contiguous", "strided", "offset")
 VARLEN_REPRESENTATIVE_SEED = 11
@@ -166,6 +169,8 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
         elif this_family == "varlen":
             # seqlen_q / seqlen_k are the calls' max_seqlen; the sequences' own lengths come from the seed
             arch, dtype = "sm80", rng.choice(("bf16", "fp16"))
+        elif this_family == "head_dims":
+            dtype, head_dim = rng.choice(("bf16", "fp16")), rng.choice(PADDED_HEAD_DIMS)
         cases.append(Case(
             family=this_family, arch=arch, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, causal=rng.random() < 0.5,
@@ -738,7 +743,7 @@ def summary(result: dict) -> str:
 def representative_cases() -> list[Case]:
     """One small case per arch, dtype and causal (odd lengths, GQA, a strided layout, the LSE and
     out= asked for), and per arch and causal a bf16 variants case (a window that skips and masks
-    blocks, softcap and sinks at once), the backward per arch, dtype and causal (sm80 fp16's deterministic), and two decode-family
+    blocks, softcap and sinks at once), per arch two padded head dims (80, 8), the backward per arch, dtype and causal (sm80 fp16's deterministic), and two decode-family
     cases (paged with an append and a split, contiguous MQA-like packing): what the sanitizer sweep
     (scripts/sanitize.py) runs under each tool."""
     cases = []
@@ -754,6 +759,12 @@ def representative_cases() -> list[Case]:
                               layout="strided", magnitude=1.0, return_lse=True, use_out=True, seed=7,
                               window_left=64 if causal else 33, window_right=-1 if causal else 17, softcap=30.0,
                               sinks=True))
+        # padded head dims: 80 on the 96 tile (causal, GQA) and 8 on the 64 tile (one query block
+        # over odd keys), O poisoned: a read or write past head_dim shows under memcheck
+        for dtype, head_dim, causal in (("bf16", 80, True), ("fp16", 8, False)):
+            cases.append(Case("head_dims", arch, dtype, batch=2, seqlen_q=77 if causal else 45, seqlen_k=203,
+                              heads_q=4, heads_kv=2, head_dim=head_dim, causal=causal, softmax_scale=None,
+                              layout="strided", magnitude=1.0, return_lse=True, use_out=True, seed=7))
     # The backward once per dtype and causal (odd lengths, GQA, strided): after an sm80 forward the
     # sm80 backward; after an sm90 one the sm90 backward (head_dim 128: dQ split by columns between
     # the consumer warpgroups; 64: by keys, both adding into the same dQ rows); then the decode family

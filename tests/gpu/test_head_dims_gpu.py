@@ -1,0 +1,178 @@
+"""Head dims outside 64/96/128/192/256 (issue 40, slice 1) on a GPU, against float64.
+
+A head_dim d that is a multiple of 8 runs the kernel of the next tile D (80 on 96, 8 on 64) with the
+columns d..D-1 zero-filled inside the kernel: cp.async zero-fills on sm80, the TMA maps' innermost
+dimension d on sm90. Each kernel (d in 8, 40, 80, 112, 160, 200, 248 x causal x fp16/bf16 x sm80/sm90)
+runs four shapes with odd lengths (1, 17, 1000; rows that see no key under causal), GQA and MQA, O
+and LSE poisoned with NaN (an element the kernel never writes fails); O is checked with
+FlashAttention-3's criterion (its error against the float64 reference of facodegen.verify.reference
+at most twice a same-precision computation's plus twice the dtype's rounding of the reference) and in
+relative Frobenius norm (reference.check), the LSE with reference.check_lse. A second test gives the
+kernels views of wider buffers: inputs whose columns past d hold NaN (a read past d would reach O) and
+an O whose memory past d holds a sentinel (a write past d would change it).
+
+Run alone: ``python -m pytest -q tests/gpu/test_head_dims_gpu.py`` (-n 4 helps: 56 kernels to compile).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from facodegen.verify import fuzz, reference
+from facodegen.verify.flash_rounding import forward_floor
+
+torch = pytest.importorskip("torch")
+HAVE_GPU = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU (torch.cuda)")]
+CC = torch.cuda.get_device_capability() if HAVE_GPU else (0, 0)
+
+HEAD_DIMS = (8, 40, 80, 112, 160, 200, 248)
+# (seqlen_q, seqlen_k, heads_q, heads_kv): one query row, 17 rows over 1000 keys (MQA), 1000 x 1000
+# (GQA), 1000 rows over 17 keys (causal: most rows see no key, O = 0 and LSE = -inf there)
+SHAPES = ((1, 17, 4, 2), (17, 1000, 4, 1), (1000, 1000, 4, 2), (1000, 17, 2, 2))
+
+
+def _skip_unless_runs(arch: str) -> None:
+    if arch == "sm90" and CC != (9, 0) or CC < (8, 0):
+        pytest.skip(f"{arch} does not run on compute capability {CC}")
+
+
+def _dt(dtype: str):
+    return torch.bfloat16 if dtype == "bf16" else torch.float16
+
+
+def _inputs(shape, d, dtype, seed):
+    sq, sk, hq, hkv = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn((1, n, h, d), generator=gen, device="cuda").to(_dt(dtype))
+                 for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+
+
+def _check(out, lse, q, k, v, causal, dtype):
+    """O and LSE of one call against float64 (reference.attention_reference) and the same-precision
+    computation (FlashAttention-3's criterion); raises naming what is off."""
+    d = q.shape[-1]
+    scale = d ** -0.5
+    assert torch.isfinite(out).all(), "O has NaN/inf (unwritten or bad)"
+    ref, ref_lse = reference.attention_reference(q, k, v, causal=causal)       # float64, scale 1/sqrt(d)
+    ok, msg = reference.check(out, ref, dtype)
+    assert ok, msg
+    ok, msg = reference.check_lse(lse, ref_lse)
+    assert ok, msg
+    # FlashAttention-3's criterion as `facodegen check --fuzz` applies it (the same-precision computation,
+    # FlashAttention's rounding of P before the normalisation taken off each element first)
+    why = fuzz.fa3_failure(out, torch.from_numpy(ref).to(out.device), fuzz._standard_low(q, k, v, causal, scale),
+                           forward_floor(q, k, v, causal, scale))
+    assert why is None, f"O: {why}"
+
+
+def _runs():
+    for arch in ("sm80", "sm90"):
+        for dtype in ("bf16", "fp16"):
+            for d in HEAD_DIMS:
+                for causal in (False, True):
+                    yield pytest.param(arch, dtype, d, causal, id=f"{arch}-{dtype}-d{d}-{'causal' if causal else 'full'}")
+
+
+@pytest.mark.parametrize("arch, dtype, d, causal", list(_runs()))
+def test_padded_head_dim_matches_float64(arch, dtype, d, causal):
+    _skip_unless_runs(arch)
+    import facodegen
+    for i, shape in enumerate(SHAPES):
+        q, k, v = _inputs(shape, d, dtype, seed=1000 * d + i)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((1, shape[2], shape[0]), float("nan"), device="cuda")
+        call = facodegen.prepare(q, k, v, causal=causal, out=out, lse_out=lse, arch=arch)
+        assert (call.spec.head_dim_real, call.spec.arch) == (d, arch)
+        assert call.spec.head_dim == min(t for t in (64, 96, 128, 192, 256) if t >= d)
+        call()
+        torch.cuda.synchronize()
+        try:
+            _check(out, lse, q, k, v, causal, dtype)
+        except AssertionError as err:
+            raise AssertionError(f"shape (seqlen_q, seqlen_k, heads_q, heads_kv) = {shape}: {err}") from None
+
+
+@pytest.mark.parametrize("arch", ("sm80", "sm90"))
+@pytest.mark.parametrize("d", (8, 80, 200))
+@pytest.mark.parametrize("causal", (False, True))
+def test_nothing_past_d_is_read_or_written(arch, d, causal):
+    """q, k, v and out as views of buffers 128 columns wider: NaN past d in the inputs (read, it would
+    reach O through S or P V), a sentinel past d in O's buffer (it must survive)."""
+    _skip_unless_runs(arch)
+    import facodegen
+    sq, sk, hq, hkv = 333, 1000 if not causal else 100, 4, 2
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    wide = d + 128
+
+    def view(n, h):
+        buf = torch.full((2, n, h, wide), float("nan"), device="cuda", dtype=torch.bfloat16)
+        buf[..., :d] = torch.randn((2, n, h, d), generator=gen, device="cuda").to(torch.bfloat16)
+        return buf[..., :d]
+
+    q, k, v = view(sq, hq), view(sk, hkv), view(sk, hkv)
+    o_buf = torch.full((2, sq, hq, wide), 7.0, device="cuda", dtype=torch.bfloat16)
+    o_buf[..., :d] = float("nan")
+    out, lse = facodegen.attention(q, k, v, causal=causal, out=o_buf[..., :d], return_lse=True, arch=arch)
+    torch.cuda.synchronize()
+    assert out.data_ptr() == o_buf.data_ptr()
+    assert (o_buf[..., d:] == 7.0).all(), "the kernel wrote O's memory past head_dim"
+    _check(out, lse, q.contiguous(), k.contiguous(), v.contiguous(), causal, "bf16")
+
+
+@pytest.mark.parametrize("arch", ("sm80", "sm90"))
+def test_default_output_and_scale(arch):
+    """No out=: O is allocated like q; the default scale is 1/sqrt(d), an explicit one is taken as given."""
+    _skip_unless_runs(arch)
+    import facodegen
+    q, k, v = _inputs((129, 257, 6, 3), 40, "fp16", seed=7)
+    out = facodegen.attention(q, k, v, arch=arch)
+    ref, _ = reference.attention_reference(q, k, v)
+    assert out.shape == q.shape and reference.check(out, ref, "fp16")[0]
+    out = facodegen.attention(q, k, v, arch=arch, softmax_scale=0.3)
+    ref, _ = reference.attention_reference(q, k, v, softmax_scale=0.3)
+    ok, msg = reference.check(out, ref, "fp16")
+    assert ok, msg
+    assert not math.isclose(0.3, 40 ** -0.5)
+
+
+def test_padded_head_dims_have_no_backward_or_fp8_yet():
+    import facodegen
+    q, k, v = _inputs((64, 64, 2, 2), 80, "bf16", seed=3)
+    with pytest.raises(NotImplementedError, match="head_dim=80 has no backward yet"):
+        facodegen.attention(q.requires_grad_(), k, v)
+    q = q.detach()
+    do = torch.randn_like(q)
+    out, lse = facodegen.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="head_dim=80 is not supported by attention_backward"):
+        facodegen.attention_backward(do, q, k, v, out, lse)
+    if CC == (9, 0):
+        f8 = [x.to(torch.float8_e4m3fn) for x in (q, k, v)]
+        with pytest.raises(ValueError, match="head_dim=80 is not supported by dtype=fp8"):
+            facodegen.attention(*f8)
+
+
+@pytest.mark.parametrize("arch", ("sm80", "sm90"))
+@pytest.mark.parametrize("d", (40, 200))
+def test_padded_head_dims_take_the_variants(arch, d):
+    """A window, softcap and sinks on a padded head_dim: the variant kernels load and store through the
+    same padded paths."""
+    _skip_unless_runs(arch)
+    import facodegen
+    q, k, v = _inputs((300, 700, 4, 2), d, "bf16", seed=d)
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    sinks = torch.randn(4, generator=gen, device="cuda")
+    variants = dict(window_size=(129, 17), softcap=30.0, sinks=sinks)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, 4, 300), float("nan"), device="cuda")
+    call = facodegen.prepare(q, k, v, out=out, lse_out=lse, arch=arch, **variants)
+    assert call.spec.head_dim_real == d and call.spec.local and call.spec.softcap and call.spec.sinks
+    call()
+    torch.cuda.synchronize()
+    ref, ref_lse = reference.attention_reference(q, k, v, **variants)
+    ok, msg = reference.check(out, ref, "bf16")
+    assert ok, msg
+    ok, msg = reference.check_lse(lse, ref_lse)
+    assert ok, msg
