@@ -9,8 +9,8 @@ case, and a table of errors per tool and case last.
 Each child runs `python -m facodegen.verify.fuzz --launch-only CASE_JSON` (facodegen's call on the case's inputs,
 no references: their kernels are most of a case's, and initcheck instruments them all) under `compute-sanitizer --tool T
 --error-exitcode 99` (racecheck, memcheck and synccheck instrument only facodegen's kernels); the first
-lines of each child's log and its summary go to DIR/<tool>.log. Compile the kernels first (one plain
-run of the same cases) so the sanitizer does not time NVRTC.
+lines of each child's log and its summary go to DIR/<tool>.log. The kernels are compiled first (in
+parallel processes, then one plain run of the same cases) so the sanitizer does not time NVRTC.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def main() -> int:
     cases = fuzz.representative_cases()
     if args.cases:
         cases = [cases[int(i)] for i in args.cases.split(",")]
+    fuzz.precompile(cases)      # in parallel processes: a fresh machine's cache is empty
     warm = subprocess.run([sys.executable, "-m", "facodegen.verify.fuzz", *[c.to_json() for c in cases]],
                           capture_output=True, text=True)
     print(warm.stdout or warm.stderr, flush=True)

@@ -115,7 +115,10 @@ DEFAULT_GPU = {"sm80": "a100", "sm90": "h200"}
 # o_scale an ulp off 1 for a kept max (ptxas fuses take_row_max's exponent into one FFMA), so the vote
 # multiplied O anyway; with an exact 1 (H200, 2026-12-01, docs/perf-notes.md session 16, not landed:
 # the head_dim 128 causal kernel then spills) sm80 d128 +1.7-2.8%, and lazy vs exact: sm80 d64 s8k
-# 306.8 / 335.1, d192 283.7 / 315.1, d256 322.0 / 317.9; sm90 level.
+# 306.8 / 335.1, d192 283.7 / 315.1, d256 322.0 / 317.9; sm90 level. Since 4f44596 (2026-12-03) the
+# exponent is the difference of the raw maxima, an exact 1 for a kept max in every shipped kernel with
+# no spill: the defaults above predate it (to re-measure: the numbers just quoted favour lazy at d64
+# and d192 on sm80).
 #
 # fp8 (templates/sm90/fp8_softmax.cuh.j2: a row keeps its max while a step raises it by at most 0.75
 # in log2 units, so p stays under e4m3's 448; a warp none of whose rows moved skips O's 128 FMULs,
