@@ -13,6 +13,10 @@ other ways to allocate O and the LSE, the fp8 call with descales (sm90) and the 
 with the CuPy calls on its hit path.
 The steps do not add up exactly (a loop of one step keeps its objects in cache), but they say which
 step a faster path must remove.
+
+Its CPU twin, scripts/hit_path_cpu.py, times the same hit path's Python on a machine without a GPU
+(CPU tensors behind a faked device, stream and launch binding): for trimming the Python between
+GPU runs; the numbers that count are this script's and `bench --suite overhead`'s on the GPU.
 """
 
 from __future__ import annotations
