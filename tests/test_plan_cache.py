@@ -506,3 +506,33 @@ def test_fp8_hits_write_the_unit_descale_where_one_is_left_out(fake):
         api.attention(q, k, v, v_descale=dv)
     assert struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at) == (unit, unit, dv.data_ptr())
     assert (api._PLANS.misses, hits(fake)) == (2, 2)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+def test_launch_plain_writes_what_launch_writes(fake, arch):
+    """LaunchPlan.launch_plain (the common call's hit: it skips writing what an image already holds)
+    launches the same FlashParams bytes as the general launch, over calls that move the operands,
+    alternate streams (one scratch evicted and made again), pass an LSE and go back to scratch's."""
+    from facodegen.spec import KernelSpec
+    spec = KernelSpec(arch=arch, head_dim=D, dtype="bf16", causal=True)
+    size = params.layout(arch, "bf16")[1]
+
+    def plan():     # each plan's scratch addresses from a counter of its own: the two plans' are alike
+        made = iter(range(1 << 20, 1 << 40, 1 << 20))
+        return plan_mod.LaunchPlan(spec, driver.LoadedFunction(1, 1, 0), (132, 1, 1), bytes(range(256)) * (size // 256)
+                                   + bytes(size % 256), tensor_maps=tma.map_operands(spec) if arch == "sm90" else {},
+                                   lse_floats=B * HQ * SQ, workspace_floats=0, stream_k_flags=(0, 0),
+                                   switch_context=False, allocate=lambda n: (object(), next(made)))
+    general, fast = plan(), plan()
+    assert fast.plain
+    a, b, c = (tuple(range(base, base + 4 * 4096, 4096)) for base in (1 << 32, 2 << 32, 3 << 32))
+    calls = [(1, a, 0), (1, a, 0), (1, b, 0), (2, b, 0), (1, a, 0), (1, a, 7 << 32), (1, a, 0), (2, c, 0), (2, c, 0)]
+    calls += [(100 + i, a, 0) for i in range(plan_mod.MAX_STREAMS_PER_PLAN)] + [(1, a, 0), (1, b, 0)]
+    for stream, operands, lse in calls:
+        general.launch(stream, *operands, lse)
+        fast.launch_plain(stream, *operands, lse)
+    records = fake.launches.records
+    assert len(records) == 2 * len(calls)
+    for i in range(0, len(records), 2):
+        assert records[i]["params"][:size] == records[i + 1]["params"][:size], calls[i // 2]
+        assert records[i]["stream"] == records[i + 1]["stream"]

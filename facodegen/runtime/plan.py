@@ -18,6 +18,7 @@ use from several threads (reads are dict lookups; inserts and each plan's image 
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 from typing import Callable
@@ -35,6 +36,7 @@ _ALIGN = 16
 _CALL_POINTERS = ("q", "k", "v", "o", "lse", "tile_counter", "workspace")
 _DESCALES = ("q_descale", "k_descale", "v_descale")
 _PACK_CALL = struct.Struct("<7Q")
+_PACK_OPERANDS = struct.Struct("<4Q")
 _PACK_DESCALES = struct.Struct("<3Q")
 _PACK_SINKS = struct.Struct("<Q")
 _PACK_VARLEN = struct.Struct("<2Qi")     # cu_seqlens_q, cu_seqlens_k, total_q (params.VARLEN_FIELDS, adjacent)
@@ -127,6 +129,13 @@ class _Image:
         self.size = len(data)
         self._argument = (ctypes.c_void_p * 1)(self.address)
         self.kernel_params = ctypes.addressof(self._argument)     # (driver.Launcher takes ints)
+        # pack_call(q, k, v, o, lse, tile_counter, workspace): a call's pointers into this image;
+        # pack_operands(q, k, v, o): the first four alone
+        self.pack_call = functools.partial(_PACK_CALL.pack_into, self.storage, self.base)
+        self.pack_operands = functools.partial(_PACK_OPERANDS.pack_into, self.storage, self.base)
+        # the tile counter address of the scratch whose lse, counter and workspace the image holds (None:
+        # not known, or a caller's lse); a plan's scratch regions are laid out alike, so it tells all three
+        self.tail_of = None
 
     def data(self) -> bytes:
         return bytes(self.storage[self.base:self.base + self.size])
@@ -169,6 +178,9 @@ class LaunchPlan:
         first = _Image(param_bytes)
         self._images = {_PACK_CALL.unpack_from(param_bytes, 0)[:4] if self._maps else None: first}
         self._last = first
+        # launch_plain serves this plan: nothing to patch but the call's pointers, no context to switch
+        self.plain = (self._descale_offset is None and self._sinks_offset is None and self._varlen_offset is None
+                      and not switch_context)
 
     def workspace_range(self) -> tuple[int, int]:
         """(byte offset, bytes) of the fp32 workspace inside a stream's scratch buffer."""
@@ -206,8 +218,8 @@ class LaunchPlan:
         operands = (q, k, v, o) if self._maps else None
         with self._lock:
             image = self._images.get(operands) or self._image(operands)
-            _PACK_CALL.pack_into(image.storage, image.base, q, k, v, o, lse or scratch.lse, scratch.counter,
-                                 scratch.workspace)
+            image.pack_call(q, k, v, o, lse or scratch.lse, scratch.counter, scratch.workspace)
+            image.tail_of = None if lse else scratch.counter
             if descales is not None:
                 _PACK_DESCALES.pack_into(image.storage, image.base + self._descale_offset, *descales)
             if self._sinks_offset is not None:
@@ -220,6 +232,33 @@ class LaunchPlan:
                     self._launcher(scratch.stream, image.kernel_params)
             else:
                 self._launcher(scratch.stream, image.kernel_params)
+
+    def launch_plain(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0) -> None:
+        """``launch`` of a ``plain`` plan (no fp8 descales, sinks or varlen to patch, no context to
+        switch) with less to do: the api's hit path of the common call. It writes only what may have
+        changed: an sm90 image found by its (q, k, v, o) holds those already (every launch writes its
+        image's own), and an image's lse, tile counter and workspace stay while its scratch does
+        (``tail_of``)."""
+        found = self._scratch._streams.get(stream)
+        scratch = found if found is not None else self._scratch.get(stream)
+        maps = self._maps
+        lock = self._lock
+        lock.acquire()      # (cheaper than `with`)
+        try:
+            if maps:
+                operands = (q, k, v, o)
+                image = self._images.get(operands) or self._image(operands)
+            else:
+                image = self._last      # (the one image of a plan without maps)
+            if lse or image.tail_of != scratch.counter:
+                image.pack_call(q, k, v, o, lse or scratch.lse, scratch.counter, scratch.workspace)
+                image.tail_of = None if lse else scratch.counter
+            elif not maps:
+                image.pack_operands(q, k, v, o)
+            self._last = image
+            self._launcher(scratch.stream, image.kernel_params)
+        finally:
+            lock.release()
 
     def param_bytes(self) -> bytes:
         """The FlashParams image as the last launch (or the build) left it."""
