@@ -2,7 +2,7 @@
 """The Python cost of a plan-cache hit of facodegen.attention() on torch tensors, on a CPU-only
 machine: the CPU twin of scripts/host_cost_breakdown.py (which times the real thing on a GPU).
 
-    python3 scripts/hit_path_cpu.py [--calls 100000] [--repeat 5]
+    python3 scripts/hit_path_cpu.py [--calls 20000] [--repeat 30]
 
 CPU torch tensors cannot take the real hit path (their get_device() is -1 and no kernel runs),
 so this script fakes the GPU around the same Python code, as tests/test_plan_cache.py does:
@@ -16,14 +16,15 @@ so this script fakes the GPU around the same Python code, as tests/test_plan_cac
   CuPy's launchKernel or ctypes would call) and its scratch is CPU memory.
 
 So attention()'s whole hit is timed minus the driver call (~4.7 µs on the H200) and with a CPU
-allocation for O (``torch.empty_like``: malloc, not CUDA's caching allocator: compare it as a
-piece, not as the H200's 3.6 µs). The pieces are timed in loops of their own; they do not add up
+allocation for O (``torch.empty_like``: malloc, set never to mmap or trim, not CUDA's caching
+allocator: compare it as a piece, not as the H200's 3.6 µs). The pieces are timed in loops of their own; they do not add up
 exactly. Numbers are µs per call, the best of ``--repeat`` rounds over all rows of ``--calls`` calls each.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import timeit
 from pathlib import Path
@@ -40,6 +41,12 @@ def install_fake_gpu():
     from facodegen.ops import api
     from facodegen.runtime import driver, tma
 
+    try:    # glibc: O's 256 KiB from the heap, never mmap'ed or trimmed (syscalls would swamp the Python)
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)   # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
     torch.Tensor.get_device = lambda self: 0
     torch._C._cuda_getDevice = lambda: 0
     torch._C._cuda_getCurrentRawStream = lambda device: STREAM
@@ -66,8 +73,8 @@ def install_fake_gpu():
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calls", type=int, default=100_000)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--calls", type=int, default=20_000)
+    p.add_argument("--repeat", type=int, default=30)
     args = p.parse_args()
     torch, api = install_fake_gpu()
     import facodegen
@@ -82,7 +89,6 @@ def main() -> int:
     plan = next(iter(api._PLANS._plans.values()))
     key = next(iter(api._PLANS._plans))
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0)
-    device = 0
     shape, strides = tuple(q.shape), q.stride()
 
     rows = [
@@ -91,10 +97,10 @@ def main() -> int:
         ("attention(..., out=out) whole hit", lambda: attention(q, k, v, causal=True, out=out)),
         ("  _attention_torch(...) (no attention() frame)", lambda: api._attention_torch(
             torch, q, k, v, True, None, False, None, None, None, {})),
-        ("  call key tuple (as api builds it)", lambda: (
-            "torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
-            v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
-            bool, True, type(None), None, False, None, (), None, None, None, tunedb.generation(), None)),
+        ("  call key tuple (as attention()'s fast path builds it)", lambda: (
+            q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+            v.dtype, v.shape, v.stride(), v.get_device(), q.get_device(), torch._C._cuda_getDevice(),
+            bool, True, type(None), None, False, None, None, tunedb.generation())),
         ("    tunedb.generation()", tunedb.generation),
         ("  _PLANS.get(key) (hash + dict get)", lambda: api._PLANS.get(key)),
         ("  torch.empty_like(q) (CPU malloc)", lambda: torch.empty_like(q)),
@@ -105,7 +111,8 @@ def main() -> int:
         ("  torch.compiler.is_compiling()", torch.compiler.is_compiling),
         ("  is_grad_enabled + requires_grad x3", lambda: torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad)),
-        ("  plan.launch (patch, no-op launcher)", lambda: plan.launch(STREAM, *ptrs, None)),
+        ("  plan.launch (patch, no-op binding)", lambda: plan.launch(STREAM, *ptrs, None)),
+        ("  plan.launch_plain (the fast path's)", lambda: plan.launch_plain(STREAM, *ptrs)),
         ("    driver.Launcher over the no-op binding", lambda: plan._launcher(STREAM, plan._last.kernel_params)),
     ]
     best = [float("inf")] * len(rows)

@@ -74,9 +74,9 @@ def main() -> int:
 
     def make_key():
         nonlocal key
-        key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
-               v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
-               bool, True, type(None), None, False, None, (), None, None, None, tunedb.generation(), None)
+        key = (q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+               v.dtype, v.shape, v.stride(), v.get_device(), q.get_device(), torch._C._cuda_getDevice(),
+               bool, True, type(None), None, False, None, None, tunedb.generation())   # attention()'s fast path
     make_key()
     plan = next(iter(api._PLANS._plans.values()))
     out = torch.empty_like(q)
@@ -134,6 +134,8 @@ def main() -> int:
     stream = torch._C._cuda_getCurrentRawStream(device)
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0)
     rows.append(("plan.launch (patch + cuLaunchKernel)", lambda: plan.launch(stream, *ptrs, None)))
+    rows.append(("plan.launch_plain (the common call's: attention()'s fast path)",
+                 lambda: plan.launch_plain(stream, *ptrs)))
     binding = "CuPy's binding" if isinstance(plan._launcher._launch, functools.partial) else "ctypes"
     rows.append((f"  launcher alone (driver.Launcher, {binding})",
                  lambda: plan._launcher(stream, plan._last.kernel_params)))

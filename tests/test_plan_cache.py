@@ -123,10 +123,12 @@ def test_same_tensors_again_move_no_map(fake):
     assert fake.launches.map_moves == [] and hits(fake) == 1
 
 
-@pytest.mark.parametrize("change", ["stride", "gqa", "dtype", "device", "causal", "scale", "knob", "lse"])
+@pytest.mark.parametrize("change", ["stride", "gqa", "dtype", "device", "causal", "scale", "knob", "lse", "out",
+                                    "lse_out", "window", "softcap", "sinks", "k on another device",
+                                    "v's stride", "causal=1", "scale=1"])
 def test_anything_that_changes_the_launch_misses(fake, change):
     q, k, v = qkv()
-    api.attention(q, k, v)
+    api.attention(q, k, v, **({"softmax_scale": 1.0} if change == "scale=1" else {}))
     args, kwargs = qkv(), {}
     if change == "stride":     # a (b, s, h, d) view of a wider buffer: other row stride, same shape
         args = (FakeTensor((B, SQ, HQ, D), strides=(SQ * HQ * 2 * D, HQ * 2 * D, D, 1)), *qkv()[1:])
@@ -144,10 +146,89 @@ def test_anything_that_changes_the_launch_misses(fake, change):
         kwargs = dict(block_n=64)
     elif change == "lse":
         kwargs = dict(return_lse=True)
+    elif change == "out":
+        kwargs = dict(out=FakeTensor((B, SQ, HQ, D)))
+    elif change == "lse_out":
+        kwargs = dict(lse_out=FakeTensor((B, HQ, SQ), "float32"))
+    elif change == "window":
+        kwargs = dict(window_size=(16, 0))
+    elif change == "softcap":
+        kwargs = dict(softcap=30.0)
+    elif change == "sinks":
+        kwargs = dict(sinks=FakeTensor((HQ,), "float32"))
+    elif change == "k on another device":   # (refused by the checked path, never a hit)
+        q, k, v = qkv()
+        with pytest.raises(ValueError, match="k is on cuda:1"):
+            api.attention(q, FakeTensor(k.shape, device=1), v)
+        assert (api._PLANS.misses, hits(fake)) == (1, 0)
+        return
+    elif change == "v's stride":
+        q, k, _ = qkv()
+        args = (q, k, FakeTensor((B, SK, HKV, D), strides=(SK * HKV * 2 * D, HKV * 2 * D, D, 1)))
+    elif change == "causal=1":  # 1 == True and hash(1) == hash(True): the key tells them apart
+        api.attention(*qkv(), causal=True)
+        with pytest.raises(TypeError, match="causal must be True or False"):
+            api.attention(*qkv(), causal=1)
+        assert (api._PLANS.misses, hits(fake)) == (2, 0)
+        return
+    elif change == "scale=1":   # the first call's softmax_scale=1.0; 1 and True are other keys
+        kwargs = dict(softmax_scale=1)
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+            api.attention(*args, softmax_scale=True)
     api.attention(*args, **kwargs)
     assert (api._PLANS.misses, hits(fake)) == (2, 0)
     # tensors on cuda:1 with cuda:0 current: the launch makes cuda:1's context current around it
     assert fake.launches.switches == ([1] if change == "device" else [])
+
+
+def test_explicit_defaults_and_the_recording_forward_hit_the_plain_calls_plan(fake):
+    """attention()'s fast path (the common call, its defaults told by identity) and _attention_torch
+    (the general path: explicit default values, the recording autograd forward) key a call alike."""
+    q, k, v = qkv()
+    api.attention(q, k, v, causal=True)
+    api.attention(q, k, v, causal=True, window_size=(-1, -1), softcap=float("0"), causal_alignment="bottom_right")
+    api.attention(q, k, v, causal=True, window_size=[-1, -1], sinks=None)
+    torch = sys.modules["torch"]
+    api._attention_torch(torch, q, k, v, True, None, False, None, None, None, {})
+    assert (api._PLANS.misses, hits(fake)) == (1, 3)
+    api._attention_torch(torch, q, k, v, True, None, True, None, None, None, {})    # the recording forward's
+    api.attention(q, k, v, causal=True, return_lse=True)
+    assert (api._PLANS.misses, hits(fake)) == (2, 4)
+
+
+def test_grad_and_tracing_leave_the_fast_path_after_a_hit(fake, monkeypatch):
+    """A plan built by a plain call is not launched directly for a call that must record autograd
+    or is traced by torch.compile: those go through torch_op."""
+    import facodegen.ops
+    torch = sys.modules["torch"]
+    went = []
+    torch_op = types.ModuleType("facodegen.ops.torch_op")    # (the real one needs the real torch)
+    torch_op.attention_recording = lambda *a: went.append("recording")
+    torch_op.attention = lambda *a, **kw: went.append("op")
+    monkeypatch.setitem(sys.modules, "facodegen.ops.torch_op", torch_op)
+    monkeypatch.setattr(facodegen.ops, "torch_op", torch_op, raising=False)
+    q, k, v = qkv()
+    api.attention(q, k, v, causal=True)
+    q.requires_grad = True
+    api.attention(q, k, v, causal=True)
+    monkeypatch.setattr(torch, "is_grad_enabled", lambda: True)
+    api.attention(q, k, v, causal=True)
+    q.requires_grad = False
+    v.requires_grad = True
+    api.attention(q, k, v, causal=True)
+    v.requires_grad = False
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    api.attention(q, k, v, causal=True)
+    assert went == ["recording", "recording", "op"]
+    assert (api._PLANS.misses, hits(fake)) == (1, 1)    # q requiring grad under no_grad: a plain hit
+
+
+def test_a_hit_on_a_device_not_current_switches_to_it(fake):
+    args = tuple(FakeTensor(t.shape, device=1) for t in qkv())
+    api.attention(*args)
+    out = api.attention(*args)
+    assert hits(fake) == 1 and fake.launches.switches == [1, 1]
+    assert fake.launches.pointers()[:4] == (*(t.data_ptr() for t in args), out.data_ptr())
 
 
 def test_a_view_offset_by_8_bytes_is_refused_not_hit(fake):
@@ -480,6 +561,35 @@ def test_cupy_anything_that_changes_the_launch_misses(fake_cupy, change):
         fake.device = 1
     elif change == "lse":
         kwargs = dict(return_lse=True)
+    elif change == "out":
+        kwargs = dict(out=FakeTensor((B, SQ, HQ, D)))
+    elif change == "lse_out":
+        kwargs = dict(lse_out=FakeTensor((B, HQ, SQ), "float32"))
+    elif change == "window":
+        kwargs = dict(window_size=(16, 0))
+    elif change == "softcap":
+        kwargs = dict(softcap=30.0)
+    elif change == "sinks":
+        kwargs = dict(sinks=FakeTensor((HQ,), "float32"))
+    elif change == "k on another device":   # (refused by the checked path, never a hit)
+        q, k, v = qkv()
+        with pytest.raises(ValueError, match="k is on cuda:1"):
+            api.attention(q, FakeTensor(k.shape, device=1), v)
+        assert (api._PLANS.misses, hits(fake)) == (1, 0)
+        return
+    elif change == "v's stride":
+        q, k, _ = qkv()
+        args = (q, k, FakeTensor((B, SK, HKV, D), strides=(SK * HKV * 2 * D, HKV * 2 * D, D, 1)))
+    elif change == "causal=1":  # 1 == True and hash(1) == hash(True): the key tells them apart
+        api.attention(*qkv(), causal=True)
+        with pytest.raises(TypeError, match="causal must be True or False"):
+            api.attention(*qkv(), causal=1)
+        assert (api._PLANS.misses, hits(fake)) == (2, 0)
+        return
+    elif change == "scale=1":   # the first call's softmax_scale=1.0; 1 and True are other keys
+        kwargs = dict(softmax_scale=1)
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+            api.attention(*args, softmax_scale=True)
     api.attention(*args, **kwargs)
     assert (api._PLANS.misses, hits(fake)) == (2, 0)
 

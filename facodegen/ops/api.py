@@ -605,6 +605,7 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
                       stream_k_flags=stream_k_flags(spec, launch_grid[0]),
                       switch_context=qv.device != _current_device(qv.kind),
                       allocate=functools.partial(_allocate, qv.kind, qv.device), outputs=outputs)
+    assert not plan.plain or (outputs.same_dtype and not unit_ptrs), "a plain plan patches no descales"
     descale_ptrs = tuple(descales[n].ptr for n in ("q", "k", "v")) if fp8 else None
     return _Call(plan, qv.kind, qv.device, out, lse_out, (qv.ptr, kv.ptr, vv.ptr, outv.ptr, lse_ptr),
                  descale_ptrs, keep, sinks_view.ptr if sinks_view is not None else 0)
@@ -693,11 +694,16 @@ def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
 
 _PLANS = PlanCache()
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+# attention()'s defaults of the variant arguments, which its fast path recognises by identity (a caller
+# who passes the same values explicitly takes the general path, to the same result)
+_BOTTOM_RIGHT = "bottom_right"
+_NO_WINDOW = (-1, -1)
+_NO_SOFTCAP = 0.0
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
-              out=None, lse_out=None, arch: str | None = None, causal_alignment: str = "bottom_right",
-              window_size=(-1, -1), softcap: float = 0.0, sinks=None, **spec_fields):
+              out=None, lse_out=None, arch: str | None = None, causal_alignment: str = _BOTTOM_RIGHT,
+              window_size=_NO_WINDOW, softcap: float = _NO_SOFTCAP, sinks=None, **spec_fields):
     """Attention forward, O = softmax(scale * Q K^T [+ causal mask]) V.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
@@ -745,6 +751,40 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     Tensors that require grad record the generated backward (fp16/bf16, plain attention); fp8 inputs
     and the variants (window, softcap, sinks) have no backward yet and raise there.
     """
+    torch = _TORCH
+    # The common torch call (no variant, knob or lse_out; eager; nothing to record): its plan-cache hit
+    # in this one frame (_attention_torch's, with the same key). Anything else goes on below.
+    if (torch is not None and sinks is None and window_size is _NO_WINDOW and softcap is _NO_SOFTCAP
+            and causal_alignment is _BOTTOM_RIGHT and lse_out is None and not spec_fields
+            and not torch.compiler.is_compiling() and q.__class__ is torch.Tensor):
+        try:
+            if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+                plan = None     # (in this order: no tensor requires grad is the common case, read first)
+            else:
+                device = q.get_device()
+                key = (q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+                       v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
+                       causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch,
+                       None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
+                       tunedb.generation())
+                plan = _PLANS._plans.get(key)
+        except (AttributeError, TypeError):   # k or v not a torch tensor, an unhashable argument
+            plan = None
+        if plan is not None:
+            made = plan.outputs
+            if out is None:     # empty_like: the plan's layout (q's), cheaper than torch.empty/new_empty
+                out = torch.empty_like(q) if made.same_dtype else torch.empty_like(q, dtype=made.library_dtype)
+            lse = made.new_lse(torch, q.device) if return_lse else None
+            qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+            if (qp | kp | vp | op) & 15:    # a misaligned view: the checked path says which
+                return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse, arch, spec_fields)
+            if plan.plain:
+                plan.launch_plain(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                                  0 if lse is None else lse.data_ptr())
+            else:   # fp8 (its unit descales: none given), a device not current
+                plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                            0 if lse is None else lse.data_ptr(), made.unit_descale_ptrs or None)
+            return (out, lse) if return_lse else out
     variant = _variant_args(window_size, softcap, sinks)
     if causal_alignment != "bottom_right":
         _check_alignment(causal_alignment)
@@ -800,19 +840,28 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
     """attention() on torch tensors, eager: a plan-cache hit launches at once; anything unusual
     (a miss, a misaligned view, an unhashable knob) takes the checked path."""
     device = q.get_device()
+    descales = _NO_DESCALES
     try:
-        if spec_fields:
-            knobs, descales = _split_knobs(spec_fields)
-            descale_key = (_torch_meta(descales[0]), _torch_meta(descales[1]), _torch_meta(descales[2]))
-        else:   # the common call: no generator to run (a quarter of the key's cost)
-            knobs, descales, descale_key = (), _NO_DESCALES, None
-        key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
-               v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
-               causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch, knobs,
-               None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
-               None if lse_out is None else (lse_out.dtype, lse_out.shape, lse_out.stride(), lse_out.get_device()),
-               descale_key, tunedb.generation(), None if variant is None else _variant_key(variant, _torch_meta))
-        plan = _PLANS.get(key) if device >= 0 else None
+        if not spec_fields and variant is None and lse_out is None:
+            # the common call: attention()'s fast path builds the same key (tests/test_plan_cache.py checks)
+            key = (q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+                   v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
+                   causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch,
+                   None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
+                   tunedb.generation())
+        else:   # a knob, an fp8 descale, a variant or lse_out: a key of another length, "torch" first
+            knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), _NO_DESCALES)
+            key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+                   v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
+                   causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch, knobs,
+                   None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
+                   None if lse_out is None else (lse_out.dtype, lse_out.shape, lse_out.stride(),
+                                                 lse_out.get_device()),
+                   None if descales is _NO_DESCALES else
+                   (_torch_meta(descales[0]), _torch_meta(descales[1]), _torch_meta(descales[2])),
+                   tunedb.generation(), None if variant is None else _variant_key(variant, _torch_meta))
+        # (no plan has a key of device -1: the checked path refuses tensors not on a GPU)
+        plan = _PLANS._plans.get(key)
     except (AttributeError, TypeError):  # not all torch tensors, an unhashable knob: the checked path says
         plan = key = None
     if plan is not None:
@@ -823,10 +872,14 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
             lse_out = made.new_lse(torch, q.device)
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if not (qp | kp | vp | op) & 15:
-            plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
-                        0 if lse_out is None else lse_out.data_ptr(),
-                        _descale_ptrs(descales, made.unit_descale_ptrs, _torch_ptr) if made.unit_descale_ptrs else None,
-                        0 if variant is None or variant[2] is None else variant[2].data_ptr())
+            if plan.plain:
+                plan.launch_plain(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                                  0 if lse_out is None else lse_out.data_ptr())
+            else:
+                plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                            0 if lse_out is None else lse_out.data_ptr(),
+                            _descale_ptrs(descales, made.unit_descale_ptrs, _torch_ptr) if made.unit_descale_ptrs
+                            else None, 0 if variant is None or variant[2] is None else variant[2].data_ptr())
             return (out, lse_out) if return_lse else out
     return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant)
 
