@@ -90,11 +90,13 @@ def main() -> int:
     key = next(iter(api._PLANS._plans))
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0)
     shape, strides = tuple(q.shape), q.stride()
+    prepared = facodegen.prepare(q, k, v, causal=True)
 
     rows = [
         ("attention(q, k, v, causal=True) whole hit", lambda: attention(q, k, v, causal=True)),
         ("attention(..., return_lse=True) whole hit", lambda: attention(q, k, v, causal=True, return_lse=True)),
         ("attention(..., out=out) whole hit", lambda: attention(q, k, v, causal=True, out=out)),
+        ("prepare(q, k, v, causal=True)() (its launch)", prepared),
         ("  _attention_torch(...) (no attention() frame)", lambda: api._attention_torch(
             torch, q, k, v, True, None, False, None, None, None, {})),
         ("  call key tuple (as attention()'s fast path builds it)", lambda: (

@@ -231,6 +231,32 @@ def test_a_hit_on_a_device_not_current_switches_to_it(fake):
     assert fake.launches.pointers()[:4] == (*(t.data_ptr() for t in args), out.data_ptr())
 
 
+def test_prepared_calls_launch_their_arrays_on_the_current_stream(fake):
+    """prepare()() of a plain plan (launch_plain) and of an fp8 one (launch, its descales) write
+    the bound arrays' addresses, the stream current at call time its own scratch."""
+    descale_at = {f.name: off for f, off in params.layout("sm90", "fp8")[0]}["q_descale"]
+    q, k, v = qkv()
+    out, lse = FakeTensor(q.shape), FakeTensor((B, HQ, SQ), "float32")
+    prepared = api.prepare(q, k, v, causal=True, out=out, lse_out=lse)
+    q8, k8, v8 = qkv(dtype="float8_e4m3fn")
+    dq = FakeTensor((), "float32")
+    prepared8 = api.prepare(q8, k8, v8, q_descale=dq)
+    assert prepared._call.plan.plain and not prepared8._call.plan.plain
+    unit = api._unit_descale(0, "torch").data_ptr()
+    for stream in (1000, 2000, 1000):
+        fake.stream = stream
+        prepared()
+        assert fake.launches.pointers()[:5] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                                lse.data_ptr())
+        prepared8()
+        assert fake.launches.pointers()[:3] == (q8.data_ptr(), k8.data_ptr(), v8.data_ptr())
+        assert struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at) == (dq.data_ptr(), unit,
+                                                                                              unit)
+    counters = [struct.unpack_from("<7Q", r["params"])[5] for r in fake.launches.records[::2]]
+    assert counters[0] == counters[2] != counters[1]
+    assert [r["stream"] for r in fake.launches.records] == [1000, 1000, 2000, 2000, 1000, 1000]
+
+
 def test_a_view_offset_by_8_bytes_is_refused_not_hit(fake):
     q, k, v = qkv()
     api.attention(q, k, v)

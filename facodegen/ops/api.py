@@ -634,7 +634,11 @@ def _fp8_descales(qv: _View, values, batch: int, heads_kv: int) -> tuple[dict, t
 
 
 def _launch(call: _Call) -> None:
-    call.plan.launch(_current_stream(call.kind, call.device), *call.pointers, descales=call.descales, sinks=call.sinks)
+    plan = call.plan
+    if plan.plain:  # (no descales, no sinks: call.descales is None, call.sinks 0)
+        plan.launch_plain(_current_stream(call.kind, call.device), *call.pointers)
+    else:
+        plan.launch(_current_stream(call.kind, call.device), *call.pointers, descales=call.descales, sinks=call.sinks)
 
 
 # ------------------------------------------------------------------ the prepared path
