@@ -902,7 +902,7 @@ def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arc
                    None if descales is _NO_DESCALES else  # (the common call: no generator to run)
                    tuple(meta(d) if isinstance(d, cupy.ndarray) else d for d in descales), tunedb.generation(),
                    None if variant is None else _variant_key(variant, meta))
-            plan = _PLANS.get(key)
+            plan = _PLANS._plans.get(key)
         except (AttributeError, TypeError):  # not all CuPy arrays, an unhashable knob: the checked path says
             plan = key = None
         sinks = None if variant is None else variant[2]
@@ -931,9 +931,13 @@ def _cupy_hit(cupy, plan: LaunchPlan, q, k, v, out, lse_out, return_lse, descale
     qp, kp, vp, op = q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr
     if (qp | kp | vp | op) & 15:
         return None
-    plan.launch(cupy.cuda.get_current_stream().ptr, qp, kp, vp, op, 0 if lse_out is None else lse_out.data.ptr,
-                _descale_ptrs(descales, made.unit_descale_ptrs, _cupy_ptr) if made.unit_descale_ptrs else None,
-                0 if sinks is None else sinks.data.ptr)
+    if plan.plain:  # (no descales, no sinks)
+        plan.launch_plain(cupy.cuda.get_current_stream().ptr, qp, kp, vp, op,
+                          0 if lse_out is None else lse_out.data.ptr)
+    else:
+        plan.launch(cupy.cuda.get_current_stream().ptr, qp, kp, vp, op, 0 if lse_out is None else lse_out.data.ptr,
+                    _descale_ptrs(descales, made.unit_descale_ptrs, _cupy_ptr) if made.unit_descale_ptrs else None,
+                    0 if sinks is None else sinks.data.ptr)
     return (out, lse_out) if return_lse else out
 
 
