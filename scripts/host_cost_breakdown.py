@@ -180,13 +180,13 @@ def _allocation_rows(torch, q) -> list:
     from facodegen.ops import api
     shape, strides = tuple(q.shape), q.stride()
     made = api._Outputs(shape, "bfloat16", (shape[0], shape[2], shape[1]), torch.bfloat16, None, True, ())
-    made.new_lse(torch, q.device)
+    made.new_lse(torch, q)
     return [("  empty_like(q, dtype=float16) (fp8's O)", lambda: torch.empty_like(q, dtype=torch.float16)),
             ("  q.new_empty(shape tuple)", lambda: q.new_empty(shape)),
             ("  torch.empty(*shape, dtype=, device=)", lambda: torch.empty(*shape, dtype=q.dtype, device=q.device)),
             ("  torch.empty_strided(shape, strides, dtype=, device=)",
              lambda: torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device)),
-            ("  LSE: new_lse (empty_like of a stride-0 template)", lambda: made.new_lse(torch, q.device)),
+            ("  LSE: new_lse (empty_like of a stride-0 template)", lambda: made.new_lse(torch, q)),
             ("  LSE: q.new_empty(lse shape, dtype=float32)",
              lambda: q.new_empty(made.lse_shape, dtype=torch.float32))]
 

@@ -400,11 +400,12 @@ class _Outputs:
     unit_descale_ptrs: tuple    # fp8: q, k, v unit descale addresses (0 where the call gave one); () otherwise
     _lse_like: object = None
 
-    def new_lse(self, torch, device):
-        """A new (batch, heads, seqlen_q) float32 LSE: empty_like of a template on 4 bytes of
-        storage (strides 0), which parses no arguments and so costs half a torch.empty."""
-        if self._lse_like is None:
-            self._lse_like = torch.empty(1, dtype=torch.float32, device=device).as_strided(self.lse_shape, (0, 0, 0))
+    def new_lse(self, torch, q):
+        """A new (batch, heads, seqlen_q) float32 LSE on q's device: empty_like of a template on 4
+        bytes of storage (strides 0), which parses no arguments and so costs half a torch.empty."""
+        if self._lse_like is None:  # (q.device makes an object: read once, not per call)
+            self._lse_like = torch.empty(1, dtype=torch.float32, device=q.device).as_strided(self.lse_shape,
+                                                                                              (0, 0, 0))
         return torch.empty_like(self._lse_like)
 
 
@@ -778,7 +779,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
             made = plan.outputs
             if out is None:     # empty_like: the plan's layout (q's), cheaper than torch.empty/new_empty
                 out = torch.empty_like(q) if made.same_dtype else torch.empty_like(q, dtype=made.library_dtype)
-            lse = made.new_lse(torch, q.device) if return_lse else None
+            lse = made.new_lse(torch, q) if return_lse else None
             qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
             if (qp | kp | vp | op) & 15:    # a misaligned view: the checked path says which
                 return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse, arch, spec_fields)
@@ -873,7 +874,7 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
         if out is None:     # empty_like: the plan's layout (q's), at half torch.empty's host cost
             out = torch.empty_like(q) if made.same_dtype else torch.empty_like(q, dtype=made.library_dtype)
         if lse_out is None and return_lse:
-            lse_out = made.new_lse(torch, q.device)
+            lse_out = made.new_lse(torch, q)
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if not (qp | kp | vp | op) & 15:
             if plan.plain:
