@@ -5,6 +5,8 @@ A plan holds the spec, the loaded kernel, the grid and an image of the kernel's 
 (FlashParams). A launch writes the call's pointers into the image, points the TMA maps at the
 call's tensors where they moved (cuTensorMapReplaceAddress: the shape, strides and box stay),
 and launches: a few microseconds of host time, against ~0.4 ms to resolve a call from scratch.
+``launch_plain`` is that launch for the common plan (no fp8 descales, sinks or varlen, no context
+switch): it writes only the fields that changed since the image's last launch.
 
 Scratch memory the kernel needs besides the caller's tensors (the tile scheduler's counter, an
 LSE nobody asked for, fa1's and stream_k's fp32 workspace) lives per (plan, stream): launches on
