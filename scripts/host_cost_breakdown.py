@@ -13,6 +13,10 @@ other ways to allocate O and the LSE, the fp8 call with descales (sm90) and the 
 with the CuPy calls on its hit path.
 The steps do not add up exactly (a loop of one step keeps its objects in cache), but they say which
 step a faster path must remove.
+
+Its CPU twin, scripts/hit_path_cpu.py, times the same hit path's Python on a machine without a GPU
+(CPU tensors behind a faked device, stream and launch binding): for trimming the Python between
+GPU runs; the numbers that count are this script's and `bench --suite overhead`'s on the GPU.
 """
 
 from __future__ import annotations
@@ -70,9 +74,9 @@ def main() -> int:
 
     def make_key():
         nonlocal key
-        key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
-               v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
-               bool, True, type(None), None, False, None, (), None, None, None, tunedb.generation(), None)
+        key = (q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+               v.dtype, v.shape, v.stride(), v.get_device(), q.get_device(), torch._C._cuda_getDevice(),
+               bool, True, type(None), None, False, None, None, tunedb.generation())   # attention()'s fast path
     make_key()
     plan = next(iter(api._PLANS._plans.values()))
     out = torch.empty_like(q)
@@ -130,6 +134,8 @@ def main() -> int:
     stream = torch._C._cuda_getCurrentRawStream(device)
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0)
     rows.append(("plan.launch (patch + cuLaunchKernel)", lambda: plan.launch(stream, *ptrs, None)))
+    rows.append(("plan.launch_plain (the common call's: attention()'s fast path)",
+                 lambda: plan.launch_plain(stream, *ptrs)))
     binding = "CuPy's binding" if isinstance(plan._launcher._launch, functools.partial) else "ctypes"
     rows.append((f"  launcher alone (driver.Launcher, {binding})",
                  lambda: plan._launcher(stream, plan._last.kernel_params)))
@@ -174,13 +180,13 @@ def _allocation_rows(torch, q) -> list:
     from facodegen.ops import api
     shape, strides = tuple(q.shape), q.stride()
     made = api._Outputs(shape, "bfloat16", (shape[0], shape[2], shape[1]), torch.bfloat16, None, True, ())
-    made.new_lse(torch, q.device)
+    made.new_lse(torch, q)
     return [("  empty_like(q, dtype=float16) (fp8's O)", lambda: torch.empty_like(q, dtype=torch.float16)),
             ("  q.new_empty(shape tuple)", lambda: q.new_empty(shape)),
             ("  torch.empty(*shape, dtype=, device=)", lambda: torch.empty(*shape, dtype=q.dtype, device=q.device)),
             ("  torch.empty_strided(shape, strides, dtype=, device=)",
              lambda: torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device)),
-            ("  LSE: new_lse (empty_like of a stride-0 template)", lambda: made.new_lse(torch, q.device)),
+            ("  LSE: new_lse (empty_like of a stride-0 template)", lambda: made.new_lse(torch, q)),
             ("  LSE: q.new_empty(lse shape, dtype=float32)",
              lambda: q.new_empty(made.lse_shape, dtype=torch.float32))]
 

@@ -46,3 +46,6 @@ class FakeTensor:
         """The same tensor seen from ``nbytes`` further on (a view with a storage offset)."""
         return FakeTensor(self.shape, self.dtype.removeprefix("torch."), self._strides, self.device.index,
                           self._ptr + nbytes)
+
+    def as_strided(self, shape, strides):
+        return FakeTensor(shape, self.dtype.removeprefix("torch."), strides, self.device.index, self._ptr)

@@ -85,6 +85,37 @@ def test_another_error_raises_driver_error_without_retrying(binding):
     assert len(fake.calls) == 1 and binding.context_calls == []
 
 
+def _plain_plan(monkeypatch):
+    """A LaunchPlan over _launcher()'s function: launch_plain calls the binding itself (Launcher.bare)."""
+    from facodegen.runtime import params, plan
+    from facodegen.spec import KernelSpec
+    monkeypatch.setattr(driver, "stream_arg", lambda stream: stream)
+    monkeypatch.setattr(driver, "memset_d32_async", lambda *a: None)
+    spec = KernelSpec(arch="sm80", head_dim=128, dtype="bf16", causal=True)
+    return plan.LaunchPlan(spec, driver.LoadedFunction(ptr=0x7F00_1234, module=1, device=3), (132, 8, 2),
+                           bytes(params.layout("sm80", "bf16")[1]), tensor_maps={}, lse_floats=4, workspace_floats=0,
+                           stream_k_flags=(0, 0), switch_context=False, allocate=lambda n: (None, 1 << 20))
+
+
+@pytest.mark.parametrize("failures, raises", [((), None), ((driver.CUDA_ERROR_INVALID_CONTEXT,), None),
+                                              ((driver.CUDA_ERROR_INVALID_CONTEXT, 700), "CUresult 700"),
+                                              ((driver.CUDA_ERROR_OUT_OF_MEMORY,), "out of memory")])
+def test_launch_plain_handles_the_bindings_errors_as_the_launcher_does(binding, monkeypatch, failures, raises):
+    """LaunchPlan.launch_plain skips Launcher.__call__ (Launcher.bare) and hands a failure to
+    Launcher.failed: the same retry on a thread without a context, the same DriverError."""
+    fake = binding(*failures)
+    plan = _plain_plan(monkeypatch)
+    if raises:
+        with pytest.raises(driver.DriverError, match=raises):
+            plan.launch_plain(7, 16, 32, 48, 64)
+    else:
+        plan.launch_plain(7, 16, 32, 48, 64)
+    retried = failures[:1] == (driver.CUDA_ERROR_INVALID_CONTEXT,)
+    assert binding.context_calls == ([0xC0 + 3] if retried else [])
+    assert len(fake.calls) == 1 + retried and all(c[8:] == (7, plan._last.kernel_params, 0) for c in fake.calls)
+    assert not plan._lock.locked()
+
+
 def test_cupys_binding_has_the_signature_launcher_relies_on():
     """Imported without libcuda (it loads the driver on first call) and without ``import cupy``."""
     binding = pytest.importorskip("cupy_backends.cuda.api.driver")

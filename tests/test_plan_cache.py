@@ -123,10 +123,12 @@ def test_same_tensors_again_move_no_map(fake):
     assert fake.launches.map_moves == [] and hits(fake) == 1
 
 
-@pytest.mark.parametrize("change", ["stride", "gqa", "dtype", "device", "causal", "scale", "knob", "lse"])
+@pytest.mark.parametrize("change", ["stride", "gqa", "dtype", "device", "causal", "scale", "knob", "lse", "out",
+                                    "lse_out", "window", "softcap", "sinks", "k on another device",
+                                    "v's stride", "causal=1", "scale=1"])
 def test_anything_that_changes_the_launch_misses(fake, change):
     q, k, v = qkv()
-    api.attention(q, k, v)
+    api.attention(q, k, v, **({"softmax_scale": 1.0} if change == "scale=1" else {}))
     args, kwargs = qkv(), {}
     if change == "stride":     # a (b, s, h, d) view of a wider buffer: other row stride, same shape
         args = (FakeTensor((B, SQ, HQ, D), strides=(SQ * HQ * 2 * D, HQ * 2 * D, D, 1)), *qkv()[1:])
@@ -144,10 +146,115 @@ def test_anything_that_changes_the_launch_misses(fake, change):
         kwargs = dict(block_n=64)
     elif change == "lse":
         kwargs = dict(return_lse=True)
+    elif change == "out":
+        kwargs = dict(out=FakeTensor((B, SQ, HQ, D)))
+    elif change == "lse_out":
+        kwargs = dict(lse_out=FakeTensor((B, HQ, SQ), "float32"))
+    elif change == "window":
+        kwargs = dict(window_size=(16, 0))
+    elif change == "softcap":
+        kwargs = dict(softcap=30.0)
+    elif change == "sinks":
+        kwargs = dict(sinks=FakeTensor((HQ,), "float32"))
+    elif change == "k on another device":   # (refused by the checked path, never a hit)
+        q, k, v = qkv()
+        with pytest.raises(ValueError, match="k is on cuda:1"):
+            api.attention(q, FakeTensor(k.shape, device=1), v)
+        assert (api._PLANS.misses, hits(fake)) == (1, 0)
+        return
+    elif change == "v's stride":
+        q, k, _ = qkv()
+        args = (q, k, FakeTensor((B, SK, HKV, D), strides=(SK * HKV * 2 * D, HKV * 2 * D, D, 1)))
+    elif change == "causal=1":  # 1 == True and hash(1) == hash(True): the key tells them apart
+        api.attention(*qkv(), causal=True)
+        with pytest.raises(TypeError, match="causal must be True or False"):
+            api.attention(*qkv(), causal=1)
+        assert (api._PLANS.misses, hits(fake)) == (2, 0)
+        return
+    elif change == "scale=1":   # the first call's softmax_scale=1.0; 1 and True are other keys
+        kwargs = dict(softmax_scale=1)
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+            api.attention(*args, softmax_scale=True)
     api.attention(*args, **kwargs)
     assert (api._PLANS.misses, hits(fake)) == (2, 0)
     # tensors on cuda:1 with cuda:0 current: the launch makes cuda:1's context current around it
     assert fake.launches.switches == ([1] if change == "device" else [])
+
+
+def test_explicit_defaults_and_the_recording_forward_hit_the_plain_calls_plan(fake):
+    """attention()'s fast path (the common call, its defaults told by identity) and _attention_torch
+    (the general path: explicit default values, the recording autograd forward) key a call alike."""
+    q, k, v = qkv()
+    api.attention(q, k, v, causal=True)
+    api.attention(q, k, v, causal=True, window_size=(-1, -1), softcap=float("0"), causal_alignment="bottom_right")
+    api.attention(q, k, v, causal=True, window_size=[-1, -1], sinks=None)
+    torch = sys.modules["torch"]
+    api._attention_torch(torch, q, k, v, True, None, False, None, None, None, {})
+    assert (api._PLANS.misses, hits(fake)) == (1, 3)
+    api._attention_torch(torch, q, k, v, True, None, True, None, None, None, {})    # the recording forward's
+    api.attention(q, k, v, causal=True, return_lse=True)
+    assert (api._PLANS.misses, hits(fake)) == (2, 4)
+
+
+def test_grad_and_tracing_leave_the_fast_path_after_a_hit(fake, monkeypatch):
+    """A plan built by a plain call is not launched directly for a call that must record autograd
+    or is traced by torch.compile: those go through torch_op."""
+    import facodegen.ops
+    torch = sys.modules["torch"]
+    went = []
+    torch_op = types.ModuleType("facodegen.ops.torch_op")    # (the real one needs the real torch)
+    torch_op.attention_recording = lambda *a: went.append("recording")
+    torch_op.attention = lambda *a, **kw: went.append("op")
+    monkeypatch.setitem(sys.modules, "facodegen.ops.torch_op", torch_op)
+    monkeypatch.setattr(facodegen.ops, "torch_op", torch_op, raising=False)
+    q, k, v = qkv()
+    api.attention(q, k, v, causal=True)
+    q.requires_grad = True
+    api.attention(q, k, v, causal=True)
+    monkeypatch.setattr(torch, "is_grad_enabled", lambda: True)
+    api.attention(q, k, v, causal=True)
+    q.requires_grad = False
+    v.requires_grad = True
+    api.attention(q, k, v, causal=True)
+    v.requires_grad = False
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    api.attention(q, k, v, causal=True)
+    assert went == ["recording", "recording", "op"]
+    assert (api._PLANS.misses, hits(fake)) == (1, 1)    # q requiring grad under no_grad: a plain hit
+
+
+def test_a_hit_on_a_device_not_current_switches_to_it(fake):
+    args = tuple(FakeTensor(t.shape, device=1) for t in qkv())
+    api.attention(*args)
+    out = api.attention(*args)
+    assert hits(fake) == 1 and fake.launches.switches == [1, 1]
+    assert fake.launches.pointers()[:4] == (*(t.data_ptr() for t in args), out.data_ptr())
+
+
+def test_prepared_calls_launch_their_arrays_on_the_current_stream(fake):
+    """prepare()() of a plain plan (launch_plain) and of an fp8 one (launch, its descales) write
+    the bound arrays' addresses, the stream current at call time its own scratch."""
+    descale_at = {f.name: off for f, off in params.layout("sm90", "fp8")[0]}["q_descale"]
+    q, k, v = qkv()
+    out, lse = FakeTensor(q.shape), FakeTensor((B, HQ, SQ), "float32")
+    prepared = api.prepare(q, k, v, causal=True, out=out, lse_out=lse)
+    q8, k8, v8 = qkv(dtype="float8_e4m3fn")
+    dq = FakeTensor((), "float32")
+    prepared8 = api.prepare(q8, k8, v8, q_descale=dq)
+    assert prepared._call.plan.plain and not prepared8._call.plan.plain
+    unit = api._unit_descale(0, "torch").data_ptr()
+    for stream in (1000, 2000, 1000):
+        fake.stream = stream
+        prepared()
+        assert fake.launches.pointers()[:5] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                                lse.data_ptr())
+        prepared8()
+        assert fake.launches.pointers()[:3] == (q8.data_ptr(), k8.data_ptr(), v8.data_ptr())
+        assert struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at) == (dq.data_ptr(), unit,
+                                                                                              unit)
+    counters = [struct.unpack_from("<7Q", r["params"])[5] for r in fake.launches.records[::2]]
+    assert counters[0] == counters[2] != counters[1]
+    assert [r["stream"] for r in fake.launches.records] == [1000, 1000, 2000, 2000, 1000, 1000]
 
 
 def test_a_view_offset_by_8_bytes_is_refused_not_hit(fake):
@@ -480,6 +587,35 @@ def test_cupy_anything_that_changes_the_launch_misses(fake_cupy, change):
         fake.device = 1
     elif change == "lse":
         kwargs = dict(return_lse=True)
+    elif change == "out":
+        kwargs = dict(out=FakeTensor((B, SQ, HQ, D)))
+    elif change == "lse_out":
+        kwargs = dict(lse_out=FakeTensor((B, HQ, SQ), "float32"))
+    elif change == "window":
+        kwargs = dict(window_size=(16, 0))
+    elif change == "softcap":
+        kwargs = dict(softcap=30.0)
+    elif change == "sinks":
+        kwargs = dict(sinks=FakeTensor((HQ,), "float32"))
+    elif change == "k on another device":   # (refused by the checked path, never a hit)
+        q, k, v = qkv()
+        with pytest.raises(ValueError, match="k is on cuda:1"):
+            api.attention(q, FakeTensor(k.shape, device=1), v)
+        assert (api._PLANS.misses, hits(fake)) == (1, 0)
+        return
+    elif change == "v's stride":
+        q, k, _ = qkv()
+        args = (q, k, FakeTensor((B, SK, HKV, D), strides=(SK * HKV * 2 * D, HKV * 2 * D, D, 1)))
+    elif change == "causal=1":  # 1 == True and hash(1) == hash(True): the key tells them apart
+        api.attention(*qkv(), causal=True)
+        with pytest.raises(TypeError, match="causal must be True or False"):
+            api.attention(*qkv(), causal=1)
+        assert (api._PLANS.misses, hits(fake)) == (2, 0)
+        return
+    elif change == "scale=1":   # the first call's softmax_scale=1.0; 1 and True are other keys
+        kwargs = dict(softmax_scale=1)
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
+            api.attention(*args, softmax_scale=True)
     api.attention(*args, **kwargs)
     assert (api._PLANS.misses, hits(fake)) == (2, 0)
 
@@ -506,3 +642,33 @@ def test_fp8_hits_write_the_unit_descale_where_one_is_left_out(fake):
         api.attention(q, k, v, v_descale=dv)
     assert struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at) == (unit, unit, dv.data_ptr())
     assert (api._PLANS.misses, hits(fake)) == (2, 2)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+def test_launch_plain_writes_what_launch_writes(fake, arch):
+    """LaunchPlan.launch_plain (the common call's hit: it skips writing what an image already holds)
+    launches the same FlashParams bytes as the general launch, over calls that move the operands,
+    alternate streams (one scratch evicted and made again), pass an LSE and go back to scratch's."""
+    from facodegen.spec import KernelSpec
+    spec = KernelSpec(arch=arch, head_dim=D, dtype="bf16", causal=True)
+    size = params.layout(arch, "bf16")[1]
+
+    def plan():     # each plan's scratch addresses from a counter of its own: the two plans' are alike
+        made = iter(range(1 << 20, 1 << 40, 1 << 20))
+        return plan_mod.LaunchPlan(spec, driver.LoadedFunction(1, 1, 0), (132, 1, 1), bytes(range(256)) * (size // 256)
+                                   + bytes(size % 256), tensor_maps=tma.map_operands(spec) if arch == "sm90" else {},
+                                   lse_floats=B * HQ * SQ, workspace_floats=0, stream_k_flags=(0, 0),
+                                   switch_context=False, allocate=lambda n: (object(), next(made)))
+    general, fast = plan(), plan()
+    assert fast.plain
+    a, b, c = (tuple(range(base, base + 4 * 4096, 4096)) for base in (1 << 32, 2 << 32, 3 << 32))
+    calls = [(1, a, 0), (1, a, 0), (1, b, 0), (2, b, 0), (1, a, 0), (1, a, 7 << 32), (1, a, 0), (2, c, 0), (2, c, 0)]
+    calls += [(100 + i, a, 0) for i in range(plan_mod.MAX_STREAMS_PER_PLAN)] + [(1, a, 0), (1, b, 0)]
+    for stream, operands, lse in calls:
+        general.launch(stream, *operands, lse)
+        fast.launch_plain(stream, *operands, lse)
+    records = fake.launches.records
+    assert len(records) == 2 * len(calls)
+    for i in range(0, len(records), 2):
+        assert records[i]["params"][:size] == records[i + 1]["params"][:size], calls[i // 2]
+        assert records[i]["stream"] == records[i + 1]["stream"]

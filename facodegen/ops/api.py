@@ -420,11 +420,12 @@ class _Outputs:
     unit_descale_ptrs: tuple    # fp8: q, k, v unit descale addresses (0 where the call gave one); () otherwise
     _lse_like: object = None
 
-    def new_lse(self, torch, device):
-        """A new (batch, heads, seqlen_q) float32 LSE: empty_like of a template on 4 bytes of
-        storage (strides 0), which parses no arguments and so costs half a torch.empty."""
-        if self._lse_like is None:
-            self._lse_like = torch.empty(1, dtype=torch.float32, device=device).as_strided(self.lse_shape, (0, 0, 0))
+    def new_lse(self, torch, q):
+        """A new (batch, heads, seqlen_q) float32 LSE on q's device: empty_like of a template on 4
+        bytes of storage (strides 0), which parses no arguments and so costs half a torch.empty."""
+        if self._lse_like is None:  # (q.device makes an object: read once, not per call)
+            self._lse_like = torch.empty(1, dtype=torch.float32, device=q.device).as_strided(self.lse_shape,
+                                                                                              (0, 0, 0))
         return torch.empty_like(self._lse_like)
 
 
@@ -625,6 +626,7 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
                       stream_k_flags=stream_k_flags(spec, launch_grid[0]),
                       switch_context=qv.device != _current_device(qv.kind),
                       allocate=functools.partial(_allocate, qv.kind, qv.device), outputs=outputs)
+    assert not plan.plain or (outputs.same_dtype and not unit_ptrs), "a plain plan patches no descales"
     descale_ptrs = tuple(descales[n].ptr for n in ("q", "k", "v")) if fp8 else None
     return _Call(plan, qv.kind, qv.device, out, lse_out, (qv.ptr, kv.ptr, vv.ptr, outv.ptr, lse_ptr),
                  descale_ptrs, keep, sinks_view.ptr if sinks_view is not None else 0)
@@ -653,7 +655,11 @@ def _fp8_descales(qv: _View, values, batch: int, heads_kv: int) -> tuple[dict, t
 
 
 def _launch(call: _Call) -> None:
-    call.plan.launch(_current_stream(call.kind, call.device), *call.pointers, descales=call.descales, sinks=call.sinks)
+    plan = call.plan
+    if plan.plain:  # (no descales, no sinks: call.descales is None, call.sinks 0)
+        plan.launch_plain(_current_stream(call.kind, call.device), *call.pointers)
+    else:
+        plan.launch(_current_stream(call.kind, call.device), *call.pointers, descales=call.descales, sinks=call.sinks)
 
 
 # ------------------------------------------------------------------ the prepared path
@@ -713,11 +719,16 @@ def prepare(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
 
 _PLANS = PlanCache()
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+# attention()'s defaults of the variant arguments, which its fast path recognises by identity (a caller
+# who passes the same values explicitly takes the general path, to the same result)
+_BOTTOM_RIGHT = "bottom_right"
+_NO_WINDOW = (-1, -1)
+_NO_SOFTCAP = 0.0
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
-              out=None, lse_out=None, arch: str | None = None, causal_alignment: str = "bottom_right",
-              window_size=(-1, -1), softcap: float = 0.0, sinks=None, **spec_fields):
+              out=None, lse_out=None, arch: str | None = None, causal_alignment: str = _BOTTOM_RIGHT,
+              window_size=_NO_WINDOW, softcap: float = _NO_SOFTCAP, sinks=None, **spec_fields):
     """Attention forward, O = softmax(scale * Q K^T [+ causal mask]) V.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
@@ -768,6 +779,40 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     Tensors that require grad record the generated backward (fp16/bf16, plain attention); fp8 inputs
     and the variants (window, softcap, sinks) have no backward yet and raise there.
     """
+    torch = _TORCH
+    # The common torch call (no variant, knob or lse_out; eager; nothing to record): its plan-cache hit
+    # in this one frame (_attention_torch's, with the same key). Anything else goes on below.
+    if (torch is not None and sinks is None and window_size is _NO_WINDOW and softcap is _NO_SOFTCAP
+            and causal_alignment is _BOTTOM_RIGHT and lse_out is None and not spec_fields
+            and not torch.compiler.is_compiling() and q.__class__ is torch.Tensor):
+        try:
+            if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+                plan = None     # (in this order: no tensor requires grad is the common case, read first)
+            else:
+                device = q.get_device()
+                key = (q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+                       v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
+                       causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch,
+                       None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
+                       tunedb.generation())
+                plan = _PLANS._plans.get(key)
+        except (AttributeError, TypeError):   # k or v not a torch tensor, an unhashable argument
+            plan = None
+        if plan is not None:
+            made = plan.outputs
+            if out is None:     # empty_like: the plan's layout (q's), cheaper than torch.empty/new_empty
+                out = torch.empty_like(q) if made.same_dtype else torch.empty_like(q, dtype=made.library_dtype)
+            lse = made.new_lse(torch, q) if return_lse else None
+            qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+            if (qp | kp | vp | op) & 15:    # a misaligned view: the checked path says which
+                return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse, arch, spec_fields)
+            if plan.plain:
+                plan.launch_plain(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                                  0 if lse is None else lse.data_ptr())
+            else:   # fp8 (its unit descales: none given), a device not current
+                plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                            0 if lse is None else lse.data_ptr(), made.unit_descale_ptrs or None)
+            return (out, lse) if return_lse else out
     variant = _variant_args(window_size, softcap, sinks)
     if causal_alignment != "bottom_right":
         _check_alignment(causal_alignment)
@@ -823,19 +868,28 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
     """attention() on torch tensors, eager: a plan-cache hit launches at once; anything unusual
     (a miss, a misaligned view, an unhashable knob) takes the checked path."""
     device = q.get_device()
+    descales = _NO_DESCALES
     try:
-        if spec_fields:
-            knobs, descales = _split_knobs(spec_fields)
-            descale_key = (_torch_meta(descales[0]), _torch_meta(descales[1]), _torch_meta(descales[2]))
-        else:   # the common call: no generator to run (a quarter of the key's cost)
-            knobs, descales, descale_key = (), _NO_DESCALES, None
-        key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
-               v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
-               causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch, knobs,
-               None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
-               None if lse_out is None else (lse_out.dtype, lse_out.shape, lse_out.stride(), lse_out.get_device()),
-               descale_key, tunedb.generation(), None if variant is None else _variant_key(variant, _torch_meta))
-        plan = _PLANS.get(key) if device >= 0 else None
+        if not spec_fields and variant is None and lse_out is None:
+            # the common call: attention()'s fast path builds the same key (tests/test_plan_cache.py checks)
+            key = (q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+                   v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
+                   causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch,
+                   None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
+                   tunedb.generation())
+        else:   # a knob, an fp8 descale, a variant or lse_out: a key of another length, "torch" first
+            knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), _NO_DESCALES)
+            key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+                   v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
+                   causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch, knobs,
+                   None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
+                   None if lse_out is None else (lse_out.dtype, lse_out.shape, lse_out.stride(),
+                                                 lse_out.get_device()),
+                   None if descales is _NO_DESCALES else
+                   (_torch_meta(descales[0]), _torch_meta(descales[1]), _torch_meta(descales[2])),
+                   tunedb.generation(), None if variant is None else _variant_key(variant, _torch_meta))
+        # (no plan has a key of device -1: the checked path refuses tensors not on a GPU)
+        plan = _PLANS._plans.get(key)
     except (AttributeError, TypeError):  # not all torch tensors, an unhashable knob: the checked path says
         plan = key = None
     if plan is not None:
@@ -843,13 +897,17 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
         if out is None:     # empty_like: the plan's layout (q's), at half torch.empty's host cost
             out = torch.empty_like(q) if made.same_dtype else torch.empty_like(q, dtype=made.library_dtype)
         if lse_out is None and return_lse:
-            lse_out = made.new_lse(torch, q.device)
+            lse_out = made.new_lse(torch, q)
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if not (qp | kp | vp | op) & 15:
-            plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
-                        0 if lse_out is None else lse_out.data_ptr(),
-                        _descale_ptrs(descales, made.unit_descale_ptrs, _torch_ptr) if made.unit_descale_ptrs else None,
-                        0 if variant is None or variant[2] is None else variant[2].data_ptr())
+            if plan.plain:
+                plan.launch_plain(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                                  0 if lse_out is None else lse_out.data_ptr())
+            else:
+                plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                            0 if lse_out is None else lse_out.data_ptr(),
+                            _descale_ptrs(descales, made.unit_descale_ptrs, _torch_ptr) if made.unit_descale_ptrs
+                            else None, 0 if variant is None or variant[2] is None else variant[2].data_ptr())
             return (out, lse_out) if return_lse else out
     return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant)
 
@@ -868,7 +926,7 @@ def _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arc
                    None if descales is _NO_DESCALES else  # (the common call: no generator to run)
                    tuple(meta(d) if isinstance(d, cupy.ndarray) else d for d in descales), tunedb.generation(),
                    None if variant is None else _variant_key(variant, meta))
-            plan = _PLANS.get(key)
+            plan = _PLANS._plans.get(key)
         except (AttributeError, TypeError):  # not all CuPy arrays, an unhashable knob: the checked path says
             plan = key = None
         sinks = None if variant is None else variant[2]
@@ -897,9 +955,13 @@ def _cupy_hit(cupy, plan: LaunchPlan, q, k, v, out, lse_out, return_lse, descale
     qp, kp, vp, op = q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr
     if (qp | kp | vp | op) & 15:
         return None
-    plan.launch(cupy.cuda.get_current_stream().ptr, qp, kp, vp, op, 0 if lse_out is None else lse_out.data.ptr,
-                _descale_ptrs(descales, made.unit_descale_ptrs, _cupy_ptr) if made.unit_descale_ptrs else None,
-                0 if sinks is None else sinks.data.ptr)
+    if plan.plain:  # (no descales, no sinks)
+        plan.launch_plain(cupy.cuda.get_current_stream().ptr, qp, kp, vp, op,
+                          0 if lse_out is None else lse_out.data.ptr)
+    else:
+        plan.launch(cupy.cuda.get_current_stream().ptr, qp, kp, vp, op, 0 if lse_out is None else lse_out.data.ptr,
+                    _descale_ptrs(descales, made.unit_descale_ptrs, _cupy_ptr) if made.unit_descale_ptrs else None,
+                    0 if sinks is None else sinks.data.ptr)
     return (out, lse_out) if return_lse else out
 
 

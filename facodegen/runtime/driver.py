@@ -206,6 +206,9 @@ class Launcher:
         # (f, grid x/y/z, block x/y/z, dynamic shared memory): the arguments before stream, kernelParams, extra
         self._launch = (binding or _ctypes_launch)(function.ptr, grid[0], grid[1], grid[2], threads, 1, 1,
                                                    smem_bytes)
+        # For a caller that saves this frame (plan.LaunchPlan.launch_plain): ``bare(stream,
+        # kernel_params, 0)`` raises ``error`` on failure, which it hands to ``failed``.
+        self.bare, self.error = self._launch, self._error
 
     def __call__(self, stream: int, kernel_params: int) -> None:
         """Launch on ``stream`` (a CUstream handle, 0: the legacy default stream) with
@@ -213,14 +216,19 @@ class Launcher:
         try:
             self._launch(stream, kernel_params, 0)
         except self._error as err:
-            if err.status != CUDA_ERROR_INVALID_CONTEXT:    # raise DriverError, as every call here does
-                raise DriverError("cuLaunchKernel", err.status) from None
-            # a thread that has not touched CUDA yet: make the device's primary context current, once
-            check(lib().cuCtxSetCurrent(primary_context(self.function.device)), "cuCtxSetCurrent")
-            try:
-                self._launch(stream, kernel_params, 0)
-            except self._error as again:
-                raise DriverError("cuLaunchKernel", again.status) from None
+            self.failed(err, stream, kernel_params)
+
+    def failed(self, err, stream: int, kernel_params: int) -> None:
+        """After a launch raised ``err``: raise DriverError, as every call here does, or where no
+        context was current (a thread that has not touched CUDA yet) make the device's primary
+        context current and launch once more."""
+        if err.status != CUDA_ERROR_INVALID_CONTEXT:
+            raise DriverError("cuLaunchKernel", err.status) from None
+        check(lib().cuCtxSetCurrent(primary_context(self.function.device)), "cuCtxSetCurrent")
+        try:
+            self._launch(stream, kernel_params, 0)
+        except self._error as again:
+            raise DriverError("cuLaunchKernel", again.status) from None
 
 
 def _launch_binding():

@@ -5,6 +5,8 @@ A plan holds the spec, the loaded kernel, the grid and an image of the kernel's 
 (FlashParams). A launch writes the call's pointers into the image, points the TMA maps at the
 call's tensors where they moved (cuTensorMapReplaceAddress: the shape, strides and box stay),
 and launches: a few microseconds of host time, against ~0.4 ms to resolve a call from scratch.
+``launch_plain`` is that launch for the common plan (no fp8 descales, sinks or varlen, no context
+switch): it writes only the fields that changed since the image's last launch.
 
 Scratch memory the kernel needs besides the caller's tensors (the tile scheduler's counter, an
 LSE nobody asked for, fa1's and stream_k's fp32 workspace) lives per (plan, stream): launches on
@@ -18,6 +20,7 @@ use from several threads (reads are dict lookups; inserts and each plan's image 
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 from typing import Callable
@@ -35,6 +38,7 @@ _ALIGN = 16
 _CALL_POINTERS = ("q", "k", "v", "o", "lse", "tile_counter", "workspace")
 _DESCALES = ("q_descale", "k_descale", "v_descale")
 _PACK_CALL = struct.Struct("<7Q")
+_PACK_OPERANDS = struct.Struct("<4Q")
 _PACK_DESCALES = struct.Struct("<3Q")
 _PACK_SINKS = struct.Struct("<Q")
 _PACK_VARLEN = struct.Struct("<2Qi")     # cu_seqlens_q, cu_seqlens_k, total_q (params.VARLEN_FIELDS, adjacent)
@@ -127,6 +131,13 @@ class _Image:
         self.size = len(data)
         self._argument = (ctypes.c_void_p * 1)(self.address)
         self.kernel_params = ctypes.addressof(self._argument)     # (driver.Launcher takes ints)
+        # pack_call(q, k, v, o, lse, tile_counter, workspace): a call's pointers into this image;
+        # pack_operands(q, k, v, o): the first four alone
+        self.pack_call = functools.partial(_PACK_CALL.pack_into, self.storage, self.base)
+        self.pack_operands = functools.partial(_PACK_OPERANDS.pack_into, self.storage, self.base)
+        # the tile counter address of the scratch whose lse, counter and workspace the image holds (None:
+        # not known, or a caller's lse); a plan's scratch regions are laid out alike, so it tells all three
+        self.tail_of = None
 
     def data(self) -> bytes:
         return bytes(self.storage[self.base:self.base + self.size])
@@ -161,6 +172,11 @@ class LaunchPlan:
         self._lock = threading.Lock()
         self._launcher = driver.Launcher(function, grid, spec.threads, spec.smem_bytes) \
             if function is not None else None
+        # launch_plain calls the binding itself (driver.Launcher.bare); a stand-in launcher (CPU tests)
+        # without one is called as it is
+        launcher = self._launcher
+        self._bare = getattr(launcher, "bare", None) or (lambda stream, params, extra: launcher(stream, params))
+        self._bare_error = getattr(launcher, "error", ())
         offsets = _offsets(spec.arch, spec.dtype, params_mod.has_variants(spec), spec.varlen)
         self._descale_offset = offsets[_DESCALES[0]] if spec.dtype == "fp8" else None
         self._sinks_offset = offsets["sinks"] if spec.sinks else None
@@ -169,6 +185,9 @@ class LaunchPlan:
         first = _Image(param_bytes)
         self._images = {_PACK_CALL.unpack_from(param_bytes, 0)[:4] if self._maps else None: first}
         self._last = first
+        # launch_plain serves this plan: nothing to patch but the call's pointers, no context to switch
+        self.plain = (self._descale_offset is None and self._sinks_offset is None and self._varlen_offset is None
+                      and not switch_context)
 
     def workspace_range(self) -> tuple[int, int]:
         """(byte offset, bytes) of the fp32 workspace inside a stream's scratch buffer."""
@@ -206,8 +225,8 @@ class LaunchPlan:
         operands = (q, k, v, o) if self._maps else None
         with self._lock:
             image = self._images.get(operands) or self._image(operands)
-            _PACK_CALL.pack_into(image.storage, image.base, q, k, v, o, lse or scratch.lse, scratch.counter,
-                                 scratch.workspace)
+            image.pack_call(q, k, v, o, lse or scratch.lse, scratch.counter, scratch.workspace)
+            image.tail_of = None if lse else scratch.counter
             if descales is not None:
                 _PACK_DESCALES.pack_into(image.storage, image.base + self._descale_offset, *descales)
             if self._sinks_offset is not None:
@@ -220,6 +239,36 @@ class LaunchPlan:
                     self._launcher(scratch.stream, image.kernel_params)
             else:
                 self._launcher(scratch.stream, image.kernel_params)
+
+    def launch_plain(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0) -> None:
+        """``launch`` of a ``plain`` plan (no fp8 descales, sinks or varlen to patch, no context to
+        switch) with less to do: the api's hit path of the common call. It writes only what may have
+        changed: an sm90 image found by its (q, k, v, o) holds those already (every launch writes its
+        image's own), and an image's lse, tile counter and workspace stay while its scratch does
+        (``tail_of``)."""
+        found = self._scratch._streams.get(stream)
+        scratch = found if found is not None else self._scratch.get(stream)
+        maps = self._maps
+        lock = self._lock
+        lock.acquire()      # (cheaper than `with`)
+        try:
+            if maps:
+                operands = (q, k, v, o)
+                image = self._images.get(operands) or self._image(operands)
+            else:
+                image = self._last      # (the one image of a plan without maps)
+            if lse or image.tail_of != scratch.counter:
+                image.pack_call(q, k, v, o, lse or scratch.lse, scratch.counter, scratch.workspace)
+                image.tail_of = None if lse else scratch.counter
+            elif not maps:
+                image.pack_operands(q, k, v, o)
+            self._last = image
+            try:
+                self._bare(scratch.stream, image.kernel_params, 0)
+            except self._bare_error as err:
+                self._launcher.failed(err, scratch.stream, image.kernel_params)
+        finally:
+            lock.release()
 
     def param_bytes(self) -> bytes:
         """The FlashParams image as the last launch (or the build) left it."""

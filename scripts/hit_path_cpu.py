@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""The Python cost of a plan-cache hit of facodegen.attention() on torch tensors, on a CPU-only
+machine: the CPU twin of scripts/host_cost_breakdown.py (which times the real thing on a GPU).
+
+    python3 scripts/hit_path_cpu.py [--calls 20000] [--repeat 30]
+
+CPU torch tensors cannot take the real hit path (their get_device() is -1 and no kernel runs),
+so this script fakes the GPU around the same Python code, as tests/test_plan_cache.py does:
+
+- ``torch.Tensor.get_device`` returns 0 (a Python lambda: ~30 ns here, ~20 ns less than the C
+  method), ``torch._C._cuda_getDevice`` and ``_cuda_getCurrentRawStream`` (absent from CPU
+  builds) are lambdas returning 0 and a fixed stream;
+- the miss that builds the plan sees the CPU tensors as cuda:0 tensors (api._view), on a fake H200
+  (sm90: four TMA maps per plan, encoded as zeros), its kernel "loaded" without compiling;
+- the plan's driver.Launcher is the real one over a no-op binding (driver._launch_binding: what
+  CuPy's launchKernel or ctypes would call) and its scratch is CPU memory.
+
+So attention()'s whole hit is timed minus the driver call (~4.7 µs on the H200) and with a CPU
+allocation for O (``torch.empty_like``: malloc, set never to mmap or trim, not CUDA's caching
+allocator: compare it as a piece, not as the H200's 3.6 µs). The pieces are timed in loops of their own; they do not add up
+exactly. Numbers are µs per call, the best of ``--repeat`` rounds over all rows of ``--calls`` calls each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import timeit
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+STREAM = 0x5000
+
+
+def install_fake_gpu():
+    """Patch torch and facodegen so CPU tensors take attention()'s torch hit path (see the docstring)."""
+    import torch
+
+    from facodegen.ops import api
+    from facodegen.runtime import driver, tma
+
+    try:    # glibc: O's 256 KiB from the heap, never mmap'ed or trimmed (syscalls would swamp the Python)
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)   # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+    torch.Tensor.get_device = lambda self: 0
+    torch._C._cuda_getDevice = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda device: STREAM
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    api.device_info = lambda ordinal: info
+    api._prepare = lambda spec, device: api._Prepared(driver.LoadedFunction(1, 1, device), spec.smem_bytes, 132)
+    api._current_device = lambda kind: 0
+    api._allocate = lambda kind, device, nbytes: (lambda b: (b, b.data_ptr()))(torch.empty(nbytes, dtype=torch.uint8))
+    api._empty = lambda like, shape, dtype: torch.empty(shape, dtype=getattr(torch, dtype))
+    real_view = api._view
+
+    def view(name, x):      # a CPU tensor seen as a cuda:0 one by the checked path
+        if isinstance(x, torch.Tensor):
+            return api._View(name, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()),
+                             str(x.dtype).removeprefix("torch."), 0)
+        return real_view(name, x)
+    api._view = view
+    driver._launch_binding = lambda: (lambda *fixed: (lambda stream, kernel_params, extra: None), driver.LaunchError)
+    driver.memset_d32_async = lambda *a: None
+    driver.replace_tensor_map_address = lambda m, p: None
+    tma.encode = lambda args: bytes(128)
+    return torch, api
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=20_000)
+    p.add_argument("--repeat", type=int, default=30)
+    args = p.parse_args()
+    torch, api = install_fake_gpu()
+    import facodegen
+    from facodegen.tuning import tunedb
+
+    q, k, v = (torch.randn(1, 128, 8, 128).to(torch.bfloat16) for _ in range(3))
+    attention = facodegen.attention
+    out = attention(q, k, v, causal=True)
+    misses = api._PLANS.misses
+    attention(q, k, v, causal=True)
+    assert api._PLANS.misses == misses == 1, "the second call must hit the plan the first one built"
+    plan = next(iter(api._PLANS._plans.values()))
+    key = next(iter(api._PLANS._plans))
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0)
+    shape, strides = tuple(q.shape), q.stride()
+    prepared = facodegen.prepare(q, k, v, causal=True)
+
+    rows = [
+        ("attention(q, k, v, causal=True) whole hit", lambda: attention(q, k, v, causal=True)),
+        ("attention(..., return_lse=True) whole hit", lambda: attention(q, k, v, causal=True, return_lse=True)),
+        ("attention(..., out=out) whole hit", lambda: attention(q, k, v, causal=True, out=out)),
+        ("prepare(q, k, v, causal=True)() (its launch)", prepared),
+        ("  _attention_torch(...) (no attention() frame)", lambda: api._attention_torch(
+            torch, q, k, v, True, None, False, None, None, None, {})),
+        ("  call key tuple (as attention()'s fast path builds it)", lambda: (
+            q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+            v.dtype, v.shape, v.stride(), v.get_device(), q.get_device(), torch._C._cuda_getDevice(),
+            bool, True, type(None), None, False, None, None, tunedb.generation())),
+        ("    tunedb.generation()", tunedb.generation),
+        ("  _PLANS.get(key) (hash + dict get)", lambda: api._PLANS.get(key)),
+        ("  torch.empty_like(q) (CPU malloc)", lambda: torch.empty_like(q)),
+        ("  q.new_empty(q.shape) (CPU malloc)", lambda: q.new_empty(q.shape)),
+        ("  torch.empty_strided(shape, strides, dtype=) (CPU malloc)", lambda: torch.empty_strided(
+            shape, strides, dtype=q.dtype)),
+        ("  4 x data_ptr()", lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())),
+        ("  torch.compiler.is_compiling()", torch.compiler.is_compiling),
+        ("  is_grad_enabled + requires_grad x3", lambda: torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad)),
+        ("  plan.launch (patch, no-op binding)", lambda: plan.launch(STREAM, *ptrs, None)),
+        ("  plan.launch_plain (the fast path's)", lambda: plan.launch_plain(STREAM, *ptrs)),  # (since 6b4d5d0)
+        ("    driver.Launcher over the no-op binding", lambda: plan._launcher(STREAM, plan._last.kernel_params)),
+    ]
+    if not hasattr(plan, "launch_plain"):     # (the script times older commits too, for before/after)
+        rows = [row for row in rows if "launch_plain" not in row[0]]
+    best = [float("inf")] * len(rows)
+    for _ in range(args.repeat):    # rounds over all rows: a slow spell of the machine hits every row alike
+        for i, (_, fn) in enumerate(rows):
+            best[i] = min(best[i], timeit.timeit(fn, number=args.calls) / args.calls)
+    print(f"| step | µs per call (CPU, best of {args.repeat} rounds x {args.calls} calls) |\n|---|---|")
+    for (name, _), t in zip(rows, best):
+        print(f"| {name} | {t * 1e6:.3f} |")
+    assert api._PLANS.misses == 3, "every timed call must have hit (1 plan + return_lse's + out='s)"
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
