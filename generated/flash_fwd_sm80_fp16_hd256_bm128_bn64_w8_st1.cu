@@ -401,19 +401,20 @@ __device__ __forceinline__ void exp2_rows(float (&s)[N], float scale_log2, const
 
 // Move one row to its new max (whole-row, quad-reduced): max_scaled receives the exp2 shift (new max *
 // scale_log2; 0 while the row has seen no key, so -inf - (-inf) never happens: its p are 2^-inf = 0)
-// and o_scale the factor 2^((old_max - new_max)*scale_log2) for O and the row sum (0 when the row
-// sees its first key, 1 while it sees none). The exponent is the difference of the raw maxima, so a
-// max that did not move gives exactly 2^0 = 1: written as row_max*scale_log2 - max_scaled, it
-// becomes one FFMA whose result is max_scaled's rounding error (up to half an ulp of max*scale_log2),
-// and l drifted by that factor at every K/V step, ~0.6 ulp of the LSE per step (2026-12-03: an fp16
-// row with logits ~11,000 ended 8.8e-3 high after 18 steps, which the backward's P = e^(s - LSE) turned
-// into a 1% dV error; with lazy rescaling it also made the skipped O multiply rarely skip).
+// and o_scale the factor 2^((old_max - new_max)*scale_log2) for O and the row sum (2^-126, as good as
+// 0, while the row had no visible key: -inf - x and NaN both clamp to -126). The exponent is the
+// difference of the raw maxima, so a max that did not move gives exactly 2^0 = 1. Written as
+// row_max*scale_log2 - max_scaled it became one FFMA whose result is max_scaled's rounding error (up
+// to half an ulp of max*scale_log2), and l drifted by that factor at every K/V step, ~0.6 ulp of the
+// LSE per step (2026-12-03: an fp16 row with logits ~11,000 ended 8.8e-3 high after 18 steps, which
+// the backward's P = e^(s - LSE) turned into a 1% dV error; with lazy rescaling it also made the
+// skipped O multiply rarely skip). This form is the one of four exact ones that spills in none of the
+// sm80 head_dim 128 kernels at 255 registers.
 __device__ __forceinline__ void take_row_max(float new_max, float& row_max, float scale_log2, float& max_scaled,
                                              float& o_scale) {
-    const float moved = new_max == NEG_INF ? 0.f : row_max - new_max;   // (this order: no spill at 255 registers)
-    row_max = new_max;
+    o_scale = fast_exp2(fmaxf((row_max - new_max) * scale_log2, -126.f));
     max_scaled = new_max == NEG_INF ? 0.f : new_max * scale_log2;
-    o_scale = fast_exp2(moved * scale_log2);
+    row_max = new_max;
 }
 
 // The row max update of one K/V step: the scores of s (quad_max: the whole row), then

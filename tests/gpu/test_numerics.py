@@ -326,6 +326,31 @@ def test_rescale_with_a_row_max_that_keeps_growing(arch, head_dim, causal, mode)
              shape_k=lambda k: (k.float() * growth[None, :, None, None]).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("lazy", [False, True])
+def test_lse_does_not_drift_over_key_blocks_at_large_logits(arch, lazy):
+    """Logits in the thousands (fp16 inputs x16) over 8,192 keys: one key dominates each row and the
+    row max settles early, so every later K/V step keeps it. The rescale factor of a kept max must
+    be exactly 1: when it was one FFMA (row_max*scale_log2 - max_scaled) it was max_scaled's rounding
+    error, and l, so the LSE, drifted by up to half an ulp of max*scale_log2 per step (up to 0.04 over 64
+    steps here), which the backward's P = e^(s - LSE) turns into gradient errors. The LSE must stay
+    within the scores' own float32 error of float64's."""
+    if not arch_supported(arch):
+        pytest.skip(f"{arch} kernels do not run on compute capability {CC[0]}.{CC[1]}")
+    if not HAVE_TORCH:
+        pytest.skip("needs torch")
+    import facodegen
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = (16 * torch.randn(1, 16, 2, 128, device="cuda", generator=g)).half()
+    k, v = ((16 * torch.randn(1, 8192, 2, 128, device="cuda", generator=g)).half() for _ in range(2))
+    _, lse = facodegen.attention(q, k, v, softmax_scale=1.0, return_lse=True, arch=arch, lazy_rescale=lazy)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double())
+    exact = torch.logsumexp(scores, dim=-1)
+    err = (lse.double() - exact).abs()
+    bound = 2e-3 + 4e-7 * exact.abs()       # the scores' float32 error (~1e-3 at 11,000); the drift reached 3.7e-6 |lse|
+    assert bool((err <= bound).all()), f"LSE error {err.max().item():.3e} at |lse| ~{exact.abs().max().item():.0f}"
+
+
 def test_poly_exp2_matches_exp2():
     """common/ptx.cuh.j2's poly_exp2 (2^x on the FMA pipe) against float64 2^x over the range the
     softmax feeds it: x <= 8 (lazy rescale's slack, fp8's offset) down to -126 within 1e-4, rounding
