@@ -6,6 +6,7 @@ registration of the torch op on meta tensors. tests/gpu/test_backward_gpu.py run
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 import warnings
 
@@ -570,6 +571,20 @@ def test_sm90_render_says_what_it_is(spec):
     argv = backward.emit_command(spec).split()[2:]
     result = CliRunner().invoke(cli.main, ["emit", *argv])
     assert result.exit_code == 0 and result.output == source
+
+
+def test_sm90_stage_release_counts_one_arrival_per_consumer_warp():
+    """The producer rewrites a stage's LSE and D rows once step_empty says every reader is done. An
+    mbarrier arrival releases only its own thread's reads, so each consumer warp arrives (lane 0,
+    after __syncwarp) and the barrier expects that many: one arrival per warpgroup left the other
+    warps' reads unordered (racecheck on the H200, 2026-12-03: WAR hazards on those rows)."""
+    source = _rendered(BackwardSpec(arch="sm90", head_dim=128), ("producer", "consumers"))
+    init = re.search(r"mbar_init\(smem_u32\(&state\.step_empty\[s\]\), ([^;]+)\);", source)
+    assert init and init[1] == "CONSUMER_WGS * WG_THREADS / 32", init and init[1]
+    release = re.search(r"const bool release_thread = ([^;]+);", source)
+    assert release and release[1] == "lane == 0"
+    arrive = source.index("mbar_arrive(smem_u32(&state.step_empty[stage]))")
+    assert source.rindex("__syncwarp();", 0, arrive) > source.rindex("wgmma_wait<0>();", 0, arrive)
 
 
 @pytest.mark.parametrize("spec", SM90, ids=lambda s: s.variant)
