@@ -399,9 +399,11 @@ def _backward_launches(case: Case, q, k, v, do) -> tuple:
     """The sanitizer sweep's backward (launch_only): the forward into a NaN-poisoned O and LSE, then
     attention_backward on them, the kernels autograd runs. Not through autograd, whose O is
     torch.empty_like's: compute-sanitizer's initcheck does not count the sm90 forward's TMA (bulk
-    tensor) stores as writes, so every backward read of an O that only they wrote is flagged (H200,
-    2026-12-03: 115,612 reports in the sm90 backward's first kernel, which reads O and dO); the
-    forward cases poison their out= for the same reason."""
+    tensor) stores as writes, so every later read of an O that only they wrote is flagged (H200,
+    2026-12-03: 115,612 reports in the sm90 backward's first kernel, which reads O and dO; and a
+    torch copy kernel reading such an O, whose values are all there, is flagged the same way, while
+    the same read after the sm80 forward's stores is not); the forward cases poison their out= for the
+    same reason."""
     import torch
 
     import facodegen
