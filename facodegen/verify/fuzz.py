@@ -401,9 +401,9 @@ def _backward_launches(case: Case, q, k, v, do) -> tuple:
     torch.empty_like's: compute-sanitizer's initcheck does not count the sm90 forward's TMA (bulk
     tensor) stores as writes, so every later read of an O that only they wrote is flagged (H200,
     2026-12-03: 115,612 reports in the sm90 backward's first kernel, which reads O and dO; and a
-    torch copy kernel reading such an O, whose values are all there, is flagged the same way, while
-    the same read after the sm80 forward's stores is not); the forward cases poison their out= for the
-    same reason."""
+    torch copy kernel reading such an O, whose values are all there, is flagged the same way; the
+    sm80 backward after the sm80 forward, whose O is written by plain stores, was clean); the forward
+    cases poison their out= for the same reason."""
     import torch
 
     import facodegen
