@@ -22,7 +22,7 @@ from .spec.knobs import KNOBS, Knob
 from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default_specs
 
 # Kernel families `emit` and `inspect` take (--kernel); forward stays the default.
-def build_backward_spec(fields: dict, deterministic, k_unroll=None):
+def build_backward_spec(fields: dict, deterministic, k_unroll=None, dq_tma_reduce=None):
     """A BackwardSpec from the spec flags given (only those the backward has)."""
     from .spec.backward import BACKWARD_BY_NAME, BackwardSpec
 
@@ -34,6 +34,8 @@ def build_backward_spec(fields: dict, deterministic, k_unroll=None):
         fields = {**fields, "deterministic": deterministic}
     if k_unroll is not None:
         fields = {**fields, "k_unroll": k_unroll}
+    if dq_tma_reduce is not None:
+        fields = {**fields, "dq_tma_reduce": dq_tma_reduce}
     try:
         return BackwardSpec(**fields)
     except SpecError as err:
@@ -71,6 +73,9 @@ def _kernel_options(command):
                      help="--kernel backward: k16 steps of each warp GEMM unrolled together."),
         click.option("--deterministic/--no-deterministic", "deterministic", default=None,
                      help="--kernel backward: bit-identical gradients (refused in this release)."),
+        click.option("--dq-tma-reduce/--no-dq-tma-reduce", "dq_tma_reduce", default=None,
+                     help="--kernel backward --arch sm90: dQ added into its fp32 accumulator by a TMA bulk "
+                          "reduce-add of a shared-memory tile per warpgroup."),
         click.option("--page-size", type=int, default=None,
                      help="decode/append: a paged KV cache (the page size is a runtime value; any power of two)."),
         click.option("--paged/--contiguous", "paged", default=None, help="decode/append: paged or contiguous cache."),
@@ -282,7 +287,7 @@ def main():
 @click.option("--all", "all_specs", is_flag=True,
               help="Write every default spec as <variant>.cu into --out-dir (stale flash_fwd_*.cu there are removed).")
 def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministic=None, k_unroll=None, page_size=None,
-         paged=None, split_kv=None, pack_gqa=None, runtime=None):
+         paged=None, split_kv=None, pack_gqa=None, runtime=None, dq_tma_reduce=None):
     """Print (or write) the CUDA source of one kernel.
 
     \b
@@ -298,11 +303,11 @@ def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministi
         from .ops.backward import emit as render_backward
         if all_specs:
             raise UsageFailure("--all writes the forward's default specs; drop --kernel backward")
-        spec = build_backward_spec(spec_fields, deterministic, k_unroll)
+        spec = build_backward_spec(spec_fields, deterministic, k_unroll, dq_tma_reduce)
         _write(render_backward(spec), spec, output, out_dir)
         return
-    if deterministic is not None or k_unroll is not None:
-        raise UsageFailure("--deterministic and --k-unroll are --kernel backward flags")
+    if deterministic is not None or k_unroll is not None or dq_tma_reduce is not None:
+        raise UsageFailure("--deterministic, --k-unroll and --dq-tma-reduce are --kernel backward flags")
     try:
         if kernel != "forward":
             if all_specs:
@@ -367,7 +372,7 @@ def _emit_all(out_dir: Path, render) -> None:
               help="Print the SASS (cuobjdump) and a count of key instructions.")
 @_kernel_options
 def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=None, page_size=None, paged=None,
-            split_kv=None, pack_gqa=None):
+            split_kv=None, pack_gqa=None, dq_tma_reduce=None):
     """Compile a kernel (no GPU needed) and report what the compiler made of it.
 
     \b
@@ -378,10 +383,10 @@ def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=No
     from .runtime.compiler import ToolNotFoundError
 
     if kernel == "backward":
-        _inspect_backward(build_backward_spec(spec_fields, deterministic, k_unroll), what)
+        _inspect_backward(build_backward_spec(spec_fields, deterministic, k_unroll, dq_tma_reduce), what)
         return
-    if deterministic is not None or k_unroll is not None:
-        raise UsageFailure("--deterministic and --k-unroll are --kernel backward flags")
+    if deterministic is not None or k_unroll is not None or dq_tma_reduce is not None:
+        raise UsageFailure("--deterministic, --k-unroll and --dq-tma-reduce are --kernel backward flags")
     if kernel != "forward":
         from .runtime.compiler import CompileError
         from .spec.decode import compile_spec

@@ -26,8 +26,8 @@ import threading
 from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
-from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_PRODUCER_REGS,
-                              SM90_STAGES, BackwardSpec, sm90_dq_cols)
+from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_DQ_BUFS, SM90_GPU,
+                              SM90_PRODUCER_REGS, SM90_STAGES, BackwardSpec, dq_accum_rows, sm90_dq_cols)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields,
                                place, stride_fields)
 from ..runtime.plan import PlanCache, _Image
@@ -99,8 +99,13 @@ assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range
 
 
 _EMIT_ALWAYS = ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "causal")
-_EMIT_DEFAULTS = {"sm80": {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False},
-                  "sm90": {"gpu": SM90_GPU, "stages": SM90_STAGES, "k_unroll": 2, "deterministic": False}}
+_EMIT_DEFAULTS = {"sm80": {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False,
+                           "dq_tma_reduce": False},
+                  "sm90": {"gpu": SM90_GPU, "stages": SM90_STAGES, "k_unroll": 2, "deterministic": False,
+                           "dq_tma_reduce": False}}
+# Spec fields the rendered header lists only when set (added after the header's first readers: a spec
+# without them renders byte-identically to before they existed).
+_LISTED_WHEN_SET = ("dq_tma_reduce",)
 
 
 def emit_command(spec: BackwardSpec) -> str:
@@ -122,9 +127,11 @@ def emit(spec: BackwardSpec) -> str:
     placed, size, align = layout(spec.arch)
     return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
-        spec_items=sorted(spec.as_dict().items()), smem_bytes=spec.smem_bytes, threads=spec.threads,
+        spec_items=sorted((k, v) for k, v in spec.as_dict().items() if v or k not in _LISTED_WHEN_SET),
+        smem_bytes=spec.smem_bytes, threads=spec.threads,
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
-        producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim)))
+        producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),
+        dq_bufs=SM90_DQ_BUFS))
 
 
 _compiled: dict = {}
@@ -154,9 +161,11 @@ def resources_of(kernel) -> dict:
 
 def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
     """(preprocess, main, postprocess) grids: one warp per query row for the first and last, one CTA
-    per (key block, kv head, batch) for the main kernel."""
+    per (key block, kv head, batch) for the main kernel. dq_tma_reduce: the preprocess also zeroes
+    dq_accum's padding rows (dq_accum_rows)."""
     rows = (-(-seqlen_q // spec.num_warps), heads_q, batch)
-    return rows, (-(-seqlen_k // spec.block_n), heads_kv, batch), rows
+    pre = (-(-dq_accum_rows(spec, seqlen_q) // spec.num_warps), heads_q, batch)
+    return pre, (-(-seqlen_k // spec.block_n), heads_kv, batch), rows
 
 
 class BackwardPlan:
@@ -361,7 +370,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
         values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv))
     return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k),
                         pack(values, spec.arch),
-                        device=qv.device, accum_floats=batch * heads_q * seqlen_q * head_dim,
+                        device=qv.device, accum_floats=batch * heads_q * dq_accum_rows(spec, seqlen_q) * head_dim,
                         dpsum_floats=batch * heads_q * seqlen_q,
                         semaphore_ints=batch * heads_q * -(-seqlen_q // spec.block_m) if spec.deterministic else 0,
                         switch_context=qv.device != api._current_device(qv.kind))

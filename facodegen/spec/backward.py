@@ -60,6 +60,11 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("deterministic", "bool", "Bit-identical gradients across runs: the key blocks add into each query "
          "block's fp32 dQ in key-block order (a turn counter per query block) instead of in any order.",
          flag="--deterministic/--no-deterministic", token=_flag("det")),
+    Knob("dq_tma_reduce", "bool", "sm90: each consumer warpgroup stages its dQ tile (fp32) in shared memory and one "
+         "thread adds it into dq_accum with a TMA bulk reduce-add (FlashAttention-3's way), instead of every "
+         "thread's fp32 vector reductions from registers; dq_accum is then tiled (BLOCK_M-row tiles in the "
+         "warpgroups' register order, seqlen_q padded to BLOCK_M).",
+         flag="--dq-tma-reduce/--no-dq-tma-reduce", token=_flag("dqtma")),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
 )
@@ -92,6 +97,11 @@ SM90_STAGES = 2
 # the consumers, 128 x (24 + 2 x 240) = 64512 = the 168 per thread the 384-thread CTA starts with.
 SM90_PRODUCER_REGS, SM90_CONSUMER_REGS = 24, 240
 SM90_GPU = "h200"
+SM90_CONSUMER_WGS = 2
+# dq_tma_reduce: dQ tiles in shared memory per consumer warpgroup (step i writes tile i % 2 while the
+# bulk reduce of step i - 1 may still be reading the other). 64 KB at every head_dim (d96: 96 KB):
+# d128 162 + 64 = 226 KB, d96 130 + 96 = 226 KB, of the 227 KB an sm90 block may have.
+SM90_DQ_BUFS = 2
 
 
 def sm90_dq_cols(head_dim: int) -> int:
@@ -133,6 +143,7 @@ class BackwardSpec:
     stages: int | None = None
     gpu: str | None = None
     deterministic: bool = False
+    dq_tma_reduce: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -168,7 +179,7 @@ class BackwardSpec:
     @property
     def smem_bytes(self) -> int:
         if self.arch == "sm90":
-            return sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages)
+            return sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages, self.dq_tma_reduce)
         return smem_bytes(self.block_m, self.block_n, self.head_dim)
 
     @property
@@ -195,12 +206,20 @@ def smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
     return 2 * block_m * head_dim * e + 2 * block_n * head_dim * e + 2 * block_n * block_m * e + 2 * block_m * 4
 
 
-def sm90_smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int) -> int:
+def sm90_smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int, dq_tma_reduce: bool = False) -> int:
     """K + V tiles, ``stages`` x (Q + dO tiles and the LSE, D rows), two dS^T tiles (taking turns
-    between steps), and 1 KB to align the tiles to 1024 bytes (the 128-byte swizzle's period)."""
+    between steps), and 1 KB to align the tiles to 1024 bytes (the 128-byte swizzle's period);
+    dq_tma_reduce: each consumer warpgroup's SM90_DQ_BUFS fp32 dQ tiles of block_m x sm90_dq_cols."""
     e = ELEMENT_BYTES
+    dq = SM90_CONSUMER_WGS * SM90_DQ_BUFS * block_m * sm90_dq_cols(head_dim) * 4 if dq_tma_reduce else 0
     return (2 * block_n * head_dim * e + stages * (2 * block_m * head_dim * e + 2 * block_m * 4)
-            + 2 * block_n * block_m * e + 1024)
+            + 2 * block_n * block_m * e + 1024 + dq)
+
+
+def dq_accum_rows(spec: BackwardSpec, seqlen_q: int) -> int:
+    """Rows of dq_accum per (batch, head_q): seqlen_q, or with dq_tma_reduce seqlen_q rounded up to
+    block_m (the bulk reduce adds whole tiles; the rows past seqlen_q receive zeros)."""
+    return -(-seqlen_q // spec.block_m) * spec.block_m if spec.dq_tma_reduce else seqlen_q
 
 
 def kv_acc_floats(spec: BackwardSpec) -> int:
@@ -234,6 +253,8 @@ def _check_types(spec: BackwardSpec) -> None:
 
 
 def _validate(spec: BackwardSpec) -> None:
+    if spec.dq_tma_reduce:
+        raise SpecError("dq_tma_reduce", "an sm90 knob (TMA bulk reduce-add); the sm80 backward adds dQ with atomics")
     if spec.stages != 1:
         raise SpecError("stages", f"{spec.stages}: only stages=1 (one Q/dO buffer; the next step's loads run "
                                   f"under the dQ GEMM)")
