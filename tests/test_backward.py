@@ -54,6 +54,7 @@ def test_variant_names_the_problem_and_the_tile():
     ({"arch": "sm90", "stages": 1}, "stages", "2 deep"),
     ({"arch": "sm90", "k_unroll": 1}, "k_unroll", "sm80 knob"),
     ({"arch": "sm90", "gpu": "a100"}, "gpu", "h100, h200"),
+    ({"dq_tma_reduce": True}, "dq_tma_reduce", "an sm90 knob"),
     ({"dtype": "fp8"}, "dtype", "fp8"),
     ({"head_dim": 80}, "head_dim", "80"),
     ({"stages": 2}, "stages", "stages=1"),
@@ -689,3 +690,71 @@ def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
     do, q, k, v, o, lse = _problem(d=256)
     backward.attention_backward(do, q, k, v, o, lse)
     assert bwd.bwd.records[7]["name"] == BackwardSpec(head_dim=256, gpu="h200").variant
+
+
+# ------------------------------------------------------------------ sm90 dq_tma_reduce (dQ by TMA bulk reduce-add)
+
+SM90_DQTMA = [s.replace(dq_tma_reduce=True) for s in SM90]
+
+
+def test_dq_tma_reduce_is_off_by_default_and_leaves_no_trace():
+    """Off (the default), the knob changes no name, emit line or byte: the header lists it only when set
+    (the knob-off sources are byte-identical to the commit before it, scripts/render_digests.py)."""
+    spec = BackwardSpec(arch="sm90", head_dim=128)
+    assert not spec.dq_tma_reduce and "dqtma" not in spec.variant
+    source = backward.emit(spec)
+    for word in ("dq_tma_reduce", "DQ_TMA", "dq_accum_offset", "bulk_reduce", "DQ_FULL_BAR"):
+        assert word not in source, word
+    assert "--dq-tma-reduce" not in backward.emit_command(spec)
+    on = spec.replace(dq_tma_reduce=True)
+    assert on.variant == spec.variant + "_dqtma"
+    # d128: two warpgroups x two buffers of 64 rows x 64 columns fp32 on top; within the H200's 227 KB
+    assert on.smem_bytes == spec.smem_bytes + 2 * 2 * 64 * 64 * 4 <= GPUS["h200"].smem_per_block
+    assert all(s.smem_bytes <= GPUS["h100"].smem_per_block for s in SM90_DQTMA)
+
+
+@pytest.mark.parametrize("spec", SM90_DQTMA, ids=lambda s: s.variant)
+def test_sm90_dq_tma_reduce_renders_and_round_trips(spec):
+    source = _rendered(spec, ("dK += dS^T Q", "dQ = dS K", "TMA bulk reduce-add"))
+    assert "//   dq_tma_reduce        = True" in source and "--dq-tma-reduce" in backward.emit_command(spec)
+    argv = backward.emit_command(spec).split()[2:]
+    result = CliRunner().invoke(cli.main, ["emit", *argv])
+    assert result.exit_code == 0 and result.output == source
+
+
+@pytest.mark.parametrize("spec", SM90_DQTMA, ids=lambda s: s.variant)
+def test_sm90_dq_tma_reduce_compiles_to_one_bulk_reduce_per_step(spec):
+    """The knob on: no spills, the same GEMMs, and dQ leaves as STS.128 (register order) + one
+    UBLKRED (cp.reduce.async.bulk .add.f32) per warpgroup and step, with no fp32 REDG left; a named
+    barrier of one warpgroup (0x80 threads) orders the stores before the bulk copy."""
+    kernel = backward.compile(spec)
+    resources = backward.resources_of(kernel)
+    for name in spec.kernel_names:
+        r = resources[name]
+        assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (name, r)
+    assert "C75" not in kernel.log, kernel.log
+    sass = kernel.sass()
+    counts = kernel.sass_counts()
+    assert counts["LDL"] == 0 and counts["STL"] == 0 and counts["UTMALDG"] == 4
+    assert counts["HGMMA"] == backward.compile(spec.replace(dq_tma_reduce=False)).sass_counts()["HGMMA"]
+    assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1
+    assert not re.search(r"\bREDG?\.", sass), re.findall(r".*\bREDG?\..*", sass)
+    assert len(re.findall(r"\bSTS\.128 ", sass)) == sm90_dq_cols(spec.head_dim) // 2 // 4
+    assert re.search(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x80", sass)
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
+
+
+def test_dq_tma_reduce_call_pads_dq_accum_and_zeroes_the_padding(bwd, monkeypatch):
+    """dq_accum is seqlen_q rounded up to block_m rows per (batch, head_q): the preprocess's grid covers
+    the padding rows (it zeroes them), the postprocess's only seqlen_q."""
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
+    do, q, k, v, o, lse = _problem()                      # seqlen_q 113 -> 128 rows
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90", dq_tma_reduce=True)
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", dq_tma_reduce=True)
+    recs = bwd.bwd.records
+    assert [r["name"] for r in recs] == list(spec.kernel_names)
+    assert [r["grid"] for r in recs] == [(-(-128 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 12), 8, 2)]
+    assert recs[1]["smem"] == spec.smem_bytes
+    assert _field90(recs[1], "dpsum") - _field90(recs[1], "dq_accum") == 4 * 2 * 8 * 128 * 128

@@ -4,7 +4,8 @@ and zero-fill as the hardware does, wgmma that reads its operands through the ke
 (start address, LBO, SBO, swizzle; K-major and MN-major in the canonical layouts the forward's
 GPU-verified operands use) and writes the m64 accumulator layout, the RS A fragments packed from
 registers, the masks, the dS^T stores, the dQ split between the warpgroups and the reductions into
-dq_accum. It checks the kernel's indexing against the float64 reference on the CPU; the hardware
+dq_accum (or, dq_tma_reduce, the dQ tile in shared memory, its bulk reduce-add into the tiled
+dq_accum and the pre/post kernels' dq_accum_offset). It checks the kernel's indexing against the float64 reference on the CPU; the hardware
 itself (and the proxy and barrier protocol) is left to tests/gpu/test_backward_gpu.py.
 
 Follows the templates step for step: change them together.
@@ -78,9 +79,44 @@ def from_regs(regs, n):
     return out
 
 
+def dq_accum_offset(spec, row, col):
+    """bwd_ops.cuh.j2 dq_accum_offset (dq_tma_reduce): float offset of dQ element (row, col) of one
+    (batch, head_q) in the tiled dq_accum, col even (col + 1 follows)."""
+    bm, d = spec.block_m, spec.head_dim
+    dq_cols = sm90_dq_cols(d)
+    r, c = row % bm, col % dq_cols
+    thread = 32 * (r // 16) + 4 * (r % 8) + (c % 8) // 2
+    i = 4 * (c // 8) + 2 * ((r % 16) // 8)
+    return (row // bm) * bm * d + (col // dq_cols) * (bm * dq_cols) + ((i // 4) * WG_THREADS + thread) * 4 + i % 4
+
+
+def tiled_dq_accum(spec, batch, hq, sq):
+    """The preprocess on the tiled dq_accum: (batch, hq, m_blocks x block_m x d) float32, zero
+    wherever dq_accum_offset points for the rows up to the last tile's end, NaN elsewhere (a place
+    nobody zeroes would poison the gradient it reaches)."""
+    rows = -(-sq // spec.block_m) * spec.block_m
+    acc = np.full((batch, hq, rows * spec.head_dim), np.nan, dtype=np.float32)
+    for row in range(rows):
+        for col in range(0, spec.head_dim, 2):
+            off = dq_accum_offset(spec, row, col)
+            acc[:, :, off: off + 2] = 0.0
+    return acc
+
+
+def convert_tiled(spec, acc, sq):
+    """The postprocess's reads of the tiled dq_accum: (batch, hq, sq, d)."""
+    out = np.zeros(acc.shape[:2] + (sq, spec.head_dim))
+    for row in range(sq):
+        for col in range(0, spec.head_dim, 2):
+            off = dq_accum_offset(spec, row, col)
+            out[:, :, row, col: col + 2] = acc[:, :, off: off + 2]
+    return out
+
+
 def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
     """dq_accum (batch, heads_q, seqlen_q, d) and dK, dV (batch, seqlen_k, heads_kv, d) as the
-    main kernel leaves them (dK already times softmax_scale)."""
+    main kernel leaves them (dK already times softmax_scale); dq_tma_reduce: the tiled dq_accum
+    read back through the postprocess's dq_accum_offset."""
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bm, bn, stages = spec.block_m, spec.block_n, spec.stages
@@ -96,6 +132,7 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
     do_smem0 = q_smem0 + stages * q_tile
     ds_smem0 = do_smem0 + stages * q_tile
     dq_accum = np.zeros((batch, hq, sq, d))
+    tiled = tiled_dq_accum(spec, batch, hq, sq) if spec.dq_tma_reduce else None
     dk_out, dv_out = np.zeros(k.shape), np.zeros(v.shape)
     group = hq // hkv
     m_blocks = -(-sq // bm)
@@ -170,6 +207,17 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                             dq += a @ bmat.T
                         row, col = acc_index(dq_cols)
                         regs = to_regs(dq)
+                        if spec.dq_tma_reduce:
+                            # registers -> dq_smem (float4 j of thread t at (j * 128 + t) * 4), then one
+                            # bulk reduce-add of the whole tile: rows past seqlen_q go in too
+                            buf = np.zeros(bm * dq_cols, dtype=np.float32)
+                            for i in range(0, dq_cols // 2, 4):
+                                for t in range(WG_THREADS):
+                                    at = ((i // 4) * WG_THREADS + t) * 4
+                                    buf[at: at + 4] = regs[t, i: i + 4]
+                            tile = (row_begin // bm) * bm * d + (0 if split_keys else wg * bm * dq_cols)
+                            tiled[b, head, tile: tile + bm * dq_cols] += buf
+                            continue
                         keep = row_begin + row < sq
                         np.add.at(dq_accum[b, head], (row_begin + row[keep], dq_col0 + col[keep]), regs[keep])
                 # finish: dK *= scale, rows below seqlen_k
@@ -179,6 +227,12 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                     keep = key < sk
                     dk_out[b, key[keep], kv_head, col[keep]] = (dk_acc[wg] * scale)[keep].astype(E)
                     dv_out[b, key[keep], kv_head, col[keep]] = dv_acc[wg][keep].astype(E)
+    if spec.dq_tma_reduce:
+        # the padding rows (seqlen_q up to the last tile's end) received exact zeros: P = 0 there
+        pad = [dq_accum_offset(spec, row, col) + j for row in range(sq, -(-sq // bm) * bm)
+               for col in range(0, d, 2) for j in (0, 1)]
+        assert not np.any(tiled[:, :, pad]), "rows past seqlen_q must add zeros"
+        return convert_tiled(spec, tiled, sq), dk_out, dv_out
     return dq_accum, dk_out, dv_out
 
 
@@ -189,9 +243,28 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
     (128, 100, 130, 2, 1, True),    # dQ split by 64-column slabs; causal diagonal inside blocks
     (128, 200, 60, 1, 1, True),     # seqlen_q > seqlen_k: rows that see no key
 ])
-def test_emulated_sm90_kernel_matches_the_reference(d, sq, sk, hq, hkv, causal):
-    spec = BackwardSpec(arch="sm90", head_dim=d, dtype="fp16", causal=causal)
+@pytest.mark.parametrize("dq_tma_reduce", [False, True], ids=["red", "dqtma"])
+def test_emulated_sm90_kernel_matches_the_reference(d, sq, sk, hq, hkv, causal, dq_tma_reduce):
+    spec = BackwardSpec(arch="sm90", head_dim=d, dtype="fp16", causal=causal, dq_tma_reduce=dq_tma_reduce)
     check_emulated_backward(run_main_kernel, spec, sq, sk, hq, hkv, causal, seed=sq + sk + d)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_tiled_dq_accum_is_the_warpgroups_register_order(d):
+    """dq_tma_reduce: dq_accum_offset maps a query block's BLOCK_M x d elements one to one onto its
+    tile, and the element register i of thread t holds (acc_index) is where the warpgroup's bulk
+    reduce puts it: float4 i // 4 of thread t, in part wg (split by columns) of the tile."""
+    spec = BackwardSpec(arch="sm90", head_dim=d, dq_tma_reduce=True)
+    bm, dq_cols = spec.block_m, sm90_dq_cols(d)
+    offsets = sorted(dq_accum_offset(spec, r, c) + j for r in range(2 * bm) for c in range(0, d, 2) for j in (0, 1))
+    assert offsets == list(range(2 * bm * d))
+    row, col = acc_index(dq_cols)
+    t = np.arange(WG_THREADS)[:, None]
+    i = np.arange(dq_cols // 2)[None, :]
+    for part in range(d // dq_cols):     # (in the second query block's tile)
+        want = bm * d + part * bm * dq_cols + ((i // 4) * WG_THREADS + t) * 4 + i % 4
+        got = np.vectorize(lambda r, c: dq_accum_offset(spec, bm + r, part * dq_cols + c))(row, col - col % 2)
+        np.testing.assert_array_equal(got + col % 2, want)
 
 
 def test_the_descriptor_model_reads_back_what_tma_wrote():

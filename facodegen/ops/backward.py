@@ -8,7 +8,8 @@ deterministic) and ``<variant>_convert_dq`` (dQ =
 softmax_scale * dq_accum). Their one argument is ``BwdParams`` (BWD_FIELDS below, rendered into
 the template and packed here, like FlashParams for the forward). The float32 dq_accum
 (batch, heads_q, seqlen_q, head_dim) and D (batch, heads_q, seqlen_q) are allocated per call in
-the caller's library (torch's caching allocator, CuPy's pool): the only extra memory.
+the caller's library (torch's caching allocator, CuPy's pool): the only extra memory. (sm90 with
+dq_tma_reduce: dq_accum has seqlen_q rounded up to block_m rows, tiled in the kernel's order.)
 
 Launches go through driver.Launcher (the forward's launcher) from a ``BackwardPlan`` cached in a
 plan.PlanCache under the call's key (shapes, strides, dtypes, device, options), like the forward.

@@ -130,8 +130,11 @@ class BackwardSpec:
     GQA/MQA does not change the code (the CTA loops over its group's query heads). Knobs: block_m,
     block_n, num_warps (None: the default for head_dim, see DEFAULT_TILES / SM90_TILES), stages
     (None: sm80 1, sm90 SM90_STAGES), gpu (the budget model's limits), deterministic (False: dQ's
-    fp32 adds land in any order; sm80 only). Each field is checked on construction with a SpecError
-    naming it; the template repeats the checks as static_asserts."""
+    fp32 adds land in any order; sm80 only), dq_tma_reduce (False: each sm90 consumer thread adds its
+    dQ registers into dq_accum with fp32 vector reductions; True: a shared-memory tile per warpgroup
+    and one TMA bulk reduce-add, dq_accum tiled and padded, see dq_accum_rows; sm90 only). Each field
+    is checked on construction with a SpecError naming it; the template repeats the checks as
+    static_asserts."""
     arch: str = "sm80"
     head_dim: int = 128
     dtype: str = "bf16"

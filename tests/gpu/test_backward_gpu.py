@@ -355,3 +355,50 @@ def test_sm90_backward_of_the_sm90_forward_at_large_logits(dt):
     out, lse = facodegen.attention(q, k, v, causal=True, return_lse=True, arch="sm90")
     got = facodegen.attention_backward(do, q, k, v, out, lse, causal=True, arch="sm90")
     assert check_grads(got, do, q, k, v, True, 128 ** -0.5) == []
+
+
+# ------------------------------------------------------------------ sm90 dq_tma_reduce (dQ by TMA bulk reduce-add)
+# The knob stages each warpgroup's fp32 dQ tile in shared memory and adds it into a tiled, padded
+# dq_accum with cp.reduce.async.bulk (templates/sm90/flash_bwd.cu.j2); the rows past seqlen_q add
+# zeros into the padding, so odd seqlen_q (1, 113, 239) with several heads checks that no tile
+# spills into the next head's rows.
+
+@sm90_only
+@pytest.mark.parametrize("sq, sk, causal, d, dt, heads", _GRID90,
+                         ids=[f"dqtma-{sq}x{sk}-{'causal' if c else 'full'}-hd{d}-{dt}-{h}"
+                              for sq, sk, c, d, dt, h in _GRID90])
+def test_sm90_dq_tma_reduce_gradients_match_float64(sq, sk, causal, d, dt, heads):
+    hq, hkv = HEADS[heads]
+    batch = 2 if sq * sk < 100_000 else 1
+    q, k, v, do = make(batch, sq, sk, hq, hkv, d, DTYPES[dt], seed=sq * 7 + sk * 13 + d + 2)
+    scale = d ** -0.5 if (sq + d) % 2 else 0.3
+    got = run_backward(q, k, v, do, causal, scale, poison=(sq == 113), arch="sm90", dq_tma_reduce=True)
+    assert check_grads(got, do, q, k, v, causal, scale) == []
+
+
+@sm90_only
+@pytest.mark.parametrize("sq, sk, hq, hkv", [(113, 239, 8, 2), (239, 113, 6, 1), (1, 300, 4, 4), (1000, 1000, 8, 1)])
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_dq_tma_reduce_changes_only_dq(sq, sk, hq, hkv, d, causal):
+    """The knob on and off on the same inputs: dK and dV alike (the same code computes them; expected
+    bit-identical, compared within bf16 rounding), dQ within fp32 summation-order noise (both add in
+    any order), and right against float64."""
+    q, k, v, do = make(2, sq, sk, hq, hkv, d, torch.bfloat16, seed=sq + sk + d)
+    off = run_backward(q, k, v, do, causal, d ** -0.5, arch="sm90")
+    on = run_backward(q, k, v, do, causal, d ** -0.5, poison=True, arch="sm90", dq_tma_reduce=True)
+    for x, y in zip(on, off):
+        torch.testing.assert_close(x, y, atol=1e-2, rtol=1e-2)
+    assert check_grads(on, do, q, k, v, causal, d ** -0.5) == []
+
+
+@sm90_only
+def test_sm90_dq_tma_reduce_strided_inputs_and_a_second_call():
+    """Strided Q (a head stride of 256), twice on other tensors of that layout (the plan's second call,
+    a new scratch dq_accum)."""
+    for _ in range(2):
+        q = torch.randn(2, 97, 8, 128, device="cuda", dtype=torch.bfloat16)[:, :, ::2]
+        k, v = (torch.randn(2, 150, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        do = torch.randn(2, 97, 4, 128, device="cuda", dtype=torch.bfloat16)
+        got = run_backward(q, k, v, do, True, 0.125, poison=True, arch="sm90", dq_tma_reduce=True)
+        assert check_grads(got, do, q, k, v, True, 0.125) == []
