@@ -5,7 +5,7 @@ and zero-fill as the hardware does, wgmma that reads its operands through the ke
 GPU-verified operands use) and writes the m64 accumulator layout, the RS A fragments packed from
 registers, the masks, the dS^T stores, the dQ split between the warpgroups and the reductions into
 dq_accum (or, dq_tma_reduce, the dQ tile in shared memory, its bulk reduce-add into the tiled
-dq_accum and the pre/post kernels' dq_accum_offset). It checks the kernel's indexing against the float64 reference on the CPU; the hardware
+dq_accum and the pre/post kernels' dq_accum_element). It checks the kernel's indexing against the float64 reference on the CPU; the hardware
 itself (and the proxy and barrier protocol) is left to tests/gpu/test_backward_gpu.py.
 
 Follows the templates step for step: change them together.
@@ -79,37 +79,43 @@ def from_regs(regs, n):
     return out
 
 
-def dq_accum_offset(spec, row, col):
-    """bwd_ops.cuh.j2 dq_accum_offset (dq_tma_reduce): float offset of dQ element (row, col) of one
-    (batch, head_q) in the tiled dq_accum, col even (col + 1 follows)."""
+def dq_accum_element(spec, offset):
+    """bwd_ops.cuh.j2 dq_accum_element (dq_tma_reduce): the dQ element (row, col) of one (batch,
+    head_q) at float ``offset`` (even) of the tiled dq_accum; offset + 1 holds (row, col + 1)."""
     bm, d = spec.block_m, spec.head_dim
     dq_cols = sm90_dq_cols(d)
-    r, c = row % bm, col % dq_cols
-    thread = 32 * (r // 16) + 4 * (r % 8) + (c % 8) // 2
-    i = 4 * (c // 8) + 2 * ((r % 16) // 8)
-    return (row // bm) * bm * d + (col // dq_cols) * (bm * dq_cols) + ((i // 4) * WG_THREADS + thread) * 4 + i % 4
+    tile, in_tile = offset // (bm * d), offset % (bm * d)
+    part, in_part = in_tile // (bm * dq_cols), in_tile % (bm * dq_cols)
+    i = 4 * (in_part // (WG_THREADS * 4)) + in_part % 4
+    thread = (in_part // 4) % WG_THREADS
+    lane = thread % 32
+    row = tile * bm + 16 * (thread // 32) + lane // 4 + 8 * ((i >> 1) & 1)
+    col = part * dq_cols + 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)
+    return row, col
 
 
 def tiled_dq_accum(spec, batch, hq, sq):
-    """The preprocess on the tiled dq_accum: (batch, hq, m_blocks x block_m x d) float32, zero
-    wherever dq_accum_offset points for the rows up to the last tile's end, NaN elsewhere (a place
-    nobody zeroes would poison the gradient it reaches)."""
+    """The preprocess on the tiled dq_accum: (batch, hq, m_blocks x block_m x d) float32, NaN (a
+    place nobody zeroes would poison what reads it) but for the HEAD_DIM floats at row x HEAD_DIM
+    that the warp of each row up to the padded end zeroes."""
     rows = -(-sq // spec.block_m) * spec.block_m
-    acc = np.full((batch, hq, rows * spec.head_dim), np.nan, dtype=np.float32)
+    acc = np.full((batch, hq, rows * spec.head_dim + 64), np.nan, dtype=np.float32)   # + a next head's start
     for row in range(rows):
-        for col in range(0, spec.head_dim, 2):
-            off = dq_accum_offset(spec, row, col)
-            acc[:, :, off: off + 2] = 0.0
+        acc[:, :, row * spec.head_dim: (row + 1) * spec.head_dim] = 0.0
     return acc
 
 
 def convert_tiled(spec, acc, sq):
-    """The postprocess's reads of the tiled dq_accum: (batch, hq, sq, d)."""
-    out = np.zeros(acc.shape[:2] + (sq, spec.head_dim))
-    for row in range(sq):
-        for col in range(0, spec.head_dim, 2):
-            off = dq_accum_offset(spec, row, col)
-            out[:, :, row, col: col + 2] = acc[:, :, off: off + 2]
+    """The postprocess: the warp of row r reads the HEAD_DIM floats at r x HEAD_DIM (rows up to the
+    padded end) and writes each pair to dQ's (row, col) of dq_accum_element, if row < seqlen_q:
+    (batch, hq, sq, d), NaN where nothing was written."""
+    d = spec.head_dim
+    out = np.full(acc.shape[:2] + (sq, d), np.nan)
+    for r in range(-(-sq // spec.block_m) * spec.block_m):
+        for c in range(0, d, 2):
+            row, col = dq_accum_element(spec, r * d + c)
+            if row < sq:
+                out[:, :, row, col: col + 2] = acc[:, :, r * d + c: r * d + c + 2]
     return out
 
 
@@ -229,9 +235,10 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                     dv_out[b, key[keep], kv_head, col[keep]] = dv_acc[wg][keep].astype(E)
     if spec.dq_tma_reduce:
         # the padding rows (seqlen_q up to the last tile's end) received exact zeros: P = 0 there
-        pad = [dq_accum_offset(spec, row, col) + j for row in range(sq, -(-sq // bm) * bm)
-               for col in range(0, d, 2) for j in (0, 1)]
+        rows = -(-sq // bm) * bm
+        pad = [off + j for off in range(0, rows * d, 2) if dq_accum_element(spec, off)[0] >= sq for j in (0, 1)]
         assert not np.any(tiled[:, :, pad]), "rows past seqlen_q must add zeros"
+        assert np.isnan(tiled[:, :, rows * d:]).all(), "no tile reaches past the head's padded rows"
         return convert_tiled(spec, tiled, sq), dk_out, dv_out
     return dq_accum, dk_out, dv_out
 
@@ -251,20 +258,20 @@ def test_emulated_sm90_kernel_matches_the_reference(d, sq, sk, hq, hkv, causal, 
 
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_tiled_dq_accum_is_the_warpgroups_register_order(d):
-    """dq_tma_reduce: dq_accum_offset maps a query block's BLOCK_M x d elements one to one onto its
-    tile, and the element register i of thread t holds (acc_index) is where the warpgroup's bulk
-    reduce puts it: float4 i // 4 of thread t, in part wg (split by columns) of the tile."""
+    """dq_tma_reduce: dq_accum_element maps two query blocks' tiles one to one onto their BLOCK_M x d
+    elements, and the float4 i // 4 of thread t in part p of a tile (where the warpgroup's bulk reduce
+    puts its register i) holds the element that register holds in the accumulator layout (acc_index)."""
     spec = BackwardSpec(arch="sm90", head_dim=d, dq_tma_reduce=True)
     bm, dq_cols = spec.block_m, sm90_dq_cols(d)
-    offsets = sorted(dq_accum_offset(spec, r, c) + j for r in range(2 * bm) for c in range(0, d, 2) for j in (0, 1))
-    assert offsets == list(range(2 * bm * d))
+    elements = sorted((r, c + j) for off in range(0, 2 * bm * d, 2)
+                      for (r, c) in [dq_accum_element(spec, off)] for j in (0, 1))
+    assert elements == [(r, c) for r in range(2 * bm) for c in range(d)]
     row, col = acc_index(dq_cols)
-    t = np.arange(WG_THREADS)[:, None]
-    i = np.arange(dq_cols // 2)[None, :]
     for part in range(d // dq_cols):     # (in the second query block's tile)
-        want = bm * d + part * bm * dq_cols + ((i // 4) * WG_THREADS + t) * 4 + i % 4
-        got = np.vectorize(lambda r, c: dq_accum_offset(spec, bm + r, part * dq_cols + c))(row, col - col % 2)
-        np.testing.assert_array_equal(got + col % 2, want)
+        for t in range(WG_THREADS):
+            for i in range(0, dq_cols // 2, 2):
+                off = bm * d + part * bm * dq_cols + ((i // 4) * WG_THREADS + t) * 4 + i % 4
+                assert dq_accum_element(spec, off) == (bm + row[t, i], part * dq_cols + col[t, i])
 
 
 def test_the_descriptor_model_reads_back_what_tma_wrote():

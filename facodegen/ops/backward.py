@@ -162,11 +162,10 @@ def resources_of(kernel) -> dict:
 
 def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
     """(preprocess, main, postprocess) grids: one warp per query row for the first and last, one CTA
-    per (key block, kv head, batch) for the main kernel. dq_tma_reduce: the preprocess also zeroes
-    dq_accum's padding rows (dq_accum_rows)."""
-    rows = (-(-seqlen_q // spec.num_warps), heads_q, batch)
-    pre = (-(-dq_accum_rows(spec, seqlen_q) // spec.num_warps), heads_q, batch)
-    return pre, (-(-seqlen_k // spec.block_n), heads_kv, batch), rows
+    per (key block, kv head, batch) for the main kernel. dq_tma_reduce: one warp per row of the padded,
+    tiled dq_accum (dq_accum_rows: the preprocess zeroes the padding too)."""
+    rows = (-(-dq_accum_rows(spec, seqlen_q) // spec.num_warps), heads_q, batch)
+    return rows, (-(-seqlen_k // spec.block_n), heads_kv, batch), rows
 
 
 class BackwardPlan:
