@@ -152,7 +152,10 @@ def backward_rows(torch, api):
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
     meta, ptr = api.ARRAY_META["torch"], api.ARRAY_PTR["torch"]
     scratch_bytes = 4 * (plan.accum_floats + plan.dpsum_floats + plan.semaphore_ints)
-    pointers = tuple(x.data_ptr() for x in (q, k, v, o, do, lse, dq, dk, dv)) + (1 << 20, 2 << 20, 0)
+    pointers = tuple(x.data_ptr() for x in (q, k, v, o, do, lse, dq, dk, dv))
+    plain = hasattr(plan, "launch_plain")     # (the script times older commits too, for before/after)
+    if not plain:   # (before: the scratch's three pointers too)
+        pointers += (1 << 20, 2 << 20, 0)
 
     # autograd: a forward that records, and its backward through the engine (retain_graph: one graph, timed again
     # and again) and through the Function's own backward (grad_fn.apply: no engine)
@@ -174,6 +177,11 @@ def backward_rows(torch, api):
             out, (qg, kg, vg), do, retain_graph=True)),
         ("autograd: out.grad_fn.apply(do, None) (_Attention.backward)", lambda: grad_fn.apply(do, None)),
         ("  autograd: do.contiguous() + _backward_knobs()", lambda: (do.contiguous(), torch_op._backward_knobs())),
+        ("  the key (as the torch fast path builds it, since bwd-host)", lambda: (
+            do.dtype, do.shape, do.stride(), do.get_device(), q.dtype, q.shape, q.stride(), q.get_device(),
+            k.dtype, k.shape, k.stride(), k.get_device(), v.dtype, v.shape, v.stride(), v.get_device(),
+            o.dtype, o.shape, o.stride(), o.get_device(), lse.dtype, lse.shape, lse.stride(), lse.get_device(),
+            None, None, None, bool, True, type(None), None, None, (), torch._C._cuda_getDevice())),
         ("  the key (meta x 9 + current device, as the checked key)", lambda: (
             "torch", meta(do), meta(q), meta(k), meta(v), meta(o), meta(lse), meta(None), meta(None), meta(None),
             bool, True, type(None), None, None, (), api._current_device("torch"))),
@@ -189,8 +197,11 @@ def backward_rows(torch, api):
                                                     ptr(dk), ptr(dv))),
         ("  current stream", lambda: torch._C._cuda_getCurrentRawStream(0)),
         ("  plan.launch (one pack, 3 launches, no-op binding)", lambda: plan.launch(STREAM, pointers)),
+        ("  plan.launch_plain (the hit's: one pack, 3 bare launches)", lambda: plan.launch_plain(STREAM, *pointers)),
         ("    one driver.Launcher over the no-op binding", lambda: plan._launchers[0](STREAM, 0)),
     ]
+    if not plain:
+        rows = [row for row in rows if "launch_plain" not in row[0]]
     for _, fn in rows[:5]:
         fn()     # (dq= builds a plan of its own)
     misses = backward._PLANS.misses

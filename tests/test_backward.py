@@ -664,11 +664,18 @@ def test_sm90_call_launches_three_kernels_and_moves_its_maps(bwd, monkeypatch):
     assert [a.ptr for a in encoded] == [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()]
     assert [a.box for a in encoded] == [(64, 64, 1, 1), (64, 128, 1, 1), (64, 128, 1, 1), (64, 64, 1, 1)]
     assert [a.dims for a in encoded] == [(128, 113, 8, 2), (128, 203, 2, 2), (128, 203, 2, 2), (128, 113, 8, 2)]
-    assert moves == [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()]
+    assert moves == []      # the maps were encoded at this call's tensors: nothing to move
     do2, q2, k2, v2, o2, lse2 = _problem()
     backward.attention_backward(do2, q2, k2, v2, o2, lse2, causal=True, arch="sm90")
     assert backward._PLANS.misses == 1 and len(encoded) == 4     # the plan's maps, pointed at the new tensors
-    assert moves[4:] == [q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), do2.data_ptr()]
+    assert moves == [q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), do2.data_ptr()]
+    # the first tensors again (a model's other layer of the same shape): their image, no map moved
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90")
+    assert len(moves) == 4 and len(bwd.bwd.records) == 9
+    assert bwd.bwd.records[-1]["params"][:8 * 6] == recs[0]["params"][:8 * 6]     # q, k, v, o, dout, lse
+    # only the TMA maps' operands pick the image: another o, lse or dq lands in the same one
+    backward.attention_backward(do, q, k, v, o2, lse2, causal=True, arch="sm90")
+    assert len(moves) == 4 and _field90(bwd.bwd.records[-1], "o") == o2.data_ptr()
 
 
 def test_an_sm80_forward_asks_for_the_sm80_backward():
