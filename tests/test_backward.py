@@ -696,3 +696,16 @@ def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
     do, q, k, v, o, lse = _problem(d=256)
     backward.attention_backward(do, q, k, v, o, lse)
     assert bwd.bwd.records[7]["name"] == BackwardSpec(head_dim=256, gpu="h200").variant
+
+
+def test_eager_backward_makes_no_zero_gradient_for_the_lse(meta_launches):
+    """The LSE takes no gradient: _Attention tells the engine not to materialize one (on a GPU, an
+    allocation and a fill kernel per backward), and its backward still gets dO."""
+    import facodegen
+    q = meta(1, 16, 2, 64)
+    out, lse = facodegen.attention(q, q.detach(), q.detach(), return_lse=True)
+    with DispatchedOps() as ops:
+        out.float().sum().backward()
+    assert not [name for name in ops.names if "zero" in name or "fill" in name], ops.names
+    [bwd] = meta_launches.backwards
+    assert bwd["do"].shape == q.shape

@@ -335,17 +335,31 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
+        # the LSE takes no gradient: the engine need not make a zero one for it (on a GPU: an allocation
+        # and a fill kernel per backward)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, softmax_scale, arch, _ = ctx.call
-        dq, dk, dv = backward.attention_backward(grad_out.contiguous(), q, k, v, out, lse, causal=causal,
-                                                 softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
-                                                 **_backward_knobs())
-        return dq, dk, dv, None
+        if torch.is_grad_enabled():     # create_graph=True: once_differentiable's error on a second derivative
+            return _backward_once(ctx, grad_out)
+        return _backward(ctx, grad_out)
+
+
+def _backward(ctx, grad_out):
+    """_Attention's backward (grad mode off: the engine's, without create_graph)."""
+    if grad_out is None:    # (no gradient reached O: set_materialize_grads(False) leaves it None)
+        return None, None, None, None
+    q, k, v, out, lse = ctx.saved_tensors
+    causal, softmax_scale, arch, _ = ctx.call
+    dq, dk, dv = backward.attention_backward(grad_out.contiguous(), q, k, v, out, lse, causal=causal,
+                                             softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
+                                             **_backward_knobs())
+    return dq, dk, dv, None
+
+
+_backward_once = once_differentiable(_backward)
 
 
 _LIB.impl("attention", _attention_cuda, "CUDA")
