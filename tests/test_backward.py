@@ -868,3 +868,23 @@ def test_threads_on_one_stream_do_not_interleave_their_launches(bwd):
         t.join()
     names = [r["name"] for r in bwd.bwd.records]
     assert len(names) == 3 * 801 and names == list(spec.kernel_names) * 801
+
+
+@pytest.mark.parametrize("layout, copied", [("contiguous", False), ("transposed", False), ("expanded", True),
+                                            ("head_dim_strided", True), ("odd_stride", True)])
+def test_eager_backward_copies_do_only_where_the_kernels_cannot_read_it(meta_launches, layout, copied):
+    """dO goes to attention_backward as it is where its layout is one the kernels take (head_dim
+    contiguous, other strides multiples of 8 elements); anything else is made contiguous first."""
+    import facodegen
+    q = meta(1, 16, 2, 64)
+    out = facodegen.attention(q, q.detach(), q.detach())
+    grad = {"contiguous": lambda: torch.empty(1, 16, 2, 64, dtype=torch.bfloat16, device="meta"),
+            "transposed": lambda: torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2),
+            "expanded": lambda: torch.empty((), dtype=torch.bfloat16, device="meta").expand(1, 16, 2, 64),
+            "head_dim_strided": lambda: torch.empty(1, 16, 2, 128, dtype=torch.bfloat16, device="meta")[..., ::2],
+            "odd_stride": lambda: torch.empty(1, 16, 2, 68, dtype=torch.bfloat16, device="meta")[..., :64]}[layout]()
+    torch.autograd.backward(out, grad)
+    [bwd] = meta_launches.backwards
+    assert bwd["do"].shape == q.shape and bwd["do"].stride(-1) == 1
+    assert (bwd["do"].stride() != grad.stride()) == copied
+    assert bwd["do"].is_contiguous() or not copied

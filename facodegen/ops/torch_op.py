@@ -351,9 +351,13 @@ def _backward(ctx, grad_out):
     """_Attention's backward (grad mode off: the engine's, without create_graph)."""
     if grad_out is None:    # (no gradient reached O: set_materialize_grads(False) leaves it None)
         return None, None, None, None
+    if not grad_out.is_contiguous():    # a layout the kernels read as it is needs no copy (e.g. a transposed
+        s = grad_out.stride()           # (batch, heads, seqlen, head_dim) gradient seen as (b, s, h, d))
+        if s[3] != 1 or (s[0] | s[1] | s[2]) & 7 or grad_out.data_ptr() & 15:
+            grad_out = grad_out.contiguous()
     q, k, v, out, lse = ctx.saved_tensors
     causal, softmax_scale, arch, _ = ctx.call
-    dq, dk, dv = backward.attention_backward(grad_out.contiguous(), q, k, v, out, lse, causal=causal,
+    dq, dk, dv = backward.attention_backward(grad_out, q, k, v, out, lse, causal=causal,
                                              softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
                                              **_backward_knobs())
     return dq, dk, dv, None
