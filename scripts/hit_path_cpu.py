@@ -2,7 +2,11 @@
 """The Python cost of a plan-cache hit of facodegen.attention() on torch tensors, on a CPU-only
 machine: the CPU twin of scripts/host_cost_breakdown.py (which times the real thing on a GPU).
 
-    python3 scripts/hit_path_cpu.py [--calls 20000] [--repeat 30]
+    python3 scripts/hit_path_cpu.py [--calls 20000] [--repeat 30] [--only forward|backward]
+
+The backward section times facodegen.attention_backward's hit and the eager autograd backward
+(torch_op._Attention: through the engine, through grad_fn.apply, and a forward+backward step) on
+(1, 128, 8, 128) bf16 causal (the sm90 backward on the fake H200), and their pieces.
 
 CPU torch tensors cannot take the real hit path (their get_device() is -1 and no kernel runs),
 so this script fakes the GPU around the same Python code, as tests/test_plan_cache.py does:
@@ -11,7 +15,7 @@ so this script fakes the GPU around the same Python code, as tests/test_plan_cac
   method), ``torch._C._cuda_getDevice`` and ``_cuda_getCurrentRawStream`` (absent from CPU
   builds) are lambdas returning 0 and a fixed stream;
 - the miss that builds the plan sees the CPU tensors as cuda:0 tensors (api._view), on a fake H200
-  (sm90: four TMA maps per plan, encoded as zeros), its kernel "loaded" without compiling;
+  (sm90: four TMA maps per plan, encoded as zeros), its kernels "loaded" without compiling;
 - the plan's driver.Launcher is the real one over a no-op binding (driver._launch_binding: what
   CuPy's launchKernel or ctypes would call) and its scratch is CPU memory.
 
@@ -19,6 +23,8 @@ So attention()'s whole hit is timed minus the driver call (~4.7 µs on the H200)
 allocation for O (``torch.empty_like``: malloc, set never to mmap or trim, not CUDA's caching
 allocator: compare it as a piece, not as the H200's 3.6 µs). The pieces are timed in loops of their own; they do not add up
 exactly. Numbers are µs per call, the best of ``--repeat`` rounds over all rows of ``--calls`` calls each.
+The backward's hit misses three driver calls, not one, and its dq, dk, dv (and before bwd-host its
+scratch) are CPU allocations too; moving a TMA map (cuTensorMapReplaceAddress, ~1 µs) is a no-op here.
 """
 
 from __future__ import annotations
