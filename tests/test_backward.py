@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import re
 import struct
+import time
 import warnings
 
 import pytest
@@ -259,9 +260,12 @@ def test_cli_forward_is_still_the_default():
 class BwdLaunches:
     def __init__(self):
         self.records = []
+        self.yield_in_launch = False    # let another thread run inside each launch (time.sleep(0))
 
     def launcher(self, function, grid, threads, smem):
         def launch(stream, kernel_params):
+            if self.yield_in_launch:
+                time.sleep(0)
             address = ctypes.c_void_p.from_address(kernel_params).value
             self.records.append({"name": function.ptr, "grid": grid, "threads": threads, "smem": smem,
                                  "stream": stream, "params": ctypes.string_at(address, backward.layout()[1])})
@@ -664,11 +668,18 @@ def test_sm90_call_launches_three_kernels_and_moves_its_maps(bwd, monkeypatch):
     assert [a.ptr for a in encoded] == [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()]
     assert [a.box for a in encoded] == [(64, 64, 1, 1), (64, 128, 1, 1), (64, 128, 1, 1), (64, 64, 1, 1)]
     assert [a.dims for a in encoded] == [(128, 113, 8, 2), (128, 203, 2, 2), (128, 203, 2, 2), (128, 113, 8, 2)]
-    assert moves == [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()]
+    assert moves == []      # the maps were encoded at this call's tensors: nothing to move
     do2, q2, k2, v2, o2, lse2 = _problem()
     backward.attention_backward(do2, q2, k2, v2, o2, lse2, causal=True, arch="sm90")
     assert backward._PLANS.misses == 1 and len(encoded) == 4     # the plan's maps, pointed at the new tensors
-    assert moves[4:] == [q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), do2.data_ptr()]
+    assert moves == [q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), do2.data_ptr()]
+    # the first tensors again (a model's other layer of the same shape): their image, no map moved
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90")
+    assert len(moves) == 4 and len(bwd.bwd.records) == 9
+    assert bwd.bwd.records[-1]["params"][:8 * 6] == recs[0]["params"][:8 * 6]     # q, k, v, o, dout, lse
+    # only the TMA maps' operands pick the image: another o, lse or dq lands in the same one
+    backward.attention_backward(do, q, k, v, o2, lse2, causal=True, arch="sm90")
+    assert len(moves) == 4 and _field90(bwd.bwd.records[-1], "o") == o2.data_ptr()
 
 
 def test_an_sm80_forward_asks_for_the_sm80_backward():
@@ -689,3 +700,191 @@ def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
     do, q, k, v, o, lse = _problem(d=256)
     backward.attention_backward(do, q, k, v, o, lse)
     assert bwd.bwd.records[7]["name"] == BackwardSpec(head_dim=256, gpu="h200").variant
+
+
+def test_eager_backward_makes_no_zero_gradient_for_the_lse(meta_launches):
+    """The LSE takes no gradient: _Attention tells the engine not to materialize one (on a GPU, an
+    allocation and a fill kernel per backward), and its backward still gets dO."""
+    import facodegen
+    q = meta(1, 16, 2, 64)
+    out, lse = facodegen.attention(q, q.detach(), q.detach(), return_lse=True)
+    with DispatchedOps() as ops:
+        out.float().sum().backward()
+    assert not [name for name in ops.names if "zero" in name or "fill" in name], ops.names
+    [bwd] = meta_launches.backwards
+    assert bwd["do"].shape == q.shape
+
+
+# ------------------------------------------------------------------ attention_backward's hit path (fake GPU)
+
+def _scratch_fields(record, arch):
+    get = _field90 if arch == "sm90" else _field
+    return get(record, "dq_accum"), get(record, "dpsum"), get(record, "dq_semaphore")
+
+
+@pytest.mark.parametrize("arch, knobs", [("sm80", {}), ("sm90", {}), ("sm80", {"deterministic": True})])
+def test_a_hit_launches_the_checked_paths_bytes(bwd, monkeypatch, arch, knobs):
+    """A hit (BackwardPlan.launch_plain, from attention_backward's own frame) launches the three
+    kernels with the bytes the checked path (BackwardPlan.launch) gives the same call."""
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    do, q, k, v, o, lse = _problem()
+    grads = FakeTensor(q.shape), FakeTensor(k.shape), FakeTensor(v.shape)
+    call = dict(causal=True, softmax_scale=0.3, arch=arch, dq=grads[0], dk=grads[1], dv=grads[2], **knobs)
+    backward.attention_backward(do, q, k, v, o, lse, **call)      # the miss: the checked path
+    [plan] = backward._PLANS._plans.values()
+    assert plan.plain
+    plain = []
+    monkeypatch.setattr(plan, "launch_plain", lambda *a: plain.append(a) or type(plan).launch_plain(plan, *a))
+    backward.attention_backward(do, q, k, v, o, lse, **call)      # a hit: launch_plain
+    monkeypatch.setattr(plan, "plain", False)
+    backward.attention_backward(do, q, k, v, o, lse, **call)      # a hit through plan.launch
+    recs = bwd.bwd.records
+    assert len(plain) == 1 and backward._PLANS.misses == 1 and len(recs) == 9
+    assert [r["params"] for r in recs[3:6]] == [r["params"] for r in recs[6:9]] == [r["params"] for r in recs[:3]]
+    assert [(r["name"], r["grid"], r["stream"]) for r in recs[3:6]] == [(r["name"], r["grid"], r["stream"])
+                                                                       for r in recs[:3]]
+    assert _scratch_fields(recs[3], arch)[0] != 0
+    assert (_scratch_fields(recs[3], arch)[2] != 0) == bool(knobs)
+
+
+def test_a_hit_allocates_contiguous_gradients(bwd):
+    do, q, k, v, o, lse = _problem()
+    q = q.as_strided(q.shape, (113 * 8 * 256, 8 * 256, 256, 1))     # a view of a wider tensor (e.g. qkv packed)
+    backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    dq, dk, dv = backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    assert backward._PLANS.misses == 1
+    assert dq.stride() == FakeTensor(q.shape).stride() and dq.shape == q.shape and dk.shape == k.shape
+    main = bwd.bwd.records[4]
+    assert (_field(main, "dq"), _field(main, "dk"), _field(main, "dv")) == (dq.data_ptr(), dk.data_ptr(),
+                                                                            dv.data_ptr())
+    assert _field(main, "dq_row_stride") == 8 * 128 and _field(main, "q_row_stride") == 8 * 256
+
+
+@pytest.mark.parametrize("change", ["do_strides", "q_strides", "dtype", "dq", "dk", "deterministic", "causal",
+                                    "scale", "scale_type", "arch", "knob", "lse_device", "current_device"])
+def test_what_changes_the_launch_misses(bwd, change):
+    """Every part of a call that changes its launch (or its checks) is in the hit's key: a call that
+    differs from a cached one in it builds a plan of its own."""
+    do, q, k, v, o, lse = _problem()
+    args, kwargs = dict(do=do, q=q, k=k, v=v, out=o, lse=lse), dict(causal=True, arch="sm80")
+    backward.attention_backward(*args.values(), **kwargs)
+    if change == "do_strides":
+        args["do"] = do.as_strided(do.shape, (113 * 8 * 256, 8 * 256, 256, 1))
+    elif change == "q_strides":
+        args["q"] = q.as_strided(q.shape, (113 * 8 * 256, 8 * 256, 256, 1))
+    elif change == "dtype":
+        args = {n: FakeTensor(x.shape, "float32" if n == "lse" else "float16") for n, x in args.items()}
+    elif change in ("dq", "dk"):
+        kwargs[change] = FakeTensor(q.shape if change == "dq" else k.shape)
+    elif change == "deterministic":
+        kwargs["deterministic"] = True
+    elif change == "causal":
+        kwargs["causal"] = False
+    elif change == "scale":
+        kwargs["softmax_scale"] = 0.25
+    elif change == "scale_type":    # 1 and 1.0 hash alike; the plan caches the checked value of one of them
+        backward.attention_backward(*args.values(), softmax_scale=1.0, **kwargs)
+        kwargs["softmax_scale"] = 1
+    elif change == "arch":
+        kwargs["arch"] = "sm90"
+    elif change == "knob":
+        kwargs["block_n"] = 64
+    elif change == "lse_device":
+        args["lse"] = FakeTensor(lse.shape, "float32", device=1)
+    elif change == "current_device":
+        bwd.device = 1
+    before = backward._PLANS.misses
+    try:
+        backward.attention_backward(*args.values(), **kwargs)
+    except TypeError as err:    # lse on another device: refused by the checked path, never a hit
+        assert change == "lse_device" and "lse must be" in str(err)
+        return
+    assert backward._PLANS.misses == before + 1
+    assert change != "current_device" or bwd.launches.switches == [0]     # (the launch switches to the tensors' device)
+
+
+def test_streams_get_their_own_scratch(bwd):
+    """dq_accum, D and the turn counters are the plan's per stream: calls on one stream share them
+    (run in order), calls on two streams never do."""
+    do, q, k, v, o, lse = _problem()
+    seen = {}
+    for stream in (1000, 2000, 1000, 3000, 2000):
+        bwd.stream = stream
+        backward.attention_backward(do, q, k, v, o, lse, arch="sm80", deterministic=True)
+        main = bwd.bwd.records[-2]
+        assert main["stream"] == stream
+        scratch = (_field(main, "dq_accum"), _field(main, "dpsum"), _field(main, "dq_semaphore"))
+        assert scratch == seen.setdefault(stream, scratch)
+    assert backward._PLANS.misses == 1 and len(set(seen.values())) == 3
+    for a in seen.values():     # disjoint
+        for b in seen.values():
+            assert a == b or abs(a[0] - b[0]) >= 4 * (2 * 8 * 113 * (128 + 1))
+
+
+def test_a_large_scratch_is_allocated_per_call(bwd, monkeypatch):
+    """Above CACHED_SCRATCH_BYTES the plan keeps no scratch: each call allocates its own (checked
+    path's launch), laid out as the kept one."""
+    monkeypatch.setattr(backward, "CACHED_SCRATCH_BYTES", 1024)
+    do, q, k, v, o, lse = _problem()
+    allocations = []
+    real = api._allocate
+    monkeypatch.setattr(api, "_allocate", lambda kind, device, nbytes: allocations.append(nbytes) or real(
+        kind, device, nbytes))
+    for _ in range(2):
+        backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    [plan] = backward._PLANS._plans.values()
+    assert not plan.plain and plan.scratch(1000) is None and backward._PLANS.misses == 1
+    assert allocations == [4 * (2 * 8 * 113 * 129)] * 2
+    first, second = bwd.bwd.records[1], bwd.bwd.records[4]
+    assert _field(first, "dq_accum") != _field(second, "dq_accum")
+    assert _field(second, "dpsum") - _field(second, "dq_accum") == 4 * 2 * 8 * 113 * 128
+
+
+def test_a_misaligned_hit_raises_from_the_checked_path(bwd):
+    do, q, k, v, o, lse = _problem()
+    backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        backward.attention_backward(do.offset(8), q, k, v, o, lse, arch="sm80")
+    assert len(bwd.bwd.records) == 3
+
+
+def test_threads_on_one_stream_do_not_interleave_their_launches(bwd):
+    """The plan's lock spans a call's three launches: two threads on one stream sharing the plan's
+    scratch queue preprocess, main, convert of one call before the next call's."""
+    import threading
+    do, q, k, v, o, lse = _problem()
+    backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    spec = BackwardSpec(head_dim=128, gpu="h200")
+    bwd.bwd.yield_in_launch = True
+
+    def run():
+        for _ in range(200):
+            backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    names = [r["name"] for r in bwd.bwd.records]
+    assert len(names) == 3 * 801 and names == list(spec.kernel_names) * 801
+
+
+@pytest.mark.parametrize("layout, copied", [("contiguous", False), ("transposed", False), ("expanded", True),
+                                            ("head_dim_strided", True), ("odd_stride", True)])
+def test_eager_backward_copies_do_only_where_the_kernels_cannot_read_it(meta_launches, layout, copied):
+    """dO goes to attention_backward as it is where its layout is one the kernels take (head_dim
+    contiguous, other strides multiples of 8 elements); anything else is made contiguous first."""
+    import facodegen
+    q = meta(1, 16, 2, 64)
+    out = facodegen.attention(q, q.detach(), q.detach())
+    grad = {"contiguous": lambda: torch.empty(1, 16, 2, 64, dtype=torch.bfloat16, device="meta"),
+            "transposed": lambda: torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2),
+            "expanded": lambda: torch.empty((), dtype=torch.bfloat16, device="meta").expand(1, 16, 2, 64),
+            "head_dim_strided": lambda: torch.empty(1, 16, 2, 128, dtype=torch.bfloat16, device="meta")[..., ::2],
+            "odd_stride": lambda: torch.empty(1, 16, 2, 68, dtype=torch.bfloat16, device="meta")[..., :64]}[layout]()
+    torch.autograd.backward(out, grad)
+    [bwd] = meta_launches.backwards
+    assert bwd["do"].shape == q.shape and bwd["do"].stride(-1) == 1
+    assert (bwd["do"].stride() != grad.stride()) == copied
+    assert bwd["do"].is_contiguous() or not copied

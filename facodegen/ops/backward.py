@@ -7,11 +7,14 @@ of a key block; dq_accum += dS K with fp32 atomics, in key-block order when the 
 deterministic) and ``<variant>_convert_dq`` (dQ =
 softmax_scale * dq_accum). Their one argument is ``BwdParams`` (BWD_FIELDS below, rendered into
 the template and packed here, like FlashParams for the forward). The float32 dq_accum
-(batch, heads_q, seqlen_q, head_dim) and D (batch, heads_q, seqlen_q) are allocated per call in
-the caller's library (torch's caching allocator, CuPy's pool): the only extra memory.
+(batch, heads_q, seqlen_q, head_dim) and D (batch, heads_q, seqlen_q) are the only extra memory:
+kept per (plan, stream) up to CACHED_SCRATCH_BYTES (the preprocess kernel rewrites all of it each
+call), else allocated per call in the caller's library (torch's caching allocator, CuPy's pool).
 
 Launches go through driver.Launcher (the forward's launcher) from a ``BackwardPlan`` cached in a
-plan.PlanCache under the call's key (shapes, strides, dtypes, device, options), like the forward.
+plan.PlanCache under the call's key (shapes, strides, dtypes, devices, the current device,
+options), like the forward. A torch call builds its key and launches a hit in attention_backward's
+own frame (``BackwardPlan.launch_plain``: one pack of the pointers, three bare launches).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM
                               SM90_STAGES, BackwardSpec, sm90_dq_cols)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields,
                                place, stride_fields)
-from ..runtime.plan import PlanCache, _Image
+from ..runtime.plan import PlanCache, StreamScratch, _Image
 from ..spec import SpecError
 
 # ------------------------------------------------------------------ the kernel argument
@@ -159,12 +162,31 @@ def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q:
     return rows, (-(-seqlen_k // spec.block_n), heads_kv, batch), rows
 
 
+# A plan keeps its dq_accum, D and turn counters per stream (plan.StreamScratch) up to this many
+# bytes; a larger call allocates them per call in the caller's library, as every call did before
+# (its kernels run long enough that the allocation is noise, and a plan does not hold that memory).
+CACHED_SCRATCH_BYTES = 16 << 20
+MAX_IMAGES_PER_PLAN = 64
+
+
 class BackwardPlan:
     """One resolved backward call: the three loaded kernels, their grids and a BwdParams image;
-    ``launch`` writes the call's pointers into the image and launches the three in order."""
+    ``launch`` writes the call's pointers into the image and launches the three in order.
+
+    The scratch (fp32 dq_accum, D, the deterministic turn counters) lives per (plan, stream) where
+    it is at most CACHED_SCRATCH_BYTES: launches on one stream run in order, and each call's
+    preprocess kernel rewrites all of it before the main kernel reads it (every dq_accum row below
+    seqlen_q, which is all of it, every D, the counter of every query block), so calls on one
+    stream can share it; calls on two streams never do. The plan's lock is held across the three
+    launches, so two threads on one stream cannot interleave theirs around a shared scratch.
+
+    sm90 keeps one image per (q, k, v, dout) addresses seen, as plan.LaunchPlan does: a model's
+    layers of one shape share a plan, and their tensors' addresses recur from step to step, so a
+    launch finds an image whose TMA maps point there already (cuTensorMapReplaceAddress: ~1 µs a map)."""
 
     def __init__(self, spec: BackwardSpec, functions, grid3, param_bytes: bytes, *, device: int, accum_floats: int,
-                 dpsum_floats: int, semaphore_ints: int = 0, switch_context: bool, outputs=None):
+                 dpsum_floats: int, semaphore_ints: int = 0, switch_context: bool, allocate=None, map_targets=None,
+                 outputs=None):
         self.spec = spec
         self.grids = grid3
         self.outputs = outputs
@@ -172,39 +194,106 @@ class BackwardPlan:
         self.accum_floats, self.dpsum_floats = accum_floats, dpsum_floats
         self.semaphore_ints = semaphore_ints     # deterministic: one int32 per (batch, heads_q, query block)
         self._switch_context = switch_context
+        self._allocate = allocate
         smem = (0, spec.smem_bytes, 0)
         self._launchers = [driver.Launcher(f, g, spec.threads, s) for f, g, s in zip(functions, grid3, smem)] \
             if functions[0] is not None else []
-        self._image = _Image(param_bytes)
+        # launch_plain calls the bindings themselves (driver.Launcher.bare); a stand-in launcher (CPU
+        # tests) without one is called as it is
+        self._bares = tuple(getattr(launcher, "bare", None) or (lambda stream, params, extra, launcher=launcher:
+                                                                 launcher(stream, params))
+                            for launcher in self._launchers)
+        self._bare_error = getattr(self._launchers[0], "error", ()) if self._launchers else ()
         self._lock = threading.Lock()
-        # sm90: (offset of a TMA map in BwdParams, index of its tensor in ``pointers``), and the
-        # tensors the maps point at now (the first call's): a launch with others moves them.
+        nbytes = 4 * (accum_floats + dpsum_floats + semaphore_ints)
+        self._scratch = StreamScratch({"accum": 4 * accum_floats, "dpsum": 4 * dpsum_floats,
+                                       "semaphore": 4 * semaphore_ints}, allocate) \
+            if allocate is not None and nbytes <= CACHED_SCRATCH_BYTES else None
+        # sm90: (offset of a TMA map in BwdParams, index of its tensor in ``pointers``) per map
         offsets = {f.name: off for f, off in layout(spec.arch)[0]}
         self._maps = [(offsets[name], _POINTERS.index(operand)) for name, operand in _MAP_OPERANDS.items()] \
             if spec.arch == "sm90" else []
-        self._map_targets: tuple | None = None
+        first = _Image(param_bytes)
+        self._images = {(tuple(map_targets) if map_targets is not None else None) if self._maps else None: first}
+        self._last = first
+        # launch_plain serves this plan: the scratch is the plan's, no context to switch
+        self.plain = self._scratch is not None and not switch_context
+
+    def _image(self, targets: tuple) -> _Image:
+        """The image whose TMA maps point at ``targets`` (made from the last one; lock held)."""
+        image = _Image(self._last.data())
+        for (offset, _), ptr in zip(self._maps, targets):
+            driver.replace_tensor_map_address(image.address + offset, ptr)
+        while len(self._images) >= MAX_IMAGES_PER_PLAN:
+            self._images.pop(next(iter(self._images)))
+        self._images[targets] = image
+        return image
 
     def launch(self, stream: int, pointers: tuple) -> None:
-        """``pointers``: q, k, v, o, dout, lse, dq, dk, dv, dq_accum, dpsum, dq_semaphore device addresses."""
+        """``pointers``: q, k, v, o, dout, lse, dq, dk, dv device addresses (the scratch is the
+        plan's, or, too large to keep or without an ``allocate``, made for this call)."""
+        held = None
+        if self._scratch is not None:
+            scratch = self._scratch.get(stream)
+            tail = (scratch.accum, scratch.dpsum, scratch.semaphore)
+        else:
+            # The scratch goes back to the caller's allocator when ``held`` dies; both allocators (torch's
+            # caching allocator, CuPy's pool) reuse a block only in stream order, after these launches.
+            held, base = self._allocate(4 * (self.accum_floats + self.dpsum_floats + self.semaphore_ints))
+            tail = (base, base + 4 * self.accum_floats,
+                    base + 4 * (self.accum_floats + self.dpsum_floats) if self.semaphore_ints else 0)
+        pointers = tuple(pointers) + tail
         with self._lock:
-            _PACK_POINTERS.pack_into(self._image.storage, self._image.base, *pointers)
             if self._maps:
                 targets = tuple(pointers[i] for _, i in self._maps)
-                if targets != self._map_targets:
-                    for (offset, _), ptr in zip(self._maps, targets):
-                        driver.replace_tensor_map_address(self._image.address + offset, ptr)
-                    self._map_targets = targets
+                image = self._images.get(targets) or self._image(targets)
+            else:
+                image = self._last
+            _PACK_POINTERS.pack_into(image.storage, image.base, *pointers)
+            self._last = image
             arg = driver.stream_arg(stream)
             if self._switch_context:
                 with driver.on_device(self.device):
                     for launcher in self._launchers:
-                        launcher(arg, self._image.kernel_params)
+                        launcher(arg, image.kernel_params)
             else:
                 for launcher in self._launchers:
-                    launcher(arg, self._image.kernel_params)
+                    launcher(arg, image.kernel_params)
+        del held
+
+    def launch_plain(self, stream: int, q: int, k: int, v: int, o: int, dout: int, lse: int, dq: int, dk: int,
+                     dv: int) -> None:
+        """``launch`` of a ``plain`` plan (its scratch kept per stream, no context to switch): the hit
+        path of attention_backward. One pack of the twelve pointers, three launches."""
+        found = self._scratch._streams.get(stream)
+        scratch = found if found is not None else self._scratch.get(stream)
+        lock = self._lock
+        lock.acquire()      # (cheaper than `with`)
+        try:
+            if self._maps:
+                targets = (q, k, v, dout)
+                image = self._images.get(targets) or self._image(targets)
+            else:
+                image = self._last      # (the one image of a plan without maps)
+            _PACK_POINTERS.pack_into(image.storage, image.base, q, k, v, o, dout, lse, dq, dk, dv, scratch.accum,
+                                     scratch.dpsum, scratch.semaphore)
+            self._last = image
+            params, arg = image.kernel_params, scratch.stream
+            for i, bare in enumerate(self._bares):
+                try:
+                    bare(arg, params, 0)
+                except self._bare_error as err:
+                    self._launchers[i].failed(err, arg, params)
+        finally:
+            lock.release()
+
+    def scratch(self, stream: int):
+        """This plan's scratch on ``stream`` (accum, dpsum, semaphore addresses), made on first use;
+        None where the plan allocates it per call."""
+        return None if self._scratch is None else self._scratch.get(stream)
 
     def param_bytes(self) -> bytes:
-        return self._image.data()
+        return self._last.data()
 
 
 def compile_for_device(spec: BackwardSpec, device: int = 0):
@@ -262,17 +351,48 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     """
     from . import api
 
-    kind = api._kind(q)
-    plan = key = None
-    if kind != "other":
-        meta = api.ARRAY_META[kind]
+    torch = api._TORCH or api._torch()
+    if torch is not None and q.__class__ is torch.Tensor:
+        # torch: the key in this frame (meta of every array, one tuple), and a hit of a plain plan launched here
         try:
-            key = (kind, meta(do), meta(q), meta(k), meta(v), meta(out), meta(lse), meta(dq), meta(dk), meta(dv),
-                   causal.__class__, causal, softmax_scale.__class__,
-                   softmax_scale, arch, tuple(sorted(knobs.items())), api._current_device(kind))
-            plan = _PLANS.get(key)
-        except (AttributeError, TypeError, ValueError):   # not arrays of one library, an unhashable knob
+            key = (do.dtype, do.shape, do.stride(), do.get_device(), q.dtype, q.shape, q.stride(), q.get_device(),
+                   k.dtype, k.shape, k.stride(), k.get_device(), v.dtype, v.shape, v.stride(), v.get_device(),
+                   out.dtype, out.shape, out.stride(), out.get_device(), lse.dtype, lse.shape, lse.stride(),
+                   lse.get_device(),
+                   None if dq is None else (dq.dtype, dq.shape, dq.stride(), dq.get_device()),
+                   None if dk is None else (dk.dtype, dk.shape, dk.stride(), dk.get_device()),
+                   None if dv is None else (dv.dtype, dv.shape, dv.stride(), dv.get_device()),
+                   causal.__class__, causal, softmax_scale.__class__, softmax_scale, arch,
+                   tuple(sorted(knobs.items())) if knobs else (), torch._C._cuda_getDevice())
+            plan = _PLANS._plans.get(key)
+        except (AttributeError, TypeError):   # not all torch tensors, an unhashable knob: the checked path says
             plan = key = None
+        if plan is not None and plan.plain:
+            if dq is None:  # contiguous, q's shape and dtype: the plan's dq strides (its key says q's shape)
+                dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+            if dk is None:
+                dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+            if dv is None:
+                dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+            qp, kp, vp, op, dop, dqp, dkp, dvp = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                                  do.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+            if not (qp | kp | vp | op | dop | dqp | dkp | dvp) & 15:     # (else the checked path says which)
+                plan.launch_plain(torch._C._cuda_getCurrentRawStream(plan.device), qp, kp, vp, op, dop,
+                                  lse.data_ptr(), dqp, dkp, dvp)
+                return dq, dk, dv
+        kind = "torch"
+    else:
+        kind = api._kind(q)
+        plan = key = None
+        if kind != "other":
+            meta = api.ARRAY_META[kind]
+            try:
+                key = (kind, meta(do), meta(q), meta(k), meta(v), meta(out), meta(lse), meta(dq), meta(dk), meta(dv),
+                       causal.__class__, causal, softmax_scale.__class__,
+                       softmax_scale, arch, tuple(sorted(knobs.items())), api._current_device(kind))
+                plan = _PLANS.get(key)
+            except (AttributeError, TypeError, ValueError):   # not arrays of one library, an unhashable knob
+                plan = key = None
     if plan is None:
         plan = _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, knobs)
         if key is not None:
@@ -281,17 +401,11 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     dq = _new_like(kind, device, q) if dq is None else dq
     dk = _new_like(kind, device, k) if dk is None else dk
     dv = _new_like(kind, device, v) if dv is None else dv
-    scratch, scratch_ptr = api._allocate(kind, device, 4 * (plan.accum_floats + plan.dpsum_floats + plan.semaphore_ints))
     ptr = api.ARRAY_PTR[kind]       # (kind is torch or cupy: _resolve refused anything else)
-    semaphores = scratch_ptr + 4 * (plan.accum_floats + plan.dpsum_floats) if plan.semaphore_ints else 0
-    pointers = (ptr(q), ptr(k), ptr(v), ptr(out), ptr(do), ptr(lse), ptr(dq), ptr(dk), ptr(dv),
-                scratch_ptr, scratch_ptr + 4 * plan.accum_floats, semaphores)
+    pointers = (ptr(q), ptr(k), ptr(v), ptr(out), ptr(do), ptr(lse), ptr(dq), ptr(dk), ptr(dv))
     if any(p % 16 for p in pointers[:5] + pointers[6:9]):
         raise ValueError("do, q, k, v, out, dq, dk, dv: data pointers must be 16-byte aligned")
     plan.launch(api._current_stream(kind, device), pointers)
-    # The scratch goes back to the caller's allocator when this reference dies; both allocators
-    # (torch's caching allocator, CuPy's pool) reuse a block only in stream order, after these launches.
-    del scratch
     return dq, dk, dv
 
 
@@ -360,7 +474,8 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     if spec.arch == "sm90":
         values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv))
     return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k),
-                        pack(values, spec.arch),
+                        pack(values, spec.arch), allocate=functools.partial(api._allocate, qv.kind, qv.device),
+                        map_targets=tuple(views[operand].ptr for operand in _MAP_OPERANDS.values()),
                         device=qv.device, accum_floats=batch * heads_q * seqlen_q * head_dim,
                         dpsum_floats=batch * heads_q * seqlen_q,
                         semaphore_ints=batch * heads_q * -(-seqlen_q // spec.block_m) if spec.deterministic else 0,
