@@ -25,6 +25,7 @@ SHARED_MACROS = {
     "gemm_qk_ss": "sm90/gemm_qk.cuh.j2",            # the SS wgmma loop of S = Q K^T
     "shared_state": "sm90/shared_state.cuh.j2",     # struct SharedState: the kernel's barriers, the roles' slots
     "init_ring_barriers": "sm90/shared_state.cuh.j2",   # the rings' and Q's mbarriers
+    "tile_buffers": "sm90/tile_layout.cuh.j2",      # setup: dynamic shared memory, the tile buffers' addresses
 }
 SHARED_INCLUDES = ("sm90/tile_layout.cuh.j2", "sm90/scheduler.cuh.j2", "sm90/load_tile.cuh.j2",
                    "sm90/barriers.cuh.j2", "sm90/tma.cuh.j2", "sm90/pingpong.cuh.j2")
@@ -58,7 +59,7 @@ def test_each_forward_kernel_calls_the_shared_plumbing(kernel):
 
 
 def test_no_forward_kernel_keeps_a_copy_of_the_shared_code():
-    """gemm_qk's SS form, the tile constants, SharedState's shared part, the ring barriers' setup and
+    """gemm_qk's SS form, the tile constants and buffer addresses, SharedState's shared part, the ring barriers' setup and
     the descriptor prefetches live once, in the shared files."""
     for kernel in KERNELS:
         source = (template_dir() / kernel).read_text()
@@ -66,6 +67,7 @@ def test_no_forward_kernel_keeps_a_copy_of_the_shared_code():
         assert "constexpr int KV_TILE_BYTES" not in source
         assert "mbar_init(smem_u32(&state.k_full[s])" not in source
         assert "tma_prefetch_desc(" not in source
+        assert "smem_raw" not in source and "Q_STAGES * Q_TILE_BYTES;" not in source
         assert "int tile_slot[4];" not in source and "struct SharedState {" not in source
 
 
@@ -73,6 +75,8 @@ def test_no_forward_kernel_keeps_a_copy_of_the_shared_code():
 _ROLES = """\
 {% from "sm90/roles.cuh.j2" import prefetch_tensor_maps, producer_tile_loop, consumer_tile_loop, consumer_mainloop
    with context %}
+{% from "sm90/tile_layout.cuh.j2" import tile_buffers %}
+{{ tile_buffers("Q_BUF", "K_RING0", [("V_RING0", "V ring")]) }}
 {{ prefetch_tensor_maps("IS_LEADER", ["tma_q", "tma_k"]) }}
 {% call producer_tile_loop(q_smem="Q_BUF", k_smem0="K_RING0", leader="IS_LEADER", group="GQA") %}
 // V load
