@@ -20,6 +20,7 @@ KERNELS = ("sm90/flash_fwd.cu.j2", "sm90/flash_fwd_fp8.cu.j2")
 SHARED_MACROS = {
     "prefetch_tensor_maps": "sm90/roles.cuh.j2",    # loader warp: the tensor-map descriptors
     "producer_tile_loop": "sm90/roles.cuh.j2",      # loader warp: scheduler loop, K and Q TMA loads
+    "load_ring_stage": "sm90/roles.cuh.j2",         # loader warp: a ring stage's wait, arm and TMA load (K, V)
     "consumer_tile_loop": "sm90/roles.cuh.j2",      # consumer warpgroup: scheduler loop, LSE store
     "consumer_mainloop": "sm90/roles.cuh.j2",       # S = Q K^T, softmax, O += P V over the K/V ring
     "gemm_qk_ss": "sm90/gemm_qk.cuh.j2",            # the SS wgmma loop of S = Q K^T
@@ -67,19 +68,21 @@ def test_no_forward_kernel_keeps_a_copy_of_the_shared_code():
         assert "constexpr int KV_TILE_BYTES" not in source
         assert "mbar_init(smem_u32(&state.k_full[s])" not in source
         assert "tma_prefetch_desc(" not in source
+        assert "mbar_arrive_expect_tx(" not in source     # the loads' barrier protocol: load_ring_stage
         assert "smem_raw" not in source and "Q_STAGES * Q_TILE_BYTES;" not in source
         assert "int tile_slot[4];" not in source and "struct SharedState {" not in source
 
 
 # The kernel locals each role macro takes as an argument; renamed below, none may appear by its own name.
 _ROLES = """\
-{% from "sm90/roles.cuh.j2" import prefetch_tensor_maps, producer_tile_loop, consumer_tile_loop, consumer_mainloop
-   with context %}
+{% from "sm90/roles.cuh.j2" import prefetch_tensor_maps, producer_tile_loop, load_ring_stage, consumer_tile_loop,
+   consumer_mainloop with context %}
 {% from "sm90/tile_layout.cuh.j2" import tile_buffers %}
 {{ tile_buffers("Q_BUF", "K_RING0", [("V_RING0", "V ring")]) }}
 {{ prefetch_tensor_maps("IS_LEADER", ["tma_q", "tma_k"]) }}
 {% call producer_tile_loop(q_smem="Q_BUF", k_smem0="K_RING0", leader="IS_LEADER", group="GQA") %}
-// V load
+{{ load_ring_stage("v_full", "v_empty", "IS_LEADER", "load_kv", ["V_RING0 + stage * KV_TILE_BYTES", "p.tma_v", "v_full",
+                   "n * BLOCK_N", "kv_head", "t.batch"]) }}
 {% endcall %}
 {% call consumer_tile_loop(warpgroup="WG_INDEX", q_smem="Q_BUF") %}
 {{ mainloop }}
