@@ -20,7 +20,7 @@ from facodegen.runtime import driver
 from facodegen.spec.backward import (BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs, kv_acc_floats,
                                      sm90_dq_cols)
 from facodegen.spec import GPUS, HEAD_DIMS, SpecError
-from fakes import FakeTensor
+from fakes import FakeLauncher, FakeTensor
 from test_plan_cache import fake  # noqa: F401 (the fixture)
 
 DEFAULTS = default_backward_specs()
@@ -269,7 +269,7 @@ class BwdLaunches:
             address = ctypes.c_void_p.from_address(kernel_params).value
             self.records.append({"name": function.ptr, "grid": grid, "threads": threads, "smem": smem,
                                  "stream": stream, "params": ctypes.string_at(address, backward.layout()[1])})
-        return launch
+        return FakeLauncher(launch)
 
 
 @pytest.fixture

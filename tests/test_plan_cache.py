@@ -15,7 +15,7 @@ import pytest
 from facodegen.ops import api
 from facodegen.runtime import driver, params, plan as plan_mod, tma
 from facodegen.tuning import tunedb
-from fakes import FakeTensor
+from fakes import FakeLauncher, FakeTensor
 
 B, SQ, SK, HQ, HKV, D = 2, 100, 77, 8, 2, 128
 
@@ -42,7 +42,7 @@ class Launches:
             address = ctypes.c_void_p.from_address(kernel_params).value
             size = params.layout("sm90", "fp8")[1]      # the largest FlashParams
             self.records.append({"stream": stream, "grid": grid, "params": ctypes.string_at(address, size)})
-        return launch
+        return FakeLauncher(launch)
 
     def pointers(self, i=-1):
         return struct.unpack_from("<7Q", self.records[i]["params"], 0)

@@ -198,12 +198,9 @@ class BackwardPlan:
         smem = (0, spec.smem_bytes, 0)
         self._launchers = [driver.Launcher(f, g, spec.threads, s) for f, g, s in zip(functions, grid3, smem)] \
             if functions[0] is not None else []
-        # launch_plain calls the bindings themselves (driver.Launcher.bare); a stand-in launcher (CPU
-        # tests) without one is called as it is
-        self._bares = tuple(getattr(launcher, "bare", None) or (lambda stream, params, extra, launcher=launcher:
-                                                                 launcher(stream, params))
-                            for launcher in self._launchers)
-        self._bare_error = getattr(self._launchers[0], "error", ()) if self._launchers else ()
+        # launch_plain calls the bindings themselves (driver.Launcher.bare), saving the Launchers' frames
+        self._bares = tuple(launcher.bare for launcher in self._launchers)
+        self._bare_error = self._launchers[0].error if self._launchers else ()
         self._lock = threading.Lock()
         nbytes = 4 * (accum_floats + dpsum_floats + semaphore_ints)
         self._scratch = StreamScratch({"accum": 4 * accum_floats, "dpsum": 4 * dpsum_floats,

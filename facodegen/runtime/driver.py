@@ -197,7 +197,8 @@ class Launcher:
       imported CuPy: it converts the ints in C and releases the GIL (H200, 2026-12-03: 4.69 µs a
       bare launch against 5.85 through ctypes). Its first call loads libcuda through ``import
       cupy`` (~150 ms, measured on the H200: 173 ms for a first call that was 20 ms without it), so
-    - ctypes with argtypes set, everywhere else (torch users who never import CuPy).
+    - ctypes with the fixed arguments prebuilt (_ctypes_launch), everywhere else (torch users who
+      never import CuPy).
     The launcher is chosen when the plan is built; CuPy imported later leaves earlier plans on ctypes."""
 
     def __init__(self, function: LoadedFunction, grid: tuple[int, int, int], threads: int, smem_bytes: int):

@@ -172,11 +172,8 @@ class LaunchPlan:
         self._lock = threading.Lock()
         self._launcher = driver.Launcher(function, grid, spec.threads, spec.smem_bytes) \
             if function is not None else None
-        # launch_plain calls the binding itself (driver.Launcher.bare); a stand-in launcher (CPU tests)
-        # without one is called as it is
-        launcher = self._launcher
-        self._bare = getattr(launcher, "bare", None) or (lambda stream, params, extra: launcher(stream, params))
-        self._bare_error = getattr(launcher, "error", ())
+        # launch_plain calls the binding itself (driver.Launcher.bare), saving the Launcher's frame
+        self._bare, self._bare_error = (self._launcher.bare, self._launcher.error) if self._launcher else (None, ())
         offsets = _offsets(spec.arch, spec.dtype, params_mod.has_variants(spec), spec.varlen)
         self._descale_offset = offsets[_DESCALES[0]] if spec.dtype == "fp8" else None
         self._sinks_offset = offsets["sinks"] if spec.sinks else None
