@@ -33,7 +33,7 @@ from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM
                               SM90_STAGES, BackwardSpec, sm90_dq_cols)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields,
                                place, stride_fields)
-from ..runtime.plan import PlanCache, StreamScratch, _Image
+from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
 from ..spec import SpecError
 
 # ------------------------------------------------------------------ the kernel argument
@@ -166,7 +166,6 @@ def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q:
 # bytes; a larger call allocates them per call in the caller's library, as every call did before
 # (its kernels run long enough that the allocation is noise, and a plan does not hold that memory).
 CACHED_SCRATCH_BYTES = 16 << 20
-MAX_IMAGES_PER_PLAN = 64
 
 
 class BackwardPlan:
@@ -218,13 +217,8 @@ class BackwardPlan:
 
     def _image(self, targets: tuple) -> _Image:
         """The image whose TMA maps point at ``targets`` (made from the last one; lock held)."""
-        image = _Image(self._last.data())
-        for (offset, _), ptr in zip(self._maps, targets):
-            driver.replace_tensor_map_address(image.address + offset, ptr)
-        while len(self._images) >= MAX_IMAGES_PER_PLAN:
-            self._images.pop(next(iter(self._images)))
-        self._images[targets] = image
-        return image
+        return add_image(self._images, targets, self._last,
+                         [(offset, ptr) for (offset, _), ptr in zip(self._maps, targets)])
 
     def launch(self, stream: int, pointers: tuple) -> None:
         """``pointers``: q, k, v, o, dout, lse, dq, dk, dv device addresses (the scratch is the

@@ -143,6 +143,19 @@ class _Image:
         return bytes(self.storage[self.base:self.base + self.size])
 
 
+def add_image(images: dict, key, last: _Image, maps: list[tuple[int, int]]) -> _Image:
+    """A copy of ``last`` whose TMA maps, ``maps`` = (offset in the image, device address) each, point
+    at those addresses, filed in ``images`` under ``key``; the oldest image goes first once a plan
+    holds MAX_IMAGES_PER_PLAN (LaunchPlan's and backward.BackwardPlan's, their lock held)."""
+    image = _Image(last.data())
+    for offset, ptr in maps:
+        driver.replace_tensor_map_address(image.address + offset, ptr)
+    while len(images) >= MAX_IMAGES_PER_PLAN:
+        images.pop(next(iter(images)))
+    images[key] = image
+    return image
+
+
 class LaunchPlan:
     """One resolved call. ``launch`` takes the call's device pointers and its stream.
 
@@ -204,13 +217,8 @@ class LaunchPlan:
 
     def _image(self, operands: tuple) -> _Image:
         """The image whose TMA maps point at ``operands`` (made from the last one; lock held)."""
-        image = _Image(self._last.data())
-        for offset, which in self._maps:
-            driver.replace_tensor_map_address(image.address + offset, operands[which])
-        while len(self._images) >= MAX_IMAGES_PER_PLAN:
-            self._images.pop(next(iter(self._images)))
-        self._images[operands] = image
-        return image
+        return add_image(self._images, operands, self._last,
+                         [(offset, operands[which]) for offset, which in self._maps])
 
     def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
                descales: tuple[int, int, int] | None = None, sinks: int = 0,
