@@ -745,8 +745,9 @@ def summary(result: dict) -> str:
 def representative_cases() -> list[Case]:
     """One small case per arch, dtype and causal (odd lengths, GQA, a strided layout, the LSE and
     out= asked for), and per arch and causal a bf16 variants case (a window that skips and masks
-    blocks, softcap and sinks at once), per arch two padded head dims (80, 8), the backward per arch, dtype and causal (sm80 fp16's deterministic), and two decode-family
-    cases (paged with an append and a split, contiguous MQA-like packing): what the sanitizer sweep
+    blocks, softcap and sinks at once), per arch two padded head dims (80, 8), the backward per arch,
+    dtype and causal (sm80 fp16's deterministic), and two decode-family cases (paged with an append
+    and a split, contiguous MQA-like packing): what the sanitizer sweep
     (scripts/sanitize.py) runs under each tool."""
     cases = []
     for arch, dtypes in (("sm80", ("bf16", "fp16")), ("sm90", ("bf16", "fp16", "fp8"))):
