@@ -577,6 +577,19 @@ def test_sm90_render_says_what_it_is(spec):
     assert result.exit_code == 0 and result.output == source
 
 
+def test_sm90_stage_rows_come_by_bulk_copy():
+    """The producer's lane 0 copies a step's LSE * log2(e) and D rows (padded by the preprocess) with
+    the Q and dO tiles, each on its tile's barrier, whose expected bytes count them: no producer lane
+    writes shared memory with plain stores (racecheck cannot order those against the consumers'
+    reads across the mbarriers: WAR reports on the H200, 2026-12-04)."""
+    source = _rendered(BackwardSpec(arch="sm90", head_dim=128), ("producer", "consumers"))
+    producer = source[source.index("// ================================ producer"):source.index("// ================================ consumers")]
+    assert "mbar_init(smem_u32(&state.q_full[s]), 1);" in source and "mbar_init(smem_u32(&state.do_full[s]), 1);" in source
+    assert "mbar_arrive_expect_tx(q_full, Q_TILE_BYTES + ROWS_BYTES);" in producer
+    assert "mbar_arrive_expect_tx(do_full, Q_TILE_BYTES + ROWS_BYTES);" in producer
+    assert producer.count("bulk_load(") == 2 and "_rows[" not in producer and "mbar_arrive(q_full)" not in producer
+
+
 def test_sm90_stage_release_counts_one_arrival_per_consumer_warp():
     """The producer rewrites a stage's LSE and D rows once step_empty says every reader is done. An
     mbarrier arrival releases only its own thread's reads, so each consumer warp arrives (lane 0,
@@ -617,6 +630,7 @@ def test_sm90_compiles_clean_with_the_hopper_instructions(spec):
     assert len(dq) == (spec.block_n if dq_cols < d else 64) // 16   # dQ: dS^T and K, both MN-major
     assert len(hgmma) == len(s_dp) + len(dv_dk) + len(dq)
     assert counts["UTMALDG"] == 4 and counts["USETMAXREG"] == 2
+    assert sass.count("UBLKCP.S.G") == 2         # a step's LSE and D rows: bulk copies, no plain loads
     setmaxnreg = [" ".join(x.split()[1:4]) for x in sass.splitlines() if "USETMAXREG" in x]
     assert sorted(setmaxnreg) == ["USETMAXREG.DEALLOC.CTAPOOL 0x18 ;", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0"]
     assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass and "SYNCS.ARRIVE.TRANS64" in sass
@@ -662,7 +676,9 @@ def test_sm90_call_launches_three_kernels_and_moves_its_maps(bwd, monkeypatch):
     spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200")
     recs = bwd.bwd.records
     assert [r["name"] for r in recs] == list(spec.kernel_names)
-    assert [r["grid"] for r in recs] == [(-(-113 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 12), 8, 2)]
+    # the preprocess covers 128 rows (113 padded to block_m: the producer copies a block's stat rows whole)
+    assert [r["grid"] for r in recs] == [(-(-128 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 12), 8, 2)]
+    assert backward.row_stat_floats(spec, 2, 8, 113) == 2 * 2 * 8 * 128   # D, then LSE * log2(e)
     assert [r["smem"] for r in recs] == [0, spec.smem_bytes, 0] and {r["threads"] for r in recs} == {384}
     # the maps: Q and dO in boxes of 64 columns x block_m rows, K and V x block_n rows, 128B swizzle
     assert [a.ptr for a in encoded] == [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()]

@@ -50,7 +50,7 @@ BWD_FIELDS = [
     Field("dk", "ptr", "elem_t*", "dK (batch, seqlen_k, heads_kv, head_dim): summed over the GQA group"),
     Field("dv", "ptr", "elem_t*", "dV (batch, seqlen_k, heads_kv, head_dim): summed over the GQA group"),
     Field("dq_accum", "ptr", "float*", "fp32 dQ / softmax_scale (batch, heads_q, seqlen_q, head_dim) contiguous"),
-    Field("dpsum", "ptr", "float*", "D = rowsum(dO ∘ O), (batch, heads_q, seqlen_q) contiguous"),
+    Field("dpsum", "ptr", "float*", "D = rowsum(dO ∘ O), (batch, heads_q, stat_rows); sm90: then LSE * log2(e) likewise"),
     Field("dq_semaphore", "ptr", "int*", "deterministic: key blocks that have added into each (batch, heads_q, "
                                          "query block) of dq_accum"),
     *(field for t in _TENSORS for field in stride_fields(t)),
@@ -155,11 +155,23 @@ def resources_of(kernel) -> dict:
 
 # ------------------------------------------------------------------ launch plans
 
+def stat_rows(spec: BackwardSpec, seqlen_q: int) -> int:
+    """Rows per (batch, head) of the preprocess's D (and, sm90, LSE * log2(e)) arrays: sm90's
+    producer bulk-copies a query block's values whole, so its rows are padded to block_m."""
+    return -(-seqlen_q // spec.block_m) * spec.block_m if spec.arch == "sm90" else seqlen_q
+
+
+def row_stat_floats(spec: BackwardSpec, batch: int, heads_q: int, seqlen_q: int) -> int:
+    """fp32 values of the preprocess's row statistics: D, and on sm90 LSE * log2(e) after it."""
+    return (2 if spec.arch == "sm90" else 1) * batch * heads_q * stat_rows(spec, seqlen_q)
+
+
 def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
-    """(preprocess, main, postprocess) grids: one warp per query row for the first and last, one CTA
-    per (key block, kv head, batch) for the main kernel."""
-    rows = (-(-seqlen_q // spec.num_warps), heads_q, batch)
-    return rows, (-(-seqlen_k // spec.block_n), heads_kv, batch), rows
+    """(preprocess, main, postprocess) grids: one warp per query row for the first (every padded
+    stat row) and last, one CTA per (key block, kv head, batch) for the main kernel."""
+    pre = (-(-stat_rows(spec, seqlen_q) // spec.num_warps), heads_q, batch)
+    post = (-(-seqlen_q // spec.num_warps), heads_q, batch)
+    return pre, (-(-seqlen_k // spec.block_n), heads_kv, batch), post
 
 
 # A plan keeps its dq_accum, D and turn counters per stream (plan.StreamScratch) up to this many
@@ -468,7 +480,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
                         pack(values, spec.arch), allocate=functools.partial(api._allocate, qv.kind, qv.device),
                         map_targets=tuple(views[operand].ptr for operand in _MAP_OPERANDS.values()),
                         device=qv.device, accum_floats=batch * heads_q * seqlen_q * head_dim,
-                        dpsum_floats=batch * heads_q * seqlen_q,
+                        dpsum_floats=row_stat_floats(spec, batch, heads_q, seqlen_q),
                         semaphore_ints=batch * heads_q * -(-seqlen_q // spec.block_m) if spec.deterministic else 0,
                         switch_context=qv.device != api._current_device(qv.kind))
 
