@@ -590,18 +590,20 @@ def test_sm90_stage_rows_come_by_bulk_copy():
     assert producer.count("bulk_load(") == 2 and "_rows[" not in producer and "mbar_arrive(q_full)" not in producer
 
 
-def test_sm90_stage_release_counts_one_arrival_per_consumer_warp():
+def test_sm90_stage_release_counts_one_arrival_per_consumer_thread():
     """The producer rewrites a stage's LSE and D rows once step_empty says every reader is done. An
-    mbarrier arrival releases only its own thread's reads, so each consumer warp arrives (lane 0,
-    after __syncwarp) and the barrier expects that many: one arrival per warpgroup left the other
-    warps' reads unordered (racecheck on the H200, 2026-12-03: WAR hazards on those rows)."""
+    mbarrier arrival releases only its own thread's reads, so every consumer thread arrives, after
+    its last read of the stage (the wgmma wait), and the barrier expects that many: one arrival per
+    warpgroup, then one per warp after __syncwarp, left the other threads' reads unordered
+    (racecheck on the H200, 2026-12-03 and -04: WAR hazards on those rows)."""
     source = _rendered(BackwardSpec(arch="sm90", head_dim=128), ("producer", "consumers"))
     init = re.search(r"mbar_init\(smem_u32\(&state\.step_empty\[s\]\), ([^;]+)\);", source)
-    assert init and init[1] == "CONSUMER_WGS * WG_THREADS / 32", init and init[1]
-    release = re.search(r"const bool release_thread = ([^;]+);", source)
-    assert release and release[1] == "lane == 0"
-    arrive = source.index("mbar_arrive(smem_u32(&state.step_empty[stage]))")
-    assert source.rindex("__syncwarp();", 0, arrive) > source.rindex("wgmma_wait<0>();", 0, arrive)
+    assert init and init[1] == "CONSUMER_WGS * WG_THREADS", init and init[1]
+    arrive = source.index("mbar_arrive(smem_u32(&state.step_empty[stage]));")
+    line = source[source.rindex("\n", 0, arrive):arrive]
+    assert line.strip() == "", f"the arrival is conditional: {line!r}"
+    assert source.rindex("wgmma_wait<0>();", 0, arrive) > source.rindex("for (int step = 0;", 0, arrive)
+    assert "release_thread" not in source
 
 
 @pytest.mark.parametrize("spec", SM90, ids=lambda s: s.variant)
