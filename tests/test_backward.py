@@ -687,6 +687,7 @@ def test_sm90_call_launches_three_kernels_and_moves_its_maps(bwd, monkeypatch):
     assert [a.box for a in encoded] == [(64, 64, 1, 1), (64, 128, 1, 1), (64, 128, 1, 1), (64, 64, 1, 1)]
     assert [a.dims for a in encoded] == [(128, 113, 8, 2), (128, 203, 2, 2), (128, 203, 2, 2), (128, 113, 8, 2)]
     assert moves == []      # the maps were encoded at this call's tensors: nothing to move
+    assert bwd.launches.contexts == [0]     # a context made current first (an autograd thread may lack one)
     do2, q2, k2, v2, o2, lse2 = _problem()
     backward.attention_backward(do2, q2, k2, v2, o2, lse2, causal=True, arch="sm90")
     assert backward._PLANS.misses == 1 and len(encoded) == 4     # the plan's maps, pointed at the new tensors

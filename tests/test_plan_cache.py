@@ -36,6 +36,7 @@ class Launches:
         self.map_moves = []
         self.memsets = []
         self.switches = []
+        self.contexts = []      # driver.ensure_context's ordinals (a plan's build: its TMA maps need one)
 
     def launcher(self, function, grid, threads, smem):
         def launch(stream, kernel_params):
@@ -77,6 +78,7 @@ def fake(monkeypatch, tmp_path):
     monkeypatch.setattr(driver, "stream_arg", lambda stream: stream)
     monkeypatch.setattr(driver, "memset_d32_async", lambda *a: launches.memsets.append(a))
     monkeypatch.setattr(driver, "on_device", lambda ordinal: launches.switches.append(ordinal) or _Nothing())
+    monkeypatch.setattr(driver, "ensure_context", lambda ordinal: launches.contexts.append(ordinal))
     monkeypatch.setattr(driver, "replace_tensor_map_address", lambda m, p: launches.map_moves.append(p))
     monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
     monkeypatch.setenv("FACODEGEN_TUNE_DB", str(tmp_path / "tuned.json"))

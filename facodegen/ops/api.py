@@ -610,6 +610,7 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     prepared = _prepare(spec, qv.device)
     launch_grid = grid(spec, batch, heads_q, seqlen_q, prepared.resident_ctas)
     lse_ptr = lsev.ptr if lsev is not None else 0
+    driver.ensure_context(qv.device)     # (sm90: the TMA maps are encoded in a context)
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lse_ptr, 0, scale,
                               descales=descales or None, variants=variants)
     workspace = workspace_floats(spec, batch, heads_q, seqlen_q, head_dim) or \

@@ -475,6 +475,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     values.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
     if spec.arch == "sm90":
+        driver.ensure_context(qv.device)     # (the autograd engine's thread may have none yet)
         values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv))
     return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k),
                         pack(values, spec.arch), allocate=functools.partial(api._allocate, qv.kind, qv.device),
