@@ -75,6 +75,7 @@ def install_fake_gpu():
     driver._launch_binding = lambda: (lambda *fixed: (lambda stream, kernel_params, extra: None), driver.LaunchError)
     driver.memset_d32_async = lambda *a: None
     driver.replace_tensor_map_address = lambda m, p: None
+    driver.ensure_context = lambda ordinal: None
     tma.encode = lambda args: bytes(128)
     return torch, api
 

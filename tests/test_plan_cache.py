@@ -645,3 +645,50 @@ def test_launch_plain_writes_what_launch_writes(fake, arch):
     for i in range(0, len(records), 2):
         assert records[i]["params"][:size] == records[i + 1]["params"][:size], calls[i // 2]
         assert records[i]["stream"] == records[i + 1]["stream"]
+
+
+def test_launch_plain_with_descales_writes_what_launch_writes(fake):
+    """fp8 (a ``descaled`` plan, not a ``plain`` one): launch_plain with the call's descale addresses
+    launches the bytes the general launch does, the descales of each call included."""
+    from facodegen.spec import KernelSpec
+    spec = KernelSpec(arch="sm90", head_dim=D, dtype="fp8", causal=True)
+    size = params.layout("sm90", "fp8")[1]
+
+    def plan():
+        made = iter(range(1 << 20, 1 << 40, 1 << 20))
+        return plan_mod.LaunchPlan(spec, driver.LoadedFunction(1, 1, 0), (132, 1, 1), bytes(range(256)) * (size // 256)
+                                   + bytes(size % 256), tensor_maps=tma.map_operands(spec),
+                                   lse_floats=B * HQ * SQ, workspace_floats=0, stream_k_flags=(0, 0),
+                                   switch_context=False, allocate=lambda n: (object(), next(made)))
+    general, fast = plan(), plan()
+    assert fast.descaled and not fast.plain
+    a, b = (tuple(range(base, base + 4 * 4096, 4096)) for base in (1 << 32, 2 << 32))
+    calls = [(1, a, 0, (8, 16, 24)), (1, a, 0, (32, 16, 24)), (1, b, 0, (32, 16, 24)), (2, b, 7 << 32, (8, 8, 8)),
+             (1, a, 0, (40, 48, 56))]
+    for stream, operands, lse, descales in calls:
+        general.launch(stream, *operands, lse, descales)
+        fast.launch_plain(stream, *operands, lse, descales)
+    records = fake.launches.records
+    assert len(records) == 2 * len(calls)
+    for i in range(0, len(records), 2):
+        assert records[i]["params"][:size] == records[i + 1]["params"][:size], calls[i // 2]
+
+
+def test_fp8_call_with_its_three_descales_hits_its_own_key(fake):
+    """An fp8 call that gives all three descales (and no other knob) keys on their layouts: new
+    descale arrays of the same layout hit and have their addresses written; another layout misses."""
+    descale_at = {f.name: off for f, off in params.layout("sm90", "fp8")[0]}["q_descale"]
+    q, k, v = qkv(dtype="float8_e4m3fn")
+    scalar = lambda: FakeTensor((), "float32")      # noqa: E731
+    for _ in range(3):
+        qd, kd, vd = scalar(), scalar(), scalar()
+        api.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+        got = struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at)
+        assert got == (qd.data_ptr(), kd.data_ptr(), vd.data_ptr())
+    assert (api._PLANS.misses, hits(fake)) == (1, 2)
+    per_head = FakeTensor((B, HKV), "float32")
+    api.attention(q, k, v, q_descale=qd, k_descale=per_head, v_descale=vd)      # (batch, heads_kv) k descale
+    assert api._PLANS.misses == 2
+    assert struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at)[1] == per_head.data_ptr()
+    api.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)   # another key: a miss
+    assert api._PLANS.misses == 3

@@ -198,6 +198,10 @@ class LaunchPlan:
         # launch_plain serves this plan: nothing to patch but the call's pointers, no context to switch
         self.plain = (self._descale_offset is None and self._sinks_offset is None and self._varlen_offset is None
                       and not switch_context)
+        # launch_plain with descales serves this plan: an fp8 one with nothing else to patch than the
+        # call's pointers and its three descales' addresses
+        self.descaled = (self._descale_offset is not None and self._sinks_offset is None
+                         and self._varlen_offset is None and not switch_context)
 
     def workspace_range(self) -> tuple[int, int]:
         """(byte offset, bytes) of the fp32 workspace inside a stream's scratch buffer."""
@@ -245,12 +249,13 @@ class LaunchPlan:
             else:
                 self._launcher(scratch.stream, image.kernel_params)
 
-    def launch_plain(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0) -> None:
+    def launch_plain(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
+                     descales: tuple[int, int, int] | None = None) -> None:
         """``launch`` of a ``plain`` plan (no fp8 descales, sinks or varlen to patch, no context to
-        switch) with less to do: the api's hit path of the common call. It writes only what may have
-        changed: an sm90 image found by its (q, k, v, o) holds those already (every launch writes its
-        image's own), and an image's lse, tile counter and workspace stay while its scratch does
-        (``tail_of``)."""
+        switch), or of a ``descaled`` one with its q, k, v ``descales``' addresses, with less to do:
+        the api's hit path of the common call. It writes only what may have changed: an sm90 image
+        found by its (q, k, v, o) holds those already (every launch writes its image's own), and an
+        image's lse, tile counter and workspace stay while its scratch does (``tail_of``)."""
         found = self._scratch._streams.get(stream)
         scratch = found if found is not None else self._scratch.get(stream)
         maps = self._maps
@@ -267,6 +272,8 @@ class LaunchPlan:
                 image.tail_of = None if lse else scratch.counter
             elif not maps:
                 image.pack_operands(q, k, v, o)
+            if descales is not None:
+                _PACK_DESCALES.pack_into(image.storage, image.base + self._descale_offset, *descales)
             self._last = image
             try:
                 self._bare(scratch.stream, image.kernel_params, 0)
