@@ -48,7 +48,6 @@ def test_variant_names_the_problem_and_the_tile():
 @pytest.mark.parametrize("fields, knob, words", [
     ({"arch": "sm75"}, "arch", "sm75"),
     ({"arch": "sm90", "head_dim": 192}, "head_dim", "written for head_dim 64, 96, 128"),
-    ({"arch": "sm90", "deterministic": True}, "deterministic", "no deterministic mode"),
     ({"arch": "sm90", "block_m": 128}, "block_m", "block_m=64"),
     ({"arch": "sm90", "block_n": 64}, "block_n", "block_n=128"),
     ({"arch": "sm90", "num_warps": 8}, "num_warps", "12 warps"),
@@ -175,6 +174,27 @@ def test_deterministic_backward_adds_dq_in_turns(head_dim, causal):
     assert "MEMBAR" in sass and "dq_semaphore = 0" in backward.emit(spec)
 
 
+@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "bf16", True), (128, "fp16", False)])
+def test_sm90_deterministic_backward_adds_dq_in_turns(head_dim, dtype, causal):
+    """sm90, deterministic=True: a turn per (query block, key block) step around the consumers' dq_accum
+    adds (an acquire load and a sleep while waiting, a fence, the increment, the consumers' named
+    barrier 2), and where both warpgroups add into every column (head_dim 64: dQ split by keys)
+    warpgroup 1 waits for warpgroup 0's adds; no spills; the default has none of that."""
+    spec = BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal, deterministic=True)
+    assert "_det" in spec.variant
+    source = backward.emit(spec)
+    assert "dq_semaphore = 0" in source and "ld_acquire_gpu(dq_turn) != n_block" in source
+    kernel = backward.compile(spec)
+    r = backward.resources_of(kernel)[spec.variant]
+    assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0)
+    sass = kernel.sass()
+    plain = backward.compile(spec.replace(deterministic=False)).sass()
+    assert "NANOSLEEP" in sass and "MEMBAR" in sass and "BAR.SYNC.DEFER_BLOCKING 0x2, 0x100" in sass
+    assert "BAR.SYNC.DEFER_BLOCKING 0x2" not in plain and sass.count("MEMBAR") > plain.count("MEMBAR")
+    # three turn barriers per step where the warpgroups take turns in a CTA (split by keys), else two
+    assert sass.count("BAR.SYNC.DEFER_BLOCKING 0x2, 0x100") == (4 if sm90_dq_cols(head_dim) == head_dim else 2)
+
+
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1000, 1000, True), (1000, 1000, False), (1000, 77, True),
                                                         (77, 1000, True), (1, 1000, True), (300, 5, False)])
 @pytest.mark.parametrize("resident", [1, 3])
@@ -239,7 +259,6 @@ def test_cli_emit_and_inspect_backward():
 
 @pytest.mark.parametrize("argv, words", [
     (["--arch", "sm90", "--head-dim", "256"], "sm90 backward is written for head_dim 64, 96, 128"),
-    (["--arch", "sm90", "--deterministic"], "deterministic"),
     (["--pingpong"], "does not take pingpong"),
     (["--head-dim", "80"], "head_dim"),
 ])
@@ -319,14 +338,21 @@ def test_a_call_launches_the_three_kernels_in_order(bwd):
     assert _field(main, "dq_semaphore") == 0       # only the deterministic kernels take turns
 
 
-def test_deterministic_call_gets_its_kernels_and_turn_counters(bwd):
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_deterministic_call_gets_its_kernels_and_turn_counters(bwd, monkeypatch, arch):
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
     do, q, k, v, o, lse = _problem()
-    backward.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
-    spec = BackwardSpec(head_dim=128, causal=True, gpu="h200", deterministic=True)
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True, arch=arch)
+    spec = BackwardSpec(arch=arch, head_dim=128, causal=True, gpu="h200", deterministic=True)
     main = bwd.bwd.records[1]
     assert main["name"] == spec.variant
-    # the scratch: dq_accum, D, then one int32 per (batch, heads_q, query block of block_m rows)
-    assert _field(main, "dq_semaphore") - _field(main, "dpsum") == 4 * 2 * 8 * 113
+    field = _field if arch == "sm80" else _field90
+    # the scratch: dq_accum, D (sm90: D and LSE*log2(e), rows padded to 128), then one int32 per
+    # (batch, heads_q, query block of block_m rows)
+    stats = 2 * 8 * 113 if arch == "sm80" else 2 * 2 * 8 * 128
+    assert field(main, "dq_semaphore") - field(main, "dpsum") == 4 * stats
+    assert field(main, "dpsum") - field(main, "dq_accum") == 4 * 2 * 8 * 113 * 128
 
 
 def test_a_second_call_hits_the_plan(bwd):
@@ -706,8 +732,8 @@ def test_an_sm80_forward_asks_for_the_sm80_backward():
 
 
 def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
-    """arch=None picks the sm90 backward on an sm90 GPU where it covers the call, else the sm80 one
-    (head_dim 256, deterministic)."""
+    """arch=None picks the sm90 backward on an sm90 GPU where it covers the call (deterministic too),
+    else the sm80 one (head_dim 256)."""
     from facodegen.runtime import tma
     monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
     monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
@@ -715,7 +741,7 @@ def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
     backward.attention_backward(do, q, k, v, o, lse, causal=True)
     assert bwd.bwd.records[1]["name"] == BackwardSpec(arch="sm90", head_dim=128, causal=True).variant
     backward.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
-    assert bwd.bwd.records[4]["name"] == BackwardSpec(head_dim=128, causal=True, gpu="h200", deterministic=True).variant
+    assert bwd.bwd.records[4]["name"] == BackwardSpec(arch="sm90", head_dim=128, causal=True, deterministic=True).variant
     do, q, k, v, o, lse = _problem(d=256)
     backward.attention_backward(do, q, k, v, o, lse)
     assert bwd.bwd.records[7]["name"] == BackwardSpec(head_dim=256, gpu="h200").variant

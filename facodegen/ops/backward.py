@@ -518,7 +518,7 @@ def default_arch(info, head_dim: int, dtype: str, causal: bool, knobs: dict) -> 
     """attention_backward's arch when the caller gives none, and so what facodegen.attention's
     autograd runs: sm90 on a compute capability 9.0 GPU where the sm90 backward takes this call's
     head_dim and knobs (H200, 2026-12-03: all its GPU tests pass, and at head_dim 128 it runs 2.5-2.7x
-    the sm80 backward's TFLOP/s), else sm80 (head_dim 192/256, deterministic)."""
+    the sm80 backward's TFLOP/s), else sm80 (head_dim 192/256); deterministic calls too."""
     if info.compute_capability == (9, 0):
         try:
             BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal,

@@ -273,8 +273,6 @@ def _validate(spec: BackwardSpec) -> None:
 
 def _validate_sm90(spec: BackwardSpec) -> None:
     """The first sm90 slice: FA3's 64 x 128 tile with two consumer warpgroups, a 2-deep Q/dO ring."""
-    if spec.deterministic:
-        raise SpecError("deterministic", "the sm90 backward has no deterministic mode yet (arch='sm80' has one)")
     if spec.block_m != 64:
         raise SpecError("block_m", f"{spec.block_m}: the sm90 backward takes block_m=64 (one m64 wgmma of "
                                    f"queries for dQ) so far")
