@@ -2,7 +2,11 @@
 """The Python cost of a plan-cache hit of facodegen.attention() on torch tensors, on a CPU-only
 machine: the CPU twin of scripts/host_cost_breakdown.py (which times the real thing on a GPU).
 
-    python3 scripts/hit_path_cpu.py [--calls 20000] [--repeat 30]
+    python3 scripts/hit_path_cpu.py [--calls 20000] [--repeat 30] [--only forward|backward]
+
+The backward section times facodegen.attention_backward's hit and the eager autograd backward
+(torch_op._Attention: through the engine, through grad_fn.apply, and a forward+backward step) on
+(1, 128, 8, 128) bf16 causal (the sm90 backward on the fake H200), and their pieces.
 
 CPU torch tensors cannot take the real hit path (their get_device() is -1 and no kernel runs),
 so this script fakes the GPU around the same Python code, as tests/test_plan_cache.py does:
@@ -11,7 +15,7 @@ so this script fakes the GPU around the same Python code, as tests/test_plan_cac
   method), ``torch._C._cuda_getDevice`` and ``_cuda_getCurrentRawStream`` (absent from CPU
   builds) are lambdas returning 0 and a fixed stream;
 - the miss that builds the plan sees the CPU tensors as cuda:0 tensors (api._view), on a fake H200
-  (sm90: four TMA maps per plan, encoded as zeros), its kernel "loaded" without compiling;
+  (sm90: four TMA maps per plan, encoded as zeros), its kernels "loaded" without compiling;
 - the plan's driver.Launcher is the real one over a no-op binding (driver._launch_binding: what
   CuPy's launchKernel or ctypes would call) and its scratch is CPU memory.
 
@@ -19,6 +23,8 @@ So attention()'s whole hit is timed minus the driver call (~4.7 µs on the H200)
 allocation for O (``torch.empty_like``: malloc, set never to mmap or trim, not CUDA's caching
 allocator: compare it as a piece, not as the H200's 3.6 µs). The pieces are timed in loops of their own; they do not add up
 exactly. Numbers are µs per call, the best of ``--repeat`` rounds over all rows of ``--calls`` calls each.
+The backward's hit misses three driver calls, not one, and its dq, dk, dv (and before bwd-host its
+scratch) are CPU allocations too; moving a TMA map (cuTensorMapReplaceAddress, ~1 µs) is a no-op here.
 """
 
 from __future__ import annotations
@@ -64,19 +70,29 @@ def install_fake_gpu():
                              str(x.dtype).removeprefix("torch."), 0)
         return real_view(name, x)
     api._view = view
+    from facodegen.ops import backward
+    backward._load = lambda spec, device: tuple(driver.LoadedFunction(1 + i, 1, device) for i in range(3))
     driver._launch_binding = lambda: (lambda *fixed: (lambda stream, kernel_params, extra: None), driver.LaunchError)
     driver.memset_d32_async = lambda *a: None
     driver.replace_tensor_map_address = lambda m, p: None
+    driver.ensure_context = lambda ordinal: None
     tma.encode = lambda args: bytes(128)
     return torch, api
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calls", type=int, default=20_000)
-    p.add_argument("--repeat", type=int, default=30)
-    args = p.parse_args()
-    torch, api = install_fake_gpu()
+def _time(rows, args, title):
+    best = [float("inf")] * len(rows)
+    for _ in range(args.repeat):    # rounds over all rows: a slow spell of the machine hits every row alike
+        for i, (_, fn) in enumerate(rows):
+            best[i] = min(best[i], timeit.timeit(fn, number=args.calls) / args.calls)
+    print(f"| {title} | µs per call (CPU, best of {args.repeat} rounds x {args.calls} calls) |\n|---|---|")
+    for (name, _), t in zip(rows, best):
+        print(f"| {name} | {t * 1e6:.3f} |")
+    print()
+
+
+def forward_rows(torch, api):
+    """The forward's rows, and a check to run after timing them."""
     import facodegen
     from facodegen.tuning import tunedb
 
@@ -119,14 +135,101 @@ def main() -> int:
     ]
     if not hasattr(plan, "launch_plain"):     # (the script times older commits too, for before/after)
         rows = [row for row in rows if "launch_plain" not in row[0]]
-    best = [float("inf")] * len(rows)
-    for _ in range(args.repeat):    # rounds over all rows: a slow spell of the machine hits every row alike
-        for i, (_, fn) in enumerate(rows):
-            best[i] = min(best[i], timeit.timeit(fn, number=args.calls) / args.calls)
-    print(f"| step | µs per call (CPU, best of {args.repeat} rounds x {args.calls} calls) |\n|---|---|")
-    for (name, _), t in zip(rows, best):
-        print(f"| {name} | {t * 1e6:.3f} |")
-    assert api._PLANS.misses == 3, "every timed call must have hit (1 plan + return_lse's + out='s)"
+
+    def check():
+        assert api._PLANS.misses == 3, "every timed call must have hit (1 plan + return_lse's + out='s)"
+    return rows, check
+
+
+def backward_rows(torch, api):
+    """attention_backward's hit and the eager autograd backward (torch_op._Attention.backward), on
+    (1, 128, 8, 128) bf16 causal (the sm90 backward on the fake H200: four TMA maps), and their
+    pieces; a check to run after timing them."""
+    import facodegen
+    from facodegen.ops import backward, torch_op
+
+    q, k, v, o, do = (torch.randn(1, 128, 8, 128).to(torch.bfloat16) for _ in range(5))
+    lse = torch.randn(1, 8, 128)
+    attention_backward = facodegen.attention_backward
+    attention_backward(do, q, k, v, o, lse, causal=True)
+    attention_backward(do, q, k, v, o, lse, causal=True)
+    assert backward._PLANS.misses == 1, "the second call must hit the plan the first one built"
+    plan = next(iter(backward._PLANS._plans.values()))
+    key = next(iter(backward._PLANS._plans))
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    meta, ptr = api.ARRAY_META["torch"], api.ARRAY_PTR["torch"]
+    scratch_bytes = 4 * (plan.accum_floats + plan.dpsum_floats + plan.semaphore_ints)
+    pointers = tuple(x.data_ptr() for x in (q, k, v, o, do, lse, dq, dk, dv))
+    plain = hasattr(plan, "launch_plain")     # (the script times older commits too, for before/after)
+    if not plain:   # (before: the scratch's three pointers too)
+        pointers += (1 << 20, 2 << 20, 0)
+
+    # autograd: a forward that records, and its backward through the engine (retain_graph: one graph, timed again
+    # and again) and through the Function's own backward (grad_fn.apply: no engine)
+    qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+    out = facodegen.attention(qg, kg, vg, causal=True)
+    assert type(out.grad_fn).__name__ == "_AttentionBackward"
+    grad_fn = out.grad_fn
+
+    def step():     # forward + backward of one layer's attention, as a training step runs it (grad: no
+        return torch.autograd.grad(facodegen.attention(qg, kg, vg, causal=True), (qg, kg, vg), do)  # .grad adds)
+
+    rows = [
+        ("attention_backward(do, q, k, v, o, lse, causal=True) whole hit", lambda: attention_backward(
+            do, q, k, v, o, lse, causal=True)),
+        ("attention_backward(..., dq=, dk=, dv=) whole hit", lambda: attention_backward(
+            do, q, k, v, o, lse, causal=True, dq=dq, dk=dk, dv=dv)),
+        ("autograd: forward + backward (attention(), autograd.backward)", step),
+        ("autograd: torch.autograd.grad(out, (q, k, v), do) (engine + backward)", lambda: torch.autograd.grad(
+            out, (qg, kg, vg), do, retain_graph=True)),
+        ("autograd: out.grad_fn.apply(do, None) (_Attention.backward)", lambda: grad_fn.apply(do, None)),
+        ("  autograd: do.contiguous() + _backward_knobs()", lambda: (do.contiguous(), torch_op._backward_knobs())),
+        ("  the key (as the torch fast path builds it, since bwd-host)", lambda: (
+            do.dtype, do.shape, do.stride(), do.get_device(), q.dtype, q.shape, q.stride(), q.get_device(),
+            k.dtype, k.shape, k.stride(), k.get_device(), v.dtype, v.shape, v.stride(), v.get_device(),
+            o.dtype, o.shape, o.stride(), o.get_device(), lse.dtype, lse.shape, lse.stride(), lse.get_device(),
+            None, None, None, bool, True, type(None), None, None, (), torch._C._cuda_getDevice())),
+        ("  the key (meta x 9 + current device, as the checked key)", lambda: (
+            "torch", meta(do), meta(q), meta(k), meta(v), meta(o), meta(lse), meta(None), meta(None), meta(None),
+            bool, True, type(None), None, None, (), api._current_device("torch"))),
+        ("    api._current_device('torch')", lambda: api._current_device("torch")),
+        ("  _PLANS.get(key) (hash + dict get)", lambda: backward._PLANS.get(key)),
+        ("  3 x torch.empty_like(x, contiguous) (dq, dk, dv: CPU malloc)", lambda: (
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))),
+        ("  the scratch: torch.empty(bytes, uint8) (dq_accum, D: CPU malloc)", lambda: torch.empty(
+            scratch_bytes, dtype=torch.uint8)),
+        ("  9 x data_ptr() (ARRAY_PTR)", lambda: (ptr(q), ptr(k), ptr(v), ptr(o), ptr(do), ptr(lse), ptr(dq),
+                                                    ptr(dk), ptr(dv))),
+        ("  current stream", lambda: torch._C._cuda_getCurrentRawStream(0)),
+        ("  plan.launch (one pack, 3 launches, no-op binding)", lambda: plan.launch(STREAM, pointers)),
+        ("  plan.launch_plain (the hit's: one pack, 3 bare launches)", lambda: plan.launch_plain(STREAM, *pointers)),
+        ("    one driver.Launcher over the no-op binding", lambda: plan._launchers[0](STREAM, 0)),
+    ]
+    if not plain:
+        rows = [row for row in rows if "launch_plain" not in row[0]]
+    for _, fn in rows[:5]:
+        fn()     # (dq= builds a plan of its own)
+    misses = backward._PLANS.misses
+
+    def check():
+        assert backward._PLANS.misses == misses, "every timed backward call must have hit"
+    return rows, check
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=20_000)
+    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--only", choices=("forward", "backward"), help="time one section (default: both)")
+    args = p.parse_args()
+    torch, api = install_fake_gpu()
+    for name, make in (("forward", forward_rows), ("backward", backward_rows)):
+        if args.only in (None, name):
+            rows, check = make(torch, api)
+            _time(rows, args, name)
+            check()
     return 0
 
 

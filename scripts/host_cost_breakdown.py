@@ -103,6 +103,11 @@ def main() -> int:
             qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), is_causal=True).backward(dout_t)),
         ("  attention_backward() alone", lambda: facodegen.attention_backward(dout, q, k, v, o_saved, lse_saved,
                                                                               causal=True)),
+        # (the sm90 backward's TMA maps: one params image per (q, k, v, dout) address set, as the forward's)
+        ("  attention_backward(), 32 input sets in turn (a model's layers)", lambda: facodegen.attention_backward(
+            dout, *next(turns), o_saved, lse_saved, causal=True)),
+        ("  3 x empty_like(x, contiguous) (its dq, dk, dv)", lambda: tuple(
+            torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))),
         ("torch SDPA whole call", lambda: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)),
         ("call key tuple", make_key),

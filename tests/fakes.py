@@ -49,3 +49,18 @@ class FakeTensor:
 
     def as_strided(self, shape, strides):
         return FakeTensor(shape, self.dtype.removeprefix("torch."), strides, self.device.index, self._ptr)
+
+
+class FakeLauncher:
+    """driver.Launcher's interface (a call, ``bare`` and ``error``, as plan.LaunchPlan.launch_plain and
+    backward.BackwardPlan.launch_plain use it) over a recording ``launch(stream, kernel_params)``."""
+    error = ()      # (a fake launch raises nothing that is a launch error)
+
+    def __init__(self, launch):
+        self._launch = launch
+
+    def __call__(self, stream, kernel_params):
+        self._launch(stream, kernel_params)
+
+    def bare(self, stream, kernel_params, extra):
+        self._launch(stream, kernel_params)

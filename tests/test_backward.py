@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import re
 import struct
+import time
 import warnings
 
 import pytest
@@ -19,7 +20,7 @@ from facodegen.runtime import driver
 from facodegen.spec.backward import (BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs, kv_acc_floats,
                                      sm90_dq_cols)
 from facodegen.spec import GPUS, HEAD_DIMS, SpecError
-from fakes import FakeTensor
+from fakes import FakeLauncher, FakeTensor
 from test_plan_cache import fake  # noqa: F401 (the fixture)
 
 DEFAULTS = default_backward_specs()
@@ -47,7 +48,6 @@ def test_variant_names_the_problem_and_the_tile():
 @pytest.mark.parametrize("fields, knob, words", [
     ({"arch": "sm75"}, "arch", "sm75"),
     ({"arch": "sm90", "head_dim": 192}, "head_dim", "written for head_dim 64, 96, 128"),
-    ({"arch": "sm90", "deterministic": True}, "deterministic", "no deterministic mode"),
     ({"arch": "sm90", "block_m": 128}, "block_m", "block_m=64"),
     ({"arch": "sm90", "block_n": 64}, "block_n", "block_n=128"),
     ({"arch": "sm90", "num_warps": 8}, "num_warps", "12 warps"),
@@ -55,6 +55,7 @@ def test_variant_names_the_problem_and_the_tile():
     ({"arch": "sm90", "k_unroll": 1}, "k_unroll", "sm80 knob"),
     ({"arch": "sm90", "gpu": "a100"}, "gpu", "h100, h200"),
     ({"dq_tma_reduce": True}, "dq_tma_reduce", "an sm90 knob"),
+    ({"arch": "sm90", "dq_tma_reduce": True, "deterministic": True}, "dq_tma_reduce", "no deterministic mode"),
     ({"dtype": "fp8"}, "dtype", "fp8"),
     ({"head_dim": 80}, "head_dim", "80"),
     ({"stages": 2}, "stages", "stages=1"),
@@ -175,6 +176,27 @@ def test_deterministic_backward_adds_dq_in_turns(head_dim, causal):
     assert "MEMBAR" in sass and "dq_semaphore = 0" in backward.emit(spec)
 
 
+@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "bf16", True), (128, "fp16", False)])
+def test_sm90_deterministic_backward_adds_dq_in_turns(head_dim, dtype, causal):
+    """sm90, deterministic=True: a turn per (query block, key block) step around the consumers' dq_accum
+    adds (an acquire load and a sleep while waiting, a fence, the increment, the consumers' named
+    barrier 2), and where both warpgroups add into every column (head_dim 64: dQ split by keys)
+    warpgroup 1 waits for warpgroup 0's adds; no spills; the default has none of that."""
+    spec = BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal, deterministic=True)
+    assert "_det" in spec.variant
+    source = backward.emit(spec)
+    assert "dq_semaphore = 0" in source and "ld_acquire_gpu(dq_turn) != n_block" in source
+    kernel = backward.compile(spec)
+    r = backward.resources_of(kernel)[spec.variant]
+    assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0)
+    sass = kernel.sass()
+    plain = backward.compile(spec.replace(deterministic=False)).sass()
+    assert "NANOSLEEP" in sass and "MEMBAR" in sass and "BAR.SYNC.DEFER_BLOCKING 0x2, 0x100" in sass
+    assert "BAR.SYNC.DEFER_BLOCKING 0x2" not in plain and sass.count("MEMBAR") > plain.count("MEMBAR")
+    # three turn barriers per step where the warpgroups take turns in a CTA (split by keys), else two
+    assert sass.count("BAR.SYNC.DEFER_BLOCKING 0x2, 0x100") == (4 if sm90_dq_cols(head_dim) == head_dim else 2)
+
+
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1000, 1000, True), (1000, 1000, False), (1000, 77, True),
                                                         (77, 1000, True), (1, 1000, True), (300, 5, False)])
 @pytest.mark.parametrize("resident", [1, 3])
@@ -239,7 +261,6 @@ def test_cli_emit_and_inspect_backward():
 
 @pytest.mark.parametrize("argv, words", [
     (["--arch", "sm90", "--head-dim", "256"], "sm90 backward is written for head_dim 64, 96, 128"),
-    (["--arch", "sm90", "--deterministic"], "deterministic"),
     (["--pingpong"], "does not take pingpong"),
     (["--head-dim", "80"], "head_dim"),
 ])
@@ -260,13 +281,16 @@ def test_cli_forward_is_still_the_default():
 class BwdLaunches:
     def __init__(self):
         self.records = []
+        self.yield_in_launch = False    # let another thread run inside each launch (time.sleep(0))
 
     def launcher(self, function, grid, threads, smem):
         def launch(stream, kernel_params):
+            if self.yield_in_launch:
+                time.sleep(0)
             address = ctypes.c_void_p.from_address(kernel_params).value
             self.records.append({"name": function.ptr, "grid": grid, "threads": threads, "smem": smem,
                                  "stream": stream, "params": ctypes.string_at(address, backward.layout()[1])})
-        return launch
+        return FakeLauncher(launch)
 
 
 @pytest.fixture
@@ -316,14 +340,21 @@ def test_a_call_launches_the_three_kernels_in_order(bwd):
     assert _field(main, "dq_semaphore") == 0       # only the deterministic kernels take turns
 
 
-def test_deterministic_call_gets_its_kernels_and_turn_counters(bwd):
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_deterministic_call_gets_its_kernels_and_turn_counters(bwd, monkeypatch, arch):
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
     do, q, k, v, o, lse = _problem()
-    backward.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
-    spec = BackwardSpec(head_dim=128, causal=True, gpu="h200", deterministic=True)
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True, arch=arch)
+    spec = BackwardSpec(arch=arch, head_dim=128, causal=True, gpu="h200", deterministic=True)
     main = bwd.bwd.records[1]
     assert main["name"] == spec.variant
-    # the scratch: dq_accum, D, then one int32 per (batch, heads_q, query block of block_m rows)
-    assert _field(main, "dq_semaphore") - _field(main, "dpsum") == 4 * 2 * 8 * 113
+    field = _field if arch == "sm80" else _field90
+    # the scratch: dq_accum, D (sm90: D and LSE*log2(e), rows padded to 128), then one int32 per
+    # (batch, heads_q, query block of block_m rows)
+    stats = 2 * 8 * 113 if arch == "sm80" else 2 * 2 * 8 * 128
+    assert field(main, "dq_semaphore") - field(main, "dpsum") == 4 * stats
+    assert field(main, "dpsum") - field(main, "dq_accum") == 4 * 2 * 8 * 113 * 128
 
 
 def test_a_second_call_hits_the_plan(bwd):
@@ -574,18 +605,33 @@ def test_sm90_render_says_what_it_is(spec):
     assert result.exit_code == 0 and result.output == source
 
 
-def test_sm90_stage_release_counts_one_arrival_per_consumer_warp():
+def test_sm90_stage_rows_come_by_bulk_copy():
+    """The producer's lane 0 copies a step's LSE * log2(e) and D rows (padded by the preprocess) with
+    the Q and dO tiles, each on its tile's barrier, whose expected bytes count them: no producer lane
+    writes shared memory with plain stores (racecheck cannot order those against the consumers'
+    reads across the mbarriers: WAR reports on the H200, 2026-12-04)."""
+    source = _rendered(BackwardSpec(arch="sm90", head_dim=128), ("producer", "consumers"))
+    producer = source[source.index("// ================================ producer"):source.index("// ================================ consumers")]
+    assert "mbar_init(smem_u32(&state.q_full[s]), 1);" in source and "mbar_init(smem_u32(&state.do_full[s]), 1);" in source
+    assert "mbar_arrive_expect_tx(q_full, Q_TILE_BYTES + ROWS_BYTES);" in producer
+    assert "mbar_arrive_expect_tx(do_full, Q_TILE_BYTES + ROWS_BYTES);" in producer
+    assert producer.count("bulk_load(") == 2 and "_rows[" not in producer and "mbar_arrive(q_full)" not in producer
+
+
+def test_sm90_stage_release_counts_one_arrival_per_consumer_thread():
     """The producer rewrites a stage's LSE and D rows once step_empty says every reader is done. An
-    mbarrier arrival releases only its own thread's reads, so each consumer warp arrives (lane 0,
-    after __syncwarp) and the barrier expects that many: one arrival per warpgroup left the other
-    warps' reads unordered (racecheck on the H200, 2026-12-03: WAR hazards on those rows)."""
+    mbarrier arrival releases only its own thread's reads, so every consumer thread arrives, after
+    its last read of the stage (the wgmma wait), and the barrier expects that many: one arrival per
+    warpgroup, then one per warp after __syncwarp, left the other threads' reads unordered
+    (racecheck on the H200, 2026-12-03 and -04: WAR hazards on those rows)."""
     source = _rendered(BackwardSpec(arch="sm90", head_dim=128), ("producer", "consumers"))
     init = re.search(r"mbar_init\(smem_u32\(&state\.step_empty\[s\]\), ([^;]+)\);", source)
-    assert init and init[1] == "CONSUMER_WGS * WG_THREADS / 32", init and init[1]
-    release = re.search(r"const bool release_thread = ([^;]+);", source)
-    assert release and release[1] == "lane == 0"
-    arrive = source.index("mbar_arrive(smem_u32(&state.step_empty[stage]))")
-    assert source.rindex("__syncwarp();", 0, arrive) > source.rindex("wgmma_wait<0>();", 0, arrive)
+    assert init and init[1] == "CONSUMER_WGS * WG_THREADS", init and init[1]
+    arrive = source.index("mbar_arrive(smem_u32(&state.step_empty[stage]));")
+    line = source[source.rindex("\n", 0, arrive):arrive]
+    assert line.strip() == "", f"the arrival is conditional: {line!r}"
+    assert source.rindex("wgmma_wait<0>();", 0, arrive) > source.rindex("for (int step = 0;", 0, arrive)
+    assert "release_thread" not in source
 
 
 @pytest.mark.parametrize("spec", SM90, ids=lambda s: s.variant)
@@ -614,6 +660,7 @@ def test_sm90_compiles_clean_with_the_hopper_instructions(spec):
     assert len(dq) == (spec.block_n if dq_cols < d else 64) // 16   # dQ: dS^T and K, both MN-major
     assert len(hgmma) == len(s_dp) + len(dv_dk) + len(dq)
     assert counts["UTMALDG"] == 4 and counts["USETMAXREG"] == 2
+    assert sass.count("UBLKCP.S.G") == 2         # a step's LSE and D rows: bulk copies, no plain loads
     setmaxnreg = [" ".join(x.split()[1:4]) for x in sass.splitlines() if "USETMAXREG" in x]
     assert sorted(setmaxnreg) == ["USETMAXREG.DEALLOC.CTAPOOL 0x18 ;", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0"]
     assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass and "SYNCS.ARRIVE.TRANS64" in sass
@@ -659,17 +706,27 @@ def test_sm90_call_launches_three_kernels_and_moves_its_maps(bwd, monkeypatch):
     spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200")
     recs = bwd.bwd.records
     assert [r["name"] for r in recs] == list(spec.kernel_names)
-    assert [r["grid"] for r in recs] == [(-(-113 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 12), 8, 2)]
+    # the preprocess covers 128 rows (113 padded to block_m: the producer copies a block's stat rows whole)
+    assert [r["grid"] for r in recs] == [(-(-128 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 12), 8, 2)]
+    assert backward.row_stat_floats(spec, 2, 8, 113) == 2 * 2 * 8 * 128   # D, then LSE * log2(e)
     assert [r["smem"] for r in recs] == [0, spec.smem_bytes, 0] and {r["threads"] for r in recs} == {384}
     # the maps: Q and dO in boxes of 64 columns x block_m rows, K and V x block_n rows, 128B swizzle
     assert [a.ptr for a in encoded] == [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()]
     assert [a.box for a in encoded] == [(64, 64, 1, 1), (64, 128, 1, 1), (64, 128, 1, 1), (64, 64, 1, 1)]
     assert [a.dims for a in encoded] == [(128, 113, 8, 2), (128, 203, 2, 2), (128, 203, 2, 2), (128, 113, 8, 2)]
-    assert moves == [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()]
+    assert moves == []      # the maps were encoded at this call's tensors: nothing to move
+    assert bwd.launches.contexts == [0]     # a context made current first (an autograd thread may lack one)
     do2, q2, k2, v2, o2, lse2 = _problem()
     backward.attention_backward(do2, q2, k2, v2, o2, lse2, causal=True, arch="sm90")
     assert backward._PLANS.misses == 1 and len(encoded) == 4     # the plan's maps, pointed at the new tensors
-    assert moves[4:] == [q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), do2.data_ptr()]
+    assert moves == [q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), do2.data_ptr()]
+    # the first tensors again (a model's other layer of the same shape): their image, no map moved
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90")
+    assert len(moves) == 4 and len(bwd.bwd.records) == 9
+    assert bwd.bwd.records[-1]["params"][:8 * 6] == recs[0]["params"][:8 * 6]     # q, k, v, o, dout, lse
+    # only the TMA maps' operands pick the image: another o, lse or dq lands in the same one
+    backward.attention_backward(do, q, k, v, o2, lse2, causal=True, arch="sm90")
+    assert len(moves) == 4 and _field90(bwd.bwd.records[-1], "o") == o2.data_ptr()
 
 
 def test_an_sm80_forward_asks_for_the_sm80_backward():
@@ -677,8 +734,8 @@ def test_an_sm80_forward_asks_for_the_sm80_backward():
 
 
 def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
-    """arch=None picks the sm90 backward on an sm90 GPU where it covers the call, else the sm80 one
-    (head_dim 256, deterministic)."""
+    """arch=None picks the sm90 backward on an sm90 GPU where it covers the call (deterministic too),
+    else the sm80 one (head_dim 256)."""
     from facodegen.runtime import tma
     monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
     monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
@@ -686,7 +743,7 @@ def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
     backward.attention_backward(do, q, k, v, o, lse, causal=True)
     assert bwd.bwd.records[1]["name"] == BackwardSpec(arch="sm90", head_dim=128, causal=True).variant
     backward.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
-    assert bwd.bwd.records[4]["name"] == BackwardSpec(head_dim=128, causal=True, gpu="h200", deterministic=True).variant
+    assert bwd.bwd.records[4]["name"] == BackwardSpec(arch="sm90", head_dim=128, causal=True, deterministic=True).variant
     do, q, k, v, o, lse = _problem(d=256)
     backward.attention_backward(do, q, k, v, o, lse)
     assert bwd.bwd.records[7]["name"] == BackwardSpec(head_dim=256, gpu="h200").variant
@@ -758,3 +815,213 @@ def test_dq_tma_reduce_call_pads_dq_accum_and_zeroes_the_padding(bwd, monkeypatc
     assert [r["grid"] for r in recs] == [(-(-128 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-128 // 12), 8, 2)]
     assert recs[1]["smem"] == spec.smem_bytes
     assert _field90(recs[1], "dpsum") - _field90(recs[1], "dq_accum") == 4 * 2 * 8 * 128 * 128
+    # the plan's per-stream scratch: the padded dq_accum, then D and LSE * log2(e) padded to block_m rows
+    [plan] = backward._PLANS._plans.values()
+    assert plan.plain and (plan.accum_floats, plan.dpsum_floats) == (2 * 8 * 128 * 128, 2 * 2 * 8 * 128)
+
+
+def test_dq_tma_reduce_per_call_scratch_is_padded(bwd, monkeypatch):
+    """Above CACHED_SCRATCH_BYTES the per-call allocation has the padded, tiled dq_accum's size too."""
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
+    monkeypatch.setattr(backward, "CACHED_SCRATCH_BYTES", 1024)
+    allocations = []
+    real = api._allocate
+    monkeypatch.setattr(api, "_allocate", lambda kind, device, nbytes: allocations.append(nbytes) or real(
+        kind, device, nbytes))
+    do, q, k, v, o, lse = _problem()                      # seqlen_q 113 -> 128 rows
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90", dq_tma_reduce=True)
+    [plan] = backward._PLANS._plans.values()
+    assert not plan.plain
+    assert allocations[-1] == 4 * (2 * 8 * 128 * 128 + 2 * 2 * 8 * 128)
+    main = bwd.bwd.records[1]
+    assert _field90(main, "dpsum") - _field90(main, "dq_accum") == 4 * 2 * 8 * 128 * 128
+
+
+def test_eager_backward_makes_no_zero_gradient_for_the_lse(meta_launches):
+    """The LSE takes no gradient: _Attention tells the engine not to materialize one (on a GPU, an
+    allocation and a fill kernel per backward), and its backward still gets dO."""
+    import facodegen
+    q = meta(1, 16, 2, 64)
+    out, lse = facodegen.attention(q, q.detach(), q.detach(), return_lse=True)
+    with DispatchedOps() as ops:
+        out.float().sum().backward()
+    assert not [name for name in ops.names if "zero" in name or "fill" in name], ops.names
+    [bwd] = meta_launches.backwards
+    assert bwd["do"].shape == q.shape
+
+
+# ------------------------------------------------------------------ attention_backward's hit path (fake GPU)
+
+def _scratch_fields(record, arch):
+    get = _field90 if arch == "sm90" else _field
+    return get(record, "dq_accum"), get(record, "dpsum"), get(record, "dq_semaphore")
+
+
+@pytest.mark.parametrize("arch, knobs", [("sm80", {}), ("sm90", {}), ("sm80", {"deterministic": True})])
+def test_a_hit_launches_the_checked_paths_bytes(bwd, monkeypatch, arch, knobs):
+    """A hit (BackwardPlan.launch_plain, from attention_backward's own frame) launches the three
+    kernels with the bytes the checked path (BackwardPlan.launch) gives the same call."""
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    do, q, k, v, o, lse = _problem()
+    grads = FakeTensor(q.shape), FakeTensor(k.shape), FakeTensor(v.shape)
+    call = dict(causal=True, softmax_scale=0.3, arch=arch, dq=grads[0], dk=grads[1], dv=grads[2], **knobs)
+    backward.attention_backward(do, q, k, v, o, lse, **call)      # the miss: the checked path
+    [plan] = backward._PLANS._plans.values()
+    assert plan.plain
+    plain = []
+    monkeypatch.setattr(plan, "launch_plain", lambda *a: plain.append(a) or type(plan).launch_plain(plan, *a))
+    backward.attention_backward(do, q, k, v, o, lse, **call)      # a hit: launch_plain
+    monkeypatch.setattr(plan, "plain", False)
+    backward.attention_backward(do, q, k, v, o, lse, **call)      # a hit through plan.launch
+    recs = bwd.bwd.records
+    assert len(plain) == 1 and backward._PLANS.misses == 1 and len(recs) == 9
+    assert [r["params"] for r in recs[3:6]] == [r["params"] for r in recs[6:9]] == [r["params"] for r in recs[:3]]
+    assert [(r["name"], r["grid"], r["stream"]) for r in recs[3:6]] == [(r["name"], r["grid"], r["stream"])
+                                                                       for r in recs[:3]]
+    assert _scratch_fields(recs[3], arch)[0] != 0
+    assert (_scratch_fields(recs[3], arch)[2] != 0) == bool(knobs)
+
+
+def test_a_hit_allocates_contiguous_gradients(bwd):
+    do, q, k, v, o, lse = _problem()
+    q = q.as_strided(q.shape, (113 * 8 * 256, 8 * 256, 256, 1))     # a view of a wider tensor (e.g. qkv packed)
+    backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    dq, dk, dv = backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    assert backward._PLANS.misses == 1
+    assert dq.stride() == FakeTensor(q.shape).stride() and dq.shape == q.shape and dk.shape == k.shape
+    main = bwd.bwd.records[4]
+    assert (_field(main, "dq"), _field(main, "dk"), _field(main, "dv")) == (dq.data_ptr(), dk.data_ptr(),
+                                                                            dv.data_ptr())
+    assert _field(main, "dq_row_stride") == 8 * 128 and _field(main, "q_row_stride") == 8 * 256
+
+
+@pytest.mark.parametrize("change", ["do_strides", "q_strides", "dtype", "dq", "dk", "deterministic", "causal",
+                                    "scale", "scale_type", "arch", "knob", "lse_device", "current_device"])
+def test_what_changes_the_launch_misses(bwd, change):
+    """Every part of a call that changes its launch (or its checks) is in the hit's key: a call that
+    differs from a cached one in it builds a plan of its own."""
+    do, q, k, v, o, lse = _problem()
+    args, kwargs = dict(do=do, q=q, k=k, v=v, out=o, lse=lse), dict(causal=True, arch="sm80")
+    backward.attention_backward(*args.values(), **kwargs)
+    if change == "do_strides":
+        args["do"] = do.as_strided(do.shape, (113 * 8 * 256, 8 * 256, 256, 1))
+    elif change == "q_strides":
+        args["q"] = q.as_strided(q.shape, (113 * 8 * 256, 8 * 256, 256, 1))
+    elif change == "dtype":
+        args = {n: FakeTensor(x.shape, "float32" if n == "lse" else "float16") for n, x in args.items()}
+    elif change in ("dq", "dk"):
+        kwargs[change] = FakeTensor(q.shape if change == "dq" else k.shape)
+    elif change == "deterministic":
+        kwargs["deterministic"] = True
+    elif change == "causal":
+        kwargs["causal"] = False
+    elif change == "scale":
+        kwargs["softmax_scale"] = 0.25
+    elif change == "scale_type":    # 1 and 1.0 hash alike; the plan caches the checked value of one of them
+        backward.attention_backward(*args.values(), softmax_scale=1.0, **kwargs)
+        kwargs["softmax_scale"] = 1
+    elif change == "arch":
+        kwargs["arch"] = "sm90"
+    elif change == "knob":
+        kwargs["block_n"] = 64
+    elif change == "lse_device":
+        args["lse"] = FakeTensor(lse.shape, "float32", device=1)
+    elif change == "current_device":
+        bwd.device = 1
+    before = backward._PLANS.misses
+    try:
+        backward.attention_backward(*args.values(), **kwargs)
+    except TypeError as err:    # lse on another device: refused by the checked path, never a hit
+        assert change == "lse_device" and "lse must be" in str(err)
+        return
+    assert backward._PLANS.misses == before + 1
+    assert change != "current_device" or bwd.launches.switches == [0]     # (the launch switches to the tensors' device)
+
+
+def test_streams_get_their_own_scratch(bwd):
+    """dq_accum, D and the turn counters are the plan's per stream: calls on one stream share them
+    (run in order), calls on two streams never do."""
+    do, q, k, v, o, lse = _problem()
+    seen = {}
+    for stream in (1000, 2000, 1000, 3000, 2000):
+        bwd.stream = stream
+        backward.attention_backward(do, q, k, v, o, lse, arch="sm80", deterministic=True)
+        main = bwd.bwd.records[-2]
+        assert main["stream"] == stream
+        scratch = (_field(main, "dq_accum"), _field(main, "dpsum"), _field(main, "dq_semaphore"))
+        assert scratch == seen.setdefault(stream, scratch)
+    assert backward._PLANS.misses == 1 and len(set(seen.values())) == 3
+    for a in seen.values():     # disjoint
+        for b in seen.values():
+            assert a == b or abs(a[0] - b[0]) >= 4 * (2 * 8 * 113 * (128 + 1))
+
+
+def test_a_large_scratch_is_allocated_per_call(bwd, monkeypatch):
+    """Above CACHED_SCRATCH_BYTES the plan keeps no scratch: each call allocates its own (checked
+    path's launch), laid out as the kept one."""
+    monkeypatch.setattr(backward, "CACHED_SCRATCH_BYTES", 1024)
+    do, q, k, v, o, lse = _problem()
+    allocations = []
+    real = api._allocate
+    monkeypatch.setattr(api, "_allocate", lambda kind, device, nbytes: allocations.append(nbytes) or real(
+        kind, device, nbytes))
+    for _ in range(2):
+        backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    [plan] = backward._PLANS._plans.values()
+    assert not plan.plain and plan.scratch(1000) is None and backward._PLANS.misses == 1
+    assert allocations == [4 * (2 * 8 * 113 * 129)] * 2
+    first, second = bwd.bwd.records[1], bwd.bwd.records[4]
+    assert _field(first, "dq_accum") != _field(second, "dq_accum")
+    assert _field(second, "dpsum") - _field(second, "dq_accum") == 4 * 2 * 8 * 113 * 128
+
+
+def test_a_misaligned_hit_raises_from_the_checked_path(bwd):
+    do, q, k, v, o, lse = _problem()
+    backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        backward.attention_backward(do.offset(8), q, k, v, o, lse, arch="sm80")
+    assert len(bwd.bwd.records) == 3
+
+
+def test_threads_on_one_stream_do_not_interleave_their_launches(bwd):
+    """The plan's lock spans a call's three launches: two threads on one stream sharing the plan's
+    scratch queue preprocess, main, convert of one call before the next call's."""
+    import threading
+    do, q, k, v, o, lse = _problem()
+    backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    spec = BackwardSpec(head_dim=128, gpu="h200")
+    bwd.bwd.yield_in_launch = True
+
+    def run():
+        for _ in range(200):
+            backward.attention_backward(do, q, k, v, o, lse, arch="sm80")
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    names = [r["name"] for r in bwd.bwd.records]
+    assert len(names) == 3 * 801 and names == list(spec.kernel_names) * 801
+
+
+@pytest.mark.parametrize("layout, copied", [("contiguous", False), ("transposed", False), ("expanded", True),
+                                            ("head_dim_strided", True), ("odd_stride", True)])
+def test_eager_backward_copies_do_only_where_the_kernels_cannot_read_it(meta_launches, layout, copied):
+    """dO goes to attention_backward as it is where its layout is one the kernels take (head_dim
+    contiguous, other strides multiples of 8 elements); anything else is made contiguous first."""
+    import facodegen
+    q = meta(1, 16, 2, 64)
+    out = facodegen.attention(q, q.detach(), q.detach())
+    grad = {"contiguous": lambda: torch.empty(1, 16, 2, 64, dtype=torch.bfloat16, device="meta"),
+            "transposed": lambda: torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="meta").transpose(1, 2),
+            "expanded": lambda: torch.empty((), dtype=torch.bfloat16, device="meta").expand(1, 16, 2, 64),
+            "head_dim_strided": lambda: torch.empty(1, 16, 2, 128, dtype=torch.bfloat16, device="meta")[..., ::2],
+            "odd_stride": lambda: torch.empty(1, 16, 2, 68, dtype=torch.bfloat16, device="meta")[..., :64]}[layout]()
+    torch.autograd.backward(out, grad)
+    [bwd] = meta_launches.backwards
+    assert bwd["do"].shape == q.shape and bwd["do"].stride(-1) == 1
+    assert (bwd["do"].stride() != grad.stride()) == copied
+    assert bwd["do"].is_contiguous() or not copied

@@ -893,3 +893,26 @@ def test_plot_draws_the_prepared_bar_in_its_public_calls_colour_hatched(tmp_path
     rows = [_row({"facodegen-sm90": {"tflops": 600.0}, "facodegen-sm90 (prepared)": {"tflops": 640.0},
                   "fa3": {"tflops": 650.0}})]
     assert plot.plot_rows(rows, tmp_path / "one.png").stat().st_size > 0
+
+
+def test_overhead_rows_take_turns_and_keep_the_median(monkeypatch):
+    """Each round times every row of a case once (full warm-up first, a tenth after), and a row's
+    figures are the medians over its rounds: a slow spell hits every implementation alike."""
+    import types
+    monkeypatch.setattr(overhead, "_torch", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=None)))
+    calls = []
+    slow = {("b", 1)}       # row b's second round ran during a slow spell
+
+    def timer(fn, synchronize, **timing):
+        name = fn()
+        calls.append((name, timing["warmup"], timing["repeats"]))
+        rounds = sum(1 for c in calls if c[0] == name) - 1
+        us = 50.0 if (name, rounds) in slow else {"a": 10.0, "b": 20.0}[name] + rounds
+        return {"host_us": us, "loop_us": us}
+    built = [(bench.overhead_row(n, "bf16", True, "plain"), (lambda n=n: n)) for n in ("a", "b")]
+    built.append((bench.overhead_row("c", "bf16", True, "plain", note="skipped: no"), None))
+    overhead._time_overhead_rows(built, {"warmup": 200, "calls": 10, "repeats": 3, "chunk": 5}, timer, lambda m: None)
+    assert calls == [("a", 200, 1), ("b", 200, 1), ("a", 20, 1), ("b", 20, 1), ("a", 20, 1), ("b", 20, 1)]
+    a, b, c = (row for row, _ in built)
+    assert a["host_us"] == 11.0 and b["host_us"] == 22.0    # medians of (10, 11, 12) and (20, 50, 22)
+    assert c["host_us"] is None and c["note"] == "skipped: no"

@@ -12,7 +12,7 @@ import types
 
 import numpy as np
 import pytest
-from fakes import FakeTensor
+from fakes import FakeLauncher, FakeTensor
 
 from facodegen.ops import api, kvcache
 from facodegen.runtime import driver
@@ -218,7 +218,7 @@ def fake(monkeypatch):
             address = ctypes.c_void_p.from_address(kernel_params).value
             state.records.append({"grid": grid, "threads": threads, "smem": smem,
                                   "head": ctypes.string_at(address, 128)})
-        return launch
+        return FakeLauncher(launch)
     monkeypatch.setattr(driver, "Launcher", launcher)
     monkeypatch.setattr(driver, "stream_arg", lambda stream: stream)
     monkeypatch.setattr(driver, "on_device", lambda ordinal: _Nothing())

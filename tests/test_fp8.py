@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from facodegen.runtime import params, tma
+from facodegen.runtime import driver, params, tma
 from facodegen.codegen import render
 from facodegen.ops.api import _View, check_descale, check_fp8_inputs
 from facodegen.ops.quantize import E4M3_MAX, e4m3_decode, e4m3_encode, quantize_e4m3_numpy
@@ -331,6 +331,7 @@ def test_fp8_prepare_packs_params(monkeypatch, v_layout):
     monkeypatch.setattr(api, "_prepare", lambda spec, device: api._Prepared(None, spec.smem_bytes, 132))
     monkeypatch.setattr(api, "_current_device", lambda kind: 0)
     monkeypatch.setattr(api, "_tuned_fields", lambda *a, **k: None)
+    monkeypatch.setattr(driver, "ensure_context", lambda ordinal: None)
     encoded = {}
     monkeypatch.setattr(tma, "encode", lambda a: encoded.setdefault(len(encoded), a) and bytes(128))
 

@@ -78,7 +78,8 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
         (a, d, c) for a in ("sm80", "sm90") for d in ("bf16", "fp16") for c in (False, True)}
     # the sm90 backward's two dQ splits (by columns at head_dim 128, by keys at 64), neither deterministic
     assert {c.head_dim for c in cases if c.family == "backward" and c.arch == "sm90" and not c.deterministic} == {64, 128}
-    assert {c.deterministic for c in cases if c.family == "backward"} == {False, True}   # the turn counters too
+    for arch in ("sm80", "sm90"):   # the turn counters too
+        assert {c.deterministic for c in cases if c.family == "backward" and c.arch == arch} == {False, True}
     kv = [c for c in cases if c.family == "kvcache"]
     assert any(c.page_size and c.seqlen_new and c.num_splits > 1 for c in kv)
     assert all(c.sinks and c.softcap and c.window_left >= 0 for c in variants)
@@ -187,7 +188,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
         elif c.family == "backward":
             knobs = {"deterministic": True} if c.deterministic else {}
             # autograd's backward: sm80 after an sm80 forward, else the default (sm90 where it covers the call)
-            arch = "sm80" if c.arch == "sm80" or c.deterministic or c.head_dim > 128 else "sm90"
+            arch = "sm80" if c.arch == "sm80" or c.head_dim > 128 else "sm90"     # (deterministic too)
             assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs, arch)]
             assert specs[1].deterministic == c.deterministic
             assert (specs[1].head_dim, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)

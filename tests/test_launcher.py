@@ -164,3 +164,20 @@ def test_the_ctypes_binding_raises_driver_error_with_the_status(monkeypatch):
     with pytest.raises(driver.DriverError, match="cuLaunchKernel failed") as raised:
         launcher(7, 8)
     assert raised.value.result == 700 and len(calls) == 1
+
+
+@pytest.mark.parametrize("current, expected", [(0, [0xC2]), (0xAB, [])])
+def test_ensure_context_sets_the_primary_one_only_where_the_thread_has_none(monkeypatch, current, expected):
+    """A thread with no current context (the autograd engine's worker, first thing) gets device 2's
+    primary context and keeps it; a thread that has one is left alone."""
+    import ctypes
+    set_calls = []
+
+    def get_current(out):
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = current or None
+        return 0
+    monkeypatch.setattr(driver, "lib", lambda: types.SimpleNamespace(
+        cuCtxGetCurrent=get_current, cuCtxSetCurrent=lambda ctx: set_calls.append(ctx) or 0))
+    monkeypatch.setattr(driver, "primary_context", lambda ordinal: 0xC0 + ordinal)
+    driver.ensure_context(2)
+    assert set_calls == expected

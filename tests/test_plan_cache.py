@@ -15,7 +15,7 @@ import pytest
 from facodegen.ops import api
 from facodegen.runtime import driver, params, plan as plan_mod, tma
 from facodegen.tuning import tunedb
-from fakes import FakeTensor
+from fakes import FakeLauncher, FakeTensor
 
 B, SQ, SK, HQ, HKV, D = 2, 100, 77, 8, 2, 128
 
@@ -36,13 +36,14 @@ class Launches:
         self.map_moves = []
         self.memsets = []
         self.switches = []
+        self.contexts = []      # driver.ensure_context's ordinals (a plan's build: its TMA maps need one)
 
     def launcher(self, function, grid, threads, smem):
         def launch(stream, kernel_params):
             address = ctypes.c_void_p.from_address(kernel_params).value
             size = params.layout("sm90", "fp8")[1]      # the largest FlashParams
             self.records.append({"stream": stream, "grid": grid, "params": ctypes.string_at(address, size)})
-        return launch
+        return FakeLauncher(launch)
 
     def pointers(self, i=-1):
         return struct.unpack_from("<7Q", self.records[i]["params"], 0)
@@ -77,6 +78,7 @@ def fake(monkeypatch, tmp_path):
     monkeypatch.setattr(driver, "stream_arg", lambda stream: stream)
     monkeypatch.setattr(driver, "memset_d32_async", lambda *a: launches.memsets.append(a))
     monkeypatch.setattr(driver, "on_device", lambda ordinal: launches.switches.append(ordinal) or _Nothing())
+    monkeypatch.setattr(driver, "ensure_context", lambda ordinal: launches.contexts.append(ordinal))
     monkeypatch.setattr(driver, "replace_tensor_map_address", lambda m, p: launches.map_moves.append(p))
     monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
     monkeypatch.setenv("FACODEGEN_TUNE_DB", str(tmp_path / "tuned.json"))
@@ -587,35 +589,6 @@ def test_cupy_anything_that_changes_the_launch_misses(fake_cupy, change):
         fake.device = 1
     elif change == "lse":
         kwargs = dict(return_lse=True)
-    elif change == "out":
-        kwargs = dict(out=FakeTensor((B, SQ, HQ, D)))
-    elif change == "lse_out":
-        kwargs = dict(lse_out=FakeTensor((B, HQ, SQ), "float32"))
-    elif change == "window":
-        kwargs = dict(window_size=(16, 0))
-    elif change == "softcap":
-        kwargs = dict(softcap=30.0)
-    elif change == "sinks":
-        kwargs = dict(sinks=FakeTensor((HQ,), "float32"))
-    elif change == "k on another device":   # (refused by the checked path, never a hit)
-        q, k, v = qkv()
-        with pytest.raises(ValueError, match="k is on cuda:1"):
-            api.attention(q, FakeTensor(k.shape, device=1), v)
-        assert (api._PLANS.misses, hits(fake)) == (1, 0)
-        return
-    elif change == "v's stride":
-        q, k, _ = qkv()
-        args = (q, k, FakeTensor((B, SK, HKV, D), strides=(SK * HKV * 2 * D, HKV * 2 * D, D, 1)))
-    elif change == "causal=1":  # 1 == True and hash(1) == hash(True): the key tells them apart
-        api.attention(*qkv(), causal=True)
-        with pytest.raises(TypeError, match="causal must be True or False"):
-            api.attention(*qkv(), causal=1)
-        assert (api._PLANS.misses, hits(fake)) == (2, 0)
-        return
-    elif change == "scale=1":   # the first call's softmax_scale=1.0; 1 and True are other keys
-        kwargs = dict(softmax_scale=1)
-        with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
-            api.attention(*args, softmax_scale=True)
     api.attention(*args, **kwargs)
     assert (api._PLANS.misses, hits(fake)) == (2, 0)
 
@@ -672,3 +645,50 @@ def test_launch_plain_writes_what_launch_writes(fake, arch):
     for i in range(0, len(records), 2):
         assert records[i]["params"][:size] == records[i + 1]["params"][:size], calls[i // 2]
         assert records[i]["stream"] == records[i + 1]["stream"]
+
+
+def test_launch_plain_with_descales_writes_what_launch_writes(fake):
+    """fp8 (a ``descaled`` plan, not a ``plain`` one): launch_plain with the call's descale addresses
+    launches the bytes the general launch does, the descales of each call included."""
+    from facodegen.spec import KernelSpec
+    spec = KernelSpec(arch="sm90", head_dim=D, dtype="fp8", causal=True)
+    size = params.layout("sm90", "fp8")[1]
+
+    def plan():
+        made = iter(range(1 << 20, 1 << 40, 1 << 20))
+        return plan_mod.LaunchPlan(spec, driver.LoadedFunction(1, 1, 0), (132, 1, 1), bytes(range(256)) * (size // 256)
+                                   + bytes(size % 256), tensor_maps=tma.map_operands(spec),
+                                   lse_floats=B * HQ * SQ, workspace_floats=0, stream_k_flags=(0, 0),
+                                   switch_context=False, allocate=lambda n: (object(), next(made)))
+    general, fast = plan(), plan()
+    assert fast.descaled and not fast.plain
+    a, b = (tuple(range(base, base + 4 * 4096, 4096)) for base in (1 << 32, 2 << 32))
+    calls = [(1, a, 0, (8, 16, 24)), (1, a, 0, (32, 16, 24)), (1, b, 0, (32, 16, 24)), (2, b, 7 << 32, (8, 8, 8)),
+             (1, a, 0, (40, 48, 56))]
+    for stream, operands, lse, descales in calls:
+        general.launch(stream, *operands, lse, descales)
+        fast.launch_plain(stream, *operands, lse, descales)
+    records = fake.launches.records
+    assert len(records) == 2 * len(calls)
+    for i in range(0, len(records), 2):
+        assert records[i]["params"][:size] == records[i + 1]["params"][:size], calls[i // 2]
+
+
+def test_fp8_call_with_its_three_descales_hits_its_own_key(fake):
+    """An fp8 call that gives all three descales (and no other knob) keys on their layouts: new
+    descale arrays of the same layout hit and have their addresses written; another layout misses."""
+    descale_at = {f.name: off for f, off in params.layout("sm90", "fp8")[0]}["q_descale"]
+    q, k, v = qkv(dtype="float8_e4m3fn")
+    scalar = lambda: FakeTensor((), "float32")      # noqa: E731
+    for _ in range(3):
+        qd, kd, vd = scalar(), scalar(), scalar()
+        api.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+        got = struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at)
+        assert got == (qd.data_ptr(), kd.data_ptr(), vd.data_ptr())
+    assert (api._PLANS.misses, hits(fake)) == (1, 2)
+    per_head = FakeTensor((B, HKV), "float32")
+    api.attention(q, k, v, q_descale=qd, k_descale=per_head, v_descale=vd)      # (batch, heads_kv) k descale
+    assert api._PLANS.misses == 2
+    assert struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at)[1] == per_head.data_ptr()
+    api.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)   # another key: a miss
+    assert api._PLANS.misses == 3

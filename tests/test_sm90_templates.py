@@ -18,13 +18,15 @@ from facodegen.codegen.render import context, environment, template_dir
 KERNELS = ("sm90/flash_fwd.cu.j2", "sm90/flash_fwd_fp8.cu.j2")
 # The plumbing both forward kernels take from one place: macro -> the file that defines it.
 SHARED_MACROS = {
-    "prefetch_tensor_maps": "sm90/roles.cuh.j2",    # loader warp: the tensor-map descriptors
+    "loader_warp": "sm90/roles.cuh.j2",             # producer warpgroup's start: registers, warp 0, map prefetches
     "producer_tile_loop": "sm90/roles.cuh.j2",      # loader warp: scheduler loop, K and Q TMA loads
+    "load_ring_stage": "sm90/roles.cuh.j2",         # loader warp: a ring stage's wait, arm and TMA load (K, V)
     "consumer_tile_loop": "sm90/roles.cuh.j2",      # consumer warpgroup: scheduler loop, LSE store
     "consumer_mainloop": "sm90/roles.cuh.j2",       # S = Q K^T, softmax, O += P V over the K/V ring
     "gemm_qk_ss": "sm90/gemm_qk.cuh.j2",            # the SS wgmma loop of S = Q K^T
     "shared_state": "sm90/shared_state.cuh.j2",     # struct SharedState: the kernel's barriers, the roles' slots
     "init_ring_barriers": "sm90/shared_state.cuh.j2",   # the rings' and Q's mbarriers
+    "tile_buffers": "sm90/tile_layout.cuh.j2",      # setup: dynamic shared memory, the tile buffers' addresses
 }
 SHARED_INCLUDES = ("sm90/tile_layout.cuh.j2", "sm90/scheduler.cuh.j2", "sm90/load_tile.cuh.j2",
                    "sm90/barriers.cuh.j2", "sm90/tma.cuh.j2", "sm90/pingpong.cuh.j2")
@@ -58,7 +60,7 @@ def test_each_forward_kernel_calls_the_shared_plumbing(kernel):
 
 
 def test_no_forward_kernel_keeps_a_copy_of_the_shared_code():
-    """gemm_qk's SS form, the tile constants, SharedState's shared part, the ring barriers' setup and
+    """gemm_qk's SS form, the tile constants and buffer addresses, SharedState's shared part, the ring barriers' setup and
     the descriptor prefetches live once, in the shared files."""
     for kernel in KERNELS:
         source = (template_dir() / kernel).read_text()
@@ -66,16 +68,24 @@ def test_no_forward_kernel_keeps_a_copy_of_the_shared_code():
         assert "constexpr int KV_TILE_BYTES" not in source
         assert "mbar_init(smem_u32(&state.k_full[s])" not in source
         assert "tma_prefetch_desc(" not in source
+        assert "setmaxnreg_dec<PRODUCER_REGS>" not in source
+        assert "mbar_arrive_expect_tx(" not in source     # the loads' barrier protocol: load_ring_stage
+        assert "smem_raw" not in source and "Q_STAGES * Q_TILE_BYTES;" not in source
         assert "int tile_slot[4];" not in source and "struct SharedState {" not in source
 
 
 # The kernel locals each role macro takes as an argument; renamed below, none may appear by its own name.
 _ROLES = """\
-{% from "sm90/roles.cuh.j2" import prefetch_tensor_maps, producer_tile_loop, consumer_tile_loop, consumer_mainloop
-   with context %}
+{% from "sm90/roles.cuh.j2" import prefetch_tensor_maps, loader_warp, producer_tile_loop, load_ring_stage,
+   consumer_tile_loop, consumer_mainloop with context %}
+{% from "sm90/tile_layout.cuh.j2" import tile_buffers %}
+{{ tile_buffers("Q_BUF", "K_RING0", [("V_RING0", "V ring")]) }}
 {{ prefetch_tensor_maps("IS_LEADER", ["tma_q", "tma_k"]) }}
+{% call loader_warp("PRODUCER_WARP", "IS_LEADER", ["tma_q"]) %}
 {% call producer_tile_loop(q_smem="Q_BUF", k_smem0="K_RING0", leader="IS_LEADER", group="GQA") %}
-// V load
+{{ load_ring_stage("v_full", "v_empty", "IS_LEADER", "load_kv", ["V_RING0 + stage * KV_TILE_BYTES", "p.tma_v", "v_full",
+                   "n * BLOCK_N", "kv_head", "t.batch"]) }}
+{% endcall %}
 {% endcall %}
 {% call consumer_tile_loop(warpgroup="WG_INDEX", q_smem="Q_BUF") %}
 {{ mainloop }}
@@ -97,7 +107,7 @@ _MAINLOOP_FP8 = ('{{ consumer_mainloop("K_RING0", "vt_full", "vt_empty", "vt_sme
 def test_role_macros_use_the_names_they_are_given(spec, mainloop):
     source = environment().from_string(_ROLES.replace("{{ mainloop }}", mainloop)).render(context(spec))
     code = re.sub(r"//[^\n]*", "", source)                # comments may name the kernel's locals
-    for given in ("Q_BUF", "K_RING0", "IS_LEADER", "GQA", "WG_INDEX"):
+    for given in ("Q_BUF", "K_RING0", "IS_LEADER", "GQA", "WG_INDEX", "PRODUCER_WARP"):
         assert re.search(rf"\b{given}\b", code), given
-    for own in ("q_smem", "k_smem0", "leader", "group", "warpgroup"):
+    for own in ("q_smem", "k_smem0", "leader", "group", "warpgroup", "producer_warp"):
         assert not re.search(rf"\b{own}\b", code), f"a role macro reads the kernel's `{own}` by name"

@@ -9,6 +9,8 @@ the ratio to SDPA, and its table, notes, CSV and files."""
 
 from __future__ import annotations
 
+import statistics
+
 from .grids import cell
 from .inputs import InputSet, _make_inputs
 from .peers import _fa3_module
@@ -222,11 +224,11 @@ def _overhead_impls(peers) -> list[str]:
     return [n for n in OVERHEAD_IMPLS if n != OVERHEAD_FA3 or "fa3" in peers]
 
 
-def _time_overhead_row(impl: str, s: InputSet, causal: bool, options: str, kwargs: dict, dtype: str,
-                       timing: dict, timer, log) -> dict:
-    """Build one implementation for one case and options, call it once (compiles, or raises before
-    any timing), then time it. A refusal ("skipped: ...", "unavailable: ...") or a failure becomes
-    the row's note, and the suite goes on."""
+def _build_overhead_row(impl: str, s: InputSet, causal: bool, options: str, kwargs: dict,
+                        dtype: str) -> tuple[dict, object]:
+    """(row, fn): one implementation built for one case and options and called once (compiles, or
+    raises before any timing). A refusal ("skipped: ...", "unavailable: ...") or a failure becomes
+    the row's note and fn None, and the suite goes on."""
     torch = _torch()
     row = overhead_row(impl, dtype, causal, options)
     try:
@@ -236,15 +238,34 @@ def _time_overhead_row(impl: str, s: InputSet, causal: bool, options: str, kwarg
     except Exception as err:  # noqa: BLE001
         msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
         row["note"] = msg if msg.startswith(("skipped", "unavailable")) else f"failed: {type(err).__name__}: {msg[:300]}"
-        return row
-    t = timer(fn, torch.cuda.synchronize, **timing)
-    row.update(host_us=t["host_us"], loop_us=t["loop_us"])
-    if t["loop_us"] > 1.25 * t["host_us"]:
-        # back to back, the calls waited for something other than the host (the GPU or a full queue)
-        row["note"] = f"back-to-back loop {t['loop_us']:.1f} µs/call vs {t['host_us']:.1f} host: GPU-bound there"
-    log(f"    {impl} {dtype} {'causal' if causal else 'full'} {options}: {t['host_us']:.1f} µs/call host, "
-        f"{t['loop_us']:.1f} in the loop")
-    return row
+        return row, None
+    return row, fn
+
+
+def _time_overhead_rows(built: list[tuple[dict, object]], timing: dict, timer, log) -> None:
+    """Time the built rows of one case taking turns: each of timing["repeats"] rounds times every
+    row once (one repeat of ``timer``, the first round after the full warm-up, later ones after a
+    tenth of it), and a row gets the medians over the rounds. A slow spell of the host (a GC, a
+    neighbour) then hits every implementation alike instead of whichever ran during it: the same
+    call measured 14.7 and 21.3 µs in two device calls of one day (H200, 2026-12-04) when each
+    implementation ran all its repeats in one stretch."""
+    torch = _torch()
+    timed = [(row, fn) for row, fn in built if fn is not None]
+    samples = {id(row): [] for row, _ in timed}
+    for round_ in range(timing["repeats"]):
+        warmup = timing["warmup"] if round_ == 0 else timing["warmup"] // 10
+        for row, fn in timed:
+            samples[id(row)].append(timer(fn, torch.cuda.synchronize, **{**timing, "repeats": 1, "warmup": warmup}))
+    for row, _ in timed:
+        got = samples[id(row)]
+        host = statistics.median(t["host_us"] for t in got)
+        loop = statistics.median(t["loop_us"] for t in got)
+        row.update(host_us=host, loop_us=loop)
+        if loop > 1.25 * host:
+            # back to back, the calls waited for something other than the host (the GPU or a full queue)
+            row["note"] = f"back-to-back loop {loop:.1f} µs/call vs {host:.1f} host: GPU-bound there"
+        log(f"    {row['impl']} {row['dtype']} {'causal' if row['causal'] else 'full'} {row['options']}: "
+            f"{host:.1f} µs/call host, {loop:.1f} in the loop")
 
 
 def run_overhead(arch: str | None = None, overrides: dict | None = None, peers=OVERHEAD_PEERS,
@@ -252,8 +273,8 @@ def run_overhead(arch: str | None = None, overrides: dict | None = None, peers=O
     """Host µs per call (time_host_per_call) of facodegen.attention on torch tensors and on CuPy
     arrays, facodegen.prepare(...)(), torch SDPA and (``"fa3" in peers``, if importable)
     FlashAttention-3's flash_attn_func, on OVERHEAD_SHAPE for each of OVERHEAD_CASES and
-    OVERHEAD_OPTIONS, one implementation after the other (host time does not drift with the GPU's
-    clock), with each row's ratio to SDPA's plain call (with_sdpa_ratios). ``arch`` and
+    OVERHEAD_OPTIONS, the implementations of a case taking turns (_time_overhead_rows), with each
+    row's ratio to SDPA's plain call (with_sdpa_ratios). ``arch`` and
     ``overrides`` (spec fields) are passed to facodegen's calls when given."""
     timing = {**OVERHEAD_TIMING, **(timing or {})}
     kwargs = {**({"arch": arch} if arch else {}), **(overrides or {})}
@@ -266,8 +287,9 @@ def run_overhead(arch: str | None = None, overrides: dict | None = None, peers=O
             rows += [overhead_row(i, dtype, causal, o, note=f"skipped: inputs failed: {type(err).__name__}: {err}")
                      for o in OVERHEAD_OPTIONS for i in impls]
             continue
-        for options in OVERHEAD_OPTIONS:
-            for impl in impls:
-                rows.append(_time_overhead_row(impl, s, causal, options, kwargs, dtype, timing, timer, log))
-        del s
+        built = [_build_overhead_row(impl, s, causal, options, kwargs, dtype)
+                 for options in OVERHEAD_OPTIONS for impl in impls]
+        _time_overhead_rows(built, timing, timer, log)
+        rows += [row for row, _ in built]
+        del s, built
     return with_sdpa_ratios(rows)

@@ -610,6 +610,7 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     prepared = _prepare(spec, qv.device)
     launch_grid = grid(spec, batch, heads_q, seqlen_q, prepared.resident_ctas)
     lse_ptr = lsev.ptr if lsev is not None else 0
+    driver.ensure_context(qv.device)     # (sm90: the TMA maps are encoded in a context)
     param_bytes = pack_params(spec, qv.operand(), kv.operand(), vv.operand(), outv.operand(), lse_ptr, 0, scale,
                               descales=descales or None, variants=variants)
     workspace = workspace_floats(spec, batch, heads_q, seqlen_q, head_dim) or \
@@ -869,6 +870,7 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
     (a miss, a misaligned view, an unhashable knob) takes the checked path."""
     device = q.get_device()
     descales = _NO_DESCALES
+    given = False   # an fp8 call that gave its three descales (and no other knob)
     try:
         if not spec_fields and variant is None and lse_out is None:
             # the common call: attention()'s fast path builds the same key (tests/test_plan_cache.py checks)
@@ -877,6 +879,17 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
                    causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch,
                    None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
                    tunedb.generation())
+        elif len(spec_fields) == 3 and variant is None and lse_out is None and \
+                (dq := spec_fields.get("q_descale")) is not None and \
+                (dk := spec_fields.get("k_descale")) is not None and (dv := spec_fields.get("v_descale")) is not None:
+            # fp8 with its three descales and nothing else: a key of its own, "fp8" first
+            descales, given = (dq, dk, dv), True
+            key = ("fp8", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+                   v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
+                   causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch,
+                   None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
+                   dq.dtype, dq.shape, dq.stride(), dq.get_device(), dk.dtype, dk.shape, dk.stride(), dk.get_device(),
+                   dv.dtype, dv.shape, dv.stride(), dv.get_device(), tunedb.generation())
         else:   # a knob, an fp8 descale, a variant or lse_out: a key of another length, "torch" first
             knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), _NO_DESCALES)
             key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
@@ -903,6 +916,10 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
             if plan.plain:
                 plan.launch_plain(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
                                   0 if lse_out is None else lse_out.data_ptr())
+            elif given and plan.descaled:
+                plan.launch_plain(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                                  0 if lse_out is None else lse_out.data_ptr(),
+                                  (dq.data_ptr(), dk.data_ptr(), dv.data_ptr()))
             else:
                 plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
                             0 if lse_out is None else lse_out.data_ptr(),

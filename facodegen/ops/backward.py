@@ -7,12 +7,16 @@ of a key block; dq_accum += dS K with fp32 atomics, in key-block order when the 
 deterministic) and ``<variant>_convert_dq`` (dQ =
 softmax_scale * dq_accum). Their one argument is ``BwdParams`` (BWD_FIELDS below, rendered into
 the template and packed here, like FlashParams for the forward). The float32 dq_accum
-(batch, heads_q, seqlen_q, head_dim) and D (batch, heads_q, seqlen_q) are allocated per call in
-the caller's library (torch's caching allocator, CuPy's pool): the only extra memory. (sm90 with
-dq_tma_reduce: dq_accum has seqlen_q rounded up to block_m rows, tiled in the kernel's order.)
+(batch, heads_q, seqlen_q, head_dim) and D (batch, heads_q, seqlen_q) are the only extra memory:
+kept per (plan, stream) up to CACHED_SCRATCH_BYTES (the preprocess kernel rewrites all of it each
+call), else allocated per call in the caller's library (torch's caching allocator, CuPy's pool).
+(sm90 with dq_tma_reduce: dq_accum has seqlen_q rounded up to block_m rows, tiled in the kernel's
+order.)
 
 Launches go through driver.Launcher (the forward's launcher) from a ``BackwardPlan`` cached in a
-plan.PlanCache under the call's key (shapes, strides, dtypes, device, options), like the forward.
+plan.PlanCache under the call's key (shapes, strides, dtypes, devices, the current device,
+options), like the forward. A torch call builds its key and launches a hit in attention_backward's
+own frame (``BackwardPlan.launch_plain``: one pack of the pointers, three bare launches).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM
                               SM90_PRODUCER_REGS, SM90_STAGES, BackwardSpec, dq_accum_rows, sm90_dq_cols)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields,
                                place, stride_fields)
-from ..runtime.plan import PlanCache, _Image
+from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
 from ..spec import SpecError
 
 # ------------------------------------------------------------------ the kernel argument
@@ -48,7 +52,7 @@ BWD_FIELDS = [
     Field("dk", "ptr", "elem_t*", "dK (batch, seqlen_k, heads_kv, head_dim): summed over the GQA group"),
     Field("dv", "ptr", "elem_t*", "dV (batch, seqlen_k, heads_kv, head_dim): summed over the GQA group"),
     Field("dq_accum", "ptr", "float*", "fp32 dQ / softmax_scale (batch, heads_q, seqlen_q, head_dim) contiguous"),
-    Field("dpsum", "ptr", "float*", "D = rowsum(dO ∘ O), (batch, heads_q, seqlen_q) contiguous"),
+    Field("dpsum", "ptr", "float*", "D = rowsum(dO ∘ O), (batch, heads_q, stat_rows); sm90: then LSE * log2(e) likewise"),
     Field("dq_semaphore", "ptr", "int*", "deterministic: key blocks that have added into each (batch, heads_q, "
                                          "query block) of dq_accum"),
     *(field for t in _TENSORS for field in stride_fields(t)),
@@ -160,20 +164,53 @@ def resources_of(kernel) -> dict:
 
 # ------------------------------------------------------------------ launch plans
 
+def stat_rows(spec: BackwardSpec, seqlen_q: int) -> int:
+    """Rows per (batch, head) of the preprocess's D (and, sm90, LSE * log2(e)) arrays: sm90's
+    producer bulk-copies a query block's values whole, so its rows are padded to block_m."""
+    return -(-seqlen_q // spec.block_m) * spec.block_m if spec.arch == "sm90" else seqlen_q
+
+
+def row_stat_floats(spec: BackwardSpec, batch: int, heads_q: int, seqlen_q: int) -> int:
+    """fp32 values of the preprocess's row statistics: D, and on sm90 LSE * log2(e) after it."""
+    return (2 if spec.arch == "sm90" else 1) * batch * heads_q * stat_rows(spec, seqlen_q)
+
+
 def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
-    """(preprocess, main, postprocess) grids: one warp per query row for the first and last, one CTA
-    per (key block, kv head, batch) for the main kernel. dq_tma_reduce: one warp per row of the padded,
-    tiled dq_accum (dq_accum_rows: the preprocess zeroes the padding too)."""
-    rows = (-(-dq_accum_rows(spec, seqlen_q) // spec.num_warps), heads_q, batch)
-    return rows, (-(-seqlen_k // spec.block_n), heads_kv, batch), rows
+    """(preprocess, main, postprocess) grids: one warp per query row for the first (every padded
+    stat row) and last, one CTA per (key block, kv head, batch) for the main kernel. dq_tma_reduce:
+    the first and last have one warp per row of the padded, tiled dq_accum (dq_accum_rows: the
+    preprocess zeroes the padding too, the postprocess walks it linearly); on sm90 those are the
+    padded stat rows as well."""
+    pre = (-(-max(stat_rows(spec, seqlen_q), dq_accum_rows(spec, seqlen_q)) // spec.num_warps), heads_q, batch)
+    post = (-(-dq_accum_rows(spec, seqlen_q) // spec.num_warps), heads_q, batch)
+    return pre, (-(-seqlen_k // spec.block_n), heads_kv, batch), post
+
+
+# A plan keeps its dq_accum, D and turn counters per stream (plan.StreamScratch) up to this many
+# bytes; a larger call allocates them per call in the caller's library, as every call did before
+# (its kernels run long enough that the allocation is noise, and a plan does not hold that memory).
+CACHED_SCRATCH_BYTES = 16 << 20
 
 
 class BackwardPlan:
     """One resolved backward call: the three loaded kernels, their grids and a BwdParams image;
-    ``launch`` writes the call's pointers into the image and launches the three in order."""
+    ``launch`` writes the call's pointers into the image and launches the three in order.
+
+    The scratch (fp32 dq_accum, D, the deterministic turn counters) lives per (plan, stream) where
+    it is at most CACHED_SCRATCH_BYTES: launches on one stream run in order, and each call's
+    preprocess kernel rewrites all of it before the main kernel reads it (every dq_accum row below
+    seqlen_q, which is all of it, or with dq_tma_reduce every row of its padded tiles, every D, the
+    counter of every query block), so calls on one
+    stream can share it; calls on two streams never do. The plan's lock is held across the three
+    launches, so two threads on one stream cannot interleave theirs around a shared scratch.
+
+    sm90 keeps one image per (q, k, v, dout) addresses seen, as plan.LaunchPlan does: a model's
+    layers of one shape share a plan, and their tensors' addresses recur from step to step, so a
+    launch finds an image whose TMA maps point there already (cuTensorMapReplaceAddress: ~1 µs a map)."""
 
     def __init__(self, spec: BackwardSpec, functions, grid3, param_bytes: bytes, *, device: int, accum_floats: int,
-                 dpsum_floats: int, semaphore_ints: int = 0, switch_context: bool, outputs=None):
+                 dpsum_floats: int, semaphore_ints: int = 0, switch_context: bool, allocate=None, map_targets=None,
+                 outputs=None):
         self.spec = spec
         self.grids = grid3
         self.outputs = outputs
@@ -181,39 +218,98 @@ class BackwardPlan:
         self.accum_floats, self.dpsum_floats = accum_floats, dpsum_floats
         self.semaphore_ints = semaphore_ints     # deterministic: one int32 per (batch, heads_q, query block)
         self._switch_context = switch_context
+        self._allocate = allocate
         smem = (0, spec.smem_bytes, 0)
         self._launchers = [driver.Launcher(f, g, spec.threads, s) for f, g, s in zip(functions, grid3, smem)] \
             if functions[0] is not None else []
-        self._image = _Image(param_bytes)
+        # launch_plain calls the bindings themselves (driver.Launcher.bare), saving the Launchers' frames
+        self._bares = tuple(launcher.bare for launcher in self._launchers)
+        self._bare_error = self._launchers[0].error if self._launchers else ()
         self._lock = threading.Lock()
-        # sm90: (offset of a TMA map in BwdParams, index of its tensor in ``pointers``), and the
-        # tensors the maps point at now (the first call's): a launch with others moves them.
+        nbytes = 4 * (accum_floats + dpsum_floats + semaphore_ints)
+        self._scratch = StreamScratch({"accum": 4 * accum_floats, "dpsum": 4 * dpsum_floats,
+                                       "semaphore": 4 * semaphore_ints}, allocate) \
+            if allocate is not None and nbytes <= CACHED_SCRATCH_BYTES else None
+        # sm90: (offset of a TMA map in BwdParams, index of its tensor in ``pointers``) per map
         offsets = {f.name: off for f, off in layout(spec.arch)[0]}
         self._maps = [(offsets[name], _POINTERS.index(operand)) for name, operand in _MAP_OPERANDS.items()] \
             if spec.arch == "sm90" else []
-        self._map_targets: tuple | None = None
+        first = _Image(param_bytes)
+        self._images = {(tuple(map_targets) if map_targets is not None else None) if self._maps else None: first}
+        self._last = first
+        # launch_plain serves this plan: the scratch is the plan's, no context to switch
+        self.plain = self._scratch is not None and not switch_context
+
+    def _image(self, targets: tuple) -> _Image:
+        """The image whose TMA maps point at ``targets`` (made from the last one; lock held)."""
+        return add_image(self._images, targets, self._last,
+                         [(offset, ptr) for (offset, _), ptr in zip(self._maps, targets)])
 
     def launch(self, stream: int, pointers: tuple) -> None:
-        """``pointers``: q, k, v, o, dout, lse, dq, dk, dv, dq_accum, dpsum, dq_semaphore device addresses."""
+        """``pointers``: q, k, v, o, dout, lse, dq, dk, dv device addresses (the scratch is the
+        plan's, or, too large to keep or without an ``allocate``, made for this call)."""
+        held = None
+        if self._scratch is not None:
+            scratch = self._scratch.get(stream)
+            tail = (scratch.accum, scratch.dpsum, scratch.semaphore)
+        else:
+            # The scratch goes back to the caller's allocator when ``held`` dies; both allocators (torch's
+            # caching allocator, CuPy's pool) reuse a block only in stream order, after these launches.
+            held, base = self._allocate(4 * (self.accum_floats + self.dpsum_floats + self.semaphore_ints))
+            tail = (base, base + 4 * self.accum_floats,
+                    base + 4 * (self.accum_floats + self.dpsum_floats) if self.semaphore_ints else 0)
+        pointers = tuple(pointers) + tail
         with self._lock:
-            _PACK_POINTERS.pack_into(self._image.storage, self._image.base, *pointers)
             if self._maps:
                 targets = tuple(pointers[i] for _, i in self._maps)
-                if targets != self._map_targets:
-                    for (offset, _), ptr in zip(self._maps, targets):
-                        driver.replace_tensor_map_address(self._image.address + offset, ptr)
-                    self._map_targets = targets
+                image = self._images.get(targets) or self._image(targets)
+            else:
+                image = self._last
+            _PACK_POINTERS.pack_into(image.storage, image.base, *pointers)
+            self._last = image
             arg = driver.stream_arg(stream)
             if self._switch_context:
                 with driver.on_device(self.device):
                     for launcher in self._launchers:
-                        launcher(arg, self._image.kernel_params)
+                        launcher(arg, image.kernel_params)
             else:
                 for launcher in self._launchers:
-                    launcher(arg, self._image.kernel_params)
+                    launcher(arg, image.kernel_params)
+        del held
+
+    def launch_plain(self, stream: int, q: int, k: int, v: int, o: int, dout: int, lse: int, dq: int, dk: int,
+                     dv: int) -> None:
+        """``launch`` of a ``plain`` plan (its scratch kept per stream, no context to switch): the hit
+        path of attention_backward. One pack of the twelve pointers, three launches."""
+        found = self._scratch._streams.get(stream)
+        scratch = found if found is not None else self._scratch.get(stream)
+        lock = self._lock
+        lock.acquire()      # (cheaper than `with`)
+        try:
+            if self._maps:
+                targets = (q, k, v, dout)
+                image = self._images.get(targets) or self._image(targets)
+            else:
+                image = self._last      # (the one image of a plan without maps)
+            _PACK_POINTERS.pack_into(image.storage, image.base, q, k, v, o, dout, lse, dq, dk, dv, scratch.accum,
+                                     scratch.dpsum, scratch.semaphore)
+            self._last = image
+            params, arg = image.kernel_params, scratch.stream
+            for i, bare in enumerate(self._bares):
+                try:
+                    bare(arg, params, 0)
+                except self._bare_error as err:
+                    self._launchers[i].failed(err, arg, params)
+        finally:
+            lock.release()
+
+    def scratch(self, stream: int):
+        """This plan's scratch on ``stream`` (accum, dpsum, semaphore addresses), made on first use;
+        None where the plan allocates it per call."""
+        return None if self._scratch is None else self._scratch.get(stream)
 
     def param_bytes(self) -> bytes:
-        return self._image.data()
+        return self._last.data()
 
 
 def compile_for_device(spec: BackwardSpec, device: int = 0):
@@ -271,17 +367,48 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     """
     from . import api
 
-    kind = api._kind(q)
-    plan = key = None
-    if kind != "other":
-        meta = api.ARRAY_META[kind]
+    torch = api._TORCH or api._torch()
+    if torch is not None and q.__class__ is torch.Tensor:
+        # torch: the key in this frame (meta of every array, one tuple), and a hit of a plain plan launched here
         try:
-            key = (kind, meta(do), meta(q), meta(k), meta(v), meta(out), meta(lse), meta(dq), meta(dk), meta(dv),
-                   causal.__class__, causal, softmax_scale.__class__,
-                   softmax_scale, arch, tuple(sorted(knobs.items())), api._current_device(kind))
-            plan = _PLANS.get(key)
-        except (AttributeError, TypeError, ValueError):   # not arrays of one library, an unhashable knob
+            key = (do.dtype, do.shape, do.stride(), do.get_device(), q.dtype, q.shape, q.stride(), q.get_device(),
+                   k.dtype, k.shape, k.stride(), k.get_device(), v.dtype, v.shape, v.stride(), v.get_device(),
+                   out.dtype, out.shape, out.stride(), out.get_device(), lse.dtype, lse.shape, lse.stride(),
+                   lse.get_device(),
+                   None if dq is None else (dq.dtype, dq.shape, dq.stride(), dq.get_device()),
+                   None if dk is None else (dk.dtype, dk.shape, dk.stride(), dk.get_device()),
+                   None if dv is None else (dv.dtype, dv.shape, dv.stride(), dv.get_device()),
+                   causal.__class__, causal, softmax_scale.__class__, softmax_scale, arch,
+                   tuple(sorted(knobs.items())) if knobs else (), torch._C._cuda_getDevice())
+            plan = _PLANS._plans.get(key)
+        except (AttributeError, TypeError):   # not all torch tensors, an unhashable knob: the checked path says
             plan = key = None
+        if plan is not None and plan.plain:
+            if dq is None:  # contiguous, q's shape and dtype: the plan's dq strides (its key says q's shape)
+                dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+            if dk is None:
+                dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+            if dv is None:
+                dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+            qp, kp, vp, op, dop, dqp, dkp, dvp = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                                  do.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+            if not (qp | kp | vp | op | dop | dqp | dkp | dvp) & 15:     # (else the checked path says which)
+                plan.launch_plain(torch._C._cuda_getCurrentRawStream(plan.device), qp, kp, vp, op, dop,
+                                  lse.data_ptr(), dqp, dkp, dvp)
+                return dq, dk, dv
+        kind = "torch"
+    else:
+        kind = api._kind(q)
+        plan = key = None
+        if kind != "other":
+            meta = api.ARRAY_META[kind]
+            try:
+                key = (kind, meta(do), meta(q), meta(k), meta(v), meta(out), meta(lse), meta(dq), meta(dk), meta(dv),
+                       causal.__class__, causal, softmax_scale.__class__,
+                       softmax_scale, arch, tuple(sorted(knobs.items())), api._current_device(kind))
+                plan = _PLANS.get(key)
+            except (AttributeError, TypeError, ValueError):   # not arrays of one library, an unhashable knob
+                plan = key = None
     if plan is None:
         plan = _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, knobs)
         if key is not None:
@@ -290,17 +417,11 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     dq = _new_like(kind, device, q) if dq is None else dq
     dk = _new_like(kind, device, k) if dk is None else dk
     dv = _new_like(kind, device, v) if dv is None else dv
-    scratch, scratch_ptr = api._allocate(kind, device, 4 * (plan.accum_floats + plan.dpsum_floats + plan.semaphore_ints))
     ptr = api.ARRAY_PTR[kind]       # (kind is torch or cupy: _resolve refused anything else)
-    semaphores = scratch_ptr + 4 * (plan.accum_floats + plan.dpsum_floats) if plan.semaphore_ints else 0
-    pointers = (ptr(q), ptr(k), ptr(v), ptr(out), ptr(do), ptr(lse), ptr(dq), ptr(dk), ptr(dv),
-                scratch_ptr, scratch_ptr + 4 * plan.accum_floats, semaphores)
+    pointers = (ptr(q), ptr(k), ptr(v), ptr(out), ptr(do), ptr(lse), ptr(dq), ptr(dk), ptr(dv))
     if any(p % 16 for p in pointers[:5] + pointers[6:9]):
         raise ValueError("do, q, k, v, out, dq, dk, dv: data pointers must be 16-byte aligned")
     plan.launch(api._current_stream(kind, device), pointers)
-    # The scratch goes back to the caller's allocator when this reference dies; both allocators
-    # (torch's caching allocator, CuPy's pool) reuse a block only in stream order, after these launches.
-    del scratch
     return dq, dk, dv
 
 
@@ -367,11 +488,13 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     values.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
     if spec.arch == "sm90":
+        driver.ensure_context(qv.device)     # (the autograd engine's thread may have none yet)
         values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv))
     return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k),
-                        pack(values, spec.arch),
+                        pack(values, spec.arch), allocate=functools.partial(api._allocate, qv.kind, qv.device),
+                        map_targets=tuple(views[operand].ptr for operand in _MAP_OPERANDS.values()),
                         device=qv.device, accum_floats=batch * heads_q * dq_accum_rows(spec, seqlen_q) * head_dim,
-                        dpsum_floats=batch * heads_q * seqlen_q,
+                        dpsum_floats=row_stat_floats(spec, batch, heads_q, seqlen_q),
                         semaphore_ints=batch * heads_q * -(-seqlen_q // spec.block_m) if spec.deterministic else 0,
                         switch_context=qv.device != api._current_device(qv.kind))
 
@@ -408,7 +531,7 @@ def default_arch(info, head_dim: int, dtype: str, causal: bool, knobs: dict) -> 
     """attention_backward's arch when the caller gives none, and so what facodegen.attention's
     autograd runs: sm90 on a compute capability 9.0 GPU where the sm90 backward takes this call's
     head_dim and knobs (H200, 2026-12-03: all its GPU tests pass, and at head_dim 128 it runs 2.5-2.7x
-    the sm80 backward's TFLOP/s), else sm80 (head_dim 192/256, deterministic)."""
+    the sm80 backward's TFLOP/s), else sm80 (head_dim 192/256); deterministic calls too."""
     if info.compute_capability == (9, 0):
         try:
             BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal,

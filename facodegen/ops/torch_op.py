@@ -335,17 +335,35 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
+        # the LSE takes no gradient: the engine need not make a zero one for it (on a GPU: an allocation
+        # and a fill kernel per backward)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, softmax_scale, arch, _ = ctx.call
-        dq, dk, dv = backward.attention_backward(grad_out.contiguous(), q, k, v, out, lse, causal=causal,
-                                                 softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
-                                                 **_backward_knobs())
-        return dq, dk, dv, None
+        if torch.is_grad_enabled():     # create_graph=True: once_differentiable's error on a second derivative
+            return _backward_once(ctx, grad_out)
+        return _backward(ctx, grad_out)
+
+
+def _backward(ctx, grad_out):
+    """_Attention's backward (grad mode off: the engine's, without create_graph)."""
+    if grad_out is None:    # (no gradient reached O: set_materialize_grads(False) leaves it None)
+        return None, None, None, None
+    if not grad_out.is_contiguous():    # a layout the kernels read as it is needs no copy (e.g. a transposed
+        s = grad_out.stride()           # (batch, heads, seqlen, head_dim) gradient seen as (b, s, h, d))
+        if s[3] != 1 or (s[0] | s[1] | s[2]) & 7 or grad_out.data_ptr() & 15:
+            grad_out = grad_out.contiguous()
+    q, k, v, out, lse = ctx.saved_tensors
+    causal, softmax_scale, arch, _ = ctx.call
+    dq, dk, dv = backward.attention_backward(grad_out, q, k, v, out, lse, causal=causal,
+                                             softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
+                                             **_backward_knobs())
+    return dq, dk, dv, None
+
+
+_backward_once = once_differentiable(_backward)
 
 
 _LIB.impl("attention", _attention_cuda, "CUDA")

@@ -39,6 +39,7 @@ _SIGNATURES = {
     "cuCtxPushCurrent_v2": [_VOIDP],
     "cuCtxPopCurrent_v2": [_c.POINTER(_VOIDP)],
     "cuCtxSetCurrent": [_VOIDP],
+    "cuCtxGetCurrent": [_c.POINTER(_VOIDP)],
     "cuModuleLoadData": [_c.POINTER(_VOIDP), _c.c_char_p],
     "cuModuleGetFunction": [_c.POINTER(_VOIDP), _VOIDP, _c.c_char_p],
     "cuFuncSetAttribute": [_VOIDP, _c.c_int, _c.c_int],
@@ -166,6 +167,17 @@ class on_device:  # noqa: N801 (used as a context manager, like torch.cuda.devic
         check(lib().cuCtxPopCurrent_v2(_c.byref(popped)), "cuCtxPopCurrent")
 
 
+def ensure_context(ordinal: int) -> None:
+    """Where the calling thread has no current context, make ``ordinal``'s primary context current
+    (and leave it so). A thread that has not touched CUDA yet has none, e.g. the autograd engine's
+    worker running a backward first thing: cuTensorMapEncodeTiled fails there (CUresult 201,
+    CUDA_ERROR_INVALID_CONTEXT: H200, 2026-12-04), as a launch would (Launcher.failed retries)."""
+    current = _VOIDP()
+    check(lib().cuCtxGetCurrent(_c.byref(current)), "cuCtxGetCurrent")
+    if not current.value:
+        check(lib().cuCtxSetCurrent(primary_context(ordinal)), "cuCtxSetCurrent")
+
+
 # ------------------------------------------------------------------ modules and launches
 
 @dataclass(frozen=True)
@@ -197,7 +209,8 @@ class Launcher:
       imported CuPy: it converts the ints in C and releases the GIL (H200, 2026-12-03: 4.69 µs a
       bare launch against 5.85 through ctypes). Its first call loads libcuda through ``import
       cupy`` (~150 ms, measured on the H200: 173 ms for a first call that was 20 ms without it), so
-    - ctypes with argtypes set, everywhere else (torch users who never import CuPy).
+    - ctypes with the fixed arguments prebuilt (_ctypes_launch), everywhere else (torch users who
+      never import CuPy).
     The launcher is chosen when the plan is built; CuPy imported later leaves earlier plans on ctypes."""
 
     def __init__(self, function: LoadedFunction, grid: tuple[int, int, int], threads: int, smem_bytes: int):

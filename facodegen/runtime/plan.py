@@ -143,6 +143,19 @@ class _Image:
         return bytes(self.storage[self.base:self.base + self.size])
 
 
+def add_image(images: dict, key, last: _Image, maps: list[tuple[int, int]]) -> _Image:
+    """A copy of ``last`` whose TMA maps, ``maps`` = (offset in the image, device address) each, point
+    at those addresses, filed in ``images`` under ``key``; the oldest image goes first once a plan
+    holds MAX_IMAGES_PER_PLAN (LaunchPlan's and backward.BackwardPlan's, their lock held)."""
+    image = _Image(last.data())
+    for offset, ptr in maps:
+        driver.replace_tensor_map_address(image.address + offset, ptr)
+    while len(images) >= MAX_IMAGES_PER_PLAN:
+        images.pop(next(iter(images)))
+    images[key] = image
+    return image
+
+
 class LaunchPlan:
     """One resolved call. ``launch`` takes the call's device pointers and its stream.
 
@@ -172,11 +185,8 @@ class LaunchPlan:
         self._lock = threading.Lock()
         self._launcher = driver.Launcher(function, grid, spec.threads, spec.smem_bytes) \
             if function is not None else None
-        # launch_plain calls the binding itself (driver.Launcher.bare); a stand-in launcher (CPU tests)
-        # without one is called as it is
-        launcher = self._launcher
-        self._bare = getattr(launcher, "bare", None) or (lambda stream, params, extra: launcher(stream, params))
-        self._bare_error = getattr(launcher, "error", ())
+        # launch_plain calls the binding itself (driver.Launcher.bare), saving the Launcher's frame
+        self._bare, self._bare_error = (self._launcher.bare, self._launcher.error) if self._launcher else (None, ())
         offsets = _offsets(spec.arch, spec.dtype, params_mod.has_variants(spec), spec.varlen)
         self._descale_offset = offsets[_DESCALES[0]] if spec.dtype == "fp8" else None
         self._sinks_offset = offsets["sinks"] if spec.sinks else None
@@ -188,6 +198,10 @@ class LaunchPlan:
         # launch_plain serves this plan: nothing to patch but the call's pointers, no context to switch
         self.plain = (self._descale_offset is None and self._sinks_offset is None and self._varlen_offset is None
                       and not switch_context)
+        # launch_plain with descales serves this plan: an fp8 one with nothing else to patch than the
+        # call's pointers and its three descales' addresses
+        self.descaled = (self._descale_offset is not None and self._sinks_offset is None
+                         and self._varlen_offset is None and not switch_context)
 
     def workspace_range(self) -> tuple[int, int]:
         """(byte offset, bytes) of the fp32 workspace inside a stream's scratch buffer."""
@@ -207,13 +221,8 @@ class LaunchPlan:
 
     def _image(self, operands: tuple) -> _Image:
         """The image whose TMA maps point at ``operands`` (made from the last one; lock held)."""
-        image = _Image(self._last.data())
-        for offset, which in self._maps:
-            driver.replace_tensor_map_address(image.address + offset, operands[which])
-        while len(self._images) >= MAX_IMAGES_PER_PLAN:
-            self._images.pop(next(iter(self._images)))
-        self._images[operands] = image
-        return image
+        return add_image(self._images, operands, self._last,
+                         [(offset, operands[which]) for offset, which in self._maps])
 
     def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
                descales: tuple[int, int, int] | None = None, sinks: int = 0,
@@ -240,12 +249,13 @@ class LaunchPlan:
             else:
                 self._launcher(scratch.stream, image.kernel_params)
 
-    def launch_plain(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0) -> None:
+    def launch_plain(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
+                     descales: tuple[int, int, int] | None = None) -> None:
         """``launch`` of a ``plain`` plan (no fp8 descales, sinks or varlen to patch, no context to
-        switch) with less to do: the api's hit path of the common call. It writes only what may have
-        changed: an sm90 image found by its (q, k, v, o) holds those already (every launch writes its
-        image's own), and an image's lse, tile counter and workspace stay while its scratch does
-        (``tail_of``)."""
+        switch), or of a ``descaled`` one with its q, k, v ``descales``' addresses, with less to do:
+        the api's hit path of the common call. It writes only what may have changed: an sm90 image
+        found by its (q, k, v, o) holds those already (every launch writes its image's own), and an
+        image's lse, tile counter and workspace stay while its scratch does (``tail_of``)."""
         found = self._scratch._streams.get(stream)
         scratch = found if found is not None else self._scratch.get(stream)
         maps = self._maps
@@ -262,6 +272,8 @@ class LaunchPlan:
                 image.tail_of = None if lse else scratch.counter
             elif not maps:
                 image.pack_operands(q, k, v, o)
+            if descales is not None:
+                _PACK_DESCALES.pack_into(image.storage, image.base + self._descale_offset, *descales)
             self._last = image
             try:
                 self._bare(scratch.stream, image.kernel_params, 0)

@@ -556,8 +556,10 @@ def test_bad_inputs_torch():
     _raises(r"dtype", q, k.half(), v.half())
     _raises(r"\bk\b|\bv\b", q, k, v[:, :32])
     _raises(r"head_dim", q, k[..., :64].contiguous(), v[..., :64].contiguous())
-    q80, k80, v80 = (torch.randn(1, 64, 4, 80, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    _raises(r"head_dim", q80, k80, v80)
+    # any multiple of 8 in [8, 256] runs (padded to the next tile); 84 and 264 do not
+    for d in (84, 264):
+        qd, kd, vd = (torch.randn(1, 64, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        _raises(r"head_dim", qd, kd, vd)
     wide = torch.randn(1, 64, 4, 256, device="cuda", dtype=torch.bfloat16)
     _raises(r"head_dim|contiguous|stride", wide[..., ::2], k, v)
     q3 = torch.randn(1, 64, 3, 128, device="cuda", dtype=torch.bfloat16)
