@@ -107,8 +107,8 @@ _EMIT_ALWAYS = ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", 
 _EMIT_DEFAULTS = {"sm80": {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False,
                            "dq_tma_reduce": False},
                   "sm90": {"gpu": SM90_GPU, "stages": SM90_STAGES, "k_unroll": 2, "deterministic": False,
-                           "dq_tma_reduce": False}}
-# Spec fields the rendered header lists only when set (added after the header's first readers: a spec
+                           "dq_tma_reduce": True}}
+# Spec fields the rendered sm80 header lists only when set (added after the header's first readers: a spec
 # without them renders byte-identically to before they existed).
 _LISTED_WHEN_SET = ("dq_tma_reduce",)
 
@@ -132,7 +132,8 @@ def emit(spec: BackwardSpec) -> str:
     placed, size, align = layout(spec.arch)
     return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
-        spec_items=sorted((k, v) for k, v in spec.as_dict().items() if v or k not in _LISTED_WHEN_SET),
+        spec_items=sorted((k, v) for k, v in spec.as_dict().items()
+                          if v or k not in _LISTED_WHEN_SET or spec.arch == "sm90"),
         smem_bytes=spec.smem_bytes, threads=spec.threads,
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
         producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),

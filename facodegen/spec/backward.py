@@ -130,9 +130,11 @@ class BackwardSpec:
     GQA/MQA does not change the code (the CTA loops over its group's query heads). Knobs: block_m,
     block_n, num_warps (None: the default for head_dim, see DEFAULT_TILES / SM90_TILES), stages
     (None: sm80 1, sm90 SM90_STAGES), gpu (the budget model's limits), deterministic (False: dQ's
-    fp32 adds land in any order; sm80 only), dq_tma_reduce (False: each sm90 consumer thread adds its
-    dQ registers into dq_accum with fp32 vector reductions; True: a shared-memory tile per warpgroup
-    and one TMA bulk reduce-add, dq_accum tiled and padded, see dq_accum_rows; sm90 only). Each field
+    fp32 adds land in any order), dq_tma_reduce (None: True on sm90 unless deterministic; True: a
+    shared-memory tile per consumer warpgroup and one TMA bulk reduce-add, dq_accum tiled and padded,
+    see dq_accum_rows; False: each sm90 consumer thread adds its dQ registers into dq_accum with fp32
+    vector reductions, the sm80 backward's only way; H200 2026-12-04, bf16 fa3-paper cells: the bulk
+    reduce runs 1.12-1.30x the vector reductions' TFLOP/s at head_dim 128, 1.38-1.44x at 64). Each field
     is checked on construction with a SpecError naming it; the template repeats the checks as
     static_asserts."""
     arch: str = "sm80"
@@ -146,9 +148,11 @@ class BackwardSpec:
     stages: int | None = None
     gpu: str | None = None
     deterministic: bool = False
-    dq_tma_reduce: bool = False
+    dq_tma_reduce: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.dq_tma_reduce is None:     # the default: FlashAttention-3's dQ path wherever it runs
+            object.__setattr__(self, "dq_tma_reduce", self.arch == "sm90" and self.deterministic is False)
         _check_types(self)
         _choice("arch", self.arch, BACKWARD_ARCHS)
         _choice("dtype", self.dtype, BACKWARD_DTYPES)
