@@ -636,21 +636,29 @@ def test_sm90_stage_release_counts_one_arrival_per_consumer_thread():
     assert "release_thread" not in source
 
 
-@pytest.mark.parametrize("spec", SM90, ids=lambda s: s.variant)
-def test_sm90_compiles_clean_with_the_hopper_instructions(spec):
-    """Every shipped sm90 config: no stack, no spills, no ptxas wgmma note (C75xx: serialised wgmma,
-    setmaxnreg ignored); the SASS has the five GEMMs as HGMMA of the shapes the design uses, the TMA
-    loads (K, V, Q, dO: one UTMALDG each in the slab loop), mbarrier waits and arrivals (SYNCS), the
-    register split, and dQ's fp32 vector reductions."""
+def _compiled_clean(spec):
+    """(kernel, SASS, instruction counts) of an sm90 spec after what every sm90 compile must show: no
+    stack or spills in any of its three kernels, no ptxas wgmma note (C75xx: serialised wgmma,
+    setmaxnreg ignored), no local-memory instructions."""
     kernel = backward.compile(spec)
     resources = backward.resources_of(kernel)
     for name in spec.kernel_names:
         r = resources[name]
         assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (name, r)
     assert "C75" not in kernel.log, kernel.log
-    sass = kernel.sass()
     counts = kernel.sass_counts()
-    assert counts["LDL"] == 0 and counts["STL"] == 0 and counts["HMMA"] == 0
+    assert counts["LDL"] == 0 and counts["STL"] == 0
+    return kernel, kernel.sass(), counts
+
+
+@pytest.mark.parametrize("spec", SM90, ids=lambda s: s.variant)
+def test_sm90_compiles_clean_with_the_hopper_instructions(spec):
+    """Every shipped sm90 config: no stack, no spills, no ptxas wgmma note (C75xx: serialised wgmma,
+    setmaxnreg ignored); the SASS has the five GEMMs as HGMMA of the shapes the design uses, the TMA
+    loads (K, V, Q, dO: one UTMALDG each in the slab loop), mbarrier waits and arrivals (SYNCS), the
+    register split, and dQ's fp32 vector reductions."""
+    kernel, sass, counts = _compiled_clean(spec)
+    assert counts["HMMA"] == 0
     d, ty = spec.head_dim, ".F32.BF16 " if spec.dtype == "bf16" else ".F32 "   # (fp16's SASS names no type)
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
     s_dp = [x for x in hgmma if f"HGMMA.64x{spec.block_m}x16{ty}" in x and "tnsp" not in x]
@@ -795,15 +803,8 @@ def test_sm90_dq_tma_reduce_compiles_to_one_bulk_reduce_per_step(spec):
     """The knob on: no spills, the same GEMMs, and dQ leaves as STS.128 (register order) + one
     UBLKRED (cp.reduce.async.bulk .add.f32) per warpgroup and step, with no fp32 REDG left; a named
     barrier of one warpgroup (0x80 threads) orders the stores before the bulk copy."""
-    kernel = backward.compile(spec)
-    resources = backward.resources_of(kernel)
-    for name in spec.kernel_names:
-        r = resources[name]
-        assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (name, r)
-    assert "C75" not in kernel.log, kernel.log
-    sass = kernel.sass()
-    counts = kernel.sass_counts()
-    assert counts["LDL"] == 0 and counts["STL"] == 0 and counts["UTMALDG"] == 4
+    kernel, sass, counts = _compiled_clean(spec)
+    assert counts["UTMALDG"] == 4
     assert counts["HGMMA"] == backward.compile(spec.replace(dq_tma_reduce=False)).sass_counts()["HGMMA"]
     assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1
     assert not re.search(r"\bREDG?\.", sass), re.findall(r".*\bREDG?\..*", sass)
