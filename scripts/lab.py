@@ -37,7 +37,8 @@ SUBCOMMANDS = {
     "clock-probe": ("clock_probe", "GPU",
                     "each timing group beside the SM clock and power nvidia-smi saw: when a median moves between runs"),
     "ncu-compare": ("ncu_compare", "GPU",
-                    "Nsight Compute sections of facodegen and a peer on one cell: which pipe or stall differs"),
+                    "Nsight Compute sections of facodegen and a peer on one cell (--backward: the backward's main "
+                    "kernels): which pipe or stall differs"),
     "ncu-source": ("ncu_source", "GPU",
                    "Nsight Compute per SASS instruction (stall samples, bank conflicts): where one kernel's warps wait"),
     "overlap-probe": ("overlap_probe", "GPU",

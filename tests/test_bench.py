@@ -242,6 +242,21 @@ def test_ncu_compare_summarizes_two_kernels_side_by_side():
     assert ncu.summarize(report.split("  void")[0]) == "fewer than two kernels in the report"
 
 
+def test_ncu_compare_backward_compares_the_two_longest_kernels():
+    """--backward: each side launches several kernels (ours: preprocess, main, dQ conversion), so the
+    table takes the two longest, in launch order, whatever unit ncu gave each Duration."""
+    ncu = _script("ncu_compare")
+    kernel = "  {} (10, 1, 1)x(384, 1, 1), Context 1, Stream 7\n    Duration    {}    {}\n"
+    report = "".join(kernel.format(*k) for k in [("flash_bwd_dot_do_o", "us", "21.50"), ("flash_bwd_main", "ms", "1.20"),
+                                                  ("flash_bwd_convert_dq", "us", "30.00"),
+                                                  ("cudnn_bprop_main", "usecond", "1,010.00"),
+                                                  ("cudnn_convert", "ns", "9,000")])
+    table = ncu.summarize(report, longest=True).splitlines()
+    assert table[0] == "| metric | flash_bwd_main | cudnn_bprop_main |"
+    assert "| Duration | 1.20 ms | 1,010.00 usecond |" in table
+    assert ncu.summarize(report).splitlines()[0] == "| metric | flash_bwd_dot_do_o | cudnn_convert |"
+
+
 def test_ncu_source_summarizes_stalls_and_bank_conflicts():
     """scripts/lab.py ncu-source: samples per stall reason, the instructions with the most samples and
     their main reason, and the instructions with more shared-memory wavefronts than ideal."""
