@@ -55,7 +55,6 @@ def test_variant_names_the_problem_and_the_tile():
     ({"arch": "sm90", "k_unroll": 1}, "k_unroll", "sm80 knob"),
     ({"arch": "sm90", "gpu": "a100"}, "gpu", "h100, h200"),
     ({"dq_tma_reduce": True}, "dq_tma_reduce", "an sm90 knob"),
-    ({"arch": "sm90", "dq_tma_reduce": True, "deterministic": True}, "dq_tma_reduce", "no deterministic mode"),
     ({"dtype": "fp8"}, "dtype", "fp8"),
     ({"head_dim": 80}, "head_dim", "80"),
     ({"stages": 2}, "stages", "stages=1"),
@@ -176,13 +175,17 @@ def test_deterministic_backward_adds_dq_in_turns(head_dim, causal):
     assert "MEMBAR" in sass and "dq_semaphore = 0" in backward.emit(spec)
 
 
+@pytest.mark.parametrize("dq_tma_reduce", [False, True])
 @pytest.mark.parametrize("head_dim, dtype, causal", [(64, "bf16", True), (128, "fp16", False)])
-def test_sm90_deterministic_backward_adds_dq_in_turns(head_dim, dtype, causal):
+def test_sm90_deterministic_backward_adds_dq_in_turns(head_dim, dtype, causal, dq_tma_reduce):
     """sm90, deterministic=True: a turn per (query block, key block) step around the consumers' dq_accum
     adds (an acquire load and a sleep while waiting, a fence, the increment, the consumers' named
     barrier 2), and where both warpgroups add into every column (head_dim 64: dQ split by keys)
-    warpgroup 1 waits for warpgroup 0's adds; no spills; the default has none of that."""
-    spec = BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal, deterministic=True)
+    warpgroup 1 waits for warpgroup 0's adds; no spills; the default has none of that. With
+    dq_tma_reduce (asked for: deterministic calls take the vector reductions by default) the turn
+    passes on after the bulk reduce-add landed (the bulk group waited for, proxy fences)."""
+    spec = BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal, deterministic=True,
+                        dq_tma_reduce=dq_tma_reduce)
     assert "_det" in spec.variant
     source = backward.emit(spec)
     assert "dq_semaphore = 0" in source and "ld_acquire_gpu(dq_turn) != n_block" in source
@@ -193,6 +196,9 @@ def test_sm90_deterministic_backward_adds_dq_in_turns(head_dim, dtype, causal):
     plain = backward.compile(spec.replace(deterministic=False)).sass()
     assert "NANOSLEEP" in sass and "MEMBAR" in sass and "BAR.SYNC.DEFER_BLOCKING 0x2, 0x100" in sass
     assert "BAR.SYNC.DEFER_BLOCKING 0x2" not in plain and sass.count("MEMBAR") > plain.count("MEMBAR")
+    if dq_tma_reduce:
+        assert "_det_dqtma" in spec.variant and len(re.findall(r"\bUBLKRED\.", sass)) == 1
+        assert "fence.proxy.async.global" in source and not re.search(r"\bREDG?\.", sass)
     # three turn barriers per step where the warpgroups take turns in a CTA (split by keys), else two
     assert sass.count("BAR.SYNC.DEFER_BLOCKING 0x2, 0x100") == (4 if sm90_dq_cols(head_dim) == head_dim else 2)
 

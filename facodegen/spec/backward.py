@@ -301,9 +301,6 @@ def _validate(spec: BackwardSpec) -> None:
 
 def _validate_sm90(spec: BackwardSpec) -> None:
     """The first sm90 slice: FA3's 64 x 128 tile with two consumer warpgroups, a 2-deep Q/dO ring."""
-    if spec.dq_tma_reduce and spec.deterministic:
-        raise SpecError("dq_tma_reduce", "no deterministic mode with the TMA bulk reduce-add yet (the turns on "
-                                         "dq_semaphore order the fp32 vector reductions only); drop one of them")
     if spec.block_m != 64:
         raise SpecError("block_m", f"{spec.block_m}: the sm90 backward takes block_m=64 (one m64 wgmma of "
                                    f"queries for dQ) so far")

@@ -128,11 +128,12 @@ def test_strided_inputs_and_poisoned_outputs(causal):
     assert check_grads(got, do, q, k, v, causal, 0.125) == []
 
 
-@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("arch, knobs", [("sm80", {}), ("sm90", {}), ("sm90", {"dq_tma_reduce": True})],
+                         ids=["sm80", "sm90", "sm90-dqtma"])
 @pytest.mark.parametrize("sq, sk, causal, d, heads", [(1023, 1024, True, 128, "gqa"), (239, 1, False, 64, "mha"),
                                                       (113, 2000, True, 256, "mqa"), (2048, 2048, False, 96, "mha"),
                                                       (777, 3000, False, 64, "gqa")])
-def test_deterministic_gradients_are_bit_identical_and_right(arch, sq, sk, causal, d, heads):
+def test_deterministic_gradients_are_bit_identical_and_right(arch, knobs, sq, sk, causal, d, heads):
     """deterministic=True: dQ's fp32 adds in key-block order (sm90: and warpgroup 0's before 1's where
     both add into every column, head_dim 64), so three runs give the same bits (and each passes the
     criterion); many key blocks per query block (sk 2000: 16) make the turns count."""
@@ -142,7 +143,7 @@ def test_deterministic_gradients_are_bit_identical_and_right(arch, sq, sk, causa
     q, k, v, do = make(2, sq, sk, hq, hkv, d, torch.bfloat16, seed=sq + sk + d)
     out64, lse64, _ = reference(q, k, v, do, causal, d ** -0.5, upcast=True)
     out, lse = out64.to(q.dtype), lse64.float().contiguous()
-    runs = [facodegen.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=True, arch=arch)
+    runs = [facodegen.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=True, arch=arch, **knobs)
             for _ in range(3)]
     torch.cuda.synchronize()
     for other in runs[1:]:
