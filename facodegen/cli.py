@@ -72,7 +72,7 @@ def _kernel_options(command):
         click.option("--k-unroll", "k_unroll", type=click.Choice(["1", "2", "4"]), callback=_int_choice,
                      help="--kernel backward: k16 steps of each warp GEMM unrolled together."),
         click.option("--deterministic/--no-deterministic", "deterministic", default=None,
-                     help="--kernel backward: bit-identical gradients (refused in this release)."),
+                     help="--kernel backward: bit-identical gradients (dQ added in key-block order)."),
         click.option("--dq-tma-reduce/--no-dq-tma-reduce", "dq_tma_reduce", default=None,
                      help="--kernel backward --arch sm90: dQ added into its fp32 accumulator by a TMA bulk "
                           "reduce-add of a shared-memory tile per warpgroup."),

@@ -188,7 +188,8 @@ def test_sm90_deterministic_backward_adds_dq_in_turns(head_dim, dtype, causal, d
                         dq_tma_reduce=dq_tma_reduce)
     assert "_det" in spec.variant
     source = backward.emit(spec)
-    assert "dq_semaphore = 0" in source and "ld_acquire_gpu(dq_turn) != n_block" in source
+    assert "dq_semaphore = 0" in source and "ld_acquire_gpu(turn) != n_block" in source
+    assert "dq_turn_take(dq_turn" in source and "dq_turn_pass(dq_turn" in source
     kernel = backward.compile(spec)
     r = backward.resources_of(kernel)[spec.variant]
     assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0)

@@ -32,7 +32,8 @@ from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_DQ_BUFS, SM90_GPU,
-                              SM90_PRODUCER_REGS, SM90_STAGES, BackwardSpec, dq_accum_rows, sm90_dq_cols)
+                              SM90_PRODUCER_REGS, SM90_STAGES, BackwardSpec, dq_accum_rows, sm90_dq_cols,
+                              stat_rows)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields,
                                place, stride_fields)
 from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
@@ -108,9 +109,8 @@ _EMIT_DEFAULTS = {"sm80": {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "dete
                            "dq_tma_reduce": False},
                   "sm90": {"gpu": SM90_GPU, "stages": SM90_STAGES, "k_unroll": 2, "deterministic": False,
                            "dq_tma_reduce": True}}
-# Spec fields the rendered sm80 header lists only when set (added after the header's first readers: a spec
-# without them renders byte-identically to before they existed).
-_LISTED_WHEN_SET = ("dq_tma_reduce",)
+# sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
+_SM90_ONLY = ("dq_tma_reduce",)
 
 
 def emit_command(spec: BackwardSpec) -> str:
@@ -132,8 +132,7 @@ def emit(spec: BackwardSpec) -> str:
     placed, size, align = layout(spec.arch)
     return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
-        spec_items=sorted((k, v) for k, v in spec.as_dict().items()
-                          if v or k not in _LISTED_WHEN_SET or spec.arch == "sm90"),
+        spec_items=sorted((k, v) for k, v in spec.as_dict().items() if spec.arch == "sm90" or k not in _SM90_ONLY),
         smem_bytes=spec.smem_bytes, threads=spec.threads,
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
         producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),
@@ -165,24 +164,17 @@ def resources_of(kernel) -> dict:
 
 # ------------------------------------------------------------------ launch plans
 
-def stat_rows(spec: BackwardSpec, seqlen_q: int) -> int:
-    """Rows per (batch, head) of the preprocess's D (and, sm90, LSE * log2(e)) arrays: sm90's
-    producer bulk-copies a query block's values whole, so its rows are padded to block_m."""
-    return -(-seqlen_q // spec.block_m) * spec.block_m if spec.arch == "sm90" else seqlen_q
-
-
 def row_stat_floats(spec: BackwardSpec, batch: int, heads_q: int, seqlen_q: int) -> int:
     """fp32 values of the preprocess's row statistics: D, and on sm90 LSE * log2(e) after it."""
     return (2 if spec.arch == "sm90" else 1) * batch * heads_q * stat_rows(spec, seqlen_q)
 
 
 def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
-    """(preprocess, main, postprocess) grids: one warp per query row for the first (every padded
-    stat row) and last, one CTA per (key block, kv head, batch) for the main kernel. dq_tma_reduce:
-    the first and last have one warp per row of the padded, tiled dq_accum (dq_accum_rows: the
-    preprocess zeroes the padding too, the postprocess walks it linearly); on sm90 those are the
-    padded stat rows as well."""
-    pre = (-(-max(stat_rows(spec, seqlen_q), dq_accum_rows(spec, seqlen_q)) // spec.num_warps), heads_q, batch)
+    """(preprocess, main, postprocess) grids: one warp per query row for the first (every stat row,
+    which covers every row of dq_accum: with dq_tma_reduce the preprocess zeroes its padding too) and
+    the last (every row of dq_accum: dq_tma_reduce's postprocess walks the padded tiles linearly), one
+    CTA per (key block, kv head, batch) for the main kernel."""
+    pre = (-(-stat_rows(spec, seqlen_q) // spec.num_warps), heads_q, batch)
     post = (-(-dq_accum_rows(spec, seqlen_q) // spec.num_warps), heads_q, batch)
     return pre, (-(-seqlen_k // spec.block_n), heads_kv, batch), post
 

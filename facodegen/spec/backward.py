@@ -223,10 +223,22 @@ def sm90_smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int, dq_t
             + 2 * block_n * block_m * e + 1024 + dq)
 
 
+def _block_rows(spec: BackwardSpec, seqlen_q: int) -> int:
+    """seqlen_q rounded up to whole query blocks of block_m rows."""
+    return -(-seqlen_q // spec.block_m) * spec.block_m
+
+
 def dq_accum_rows(spec: BackwardSpec, seqlen_q: int) -> int:
     """Rows of dq_accum per (batch, head_q): seqlen_q, or with dq_tma_reduce seqlen_q rounded up to
     block_m (the bulk reduce adds whole tiles; the rows past seqlen_q receive zeros)."""
-    return -(-seqlen_q // spec.block_m) * spec.block_m if spec.dq_tma_reduce else seqlen_q
+    return _block_rows(spec, seqlen_q) if spec.dq_tma_reduce else seqlen_q
+
+
+def stat_rows(spec: BackwardSpec, seqlen_q: int) -> int:
+    """Rows per (batch, head) of the preprocess's D (and, sm90, LSE * log2(e)) arrays: sm90's
+    producer bulk-copies a query block's values whole, so its rows are padded to block_m. Never
+    fewer than dq_accum_rows (dq_tma_reduce is an sm90 knob)."""
+    return _block_rows(spec, seqlen_q) if spec.arch == "sm90" else seqlen_q
 
 
 def kv_acc_floats(spec: BackwardSpec) -> int:
