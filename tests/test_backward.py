@@ -181,7 +181,7 @@ def test_sm90_deterministic_backward_adds_dq_in_turns(head_dim, dtype, causal, d
     """sm90, deterministic=True: a turn per (query block, key block) step around the consumers' dq_accum
     adds (an acquire load and a sleep while waiting, a fence, the increment, the consumers' named
     barrier 2), and where both warpgroups add into every column (head_dim 64: dQ split by keys)
-    warpgroup 1 waits for warpgroup 0's adds; no spills; the default has none of that. With
+    warpgroup 1 waits for warpgroup 0's adds (named barrier 5); no spills; the default has none of that. With
     dq_tma_reduce (asked for: deterministic calls take the vector reductions by default) the turn
     passes on after the bulk reduce-add landed (the bulk group waited for, proxy fences)."""
     spec = BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal, deterministic=True,
@@ -200,8 +200,11 @@ def test_sm90_deterministic_backward_adds_dq_in_turns(head_dim, dtype, causal, d
     if dq_tma_reduce:
         assert "_det_dqtma" in spec.variant and len(re.findall(r"\bUBLKRED\.", sass)) == 1
         assert "fence.proxy.async.global" in source and not re.search(r"\bREDG?\.", sass)
-    # three turn barriers per step where the warpgroups take turns in a CTA (split by keys), else two
-    assert sass.count("BAR.SYNC.DEFER_BLOCKING 0x2, 0x100") == (4 if sm90_dq_cols(head_dim) == head_dim else 2)
+    # two turn barriers per step (all consumers at the same two instructions: synccheck), and where the
+    # warpgroups take turns in a CTA (split by keys) warpgroup 0 arrives at barrier 5, warpgroup 1 waits
+    split = sm90_dq_cols(head_dim) == head_dim
+    assert sass.count("BAR.SYNC.DEFER_BLOCKING 0x2, 0x100") == 2
+    assert sass.count("BAR.ARV 0x5, 0x100") == sass.count("BAR.SYNC.DEFER_BLOCKING 0x5, 0x100") == int(split)
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1000, 1000, True), (1000, 1000, False), (1000, 77, True),
