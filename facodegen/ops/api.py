@@ -355,7 +355,9 @@ def check_fp8_inputs(q: _View, k: _View, v: _View, v_layout: str) -> None:
     if tuple(v.shape) != tuple(want_v):
         what = "(batch, seqlen_k, heads_kv, head_dim)" if v_layout == "row" else \
             "(batch, heads_kv, head_dim, seqlen_k) (v_layout='transposed': V^T)"
-        raise ValueError(f"v has shape {v.shape}; expected {what} = {tuple(want_v)}")
+        raise ValueError(f"v has shape {v.shape}; expected {what} = {tuple(want_v)}"
+                         + (" (fp8 takes no head_dim_v of its own)" if v_layout == "row" and len(v.shape) == 4
+                            and tuple(v.shape[:3]) == tuple(want_v[:3]) else ""))
     _check_attention_shape(q, k, what="dtype=fp8 (e4m3)")
     _check_layout(q)
     _check_layout(k)
