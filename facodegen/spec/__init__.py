@@ -26,6 +26,10 @@ Shared memory (bytes, per CTA; E = bytes per element):
   which fits only with O aliased. hdim256 (Q 64K + O 64K + 2x(K+V) of 80 rows = 288K) cannot
   have its own O buffer.
 
+With ``head_dim_v`` < ``head_dim`` (V and O narrower than Q and K) the sm90 V tiles and O tile are
+``head_dim_v`` wide (``stages * block_n * (d + d_v) * E`` for the rings); sm80's V ring keeps K's rows
+(only d_v columns of them loaded), so its terms are unchanged; O's registers count d_v columns.
+
 The seed's ``compute_block_size`` compared an element count with a byte budget and
 left out the pipeline stages; both mistakes are why the terms above are all in bytes
 and all multiplied by what is really resident.
