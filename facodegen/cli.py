@@ -574,7 +574,8 @@ def _check_with_reference(api, spec, batch, seqlen_q, seqlen_k, heads, heads_kv,
             raise click.ClickException("bf16 inputs need torch (CuPy has no bfloat16); try --dtype fp16") from None
     else:
         import cupy as xp
-    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_kv, spec.head_dim_real, spec.dtype, seed=seed, xp=xp)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_kv, spec.head_dim_real, spec.dtype, seed=seed, xp=xp,
+                         head_dim_v=spec.head_dim_v if spec.split_v else None)
     knobs = spec.launch_fields()
     o, lse = api.attention(q, k, v, causal=spec.causal, return_lse=True, **knobs)
     ref_o, ref_lse = attention_reference(q, k, v, spec.causal)

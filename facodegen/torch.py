@@ -24,10 +24,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  scale=None, enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention on facodegen's kernels.
 
-    query: (*batch, heads_q, seqlen_q, head_dim); key, value: (*batch, heads_kv, seqlen_k, head_dim)
-    (at least one batch dim, the same batch dims for all three), fp16 or bf16 torch CUDA tensors
-    with contiguous head_dim; head_dim 64, 96, 128, 192 or 256. Returns a new contiguous
-    (*batch, heads_q, seqlen_q, head_dim) tensor in query's dtype.
+    query: (*batch, heads_q, seqlen_q, head_dim); key: (*batch, heads_kv, seqlen_k, head_dim); value:
+    (*batch, heads_kv, seqlen_k, head_dim_v) (at least one batch dim, the same batch dims for all
+    three), fp16 or bf16 torch CUDA tensors with contiguous head_dim; head_dim 64, 96, 128, 192 or 256
+    (head_dim_v: head_dim, or as facodegen.attention takes it, e.g. 128 with head_dim 192). Returns a
+    new contiguous (*batch, heads_q, seqlen_q, head_dim_v) tensor in query's dtype.
 
     Supported: ``is_causal`` (aligned top-left, as SDPA does: query row i sees keys 0..i),
     ``scale`` (default 1/sqrt(head_dim)), ``enable_gqa`` (heads_kv divides heads_q; K/V are read
@@ -54,9 +55,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          f"{tuple(batch)}, {tuple(key.shape[:-3])}, {tuple(value.shape[:-3])}")
     heads_q, seqlen_q, head_dim = query.shape[-3:]
     heads_kv, seqlen_k = key.shape[-3:-1]
-    if key.shape[-1] != head_dim or value.shape[-1] != head_dim:
-        raise ValueError(f"key and value must have query's head_dim {head_dim}, got {key.shape[-1]} and "
-                         f"{value.shape[-1]}")
+    head_dim_v = value.shape[-1]        # (SDPA's Ev: O takes value's head dim)
+    if key.shape[-1] != head_dim:
+        raise ValueError(f"key must have query's head_dim {head_dim}, got {key.shape[-1]}")
     if value.shape[-3:-1] != key.shape[-3:-1]:
         raise ValueError(f"value's (heads, seqlen) {tuple(value.shape[-3:-1])} must match key's "
                          f"{(heads_kv, seqlen_k)}")
@@ -68,9 +69,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise ValueError(f"enable_gqa: key/value heads ({heads_kv}) must divide query heads ({heads_q})")
     q, k, v = (_as_bshd(name, x) for name, x in (("query", query), ("key", key), ("value", value)))
 
-    result = torch.empty((*batch, heads_q, seqlen_q, head_dim), dtype=query.dtype, device=query.device)
+    result = torch.empty((*batch, heads_q, seqlen_q, head_dim_v), dtype=query.dtype, device=query.device)
     facodegen.attention(q, k, v, causal=bool(is_causal), softmax_scale=scale, causal_alignment="top_left",
-                        out=result.view(math.prod(batch), heads_q, seqlen_q, head_dim).transpose(1, 2))
+                        out=result.view(math.prod(batch), heads_q, seqlen_q, head_dim_v).transpose(1, 2))
     return result
 
 

@@ -50,6 +50,10 @@ class FakeTensor:
     def as_strided(self, shape, strides):
         return FakeTensor(shape, self.dtype.removeprefix("torch."), strides, self.device.index, self._ptr)
 
+    def new_empty(self, shape, dtype=None):
+        """A new contiguous tensor on this one's device (torch's Tensor.new_empty)."""
+        return FakeTensor(tuple(shape), (dtype or self.dtype).removeprefix("torch."), device=self.device.index)
+
 
 class FakeLauncher:
     """driver.Launcher's interface (a call, ``bare`` and ``error``, as plan.LaunchPlan.launch_plain and

@@ -38,7 +38,9 @@ class FakeAttention:
         assert causal_alignment in ("bottom_right", "top_left")
         batch, seqlen_q, heads_q, head_dim = q.shape
         seqlen_k, heads_kv = k.shape[1], k.shape[2]
-        assert k.shape == v.shape == (batch, seqlen_k, heads_kv, head_dim) and heads_q % heads_kv == 0
+        # (v may be narrower: head_dim_v)
+        assert k.shape == (batch, seqlen_k, heads_kv, head_dim) and heads_q % heads_kv == 0
+        assert v.shape[:3] == k.shape[:3] and v.shape[3] <= head_dim
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head_dim must be contiguous"
         self.calls.append(dict(q=q, k=k, v=v, causal=causal, softmax_scale=softmax_scale, out=out,
                                causal_alignment=causal_alignment, return_lse=return_lse, window_size=window_size,
@@ -64,7 +66,7 @@ class FakeAttention:
         p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
         o = (p @ vd).transpose(1, 2).to(q.dtype)
         if out is not None:
-            assert out.shape == q.shape and out.stride(-1) == 1
+            assert out.shape == (*q.shape[:3], v.shape[3]) and out.stride(-1) == 1
             out.copy_(o)
             o = out
         return (o, lse.float()) if return_lse else o
@@ -183,7 +185,7 @@ def test_sdpa_refuses_bad_shapes(fake):
     with pytest.raises(ValueError, match="batch dims"):
         ftorch.scaled_dot_product_attention(q, q[:1], q[:1])                     # broadcasting batch
     with pytest.raises(ValueError, match="head_dim"):
-        ftorch.scaled_dot_product_attention(q, q, _bhsd(heads=8, head_dim=128))
+        ftorch.scaled_dot_product_attention(q, _bhsd(heads=8, head_dim=128), q)
     with pytest.raises(ValueError, match="value"):
         ftorch.scaled_dot_product_attention(q, q, _bhsd(heads=8, seqlen=9))
     with pytest.raises(TypeError, match="key"):
@@ -268,6 +270,20 @@ def test_sdpa_matches_torch(fake, shape, causal, scale):
         assert call[name].data_ptr() == x.data_ptr() and _same_storage(call[name], x), f"{name} was copied"
         assert call[name].shape == x.transpose(1, 2).shape
     assert _same_storage(call["out"], out) and call["out"].data_ptr() == out.data_ptr(), "out= must alias the result"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_takes_a_narrower_value_head_dim(fake, causal):
+    """SDPA's Ev != E: value (..., head_dim_v) reaches facodegen.attention as it is; the result is
+    (..., seqlen_q, head_dim_v) and the default scale 1/sqrt(E)."""
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 9, 192, generator=g), torch.randn(2, 2, 11, 192, generator=g)
+    v = torch.randn(2, 2, 11, 128, generator=g)
+    out = ftorch.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    assert out.shape == (2, 4, 9, 128) and out.is_contiguous()
+    _close(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+    (call,) = fake.calls
+    assert call["v"].shape == (2, 11, 2, 128) and call["out"].data_ptr() == out.data_ptr()
 
 
 def test_sdpa_positional_arguments(fake):

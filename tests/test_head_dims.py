@@ -322,13 +322,13 @@ def test_the_head_dims_family_draws_padded_16_bit_forwards(monkeypatch):
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
     monkeypatch.setattr(api, "device_info", lambda ordinal: info)
     monkeypatch.setattr(api, "_tuned_fields", lambda *a: None)
-    cases = fuzz.generate(200, seed=3, family="head_dims")
+    cases = [c for c in fuzz.generate(200, seed=3, family="head_dims") if not c.head_dim_v]   # (head_dim_v: its own test)
     assert {c.head_dim for c in cases} == set(fuzz.PADDED_HEAD_DIMS)
     assert {c.dtype for c in cases} == {"bf16", "fp16"} and {c.arch for c in cases} == {"sm80", "sm90"}
     for c in cases[:40]:
         spec = fuzz.case_spec(c)
         assert (spec.head_dim_real, spec.head_dim) == (c.head_dim, tile_head_dim(c.head_dim))
-    sweep = [c for c in fuzz.representative_cases() if c.family == "head_dims"]
+    sweep = [c for c in fuzz.representative_cases() if c.family == "head_dims" and not c.head_dim_v]
     assert {(c.arch, c.head_dim) for c in sweep} == {(a, d) for a in ("sm80", "sm90") for d in (8, 80)}
 
 

@@ -59,6 +59,8 @@ def emit_command(spec: KernelSpec, runtime: dict | None = None) -> str:
     given = {k.name: getattr(spec, k.name) for k in mine if k.name in _EMIT_ALWAYS or k.name == "schedule"}
     if spec.padded and tile_head_dim(spec.head_dim_real) == spec.head_dim:
         given["head_dim"] = spec.head_dim_real      # --head-dim 80 (the tile of 96 follows)
+    if spec.split_v:
+        given["head_dim_v"] = spec.head_dim_v       # part of the problem, as head_dim
     for _ in range(len(mine)):
         try:
             built = KernelSpec(**given)
@@ -74,6 +76,8 @@ def emit_command(spec: KernelSpec, runtime: dict | None = None) -> str:
             continue
         if knob.name == "head_dim_real" and given["head_dim"] == spec.head_dim_real:
             continue                                # --head-dim gave it (the whole tile's d, or d of a padded one)
+        if knob.name == "head_dim_v" and not spec.split_v:
+            continue                                # (V as wide as Q and K: the default)
         value = given[knob.name]
         if knob.name == "producer_regs":            # --regs P/C sets both
             flags.append(f"--regs {spec.producer_regs}/{spec.consumer_regs}")
@@ -108,6 +112,8 @@ def context(spec: KernelSpec, runtime: dict | None = None) -> dict:
         hidden.add("varlen")
     if not spec.padded:
         hidden.add("head_dim_real")     # (the kernels of a whole tile show head_dim alone, as before)
+    if not spec.split_v:
+        hidden.add("head_dim_v")        # (likewise: V and O as wide as Q and K)
     return {
         "spec": spec,
         "arch": spec.arch,
@@ -119,6 +125,7 @@ def context(spec: KernelSpec, runtime: dict | None = None) -> dict:
         # and the variant switches (and varlen) out of kernels that have none
         "spec_items": sorted((k, v) for k, v in spec.as_dict().items() if k not in hidden),
         "smem_bytes": spec.smem_bytes,
+        "split_v": spec.split_v,        # head_dim_v != head_dim: V and O have their own width
         "threads": spec.threads,
         "log2e": repr(math.log2(math.e)),
         "placed": placed,

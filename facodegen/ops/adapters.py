@@ -22,9 +22,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
     bf16 torch CUDA tensors (or CuPy arrays), any batch/seq/head strides with contiguous head_dim;
     heads_kv divides heads_q (GQA/MQA read in place); head_dim any multiple of 8 in [8, 256] (the
-    backward: 64, 96, 128, 192 or 256). ``causal``
+    backward: 64, 96, 128, 192 or 256); v may be narrower, (batch, seqlen_k, heads_kv, head_dim_v)
+    (FlashAttention-3's hdim_v, e.g. 192 / 128; forward only, as facodegen.attention). ``causal``
     is aligned bottom-right as in FlashAttention (seqlen_q=2, seqlen_k=5: row 0 sees keys 0..3);
-    a row with no visible key gives zeros. Returns out (batch, seqlen_q, heads_q, head_dim) in q's
+    a row with no visible key gives zeros. Returns out (batch, seqlen_q, heads_q, head_dim_v) in q's
     dtype.
 
     Supported: ``softmax_scale`` (default 1/sqrt(head_dim)), ``causal``, ``window_size=(left, right)``

@@ -173,8 +173,15 @@ def _check_attention_shape(q: _View, k: _View, any_head_dim: bool = False, what:
         raise ValueError(f"heads_kv={heads_kv} (k.shape[2]) must divide heads_q={heads_q} (q.shape[2]) for GQA/MQA")
 
 
-def _check_inputs(q: _View, k: _View, v: _View, any_head_dim: bool = False, what: str = "") -> None:
-    """q, k, v of one call (``any_head_dim``, ``what``: _check_attention_shape's)."""
+# What a path without a V head dim of its own says when v's last dimension differs from k's.
+HEAD_DIM_V_NOTE = ("a head_dim_v of its own (v.shape[3] != k.shape[3]) runs in the 16-bit forward, attention(), "
+                   "only (no backward yet)")
+
+
+def _check_inputs(q: _View, k: _View, v: _View, any_head_dim: bool = False, what: str = "",
+                  any_head_dim_v: bool = False) -> None:
+    """q, k, v of one call (``any_head_dim``, ``what``: _check_attention_shape's; ``any_head_dim_v``:
+    v's head_dim may differ from k's, the 16-bit forward's head_dim_v, checked by KernelSpec)."""
     for t in (q, k, v):
         if len(t.shape) != 4:
             raise ValueError(f"{t.name} must be 4-D (batch, seqlen, heads, head_dim), got shape {t.shape}")
@@ -185,7 +192,12 @@ def _check_inputs(q: _View, k: _View, v: _View, any_head_dim: bool = False, what
     if q.dtype not in DTYPE_NAMES:
         raise TypeError(f"q has dtype {q.dtype}; supported: {', '.join(DTYPE_NAMES)}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+        if k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"k and v must have the same shape but for v's head_dim (head_dim_v), got k {k.shape} "
+                             f"and v {v.shape}")
+        if not any_head_dim_v:
+            raise ValueError(f"k and v must have the same shape{' in ' + what if what else ''}, got k {k.shape} and "
+                             f"v {v.shape}: {HEAD_DIM_V_NOTE}")
     _check_attention_shape(q, k, any_head_dim, what)
     for t in (q, k, v):
         _check_layout(t)
@@ -206,13 +218,18 @@ def _check_layout(t: _View) -> None:
                              f"{ALIGN_BYTES // elem} elements ({ALIGN_BYTES} bytes)")
 
 
-def _check_out(out: _View, q: _View, dtype: str | None = None, hint: str = "") -> None:
-    """out: q's library and device, ``dtype`` (default q's), q's shape, a layout the kernel writes."""
+def _check_out(out: _View, q: _View, dtype: str | None = None, hint: str = "", shape: tuple | None = None) -> None:
+    """out: q's library and device, ``dtype`` (default q's), ``shape`` (default q's; head_dim_v: q's
+    with v's head_dim), a layout the kernel writes."""
     dtype = dtype or q.dtype
     if out.kind != q.kind or out.dtype != dtype or out.device != q.device:
         raise TypeError(f"out must be a {q.kind} {dtype} array on cuda:{q.device}{hint}, got a {out.kind} "
                         f"{out.dtype} array on cuda:{out.device}")
-    if out.shape != q.shape:
+    if shape is not None and tuple(shape) != tuple(q.shape):
+        if out.shape != tuple(shape):
+            raise ValueError(f"out has shape {out.shape}; expected (batch, seqlen_q, heads_q, head_dim_v) = "
+                             f"{tuple(shape)} (q's with v's head_dim)")
+    elif out.shape != q.shape:
         raise ValueError(f"out has shape {out.shape}, q has {q.shape}; they must match")
     _check_layout(out)
 
@@ -266,8 +283,10 @@ def resolve_spec(head_dim: int, dtype: str, causal: bool, device: int, arch: str
     arch = arch or default_arch(info)
     _check_arch(arch, info)
     spec_fields.setdefault("gpu", info.budget_gpu)
-    # a head_dim on another one's tile (80 on 96) takes that tile's tuned entries
-    tuned = _tuned_fields(info, arch, _tile(head_dim), dtype, causal, shape) if shape is not None else None
+    # a head_dim on another one's tile (80 on 96) takes that tile's tuned entries; a V head dim of its
+    # own (head_dim_v) none: the database's entries were measured with V as wide as Q
+    tuned = _tuned_fields(info, arch, _tile(head_dim), dtype, causal, shape) \
+        if shape is not None and not _split_v(head_dim, spec_fields) else None
     spec = spec_for_shape(arch, head_dim, dtype, causal, shape, tuned, **spec_fields)
     if info.smem_per_block_optin and spec.smem_bytes > info.smem_per_block_optin:
         raise ValueError(f"stages/block sizes: the kernel needs {spec.smem_bytes} bytes of shared memory but "
@@ -281,7 +300,8 @@ def spec_for_shape(arch: str, head_dim: int, dtype: str, causal: bool, shape: tu
     else the sequence-length table for ``shape`` = (batch, seqlen_q, seqlen_k, heads_q) unless the
     caller sets one of its fields, else the defaults; the caller's fields always win, and tuned or
     rule fields that do not combine with them into a valid spec are dropped."""
-    if not tuned and shape is not None and not any(f in spec_fields for f in SEQLEN_RULE_FIELDS):
+    if not tuned and shape is not None and not any(f in spec_fields for f in SEQLEN_RULE_FIELDS) \
+            and not _split_v(head_dim, spec_fields):    # (the rules were measured with V as wide as Q)
         _, seqlen_q, seqlen_k, _ = shape
         tuned = seqlen_rule_fields(arch, _tile(head_dim), dtype, causal, seqlen_q, seqlen_k)
     if tuned:
@@ -290,6 +310,11 @@ def spec_for_shape(arch: str, head_dim: int, dtype: str, causal: bool, shape: tu
         except (SpecError, TypeError):
             pass  # the caller's fields do not fit the tuned tiles: defaults + the caller's fields
     return KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **spec_fields)
+
+
+def _split_v(head_dim, spec_fields: dict) -> bool:
+    """The call's V has a head dimension of its own (head_dim_v given and not head_dim)."""
+    return spec_fields.get("head_dim_v") not in (None, head_dim)
 
 
 def _tile(head_dim) -> int:
@@ -330,7 +355,9 @@ def check_fp8_inputs(q: _View, k: _View, v: _View, v_layout: str) -> None:
     if tuple(v.shape) != tuple(want_v):
         what = "(batch, seqlen_k, heads_kv, head_dim)" if v_layout == "row" else \
             "(batch, heads_kv, head_dim, seqlen_k) (v_layout='transposed': V^T)"
-        raise ValueError(f"v has shape {v.shape}; expected {what} = {tuple(want_v)}")
+        raise ValueError(f"v has shape {v.shape}; expected {what} = {tuple(want_v)}"
+                         + (" (fp8 takes no head_dim_v of its own)" if v_layout == "row" and len(v.shape) == 4
+                            and tuple(v.shape[:3]) == tuple(want_v[:3]) else ""))
     _check_attention_shape(q, k, what="dtype=fp8 (e4m3)")
     _check_layout(q)
     _check_layout(k)
@@ -418,7 +445,19 @@ class _Outputs:
     lse_library_dtype: object   # CuPy: numpy.dtype("float32"), the LSE's (torch: None, new_lse makes it)
     same_dtype: bool            # the output's dtype is q's (not fp8)
     unit_descale_ptrs: tuple    # fp8: q, k, v unit descale addresses (0 where the call gave one); () otherwise
+    q_shape: tuple = ()         # q's shape (the output's differs with a head_dim_v of its own)
     _lse_like: object = None
+
+    def __post_init__(self):
+        # the output is empty_like(q): q's dtype and shape (not fp8, V as wide as Q); read per hit
+        self.like_q = self.same_dtype and tuple(self.shape) == tuple(self.q_shape)
+
+    def new_out(self, torch, q):
+        """A new output for q: empty_like(q) where that is its shape and dtype, else q's layout with the
+        output's dtype, else (head_dim_v) a contiguous (batch, seqlen_q, heads_q, head_dim_v) array."""
+        if self.shape == self.q_shape:
+            return torch.empty_like(q) if self.same_dtype else torch.empty_like(q, dtype=self.library_dtype)
+        return q.new_empty(self.shape, dtype=self.library_dtype)
 
     def new_lse(self, torch, q):
         """A new (batch, heads, seqlen_q) float32 LSE on q's device: empty_like of a template on 4
@@ -576,13 +615,20 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
         spec_fields["out_dtype"] = out_dtype
         dtype, out_name = "fp8", OUT_DTYPE_NAMES[out_dtype]
     else:
-        _check_inputs(qv, kv, vv, any_head_dim=True)     # d outside HEAD_DIMS: the next tile, padded
+        # d outside HEAD_DIMS: the next tile, padded; v's head_dim (head_dim_v) may differ from q's and k's
+        _check_inputs(qv, kv, vv, any_head_dim=True, any_head_dim_v=True)
         dtype, out_name = DTYPE_NAMES[qv.dtype], qv.dtype
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     batch, seqlen_q, heads_q, head_dim = qv.shape
     seqlen_k, heads_kv = kv.shape[1], kv.shape[2]
-    scale = _check_scale(softmax_scale, head_dim)
+    scale = _check_scale(softmax_scale, head_dim)       # 1/sqrt(d) of Q and K, whatever V's width
+    head_dim_v = head_dim if fp8 else vv.shape[3]
+    out_shape = (batch, seqlen_q, heads_q, head_dim_v)
+    if head_dim_v != head_dim:
+        if "head_dim_v" in spec_fields and spec_fields["head_dim_v"] != head_dim_v:
+            raise ValueError(f"head_dim_v={spec_fields['head_dim_v']} but v has head_dim {head_dim_v} (v.shape[3])")
+        spec_fields["head_dim_v"] = head_dim_v
     variants, sinks_view = None, None
     # local=True alone has no sizes; a whole spec's local=False (the tuner's, tests' spec_kwargs) is the
     # default. softcap and sinks are attention()'s own arguments.
@@ -595,11 +641,14 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     descales, keep, unit_ptrs = _fp8_descales(qv, descale_values, batch, heads_kv) if fp8 else ({}, (), ())
     spec = resolve_spec(head_dim, dtype, causal, qv.device, arch, shape=(batch, seqlen_q, seqlen_k, heads_q),
                         **spec_fields)
-    if out is None:     # as a plan-cache hit makes it (torch: empty_like(q), q's layout)
-        out = _torch().empty_like(q, dtype=getattr(_torch(), out_name)) if qv.kind == "torch" else \
-            _empty(qv, qv.shape, out_name)
+    if out is None:     # as a plan-cache hit makes it (torch: empty_like(q), q's layout; _Outputs.new_out)
+        if qv.kind == "torch":
+            out = _torch().empty_like(q, dtype=getattr(_torch(), out_name)) if out_shape == qv.shape else \
+                q.new_empty(out_shape, dtype=getattr(_torch(), out_name))
+        else:
+            out = _empty(qv, out_shape, out_name)
     outv = _view("out", out)
-    _check_out(outv, qv, out_name, f" (out_dtype={spec.out_dtype})" if fp8 else "")
+    _check_out(outv, qv, out_name, f" (out_dtype={spec.out_dtype})" if fp8 else "", shape=out_shape)
     lsev, lse_shape = None, (batch, heads_q, seqlen_q)
     if lse_out is None and want_lse:
         lse_out = _empty(qv, lse_shape, "float32")
@@ -619,8 +668,8 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
         library_dtype, lse_library_dtype = getattr(_torch(), out_name), None    # (new_lse makes the LSE)
     else:   # numpy.dtype objects: CuPy takes them as they are (a name is parsed again on every call)
         library_dtype, lse_library_dtype = _cupy().dtype(out_name), _cupy().dtype("float32")
-    outputs = _Outputs(qv.shape, out_name, lse_shape, library_dtype, lse_library_dtype, out_name == qv.dtype,
-                       unit_ptrs)
+    outputs = _Outputs(out_shape, out_name, lse_shape, library_dtype, lse_library_dtype, out_name == qv.dtype,
+                       unit_ptrs, q_shape=qv.shape)
     plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes,
                       tensor_maps=map_operands(spec) if spec.arch == "sm90" else {},
                       lse_floats=math.prod(lse_shape), workspace_floats=workspace,
@@ -737,6 +786,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     heads_kv divides heads_q). head_dim: any multiple of 8 in [8, 256]; 64, 96, 128, 192 and 256 have
     kernels of their own, the others run on the next one's tile with the columns past head_dim
     zero-filled inside the kernel (nothing copied; fp8 and the backward take those five only).
+    v may be narrower than q and k (fp16/bf16, forward only): v (batch, seqlen_k, heads_kv, head_dim_v)
+    with head_dim and head_dim_v both 64, 128, 192 or 256 and head_dim_v < head_dim (DeepSeek MLA
+    prefill: 192 and 128); O is then (batch, seqlen_q, heads_q, head_dim_v), the default scale still
+    1/sqrt(head_dim).
     Returns O in q's dtype (and the float32 natural-log LSE of shape
     (batch, heads_q, seqlen_q) when ``return_lse``), in the caller's library, computed on its
     current stream. ``out``/``lse_out`` receive the results in place. Spec fields (block_n=...,
@@ -802,7 +855,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         if plan is not None:
             made = plan.outputs
             if out is None:     # empty_like: the plan's layout (q's), cheaper than torch.empty/new_empty
-                out = torch.empty_like(q) if made.same_dtype else torch.empty_like(q, dtype=made.library_dtype)
+                out = torch.empty_like(q) if made.like_q else made.new_out(torch, q)
             lse = made.new_lse(torch, q) if return_lse else None
             qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
             if (qp | kp | vp | op) & 15:    # a misaligned view: the checked path says which
@@ -908,7 +961,7 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
     if plan is not None:
         made = plan.outputs
         if out is None:     # empty_like: the plan's layout (q's), at half torch.empty's host cost
-            out = torch.empty_like(q) if made.same_dtype else torch.empty_like(q, dtype=made.library_dtype)
+            out = torch.empty_like(q) if made.like_q else made.new_out(torch, q)
         if lse_out is None and return_lse:
             lse_out = made.new_lse(torch, q)
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()

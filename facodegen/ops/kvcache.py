@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 from ..spec import decode as dec
 from ..runtime import driver
-from .api import (ALIGN_BYTES, ARRAY_META, ARRAY_PTR, DTYPE_NAMES, _allocate, _check_arch, _check_same_place,
-                  _current_device, _current_stream, _empty, _torch, _View, _view, default_arch, device_info,
-                  device_target)
+from .api import (ALIGN_BYTES, ARRAY_META, ARRAY_PTR, DTYPE_NAMES, HEAD_DIM_V_NOTE, _allocate, _check_arch,
+                  _check_same_place, _current_device, _current_stream, _empty, _torch, _View, _view, default_arch,
+                  device_info, device_target)
 from ..runtime.plan import PlanCache, Scratch, StreamScratch, _Image
 
 # Knobs a caller may pass (**knobs): the decode spec's tuning knobs.
@@ -160,7 +160,8 @@ def check_arguments(qv, kc, vc, sl, pt, kn, vn, outv, num_splits) -> _Problem:
         if t is not None and t.dtype != qv.dtype:
             raise TypeError(f"{t.name} has dtype {t.dtype} but q has {qv.dtype}; they must share one dtype")
     if tuple(kc.shape) != tuple(vc.shape):
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {kc.shape} and {vc.shape}")
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {kc.shape} and {vc.shape}"
+                         + (f" ({HEAD_DIM_V_NOTE})" if tuple(kc.shape[:3]) == tuple(vc.shape[:3]) else ""))
     if head_dim not in dec.DECODE_HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported; choose one of "
                          f"{', '.join(map(str, dec.DECODE_HEAD_DIMS))}")

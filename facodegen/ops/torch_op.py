@@ -98,13 +98,27 @@ _VARIANTS_HAVE_NO_BACKWARD = ("facodegen.attention: window_size, softcap and sin
                               "torch.no_grad() or on tensors that do not require grad")
 
 
-def _refuse_without_backward(q, out, lse_out, variant) -> None:
+def _head_dim_v_has_no_backward(q, v) -> str:
+    return (f"facodegen.attention: a V head dim of its own (head_dim_v={v.shape[-1]}, head_dim={q.shape[-1]}) has no "
+            f"backward yet (the backward takes V as wide as Q and K); call it under torch.no_grad() or on tensors "
+            f"that do not require grad")
+
+
+def _split_v(q, v) -> bool:
+    """v's head dim differs from q's (16-bit: head_dim_v; fp8's transposed V ends in seqlen_k)."""
+    return (q.dtype != torch.float8_e4m3fn and q.dim() == 4 and getattr(v, "dim", lambda: 0)() == 4
+            and v.shape[-1] != q.shape[-1])
+
+
+def _refuse_without_backward(q, out, lse_out, variant, v=None) -> None:
     """A call that would record a gradient raises at the forward where the backward has no kernel
     (``variant``: api's window_size, softcap, sinks, causal_alignment, or None; a head_dim outside
-    HEAD_DIMS, which the forward pads), rather than returning an output with no grad_fn or with a
-    backward of another function."""
+    HEAD_DIMS, which the forward pads; a ``v`` narrower than q, head_dim_v), rather than returning an
+    output with no grad_fn or with a backward of another function."""
     if q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError(_FP8_HAS_NO_BACKWARD)
+    if v is not None and _split_v(q, v):
+        raise NotImplementedError(_head_dim_v_has_no_backward(q, v))
     if q.dim() == 4 and q.shape[-1] not in HEAD_DIMS and head_dim_problem(int(q.shape[-1])) is None:
         raise NotImplementedError(f"facodegen.attention: head_dim={q.shape[-1]} has no backward yet (the backward "
                                   f"takes head_dim {', '.join(map(str, HEAD_DIMS))}); call it under "
@@ -119,7 +133,7 @@ def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch,
     """facodegen.attention through the operators, as Dynamo and torch.export trace it (the arguments
     are attention()'s; ``variant``: api's (window_size, softcap, sinks, causal_alignment) or None)."""
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
-        _refuse_without_backward(q, out, lse_out, variant)
+        _refuse_without_backward(q, out, lse_out, variant, v)
     descales = [spec_fields.pop(name, None) for name in _DESCALES]
     window_size, softcap, sinks, alignment = variant or ((-1, -1), 0.0, None, "bottom_right")
     variant = (list(window_size), float(softcap), sinks, alignment)
@@ -197,7 +211,8 @@ def _attention_out_cuda(q, k, v, out, lse, causal, softmax_scale, arch, q_descal
 
 def _attention_fake(q, k, v, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs,
                     window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right"):
-    return q.new_empty(q.shape, dtype=_out_dtype(q, knobs)), q.new_empty(_lse_shape(q), dtype=torch.float32)
+    shape = (*q.shape[:3], v.shape[-1]) if _split_v(q, v) else q.shape     # (head_dim_v: v's head dim)
+    return q.new_empty(shape, dtype=_out_dtype(q, knobs)), q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
 def _attention_out_fake(q, k, v, out, lse, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs,
@@ -283,6 +298,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, arch, *_, window_size, softcap, sinks, causal_alignment = inputs
     if _variant(window_size, softcap, sinks, causal_alignment) is not None:    # the op called by hand
         raise NotImplementedError(_VARIANTS_HAVE_NO_BACKWARD)
+    if _split_v(q, v):
+        raise NotImplementedError(_head_dim_v_has_no_backward(q, v))
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.arch = causal, softmax_scale, arch
@@ -313,7 +330,7 @@ def attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out
     """facodegen.attention in eager mode on tensors that record a gradient (api.attention's
     arguments): _Attention, the direct launches of the no-grad call and of attention_backward.
     (``variant`` is refused: the backward kernels have no window, softcap or sink.)"""
-    _refuse_without_backward(q, out, lse_out, variant)
+    _refuse_without_backward(q, out, lse_out, variant, v)
     out, lse = _Attention.apply(q, k, v, (causal, softmax_scale, arch, spec_fields))
     return (out, lse) if return_lse else out
 

@@ -248,19 +248,23 @@ def tensor_map_args(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch:
                     seqlen_k: int, heads_q: int, heads_kv: int, q_strides, k_strides, v_strides,
                     o_strides) -> dict[str, TiledArgs]:
     """Checked arguments of the four maps of one call (see ``tensor_maps``). The maps' innermost
-    dimension is the problem's head dimension (spec.head_dim_real), the boxes slabs of the tile's
-    (spec.head_dim): where d < D the loads fill columns d..D-1 with zeros and the O store skips them."""
+    dimension is the problem's head dimension (spec.head_dim_real; V's and O's: spec.head_dim_v), the boxes
+    slabs of the tile's (spec.head_dim): where d < D the loads fill columns d..D-1 with zeros and the O
+    store skips them."""
     d = spec.head_dim_real
     swizzle, box_cols = slab_geometry(spec.head_dim, ELEMENT_BYTES[spec.dtype])
     wg_rows = 64        # the epilogue stores O one consumer warpgroup (64 rows) at a time
     if spec.dtype == "fp8":
         return _fp8_map_args(spec, q_ptr, k_ptr, v_ptr, batch, seqlen_q, seqlen_k, heads_q, heads_kv,
                              q_strides, k_strides, v_strides, swizzle, box_cols)
+    # V and O: head_dim_v columns where they have their own (the same slab boxes: both head dims are
+    # whole 64-column slabs then); else the problem's d as Q and K
+    d_v = spec.head_dim_v if spec.split_v else d
     plan = {
         "tma_q": (q_ptr, (batch, seqlen_q, heads_q, d), q_strides, spec.block_m),
         "tma_k": (k_ptr, (batch, seqlen_k, heads_kv, d), k_strides, spec.block_n // spec.cluster_m),
-        "tma_v": (v_ptr, (batch, seqlen_k, heads_kv, d), v_strides, spec.block_n // spec.cluster_m),
-        "tma_o": (o_ptr, (batch, seqlen_q, heads_q, d), o_strides, wg_rows),
+        "tma_v": (v_ptr, (batch, seqlen_k, heads_kv, d_v), v_strides, spec.block_n // spec.cluster_m),
+        "tma_o": (o_ptr, (batch, seqlen_q, heads_q, d_v), o_strides, wg_rows),
     }
     out = {}
     for name, (ptr, shape, strides, rows) in plan.items():

@@ -26,6 +26,10 @@ Shared memory (bytes, per CTA; E = bytes per element):
   which fits only with O aliased. hdim256 (Q 64K + O 64K + 2x(K+V) of 80 rows = 288K) cannot
   have its own O buffer.
 
+With ``head_dim_v`` < ``head_dim`` (V and O narrower than Q and K) the sm90 V tiles and O tile are
+``head_dim_v`` wide (``stages * block_n * (d + d_v) * E`` for the rings); sm80's V ring keeps K's rows
+(only d_v columns of them loaded), so its terms are unchanged; O's registers count d_v columns.
+
 The seed's ``compute_block_size`` compared an element count with a byte budget and
 left out the pipeline stages; both mistakes are why the terms above are all in bytes
 and all multiplied by what is really resident.
@@ -47,7 +51,8 @@ from dataclasses import dataclass
 
 from . import knobs as knob_registry
 from .knobs import (ARCHS, DTYPES, FA1_CHOICES, FA1_SWITCHES, GPU_NAMES, HEAD_DIMS, INT_FIELDS, OUT_DTYPES,
-                    SCHEDULES, TEXT_FIELDS, V_LAYOUTS, VARIANT_FEATURES, head_dim_problem, tile_head_dim)
+                    SCHEDULES, TEXT_FIELDS, V_LAYOUTS, VARIANT_FEATURES, head_dim_problem, head_dim_v_problem,
+                    tile_head_dim)
 
 # The 16-bit input types every arch supports (and the shipped default_specs() cover); "fp8" is
 # e4m3 on sm90 only (templates/sm90/flash_fwd_fp8.cu.j2), with its own knobs out_dtype and v_layout.
@@ -352,12 +357,16 @@ class Tiles:
     consumer_warpgroups: int = 0
     pingpong: bool = False
     intra_wg_overlap: bool = False
+    o_in_v: bool = False
     why: str = ""
 
 
-def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) -> Tiles:
+def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str,
+                  head_dim_v: int | None = None) -> Tiles:
     """The default tile choice for one problem family, with the reason for each branch."""
     smem = GPUS[gpu].smem_per_block
+    if head_dim_v not in (None, head_dim) and dtype != "fp8":
+        return split_v_tiles(arch, head_dim, head_dim_v, dtype, causal, gpu)
     if arch == "sm80":
         # FlashAttention-2's A100 table (kernel-facts 1.1): 4 warps stacked along M, each
         # owning 32 rows; block_n shrinks as head_dim grows to keep S+O in registers.
@@ -417,6 +426,21 @@ def default_tiles(arch: str, head_dim: int, dtype: str, causal: bool, gpu: str) 
     # hdim256: 128x80 "hits the limit of smem" (FA3): 64K Q + 2x(K+V) of 80 rows = 224K.
     return Tiles(128, 80, 12, 2, consumer_warpgroups=2, pingpong=False,
                  intra_wg_overlap=True, why="FA3 hdim256: 128x80")
+
+
+def split_v_tiles(arch: str, head_dim: int, head_dim_v: int, dtype: str, causal: bool, gpu: str) -> Tiles:
+    """Tiles of a V narrower than Q and K (head_dim_v < head_dim; not measured on a GPU yet)."""
+    tiles = default_tiles(arch, head_dim, dtype, causal, gpu)
+    if arch == "sm90" and (head_dim, head_dim_v) == (192, 128):
+        # FA3's hdim 192 / hdimV 128 tile (hopper/tile_size.h: 128 x 128 where hdim 192 with V of 192
+        # takes 112 keys), O over the V ring as FA3 lays it out: Q 48K + 2 x (K 48K + V 32K) = 208K; an
+        # O buffer of its own (32K) would need 241K. Registers: O 64 + S 64 + P 32 (+32) = 192 of 240.
+        return Tiles(128, 128, 12, 2, consumer_warpgroups=2, pingpong=False, intra_wg_overlap=True,
+                     o_in_v=True, why="FA3 hdim192 hdimV128: 128x128, O over the V ring")
+    # Elsewhere head_dim's own tile: V and O narrower than Q and K only take less shared memory and
+    # fewer O registers than the tile was chosen for (sm80 hdim 128 / V 64: 128x64, 4 warps, O 64 + S
+    # 64 floats a thread; sm90 128 / 64: 128x160 / causal 128x128 with its own O buffer, 168K / 144K).
+    return dataclasses.replace(tiles, why=f"{tiles.why}; head_dim_v {head_dim_v}: head_dim {head_dim}'s tile")
 
 
 def fp8_tiles(head_dim: int, causal: bool) -> Tiles:
@@ -625,6 +649,10 @@ class KernelSpec:
     # head_dim=96 (the tile: shared memory, MMAs, registers) with head_dim_real=80 (columns 80..95 of
     # Q, K, V load as zeros, O's are not stored). Default: head_dim.
     head_dim_real: int | None = None
+    # V's and O's head dimension where it differs from Q's and K's (issue 40, part 2; DeepSeek MLA
+    # prefill: 192 / 128): the O accumulator, the N of O += P V, the V tiles, the O tile and its stores
+    # are head_dim_v wide; S = Q K^T is head_dim deep. Default (None): head_dim.
+    head_dim_v: int | None = None
     dtype: str = "bf16"
     causal: bool = False
     block_m: int | None = None
@@ -691,7 +719,7 @@ class KernelSpec:
         if self.schedule == "fa1":
             tiles = fa1_tiles(self.head_dim, self.warp_split)
         else:
-            tiles = default_tiles(self.arch, self.head_dim, self.dtype, self.causal, gpu)
+            tiles = default_tiles(self.arch, self.head_dim, self.dtype, self.causal, gpu, self.head_dim_v)
             if self.arch == "sm80" and self.softcap is True and (
                     tiles.block_m * tiles.block_n // tiles.num_warps > 2048
                     or (self.head_dim == 256 and tiles.num_warps == 4 and self.causal)):
@@ -763,7 +791,8 @@ class KernelSpec:
                         anchor_softmax=(anchor_softmax_default(self.head_dim, self.dtype, self.causal)
                                         and not self.optimistic_max and self.p_buffers in (None, 1)),
                         uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout, self.causal),
-                        ctas_per_sm=1, cluster_m=1, o_in_v=False, q_stages=1, p_buffers=1,
+                        ctas_per_sm=1, cluster_m=1, o_in_v=tiles.o_in_v and self.separate_o is not True,
+                        q_stages=1, p_buffers=1,
                         rebuild_q_desc=False, l2_prefetch=0, vt_in_place=False,
                         optimistic_max=((optimistic_max_default(self.head_dim, self.dtype, self.causal)
                                          or self.p_buffers == 2)
@@ -795,17 +824,19 @@ class KernelSpec:
                     raise SpecError("separate_o", "dtype=fp8 stores O from registers straight to global "
                                                   "memory (no O tile in shared memory): use separate_o=False")
                 fill["separate_o"] = False
-            elif self.separate_o is None and self.o_in_v:
+            elif self.separate_o is None and (self.o_in_v or (self.o_in_v is None and fill["o_in_v"])):
                 fill["separate_o"] = False                  # O has its place in the V ring
             elif self.separate_o is None:
                 # Own O buffer exactly when it fits the budget with the other knobs as resolved.
                 q_tiles = resolved("q_stages")
                 fill["separate_o"] = dims_known and isinstance(q_tiles, int) and _sm90_smem(
-                    *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True, q_tiles) <= GPUS[gpu].smem_per_block
+                    *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True, q_tiles,
+                    self.head_dim_v) <= GPUS[gpu].smem_per_block
             if self.q_stages is None and q_stages_default(self.head_dim, self.dtype, self.causal) == 2:
                 # two Q tiles where O has a place of its own and both fit, else one
                 separate_o = resolved("separate_o") is True
-                need = _sm90_smem(*dims, self.head_dim, ELEMENT_BYTES[self.dtype], separate_o, 2) if dims_known else None
+                need = _sm90_smem(*dims, self.head_dim, ELEMENT_BYTES[self.dtype], separate_o, 2,
+                                  self.head_dim_v) if dims_known else None
                 ctas = resolved("ctas_per_sm") if resolved("ctas_per_sm") in (1, 2, 3) else 1
                 fill["q_stages"] = 2 if (need is not None and (separate_o or resolved("o_in_v") is True)
                                          and need <= GPUS[gpu].smem_per_block
@@ -847,6 +878,11 @@ class KernelSpec:
         return self.head_dim_real != self.head_dim
 
     @property
+    def split_v(self) -> bool:
+        """V and O have a head dimension of their own (head_dim_v != head_dim)."""
+        return self.head_dim_v != self.head_dim
+
+    @property
     def variant(self) -> str:
         """Stable readable name: kernel symbol, emitted file and cache entry (knobs.variant)."""
         return knob_registry.variant(self)
@@ -864,6 +900,8 @@ class KernelSpec:
             given.pop("v_layout", None)
         if self.padded and "head_dim" not in changes:
             given["head_dim_real"] = self.head_dim_real     # a new head_dim is a new problem: its own d
+        if self.split_v and "head_dim" not in changes:
+            given["head_dim_v"] = self.head_dim_v           # (likewise its own d_v)
         given.update(changes)
         if self.schedule == "fa1" and given.get("schedule") == "fa1":
             for name in FA1_SWITCHES:   # the schedule's switches go with it
@@ -875,11 +913,12 @@ class KernelSpec:
 
     def launch_fields(self) -> dict:
         """The spec overrides with which attention() or prepare() runs exactly this spec: every field
-        but those the call reads off its tensors and arguments (head_dim and head_dim_real, dtype, causal) and the
+        but those the call reads off its tensors and arguments (head_dim, head_dim_real and head_dim_v, dtype,
+        causal) and the
         variant switches that are off (window_size, softcap and sinks turn them on, with the sizes and
         values the kernel needs; a switch that is on stays, and the call says what to pass)."""
         return {k: v for k, v in self.as_dict().items()
-                if k not in ("head_dim", "head_dim_real", "dtype", "causal")
+                if k not in ("head_dim", "head_dim_real", "head_dim_v", "dtype", "causal")
                 and not (k in VARIANT_FEATURES and not v)}
 
 
@@ -1003,6 +1042,24 @@ def _resolve_fp8(spec: "KernelSpec") -> None:
 
 
 def _resolve_head_dim(spec: "KernelSpec") -> None:
+    """head_dim, head_dim_real and head_dim_v (_resolve_head_dim_tile, then _resolve_head_dim_v)."""
+    _resolve_head_dim_tile(spec)
+    _resolve_head_dim_v(spec)
+
+
+def _resolve_head_dim_v(spec: "KernelSpec") -> None:
+    """head_dim_v: None, or the problem's head dimension (head_dim_real), is head_dim (the same); any
+    other value must be one the kernels take with this head_dim (knobs.head_dim_v_problem)."""
+    value = spec.head_dim_v
+    if value is None or value in (spec.head_dim, spec.head_dim_real):
+        object.__setattr__(spec, "head_dim_v", spec.head_dim)
+        return
+    why = head_dim_v_problem(value, spec.head_dim, spec.head_dim_real)
+    if why is not None:
+        raise SpecError("head_dim_v", why)
+
+
+def _resolve_head_dim_tile(spec: "KernelSpec") -> None:
     """head_dim and head_dim_real: a head_dim outside HEAD_DIMS (a multiple of 8 in [8, 256]) becomes
     head_dim_real on the tile of tile_head_dim(head_dim); head_dim_real defaults to head_dim and may
     not exceed it."""
@@ -1020,6 +1077,20 @@ def _resolve_head_dim(spec: "KernelSpec") -> None:
     if head_dim in HEAD_DIMS and real > head_dim:
         raise SpecError("head_dim_real", f"head_dim_real={real} exceeds the tile's head_dim={head_dim}: use "
                                          f"head_dim={tile_head_dim(real)} (or leave head_dim_real out)")
+
+
+def _check_split_v(spec: "KernelSpec") -> None:
+    """head_dim_v != head_dim: the 16-bit fa2 forward (sm80, sm90) without varlen."""
+    if not spec.split_v:
+        return
+    what = f"head_dim_v={spec.head_dim_v} (head_dim={spec.head_dim})"
+    if spec.dtype == "fp8":
+        raise SpecError("head_dim_v", f"{what}: the fp8 kernel takes V and O of head_dim columns only; use "
+                                      f"dtype=bf16/fp16 or head_dim_v=head_dim")
+    if spec.schedule == "fa1":
+        raise SpecError("head_dim_v", f"{what}: schedule=fa1 takes V and O of head_dim columns only; use schedule=fa2")
+    if spec.varlen:
+        raise SpecError("head_dim_v", f"{what}: varlen takes V and O of head_dim columns only yet")
 
 
 def _check_padded(spec: "KernelSpec") -> None:
@@ -1046,21 +1117,25 @@ def smem_bytes(spec: KernelSpec) -> int:
     """Dynamic shared memory one CTA needs, in bytes (see the module docstring)."""
     e = spec.element_bytes
     q_tile = spec.block_m * spec.head_dim * e
+    # (sm80: a V tile keeps K's rows of head_dim columns, of which head_dim_v are loaded)
     kv_ring = spec.stages * 2 * spec.block_n * spec.head_dim * e
     if spec.arch == "sm80":
         return q_tile + kv_ring + fa1_exchange_bytes(spec)
     if spec.dtype == "fp8":
         return fp8_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, spec.v_layout, spec.q_stages,
                         spec.vt_in_place)
-    return _sm90_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, e, spec.separate_o, spec.q_stages)
+    return _sm90_smem(spec.block_m, spec.block_n, spec.stages, spec.head_dim, e, spec.separate_o, spec.q_stages,
+                      spec.head_dim_v)
 
 
 def _sm90_smem(block_m: int, block_n: int, stages: int, head_dim: int, e: int, separate_o: bool,
-               q_stages: int = 1) -> int:
-    """sm90: ``q_stages`` Q tiles, O tile when separate_o, K and V rings, barriers + alignment slack."""
+               q_stages: int = 1, head_dim_v: int | None = None) -> int:
+    """sm90: ``q_stages`` Q tiles, O tile when separate_o, K and V rings, barriers + alignment slack
+    (V and O ``head_dim_v`` wide, default head_dim)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     q_tile = block_m * head_dim * e
-    o_tile = q_tile if separate_o else 0
-    return q_stages * q_tile + o_tile + stages * 2 * block_n * head_dim * e + SM90_BARRIER_BYTES
+    o_tile = block_m * head_dim_v * e if separate_o else 0
+    return q_stages * q_tile + o_tile + stages * block_n * (head_dim + head_dim_v) * e + SM90_BARRIER_BYTES
 
 
 def fp8_smem(block_m: int, block_n: int, stages: int, head_dim: int, v_layout: str, q_stages: int = 1,
@@ -1082,20 +1157,22 @@ def register_estimate(spec: KernelSpec) -> int:
         s_acc = spec.block_m * (spec.block_n // spec.num_warps) // 32
         return o_acc + s_acc + REG_OVERHEAD["sm80"]
     if spec.arch == "sm90":
-        return sm90_consumer_registers(spec.head_dim, spec.block_n, spec.dtype, spec.q_in_regs, spec.p_buffers)
+        return sm90_consumer_registers(spec.head_dim, spec.block_n, spec.dtype, spec.q_in_regs, spec.p_buffers,
+                                       spec.head_dim_v)
     threads, rows = spec.threads, spec.block_m
-    o_acc = rows * spec.head_dim // threads
+    o_acc = rows * spec.head_dim_v // threads
     s_acc = rows * spec.block_n // threads
     q_frag = rows * spec.head_dim // threads // 2 if spec.q_in_regs else 0
     return o_acc + s_acc + q_frag + REG_OVERHEAD["sm80"]
 
 
 def sm90_consumer_registers(head_dim: int, block_n: int, dtype: str, q_in_regs: bool = False,
-                            p_buffers: int = 1) -> int:
+                            p_buffers: int = 1, head_dim_v: int | None = None) -> int:
     """register_estimate for an sm90 consumer thread (a warpgroup of 128 threads owns 64 rows):
-    O and S accumulators, ``p_buffers`` x P (16-bit pairs: half of S; e4m3: a quarter), with
-    q_in_regs (fp8) Q's A fragments (64 rows x head_dim bytes over 128 threads), and the overhead."""
-    o_acc = 64 * head_dim // 128
+    O (head_dim_v wide, default head_dim) and S accumulators, ``p_buffers`` x P (16-bit pairs: half
+    of S; e4m3: a quarter), with q_in_regs (fp8) Q's A fragments (64 rows x head_dim bytes over 128
+    threads), and the overhead."""
+    o_acc = 64 * (head_dim if head_dim_v is None else head_dim_v) // 128
     s_acc = 64 * block_n // 128
     p_frag = s_acc // 4 if dtype == "fp8" else s_acc // 2
     q_frag = head_dim // 8 if q_in_regs else 0
@@ -1135,6 +1212,7 @@ def _check_varlen(spec: KernelSpec) -> None:
 def _validate(spec: KernelSpec) -> None:
     limits = GPUS[spec.gpu]
     _check_padded(spec)
+    _check_split_v(spec)
     _check_variants(spec)
     _check_varlen(spec)
     if not isinstance(spec.lazy_rescale, bool):
@@ -1264,7 +1342,8 @@ def _validate(spec: KernelSpec) -> None:
     if need > limits.smem_per_block:
         raise SpecError("stages", (
             f"the tiles need {need} bytes of shared memory (block_m={spec.block_m}, block_n={spec.block_n}, "
-            f"stages={spec.stages}, head_dim={spec.head_dim}), over the {limits.smem_per_block} bytes one block "
+            f"stages={spec.stages}, head_dim={spec.head_dim}"
+            f"{f', head_dim_v={spec.head_dim_v}' if spec.split_v else ''}), over the {limits.smem_per_block} bytes one block "
             f"may use on {spec.gpu}: lower stages, block_n or block_m"
             + (", or set separate_o=False (O aliases Q)" if spec.arch == "sm90" and spec.separate_o else "")
             + (", or use q_stages=1" if spec.q_stages == 2 else "") + ")"))

@@ -41,6 +41,31 @@ def head_dim_problem(head_dim) -> str | None:
 def tile_head_dim(head_dim: int) -> int:
     """The tile head_dim a head dimension runs on: the smallest of HEAD_DIMS >= head_dim."""
     return next(d for d in HEAD_DIMS if d >= head_dim)
+# head_dim_v != head_dim (issue 40, part 2: V and O narrower than Q and K, e.g. DeepSeek MLA prefill,
+# 192 / 128): both head dims whole 64-column slabs, so the V and O tiles have Q's and K's swizzle
+# (sm80: 8-chunk rows; sm90: 128B slabs of 64 columns) and the kernels only count slabs differently.
+HEAD_DIMS_V = (64, 128, 192, 256)
+
+
+def head_dim_v_problem(head_dim_v, head_dim: int, head_dim_real: int) -> str | None:
+    """Why ``head_dim_v`` (differing from the tile's ``head_dim``) is no V head dimension the forward
+    kernels take with it (None if they take it)."""
+    why = head_dim_problem(head_dim_v)
+    if why is not None:
+        return why
+    if head_dim_real != head_dim:
+        return (f"head_dim_v={head_dim_v} with a padded head_dim={head_dim_real} (on the {head_dim} tile) is not "
+                f"supported: a head_dim_v of its own needs head_dim in {', '.join(map(str, HEAD_DIMS_V))}")
+    if head_dim_v not in HEAD_DIMS_V or head_dim not in HEAD_DIMS_V:
+        return (f"head_dim_v={head_dim_v} with head_dim={head_dim} is not supported: when they differ both must be "
+                f"one of {', '.join(map(str, HEAD_DIMS_V))} (whole 64-column slabs, so V and O share Q's and K's "
+                f"tile layout)")
+    if head_dim_v > head_dim:
+        return (f"head_dim_v={head_dim_v} exceeds head_dim={head_dim}: the O staging tile takes Q's place (or "
+                f"the V ring's), which is block_m x head_dim: use head_dim_v <= head_dim")
+    return None
+
+
 DTYPES = ("fp16", "bf16", "fp8")
 OUT_DTYPES = ("bf16", "fp16")
 V_LAYOUTS = ("row", "transposed")
@@ -146,6 +171,11 @@ KNOBS: tuple[Knob, ...] = (
          "Q/K/V columns past it load as zeros, O's are not stored.", flag="--head-dim-real", problem=True,
          flag_offers_choices=False,
          token=lambda s, v: f"d{v}" if v != s.head_dim else None),
+    Knob("head_dim_v", "int", "Head dimension of V and O when it differs from head_dim (default: head_dim): "
+         f"{', '.join(map(str, HEAD_DIMS_V))}, at most head_dim, which must then be one of those too (16-bit "
+         "forward; e.g. DeepSeek MLA prefill: --head-dim 192 --head-dim-v 128).", flag="--head-dim-v",
+         problem=True, flag_offers_choices=False,
+         token=lambda s, v: f"dv{v}" if v != s.head_dim else None),
     Knob("block_m", "int", "Query rows per CTA tile (BLOCK_M).", flag="--block-m",
          search={"sm80": (64, 128)},
          token=lambda s, v: f"bm{s.block_m}"),

@@ -45,6 +45,10 @@ FAMILIES = ("forward", "variants", "backward", "kvcache", "varlen", "head_dims")
 # The head_dims family: the 16-bit forward at head dims outside HEAD_DIMS, each on the next one's tile
 # with the columns past it zero-filled in the kernel (issue 40); a fixed few, so the kernels stay few.
 PADDED_HEAD_DIMS = (8, 40, 80, 112, 160, 200, 248)
+# ... and a V narrower than Q and K (head_dim_v): a head_dims case whose seed is 3 mod 4 takes
+# (head_dim, head_dim_v) = SPLIT_V_PAIRS[seed // 4 % 2] instead of its padded head_dim (read off the
+# seed, so the family's other draws are what they were).
+SPLIT_V_PAIRS = ((192, 128), (128, 64))
 KVCACHE_PAGE_SIZES = (0, 0, 16, 64, 256)   # 0: contiguous
 LAYOUTS = ("contiguous", "strided", "offset")
 VARLEN_REPRESENTATIVE_SEED = 11
@@ -80,6 +84,8 @@ class Case:
     page_size: int = 0
     seqlen_new: int = 0
     num_splits: int = 0
+    # the head_dims family: v's head_dim where it differs from q's and k's (0: the same)
+    head_dim_v: int = 0
 
     @property
     def deterministic(self) -> bool:
@@ -89,7 +95,10 @@ class Case:
         return self.family == "backward" and self.seed % 4 == 0
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        fields = asdict(self)
+        if not fields["head_dim_v"]:    # (V as wide as Q: the JSON, and its digests, as before head_dim_v)
+            del fields["head_dim_v"]
+        return json.dumps(fields, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Case":
@@ -171,13 +180,16 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             arch, dtype = "sm80", rng.choice(("bf16", "fp16"))
         elif this_family == "head_dims":
             dtype, head_dim = rng.choice(("bf16", "fp16")), rng.choice(PADDED_HEAD_DIMS)
-        cases.append(Case(
+        case_fields = dict(
             family=this_family, arch=arch, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, causal=rng.random() < 0.5,
             softmax_scale=None if rng.random() < 0.6 else round(rng.uniform(0.02, 1.0), 4),
             layout="contiguous" if this_family == "kvcache" else rng.choice(LAYOUTS), magnitude=1.0 if rng.random() < 0.8 else rng.choice((4.0, 16.0)),
             return_lse=rng.random() < 0.5, use_out=this_family != "backward" and rng.random() < 0.3,
-            seed=rng.randrange(1 << 31), **extra))
+            seed=rng.randrange(1 << 31), **extra)
+        if this_family == "head_dims" and case_fields["seed"] % 4 == 3:
+            case_fields["head_dim"], case_fields["head_dim_v"] = SPLIT_V_PAIRS[case_fields["seed"] // 4 % 2]
+        cases.append(Case(**case_fields))
     return cases
 
 
@@ -254,9 +266,10 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     import facodegen
     gen = torch.Generator(device="cuda").manual_seed(case.seed)
     dt = torch.bfloat16 if case.dtype in ("bf16", "fp8") else torch.float16
+    head_dim_v = case.head_dim_v or case.head_dim
     shapes = ((case.batch, case.seqlen_q, case.heads_q, case.head_dim),
               (case.batch, case.seqlen_k, case.heads_kv, case.head_dim),
-              (case.batch, case.seqlen_k, case.heads_kv, case.head_dim))
+              (case.batch, case.seqlen_k, case.heads_kv, head_dim_v))
     q, k, v = (torch.randn(s, generator=gen, device="cuda", dtype=torch.float32).mul_(case.magnitude).to(dt)
                for s in shapes)
     scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
@@ -271,7 +284,7 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         args = [_layout(x, case.layout) for x in (q, k, v)]
         out_dtype = dt
     if case.use_out:
-        kwargs["out"] = torch.full(shapes[0], float("nan"), dtype=out_dtype, device="cuda")
+        kwargs["out"] = torch.full((*shapes[0][:3], head_dim_v), float("nan"), dtype=out_dtype, device="cuda")
         kwargs["lse_out"] = torch.full((case.batch, case.heads_q, case.seqlen_q), float("nan"), device="cuda")
     variants = {}
     if case.family == "variants":
@@ -612,6 +625,8 @@ def case_spec(case: Case, device: int = 0):
         local, causal, _, _ = api.window_params(case.window_left, case.window_right, case.causal, case.seqlen_q,
                                                 case.seqlen_k, case.top_left)
         fields.update(local=local, softcap=case.softcap > 0, sinks=case.sinks)
+    if case.head_dim_v and case.head_dim_v != case.head_dim:   # (attention() reads it off v.shape[3])
+        fields["head_dim_v"] = case.head_dim_v
     return api.resolve_spec(case.head_dim, case.dtype, causal, device, case.arch,
                             shape=(case.batch, seqlen_q, seqlen_k, case.heads_q), **fields)
 
@@ -745,7 +760,8 @@ def summary(result: dict) -> str:
 def representative_cases() -> list[Case]:
     """One small case per arch, dtype and causal (odd lengths, GQA, a strided layout, the LSE and
     out= asked for), and per arch and causal a bf16 variants case (a window that skips and masks
-    blocks, softcap and sinks at once), per arch two padded head dims (80, 8), the backward per arch,
+    blocks, softcap and sinks at once), per arch two padded head dims (80, 8) and head_dim 192 with V of
+    128 (head_dim_v), the backward per arch,
     dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic), and two
     decode-family cases (paged with an append and a split, contiguous MQA-like packing): what the
     sanitizer sweep (scripts/sanitize.py) runs under each tool."""
@@ -768,6 +784,11 @@ def representative_cases() -> list[Case]:
             cases.append(Case("head_dims", arch, dtype, batch=2, seqlen_q=77 if causal else 45, seqlen_k=203,
                               heads_q=4, heads_kv=2, head_dim=head_dim, causal=causal, softmax_scale=None,
                               layout="strided", magnitude=1.0, return_lse=True, use_out=True, seed=7))
+        # V narrower than Q and K (DeepSeek MLA prefill's 192 / 128), causal, O poisoned: an O store past
+        # head_dim_v, or a V read past it, shows under memcheck
+        cases.append(Case("head_dims", arch, "bf16", batch=2, seqlen_q=77, seqlen_k=203, heads_q=4, heads_kv=2,
+                          head_dim=192, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                          return_lse=True, use_out=True, seed=7, head_dim_v=128))
     # The backward once per dtype and causal (odd lengths, GQA, strided): after an sm80 forward the
     # sm80 backward; after an sm90 one the sm90 backward (head_dim 128: dQ split by columns between
     # the consumer warpgroups; 64: by keys, both adding into the same dQ rows); then the decode family

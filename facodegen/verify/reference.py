@@ -79,13 +79,15 @@ def _torch():
 # shapes and masks
 # ----------------------------------------------------------------------------------------------
 
-def _shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray):
+def _shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray, any_head_dim_v: bool = False):
+    """(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim) of checked q, k, v; with
+    ``any_head_dim_v`` v's head_dim (head_dim_v, v.shape[3]) may differ from q's and k's."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name}: expected (batch, seqlen, heads, head_dim), got shape {x.shape}")
     b, sq, hq, d = q.shape
     bk, sk, hkv, dk = k.shape
-    if k.shape != v.shape:
+    if (k.shape[:3] if any_head_dim_v else k.shape) != (v.shape[:3] if any_head_dim_v else v.shape):
         raise ValueError(f"v: shape {v.shape} does not match k's {k.shape}")
     if bk != b:
         raise ValueError(f"k: batch {bk} does not match q's {b}")
@@ -136,7 +138,9 @@ def window_mask(rows: np.ndarray, cols: np.ndarray, seqlen_q: int, seqlen_k: int
 
 def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | None = None, *,
                         window_size=(-1, -1), softcap: float = 0.0, sinks=None, top_left: bool = False):
-    """(O, LSE) in float64: O (batch, seqlen_q, heads_q, d), LSE (batch, heads_q, seqlen_q).
+    """(O, LSE) in float64: O (batch, seqlen_q, heads_q, d_v), LSE (batch, heads_q, seqlen_q); d_v is
+    v's head_dim (v.shape[3], head_dim_v), which may differ from q's and k's d; the default scale is
+    1/sqrt(d).
 
     Inputs of any float dtype (NumPy, CuPy or torch) are upcast to float64. Loops over batch,
     heads and blocks of query rows, so at most 128 MB of scores are live at a time.
@@ -146,14 +150,14 @@ def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | No
     ``sinks`` (heads_q,) logits that join each head's denominator with no value; the LSE then
     includes the sink, and a row with no visible key has O = 0 and LSE = its sink."""
     q, k, v = to_float64(q), to_float64(k), to_float64(v)
-    b, sq, sk, hq, hkv, d = _shapes(q, k, v)
+    b, sq, sk, hq, hkv, d = _shapes(q, k, v, any_head_dim_v=True)
     scale = _scale(softmax_scale, d)
     sink = None if sinks is None else to_float64(sinks).reshape(-1)
     if sink is not None and sink.shape != (hq,):
         raise ValueError(f"sinks: expected shape ({hq},), got {sink.shape}")
     windowed = tuple(window_size) != (-1, -1) or top_left
     group = hq // hkv
-    o = np.zeros((b, sq, hq, d))
+    o = np.zeros((b, sq, hq, v.shape[3]))
     lse = np.full((b, hq, sq), -np.inf)
     if sq == 0 or sk == 0:
         return o, lse
@@ -268,9 +272,9 @@ def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scal
 # ----------------------------------------------------------------------------------------------
 
 def _bhsd(q, k, v):
-    """float64 (batch, heads_q, seqlen, d) views with K/V heads repeated for GQA."""
+    """float64 (batch, heads_q, seqlen, d) views with K/V heads repeated for GQA (V's d: its own)."""
     q, k, v = to_float64(q), to_float64(k), to_float64(v)
-    b, sq, sk, hq, hkv, d = _shapes(q, k, v)
+    b, sq, sk, hq, hkv, d = _shapes(q, k, v, any_head_dim_v=True)
     group = hq // hkv
     qt = q.transpose(0, 2, 1, 3)
     kt = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)
@@ -295,7 +299,7 @@ def flash1_reference(q, k, v, causal: bool = False, softmax_scale: float | None 
     _check_blocks(block_m, block_n)
     qt, kt, vt, (b, sq, sk, hq, _, d) = _bhsd(q, k, v)
     scale = _scale(softmax_scale, d)
-    o = np.zeros((b, hq, sq, d))        # in "HBM"
+    o = np.zeros((b, hq, sq, vt.shape[3]))        # in "HBM" (V's head_dim)
     l = np.zeros((b, hq, sq))
     m = np.full((b, hq, sq), -np.inf)
     for j0 in range(0, sk, block_n):
@@ -354,7 +358,7 @@ def flash2_reference(q, k, v, causal: bool = False, softmax_scale: float | None 
         raise ValueError(f"softmax_scale: the FA2 schedule keeps the row max unscaled and needs a "
                          f"positive scale, got {scale}")
     scale_log2 = scale * math.log2(math.e)
-    o = np.zeros((b, hq, sq, d))
+    o = np.zeros((b, hq, sq, vt.shape[3]))                                    # (V's head_dim)
     lse = np.full((b, hq, sq), -np.inf)
     for m_block in range(-(-sq // block_m)):
         i0, i1 = m_block * block_m, min(sq, (m_block + 1) * block_m)
@@ -364,7 +368,7 @@ def flash2_reference(q, k, v, causal: bool = False, softmax_scale: float | None 
         qi = qt[:, :, i0:i1]                                                  # Q_i stays on chip
         row_max = np.full((b, hq, i1 - i0), -np.inf)
         row_sum = np.zeros((b, hq, i1 - i0))
-        acc = np.zeros((b, hq, i1 - i0, d))
+        acc = np.zeros((b, hq, i1 - i0, vt.shape[3]))
         for n_block in reversed(range(n_max)):
             j0, j1 = n_block * block_n, min(sk, (n_block + 1) * block_n)
             s = qi @ kt[:, :, j0:j1].transpose(0, 1, 3, 2)                    # S = Q K^T (unscaled)
@@ -459,15 +463,16 @@ def _round_to_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int, head_dim: int,
-               dtype="bf16", seed: int | None = None, xp=np, device=None):
-    """Fresh standard-normal (q, k, v) in (batch, seqlen, heads, head_dim) layout, never zeros.
+               dtype="bf16", seed: int | None = None, xp=np, device=None, head_dim_v: int | None = None):
+    """Fresh standard-normal (q, k, v) in (batch, seqlen, heads, head_dim) layout, never zeros
+    (``head_dim_v``: v's head_dim where it differs from q's and k's).
 
     ``xp`` is numpy, cupy or torch (the module). torch tensors go to ``device`` (default "cuda").
     NumPy has no bfloat16: bf16 comes as ``ml_dtypes.bfloat16`` where that package is installed,
     else as float32 arrays holding bf16-rounded values. CuPy has no bfloat16 either: use torch."""
     name = dtype_name(dtype)
     shapes = [(batch, seqlen_q, heads_q, head_dim), (batch, seqlen_k, heads_kv, head_dim),
-              (batch, seqlen_k, heads_kv, head_dim)]
+              (batch, seqlen_k, heads_kv, head_dim if head_dim_v is None else head_dim_v)]
     xp_name = getattr(xp, "__name__", str(xp))
     if xp_name.startswith("torch"):
         torch = xp
