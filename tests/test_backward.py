@@ -18,7 +18,7 @@ from facodegen.ops import api, backward
 from facodegen import cli
 from facodegen.runtime import driver
 from facodegen.spec.backward import (BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs, kv_acc_floats,
-                                     sm90_dq_cols)
+                                     sm90_dq_cols, sm90_kv_split)
 from facodegen.spec import GPUS, HEAD_DIMS, SpecError
 from fakes import FakeLauncher, FakeTensor
 from test_plan_cache import fake  # noqa: F401 (the fixture)
@@ -47,7 +47,9 @@ def test_variant_names_the_problem_and_the_tile():
 
 @pytest.mark.parametrize("fields, knob, words", [
     ({"arch": "sm75"}, "arch", "sm75"),
-    ({"arch": "sm90", "head_dim": 192}, "head_dim", "written for head_dim 64, 96, 128"),
+    ({"arch": "sm90", "head_dim": 256, "block_n": 128}, "block_n", "block_n=64"),
+    ({"arch": "sm90", "head_dim": 256, "dq_tma_reduce": True, "stages": 2}, "stages", "stages=1"),
+    ({"arch": "sm90", "head_dim": 192, "stages": 3}, "stages", "1 or 2 at head_dim 192, 256"),
     ({"arch": "sm90", "block_m": 128}, "block_m", "block_m=64"),
     ({"arch": "sm90", "block_n": 64}, "block_n", "block_n=128"),
     ({"arch": "sm90", "num_warps": 8}, "num_warps", "12 warps"),
@@ -267,7 +269,7 @@ def test_cli_emit_and_inspect_backward():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--arch", "sm90", "--head-dim", "256"], "sm90 backward is written for head_dim 64, 96, 128"),
+    (["--arch", "sm90", "--head-dim", "256", "--block-n", "128"], "block_n=64"),
     (["--pingpong"], "does not take pingpong"),
     (["--head-dim", "80"], "head_dim"),
 ])
@@ -591,7 +593,7 @@ def test_api_module_is_untouched_by_the_backward_plan_cache():
 
 # The sm90 configs with dQ by fp32 vector reductions from registers (dq_tma_reduce=False: the
 # deterministic mode's path); SM90_DQTMA below are the defaults (the TMA bulk reduce-add).
-SM90 = [BackwardSpec(arch="sm90", head_dim=d, dtype=dt, causal=c, dq_tma_reduce=False) for d in (64, 96, 128)
+SM90 = [BackwardSpec(arch="sm90", head_dim=d, dtype=dt, causal=c, dq_tma_reduce=False) for d in (64, 96, 128, 192, 256)
         for dt in ("bf16", "fp16") for c in (False, True)]
 
 
@@ -668,12 +670,16 @@ def test_sm90_compiles_clean_with_the_hopper_instructions(spec):
     assert counts["HMMA"] == 0
     d, ty = spec.head_dim, ".F32.BF16 " if spec.dtype == "bf16" else ".F32 "   # (fp16's SASS names no type)
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
-    s_dp = [x for x in hgmma if f"HGMMA.64x{spec.block_m}x16{ty}" in x and "tnsp" not in x]
-    dv_dk = [x for x in hgmma if f"HGMMA.64x{d}x16{ty}" in x and ".tnspB" in x and ".tnspA" not in x]
+    split = sm90_kv_split(d)                    # d192, d256: S^T, dP^T of 32 queries, dV, dK of d/2 columns
+    s_dp = [x for x in hgmma if f"HGMMA.64x{spec.block_m // 2 if split else spec.block_m}x16{ty}" in x
+            and "tnsp" not in x]
+    dv_dk = [x for x in hgmma if f"HGMMA.64x{d // 2 if split else d}x16{ty}" in x and ".tnspB" in x
+             and ".tnspA" not in x]
     dq_cols = sm90_dq_cols(d)                   # d128: 64 columns each over all keys; d64: all over own keys
     dq = [x for x in hgmma if f"HGMMA.64x{dq_cols}x16{ty}" in x and ".tnspA.tnspB" in x]
     assert len(s_dp) == 2 * d // 16            # S^T and dP^T: k = head_dim, both operands K-major
-    assert len(dv_dk) == 2 * spec.block_m // 16  # dV and dK: A from registers, B (dO, Q) MN-major
+    assert len(dv_dk) == 2 * spec.block_m // 16  # dV and dK: A from registers (split: the P^T, dS^T
+    assert all((re.search(r"\bR\d+, R\d+, gdesc", x) is None) == split for x in dv_dk)   # tiles), B MN-major
     assert len(dq) == (spec.block_n if dq_cols < d else 64) // 16   # dQ: dS^T and K, both MN-major
     assert len(hgmma) == len(s_dp) + len(dv_dk) + len(dq)
     assert counts["UTMALDG"] == 4 and counts["USETMAXREG"] == 2
@@ -753,8 +759,8 @@ def test_an_sm80_forward_asks_for_the_sm80_backward():
 
 
 def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
-    """arch=None picks the sm90 backward on an sm90 GPU where it covers the call (deterministic too),
-    else the sm80 one (head_dim 256)."""
+    """arch=None picks the sm90 backward on an sm90 GPU where it covers the call (deterministic too,
+    head_dim 256 too), else the sm80 one (a knob it refuses: k_unroll)."""
     from facodegen.runtime import tma
     monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
     monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
@@ -765,12 +771,14 @@ def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
     assert bwd.bwd.records[4]["name"] == BackwardSpec(arch="sm90", head_dim=128, causal=True, deterministic=True).variant
     do, q, k, v, o, lse = _problem(d=256)
     backward.attention_backward(do, q, k, v, o, lse)
-    assert bwd.bwd.records[7]["name"] == BackwardSpec(head_dim=256, gpu="h200").variant
+    assert bwd.bwd.records[7]["name"] == BackwardSpec(arch="sm90", head_dim=256).variant
+    backward.attention_backward(do, q, k, v, o, lse, k_unroll=1)
+    assert bwd.bwd.records[10]["name"] == BackwardSpec(head_dim=256, gpu="h200", k_unroll=1).variant
 
 
 # ------------------------------------------------------------------ sm90 dq_tma_reduce (dQ by TMA bulk reduce-add)
 
-SM90_DQTMA = [s.replace(dq_tma_reduce=True) for s in SM90]
+SM90_DQTMA = [s.replace(dq_tma_reduce=True, stages=None) for s in SM90]   # (head_dim 256: 1 stage)
 
 
 def test_dq_tma_reduce_is_the_sm90_default_but_for_deterministic_and_sm80():
@@ -799,7 +807,8 @@ def test_dq_tma_reduce_is_the_sm90_default_but_for_deterministic_and_sm80():
 @pytest.mark.parametrize("spec", SM90_DQTMA, ids=lambda s: s.variant)
 def test_sm90_dq_tma_reduce_renders_and_round_trips(spec):
     source = _rendered(spec, ("dK += dS^T Q", "dQ = dS K", "TMA bulk reduce-add"))
-    assert "//   dq_tma_reduce        = True" in source and spec == spec.replace(dq_tma_reduce=None)
+    assert "//   dq_tma_reduce        = True" in source
+    assert (spec == spec.replace(dq_tma_reduce=None)) == (spec.head_dim < 256)    # the default below 256
     argv = backward.emit_command(spec).split()[2:]
     result = CliRunner().invoke(cli.main, ["emit", *argv])
     assert result.exit_code == 0 and result.output == source
