@@ -178,7 +178,8 @@ def test_deterministic_backward_adds_dq_in_turns(head_dim, causal):
 
 
 @pytest.mark.parametrize("dq_tma_reduce", [False, True])
-@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "bf16", True), (128, "fp16", False)])
+@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "bf16", True), (128, "fp16", False), (192, "bf16", False),
+                                                    (256, "fp16", True)])
 def test_sm90_deterministic_backward_adds_dq_in_turns(head_dim, dtype, causal, dq_tma_reduce):
     """sm90, deterministic=True: a turn per (query block, key block) step around the consumers' dq_accum
     adds (an acquire load and a sleep while waiting, a fence, the increment, the consumers' named
@@ -699,6 +700,74 @@ def test_sm90_consumers_fit_their_240_registers():
     for spec in (SM90[0], SM90[-1]):
         sass = backward.compile(spec).sass()
         assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
+
+
+# ------------------------------------------------------------------ sm90 head_dim 192, 256 (KV_SPLIT_COLS)
+
+# (head_dim, knobs, shared memory, stages, dQ buffers per warpgroup): the defaults and both dQ paths,
+# deterministic or not. The tiles are spec/backward.py SM90_TILES' arithmetic; all within 227 KB.
+SPLIT_CONFIGS = [
+    (192, {}, 231424, 2, 1),                                   # default: dq_tma_reduce, one dQ buffer
+    (192, {"dq_tma_reduce": False}, 182272, 2, 0),
+    (192, {"deterministic": True}, 182272, 2, 0),
+    (192, {"deterministic": True, "dq_tma_reduce": True}, 231424, 2, 1),
+    (192, {"stages": 1}, 230912, 1, 2),                        # a 1-deep ring leaves room for two
+    (256, {}, 231424, 2, 0),                                   # default: fp32 vector reductions (FA3's at 256)
+    (256, {"dq_tma_reduce": True}, 230912, 1, 1),              # the dQ tiles cost the ring's second stage
+    (256, {"deterministic": True}, 231424, 2, 0),
+    (256, {"deterministic": True, "dq_tma_reduce": True}, 230912, 1, 1),
+]
+
+
+@pytest.mark.parametrize("dtype, causal", [("bf16", False), ("fp16", True)])
+@pytest.mark.parametrize("head_dim, knobs, smem, stages, dq_bufs", SPLIT_CONFIGS,
+                         ids=[f"hd{d}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}"
+                              for d, kw, *_ in SPLIT_CONFIGS])
+def test_sm90_head_dims_192_256_compile_clean(head_dim, knobs, smem, stages, dq_bufs, dtype, causal):
+    """head_dim 192, 256: both warpgroups on the same 64 keys (block_n 64), S^T, dP^T as m64n32 per
+    warpgroup (its 32 queries), dV, dK as SS wgmma of head_dim / 2 columns from the P^T, dS^T tiles,
+    dQ of head_dim / 2 columns over the 64 keys. NVRTC sm_90a: no stack, spills or local memory in any
+    of the three kernels, no C75xx note, the consumers' highest register under setmaxnreg's 240
+    (measured 2026-12-04, NVRTC 13: 167 at d192, 215 at d256), and shared memory as SM90_TILES says."""
+    spec = BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal, **knobs)
+    assert (spec.block_m, spec.block_n, spec.num_warps) == (64, 64, 12) and sm90_kv_split(head_dim)
+    assert (spec.stages, spec.dq_bufs, spec.smem_bytes) == (stages, dq_bufs, smem)
+    assert smem <= GPUS["h100"].smem_per_block == GPUS["h200"].smem_per_block
+    kernel, sass, counts = _compiled_clean(spec)
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
+    setmaxnreg = sorted(" ".join(x.split()[1:4]) for x in sass.splitlines() if "USETMAXREG" in x)
+    assert setmaxnreg == ["USETMAXREG.DEALLOC.CTAPOOL 0x18 ;", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0"]
+    # five GEMMs: S^T, dP^T (k = head_dim), dV, dK (k = 64 queries), dQ (k = 64 keys)
+    assert counts["HGMMA"] == 2 * head_dim // 16 + 2 * 4 + 4 and counts["HMMA"] == 0
+    assert counts["UTMALDG"] == 4 and sass.count("UBLKCP.S.G") == 2
+    # both warpgroups' P^T, dS^T columns written before either reads the tiles: named barrier 1, 256 threads
+    assert "BAR.SYNC.DEFER_BLOCKING 0x1, 0x100" in sass
+    if spec.dq_tma_reduce:
+        assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1 and not re.search(r"\bREDG?\.", sass)
+        assert len(re.findall(r"\bSTS\.128 ", sass)) == head_dim // 2 // 2 // 4
+    else:
+        assert "REDG.E.ADD.F32x2" in sass and "UBLKRED" not in sass
+    assert ("BAR.SYNC.DEFER_BLOCKING 0x2, 0x100" in sass) == spec.deterministic    # the dq_accum turns
+    source = backward.emit(spec)
+    assert "constexpr bool KV_SPLIT_COLS = true;" in source and "gemm_tile_rows(dv_acc, pt_tile" in source
+    assert f"constexpr int DQ_BUFS = {dq_bufs};" in source if spec.dq_tma_reduce else "DQ_BUFS" not in source
+
+
+def test_sm90_head_dim_192_takes_64_byte_slabs():
+    """head_dim 192's warpgroup halves are 96 columns: 3 slabs of 32 at a 64-byte swizzle (64-column
+    slabs would split one), in the kernel, the TMA boxes and dQ's split; 256 keeps 128 bytes."""
+    from facodegen.spec.backward import sm90_swizzle_bytes
+    assert [sm90_swizzle_bytes(d) for d in (64, 96, 128, 192, 256)] == [128, 64, 128, 64, 128]
+    assert [sm90_dq_cols(d) for d in (64, 96, 128, 192, 256)] == [64, 96, 64, 96, 128]
+    from types import SimpleNamespace
+    from facodegen.runtime import tma
+    for d, swizzle in ((192, 64), (256, 128)):
+        spec = BackwardSpec(arch="sm90", head_dim=d)
+        views = {name: SimpleNamespace(ptr=1 << 30, strides=(100 * 4 * d, 4 * d, d)) for name in ("q", "k", "v", "dout")}
+        args = backward.tensor_map_args(spec, views, 2, 100, 100, 4, 4)
+        assert {a.swizzle_code for a in args.values()} == {tma.SWIZZLE_CODES[swizzle]}
+        assert {a.box[:2] for a in args.values()} == {(swizzle // 2, 64)}     # 64 rows: block_m = block_n
+        assert "SWIZZLE_BYTES = (HEAD_DIM / 2) % 64 == 0 ? 128 : 64;" in backward.emit(spec)
 
 
 def test_cli_inspect_sm90_backward():
