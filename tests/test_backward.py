@@ -18,7 +18,7 @@ from facodegen.ops import api, backward
 from facodegen import cli
 from facodegen.runtime import driver
 from facodegen.spec.backward import (BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs, kv_acc_floats,
-                                     sm90_dq_cols)
+                                     sm90_dq_cols, sm90_kv_split)
 from facodegen.spec import GPUS, HEAD_DIMS, SpecError
 from fakes import FakeLauncher, FakeTensor
 from test_plan_cache import fake  # noqa: F401 (the fixture)
@@ -47,7 +47,9 @@ def test_variant_names_the_problem_and_the_tile():
 
 @pytest.mark.parametrize("fields, knob, words", [
     ({"arch": "sm75"}, "arch", "sm75"),
-    ({"arch": "sm90", "head_dim": 192}, "head_dim", "written for head_dim 64, 96, 128"),
+    ({"arch": "sm90", "head_dim": 256, "block_n": 128}, "block_n", "block_n=64"),
+    ({"arch": "sm90", "head_dim": 256, "dq_tma_reduce": True, "stages": 2}, "stages", "stages=1"),
+    ({"arch": "sm90", "head_dim": 192, "stages": 3}, "stages", "1 or 2 at head_dim 192, 256"),
     ({"arch": "sm90", "block_m": 128}, "block_m", "block_m=64"),
     ({"arch": "sm90", "block_n": 64}, "block_n", "block_n=128"),
     ({"arch": "sm90", "num_warps": 8}, "num_warps", "12 warps"),
@@ -176,7 +178,8 @@ def test_deterministic_backward_adds_dq_in_turns(head_dim, causal):
 
 
 @pytest.mark.parametrize("dq_tma_reduce", [False, True])
-@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "bf16", True), (128, "fp16", False)])
+@pytest.mark.parametrize("head_dim, dtype, causal", [(64, "bf16", True), (128, "fp16", False), (192, "bf16", False),
+                                                    (256, "fp16", True)])
 def test_sm90_deterministic_backward_adds_dq_in_turns(head_dim, dtype, causal, dq_tma_reduce):
     """sm90, deterministic=True: a turn per (query block, key block) step around the consumers' dq_accum
     adds (an acquire load and a sleep while waiting, a fence, the increment, the consumers' named
@@ -270,7 +273,7 @@ def test_cli_emit_and_inspect_backward():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--arch", "sm90", "--head-dim", "256"], "sm90 backward is written for head_dim 64, 96, 128"),
+    (["--arch", "sm90", "--head-dim", "256", "--block-n", "128"], "block_n=64"),
     (["--pingpong"], "does not take pingpong"),
     (["--head-dim", "80"], "head_dim"),
 ])
@@ -594,7 +597,7 @@ def test_api_module_is_untouched_by_the_backward_plan_cache():
 
 # The sm90 configs with dQ by fp32 vector reductions from registers (dq_tma_reduce=False: the
 # deterministic mode's path); SM90_DQTMA below are the defaults (the TMA bulk reduce-add).
-SM90 = [BackwardSpec(arch="sm90", head_dim=d, dtype=dt, causal=c, dq_tma_reduce=False) for d in (64, 96, 128)
+SM90 = [BackwardSpec(arch="sm90", head_dim=d, dtype=dt, causal=c, dq_tma_reduce=False) for d in (64, 96, 128, 192, 256)
         for dt in ("bf16", "fp16") for c in (False, True)]
 
 
@@ -671,12 +674,16 @@ def test_sm90_compiles_clean_with_the_hopper_instructions(spec):
     assert counts["HMMA"] == 0
     d, ty = spec.head_dim, ".F32.BF16 " if spec.dtype == "bf16" else ".F32 "   # (fp16's SASS names no type)
     hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
-    s_dp = [x for x in hgmma if f"HGMMA.64x{spec.block_m}x16{ty}" in x and "tnsp" not in x]
-    dv_dk = [x for x in hgmma if f"HGMMA.64x{d}x16{ty}" in x and ".tnspB" in x and ".tnspA" not in x]
+    split = sm90_kv_split(d)                    # d192, d256: S^T, dP^T of 32 queries, dV, dK of d/2 columns
+    s_dp = [x for x in hgmma if f"HGMMA.64x{spec.block_m // 2 if split else spec.block_m}x16{ty}" in x
+            and "tnsp" not in x]
+    dv_dk = [x for x in hgmma if f"HGMMA.64x{d // 2 if split else d}x16{ty}" in x and ".tnspB" in x
+             and ".tnspA" not in x]
     dq_cols = sm90_dq_cols(d)                   # d128: 64 columns each over all keys; d64: all over own keys
     dq = [x for x in hgmma if f"HGMMA.64x{dq_cols}x16{ty}" in x and ".tnspA.tnspB" in x]
     assert len(s_dp) == 2 * d // 16            # S^T and dP^T: k = head_dim, both operands K-major
-    assert len(dv_dk) == 2 * spec.block_m // 16  # dV and dK: A from registers, B (dO, Q) MN-major
+    assert len(dv_dk) == 2 * spec.block_m // 16  # dV and dK: A from registers (split: the P^T, dS^T
+    assert all((re.search(r"\bR\d+, R\d+, gdesc", x) is None) == split for x in dv_dk)   # tiles), B MN-major
     assert len(dq) == (spec.block_n if dq_cols < d else 64) // 16   # dQ: dS^T and K, both MN-major
     assert len(hgmma) == len(s_dp) + len(dv_dk) + len(dq)
     assert counts["UTMALDG"] == 4 and counts["USETMAXREG"] == 2
@@ -696,6 +703,74 @@ def test_sm90_consumers_fit_their_240_registers():
     for spec in (SM90[0], SM90[-1]):
         sass = backward.compile(spec).sass()
         assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
+
+
+# ------------------------------------------------------------------ sm90 head_dim 192, 256 (KV_SPLIT_COLS)
+
+# (head_dim, knobs, shared memory, stages, dQ buffers per warpgroup): the defaults and both dQ paths,
+# deterministic or not. The tiles are spec/backward.py SM90_TILES' arithmetic; all within 227 KB.
+SPLIT_CONFIGS = [
+    (192, {}, 231424, 2, 1),                                   # default: dq_tma_reduce, one dQ buffer
+    (192, {"dq_tma_reduce": False}, 182272, 2, 0),
+    (192, {"deterministic": True}, 182272, 2, 0),
+    (192, {"deterministic": True, "dq_tma_reduce": True}, 231424, 2, 1),
+    (192, {"stages": 1}, 230912, 1, 2),                        # a 1-deep ring leaves room for two
+    (256, {}, 231424, 2, 0),                                   # default: fp32 vector reductions (FA3's at 256)
+    (256, {"dq_tma_reduce": True}, 230912, 1, 1),              # the dQ tiles cost the ring's second stage
+    (256, {"deterministic": True}, 231424, 2, 0),
+    (256, {"deterministic": True, "dq_tma_reduce": True}, 230912, 1, 1),
+]
+
+
+@pytest.mark.parametrize("dtype, causal", [("bf16", False), ("fp16", True)])
+@pytest.mark.parametrize("head_dim, knobs, smem, stages, dq_bufs", SPLIT_CONFIGS,
+                         ids=[f"hd{d}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}"
+                              for d, kw, *_ in SPLIT_CONFIGS])
+def test_sm90_head_dims_192_256_compile_clean(head_dim, knobs, smem, stages, dq_bufs, dtype, causal):
+    """head_dim 192, 256: both warpgroups on the same 64 keys (block_n 64), S^T, dP^T as m64n32 per
+    warpgroup (its 32 queries), dV, dK as SS wgmma of head_dim / 2 columns from the P^T, dS^T tiles,
+    dQ of head_dim / 2 columns over the 64 keys. NVRTC sm_90a: no stack, spills or local memory in any
+    of the three kernels, no C75xx note, the consumers' highest register under setmaxnreg's 240
+    (measured 2026-12-04, NVRTC 13: 167 at d192, 215 at d256), and shared memory as SM90_TILES says."""
+    spec = BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal, **knobs)
+    assert (spec.block_m, spec.block_n, spec.num_warps) == (64, 64, 12) and sm90_kv_split(head_dim)
+    assert (spec.stages, spec.dq_bufs, spec.smem_bytes) == (stages, dq_bufs, smem)
+    assert smem <= GPUS["h100"].smem_per_block == GPUS["h200"].smem_per_block
+    kernel, sass, counts = _compiled_clean(spec)
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
+    setmaxnreg = sorted(" ".join(x.split()[1:4]) for x in sass.splitlines() if "USETMAXREG" in x)
+    assert setmaxnreg == ["USETMAXREG.DEALLOC.CTAPOOL 0x18 ;", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0"]
+    # five GEMMs: S^T, dP^T (k = head_dim), dV, dK (k = 64 queries), dQ (k = 64 keys)
+    assert counts["HGMMA"] == 2 * head_dim // 16 + 2 * 4 + 4 and counts["HMMA"] == 0
+    assert counts["UTMALDG"] == 4 and sass.count("UBLKCP.S.G") == 2
+    # both warpgroups' P^T, dS^T columns written before either reads the tiles: named barrier 1, 256 threads
+    assert "BAR.SYNC.DEFER_BLOCKING 0x1, 0x100" in sass
+    if spec.dq_tma_reduce:
+        assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1 and not re.search(r"\bREDG?\.", sass)
+        assert len(re.findall(r"\bSTS\.128 ", sass)) == head_dim // 2 // 2 // 4
+    else:
+        assert "REDG.E.ADD.F32x2" in sass and "UBLKRED" not in sass
+    assert ("BAR.SYNC.DEFER_BLOCKING 0x2, 0x100" in sass) == spec.deterministic    # the dq_accum turns
+    source = backward.emit(spec)
+    assert "constexpr bool KV_SPLIT_COLS = true;" in source and "gemm_tile_rows(dv_acc, pt_tile" in source
+    assert f"constexpr int DQ_BUFS = {dq_bufs};" in source if spec.dq_tma_reduce else "DQ_BUFS" not in source
+
+
+def test_sm90_head_dim_192_takes_64_byte_slabs():
+    """head_dim 192's warpgroup halves are 96 columns: 3 slabs of 32 at a 64-byte swizzle (64-column
+    slabs would split one), in the kernel, the TMA boxes and dQ's split; 256 keeps 128 bytes."""
+    from facodegen.spec.backward import sm90_swizzle_bytes
+    assert [sm90_swizzle_bytes(d) for d in (64, 96, 128, 192, 256)] == [128, 64, 128, 64, 128]
+    assert [sm90_dq_cols(d) for d in (64, 96, 128, 192, 256)] == [64, 96, 64, 96, 128]
+    from types import SimpleNamespace
+    from facodegen.runtime import tma
+    for d, swizzle in ((192, 64), (256, 128)):
+        spec = BackwardSpec(arch="sm90", head_dim=d)
+        views = {name: SimpleNamespace(ptr=1 << 30, strides=(100 * 4 * d, 4 * d, d)) for name in ("q", "k", "v", "dout")}
+        args = backward.tensor_map_args(spec, views, 2, 100, 100, 4, 4)
+        assert {a.swizzle_code for a in args.values()} == {tma.SWIZZLE_CODES[swizzle]}
+        assert {a.box[:2] for a in args.values()} == {(swizzle // 2, 64)}     # 64 rows: block_m = block_n
+        assert "SWIZZLE_BYTES = (HEAD_DIM / 2) % 64 == 0 ? 128 : 64;" in backward.emit(spec)
 
 
 def test_cli_inspect_sm90_backward():
@@ -756,8 +831,8 @@ def test_an_sm80_forward_asks_for_the_sm80_backward():
 
 
 def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
-    """arch=None picks the sm90 backward on an sm90 GPU where it covers the call (deterministic too),
-    else the sm80 one (head_dim 256)."""
+    """arch=None picks the sm90 backward on an sm90 GPU where it covers the call (deterministic too,
+    head_dim 256 too), else the sm80 one (a knob it refuses: k_unroll)."""
     from facodegen.runtime import tma
     monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
     monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
@@ -768,12 +843,14 @@ def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
     assert bwd.bwd.records[4]["name"] == BackwardSpec(arch="sm90", head_dim=128, causal=True, deterministic=True).variant
     do, q, k, v, o, lse = _problem(d=256)
     backward.attention_backward(do, q, k, v, o, lse)
-    assert bwd.bwd.records[7]["name"] == BackwardSpec(head_dim=256, gpu="h200").variant
+    assert bwd.bwd.records[7]["name"] == BackwardSpec(arch="sm90", head_dim=256).variant
+    backward.attention_backward(do, q, k, v, o, lse, k_unroll=1)
+    assert bwd.bwd.records[10]["name"] == BackwardSpec(head_dim=256, gpu="h200", k_unroll=1).variant
 
 
 # ------------------------------------------------------------------ sm90 dq_tma_reduce (dQ by TMA bulk reduce-add)
 
-SM90_DQTMA = [s.replace(dq_tma_reduce=True) for s in SM90]
+SM90_DQTMA = [s.replace(dq_tma_reduce=True, stages=None) for s in SM90]   # (head_dim 256: 1 stage)
 
 
 def test_dq_tma_reduce_is_the_sm90_default_but_for_deterministic_and_sm80():
@@ -802,7 +879,8 @@ def test_dq_tma_reduce_is_the_sm90_default_but_for_deterministic_and_sm80():
 @pytest.mark.parametrize("spec", SM90_DQTMA, ids=lambda s: s.variant)
 def test_sm90_dq_tma_reduce_renders_and_round_trips(spec):
     source = _rendered(spec, ("dK += dS^T Q", "dQ = dS K", "TMA bulk reduce-add"))
-    assert "//   dq_tma_reduce        = True" in source and spec == spec.replace(dq_tma_reduce=None)
+    assert "//   dq_tma_reduce        = True" in source
+    assert (spec == spec.replace(dq_tma_reduce=None)) == (spec.head_dim < 256)    # the default below 256
     argv = backward.emit_command(spec).split()[2:]
     result = CliRunner().invoke(cli.main, ["emit", *argv])
     assert result.exit_code == 0 and result.output == source

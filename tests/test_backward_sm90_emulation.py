@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from facodegen.spec.backward import BackwardSpec, sm90_dq_cols
+from facodegen.spec.backward import BackwardSpec, sm90_dq_cols, sm90_kv_split, sm90_swizzle_bytes
 from backward_emulation_check import check_emulated_backward
 
 E = np.float16     # elem_t (fp16: the emulation rounds where the kernel converts)
@@ -122,11 +122,16 @@ def convert_tiled(spec, acc, sq):
 def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
     """dq_accum (batch, heads_q, seqlen_q, d) and dK, dV (batch, seqlen_k, heads_kv, d) as the
     main kernel leaves them (dK already times softmax_scale); dq_tma_reduce: the tiled dq_accum
-    read back through the postprocess's dq_accum_offset."""
+    read back through the postprocess's dq_accum_offset. KV_SPLIT_COLS (head_dim 192, 256): both
+    warpgroups on the same 64 keys, S^T, dP^T split by queries, dV, dK, dQ by columns, P^T and dS^T
+    through shared memory."""
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bm, bn, stages = spec.block_m, spec.block_n, spec.stages
-    sw = 128 if d % 64 == 0 else 64
+    sw = sm90_swizzle_bytes(d)
+    split = sm90_kv_split(d)
+    sdp_n = bm // 2 if split else bm            # queries of S^T, dP^T per warpgroup
+    kv_cols = d // 2 if split else d            # columns of dK, dV per warpgroup
     slab_cols = sw // 2
     q_slab, kv_slab, q_tile, kv_tile = bm * sw, bn * sw, bm * d * 2, bn * d * 2
     ds_row, ds_tile_bytes, ds_sw = bm * 2, bn * bm * 2, 128
@@ -145,7 +150,8 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
     for b in range(batch):
         for kv_head in range(hkv):
             for n_block in range(-(-sk // bn)):
-                smem = Smem(ds_smem0 + 2 * ds_tile_bytes)
+                pt_smem0 = ds_smem0 + 2 * ds_tile_bytes     # (split: the P^T tiles)
+                smem = Smem(ds_smem0 + (4 if split else 2) * ds_tile_bytes)
                 key_begin = n_block * bn
                 first_row = max(0, key_begin - (sk - sq)) if causal else 0
                 m_first = first_row // bm
@@ -153,8 +159,8 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                 steps = steps_per_head * group
                 smem.tma_load(k_smem, kv_slab, sw, k[b, :, kv_head], key_begin, bn)
                 smem.tma_load(v_smem, kv_slab, sw, v[b, :, kv_head], key_begin, bn)
-                dv_acc = [np.zeros((WG_THREADS, d // 2)) for _ in range(2)]
-                dk_acc = [np.zeros((WG_THREADS, d // 2)) for _ in range(2)]
+                dv_acc = [np.zeros((WG_THREADS, kv_cols // 2)) for _ in range(2)]
+                dk_acc = [np.zeros((WG_THREADS, kv_cols // 2)) for _ in range(2)]
                 for step in range(steps):
                     stage = step % stages
                     head = kv_head * group + step // steps_per_head
@@ -167,35 +173,53 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                     lse_rows = np.where(lse_rows == -np.inf, np.inf, lse_rows * LOG2E)
                     d_rows = np.where(rows < sq, dpsum[b, head, np.minimum(rows, sq - 1)], 0.0)
                     ds_tile = ds_smem0 + (step & 1) * ds_tile_bytes
+                    pt_tile = pt_smem0 + (step & 1) * ds_tile_bytes
                     frags = []
                     for wg in range(2):
                         # S^T = K Q^T, dP^T = V dO^T (gemm_keys_rows)
-                        k_rows, v_rows = k_smem + wg * WG_ROWS * sw, v_smem + wg * WG_ROWS * sw
-                        st, dpt = np.zeros((WG_ROWS, bm)), np.zeros((WG_ROWS, bm))
+                        key0 = 0 if split else wg * WG_ROWS      # the warpgroup's keys (split: all 64)
+                        query0 = wg * sdp_n if split else 0      # and queries of S^T, dP^T
+                        k_rows, v_rows = k_smem + key0 * sw, v_smem + key0 * sw
+                        q_sdp, do_sdp = q_t + query0 * sw, do_t + query0 * sw
+                        st, dpt = np.zeros((WG_ROWS, sdp_n)), np.zeros((WG_ROWS, sdp_n))
                         for kk in range(d // 16):
                             in_row, slab = (kk % (slab_cols // 16)) * 32, kk // (slab_cols // 16)
-                            for acc, key_rows, tile in ((st, k_rows, q_t), (dpt, v_rows, do_t)):
+                            for acc, key_rows, tile in ((st, k_rows, q_sdp), (dpt, v_rows, do_sdp)):
                                 a = operand(smem, key_rows + slab * kv_slab + in_row, 16, 8 * sw, sw, WG_ROWS, True)
-                                bt = operand(smem, tile + slab * q_slab + in_row, 16, 8 * sw, sw, bm, True)
+                                bt = operand(smem, tile + slab * q_slab + in_row, 16, 8 * sw, sw, sdp_n, True)
                                 acc += a @ bt.T
                         st, dpt = to_regs(st), to_regs(dpt)
                         # P^T = exp2(S^T scale log2(e) - LSE log2(e)), masked; dS^T = P^T (dP^T - D)
-                        key_rows_i, col = acc_index(bm)
-                        key = key_begin + wg * WG_ROWS + key_rows_i
-                        query = row_begin + col
-                        p = np.exp2(st * scale * LOG2E - lse_rows[col])
+                        key_rows_i, col = acc_index(sdp_n)
+                        key = key_begin + key0 + key_rows_i
+                        query = row_begin + query0 + col
+                        p = np.exp2(st * scale * LOG2E - lse_rows[query0 + col])
                         hidden = (key >= sk) | ((key > query + sk - sq) if causal else False)
                         p = np.where(hidden, 0.0, p)
                         p_frag = p.astype(E).astype(np.float64)
-                        ds = (p * (dpt - d_rows[col])).astype(E)
-                        # dS^T -> shared memory (128-byte swizzled rows of bm queries)
-                        offset = (wg * WG_ROWS + key_rows_i) * ds_row + 2 * col
+                        ds = (p * (dpt - d_rows[query0 + col])).astype(E)
+                        # dS^T (split: and P^T) -> shared memory (128-byte swizzled rows of bm queries)
+                        offset = (key0 + key_rows_i) * ds_row + 2 * (query0 + col)
                         smem.h[(ds_tile + swizzle(offset, ds_sw)) // 2] = ds
+                        if split:
+                            smem.h[(pt_tile + swizzle(offset, ds_sw)) // 2] = p.astype(E)
                         frags.append((p_frag, ds.astype(np.float64)))
                     for wg in range(2):
                         p_frag, ds_frag = frags[wg]
+                        kv_b_slab = (wg * kv_cols // slab_cols) * q_slab if split else 0
+                        for acc, score_tile, tile in ((dv_acc, pt_tile, do_t), (dk_acc, ds_tile, q_t)):
+                            if not split:
+                                break
+                            # split: dV += P^T dO, dK += dS^T Q (gemm_tile_rows: A = the P^T / dS^T tile
+                            # K-major, B = this warpgroup's columns of dO / Q, MN-major)
+                            total = from_regs(acc[wg], kv_cols)
+                            for kk in range(bm // 16):
+                                a = operand(smem, score_tile + kk * 32, 16, 8 * ds_sw, ds_sw, WG_ROWS, True)
+                                bmat = operand(smem, tile + kv_b_slab + kk * 16 * sw, q_slab, 8 * sw, sw, kv_cols, False)
+                                total += a @ bmat.T
+                            acc[wg] = to_regs(total)
                         # dV += P^T dO, dK += dS^T Q (gemm_frag_rows: A from registers, B MN-major)
-                        for acc, frag, tile in ((dv_acc, p_frag, do_t), (dk_acc, ds_frag, q_t)):
+                        for acc, frag, tile in (() if split else ((dv_acc, p_frag, do_t), (dk_acc, ds_frag, q_t))):
                             a_full = from_regs(frag, bm)
                             total = from_regs(acc[wg], d)
                             for kk in range(bm // 16):
@@ -228,8 +252,9 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                         np.add.at(dq_accum[b, head], (row_begin + row[keep], dq_col0 + col[keep]), regs[keep])
                 # finish: dK *= scale, rows below seqlen_k
                 for wg in range(2):
-                    row, col = acc_index(d)
-                    key = key_begin + wg * WG_ROWS + row
+                    row, col = acc_index(kv_cols)
+                    key = key_begin + (0 if split else wg * WG_ROWS) + row
+                    col = col + (wg * kv_cols if split else 0)
                     keep = key < sk
                     dk_out[b, key[keep], kv_head, col[keep]] = (dk_acc[wg] * scale)[keep].astype(E)
                     dv_out[b, key[keep], kv_head, col[keep]] = dv_acc[wg][keep].astype(E)
@@ -249,6 +274,9 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
     (96, 65, 129, 2, 2, True),      # 64-byte swizzle, dQ split by keys
     (128, 100, 130, 2, 1, True),    # dQ split by 64-column slabs; causal diagonal inside blocks
     (128, 200, 60, 1, 1, True),     # seqlen_q > seqlen_k: rows that see no key
+    (192, 70, 100, 2, 1, True),     # KV_SPLIT_COLS, 64-byte swizzle: 3 slabs per warpgroup; GQA
+    (256, 65, 130, 1, 1, False),    # KV_SPLIT_COLS: 2 slabs per warpgroup; three key blocks, the last cut
+    (256, 130, 70, 2, 2, True),     # seqlen_q > seqlen_k, causal diagonal inside the 64-key blocks
 ])
 @pytest.mark.parametrize("dq_tma_reduce", [False, True], ids=["red", "dqtma"])
 def test_emulated_sm90_kernel_matches_the_reference(d, sq, sk, hq, hkv, causal, dq_tma_reduce):
@@ -256,7 +284,7 @@ def test_emulated_sm90_kernel_matches_the_reference(d, sq, sk, hq, hkv, causal, 
     check_emulated_backward(run_main_kernel, spec, sq, sk, hq, hkv, causal, seed=sq + sk + d)
 
 
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_tiled_dq_accum_is_the_warpgroups_register_order(d):
     """dq_tma_reduce: dq_accum_element maps two query blocks' tiles one to one onto their BLOCK_M x d
     elements, and the float4 i // 4 of thread t in part p of a tile (where the warpgroup's bulk reduce

@@ -31,9 +31,9 @@ import threading
 from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
-from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_DQ_BUFS, SM90_GPU,
-                              SM90_PRODUCER_REGS, SM90_STAGES, BackwardSpec, dq_accum_rows, sm90_dq_cols,
-                              stat_rows)
+from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_PRODUCER_REGS,
+                              BackwardSpec, dq_accum_rows, sm90_default_stages, sm90_dq_cols, sm90_dq_tma_default,
+                              sm90_kv_split, sm90_swizzle_bytes, stat_rows)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields,
                                place, stride_fields)
 from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
@@ -105,10 +105,13 @@ assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range
 
 
 _EMIT_ALWAYS = ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "causal")
-_EMIT_DEFAULTS = {"sm80": {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False,
-                           "dq_tma_reduce": False},
-                  "sm90": {"gpu": SM90_GPU, "stages": SM90_STAGES, "k_unroll": 2, "deterministic": False,
-                           "dq_tma_reduce": True}}
+def _emit_defaults(spec: BackwardSpec) -> dict:
+    """The knob values the emit line leaves out: the spec's defaults for its arch and head_dim (sm90:
+    dq_tma_reduce's default apart from deterministic, whose calls flip it; the ring's depth for that)."""
+    if spec.arch == "sm80":
+        return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False}
+    return {"gpu": SM90_GPU, "stages": sm90_default_stages(spec.head_dim, spec.dq_tma_reduce, SM90_GPU),
+            "k_unroll": 2, "deterministic": False, "dq_tma_reduce": sm90_dq_tma_default(spec.head_dim)}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("dq_tma_reduce",)
 
@@ -117,9 +120,10 @@ def emit_command(spec: BackwardSpec) -> str:
     """The `facodegen emit` line that reproduces this spec's source: the problem and its tile, then
     the knobs away from their defaults, spelt by BACKWARD_KNOBS' flags."""
     flags = ["--kernel backward"]
+    defaults = _emit_defaults(spec)
     for knob in BACKWARD_KNOBS:
         value = getattr(spec, knob.name)
-        if knob.name not in _EMIT_ALWAYS and value == _EMIT_DEFAULTS[spec.arch].get(knob.name):
+        if knob.name not in _EMIT_ALWAYS and value == defaults.get(knob.name):
             continue
         flags.append(knob.command_text(value))
     return "facodegen emit " + " ".join(flags)
@@ -136,7 +140,9 @@ def emit(spec: BackwardSpec) -> str:
         smem_bytes=spec.smem_bytes, threads=spec.threads,
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
         producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),
-        dq_bufs=SM90_DQ_BUFS))
+        dq_bufs=spec.dq_bufs, kv_split=sm90_kv_split(spec.head_dim),
+        sdp_n=spec.block_m // 2 if sm90_kv_split(spec.head_dim) else spec.block_m,
+        kv_cols=spec.head_dim // 2 if sm90_kv_split(spec.head_dim) else spec.head_dim))
 
 
 _compiled: dict = {}
@@ -354,8 +360,8 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     causal). dK and dV of a kv head are summed over the query heads that share it (GQA/MQA).
     dq, dk, dv: arrays to write the gradients into (default: new contiguous ones).
     ``arch``: None or sm80 (FlashAttention-2's backward, mma.sync: the default on every GPU for now),
-    or sm90 (FlashAttention-3's backward, TMA + wgmma: head_dim 64, 96 and 128 so far, H100/H200 only;
-    the default on sm90 GPUs where it covers the call: default_arch). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
+    or sm90 (FlashAttention-3's backward, TMA + wgmma: every head_dim, H100/H200 only; the default on
+    sm90 GPUs where it covers the call: default_arch). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
     current stream; the first call with given shapes/strides/options builds a launch plan.
     """
     from . import api
@@ -497,7 +503,8 @@ def tensor_map_args(spec: BackwardSpec, views: dict, batch: int, seqlen_q: int, 
     """Checked cuTensorMapEncodeTiled arguments of the sm90 kernel's four maps (BWD_TMA_FIELDS):
     boxes of one swizzle slab of head_dim columns x block_m rows (Q, dO) or block_n rows (K, V)."""
     from ..runtime import tma
-    swizzle, box_cols = tma.slab_geometry(spec.head_dim)
+    swizzle = sm90_swizzle_bytes(spec.head_dim)     # (tma.slab_geometry's but at head_dim 192: 64)
+    box_cols = swizzle // 2
     out = {}
     for name, operand in _MAP_OPERANDS.items():
         view = views[operand]
@@ -523,8 +530,9 @@ def tensor_maps(spec: BackwardSpec, views: dict, batch: int, seqlen_q: int, seql
 def default_arch(info, head_dim: int, dtype: str, causal: bool, knobs: dict) -> str:
     """attention_backward's arch when the caller gives none, and so what facodegen.attention's
     autograd runs: sm90 on a compute capability 9.0 GPU where the sm90 backward takes this call's
-    head_dim and knobs (H200, 2026-12-03: all its GPU tests pass, and at head_dim 128 it runs 2.5-2.7x
-    the sm80 backward's TFLOP/s), else sm80 (head_dim 192/256); deterministic calls too."""
+    head_dim and knobs (H200, 2026-12-03: all its GPU tests pass at head_dim 64-128, and at 128 it runs
+    2.5-2.7x the sm80 backward's TFLOP/s; head_dim 192, 256 since 2026-12-04, compile-checked clean on
+    the CPU, GPU tests not yet run), else sm80 (knobs it refuses); deterministic calls too."""
     if info.compute_capability == (9, 0):
         try:
             BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal,

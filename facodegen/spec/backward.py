@@ -12,8 +12,10 @@ The sm90 backward is FlashAttention-3's algorithm (templates/sm90/flash_bwd.cu.j
 per key block, with K, V loaded once by TMA, Q and dO (and the LSE, D rows) through a
 ``stages``-deep TMA ring filled by a producer warp, and two consumer warpgroups of 64 keys each
 computing every GEMM with wgmma (P^T and dS^T stay in registers as the A operand of dV and dK; dS^T
-goes through shared memory for dQ). First slice: head_dim 64, 96 and 128, block_m 64, block_n 128,
-not deterministic; what it does not cover is refused naming the field.
+goes through shared memory for dQ). head_dim 64, 96 and 128: block_m 64, block_n 128; head_dim 192
+and 256: block_m 64, block_n 64, the two warpgroups sharing the 64 keys and splitting head_dim
+(sm90_kv_split: P^T and dS^T through shared memory for dV and dK too). What it does not cover is
+refused naming the field.
 """
 
 from __future__ import annotations
@@ -84,14 +86,27 @@ SMALL_GPU_TILES = {64: (64, 64, 8), 96: (64, 64, 8), 128: (64, 64, 8), 192: (64,
 DEFAULT_GPU = "a100"
 
 # sm90 (FlashAttention-3's backward, templates/sm90/flash_bwd.cu.j2): (block_m, block_n, num_warps)
-# per head_dim written so far. FA3 uses 128x128 at d64 and 64x128 (causal) / 80x128 at d128 with
-# two MMA warpgroups; this first slice takes 64x128 for both: each consumer warpgroup owns 64 keys
-# (dK, dV: 2 x head_dim/2 floats per thread, 128 at d128, beside S^T and dP^T at 32 each under the
-# 240 registers of setmaxnreg), and 64 queries are one m64 wgmma for dQ.
+# per head_dim. FA3 uses 128x128 at d64 and 64x128 (causal) / 80x128 at d128 with two MMA
+# warpgroups; we take 64x128 for both: each consumer warpgroup owns 64 keys (dK, dV: 2 x
+# head_dim/2 floats per thread, 128 at d128, beside S^T and dP^T at 32 each under the 240 registers
+# of setmaxnreg), and 64 queries are one m64 wgmma for dQ.
 #   d64:  K, V 32 KB + 2 stages x (Q, dO 16 KB + rows) + dS^T 2 x 16 KB = 97 KB
 #   d96:  K, V 48 KB + 2 stages x (Q, dO 24 KB + rows) + dS^T 2 x 16 KB = 130 KB (64-byte swizzle, as the forward)
 #   d128: K, V 64 KB + 2 stages x (Q, dO 32 KB + rows) + dS^T 2 x 16 KB = 162 KB
-SM90_TILES = {64: (64, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12)}
+# d192 and d256 (sm90_kv_split): 64 keys owning all of head_dim would hold dK + dV in 192 / 256
+# registers per thread, over the 240. FA3 (hopper/flash_bwd_launch_template.h) runs d256 at 64x80 and
+# d192 at 64x96 (3 MMA warpgroups at d_v 192), with S = Q K^T not swapped (keys along N, split between
+# the warpgroups), dK^T, dV^T swapped (head_dim along M, split), P and dS through shared memory
+# (Mma_dKV_is_RS off), 2 Q stages, 1 dO and 1 dS stage, dQ by atomics from registers at d256. Ours
+# keeps keys along M (S^T = K Q^T, one m64), so 64 keys per CTA, shared by both warpgroups: each takes
+# half of the 64 queries for S^T, dP^T (m64 n32: 16 + 16 registers) and half of head_dim for dV, dK
+# and dQ (d256: 64 + 64 + 64 registers; d192: 48 + 48 + 48), P^T and dS^T through two 8 KB tiles each.
+#   d192: K, V 48 KB + 2 stages x (Q, dO 48 KB + rows) + P^T, dS^T 4 x 8 KB = 178 KB; 64-byte swizzle
+#         (each warpgroup's 96 columns are 3 whole 32-column slabs; 64-column slabs would split one);
+#         dq_tma_reduce: + 2 x 24 KB (one dQ buffer per warpgroup, SM90_DQ_BUFS does not fit) = 226 KB
+#   d256: K, V 64 KB + 2 stages x (Q, dO 64 KB + rows) + P^T, dS^T 4 x 8 KB = 226 KB (of 227);
+#         dq_tma_reduce (off by default, FA3's choice at d256): 1 stage + 2 x 32 KB = 226 KB
+SM90_TILES = {64: (64, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12), 192: (64, 64, 12), 256: (64, 64, 12)}
 SM90_STAGES = 2
 # setmaxnreg split (FlashAttention-3's for 2 MMA warpgroups): the producer warpgroup gives registers to
 # the consumers, 128 x (24 + 2 x 240) = 64512 = the 168 per thread the 384-thread CTA starts with.
@@ -101,17 +116,43 @@ SM90_CONSUMER_WGS = 2
 # dq_tma_reduce: dQ tiles in shared memory per consumer warpgroup (step i writes tile i % 2 while the
 # bulk reduce of step i - 1 may still be reading the other). 64 KB at every head_dim (d96: 96 KB):
 # d128 162 + 64 = 226 KB, d96 130 + 96 = 226 KB, of the 227 KB an sm90 block may have.
-SM90_DQ_BUFS = 2
+SM90_DQ_BUFS = 2     # (head_dim 192, 256: 1, BackwardSpec.dq_bufs)
+
+
+def sm90_kv_split(head_dim: int) -> bool:
+    """head_dim 192, 256: both consumer warpgroups hold the same 64 keys (block_n 64) and each computes
+    half of head_dim of dV, dK and dQ, and S^T, dP^T for half of the queries; P^T and dS^T go through
+    shared memory (SS wgmma for dV and dK). Below: each warpgroup owns 64 keys and all of head_dim, P^T
+    and dS^T stay in registers (RS wgmma). See SM90_TILES for why."""
+    return head_dim > 128
+
+
+def sm90_swizzle_bytes(head_dim: int) -> int:
+    """The swizzle (and so the 16-bit slab width, swizzle / 2 columns) of the Q, K, V, dO tiles: 128
+    bytes where each warpgroup's columns (sm90_kv_split: head_dim / 2, else head_dim) are whole
+    64-column slabs, else 64 (d96; d192, whose 96-column halves are 3 slabs of 32)."""
+    cols = head_dim // 2 if sm90_kv_split(head_dim) else head_dim
+    return 128 if cols % 64 == 0 else 64
 
 
 def sm90_dq_cols(head_dim: int) -> int:
     """head_dim columns of dQ = dS K that each sm90 consumer warpgroup computes. Split by columns when
-    each half is whole 64-column swizzle slabs of the K tile (d128: 64 each, over all 128 keys, both
-    warpgroups' dS^T rows); else (d64) by keys: each warpgroup the whole head_dim over its own 64 keys,
-    both adding into dq_accum (FlashAttention-3 instead loads K 64-byte swizzled at d64 so that 32
-    columns are whole slabs; a wgmma operand starting inside a 128-byte swizzle row is not a layout
-    CUTLASS builds)."""
-    return head_dim // 2 if (head_dim // 2) % 64 == 0 else head_dim
+    each half is whole swizzle slabs of the K tile (d128: 64 each, over all 128 keys, both
+    warpgroups' dS^T rows; d192: 96, d256: 128, over the 64 keys both hold); else (d64, d96) by keys:
+    each warpgroup the whole head_dim over its own 64 keys, both adding into dq_accum (FlashAttention-3
+    instead loads K 64-byte swizzled at d64 so that 32 columns are whole slabs; a wgmma operand
+    starting inside a 128-byte swizzle row is not a layout CUTLASS builds)."""
+    slab_cols = sm90_swizzle_bytes(head_dim) // ELEMENT_BYTES
+    return head_dim // 2 if (head_dim // 2) % slab_cols == 0 else head_dim
+
+
+def sm90_dq_tma_default(head_dim: int) -> bool:
+    """dq_tma_reduce's sm90 default (deterministic calls aside): FlashAttention-3's choice, the bulk
+    reduce-add below head_dim 256 and fp32 adds from registers at 256 (ours: at 256 the dQ tiles cost
+    the Q/dO ring's second stage, see SM90_TILES)."""
+    return head_dim < 256
+
+
 SM90_GPUS = ("h100", "h200")
 
 # k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
@@ -126,11 +167,12 @@ MAX_KV_ACC_FLOATS = 128
 class BackwardSpec:
     """One backward kernel set (preprocess, main, postprocess).
 
-    Problem: arch (sm80, or sm90: head_dim 64/96/128 so far), head_dim, dtype (fp16/bf16), causal.
+    Problem: arch (sm80, or sm90), head_dim, dtype (fp16/bf16), causal.
     GQA/MQA does not change the code (the CTA loops over its group's query heads). Knobs: block_m,
     block_n, num_warps (None: the default for head_dim, see DEFAULT_TILES / SM90_TILES), stages
-    (None: sm80 1, sm90 SM90_STAGES), gpu (the budget model's limits), deterministic (False: dQ's
-    fp32 adds land in any order), dq_tma_reduce (None: True on sm90 unless deterministic; True: a
+    (None: sm80 1, sm90 SM90_STAGES where it fits, else 1), gpu (the budget model's limits),
+    deterministic (False: dQ's fp32 adds land in any order), dq_tma_reduce (None: True on sm90 below
+    head_dim 256 unless deterministic, sm90_dq_tma_default; True: a
     shared-memory tile per consumer warpgroup and one TMA bulk reduce-add, dq_accum tiled and padded,
     see dq_accum_rows; False: each sm90 consumer thread adds its dQ registers into dq_accum with fp32
     vector reductions, the sm80 backward's only way; H200 2026-12-04, bf16 fa3-paper cells: the bulk
@@ -152,7 +194,8 @@ class BackwardSpec:
 
     def __post_init__(self) -> None:
         if self.dq_tma_reduce is None:     # the default: FlashAttention-3's dQ path wherever it runs
-            object.__setattr__(self, "dq_tma_reduce", self.arch == "sm90" and self.deterministic is False)
+            object.__setattr__(self, "dq_tma_reduce", self.arch == "sm90" and self.deterministic is False
+                               and sm90_dq_tma_default(self.head_dim))
         _check_types(self)
         _choice("arch", self.arch, BACKWARD_ARCHS)
         _choice("dtype", self.dtype, BACKWARD_DTYPES)
@@ -168,7 +211,7 @@ class BackwardSpec:
                                             f"{', '.join(map(str, SM90_TILES))} so far (arch='sm80' has the others)")
             block_m, block_n, warps = tile
             if self.stages is None:
-                set_("stages", SM90_STAGES)
+                set_("stages", sm90_default_stages(self.head_dim, self.dq_tma_reduce, self.gpu))
         else:
             table = SMALL_GPU_TILES if GPUS[self.gpu].smem_per_block < 128 * 1024 else DEFAULT_TILES
             block_m, block_n, warps = table[self.head_dim]
@@ -186,8 +229,18 @@ class BackwardSpec:
     @property
     def smem_bytes(self) -> int:
         if self.arch == "sm90":
-            return sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages, self.dq_tma_reduce)
+            return sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages, self.dq_tma_reduce,
+                                   self.dq_bufs)
         return smem_bytes(self.block_m, self.block_n, self.head_dim)
+
+    @property
+    def dq_bufs(self) -> int:
+        """sm90 dq_tma_reduce: dQ tiles in shared memory per consumer warpgroup, SM90_DQ_BUFS where they
+        fit the GPU beside the rest, else 1 (head_dim 192, 256); 0 without dq_tma_reduce."""
+        if not self.dq_tma_reduce:
+            return 0
+        fits = sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages, True, SM90_DQ_BUFS)
+        return SM90_DQ_BUFS if fits <= GPUS[self.gpu].smem_per_block else 1
 
     @property
     def variant(self) -> str:
@@ -213,14 +266,25 @@ def smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
     return 2 * block_m * head_dim * e + 2 * block_n * head_dim * e + 2 * block_n * block_m * e + 2 * block_m * 4
 
 
-def sm90_smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int, dq_tma_reduce: bool = False) -> int:
+def sm90_smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int, dq_tma_reduce: bool = False,
+                    dq_bufs: int = SM90_DQ_BUFS) -> int:
     """K + V tiles, ``stages`` x (Q + dO tiles and the LSE, D rows), two dS^T tiles (taking turns
-    between steps), and 1 KB to align the tiles to 1024 bytes (the 128-byte swizzle's period);
-    dq_tma_reduce: each consumer warpgroup's SM90_DQ_BUFS fp32 dQ tiles of block_m x sm90_dq_cols."""
+    between steps; sm90_kv_split: two P^T tiles too), and 1 KB to align the tiles to 1024 bytes (the
+    128-byte swizzle's period); dq_tma_reduce: each consumer warpgroup's ``dq_bufs`` fp32 dQ tiles of
+    block_m x sm90_dq_cols."""
     e = ELEMENT_BYTES
-    dq = SM90_CONSUMER_WGS * SM90_DQ_BUFS * block_m * sm90_dq_cols(head_dim) * 4 if dq_tma_reduce else 0
+    dq = SM90_CONSUMER_WGS * dq_bufs * block_m * sm90_dq_cols(head_dim) * 4 if dq_tma_reduce else 0
+    score_tiles = 4 if sm90_kv_split(head_dim) else 2
     return (2 * block_n * head_dim * e + stages * (2 * block_m * head_dim * e + 2 * block_m * 4)
-            + 2 * block_n * block_m * e + 1024 + dq)
+            + score_tiles * block_n * block_m * e + 1024 + dq)
+
+
+def sm90_default_stages(head_dim: int, dq_tma_reduce: bool, gpu: str) -> int:
+    """The Q/dO ring's depth by default: SM90_STAGES where the tiles fit the GPU (with one dQ buffer per
+    warpgroup under dq_tma_reduce), else 1 (head_dim 256 with dq_tma_reduce)."""
+    block_m, block_n, _ = SM90_TILES[head_dim]
+    need = sm90_smem_bytes(block_m, block_n, head_dim, SM90_STAGES, dq_tma_reduce, 1)
+    return SM90_STAGES if need <= GPUS[gpu].smem_per_block else 1
 
 
 def _block_rows(spec: BackwardSpec, seqlen_q: int) -> int:
@@ -312,24 +376,32 @@ def _validate(spec: BackwardSpec) -> None:
 
 
 def _validate_sm90(spec: BackwardSpec) -> None:
-    """The first sm90 slice: FA3's 64 x 128 tile with two consumer warpgroups, a 2-deep Q/dO ring."""
+    """FA3's tiles as SM90_TILES gives them: two consumer warpgroups, a 2-deep Q/dO ring (1 or 2 at
+    head_dim 192, 256)."""
+    if spec.gpu not in SM90_GPUS:
+        raise SpecError("gpu", f"{spec.gpu}: the sm90 backward runs on {', '.join(SM90_GPUS)}")
     if spec.block_m != 64:
         raise SpecError("block_m", f"{spec.block_m}: the sm90 backward takes block_m=64 (one m64 wgmma of "
                                    f"queries for dQ) so far")
-    if spec.block_n != 128:
+    split = sm90_kv_split(spec.head_dim)
+    if spec.block_n != (64 if split else 128):
         raise SpecError("block_n", f"{spec.block_n}: the sm90 backward takes block_n=128 (two consumer "
-                                   f"warpgroups of 64 keys) so far")
+                                   f"warpgroups of 64 keys) at head_dim 64, 96, 128 and block_n=64 (both on "
+                                   f"the same 64 keys, each half of head_dim) at 192, 256")
     if spec.num_warps != 12:
         raise SpecError("num_warps", f"{spec.num_warps}: the sm90 backward runs 12 warps (a producer "
                                      f"warpgroup and two consumer warpgroups)")
-    if spec.stages != SM90_STAGES:
-        raise SpecError("stages", f"{spec.stages}: the sm90 backward's Q/dO ring is {SM90_STAGES} deep")
+    if spec.stages not in ((1, SM90_STAGES) if split else (SM90_STAGES,)):
+        raise SpecError("stages", f"{spec.stages}: the sm90 backward's Q/dO ring is {SM90_STAGES} deep (1 or "
+                                  f"{SM90_STAGES} at head_dim 192, 256)")
     if spec.k_unroll != 2:
         raise SpecError("k_unroll", f"{spec.k_unroll}: k_unroll is an sm80 knob (wgmma has no such choice)")
-    if spec.gpu not in SM90_GPUS:
-        raise SpecError("gpu", f"{spec.gpu}: the sm90 backward runs on {', '.join(SM90_GPUS)}")
     limit = GPUS[spec.gpu].smem_per_block
     if spec.smem_bytes > limit:
+        if spec.dq_tma_reduce and spec.stages > 1:
+            raise SpecError("stages", f"{spec.smem_bytes} bytes of shared memory, more than the {limit} of gpu="
+                                      f"{spec.gpu}: at head_dim {spec.head_dim} dq_tma_reduce's dQ tiles leave room "
+                                      f"for stages=1 (or set dq_tma_reduce=False)")
         raise SpecError("block_n", f"{spec.smem_bytes} bytes of shared memory, more than the {limit} of gpu="
                                    f"{spec.gpu}")
 

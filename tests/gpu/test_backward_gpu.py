@@ -39,10 +39,12 @@ HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 def precompiled():
     """Every shipped backward kernel for this GPU, compiled in parallel (NVRTC releases the GIL)."""
     info = api.device_info(torch.cuda.current_device())
-    sm = api.device_target("sm80", info)
-    specs = [s.replace(gpu=info.budget_gpu) for s in default_backward_specs()]
+    jobs = [(s.replace(gpu=info.budget_gpu), api.device_target("sm80", info)) for s in default_backward_specs()]
+    if info.compute_capability == (9, 0):   # and the sm90 defaults (what arch=None runs there), both dQ paths
+        jobs += [(BackwardSpec(arch="sm90", head_dim=s.head_dim, dtype=s.dtype, causal=s.causal, dq_tma_reduce=t),
+                  api.device_target("sm90", info)) for s in default_backward_specs() for t in (False, True)]
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda s: backward.compile(s, sm=sm, verbose=False), specs))
+        list(pool.map(lambda job: backward.compile(job[0], sm=job[1], verbose=False), jobs))
 
 
 def reference(q, k, v, do, causal, scale, upcast):
@@ -132,13 +134,13 @@ def test_strided_inputs_and_poisoned_outputs(causal):
                          ids=["sm80", "sm90", "sm90-dqtma"])
 @pytest.mark.parametrize("sq, sk, causal, d, heads", [(1023, 1024, True, 128, "gqa"), (239, 1, False, 64, "mha"),
                                                       (113, 2000, True, 256, "mqa"), (2048, 2048, False, 96, "mha"),
-                                                      (777, 3000, False, 64, "gqa")])
+                                                      (777, 3000, False, 64, "gqa"), (501, 700, True, 192, "gqa")])
 def test_deterministic_gradients_are_bit_identical_and_right(arch, knobs, sq, sk, causal, d, heads):
     """deterministic=True: dQ's fp32 adds in key-block order (sm90: and warpgroup 0's before 1's where
     both add into every column, head_dim 64), so three runs give the same bits (and each passes the
-    criterion); many key blocks per query block (sk 2000: 16) make the turns count."""
-    if arch == "sm90" and (d > 128 or torch.cuda.get_device_capability() != (9, 0)):
-        pytest.skip("the sm90 backward: head_dim 64, 96, 128 on a compute capability 9.0 GPU")
+    criterion); many key blocks per query block (sk 2000: 16, sm90 head_dim 256: 32) make the turns count."""
+    if arch == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backward: a compute capability 9.0 GPU")
     hq, hkv = HEADS[heads]
     q, k, v, do = make(2, sq, sk, hq, hkv, d, torch.bfloat16, seed=sq + sk + d)
     out64, lse64, _ = reference(q, k, v, do, causal, d ** -0.5, upcast=True)
@@ -298,7 +300,7 @@ def test_default_spec_fits_this_gpu():
 
 HAVE_SM90 = HAVE_GPU and torch.cuda.get_device_capability() == (9, 0)
 sm90_only = pytest.mark.skipif(not HAVE_SM90, reason="the sm90 backward needs an H100/H200")
-SM90_HEAD_DIMS = (64, 96, 128)
+SM90_HEAD_DIMS = (64, 96, 128, 192, 256)     # 192, 256: the warpgroups split head_dim (KV_SPLIT_COLS)
 SM90_SEQLENS = ((1, 1), (239, 1), (113, 203), (1023, 1024), (128, 128), (64, 65), (200, 64))
 # Every seqlen pair x causal x head_dim x dtype, the head layout cycling through MHA/GQA/MQA, and every
 # head layout at head_dim 128 bf16 besides.
@@ -322,15 +324,16 @@ def test_sm90_gradients_match_float64(sq, sk, causal, d, dt, heads):
 
 
 @sm90_only
+@pytest.mark.parametrize("d", [128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_strided_inputs_and_a_second_call_on_other_tensors(causal):
-    """Strided Q (a head stride of 256), then a second call of the same layout on other tensors: the
-    plan's TMA maps must follow the new pointers."""
-    base = torch.randn(2, 97, 8, 128, device="cuda", dtype=torch.bfloat16)
+def test_sm90_strided_inputs_and_a_second_call_on_other_tensors(causal, d):
+    """Strided Q (a head stride of 2 x head_dim), then a second call of the same layout on other
+    tensors: the plan's TMA maps must follow the new pointers."""
+    base = torch.randn(2, 97, 8, d, device="cuda", dtype=torch.bfloat16)
     q = base[:, :, ::2]
-    k = torch.randn(2, 150, 2, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(2, 150, 2, 128, device="cuda", dtype=torch.bfloat16)
-    do = torch.randn(2, 97, 4, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 150, 2, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 150, 2, d, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(2, 97, 4, d, device="cuda", dtype=torch.bfloat16)
     got = run_backward(q, k, v, do, causal, 0.125, poison=True, arch="sm90")
     assert check_grads(got, do, q, k, v, causal, 0.125) == []
     q2, k2, v2, do2 = (torch.randn_like(x) for x in (base, k, v, do))
@@ -340,7 +343,7 @@ def test_sm90_strided_inputs_and_a_second_call_on_other_tensors(causal):
 
 
 @sm90_only
-@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True), (192, False), (256, True)])
 def test_sm90_matches_sm80(d, causal):
     """The two backwards on the same O and LSE: dK, dV within bf16 rounding of each other (different
     summation orders), dQ too (fp32 atomics in any order)."""
@@ -385,7 +388,7 @@ def test_sm90_dq_tma_reduce_gradients_match_float64(sq, sk, causal, d, dt, heads
 
 @sm90_only
 @pytest.mark.parametrize("sq, sk, hq, hkv", [(113, 239, 8, 2), (239, 113, 6, 1), (1, 300, 4, 4), (1000, 1000, 8, 1)])
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_dq_tma_reduce_changes_only_dq(sq, sk, hq, hkv, d, causal):
     """The knob on and off on the same inputs: dK and dV alike (the same code computes them; expected
@@ -409,3 +412,13 @@ def test_sm90_dq_tma_reduce_strided_inputs_and_a_second_call():
         do = torch.randn(2, 97, 4, 128, device="cuda", dtype=torch.bfloat16)
         got = run_backward(q, k, v, do, True, 0.125, poison=True, arch="sm90", dq_tma_reduce=True)
         assert check_grads(got, do, q, k, v, True, 0.125) == []
+
+
+@sm90_only
+@pytest.mark.parametrize("d", [192, 256])
+def test_sm90_is_the_default_at_head_dims_192_256(d):
+    """arch=None on an H100/H200 runs the sm90 backward at head_dim 192 and 256 too (default_arch)."""
+    info = api.device_info(torch.cuda.current_device())
+    assert backward.default_arch(info, d, "bf16", True, {}) == "sm90"
+    spec = backward.choose(d, "bf16", True, info, {})
+    assert (spec.arch, spec.block_n) == ("sm90", 64) and spec.smem_bytes <= info.smem_per_block_optin
