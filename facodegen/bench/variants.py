@@ -62,6 +62,7 @@ def _facodegen_fn(arch: str, overrides: dict, s: InputSet, causal: bool):
     def fn(_operands=(q, k, v)):     # the launcher points into these (v may be a V^T made here)
         launcher()
         return out
+    fn.prepared = launcher          # (scripts/lab.py patch-ab reaches the plan's scratch through it)
     return fn, contextlib.nullcontext, launcher.spec.variant, s
 
 

@@ -2,13 +2,15 @@
 """A source patch against the plain kernel, the two taking turns on the same inputs (GPU, sm90).
 
     python3 scripts/lab.py patch-ab --cell 256,8192,0 --cell 256,16384,1 --patch a.patch --patch b.patch \
-        [--templates .old/templates] [--dtype fp8] [--variant k=v,...] [--peers fa3] [--groups 10] [--out DIR]
+        [--templates .old/templates [--zero-counter]] [--dtype fp8] [--variant k=v,...] [--peers fa3] [--groups 10] [--out DIR]
 
 Renders each cell's kernel as facodegen.ops.api picks it (with --variant's spec overrides), applies each
 patch (scripts/lab.py trace-steps' format: blocks 'OLD\\n===\\nNEW' separated by lines '%%%') to the
 rendered source (--templates: renders it from another copy of templates/ instead, e.g. the base
 commit's: `git worktree add /tmp/base HEAD~1 && cp -r /tmp/base/templates .old/`, carried), and times
-the plain kernel, every patched one and the peers group by group in turn
+the plain kernel, every patched one and the peers group by group in turn (--zero-counter: a --templates
+tree from before 2026-12-03 wants the host to zero the tile counter before each launch; its launches
+then do so, as that tree's own prepared path did)
 (facodegen.bench.time_cuda_interleaved), so clock drift falls on all alike. Every output is checked
 against the float64 reference on a slice first; a patch that breaks it (a bound, e.g. O never
 stored) is timed anyway and marked. nvidia-smi samples the SM clock and power meanwhile (as
@@ -37,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="another copy of templates/ (e.g. the base commit's, from git worktree): its kernel "
                         "is timed beside the plain one as a patch is")
     p.add_argument("--dtype", default="fp8")
+    p.add_argument("--zero-counter", action="store_true",
+                   help="--templates kernels: zero the tile scheduler's counter before each launch, as the host "
+                        "did before the kernels reset it themselves (sm90/scheduler.cuh.j2, 2026-12-03): an "
+                        "older tree's persistent kernels timed as its own prepared path ran them")
     p.add_argument("--variant", default="", help="spec overrides k=v,... for every kernel")
     p.add_argument("--peers", default="")
     p.add_argument("--groups", type=int, default=10)
@@ -58,9 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     emitters = {"plain": plain_emit}
     for f in args.patch:
         emitters[os.path.basename(f)] = lambda spec, text=open(f).read(): apply_patch(plain_emit(spec), text)
+    zeroed = set()      # emitters whose kernels get the host's counter reset (--zero-counter)
     for d in args.templates:
-        emitters[os.path.basename(os.path.dirname(os.path.abspath(d))) or d] = (
-            lambda spec, d=os.path.abspath(d): plain_emit(spec, templates=d))
+        name = os.path.basename(os.path.dirname(os.path.abspath(d))) or d
+        emitters[name] = lambda spec, d=os.path.abspath(d): plain_emit(spec, templates=d)
+        if args.zero_counter:
+            zeroed.add(name)
     if args.out:
         os.makedirs(args.out, exist_ok=True)          # nvidia-smi's samples go there while timing
     rows = []
@@ -74,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             compiler.clear_memo()
             api._prepare.cache_clear()
             fn, _, variant, checked = _facodegen_fn("sm90", overrides, s, c["causal"])
+            if name in zeroed:
+                fn = _with_counter_zeroed(fn)
             ok, _, err = _slice_check(fn(), checked, c["causal"], args.dtype)
             row[f"{name} check"] = f"{'ok' if ok else 'FAILS'} rel_fro {err:.2e}"
             print(f"{text} {name}: {variant} {row[f'{name} check']}", flush=True)
@@ -114,6 +125,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {row['cell']}: " + ", ".join(f"{n} {row[n + ' clock']:.0f} / {row[n + ' power']:.0f}"
                                              for n in list(emitters) + peers))
     return 0
+
+
+def _with_counter_zeroed(fn):
+    """fn (bench's prepared launcher) after a cuMemsetD32Async of its plan's tile counter on the
+    current stream: what facodegen's host did before every launch of a persistent sm90 kernel until
+    the kernels left the counter at zero themselves."""
+    import torch
+    from facodegen.runtime import driver
+    call = fn.prepared._call
+
+    def zeroed():
+        stream = torch.cuda.current_stream().cuda_stream
+        driver.memset_d32_async(call.plan.scratch(stream).counter, 0, 1, stream)
+        return fn()
+    return zeroed
 
 
 if __name__ == "__main__":
