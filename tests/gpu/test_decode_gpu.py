@@ -242,19 +242,25 @@ def test_cuda_graph_replay_follows_the_lengths():
 
 
 def test_host_cost_of_a_warm_call():
-    """The host time of a plan hit: bench.time_host_per_call's host_us (chunks of 100 calls after a
-    synchronize, only the loop on the clock), not a loop's time per call, which is the GPU's as soon
-    as a call's kernels take longer than its host work (the H200 of 2026-12-03: 45-48 us that way)."""
+    """A warm call takes the plan-cache hit: no timed call builds a plan, and its host time
+    (bench.time_host_per_call's host_us: chunks of 100 calls after a synchronize, only the loop on
+    the clock) stays far below a miss's. The figure itself is the benchmark's (scripts/
+    host_cost_breakdown.py, on an idle host): this file runs beside 11 other pytest workers, and
+    such a host read 59 us for a call the idle one times at 17 (H200, 2026-12-04)."""
     from facodegen import bench
+    from facodegen.ops import kvcache
     case = make_case(batch=1, heads_q=32, heads_kv=8, capacity=512, page_size=64, lengths=[500])
     args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"])
     for splits in (1, 2):
         kw = {"page_table": case["page_table"], "num_splits": splits}
+        facodegen.attention_with_kvcache(*args, **kw)
+        misses = kvcache._PLANS.misses
         t = bench.time_host_per_call(lambda: facodegen.attention_with_kvcache(*args, **kw), torch.cuda.synchronize,
                                      warmup=20, calls=500, repeats=3)
         print(f"host cost per warm call (paged, num_splits={splits}): {t['host_us']:.1f} us "
               f"(a loop's time per call: {t['loop_us']:.1f} us)")
-        assert t["host_us"] < 40, f"{t['host_us']:.1f} us per call (target 15)"
+        assert kvcache._PLANS.misses == misses, "a warm call built a plan (the key changed between calls)"
+        assert t["host_us"] < 150, f"{t['host_us']:.1f} us per call (an idle H200 host: ~17)"
 
 
 def _appended_rows(k_cache, lengths, table):
