@@ -27,6 +27,11 @@ VARLEN_SPECS = [s.replace(varlen=True) for s in SM80_DEFAULTS]
 # sm90: the default 16-bit kernels of every head dim with varlen (one CTA per tile: not persistent)
 SM90_VARLEN_SPECS = [KernelSpec(arch="sm90", head_dim=d, dtype=t, causal=c, varlen=True)
                      for d in facodegen.spec.HEAD_DIMS for t in ("bf16", "fp16") for c in (False, True)]
+# and the structural knobs whose code the O store and the loads meet: L2 prefetch (packed rows), no
+# intra-warpgroup overlap, O over Q (its release after the row stores), O over the V ring (o_free)
+SM90_VARLEN_KNOBS = [KernelSpec(arch="sm90", head_dim=128, dtype="bf16", causal=True, varlen=True, **f)
+                     for f in (dict(l2_prefetch=2), dict(intra_wg_overlap=False), dict(separate_o=False),
+                               dict(o_in_v=True, separate_o=False))]
 
 
 # ------------------------------------------------------------------ spec, render, compile
@@ -109,7 +114,7 @@ def test_the_cli_emits_an_sm90_varlen_kernel():
 
 
 @pytest.fixture(scope="module", params=[(s, sm) for s in VARLEN_SPECS for sm in ("sm_80", "sm_90")]
-                + [(s, None) for s in SM90_VARLEN_SPECS],
+                + [(s, None) for s in SM90_VARLEN_SPECS + SM90_VARLEN_KNOBS],
                 ids=lambda p: f"{p[0].variant}-{p[1] or 'sm_90a'}")
 def varlen_kernel(request):
     spec, sm = request.param
