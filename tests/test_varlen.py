@@ -92,7 +92,8 @@ def test_the_sm90_varlen_kernel_stores_o_row_by_row():
     source = facodegen.emit(SM90_VARLEN_SPECS[3])      # head_dim 64, fp16, causal
     lines = [line.strip() for line in source.splitlines()]
     assert lines[4].endswith("--varlen") and "--no-persistent" in lines[4]
-    for line in ("t.q_start = p.cu_seqlens_q[batch];", "t.seqlen_k = p.cu_seqlens_k[batch + 1] - t.k_start;",
+    for line in ("t.q_start = p.cu_seqlens_q[sequence];", "t.seqlen_k = p.cu_seqlens_k[sequence + 1] - t.k_start;",
+                 "const int sequence = static_cast<unsigned>(batch) < static_cast<unsigned>(p.batch) ? batch",
                  "if (first.m_block * BLOCK_M >= first.seqlen_q) {", "store_o_rows(p, t, o_rows, wg, tid);",
                  "t.q_start + t.m_block * BLOCK_M, t.head, 0, L2_EVICT_FIRST);",
                  "apply_mask(s_reg, row0, n * BLOCK_N + col_in_block, t.seqlen_q, t.seqlen_k, CAUSAL);",
