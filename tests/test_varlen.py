@@ -15,7 +15,7 @@ import pytest
 import facodegen
 from facodegen import KernelSpec, SpecError
 from facodegen.ops import adapters, varlen
-from facodegen.runtime import params, plan as plan_mod
+from facodegen.runtime import params, plan as plan_mod, tma as tma_mod
 from facodegen.verify.reference import attention_reference, varlen_reference
 from fakes import FakeTensor
 from test_plan_cache import fake  # noqa: F401 (the fake torch and driver fixture)
@@ -387,5 +387,43 @@ def test_sm90_maps_span_the_packed_tokens_and_follow_the_totals(varlen_plans, mo
     assert encoded == [] and varlen._PLANS.misses == 1
     longer_k = FakeTensor((300, HKV, D))
     _call(dict(args, q=q, k=longer_k, v=args["v"]), arch="sm90", out=out)    # other total_k: encoded anew
-    assert varlen._PLANS.misses == 1 and {a.dims for a in encoded} >= {(D, 300, HKV, 1), (D, 118, HQ, 1)}
+    assert varlen._PLANS.misses == 1 and len(encoded) == 3         # Q, K, V (tma_o, unused, is Q's)
+    assert {a.dims for a in encoded} == {(D, 300, HKV, 1), (D, 118, HQ, 1)}
     assert varlen_plans.launches.map_moves == []
+
+
+@pytest.mark.parametrize("spec", [s for s in SM90_VARLEN_SPECS if s.dtype == "bf16" and not s.causal],
+                         ids=lambda s: f"hd{s.head_dim}")
+def test_store_o_rows_reads_back_what_the_epilogue_wrote(spec):
+    """A model of the two halves of the sm90 varlen O store, with the template's formulas: the
+    epilogue's st.shared of the accumulator pairs into the swizzled staging tile (16-byte chunk q of
+    row r at q ^ (r & mask)) and store_o_rows' 16-byte reads, chunk c of row r of a warpgroup: every
+    read finds exactly row r's columns 8c .. 8c+7, in order, and covers the tile once."""
+    d, block_m = spec.head_dim, spec.block_m
+    swizzle, slab_cols = tma_mod.slab_geometry(d)
+    slab_bytes = block_m * swizzle                      # O_SLAB_BYTES (= Q's: BLOCK_M rows x SWIZZLE_BYTES)
+
+    def swizzled(offset):                               # swizzle_xor<SWIZZLE_BYTES>
+        return offset ^ (((offset >> 7) & (swizzle // 16 - 1)) << 4)
+    written = {}
+    for wg in range(block_m // 64):
+        for tid in range(128):
+            lane, warp = tid % 32, tid // 32
+            row_in_tile, col_in_block = wg * 64 + warp * 16 + lane // 4, 2 * (lane % 4)
+            for i in range(0, d // 2, 2):
+                row, col = row_in_tile + 8 * ((i >> 1) & 1), 8 * (i >> 2) + col_in_block
+                addr = (col // slab_cols) * slab_bytes + swizzled(row * swizzle + (col % slab_cols) * 2)
+                written[addr], written[addr + 2] = (row, col), (row, col + 1)
+    assert len(written) == block_m * d
+    row_chunks, slab_chunks = d * 2 // 16, swizzle // 16
+    read = set()
+    for wg in range(block_m // 64):
+        o_rows = wg * 64 * swizzle
+        for tid in range(128):
+            for round_ in range(64 * row_chunks // 128):
+                chunk = round_ * 128 + tid
+                row, c = chunk // row_chunks, chunk % row_chunks
+                addr = o_rows + (c // slab_chunks) * slab_bytes + swizzled(row * swizzle + (c % slab_chunks) * 16)
+                assert [written[addr + 2 * e] for e in range(8)] == [(wg * 64 + row, 8 * c + e) for e in range(8)]
+                read.add((wg * 64 + row, c))
+    assert len(read) == block_m * row_chunks

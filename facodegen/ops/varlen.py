@@ -213,7 +213,10 @@ def map_encoder(spec, heads_q: int, heads_kv: int, strides: tuple):
     of those addresses and token counts (``strides``: q's, k's, v's, o's (batch, row, head), fixed by
     the plan's key)."""
     def encode_maps(q: int, k: int, v: int, o: int, total_q: int, total_k: int) -> dict[str, bytes]:
-        return tma.tensor_maps(spec, q, k, v, o, 1, total_q, total_k, heads_q, heads_kv, *strides)
+        args = tma.tensor_map_args(spec, q, k, v, o, 1, total_q, total_k, heads_q, heads_kv, *strides)
+        maps = {name: tma.encode(args[name]) for name in ("tma_q", "tma_k", "tma_v")}
+        maps["tma_o"] = maps["tma_q"]       # (never used: the varlen kernel stores O row by row)
+        return maps
     return encode_maps
 
 
