@@ -1,6 +1,6 @@
 """Variable-length attention (facodegen.attention_varlen) on the CPU: the varlen kernels (sm80, and
-sm90: wgmma/TMA, O stored row by row) render and compile without spills, the float64 varlen reference agrees with the padded one sequence by
-sequence, every argument error names its argument, a call whose cu_seqlens values change is a
+sm90: wgmma/TMA, O stored row by row) render and compile without spills, the float64 varlen
+reference agrees with the padded one sequence by sequence, every argument error names its argument, a call whose cu_seqlens values change is a
 plan-cache hit (sm90: its TMA maps encoded anew over the packed tokens when the totals change), and
 the FlashParams bytes hold the sequence boundaries where the struct says.
 The kernels' numbers on a GPU: tests/gpu/test_varlen_gpu.py."""

@@ -2,7 +2,8 @@
 lengths, facodegen.attention_varlen beside FlashAttention-3's ``flash_attn_varlen_func`` and beside
 the padded way, every sequence padded to the longest: facodegen.attention on (batch, max_seqlen)
 (the sm80 kernel and the GPU's native arch where that differs, each the varlen kernel of its arch
-without varlen; facodegen varlen runs the native arch's, and on sm90 GPUs the sm80 one is timed too) and cuDNN through torch SDPA's CUDNN_ATTENTION backend (SDPA's cuDNN backend has no packed
+without varlen; facodegen varlen runs the native arch's, and on sm90 GPUs the sm80 one is timed
+too) and cuDNN through torch SDPA's CUDNN_ATTENTION backend (SDPA's cuDNN backend has no packed
 varlen call, so cuDNN is timed padded only).
 
 Cells: bf16, head_dim 64/128, causal and not, heads = 2048 / head_dim (grids.HIDDEN), and per cell
