@@ -83,6 +83,9 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     kv = [c for c in cases if c.family == "kvcache"]
     assert any(c.page_size and c.seqlen_new and c.num_splits > 1 for c in kv)
     assert all(c.sinks and c.softcap and c.window_left >= 0 for c in variants)
+    # varlen on both archs' kernels (sm90: its own, TMA over the packed tokens), both dtypes and masks
+    assert {(c.arch, c.dtype, c.causal) for c in cases if c.family == "varlen"} == {
+        (a, d, c) for a in ("sm80", "sm90") for d in ("bf16", "fp16") for c in (False, True)}
 
 
 def test_sanitizer_summaries_are_read():
@@ -195,7 +198,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
         elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen's plan_bound in the shape
             from facodegen.ops import varlen
             bound = varlen.plan_bound
-            assert specs == [api.resolve_spec(c.head_dim, c.dtype, c.causal, 0, varlen.check_arch(None),
+            assert specs == [api.resolve_spec(c.head_dim, c.dtype, c.causal, 0, varlen.check_arch(c.arch),
                                               shape=(c.batch, bound(c.seqlen_q), bound(c.seqlen_k), c.heads_q),
                                               varlen=True)]
         else:
@@ -299,9 +302,9 @@ def test_slow_cases_are_logged(monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("slow: case 1 took 7.0 s") and cases[0].repro() in lines[0]
 
 
-def test_varlen_cases_are_sm80_16bit_and_their_lengths_fit():
+def test_varlen_cases_are_16bit_on_both_archs_and_their_lengths_fit():
     cases = fuzz.generate(500, seed=4, family="varlen")
-    assert {c.family for c in cases} == {"varlen"} and {c.arch for c in cases} == {"sm80"}
+    assert {c.family for c in cases} == {"varlen"} and {c.arch for c in cases} == {"sm80", "sm90"}
     assert {c.dtype for c in cases} == {"bf16", "fp16"} and {c.causal for c in cases} == {False, True}
     drawn = set()
     for c in cases:
@@ -309,7 +312,7 @@ def test_varlen_cases_are_sm80_16bit_and_their_lengths_fit():
         assert fuzz.varlen_lengths(c) == (lengths_q, lengths_k) and len(lengths_q) == len(lengths_k) == c.batch
         assert max(lengths_q) == c.seqlen_q and max(lengths_k) <= c.seqlen_k and sum(lengths_k) >= 1
         drawn |= {min(lengths_q), min(lengths_k)}
-        assert api.spec_for_shape("sm80", c.head_dim, c.dtype, c.causal, (c.batch, c.seqlen_q, c.seqlen_k, c.heads_q),
+        assert api.spec_for_shape(c.arch, c.head_dim, c.dtype, c.causal, (c.batch, c.seqlen_q, c.seqlen_k, c.heads_q),
                                   varlen=True).varlen
     assert {0, 1} <= drawn
 

@@ -1,7 +1,8 @@
-"""Variable-length attention (facodegen.attention_varlen) on the CPU: the varlen kernels render and
-compile without spills, the float64 varlen reference agrees with the padded one sequence by
-sequence, every argument error names its argument, a call whose cu_seqlens values change is a
-plan-cache hit, and the FlashParams bytes hold the sequence boundaries where the struct says.
+"""Variable-length attention (facodegen.attention_varlen) on the CPU: the varlen kernels (sm80, and
+sm90: wgmma/TMA, O stored row by row) render and compile without spills, the float64 varlen
+reference agrees with the padded one sequence by sequence, every argument error names its argument, a call whose cu_seqlens values change is a
+plan-cache hit (sm90: its TMA maps encoded anew over the packed tokens when the totals change), and
+the FlashParams bytes hold the sequence boundaries where the struct says.
 The kernels' numbers on a GPU: tests/gpu/test_varlen_gpu.py."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import facodegen
 from facodegen import KernelSpec, SpecError
 from facodegen.ops import adapters, varlen
-from facodegen.runtime import params, plan as plan_mod
+from facodegen.runtime import params, plan as plan_mod, tma as tma_mod
 from facodegen.verify.reference import attention_reference, varlen_reference
 from fakes import FakeTensor
 from test_plan_cache import fake  # noqa: F401 (the fake torch and driver fixture)
@@ -23,6 +24,14 @@ compiler = pytest.importorskip("facodegen.runtime.compiler")
 
 SM80_DEFAULTS = [s for s in facodegen.default_specs() if s.arch == "sm80"]
 VARLEN_SPECS = [s.replace(varlen=True) for s in SM80_DEFAULTS]
+# sm90: the default 16-bit kernels of every head dim with varlen (one CTA per tile: not persistent)
+SM90_VARLEN_SPECS = [KernelSpec(arch="sm90", head_dim=d, dtype=t, causal=c, varlen=True)
+                     for d in facodegen.spec.HEAD_DIMS for t in ("bf16", "fp16") for c in (False, True)]
+# and the structural knobs whose code the O store and the loads meet: L2 prefetch (packed rows), no
+# intra-warpgroup overlap, O over Q (its release after the row stores), O over the V ring (o_free)
+SM90_VARLEN_KNOBS = [KernelSpec(arch="sm90", head_dim=128, dtype="bf16", causal=True, varlen=True, **f)
+                     for f in (dict(l2_prefetch=2), dict(intra_wg_overlap=False), dict(separate_o=False),
+                               dict(o_in_v=True, separate_o=False))]
 
 
 # ------------------------------------------------------------------ spec, render, compile
@@ -35,8 +44,22 @@ def test_varlen_spec_is_the_default_kernel_with_varlen():
     assert {s.head_dim for s in VARLEN_SPECS} == set(facodegen.spec.HEAD_DIMS)
 
 
+def test_sm90_varlen_spec_is_the_default_kernel_with_one_cta_per_tile():
+    for packed in SM90_VARLEN_SPECS:
+        plain = KernelSpec(arch="sm90", head_dim=packed.head_dim, dtype=packed.dtype, causal=packed.causal)
+        assert packed.varlen and packed.variant.endswith("_varlen") and "_np_" in packed.variant
+        assert not (packed.persistent or packed.dynamic_scheduler or packed.stream_k) and packed.cluster_m == 1
+        assert packed.q_stages == 1     # one tile per CTA: no next tile's Q to load early
+        assert (packed.block_m, packed.block_n, packed.stages, packed.consumer_warpgroups) == \
+            (plain.block_m, plain.block_n, plain.stages, plain.consumer_warpgroups)
+
+
 @pytest.mark.parametrize("fields, knob", [
-    (dict(arch="sm90"), "varlen"),
+    (dict(arch="sm90", dtype="fp8"), "varlen"),
+    (dict(arch="sm90", persistent=True), "persistent"),
+    (dict(arch="sm90", cluster_m=2), "cluster_m"),
+    (dict(arch="sm90", local=True), "local"),
+    (dict(arch="sm90", head_dim=80), "head_dim"),
     (dict(arch="sm80", schedule="fa1"), "varlen"),
     (dict(arch="sm80", local=True), "local"),
     (dict(arch="sm80", sinks=True), "sinks"),
@@ -62,17 +85,53 @@ def test_the_varlen_kernel_reads_cu_seqlens_and_says_so():
     assert "cu_seqlens_q;" in source and "total_q;" in source     # the FlashParams fields
 
 
-@pytest.fixture(scope="module", params=[(s, sm) for s in VARLEN_SPECS for sm in ("sm_80", "sm_90")],
-                ids=lambda p: f"{p[0].variant}-{p[1]}")
+def test_the_sm90_varlen_kernel_stores_o_row_by_row():
+    """sm90 varlen: the sequence's boundaries in the scheduler, TMA coordinates in the packed tokens,
+    the sequence's own lengths in the mask, no TMA store of O (per-row guarded stores instead), the
+    LSE at (head, total_q); the plain sm90 kernel has none of it."""
+    source = facodegen.emit(SM90_VARLEN_SPECS[3])      # head_dim 64, fp16, causal
+    lines = [line.strip() for line in source.splitlines()]
+    assert lines[4].endswith("--varlen") and "--no-persistent" in lines[4]
+    for line in ("t.q_start = p.cu_seqlens_q[sequence];", "t.seqlen_k = p.cu_seqlens_k[sequence + 1] - t.k_start;",
+                 "const int sequence = static_cast<unsigned>(batch) < static_cast<unsigned>(p.batch) ? batch",
+                 "if (first.m_block * BLOCK_M >= first.seqlen_q) {", "store_o_rows(p, t, o_rows, wg, tid);",
+                 "t.q_start + t.m_block * BLOCK_M, t.head, 0, L2_EVICT_FIRST);",
+                 "apply_mask(s_reg, row0, n * BLOCK_N + col_in_block, t.seqlen_q, t.seqlen_k, CAUSAL);",
+                 "p.lse[static_cast<int64_t>(t.head) * p.total_q + q_start_again(p, t) + row] = lse[r];"):
+        assert any(x.startswith(line) for x in lines), line
+    assert "tma_store_4d(p.tma_o" not in source and "tma_prefetch_desc(p.tma_o)" not in source
+    plain = facodegen.emit(KernelSpec(arch="sm90", head_dim=64, dtype="fp16", causal=True))
+    assert "cu_seqlens" not in plain and "tma_store_4d(p.tma_o" in plain
+
+
+def test_the_cli_emits_an_sm90_varlen_kernel():
+    from click.testing import CliRunner
+
+    from facodegen.cli import main
+    result = CliRunner().invoke(main, ["emit", "--arch", "sm90", "--varlen", "--head-dim", "128", "--causal"])
+    assert result.exit_code == 0, result.output
+    assert "flash_fwd_sm90_bf16_hd128_bm128_bn128_w12_st2_r24x240_ov_np_so_rsq_opt_causal_varlen(" in result.output
+    assert "store_o_rows(p, t, o_rows, wg, tid);" in result.output
+
+
+@pytest.fixture(scope="module", params=[(s, sm) for s in VARLEN_SPECS for sm in ("sm_80", "sm_90")]
+                + [(s, None) for s in SM90_VARLEN_SPECS + SM90_VARLEN_KNOBS],
+                ids=lambda p: f"{p[0].variant}-{p[1] or 'sm_90a'}")
 def varlen_kernel(request):
     spec, sm = request.param
-    return compiler.compile(spec, sm=sm)
+    return spec, compiler.compile(spec, sm=sm)
 
 
 def test_varlen_kernels_compile_without_spills(varlen_kernel):
-    r = varlen_kernel.resources
-    assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), varlen_kernel.log
+    spec, kernel = varlen_kernel
+    r = kernel.resources
+    assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), kernel.log
     assert 0 < r.registers <= 255
+    if spec.arch == "sm90":     # no local memory, no serialised wgmma or ignored setmaxnreg (C75xx)
+        counts = kernel.sass_counts()
+        assert counts["LDL"] == 0 and counts["STL"] == 0 and "C75" not in kernel.log, kernel.log
+        # O leaves by 16-byte st.global (guarded per row), never by a TMA store; Q, K, V by TMA
+        assert counts["UTMASTG"] == 0 and counts["UTMALDG"] > 0 and "STG.E.128" in kernel.sass()
 
 
 # ------------------------------------------------------------------ the float64 reference
@@ -145,7 +204,7 @@ def _call(args, **kw):
     (dict(max_seqlen_q=-1), {}, ValueError, "max_seqlen_q must be >= 0"),
     ({}, dict(causal=1), TypeError, "causal must be True or False"),
     ({}, dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be a finite number"),
-    ({}, dict(arch="sm90"), ValueError, "arch='sm90': attention_varlen runs the sm80 kernel"),
+    ({}, dict(arch="sm100"), ValueError, "arch='sm100': attention_varlen has the sm80 and sm90 kernels"),
     ({}, dict(out=FakeTensor((118, HQ, 64))), ValueError, "out has shape (118, 8, 64), q has (118, 8, 128)"),
     ({}, dict(out=FakeTensor((118, HQ, D), "float16")), TypeError, "out must be a torch bfloat16 array"),
     ({}, dict(varlen=False), ValueError, "varlen is attention_varlen's own switch"),
@@ -184,7 +243,7 @@ def test_flash_attn_varlen_func_runs_attention_varlen(varlen_plans):
                                                       return_attn_probs=True, deterministic=True)
     assert out.shape == a["q"].shape and lse.shape == (HQ, 118) and probs is None
     (spec,) = {p.spec for p in varlen._PLANS._plans.values()}
-    assert spec.varlen and spec.causal and spec.arch == "sm80"
+    assert spec.varlen and spec.causal and spec.arch == "sm90"     # the fake H200's arch, as attention()'s
 
 
 # ------------------------------------------------------------------ plan cache and FlashParams bytes
@@ -195,32 +254,37 @@ def varlen_plans(fake, monkeypatch):  # noqa: F811
     return fake
 
 
-def _fields(record) -> dict:
-    placed, _, _ = params.layout("sm80", "bf16", varlen=True)
+ARCHS = pytest.mark.parametrize("arch", ["sm80", "sm90"])
+
+
+def _fields(record, arch="sm80") -> dict:
+    placed, _, _ = params.layout(arch, "bf16", varlen=True)
     formats = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}
-    return {f.name: struct.unpack_from(formats[f.kind], record["params"], off)[0] for f, off in placed}
+    return {f.name: struct.unpack_from(formats[f.kind], record["params"], off)[0] if f.kind in formats
+            else record["params"][off:off + f.size] for f, off in placed}     # (sm90's maps: their bytes)
 
 
-def test_new_cu_seqlens_values_hit_the_plan_and_are_patched_in(varlen_plans):
+@ARCHS
+def test_new_cu_seqlens_values_hit_the_plan_and_are_patched_in(varlen_plans, arch):
     state = varlen_plans
     args = _args()
-    out, lse = _call(args, causal=True, return_lse=True)
+    out, lse = _call(args, causal=True, return_lse=True, arch=arch)
     # the same layouts, other boundaries (same total tokens): new cu_seqlens arrays, new q/k/v/out
     again = _args(cu_seqlens_q=FakeTensor((5,), "int32"), cu_seqlens_k=FakeTensor((5,), "int32"))
-    out2, lse2 = _call(again, causal=True, return_lse=True)
+    out2, lse2 = _call(again, causal=True, return_lse=True, arch=arch)
     assert varlen._PLANS.misses == 1 and len(state.launches.records) == 2
-    first, second = (_fields(r) for r in state.launches.records)
+    first, second = (_fields(r, arch) for r in state.launches.records)
     assert (second["cu_seqlens_q"], second["cu_seqlens_k"]) == (again["cu_seqlens_q"].data_ptr(),
                                                                 again["cu_seqlens_k"].data_ptr())
     assert (second["q"], second["o"], second["lse"]) == (again["q"].data_ptr(), out2.data_ptr(), lse2.data_ptr())
     unchanged = set(first) - {"q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k"}
     assert {n: first[n] for n in unchanged} == {n: second[n] for n in unchanged}
     # a longer max_seqlen under the same power of two (a server's growing sequences): the same plan
-    _call(_args(max_seqlen_q=128, max_seqlen_k=101), causal=True, return_lse=True)
+    _call(_args(max_seqlen_q=128, max_seqlen_k=101), causal=True, return_lse=True, arch=arch)
     assert varlen._PLANS.misses == 1
     # past it, another grid: a new plan
-    _call(_args(max_seqlen_q=129), causal=True, return_lse=True)
-    _call(_args(max_seqlen_q=17), causal=True, return_lse=True)
+    _call(_args(max_seqlen_q=129), causal=True, return_lse=True, arch=arch)
+    _call(_args(max_seqlen_q=17), causal=True, return_lse=True, arch=arch)
     assert varlen._PLANS.misses == 3
     assert [r["grid"][0] for r in state.launches.records[-3:]] == [-(-n // _plan_spec().block_m) for n in (128, 256, 32)]
 
@@ -234,45 +298,47 @@ def test_plan_bound_rounds_up_to_a_power_of_two():
     assert varlen.plan_bound(-3) == -3
 
 
-def test_other_total_tokens_hit_the_plan_and_patch_total_q(varlen_plans):
+@ARCHS
+def test_other_total_tokens_hit_the_plan_and_patch_total_q(varlen_plans, arch):
     """The same sequences count and max_seqlen with other total tokens (a training step's next
     batch): a hit whose FlashParams differ from the first call's only in the pointers and total_q;
     the LSE comes out (heads_q, total_q); a larger total that did not ask for the LSE writes it to
     a temporary, not past the plan's scratch."""
     state = varlen_plans
-    _call(_args((1, 17, 0, 100)), causal=True, return_lse=True)
-    out, lse = _call(_args((100, 3, 50, 60)), causal=True, return_lse=True)      # 213 tokens
+    _call(_args((1, 17, 0, 100)), causal=True, return_lse=True, arch=arch)
+    out, lse = _call(_args((100, 3, 50, 60)), causal=True, return_lse=True, arch=arch)      # 213 tokens
     assert varlen._PLANS.misses == 1 and out.shape == (213, HQ, D) and lse.shape == (HQ, 213)
-    first, second = (_fields(r) for r in state.launches.records)
+    first, second = (_fields(r, arch) for r in state.launches.records)
     assert (first["total_q"], second["total_q"]) == (118, 213) and second["lse"] == lse.data_ptr()
     changed = {n for n in first if first[n] != second[n]}
     assert changed <= {"q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "total_q"}
     # without the LSE (another plan): its scratch holds 118 tokens' LSE
-    _call(_args((1, 17, 0, 100)), causal=True)
-    scratch_lse = _fields(state.launches.records[-1])["lse"]
-    _call(_args((100, 3, 50, 60)), causal=True)                                    # 213 > 118: a temporary
-    third = _fields(state.launches.records[-1])
+    _call(_args((1, 17, 0, 100)), causal=True, arch=arch)
+    scratch_lse = _fields(state.launches.records[-1], arch)["lse"]
+    _call(_args((100, 3, 50, 60)), causal=True, arch=arch)                                    # 213 > 118: a temporary
+    third = _fields(state.launches.records[-1], arch)
     assert third["total_q"] == 213 and third["lse"] not in (0, scratch_lse)
-    _call(_args((1, 2, 3, 100)), causal=True)                                      # 106 <= 118: the scratch
-    assert _fields(state.launches.records[-1])["lse"] == scratch_lse and varlen._PLANS.misses == 2
+    _call(_args((1, 2, 3, 100)), causal=True, arch=arch)                                      # 106 <= 118: the scratch
+    assert _fields(state.launches.records[-1], arch)["lse"] == scratch_lse and varlen._PLANS.misses == 2
 
 
-def test_flashparams_bytes_of_a_varlen_call(varlen_plans):
+@ARCHS
+def test_flashparams_bytes_of_a_varlen_call(varlen_plans, arch):
     state = varlen_plans
     lengths = (1, 17, 0, 100)
     args = _args(lengths, q=FakeTensor((118, HQ, D), strides=(3 * HQ * D, D, 1)))   # a strided token axis
-    out = _call(args, softmax_scale=0.25)
+    out = _call(args, softmax_scale=0.25, arch=arch)
     (record,) = state.launches.records
-    placed, size, _ = params.layout("sm80", "bf16", varlen=True)
+    placed, size, _ = params.layout(arch, "bf16", varlen=True)
     offsets = {f.name: off for f, off in placed}
-    plain = params.layout("sm80", "bf16")
+    plain = params.layout(arch, "bf16")
     # the varlen fields come after the plain struct's (its layout, and plan.py's pointer offsets, unchanged)
     assert [f.name for f, _ in placed[:len(plain[0])]] == [f.name for f, _ in plain[0]]
     assert offsets["cu_seqlens_q"] >= plain[1] and offsets["cu_seqlens_k"] == offsets["cu_seqlens_q"] + 8
     raw = record["params"]
     assert struct.unpack_from("<2Q", raw, offsets["cu_seqlens_q"]) == (args["cu_seqlens_q"].data_ptr(),
                                                                         args["cu_seqlens_k"].data_ptr())
-    f = _fields(record)
+    f = _fields(record, arch)
     assert f["q"] == args["q"].data_ptr() and f["o"] == out.data_ptr() and f["lse"] != 0     # scratch LSE
     # the grid's bounds: max_seqlen 100's plan_bound
     assert (f["batch"], f["seqlen_q"], f["seqlen_k"], f["heads_q"], f["heads_kv"], f["total_q"]) == \
@@ -285,8 +351,9 @@ def test_flashparams_bytes_of_a_varlen_call(varlen_plans):
     assert f["softmax_scale"] == 0.25
 
 
-def test_all_sequences_empty_launches_nothing(varlen_plans):
-    out = _call(_args(max_seqlen_q=0))
+@ARCHS
+def test_all_sequences_empty_launches_nothing(varlen_plans, arch):
+    out = _call(_args(max_seqlen_q=0), arch=arch)
     assert out.shape == (118, HQ, D) and varlen_plans.launches.records == []
 
 
@@ -297,3 +364,66 @@ def test_the_cli_emits_a_varlen_kernel():
     result = CliRunner().invoke(main, ["emit", "--arch", "sm80", "--varlen", "--head-dim", "64"])
     assert result.exit_code == 0, result.output
     assert "flash_fwd_sm80_bf16_hd64_bm128_bn128_w4_st2_varlen(const __grid_constant__ FlashParams p)" in result.output
+
+
+def test_sm90_maps_span_the_packed_tokens_and_follow_the_totals(varlen_plans, monkeypatch):
+    """sm90: the TMA maps are over the packed tensors, {head_dim, total, heads, 1} with the token
+    stride as the row stride; a hit with the same addresses and totals encodes nothing, other totals
+    (or addresses) encode the three maps anew (never cuTensorMapReplaceAddress: the extents changed)."""
+    from facodegen.runtime import tma
+    encoded = []
+    monkeypatch.setattr(tma, "encode", lambda a: encoded.append(a) or bytes(128))
+    q = FakeTensor((118, HQ, D), strides=(3 * HQ * D, D, 1))
+    args = _args((1, 17, 0, 100), q=q)
+    out = FakeTensor((118, HQ, D))
+    _call(args, arch="sm90", out=out)
+    by_ptr = {a.ptr: a for a in encoded}
+    assert len(encoded) == 4 and set(by_ptr) == {q.data_ptr(), args["k"].data_ptr(), args["v"].data_ptr(),
+                                                  out.data_ptr()}
+    assert by_ptr[q.data_ptr()].dims == (D, 118, HQ, 1) and by_ptr[q.data_ptr()].strides[:2] == (3 * HQ * D * 2, D * 2)
+    assert by_ptr[args["k"].data_ptr()].dims == (D, 118, HKV, 1)
+    encoded.clear()
+    _call(dict(args, q=q), arch="sm90", out=out)                   # the same addresses and totals: the image
+    assert encoded == [] and varlen._PLANS.misses == 1
+    longer_k = FakeTensor((300, HKV, D))
+    _call(dict(args, q=q, k=longer_k, v=args["v"]), arch="sm90", out=out)    # other total_k: encoded anew
+    assert varlen._PLANS.misses == 1 and len(encoded) == 3         # Q, K, V (tma_o, unused, is Q's)
+    assert {a.dims for a in encoded} == {(D, 300, HKV, 1), (D, 118, HQ, 1)}
+    assert varlen_plans.launches.map_moves == []
+
+
+@pytest.mark.parametrize("spec", [s for s in SM90_VARLEN_SPECS if s.dtype == "bf16" and not s.causal],
+                         ids=lambda s: f"hd{s.head_dim}")
+def test_store_o_rows_reads_back_what_the_epilogue_wrote(spec):
+    """A model of the two halves of the sm90 varlen O store, with the template's formulas: the
+    epilogue's st.shared of the accumulator pairs into the swizzled staging tile (16-byte chunk q of
+    row r at q ^ (r & mask)) and store_o_rows' 16-byte reads, chunk c of row r of a warpgroup: every
+    read finds exactly row r's columns 8c .. 8c+7, in order, and covers the tile once."""
+    d, block_m = spec.head_dim, spec.block_m
+    swizzle, slab_cols = tma_mod.slab_geometry(d)
+    slab_bytes = block_m * swizzle                      # O_SLAB_BYTES (= Q's: BLOCK_M rows x SWIZZLE_BYTES)
+
+    def swizzled(offset):                               # swizzle_xor<SWIZZLE_BYTES>
+        return offset ^ (((offset >> 7) & (swizzle // 16 - 1)) << 4)
+    written = {}
+    for wg in range(block_m // 64):
+        for tid in range(128):
+            lane, warp = tid % 32, tid // 32
+            row_in_tile, col_in_block = wg * 64 + warp * 16 + lane // 4, 2 * (lane % 4)
+            for i in range(0, d // 2, 2):
+                row, col = row_in_tile + 8 * ((i >> 1) & 1), 8 * (i >> 2) + col_in_block
+                addr = (col // slab_cols) * slab_bytes + swizzled(row * swizzle + (col % slab_cols) * 2)
+                written[addr], written[addr + 2] = (row, col), (row, col + 1)
+    assert len(written) == block_m * d
+    row_chunks, slab_chunks = d * 2 // 16, swizzle // 16
+    read = set()
+    for wg in range(block_m // 64):
+        o_rows = wg * 64 * swizzle
+        for tid in range(128):
+            for round_ in range(64 * row_chunks // 128):
+                chunk = round_ * 128 + tid
+                row, c = chunk // row_chunks, chunk % row_chunks
+                addr = o_rows + (c // slab_chunks) * slab_bytes + swizzled(row * swizzle + (c % slab_chunks) * 16)
+                assert [written[addr + 2 * e] for e in range(8)] == [(wg * 64 + row, 8 * c + e) for e in range(8)]
+                read.add((wg * 64 + row, c))
+    assert len(read) == block_m * row_chunks

@@ -1,8 +1,9 @@
 """The varlen suite (`facodegen bench --suite varlen`): prefill over packed sequences of mixed
 lengths, facodegen.attention_varlen beside FlashAttention-3's ``flash_attn_varlen_func`` and beside
 the padded way, every sequence padded to the longest: facodegen.attention on (batch, max_seqlen)
-(the sm80 kernel, the varlen kernel's own code without varlen, and the GPU's native arch where that
-differs) and cuDNN through torch SDPA's CUDNN_ATTENTION backend (SDPA's cuDNN backend has no packed
+(the sm80 kernel and the GPU's native arch where that differs, each the varlen kernel of its arch
+without varlen; facodegen varlen runs the native arch's, and on sm90 GPUs the sm80 one is timed
+too) and cuDNN through torch SDPA's CUDNN_ATTENTION backend (SDPA's cuDNN backend has no packed
 varlen call, so cuDNN is timed padded only).
 
 Cells: bf16, head_dim 64/128, causal and not, heads = 2048 / head_dim (grids.HIDDEN), and per cell
@@ -48,13 +49,15 @@ QUICK_TIMING = {"warmup": 2, "groups": 3, "calls": 5}
 VARLEN_PEERS = ("fa3", "cudnn")
 
 # implementation -> column title; the varlen ones first, then the padded ones
-FACODEGEN_VARLEN = "facodegen-varlen"
+FACODEGEN_VARLEN = "facodegen-varlen"             # the GPU's own arch (sm90 on H100/H200), as a call picks it
+FACODEGEN_VARLEN_SM80 = "facodegen-varlen-sm80"   # where that is not sm80: the sm80 kernel beside it
 FA3_VARLEN = "fa3-varlen"
 PADDED_SM80 = "facodegen-padded-sm80"
 PADDED_SM90 = "facodegen-padded-sm90"
 CUDNN_PADDED = "cudnn-padded"
 TITLES = {
     FACODEGEN_VARLEN: "facodegen varlen",
+    FACODEGEN_VARLEN_SM80: "facodegen varlen (sm80)",
     FA3_VARLEN: "FA3 varlen",
     PADDED_SM80: "facodegen padded (sm80)",
     PADDED_SM90: "facodegen padded (sm90)",
@@ -70,8 +73,10 @@ NOTES = (
     "that pad and unpad are not timed.",
     "cuDNN padded: torch SDPA's CUDNN_ATTENTION backend on (batch, max_seqlen) tensors; SDPA's cuDNN "
     "backend has no packed varlen call, so cuDNN is timed the padded way only.",
-    "facodegen varlen is the sm80 kernel (compiled for the GPU at hand); facodegen padded (sm80) is the "
-    "same code without varlen, the like-for-like comparison.",
+    "facodegen varlen is the GPU's own arch's varlen kernel (sm90 on H100/H200: wgmma and TMA, one CTA "
+    "per tile, O stored row by row; sm80 elsewhere), held to the padded kernel of its arch (the same code "
+    "without varlen; sm90's padded one is persistent); on sm90 GPUs facodegen varlen (sm80) is the sm80 "
+    "kernel compiled for them.",
 )
 
 
@@ -159,9 +164,10 @@ def ratio(row: dict, a: str, b: str) -> float | None:
 
 
 def padded_reference(row: dict) -> str | None:
-    """The padded kernel varlen is held to on the equal-lengths cell: facodegen's sm80 padded (the
-    same code), else the native one."""
-    for name in (PADDED_SM80, PADDED_SM90):
+    """The padded kernel varlen is held to on the equal-lengths cell: the one of facodegen varlen's
+    arch (sm90 where the sm80 varlen kernel ran beside it, else sm80), else the other."""
+    order = (PADDED_SM90, PADDED_SM80) if FACODEGEN_VARLEN_SM80 in row["results"] else (PADDED_SM80, PADDED_SM90)
+    for name in order:
         if row["results"].get(name, {}).get("tflops"):
             return name
     return None
@@ -352,12 +358,18 @@ def _impls(c: dict, sets: list[dict], peers=VARLEN_PEERS) -> tuple[dict, list[st
     def first(check_fn, call):          # the check runs on the first set
         return lambda: check_fn(call(sets[0]), sets[0], c)
 
-    def ours_varlen(s):
+    def ours_varlen(s, arch=None):
         q, k, v = s["packed"]
-        return facodegen.attention_varlen(q, k, v, s["cu"], s["cu"], lengths_max, lengths_max, causal=causal)
+        return facodegen.attention_varlen(q, k, v, s["cu"], s["cu"], lengths_max, lengths_max, causal=causal,
+                                          arch=arch)
 
+    native = api.default_arch(api.device_info(0))
     impls, notes = {}, []
     impls[FACODEGEN_VARLEN] = Impl(lambda: ours_varlen(pick()), first(_check_varlen, ours_varlen))
+    if native != "sm80":
+        def ours_sm80(s):
+            return ours_varlen(s, "sm80")
+        impls[FACODEGEN_VARLEN_SM80] = Impl(lambda: ours_sm80(pick()), first(_check_varlen, ours_sm80))
     if "fa3" in peers:
         mod, err = _fa3_module()
         fa3 = getattr(mod, "flash_attn_varlen_func", None) if mod is not None else None
@@ -371,7 +383,6 @@ def _impls(c: dict, sets: list[dict], peers=VARLEN_PEERS) -> tuple[dict, list[st
                 return r[0] if isinstance(r, (tuple, list)) else r
             impls[FA3_VARLEN] = Impl(lambda: fa3_varlen(pick()), first(_check_varlen, fa3_varlen))
     archs = ["sm80"]
-    native = api.default_arch(api.device_info(0))
     if native != "sm80":
         archs.append(native)
     for arch in archs:

@@ -1,5 +1,6 @@
 """``attention_varlen``: attention over packed variable-length sequences, FlashAttention's
-``flash_attn_varlen_func`` semantics, on the sm80 forward kernel built with ``varlen=True``.
+``flash_attn_varlen_func`` semantics, on the forward kernel built with ``varlen=True``: the sm90
+(wgmma, TMA) kernel on H100/H200, the sm80 one elsewhere (the arch is chosen as attention()'s is).
 
 q is (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim): the sequences one after
 another, sequence b's queries at tokens cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 and its keys at
@@ -17,6 +18,12 @@ resolution, the compiled-kernel cache and the launch plan are the same code. A p
 the tensors' layouts (not their token counts), the number of sequences and max_seqlen_q/k's
 plan_bound, never by the values in cu_seqlens: a call whose boundaries or total tokens change is a plan-cache hit
 that patches the cu_seqlens addresses and total_q (the LSE's head stride) into its FlashParams.
+
+sm90: the TMA maps span the packed tokens ({head_dim, total, heads, 1}; a tile's loads start at its
+sequence's first token and run into the next sequence's rows, which the masks hide, and past the
+last token the TMA unit reads zeros), so they depend on total_q and total_k: a call with totals or
+addresses the plan has not seen encodes the three maps anew (LaunchPlan's encode_maps; an image per
+(addresses, totals) is kept, as attention()'s are per addresses). No device value is read on the host.
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ from . import api
 from ..tuning import tunedb
 from .api import (ARRAY_META, ARRAY_PTR, DTYPE_NAMES, _allocate, _check_inputs, _check_out, _check_same_place,
                   _check_scale, _current_device, _current_stream, _empty, _kind, _torch, _View, _view, resolve_spec)
+from ..runtime import driver, tma
 from ..runtime.launch import Varlen, grid, pack_params
 from ..runtime.plan import LaunchPlan, PlanCache
 
-VARLEN_ARCH = "sm80"    # the varlen kernel is the sm80 forward's (compiled for sm_90 on H100/H200)
+VARLEN_ARCHS = ("sm80", "sm90")     # arch=None: the device's (sm90 on H100/H200), as attention()
 
 _PLANS = PlanCache()
 
@@ -55,8 +63,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     sees every key), a zero-length sequence produces nothing, a query that sees no key gets O = 0
     and LSE = -inf. Returns O (total_q, heads_q, head_dim) in q's dtype, and with ``return_lse`` the
     float32 natural-log LSE (heads_q, total_q) (FlashAttention-2/3 varlen's layout). ``out`` receives
-    O in place. ``arch``: "sm80" (the default; the same kernel runs on sm90 GPUs). Spec fields
-    (block_n=..., stages=...) override the defaults. No backward yet, no attention variants.
+    O in place. ``arch``: "sm90" (the default on H100/H200) or "sm80" (the default elsewhere; it runs
+    on sm90 GPUs too). Spec fields (block_n=..., stages=...) override the defaults. No backward yet,
+    no attention variants, no fp8.
     """
     torch = _torch()
     key = plan = None
@@ -104,7 +113,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or (ptr(cu_seqlens_q) | ptr(cu_seqlens_k)) & 3:
         return _miss(None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      bool(return_lse), out, arch, spec_fields)     # misaligned: the checked path says which
-    _launch(plan, stream, pointers, ptr(lse) if lse is not None else 0, ptr(cu_seqlens_q), ptr(cu_seqlens_k), total_q)
+    _launch(plan, stream, pointers, ptr(lse) if lse is not None else 0, ptr(cu_seqlens_q), ptr(cu_seqlens_k), total_q,
+            k.shape[0])
     return (out, lse) if return_lse else out
 
 
@@ -126,9 +136,10 @@ _PACKED_META = {kind: _packed_meta(meta) for kind, meta in ARRAY_META.items()}
 
 
 def _launch(plan: LaunchPlan, stream: int, pointers: tuple, lse: int, cu_seqlens_q: int, cu_seqlens_k: int,
-            total_q: int) -> None:
+            total_q: int, total_k: int) -> None:
     if plan.grid[0]:    # max_seqlen_q = 0: every sequence is empty, there is nothing to compute
-        plan.launch(stream, *pointers, lse, varlen=(cu_seqlens_q, cu_seqlens_k, total_q))
+        plan.launch(stream, *pointers, lse, varlen=(cu_seqlens_q, cu_seqlens_k, total_q),
+                    extents=(total_q, total_k) if plan.spec.arch == "sm90" else ())
 
 
 # ------------------------------------------------------------------ the checked path
@@ -189,11 +200,24 @@ def check_max_seqlen(name: str, value) -> int:
     return int(value)
 
 
-def check_arch(arch) -> str:
-    if arch not in (None, VARLEN_ARCH):
-        raise ValueError(f"arch={arch!r}: attention_varlen runs the sm80 kernel (on sm90 GPUs too, compiled for "
-                         f"sm_90); pass arch='sm80' or leave it out")
-    return VARLEN_ARCH
+def check_arch(arch) -> str | None:
+    """arch: None (the device's, as attention() picks it), "sm80" or "sm90"."""
+    if arch not in (None,) + VARLEN_ARCHS:
+        raise ValueError(f"arch={arch!r}: attention_varlen has the sm80 and sm90 kernels; pass arch='sm80', "
+                         f"arch='sm90' or leave it out (the device's)")
+    return arch
+
+
+def map_encoder(spec, heads_q: int, heads_kv: int, strides: tuple):
+    """sm90: encode_maps(q, k, v, o, total_q, total_k) -> the FlashParams maps over the packed tensors
+    of those addresses and token counts (``strides``: q's, k's, v's, o's (batch, row, head), fixed by
+    the plan's key)."""
+    def encode_maps(q: int, k: int, v: int, o: int, total_q: int, total_k: int) -> dict[str, bytes]:
+        args = tma.tensor_map_args(spec, q, k, v, o, 1, total_q, total_k, heads_q, heads_kv, *strides)
+        maps = {name: tma.encode(args[name]) for name in ("tma_q", "tma_k", "tma_v")}
+        maps["tma_o"] = maps["tma_q"]       # (never used: the varlen kernel stores O row by row)
+        return maps
+    return encode_maps
 
 
 def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
@@ -226,14 +250,21 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     launch_grid = grid(spec, batch, heads_q, max_q, prepared.resident_ctas)
     lse_ptr = _view("lse", lse).ptr if lse is not None else 0
     boundaries = Varlen(cu_q.ptr, cu_k.ptr, batch, max_q, max_k, total_q)
-    param_bytes = pack_params(spec, *(as_one_batch(t).operand() for t in (qv, kv, vv, outv)), lse_ptr, 0, scale,
-                              varlen=boundaries)
-    plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes, tensor_maps={}, lse_floats=heads_q * total_q,
+    operands = [as_one_batch(t).operand() for t in (qv, kv, vv, outv)]
+    sm90 = spec.arch == "sm90"
+    if sm90:
+        driver.ensure_context(qv.device)     # (the TMA maps are encoded in a context)
+    param_bytes = pack_params(spec, *operands, lse_ptr, 0, scale, varlen=boundaries)
+    plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes,
+                      tensor_maps=tma.map_operands(spec) if sm90 else {}, lse_floats=heads_q * total_q,
                       workspace_floats=0, stream_k_flags=(0, 0), switch_context=qv.device != _current_device(qv.kind),
                       allocate=functools.partial(_allocate, qv.kind, qv.device),
-                      outputs=total_q)     # the tokens its scratch LSE holds
+                      outputs=total_q,     # the tokens its scratch LSE holds
+                      encode_maps=map_encoder(spec, heads_q, kv.shape[1], tuple(op.bsh_strides for op in operands))
+                      if sm90 else None,
+                      extents=(total_q, kv.shape[0]) if sm90 else ())
     if key is not None:
         _PLANS.put(key, plan)
     _launch(plan, _current_stream(qv.kind, qv.device), (qv.ptr, kv.ptr, vv.ptr, outv.ptr), lse_ptr, cu_q.ptr, cu_k.ptr,
-            total_q)
+            total_q, kv.shape[0])
     return (out, lse) if return_lse else out

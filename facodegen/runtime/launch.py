@@ -118,6 +118,7 @@ def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand
     ``varlen``: the sequence boundaries of a spec with varlen (q, k, v, o packed as one batch)."""
     batch, seqlen_q, heads_q, _ = q.shape
     _, seqlen_k, heads_kv, _ = k.shape
+    extents = (batch, seqlen_q, seqlen_k)     # the tensors' own: sm90's TMA maps (varlen: 1, total_q, total_k)
     if spec.varlen:     # the grid's bounds: sequences x the longest sequence's query blocks
         batch, seqlen_q, seqlen_k = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
     m_blocks = num_m_blocks(spec, seqlen_q)
@@ -138,7 +139,7 @@ def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand
             values[f"{name}_descale_head_stride"] = d.head_stride
     if spec.arch == "sm90":
         from . import tma
-        values.update(tma.tensor_maps(spec, q.ptr, k.ptr, v.ptr, o.ptr, batch, seqlen_q, seqlen_k, heads_q,
+        values.update(tma.tensor_maps(spec, q.ptr, k.ptr, v.ptr, o.ptr, *extents, heads_q,
                                       heads_kv, q.bsh_strides, k.bsh_strides, v.bsh_strides, o.bsh_strides))
     has_variants = params_mod.has_variants(spec)
     if has_variants:

@@ -143,13 +143,17 @@ class _Image:
         return bytes(self.storage[self.base:self.base + self.size])
 
 
-def add_image(images: dict, key, last: _Image, maps: list[tuple[int, int]]) -> _Image:
+def add_image(images: dict, key, last: _Image, maps: list[tuple[int, int]],
+              encoded: list[tuple[int, bytes]] = ()) -> _Image:
     """A copy of ``last`` whose TMA maps, ``maps`` = (offset in the image, device address) each, point
-    at those addresses, filed in ``images`` under ``key``; the oldest image goes first once a plan
-    holds MAX_IMAGES_PER_PLAN (LaunchPlan's and backward.BackwardPlan's, their lock held)."""
+    at those addresses (and whose maps ``encoded`` = (offset, 128 bytes) each are replaced whole),
+    filed in ``images`` under ``key``; the oldest image goes first once a plan holds
+    MAX_IMAGES_PER_PLAN (LaunchPlan's and backward.BackwardPlan's, their lock held)."""
     image = _Image(last.data())
     for offset, ptr in maps:
         driver.replace_tensor_map_address(image.address + offset, ptr)
+    for offset, data in encoded:
+        image.storage[image.base + offset:image.base + offset + len(data)] = data
     while len(images) >= MAX_IMAGES_PER_PLAN:
         images.pop(next(iter(images)))
     images[key] = image
@@ -166,12 +170,17 @@ class LaunchPlan:
     sm90 keeps one image per (q, k, v, o) addresses seen (up to MAX_IMAGES_PER_PLAN): a model's
     layers reuse the same activation addresses from step to step (the caching allocators hand them
     out again), so their launches find images whose maps already point there, and only a new
-    address costs cuTensorMapReplaceAddress calls (about 1 µs each)."""
+    address costs cuTensorMapReplaceAddress calls (about 1 µs each).
+
+    ``encode_maps`` (sm90 varlen, whose maps span the packed tokens): an image is keyed by the
+    operands' addresses and ``launch``'s ``extents`` (total_q, total_k), and a new one gets its maps
+    from ``encode_maps(q, k, v, o, *extents)`` ({FlashParams field: 128 bytes}), encoded whole."""
 
     def __init__(self, spec, function: driver.LoadedFunction, grid: tuple[int, int, int], param_bytes: bytes,
                  *, tensor_maps: dict[str, str], lse_floats: int, workspace_floats: int,
                  stream_k_flags: tuple[int, int], switch_context: bool,
-                 allocate: Callable[[int], tuple[object, int]], outputs=None):
+                 allocate: Callable[[int], tuple[object, int]], outputs=None,
+                 encode_maps: Callable[..., dict[str, bytes]] | None = None, extents: tuple = ()):
         self.spec = spec
         self.outputs = outputs      # what the caller needs to allocate a hit's results (api._Outputs)
         self.function = function
@@ -192,8 +201,10 @@ class LaunchPlan:
         self._sinks_offset = offsets["sinks"] if spec.sinks else None
         self._varlen_offset = offsets["cu_seqlens_q"] if spec.varlen else None
         self._maps = [(offsets[name], _OPERANDS.index(operand)) for name, operand in tensor_maps.items()]
+        self._encode_maps = encode_maps
+        self._map_offsets = {name: offsets[name] for name in tensor_maps}
         first = _Image(param_bytes)
-        self._images = {_PACK_CALL.unpack_from(param_bytes, 0)[:4] if self._maps else None: first}
+        self._images = {_PACK_CALL.unpack_from(param_bytes, 0)[:4] + tuple(extents) if self._maps else None: first}
         self._last = first
         # launch_plain serves this plan: nothing to patch but the call's pointers, no context to switch
         self.plain = (self._descale_offset is None and self._sinks_offset is None and self._varlen_offset is None
@@ -220,18 +231,23 @@ class LaunchPlan:
             driver.memset_d32_async(scratch.workspace + 4 * first, 0, count, stream)
 
     def _image(self, operands: tuple) -> _Image:
-        """The image whose TMA maps point at ``operands`` (made from the last one; lock held)."""
+        """The image whose TMA maps point at ``operands`` (made from the last one; lock held);
+        with encode_maps, ``operands`` ends with the extents and the maps are encoded whole."""
+        if self._encode_maps is not None:
+            return add_image(self._images, operands, self._last, [],
+                             [(self._map_offsets[name], data) for name, data in self._encode_maps(*operands).items()])
         return add_image(self._images, operands, self._last,
                          [(offset, operands[which]) for offset, which in self._maps])
 
     def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
                descales: tuple[int, int, int] | None = None, sinks: int = 0,
-               varlen: tuple[int, int, int] = (0, 0, 0)) -> None:
+               varlen: tuple[int, int, int] = (0, 0, 0), extents: tuple = ()) -> None:
         """Launch on ``stream`` with these device addresses; ``lse`` 0 writes the LSE to scratch;
         ``sinks``: the fp32 sinks' address of a spec with sinks; ``varlen``: a varlen spec's int32
-        cu_seqlens_q and cu_seqlens_k addresses and its total_q (the LSE's head stride), patched in."""
+        cu_seqlens_q and cu_seqlens_k addresses and its total_q (the LSE's head stride), patched in;
+        ``extents``: with encode_maps, what else the maps depend on (varlen: total_q, total_k)."""
         scratch = self._scratch.get(stream)
-        operands = (q, k, v, o) if self._maps else None
+        operands = (q, k, v, o) + extents if self._maps else None
         with self._lock:
             image = self._images.get(operands) or self._image(operands)
             image.pack_call(q, k, v, o, lse or scratch.lse, scratch.counter, scratch.workspace)

@@ -775,7 +775,7 @@ class KernelSpec:
             # ldmatrix in flight with 40 registers and two with 24, so
             # where the consumers fit in 232 the split is 40 + 2 x 232 = 64512 too; head_dim 256 x
             # 128 keys (fp8_tiles) needs 24/240.
-            persistent = True
+            persistent = not self.varlen        # varlen: one CTA per tile (_check_varlen)
             if self.dtype == "fp8" and self.v_layout == "row" and cwg == 2:
                 block_n = self.block_n if self.block_n is not None else tiles.block_n
                 if sm90_consumer_registers(self.head_dim, block_n, self.dtype, bool(self.q_in_regs)) <= 232:
@@ -832,7 +832,9 @@ class KernelSpec:
                 fill["separate_o"] = dims_known and isinstance(q_tiles, int) and _sm90_smem(
                     *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True, q_tiles,
                     self.head_dim_v) <= GPUS[gpu].smem_per_block
-            if self.q_stages is None and q_stages_default(self.head_dim, self.dtype, self.causal) == 2:
+            # (varlen: one tile per CTA, no next tile's Q to load early)
+            if self.q_stages is None and q_stages_default(self.head_dim, self.dtype, self.causal) == 2 \
+                    and not self.varlen:
                 # two Q tiles where O has a place of its own and both fit, else one
                 separate_o = resolved("separate_o") is True
                 need = _sm90_smem(*dims, self.head_dim, ELEMENT_BYTES[self.dtype], separate_o, 2,
@@ -1195,15 +1197,24 @@ def _check_variants(spec: KernelSpec) -> None:
 
 
 def _check_varlen(spec: KernelSpec) -> None:
-    """varlen: the first slice is the fa2 schedule of sm80 (which also runs on sm90 GPUs), 16-bit, with
-    no attention variant (their windows are resolved per call on the host from one seqlen pair)."""
+    """varlen: the fa2 schedule of sm80 and the 16-bit sm90 kernel, with no attention variant (their
+    windows are resolved per call on the host from one seqlen pair). sm90: one CTA per tile (the grid
+    is sequences x heads x max_seqlen_q's m-blocks and a tile past its sequence's end leaves at once),
+    so no persistent scheduler, no stream-K and no cluster (two m-blocks of a cluster may belong to
+    sequences of other lengths); O is stored row by row (a TMA box would run into the next sequence)."""
     if not spec.varlen:
         return
-    if spec.arch != "sm80":
-        raise SpecError("varlen", f"variable-length sequences run on the sm80 kernel (on sm90 GPUs too, compiled "
-                                  f"for sm_90); arch={spec.arch} has no varlen kernel yet: use arch=sm80")
-    if spec.schedule != "fa2":
+    if spec.arch == "sm80" and spec.schedule != "fa2":
         raise SpecError("varlen", "schedule=fa1 has no varlen kernel: use schedule=fa2")
+    if spec.arch == "sm90":
+        if spec.dtype == "fp8":
+            raise SpecError("varlen", "the fp8 kernel has no varlen path yet: use dtype=bf16 or fp16")
+        if spec.persistent:
+            raise SpecError("persistent", "varlen runs one CTA per tile (tiles past a sequence's end leave at "
+                                          "once): use persistent=False")
+        if spec.cluster_m != 1:
+            raise SpecError("cluster_m", "varlen: the two m-blocks of a cluster may lie in sequences of other "
+                                         "lengths, so they cannot share K/V loads: use cluster_m=1")
     for name in VARIANT_FEATURES:
         if getattr(spec, name):
             raise SpecError(name, f"varlen has no attention variants yet: use {name}=False")

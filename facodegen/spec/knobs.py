@@ -307,8 +307,9 @@ KNOBS: tuple[Knob, ...] = (
          "denominator (gpt-oss).", flag="--sinks/--no-sinks", problem=True, token=_flag("sinks")),
     # Variable-length batches (issue 39): packed (total_tokens, heads, head_dim) tensors, each
     # sequence's start and length read from the cu_seqlens_q/cu_seqlens_k FlashParams fields.
-    Knob("varlen", "bool", "sm80 fa2: packed variable-length sequences (attention_varlen: each CTA reads its "
-         "sequence's start and length from cu_seqlens).", ("sm80",), flag="--varlen/--no-varlen", problem=True,
+    Knob("varlen", "bool", "sm80 fa2, sm90 16-bit: packed variable-length sequences (attention_varlen: each CTA "
+         "reads its sequence's start and length from cu_seqlens).", ("sm80", "sm90"), flag="--varlen/--no-varlen",
+         problem=True,
          token=_flag("varlen")),
 )
 # The attention variants' switches: off in every default kernel (whose source they leave unchanged).

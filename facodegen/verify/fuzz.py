@@ -27,8 +27,8 @@ float64 autograd, FlashAttention-3's criterion per gradient; a quarter of them d
 twice and compared bit for bit); ``kvcache`` (attention_with_kvcache:
 1-16 query tokens, contiguous or paged caches with shuffled pages, random lengths from 0, appends,
 split counts); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
-case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; sm80's kernel,
-which an H100 runs compiled for sm_90). The families are appended in this order, so adding one leaves
+case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; the case's arch:
+sm80's kernel, which an H100 runs compiled for sm_90, or sm90's own). The families are appended in this order, so adding one leaves
 the draws of a single family's run unchanged for a seed (``all`` draws among them all).
 """
 
@@ -177,7 +177,7 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
                 continue
         elif this_family == "varlen":
             # seqlen_q / seqlen_k are the calls' max_seqlen; the sequences' own lengths come from the seed
-            arch, dtype = "sm80", rng.choice(("bf16", "fp16"))
+            dtype = rng.choice(("bf16", "fp16"))      # (the arch as drawn: sm80 or sm90's varlen kernel)
         elif this_family == "head_dims":
             dtype, head_dim = rng.choice(("bf16", "fp16")), rng.choice(PADDED_HEAD_DIMS)
         case_fields = dict(
@@ -563,7 +563,7 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     out, lse = facodegen.attention_varlen(*args, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                                           torch.tensor(cu_k, dtype=torch.int32, device="cuda"), case.seqlen_q,
                                           case.seqlen_k, causal=case.causal, softmax_scale=case.softmax_scale,
-                                          return_lse=True, out=out)
+                                          return_lse=True, out=out, arch=case.arch)
     if launch_only:
         return _launched(out, lse)
     scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
@@ -806,13 +806,16 @@ def representative_cases() -> list[Case]:
     cases.append(Case("kvcache", "sm90", "fp16", batch=2, seqlen_q=1, seqlen_k=777, heads_q=32, heads_kv=4,
                       head_dim=64, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7))
-    # Varlen per dtype and causal: six packed sequences (seed 11: queries with no key, keys with no
-    # query, one query against 257 keys, odd lengths), GQA, a strided token axis, O poisoned.
-    for dtype in ("bf16", "fp16"):
-        for causal in (False, True):
-            cases.append(Case("varlen", "sm80", dtype, batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
-                              head_dim=128, causal=causal, softmax_scale=None, layout="strided", magnitude=1.0,
-                              return_lse=True, use_out=True, seed=VARLEN_REPRESENTATIVE_SEED))
+    # Varlen per arch, dtype and causal: six packed sequences (seed 11: queries with no key, keys with
+    # no query, one query against 257 keys, odd lengths), GQA, a strided token axis, O poisoned; sm90
+    # (its own varlen kernel: TMA over the packed tokens, O stored row by row) at head_dims 128 and 64.
+    for arch in ("sm80", "sm90"):
+        for dtype in ("bf16", "fp16"):
+            for causal in (False, True):
+                cases.append(Case("varlen", arch, dtype, batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
+                                  head_dim=64 if arch == "sm90" and dtype == "fp16" else 128, causal=causal,
+                                  softmax_scale=None, layout="strided", magnitude=1.0, return_lse=True, use_out=True,
+                                  seed=VARLEN_REPRESENTATIVE_SEED))
     return cases
 
 

@@ -1,12 +1,15 @@
-"""attention_varlen on a GPU, against the float64 varlen reference (facodegen.verify.reference.varlen_reference).
+"""attention_varlen on a GPU, against the float64 varlen reference (facodegen.verify.reference.varlen_reference),
+on the sm80 kernel and, on an H100/H200, the sm90 one (TMA over the packed tokens, O stored row by row).
 
 Packed sequences with odd lengths (1, 17, 1000), empty ones (no queries, or queries with no key),
 GQA/MQA, causal or not, fp16 and bf16, head dims 64/128/256, a strided token axis; O and the LSE
 are poisoned with NaN first (an element the kernel never writes fails). O per sequence by
 FlashAttention-3's criterion (facodegen.verify.fuzz.fa3_bound: twice a same-precision computation's error
 plus twice the dtype's rounding of the reference); the LSE (heads_q, total_q) within 1e-3 + 1e-4
-|lse|, -inf exactly where the reference has it. Then the fuzz family's representative cases, and a
-second call with other boundaries (a plan-cache hit) against the reference again.
+|lse|, -inf exactly where the reference has it. Then the fuzz family's representative cases, a
+second call with other boundaries or totals (a plan-cache hit; sm90: its TMA maps encoded anew)
+against the reference again, and calls whose sequences cover only part of the packed buffer: the
+rows of O outside them (another sequence's) keep their poison bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from facodegen.verify.reference import varlen_reference
 torch = pytest.importorskip("torch")
 HAVE_GPU = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU (torch.cuda)")]
+HAVE_SM90 = HAVE_GPU and torch.cuda.get_device_capability() == (9, 0)
+# the sm80 kernel runs on every GPU here; sm90's on compute capability 9.0 only
+ARCHS = pytest.mark.parametrize("arch", ["sm80", pytest.param("sm90", marks=pytest.mark.skipif(
+    not HAVE_SM90, reason="the sm90 kernel needs an H100/H200"))])
 
 # query lengths, key lengths, heads_q, heads_kv, head_dim
 CASES = [
@@ -31,6 +38,8 @@ CASES = [
     ((17, 1000, 1), (300, 17, 0), 8, 1, 64),                 # MQA; q > k (causal: rows see none); no keys
     ((1000, 0, 333, 1), (999, 0, 1000, 1000), 2, 2, 256),    # all empty; q < k; one query against 1000 keys
     ((129, 64, 1), (128, 65, 3), 6, 3, 128),                 # tile edges
+    ((1, 65, 130, 0, 2), (2, 0, 131, 1, 64), 6, 2, 96),     # 65 queries with no key (O = 0, LSE = -inf); d 96
+    ((193, 7, 385), (191, 1, 500), 4, 1, 192),               # MQA, 3 query blocks of 128 (+1), d 192
 ]
 
 
@@ -67,56 +76,62 @@ def _check(q, k, v, cu_q, cu_k, out, lse, causal, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"q{'-'.join(map(str, c[0]))}_h{c[2]}x{c[3]}_d{c[4]}")
-def test_varlen_matches_the_float64_reference(case, causal, dtype):
+@ARCHS
+def test_varlen_matches_the_float64_reference(arch, case, causal, dtype):
     lengths_q, lengths_k, heads_q, heads_kv, head_dim = case
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
     out = torch.full_like(q, float("nan"))
     out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
-                                          return_lse=True, out=out)
+                                          return_lse=True, out=out, arch=arch)
     torch.cuda.synchronize()
     _check(q, k, v, cu_q, cu_k, out, lse, causal, dtype)
 
 
-def test_new_boundaries_hit_the_plan_and_are_right():
+@ARCHS
+def test_new_boundaries_hit_the_plan_and_are_right(arch):
     """The same packed tensors with other boundaries (same total tokens): a plan-cache hit whose
     cu_seqlens addresses are patched in; the result follows the new boundaries."""
     q, k, v, cu_q, cu_k = _packed((17, 1000, 1), (300, 17, 200), 4, 2, 128, torch.bfloat16)
-    facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=True)
+    facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=True, arch=arch)
     misses = varlen._PLANS.misses
     cu_q2 = torch.tensor([0, 500, 1000, 1018], dtype=torch.int32, device="cuda")
     cu_k2 = torch.tensor([0, 1, 300, 517], dtype=torch.int32, device="cuda")
-    out, lse = facodegen.attention_varlen(q, k, v, cu_q2, cu_k2, 1000, 300, causal=True, return_lse=True)
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q2, cu_k2, 1000, 300, causal=True, return_lse=True, arch=arch)
     assert varlen._PLANS.misses == misses
     torch.cuda.synchronize()
     _check(q, k, v, cu_q2, cu_k2, out, lse, True, torch.bfloat16)
 
 
 @pytest.mark.parametrize("return_lse", [True, False])
-def test_other_totals_hit_the_plan_and_are_right(return_lse):
+@ARCHS
+def test_other_totals_hit_the_plan_and_are_right(arch, return_lse):
     """A training step's next batch: the same number of sequences and max_seqlen, other lengths and
-    total tokens (more than the first's: without the LSE asked, it goes to a temporary)."""
+    total tokens (more than the first's: without the LSE asked, it goes to a temporary; sm90: the
+    TMA maps over the packed tokens are encoded anew for the new totals)."""
     first = _packed((17, 1000, 1), (300, 17, 200), 4, 2, 128, torch.bfloat16)
-    facodegen.attention_varlen(*first, 1000, 300, causal=True, return_lse=return_lse)
+    facodegen.attention_varlen(*first, 1000, 300, causal=True, return_lse=return_lse, arch=arch)
     misses = varlen._PLANS.misses
     q, k, v, cu_q, cu_k = _packed((500, 900, 33), (300, 5, 250), 4, 2, 128, torch.bfloat16)
-    got = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=return_lse)
+    got = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=return_lse, arch=arch)
     assert varlen._PLANS.misses == misses
     torch.cuda.synchronize()
     out, lse = got if return_lse else (got, None)
     if lse is None:     # the LSE the call wrote to its temporary is not returned: check O against a fresh call's
-        out_ref, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=True)
+        out_ref, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=True,
+                                                  arch=arch)
         assert torch.equal(out, out_ref)
     _check(q, k, v, cu_q, cu_k, out, lse, True, torch.bfloat16)
 
 
-def test_a_longer_max_seqlen_under_the_same_power_of_two_hits_the_plan_and_is_right():
+@ARCHS
+def test_a_longer_max_seqlen_under_the_same_power_of_two_hits_the_plan_and_is_right(arch):
     """A server's next step: every sequence one token longer, max_seqlen 600 -> 601 (plan_bound 1024
     both): the plan of the first call, whose grid covers 1024 rows per sequence, and exact results."""
     first = _packed((600, 3, 17), (600, 3, 17), 4, 2, 128, torch.float16)
-    facodegen.attention_varlen(*first, 600, 600, causal=True, return_lse=True)
+    facodegen.attention_varlen(*first, 600, 600, causal=True, return_lse=True, arch=arch)
     misses = varlen._PLANS.misses
     q, k, v, cu_q, cu_k = _packed((601, 4, 18), (601, 4, 18), 4, 2, 128, torch.float16)
-    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 601, 601, causal=True, return_lse=True)
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 601, 601, causal=True, return_lse=True, arch=arch)
     assert varlen._PLANS.misses == misses
     torch.cuda.synchronize()
     _check(q, k, v, cu_q, cu_k, out, lse, True, torch.float16)
@@ -131,8 +146,50 @@ def test_flash_attn_varlen_func_returns_flash_attentions_tuple():
     _check(q, k, v, cu_q, cu_k, out, lse, True, torch.float16)
 
 
+# sequences covering part of the packed buffer (cu_seqlens need not start at 0): query boundaries, key
+# boundaries; the rows before the first and after the last query boundary belong to no sequence here
+PARTIAL = [
+    ((3, 20, 20, 150, 151), (0, 5, 5, 300, 301)),     # odd offsets, an empty sequence, a length-1 one at the end
+    ((64, 128), (7, 200)),                             # one whole 64-row block: rows 128.. (the next tile's) stay
+    ((1, 66), (250, 251)),                             # 65 queries, one key: a 64-row box would cross row 65
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("bounds", PARTIAL, ids=lambda b: "q" + "-".join(map(str, b[0])))
+@ARCHS
+def test_rows_of_other_sequences_are_untouched(arch, bounds, causal, head_dim):
+    """O poisoned (NaN and a finite sentinel) before a call whose sequences cover only some of its
+    rows: every row outside them (as another sequence's rows are to a tile: the kernel must not store
+    past its sequence's last row, which a TMA box of O would) keeps its poison bit for bit; the rows
+    inside are right."""
+    bounds_q, bounds_k = bounds
+    total_q, total_k = bounds_q[-1] + 37, bounds_k[-1] + 11
+    q, k, v, _, _ = _packed((total_q,), (total_k,), 4, 2, head_dim, torch.bfloat16, seed=3)
+    cu_q, cu_k = (torch.tensor(b, dtype=torch.int32, device="cuda") for b in (bounds_q, bounds_k))
+    lengths_q = [b - a for a, b in zip(bounds_q, bounds_q[1:])]
+    lengths_k = [b - a for a, b in zip(bounds_k, bounds_k[1:])]
+    inside = torch.zeros(total_q, dtype=torch.bool, device="cuda")
+    inside[bounds_q[0]:bounds_q[-1]] = True
+    for poison in (float("nan"), -7.5):
+        out = torch.full_like(q, poison)
+        before = out.clone()
+        out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                              return_lse=True, out=out, arch=arch)
+        torch.cuda.synchronize()
+        assert torch.equal(out[~inside].view(torch.int16), before[~inside].view(torch.int16)), \
+            f"rows outside the sequences were written (poison {poison})"
+        rows = slice(bounds_q[0], bounds_q[-1])
+        keys = slice(bounds_k[0], bounds_k[-1])
+        _check(q[rows], k[keys], v[keys], cu_q - bounds_q[0], cu_k - bounds_k[0], out[rows], lse[:, rows], causal,
+               torch.bfloat16)
+
+
 @pytest.mark.parametrize("case", [c for c in fuzz.representative_cases() if c.family == "varlen"],
-                         ids=lambda c: f"{c.dtype}-{'causal' if c.causal else 'full'}")
+                         ids=lambda c: f"{c.arch}-{c.dtype}-{'causal' if c.causal else 'full'}")
 def test_fuzz_representative_varlen_cases(case):
+    if case.arch == "sm90" and not HAVE_SM90:
+        pytest.skip("the sm90 kernel needs an H100/H200")
     ok, message = fuzz.run_case(case)
     assert ok, f"{message}\n  {case.repro()}"
