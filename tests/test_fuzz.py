@@ -76,8 +76,10 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert {c.family for c in cases} == set(fuzz.FAMILIES)
     assert {(c.arch, c.dtype, c.causal) for c in cases if c.family == "backward"} == {
         (a, d, c) for a in ("sm80", "sm90") for d in ("bf16", "fp16") for c in (False, True)}
-    # the sm90 backward's two dQ splits (by columns at head_dim 128, by keys at 64), neither deterministic
-    assert {c.head_dim for c in cases if c.family == "backward" and c.arch == "sm90" and not c.deterministic} == {64, 128}
+    # the sm90 backward's three splits (dQ by columns at head_dim 128, by keys at 64; at 256 both warpgroups
+    # on the same keys, each half of head_dim), none deterministic
+    assert {c.head_dim for c in cases if c.family == "backward" and c.arch == "sm90" and not c.deterministic} == {
+        64, 128, 256}
     for arch in ("sm80", "sm90"):   # the turn counters too
         assert {c.deterministic for c in cases if c.family == "backward" and c.arch == arch} == {False, True}
     kv = [c for c in cases if c.family == "kvcache"]

@@ -762,7 +762,8 @@ def representative_cases() -> list[Case]:
     out= asked for), and per arch and causal a bf16 variants case (a window that skips and masks
     blocks, softcap and sinks at once), per arch two padded head dims (80, 8) and head_dim 192 with V of
     128 (head_dim_v), the backward per arch,
-    dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic), and two
+    dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic; sm90 bf16 at
+    head_dim 256), and two
     decode-family cases (paged with an append and a split, contiguous MQA-like packing): what the
     sanitizer sweep (scripts/sanitize.py) runs under each tool."""
     cases = []
@@ -800,6 +801,12 @@ def representative_cases() -> list[Case]:
                 cases.append(Case("backward", arch, dtype, batch=2, seqlen_q=113, seqlen_k=203, heads_q=4, heads_kv=2,
                                   head_dim=head_dim, causal=causal, softmax_scale=None, layout="strided",
                                   magnitude=1.0, return_lse=False, use_out=False, seed=seed))
+    # the sm90 backward at head_dim 256 (both warpgroups on the same 64 keys, P^T and dS^T through
+    # shared memory, each warpgroup half of head_dim): once per causal
+    for causal in (False, True):
+        cases.append(Case("backward", "sm90", "bf16", batch=2, seqlen_q=113, seqlen_k=203, heads_q=4, heads_kv=2,
+                          head_dim=256, causal=causal, softmax_scale=None, layout="strided", magnitude=1.0,
+                          return_lse=False, use_out=False, seed=7))
     cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
