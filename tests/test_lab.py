@@ -96,3 +96,21 @@ def test_ab_trees_runs_each_trees_own_sweep(tmp_path):
     assert ab.sweep_script(tmp_path) == tmp_path / "scripts" / "sweep.py"
     with pytest.raises(SystemExit, match="neither"):
         ab.sweep_script(tmp_path / "nowhere")
+
+
+def test_sass_ab_compares_instructions_not_addresses():
+    """sass-ab's instruction list: the instruction text in order, the address comments dropped and the
+    targets of branches replaced, so a kernel that moved but did not change compares equal, and one
+    whose instruction changed does not."""
+    sys.path.insert(0, str(ROOT / "scripts" / "lab"))
+    try:
+        from sass_ab import instructions
+    finally:
+        sys.path.remove(str(ROOT / "scripts" / "lab"))
+    one = ("        /*0040*/                   FFMA R1, R2, R3, R4 ;      /* 0x000fe20000000004 */\n"
+           "        /*0050*/               @P0 BRA 0x120 ;                /* 0x000fea0003800000 */\n")
+    moved = one.replace("0040", "0840").replace("0050", "0850").replace("0x120", "0x920")
+    changed = one.replace("FFMA R1, R2, R3, R4", "FADD R1, R2, R3")
+    assert instructions(one) == ["FFMA R1, R2, R3, R4", "@P0 BRA X"]
+    assert instructions(moved) == instructions(one)
+    assert instructions(changed) != instructions(one)
