@@ -834,14 +834,21 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     and the variants (window, softcap, sinks) have no backward yet and raise there.
     """
     torch = _TORCH
-    # The common torch call (no variant, knob or lse_out; eager; nothing to record): its plan-cache hit
-    # in this one frame (_attention_torch's, with the same key). Anything else goes on below.
+    # The common torch call (no variant, knob or lse_out; eager; nothing to record), and the fp8 call
+    # with its three descales and nothing else: its plan-cache hit in this one frame (_attention_torch's,
+    # with the same key). Anything else goes on below.
     if (torch is not None and sinks is None and window_size is _NO_WINDOW and softcap is _NO_SOFTCAP
-            and causal_alignment is _BOTTOM_RIGHT and lse_out is None and not spec_fields
+            and causal_alignment is _BOTTOM_RIGHT and lse_out is None and (not spec_fields or len(spec_fields) == 3)
             and not torch.compiler.is_compiling() and q.__class__ is torch.Tensor):
+        descales = None
         try:
             if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
                 plan = None     # (in this order: no tensor requires grad is the common case, read first)
+            elif spec_fields:
+                device = q.get_device()
+                descales = _given_descales(spec_fields)
+                plan = None if descales is None else _PLANS._plans.get(
+                    key := _fp8_key(torch, q, k, v, causal, softmax_scale, return_lse, arch, out, descales))
             else:
                 device = q.get_device()
                 key = (q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
@@ -860,12 +867,18 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
             qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
             if (qp | kp | vp | op) & 15:    # a misaligned view: the checked path says which
                 return _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse, arch, spec_fields)
+            stream = torch._C._cuda_getCurrentRawStream(device)
             if plan.plain:
-                plan.launch_plain(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
-                                  0 if lse is None else lse.data_ptr())
+                plan.launch_plain(stream, qp, kp, vp, op, 0 if lse is None else lse.data_ptr())
+            elif descales is not None and plan.descaled:
+                plan.launch_plain(stream, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
+                                  (descales[0].data_ptr(), descales[1].data_ptr(), descales[2].data_ptr()))
+            elif descales is not None:     # (a device not current)
+                plan.launch(stream, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
+                            _descale_ptrs(descales, made.unit_descale_ptrs, _torch_ptr))
             else:   # fp8 (its unit descales: none given), a device not current
-                plan.launch(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
-                            0 if lse is None else lse.data_ptr(), made.unit_descale_ptrs or None)
+                plan.launch(stream, qp, kp, vp, op, 0 if lse is None else lse.data_ptr(),
+                            made.unit_descale_ptrs or None)
             return (out, lse) if return_lse else out
     variant = _variant_args(window_size, softcap, sinks)
     if causal_alignment != "bottom_right":
@@ -917,6 +930,25 @@ def _descale_ptrs(descales: tuple, unit_ptrs: tuple, ptr) -> tuple[int, int, int
             unit_ptrs[2] if dv is None else ptr(dv))
 
 
+def _given_descales(spec_fields: dict) -> tuple | None:
+    """The q, k, v descales of knobs that are exactly the three of them, else None."""
+    dq, dk, dv = spec_fields.get("q_descale"), spec_fields.get("k_descale"), spec_fields.get("v_descale")
+    return None if dq is None or dk is None or dv is None else (dq, dk, dv)
+
+
+def _fp8_key(torch, q, k, v, causal, softmax_scale, return_lse, arch, out, descales: tuple) -> tuple:
+    """The plan key of an fp8 call on torch tensors that gives its three descales and nothing else
+    (attention()'s fast path and _attention_torch build it alike): the common key's fields with the
+    descales' layouts and devices, "fp8" first."""
+    dq, dk, dv = descales
+    return ("fp8", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
+            v.dtype, v.shape, v.stride(), v.get_device(), q.get_device(), torch._C._cuda_getDevice(),
+            causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch,
+            None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
+            dq.dtype, dq.shape, dq.stride(), dq.get_device(), dk.dtype, dk.shape, dk.stride(), dk.get_device(),
+            dv.dtype, dv.shape, dv.stride(), dv.get_device(), tunedb.generation())
+
+
 def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields,
                      variant=None):
     """attention() on torch tensors, eager: a plan-cache hit launches at once; anything unusual
@@ -933,16 +965,11 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
                    None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
                    tunedb.generation())
         elif len(spec_fields) == 3 and variant is None and lse_out is None and \
-                (dq := spec_fields.get("q_descale")) is not None and \
-                (dk := spec_fields.get("k_descale")) is not None and (dv := spec_fields.get("v_descale")) is not None:
+                (given_descales := _given_descales(spec_fields)) is not None:
             # fp8 with its three descales and nothing else: a key of its own, "fp8" first
-            descales, given = (dq, dk, dv), True
-            key = ("fp8", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
-                   v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
-                   causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch,
-                   None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
-                   dq.dtype, dq.shape, dq.stride(), dq.get_device(), dk.dtype, dk.shape, dk.stride(), dk.get_device(),
-                   dv.dtype, dv.shape, dv.stride(), dv.get_device(), tunedb.generation())
+            descales, given = given_descales, True
+            dq, dk, dv = descales
+            key = _fp8_key(torch, q, k, v, causal, softmax_scale, return_lse, arch, out, descales)
         else:   # a knob, an fp8 descale, a variant or lse_out: a key of another length, "torch" first
             knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), _NO_DESCALES)
             key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
