@@ -19,52 +19,15 @@ from __future__ import annotations
 
 import pytest
 
-from facodegen.verify import fuzz, reference
-from facodegen.verify.flash_rounding import forward_floor
+from facodegen.verify import reference
 
 torch = pytest.importorskip("torch")
-HAVE_GPU = torch.cuda.is_available()
+
+from odd_shapes import CC, HAVE_GPU, check, check_every_shape, inputs, skip_unless_runs  # noqa: E402
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU (torch.cuda)")]
-CC = torch.cuda.get_device_capability() if HAVE_GPU else (0, 0)
 
 PAIRS = ((192, 128), (128, 64))
-# (seqlen_q, seqlen_k, heads_q, heads_kv): one query row, 17 rows over 1000 keys (MQA), 1000 x 1000
-# (GQA), 1000 rows over 17 keys (causal: most rows see no key, O = 0 and LSE = -inf there)
-SHAPES = ((1, 17, 4, 2), (17, 1000, 4, 1), (1000, 1000, 4, 2), (1000, 17, 2, 2))
-
-
-def _skip_unless_runs(arch: str) -> None:
-    if arch == "sm90" and CC != (9, 0) or CC < (8, 0):
-        pytest.skip(f"{arch} does not run on compute capability {CC}")
-
-
-def _dt(dtype: str):
-    return torch.bfloat16 if dtype == "bf16" else torch.float16
-
-
-def _inputs(shape, d, dv, dtype, seed, batch=1):
-    sq, sk, hq, hkv = shape
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return tuple(torch.randn((batch, n, h, w), generator=gen, device="cuda").to(_dt(dtype))
-                 for n, h, w in ((sq, hq, d), (sk, hkv, d), (sk, hkv, dv)))
-
-
-def _check(out, lse, q, k, v, causal, dtype, **variants):
-    """O and LSE of one call against float64 (reference.attention_reference) and the same-precision
-    computation (FlashAttention-3's criterion); raises naming what is off."""
-    scale = q.shape[-1] ** -0.5
-    assert out.shape == (*q.shape[:3], v.shape[-1]), out.shape
-    assert torch.isfinite(out).all(), "O has NaN/inf (unwritten or bad)"
-    ref, ref_lse = reference.attention_reference(q, k, v, causal=causal, **variants)   # float64, 1/sqrt(d)
-    ok, msg = reference.check(out, ref, dtype)
-    assert ok, msg
-    if lse is not None:
-        ok, msg = reference.check_lse(lse, ref_lse)
-        assert ok, msg
-    if not variants:
-        why = fuzz.fa3_failure(out, torch.from_numpy(ref).to(out.device),
-                               fuzz._standard_low(q, k, v, causal, scale), forward_floor(q, k, v, causal, scale))
-        assert why is None, f"O: {why}"
 
 
 def _runs():
@@ -78,20 +41,9 @@ def _runs():
 
 @pytest.mark.parametrize("arch, dtype, d, dv, causal", list(_runs()))
 def test_head_dim_v_matches_float64(arch, dtype, d, dv, causal):
-    _skip_unless_runs(arch)
-    import facodegen
-    for i, shape in enumerate(SHAPES):
-        q, k, v = _inputs(shape, d, dv, dtype, seed=1000 * d + dv + i)
-        out = torch.full((*q.shape[:3], dv), float("nan"), device="cuda", dtype=q.dtype)
-        lse = torch.full((1, shape[2], shape[0]), float("nan"), device="cuda")
-        call = facodegen.prepare(q, k, v, causal=causal, out=out, lse_out=lse, arch=arch)
-        assert (call.spec.head_dim, call.spec.head_dim_v, call.spec.arch) == (d, dv, arch)
-        call()
-        torch.cuda.synchronize()
-        try:
-            _check(out, lse, q, k, v, causal, dtype)
-        except AssertionError as err:
-            raise AssertionError(f"shape (seqlen_q, seqlen_k, heads_q, heads_kv) = {shape}: {err}") from None
+    skip_unless_runs(arch)
+    check_every_shape(arch, d, dtype, causal, seed=1000 * d + dv, dv=dv,
+                      spec_is=lambda spec: (spec.head_dim, spec.head_dim_v, spec.arch) == (d, dv, arch))
 
 
 @pytest.mark.parametrize("arch", ("sm80", "sm90"))
@@ -100,7 +52,7 @@ def test_head_dim_v_matches_float64(arch, dtype, d, dv, causal):
 def test_nothing_past_head_dim_v_is_read_or_written(arch, d, dv, causal):
     """v and out as views of buffers as wide as q (and 64 columns more): NaN past d_v in v's buffer
     (read, it would reach O through P V), a sentinel past d_v in O's (it must survive)."""
-    _skip_unless_runs(arch)
+    skip_unless_runs(arch)
     import facodegen
     sq, sk, hq, hkv = 333, 1000 if not causal else 100, 4, 2
     gen = torch.Generator(device="cuda").manual_seed(d + dv)
@@ -115,20 +67,20 @@ def test_nothing_past_head_dim_v_is_read_or_written(arch, d, dv, causal):
     torch.cuda.synchronize()
     assert out.data_ptr() == o_buf.data_ptr()
     assert (o_buf[..., dv:] == 7.0).all(), "the kernel wrote O's memory past head_dim_v"
-    _check(out, lse, q, k, v.contiguous(), causal, "bf16")
+    check(out, lse, q, k, v.contiguous(), causal, "bf16")
 
 
 @pytest.mark.parametrize("arch", ("sm80", "sm90"))
 def test_default_output_scale_and_plan_hit(arch):
     """No out=: O is (batch, seqlen_q, heads_q, d_v) in q's dtype, from the checked path and from the
     plan cache's hit alike; the default scale is 1/sqrt(d), an explicit one is taken as given."""
-    _skip_unless_runs(arch)
+    skip_unless_runs(arch)
     import facodegen
-    q, k, v = _inputs((129, 257, 6, 3), 192, 128, "fp16", seed=7, batch=2)
+    q, k, v = inputs((129, 257, 6, 3), 192, "fp16", seed=7, dv=128, batch=2)
     for _ in range(2):
         out = facodegen.attention(q, k, v, arch=arch)
         assert out.shape == (2, 129, 6, 128) and out.dtype == q.dtype and out.is_contiguous()
-        _check(out, None, q, k, v, False, "fp16")
+        check(out, None, q, k, v, False, "fp16")
     out, lse = facodegen.attention(q, k, v, arch=arch, softmax_scale=0.3, return_lse=True)
     ref, ref_lse = reference.attention_reference(q, k, v, softmax_scale=0.3)
     ok, msg = reference.check(out, ref, "fp16")
@@ -150,24 +102,24 @@ SM90_KNOBS = [
 
 @pytest.mark.parametrize("d, dv, causal, knobs", SM90_KNOBS)
 def test_sm90_knobs_with_head_dim_v(d, dv, causal, knobs):
-    _skip_unless_runs("sm90")
+    skip_unless_runs("sm90")
     import facodegen
     for i, shape in enumerate(((77, 1000, 4, 2), (1000, 1000, 4, 1))):
-        q, k, v = _inputs(shape, d, dv, "bf16", seed=i, batch=2)
+        q, k, v = inputs(shape, d, "bf16", seed=i, dv=dv, batch=2)
         out = torch.full((*q.shape[:3], dv), float("nan"), device="cuda", dtype=q.dtype)
         call = facodegen.prepare(q, k, v, causal=causal, out=out, arch="sm90", **knobs)
         assert all(getattr(call.spec, n) == x for n, x in knobs.items()) and call.spec.head_dim_v == dv
         call()
         torch.cuda.synchronize()
-        _check(out, None, q, k, v, causal, "bf16")
+        check(out, None, q, k, v, causal, "bf16")
 
 
 @pytest.mark.parametrize("arch", ("sm80", "sm90"))
 def test_head_dim_v_takes_the_variants(arch):
     """A window, softcap and sinks with V narrower than Q and K."""
-    _skip_unless_runs(arch)
+    skip_unless_runs(arch)
     import facodegen
-    q, k, v = _inputs((300, 700, 4, 2), 192, 128, "bf16", seed=5)
+    q, k, v = inputs((300, 700, 4, 2), 192, "bf16", seed=5, dv=128)
     gen = torch.Generator(device="cuda").manual_seed(5)
     sinks = torch.randn(4, generator=gen, device="cuda")
     variants = dict(window_size=(129, 17), softcap=30.0, sinks=sinks)
@@ -177,7 +129,7 @@ def test_head_dim_v_takes_the_variants(arch):
     assert call.spec.head_dim_v == 128 and call.spec.local and call.spec.softcap and call.spec.sinks
     call()
     torch.cuda.synchronize()
-    _check(out, lse, q, k, v, False, "bf16", **variants)
+    check(out, lse, q, k, v, False, "bf16", **variants)
 
 
 def test_sdpa_takes_a_narrower_value():
@@ -196,7 +148,7 @@ def test_sdpa_takes_a_narrower_value():
 
 def test_head_dim_v_has_no_backward_or_fp8_yet():
     import facodegen
-    q, k, v = _inputs((64, 64, 2, 2), 192, 128, "bf16", seed=3)
+    q, k, v = inputs((64, 64, 2, 2), 192, "bf16", seed=3, dv=128)
     with pytest.raises(NotImplementedError, match="head_dim_v=128, head_dim=192.* no backward yet"):
         facodegen.attention(q.requires_grad_(), k, v)
     q = q.detach()

@@ -20,52 +20,15 @@ import math
 
 import pytest
 
-from facodegen.verify import fuzz, reference
-from facodegen.verify.flash_rounding import forward_floor
+from facodegen.verify import reference
 
 torch = pytest.importorskip("torch")
-HAVE_GPU = torch.cuda.is_available()
+
+from odd_shapes import CC, HAVE_GPU, check, check_every_shape, inputs, skip_unless_runs  # noqa: E402
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU (torch.cuda)")]
-CC = torch.cuda.get_device_capability() if HAVE_GPU else (0, 0)
 
 HEAD_DIMS = (8, 40, 80, 112, 160, 200, 248)
-# (seqlen_q, seqlen_k, heads_q, heads_kv): one query row, 17 rows over 1000 keys (MQA), 1000 x 1000
-# (GQA), 1000 rows over 17 keys (causal: most rows see no key, O = 0 and LSE = -inf there)
-SHAPES = ((1, 17, 4, 2), (17, 1000, 4, 1), (1000, 1000, 4, 2), (1000, 17, 2, 2))
-
-
-def _skip_unless_runs(arch: str) -> None:
-    if arch == "sm90" and CC != (9, 0) or CC < (8, 0):
-        pytest.skip(f"{arch} does not run on compute capability {CC}")
-
-
-def _dt(dtype: str):
-    return torch.bfloat16 if dtype == "bf16" else torch.float16
-
-
-def _inputs(shape, d, dtype, seed):
-    sq, sk, hq, hkv = shape
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return tuple(torch.randn((1, n, h, d), generator=gen, device="cuda").to(_dt(dtype))
-                 for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
-
-
-def _check(out, lse, q, k, v, causal, dtype):
-    """O and LSE of one call against float64 (reference.attention_reference) and the same-precision
-    computation (FlashAttention-3's criterion); raises naming what is off."""
-    d = q.shape[-1]
-    scale = d ** -0.5
-    assert torch.isfinite(out).all(), "O has NaN/inf (unwritten or bad)"
-    ref, ref_lse = reference.attention_reference(q, k, v, causal=causal)       # float64, scale 1/sqrt(d)
-    ok, msg = reference.check(out, ref, dtype)
-    assert ok, msg
-    ok, msg = reference.check_lse(lse, ref_lse)
-    assert ok, msg
-    # FlashAttention-3's criterion as `facodegen check --fuzz` applies it (the same-precision computation,
-    # FlashAttention's rounding of P before the normalisation taken off each element first)
-    why = fuzz.fa3_failure(out, torch.from_numpy(ref).to(out.device), fuzz._standard_low(q, k, v, causal, scale),
-                           forward_floor(q, k, v, causal, scale))
-    assert why is None, f"O: {why}"
 
 
 def _runs():
@@ -78,21 +41,9 @@ def _runs():
 
 @pytest.mark.parametrize("arch, dtype, d, causal", list(_runs()))
 def test_padded_head_dim_matches_float64(arch, dtype, d, causal):
-    _skip_unless_runs(arch)
-    import facodegen
-    for i, shape in enumerate(SHAPES):
-        q, k, v = _inputs(shape, d, dtype, seed=1000 * d + i)
-        out = torch.full_like(q, float("nan"))
-        lse = torch.full((1, shape[2], shape[0]), float("nan"), device="cuda")
-        call = facodegen.prepare(q, k, v, causal=causal, out=out, lse_out=lse, arch=arch)
-        assert (call.spec.head_dim_real, call.spec.arch) == (d, arch)
-        assert call.spec.head_dim == min(t for t in (64, 96, 128, 192, 256) if t >= d)
-        call()
-        torch.cuda.synchronize()
-        try:
-            _check(out, lse, q, k, v, causal, dtype)
-        except AssertionError as err:
-            raise AssertionError(f"shape (seqlen_q, seqlen_k, heads_q, heads_kv) = {shape}: {err}") from None
+    skip_unless_runs(arch)
+    check_every_shape(arch, d, dtype, causal, seed=1000 * d, spec_is=lambda spec: (
+        (spec.head_dim_real, spec.arch) == (d, arch) and spec.head_dim == min(t for t in (64, 96, 128, 192, 256) if t >= d)))
 
 
 @pytest.mark.parametrize("arch", ("sm80", "sm90"))
@@ -101,7 +52,7 @@ def test_padded_head_dim_matches_float64(arch, dtype, d, causal):
 def test_nothing_past_d_is_read_or_written(arch, d, causal):
     """q, k, v and out as views of buffers 128 columns wider: NaN past d in the inputs (read, it would
     reach O through S or P V), a sentinel past d in O's buffer (it must survive)."""
-    _skip_unless_runs(arch)
+    skip_unless_runs(arch)
     import facodegen
     sq, sk, hq, hkv = 333, 1000 if not causal else 100, 4, 2
     gen = torch.Generator(device="cuda").manual_seed(d)
@@ -119,15 +70,15 @@ def test_nothing_past_d_is_read_or_written(arch, d, causal):
     torch.cuda.synchronize()
     assert out.data_ptr() == o_buf.data_ptr()
     assert (o_buf[..., d:] == 7.0).all(), "the kernel wrote O's memory past head_dim"
-    _check(out, lse, q.contiguous(), k.contiguous(), v.contiguous(), causal, "bf16")
+    check(out, lse, q.contiguous(), k.contiguous(), v.contiguous(), causal, "bf16")
 
 
 @pytest.mark.parametrize("arch", ("sm80", "sm90"))
 def test_default_output_and_scale(arch):
     """No out=: O is allocated like q; the default scale is 1/sqrt(d), an explicit one is taken as given."""
-    _skip_unless_runs(arch)
+    skip_unless_runs(arch)
     import facodegen
-    q, k, v = _inputs((129, 257, 6, 3), 40, "fp16", seed=7)
+    q, k, v = inputs((129, 257, 6, 3), 40, "fp16", seed=7)
     out = facodegen.attention(q, k, v, arch=arch)
     ref, _ = reference.attention_reference(q, k, v)
     assert out.shape == q.shape and reference.check(out, ref, "fp16")[0]
@@ -140,7 +91,7 @@ def test_default_output_and_scale(arch):
 
 def test_padded_head_dims_have_no_backward_or_fp8_yet():
     import facodegen
-    q, k, v = _inputs((64, 64, 2, 2), 80, "bf16", seed=3)
+    q, k, v = inputs((64, 64, 2, 2), 80, "bf16", seed=3)
     with pytest.raises(NotImplementedError, match="head_dim=80 has no backward yet"):
         facodegen.attention(q.requires_grad_(), k, v)
     q = q.detach()
@@ -159,9 +110,9 @@ def test_padded_head_dims_have_no_backward_or_fp8_yet():
 def test_padded_head_dims_take_the_variants(arch, d):
     """A window, softcap and sinks on a padded head_dim: the variant kernels load and store through the
     same padded paths."""
-    _skip_unless_runs(arch)
+    skip_unless_runs(arch)
     import facodegen
-    q, k, v = _inputs((300, 700, 4, 2), d, "bf16", seed=d)
+    q, k, v = inputs((300, 700, 4, 2), d, "bf16", seed=d)
     gen = torch.Generator(device="cuda").manual_seed(d)
     sinks = torch.randn(4, generator=gen, device="cuda")
     variants = dict(window_size=(129, 17), softcap=30.0, sinks=sinks)
