@@ -63,7 +63,7 @@ _DECODE_SHARED_FLAGS = {
 
 def _kernel_options(command):
     """--kernel, the backward's flags (--k-unroll, --deterministic) and the decode family's (--page-size,
-    --paged, --split-kv, --pack-gqa)."""
+    --paged, --split-kv, --pack-gqa, --fused-combine)."""
     options = [
         click.option("--kernel", type=click.Choice(KERNELS), default="forward", show_default=True,
                      help="Which kernel: the forward; the backward (--arch sm80: FlashAttention-2's, which also "
@@ -83,13 +83,17 @@ def _kernel_options(command):
                      help="decode: keys split across CTAs (fp32 partials for the combine kernel)."),
         click.option("--pack-gqa/--no-pack-gqa", "pack_gqa", default=None,
                      help="decode: the query heads of one KV head share the M tile."),
+        click.option("--fused-combine/--no-fused-combine", "fused_combine", default=None,
+                     help="decode --split-kv: the last split CTA of each work item merges the splits (no combine "
+                          "kernel)."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def decode_family_spec(kernel: str, spec_fields: dict, page_size=None, paged=None, split_kv=None, pack_gqa=None):
+def decode_family_spec(kernel: str, spec_fields: dict, page_size=None, paged=None, split_kv=None, pack_gqa=None,
+                       fused_combine=None):
     """The DecodeSpec/CombineSpec/AppendSpec of `--kernel decode|combine|append` and its flags."""
     from .spec import decode as dec
 
@@ -107,9 +111,11 @@ def decode_family_spec(kernel: str, spec_fields: dict, page_size=None, paged=Non
             arch = fields.pop("arch", "sm90")
             dtype = fields.pop("dtype", "bf16")
             head_dim = fields.pop("head_dim", 128)
-            options = {k: v for k, v in (("pack_gqa", pack_gqa),) if v is not None}
+            options = {k: v for k, v in (("pack_gqa", pack_gqa), ("fused_combine", fused_combine)) if v is not None}
             return dec.default_decode_spec(arch, dtype, head_dim, group=4, paged=bool(paged), split=bool(split_kv),
                                            **options, **fields)
+        if fused_combine is not None:
+            raise UsageFailure(f"--fused-combine is a --kernel decode flag, not --kernel {kernel}'s")
         if kernel == "combine":
             return dec.CombineSpec(**fields)
         return dec.AppendSpec(paged=bool(paged), **fields)
@@ -287,7 +293,7 @@ def main():
 @click.option("--all", "all_specs", is_flag=True,
               help="Write every default spec as <variant>.cu into --out-dir (stale flash_fwd_*.cu there are removed).")
 def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministic=None, k_unroll=None, page_size=None,
-         paged=None, split_kv=None, pack_gqa=None, runtime=None, dq_tma_reduce=None):
+         paged=None, split_kv=None, pack_gqa=None, runtime=None, dq_tma_reduce=None, fused_combine=None):
     """Print (or write) the CUDA source of one kernel.
 
     \b
@@ -313,9 +319,10 @@ def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministi
             if all_specs:
                 raise UsageFailure("--all writes the forward's default specs; drop --kernel")
             from .spec.decode import render
-            spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa)
-        elif any(x is not None for x in (page_size, paged, split_kv, pack_gqa)):
-            raise UsageFailure("--page-size, --paged, --split-kv and --pack-gqa belong to --kernel decode/append")
+            spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa, fused_combine)
+        elif any(x is not None for x in (page_size, paged, split_kv, pack_gqa, fused_combine)):
+            raise UsageFailure("--page-size, --paged, --split-kv, --pack-gqa and --fused-combine belong to --kernel "
+                               "decode/append")
         if all_specs:
             if spec_fields:
                 raise UsageFailure("--all writes the default specs; drop the spec flags "
@@ -372,7 +379,7 @@ def _emit_all(out_dir: Path, render) -> None:
               help="Print the SASS (cuobjdump) and a count of key instructions.")
 @_kernel_options
 def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=None, page_size=None, paged=None,
-            split_kv=None, pack_gqa=None, dq_tma_reduce=None):
+            split_kv=None, pack_gqa=None, dq_tma_reduce=None, fused_combine=None):
     """Compile a kernel (no GPU needed) and report what the compiler made of it.
 
     \b
@@ -392,7 +399,7 @@ def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=No
         from .spec.decode import compile_spec
         from .codegen.render import TemplateRenderError
 
-        spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa)
+        spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa, fused_combine)
         try:
             kernel = compile_spec(spec)
         except (CompileError, TemplateRenderError) as err:

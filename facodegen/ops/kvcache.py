@@ -6,7 +6,10 @@ FlashAttention argument not implemented here (never ignores it).
 
 A call runs up to three generated kernels on the caller's current stream: the append
 (``flash_append_*``: new k/v into the cache in place, when k/v are given), the decode
-(``flash_decode_*``) and, when the keys are split across CTAs, the combine (``flash_combine_*``).
+(``flash_decode_*``) and, when the keys are split across CTAs, the combine (``flash_combine_*``),
+unless the ``fused_combine`` knob has the decode kernel's last split CTA of each work item merge
+the splits itself (an int32 counter per work item in the plan's scratch, zeroed once when the
+scratch is allocated and left at zero by every launch).
 Everything that depends only on (shapes, strides, dtypes, device, options) is resolved once into
 a ``DecodePlan`` (plan.PlanCache, keyed like the forward's): a later call with the same key packs
 the call's pointers into the plan's argument images and launches (driver.Launcher), with no
@@ -32,7 +35,7 @@ from .api import (ALIGN_BYTES, ARRAY_META, ARRAY_PTR, DTYPE_NAMES, HEAD_DIM_V_NO
 from ..runtime.plan import PlanCache, Scratch, StreamScratch, _Image
 
 # Knobs a caller may pass (**knobs): the decode spec's tuning knobs.
-CALL_KNOBS = ("block_m", "block_n", "num_warps", "stages", "pack_gqa")
+CALL_KNOBS = ("block_m", "block_n", "num_warps", "stages", "pack_gqa", "fused_combine")
 
 
 # ------------------------------------------------------------------ the plan
@@ -47,19 +50,28 @@ class _Kernel:
 
 class DecodePlan:
     """One resolved kvcache call: the append (optional), decode and combine (optional) kernels with
-    their argument images, grids and per-stream scratch (the split workspace and an LSE)."""
+    their argument images, grids and per-stream scratch (the split workspace, an LSE and, with
+    fused_combine, the work items' int32 counters)."""
 
     def __init__(self, specs: dict, kernels: dict, grids: dict, *, lse_floats: int, partial_floats: tuple[int, int],
-                 allocate, switch_context: bool, device: int, outputs: tuple):
+                 allocate, switch_context: bool, device: int, outputs: tuple, counters: int = 0):
         self.specs, self.kernels, self.grids = specs, kernels, grids
         self.num_splits = 1
         self.outputs = outputs          # (out shape, lse shape)
         self._switch_context = switch_context
         self._device = device
-        # an LSE for calls that did not ask for it; a split's fp32 partial O and partial LSE
+        # an LSE for calls that did not ask for it; a split's fp32 partial O and partial LSE; fused_combine's
+        # arrival counter per work item (zeroed once here; every launch leaves them at zero)
+        self._counters = counters
         self._scratch = StreamScratch({"lse": 4 * lse_floats, "o_partial": 4 * partial_floats[0],
-                                       "lse_partial": 4 * partial_floats[1]}, allocate)
+                                       "lse_partial": 4 * partial_floats[1], "split_counters": 4 * counters},
+                                      allocate, self._zero_counters if counters else None)
         self._lock = threading.Lock()
+
+    def _zero_counters(self, scratch: Scratch, stream: int) -> None:
+        """fused_combine's counters start at zero; the last split CTA of each work item puts its counter
+        back to zero (decode/fused_combine.cuh.j2), so this is the only memset, once per stream."""
+        driver.memset_d32_async(scratch.split_counters, 0, self._counters, stream)
 
     def scratch(self, stream: int) -> Scratch:
         return self._scratch.get(stream)
@@ -70,6 +82,8 @@ class DecodePlan:
         split = "combine" in self.kernels
         sets = {"decode": (q, k_cache, v_cache, o, 0 if split else lse, scratch.o_partial, scratch.lse_partial,
                            cache_seqlens, page_table)}
+        if self._counters:          # fused_combine: the decode kernel writes O and the LSE itself
+            sets["decode"] += (scratch.split_counters,)
         if split:
             sets["combine"] = (scratch.o_partial, scratch.lse_partial, o, lse)
         if "append" in self.kernels:
@@ -224,11 +238,16 @@ def check_arguments(qv, kc, vc, sl, pt, kn, vn, outv, num_splits) -> _Problem:
 def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
            smem_per_sm: int = 233472) -> tuple[dec.DecodeSpec, int]:
     """(decode spec, num_splits) of a call: the default spec with the caller's knobs, and the split
-    heuristic on the cache's capacity when num_splits is 0 (a pure function of the shapes)."""
+    heuristic on the cache's capacity when num_splits is 0 (a pure function of the shapes).
+    fused_combine applies to split calls only (with one split there is nothing to combine)."""
     unknown = sorted(set(knobs) - set(CALL_KNOBS))
     if unknown:
         raise TypeError(f"attention_with_kvcache got unknown argument(s) {', '.join(unknown)}; knobs it takes: "
                         f"{', '.join(CALL_KNOBS)}")
+    knobs = dict(knobs)
+    fused = knobs.pop("fused_combine", False)
+    if fused not in (True, False):
+        raise TypeError(f"fused_combine={fused!r}: must be True or False")
     group = problem.heads_q // problem.heads_kv
     base = dec.default_decode_spec(arch, problem.dtype, problem.head_dim, seqlen_q=problem.seqlen_q, group=group,
                                    paged=problem.paged, **knobs)
@@ -241,17 +260,18 @@ def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
         num_splits = dec.num_splits_heuristic(work, n_blocks, sms, dec.ctas_per_sm(base, smem_per_sm))
     if num_splits > 1:
         from dataclasses import replace
-        base = replace(base, split=True)
+        base = replace(base, split=True, fused_combine=bool(fused))
     return base, num_splits
 
 
 def plan_specs(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
                smem_per_sm: int = 233472) -> tuple[dict, int]:
     """({"decode": spec[, "combine": spec][, "append": spec]}, num_splits): the kernels a call
-    launches, in order: the combine when the keys are split, the append (first) when new tokens come."""
+    launches, in order: the combine when the keys are split (and the decode does not combine them
+    itself, fused_combine), the append (first) when new tokens come."""
     spec, splits = choose(problem, arch, sms, num_splits, knobs, smem_per_sm)
     specs = {"decode": spec}
-    if splits > 1:
+    if splits > 1 and not spec.fused_combine:
         specs["combine"] = dec.CombineSpec(dtype=problem.dtype, head_dim=problem.head_dim)
     if problem.seqlen_new:
         specs["append"] = dec.AppendSpec(dtype=problem.dtype, head_dim=problem.head_dim, paged=problem.paged)
@@ -267,7 +287,7 @@ def _grid_decode(spec, problem, num_splits):
 
 
 def _values_decode(spec, problem, num_splits, m_blocks, heads_per_cta, qv, kc, vc, outv, pt, scale):
-    z = dict.fromkeys(dec.DECODE_CALL_POINTERS, 0)
+    z = dict.fromkeys(dec.CALL_POINTERS[dec.args_of(spec)], 0)
     return {**z,
             "q_batch_stride": qv.strides[0], "q_row_stride": qv.strides[1], "q_head_stride": qv.strides[2],
             "k_page_stride": kc.strides[0], "k_row_stride": kc.strides[1], "k_head_stride": kc.strides[2],
@@ -297,8 +317,8 @@ def build_plan(qv, kc, vc, sl, pt, kn, vn, out_strides, *, causal, softmax_scale
     values = _values_decode(spec, problem, splits, m_blocks, heads_per_cta, qv, kc, vc, out_strides, pt, scale)
     values["causal"] = int(bool(causal))
     specs["decode"], grids["decode"] = spec, grid
-    kernels["decode"] = _kernel(load, spec, grid, dec.pack("decode", values), "decode")
-    if splits > 1:
+    kernels["decode"] = _kernel(load, spec, grid, dec.pack(dec.args_of(spec), values), dec.args_of(spec))
+    if "combine" in chosen:
         cspec = chosen["combine"]
         rows = problem.batch * problem.seqlen_q * problem.heads_q
         cgrid = (-(-rows // cspec.num_warps), 1, 1)
@@ -326,9 +346,11 @@ def build_plan(qv, kc, vc, sl, pt, kn, vn, out_strides, *, causal, softmax_scale
     lse_floats = problem.batch * problem.heads_q * problem.seqlen_q
     partial = (splits * problem.batch * problem.seqlen_q * problem.heads_q * problem.head_dim,
                splits * lse_floats) if splits > 1 else (0, 0)
+    counters = grid[0] // splits * grid[1] * grid[2] if spec.fused_combine else 0     # one per work item
     plan = DecodePlan(specs, kernels, grids, lse_floats=lse_floats, partial_floats=partial, allocate=allocate,
                       switch_context=switch_context, device=device,
-                      outputs=(tuple(qv.shape), (problem.batch, problem.heads_q, problem.seqlen_q)))
+                      outputs=(tuple(qv.shape), (problem.batch, problem.heads_q, problem.seqlen_q)),
+                      counters=counters)
     plan.num_splits = splits
     return plan
 
@@ -417,7 +439,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     causal: bottom-right per sequence (query i of seqlen_q sees keys <= seqlen_k - seqlen_q + i).
     num_splits: key splits per sequence (0: a heuristic on the shapes; 1: no split).
     heads_kv divides heads_q (GQA/MQA). Returns O like q (and the float32 LSE (batch, heads_q,
-    seqlen_q), natural log, with ``return_lse``). Knobs: block_m, block_n, num_warps, stages, pack_gqa.
+    seqlen_q), natural log, with ``return_lse``). Knobs: block_m, block_n, num_warps, stages, pack_gqa,
+    fused_combine (split calls: the decode kernel merges the splits itself, no combine kernel).
 
     Hostile values never make a kernel read or write out of bounds: cache_seqlens are clamped to
     [0, capacity] (capacity: seqlen_cache, or max_pages x page_size), keys and appended tokens past

@@ -8,7 +8,9 @@ Three small frozen specs, each the only input to its template (templates/decode/
   KV cache of per-sequence length, the keys of a sequence optionally split across CTAs (``split``:
   partial O and LSE in fp32 to a workspace). mma.sync + cp.async on both archs: decode is
   memory-bound, and the sm80 instruction set streams K/V at full bandwidth on an H200 too.
-* ``CombineSpec`` -> ``flash_combine.cu.j2``: merges the splits' partial O by their LSE.
+* ``CombineSpec`` -> ``flash_combine.cu.j2``: merges the splits' partial O by their LSE (or, with
+  ``DecodeSpec.fused_combine``, the decode kernel's last split CTA of each work item merges them
+  itself; both through ``decode/combine.cuh.j2``'s ``combine_row``).
 * ``AppendSpec``  -> ``flash_append.cu.j2``: writes new k/v tokens into the cache in place.
 
 Knobs are declared as data (``DECODE_KNOBS``, the registry's ``Knob`` type): type, values, flag,
@@ -74,9 +76,15 @@ DECODE_KNOBS: tuple[Knob, ...] = (
          flag="--pack-gqa/--no-pack-gqa", token=_flag("pack")),
     Knob("split", "bool", "Keys split across CTAs: fp32 partial O and LSE to a workspace, merged by the combine kernel.",
          flag="--split-kv/--no-split-kv", token=_flag("split")),
+    Knob("fused_combine", "bool", "split: the last split CTA of each work item (an int32 counter per item) merges "
+         "the splits itself, with no combine kernel.", flag="--fused-combine/--no-fused-combine",
+         token=_flag("fused")),
     Knob("paged", "bool", "Paged KV cache (num_pages, page_size, heads_kv, d) read through a page table.",
          flag="--paged/--contiguous", problem=True, token=_flag("paged")),
 )
+# Knobs that appear in a generated file's header and `facodegen emit` line only when on, so the
+# kernels without them render as they did before the knob existed (byte for byte).
+SHOWN_WHEN_ON = ("fused_combine",)
 
 
 def _check_fields(spec, knobs) -> None:
@@ -110,7 +118,8 @@ def _variant(spec, knobs) -> str:
 class DecodeSpec:
     """One decode kernel. Problem: arch, dtype, head_dim, paged. Knobs: block_m (packed query rows),
     block_n (keys per ring stage), num_warps (split the keys of a stage), stages (ring depth),
-    pack_gqa, split. Constraints, each a SpecError naming the knob to change:
+    pack_gqa, split, fused_combine (split only: the last split CTA of a work item merges the
+    splits, no combine kernel). Constraints, each a SpecError naming the knob to change:
     block_n % (16 * num_warps) == 0 (a warp takes whole k16 slices of P V); block_m * head_dim / 32
     <= MAX_O_FLOATS (the O accumulator fits in registers); the Q tile plus the ring (or the O exchange
     after the loop) fits the arch's shared memory."""
@@ -123,10 +132,14 @@ class DecodeSpec:
     stages: int = 3
     pack_gqa: bool = True
     split: bool = False
+    fused_combine: bool = False
     paged: bool = False
 
     def __post_init__(self):
         _check_fields(self, DECODE_KNOBS)
+        if self.fused_combine and not self.split:
+            raise _spec_error("fused_combine=True without split: there are no splits to combine; set split=True "
+                              "(--split-kv) or drop fused_combine", "fused_combine")
         if self.block_n % (16 * self.num_warps):
             raise _spec_error(f"block_n={self.block_n} with num_warps={self.num_warps}: each warp takes whole "
                             f"16-key slices, so block_n must be a multiple of {16 * self.num_warps}", "block_n")
@@ -374,6 +387,12 @@ DECODE_FIELDS = [
 ]
 DECODE_CALL_POINTERS = ("q", "k_cache", "v_cache", "o", "lse", "o_partial", "lse_partial", "cache_seqlens",
                         "page_table")
+# fused_combine: one more call pointer, right after the others (a kernel without it keeps its struct).
+DECODE_FUSED_FIELDS = [*DECODE_FIELDS[:len(DECODE_CALL_POINTERS)],
+                       _ptr("split_counters", "int*", "fused_combine: int32 arrivals per work item (batch, heads, "
+                            "M tile), 0 between launches"),
+                       *DECODE_FIELDS[len(DECODE_CALL_POINTERS):]]
+DECODE_FUSED_CALL_POINTERS = (*DECODE_CALL_POINTERS, "split_counters")
 
 COMBINE_FIELDS = [
     _ptr("o_partial", "const float*", "fp32 O (num_splits, batch, seqlen_q, heads_q, d)"),
@@ -406,12 +425,20 @@ APPEND_FIELDS = [
 ]
 APPEND_CALL_POINTERS = ("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "page_table")
 
-FIELDS = {"decode": DECODE_FIELDS, "combine": COMBINE_FIELDS, "append": APPEND_FIELDS}
-CALL_POINTERS = {"decode": DECODE_CALL_POINTERS, "combine": COMBINE_CALL_POINTERS, "append": APPEND_CALL_POINTERS}
+# Argument structs by name: a kernel's (spec.kernel), and "decode_fused" for a fused_combine decode.
+FIELDS = {"decode": DECODE_FIELDS, "decode_fused": DECODE_FUSED_FIELDS, "combine": COMBINE_FIELDS,
+          "append": APPEND_FIELDS}
+CALL_POINTERS = {"decode": DECODE_CALL_POINTERS, "decode_fused": DECODE_FUSED_CALL_POINTERS,
+                 "combine": COMBINE_CALL_POINTERS, "append": APPEND_CALL_POINTERS}
+
+
+def args_of(spec) -> str:
+    """The argument struct (a key of FIELDS) of a spec's kernel."""
+    return "decode_fused" if getattr(spec, "fused_combine", False) else spec.kernel
 
 
 def layout(kernel: str) -> tuple[list[tuple[Field, int]], int, int]:
-    """[(field, offset)], size and alignment of a kernel's argument struct (params.place)."""
+    """[(field, offset)], size and alignment of an argument struct (a key of FIELDS; params.place)."""
     return place(FIELDS[kernel])
 
 
@@ -440,6 +467,8 @@ def emit_command(spec) -> str:
     flags = [f"--kernel {spec.kernel}"]
     for knob in KNOBS_OF[spec.kernel]:
         value = getattr(spec, knob.name)
+        if knob.name in SHOWN_WHEN_ON and not value:
+            continue
         flags.append(knob.command_text(value))
     if spec.kernel != "decode":
         flags.append(f"--arch {spec.arch}")
@@ -451,10 +480,11 @@ def render(spec) -> str:
     from .. import __version__
     from ..codegen.render import render_template
 
-    placed, size, align = layout(spec.kernel)
+    placed, size, align = layout(args_of(spec))
+    items = sorted((k, v) for k, v in spec.as_dict().items() if v or k not in SHOWN_WHEN_ON)
     context = {
         "spec": spec, "kernel_name": spec.variant, "version": __version__, "emit_command": emit_command(spec),
-        "spec_items": sorted(spec.as_dict().items()), "smem_bytes": spec.smem_bytes, "threads": spec.threads,
+        "spec_items": items, "smem_bytes": spec.smem_bytes, "threads": spec.threads,
         "placed": placed, "size": size, "align": align, "log2e": repr(math.log2(math.e)),
         "o_pad": O_PAD_FLOATS, "max_o_floats": MAX_O_FLOATS,
     }
