@@ -133,6 +133,63 @@ def test_decode_sass_has_the_pipeline():
     assert counts["LDL"] == 0 and counts["STL"] == 0
 
 
+# ------------------------------------------------------------------ fused_combine
+
+def test_fused_combine_spec_name_and_defaults():
+    spec = dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True, fused_combine=True)
+    assert spec.variant == "flash_decode_sm90_bf16_hd128_bm16_bn64_w4_st3_pack_split_fused"
+    assert not dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True).fused_combine   # off by default
+    with pytest.raises(SpecError) as err:
+        dec.DecodeSpec(fused_combine=True)                 # nothing to combine without split
+    assert err.value.field == "fused_combine" and "split" in str(err.value)
+    # off: neither the header nor the emit line nor the argument struct mention it (sources as before)
+    plain = dec.render(dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True))
+    assert "fused" not in plain and "split_counters" not in plain and "combine_row" not in plain
+    fused = dec.render(spec)
+    assert "--split-kv --fused-combine" in fused and "fused_combine        = True" in fused
+    assert "int*             split_counters;" in fused and "combine_if_last(p, fin, rows_left" in fused
+    placed = {f.name: off for f, off in dec.layout("decode_fused")[0]}
+    assert placed["split_counters"] == 8 * len(dec.DECODE_CALL_POINTERS)
+
+
+# A few fused configs per arch (the defaults of GQA 4 and 8 rows x d, contiguous and paged, both
+# dtypes at d128): enough to cover each head dim's finish without compiling every shipped config twice.
+def _fused_specs():
+    specs = []
+    for arch in dec.DECODE_ARCHS:
+        for dtype, head_dim in (("bf16", 64), ("bf16", 128), ("fp16", 128), ("bf16", 256)):
+            for paged in (False, True):
+                specs.append(dec.default_decode_spec(arch, dtype, head_dim, group=4 if paged else 8, paged=paged,
+                                                     split=True, fused_combine=True))
+    return specs
+
+
+def test_fused_configs_compile_without_spills():
+    bad = []
+    specs = _fused_specs()
+    for spec, kernel in zip(specs, dec.compile_many(specs, threads=2)):
+        r = kernel.resources
+        if (r.spill_stores, r.spill_loads, r.stack_bytes) != (0, 0, 0) or kernel.warnings or r.registers > 255:
+            bad.append((spec.variant, r, kernel.warnings))
+    assert not bad
+
+
+@pytest.mark.parametrize("arch", dec.DECODE_ARCHS)
+def test_fused_sass_has_the_arrival_and_coherent_loads(arch):
+    """The counter's atomic add, the two GPU-scope fences around it, the partials read from L2
+    (ld.global.cg: LDG .STRONG.GPU), and still no local memory; the unfused kernel has none of them."""
+    spec = dec.default_decode_spec(arch, "bf16", 128, group=4, paged=True, split=True, fused_combine=True)
+    try:
+        sass = dec.compile_spec(spec).sass()
+        plain = dec.compile_spec(dec.default_decode_spec(arch, "bf16", 128, group=4, paged=True, split=True)).sass()
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+    assert sass.count("ATOMG.E.ADD") == 1 and sass.count("MEMBAR.SC.GPU") == 2
+    assert "LDG.E.64.STRONG.GPU" in sass and "LDG.E.STRONG.GPU" in sass
+    assert "LDL" not in sass and "STL" not in sass
+    assert "ATOMG" not in plain and "MEMBAR" not in plain and "STRONG.GPU" not in plain
+
+
 # ------------------------------------------------------------------ the reference
 
 def _random_case(rng, batch=3, seqlen_q=2, heads_q=8, heads_kv=2, d=64, capacity=48, page=8, new=2):
@@ -267,6 +324,38 @@ def test_plan_split_launches_decode_then_combine(fake):
                       kw2["page_table"].data_ptr())
 
 
+def test_plan_fused_combine_launches_no_combine(fake, monkeypatch):
+    """fused_combine: append and decode only; the decode kernel gets O, the LSE and the counters
+    (one int32 per work item, zeroed once per stream's scratch, never per call)."""
+    memsets = []
+    monkeypatch.setattr(driver, "memset_d32_async", lambda *a: memsets.append(a))
+    args, kw = _call_args(batch=1, capacity=262144, paged=True, page=256, new=1)
+    _, lse = kvcache.attention_with_kvcache(*args, **kw, fused_combine=True, return_lse=True)
+    plan = next(iter(kvcache._PLANS._plans.values()))
+    assert plan.num_splits > 1 and set(plan.kernels) == {"append", "decode"}
+    assert plan.specs["decode"].split and plan.specs["decode"].fused_combine
+    assert [r["grid"] for r in fake.records] == [plan.grids["append"], plan.grids["decode"]]
+    q, kc, vc, lengths = args
+    pointers = struct.unpack_from("<10Q", fake.records[1]["head"], 0)
+    assert pointers[:5] == (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), pointers[3], lse.data_ptr())
+    assert pointers[5] and pointers[6] and pointers[9]                 # partials and counters in scratch
+    assert pointers[7:9] == (lengths.data_ptr(), kw["page_table"].data_ptr())
+    work_items = plan.grids["decode"][0] // plan.num_splits * plan.grids["decode"][1] * plan.grids["decode"][2]
+    assert memsets == [(pointers[9], 0, work_items, fake.stream)]
+    kvcache.attention_with_kvcache(*args, **kw, fused_combine=True, return_lse=True)   # a hit: no memset
+    assert kvcache._PLANS.misses == 1 and len(memsets) == 1 and len(fake.records) == 4
+    fake.stream = 2000                                                  # another stream: its own counters
+    kvcache.attention_with_kvcache(*args, **kw, fused_combine=True, return_lse=True)
+    assert len(memsets) == 2 and memsets[1][0] != pointers[9] and memsets[1][3] == 2000
+    # the default stays unfused (a combine launch), and one split ignores the knob
+    kvcache.attention_with_kvcache(*args, **kw)
+    assert set(list(kvcache._PLANS._plans.values())[-1].kernels) == {"append", "decode", "combine"}
+    kvcache.attention_with_kvcache(*args, **kw, fused_combine=True, num_splits=1)
+    one = list(kvcache._PLANS._plans.values())[-1]
+    assert set(one.kernels) == {"append", "decode"} and not one.specs["decode"].split
+    assert not one.specs["decode"].fused_combine and len(memsets) == 2
+
+
 def test_plan_no_split_for_a_full_batch(fake):
     args, kw = _call_args(batch=64, capacity=4096)
     _, lse = kvcache.attention_with_kvcache(*args, **kw, return_lse=True)
@@ -379,6 +468,7 @@ def test_cli_kernels_tuple():
 
 @pytest.mark.parametrize("argv", [
     ["--arch", "sm90", "--kernel", "decode", "--page-size", "64", "--split-kv", "--pack-gqa"],
+    ["--arch", "sm90", "--kernel", "decode", "--page-size", "64", "--split-kv", "--fused-combine"],
     ["--arch", "sm80", "--kernel", "decode", "--head-dim", "64", "--block-n", "128", "--stages", "4"],
     ["--kernel", "combine", "--head-dim", "96", "--dtype", "fp16"],
     ["--kernel", "append", "--paged"],
@@ -409,6 +499,10 @@ def test_cli_decode_errors_and_inspect():
     assert bad.exit_code == 2 and "block_n" in bad.output
     bad = runner.invoke(cli.main, ["emit", "--split-kv"])
     assert bad.exit_code == 2 and "--kernel decode" in bad.output
+    bad = runner.invoke(cli.main, ["emit", "--kernel", "decode", "--fused-combine"])      # no --split-kv
+    assert bad.exit_code == 2 and "fused_combine" in bad.output
+    bad = runner.invoke(cli.main, ["emit", "--kernel", "combine", "--fused-combine"])
+    assert bad.exit_code == 2 and "--fused-combine" in bad.output
     res = runner.invoke(cli.main, ["inspect", "--kernel", "decode", "--arch", "sm80", "--head-dim", "64", "--resources"])
     assert res.exit_code == 0, res.output
     assert "flash_decode_sm80_bf16_hd64" in res.output and "0 B stores, 0 B loads" in res.output
