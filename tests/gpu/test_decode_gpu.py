@@ -7,7 +7,10 @@ Covers: contiguous and paged caches (page 16/64/256, pages shuffled), cache_seql
 boundaries and at the capacity, GQA 1/4/8, num_splits 0 (heuristic), 1 and > 1, seqlen_q 1 and > 1
 (causal and not), append (incl. tokens past the capacity, dropped), hostile lengths and page tables
 (clamped, same as the reference), LSE, CuPy and torch, CUDA-graph replay with lengths changed on the
-device, and the host cost of a warm call. The kernels are compiled up front in parallel (~20 specs).
+device, and the host cost of a warm call. The correctness cases run twice, the splits merged by the
+combine kernel and by the decode kernel itself (fused_combine: the last split CTA of each work item;
+its counters must be back at zero after every call: calls in a row, graph replays). The kernels are
+compiled up front in parallel (~20 specs, and their fused twins).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ HAVE_GPU = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU (torch.cuda)")]
 
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The split merge: the combine kernel (default) or the decode kernel's last split CTA (fused_combine).
+FUSED = pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
 
 
 def _arch():
@@ -45,9 +50,9 @@ def precompiled():
         for d in (64, 128, 256):
             for group, sq in ((1, 1), (4, 1), (8, 1), (4, 4), (1, 4)):
                 for paged in (False, True):
-                    for split in (False, True):
+                    for split, fused in ((False, False), (True, False), (True, True)):
                         specs.add(dec.default_decode_spec(arch, dtype, d, seqlen_q=sq, group=group, paged=paged,
-                                                          split=split))
+                                                          split=split, fused_combine=fused))
             specs.add(dec.CombineSpec(dtype=dtype, head_dim=d))
             specs.add(dec.AppendSpec(dtype=dtype, head_dim=d, paged=False))
             specs.add(dec.AppendSpec(dtype=dtype, head_dim=d, paged=True))
@@ -148,66 +153,96 @@ def check_call(case, *, causal=True, num_splits=0, softmax_scale=None, **knobs):
 
 # ------------------------------------------------------------------ the matrix
 
+@FUSED
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [0, 64])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode_one_query(d, page_size, group):
+def test_decode_one_query(d, page_size, group, fused):
     if d != 128 and group != 4:
         pytest.skip("GQA 1/8 run at d128 only (time)")
     lengths = [0, 1, 64, 1023] if page_size else [0, 1, 513, 1024]
     case = make_case(batch=4, heads_q=8, heads_kv=8 // group, d=d, capacity=1024, page_size=page_size,
                      lengths=lengths, seed=d + group)
-    check_call(case)
+    check_call(case, fused_combine=fused)
 
 
+@FUSED
 @pytest.mark.parametrize("num_splits", [1, 3, 16, 128])
-def test_num_splits(num_splits):
+def test_num_splits(num_splits, fused):
     case = make_case(batch=2, heads_q=32, heads_kv=8, capacity=4096, lengths=[4096, 777], seed=num_splits)
-    check_call(case, num_splits=num_splits)
+    check_call(case, num_splits=num_splits, fused_combine=fused)
 
 
+@FUSED
 @pytest.mark.parametrize("page_size", [16, 256])
-def test_page_sizes_and_boundaries(page_size):
+def test_page_sizes_and_boundaries(page_size, fused):
     capacity = 2048
     lengths = [page_size - 1, page_size, page_size + 1, capacity]
     case = make_case(batch=4, heads_q=16, heads_kv=2, capacity=capacity, page_size=page_size, lengths=lengths)
-    check_call(case)
+    check_call(case, fused_combine=fused)
+    check_call(case, num_splits=16, fused_combine=fused)      # (the heuristic may not split: 16 do)
 
 
+@FUSED
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("group", [1, 4])
-def test_several_queries(causal, group):
+def test_several_queries(causal, group, fused):
     # lengths below seqlen_q: the first rows of a causal sequence see no key
     case = make_case(batch=3, seqlen_q=4, heads_q=8, heads_kv=8 // group, capacity=512, lengths=[2, 100, 512],
                      seed=7)
-    check_call(case, causal=causal)
+    check_call(case, causal=causal, fused_combine=fused)
 
 
-def test_sixteen_queries_gqa8_fp16():
+@FUSED
+def test_sixteen_queries_gqa8_fp16(fused):
     case = make_case(dtype="fp16", batch=2, seqlen_q=16, heads_q=16, heads_kv=2, d=64, capacity=300,
                      lengths=[0, 299])
-    check_call(case, num_splits=2)
+    check_call(case, num_splits=2, fused_combine=fused)
 
 
+@FUSED
 @pytest.mark.parametrize("page_size", [0, 64])
-def test_append(page_size):
+def test_append(page_size, fused):
     # the last sequence has room for one of its three new tokens: the others are dropped
     case = make_case(batch=3, seqlen_q=3, heads_q=8, heads_kv=2, capacity=512, page_size=page_size,
                      lengths=[0, 200, 511], new=3)
-    check_call(case)
+    check_call(case, fused_combine=fused)
 
 
-def test_hostile_lengths_and_pages_are_clamped():
+@FUSED
+def test_hostile_lengths_and_pages_are_clamped(fused):
     case = make_case(batch=4, heads_q=8, heads_kv=2, capacity=1024, page_size=64, lengths=[-5, 10 ** 9, 64, 3])
     table = case["page_table"]
     table[0, 0], table[2, 0], table[3, 0] = -100, 10 ** 6, table.numel() - 1
-    check_call(case)
+    check_call(case, fused_combine=fused)
 
 
-def test_softmax_scale_and_knobs():
+@FUSED
+def test_softmax_scale_and_knobs(fused):
     case = make_case(batch=2, heads_q=8, heads_kv=1, d=128, capacity=1000, lengths=[1000, 5])
-    check_call(case, softmax_scale=0.3, block_n=128, stages=2)
-    check_call(case, pack_gqa=False, num_splits=4)
+    check_call(case, softmax_scale=0.3, block_n=128, stages=2, fused_combine=fused)
+    check_call(case, pack_gqa=False, num_splits=4, fused_combine=fused)
+
+
+@pytest.mark.parametrize("page_size", [0, 64])
+def test_fused_combine_calls_in_a_row_leave_the_counters_at_zero(page_size):
+    """fused_combine's counters are zeroed once per stream's scratch and put back to zero by each work
+    item's last split: calls in a row (other lengths, all-empty sequences, another split count's plan
+    beside this one) are each right, and the counters read 0 after every call."""
+    from facodegen.ops import kvcache
+    case = make_case(batch=3, heads_q=32, heads_kv=8, capacity=2048, page_size=page_size, lengths=[2048, 0, 700])
+    for lengths in ([2048, 0, 700], [0, 0, 0], [1, 2047, 64], [2048, 2048, 2048]):
+        case["cache_seqlens"].copy_(torch.tensor(lengths, dtype=torch.int32))
+        for splits in (0, 7, 0):
+            check_call(case, num_splits=splits, fused_combine=True)
+    plans = [p for p in kvcache._PLANS._plans.values() if p.specs["decode"].fused_combine]
+    assert plans
+    torch.cuda.synchronize()
+    for plan in plans:
+        for scratch in plan._scratch._streams.values():     # (the holder: the scratch's uint8 torch tensor)
+            at = scratch.split_counters - scratch.holder.data_ptr()
+            counters = scratch.holder[at:at + 4 * plan._counters].view(torch.int32)
+            assert int(counters.abs().sum()) == 0, "a counter was left non-zero"
 
 
 def test_cupy_fp16():
@@ -221,24 +256,28 @@ def test_cupy_fp16():
     assert np.abs(cupy.asnumpy(lse) - ref_lse).max() < 1e-3
 
 
-def test_cuda_graph_replay_follows_the_lengths():
+@FUSED
+def test_cuda_graph_replay_follows_the_lengths(fused):
     case = make_case(batch=2, heads_q=32, heads_kv=8, capacity=2048, lengths=[100, 2000])
     args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"])
-    facodegen.attention_with_kvcache(*args)            # warm: plan, compile, workspace
+    kw = {"num_splits": 8, "fused_combine": fused}
+    facodegen.attention_with_kvcache(*args, **kw)            # warm: plan, compile, workspace
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        facodegen.attention_with_kvcache(*args)        # the side stream's scratch
+        facodegen.attention_with_kvcache(*args, **kw)        # the side stream's scratch (and zeroed counters)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        out = facodegen.attention_with_kvcache(*args)
-    case["cache_seqlens"].copy_(torch.tensor([1500, 7], dtype=torch.int32))
-    graph.replay()
-    torch.cuda.synchronize()
-    ref_o, _, _, _ = kvcache_reference(_np(case["q"]), _np(case["k_cache"]), _np(case["v_cache"]),
-                                       _np(case["cache_seqlens"]))
-    assert np.abs(out.double().cpu().numpy() - ref_o).max() < 2e-2
+        out = facodegen.attention_with_kvcache(*args, **kw)
+    for lengths in ([1500, 7], [0, 2048], [1500, 7]):       # replays in a row: the counters are back at 0 each time
+        case["cache_seqlens"].copy_(torch.tensor(lengths, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, _, _, _ = kvcache_reference(_np(case["q"]), _np(case["k_cache"]), _np(case["v_cache"]),
+                                           _np(case["cache_seqlens"]))
+        assert np.abs(out.double().cpu().numpy() - ref_o).max() < 2e-2
 
 
 def test_host_cost_of_a_warm_call():
@@ -303,12 +342,13 @@ def test_torch_compile_decode_step_with_append_matches_eager(page_size, with_out
     assert not torch.equal(compiled_in[1], case["k_cache"])
 
 
-def test_cuda_graph_replay_of_a_decode_step_with_append():
+@FUSED
+def test_cuda_graph_replay_of_a_decode_step_with_append(fused):
     """The eager call with an append, captured once: each replay writes the new token at the
     lengths the device holds then, and attends over it."""
     case = make_case(batch=2, heads_q=32, heads_kv=8, capacity=2048, page_size=64, lengths=[100, 2000], new=1)
     args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"])
-    kw = {"page_table": case["page_table"], "k": case["k"], "v": case["v"]}
+    kw = {"page_table": case["page_table"], "k": case["k"], "v": case["v"], "fused_combine": fused}
     facodegen.attention_with_kvcache(*args, **kw)            # warm: plan, compile, workspace
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
