@@ -164,6 +164,9 @@ def test_backward_and_kvcache_families_are_drawn_within_their_kernels_limits():
             assert c.page_size == 0 or c.seqlen_k % c.page_size == 0
     kv = [c for c in cases if c.family == "kvcache"]
     assert {c.page_size for c in kv} == set(fuzz.KVCACHE_PAGE_SIZES) and {c.num_splits > 1 for c in kv} == {False, True}
+    # about half of them merge their splits in the decode kernel (fused_combine), none of another family
+    share = sum(c.fused_combine for c in kv) / len(kv)
+    assert 0.4 < share < 0.6 and not any(c.fused_combine for c in cases if c.family != "kvcache")
     # about a quarter of the backward cases run autograd under torch.use_deterministic_algorithms
     share = sum(c.deterministic for c in cases if c.family == "backward") / by["backward"]
     assert 0.15 < share < 0.35 and not any(c.deterministic for c in cases if c.family != "backward")
@@ -213,9 +216,11 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             new = [_dense(n, (c.batch, c.seqlen_new, c.heads_kv, c.head_dim), dtype) if c.seqlen_new else None
                    for n in ("k", "v")]
             problem = kvcache.check_arguments(q, kc, vc, lengths, table, *new, None, c.num_splits)
-            want, splits = kvcache.plan_specs(problem, c.arch, info.sms, c.num_splits, {}, kvcache._smem_per_sm(info))
+            knobs = {"fused_combine": True} if c.fused_combine else {}
+            want, splits = kvcache.plan_specs(problem, c.arch, info.sms, c.num_splits, knobs, kvcache._smem_per_sm(info))
             assert specs == list(want.values())
-            assert ("combine" in want) == (splits > 1) and ("append" in want) == (c.seqlen_new > 0)
+            assert ("combine" in want) == (splits > 1 and not c.fused_combine) and ("append" in want) == (c.seqlen_new > 0)
+            assert want["decode"].fused_combine == (splits > 1 and c.fused_combine)
     with pytest.raises(ValueError, match="case_specs"):
         fuzz.case_spec(next(c for c in cases if c.family == "kvcache"))
 

@@ -26,7 +26,7 @@ alignment, softcap values, sinks); ``backward`` (dQ, dK, dV of attention() under
 float64 autograd, FlashAttention-3's criterion per gradient; a quarter of them deterministic, run
 twice and compared bit for bit); ``kvcache`` (attention_with_kvcache:
 1-16 query tokens, contiguous or paged caches with shuffled pages, random lengths from 0, appends,
-split counts); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
+split counts, half of them (odd seeds) with fused_combine); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
 case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; the case's arch:
 sm80's kernel, which an H100 runs compiled for sm_90, or sm90's own). The families are appended in this order, so adding one leaves
 the draws of a single family's run unchanged for a seed (``all`` draws among them all).
@@ -93,6 +93,13 @@ class Case:
         torch.use_deterministic_algorithms(True) (dQ in key-block order), twice, bit-identical. Read
         off the seed, so the draws and the case's JSON are what they were before it existed."""
         return self.family == "backward" and self.seed % 4 == 0
+
+    @property
+    def fused_combine(self) -> bool:
+        """A kvcache case with an odd seed calls attention_with_kvcache(..., fused_combine=True): where
+        the keys are split, the decode kernel's last split CTA of each work item merges them (no
+        combine kernel). Read off the seed, as ``deterministic``: the draws and JSON stay as before."""
+        return self.family == "kvcache" and self.seed % 2 == 1
 
     def to_json(self) -> str:
         fields = asdict(self)
@@ -490,7 +497,8 @@ def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     out = torch.full_like(q, float("nan"))
     _, lse = facodegen.attention_with_kvcache(q, k_cache, v_cache, lengths, page_table=table, k=kn, v=vn,
                                               causal=case.causal, softmax_scale=case.softmax_scale,
-                                              num_splits=case.num_splits, return_lse=True, out=out, arch=case.arch)
+                                              num_splits=case.num_splits, return_lse=True, out=out, arch=case.arch,
+                                              **({"fused_combine": True} if case.fused_combine else {}))
     if launch_only:
         return _launched(out, lse)
     o, lse = host(out), host(lse)
@@ -597,7 +605,8 @@ def case_specs(case: Case, device: int = 0) -> list:
         problem = kvcache._Problem(case.batch, case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim, case.dtype,
                                    paged, case.page_size, case.batch * case.seqlen_k // case.page_size if paged else 0,
                                    case.seqlen_k, case.seqlen_new)
-        specs, _ = kvcache.plan_specs(problem, case.arch, info.sms, case.num_splits, {}, kvcache._smem_per_sm(info))
+        knobs = {"fused_combine": True} if case.fused_combine else {}
+        specs, _ = kvcache.plan_specs(problem, case.arch, info.sms, case.num_splits, knobs, kvcache._smem_per_sm(info))
         return list(specs.values())
     forward = case_spec(case, device)
     if case.family == "backward":
