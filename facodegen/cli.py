@@ -651,7 +651,8 @@ SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8", "overhead", "de
               help="--suite fa3-paper: time forward + backward together (FLOPs = 3.5 x forward), same peers.")
 @click.option("--variant", "bwd_variants", multiple=True, metavar="KNOB=VALUE[,...]",
               help="--backward: also time facodegen.attention_backward(..., **knobs) on the forward's O and LSE "
-                   "as a column of its own, e.g. k_unroll=1,block_n=64 (repeatable).")
+                   "as a column of its own, e.g. k_unroll=1,block_n=64 (repeatable); --suite decode: "
+                   "facodegen.attention_with_kvcache(..., **knobs) beside the default call, e.g. fused_combine=1.")
 @click.option("--quick", is_flag=True,
               help="A short run: --backward/--fwd-bwd seqlen 2k and 8k only; --suite decode its quick subset "
                    "(GQA 32/8, d128, contiguous and paged 64, context 8k and 256k); --suite variants fewer "
@@ -696,6 +697,7 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
       facodegen bench --suite fa3-paper --backward --head-dim 128 --quick --out results/
       facodegen bench --suite fa3-paper --fwd-bwd --out results/
       facodegen bench --suite decode --quick --out results/
+      facodegen bench --suite decode --quick --variant fused_combine=1 --out results/
       facodegen bench --suite variants --out results/
       facodegen bench --suite varlen --quick --out results/
     """
@@ -709,7 +711,7 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
         if mode is not None:
             _bench_backward(spec_fields, peers, out_dir, no_plot, mode, bwd_variants, quick)
         elif suite == "decode":
-            _bench_decode(spec_fields, peers, out_dir, quick)
+            _bench_decode(spec_fields, peers, out_dir, quick, bwd_variants)
         elif suite == "variants":
             _bench_variants(out_dir, quick)
         elif suite == "varlen":
@@ -759,8 +761,9 @@ def _check_suite_options(suite, spec_fields: dict, peers, backward: bool, fwd_bw
         raise UsageFailure("--backward and --fwd-bwd: give one (--fwd-bwd times forward + backward together)")
     if timed and suite != "fa3-paper":
         raise UsageFailure(f"{timed} is for --suite fa3-paper (got {'no --suite' if suite is None else '--suite ' + suite})")
-    if variants and not backward:
-        raise UsageFailure("--variant (backward knobs) is for --suite fa3-paper --backward")
+    if variants and not (backward or suite == "decode"):
+        raise UsageFailure("--variant is for --suite fa3-paper --backward (backward knobs) and --suite decode "
+                           "(attention_with_kvcache knobs)")
     if quick and not (timed or suite in ("decode", "variants", "varlen")):
         raise UsageFailure("--quick is for --suite fa3-paper --backward/--fwd-bwd, --suite decode, --suite variants and "
                            "--suite varlen (--suite quick is the forward's short grid)")
@@ -843,11 +846,17 @@ def _bench_backward(spec_fields: dict, peers, out_dir: Path, no_plot: bool, mode
     click.echo(bw.full_table(rows, peer_names, knobs))
 
 
-def _bench_decode(spec_fields: dict, peers, out_dir: Path, quick: bool) -> None:
+def _bench_decode(spec_fields: dict, peers, out_dir: Path, quick: bool, variants=()) -> None:
     """`bench --suite decode`: bench.decode.run_decode over the decode cells (--quick: the quick subset,
-    --head-dim: one d), beside FlashAttention-3 and SDPA (--peers fa3,sdpa). The table prints last."""
+    --head-dim: one d), beside FlashAttention-3 and SDPA (--peers fa3,sdpa), --variant knobs as columns
+    of their own (e.g. fused_combine=1). The table prints last."""
     from .bench import decode as dec
     from .bench import results
+
+    try:
+        knobs = [dec.parse_knobs(text) for text in variants]
+    except ValueError as err:
+        raise UsageFailure(f"--variant: {err}") from None
 
     head_dim = spec_fields.get("head_dim")
     peer_names = dec.DECODE_PEERS if peers is None else _peer_list(peers)
@@ -860,8 +869,9 @@ def _bench_decode(spec_fields: dict, peers, out_dir: Path, quick: bool) -> None:
         raise UsageFailure(f"--head-dim {head_dim}: no cell of suite decode has it "
                            f"({', '.join(map(str, dec.HEAD_DIMS))})")
     env = results.environment()
-    click.echo(f"bench --suite decode: {len(cells)} cells, bf16, peers {', '.join(peer_names) or 'none'}", err=True)
-    rows = dec.run_decode(cells, peer_names, log=lambda m: click.echo(m, err=True))
+    click.echo(f"bench --suite decode: {len(cells)} cells, bf16, peers {', '.join(peer_names) or 'none'}"
+               + (f", variants {', '.join(dec.variant_label(k) for k in knobs)}" if knobs else ""), err=True)
+    rows = dec.run_decode(cells, peer_names, log=lambda m: click.echo(m, err=True), variants=knobs)
     grid = dict(dec.QUICK if quick else dec.FULL)
     paths = dec.write_decode_results(rows, out_dir, "bench-decode", env=env, grid=grid)
     click.echo("\n" + _written(paths))

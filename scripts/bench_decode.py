@@ -10,6 +10,7 @@ exceed --max-gb (60 GB). Effective bandwidth = bytes of K and V read / time.
 
     python scripts/bench_decode.py --quick --out results/           # ~3 minutes on an H200
     python scripts/bench_decode.py --batch 1,8 --context 32k,256k --heads 32/8 --d 128 --layout contiguous,paged64
+    python scripts/bench_decode.py --quick --variant fused_combine=1    # + facodegen with that knob, a column
 
 Prints a markdown table (TB/s of each, then the ratios) and writes bench-decode.{md,csv,json} under
 --out. Importing this module needs no GPU.
@@ -39,7 +40,14 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="a subset that runs in ~3 minutes: " + json.dumps(dec.QUICK))
     ap.add_argument("--out", type=Path, help="write bench-decode.{md,csv,json} here")
     ap.add_argument("--list", action="store_true", help="print the cells and exit")
+    ap.add_argument("--variant", action="append", default=[], metavar="KNOB=VALUE[,...]",
+                    help="also time facodegen with these attention_with_kvcache knobs (e.g. fused_combine=1), "
+                         "a column of its own; repeatable")
     args = ap.parse_args(argv)
+    try:
+        args.variants = [dec.parse_knobs(text) for text in args.variant]
+    except ValueError as err:
+        ap.error(f"--variant: {err}")
     args.grid = {"batch": args.batch, "context": args.context, "heads": args.heads, "d": args.d, "layout": args.layout}
     if args.quick:
         args.grid = dict(dec.QUICK)
@@ -58,7 +66,8 @@ def main(argv=None) -> int:
         return 0
     from facodegen.bench import results
     env = results.environment()
-    rows = dec.run_decode(todo, args.peers, log=lambda m: print(m, file=sys.stderr, flush=True))
+    rows = dec.run_decode(todo, args.peers, log=lambda m: print(m, file=sys.stderr, flush=True),
+                          variants=args.variants)
     print(dec.summary(rows))
     if args.out:
         paths = dec.write_decode_results(rows, args.out, env=env, grid=args.grid)

@@ -81,9 +81,11 @@ def test_fwd_bwd_is_forward_plus_backward(fake_gpu, backward_calls, tmp_path):
 def test_decode_reaches_run_decode(fake_gpu, monkeypatch, tmp_path):
     seen = []
 
-    def fake_run_decode(todo, peers=dec.DECODE_PEERS, log=print):
-        seen.append((todo, tuple(peers)))
-        return [{"cell": c.name, "kv_bytes": c.kv_bytes, "facodegen": 4.0, "fa3": 3.8} for c in todo]
+    def fake_run_decode(todo, peers=dec.DECODE_PEERS, log=print, variants=()):
+        seen.append((todo, tuple(peers)) + ((list(variants),) if variants else ()))
+        labels = [dec.variant_label(k) for k in variants]
+        return [{"cell": c.name, "kv_bytes": c.kv_bytes, "facodegen": 4.0, "fa3": 3.8,
+                 **({"variants": labels} if labels else {}), **{v: 4.4 for v in labels}} for c in todo]
 
     monkeypatch.setattr(dec, "run_decode", fake_run_decode)
     result = invoke("--suite", "decode", "--quick", "--out", str(tmp_path))
@@ -95,6 +97,15 @@ def test_decode_reaches_run_decode(fake_gpu, monkeypatch, tmp_path):
     result = invoke("--suite", "decode", "--head-dim", "64", "--peers", "sdpa", "--out", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert seen == [(dec.cells(d=(64,)), ("sdpa",))]
+    # --variant: facodegen with attention_with_kvcache knobs, a column of its own beside the default call
+    seen.clear()
+    result = invoke("--suite", "decode", "--quick", "--variant", "fused_combine=1", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert seen == [(dec.cells(**dec.QUICK), ("fa3", "sdpa"), [{"fused_combine": True}])]
+    assert "facodegen[fused_combine=True] TB/s" in result.output and "| 4.40 | 1.10x |" in result.output
+    assert "facodegen[fused_combine=True]" in (tmp_path / "bench-decode.csv").read_text()
+    result = invoke("--suite", "decode", "--variant", "k_unroll=1")
+    assert result.exit_code == 2 and "not a knob of attention_with_kvcache" in result.output
 
 
 def test_variants_reaches_run_variants(fake_gpu, monkeypatch, tmp_path):

@@ -572,11 +572,17 @@ def test_bench_decode_script_hands_its_grid_to_the_package(monkeypatch, tmp_path
     bd = _bench_script()
     seen = {}
     monkeypatch.setattr(results, "environment", lambda: {"gpu": "fake"})
-    monkeypatch.setattr(dec, "run_decode", lambda todo, peers, log=print: seen.update(todo=todo, peers=peers) or [])
+    monkeypatch.setattr(dec, "run_decode", lambda todo, peers, log=print, variants=():
+                        seen.update(todo=todo, peers=peers, **({"variants": variants} if variants else {})) or [])
     assert bd.main(["--batch", "1", "--context", "32k", "--heads", "32/8", "--d", "128", "--layout", "contiguous",
                     "--peers", "fa3", "--out", str(tmp_path)]) == 0
     assert seen == {"todo": [dec.Cell(1, 32768, 32, 8, 128, "contiguous")], "peers": ("fa3",)}
     assert (tmp_path / "bench-decode.json").exists()
+    assert bd.main(["--batch", "1", "--context", "32k", "--heads", "32/8", "--d", "128", "--layout", "contiguous",
+                    "--variant", "fused_combine=true", "--out", str(tmp_path)]) == 0
+    assert seen["variants"] == [{"fused_combine": True}]
+    with pytest.raises(SystemExit):
+        bd.main(["--variant", "fused_combine", "--list"])
 
 
 def test_split_count_follows_the_gpu(fake, monkeypatch):

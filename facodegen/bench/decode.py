@@ -12,7 +12,12 @@ Timing: timing.time_cuda_interleaved (CUDA events, warm-up, implementations in t
 median of the group means); where one cell's K+V is under twice the L2 (inputs.L2_BYTES_DEFAULT) the
 calls rotate over several caches (inputs.input_sets_needed) so no timing is of a warm L2. Each
 implementation's O is checked against facodegen's reference-tested output on the first cache
-(max |diff| < 2e-2) before timing. The pure parts import without torch."""
+(max |diff| < 2e-2) before timing. The pure parts import without torch.
+
+Variants: ``variants`` (knob dicts of attention_with_kvcache, e.g. ``{"fused_combine": True}``;
+`--variant fused_combine=1` on the command line) time facodegen with those knobs as columns of their
+own, ``facodegen[fused_combine=True]``, in the same interleaved groups as the default call, so the
+two are compared under the same clocks and L2 state."""
 
 from __future__ import annotations
 
@@ -120,14 +125,47 @@ def tbps(kv_bytes: int, ms: float | None) -> float | None:
     return None if not ms else kv_bytes / (ms * 1e-3) / 1e12
 
 
+def variant_label(knobs: dict) -> str:
+    """The column of facodegen called with ``knobs``: facodegen[fused_combine=True]."""
+    return "facodegen[" + ",".join(f"{k}={v}" for k, v in sorted(knobs.items())) + "]"
+
+
+def parse_knobs(text: str) -> dict:
+    """'fused_combine=1,block_n=128' -> {'fused_combine': True, 'block_n': 128}: the knobs
+    attention_with_kvcache takes (kvcache.CALL_KNOBS), each typed by its DecodeSpec knob; ValueError
+    on an item without '=' or a name that is no such knob."""
+    from ..ops.kvcache import CALL_KNOBS
+    from ..spec.decode import DECODE_KNOBS
+    by_name = {k.name: k for k in DECODE_KNOBS if k.name in CALL_KNOBS}
+    knobs = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"{item!r}: expected knob=value")
+        if name not in by_name:
+            raise ValueError(f"{name!r} is not a knob of attention_with_kvcache ({', '.join(by_name)})")
+        knobs[name] = by_name[name].parse(value)
+    return knobs
+
+
+def variant_names(rows: list[dict]) -> list[str]:
+    """The variant columns the rows hold, in order of first appearance."""
+    return list(dict.fromkeys(name for r in rows for name in r.get("variants", ())))
+
+
 def table(rows: list[dict]) -> str:
-    """Markdown: one row per cell, TB/s of facodegen and each peer, then facodegen / peer ratios last."""
-    head = "| cell | K+V MB | facodegen TB/s | FA3 TB/s | SDPA flash TB/s | splits | vs FA3 | vs SDPA | vs best |"
-    lines = [head, "|" + "---|" * 9]
+    """Markdown: one row per cell, TB/s of facodegen and each peer, then facodegen / peer ratios last;
+    variant columns (facodegen with knobs) after facodegen's, each with its ratio to the default call."""
+    variants = variant_names(rows)
+    head = ("| cell | K+V MB | facodegen TB/s | " + "".join(f"{v} TB/s | {v} / default | " for v in variants)
+            + "FA3 TB/s | SDPA flash TB/s | splits | vs FA3 | vs SDPA | vs best |")
+    lines = [head, "|" + "---|" * (9 + 2 * len(variants))]
     for r in rows:
         ours, fa3, sdpa = r.get("facodegen"), r.get("fa3"), r.get("sdpa")
         best = max([x for x in (fa3, sdpa) if x], default=None)
-        lines.append(f"| {r['cell']} | {r['kv_bytes'] / 1e6:.0f} | {_num(ours)} | {_num(fa3)} | {_num(sdpa)} | "
+        cols = "".join(f"{_num(r.get(v))} | {_ratio(r.get(v), ours)} | " for v in variants)
+        lines.append(f"| {r['cell']} | {r['kv_bytes'] / 1e6:.0f} | {_num(ours)} | {cols}{_num(fa3)} | {_num(sdpa)} | "
                      f"{r.get('splits', '–')} | {_ratio(ours, fa3)} | {_ratio(ours, sdpa)} | {_ratio(ours, best)} |")
     return "\n".join(lines)
 
@@ -166,7 +204,7 @@ def to_csv(rows: list[dict]) -> str:
     writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
     writer.writeheader()
     for r in rows:
-        for impl in IMPLS:
+        for impl in (*IMPLS, *r.get("variants", ())):
             if r.get(impl) is None and not r.get(impl + "_note") and not r.get("error"):
                 continue
             ratio = r["facodegen"] / r[impl] if impl != "facodegen" and r.get("facodegen") and r.get(impl) else None
@@ -201,7 +239,7 @@ def _fa3():
     return getattr(mod, "flash_attn_with_kvcache", None) if mod is not None else None
 
 
-def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True) -> dict:
+def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True, variants=()) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -235,6 +273,12 @@ def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True) -> dict:
         return facodegen.attention_with_kvcache(q, kc, vc, lengths, page_table=pt, num_splits=0)
 
     fns, names = [ours], ["facodegen"]
+    for knobs in variants:      # facodegen with knobs, timed in the same groups as the default call
+        def ours_with(knobs=knobs):
+            kc, vc, pt = rotate()
+            return facodegen.attention_with_kvcache(q, kc, vc, lengths, page_table=pt, num_splits=0, **knobs)
+        fns.append(ours_with)
+        names.append(variant_label(knobs))
     fa3 = _fa3() if "fa3" in peers else None
     if fa3 is not None:
         def fa3_call():
@@ -252,14 +296,22 @@ def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True) -> dict:
         fns.append(sdpa_call)
         names.append("sdpa")
     result = {"cell": cell.name, **asdict(cell), "kv_bytes": cell.kv_bytes, "sets": sets}
+    if variants:
+        result["variants"] = [variant_label(knobs) for knobs in variants]
     # correctness first: every implementation against facodegen on the same cache
+    from ..ops import kvcache
     good = []
     turn["i"] = -1
     want = ours().float()
+    newest = lambda: list(kvcache._PLANS._plans.values())[-1]      # noqa: E731 (a call's plan, just built)
+    default = newest()
     for name, fn in zip(names, fns):
         turn["i"] = -1
         try:
             got = fn().float()
+            if name.startswith("facodegen["):   # the kernel a variant runs and its split count
+                result[name + "_kernel"] = newest().specs["decode"].variant
+                result[name + "_splits"] = newest().num_splits
             err = (got - want).abs().max().item()
             if check and not err < 2e-2:
                 result[name + "_note"] = f"differs from facodegen by {err:.3e}: not timed"
@@ -272,27 +324,25 @@ def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True) -> dict:
         result[name] = tbps(cell.kv_bytes, t["ms"])
         result[name + "_ms"] = t["ms"]
         result[name + "_host_ms"] = t["host_ms"]
-    from ..ops import kvcache
-    plans = [p for p in kvcache._PLANS._plans.values() if p.outputs[0] == tuple(q.shape)]
-    if plans:
-        result["splits"] = plans[-1].num_splits
-        result["variant"] = plans[-1].specs["decode"].variant
+    result["splits"] = default.num_splits
+    result["variant"] = default.specs["decode"].variant
     caches.clear()
     torch.cuda.empty_cache()
     return result
 
 
-def run_decode(todo: list[Cell], peers=DECODE_PEERS, log=print) -> list[dict]:
-    """run_cell over the cells; a cell that raises is reported in its row and the run goes on."""
+def run_decode(todo: list[Cell], peers=DECODE_PEERS, log=print, variants=()) -> list[dict]:
+    """run_cell over the cells (``variants``: knob dicts timed as columns of their own); a cell that
+    raises is reported in its row and the run goes on."""
     rows = []
     t0 = time.time()
     for cell in todo:
         try:
-            row = run_cell(cell, peers)
+            row = run_cell(cell, peers, variants=variants)
         except Exception as exc:  # noqa: BLE001 (one cell's failure must not lose the others)
             row = {"cell": cell.name, **asdict(cell), "kv_bytes": cell.kv_bytes, "error": f"{type(exc).__name__}: {exc}"}
         rows.append(row)
         log(f"[{time.time() - t0:6.1f}s] {cell.name}: " + ", ".join(
-            f"{k} {row[k]:.2f} TB/s" for k in IMPLS if row.get(k)) +
+            f"{k} {row[k]:.2f} TB/s" for k in (*IMPLS, *row.get("variants", ())) if row.get(k)) +
             (f" ERROR {row['error']}" if "error" in row else ""))
     return rows
