@@ -51,6 +51,9 @@ def test_variant_names_the_problem_and_the_tile():
     ({"arch": "sm90", "head_dim": 256, "dq_tma_reduce": True, "stages": 2}, "stages", "stages=1"),
     ({"arch": "sm90", "head_dim": 192, "stages": 3}, "stages", "1 or 2 at head_dim 192, 256"),
     ({"arch": "sm90", "block_m": 128}, "block_m", "block_m=64"),
+    ({"arch": "sm90", "block_m": 32, "head_dim": 64}, "block_m", "or 128"),
+    ({"arch": "sm90", "block_m": 128, "head_dim": 96}, "block_m", "240 registers"),
+    ({"arch": "sm90", "block_m": 128, "head_dim": 256}, "block_m", "head_dim 64 only"),
     ({"arch": "sm90", "block_n": 64}, "block_n", "block_n=128"),
     ({"arch": "sm90", "num_warps": 8}, "num_warps", "12 warps"),
     ({"arch": "sm90", "stages": 1}, "stages", "2 deep"),
@@ -918,6 +921,100 @@ def test_dq_tma_reduce_call_pads_dq_accum_and_zeroes_the_padding(bwd, monkeypatc
     # the plan's per-stream scratch: the padded dq_accum, then D and LSE * log2(e) padded to block_m rows
     [plan] = backward._PLANS._plans.values()
     assert plan.plain and (plan.accum_floats, plan.dpsum_floats) == (2 * 8 * 128 * 128, 2 * 2 * 8 * 128)
+
+
+# ------------------------------------------------------------------ sm90 block_m=128 (head_dim 64)
+
+# (knobs, shared memory, dQ buffers per warpgroup): spec/backward.py SM90_BLOCK_MS' arithmetic: K, V
+# 32 KB + 2 x (Q, dO 32 KB + rows 1 KB) + one dS^T tile 32 KB + 1 KB; dq_tma_reduce + 2 x 32 KB.
+WIDE_M_CONFIGS = [
+    ({}, 199680, 1),                                            # the dq_tma_reduce default
+    ({"dq_tma_reduce": False}, 134144, 0),
+    ({"deterministic": True}, 134144, 0),
+    ({"deterministic": True, "dq_tma_reduce": True}, 199680, 1),
+]
+
+
+def test_sm90_block_m_128_is_a_knob_value_at_head_dim_64():
+    """block_m=128 is asked for, never the default; its name says bm128; the other head dims refuse it
+    naming block_m; the 64-row configs keep their two dS^T tiles and their shared memory."""
+    from facodegen.spec.backward import sm90_dq_m_tiles, sm90_ds_bufs
+    assert BackwardSpec(arch="sm90", head_dim=64).block_m == 64
+    spec = BackwardSpec(arch="sm90", head_dim=64, block_m=128)
+    assert spec.variant == "flash_bwd_sm90_bf16_hd64_bm128_bn128_w12_st2_dqtma"
+    assert (sm90_ds_bufs(128), sm90_dq_m_tiles(128), sm90_ds_bufs(64), sm90_dq_m_tiles(64)) == (1, 2, 2, 1)
+    assert BackwardSpec(arch="sm90", head_dim=64, dq_tma_reduce=False).smem_bytes == 100352    # unchanged
+    for d in (96, 128, 192, 256):
+        with pytest.raises(SpecError, match="block_m"):
+            BackwardSpec(arch="sm90", head_dim=d, block_m=128)
+    assert "--block-m 128" in backward.emit_command(spec)
+
+
+@pytest.mark.parametrize("dtype, causal", [("bf16", False), ("fp16", True)])
+@pytest.mark.parametrize("knobs, smem, dq_bufs", WIDE_M_CONFIGS,
+                         ids=["-".join(f"{k}={v}" for k, v in kw.items()) or "default" for kw, *_ in WIDE_M_CONFIGS])
+def test_sm90_block_m_128_compiles_clean(knobs, smem, dq_bufs, dtype, causal):
+    """head_dim 64, block_m 128: S^T, dP^T as m64n128 (k = 64), dV, dK as RS m64n64 (k = 128 queries),
+    dQ as two m64n64 tiles of queries over the warpgroup's 64 keys (split by keys: no barrier between
+    the warpgroups). NVRTC sm_90a: no stack, spills or local memory in any of the three kernels, no
+    C75xx note, the consumers' highest register under setmaxnreg's 240 (2026-12-04, NVRTC 13: 229-237),
+    shared memory as SM90_BLOCK_MS says; dq_tma_reduce: one 32 KB bulk reduce-add per warpgroup and
+    step, STS.128 for both dQ tiles; else the fp32 vector reductions."""
+    spec = BackwardSpec(arch="sm90", head_dim=64, block_m=128, dtype=dtype, causal=causal, **knobs)
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.stages) == (128, 128, 12, 2)
+    assert (spec.dq_bufs, spec.smem_bytes) == (dq_bufs, smem) and smem <= GPUS["h100"].smem_per_block
+    source = _rendered(spec, ("dK += dS^T Q", "dQ = dS K", "producer", "consumers"))
+    assert "constexpr int DQ_M_TILES = BLOCK_M / WG_ROWS;" in source and "constexpr int DS_BUFS = 1;" in source
+    assert "(step & 1) * DS_TILE_BYTES" not in source
+    if not (spec.deterministic and spec.dq_tma_reduce):
+        # (deterministic with dq_tma_reduce=True: the emit line leaves out --dq-tma-reduce at every
+        # block_m, _emit_defaults' dq_tma_reduce ignores deterministic; fixing it changes those headers)
+        result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(spec).split()[2:]])
+        assert result.exit_code == 0 and result.output == source
+    kernel, sass, counts = _compiled_clean(spec)
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
+    setmaxnreg = sorted(" ".join(x.split()[1:4]) for x in sass.splitlines() if "USETMAXREG" in x)
+    assert setmaxnreg == ["USETMAXREG.DEALLOC.CTAPOOL 0x18 ;", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0"]
+    ty = ".F32.BF16 " if dtype == "bf16" else ".F32 "
+    hgmma = [line for line in sass.splitlines() if "HGMMA" in line]
+    s_dp = [x for x in hgmma if f"HGMMA.64x128x16{ty}" in x and "tnsp" not in x]
+    dv_dk = [x for x in hgmma if f"HGMMA.64x64x16{ty}" in x and ".tnspB" in x and ".tnspA" not in x]
+    dq = [x for x in hgmma if f"HGMMA.64x64x16{ty}" in x and ".tnspA.tnspB" in x]
+    assert (len(s_dp), len(dv_dk), len(dq), len(hgmma)) == (2 * 4, 2 * 8, 2 * 4, 32)
+    assert all(re.search(r"\bR\d+, R\d+, gdesc", x) for x in dv_dk)      # A from registers
+    assert counts["UTMALDG"] == 4 and sass.count("UBLKCP.S.G") == 2 and counts["HMMA"] == 0
+    assert "BAR.SYNC.DEFER_BLOCKING 0x1, 0x100" not in sass               # split by keys
+    if spec.dq_tma_reduce:
+        assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1 and not re.search(r"\bREDG?\.", sass)
+        assert len(re.findall(r"\bSTS\.128 ", sass)) == 2 * 64 // 2 // 4
+        assert "bulk_reduce_add_f32(dq_tile, dq_buf, DQ_TILE_BYTES);" in source
+    else:
+        assert "REDG.E.ADD.F32x2" in sass and "UBLKRED" not in sass
+    assert (sass.count("BAR.SYNC.DEFER_BLOCKING 0x2, 0x100") == 2) == spec.deterministic
+    assert sass.count("BAR.ARV 0x5, 0x100") == int(spec.deterministic)
+
+
+@pytest.mark.parametrize("knobs", [{"dq_tma_reduce": True}, {"deterministic": True}])
+def test_block_m_128_call_pads_stats_and_dq_accum_to_its_blocks(bwd, monkeypatch, knobs):
+    """The host follows the spec's block_m: D and LSE * log2(e) rows, the tiled dq_accum and the turn
+    counters per query block of 128 rows (seqlen_q 130: 256 rows, 2 blocks; block_m 64 would be 192, 3)."""
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
+    do, q, k, v, o, lse = _problem(sq=130, d=64)
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90", block_m=128, **knobs)
+    spec = BackwardSpec(arch="sm90", head_dim=64, causal=True, gpu="h200", block_m=128, **knobs)
+    recs = bwd.bwd.records
+    assert [r["name"] for r in recs] == list(spec.kernel_names) and recs[1]["smem"] == spec.smem_bytes
+    accum_rows = 256 if spec.dq_tma_reduce else 130
+    assert [r["grid"] for r in recs] == [(-(-256 // 12), 8, 2), (-(-203 // 128), 2, 2),
+                                         (-(-accum_rows // 12), 8, 2)]
+    main = recs[1]
+    assert _field90(main, "dpsum") - _field90(main, "dq_accum") == 4 * 2 * 8 * accum_rows * 64
+    if spec.deterministic:
+        assert _field90(main, "dq_semaphore") - _field90(main, "dpsum") == 4 * 2 * 2 * 8 * 256
+    [plan] = backward._PLANS._plans.values()
+    assert (plan.accum_floats, plan.dpsum_floats) == (2 * 8 * accum_rows * 64, 2 * 2 * 8 * 256)
 
 
 def test_dq_tma_reduce_per_call_scratch_is_padded(bwd, monkeypatch):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from facodegen.spec.backward import BackwardSpec, sm90_dq_cols, sm90_kv_split, sm90_swizzle_bytes
+from facodegen.spec.backward import (BackwardSpec, sm90_dq_cols, sm90_dq_m_tiles, sm90_ds_bufs, sm90_kv_split,
+                                     sm90_swizzle_bytes)
 from backward_emulation_check import check_emulated_backward
 
 E = np.float16     # elem_t (fp16: the emulation rounds where the kernel converts)
@@ -86,10 +87,11 @@ def dq_accum_element(spec, offset):
     dq_cols = sm90_dq_cols(d)
     tile, in_tile = offset // (bm * d), offset % (bm * d)
     part, in_part = in_tile // (bm * dq_cols), in_tile % (bm * dq_cols)
-    i = 4 * (in_part // (WG_THREADS * 4)) + in_part % 4
-    thread = (in_part // 4) % WG_THREADS
+    m_tile, in_m_tile = in_part // (WG_ROWS * dq_cols), in_part % (WG_ROWS * dq_cols)   # (block_m 128: 2)
+    i = 4 * (in_m_tile // (WG_THREADS * 4)) + in_m_tile % 4
+    thread = (in_m_tile // 4) % WG_THREADS
     lane = thread % 32
-    row = tile * bm + 16 * (thread // 32) + lane // 4 + 8 * ((i >> 1) & 1)
+    row = tile * bm + m_tile * WG_ROWS + 16 * (thread // 32) + lane // 4 + 8 * ((i >> 1) & 1)
     col = part * dq_cols + 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)
     return row, col
 
@@ -134,7 +136,13 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
     kv_cols = d // 2 if split else d            # columns of dK, dV per warpgroup
     slab_cols = sw // 2
     q_slab, kv_slab, q_tile, kv_tile = bm * sw, bn * sw, bm * d * 2, bn * d * 2
-    ds_row, ds_tile_bytes, ds_sw = bm * 2, bn * bm * 2, 128
+    # dS^T (and P^T) tiles: dq_m_tiles slabs of 64 queries, each bn key rows of one 128-byte swizzled
+    # row; block_m 128: dQ in two m64 tiles, one dS^T tile (no turns: sm90_ds_bufs)
+    dq_m_tiles = sm90_dq_m_tiles(bm)
+    ds_row, ds_sw = WG_ROWS * 2, 128
+    ds_slab = bn * ds_row
+    ds_tile_bytes = dq_m_tiles * ds_slab
+    ds_bufs = 4 if split else sm90_ds_bufs(bm)   # (split: two dS^T, two P^T tiles)
     dq_cols = sm90_dq_cols(d)
     split_keys = dq_cols == d
     dq_k_steps = (WG_ROWS if split_keys else bn) // 16
@@ -151,7 +159,7 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
         for kv_head in range(hkv):
             for n_block in range(-(-sk // bn)):
                 pt_smem0 = ds_smem0 + 2 * ds_tile_bytes     # (split: the P^T tiles)
-                smem = Smem(ds_smem0 + (4 if split else 2) * ds_tile_bytes)
+                smem = Smem(ds_smem0 + ds_bufs * ds_tile_bytes)
                 key_begin = n_block * bn
                 first_row = max(0, key_begin - (sk - sq)) if causal else 0
                 m_first = first_row // bm
@@ -172,7 +180,7 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                     lse_rows = np.where(rows < sq, lse[b, head, np.minimum(rows, sq - 1)], -np.inf)
                     lse_rows = np.where(lse_rows == -np.inf, np.inf, lse_rows * LOG2E)
                     d_rows = np.where(rows < sq, dpsum[b, head, np.minimum(rows, sq - 1)], 0.0)
-                    ds_tile = ds_smem0 + (step & 1) * ds_tile_bytes
+                    ds_tile = ds_smem0 + (step & 1) * ds_tile_bytes if ds_bufs > 1 else ds_smem0
                     pt_tile = pt_smem0 + (step & 1) * ds_tile_bytes
                     frags = []
                     for wg in range(2):
@@ -198,8 +206,9 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                         p = np.where(hidden, 0.0, p)
                         p_frag = p.astype(E).astype(np.float64)
                         ds = (p * (dpt - d_rows[query0 + col])).astype(E)
-                        # dS^T (split: and P^T) -> shared memory (128-byte swizzled rows of bm queries)
-                        offset = (key0 + key_rows_i) * ds_row + 2 * (query0 + col)
+                        # dS^T (split: and P^T) -> shared memory (128-byte swizzled rows of 64 queries)
+                        qcol = query0 + col
+                        offset = (qcol // WG_ROWS) * ds_slab + (key0 + key_rows_i) * ds_row + 2 * (qcol % WG_ROWS)
                         smem.h[(ds_tile + swizzle(offset, ds_sw)) // 2] = ds
                         if split:
                             smem.h[(pt_tile + swizzle(offset, ds_sw)) // 2] = p.astype(E)
@@ -230,26 +239,32 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                         dq_col0 = 0 if split_keys else wg * dq_cols
                         k_dq = k_smem + wg * WG_ROWS * sw if split_keys else k_smem + (dq_col0 // slab_cols) * kv_slab
                         ds_rows = ds_tile + (wg * WG_ROWS * ds_row if split_keys else 0)
-                        dq = np.zeros((bm, dq_cols))
-                        for kk in range(dq_k_steps):
-                            a = operand(smem, ds_rows + kk * 16 * ds_row, ds_tile_bytes, 8 * ds_sw, ds_sw, bm, False)
-                            bmat = operand(smem, k_dq + kk * 16 * sw, kv_slab, 8 * sw, sw, dq_cols, False)
-                            dq += a @ bmat.T
-                        row, col = acc_index(dq_cols)
-                        regs = to_regs(dq)
+                        # (block_m 128: one m64 tile of queries per dS^T slab, m_tile * 64 rows on)
+                        buf = np.zeros(bm * dq_cols, dtype=np.float32)
+                        for m_tile in range(dq_m_tiles):
+                            dq = np.zeros((WG_ROWS, dq_cols))
+                            for kk in range(dq_k_steps):
+                                a = operand(smem, ds_rows + m_tile * ds_slab + kk * 16 * ds_row, ds_tile_bytes,
+                                            8 * ds_sw, ds_sw, WG_ROWS, False)
+                                bmat = operand(smem, k_dq + kk * 16 * sw, kv_slab, 8 * sw, sw, dq_cols, False)
+                                dq += a @ bmat.T
+                            row, col = acc_index(dq_cols)
+                            row = row + m_tile * WG_ROWS
+                            regs = to_regs(dq)
+                            if spec.dq_tma_reduce:
+                                # registers -> dq_smem (float4 j of thread t at (j * 128 + t) * 4 in the
+                                # m64 tile's part), then one bulk reduce-add of the whole tile (below)
+                                for i in range(0, dq_cols // 2, 4):
+                                    for t in range(WG_THREADS):
+                                        at = m_tile * WG_ROWS * dq_cols + ((i // 4) * WG_THREADS + t) * 4
+                                        buf[at: at + 4] = regs[t, i: i + 4]
+                                continue
+                            keep = row_begin + row < sq
+                            np.add.at(dq_accum[b, head], (row_begin + row[keep], dq_col0 + col[keep]), regs[keep])
                         if spec.dq_tma_reduce:
-                            # registers -> dq_smem (float4 j of thread t at (j * 128 + t) * 4), then one
-                            # bulk reduce-add of the whole tile: rows past seqlen_q go in too
-                            buf = np.zeros(bm * dq_cols, dtype=np.float32)
-                            for i in range(0, dq_cols // 2, 4):
-                                for t in range(WG_THREADS):
-                                    at = ((i // 4) * WG_THREADS + t) * 4
-                                    buf[at: at + 4] = regs[t, i: i + 4]
+                            # rows past seqlen_q go in too
                             tile = (row_begin // bm) * bm * d + (0 if split_keys else wg * bm * dq_cols)
                             tiled[b, head, tile: tile + bm * dq_cols] += buf
-                            continue
-                        keep = row_begin + row < sq
-                        np.add.at(dq_accum[b, head], (row_begin + row[keep], dq_col0 + col[keep]), regs[keep])
                 # finish: dK *= scale, rows below seqlen_k
                 for wg in range(2):
                     row, col = acc_index(kv_cols)
@@ -284,22 +299,39 @@ def test_emulated_sm90_kernel_matches_the_reference(d, sq, sk, hq, hkv, causal, 
     check_emulated_backward(run_main_kernel, spec, sq, sk, hq, hkv, causal, seed=sq + sk + d)
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-def test_tiled_dq_accum_is_the_warpgroups_register_order(d):
+@pytest.mark.parametrize("sq, sk, hq, hkv, causal", [
+    (70, 150, 2, 1, True),      # one query block (cut at 70), two key blocks (the second cut); GQA
+    (200, 130, 1, 1, False),    # two query blocks, the second cut inside its second m64 tile
+    (130, 260, 1, 1, True),     # causal diagonal inside blocks; seqlen_k > seqlen_q; three query blocks' worth of keys
+    (300, 100, 2, 2, True),     # seqlen_q > seqlen_k: rows that see no key
+])
+@pytest.mark.parametrize("dq_tma_reduce", [False, True], ids=["red", "dqtma"])
+def test_emulated_sm90_block_m_128(sq, sk, hq, hkv, causal, dq_tma_reduce):
+    """block_m=128 at head_dim 64: S^T, dP^T of 128 queries, dQ in two m64 tiles read from the two
+    64-query slabs of the one dS^T tile, dq_accum tiles of 128 rows (two m64 parts each)."""
+    spec = BackwardSpec(arch="sm90", head_dim=64, block_m=128, dtype="fp16", causal=causal,
+                        dq_tma_reduce=dq_tma_reduce)
+    check_emulated_backward(run_main_kernel, spec, sq, sk, hq, hkv, causal, seed=sq + sk + 128)
+
+
+@pytest.mark.parametrize("d, block_m", [(64, 64), (96, 64), (128, 64), (192, 64), (256, 64), (64, 128)])
+def test_tiled_dq_accum_is_the_warpgroups_register_order(d, block_m):
     """dq_tma_reduce: dq_accum_element maps two query blocks' tiles one to one onto their BLOCK_M x d
-    elements, and the float4 i // 4 of thread t in part p of a tile (where the warpgroup's bulk reduce
-    puts its register i) holds the element that register holds in the accumulator layout (acc_index)."""
-    spec = BackwardSpec(arch="sm90", head_dim=d, dq_tma_reduce=True)
+    elements, and the float4 i // 4 of thread t in m64 tile m of part p of a tile (where the warpgroup's
+    bulk reduce puts its register i) holds the element that register holds in the accumulator layout
+    (acc_index), 64 m rows on."""
+    spec = BackwardSpec(arch="sm90", head_dim=d, block_m=block_m, dq_tma_reduce=True)
     bm, dq_cols = spec.block_m, sm90_dq_cols(d)
     elements = sorted((r, c + j) for off in range(0, 2 * bm * d, 2)
                       for (r, c) in [dq_accum_element(spec, off)] for j in (0, 1))
     assert elements == [(r, c) for r in range(2 * bm) for c in range(d)]
     row, col = acc_index(dq_cols)
     for part in range(d // dq_cols):     # (in the second query block's tile)
-        for t in range(WG_THREADS):
-            for i in range(0, dq_cols // 2, 2):
-                off = bm * d + part * bm * dq_cols + ((i // 4) * WG_THREADS + t) * 4 + i % 4
-                assert dq_accum_element(spec, off) == (bm + row[t, i], part * dq_cols + col[t, i])
+        for m in range(bm // WG_ROWS):
+            for t in range(WG_THREADS):
+                for i in range(0, dq_cols // 2, 2):
+                    off = bm * d + part * bm * dq_cols + m * WG_ROWS * dq_cols + ((i // 4) * WG_THREADS + t) * 4 + i % 4
+                    assert dq_accum_element(spec, off) == (bm + m * WG_ROWS + row[t, i], part * dq_cols + col[t, i])
 
 
 def test_the_descriptor_model_reads_back_what_tma_wrote():

@@ -32,8 +32,8 @@ from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_PRODUCER_REGS,
-                              BackwardSpec, dq_accum_rows, sm90_default_stages, sm90_dq_cols, sm90_dq_tma_default,
-                              sm90_kv_split, sm90_swizzle_bytes, stat_rows)
+                              BackwardSpec, dq_accum_rows, sm90_default_stages, sm90_dq_cols, sm90_dq_m_tiles,
+                              sm90_dq_tma_default, sm90_kv_split, sm90_swizzle_bytes, stat_rows)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields,
                                place, stride_fields)
 from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
@@ -141,6 +141,7 @@ def emit(spec: BackwardSpec) -> str:
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
         producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),
         dq_bufs=spec.dq_bufs, kv_split=sm90_kv_split(spec.head_dim),
+        dq_m_tiles=sm90_dq_m_tiles(spec.block_m) if spec.arch == "sm90" else 1,
         sdp_n=spec.block_m // 2 if sm90_kv_split(spec.head_dim) else spec.block_m,
         kv_cols=spec.head_dim // 2 if sm90_kv_split(spec.head_dim) else spec.head_dim))
 

@@ -12,7 +12,8 @@ The sm90 backward is FlashAttention-3's algorithm (templates/sm90/flash_bwd.cu.j
 per key block, with K, V loaded once by TMA, Q and dO (and the LSE, D rows) through a
 ``stages``-deep TMA ring filled by a producer warp, and two consumer warpgroups of 64 keys each
 computing every GEMM with wgmma (P^T and dS^T stay in registers as the A operand of dV and dK; dS^T
-goes through shared memory for dQ). head_dim 64, 96 and 128: block_m 64, block_n 128; head_dim 192
+goes through shared memory for dQ). head_dim 64, 96 and 128: block_m 64 (or 128 at head_dim 64, a knob
+value: dQ in two m64 tiles of queries, one dS^T tile), block_n 128; head_dim 192
 and 256: block_m 64, block_n 64, the two warpgroups sharing the 64 keys and splitting head_dim
 (sm90_kv_split: P^T and dS^T through shared memory for dV and dK too). What it does not cover is
 refused naming the field.
@@ -46,8 +47,8 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          choices=BACKWARD_DTYPES, flag="--dtype", problem=True, token=lambda s, v: s.dtype),
     Knob("head_dim", "int", f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}.", choices=HEAD_DIMS,
          flag="--head-dim", problem=True, flag_offers_choices=False, token=lambda s, v: f"hd{s.head_dim}"),
-    Knob("block_m", "int", "Query rows per step of a CTA's loop (BLOCK_M).", flag="--block-m",
-         choices=(32, 64, 128), search={"sm80": (64, 128)}, token=lambda s, v: f"bm{s.block_m}"),
+    Knob("block_m", "int", "Query rows per step of a CTA's loop (BLOCK_M); sm90: 64, or 128 at head_dim 64.",
+         flag="--block-m", choices=(32, 64, 128), search={"sm80": (64, 128)}, token=lambda s, v: f"bm{s.block_m}"),
     Knob("block_n", "int", "Keys per CTA (BLOCK_N): the CTA owns their dK, dV.", flag="--block-n",
          search={"sm80": (64, 128)}, flag_offers_choices=False, token=lambda s, v: f"bn{s.block_n}"),
     Knob("num_warps", "int", "Warps per CTA.", flag="--warps", choices=(4, 8), search={"sm80": (4, 8)},
@@ -107,6 +108,26 @@ DEFAULT_GPU = "a100"
 #   d256: K, V 64 KB + 2 stages x (Q, dO 64 KB + rows) + P^T, dS^T 4 x 8 KB = 226 KB (of 227);
 #         dq_tma_reduce (off by default, FA3's choice at d256): 1 stage + 2 x 32 KB = 226 KB
 SM90_TILES = {64: (64, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12), 192: (64, 64, 12), 256: (64, 64, 12)}
+# block_m=128 (a knob value, not a default: to be timed against 64 on the GPU): head_dim 64 only, FA3's
+# 128x128 there. Keys stay along M (64 per consumer warpgroup), so S^T, dP^T grow to m64n128 and each
+# step's GEMMs double while its fixed costs (barriers, waits, the dQ reduce, the LSE/D rows) do not.
+# Registers per consumer thread (setmaxnreg 240):
+#   S^T, dP^T: 64 + 64 (m64 n128 fp32); dV, dK: 32 + 32 (m64 n64); P^T, dS^T A fragments: 32 + 32
+#   (packed pairs, built as S^T and dP^T die); dQ = dS K over the warpgroup's own 64 keys (split by
+#   keys, sm90_dq_cols) as two m64 tiles of queries, 32 + 32, issued together after dV.
+#   Peak while S^T, dP^T live: 128 + 64 = 192 + addresses and indices; at dQ: 64 (dK, dV) + 32 (dS^T,
+#   dK's A in flight) + 64 (dQ) = 160 (P^T's registers are released at the wait that retires dV).
+#   Measured (NVRTC 13, sm_90a): tests/test_backward.py test_sm90_block_m_128_compiles_clean.
+#   head_dim 96 / 128: dV + dK alone are 96 / 128 registers, + 128 for S^T, dP^T: over 240, refused.
+# Shared memory (head_dim 64, block_m 128):
+#   K, V 32 KB + 2 stages x (Q, dO 32 KB + LSE, D rows 1 KB) + ONE dS^T tile of 128 keys x 128
+#   queries 32 KB + 1 KB alignment = 131 KB; dq_tma_reduce: + 2 warpgroups x one 32 KB dQ tile
+#   (128 x 64 fp32; two would be 259 KB) = 195 KB. One dS^T tile suffices where dQ is split by keys:
+#   a warpgroup's dQ reads only its own 64 dS^T rows and has completed (the wait that retires dV, dQ)
+#   before that warpgroup writes the next step's (the two tiles taking turns serve the split by
+#   columns, where both warpgroups read all rows; block_m 64 keeps them so its code does not change).
+SM90_BLOCK_MS = (64, 128)
+SM90_WIDE_M_HEAD_DIMS = (64,)      # block_m=128
 SM90_STAGES = 2
 # setmaxnreg split (FlashAttention-3's for 2 MMA warpgroups): the producer warpgroup gives registers to
 # the consumers, 128 x (24 + 2 x 240) = 64512 = the 168 per thread the 384-thread CTA starts with.
@@ -144,6 +165,17 @@ def sm90_dq_cols(head_dim: int) -> int:
     starting inside a 128-byte swizzle row is not a layout CUTLASS builds)."""
     slab_cols = sm90_swizzle_bytes(head_dim) // ELEMENT_BYTES
     return head_dim // 2 if (head_dim // 2) % slab_cols == 0 else head_dim
+
+
+def sm90_ds_bufs(block_m: int) -> int:
+    """dS^T tiles in shared memory (non-split head dims): 2 taking turns at block_m 64, 1 at 128
+    (head_dim 64, dQ split by keys: see SM90_BLOCK_MS)."""
+    return 1 if block_m == 128 else 2
+
+
+def sm90_dq_m_tiles(block_m: int) -> int:
+    """m64 wgmma tiles of queries in dQ = dS K per warpgroup: block_m / 64."""
+    return block_m // 64
 
 
 def sm90_dq_tma_default(head_dim: int) -> bool:
@@ -269,12 +301,12 @@ def smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
 def sm90_smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int, dq_tma_reduce: bool = False,
                     dq_bufs: int = SM90_DQ_BUFS) -> int:
     """K + V tiles, ``stages`` x (Q + dO tiles and the LSE, D rows), two dS^T tiles (taking turns
-    between steps; sm90_kv_split: two P^T tiles too), and 1 KB to align the tiles to 1024 bytes (the
+    between steps; block_m 128: one, sm90_ds_bufs; sm90_kv_split: two P^T tiles too), and 1 KB to align the tiles to 1024 bytes (the
     128-byte swizzle's period); dq_tma_reduce: each consumer warpgroup's ``dq_bufs`` fp32 dQ tiles of
     block_m x sm90_dq_cols."""
     e = ELEMENT_BYTES
     dq = SM90_CONSUMER_WGS * dq_bufs * block_m * sm90_dq_cols(head_dim) * 4 if dq_tma_reduce else 0
-    score_tiles = 4 if sm90_kv_split(head_dim) else 2
+    score_tiles = 4 if sm90_kv_split(head_dim) else sm90_ds_bufs(block_m)
     return (2 * block_n * head_dim * e + stages * (2 * block_m * head_dim * e + 2 * block_m * 4)
             + score_tiles * block_n * block_m * e + 1024 + dq)
 
@@ -376,13 +408,18 @@ def _validate(spec: BackwardSpec) -> None:
 
 
 def _validate_sm90(spec: BackwardSpec) -> None:
-    """FA3's tiles as SM90_TILES gives them: two consumer warpgroups, a 2-deep Q/dO ring (1 or 2 at
-    head_dim 192, 256)."""
+    """FA3's tiles as SM90_TILES gives them (block_m 128 too at head_dim 64, SM90_BLOCK_MS): two
+    consumer warpgroups, a 2-deep Q/dO ring (1 or 2 at head_dim 192, 256)."""
     if spec.gpu not in SM90_GPUS:
         raise SpecError("gpu", f"{spec.gpu}: the sm90 backward runs on {', '.join(SM90_GPUS)}")
-    if spec.block_m != 64:
+    if spec.block_m not in SM90_BLOCK_MS:
         raise SpecError("block_m", f"{spec.block_m}: the sm90 backward takes block_m=64 (one m64 wgmma of "
-                                   f"queries for dQ) so far")
+                                   f"queries for dQ) or 128 (at head_dim 64)")
+    if spec.block_m != 64 and spec.head_dim not in SM90_WIDE_M_HEAD_DIMS:
+        raise SpecError("block_m", f"{spec.block_m} at head_dim {spec.head_dim}: the sm90 backward takes "
+                                   f"block_m=128 at head_dim {', '.join(map(str, SM90_WIDE_M_HEAD_DIMS))} only "
+                                   f"(S^T, dP^T of 128 queries beside dK, dV of {spec.head_dim} columns "
+                                   f"exceed the consumers' 240 registers; block_m=64)")
     split = sm90_kv_split(spec.head_dim)
     if spec.block_n != (64 if split else 128):
         raise SpecError("block_n", f"{spec.block_n}: the sm90 backward takes block_n=128 (two consumer "

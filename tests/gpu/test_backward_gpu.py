@@ -422,3 +422,59 @@ def test_sm90_is_the_default_at_head_dims_192_256(d):
     assert backward.default_arch(info, d, "bf16", True, {}) == "sm90"
     spec = backward.choose(d, "bf16", True, info, {})
     assert (spec.arch, spec.block_n) == ("sm90", 64) and spec.smem_bytes <= info.smem_per_block_optin
+
+
+# ------------------------------------------------------------------ sm90 block_m=128 (head_dim 64, a knob value)
+# S^T, dP^T of 128 queries per consumer warpgroup, dQ as two m64 tiles of queries from one dS^T tile,
+# dq_accum tiles / stat rows / turn counters per 128-row query block: odd seqlen_q (1, 65, 113, 130,
+# 239, 300) end inside either m64 tile of a block, several heads check no tile reaches the next head.
+SM90_WIDE_M_SEQLENS = ((1, 1), (239, 1), (113, 203), (1023, 1024), (128, 128), (64, 65), (200, 64), (130, 257),
+                       (300, 129), (65, 1000))
+_GRID_WIDE_M = [(sq, sk, causal, tma, list(DTYPES)[i % 2], list(HEADS)[i % 3]) for i, ((sq, sk), causal, tma)
+                in enumerate(itertools.product(SM90_WIDE_M_SEQLENS, (False, True), (True, False)))]
+
+
+@sm90_only
+@pytest.mark.parametrize("sq, sk, causal, tma, dt, heads", _GRID_WIDE_M,
+                         ids=[f"bm128-{sq}x{sk}-{'causal' if c else 'full'}-{'dqtma' if t else 'red'}-{dt}-{h}"
+                              for sq, sk, c, t, dt, h in _GRID_WIDE_M])
+def test_sm90_block_m_128_gradients_match_float64(sq, sk, causal, tma, dt, heads):
+    hq, hkv = HEADS[heads]
+    batch = 2 if sq * sk < 100_000 else 1
+    q, k, v, do = make(batch, sq, sk, hq, hkv, 64, DTYPES[dt], seed=sq * 7 + sk * 13 + 3)
+    scale = 0.125 if sq % 2 else 0.3
+    got = run_backward(q, k, v, do, causal, scale, poison=(sq in (113, 130)), arch="sm90", block_m=128,
+                       dq_tma_reduce=tma)
+    assert check_grads(got, do, q, k, v, causal, scale) == []
+
+
+@sm90_only
+@pytest.mark.parametrize("sq, sk, hq, hkv", [(113, 239, 8, 2), (239, 113, 6, 1), (1000, 1000, 8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_block_m_128_matches_block_m_64(sq, sk, hq, hkv, causal):
+    """block_m 128 against the default 64 on the same inputs: dK, dV within bf16 rounding (the same
+    sums in another order over the query blocks), dQ within fp32 summation-order noise."""
+    q, k, v, do = make(2, sq, sk, hq, hkv, 64, torch.bfloat16, seed=sq + sk + 64)
+    a = run_backward(q, k, v, do, causal, 0.125, arch="sm90")
+    b = run_backward(q, k, v, do, causal, 0.125, poison=True, arch="sm90", block_m=128)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=1e-2, rtol=1e-2)
+
+
+@sm90_only
+@pytest.mark.parametrize("tma", [False, True], ids=["red", "dqtma"])
+@pytest.mark.parametrize("sq, sk, causal, heads", [(239, 1, False, "mha"), (777, 3000, False, "gqa"),
+                                                   (1023, 1024, True, "gqa"), (129, 2000, True, "mqa")])
+def test_sm90_block_m_128_deterministic_is_bit_identical_and_right(sq, sk, causal, heads, tma):
+    """deterministic=True at block_m 128 (turn counters per 128-row query block; warpgroup 0's adds
+    before 1's): three runs give the same bits and pass the criterion."""
+    hq, hkv = HEADS[heads]
+    q, k, v, do = make(2, sq, sk, hq, hkv, 64, torch.bfloat16, seed=sq + sk + 128)
+    out64, lse64, _ = reference(q, k, v, do, causal, 0.125, upcast=True)
+    out, lse = out64.to(q.dtype), lse64.float().contiguous()
+    runs = [facodegen.attention_backward(do, q, k, v, out, lse, causal=causal, softmax_scale=0.125, deterministic=True,
+                                         arch="sm90", block_m=128, dq_tma_reduce=tma) for _ in range(3)]
+    torch.cuda.synchronize()
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    assert check_grads(runs[0], do, q, k, v, causal, 0.125) == []
