@@ -623,6 +623,19 @@ def test_sm90_render_says_what_it_is(spec):
     assert result.exit_code == 0 and result.output == source
 
 
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+@pytest.mark.parametrize("dq_tma_reduce", (False, True))
+def test_sm90_deterministic_emit_line_rebuilds_its_spec(head_dim, dq_tma_reduce):
+    """The emit line of a deterministic spec builds that spec again: --deterministic turns the dQ path's
+    default to the vector reductions, so the line names --dq-tma-reduce where the spec has it (it once
+    left it out, and the line built the other kernel)."""
+    spec = BackwardSpec(arch="sm90", head_dim=head_dim, deterministic=True, dq_tma_reduce=dq_tma_reduce)
+    line = backward.emit_command(spec)
+    assert ("--dq-tma-reduce" in line.split()) == dq_tma_reduce
+    result = CliRunner().invoke(cli.main, ["emit", *line.split()[2:]])
+    assert result.exit_code == 0 and result.output == backward.emit(spec)
+
+
 def test_sm90_stage_rows_come_by_bulk_copy():
     """The producer's lane 0 copies a step's LSE * log2(e) and D rows (padded by the preprocess) with
     the Q and dO tiles, each on its tile's barrier, whose expected bytes count them: no producer lane
@@ -966,11 +979,8 @@ def test_sm90_block_m_128_compiles_clean(knobs, smem, dq_bufs, dtype, causal):
     source = _rendered(spec, ("dK += dS^T Q", "dQ = dS K", "producer", "consumers"))
     assert "constexpr int DQ_M_TILES = BLOCK_M / WG_ROWS;" in source and "constexpr int DS_BUFS = 1;" in source
     assert "(step & 1) * DS_TILE_BYTES" not in source
-    if not (spec.deterministic and spec.dq_tma_reduce):
-        # (deterministic with dq_tma_reduce=True: the emit line leaves out --dq-tma-reduce at every
-        # block_m, _emit_defaults' dq_tma_reduce ignores deterministic; fixing it changes those headers)
-        result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(spec).split()[2:]])
-        assert result.exit_code == 0 and result.output == source
+    result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(spec).split()[2:]])
+    assert result.exit_code == 0 and result.output == source
     kernel, sass, counts = _compiled_clean(spec)
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
     setmaxnreg = sorted(" ".join(x.split()[1:4]) for x in sass.splitlines() if "USETMAXREG" in x)

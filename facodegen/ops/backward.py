@@ -106,12 +106,14 @@ assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range
 
 _EMIT_ALWAYS = ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "causal")
 def _emit_defaults(spec: BackwardSpec) -> dict:
-    """The knob values the emit line leaves out: the spec's defaults for its arch and head_dim (sm90:
-    dq_tma_reduce's default apart from deterministic, whose calls flip it; the ring's depth for that)."""
+    """The knob values the emit line leaves out: the spec's defaults for its arch and head_dim, as a
+    spec built from the line's other flags takes them (sm90: dq_tma_reduce's default is off where the
+    line says --deterministic, as BackwardSpec makes it; the ring's depth for the dQ path)."""
     if spec.arch == "sm80":
         return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False}
     return {"gpu": SM90_GPU, "stages": sm90_default_stages(spec.head_dim, spec.dq_tma_reduce, SM90_GPU),
-            "k_unroll": 2, "deterministic": False, "dq_tma_reduce": sm90_dq_tma_default(spec.head_dim)}
+            "k_unroll": 2, "deterministic": False,
+            "dq_tma_reduce": sm90_dq_tma_default(spec.head_dim) and not spec.deterministic}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("dq_tma_reduce",)
 
