@@ -73,7 +73,7 @@ def test_variants_table_and_knobs():
         bw.parse_knobs("deterministic=maybe")
     with pytest.raises(ValueError, match="block_n='wide'"):
         bw.parse_knobs("block_n=wide")
-    with pytest.raises(ValueError, match="'blockn' is not a backward knob"):
+    with pytest.raises(ValueError, match="'blockn' is not a knob of the backward"):
         bw.parse_knobs("blockn=64")
     assert bw.peer_names(["flash", "cudnn"]) == ("fa2", "cudnn")
     with pytest.raises(ValueError, match="fa9"):

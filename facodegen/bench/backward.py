@@ -26,6 +26,7 @@ import statistics
 import time
 
 from .grids import FA3_SEQLENS, attention_flops, paper_cell, tflops
+from .variants import knob_values, variant_label
 
 HEAD_DIMS = (64, 128, 256)
 SEQLENS = FA3_SEQLENS
@@ -74,24 +75,11 @@ def result_stem(mode: str = "backward", dtype: str = "bf16") -> str:
     return f"bench-fa3-paper-{mode}-{dtype}"
 
 
-def variant_label(knobs: dict) -> str:
-    return "facodegen[" + ",".join(f"{k}={v}" for k, v in sorted(knobs.items())) + "]"
-
-
 def parse_knobs(text: str) -> dict:
     """'k_unroll=1,deterministic=true' -> {'k_unroll': 1, 'deterministic': True}, each value typed
-    by its BackwardSpec knob; ValueError on an item without '=' or a name that is no backward knob."""
+    by its BackwardSpec knob (variants.knob_values)."""
     from ..spec.backward import BACKWARD_BY_NAME
-    knobs = {}
-    for item in filter(None, text.split(",")):
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep:
-            raise ValueError(f"{item!r}: expected knob=value")
-        if name not in BACKWARD_BY_NAME:
-            raise ValueError(f"{name!r} is not a backward knob ({', '.join(BACKWARD_BY_NAME)})")
-        knobs[name] = BACKWARD_BY_NAME[name].parse(value)
-    return knobs
+    return knob_values(text, BACKWARD_BY_NAME, "the backward")
 
 
 def _tflops_of(row: dict, name: str):

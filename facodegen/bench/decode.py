@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from .inputs import L2_BYTES_DEFAULT, input_sets_needed
+from .variants import knob_values, variant_label
 
 BATCHES = (1, 8, 64)
 CONTEXTS = (1024, 8192, 32768, 262144)
@@ -125,28 +126,13 @@ def tbps(kv_bytes: int, ms: float | None) -> float | None:
     return None if not ms else kv_bytes / (ms * 1e-3) / 1e12
 
 
-def variant_label(knobs: dict) -> str:
-    """The column of facodegen called with ``knobs``: facodegen[fused_combine=True]."""
-    return "facodegen[" + ",".join(f"{k}={v}" for k, v in sorted(knobs.items())) + "]"
-
-
 def parse_knobs(text: str) -> dict:
     """'fused_combine=1,block_n=128' -> {'fused_combine': True, 'block_n': 128}: the knobs
-    attention_with_kvcache takes (kvcache.CALL_KNOBS), each typed by its DecodeSpec knob; ValueError
-    on an item without '=' or a name that is no such knob."""
+    attention_with_kvcache takes (kvcache.CALL_KNOBS), each typed by its DecodeSpec knob
+    (variants.knob_values)."""
     from ..ops.kvcache import CALL_KNOBS
     from ..spec.decode import DECODE_KNOBS
-    by_name = {k.name: k for k in DECODE_KNOBS if k.name in CALL_KNOBS}
-    knobs = {}
-    for item in filter(None, text.split(",")):
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep:
-            raise ValueError(f"{item!r}: expected knob=value")
-        if name not in by_name:
-            raise ValueError(f"{name!r} is not a knob of attention_with_kvcache ({', '.join(by_name)})")
-        knobs[name] = by_name[name].parse(value)
-    return knobs
+    return knob_values(text, {k.name: k for k in DECODE_KNOBS if k.name in CALL_KNOBS}, "attention_with_kvcache")
 
 
 def variant_names(rows: list[dict]) -> list[str]:

@@ -25,6 +25,27 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return arch, fields
 
 
+def knob_values(text: str, by_name: dict, owner: str) -> dict:
+    """'name=value,...' -> {name: value}, each value typed by its knob in ``by_name`` (name -> Knob);
+    ValueError on an item without '=' or a name that is not one of ``owner``'s knobs. The backward's
+    and the decode's ``--variant`` take their knobs this way."""
+    knobs = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"{item!r}: expected knob=value")
+        if name not in by_name:
+            raise ValueError(f"{name!r} is not a knob of {owner} ({', '.join(by_name)})")
+        knobs[name] = by_name[name].parse(value)
+    return knobs
+
+
+def variant_label(knobs: dict) -> str:
+    """A ``--variant``'s column name: facodegen[name=value,...], names sorted."""
+    return "facodegen[" + ",".join(f"{k}={v}" for k, v in sorted(knobs.items())) + "]"
+
+
 def _split_overrides(spec_overrides, arch: str) -> dict:
     """A flat dict applies to every arch; {"sm80": {...}, "sm90": {...}} per arch."""
     if not spec_overrides:
