@@ -68,3 +68,13 @@ class FakeLauncher:
 
     def bare(self, stream, kernel_params, extra):
         self._launch(stream, kernel_params)
+
+
+def param_field(param_bytes: bytes, spec, name: str):
+    """The value of FlashParams field ``name`` in a launch's argument bytes, laid out for ``spec``."""
+    import struct
+
+    from facodegen.runtime import params
+    placed, _, _ = params.spec_layout(spec)
+    f, off = next((f, off) for f, off in placed if f.name == name)
+    return struct.unpack_from({"f32": "<f", "i32": "<i", "ptr": "<Q", "i64": "<q"}[f.kind], param_bytes, off)[0]

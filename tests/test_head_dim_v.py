@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-import struct
 
 import numpy as np
 import pytest
@@ -18,10 +17,11 @@ import facodegen
 from facodegen import KernelSpec
 from facodegen.codegen.render import emit
 from facodegen.ops import api
-from facodegen.runtime import params, tma
+from facodegen.runtime import tma
 from facodegen.spec import SpecError, smem_bytes
 from facodegen.spec.knobs import HEAD_DIMS_V
 from facodegen.verify.reference import attention_reference, flash1_reference, flash2_reference, random_qkv
+from forward_checks import compiled_clean
 
 PAIRS = ((192, 128), (128, 64))
 
@@ -154,20 +154,9 @@ COMPILED = [KernelSpec(arch=a, head_dim=d, head_dim_v=dv, causal=c, dtype=t)
 
 @pytest.mark.parametrize("spec", COMPILED, ids=lambda s: s.variant)
 def test_head_dim_v_kernels_compile_clean(spec):
-    kernel = compiler.compile(spec)
-    r = kernel.resources
-    assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), kernel.log
-    assert not re.findall(r"C75\d\d", kernel.log), kernel.log
-    counts = kernel.sass_counts()
-    assert counts["LDL"] == 0 and counts["STL"] == 0, counts
-    if spec.arch == "sm80":
-        assert 0 < r.registers <= 255
-        assert counts["HMMA"] > 0 and counts["LDSM"] > 0 and counts["LDGSTS"] > 0, counts
-    else:
+    kernel, counts = compiled_clean(spec)
+    if spec.arch == "sm90":
         sass = kernel.sass()
-        for op in ("HGMMA", "UTMALDG", "UTMASTG"):
-            assert counts[op] > 0, (op, counts)
-        assert counts["USETMAXREG"] == 2
         assert f"HGMMA.64x{spec.block_n}x16.F32" in sass              # S = Q K^T: N = block_n
         assert f"HGMMA.64x{spec.head_dim_v}x16.F32" in sass           # O += P V: N = head_dim_v
         if spec.head_dim != spec.block_n:
@@ -203,13 +192,7 @@ def test_tma_maps_of_v_and_o_are_head_dim_v_wide(d, dv):
 
 
 from test_plan_cache import fake  # noqa: E402,F401
-from fakes import FakeTensor  # noqa: E402
-
-
-def _field(param_bytes: bytes, spec, name: str):
-    placed, _, _ = params.spec_layout(spec)
-    f, off = next((f, off) for f, off in placed if f.name == name)
-    return struct.unpack_from({"f32": "<f", "i32": "<i", "ptr": "<Q", "i64": "<q"}[f.kind], param_bytes, off)[0]
+from fakes import FakeTensor, param_field as _field  # noqa: E402
 
 
 @pytest.mark.usefixtures("fake")
