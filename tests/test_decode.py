@@ -20,6 +20,7 @@ from facodegen.spec import decode as dec
 from facodegen.runtime import plan as plan_mod
 from facodegen.verify.reference import attention_reference, kvcache_reference
 from facodegen.spec import SpecError
+from sampling import one_per
 
 # ------------------------------------------------------------------ specs, names, defaults
 
@@ -98,9 +99,13 @@ def _targets(spec):
 
 def _shipped_groups():
     """The shipped configs in a few groups (per arch and dtype; combine/append), each compiled in
-    parallel threads (NVRTC releases the GIL), so the ~180 compiles take minutes of CPU, not of wall."""
+    parallel threads (NVRTC releases the GIL). bf16 whole; fp16 (the same code but the element type)
+    one config per head_dim, paging and split, seeded (tests/sampling.py)."""
     groups = {}
-    for spec in dec.shipped_specs():
+    specs = dec.shipped_specs()
+    fp16 = one_per([s for s in specs if s.dtype == "fp16"], 
+                   lambda s: (s.kernel, s.arch, s.head_dim, getattr(s, "paged", None), getattr(s, "split", None)))
+    for spec in [s for s in specs if s.dtype != "fp16"] + fp16:
         key = f"decode-{spec.arch}-{spec.dtype}" if spec.kernel == "decode" else f"{spec.kernel}-{spec.dtype}"
         groups.setdefault(key, []).append(spec)
     return groups
