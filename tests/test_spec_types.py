@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import zlib
 import string
 
 import pytest
@@ -31,8 +32,10 @@ def _kind(name: str) -> str:
 
 @pytest.mark.parametrize("name", FIELDS, ids=lambda n: f"field-{n}")  # (a bare "gpu" id reads as the gpu mark)
 def test_every_field_refuses_values_of_another_type(name):
-    rng = random.Random(hash(name) % 1000)
+    rng = random.Random(zlib.crc32(name.encode()))     # (not hash(): salted per process)
     values = HOSTILE + _hostile(rng, 20)
+    if _kind(name) == "text":   # a random letter can be a valid value ("q" of warp_split): not hostile
+        values = [x for x in values if x not in TEXT_FIELDS[name]]
     if _kind(name) == "int":
         values += [True, False, 2.0, "128"]
     if _kind(name) == "bool":
