@@ -641,15 +641,18 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     descales, keep, unit_ptrs = _fp8_descales(qv, descale_values, batch, heads_kv) if fp8 else ({}, (), ())
     spec = resolve_spec(head_dim, dtype, causal, qv.device, arch, shape=(batch, seqlen_q, seqlen_k, heads_q),
                         **spec_fields)
-    if out is None:     # as a plan-cache hit makes it (torch: empty_like(q), q's layout; _Outputs.new_out)
-        if qv.kind == "torch":
-            out = _torch().empty_like(q, dtype=getattr(_torch(), out_name)) if out_shape == qv.shape else \
-                q.new_empty(out_shape, dtype=getattr(_torch(), out_name))
-        else:
-            out = _empty(qv, out_shape, out_name)
+    lse_shape = (batch, heads_q, seqlen_q)
+    if qv.kind == "torch":
+        library_dtype, lse_library_dtype = getattr(_torch(), out_name), None    # (new_lse makes the LSE)
+    else:   # numpy.dtype objects: CuPy takes them as they are (a name is parsed again on every call)
+        library_dtype, lse_library_dtype = _cupy().dtype(out_name), _cupy().dtype("float32")
+    outputs = _Outputs(out_shape, out_name, lse_shape, library_dtype, lse_library_dtype, out_name == qv.dtype,
+                       unit_ptrs, q_shape=qv.shape)
+    if out is None:     # as a plan-cache hit makes it (torch: _Outputs.new_out, q's layout where it can)
+        out = outputs.new_out(_torch(), q) if qv.kind == "torch" else _empty(qv, out_shape, out_name)
     outv = _view("out", out)
     _check_out(outv, qv, out_name, f" (out_dtype={spec.out_dtype})" if fp8 else "", shape=out_shape)
-    lsev, lse_shape = None, (batch, heads_q, seqlen_q)
+    lsev = None
     if lse_out is None and want_lse:
         lse_out = _empty(qv, lse_shape, "float32")
     if lse_out is not None:
@@ -664,12 +667,6 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
                               descales=descales or None, variants=variants)
     workspace = workspace_floats(spec, batch, heads_q, seqlen_q, head_dim) or \
         stream_k_workspace_floats(spec, prepared.resident_ctas)
-    if qv.kind == "torch":
-        library_dtype, lse_library_dtype = getattr(_torch(), out_name), None    # (new_lse makes the LSE)
-    else:   # numpy.dtype objects: CuPy takes them as they are (a name is parsed again on every call)
-        library_dtype, lse_library_dtype = _cupy().dtype(out_name), _cupy().dtype("float32")
-    outputs = _Outputs(out_shape, out_name, lse_shape, library_dtype, lse_library_dtype, out_name == qv.dtype,
-                       unit_ptrs, q_shape=qv.shape)
     plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes,
                       tensor_maps=map_operands(spec) if spec.arch == "sm90" else {},
                       lse_floats=math.prod(lse_shape), workspace_floats=workspace,
