@@ -845,7 +845,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                 device = q.get_device()
                 descales = _given_descales(spec_fields)
                 plan = None if descales is None else _PLANS._plans.get(
-                    key := _fp8_key(torch, q, k, v, causal, softmax_scale, return_lse, arch, out, descales))
+                    key := _fp8_key(torch, q, k, v, device, causal, softmax_scale, return_lse, arch, out, descales))
             else:
                 device = q.get_device()
                 key = (q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
@@ -933,13 +933,13 @@ def _given_descales(spec_fields: dict) -> tuple | None:
     return None if dq is None or dk is None or dv is None else (dq, dk, dv)
 
 
-def _fp8_key(torch, q, k, v, causal, softmax_scale, return_lse, arch, out, descales: tuple) -> tuple:
+def _fp8_key(torch, q, k, v, device: int, causal, softmax_scale, return_lse, arch, out, descales: tuple) -> tuple:
     """The plan key of an fp8 call on torch tensors that gives its three descales and nothing else
-    (attention()'s fast path and _attention_torch build it alike): the common key's fields with the
-    descales' layouts and devices, "fp8" first."""
+    (attention()'s fast path and _attention_torch build it alike; ``device``: q.get_device(), which
+    both have read): the common key's fields with the descales' layouts and devices, "fp8" first."""
     dq, dk, dv = descales
     return ("fp8", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
-            v.dtype, v.shape, v.stride(), v.get_device(), q.get_device(), torch._C._cuda_getDevice(),
+            v.dtype, v.shape, v.stride(), v.get_device(), device, torch._C._cuda_getDevice(),
             causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse, arch,
             None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
             dq.dtype, dq.shape, dq.stride(), dq.get_device(), dk.dtype, dk.shape, dk.stride(), dk.get_device(),
@@ -966,7 +966,7 @@ def _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse
             # fp8 with its three descales and nothing else: a key of its own, "fp8" first
             descales, given = given_descales, True
             dq, dk, dv = descales
-            key = _fp8_key(torch, q, k, v, causal, softmax_scale, return_lse, arch, out, descales)
+            key = _fp8_key(torch, q, k, v, device, causal, softmax_scale, return_lse, arch, out, descales)
         else:   # a knob, an fp8 descale, a variant or lse_out: a key of another length, "torch" first
             knobs, descales = _split_knobs(spec_fields) if spec_fields else ((), _NO_DESCALES)
             key = ("torch", q.dtype, q.shape, q.stride(), k.dtype, k.shape, k.stride(), k.get_device(),
