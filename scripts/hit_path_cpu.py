@@ -135,9 +135,22 @@ def forward_rows(torch, api):
     ]
     if not hasattr(plan, "launch_plain"):     # (the script times older commits too, for before/after)
         rows = [row for row in rows if "launch_plain" not in row[0]]
+    # fp8 with its three descales (scalars, float32; unit descales made on the CPU): the overhead suite's call
+    api._unit_descale = lambda device, kind: torch.ones((), dtype=torch.float32)
+    q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+    descales = {f"{n}_descale": torch.ones((), dtype=torch.float32) for n in "qkv"}
+    out16 = torch.empty_like(q)
+    for options in ({}, {"return_lse": True}, {"out": out16}):
+        attention(q8, k8, v8, causal=True, **descales, **options)
+    rows += [
+        ("attention() fp8 + descales whole hit", lambda: attention(q8, k8, v8, causal=True, **descales)),
+        ("attention() fp8 + descales, return_lse", lambda: attention(q8, k8, v8, causal=True, return_lse=True,
+                                                                     **descales)),
+        ("attention() fp8 + descales, out=", lambda: attention(q8, k8, v8, causal=True, out=out16, **descales)),
+    ]
 
     def check():
-        assert api._PLANS.misses == 3, "every timed call must have hit (1 plan + return_lse's + out='s)"
+        assert api._PLANS.misses == 6, "every timed call must have hit (1 plan + return_lse's + out='s, bf16 and fp8)"
     return rows, check
 
 
