@@ -22,12 +22,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-# (name, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, lengths, new, num_splits)
+# (name, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, lengths, new, num_splits, fused_combine)
 CASES = (
-    ("contiguous, split, append", 4, 1, 8, 2, 128, 512, 0, (-5, 10 ** 9, 0, 37), 3, 0),
-    ("paged16, append, bad pages", 3, 2, 8, 1, 64, 256, 16, (-1, 300, 255), 2, 4),
-    ("paged64, gqa8 x 4 queries", 2, 4, 16, 2, 128, 1024, 64, (1023, 10 ** 6), 0, 1),
-    ("paged256, d256, split", 2, 1, 4, 4, 256, 2048, 256, (2048, 5), 1, 0),
+    ("contiguous, split, append", 4, 1, 8, 2, 128, 512, 0, (-5, 10 ** 9, 0, 37), 3, 0, False),
+    ("paged16, append, bad pages", 3, 2, 8, 1, 64, 256, 16, (-1, 300, 255), 2, 4, False),
+    ("paged64, gqa8 x 4 queries", 2, 4, 16, 2, 128, 1024, 64, (1023, 10 ** 6), 0, 1, False),
+    ("paged256, d256, split", 2, 1, 4, 4, 256, 2048, 256, (2048, 5), 1, 0, False),
+    # the splits merged by the decode kernel's last CTA (counters, fences, partials read back)
+    ("contiguous, split, append, fused", 4, 1, 8, 2, 128, 512, 0, (-5, 10 ** 9, 0, 37), 3, 0, True),
+    ("paged16, append, bad pages, fused", 3, 2, 8, 1, 64, 256, 16, (-1, 300, 255), 2, 4, True),
 )
 
 
@@ -36,7 +39,7 @@ def run_case(index: int) -> None:
 
     import facodegen
 
-    name, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, lengths, new, splits = CASES[index]
+    name, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, lengths, new, splits, fused = CASES[index]
     dt = torch.bfloat16
     q = torch.randn(batch, seqlen_q, heads_q, d, device="cuda", dtype=dt)
     table = None
@@ -50,7 +53,7 @@ def run_case(index: int) -> None:
     k_cache = torch.randn(shape, device="cuda", dtype=dt)
     v_cache = torch.randn(shape, device="cuda", dtype=dt)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    kw = {"page_table": table, "num_splits": splits, "return_lse": True}
+    kw = {"page_table": table, "num_splits": splits, "return_lse": True, **({"fused_combine": True} if fused else {})}
     if new:
         kw["k"] = torch.randn(batch, new, heads_kv, d, device="cuda", dtype=dt)
         kw["v"] = torch.randn(batch, new, heads_kv, d, device="cuda", dtype=dt)
@@ -62,11 +65,11 @@ def run_case(index: int) -> None:
 def fuzz_case(index: int, arch: str):
     """The case's shapes as a fuzz kvcache Case: what fuzz.case_specs needs to list its kernels."""
     from facodegen.verify import fuzz
-    _, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, _, new, splits = CASES[index]
+    _, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, _, new, splits, fused = CASES[index]
     return fuzz.Case("kvcache", arch, "bf16", batch=batch, seqlen_q=seqlen_q, seqlen_k=capacity, heads_q=heads_q,
                      heads_kv=heads_kv, head_dim=d, causal=True, softmax_scale=None, layout="contiguous",
-                     magnitude=1.0, return_lse=True, use_out=False, seed=index, page_size=page_size,
-                     seqlen_new=new, num_splits=splits)
+                     magnitude=1.0, return_lse=True, use_out=False, page_size=page_size, seqlen_new=new,
+                     num_splits=splits, seed=2 * index + fused)     # (an odd seed: Case.fused_combine)
 
 
 def main() -> int:

@@ -109,9 +109,13 @@ def test_the_hostile_decode_cases_list_their_kernels(monkeypatch):
     import sanitize_decode
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
     monkeypatch.setattr(api, "device_info", lambda ordinal: info)
-    for i, (name, *_, new, splits) in enumerate(sanitize_decode.CASES):
-        kinds = {type(s).__name__ for s in fuzz.case_specs(sanitize_decode.fuzz_case(i, "sm90"))}
+    for i, (name, *_, new, splits, fused) in enumerate(sanitize_decode.CASES):
+        specs = fuzz.case_specs(sanitize_decode.fuzz_case(i, "sm90"))
+        kinds = {type(s).__name__ for s in specs}
         assert "DecodeSpec" in kinds and ("AppendSpec" in kinds) == bool(new), name
+        if fused:   # the decode kernel merges its splits: no combine kernel to compile
+            assert "CombineSpec" not in kinds and any(getattr(s, "fused_combine", False) for s in specs), name
+    assert any(case[-1] for case in sanitize_decode.CASES)
 
 
 def test_check_fuzz_without_a_gpu_is_one_clear_line(monkeypatch):
