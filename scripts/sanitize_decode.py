@@ -53,7 +53,7 @@ def run_case(index: int) -> None:
     k_cache = torch.randn(shape, device="cuda", dtype=dt)
     v_cache = torch.randn(shape, device="cuda", dtype=dt)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    kw = {"page_table": table, "num_splits": splits, "return_lse": True, **({"fused_combine": True} if fused else {})}
+    kw = {"page_table": table, "num_splits": splits, "return_lse": True, "fused_combine": fused}
     if new:
         kw["k"] = torch.randn(batch, new, heads_kv, d, device="cuda", dtype=dt)
         kw["v"] = torch.randn(batch, new, heads_kv, d, device="cuda", dtype=dt)

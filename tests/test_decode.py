@@ -143,12 +143,14 @@ def test_decode_sass_has_the_pipeline():
 def test_fused_combine_spec_name_and_defaults():
     spec = dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True, fused_combine=True)
     assert spec.variant == "flash_decode_sm90_bf16_hd128_bm16_bn64_w4_st3_pack_split_fused"
-    assert not dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True).fused_combine   # off by default
+    assert dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True).fused_combine       # on by default
+    assert not dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True, fused_combine=False).fused_combine
+    assert not dec.default_decode_spec("sm90", "bf16", 128, group=4).fused_combine                # no split
     with pytest.raises(SpecError) as err:
         dec.DecodeSpec(fused_combine=True)                 # nothing to combine without split
     assert err.value.field == "fused_combine" and "split" in str(err.value)
     # off: neither the header nor the emit line nor the argument struct mention it (sources as before)
-    plain = dec.render(dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True))
+    plain = dec.render(dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True, fused_combine=False))
     assert "fused" not in plain and "split_counters" not in plain and "combine_row" not in plain
     fused = dec.render(spec)
     assert "--split-kv --fused-combine" in fused and "fused_combine        = True" in fused
@@ -186,7 +188,8 @@ def test_fused_sass_has_the_arrival_and_coherent_loads(arch):
     spec = dec.default_decode_spec(arch, "bf16", 128, group=4, paged=True, split=True, fused_combine=True)
     try:
         sass = dec.compile_spec(spec).sass()
-        plain = dec.compile_spec(dec.default_decode_spec(arch, "bf16", 128, group=4, paged=True, split=True)).sass()
+        plain = dec.compile_spec(dec.default_decode_spec(arch, "bf16", 128, group=4, paged=True, split=True,
+                                                         fused_combine=False)).sass()
     except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
         pytest.skip(f"cuobjdump: {err}")
     assert sass.count("ATOMG.E.ADD") == 1 and sass.count("MEMBAR.SC.GPU") == 2
@@ -284,6 +287,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(driver, "Launcher", launcher)
     monkeypatch.setattr(driver, "stream_arg", lambda stream: stream)
     monkeypatch.setattr(driver, "on_device", lambda ordinal: _Nothing())
+    monkeypatch.setattr(driver, "memset_d32_async", lambda *a: None)     # fused_combine's counters (the default)
     monkeypatch.setattr(kvcache, "_PLANS", plan_mod.PlanCache())
     return state
 
@@ -307,7 +311,7 @@ def _call_args(batch=2, seqlen_q=1, heads_q=32, heads_kv=8, d=128, capacity=4096
 
 def test_plan_split_launches_decode_then_combine(fake):
     args, kw = _call_args(batch=1, capacity=262144, paged=True, page=256, new=1)
-    kvcache.attention_with_kvcache(*args, **kw)
+    kvcache.attention_with_kvcache(*args, **kw, fused_combine=False)
     plan = next(iter(kvcache._PLANS._plans.values()))
     assert plan.num_splits > 1 and set(plan.kernels) == {"append", "decode", "combine"}
     assert plan.specs["decode"].split and plan.specs["decode"].paged and plan.specs["decode"].pack_gqa
@@ -315,7 +319,7 @@ def test_plan_split_launches_decode_then_combine(fake):
     assert plan.grids["decode"] == (plan.num_splits, 8, 1)        # one CTA per (split, KV head, sequence)
     # a second call with other tensors hits the plan and patches only its pointers
     args2, kw2 = _call_args(batch=1, capacity=262144, paged=True, page=256, new=1)
-    out = kvcache.attention_with_kvcache(*args2, **kw2)
+    out = kvcache.attention_with_kvcache(*args2, **kw2, fused_combine=False)
     assert kvcache._PLANS.misses == 1 and len(fake.records) == 6
     q, kc, vc, lengths = args2
     pointers = struct.unpack_from("<9Q", fake.records[4]["head"], 0)
@@ -352,13 +356,16 @@ def test_plan_fused_combine_launches_no_combine(fake, monkeypatch):
     fake.stream = 2000                                                  # another stream: its own counters
     kvcache.attention_with_kvcache(*args, **kw, fused_combine=True, return_lse=True)
     assert len(memsets) == 2 and memsets[1][0] != pointers[9] and memsets[1][3] == 2000
-    # the default stays unfused (a combine launch), and one split ignores the knob
-    kvcache.attention_with_kvcache(*args, **kw)
+    # fused is the default; fused_combine=False launches the combine kernel; one split ignores the knob
+    kvcache.attention_with_kvcache(*args, **kw, return_lse=True)
+    assert list(kvcache._PLANS._plans.values())[-1].specs["decode"].fused_combine
+    memsets.clear()
+    kvcache.attention_with_kvcache(*args, **kw, fused_combine=False)
     assert set(list(kvcache._PLANS._plans.values())[-1].kernels) == {"append", "decode", "combine"}
     kvcache.attention_with_kvcache(*args, **kw, fused_combine=True, num_splits=1)
     one = list(kvcache._PLANS._plans.values())[-1]
     assert set(one.kernels) == {"append", "decode"} and not one.specs["decode"].split
-    assert not one.specs["decode"].fused_combine and len(memsets) == 2
+    assert not one.specs["decode"].fused_combine and not memsets     # (neither has counters)
 
 
 def test_plan_no_split_for_a_full_batch(fake):

@@ -220,7 +220,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             new = [_dense(n, (c.batch, c.seqlen_new, c.heads_kv, c.head_dim), dtype) if c.seqlen_new else None
                    for n in ("k", "v")]
             problem = kvcache.check_arguments(q, kc, vc, lengths, table, *new, None, c.num_splits)
-            knobs = {"fused_combine": True} if c.fused_combine else {}
+            knobs = {"fused_combine": c.fused_combine}
             want, splits = kvcache.plan_specs(problem, c.arch, info.sms, c.num_splits, knobs, kvcache._smem_per_sm(info))
             assert specs == list(want.values())
             assert ("combine" in want) == (splits > 1 and not c.fused_combine) and ("append" in want) == (c.seqlen_new > 0)

@@ -96,9 +96,9 @@ class Case:
 
     @property
     def fused_combine(self) -> bool:
-        """A kvcache case with an odd seed calls attention_with_kvcache(..., fused_combine=True): where
-        the keys are split, the decode kernel's last split CTA of each work item merges them (no
-        combine kernel). Read off the seed, as ``deterministic``: the draws and JSON stay as before."""
+        """A kvcache case with an odd seed calls attention_with_kvcache(..., fused_combine=True) (the
+        default: where the keys are split, the decode kernel's last split CTA of each work item merges
+        them), an even seed fused_combine=False (the combine kernel). Read off the seed, as ``deterministic``: the draws and JSON stay as before."""
         return self.family == "kvcache" and self.seed % 2 == 1
 
     def to_json(self) -> str:
@@ -498,7 +498,7 @@ def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     _, lse = facodegen.attention_with_kvcache(q, k_cache, v_cache, lengths, page_table=table, k=kn, v=vn,
                                               causal=case.causal, softmax_scale=case.softmax_scale,
                                               num_splits=case.num_splits, return_lse=True, out=out, arch=case.arch,
-                                              **({"fused_combine": True} if case.fused_combine else {}))
+                                              fused_combine=case.fused_combine)
     if launch_only:
         return _launched(out, lse)
     o, lse = host(out), host(lse)
@@ -605,7 +605,7 @@ def case_specs(case: Case, device: int = 0) -> list:
         problem = kvcache._Problem(case.batch, case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim, case.dtype,
                                    paged, case.page_size, case.batch * case.seqlen_k // case.page_size if paged else 0,
                                    case.seqlen_k, case.seqlen_new)
-        knobs = {"fused_combine": True} if case.fused_combine else {}
+        knobs = {"fused_combine": case.fused_combine}
         specs, _ = kvcache.plan_specs(problem, case.arch, info.sms, case.num_splits, knobs, kvcache._smem_per_sm(info))
         return list(specs.values())
     forward = case_spec(case, device)
