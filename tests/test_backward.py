@@ -18,7 +18,7 @@ from facodegen.ops import api, backward
 from facodegen import cli
 from facodegen.runtime import driver
 from facodegen.spec.backward import (BACKWARD_KNOBS, DEFAULT_TILES, BackwardSpec, default_backward_specs, kv_acc_floats,
-                                     sm90_dq_cols, sm90_kv_split)
+                                     sm90_dq_cols, sm90_dq_m_tiles, sm90_kv_split)
 from facodegen.spec import GPUS, HEAD_DIMS, SpecError
 from fakes import FakeLauncher, FakeTensor
 from sampling import one_per
@@ -697,7 +697,8 @@ def test_sm90_compiles_clean_with_the_hopper_instructions(spec):
     assert len(s_dp) == 2 * d // 16            # S^T and dP^T: k = head_dim, both operands K-major
     assert len(dv_dk) == 2 * spec.block_m // 16  # dV and dK: A from registers (split: the P^T, dS^T
     assert all((re.search(r"\bR\d+, R\d+, gdesc", x) is None) == split for x in dv_dk)   # tiles), B MN-major
-    assert len(dq) == (spec.block_n if dq_cols < d else 64) // 16   # dQ: dS^T and K, both MN-major
+    assert len(dq) == (spec.block_n if dq_cols < d else 64) // 16 * sm90_dq_m_tiles(spec.block_m)   # dQ: dS^T
+    # and K, both MN-major (block_m 128: two m64 tiles of queries)
     assert len(hgmma) == len(s_dp) + len(dv_dk) + len(dq)
     assert counts["UTMALDG"] == 4 and counts["USETMAXREG"] == 2
     assert sass.count("UBLKCP.S.G") == 2         # a step's LSE and D rows: bulk copies, no plain loads
@@ -909,7 +910,7 @@ def test_sm90_dq_tma_reduce_compiles_to_one_bulk_reduce_per_step(spec):
     assert counts["HGMMA"] == backward.compile(spec.replace(dq_tma_reduce=False)).sass_counts()["HGMMA"]
     assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1
     assert not re.search(r"\bREDG?\.", sass), re.findall(r".*\bREDG?\..*", sass)
-    assert len(re.findall(r"\bSTS\.128 ", sass)) == sm90_dq_cols(spec.head_dim) // 2 // 4
+    assert len(re.findall(r"\bSTS\.128 ", sass)) == sm90_dq_cols(spec.head_dim) // 2 // 4 * sm90_dq_m_tiles(spec.block_m)
     assert re.search(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x80", sass)
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
 
@@ -945,15 +946,17 @@ WIDE_M_CONFIGS = [
 ]
 
 
-def test_sm90_block_m_128_is_a_knob_value_at_head_dim_64():
-    """block_m=128 is asked for, never the default; its name says bm128; the other head dims refuse it
-    naming block_m; the 64-row configs keep their two dS^T tiles and their shared memory."""
-    from facodegen.spec.backward import sm90_dq_m_tiles, sm90_ds_bufs
-    assert BackwardSpec(arch="sm90", head_dim=64).block_m == 64
+def test_sm90_block_m_128_is_the_default_at_head_dim_64_only():
+    """block_m=128 is head_dim 64's default (64 a knob value there); its name says bm128; the other
+    head dims refuse it naming block_m; the 64-row configs keep their two dS^T tiles and their shared memory."""
+    from facodegen.spec.backward import sm90_ds_bufs
+    assert BackwardSpec(arch="sm90", head_dim=64).block_m == 128
+    assert BackwardSpec(arch="sm90", head_dim=64, block_m=64).block_m == 64
+    assert all(BackwardSpec(arch="sm90", head_dim=d).block_m == 64 for d in (96, 128, 192, 256))
     spec = BackwardSpec(arch="sm90", head_dim=64, block_m=128)
     assert spec.variant == "flash_bwd_sm90_bf16_hd64_bm128_bn128_w12_st2_dqtma"
     assert (sm90_ds_bufs(128), sm90_dq_m_tiles(128), sm90_ds_bufs(64), sm90_dq_m_tiles(64)) == (1, 2, 2, 1)
-    assert BackwardSpec(arch="sm90", head_dim=64, dq_tma_reduce=False).smem_bytes == 100352    # unchanged
+    assert BackwardSpec(arch="sm90", head_dim=64, block_m=64, dq_tma_reduce=False).smem_bytes == 100352
     for d in (96, 128, 192, 256):
         with pytest.raises(SpecError, match="block_m"):
             BackwardSpec(arch="sm90", head_dim=d, block_m=128)

@@ -12,7 +12,7 @@ The sm90 backward is FlashAttention-3's algorithm (templates/sm90/flash_bwd.cu.j
 per key block, with K, V loaded once by TMA, Q and dO (and the LSE, D rows) through a
 ``stages``-deep TMA ring filled by a producer warp, and two consumer warpgroups of 64 keys each
 computing every GEMM with wgmma (P^T and dS^T stay in registers as the A operand of dV and dK; dS^T
-goes through shared memory for dQ). head_dim 64, 96 and 128: block_m 64 (or 128 at head_dim 64, a knob
+goes through shared memory for dQ). head_dim 96 and 128: block_m 64; head_dim 64: block_m 128 (64 a knob
 value: dQ in two m64 tiles of queries, one dS^T tile), block_n 128; head_dim 192
 and 256: block_m 64, block_n 64, the two warpgroups sharing the 64 keys and splitting head_dim
 (sm90_kv_split: P^T and dS^T through shared memory for dV and dK too). What it does not cover is
@@ -47,7 +47,7 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          choices=BACKWARD_DTYPES, flag="--dtype", problem=True, token=lambda s, v: s.dtype),
     Knob("head_dim", "int", f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}.", choices=HEAD_DIMS,
          flag="--head-dim", problem=True, flag_offers_choices=False, token=lambda s, v: f"hd{s.head_dim}"),
-    Knob("block_m", "int", "Query rows per step of a CTA's loop (BLOCK_M); sm90: 64, or 128 at head_dim 64.",
+    Knob("block_m", "int", "Query rows per step of a CTA's loop (BLOCK_M); sm90: 64, or 128 at head_dim 64 (its default).",
          flag="--block-m", choices=(32, 64, 128), search={"sm80": (64, 128)}, token=lambda s, v: f"bm{s.block_m}"),
     Knob("block_n", "int", "Keys per CTA (BLOCK_N): the CTA owns their dK, dV.", flag="--block-n",
          search={"sm80": (64, 128)}, flag_offers_choices=False, token=lambda s, v: f"bn{s.block_n}"),
@@ -107,9 +107,10 @@ DEFAULT_GPU = "a100"
 #         dq_tma_reduce: + 2 x 24 KB (one dQ buffer per warpgroup, SM90_DQ_BUFS does not fit) = 226 KB
 #   d256: K, V 64 KB + 2 stages x (Q, dO 64 KB + rows) + P^T, dS^T 4 x 8 KB = 226 KB (of 227);
 #         dq_tma_reduce (off by default, FA3's choice at d256): 1 stage + 2 x 32 KB = 226 KB
-SM90_TILES = {64: (64, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12), 192: (64, 64, 12), 256: (64, 64, 12)}
-# block_m=128 (a knob value, not a default: to be timed against 64 on the GPU): head_dim 64 only, FA3's
-# 128x128 there. Keys stay along M (64 per consumer warpgroup), so S^T, dP^T grow to m64n128 and each
+SM90_TILES = {64: (128, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12), 192: (64, 64, 12), 256: (64, 64, 12)}
+# block_m=128: head_dim 64 only (the default there; block_m=64 is a knob value), FA3's 128x128. H200,
+# 2026-12-04, bf16 fa3-paper cells (seqlen 2k, 8k; full, causal): 376.4 / 447.0 / 271.7 / 383.5 TFLOP/s
+# against block_m 64's 298.4 / 383.8 / 215.4 / 320.7 (1.16-1.26x), cuDNN 347.9 / 445.1 / 267.1 / 398.8. Keys stay along M (64 per consumer warpgroup), so S^T, dP^T grow to m64n128 and each
 # step's GEMMs double while its fixed costs (barriers, waits, the dQ reduce, the LSE/D rows) do not.
 # Registers per consumer thread (setmaxnreg 240):
 #   S^T, dP^T: 64 + 64 (m64 n128 fp32); dV, dK: 32 + 32 (m64 n64); P^T, dS^T A fragments: 32 + 32
