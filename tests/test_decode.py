@@ -63,7 +63,10 @@ def test_split_heuristic():
     h = dec.num_splits_heuristic
     assert h(264, 100, 132, 2) == 1                 # a full wave already: no split
     assert h(1000, 4096, 132, 1) == 1
-    assert h(8, 4096, 132, 2) == 29                 # batch 1, 8 KV heads, 256k keys: ~0.88 of 264 slots
+    assert h(8, 4096, 132, 2) == 33                 # batch 1, 8 KV heads, 256k keys: one wave of 264 slots
+    assert h(64, 4096, 132, 2) == 4                 # batch 8: 256 of 264
+    assert h(8, 4096, 132, 1) == 16                 # one CTA per SM (d256): 128 of 132
+    assert h(150, 4096, 132, 2) == 3                # over half the slots: FA3's wave-efficiency rule (1.70 waves)
     assert h(8, 3, 132, 2) == 3                     # never more splits than key blocks
     assert h(1, 1, 132) == 1 and h(0, 5, 132) == 1
     for work in (1, 2, 7, 8, 32, 64, 100):

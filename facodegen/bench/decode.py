@@ -131,8 +131,13 @@ def parse_knobs(text: str) -> dict:
     attention_with_kvcache takes (kvcache.CALL_KNOBS), each typed by its DecodeSpec knob
     (variants.knob_values)."""
     from ..ops.kvcache import CALL_KNOBS
-    from ..spec.decode import DECODE_KNOBS
-    return knob_values(text, {k.name: k for k in DECODE_KNOBS if k.name in CALL_KNOBS}, "attention_with_kvcache")
+    from ..spec.decode import DECODE_KNOBS, MAX_SPLITS
+    from ..spec.knobs import Knob
+    knobs = {k.name: k for k in DECODE_KNOBS if k.name in CALL_KNOBS}
+    # num_splits is a call argument, not a kernel knob: a fixed split count instead of the heuristic's
+    knobs["num_splits"] = Knob("num_splits", "int", "key splits per sequence (0: the heuristic)",
+                               choices=tuple(range(MAX_SPLITS + 1)))
+    return knob_values(text, knobs, "attention_with_kvcache")
 
 
 def variant_names(rows: list[dict]) -> list[str]:
@@ -262,7 +267,7 @@ def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True, variants=()) ->
     for knobs in variants:      # facodegen with knobs, timed in the same groups as the default call
         def ours_with(knobs=knobs):
             kc, vc, pt = rotate()
-            return facodegen.attention_with_kvcache(q, kc, vc, lengths, page_table=pt, num_splits=0, **knobs)
+            return facodegen.attention_with_kvcache(q, kc, vc, lengths, page_table=pt, **{"num_splits": 0, **knobs})
         fns.append(ours_with)
         names.append(variant_label(knobs))
     fa3 = _fa3() if "fa3" in peers else None
