@@ -69,3 +69,15 @@ def test_run_variants_measures_each_cell(monkeypatch):
                         dict(cell, ms={"facodegen_plain": 1.0}))
     rows = b.run_variants(b.cells((4096,)), quick=True, log=lambda m: None)
     assert seen == [("window", True), ("softcap", True), ("sinks", True)] and len(rows) == 3
+
+
+def test_head_dim_cells_their_labels_and_ratio():
+    cells = b.head_dim_cells()
+    assert len(cells) == len(b.HEAD_DIMS) * 2 * len(b.HEAD_DIM_SEQLENS) == 24
+    assert {(c["head_dim"], c["head_dim_v"]) for c in cells} == {(80, 80), (96, 96), (112, 112), (192, 128)}
+    assert all(c["batch"] * c["seqlen"] == 16384 and c["heads"] == 2048 // c["head_dim"] for c in cells)
+    assert b.label(cells[0]) == "d80 full" and b.label(cells[-1]) == "d192/128 causal"
+    row = dict(cells[-1], ms={"facodegen_head_dim": 2.0, "fa3_head_dim": 2.2}, notes=[])
+    assert b.ratios(row) == {"vs_fa3": pytest.approx(1.1)}
+    assert b.ratios(dict(row, ms={"facodegen_head_dim": 2.0})) == {}      # FA3 missing: no ratio
+    assert "| d192/128 causal | 16384 | 1 | 2.000 |" in b.format_table([row])

@@ -7,7 +7,11 @@ variants of issue 40 timed on the GPU, bf16, causal, head_dim 128, 16k tokens pe
   missing) and beside facodegen's own full causal kernel (the ideal speed-up is the ratio of
   visible (query, key) pairs, printed as `ideal`);
 * softcap 50 and sinks: facodegen with each beside facodegen without it (and FA3's softcap where
-  its module takes one).
+  its module takes one);
+* head dims without a tile of their own (80, 96's neighbours 112, ...) and V narrower than Q/K
+  (192/128, DeepSeek MLA prefill), causal and not, at seqlen 1k, 4k and 16k (HEAD_DIM_CELLS, 16k
+  tokens, heads = 2048 // head_dim): facodegen beside FlashAttention-3 on the same shapes, whose
+  wheel takes head dims 8..256 and 192/128.
 
 Each group of implementations is timed in turns (timing.time_cuda_interleaved: CUDA events,
 warm-up, the median of groups of back-to-back calls; ``quick``: QUICK_TIMING) through the call users
@@ -29,6 +33,9 @@ TOKENS = TOKENS_PER_BATCH
 HEADS = HIDDEN // HEAD_DIM       # 16
 WINDOW = (4096, 0)
 SOFTCAP = 50.0
+# (head_dim, head_dim_v) of the head-dim rows: issue 40's bar is >= 1.0x FlashAttention-3 on each
+HEAD_DIMS = ((80, 80), (96, 96), (112, 112), (192, 128))
+HEAD_DIM_SEQLENS = (1024, 4096, 16384)
 
 
 def cells(seqlens=SEQLENS) -> list[dict]:
@@ -40,6 +47,21 @@ def cells(seqlens=SEQLENS) -> list[dict]:
         out.append(dict(base, variant="softcap", softcap=SOFTCAP))
         out.append(dict(base, variant="sinks"))
     return out
+
+
+def head_dim_cells(seqlens=HEAD_DIM_SEQLENS, head_dims=HEAD_DIMS) -> list[dict]:
+    """The head-dim rows: each (head_dim, head_dim_v) x causal no/yes x seqlen, 16k tokens per batch."""
+    return [dict(seqlen=s, batch=max(1, TOKENS // s), heads=HIDDEN // d, head_dim=d, head_dim_v=dv,
+                 causal=causal, variant="head_dim")
+            for d, dv in head_dims for causal in (False, True) for s in seqlens]
+
+
+def label(row: dict) -> str:
+    """A row's variant as the table names it: head_dim rows say their dims and mask."""
+    if row["variant"] != "head_dim":
+        return row["variant"]
+    dims = f"{row['head_dim']}" if row["head_dim_v"] == row["head_dim"] else f"{row['head_dim']}/{row['head_dim_v']}"
+    return f"d{dims} {'causal' if row['causal'] else 'full'}"
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, window=(-1, -1), causal: bool = False) -> int:
@@ -67,6 +89,10 @@ def ratios(row: dict) -> dict:
     time over the plain kernel's)."""
     ms = row["ms"]
     out = {}
+    if row["variant"] == "head_dim":
+        if ms.get("fa3_head_dim") and ms.get("facodegen_head_dim"):
+            out["vs_fa3"] = ms["fa3_head_dim"] / ms["facodegen_head_dim"]
+        return out
     if row["variant"] == "window":
         if ms.get("fa3_window"):
             out["vs_fa3_window"] = ms["fa3_window"] / ms["facodegen_window"]
@@ -89,7 +115,7 @@ def format_table(rows: list[dict]) -> str:
         peers = ", ".join(f"{k} {v:.3f}" for k, v in ms.items() if k != f"facodegen_{row['variant']}" and v)
         rat = ", ".join(f"{k} {v:.2f}x" if k != "cost" and k != "fa3_cost" else f"{k} {v:.3f}"
                         for k, v in ratios(row).items())
-        lines.append(f"| {row['variant']} | {row['seqlen']} | {row['batch']} | "
+        lines.append(f"| {label(row)} | {row['seqlen']} | {row['batch']} | "
                      f"{'' if ours is None else f'{ours:.3f}'} | {peers} | {rat} |")
     for note in sorted({n for row in rows for n in row.get("notes", ())}):
         lines.append(f"\n{note}")
@@ -104,8 +130,8 @@ def _fa3():
     return mod, (None if mod is not None else f"FlashAttention-3 skipped: flash_attn_interface not importable ({err})")
 
 
-def _fa3_call(fa3, q, k, v, **kwargs):
-    out = fa3.flash_attn_func(q, k, v, causal=True, **kwargs)
+def _fa3_call(fa3, q, k, v, causal=True, **kwargs):
+    out = fa3.flash_attn_func(q, k, v, causal=causal, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -118,11 +144,17 @@ def measure(cell: dict, quick: bool = False) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (cell["batch"], cell["seqlen"], cell["heads"], cell["head_dim"])
     q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if cell.get("head_dim_v", cell["head_dim"]) != cell["head_dim"]:
+        v = torch.randn(shape[:3] + (cell["head_dim_v"],), generator=gen, device="cuda", dtype=torch.bfloat16)
     sinks = torch.randn(cell["heads"], generator=gen, device="cuda") if cell["variant"] == "sinks" else None
     fa3, why = _fa3()
     notes = [why] if why else []
     fns = {}
-    if cell["variant"] == "window":
+    if cell["variant"] == "head_dim":
+        fns["facodegen_head_dim"] = lambda: facodegen.attention(q, k, v, causal=cell["causal"])
+        if fa3 is not None:
+            fns["fa3_head_dim"] = lambda: _fa3_call(fa3, q, k, v, causal=cell["causal"])
+    elif cell["variant"] == "window":
         fns["facodegen_window"] = lambda: facodegen.attention(q, k, v, causal=True, window_size=cell["window_size"])
         fns["facodegen_full_causal"] = lambda: facodegen.attention(q, k, v, causal=True)
         if fa3 is not None:
@@ -145,8 +177,9 @@ def measure(cell: dict, quick: bool = False) -> dict:
             notes.append(f"{name} skipped: {type(err).__name__}: {err}")
     torch.cuda.synchronize()
     check = {}
-    if "fa3_window" in usable:            # the two windows agree (same bf16 inputs)
-        check["max_abs_diff_vs_fa3"] = (usable["facodegen_window"]().float() - usable["fa3_window"]().float()).abs().max().item()
+    for ours, fa3_name in (("facodegen_window", "fa3_window"), ("facodegen_head_dim", "fa3_head_dim")):
+        if fa3_name in usable and ours in usable:   # the two agree (same bf16 inputs)
+            check["max_abs_diff_vs_fa3"] = (usable[ours]().float() - usable[fa3_name]().float()).abs().max().item()
     kwargs = dict(QUICK_TIMING) if quick else {}
     timed = time_cuda_interleaved(list(usable.values()), **kwargs)
     row = dict(cell, ms={name: t["ms"] for name, t in zip(usable, timed)},
@@ -160,7 +193,7 @@ def run_variants(todo: list[dict], quick: bool = False, log=print) -> list[dict]
     rows = []
     for cell in todo:
         rows.append(measure(cell, quick))
-        log(f"{cell['variant']} s{cell['seqlen']}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in rows[-1]["ms"].items()))
+        log(f"{label(cell)} s{cell['seqlen']}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in rows[-1]["ms"].items()))
     return rows
 
 
