@@ -1109,6 +1109,23 @@ def test_sm90_s_lookahead_compiles_clean_in_its_order(head_dim, block_m, knobs, 
     assert ("RED" in order[i - 5:i]) == ("RED" in before[i - 5:i]) == spec.dq_tma_reduce
 
 
+def test_s_lookahead_call_launches_its_kernel_and_plans_apart(bwd, monkeypatch):
+    """attention_backward(..., s_lookahead=True) launches the slook kernel with the default's grid and
+    shared memory; a call without it builds a plan of its own and launches the default kernel."""
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
+    do, q, k, v, o, lse = _problem(sq=130, d=128)
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90", s_lookahead=True)
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90")
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", s_lookahead=True)
+    names = [r["name"] for r in bwd.bwd.records]
+    assert names == [*spec.kernel_names, *spec.replace(s_lookahead=False).kernel_names]
+    assert backward._PLANS.misses == 2
+    a, b = bwd.bwd.records[1], bwd.bwd.records[4]
+    assert (a["grid"], a["smem"]) == (b["grid"], b["smem"])
+
+
 @pytest.mark.parametrize("knobs", [{"dq_tma_reduce": True}, {"deterministic": True}])
 def test_block_m_128_call_pads_stats_and_dq_accum_to_its_blocks(bwd, monkeypatch, knobs):
     """The host follows the spec's block_m: D and LSE * log2(e) rows, the tiled dq_accum and the turn
