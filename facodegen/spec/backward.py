@@ -73,6 +73,10 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "pipe runs it behind dK instead of idling while the warpgroup waits for dK, releases the stage and "
          "issues it at the top of the next step; that step then waits on an S^T already done or running.",
          flag="--s-lookahead/--no-s-lookahead", token=_flag("slook")),
+    Knob("dp_lookahead", "bool", "With s_lookahead: the next step's dP^T = V dO^T is issued right after its S^T "
+         "too, so the tensor pipe runs dK, S^T, dP^T back to back; each step then waits on both at its top "
+         "(P^T's exponentials no longer run beside this warpgroup's own dP^T).",
+         flag="--dp-lookahead/--no-dp-lookahead", token=_flag("dplook")),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
 )
@@ -134,10 +138,10 @@ SM90_TILES = {64: (64, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12), 192: (64
 # s_lookahead (the next step's S^T issued at the end of a step, in flight across the loop's back edge):
 #   block_m 64: issued behind dK, before the wait that retires it; live then: dV, dK (2 x ACC_REGS), dK's
 #   dS^T fragment (P_REGS) and S^T (S_REGS): d128 64 + 64 + 16 + 32 = 176 (P^T released at the wait that
-#   retires dV; the dQ registers after the write-out, which comes first). S^T and dP^T both would be 208.
-#   block_m 128: issued after that wait (dV, dK 64 + S^T 64): S^T beside dK and its 32-register fragment
-#   in flight made ptxas serialise every wgmma (C7512, insufficient registers). Measured (NVRTC 13,
-#   sm_90a): tests/test_backward.py test_sm90_s_lookahead_compiles_clean.
+#   retires dV; the dQ registers after the write-out, which comes first); dp_lookahead: + dP^T, 208.
+#   block_m 128: issued after that wait (dV, dK 64 + S^T 64, dp_lookahead + 64): S^T beside dK and its
+#   32-register fragment in flight made ptxas serialise every wgmma (C7512, insufficient registers).
+#   Measured (NVRTC 13, sm_90a): tests/test_backward.py test_sm90_s_lookahead_compiles_clean_in_its_order.
 SM90_BLOCK_MS = (64, 128)
 SM90_WIDE_M_HEAD_DIMS = (64,)      # block_m=128
 SM90_STAGES = 2
@@ -236,6 +240,7 @@ class BackwardSpec:
     deterministic: bool = False
     dq_tma_reduce: bool | None = None
     s_lookahead: bool = False
+    dp_lookahead: bool = False
 
     def __post_init__(self) -> None:
         if self.dq_tma_reduce is None:     # the default: FlashAttention-3's dQ path wherever it runs
@@ -381,6 +386,8 @@ def _check_types(spec: BackwardSpec) -> None:
 
 
 def _validate(spec: BackwardSpec) -> None:
+    if spec.dp_lookahead:
+        raise SpecError("dp_lookahead", "an sm90 knob (with s_lookahead); the sm80 backward has no asynchronous GEMMs")
     if spec.s_lookahead:
         raise SpecError("s_lookahead", "an sm90 knob (the next step's S^T wgmma issued early); the sm80 backward "
                                        "has no asynchronous GEMMs")
@@ -452,6 +459,8 @@ def _validate_sm90(spec: BackwardSpec) -> None:
     if spec.s_lookahead and (split or spec.stages < 2):
         raise SpecError("s_lookahead", f"head_dim {spec.head_dim}: the next step's S^T is issued early at head_dim "
                                        f"64, 96, 128 (2-stage ring, S^T from each warpgroup's own keys) only")
+    if spec.dp_lookahead and not spec.s_lookahead:
+        raise SpecError("dp_lookahead", "issues the next step's dP^T after its S^T: set s_lookahead=True too")
     if spec.s_lookahead and spec.block_m == 128 and not spec.dq_tma_reduce:
         raise SpecError("s_lookahead", "at block_m=128 with dq_tma_reduce=False the kernel spills (4 bytes, causal, "
                                        "NVRTC 13): take dq_tma_reduce=True (block_m 128's default) or block_m=64")
