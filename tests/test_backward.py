@@ -1059,54 +1059,72 @@ def test_sm90_s_lookahead_is_an_sm90_knob_at_head_dims_64_96_128():
     assert result.exit_code == 2 and "s_lookahead" in result.output
     assert BackwardSpec(arch="sm90", head_dim=64, block_m=128, deterministic=True, dq_tma_reduce=True,
                         s_lookahead=True).s_lookahead
+    # dp_lookahead: with s_lookahead only; its own token and flag
+    both = spec.replace(dp_lookahead=True)
+    assert both.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_dqtma_slook_dplook_causal"
+    line = backward.emit_command(both)
+    assert "--dp-lookahead" in line.split()
+    assert CliRunner().invoke(cli.main, ["emit", *line.split()[2:]]).output == backward.emit(both)
+    for fields in ({"arch": "sm90"}, {"arch": "sm80"}):
+        with pytest.raises(SpecError, match="dp_lookahead"):
+            BackwardSpec(dp_lookahead=True, **fields)
 
 
 LOOKAHEAD_CONFIGS = [(64, 64, {}), (64, 128, {}), (96, 64, {}), (128, 64, {}), (64, 64, {"dq_tma_reduce": False}),
                      (128, 64, {"deterministic": True}), (64, 128, {"deterministic": True, "dq_tma_reduce": True})]
 
 
+@pytest.mark.parametrize("dp", [False, True], ids=["slook", "slook-dplook"])
 @pytest.mark.parametrize("dtype, causal", [("bf16", True), ("fp16", False)])
 @pytest.mark.parametrize("head_dim, block_m, knobs", LOOKAHEAD_CONFIGS,
                          ids=[f"hd{d}-bm{m}" + "".join(f"-{k}={v}" for k, v in kw.items())
                               for d, m, kw in LOOKAHEAD_CONFIGS])
-def test_sm90_s_lookahead_compiles_clean_in_its_order(head_dim, block_m, knobs, dtype, causal):
+def test_sm90_s_lookahead_compiles_clean_in_its_order(head_dim, block_m, knobs, dtype, causal, dp):
     """NVRTC sm_90a: no stack, spills or local memory, no C75xx note (a wgmma in flight across the loop's
     back edge: ptxas serialises every wgmma if a wgmma_wait<1> follows it there, or if the issue is
     branched around), the consumers' highest register under setmaxnreg's 240 (2026-12-04, NVRTC 13:
-    170-178 at d64 bm64, 234-237 at bm128, 215-220 at d96, 231-235 at d128). The SASS, against the
-    same spec without the knob: one more S^T group (step 0's, before the loop); the step's wgmma order
-    otherwise the same, but the next step's S^T is issued after the dQ write-out and before the stage
-    release (block_m 64: between the dQ reduce and the wait that retires dK, which becomes a
-    wgmma_wait<1>; block_m 128: right after the wgmma_wait<0> that retires dK), and the step's first
-    wait is a wgmma_wait<0> before dP^T is issued (S^T's, in flight since the previous step)."""
+    170-187 at d64 bm64, 228-237 at bm128, 215-227 at d96, 231-235 at d128). The SASS, against the
+    same spec without the knobs: one more S^T group (step 0's, before the loop; dp_lookahead: and dP^T);
+    the step's wgmma order otherwise the same, but the next step's S^T (and dP^T) is issued after the
+    dQ write-out and before the stage release (block_m 64: between the dQ reduce and the wait that
+    retires dK, which becomes a wgmma_wait<1>, <2> with dP^T; block_m 128: right after the
+    wgmma_wait<0> that retires dK), and the step's first wait is a wgmma_wait<0> (S^T's, in flight
+    since the previous step) before dP^T is issued, or with dp_lookahead before dV."""
     spec = BackwardSpec(arch="sm90", head_dim=head_dim, block_m=block_m, dtype=dtype, causal=causal,
-                        s_lookahead=True, **knobs)
+                        s_lookahead=True, dp_lookahead=dp, **knobs)
     kernel, sass, counts = _compiled_clean(spec)
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
-    plain = backward.compile(spec.replace(s_lookahead=False)).sass()
+    plain = backward.compile(spec.replace(s_lookahead=False, dp_lookahead=False)).sass()
     order, before = _consumer_order(sass), _consumer_order(plain)
-    s_group = f"G{head_dim // 16}:64x{block_m}S"
-    assert counts["HGMMA"] == plain.count("HGMMA") + head_dim // 16
-    # without the knob: S^T, dP^T issued together, wait<1> (S^T), wait<0> (dP^T), ..., the wait that
-    # retires dK (wait<0>) right before the stage release
+    s_group = f"G{head_dim // 16}:64x{block_m}S"          # S^T or dP^T (the same shape)
+    assert counts["HGMMA"] == plain.count("HGMMA") + (1 + dp) * head_dim // 16
+    # without the knobs: S^T, dP^T issued together, wait<1> (S^T), wait<0> (dP^T), dV, ..., the wait
+    # that retires dK (wait<0>) right before the stage release
     dv_group = f"G{block_m // 16}:64x{head_dim}RS"
     assert before[before.index(s_group):][:6] == [s_group, "MW", s_group, "W1", "W0", dv_group]
     assert before[before.index("REL") - 1] == "W0"
-    # with it: step 0's S^T before the loop, then each step: wait<0> (S^T), dP^T, wait<0>, ...
+    # with them: step 0's S^T (and dP^T) before the loop, then each step: wait<0> (S^T), dP^T, wait<0>,
+    # dV, ... or (dp_lookahead) wait<0> (both), dV, ...
     first = order.index(s_group)
-    assert order[first + 1:first + 6] == ["W0", "MW", s_group, "W0", dv_group]
-    # ... dV, dQ, dK and the wait that retires dV, dQ as without it ...
-    groups = lambda seq: [t for t in seq[next(j for j, t in enumerate(seq) if t.endswith("RS")):]   # noqa: E731
-                          if t[0] == "G" or t[0] == "W"][:4]
+    top = [s_group, "MW", s_group, "W0", dv_group] if dp else [s_group, "W0", "MW", s_group, "W0", dv_group]
+    assert order[first:first + len(top)] == top
+    # ... dV, dQ, dK and the wait that retires dV, dQ as without them ...
+    groups = lambda seq: [t for t in seq[seq.index(dv_group):] if t[0] in "GW"][:4]   # noqa: E731
     assert groups(order) == groups(before) and groups(order)[-1] == "W1"
-    # ... then the next step's S^T (its q_full wait first) and the stage release
+    # ... then (after the dQ write-out) the next step's S^T (and dP^T), each after its full barrier's
+    # wait, and the stage release
     i = order.index("REL")
-    if block_m == 64:    # behind dK: the wait that retires dK leaves S^T in flight
-        assert order[i - 3:i] == ["MW", s_group, "W1"]
+    if block_m == 64:    # behind dK: the wait that retires dK leaves S^T (dP^T) in flight
+        tail = ["MW", s_group, "MW", s_group, "W2"] if dp else ["MW", s_group, "W1"]
     else:                # right after the wait that retires dK
-        assert order[i - 3:i] == ["MW", "W0", s_group]
+        tail = ["MW", "W0", s_group, "MW", s_group] if dp else ["MW", "W0", s_group]
+    assert order[i - len(tail):i] == tail
     assert order.count("REL") == before.count("REL") == 1
-    assert ("RED" in order[i - 5:i]) == ("RED" in before[i - 5:i]) == spec.dq_tma_reduce
+    # right after the dQ write-out (the bulk reduce, or the wait before the vector reductions; a
+    # deterministic turn's spin loop aside)
+    last = lambda seq, j: [t for t in seq[:j] if t != "LOOP"][-1]   # noqa: E731
+    after_dq = "RED" if spec.dq_tma_reduce else "W1"
+    assert last(order, i - len(tail)) == last(before, before.index("REL") - 1) == after_dq
 
 
 def test_s_lookahead_call_launches_its_kernel_and_plans_apart(bwd, monkeypatch):
