@@ -22,7 +22,8 @@ from .spec.knobs import KNOBS, Knob
 from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default_specs
 
 # Kernel families `emit` and `inspect` take (--kernel); forward stays the default.
-def build_backward_spec(fields: dict, deterministic, k_unroll=None, dq_tma_reduce=None):
+def build_backward_spec(fields: dict, deterministic, k_unroll=None, dq_tma_reduce=None, s_lookahead=None,
+                        dp_lookahead=None):
     """A BackwardSpec from the spec flags given (only those the backward has)."""
     from .spec.backward import BACKWARD_BY_NAME, BackwardSpec
 
@@ -36,6 +37,10 @@ def build_backward_spec(fields: dict, deterministic, k_unroll=None, dq_tma_reduc
         fields = {**fields, "k_unroll": k_unroll}
     if dq_tma_reduce is not None:
         fields = {**fields, "dq_tma_reduce": dq_tma_reduce}
+    if s_lookahead is not None:
+        fields = {**fields, "s_lookahead": s_lookahead}
+    if dp_lookahead is not None:
+        fields = {**fields, "dp_lookahead": dp_lookahead}
     try:
         return BackwardSpec(**fields)
     except SpecError as err:
@@ -76,6 +81,12 @@ def _kernel_options(command):
         click.option("--dq-tma-reduce/--no-dq-tma-reduce", "dq_tma_reduce", default=None,
                      help="--kernel backward --arch sm90: dQ added into its fp32 accumulator by a TMA bulk "
                           "reduce-add of a shared-memory tile per warpgroup."),
+        click.option("--s-lookahead/--no-s-lookahead", "s_lookahead", default=None,
+                     help="--kernel backward --arch sm90 (head_dim 64, 96, 128): each consumer warpgroup issues the "
+                          "next step's S^T wgmma before the wait that retires this step's dK."),
+        click.option("--dp-lookahead/--no-dp-lookahead", "dp_lookahead", default=None,
+                     help="--kernel backward --arch sm90 --s-lookahead: the next step's dP^T wgmma issued right "
+                          "after its S^T."),
         click.option("--page-size", type=int, default=None,
                      help="decode/append: a paged KV cache (the page size is a runtime value; any power of two)."),
         click.option("--paged/--contiguous", "paged", default=None, help="decode/append: paged or contiguous cache."),
@@ -293,7 +304,8 @@ def main():
 @click.option("--all", "all_specs", is_flag=True,
               help="Write every default spec as <variant>.cu into --out-dir (stale flash_fwd_*.cu there are removed).")
 def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministic=None, k_unroll=None, page_size=None,
-         paged=None, split_kv=None, pack_gqa=None, runtime=None, dq_tma_reduce=None, fused_combine=None):
+         paged=None, split_kv=None, pack_gqa=None, runtime=None, dq_tma_reduce=None, fused_combine=None,
+         s_lookahead=None, dp_lookahead=None):
     """Print (or write) the CUDA source of one kernel.
 
     \b
@@ -309,11 +321,12 @@ def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministi
         from .ops.backward import emit as render_backward
         if all_specs:
             raise UsageFailure("--all writes the forward's default specs; drop --kernel backward")
-        spec = build_backward_spec(spec_fields, deterministic, k_unroll, dq_tma_reduce)
+        spec = build_backward_spec(spec_fields, deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead)
         _write(render_backward(spec), spec, output, out_dir)
         return
-    if deterministic is not None or k_unroll is not None or dq_tma_reduce is not None:
-        raise UsageFailure("--deterministic, --k-unroll and --dq-tma-reduce are --kernel backward flags")
+    if any(x is not None for x in (deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead)):
+        raise UsageFailure("--deterministic, --k-unroll, --dq-tma-reduce, --s-lookahead and --dp-lookahead are "
+                           "--kernel backward flags")
     try:
         if kernel != "forward":
             if all_specs:
@@ -379,7 +392,8 @@ def _emit_all(out_dir: Path, render) -> None:
               help="Print the SASS (cuobjdump) and a count of key instructions.")
 @_kernel_options
 def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=None, page_size=None, paged=None,
-            split_kv=None, pack_gqa=None, dq_tma_reduce=None, fused_combine=None):
+            split_kv=None, pack_gqa=None, dq_tma_reduce=None, fused_combine=None, s_lookahead=None,
+            dp_lookahead=None):
     """Compile a kernel (no GPU needed) and report what the compiler made of it.
 
     \b
@@ -390,10 +404,11 @@ def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=No
     from .runtime.compiler import ToolNotFoundError
 
     if kernel == "backward":
-        _inspect_backward(build_backward_spec(spec_fields, deterministic, k_unroll, dq_tma_reduce), what)
+        _inspect_backward(build_backward_spec(spec_fields, deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead), what)
         return
-    if deterministic is not None or k_unroll is not None or dq_tma_reduce is not None:
-        raise UsageFailure("--deterministic, --k-unroll and --dq-tma-reduce are --kernel backward flags")
+    if any(x is not None for x in (deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead)):
+        raise UsageFailure("--deterministic, --k-unroll, --dq-tma-reduce, --s-lookahead and --dp-lookahead are "
+                           "--kernel backward flags")
     if kernel != "forward":
         from .runtime.compiler import CompileError
         from .spec.decode import compile_spec

@@ -1004,6 +1004,150 @@ def test_sm90_block_m_128_compiles_clean(knobs, smem, dq_bufs, dtype, causal):
     assert sass.count("BAR.ARV 0x5, 0x100") == int(spec.deterministic)
 
 
+# ------------------------------------------------------------------ sm90 s_lookahead (next step's S^T issued early)
+
+def _consumer_order(sass: str) -> list[str]:
+    """The sm90 backward's SASS reduced to the order of what a consumer warpgroup issues and waits on:
+    ``G<n>:<shape>`` a wgmma group of n HGMMA (up to the one that closes it, gsb0; ``S`` for the
+    non-transposed shared-memory operands of S^T / dP^T, ``RS`` with A from registers, ``T`` transposed:
+    dQ), ``W<n>`` WARPGROUP.DEPBAR.LE gsb0 n (a wgmma_wait<n>), ``MW`` an mbarrier wait, ``REL`` the
+    consumer's stage release (its step_empty arrival), ``RED`` the dQ bulk reduce-add, ``LOOP`` a backward
+    branch after the first wgmma group."""
+    out, n = [], 0
+    for line in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if not m:
+            continue
+        addr, ins = int(m.group(1), 16), m.group(2)
+        if "HGMMA" in ins:
+            n += 1
+            if "gsb0" in ins:
+                kind = "RS" if re.search(r"\bR\d+, R\d+, gdesc", ins) else "T" if "tnsp" in ins else "S"
+                shape = re.search(r"HGMMA\.(\d+x\d+)", ins)[1]
+                out.append(f"G{n}:{shape}{kind}")
+                n = 0
+        elif "WARPGROUP.DEPBAR.LE" in ins:
+            out.append(f"W{int(ins.split(',')[-1], 16)}")
+        elif "SYNCS.PHASECHK" in ins:
+            out.append("MW")
+        elif "SYNCS.ARRIVE.TRANS64.A1T0" in ins:
+            out.append("REL")
+        elif "UBLKRED" in ins:
+            out.append("RED")
+        elif re.search(r"\bBRA 0x", ins) and int(ins.split()[-1], 16) < addr and any(t[0] == "G" for t in out):
+            out.append("LOOP")
+    return out
+
+
+def test_sm90_s_lookahead_is_an_sm90_knob_at_head_dims_64_96_128():
+    """Off by default; its name says slook and its emit line --s-lookahead (the CLI builds the same
+    source); sm80, head_dim 192 / 256 (one stage possible, S^T split between the warpgroups) and block_m
+    128 with the vector reductions (4 bytes of spills, causal) refuse it naming it. With it off, the
+    source differs from before the knob only by the spec line in the header."""
+    assert BackwardSpec(arch="sm90", head_dim=128).s_lookahead is False
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, s_lookahead=True)
+    assert spec.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_dqtma_slook_causal"
+    line = backward.emit_command(spec)
+    assert "--s-lookahead" in line.split() and "--s-lookahead" not in backward.emit_command(spec.replace(s_lookahead=False))
+    source = backward.emit(spec)
+    result = CliRunner().invoke(cli.main, ["emit", *line.split()[2:]])
+    assert result.exit_code == 0 and result.output == source
+    assert "S_LOOKAHEAD" in source and "S_LOOKAHEAD" not in backward.emit(spec.replace(s_lookahead=False))
+    for fields in ({"arch": "sm80"}, {"arch": "sm90", "head_dim": 192}, {"arch": "sm90", "head_dim": 256},
+                   {"arch": "sm90", "head_dim": 64, "block_m": 128, "dq_tma_reduce": False}):
+        with pytest.raises(SpecError, match="s_lookahead"):
+            BackwardSpec(s_lookahead=True, **fields)
+    result = CliRunner().invoke(cli.main, ["emit", "--kernel", "backward", "--arch", "sm90", "--head-dim", "256",
+                                           "--s-lookahead"])
+    assert result.exit_code == 2 and "s_lookahead" in result.output
+    assert BackwardSpec(arch="sm90", head_dim=64, block_m=128, deterministic=True, dq_tma_reduce=True,
+                        s_lookahead=True).s_lookahead
+    # dp_lookahead: with s_lookahead only; its own token and flag
+    both = spec.replace(dp_lookahead=True)
+    assert both.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_dqtma_slook_dplook_causal"
+    line = backward.emit_command(both)
+    assert "--dp-lookahead" in line.split()
+    assert CliRunner().invoke(cli.main, ["emit", *line.split()[2:]]).output == backward.emit(both)
+    for fields in ({"arch": "sm90"}, {"arch": "sm80"}):
+        with pytest.raises(SpecError, match="dp_lookahead"):
+            BackwardSpec(dp_lookahead=True, **fields)
+
+
+LOOKAHEAD_CONFIGS = [(64, 64, {}), (64, 128, {}), (96, 64, {}), (128, 64, {}), (64, 64, {"dq_tma_reduce": False}),
+                     (128, 64, {"deterministic": True}), (64, 128, {"deterministic": True, "dq_tma_reduce": True})]
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["slook", "slook-dplook"])
+@pytest.mark.parametrize("dtype, causal", [("bf16", True), ("fp16", False)])
+@pytest.mark.parametrize("head_dim, block_m, knobs", LOOKAHEAD_CONFIGS,
+                         ids=[f"hd{d}-bm{m}" + "".join(f"-{k}={v}" for k, v in kw.items())
+                              for d, m, kw in LOOKAHEAD_CONFIGS])
+def test_sm90_s_lookahead_compiles_clean_in_its_order(head_dim, block_m, knobs, dtype, causal, dp):
+    """NVRTC sm_90a: no stack, spills or local memory, no C75xx note (a wgmma in flight across the loop's
+    back edge: ptxas serialises every wgmma if a wgmma_wait<1> follows it there, or if the issue is
+    branched around), the consumers' highest register under setmaxnreg's 240 (2026-12-04, NVRTC 13:
+    170-187 at d64 bm64, 228-237 at bm128, 215-227 at d96, 231-235 at d128). The SASS, against the
+    same spec without the knobs: one more S^T group (step 0's, before the loop; dp_lookahead: and dP^T);
+    the step's wgmma order otherwise the same, but the next step's S^T (and dP^T) is issued after the
+    dQ write-out and before the stage release (block_m 64: between the dQ reduce and the wait that
+    retires dK, which becomes a wgmma_wait<1>, <2> with dP^T; block_m 128: right after the
+    wgmma_wait<0> that retires dK), and the step's first wait is a wgmma_wait<0> (S^T's, in flight
+    since the previous step) before dP^T is issued, or with dp_lookahead before dV."""
+    spec = BackwardSpec(arch="sm90", head_dim=head_dim, block_m=block_m, dtype=dtype, causal=causal,
+                        s_lookahead=True, dp_lookahead=dp, **knobs)
+    kernel, sass, counts = _compiled_clean(spec)
+    assert "warning" not in kernel.log.lower(), kernel.log      # (an unused step parity once was)
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
+    plain = backward.compile(spec.replace(s_lookahead=False, dp_lookahead=False)).sass()
+    order, before = _consumer_order(sass), _consumer_order(plain)
+    s_group = f"G{head_dim // 16}:64x{block_m}S"          # S^T or dP^T (the same shape)
+    assert counts["HGMMA"] == plain.count("HGMMA") + (1 + dp) * head_dim // 16
+    # without the knobs: S^T, dP^T issued together, wait<1> (S^T), wait<0> (dP^T), dV, ..., the wait
+    # that retires dK (wait<0>) right before the stage release
+    dv_group = f"G{block_m // 16}:64x{head_dim}RS"
+    assert before[before.index(s_group):][:6] == [s_group, "MW", s_group, "W1", "W0", dv_group]
+    assert before[before.index("REL") - 1] == "W0"
+    # with them: step 0's S^T (and dP^T) before the loop, then each step: wait<0> (S^T), dP^T, wait<0>,
+    # dV, ... or (dp_lookahead) wait<0> (both), dV, ...
+    first = order.index(s_group)
+    top = [s_group, "MW", s_group, "W0", dv_group] if dp else [s_group, "W0", "MW", s_group, "W0", dv_group]
+    assert order[first:first + len(top)] == top
+    # ... dV, dQ, dK and the wait that retires dV, dQ as without them ...
+    groups = lambda seq: [t for t in seq[seq.index(dv_group):] if t[0] in "GW"][:4]   # noqa: E731
+    assert groups(order) == groups(before) and groups(order)[-1] == "W1"
+    # ... then (after the dQ write-out) the next step's S^T (and dP^T), each after its full barrier's
+    # wait, and the stage release
+    i = order.index("REL")
+    if block_m == 64:    # behind dK: the wait that retires dK leaves S^T (dP^T) in flight
+        tail = ["MW", s_group, "MW", s_group, "W2"] if dp else ["MW", s_group, "W1"]
+    else:                # right after the wait that retires dK
+        tail = ["MW", "W0", s_group, "MW", s_group] if dp else ["MW", "W0", s_group]
+    assert order[i - len(tail):i] == tail
+    assert order.count("REL") == before.count("REL") == 1
+    # right after the dQ write-out (the bulk reduce, or the wait before the vector reductions; a
+    # deterministic turn's spin loop aside)
+    last = lambda seq, j: [t for t in seq[:j] if t != "LOOP"][-1]   # noqa: E731
+    after_dq = "RED" if spec.dq_tma_reduce else "W1"
+    assert last(order, i - len(tail)) == last(before, before.index("REL") - 1) == after_dq
+
+
+def test_s_lookahead_call_launches_its_kernel_and_plans_apart(bwd, monkeypatch):
+    """attention_backward(..., s_lookahead=True) launches the slook kernel with the default's grid and
+    shared memory; a call without it builds a plan of its own and launches the default kernel."""
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
+    do, q, k, v, o, lse = _problem(sq=130, d=128)
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90", s_lookahead=True)
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90")
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", s_lookahead=True)
+    names = [r["name"] for r in bwd.bwd.records]
+    assert names == [*spec.kernel_names, *spec.replace(s_lookahead=False).kernel_names]
+    assert backward._PLANS.misses == 2
+    a, b = bwd.bwd.records[1], bwd.bwd.records[4]
+    assert (a["grid"], a["smem"]) == (b["grid"], b["smem"])
+
+
 @pytest.mark.parametrize("knobs", [{"dq_tma_reduce": True}, {"deterministic": True}])
 def test_block_m_128_call_pads_stats_and_dq_accum_to_its_blocks(bwd, monkeypatch, knobs):
     """The host follows the spec's block_m: D and LSE * log2(e) rows, the tiled dq_accum and the turn

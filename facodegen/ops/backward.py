@@ -110,12 +110,13 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     spec built from the line's other flags takes them (sm90: dq_tma_reduce's default is off where the
     line says --deterministic, as BackwardSpec makes it; the ring's depth for the dQ path)."""
     if spec.arch == "sm80":
-        return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False}
+        return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False,
+                "s_lookahead": False, "dp_lookahead": False}
     return {"gpu": SM90_GPU, "stages": sm90_default_stages(spec.head_dim, spec.dq_tma_reduce, SM90_GPU),
-            "k_unroll": 2, "deterministic": False,
+            "k_unroll": 2, "deterministic": False, "s_lookahead": False, "dp_lookahead": False,
             "dq_tma_reduce": sm90_dq_tma_default(spec.head_dim) and not spec.deterministic}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
-_SM90_ONLY = ("dq_tma_reduce",)
+_SM90_ONLY = ("dq_tma_reduce", "s_lookahead", "dp_lookahead")
 
 
 def emit_command(spec: BackwardSpec) -> str:

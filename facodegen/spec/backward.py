@@ -68,6 +68,15 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "thread's fp32 vector reductions from registers; dq_accum is then tiled (BLOCK_M-row tiles in the "
          "warpgroups' register order, seqlen_q padded to BLOCK_M).",
          flag="--dq-tma-reduce/--no-dq-tma-reduce", token=_flag("dqtma")),
+    Knob("s_lookahead", "bool", "sm90, head_dim 64, 96, 128: each consumer warpgroup issues the next step's S^T = K "
+         "Q^T (software pipelining across steps) before the wait that retires this step's dK, so the tensor "
+         "pipe runs it behind dK instead of idling while the warpgroup waits for dK, releases the stage and "
+         "issues it at the top of the next step; that step then waits on an S^T already done or running.",
+         flag="--s-lookahead/--no-s-lookahead", token=_flag("slook")),
+    Knob("dp_lookahead", "bool", "With s_lookahead: the next step's dP^T = V dO^T is issued right after its S^T "
+         "too, so the tensor pipe runs dK, S^T, dP^T back to back; each step then waits on both at its top "
+         "(P^T's exponentials no longer run beside this warpgroup's own dP^T).",
+         flag="--dp-lookahead/--no-dp-lookahead", token=_flag("dplook")),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
 )
@@ -127,6 +136,13 @@ SM90_TILES = {64: (128, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12), 192: (6
 #   a warpgroup's dQ reads only its own 64 dS^T rows and has completed (the wait that retires dV, dQ)
 #   before that warpgroup writes the next step's (the two tiles taking turns serve the split by
 #   columns, where both warpgroups read all rows; block_m 64 keeps them so its code does not change).
+# s_lookahead (the next step's S^T issued at the end of a step, in flight across the loop's back edge):
+#   block_m 64: issued behind dK, before the wait that retires it; live then: dV, dK (2 x ACC_REGS), dK's
+#   dS^T fragment (P_REGS) and S^T (S_REGS): d128 64 + 64 + 16 + 32 = 176 (P^T released at the wait that
+#   retires dV; the dQ registers after the write-out, which comes first); dp_lookahead: + dP^T, 208.
+#   block_m 128: issued after that wait (dV, dK 64 + S^T 64, dp_lookahead + 64): S^T beside dK and its
+#   32-register fragment in flight made ptxas serialise every wgmma (C7512, insufficient registers).
+#   Measured (NVRTC 13, sm_90a): tests/test_backward.py test_sm90_s_lookahead_compiles_clean_in_its_order.
 SM90_BLOCK_MS = (64, 128)
 SM90_WIDE_M_HEAD_DIMS = (64,)      # block_m=128
 SM90_STAGES = 2
@@ -224,6 +240,8 @@ class BackwardSpec:
     gpu: str | None = None
     deterministic: bool = False
     dq_tma_reduce: bool | None = None
+    s_lookahead: bool = False
+    dp_lookahead: bool = False
 
     def __post_init__(self) -> None:
         if self.dq_tma_reduce is None:     # the default: FlashAttention-3's dQ path wherever it runs
@@ -369,6 +387,11 @@ def _check_types(spec: BackwardSpec) -> None:
 
 
 def _validate(spec: BackwardSpec) -> None:
+    if spec.dp_lookahead:
+        raise SpecError("dp_lookahead", "an sm90 knob (with s_lookahead); the sm80 backward has no asynchronous GEMMs")
+    if spec.s_lookahead:
+        raise SpecError("s_lookahead", "an sm90 knob (the next step's S^T wgmma issued early); the sm80 backward "
+                                       "has no asynchronous GEMMs")
     if spec.dq_tma_reduce:
         raise SpecError("dq_tma_reduce", "an sm90 knob (TMA bulk reduce-add); the sm80 backward adds dQ with atomics")
     if spec.stages != 1:
@@ -434,6 +457,14 @@ def _validate_sm90(spec: BackwardSpec) -> None:
                                   f"{SM90_STAGES} at head_dim 192, 256)")
     if spec.k_unroll != 2:
         raise SpecError("k_unroll", f"{spec.k_unroll}: k_unroll is an sm80 knob (wgmma has no such choice)")
+    if spec.s_lookahead and (split or spec.stages < 2):
+        raise SpecError("s_lookahead", f"head_dim {spec.head_dim}: the next step's S^T is issued early at head_dim "
+                                       f"64, 96, 128 (2-stage ring, S^T from each warpgroup's own keys) only")
+    if spec.dp_lookahead and not spec.s_lookahead:
+        raise SpecError("dp_lookahead", "issues the next step's dP^T after its S^T: set s_lookahead=True too")
+    if spec.s_lookahead and spec.block_m == 128 and not spec.dq_tma_reduce:
+        raise SpecError("s_lookahead", "at block_m=128 with dq_tma_reduce=False the kernel spills (4 bytes, causal, "
+                                       "NVRTC 13): take dq_tma_reduce=True (block_m 128's default) or block_m=64")
     limit = GPUS[spec.gpu].smem_per_block
     if spec.smem_bytes > limit:
         if spec.dq_tma_reduce and spec.stages > 1:

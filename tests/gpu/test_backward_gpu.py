@@ -478,3 +478,52 @@ def test_sm90_block_m_128_deterministic_is_bit_identical_and_right(sq, sk, causa
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
     assert check_grads(runs[0], do, q, k, v, causal, 0.125) == []
+
+
+# ------------------------------------------------------------------ sm90 s_lookahead (next step's S^T issued early)
+# The knob changes only when each consumer warpgroup issues and waits on S^T (a step's S^T in flight
+# across the loop's back edge, step 0's before the loop, a spare one after the last step) and when the
+# next stage's q_full is waited on; dp_lookahead the same for dP^T and do_full. Lengths: one step per CTA (1, 65: the spare S^T right after the
+# prologue's), many steps (1023, 1000), odd ends inside a block, GQA/MQA (steps run over the group's
+# heads, so S^T of the next head's first block is the one issued early).
+SM90_LOOKAHEAD_TILES = ((64, 64), (64, 128), (96, 64), (128, 64))      # (head_dim, block_m)
+# dp_lookahead (the next step's dP^T issued right after its S^T) on every other pair of cases
+_GRID_LOOKAHEAD = [(sq, sk, causal, d, bm, list(DTYPES)[i % 2], list(HEADS)[i % 3], (i // 2) % 2 == 1)
+                   for i, ((sq, sk), causal, (d, bm))
+                   in enumerate(itertools.product(SM90_WIDE_M_SEQLENS, (False, True), SM90_LOOKAHEAD_TILES))]
+
+
+@sm90_only
+@pytest.mark.parametrize("sq, sk, causal, d, bm, dt, heads, dp", _GRID_LOOKAHEAD,
+                         ids=[f"{'dplook' if dp else 'slook'}-{sq}x{sk}-{'causal' if c else 'full'}-hd{d}-bm{bm}-{dt}-{h}"
+                              for sq, sk, c, d, bm, dt, h, dp in _GRID_LOOKAHEAD])
+def test_sm90_s_lookahead_gradients_match_float64(sq, sk, causal, d, bm, dt, heads, dp):
+    hq, hkv = HEADS[heads]
+    batch = 2 if sq * sk < 100_000 else 1
+    q, k, v, do = make(batch, sq, sk, hq, hkv, d, DTYPES[dt], seed=sq * 7 + sk * 13 + d + 5)
+    scale = d ** -0.5 if (sq + d) % 2 else 0.3
+    got = run_backward(q, k, v, do, causal, scale, poison=(sq in (113, 130)), arch="sm90", block_m=bm,
+                       s_lookahead=True, dp_lookahead=dp)
+    assert check_grads(got, do, q, k, v, causal, scale) == []
+
+
+@sm90_only
+@pytest.mark.parametrize("dp", [False, True], ids=["slook", "dplook"])
+@pytest.mark.parametrize("d, bm", SM90_LOOKAHEAD_TILES, ids=[f"hd{d}-bm{bm}" for d, bm in SM90_LOOKAHEAD_TILES])
+@pytest.mark.parametrize("sq, sk, causal, heads", [(239, 1, False, "mha"), (777, 3000, False, "gqa"),
+                                                   (1023, 1024, True, "gqa"), (129, 2000, True, "mqa")])
+def test_sm90_s_lookahead_is_bit_identical_to_the_default(sq, sk, causal, heads, d, bm, dp):
+    """Deterministic (dQ added in key-block order), with and without s_lookahead (and dp_lookahead):
+    the same GEMMs on the same tiles in the same accumulation order, so the same bits in dQ, dK and dV
+    (block_m 128 takes the bulk reduce-add, which s_lookahead needs there)."""
+    hq, hkv = HEADS[heads]
+    q, k, v, do = make(2, sq, sk, hq, hkv, d, torch.bfloat16, seed=sq + sk + d + bm)
+    out64, lse64, _ = reference(q, k, v, do, causal, 0.125, upcast=True)
+    out, lse = out64.to(q.dtype), lse64.float().contiguous()
+    knobs = dict(arch="sm90", block_m=bm, deterministic=True, dq_tma_reduce=bm == 128)
+    runs = [facodegen.attention_backward(do, q, k, v, out, lse, causal=causal, softmax_scale=0.125, s_lookahead=la,
+                                         dp_lookahead=la and dp, **knobs) for la in (False, True)]
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), name
+    assert check_grads(runs[1], do, q, k, v, causal, 0.125) == []
