@@ -597,14 +597,15 @@ def test_api_module_is_untouched_by_the_backward_plan_cache():
 
 # The sm90 configs with dQ by fp32 vector reductions from registers (dq_tma_reduce=False: the
 # deterministic mode's path); SM90_DQTMA below are the defaults (the TMA bulk reduce-add).
-SM90 = [BackwardSpec(arch="sm90", head_dim=d, dtype=dt, causal=c, dq_tma_reduce=False) for d in (64, 96, 128, 192, 256)
-        for dt in ("bf16", "fp16") for c in (False, True)]
+# (the base pipeline: the lookahead defaults add a step-0 S^T / dP^T issue, tested on their own below)
+SM90 = [BackwardSpec(arch="sm90", head_dim=d, dtype=dt, causal=c, dq_tma_reduce=False, s_lookahead=False,
+                     dp_lookahead=False) for d in (64, 96, 128, 192, 256) for dt in ("bf16", "fp16") for c in (False, True)]
 
 
 def test_sm90_spec_defaults():
     spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, dq_tma_reduce=False)
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.stages, spec.gpu) == (64, 128, 12, 2, "h200")
-    assert spec.threads == 384 and spec.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_causal"
+    assert spec.threads == 384 and spec.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_slook_dplook_causal"
     # K, V + 2 x (Q, dO, LSE and D rows) + 2 dS^T tiles + 1 KB of alignment
     assert spec.smem_bytes == 2 * 128 * 128 * 2 + 2 * (2 * 64 * 128 * 2 + 2 * 64 * 4) + 2 * 128 * 64 * 2 + 1024
     assert all(s.smem_bytes <= GPUS["h100"].smem_per_block for s in SM90)
@@ -794,7 +795,8 @@ def test_cli_inspect_sm90_backward():
     assert "sm_90a" in result.output and "0 B stores / 0 B loads" in result.output
     result = runner.invoke(cli.main, ["inspect", "--kernel", "backward", "--arch", "sm90", "--head-dim", "128",
                                       "--sass"])
-    assert result.exit_code == 0 and "HGMMA 32" in result.output.splitlines()[-1]
+    # 32 in the loop + the step-0 S^T and dP^T the lookahead defaults issue before it (8 + 8)
+    assert result.exit_code == 0 and "HGMMA 48" in result.output.splitlines()[-1]
 
 
 def _field90(record, name):
@@ -873,7 +875,7 @@ def test_dq_tma_reduce_is_the_sm90_default_but_for_deterministic_and_sm80():
     written for the register path) and sm80 (no such knob), whose sources never mention it; asked
     for off on sm90, the emit line says --no-dq-tma-reduce."""
     spec = BackwardSpec(arch="sm90", head_dim=128)
-    assert spec.dq_tma_reduce and spec.variant.endswith("_dqtma")
+    assert spec.dq_tma_reduce and spec.variant.endswith("_dqtma_slook_dplook")
     assert "//   dq_tma_reduce        = True" in backward.emit(spec)
     assert "dq-tma-reduce" not in backward.emit_command(spec)
     det = BackwardSpec(arch="sm90", head_dim=128, deterministic=True)
@@ -954,7 +956,7 @@ def test_sm90_block_m_128_is_the_default_at_head_dim_64_only():
     assert BackwardSpec(arch="sm90", head_dim=64, block_m=64).block_m == 64
     assert all(BackwardSpec(arch="sm90", head_dim=d).block_m == 64 for d in (96, 128, 192, 256))
     spec = BackwardSpec(arch="sm90", head_dim=64, block_m=128)
-    assert spec.variant == "flash_bwd_sm90_bf16_hd64_bm128_bn128_w12_st2_dqtma"
+    assert spec.variant == "flash_bwd_sm90_bf16_hd64_bm128_bn128_w12_st2_dqtma_slook"
     assert (sm90_ds_bufs(128), sm90_dq_m_tiles(128), sm90_ds_bufs(64), sm90_dq_m_tiles(64)) == (1, 2, 2, 1)
     assert BackwardSpec(arch="sm90", head_dim=64, block_m=64, dq_tma_reduce=False).smem_bytes == 100352
     for d in (96, 128, 192, 256):
@@ -973,7 +975,8 @@ def test_sm90_block_m_128_compiles_clean(knobs, smem, dq_bufs, dtype, causal):
     C75xx note, the consumers' highest register under setmaxnreg's 240 (2026-12-04, NVRTC 13: 229-237),
     shared memory as SM90_BLOCK_MS says; dq_tma_reduce: one 32 KB bulk reduce-add per warpgroup and
     step, STS.128 for both dQ tiles; else the fp32 vector reductions."""
-    spec = BackwardSpec(arch="sm90", head_dim=64, block_m=128, dtype=dtype, causal=causal, **knobs)
+    spec = BackwardSpec(arch="sm90", head_dim=64, block_m=128, dtype=dtype, causal=causal, s_lookahead=False,
+                        **knobs)     # (the base pipeline; the lookahead default's order is tested below)
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.stages) == (128, 128, 12, 2)
     assert (spec.dq_bufs, spec.smem_bytes) == (dq_bufs, smem) and smem <= GPUS["h100"].smem_per_block
     source = _rendered(spec, ("dK += dS^T Q", "dQ = dS K", "producer", "consumers"))
@@ -1040,15 +1043,29 @@ def _consumer_order(sass: str) -> list[str]:
 
 
 def test_sm90_s_lookahead_is_an_sm90_knob_at_head_dims_64_96_128():
-    """Off by default; its name says slook and its emit line --s-lookahead (the CLI builds the same
-    source); sm80, head_dim 192 / 256 (one stage possible, S^T split between the warpgroups) and block_m
-    128 with the vector reductions (4 bytes of spills, causal) refuse it naming it. With it off, the
-    source differs from before the knob only by the spec line in the header."""
-    assert BackwardSpec(arch="sm90", head_dim=128).s_lookahead is False
-    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, s_lookahead=True)
+    """On by default where it is allowed (sm90, head_dim 64, 96, 128; not block_m 128 with the vector
+    reductions), dp_lookahead at head_dim 128; its name says slook and, off, its emit line
+    --no-s-lookahead (the CLI builds the same source); sm80, head_dim 192 / 256 (one stage possible,
+    S^T split between the warpgroups) and block_m 128 with the vector reductions (4 bytes of spills,
+    causal) refuse it naming it. With it off, the source differs from before the knob only by the
+    spec line in the header."""
+    defaults = {(a, d, bm, t): (s.s_lookahead, s.dp_lookahead) for a, d, bm, t in
+                [("sm90", 128, None, None), ("sm90", 96, None, None), ("sm90", 64, None, None),
+                 ("sm90", 64, 128, False), ("sm90", 64, 64, False), ("sm90", 256, None, None), ("sm80", 128, None, None)]
+                for s in [BackwardSpec(arch=a, head_dim=d, block_m=bm, dq_tma_reduce=t)]}
+    assert defaults == {("sm90", 128, None, None): (True, True), ("sm90", 96, None, None): (True, False),
+                        ("sm90", 64, None, None): (True, False), ("sm90", 64, 128, False): (False, False),
+                        ("sm90", 64, 64, False): (True, False), ("sm90", 256, None, None): (False, False),
+                        ("sm80", 128, None, None): (False, False)}
+    assert BackwardSpec(arch="sm90", head_dim=128, s_lookahead=False).dp_lookahead is False
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, s_lookahead=True, dp_lookahead=False)
     assert spec.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_dqtma_slook_causal"
     line = backward.emit_command(spec)
-    assert "--s-lookahead" in line.split() and "--s-lookahead" not in backward.emit_command(spec.replace(s_lookahead=False))
+    off = spec.replace(s_lookahead=False)
+    assert "--no-dp-lookahead" in line.split() and "--s-lookahead" not in line.split()
+    assert "--no-s-lookahead" in backward.emit_command(off).split()
+    result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(off).split()[2:]])
+    assert result.exit_code == 0 and result.output == backward.emit(off)
     source = backward.emit(spec)
     result = CliRunner().invoke(cli.main, ["emit", *line.split()[2:]])
     assert result.exit_code == 0 and result.output == source
@@ -1066,9 +1083,9 @@ def test_sm90_s_lookahead_is_an_sm90_knob_at_head_dims_64_96_128():
     both = spec.replace(dp_lookahead=True)
     assert both.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_dqtma_slook_dplook_causal"
     line = backward.emit_command(both)
-    assert "--dp-lookahead" in line.split()
+    assert "lookahead" not in line         # head_dim 128's default: the line needs neither flag
     assert CliRunner().invoke(cli.main, ["emit", *line.split()[2:]]).output == backward.emit(both)
-    for fields in ({"arch": "sm90"}, {"arch": "sm80"}):
+    for fields in ({"arch": "sm90", "s_lookahead": False}, {"arch": "sm80"}):
         with pytest.raises(SpecError, match="dp_lookahead"):
             BackwardSpec(dp_lookahead=True, **fields)
 
@@ -1132,17 +1149,20 @@ def test_sm90_s_lookahead_compiles_clean_in_its_order(head_dim, block_m, knobs, 
 
 
 def test_s_lookahead_call_launches_its_kernel_and_plans_apart(bwd, monkeypatch):
-    """attention_backward(..., s_lookahead=True) launches the slook kernel with the default's grid and
-    shared memory; a call without it builds a plan of its own and launches the default kernel."""
+    """attention_backward(..., s_lookahead=False) launches the kernel without the lookaheads with the
+    default's grid and shared memory; the default call (s_lookahead and dp_lookahead at head_dim 128)
+    builds a plan of its own and launches the default kernel."""
     from facodegen.runtime import tma
     monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
     monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
     do, q, k, v, o, lse = _problem(sq=130, d=128)
-    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90", s_lookahead=True)
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90", s_lookahead=False)
     backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90")
-    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", s_lookahead=True)
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", s_lookahead=False)
     names = [r["name"] for r in bwd.bwd.records]
-    assert names == [*spec.kernel_names, *spec.replace(s_lookahead=False).kernel_names]
+    default = spec.replace(s_lookahead=None, dp_lookahead=None)
+    assert default.s_lookahead and default.dp_lookahead and not spec.dp_lookahead
+    assert names == [*spec.kernel_names, *default.kernel_names]
     assert backward._PLANS.misses == 2
     a, b = bwd.bwd.records[1], bwd.bwd.records[4]
     assert (a["grid"], a["smem"]) == (b["grid"], b["smem"])

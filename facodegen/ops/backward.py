@@ -33,7 +33,8 @@ from ..runtime import driver
 from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_PRODUCER_REGS,
                               BackwardSpec, dq_accum_rows, sm90_default_stages, sm90_dq_cols, sm90_dq_m_tiles,
-                              sm90_dq_tma_default, sm90_kv_split, sm90_swizzle_bytes, stat_rows)
+                              sm90_dq_tma_default, sm90_kv_split, sm90_lookahead_default, sm90_swizzle_bytes,
+                              stat_rows)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields,
                                place, stride_fields)
 from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
@@ -112,8 +113,11 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     if spec.arch == "sm80":
         return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False,
                 "s_lookahead": False, "dp_lookahead": False}
+    s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
+                                                   spec.dq_tma_reduce)
     return {"gpu": SM90_GPU, "stages": sm90_default_stages(spec.head_dim, spec.dq_tma_reduce, SM90_GPU),
-            "k_unroll": 2, "deterministic": False, "s_lookahead": False, "dp_lookahead": False,
+            "k_unroll": 2, "deterministic": False, "s_lookahead": s_default,
+            "dp_lookahead": dp_default and spec.s_lookahead,
             "dq_tma_reduce": sm90_dq_tma_default(spec.head_dim) and not spec.deterministic}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("dq_tma_reduce", "s_lookahead", "dp_lookahead")

@@ -202,6 +202,17 @@ def sm90_dq_tma_default(head_dim: int) -> bool:
     return head_dim < 256
 
 
+def sm90_lookahead_default(arch: str, head_dim: int, block_m: int, stages: int, dq_tma_reduce: bool) -> tuple[bool, bool]:
+    """(s_lookahead, dp_lookahead) where the caller sets neither: on sm90 wherever s_lookahead is
+    allowed (head_dim 64, 96, 128 with the 2-deep ring; not block_m 128 with the vector reductions,
+    which spills), dp_lookahead at head_dim 128 only. H200, 2026-12-04, bf16 fa3-paper cells (2k, 8k;
+    full, causal), facodegen.attention_backward timed in turns with its default and cuDNN:
+    s_lookahead 1.004-1.029x the default at head_dim 128 and 1.007-1.020x at 64; dp_lookahead on top
+    1.007-1.025x at 128 but 0.95-0.99x at 64."""
+    s = arch == "sm90" and head_dim in (64, 96, 128) and stages >= 2 and not (block_m == 128 and not dq_tma_reduce)
+    return s, s and head_dim == 128
+
+
 SM90_GPUS = ("h100", "h200")
 
 # k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
@@ -240,8 +251,8 @@ class BackwardSpec:
     gpu: str | None = None
     deterministic: bool = False
     dq_tma_reduce: bool | None = None
-    s_lookahead: bool = False
-    dp_lookahead: bool = False
+    s_lookahead: bool | None = None
+    dp_lookahead: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dq_tma_reduce is None:     # the default: FlashAttention-3's dQ path wherever it runs
@@ -271,6 +282,12 @@ class BackwardSpec:
         for name, value in (("block_m", block_m), ("block_n", block_n), ("num_warps", warps)):
             if getattr(self, name) is None:
                 set_(name, value)
+        s_default, dp_default = sm90_lookahead_default(self.arch, self.head_dim, self.block_m, self.stages,
+                                                       self.dq_tma_reduce)
+        if self.s_lookahead is None:
+            set_("s_lookahead", s_default)
+        if self.dp_lookahead is None:
+            set_("dp_lookahead", dp_default and self.s_lookahead is True)
         (_validate_sm90 if self.arch == "sm90" else _validate)(self)
 
     @property
@@ -369,7 +386,8 @@ def _choice(name: str, value, allowed) -> None:
 def _check_types(spec: BackwardSpec) -> None:
     for k in BACKWARD_KNOBS:
         value = getattr(spec, k.name)
-        if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages"):
+        if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages", "s_lookahead",
+                                        "dp_lookahead"):
             continue
         if k.kind == "text" and not isinstance(value, str):
             raise SpecError(k.name, f"must be text ({', '.join(k.choices)}), got {value!r}")
