@@ -31,20 +31,20 @@ def build_backward_spec(fields: dict, deterministic, k_unroll=None, dq_tma_reduc
     if extra:
         raise UsageFailure(f"--kernel backward does not take {', '.join(extra)} (its knobs: "
                            f"{', '.join(k for k in BACKWARD_BY_NAME)})")
-    if deterministic is not None:
-        fields = {**fields, "deterministic": deterministic}
-    if k_unroll is not None:
-        fields = {**fields, "k_unroll": k_unroll}
-    if dq_tma_reduce is not None:
-        fields = {**fields, "dq_tma_reduce": dq_tma_reduce}
-    if s_lookahead is not None:
-        fields = {**fields, "s_lookahead": s_lookahead}
-    if dp_lookahead is not None:
-        fields = {**fields, "dp_lookahead": dp_lookahead}
+    flags = {"deterministic": deterministic, "k_unroll": k_unroll, "dq_tma_reduce": dq_tma_reduce,
+             "s_lookahead": s_lookahead, "dp_lookahead": dp_lookahead}
+    fields = {**fields, **{name: value for name, value in flags.items() if value is not None}}
     try:
         return BackwardSpec(**fields)
     except SpecError as err:
         raise UsageFailure(f"invalid backward spec: {err}") from None
+
+
+def _refuse_backward_flags(*values) -> None:
+    """emit/inspect of a kernel other than the backward: any backward flag given is a usage error."""
+    if any(value is not None for value in values):
+        raise UsageFailure("--deterministic, --k-unroll, --dq-tma-reduce, --s-lookahead and --dp-lookahead are "
+                           "--kernel backward flags")
 
 
 class UsageFailure(click.ClickException):
@@ -324,9 +324,7 @@ def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministi
         spec = build_backward_spec(spec_fields, deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead)
         _write(render_backward(spec), spec, output, out_dir)
         return
-    if any(x is not None for x in (deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead)):
-        raise UsageFailure("--deterministic, --k-unroll, --dq-tma-reduce, --s-lookahead and --dp-lookahead are "
-                           "--kernel backward flags")
+    _refuse_backward_flags(deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead)
     try:
         if kernel != "forward":
             if all_specs:
@@ -404,11 +402,10 @@ def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=No
     from .runtime.compiler import ToolNotFoundError
 
     if kernel == "backward":
-        _inspect_backward(build_backward_spec(spec_fields, deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead), what)
+        _inspect_backward(build_backward_spec(spec_fields, deterministic, k_unroll, dq_tma_reduce, s_lookahead,
+                                              dp_lookahead), what)
         return
-    if any(x is not None for x in (deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead)):
-        raise UsageFailure("--deterministic, --k-unroll, --dq-tma-reduce, --s-lookahead and --dp-lookahead are "
-                           "--kernel backward flags")
+    _refuse_backward_flags(deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead)
     if kernel != "forward":
         from .runtime.compiler import CompileError
         from .spec.decode import compile_spec

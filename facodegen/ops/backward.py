@@ -114,10 +114,9 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
         return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False,
                 "s_lookahead": False, "dp_lookahead": False}
     s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
-                                                   spec.dq_tma_reduce)
+                                                   spec.dq_tma_reduce, spec.s_lookahead)
     return {"gpu": SM90_GPU, "stages": sm90_default_stages(spec.head_dim, spec.dq_tma_reduce, SM90_GPU),
-            "k_unroll": 2, "deterministic": False, "s_lookahead": s_default,
-            "dp_lookahead": dp_default and spec.s_lookahead,
+            "k_unroll": 2, "deterministic": False, "s_lookahead": s_default, "dp_lookahead": dp_default,
             "dq_tma_reduce": sm90_dq_tma_default(spec.head_dim) and not spec.deterministic}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("dq_tma_reduce", "s_lookahead", "dp_lookahead")

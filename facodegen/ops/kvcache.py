@@ -247,7 +247,7 @@ def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
         raise TypeError(f"attention_with_kvcache got unknown argument(s) {', '.join(unknown)}; knobs it takes: "
                         f"{', '.join(CALL_KNOBS)}")
     knobs = dict(knobs)
-    fused = knobs.pop("fused_combine", True)
+    fused = knobs.pop("fused_combine", dec.FUSED_COMBINE_DEFAULT)
     if fused not in (True, False):
         raise TypeError(f"fused_combine={fused!r}: must be True or False")
     group = problem.heads_q // problem.heads_kv

@@ -47,7 +47,8 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          choices=BACKWARD_DTYPES, flag="--dtype", problem=True, token=lambda s, v: s.dtype),
     Knob("head_dim", "int", f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}.", choices=HEAD_DIMS,
          flag="--head-dim", problem=True, flag_offers_choices=False, token=lambda s, v: f"hd{s.head_dim}"),
-    Knob("block_m", "int", "Query rows per step of a CTA's loop (BLOCK_M); sm90: 64, or 128 at head_dim 64 (its default).",
+    Knob("block_m", "int", "Query rows per step of a CTA's loop (BLOCK_M); sm90: 64, or 128 at head_dim 64 "
+         "(its default).",
          flag="--block-m", choices=(32, 64, 128), search={"sm80": (64, 128)}, token=lambda s, v: f"bm{s.block_m}"),
     Knob("block_n", "int", "Keys per CTA (BLOCK_N): the CTA owns their dK, dV.", flag="--block-n",
          search={"sm80": (64, 128)}, flag_offers_choices=False, token=lambda s, v: f"bn{s.block_n}"),
@@ -119,7 +120,8 @@ DEFAULT_GPU = "a100"
 SM90_TILES = {64: (128, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12), 192: (64, 64, 12), 256: (64, 64, 12)}
 # block_m=128: head_dim 64 only (the default there; block_m=64 is a knob value), FA3's 128x128. H200,
 # 2026-12-04, bf16 fa3-paper cells (seqlen 2k, 8k; full, causal): 376.4 / 447.0 / 271.7 / 383.5 TFLOP/s
-# against block_m 64's 298.4 / 383.8 / 215.4 / 320.7 (1.16-1.26x), cuDNN 347.9 / 445.1 / 267.1 / 398.8. Keys stay along M (64 per consumer warpgroup), so S^T, dP^T grow to m64n128 and each
+# against block_m 64's 298.4 / 383.8 / 215.4 / 320.7 (1.16-1.26x), cuDNN 347.9 / 445.1 / 267.1 / 398.8.
+# Keys stay along M (64 per consumer warpgroup), so S^T, dP^T grow to m64n128 and each
 # step's GEMMs double while its fixed costs (barriers, waits, the dQ reduce, the LSE/D rows) do not.
 # Registers per consumer thread (setmaxnreg 240):
 #   S^T, dP^T: 64 + 64 (m64 n128 fp32); dV, dK: 32 + 32 (m64 n64); P^T, dS^T A fragments: 32 + 32
@@ -202,15 +204,18 @@ def sm90_dq_tma_default(head_dim: int) -> bool:
     return head_dim < 256
 
 
-def sm90_lookahead_default(arch: str, head_dim: int, block_m: int, stages: int, dq_tma_reduce: bool) -> tuple[bool, bool]:
-    """(s_lookahead, dp_lookahead) where the caller sets neither: on sm90 wherever s_lookahead is
-    allowed (head_dim 64, 96, 128 with the 2-deep ring; not block_m 128 with the vector reductions,
-    which spills), dp_lookahead at head_dim 128 only. H200, 2026-12-04, bf16 fa3-paper cells (2k, 8k;
-    full, causal), facodegen.attention_backward timed in turns with its default and cuDNN:
-    s_lookahead 1.004-1.029x the default at head_dim 128 and 1.007-1.020x at 64; dp_lookahead on top
+def sm90_lookahead_default(arch: str, head_dim: int, block_m: int, stages: int, dq_tma_reduce: bool,
+                           s_lookahead: bool | None = None) -> tuple[bool, bool]:
+    """(s_lookahead, dp_lookahead) defaults, dp_lookahead's given ``s_lookahead`` (the caller's, None:
+    its default): s_lookahead on sm90 wherever it is allowed (head_dim 64, 96, 128 with the 2-deep
+    ring; not block_m 128 with the vector reductions, which spills), dp_lookahead with it at head_dim
+    128 only. H200, 2026-12-04, bf16 fa3-paper cells (2k, 8k; full, causal),
+    facodegen.attention_backward timed in turns with its default and cuDNN: s_lookahead
+    1.004-1.029x the default at head_dim 128 and 1.007-1.020x at 64; dp_lookahead on top
     1.007-1.025x at 128 but 0.95-0.99x at 64."""
     s = arch == "sm90" and head_dim in (64, 96, 128) and stages >= 2 and not (block_m == 128 and not dq_tma_reduce)
-    return s, s and head_dim == 128
+    on = s if s_lookahead is None else s_lookahead
+    return s, on is True and s and head_dim == 128
 
 
 SM90_GPUS = ("h100", "h200")
@@ -283,11 +288,11 @@ class BackwardSpec:
             if getattr(self, name) is None:
                 set_(name, value)
         s_default, dp_default = sm90_lookahead_default(self.arch, self.head_dim, self.block_m, self.stages,
-                                                       self.dq_tma_reduce)
+                                                       self.dq_tma_reduce, self.s_lookahead)
         if self.s_lookahead is None:
             set_("s_lookahead", s_default)
         if self.dp_lookahead is None:
-            set_("dp_lookahead", dp_default and self.s_lookahead is True)
+            set_("dp_lookahead", dp_default)
         (_validate_sm90 if self.arch == "sm90" else _validate)(self)
 
     @property

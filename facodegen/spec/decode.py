@@ -33,6 +33,9 @@ DECODE_DTYPES = ("fp16", "bf16")
 DECODE_HEAD_DIMS = (64, 96, 128, 192, 256)
 MAX_SEQLEN_Q = 16                   # query tokens per sequence the decode path takes (issue #39)
 MAX_SPLITS = 128                    # FA3's cap on num_splits
+# A split call merges its partials in the decode kernel's last split CTA (one launch, not two: 1.14x
+# at batch 1 / 32k keys on the H200, 1.01-1.03x on larger caches); fused_combine=False: the combine kernel.
+FUSED_COMBINE_DEFAULT = True
 
 # Shared memory a block may use, per arch (the A100's and the H100/H200's opt-in maxima).
 SMEM_LIMIT = {"sm80": 166912, "sm90": 232448}
@@ -301,11 +304,9 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
     block_n = 128 if head_dim <= 64 and block_m <= 32 else 64   # (d64 x 64 rows: S and O would not fit)
     stage = 2 * block_n * head_dim * 2
     stages = max(2, min(4, (96 * 1024) // stage))   # ~96 KB of ring: d64 3, d96 4, d128 3, d192/d256 2
-    # a split merges its partials in the decode kernel's last split CTA (one launch, not two: 1.14x at
-    # batch 1 / 32k keys on the H200, 1.01-1.03x on larger caches); fused_combine=False: the combine kernel
     fields = {"arch": arch, "dtype": dtype, "head_dim": head_dim, "block_m": block_m, "block_n": block_n,
-              "num_warps": 4, "stages": stages, "pack_gqa": pack_gqa, "split": split, "fused_combine": split,
-              "paged": paged}
+              "num_warps": 4, "stages": stages, "pack_gqa": pack_gqa, "split": split,
+              "fused_combine": split and FUSED_COMBINE_DEFAULT, "paged": paged}
     fields.update(knobs)
     return DecodeSpec(**fields)
 

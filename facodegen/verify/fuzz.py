@@ -98,7 +98,8 @@ class Case:
     def fused_combine(self) -> bool:
         """A kvcache case with an odd seed calls attention_with_kvcache(..., fused_combine=True) (the
         default: where the keys are split, the decode kernel's last split CTA of each work item merges
-        them), an even seed fused_combine=False (the combine kernel). Read off the seed, as ``deterministic``: the draws and JSON stay as before."""
+        them), an even seed fused_combine=False (the combine kernel). Read off the seed, as
+        ``deterministic``: the draws and JSON stay as before."""
         return self.family == "kvcache" and self.seed % 2 == 1
 
     def to_json(self) -> str:
