@@ -176,7 +176,40 @@ def _launch_rows(plan, stream: int, ptrs: tuple) -> list:
     def bare():
         launchKernel(*ints, image.kernel_params, 0)
     return [("  cuLaunchKernel via CuPy's binding, bare", bare),
-            ("  cuLaunchKernel via ctypes, prebuilt arguments (the launcher before)", lambda: raw(*prebuilt))]
+            ("  cuLaunchKernel via ctypes, prebuilt arguments (the launcher before)", lambda: raw(*prebuilt))
+            ] + _driver_floor_rows(stream, len(plan.param_bytes()), spec.smem_bytes)
+
+
+def _driver_floor_rows(stream: int, param_bytes: int, smem_bytes: int) -> list:
+    """The driver's own floor: cuLaunchKernel (CuPy's binding) of an empty kernel with 8 bytes of
+    parameters, with ``param_bytes`` of them (the plan's FlashParams size), and with the plan's
+    dynamic shared memory too: what of the plan's launch is the driver's per-launch cost, what
+    its parameter size or its shared-memory configuration adds."""
+    import ctypes
+
+    import cupy
+    from cupy_backends.cuda.api.driver import launchKernel
+    from facodegen.runtime import driver
+    words = (param_bytes + 7) // 8
+    src = (f"struct Big {{ unsigned long long w[{words}]; }};\n"
+           "extern \"C\" __global__ void small(unsigned long long x) { if (x == 1) asm volatile(\"trap;\"); }\n"
+           "extern \"C\" __global__ void big(const __grid_constant__ Big b) {"
+           " if (b.w[0] == 1) asm volatile(\"trap;\"); }\n")
+    module = cupy.RawModule(code=src, options=("-std=c++17",))
+    small, big = (module.get_function(n).kernel for n in ("small", "big"))   # cupy.cuda.function.Function: .ptr
+    driver.lib().cuFuncSetAttribute(ctypes.c_void_p(big.ptr), 8, smem_bytes)   # max dynamic smem
+    word = ctypes.c_uint64(0)
+    blob = (ctypes.c_uint64 * words)()
+    small_args = (ctypes.c_void_p * 1)(ctypes.addressof(word))
+    big_args = (ctypes.c_void_p * 1)(ctypes.addressof(blob))
+    pa, pb = ctypes.addressof(small_args), ctypes.addressof(big_args)
+    _driver_floor_rows.keep = (module, small, big, word, blob, small_args, big_args)   # (a freed module unloads)
+    return [("  driver floor: empty kernel, 8 B of params", lambda: launchKernel(small.ptr, 1, 1, 1, 32, 1, 1, 0,
+                                                                                 stream, pa, 0)),
+            (f"  driver floor: empty kernel, {param_bytes} B of params", lambda: launchKernel(
+                big.ptr, 1, 1, 1, 32, 1, 1, 0, stream, pb, 0)),
+            (f"  driver floor: same, {smem_bytes} B dynamic smem, 384 threads, 132 CTAs", lambda: launchKernel(
+                big.ptr, 132, 1, 1, 384, 1, 1, smem_bytes, stream, pb, 0))]
 
 
 def _allocation_rows(torch, q) -> list:

@@ -243,7 +243,7 @@ def _build_overhead_row(impl: str, s: InputSet, causal: bool, options: str, kwar
 
 
 def _time_overhead_rows(built: list[tuple[dict, object]], timing: dict, timer, log) -> None:
-    """Time the built rows of one case taking turns: each of timing["repeats"] rounds times every
+    """Time the built rows taking turns: each of timing["repeats"] rounds times every
     row once (one repeat of ``timer``, the first round after the full warm-up, later ones after a
     tenth of it), and a row gets the medians over the rounds. A slow spell of the host (a GC, a
     neighbour) then hits every implementation alike instead of whichever ran during it: the same
@@ -273,23 +273,24 @@ def run_overhead(arch: str | None = None, overrides: dict | None = None, peers=O
     """Host µs per call (time_host_per_call) of facodegen.attention on torch tensors and on CuPy
     arrays, facodegen.prepare(...)(), torch SDPA and (``"fa3" in peers``, if importable)
     FlashAttention-3's flash_attn_func, on OVERHEAD_SHAPE for each of OVERHEAD_CASES and
-    OVERHEAD_OPTIONS, the implementations of a case taking turns (_time_overhead_rows), with each
+    OVERHEAD_OPTIONS, every row taking turns with every other (_time_overhead_rows), with each
     row's ratio to SDPA's plain call (with_sdpa_ratios). ``arch`` and
     ``overrides`` (spec fields) are passed to facodegen's calls when given."""
     timing = {**OVERHEAD_TIMING, **(timing or {})}
     kwargs = {**({"arch": arch} if arch else {}), **(overrides or {})}
     impls = _overhead_impls(peers)
-    rows = []
+    built = []
     for dtype, causal in OVERHEAD_CASES:
         try:
             s = _overhead_inputs(dtype, causal)
         except Exception as err:  # noqa: BLE001 (e.g. no e4m3 in this torch: the other cases still run)
-            rows += [overhead_row(i, dtype, causal, o, note=f"skipped: inputs failed: {type(err).__name__}: {err}")
-                     for o in OVERHEAD_OPTIONS for i in impls]
+            built += [(overhead_row(i, dtype, causal, o, note=f"skipped: inputs failed: {type(err).__name__}: {err}"),
+                       None) for o in OVERHEAD_OPTIONS for i in impls]
             continue
-        built = [_build_overhead_row(impl, s, causal, options, kwargs, dtype)
-                 for options in OVERHEAD_OPTIONS for impl in impls]
-        _time_overhead_rows(built, timing, timer, log)
-        rows += [row for row, _ in built]
-        del s, built
-    return with_sdpa_ratios(rows)
+        built += [_build_overhead_row(impl, s, causal, options, kwargs, dtype)
+                  for options in OVERHEAD_OPTIONS for impl in impls]
+    # every row of every case takes its turn in each round: the cases timed first read up to 1.6x
+    # slower than the later ones when each case had its rounds to itself (SDPA bf16 causal 28.8 µs,
+    # fp16 18.2 in one run, H200 2026-12-04), a slow spell early in the process
+    _time_overhead_rows(built, timing, timer, log)
+    return with_sdpa_ratios([row for row, _ in built])
