@@ -499,16 +499,24 @@ class SeqlenRule:
     high: int
     fields: dict
     evidence: str
+    padded: bool | None = None      # True: only head dims that run on a wider tile (112 on 128); None: any
 
-    def matches(self, dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqlen_k: int) -> bool:
+    def matches(self, dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqlen_k: int,
+                real_head_dim: int | None = None) -> bool:
+        """``head_dim``: the tile's; ``real_head_dim``: the call's (None: the tile's own)."""
         length = seqlen_q if self.length == "seqlen_q" else seqlen_k
+        padded = real_head_dim not in (None, head_dim)
         return (dtype in self.dtypes and head_dim in self.head_dims and self.causal in (None, causal)
-                and self.low <= length <= self.high)
+                and self.padded in (None, padded) and self.low <= length <= self.high)
 
 
 _16 = ("bf16", "fp16")
 _D256 = {"o_in_v": True, "uniform_wg": True, "p_buffers": 2, "rebuild_q_desc": True}
 SEQLEN_RULES = (
+    SeqlenRule(_16, (128,), None, "seqlen_k", 16384, _ANY_LENGTH, {"block_n": 176},
+               "padded head dims on the 128 tile from 16k keys, block_n 176", padded=True),
+    SeqlenRule(_16, (96,), None, "seqlen_k", 16384, _ANY_LENGTH, {"block_n": 176},
+               "the 96 tile from 16k keys, block_n 176"),
     SeqlenRule(("fp8",), (256,), False, "seqlen_k", 0, 8191, {"stream_k": False, "defer_o_store": False},
                "head_dim 256 non-causal below 8k keys, stream_k off"),
     SeqlenRule(_16, (128,), False, "seqlen_k", 0, 1024, {"block_n": 128},
@@ -539,12 +547,14 @@ SEQLEN_RULE_FIELDS = ("block_m", "block_n", "num_warps", "consumer_warpgroups", 
                       "defer_o_store")
 
 
-def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqlen_q: int, seqlen_k: int) -> dict:
-    """The fields of the first SEQLEN_RULES row that matches a call of this shape ({} = the defaults)."""
+def seqlen_rule_fields(arch: str, head_dim: int, dtype: str, causal: bool, seqlen_q: int, seqlen_k: int,
+                       real_head_dim: int | None = None) -> dict:
+    """The fields of the first SEQLEN_RULES row that matches a call of this shape ({} = the defaults);
+    ``head_dim`` is the tile's, ``real_head_dim`` the call's where it runs padded on that tile."""
     if arch != "sm90":
         return {}
     for rule in SEQLEN_RULES:
-        if rule.matches(dtype, head_dim, causal, seqlen_q, seqlen_k):
+        if rule.matches(dtype, head_dim, causal, seqlen_q, seqlen_k, real_head_dim):
             return dict(rule.fields)
     return {}
 

@@ -127,3 +127,22 @@ def test_padded_head_dims_take_the_variants(arch, d):
     assert ok, msg
     ok, msg = reference.check_lse(lse, ref_lse)
     assert ok, msg
+
+
+@pytest.mark.parametrize("d", (80, 96, 112))
+@pytest.mark.parametrize("causal", (False, True))
+def test_176_key_tiles_of_the_16k_rule(d, causal):
+    """The sequence-length rule from 16k keys (block_n 176 on the 96 tile and for head dims padded on
+    the 128 tile): its kernels on the odd shapes (block_n 176 given), and the rule itself on 16,384
+    keys (17 and 1000 queries: the reference stays small), its spec held to block_n 176."""
+    skip_unless_runs("sm90")
+    import facodegen
+    for i, (sq, sk, hq, hkv) in enumerate(((1, 17, 4, 2), (1000, 1000, 4, 2), (17, 1000, 4, 1),
+                                           (17, 16384, 4, 2), (1000, 16384, 2, 1))):
+        q, k, v = inputs((sq, sk, hq, hkv), d, "bf16", seed=7000 + 10 * d + i)
+        fields = {} if sk == 16384 else {"block_n": 176}
+        call = facodegen.prepare(q, k, v, causal=causal, return_lse=True, arch="sm90", **fields)
+        assert call.spec.block_n == 176, call.spec.variant
+        out, lse = call()
+        torch.cuda.synchronize()
+        check(out, lse, q, k, v, causal, "bf16")
