@@ -184,11 +184,12 @@ def row_stat_floats(spec: BackwardSpec, batch: int, heads_q: int, seqlen_q: int)
 
 def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
     """(preprocess, main, postprocess) grids: one warp per query row for the first (every stat row,
-    which covers every row of dq_accum: with dq_tma_reduce the preprocess zeroes its padding too) and
-    the last (every row of dq_accum: dq_tma_reduce's postprocess walks the padded tiles linearly), one
-    CTA per (key block, kv head, batch) for the main kernel."""
+    which covers every row of dq_accum: with dq_tma_reduce the preprocess zeroes its padding too), one
+    CTA per (key block, kv head, batch) for the main kernel, and for the last one warp per query row,
+    or with dq_tma_reduce one CTA per query block (a tile of dq_accum)."""
     pre = (-(-stat_rows(spec, seqlen_q) // spec.num_warps), heads_q, batch)
-    post = (-(-dq_accum_rows(spec, seqlen_q) // spec.num_warps), heads_q, batch)
+    post = ((-(-seqlen_q // spec.block_m) if spec.dq_tma_reduce else -(-seqlen_q // spec.num_warps)),
+            heads_q, batch)
     return pre, (-(-seqlen_k // spec.block_n), heads_kv, batch), post
 
 
