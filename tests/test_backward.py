@@ -817,10 +817,11 @@ def test_sm90_call_launches_three_kernels_and_moves_its_maps(bwd, monkeypatch):
     spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200")
     recs = bwd.bwd.records
     assert [r["name"] for r in recs] == list(spec.kernel_names)
-    # the pre- and postprocess cover 128 rows (113 padded to block_m: the producer copies a block's stat
-    # rows whole, and the default dQ path, dq_tma_reduce, tiles dq_accum in whole blocks)
+    # the preprocess covers 128 rows (113 padded to block_m: the producer copies a block's stat rows
+    # whole, and the default dQ path, dq_tma_reduce, tiles dq_accum in whole blocks); the postprocess
+    # takes a CTA per query block (a tile of dq_accum)
     assert spec.dq_tma_reduce
-    assert [r["grid"] for r in recs] == [(-(-128 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-128 // 12), 8, 2)]
+    assert [r["grid"] for r in recs] == [(-(-128 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 64), 8, 2)]
     assert backward.row_stat_floats(spec, 2, 8, 113) == 2 * 2 * 8 * 128   # D, then LSE * log2(e)
     assert [r["smem"] for r in recs] == [0, spec.smem_bytes, 0] and {r["threads"] for r in recs} == {384}
     # the maps: Q and dO in boxes of 64 columns x block_m rows, K and V x block_n rows, 128B swizzle
@@ -918,8 +919,9 @@ def test_sm90_dq_tma_reduce_compiles_to_one_bulk_reduce_per_step(spec):
 
 
 def test_dq_tma_reduce_call_pads_dq_accum_and_zeroes_the_padding(bwd, monkeypatch):
-    """dq_accum is seqlen_q rounded up to block_m rows per (batch, head_q): the preprocess and
-    postprocess grids cover the padding rows (a warp per HEAD_DIM floats of the tiles: zeroed, read)."""
+    """dq_accum is seqlen_q rounded up to block_m rows per (batch, head_q): the preprocess grid covers
+    the padding rows (a warp per HEAD_DIM floats of the tiles: zeroed), the postprocess takes a CTA per
+    tile (query block), padding rows included."""
     from facodegen.runtime import tma
     monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
     monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
@@ -928,7 +930,7 @@ def test_dq_tma_reduce_call_pads_dq_accum_and_zeroes_the_padding(bwd, monkeypatc
     spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", dq_tma_reduce=True)
     recs = bwd.bwd.records
     assert [r["name"] for r in recs] == list(spec.kernel_names)
-    assert [r["grid"] for r in recs] == [(-(-128 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-128 // 12), 8, 2)]
+    assert [r["grid"] for r in recs] == [(-(-128 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 64), 8, 2)]
     assert recs[1]["smem"] == spec.smem_bytes
     assert _field90(recs[1], "dpsum") - _field90(recs[1], "dq_accum") == 4 * 2 * 8 * 128 * 128
     # the plan's per-stream scratch: the padded dq_accum, then D and LSE * log2(e) padded to block_m rows
@@ -1187,8 +1189,8 @@ def test_block_m_128_call_pads_stats_and_dq_accum_to_its_blocks(bwd, monkeypatch
     recs = bwd.bwd.records
     assert [r["name"] for r in recs] == list(spec.kernel_names) and recs[1]["smem"] == spec.smem_bytes
     accum_rows = 256 if spec.dq_tma_reduce else 130
-    assert [r["grid"] for r in recs] == [(-(-256 // 12), 8, 2), (-(-203 // 128), 2, 2),
-                                         (-(-accum_rows // 12), 8, 2)]
+    post_blocks = -(-130 // 128) if spec.dq_tma_reduce else -(-130 // 12)   # a CTA per tile, else a warp per row
+    assert [r["grid"] for r in recs] == [(-(-256 // 12), 8, 2), (-(-203 // 128), 2, 2), (post_blocks, 8, 2)]
     main = recs[1]
     assert _field90(main, "dpsum") - _field90(main, "dq_accum") == 4 * 2 * 8 * accum_rows * 64
     if spec.deterministic:
