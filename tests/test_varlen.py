@@ -131,8 +131,9 @@ def test_the_sm90_varlen_kernel_stores_o_row_by_row():
 def test_the_persistent_sm90_varlen_kernel_scans_cu_seqlens(spec):
     """Persistent varlen: no early exit, the CTA's tile count from the warp 0's sum in the setup, the
     tiles decoded by a warp scan (shfl_up, a ballot of the sequences ending at or before the tile) from
-    a cursor the loader keeps, each tile handed to the consumers through the slot, and every loop ending
-    at the CTA's own count, not at p.num_tiles (the grid's bound); the O store row by row as before."""
+    a cursor the loader keeps, each tile handed to the consumers through the slot with its sequence's
+    boundaries (the consumers read no cu_seqlens after their first tile), and every loop ending at the
+    CTA's own count, not at p.num_tiles (the grid's bound); the O store row by row as before."""
     source = facodegen.emit(spec)
     lines = [line.strip() for line in source.splitlines()]
     assert lines[4].endswith("--varlen") and "--no-persistent" not in lines[4]
@@ -143,7 +144,9 @@ def test_the_persistent_sm90_varlen_kernel_scans_cu_seqlens(spec):
                  "return blocks < p.num_m_blocks ? blocks : p.num_m_blocks;",
                  "VarlenCursor cursor = {0, 0};", "TileInfo t = decode_tile(p, tile, cursor);",
                  "if (tile >= tile_count(p)) {", "if (tile < tile_count(p)) {", "return cta_varlen_tiles;",
-                 "if (TILE_HANDOFF && tile_iter >= 1) {", "store_o_rows(p, t, o_rows, wg, tid);"):
+                 "if (TILE_HANDOFF && tile_iter >= 1) {", "store_o_rows(p, t, o_rows, wg, tid);",
+                 "int tile_slot[8];", "state.tile_slot[4] = t.q_start;", "t.seqlen_k = state.tile_slot[7];",
+                 "tile_blocks(p, t, m_block, head, batch);"):
         assert any(x.startswith(line) for x in lines), line
     assert "if (first.m_block * BLOCK_M >= first.seqlen_q) {" not in source
     assert "tma_store_4d(p.tma_o" not in source
