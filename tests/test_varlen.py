@@ -129,7 +129,7 @@ def test_the_sm90_varlen_kernel_stores_o_row_by_row():
 @pytest.mark.parametrize("spec", [SM90_VARLEN_SPECS[3], SM90_VARLEN_OTHER_SCHEDULER[3], SM90_VARLEN_SPECS[4]],
                          ids=["hd64-causal-dynamic", "hd64-causal-static", "hd96-full-static"])
 def test_the_persistent_sm90_varlen_kernel_scans_cu_seqlens(spec):
-    """Persistent varlen: no early exit, the CTA's tile count from the warp 0's sum in the setup, the
+    """Persistent varlen: no early exit, the CTA's tile count from all its threads' sum in the setup, the
     tiles decoded by a warp scan (shfl_up, a ballot of the sequences ending at or before the tile) from
     a cursor the loader keeps, each tile handed to the consumers through the slot with its sequence's
     boundaries (the consumers read no cu_seqlens after their first tile), and every loop ending at the
@@ -138,7 +138,8 @@ def test_the_persistent_sm90_varlen_kernel_scans_cu_seqlens(spec):
     lines = [line.strip() for line in source.splitlines()]
     assert lines[4].endswith("--varlen") and "--no-persistent" not in lines[4]
     for line in ("constexpr bool VARLEN_SCAN = true;", "constexpr bool TILE_HANDOFF = DYNAMIC_SCHEDULER || VARLEN_SCAN;",
-                 "init_varlen_tiles(p);", "cta_varlen_tiles = total;", "__shared__ int cta_varlen_tiles;",
+                 "init_varlen_tiles(p);", "cta_varlen_tiles = total * p.heads_q;", "__shared__ int cta_varlen_tiles;",
+                 "for (int sequence = threadIdx.x; sequence < p.batch; sequence += THREADS) {",
                  "const int x = __shfl_up_sync(0xffffffffu, end, d);",
                  "const int before = __popc(__ballot_sync(0xffffffffu, end <= tile));",
                  "return blocks < p.num_m_blocks ? blocks : p.num_m_blocks;",
@@ -210,11 +211,13 @@ def _m_blocks(cu, seq, block_m, num_m_blocks):
     return min(blocks, num_m_blocks)
 
 
-def _total_tiles(cu, batch, heads, block_m, num_m_blocks):
-    """varlen_total_tiles: 32 lanes sum the blocks of sequences lane, lane + 32, ...; times heads."""
-    lanes = [sum(_m_blocks(cu, c + lane, block_m, num_m_blocks) for c in range(0, batch, 32) if c + lane < batch)
-             for lane in range(32)]
-    return sum(lanes) * heads
+def _total_tiles(cu, batch, heads, block_m, num_m_blocks, threads=384):
+    """init_varlen_tiles: thread i sums the blocks of sequences i, i + THREADS, ..., the warps' sums
+    are added by thread 0; times heads."""
+    per_thread = [sum(_m_blocks(cu, s, block_m, num_m_blocks) for s in range(i, batch, threads))
+                  for i in range(threads)]
+    warps = [sum(per_thread[w * 32:(w + 1) * 32]) for w in range(threads // 32)]
+    return sum(warps) * heads
 
 
 def _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor):
@@ -246,6 +249,7 @@ HOSTILE_CU = [
     [0] + [7 * i for i in range(1, 71)],      # 70 sequences: three chunks of the scan
     [0, 1000, 10, 2**31 - 1, -2**31, 64],     # hostile: decreasing, wrapping, past max_seqlen_q
     [0, 0, 0],                                # all empty: no tile
+    [0] + [int(x) for x in np.cumsum(np.random.default_rng(7).integers(0, 300, 500))],   # 500: two rounds of the count
 ]
 
 
