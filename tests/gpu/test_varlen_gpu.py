@@ -228,7 +228,8 @@ def test_sm90_schedules_on_many_mixed_sequences(head_dim, causal, fields):
     empty and length-1 ones, other key lengths than query lengths, GQA 8 x 2: every schedule of the
     sm90 varlen kernel against the float64 reference, O and the LSE poisoned first."""
     lengths_q = _mixed_lengths(45, 400, seed=head_dim)
-    lengths_k = [n if i % 3 else _mixed_lengths(1, 400, seed=i)[0] for i, n in enumerate(lengths_q)]
+    other = _mixed_lengths(45, 400, seed=head_dim + 1)      # every third sequence: another key length
+    lengths_k = [n if i % 3 else m for i, (n, m) in enumerate(zip(lengths_q, other))]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, head_dim, torch.bfloat16, seed=head_dim)
     out = torch.full_like(q, float("nan"))
     out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
