@@ -597,6 +597,11 @@ constexpr bool PERSISTENT = true;
 // spec.dynamic_scheduler: persistent CTAs draw their tiles after the first from an atomic counter
 // (causal tiles differ in length; with equal ones the SMs that run ahead take the last wave's).
 constexpr bool DYNAMIC_SCHEDULER = false;
+// persistent varlen: the tiles are numbered densely over (sequence, head, m_block) by a warp scan of
+// the query lengths (scheduler.cuh.j2), and the loader warp hands each CTA's tiles after its first to the
+// consumers through state.tile_slot (as the dynamic scheduler does), so only the loader scans.
+constexpr bool VARLEN_SCAN = false;
+constexpr bool TILE_HANDOFF = DYNAMIC_SCHEDULER || VARLEN_SCAN;
 // spec.stream_k: the last waves are cut along the keys into one equal share per CTA (scheduler.cuh.j2).
 constexpr bool STREAM_K = false;
 constexpr bool L2_HINTS = true;     // K/V loads evict-last, Q evict-first
@@ -1056,6 +1061,12 @@ __device__ __forceinline__ TileInfo decode_tile(const FlashParams& p, int tile) 
     return tile_at(p, CAUSAL ? p.num_m_blocks - 1 - m_index : m_index, bh % p.heads_q, bh / p.heads_q);
 }
 
+// The number of tiles: p.num_tiles, or with VARLEN_SCAN the CTA's own count (p.num_tiles is then
+// the bound batch x heads_q x num_m_blocks the grid was sized by).
+__device__ __forceinline__ int tile_count(const FlashParams& p) {
+    return p.num_tiles;
+}
+
 __device__ __forceinline__ int first_tile() {
     return PERSISTENT ? static_cast<int>(blockIdx.x)
                       : static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
@@ -1179,7 +1190,7 @@ __device__ __forceinline__ int producer_next_tile(const FlashParams& p, uint32_t
             // Every CTA takes exactly one ticket past the last tile, so the tickets of a launch
             // are 0 .. num_tiles - 1 and the one that draws the last is the last to touch the
             // counter: it leaves it at zero for the next launch on the stream (no host memset).
-            if (ticket == p.num_tiles - 1) {
+            if (ticket == tile_count(p) - 1) {
                 *p.tile_counter = 0;
             }
         }
@@ -1190,11 +1201,12 @@ __device__ __forceinline__ int producer_next_tile(const FlashParams& p, uint32_t
 
 // Whole producer warp, for its tile number tile_iter >= 1 (the first is blockIdx.x for every
 // role): the index and its decoded (m_block, head, batch), so the readers skip decode_tile's
-// divisions on their path from one tile to the next. The slot is rewritten only after the readers
+// divisions (VARLEN_SCAN: its scan) on their path from one tile to the next; TILE_HANDOFF: the
+// dynamic scheduler, or persistent varlen with either. The slot is rewritten only after the readers
 // have read the previous tile. Each consumer warpgroup has its own full barrier, so the first to
 // finish a tile starts the next without waiting at the hand-off for the others to finish theirs.
 __device__ __forceinline__ void publish_tile(SharedState& state, int tile, const TileInfo& t, uint32_t tile_iter) {
-    if (DYNAMIC_SCHEDULER && tile_iter >= 1) {
+    if (TILE_HANDOFF && tile_iter >= 1) {
         if (tile_iter >= 2) {
             named_bar_sync(TILE_EMPTY_BAR, TILE_BAR_THREADS);
         }
@@ -1212,15 +1224,15 @@ __device__ __forceinline__ void publish_tile(SharedState& state, int tile, const
 }
 
 // Every reading thread (consumer warpgroup wg): tile number tile_iter of this CTA, into tile and t. With
-// the dynamic scheduler they release the slot after each tile that is real work; the producer
+// the hand-off (TILE_HANDOFF) they release the slot after each tile that is real work; the producer
 // publishes nothing after the first index past the end, so the barriers balance.
 __device__ __forceinline__ void consumer_tile(const FlashParams& p, SharedState& state, uint32_t tile_iter, int wg,
                                               int& tile, TileInfo& t) {
-    if (DYNAMIC_SCHEDULER && tile_iter > 0) {
+    if (TILE_HANDOFF && tile_iter > 0) {
         named_bar_sync(TILE_FULL_BAR + wg, TILE_FULL_THREADS);
         tile = state.tile_slot[0];
         const int m_block = state.tile_slot[1], head = state.tile_slot[2], batch = state.tile_slot[3];
-        if (tile < p.num_tiles) {
+        if (tile < tile_count(p)) {
             named_bar_arrive(TILE_EMPTY_BAR, TILE_BAR_THREADS);
         }
         t = tile_at(p, m_block, head, batch);
@@ -1376,8 +1388,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
             for (uint32_t tile_iter = 0;; ++tile_iter) {
                 TileInfo t = decode_tile(p, tile);              // (meaningless past the last tile)
                 piece_blocks(p, tile_iter, t);                  // STREAM_K: this CTA's key blocks of it
-                publish_tile(state, tile, t, tile_iter);        // dynamic scheduler: the others learn `tile`
-                if (tile >= p.num_tiles) {
+                publish_tile(state, tile, t, tile_iter);        // TILE_HANDOFF: the others learn `tile`
+                if (tile >= tile_count(p)) {
                     break;
                 }
                 const int kv_head = t.head / group;
@@ -1464,7 +1476,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) flash_fwd_sm9
             int tile;
             TileInfo t;
             consumer_tile(p, state, tile_iter, wg, tile, t);
-            if (tile >= p.num_tiles) {
+            if (tile >= tile_count(p)) {
                 break;
             }
             const int q_stage = tile_iter % Q_STAGES;           // this tile's Q buffer

@@ -168,6 +168,18 @@ def test_the_verdict_says_when_varlen_is_more_than_5_percent_slower():
     assert vl.equal_verdict(dict(row, results={vl.FACODEGEN_VARLEN: {"tflops": 90.0}})) is None
 
 
+def test_the_persistent_verdict_holds_the_one_cta_per_tile_kernel_to_the_padded_one():
+    row = dict(vl.cells(quick=True)[1], results={vl.FACODEGEN_VARLEN: {"tflops": 96.0},
+                                                  vl.FACODEGEN_VARLEN_NP: {"tflops": 90.0},
+                                                  vl.PADDED_SM90: {"tflops": 100.0}})
+    assert vl.persistent_verdict(row) == ("equal 8x4096 d128 full: varlen (not persistent) / facodegen padded "
+                                          "(sm90) = 0.900, varlen / varlen (not persistent) = 1.067")
+    assert vl.persistent_verdict(dict(row, cell="mixed")) is None
+    assert vl.persistent_verdict(dict(row, results={vl.FACODEGEN_VARLEN: {"tflops": 90.0}})) is None
+    assert "facodegen varlen (not persistent)" in vl.format_table([row]).splitlines()[0]
+    assert "varlen / varlen (not persistent) = 1.067" in vl.format_notes([row])
+
+
 def test_peers_left_out_and_a_cell_that_raises(fake_gpu, monkeypatch):
     rows = vl.run_varlen(vl.cells(quick=True)[:1], peers=(), log=lambda m: None)
     assert set(rows[0]["results"]) == {vl.FACODEGEN_VARLEN, vl.PADDED_SM80, vl.PADDED_SM90}

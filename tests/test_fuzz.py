@@ -177,6 +177,22 @@ def test_backward_and_kvcache_families_are_drawn_within_their_kernels_limits():
     assert fuzz.Case.from_json(kv[0].to_json()) == kv[0]
 
 
+def test_a_third_of_the_sm90_varlen_cases_run_one_cta_per_tile(monkeypatch):
+    """sm90 varlen cases with seed 1 mod 3 call attention_varlen(..., persistent=False), the rest the
+    persistent default; their specs (the kernels fuzz compiles first) say the same."""
+    cases = [c for c in fuzz.generate(600, seed=9, family="varlen") if c.arch == "sm90"]
+    share = sum(c.one_cta_per_tile for c in cases) / len(cases)
+    assert 0.2 < share < 0.45, share
+    assert not any(c.one_cta_per_tile for c in fuzz.generate(300, seed=9, family="all")
+                   if not (c.family == "varlen" and c.arch == "sm90"))
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    for c in cases[:12]:
+        spec = fuzz.case_spec(c)
+        assert spec.varlen and spec.persistent == (not c.one_cta_per_tile)
+    assert {c.one_cta_per_tile for c in cases[:12]} == {False, True}
+
+
 def _dense(name, shape, dtype):
     strides = [1]
     for n in reversed(shape[1:]):
@@ -209,7 +225,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             bound = varlen.plan_bound
             assert specs == [api.resolve_spec(c.head_dim, c.dtype, c.causal, 0, varlen.check_arch(c.arch),
                                               shape=(c.batch, bound(c.seqlen_q), bound(c.seqlen_k), c.heads_q),
-                                              varlen=True)]
+                                              varlen=True, **({"persistent": False} if c.one_cta_per_tile else {}))]
         else:
             dtype = {"fp16": "float16", "bf16": "bfloat16"}[c.dtype]
             q = _dense("q", (c.batch, c.seqlen_q, c.heads_q, c.head_dim), dtype)

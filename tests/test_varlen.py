@@ -25,9 +25,13 @@ compiler = pytest.importorskip("facodegen.runtime.compiler")
 
 SM80_DEFAULTS = [s for s in facodegen.default_specs() if s.arch == "sm80"]
 VARLEN_SPECS = [s.replace(varlen=True) for s in SM80_DEFAULTS]
-# sm90: the default 16-bit kernels of every head dim with varlen (one CTA per tile: not persistent)
+# sm90: the default 16-bit kernels of every head dim with varlen (persistent: the tiles numbered densely
+# over the sequences by the kernel's warp scan), and with persistent=False (one CTA per tile)
 SM90_VARLEN_SPECS = [KernelSpec(arch="sm90", head_dim=d, dtype=t, causal=c, varlen=True)
                      for d in facodegen.spec.HEAD_DIMS for t in ("bf16", "fp16") for c in (False, True)]
+SM90_VARLEN_NP_SPECS = [s.replace(persistent=False) for s in SM90_VARLEN_SPECS]
+# the persistent varlen kernel with the other scheduler than its default (causal: static, else dynamic)
+SM90_VARLEN_OTHER_SCHEDULER = [s.replace(dynamic_scheduler=not s.dynamic_scheduler) for s in SM90_VARLEN_SPECS]
 # and the structural knobs whose code the O store and the loads meet: L2 prefetch (packed rows), no
 # intra-warpgroup overlap, O over Q (its release after the row stores), O over the V ring (o_free)
 SM90_VARLEN_KNOBS = [KernelSpec(arch="sm90", head_dim=128, dtype="bf16", causal=True, varlen=True, **f)
@@ -45,8 +49,20 @@ def test_varlen_spec_is_the_default_kernel_with_varlen():
     assert {s.head_dim for s in VARLEN_SPECS} == set(facodegen.spec.HEAD_DIMS)
 
 
-def test_sm90_varlen_spec_is_the_default_kernel_with_one_cta_per_tile():
+def test_sm90_varlen_spec_is_the_persistent_default_kernel_with_varlen():
+    """sm90 varlen is persistent by default, with every knob of the padded default kernel (its
+    scheduler, two Q buffers where they fit); persistent=False keeps one CTA per tile."""
     for packed in SM90_VARLEN_SPECS:
+        plain = KernelSpec(arch="sm90", head_dim=packed.head_dim, dtype=packed.dtype, causal=packed.causal)
+        assert packed.varlen and packed.variant == plain.variant + "_varlen"
+        assert packed.persistent and not packed.stream_k and packed.cluster_m == 1
+        assert (packed.block_m, packed.block_n, packed.stages, packed.consumer_warpgroups, packed.q_stages,
+                packed.dynamic_scheduler) == (plain.block_m, plain.block_n, plain.stages, plain.consumer_warpgroups,
+                                              plain.q_stages, plain.dynamic_scheduler)
+
+
+def test_sm90_varlen_without_persistent_is_one_cta_per_tile():
+    for packed in SM90_VARLEN_NP_SPECS:
         plain = KernelSpec(arch="sm90", head_dim=packed.head_dim, dtype=packed.dtype, causal=packed.causal)
         assert packed.varlen and packed.variant.endswith("_varlen") and "_np_" in packed.variant
         assert not (packed.persistent or packed.dynamic_scheduler or packed.stream_k) and packed.cluster_m == 1
@@ -57,8 +73,11 @@ def test_sm90_varlen_spec_is_the_default_kernel_with_one_cta_per_tile():
 
 @pytest.mark.parametrize("fields, knob", [
     (dict(arch="sm90", dtype="fp8"), "varlen"),
-    (dict(arch="sm90", persistent=True), "persistent"),
+    (dict(arch="sm90", stream_k=True), "stream_k"),
+    (dict(arch="sm90", persistent=True, dynamic_scheduler=False, stream_k=True), "stream_k"),
     (dict(arch="sm90", cluster_m=2), "cluster_m"),
+    (dict(arch="sm90", persistent=True, cluster_m=2), "cluster_m"),
+    (dict(arch="sm90", persistent=False, cluster_m=2), "cluster_m"),
     (dict(arch="sm90", local=True), "local"),
     (dict(arch="sm90", head_dim=80), "head_dim"),
     (dict(arch="sm80", schedule="fa1"), "varlen"),
@@ -90,19 +109,50 @@ def test_the_sm90_varlen_kernel_stores_o_row_by_row():
     """sm90 varlen: the sequence's boundaries in the scheduler, TMA coordinates in the packed tokens,
     the sequence's own lengths in the mask, no TMA store of O (per-row guarded stores instead), the
     LSE at (head, total_q); the plain sm90 kernel has none of it."""
-    source = facodegen.emit(SM90_VARLEN_SPECS[3])      # head_dim 64, fp16, causal
+    source = facodegen.emit(SM90_VARLEN_NP_SPECS[3])      # head_dim 64, fp16, causal, one CTA per tile
     lines = [line.strip() for line in source.splitlines()]
     assert lines[4].endswith("--varlen") and "--no-persistent" in lines[4]
-    for line in ("t.q_start = p.cu_seqlens_q[sequence];", "t.seqlen_k = p.cu_seqlens_k[sequence + 1] - t.k_start;",
+    for line in ("t.q_start = p.cu_seqlens_q[sequence];", "t.seqlen_k = max(p.cu_seqlens_k[sequence + 1] - t.k_start, 0);",
                  "const int sequence = static_cast<unsigned>(batch) < static_cast<unsigned>(p.batch) ? batch",
                  "if (first.m_block * BLOCK_M >= first.seqlen_q) {", "store_o_rows(p, t, o_rows, wg, tid);",
                  "t.q_start + t.m_block * BLOCK_M, t.head, 0, L2_EVICT_FIRST);",
                  "apply_mask(s_reg, row0, n * BLOCK_N + col_in_block, t.seqlen_q, t.seqlen_k, CAUSAL);",
-                 "p.lse[static_cast<int64_t>(t.head) * p.total_q + q_start_again(p, t) + row] = lse[r];"):
+                 "p.lse[static_cast<int64_t>(t.head) * p.total_q + token] = lse[r];",
+                 "const int rows = first_token < 0 ? 0 : min(min(WG_ROWS, t.seqlen_q - first_row), p.total_q - first_token);",
+                 "constexpr bool VARLEN_SCAN = false;"):
         assert any(x.startswith(line) for x in lines), line
     assert "tma_store_4d(p.tma_o" not in source and "tma_prefetch_desc(p.tma_o)" not in source
     plain = facodegen.emit(KernelSpec(arch="sm90", head_dim=64, dtype="fp16", causal=True))
     assert "cu_seqlens" not in plain and "tma_store_4d(p.tma_o" in plain
+
+
+@pytest.mark.parametrize("spec", [SM90_VARLEN_SPECS[3], SM90_VARLEN_OTHER_SCHEDULER[3], SM90_VARLEN_SPECS[4]],
+                         ids=["hd64-causal-dynamic", "hd64-causal-static", "hd96-full-static"])
+def test_the_persistent_sm90_varlen_kernel_scans_cu_seqlens(spec):
+    """Persistent varlen: no early exit, the CTA's tile count from all its threads' sum in the setup, the
+    tiles decoded by a warp scan (shfl_up, a ballot of the sequences ending at or before the tile) from
+    a cursor the loader keeps, each tile handed to the consumers through the slot with its sequence's
+    boundaries (the consumers read no cu_seqlens after their first tile), and every loop ending at the
+    CTA's own count, not at p.num_tiles (the grid's bound); the O store row by row as before."""
+    source = facodegen.emit(spec)
+    lines = [line.strip() for line in source.splitlines()]
+    assert lines[4].endswith("--varlen") and "--no-persistent" not in lines[4]
+    for line in ("constexpr bool VARLEN_SCAN = true;", "constexpr bool TILE_HANDOFF = DYNAMIC_SCHEDULER || VARLEN_SCAN;",
+                 "init_varlen_tiles(p);", "cta_varlen_tiles = total * p.heads_q;", "__shared__ int cta_varlen_tiles;",
+                 "for (int sequence = threadIdx.x; sequence < p.batch; sequence += THREADS) {",
+                 "const int x = __shfl_up_sync(0xffffffffu, end, d);",
+                 "const int before = __popc(__ballot_sync(0xffffffffu, end <= tile));",
+                 "return blocks < p.num_m_blocks ? blocks : p.num_m_blocks;",
+                 "VarlenCursor cursor = {0, 0};", "TileInfo t = decode_tile(p, tile, cursor);",
+                 "if (tile >= tile_count(p)) {", "if (tile < tile_count(p)) {", "return cta_varlen_tiles;",
+                 "if (TILE_HANDOFF && tile_iter >= 1) {", "store_o_rows(p, t, o_rows, wg, tid);",
+                 "int tile_slot[8];", "state.tile_slot[4] = t.q_start;", "t.seqlen_k = state.tile_slot[7];",
+                 "tile_blocks(p, t, m_block, head, batch);"):
+        assert any(x.startswith(line) for x in lines), line
+    assert "if (first.m_block * BLOCK_M >= first.seqlen_q) {" not in source
+    assert "tma_store_4d(p.tma_o" not in source
+    assert ("ticket == tile_count(p) - 1" in source) and (f"DYNAMIC_SCHEDULER = {str(spec.dynamic_scheduler).lower()};"
+                                                           in source)
 
 
 def test_the_cli_emits_an_sm90_varlen_kernel():
@@ -111,16 +161,24 @@ def test_the_cli_emits_an_sm90_varlen_kernel():
     from facodegen.cli import main
     result = CliRunner().invoke(main, ["emit", "--arch", "sm90", "--varlen", "--head-dim", "128", "--causal"])
     assert result.exit_code == 0, result.output
+    assert "flash_fwd_sm90_bf16_hd128_bm128_bn128_w12_st2_r24x240_ov_so_rsq_opt_q2_causal_varlen(" in result.output
+    assert "store_o_rows(p, t, o_rows, wg, tid);" in result.output and "init_varlen_tiles(p);" in result.output
+    result = CliRunner().invoke(main, ["emit", "--arch", "sm90", "--varlen", "--no-persistent", "--head-dim", "128",
+                                       "--causal"])
+    assert result.exit_code == 0, result.output
     assert "flash_fwd_sm90_bf16_hd128_bm128_bn128_w12_st2_r24x240_ov_np_so_rsq_opt_causal_varlen(" in result.output
-    assert "store_o_rows(p, t, o_rows, wg, tid);" in result.output
+    assert "init_varlen_tiles" not in result.output
 
 
 # every sm80 varlen config for the A100 (sm_80), one per head_dim of them for H100/H200 (sm_90: the same
-# source); the sm90 varlen kernel once per head_dim and causal, its dtype seeded (fp16 and bf16 differ in
-# the element type only); the knob variants
+# source); the sm90 varlen kernel (persistent) once per head_dim and causal, its dtype seeded (fp16 and
+# bf16 differ in the element type only); with persistent=False once per head_dim (causal and dtype
+# seeded); with the other scheduler once per causal; the knob variants
 @pytest.fixture(scope="module", params=[(s, "sm_80") for s in VARLEN_SPECS]
                 + [(s, "sm_90") for s in one_per(VARLEN_SPECS, lambda s: s.head_dim)]
                 + [(s, None) for s in one_per(SM90_VARLEN_SPECS, lambda s: (s.head_dim, s.causal))
+                   + one_per(SM90_VARLEN_NP_SPECS, lambda s: s.head_dim)
+                   + one_per(SM90_VARLEN_OTHER_SCHEDULER, lambda s: s.causal)
                    + SM90_VARLEN_KNOBS],
                 ids=lambda p: f"{p[0].variant}-{p[1] or 'sm_90a'}")
 def varlen_kernel(request):
@@ -138,6 +196,111 @@ def test_varlen_kernels_compile_without_spills(varlen_kernel):
         assert counts["LDL"] == 0 and counts["STL"] == 0 and "C75" not in kernel.log, kernel.log
         # O leaves by 16-byte st.global (guarded per row), never by a TMA store; Q, K, V by TMA
         assert counts["UTMASTG"] == 0 and counts["UTMALDG"] > 0 and "STG.E.128" in kernel.sass()
+
+
+# ------------------------------------------------------------------ the persistent varlen schedule
+
+def _i32(x):
+    return (x + 2**31) % 2**32 - 2**31
+
+
+def _m_blocks(cu, seq, block_m, num_m_blocks):
+    """scheduler.cuh.j2's varlen_m_blocks: the length wraps as int32, below 0 counts as 0, capped."""
+    length = _i32(cu[seq + 1] - cu[seq])
+    blocks = 0 if length <= 0 else (length - 1) // block_m + 1
+    return min(blocks, num_m_blocks)
+
+
+def _total_tiles(cu, batch, heads, block_m, num_m_blocks, threads=384):
+    """init_varlen_tiles: thread i sums the blocks of sequences i, i + THREADS, ..., the warps' sums
+    are added by thread 0; times heads."""
+    per_thread = [sum(_m_blocks(cu, s, block_m, num_m_blocks) for s in range(i, batch, threads))
+                  for i in range(threads)]
+    warps = [sum(per_thread[w * 32:(w + 1) * 32]) for w in range(threads // 32)]
+    return sum(warps) * heads
+
+
+def _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor):
+    """decode_tile(p, tile, cursor) lane by lane: chunks of 32 sequences from cursor's, an inclusive
+    scan of their tiles, the ballot of the ends at or before the tile; -> (sequence, head, m_block)."""
+    seq_from, base = cursor
+    for chunk in range(seq_from, batch, 32):
+        blocks = [_m_blocks(cu, chunk + lane, block_m, num_m_blocks) if chunk + lane < batch else 0
+                  for lane in range(32)]
+        tiles = [b * heads for b in blocks]
+        ends = [base + sum(tiles[:lane + 1]) for lane in range(32)]
+        ballot = [end <= tile for end in ends]
+        before = sum(ballot)
+        assert ballot == sorted(ballot, reverse=True), "the lanes at or before the tile are a prefix"
+        if before < 32:
+            first = ends[before] - tiles[before]
+            cursor[:] = [chunk + before, first]
+            local = tile - first
+            head, m_index = divmod(local, blocks[before])
+            assert blocks[before] > 0 and 0 <= head < heads
+            return chunk + before, head, (blocks[before] - 1 - m_index if causal else m_index)
+        base = ends[31]
+    return batch, None, None
+
+
+HOSTILE_CU = [
+    [0, 5, 5, 300, 301],                      # a zero-length and a length-1 sequence
+    [3, 20, 20, 150, 151],                    # not starting at 0
+    [0] + [7 * i for i in range(1, 71)],      # 70 sequences: three chunks of the scan
+    [0, 1000, 10, 2**31 - 1, -2**31, 64],     # hostile: decreasing, wrapping, past max_seqlen_q
+    [0, 0, 0],                                # all empty: no tile
+    [0] + [int(x) for x in np.cumsum(np.random.default_rng(7).integers(0, 300, 500))],   # 500: two rounds of the count
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cu", HOSTILE_CU, ids=lambda c: f"b{len(c) - 1}")
+def test_the_varlen_scan_numbers_every_tile_once_and_none_empty(cu, causal):
+    """A model of scheduler.cuh.j2's VARLEN_SCAN, lane by lane: whatever cu_seqlens_q holds, the tiles
+    0 .. total-1 are every (sequence, head, m_block) with m_block below the sequence's blocks (at most
+    p.num_m_blocks, max_seqlen_q's) exactly once, no tile is empty (its first row is in the sequence),
+    the total stays within p.num_tiles, a CTA's cursor only moves forward whether its tiles come from
+    the static schedule (blockIdx.x + k gridDim.x) or the dynamic one (growing tickets, 0 .. total-1 drawn
+    in all, so the counter's reset at ticket total-1 holds), and every tile index past the total decodes
+    to sequence p.batch (which tile_at clamps)."""
+    heads, block_m, num_m_blocks = 3, 128, 2      # max_seqlen_q 256
+    batch = len(cu) - 1
+    total = _total_tiles(cu, batch, heads, block_m, num_m_blocks)
+    assert total <= batch * heads * num_m_blocks           # p.num_tiles, the grid's bound
+    expect = {(b, h, m) for b in range(batch) for h in range(heads)
+              for m in range(_m_blocks(cu, b, block_m, num_m_blocks))}
+    assert total == len(expect)
+    rng = np.random.default_rng(len(cu))
+    for ctas in (1, 5, 132):
+        static = [list(range(c, total + 1, ctas)) for c in range(ctas)]
+        # dynamic: a CTA's tiles after its first are growing tickets + gridDim.x, drawn in any CTA order
+        dynamic = [[c] for c in range(ctas)]
+        live = [c for c in range(ctas) if c < total]
+        next_ticket = 0
+        while live:
+            c = live[rng.integers(len(live))]
+            tile = next_ticket + ctas
+            next_ticket += 1
+            dynamic[c].append(tile)
+            if tile >= total:
+                live.remove(c)
+        # the tickets drawn are 0 .. total-1: the CTA drawing total-1 leaves the counter at zero
+        assert next_ticket == total
+        for order in (static, dynamic):
+            seen = []
+            for tiles in order:
+                cursor = [0, 0]
+                for tile in tiles:
+                    if tile >= total:
+                        assert _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, list(cursor))[0] == batch
+                        break
+                    before = tuple(cursor)
+                    b, h, m = _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor)
+                    assert tuple(cursor) >= before
+                    length = _i32(cu[b + 1] - cu[b])
+                    assert 0 <= m < num_m_blocks and m * block_m < length        # not empty
+                    seen.append((b, h, m))
+            assert len(seen) == len(set(seen)) == total and set(seen) == expect
 
 
 # ------------------------------------------------------------------ the float64 reference
@@ -292,7 +455,11 @@ def test_new_cu_seqlens_values_hit_the_plan_and_are_patched_in(varlen_plans, arc
     _call(_args(max_seqlen_q=129), causal=True, return_lse=True, arch=arch)
     _call(_args(max_seqlen_q=17), causal=True, return_lse=True, arch=arch)
     assert varlen._PLANS.misses == 3
-    assert [r["grid"][0] for r in state.launches.records[-3:]] == [-(-n // _plan_spec().block_m) for n in (128, 256, 32)]
+    m_blocks = [-(-n // _plan_spec().block_m) for n in (128, 256, 32)]
+    if arch == "sm90":      # persistent: the tiles' bound from max_seqlen_q (4 sequences x HQ heads), at most a CTA an SM
+        assert [r["grid"] for r in state.launches.records[-3:]] == [(min(m * HQ * 4, 132), 1, 1) for m in m_blocks]
+    else:
+        assert [r["grid"][0] for r in state.launches.records[-3:]] == m_blocks
 
 
 def _plan_spec():
@@ -351,7 +518,11 @@ def test_flashparams_bytes_of_a_varlen_call(varlen_plans, arch):
         (4, 128, 128, HQ, HKV, 118)
     spec = next(iter(varlen._PLANS._plans.values())).spec
     assert f["num_m_blocks"] == -(-128 // spec.block_m)
-    assert record["grid"] == (f["num_m_blocks"], HQ, 4)
+    if arch == "sm90":      # persistent: num_tiles is the bound the kernel's own count stays under
+        assert spec.persistent and f["num_tiles"] == f["num_m_blocks"] * HQ * 4
+        assert record["grid"] == (min(f["num_tiles"], 132), 1, 1)
+    else:
+        assert record["grid"] == (f["num_m_blocks"], HQ, 4)
     assert (f["q_row_stride"], f["q_head_stride"], f["k_row_stride"], f["o_row_stride"]) == \
         (3 * HQ * D, D, HKV * D, HQ * D)
     assert f["softmax_scale"] == 0.25

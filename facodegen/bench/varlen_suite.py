@@ -9,7 +9,9 @@ varlen call, so cuDNN is timed padded only).
 Cells: bf16, head_dim 64/128, causal and not, heads = 2048 / head_dim (grids.HIDDEN), and per cell
 two sets of sequences: ``mixed`` (lengths drawn with a fixed seed, uniform in [100, 8192], summing to
 about 32k tokens: draw_lengths) and ``equal`` (8 x 4096), where the padded kernel does no extra work
-and varlen should be within 5% of it (EQUAL_TOLERANCE; the verdict is a note under the table).
+and varlen should be within 5% of it (EQUAL_TOLERANCE; the verdict is a note under the table). On
+sm90 GPUs the varlen kernel also runs with persistent=False (one CTA per tile, the column "facodegen
+varlen (not persistent)"), timed in the same turns, with its ratios in a note (persistent_verdict).
 ``--quick``: head_dim 128 only and fewer groups and calls (QUICK_TIMING).
 
 TFLOP/s counts only the real work: the sum over sequences of 4 * heads * seqlen_q * seqlen_k *
@@ -51,6 +53,7 @@ VARLEN_PEERS = ("fa3", "cudnn")
 # implementation -> column title; the varlen ones first, then the padded ones
 FACODEGEN_VARLEN = "facodegen-varlen"             # the GPU's own arch (sm90 on H100/H200), as a call picks it
 FACODEGEN_VARLEN_SM80 = "facodegen-varlen-sm80"   # where that is not sm80: the sm80 kernel beside it
+FACODEGEN_VARLEN_NP = "facodegen-varlen-np"       # on sm90: its varlen kernel with persistent=False (one CTA a tile)
 FA3_VARLEN = "fa3-varlen"
 PADDED_SM80 = "facodegen-padded-sm80"
 PADDED_SM90 = "facodegen-padded-sm90"
@@ -58,6 +61,7 @@ CUDNN_PADDED = "cudnn-padded"
 TITLES = {
     FACODEGEN_VARLEN: "facodegen varlen",
     FACODEGEN_VARLEN_SM80: "facodegen varlen (sm80)",
+    FACODEGEN_VARLEN_NP: "facodegen varlen (not persistent)",
     FA3_VARLEN: "FA3 varlen",
     PADDED_SM80: "facodegen padded (sm80)",
     PADDED_SM90: "facodegen padded (sm90)",
@@ -73,10 +77,11 @@ NOTES = (
     "that pad and unpad are not timed.",
     "cuDNN padded: torch SDPA's CUDNN_ATTENTION backend on (batch, max_seqlen) tensors; SDPA's cuDNN "
     "backend has no packed varlen call, so cuDNN is timed the padded way only.",
-    "facodegen varlen is the GPU's own arch's varlen kernel (sm90 on H100/H200: wgmma and TMA, one CTA "
-    "per tile, O stored row by row; sm80 elsewhere), held to the padded kernel of its arch (the same code "
-    "without varlen; sm90's padded one is persistent); on sm90 GPUs facodegen varlen (sm80) is the sm80 "
-    "kernel compiled for them.",
+    "facodegen varlen is the GPU's own arch's varlen kernel (sm90 on H100/H200: wgmma and TMA, persistent "
+    "CTAs numbering the tiles densely over the sequences, O stored row by row; sm80 elsewhere), held to the "
+    "padded kernel of its arch (the same code without varlen; sm90's padded one is persistent too); on sm90 "
+    "GPUs facodegen varlen (not persistent) is the same kernel with persistent=False (one CTA per tile, "
+    "the grid sized by max_seqlen_q) and facodegen varlen (sm80) the sm80 kernel compiled for them.",
 )
 
 
@@ -186,6 +191,19 @@ def equal_verdict(row: dict) -> str | None:
             f"({'within' if ok else 'NOT within'} {EQUAL_TOLERANCE:.0%})")
 
 
+def persistent_verdict(row: dict) -> str | None:
+    """On an equal-lengths cell where the sm90 varlen kernel ran with persistent=False beside it: that
+    one's ratio to the padded kernel, and the persistent one's to it (> 1: persistent is faster)."""
+    if not row["cell"].startswith("equal") or not row["results"].get(FACODEGEN_VARLEN_NP, {}).get("tflops"):
+        return None
+    ref = padded_reference(row)
+    np_padded = ratio(row, FACODEGEN_VARLEN_NP, ref) if ref else None
+    persistent_np = ratio(row, FACODEGEN_VARLEN, FACODEGEN_VARLEN_NP)
+    return (f"{_tag(row)}: varlen (not persistent) / {TITLES.get(ref, ref)} = "
+            f"{'–' if np_padded is None else f'{np_padded:.3f}'}, varlen / varlen (not persistent) = "
+            f"{'–' if persistent_np is None else f'{persistent_np:.3f}'}")
+
+
 def _tag(row: dict) -> str:
     return f"{row['cell']} d{row['head_dim']} {'causal' if row['causal'] else 'full'}"
 
@@ -239,6 +257,7 @@ def format_notes(rows: list[dict]) -> str:
         out.append(f"- mixed lengths (seed {SEED}, uniform in [{MIN_LEN}, {MAX_LEN}]): "
                    + ", ".join(map(str, mixed["lengths"])))
     out += [f"- {v}" for v in (equal_verdict(r) for r in rows) if v]
+    out += [f"- {v}" for v in (persistent_verdict(r) for r in rows) if v]
     for row in rows:
         for note in row.get("notes", ()):
             out.append(f"- {_tag(row)}: {note}")
@@ -358,14 +377,18 @@ def _impls(c: dict, sets: list[dict], peers=VARLEN_PEERS) -> tuple[dict, list[st
     def first(check_fn, call):          # the check runs on the first set
         return lambda: check_fn(call(sets[0]), sets[0], c)
 
-    def ours_varlen(s, arch=None):
+    def ours_varlen(s, arch=None, **spec_fields):
         q, k, v = s["packed"]
         return facodegen.attention_varlen(q, k, v, s["cu"], s["cu"], lengths_max, lengths_max, causal=causal,
-                                          arch=arch)
+                                          arch=arch, **spec_fields)
 
     native = api.default_arch(api.device_info(0))
     impls, notes = {}, []
     impls[FACODEGEN_VARLEN] = Impl(lambda: ours_varlen(pick()), first(_check_varlen, ours_varlen))
+    if native == "sm90":        # the same kernel with one CTA per tile (issue 39: persistent against not)
+        def ours_np(s):
+            return ours_varlen(s, "sm90", persistent=False)
+        impls[FACODEGEN_VARLEN_NP] = Impl(lambda: ours_np(pick()), first(_check_varlen, ours_np))
     if native != "sm80":
         def ours_sm80(s):
             return ours_varlen(s, "sm80")

@@ -9,8 +9,10 @@ reads the boundaries itself (grid z = sequence), so a call never syncs: max_seql
 max_seqlen_k are host ints the caller knows, and only max_seqlen_q shapes the grid.
 
 A plan is built for max_seqlen rounded up to a power of two (plan_bound): the grid covers that
-many query rows per sequence, and a tile past its sequence's end returns at once, so a server
-whose longest sequence grows each step meets a new plan only when it crosses a power of two.
+many query rows per sequence (sm80, sm90 with persistent=False: a tile past its sequence's end returns
+at once; sm90 persistent, the default: at most one CTA per SM, which count and number the real tiles
+themselves from cu_seqlens_q, no sequence's beyond that many rows), so a server whose longest sequence
+grows each step meets a new plan only when it crosses a power of two.
 
 The checks and the plumbing are the forward's (api.py): the packed tensors are seen as one batch
 of total_tokens rows, so the dtype, device, head_dim, GQA, stride and alignment checks, the spec

@@ -709,8 +709,9 @@ class KernelSpec:
     local: bool = False
     softcap: bool = False
     sinks: bool = False
-    # Packed variable-length sequences (attention_varlen): the grid's z is the sequence and each CTA
-    # reads its sequence's first token and length from cu_seqlens (FlashParams' VARLEN_FIELDS).
+    # Packed variable-length sequences (attention_varlen): each tile reads its sequence's first token
+    # and length from cu_seqlens (FlashParams' VARLEN_FIELDS); sm80 and sm90 with persistent=False:
+    # the grid's z is the sequence; sm90 persistent: the CTAs find the sequences by a warp scan.
     varlen: bool = False
 
     def __post_init__(self) -> None:
@@ -785,7 +786,9 @@ class KernelSpec:
             # ldmatrix in flight with 40 registers and two with 24, so
             # where the consumers fit in 232 the split is 40 + 2 x 232 = 64512 too; head_dim 256 x
             # 128 keys (fp8_tiles) needs 24/240.
-            persistent = not self.varlen        # varlen: one CTA per tile (_check_varlen)
+            # varlen too: its persistent CTAs number the tiles densely over the sequences in the kernel
+            # (scheduler.cuh.j2's warp scan of cu_seqlens_q); persistent=False keeps one CTA per tile
+            persistent = True
             if self.dtype == "fp8" and self.v_layout == "row" and cwg == 2:
                 block_n = self.block_n if self.block_n is not None else tiles.block_n
                 if sm90_consumer_registers(self.head_dim, block_n, self.dtype, bool(self.q_in_regs)) <= 232:
@@ -842,9 +845,9 @@ class KernelSpec:
                 fill["separate_o"] = dims_known and isinstance(q_tiles, int) and _sm90_smem(
                     *dims, self.head_dim, ELEMENT_BYTES[self.dtype], True, q_tiles,
                     self.head_dim_v) <= GPUS[gpu].smem_per_block
-            # (varlen: one tile per CTA, no next tile's Q to load early)
+            # (varlen with persistent=False: one tile per CTA, no next tile's Q to load early)
             if self.q_stages is None and q_stages_default(self.head_dim, self.dtype, self.causal) == 2 \
-                    and not self.varlen:
+                    and not (self.varlen and not resolved("persistent")):
                 # two Q tiles where O has a place of its own and both fit, else one
                 separate_o = resolved("separate_o") is True
                 need = _sm90_smem(*dims, self.head_dim, ELEMENT_BYTES[self.dtype], separate_o, 2,
@@ -1208,10 +1211,12 @@ def _check_variants(spec: KernelSpec) -> None:
 
 def _check_varlen(spec: KernelSpec) -> None:
     """varlen: the fa2 schedule of sm80 and the 16-bit sm90 kernel, with no attention variant (their
-    windows are resolved per call on the host from one seqlen pair). sm90: one CTA per tile (the grid
-    is sequences x heads x max_seqlen_q's m-blocks and a tile past its sequence's end leaves at once),
-    so no persistent scheduler, no stream-K and no cluster (two m-blocks of a cluster may belong to
-    sequences of other lengths); O is stored row by row (a TMA box would run into the next sequence)."""
+    windows are resolved per call on the host from one seqlen pair). sm90: persistent (the default:
+    one CTA per SM, the tiles numbered densely over (sequence, head, m_block) by a warp scan of
+    cu_seqlens_q in the kernel, scheduler.cuh.j2) or not (the grid is sequences x heads x
+    max_seqlen_q's m-blocks and a tile past its sequence's end leaves at once); no stream-K and no
+    cluster (two m-blocks of a cluster may belong to sequences of other lengths); O is stored row by
+    row (a TMA box would run into the next sequence)."""
     if not spec.varlen:
         return
     if spec.arch == "sm80" and spec.schedule != "fa2":
@@ -1219,9 +1224,9 @@ def _check_varlen(spec: KernelSpec) -> None:
     if spec.arch == "sm90":
         if spec.dtype == "fp8":
             raise SpecError("varlen", "the fp8 kernel has no varlen path yet: use dtype=bf16 or fp16")
-        if spec.persistent:
-            raise SpecError("persistent", "varlen runs one CTA per tile (tiles past a sequence's end leave at "
-                                          "once): use persistent=False")
+        if spec.stream_k:
+            raise SpecError("stream_k", "varlen tiles differ in length (stream-K cuts equal shares of equal "
+                                        "tiles): use stream_k=False")
         if spec.cluster_m != 1:
             raise SpecError("cluster_m", "varlen: the two m-blocks of a cluster may lie in sequences of other "
                                          "lengths, so they cannot share K/V loads: use cluster_m=1")

@@ -204,7 +204,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("intra_wg_overlap", "bool", "sm90: overlap the next QK^T with this softmax.", SM90,
          flag="--overlap/--no-overlap", search={"sm90": (True, False)},
          token=_flag("ov")),
-    Knob("persistent", "bool", "sm90: one CTA per SM with a tile scheduler.", SM90,
+    Knob("persistent", "bool", "sm90: one CTA per SM with a tile scheduler (varlen too: its tiles numbered "
+         "densely over the sequences by a warp scan of cu_seqlens_q in the kernel; off: one CTA per tile).", SM90,
          flag="--persistent/--no-persistent",
          # the ablation (docs/perf-notes.md) has non-persistent within 2-5%: searched near the default
          search={"sm90": (True, False)},
@@ -307,8 +308,8 @@ KNOBS: tuple[Knob, ...] = (
          "denominator (gpt-oss).", flag="--sinks/--no-sinks", problem=True, token=_flag("sinks")),
     # Variable-length batches (issue 39): packed (total_tokens, heads, head_dim) tensors, each
     # sequence's start and length read from the cu_seqlens_q/cu_seqlens_k FlashParams fields.
-    Knob("varlen", "bool", "sm80 fa2, sm90 16-bit: packed variable-length sequences (attention_varlen: each CTA "
-         "reads its sequence's start and length from cu_seqlens).", ("sm80", "sm90"), flag="--varlen/--no-varlen",
+    Knob("varlen", "bool", "sm80 fa2, sm90 16-bit: packed variable-length sequences (attention_varlen: each tile "
+         "reads its sequence's start and length from cu_seqlens; sm90 persistent by default).", ("sm80", "sm90"), flag="--varlen/--no-varlen",
          problem=True,
          token=_flag("varlen")),
 )

@@ -28,7 +28,8 @@ twice and compared bit for bit); ``kvcache`` (attention_with_kvcache:
 1-16 query tokens, contiguous or paged caches with shuffled pages, random lengths from 0, appends,
 split counts, half of them (odd seeds) with fused_combine); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
 case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; the case's arch:
-sm80's kernel, which an H100 runs compiled for sm_90, or sm90's own). The families are appended in this order, so adding one leaves
+sm80's kernel, which an H100 runs compiled for sm_90, or sm90's own, persistent by default and with
+persistent=False for a third of its cases, seeds 1 mod 3). The families are appended in this order, so adding one leaves
 the draws of a single family's run unchanged for a seed (``all`` draws among them all).
 """
 
@@ -93,6 +94,14 @@ class Case:
         torch.use_deterministic_algorithms(True) (dQ in key-block order), twice, bit-identical. Read
         off the seed, so the draws and the case's JSON are what they were before it existed."""
         return self.family == "backward" and self.seed % 4 == 0
+
+    @property
+    def one_cta_per_tile(self) -> bool:
+        """An sm90 varlen case whose seed is 1 mod 3 calls attention_varlen(..., persistent=False) (one CTA
+        per tile, the grid sized by max_seqlen_q); the others the default persistent kernel, whose CTAs
+        number the tiles over the sequences themselves (so do representative_cases()' sm90 varlen cases,
+        seed 11, which the sanitizer runs). Read off the seed, as ``deterministic``."""
+        return self.family == "varlen" and self.arch == "sm90" and self.seed % 3 == 1
 
     @property
     def fused_combine(self) -> bool:
@@ -572,7 +581,8 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     out, lse = facodegen.attention_varlen(*args, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                                           torch.tensor(cu_k, dtype=torch.int32, device="cuda"), case.seqlen_q,
                                           case.seqlen_k, causal=case.causal, softmax_scale=case.softmax_scale,
-                                          return_lse=True, out=out, arch=case.arch)
+                                          return_lse=True, out=out, arch=case.arch,
+                                          **({"persistent": False} if case.one_cta_per_tile else {}))
     if launch_only:
         return _launched(out, lse)
     scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
@@ -630,6 +640,8 @@ def case_spec(case: Case, device: int = 0):
     if case.family == "varlen":     # as varlen.attention_varlen resolves it: max_seqlen's plan_bound in the shape
         from ..ops.varlen import plan_bound
         fields["varlen"] = True
+        if case.one_cta_per_tile:
+            fields["persistent"] = False
         seqlen_q, seqlen_k = plan_bound(seqlen_q), plan_bound(seqlen_k)
     if case.family == "variants":     # the switches api._variants derives from the call's arguments
         local, causal, _, _ = api.window_params(case.window_left, case.window_right, case.causal, case.seqlen_q,

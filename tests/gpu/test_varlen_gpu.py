@@ -28,9 +28,17 @@ torch = pytest.importorskip("torch")
 HAVE_GPU = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU (torch.cuda)")]
 HAVE_SM90 = HAVE_GPU and torch.cuda.get_device_capability() == (9, 0)
-# the sm80 kernel runs on every GPU here; sm90's on compute capability 9.0 only
-ARCHS = pytest.mark.parametrize("arch", ["sm80", pytest.param("sm90", marks=pytest.mark.skipif(
-    not HAVE_SM90, reason="the sm90 kernel needs an H100/H200"))])
+# the sm80 kernel runs on every GPU here; sm90's on compute capability 9.0 only, persistent (its
+# default: the tiles numbered densely over the sequences by the kernel's warp scan) and "sm90-np"
+# (persistent=False: one CTA per tile, the grid sized by max_seqlen_q)
+NEEDS_SM90 = pytest.mark.skipif(not HAVE_SM90, reason="the sm90 kernel needs an H100/H200")
+ARCHS = pytest.mark.parametrize("arch", ["sm80", pytest.param("sm90", marks=NEEDS_SM90),
+                                         pytest.param("sm90-np", marks=NEEDS_SM90)])
+
+
+def _kw(arch: str) -> dict:
+    """attention_varlen's arch (and spec fields) for an ARCHS id."""
+    return dict(arch="sm90", persistent=False) if arch == "sm90-np" else dict(**_kw(arch))
 
 # query lengths, key lengths, heads_q, heads_kv, head_dim
 CASES = [
@@ -82,7 +90,7 @@ def test_varlen_matches_the_float64_reference(arch, case, causal, dtype):
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype)
     out = torch.full_like(q, float("nan"))
     out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
-                                          return_lse=True, out=out, arch=arch)
+                                          return_lse=True, out=out, **_kw(arch))
     torch.cuda.synchronize()
     _check(q, k, v, cu_q, cu_k, out, lse, causal, dtype)
 
@@ -92,11 +100,11 @@ def test_new_boundaries_hit_the_plan_and_are_right(arch):
     """The same packed tensors with other boundaries (same total tokens): a plan-cache hit whose
     cu_seqlens addresses are patched in; the result follows the new boundaries."""
     q, k, v, cu_q, cu_k = _packed((17, 1000, 1), (300, 17, 200), 4, 2, 128, torch.bfloat16)
-    facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=True, arch=arch)
+    facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=True, **_kw(arch))
     misses = varlen._PLANS.misses
     cu_q2 = torch.tensor([0, 500, 1000, 1018], dtype=torch.int32, device="cuda")
     cu_k2 = torch.tensor([0, 1, 300, 517], dtype=torch.int32, device="cuda")
-    out, lse = facodegen.attention_varlen(q, k, v, cu_q2, cu_k2, 1000, 300, causal=True, return_lse=True, arch=arch)
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q2, cu_k2, 1000, 300, causal=True, return_lse=True, **_kw(arch))
     assert varlen._PLANS.misses == misses
     torch.cuda.synchronize()
     _check(q, k, v, cu_q2, cu_k2, out, lse, True, torch.bfloat16)
@@ -109,16 +117,16 @@ def test_other_totals_hit_the_plan_and_are_right(arch, return_lse):
     total tokens (more than the first's: without the LSE asked, it goes to a temporary; sm90: the
     TMA maps over the packed tokens are encoded anew for the new totals)."""
     first = _packed((17, 1000, 1), (300, 17, 200), 4, 2, 128, torch.bfloat16)
-    facodegen.attention_varlen(*first, 1000, 300, causal=True, return_lse=return_lse, arch=arch)
+    facodegen.attention_varlen(*first, 1000, 300, causal=True, return_lse=return_lse, **_kw(arch))
     misses = varlen._PLANS.misses
     q, k, v, cu_q, cu_k = _packed((500, 900, 33), (300, 5, 250), 4, 2, 128, torch.bfloat16)
-    got = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=return_lse, arch=arch)
+    got = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=return_lse, **_kw(arch))
     assert varlen._PLANS.misses == misses
     torch.cuda.synchronize()
     out, lse = got if return_lse else (got, None)
     if lse is None:     # the LSE the call wrote to its temporary is not returned: check O against a fresh call's
         out_ref, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 1000, 300, causal=True, return_lse=True,
-                                                  arch=arch)
+                                                  **_kw(arch))
         assert torch.equal(out, out_ref)
     _check(q, k, v, cu_q, cu_k, out, lse, True, torch.bfloat16)
 
@@ -128,10 +136,10 @@ def test_a_longer_max_seqlen_under_the_same_power_of_two_hits_the_plan_and_is_ri
     """A server's next step: every sequence one token longer, max_seqlen 600 -> 601 (plan_bound 1024
     both): the plan of the first call, whose grid covers 1024 rows per sequence, and exact results."""
     first = _packed((600, 3, 17), (600, 3, 17), 4, 2, 128, torch.float16)
-    facodegen.attention_varlen(*first, 600, 600, causal=True, return_lse=True, arch=arch)
+    facodegen.attention_varlen(*first, 600, 600, causal=True, return_lse=True, **_kw(arch))
     misses = varlen._PLANS.misses
     q, k, v, cu_q, cu_k = _packed((601, 4, 18), (601, 4, 18), 4, 2, 128, torch.float16)
-    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 601, 601, causal=True, return_lse=True, arch=arch)
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 601, 601, causal=True, return_lse=True, **_kw(arch))
     assert varlen._PLANS.misses == misses
     torch.cuda.synchronize()
     _check(q, k, v, cu_q, cu_k, out, lse, True, torch.float16)
@@ -176,7 +184,7 @@ def test_rows_of_other_sequences_are_untouched(arch, bounds, causal, head_dim):
         out = torch.full_like(q, poison)
         before = out.clone()
         out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
-                                              return_lse=True, out=out, arch=arch)
+                                              return_lse=True, out=out, **_kw(arch))
         torch.cuda.synchronize()
         assert torch.equal(out[~inside].view(torch.int16), before[~inside].view(torch.int16)), \
             f"rows outside the sequences were written (poison {poison})"
@@ -193,3 +201,88 @@ def test_fuzz_representative_varlen_cases(case):
         pytest.skip("the sm90 kernel needs an H100/H200")
     ok, message = fuzz.run_case(case)
     assert ok, f"{message}\n  {case.repro()}"
+
+
+# ------------------------------------------------------------------ the persistent sm90 schedule (issue 39)
+
+def _mixed_lengths(count, longest, seed):
+    """``count`` lengths in [0, longest] (seeded), with zeros and ones among them."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, longest + 1, count)
+    lengths[::7] = 0
+    lengths[3::11] = 1
+    return [int(x) for x in lengths]
+
+
+# spec fields of the sm90 kernel: persistent with either scheduler, and one CTA per tile
+SCHEDULES = [dict(persistent=True, dynamic_scheduler=False), dict(persistent=True, dynamic_scheduler=True),
+             dict(persistent=False)]
+
+
+@NEEDS_SM90
+@pytest.mark.parametrize("fields", SCHEDULES, ids=["static", "dynamic", "np"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_schedules_on_many_mixed_sequences(head_dim, causal, fields):
+    """45 sequences (two chunks of the persistent kernel's 32-sequence scan), lengths 0 .. 400 with
+    empty and length-1 ones, other key lengths than query lengths, GQA 8 x 2: every schedule of the
+    sm90 varlen kernel against the float64 reference, O and the LSE poisoned first."""
+    lengths_q = _mixed_lengths(45, 400, seed=head_dim)
+    other = _mixed_lengths(45, 400, seed=head_dim + 1)      # every third sequence: another key length
+    lengths_k = [n if i % 3 else m for i, (n, m) in enumerate(zip(lengths_q, other))]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, head_dim, torch.bfloat16, seed=head_dim)
+    out = torch.full_like(q, float("nan"))
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                          return_lse=True, out=out, arch="sm90", **fields)
+    torch.cuda.synchronize()
+    _check(q, k, v, cu_q, cu_k, out, lse, causal, torch.bfloat16)
+
+
+@NEEDS_SM90
+@pytest.mark.parametrize("fields", SCHEDULES, ids=["static", "dynamic", "np"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_equal_lengths_match_the_padded_kernel(causal, fields):
+    """Equal lengths (the issue's cell, smaller): the varlen kernel against the reference and, within the
+    same rounding, against the padded kernel on (batch, seqlen), which does the same work."""
+    batch, seqlen, heads, head_dim = 4, 1000, 8, 128
+    q, k, v, cu_q, cu_k = _packed([seqlen] * batch, [seqlen] * batch, heads, heads, head_dim, torch.bfloat16)
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, seqlen, seqlen, causal=causal, return_lse=True,
+                                          arch="sm90", **fields)
+    padded = facodegen.attention(*(x.reshape(batch, seqlen, x.shape[1], head_dim).contiguous() for x in (q, k, v)),
+                                 causal=causal, arch="sm90")
+    torch.cuda.synchronize()
+    _check(q, k, v, cu_q, cu_k, out, lse, causal, torch.bfloat16)
+    torch.testing.assert_close(out.reshape(padded.shape), padded, atol=2e-2, rtol=2e-2)
+
+
+# cu_seqlens that lie, and how many first rows (and keys) of sequence 0 are still honest: a sequence
+# longer than max_seqlen_q running past total_q (200), decreasing steps, keys past total_k; negative starts
+HOSTILE = [
+    (([0, 40, 10**6, 200, 190], [0, 40, 5000, 50, 600]), 40),
+    (([-100, 40, 40], [-50, 40, 40]), 0),
+]
+
+
+@NEEDS_SM90
+@pytest.mark.parametrize("fields", SCHEDULES, ids=["static", "dynamic", "np"])
+@pytest.mark.parametrize("hostile", HOSTILE, ids=["past-the-end", "negative"])
+def test_sm90_hostile_cu_seqlens_stay_in_bounds(hostile, fields):
+    """The kernel ends and writes no row of O outside the packed tokens (guard bands before and after
+    `out` keep their poison bit for bit), the sequences past max_seqlen_q stop there, and an honest
+    first sequence is right."""
+    (bounds_q, bounds_k), honest = hostile
+    total_q, total_k, heads, head_dim, band = 200, 200, 4, 128, 150
+    q, k, v, _, _ = _packed((total_q,), (total_k,), heads, heads, head_dim, torch.bfloat16, seed=5)
+    cu_q, cu_k = (torch.tensor(b, dtype=torch.int32, device="cuda") for b in (bounds_q, bounds_k))
+    buffer = torch.full((band + total_q + band, heads, head_dim), -7.5, dtype=torch.bfloat16, device="cuda")
+    before = buffer.clone()
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 256, 256, return_lse=True,
+                                          out=buffer[band:band + total_q], arch="sm90", **fields)
+    torch.cuda.synchronize()
+    outside = torch.ones(buffer.shape[0], dtype=torch.bool, device="cuda")
+    outside[band:band + total_q] = False
+    assert torch.equal(buffer[outside].view(torch.int16), before[outside].view(torch.int16)), \
+        "rows outside the packed tokens were written"
+    if honest:
+        cu = torch.tensor([0, honest], dtype=torch.int32, device="cuda")
+        _check(q[:honest], k[:honest], v[:honest], cu, cu, out[:honest], lse[:, :honest], False, torch.bfloat16)
