@@ -303,7 +303,11 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
     # so a stage stays 32-64 KB and a ring of 2-4 stages fits twice per H200 SM (d <= 128).
     block_n = 128 if head_dim <= 64 and block_m <= 32 else 64   # (d64 x 64 rows: S and O would not fit)
     stage = 2 * block_n * head_dim * 2
-    stages = max(2, min(4, (96 * 1024) // stage))   # ~96 KB of ring: d64 3, d96 4, d128 3, d192/d256 2
+    # ~128 KB of ring: d64 4, d96 4, d128 4, d192/d256 2. d64 and d128 then hold one CTA per SM (the
+    # split heuristic takes half the splits), whose 4 stages in flight read faster than two CTAs of 3:
+    # H200, 2026-12-04, batch 1, 32k keys, GQA 32/8, TB/s 3 stages -> 4: d128 3.34 -> 3.59, paged 64
+    # 3.09 -> 3.13; d64 2.56 -> 2.87, paged 2.27 -> 2.26.
+    stages = max(2, min(4, (128 * 1024) // stage))
     fields = {"arch": arch, "dtype": dtype, "head_dim": head_dim, "block_m": block_m, "block_n": block_n,
               "num_warps": 4, "stages": stages, "pack_gqa": pack_gqa, "split": split,
               "fused_combine": split and FUSED_COMBINE_DEFAULT, "paged": paged}
