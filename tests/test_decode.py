@@ -145,7 +145,7 @@ def test_decode_sass_has_the_pipeline():
 
 def test_fused_combine_spec_name_and_defaults():
     spec = dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True, fused_combine=True)
-    assert spec.variant == "flash_decode_sm90_bf16_hd128_bm16_bn64_w4_st3_pack_split_fused"
+    assert spec.variant == "flash_decode_sm90_bf16_hd128_bm16_bn64_w4_st4_pack_split_fused"   # (contiguous: 4 stages)
     assert dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True).fused_combine       # on by default
     assert not dec.default_decode_spec("sm90", "bf16", 128, group=4, split=True, fused_combine=False).fused_combine
     assert not dec.default_decode_spec("sm90", "bf16", 128, group=4).fused_combine                # no split
@@ -601,7 +601,8 @@ def test_bench_decode_script_hands_its_grid_to_the_package(monkeypatch, tmp_path
 
 
 def test_split_count_follows_the_gpu(fake, monkeypatch):
-    """An A100 holds one ~100 KB decode CTA per SM (108 slots), an H200 two (264): fewer splits there."""
+    """An A100 holds one ~100 KB decode CTA per SM (108 slots), an H200 one 135 KB CTA of a contiguous
+    cache at d128 (132 slots): fewer splits on the A100."""
     args, kw = _call_args(batch=1, capacity=262144)
     kvcache.attention_with_kvcache(*args, **kw)
     h200 = list(kvcache._PLANS._plans.values())[-1].num_splits
@@ -611,7 +612,7 @@ def test_split_count_follows_the_gpu(fake, monkeypatch):
     kvcache.attention_with_kvcache(*args, **kw)
     plan = list(kvcache._PLANS._plans.values())[-1]
     assert plan.specs["decode"].arch == "sm80"
-    assert (h200, plan.num_splits) == (dec.num_splits_heuristic(8, 4096, 132, 2),
+    assert (h200, plan.num_splits) == (dec.num_splits_heuristic(8, 4096, 132, 1),
                                        dec.num_splits_heuristic(8, 4096, 108, 1))
     assert plan.num_splits < h200
 
