@@ -303,7 +303,8 @@ def spec_for_shape(arch: str, head_dim: int, dtype: str, causal: bool, shape: tu
     if not tuned and shape is not None and not any(f in spec_fields for f in SEQLEN_RULE_FIELDS) \
             and not _split_v(head_dim, spec_fields):    # (the rules were measured with V as wide as Q)
         _, seqlen_q, seqlen_k, _ = shape
-        tuned = seqlen_rule_fields(arch, _tile(head_dim), dtype, causal, seqlen_q, seqlen_k, head_dim)
+        tuned = seqlen_rule_fields(arch, _tile(head_dim), dtype, causal, seqlen_q, seqlen_k,
+                                   real_head_dim=head_dim)
     if tuned:
         try:
             return KernelSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **{**tuned, **spec_fields})

@@ -288,9 +288,10 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
     Bandwidth (Little's law): an H200 streams ~4.0 TB/s (measured copy) with a loaded DRAM latency of
     roughly 0.6-0.8 us, so ~4e12 B/s x 0.8e-6 s = 3.2 MB must be in flight, ~24 KB per SM over 132
     SMs. A CTA keeps stages - 1 ring stages of 2 x block_n x d x 2 bytes in flight while it computes
-    on one; the defaults keep 64-96 KB in flight per CTA (96-128 KB rings), and two CTAs fit an SM
-    wherever the ring is <= 96 KB (sm90 contiguous caches at d64 and d128 take 128 KB, one CTA) (2.5-5x the estimate: the margin covers the combine, the tail of a
-    split and latency spikes under load). 16-byte cp.async per thread, rows read whole (coalesced).
+    on one; the defaults keep 64-96 KB in flight per CTA (96-128 KB rings: 2.5-5x the estimate, a
+    margin for the combine, the tail of a split and latency spikes under load), two CTAs per SM
+    wherever the ring is <= 96 KB, one where sm90 reads a contiguous cache at d64 and d128 (128 KB).
+    16-byte cp.async per thread, rows read whole (coalesced).
     """
     if pack_gqa is None:
         pack_gqa = group > 1            # packing is free at group 1 and the point of GQA otherwise
@@ -303,11 +304,11 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
     # so a stage stays 32-64 KB and a ring of 2-4 stages fits twice per H200 SM (d <= 128).
     block_n = 128 if head_dim <= 64 and block_m <= 32 else 64   # (d64 x 64 rows: S and O would not fit)
     stage = 2 * knobs.get("block_n", block_n) * head_dim * 2    # (the ring of the caller's block_n)
-    # sm90, a contiguous cache: ~128 KB of ring (d64 4, d96 4, d128 4, d192/d256 2 stages), so d64 and d128
-    # hold one CTA per SM (the split heuristic takes half the splits), whose 4 stages in flight read
-    # faster than two CTAs of 3 where the wave is short. A paged cache (and sm80, not measured with
-    # more): ~96 KB (d64 3, d96 4, d128 3),
-    # two CTAs per SM: its loads wait on page-table reads, and one CTA's producer issues too few.
+    # sm90, a contiguous cache: ~128 KB of ring (d64 4, d96 4, d128 4, d192/d256 2 stages), so d64 and
+    # d128 hold one CTA per SM (the split heuristic takes half the splits), whose 4 stages in flight
+    # read faster than two CTAs of 3 where the wave is short. A paged cache (and sm80, not measured
+    # with more): ~96 KB (d64 3, d96 4, d128 3), two CTAs per SM: its loads wait on page-table reads,
+    # and one CTA's producer issues too few.
     # H200, 2026-12-04 (session 35, calls 8-9, bench_decode, TB/s 3 stages -> 4): batch 1, 32k keys,
     # GQA 32/8, d128 3.34 -> 3.59 and 3.31 -> 3.42, d64 2.56 -> 2.87; the other contiguous cells of
     # batch 1/8 x 8k/32k/256k x GQA 32/8, MHA 32/32 at d128 0.97-1.03x (noise); paged 64 at d128
