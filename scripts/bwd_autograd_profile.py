@@ -1,15 +1,23 @@
-"""GPU diagnostic for issue 38: torch.autograd.grad through facodegen.attention ran the same sm90
-backward kernels 2-11% slower than facodegen.attention_backward in the same turns (scripts/bwd_ab.py,
-H200 2026-12-04). This prints, for two cells, the CUDA kernels each path launches over five calls
-(torch.profiler: count, mean device time, name), so an extra kernel or a slower launch shows.
-Run on the H200 (2026-12-04, session 35): both paths launch the same three kernels with the same
-device times (hd128 causal 2k: 797.0 / 79.0 / 57.6 µs autograd, 794.5 / 79.2 / 57.2 direct). The gap was
-the timing's: bwd_ab.py took 3 calls per group, so autograd's ~150-200 µs host hand-off before the first
-kernel was on the clock; with 20 calls per group autograd reads 1.00-1.01x the direct call.
+"""GPU diagnostic for issue 38: torch.autograd.grad through facodegen.attention against
+facodegen.attention_backward on the same tensors (bf16 FA3-paper cells), in two parts:
 
-    python3 scripts/bwd_autograd_profile.py
+1. ``profile`` (the default): for two cells, the CUDA kernels each path launches over five calls
+   (torch.profiler: count, mean device time, name), so an extra kernel or a slower launch shows.
+2. ``--gaps``: for three cells, 3 rounds in turns of 20 back-to-back calls of each path between CUDA
+   events after 3 of warm-up: GPU µs and host µs per call; then torch's sync debug mode over one call
+   of each (an empty list: no synchronizing torch op).
+
+H200, 2026-12-04 (session 35): both paths launch the same three kernels with the same device times
+(hd128 causal 2k: 797.0 / 79.0 / 57.6 µs autograd, 794.5 / 79.2 / 57.2 direct); with 20 calls a group
+autograd reads 1.00-1.01x the direct call's GPU time, with ~200 µs of host per autograd call against
+~50-80 direct. So the 2-11% gap scripts/bwd_ab.py measured in session 34 was its 3 calls per group,
+which put autograd's host hand-off before the first kernel on the clock.
+
+    python3 scripts/bwd_autograd_profile.py [--gaps]
 """
 import sys
+import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -17,7 +25,10 @@ import torch
 import facodegen
 from torch.profiler import profile, ProfilerActivity
 
-for d, causal, s in ((128, True, 2048), (64, False, 8192)):
+
+def arms(d: int, causal: bool, s: int) -> dict:
+    """The two callables of one FA3-paper cell (16k tokens, hidden 2048): autograd through
+    attention() on a retained graph, and attention_backward on the same O and LSE."""
     b, h = 16384 // s, 2048 // d
     shape = (b, s, h, d)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for _ in range(3))
@@ -25,19 +36,55 @@ for d, causal, s in ((128, True, 2048), (64, False, 8192)):
     out = facodegen.attention(q, k, v, causal=causal)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     o2, lse = facodegen.attention(qd, kd, vd, causal=causal, return_lse=True)
-    arms = {"autograd": lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+    return {"autograd": lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
             "direct": lambda: facodegen.attention_backward(do, qd, kd, vd, o2, lse, causal=causal)}
-    for name, fn in arms.items():
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
+
+
+def kernel_lists() -> None:
+    for d, causal, s in ((128, True, 2048), (64, False, 8192)):
+        for name, fn in arms(d, causal, s).items():
+            for _ in range(3):
                 fn()
             torch.cuda.synchronize()
-        print(f"== d{d} {'causal' if causal else 'full'} s{s} {name}")
-        rows = [(e.key, e.count, e.device_time_total / max(1, e.count)) for e in prof.key_averages()
-                if e.device_time_total > 0]
-        for key, count, us in sorted(rows, key=lambda r: -r[2] * r[1])[:8]:
-            print(f"   {count:3d} x {us:10.1f} us  {key[:110]}")
-    print(flush=True)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"== d{d} {'causal' if causal else 'full'} s{s} {name}")
+            rows = [(e.key, e.count, e.device_time_total / max(1, e.count)) for e in prof.key_averages()
+                    if e.device_time_total > 0]
+            for key, count, us in sorted(rows, key=lambda r: -r[2] * r[1])[:8]:
+                print(f"   {count:3d} x {us:10.1f} us  {key[:110]}")
+        print(flush=True)
+
+
+def gaps() -> None:
+    for d, causal, s in ((128, True, 2048), (128, True, 8192), (64, True, 2048)):
+        fns, res = arms(d, causal, s), {}
+        for _ in range(3):
+            for name, fn in fns.items():
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                start.record()
+                for _ in range(20):
+                    fn()
+                t1 = time.perf_counter()
+                end.record()
+                end.synchronize()
+                res.setdefault(name, []).append((start.elapsed_time(end) / 20 * 1e3, (t1 - t0) / 20 * 1e6))
+        print(f"d{d} causal={causal} s{s}: " + "; ".join(
+            f"{n}: gpu {[round(a) for a, _ in r]} host {[round(b) for _, b in r]}" for n, r in res.items()), flush=True)
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for fn in fns.values():
+            fn()
+        torch.cuda.synchronize()
+    print("sync warnings:", [str(x.message)[:200] for x in caught])
+
+
+if __name__ == "__main__":
+    gaps() if "--gaps" in sys.argv[1:] else kernel_lists()
