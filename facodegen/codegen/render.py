@@ -78,6 +78,8 @@ def emit_command(spec: KernelSpec, runtime: dict | None = None) -> str:
             continue                                # --head-dim gave it (the whole tile's d, or d of a padded one)
         if knob.name == "head_dim_v" and not spec.split_v:
             continue                                # (V as wide as Q and K: the default)
+        if knob.name == "varlen_tma_store" and not spec.varlen:
+            continue                                # (a varlen knob: off, and unsaid, without varlen)
         value = given[knob.name]
         if knob.name == "producer_regs":            # --regs P/C sets both
             flags.append(f"--regs {spec.producer_regs}/{spec.consumer_regs}")
@@ -109,7 +111,7 @@ def context(spec: KernelSpec, runtime: dict | None = None) -> dict:
     if not has_variants(spec):
         hidden |= {"local", "softcap", "sinks"}
     if not spec.varlen:
-        hidden.add("varlen")
+        hidden |= {"varlen", "varlen_tma_store"}
     if not spec.padded:
         hidden.add("head_dim_real")     # (the kernels of a whole tile show head_dim alone, as before)
     if not spec.split_v:

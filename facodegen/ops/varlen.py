@@ -24,8 +24,10 @@ that patches the cu_seqlens addresses and total_q (the LSE's head stride) into i
 sm90: the TMA maps span the packed tokens ({head_dim, total, heads, 1}; a tile's loads start at its
 sequence's first token and run into the next sequence's rows, which the masks hide, and past the
 last token the TMA unit reads zeros), so they depend on total_q and total_k: a call with totals or
-addresses the plan has not seen encodes the three maps anew (LaunchPlan's encode_maps; an image per
-(addresses, totals) is kept, as attention()'s are per addresses). No device value is read on the host.
+addresses the plan has not seen encodes the maps anew (LaunchPlan's encode_maps; an image per
+(addresses, totals) is kept, as attention()'s are per addresses): Q, K, V and, with varlen_tma_store
+(the default), O, whose 64-row boxes the kernel stores only where they lie inside one sequence (the
+rows of a sequence's last partial block go row by row). No device value is read on the host.
 """
 
 from __future__ import annotations
@@ -214,10 +216,14 @@ def map_encoder(spec, heads_q: int, heads_kv: int, strides: tuple):
     """sm90: encode_maps(q, k, v, o, total_q, total_k) -> the FlashParams maps over the packed tensors
     of those addresses and token counts (``strides``: q's, k's, v's, o's (batch, row, head), fixed by
     the plan's key)."""
+    # varlen_tma_store: O's map too, over the packed (total_q, heads_q, head_dim) output (the whole blocks'
+    # TMA stores); without it the kernel stores O row by row and its tma_o (Q's bytes) is never read
+    stored = ("tma_q", "tma_k", "tma_v", "tma_o") if spec.varlen_tma_store else ("tma_q", "tma_k", "tma_v")
+
     def encode_maps(q: int, k: int, v: int, o: int, total_q: int, total_k: int) -> dict[str, bytes]:
         args = tma.tensor_map_args(spec, q, k, v, o, 1, total_q, total_k, heads_q, heads_kv, *strides)
-        maps = {name: tma.encode(args[name]) for name in ("tma_q", "tma_k", "tma_v")}
-        maps["tma_o"] = maps["tma_q"]       # (never used: the varlen kernel stores O row by row)
+        maps = {name: tma.encode(args[name]) for name in stored}
+        maps.setdefault("tma_o", maps["tma_q"])
         return maps
     return encode_maps
 

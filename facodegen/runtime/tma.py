@@ -307,9 +307,9 @@ def _fp8_map_args(spec, q_ptr, k_ptr, v_ptr, batch, seqlen_q, seqlen_k, heads_q,
 
 def map_operands(spec) -> dict[str, str]:
     """Which operand's address each FlashParams map holds (fp8's tma_o is Q's map: O is stored
-    from registers), so a launch can move a map to the call's tensor. (A varlen kernel stores O
-    row by row and never uses tma_o; its maps span the packed tokens, so a call with other totals
-    encodes them anew: ops/varlen.py.)"""
+    from registers), so a launch can move a map to the call's tensor. (A varlen kernel's maps span the
+    packed tokens, so a call with other totals encodes them anew: ops/varlen.py; its tma_o is O's over
+    the packed tokens, read only with varlen_tma_store.)"""
     return {"tma_q": "q", "tma_k": "k", "tma_v": "v", "tma_o": "q" if spec.dtype == "fp8" else "o"}
 
 

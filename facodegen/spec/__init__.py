@@ -713,6 +713,10 @@ class KernelSpec:
     # and length from cu_seqlens (FlashParams' VARLEN_FIELDS); sm80 and sm90 with persistent=False:
     # the grid's z is the sequence; sm90 persistent: the CTAs find the sequences by a warp scan.
     varlen: bool = False
+    # sm90 varlen: O of a consumer warpgroup whose 64 rows all lie inside its sequence leaves by a TMA
+    # store (the padded kernel's) over the packed tokens; the rows of a sequence's last partial
+    # block, row by row (False: every row by row, the store before issue 39's A/B). Default: on.
+    varlen_tma_store: bool | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -759,6 +763,7 @@ class KernelSpec:
             fill["l2_prefetch"] = 0
             fill["vt_in_place"] = False
             fill["defer_o_store"] = False
+            fill["varlen_tma_store"] = False
             if self.o_in_v not in (None, False, 0):
                 raise SpecError("o_in_v", "is an sm90 knob; arch=sm80 writes O from registers")
             if self.cluster_m not in (None, 1):
@@ -768,7 +773,8 @@ class KernelSpec:
             for name in ("uniform_wg", "consumer_warpgroups", "pingpong", "intra_wg_overlap",
                          "producer_regs", "consumer_regs", "persistent", "separate_o", "l2_hints",
                          "anchor_softmax", "rescale_under_qk", "optimistic_max", "rebuild_q_desc",
-                         "dynamic_scheduler", "stream_k", "l2_prefetch", "vt_in_place", "defer_o_store"):
+                         "dynamic_scheduler", "stream_k", "l2_prefetch", "vt_in_place", "defer_o_store",
+                         "varlen_tma_store"):
                 if getattr(self, name) not in (None, 0, False):
                     raise SpecError(name, "is an sm90 knob; arch=sm80 does not use it")
         else:
@@ -812,7 +818,7 @@ class KernelSpec:
                                         and not self.anchor_softmax))
             _coerce_bools(self, ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "intra_wg_overlap",
                                  "uniform_wg", "optimistic_max", "rebuild_q_desc", "dynamic_scheduler",
-                                 "stream_k", "vt_in_place", "defer_o_store"))
+                                 "stream_k", "vt_in_place", "defer_o_store", "varlen_tma_store"))
             overlap = self.intra_wg_overlap if self.intra_wg_overlap is not None else tiles.intra_wg_overlap
             fill["rescale_under_qk"] = bool(overlap) and rescale_under_qk_default(self.head_dim, self.dtype,
                                                                                   self.causal)
@@ -822,6 +828,7 @@ class KernelSpec:
                                          and dynamic_scheduler_default(self.head_dim, self.dtype, self.causal))
             fill["stream_k"] = (bool(resolved("persistent")) and not resolved("dynamic_scheduler")
                                 and stream_k_default(self.head_dim, self.dtype, self.causal))
+            fill["varlen_tma_store"] = self.varlen is True and self.dtype != "fp8"
             fill["defer_o_store"] = (bool(overlap)
                                      and defer_o_store_default(self.head_dim, self.dtype, self.v_layout, self.causal,
                                                                bool(resolved("q_in_regs"))))
@@ -1215,8 +1222,9 @@ def _check_varlen(spec: KernelSpec) -> None:
     one CTA per SM, the tiles numbered densely over (sequence, head, m_block) by a warp scan of
     cu_seqlens_q in the kernel, scheduler.cuh.j2) or not (the grid is sequences x heads x
     max_seqlen_q's m-blocks and a tile past its sequence's end leaves at once); no stream-K and no
-    cluster (two m-blocks of a cluster may belong to sequences of other lengths); O is stored row by
-    row (a TMA box would run into the next sequence)."""
+    cluster (two m-blocks of a cluster may belong to sequences of other lengths); O is stored by TMA
+    where a consumer warpgroup's 64 rows lie inside the sequence (varlen_tma_store, the default), else
+    row by row (a TMA box would run into the next sequence)."""
     if not spec.varlen:
         return
     if spec.arch == "sm80" and spec.schedule != "fa2":
@@ -1309,7 +1317,7 @@ def _validate(spec: KernelSpec) -> None:
             raise SpecError("stages", f"stages={spec.stages} must be 1 to 4")
         for name in ("separate_o", "o_in_v", "l2_hints", "anchor_softmax", "rescale_under_qk", "uniform_wg",
                      "optimistic_max", "rebuild_q_desc", "dynamic_scheduler", "stream_k", "vt_in_place",
-                     "defer_o_store"):
+                     "defer_o_store", "varlen_tma_store"):
             if not isinstance(getattr(spec, name), bool):
                 raise SpecError(name, f"must be True or False, got {getattr(spec, name)!r}")
         if spec.dynamic_scheduler and not spec.persistent:
@@ -1318,6 +1326,9 @@ def _validate(spec: KernelSpec) -> None:
         if spec.vt_in_place and (spec.dtype != "fp8" or spec.v_layout != "row"):
             raise SpecError("vt_in_place", "transposes a row-major V tile in its own V^T slot: it needs "
                                            "dtype=fp8 and v_layout=row")
+        if spec.varlen_tma_store and not spec.varlen:
+            raise SpecError("varlen_tma_store", "stores the O rows of a varlen kernel's whole blocks by TMA: it needs "
+                                                "varlen=True (the padded kernel stores all of O by TMA anyway)")
         if spec.defer_o_store and (spec.dtype != "fp8" or not spec.intra_wg_overlap):
             raise SpecError("defer_o_store", "keeps O in registers until the next tile's first Q K^T of the "
                                              "overlapped loop is issued: it needs dtype=fp8 (O stored from "

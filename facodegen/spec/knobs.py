@@ -312,6 +312,10 @@ KNOBS: tuple[Knob, ...] = (
          "reads its sequence's start and length from cu_seqlens; sm90 persistent by default).", ("sm80", "sm90"), flag="--varlen/--no-varlen",
          problem=True,
          token=_flag("varlen")),
+    Knob("varlen_tma_store", "bool", "sm90 varlen: a consumer warpgroup's 64 rows of O that lie inside their "
+         "sequence leave by a TMA store over the packed tokens (a sequence's last partial rows, row by row; off: "
+         "every row by row). Default: on.", SM90, flag="--varlen-tma-store/--varlen-row-store",
+         token=lambda s, v: "rowo" if s.varlen and not v else None),
 )
 # The attention variants' switches: off in every default kernel (whose source they leave unchanged).
 VARIANT_FEATURES = ("local", "softcap", "sinks")
