@@ -1,5 +1,6 @@
 """Variable-length attention (facodegen.attention_varlen) on the CPU: the varlen kernels (sm80, and
-sm90: wgmma/TMA, O stored row by row) render and compile without spills, the float64 varlen
+sm90: wgmma/TMA, O stored by TMA where a warpgroup's 64 rows lie inside the sequence and row by row
+elsewhere, or row by row everywhere with varlen_tma_store=False) render and compile without spills, the float64 varlen
 reference agrees with the padded one sequence by sequence, every argument error names its argument, a call whose cu_seqlens values change is a
 plan-cache hit (sm90: its TMA maps encoded anew over the packed tokens when the totals change), and
 the FlashParams bytes hold the sequence boundaries where the struct says.
@@ -37,6 +38,8 @@ SM90_VARLEN_OTHER_SCHEDULER = [s.replace(dynamic_scheduler=not s.dynamic_schedul
 SM90_VARLEN_KNOBS = [KernelSpec(arch="sm90", head_dim=128, dtype="bf16", causal=True, varlen=True, **f)
                      for f in (dict(l2_prefetch=2), dict(intra_wg_overlap=False), dict(separate_o=False),
                                dict(o_in_v=True, separate_o=False))]
+# varlen_tma_store=False: every row of O row by row (the store before issue 39's TMA store of whole blocks)
+SM90_VARLEN_ROW_STORE = [s.replace(varlen_tma_store=False) for s in SM90_VARLEN_SPECS]
 
 
 # ------------------------------------------------------------------ spec, render, compile
@@ -106,12 +109,14 @@ def test_the_varlen_kernel_reads_cu_seqlens_and_says_so():
 
 
 def test_the_sm90_varlen_kernel_stores_o_row_by_row():
-    """sm90 varlen: the sequence's boundaries in the scheduler, TMA coordinates in the packed tokens,
-    the sequence's own lengths in the mask, no TMA store of O (per-row guarded stores instead), the
-    LSE at (head, total_q); the plain sm90 kernel has none of it."""
-    source = facodegen.emit(SM90_VARLEN_NP_SPECS[3])      # head_dim 64, fp16, causal, one CTA per tile
+    """sm90 varlen with varlen_tma_store=False: the sequence's boundaries in the scheduler, TMA
+    coordinates in the packed tokens, the sequence's own lengths in the mask, no TMA store of O (per-row
+    guarded stores instead), the LSE at (head, total_q); the plain sm90 kernel has none of it."""
+    spec = SM90_VARLEN_NP_SPECS[3].replace(persistent=False, varlen_tma_store=False)   # head_dim 64, fp16, causal
+    assert spec.variant.endswith("_causal_varlen_rowo") and not spec.persistent
+    source = facodegen.emit(spec)
     lines = [line.strip() for line in source.splitlines()]
-    assert lines[4].endswith("--varlen") and "--no-persistent" in lines[4]
+    assert lines[4].endswith("--varlen --varlen-row-store") and "--no-persistent" in lines[4]
     for line in ("t.q_start = p.cu_seqlens_q[sequence];", "t.seqlen_k = max(p.cu_seqlens_k[sequence + 1] - t.k_start, 0);",
                  "const int sequence = static_cast<unsigned>(batch) < static_cast<unsigned>(p.batch) ? batch",
                  "if (first.m_block * BLOCK_M >= first.seqlen_q) {", "store_o_rows(p, t, o_rows, wg, tid);",
@@ -122,8 +127,124 @@ def test_the_sm90_varlen_kernel_stores_o_row_by_row():
                  "constexpr bool VARLEN_SCAN = false;"):
         assert any(x.startswith(line) for x in lines), line
     assert "tma_store_4d(p.tma_o" not in source and "tma_prefetch_desc(p.tma_o)" not in source
+    assert "o_box_token" not in source
     plain = facodegen.emit(KernelSpec(arch="sm90", head_dim=64, dtype="fp16", causal=True))
     assert "cu_seqlens" not in plain and "tma_store_4d(p.tma_o" in plain
+    assert "varlen_tma_store" not in plain and "o_box_token" not in plain
+
+
+@pytest.mark.parametrize("spec", [SM90_VARLEN_NP_SPECS[3], SM90_VARLEN_SPECS[3], SM90_VARLEN_SPECS[19]] + SM90_VARLEN_KNOBS,
+                         ids=lambda s: s.variant)
+def test_the_sm90_varlen_kernel_stores_whole_blocks_of_o_by_tma(spec):
+    """varlen_tma_store (the default): a consumer warpgroup whose 64 rows lie inside the sequence and the
+    packed tensor stores them with the padded kernel's TMA store, at the first row's packed token (batch
+    coordinate 0: tma_o spans the packed tokens); the others copy their rows as before. One barrier
+    and fence after either, then the issuing thread's store, and (O over Q or V) its read wait before
+    the release, as the padded epilogue; the loader prefetches tma_o's descriptor."""
+    assert spec.varlen_tma_store and "rowo" not in spec.variant
+    source = facodegen.emit(spec)
+    lines = [line.strip() for line in source.splitlines()]
+    assert "--varlen-row-store" not in lines[4]
+    for line in ("__device__ __forceinline__ int o_box_token(const FlashParams& p, const TileInfo& t, int wg) {",
+                 "const int first_row = t.m_block * BLOCK_M + wg * WG_ROWS;          // in the sequence",
+                 "const int first_token = q_start_again(p, t) + first_row;           // in the packed O",
+                 "return first_row + WG_ROWS <= t.seqlen_q && first_token >= 0 && first_token <= p.total_q - WG_ROWS",
+                 "? first_token : -1;", "tma_prefetch_desc(p.tma_o);"):
+        assert line in lines, line
+    epilogue = "\n".join(lines[lines.index("const int o_token = o_box_token(p, t, wg);"):])
+    expected = "\n".join([
+        "const int o_token = o_box_token(p, t, wg);",
+        "if (o_token < 0) {",
+        "named_bar_sync(EPILOGUE_BAR + wg, WG_THREADS);",
+        "store_o_rows(p, t, o_rows, wg, tid);",
+        "}",
+        "fence_proxy_async_smem();",
+        "named_bar_sync(EPILOGUE_BAR + wg, WG_THREADS);",
+        "if (tid == 0) {",
+        "if (o_token >= 0) {",
+        "for (int slab = 0; slab < NUM_SLABS; ++slab) {",
+        "tma_store_4d(p.tma_o, o_rows + slab * O_SLAB_BYTES, slab * SLAB_COLS, o_token, t.head, 0);",
+        "}",
+        "tma_store_commit();",
+        "}",
+        "if (!SEPARATE_O) {",
+        "tma_store_wait_read();                      // smem read: the producer may reload Q (V)",
+        "mbar_arrive(O_IN_V ? smem_u32(&state.o_free) : q_empty);",
+        "}"])
+    assert epilogue.startswith(expected)
+    # SEPARATE_O: this warpgroup's last TMA store has read the staging tile before the tile is rewritten,
+    # and every O store is complete before the CTA exits (the padded kernel's lines)
+    st_shared = lines.index("st_shared_32(o_smem + (col / SLAB_COLS) * O_SLAB_BYTES + offset, packed);")
+    wait = lines.index("if (SEPARATE_O) {", lines.index("const uint32_t o_rows = o_smem + wg * WG_ROWS * SWIZZLE_BYTES;"))
+    assert lines[wait:wait + 5] == ["if (SEPARATE_O) {", "if (tid == 0) {", "tma_store_wait_read();", "}",
+                                    "named_bar_sync(EPILOGUE_BAR + wg, WG_THREADS);"] and wait < st_shared
+    assert "tma_store_wait_all();                               // O stores complete before the CTA exits" in lines
+
+
+def test_varlen_tma_store_is_an_sm90_varlen_knob():
+    """On by default for sm90 varlen; off (and unsaid in names, headers and emit lines) elsewhere; True
+    without varlen, or on sm80, is refused naming it; off is the variant's _rowo."""
+    for spec in SM90_VARLEN_SPECS + SM90_VARLEN_NP_SPECS:
+        assert spec.varlen_tma_store is True
+    for spec in SM90_VARLEN_ROW_STORE:
+        assert spec.varlen_tma_store is False and spec.variant.endswith("_varlen_rowo")
+    assert not KernelSpec(arch="sm90", head_dim=128).varlen_tma_store
+    assert not KernelSpec(arch="sm90", head_dim=128, dtype="fp8").varlen_tma_store
+    assert not any(s.varlen_tma_store for s in VARLEN_SPECS)     # sm80
+    plain = KernelSpec(arch="sm90", head_dim=128, varlen_tma_store=False)
+    assert plain == KernelSpec(arch="sm90", head_dim=128) and "rowo" not in plain.variant
+    for fields in (dict(arch="sm90"), dict(arch="sm80"), dict(arch="sm80", varlen=True)):
+        with pytest.raises(SpecError) as err:
+            KernelSpec(head_dim=128, varlen_tma_store=True, **fields)
+        assert err.value.field == "varlen_tma_store"
+    source = facodegen.emit(KernelSpec(arch="sm90", head_dim=128))
+    assert "varlen_tma_store" not in source and "varlen-row-store" not in source
+    on = facodegen.emit(SM90_VARLEN_SPECS[0])
+    assert "//   varlen_tma_store     = True" in on
+
+
+def test_the_cli_takes_the_varlen_store_knob():
+    from click.testing import CliRunner
+
+    from facodegen.cli import main
+    result = CliRunner().invoke(main, ["emit", "--arch", "sm90", "--varlen", "--head-dim", "128", "--varlen-row-store"])
+    assert result.exit_code == 0, result.output
+    assert "flash_fwd_sm90_bf16_hd128_bm128_bn160_w12_st2_r24x240_ov_so_rsq_opt_varlen_rowo(" in result.output
+    assert "o_box_token" not in result.output and "store_o_rows(p, t, o_rows, wg, tid);" in result.output
+    result = CliRunner().invoke(main, ["emit", "--arch", "sm90", "--head-dim", "128", "--varlen-tma-store"])
+    assert result.exit_code != 0 and "varlen_tma_store" in result.output
+
+
+@pytest.mark.parametrize("block_m", [128, 192])
+def test_whole_blocks_by_tma_and_the_rest_by_rows_write_every_row_once(block_m):
+    """A model of the epilogue's split (o_box_token, store_o_rows' row guard) over sequences around
+    the block edges (lengths a multiple of block_m or 64, one more, one less, empty, 1) packed one after
+    another, one head: each row of each sequence is written exactly once, by a TMA box only when all its
+    64 rows are the sequence's, and no row outside the sequences is written (nor past total_q)."""
+    lengths = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 384, 0, 1000]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    total_q = cu[-1]
+    written = [0] * total_q
+    boxes = 0
+    for seq, n in enumerate(lengths):
+        for m_block in range(-(-n // block_m)):
+            for wg in range(block_m // 64):
+                first_row = m_block * block_m + wg * 64
+                first_token = cu[seq] + first_row
+                o_token = first_token if (first_row + 64 <= n and 0 <= first_token <= total_q - 64) else -1
+                if o_token >= 0:
+                    boxes += 1
+                    for token in range(o_token, o_token + 64):     # the box: 64 rows, none clipped
+                        assert cu[seq] <= token < cu[seq + 1]
+                        written[token] += 1
+                else:
+                    rows = 0 if first_token < 0 else min(min(64, n - first_row), total_q - first_token)
+                    for row in range(max(rows, 0)):
+                        written[first_token + row] += 1
+    assert written == [1] * total_q
+    assert boxes == sum(n // 64 for n in lengths)      # every whole 64 rows of a sequence by TMA
 
 
 @pytest.mark.parametrize("spec", [SM90_VARLEN_SPECS[3], SM90_VARLEN_OTHER_SCHEDULER[3], SM90_VARLEN_SPECS[4]],
@@ -133,7 +254,7 @@ def test_the_persistent_sm90_varlen_kernel_scans_cu_seqlens(spec):
     tiles decoded by a warp scan (shfl_up, a ballot of the sequences ending at or before the tile) from
     a cursor the loader keeps, each tile handed to the consumers through the slot with its sequence's
     boundaries (the consumers read no cu_seqlens after their first tile), and every loop ending at the
-    CTA's own count, not at p.num_tiles (the grid's bound); the O store row by row as before."""
+    CTA's own count, not at p.num_tiles (the grid's bound); the partial blocks' O row by row as before."""
     source = facodegen.emit(spec)
     lines = [line.strip() for line in source.splitlines()]
     assert lines[4].endswith("--varlen") and "--no-persistent" not in lines[4]
@@ -150,7 +271,8 @@ def test_the_persistent_sm90_varlen_kernel_scans_cu_seqlens(spec):
                  "tile_blocks(p, t, m_block, head, batch);"):
         assert any(x.startswith(line) for x in lines), line
     assert "if (first.m_block * BLOCK_M >= first.seqlen_q) {" not in source
-    assert "tma_store_4d(p.tma_o" not in source
+    # (whole blocks by TMA, test_the_sm90_varlen_kernel_stores_whole_blocks_of_o_by_tma; rows as before)
+    assert "tma_store_4d(p.tma_o, o_rows + slab * O_SLAB_BYTES, slab * SLAB_COLS, o_token, t.head, 0);" in lines
     assert ("ticket == tile_count(p) - 1" in source) and (f"DYNAMIC_SCHEDULER = {str(spec.dynamic_scheduler).lower()};"
                                                            in source)
 
@@ -174,13 +296,15 @@ def test_the_cli_emits_an_sm90_varlen_kernel():
 # source); the sm90 varlen kernel (persistent) once per head_dim and causal, its dtype seeded (fp16 and
 # bf16 differ in the element type only); with persistent=False once per causal (head_dim and dtype
 # seeded: the one-CTA path compiled at every head_dim through 2026-12-04 and runs on the H200 in
-# tests/gpu); with the other scheduler once (causal seeded); the knob variants
+# tests/gpu); with the other scheduler once (causal seeded); the knob variants; with varlen_tma_store=False
+# once (seeded: its source is the row-by-row store's of 2026-12-04, which compiled at every head_dim)
 @pytest.fixture(scope="module", params=[(s, "sm_80") for s in VARLEN_SPECS]
                 + [(s, "sm_90") for s in one_per(VARLEN_SPECS, lambda s: s.head_dim)]
                 + [(s, None) for s in one_per(SM90_VARLEN_SPECS, lambda s: (s.head_dim, s.causal))
                    + one_per(SM90_VARLEN_NP_SPECS, lambda s: s.causal)
                    + one_per(SM90_VARLEN_OTHER_SCHEDULER, lambda s: True)
-                   + SM90_VARLEN_KNOBS],
+                   + SM90_VARLEN_KNOBS
+                   + one_per(SM90_VARLEN_ROW_STORE, lambda s: True)],
                 ids=lambda p: f"{p[0].variant}-{p[1] or 'sm_90a'}")
 def varlen_kernel(request):
     spec, sm = request.param
@@ -195,8 +319,11 @@ def test_varlen_kernels_compile_without_spills(varlen_kernel):
     if spec.arch == "sm90":     # no local memory, no serialised wgmma or ignored setmaxnreg (C75xx)
         counts = kernel.sass_counts()
         assert counts["LDL"] == 0 and counts["STL"] == 0 and "C75" not in kernel.log, kernel.log
-        # O leaves by 16-byte st.global (guarded per row), never by a TMA store; Q, K, V by TMA
-        assert counts["UTMASTG"] == 0 and counts["UTMALDG"] > 0 and "STG.E.128" in kernel.sass()
+        # Q, K, V by TMA; O by 16-byte st.global (guarded per row) and, with varlen_tma_store, by a TMA
+        # store too (one per slab of head_dim, the padded kernel's; the rows of partial blocks as before)
+        assert counts["UTMALDG"] > 0 and "STG.E.128" in kernel.sass()
+        assert counts["UTMASTG"] == (0 if not spec.varlen_tma_store else
+                                     spec.head_dim // tma_mod.slab_geometry(spec.head_dim)[1]), counts
 
 
 # ------------------------------------------------------------------ the persistent varlen schedule
@@ -565,7 +692,7 @@ def test_sm90_maps_span_the_packed_tokens_and_follow_the_totals(varlen_plans, mo
     assert encoded == [] and varlen._PLANS.misses == 1
     longer_k = FakeTensor((300, HKV, D))
     _call(dict(args, q=q, k=longer_k, v=args["v"]), arch="sm90", out=out)    # other total_k: encoded anew
-    assert varlen._PLANS.misses == 1 and len(encoded) == 3         # Q, K, V (tma_o, unused, is Q's)
+    assert varlen._PLANS.misses == 1 and len(encoded) == 4         # Q, K, V and O (varlen_tma_store)
     assert {a.dims for a in encoded} == {(D, 300, HKV, 1), (D, 118, HQ, 1)}
     assert varlen_plans.launches.map_moves == []
 
@@ -605,3 +732,45 @@ def test_store_o_rows_reads_back_what_the_epilogue_wrote(spec):
                 assert [written[addr + 2 * e] for e in range(8)] == [(wg * 64 + row, 8 * c + e) for e in range(8)]
                 read.add((wg * 64 + row, c))
     assert len(read) == block_m * row_chunks
+
+
+@pytest.mark.parametrize("row_store", [False, True], ids=["tma-store", "row-store"])
+def test_the_o_map_spans_the_packed_output_and_follows_the_totals(varlen_plans, monkeypatch, row_store):
+    """varlen_tma_store (the default): the plan's image holds O's map over the packed output, {head_dim,
+    total_q, heads_q, 1} with out's token stride and 64-row boxes (one consumer warpgroup's rows), the
+    padded kernel's swizzled slabs, at out's address; a call with another total_q or another out encodes it
+    anew with the others, and the image's tma_o field holds those bytes. varlen_tma_store=False encodes Q,
+    K and V only on such a call (its tma_o, never read, is Q's bytes)."""
+    from facodegen.runtime import tma
+    encoded = []
+
+    def fake_encode(a):
+        encoded.append(a)
+        return (b"%016x" % a.ptr) + bytes([len(encoded)]) * 112      # bytes that tell the maps apart
+    monkeypatch.setattr(tma, "encode", fake_encode)
+    kw = dict(arch="sm90", varlen_tma_store=False) if row_store else dict(arch="sm90")
+    out = FakeTensor((118, HQ, D), strides=(2 * HQ * D, D, 1))        # a strided token axis
+    args = _args((1, 17, 0, 100))
+    _call(args, out=out, **kw)
+    o_maps = [a for a in encoded if a.ptr == out.data_ptr()]
+    assert len(o_maps) == 1            # (pack_params: every sm90 plan's first image has all four)
+    (o_map,) = o_maps
+    assert o_map.dims == (D, 118, HQ, 1) and o_map.strides[:2] == (2 * HQ * D * 2, D * 2)
+    assert o_map.box == (64, 64, 1, 1) and o_map.swizzle_code == tma.SWIZZLE_CODES[128]
+    placed, _, _ = params.layout("sm90", "bf16", varlen=True)
+    offset = {f.name: off for f, off in placed}["tma_o"]
+    assert varlen_plans.launches.records[-1]["params"][offset:offset + 16] == b"%016x" % out.data_ptr()
+    encoded.clear()
+    out2 = FakeTensor((213, HQ, D), strides=(2 * HQ * D, D, 1))      # (the layout is part of the plan's key)
+    again = _args((100, 3, 50, 60))                                    # 213 tokens: other totals
+    _call(again, out=out2, **kw)
+    assert varlen._PLANS.misses == 1
+    by_ptr = {a.ptr: a for a in encoded}
+    image = varlen_plans.launches.records[-1]["params"]
+    if row_store:
+        assert len(encoded) == 3 and out2.data_ptr() not in by_ptr
+        assert image[offset:offset + 16] == b"%016x" % again["q"].data_ptr()
+    else:
+        assert len(encoded) == 4 and by_ptr[out2.data_ptr()].dims == (D, 213, HQ, 1)
+        assert by_ptr[out2.data_ptr()].box == (64, 64, 1, 1)
+        assert image[offset:offset + 16] == b"%016x" % out2.data_ptr()

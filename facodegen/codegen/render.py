@@ -78,8 +78,8 @@ def emit_command(spec: KernelSpec, runtime: dict | None = None) -> str:
             continue                                # --head-dim gave it (the whole tile's d, or d of a padded one)
         if knob.name == "head_dim_v" and not spec.split_v:
             continue                                # (V as wide as Q and K: the default)
-        if knob.name == "varlen_tma_store" and not spec.varlen:
-            continue                                # (a varlen knob: off, and unsaid, without varlen)
+        if knob.name == "varlen_tma_store" and given[knob.name] == spec.varlen:
+            continue                                # (--varlen brings it, no --varlen leaves it off: unsaid)
         value = given[knob.name]
         if knob.name == "producer_regs":            # --regs P/C sets both
             flags.append(f"--regs {spec.producer_regs}/{spec.consumer_regs}")
