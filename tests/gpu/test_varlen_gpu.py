@@ -1,5 +1,6 @@
 """attention_varlen on a GPU, against the float64 varlen reference (facodegen.verify.reference.varlen_reference),
-on the sm80 kernel and, on an H100/H200, the sm90 one (TMA over the packed tokens, O stored row by row).
+on the sm80 kernel and, on an H100/H200, the sm90 one (TMA over the packed tokens; O stored by TMA where a
+warpgroup's 64 rows lie inside the sequence, else row by row, and with varlen_tma_store=False row by row).
 
 Packed sequences with odd lengths (1, 17, 1000), empty ones (no queries, or queries with no key),
 GQA/MQA, causal or not, fp16 and bf16, head dims 64/128/256, a strided token axis; O and the LSE
@@ -286,3 +287,66 @@ def test_sm90_hostile_cu_seqlens_stay_in_bounds(hostile, fields):
     if honest:
         cu = torch.tensor([0, honest], dtype=torch.int32, device="cuda")
         _check(q[:honest], k[:honest], v[:honest], cu, cu, out[:honest], lse[:, :honest], False, torch.bfloat16)
+
+
+# ------------------------------------------------------------------ O's TMA store of whole blocks (issue 39)
+
+@NEEDS_SM90
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "np"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_varlen_tma_store_both_ways_at_the_block_edges(head_dim, causal, persistent):
+    """varlen_tma_store on (the default: a consumer warpgroup whose 64 rows lie inside the sequence
+    stores them by TMA over the packed tokens) and off (every row by row): query lengths at the
+    kernel's block edges (block_m and 64-row multiples, one more, one less), empty and length-1
+    sequences, keys of other lengths (one sequence with none), GQA 6 x 2, packed between guard rows that
+    belong to no sequence. Each way: the guard rows keep their poison bit for bit (NaN, then a finite
+    sentinel), the sequences match the float64 reference; and the two ways store the same bits of O
+    and the LSE (the same staging tile leaves by TMA or by 16-byte stores)."""
+    assert facodegen.KernelSpec(arch="sm90", head_dim=head_dim, causal=causal, varlen=True).varlen_tma_store
+    # the edges of every block_m the kernels take here (64: head_dim 64 causal's rule at these lengths; 128;
+    # 192: head_dim 64), each a multiple of 64 (whole warpgroup boxes), one more, one less
+    lengths_q = [192, 193, 191, 0, 64, 65, 63, 384, 1, 581, 128, 127, 129, 256, 255]
+    lengths_k = [192, 195, 191, 7, 0, 65, 200, 384, 1, 576, 100, 127, 129, 256, 300]
+    lead, tail = 5, 7                                         # guard rows before and after the sequences
+    total_q, total_k = lead + sum(lengths_q) + tail, lead + sum(lengths_k) + tail
+    q, k, v, _, _ = _packed((total_q,), (total_k,), 6, 2, head_dim, torch.bfloat16, seed=head_dim + causal)
+    cu_q, cu_k = ([lead, *(lead + x for x in itertools.accumulate(lengths))] for lengths in (lengths_q, lengths_k))
+    cu_q_t, cu_k_t = (torch.tensor(c, dtype=torch.int32, device="cuda") for c in (cu_q, cu_k))
+    inside = torch.zeros(total_q, dtype=torch.bool, device="cuda")
+    inside[cu_q[0]:cu_q[-1]] = True
+    results = {}
+    for store in (True, False):
+        for poison in (float("nan"), -7.5):
+            out = torch.full_like(q, poison)
+            before = out.clone()
+            out, lse = facodegen.attention_varlen(q, k, v, cu_q_t, cu_k_t, max(lengths_q), max(lengths_k),
+                                                  causal=causal, return_lse=True, out=out, arch="sm90",
+                                                  persistent=persistent, varlen_tma_store=store)
+            torch.cuda.synchronize()
+            assert torch.equal(out[~inside].view(torch.int16), before[~inside].view(torch.int16)), \
+                f"varlen_tma_store={store}: rows outside the sequences were written (poison {poison})"
+        rows, keys = slice(cu_q[0], cu_q[-1]), slice(cu_k[0], cu_k[-1])
+        _check(q[rows], k[keys], v[keys], cu_q_t - lead, cu_k_t - lead, out[rows], lse[:, rows], causal,
+               torch.bfloat16)
+        results[store] = (out[rows].clone(), lse[:, rows].clone())
+    assert torch.equal(results[True][0].view(torch.int16), results[False][0].view(torch.int16)), \
+        "O differs between the TMA store and the row store"
+    assert torch.equal(results[True][1], results[False][1]), "the LSE differs between the two O stores"
+
+
+@NEEDS_SM90
+@pytest.mark.parametrize("store", [True, False], ids=["tma-store", "row-store"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_tma_store_on_equal_lengths_matches_the_padded_kernel(causal, store):
+    """The issue's cell, smaller (4 x 1024 bf16, d128; every block whole: all of O by TMA): either
+    store against the reference and, within the same rounding, the padded kernel."""
+    batch, seqlen, heads, head_dim = 4, 1024, 8, 128
+    q, k, v, cu_q, cu_k = _packed([seqlen] * batch, [seqlen] * batch, heads, heads, head_dim, torch.bfloat16)
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, seqlen, seqlen, causal=causal, return_lse=True,
+                                          arch="sm90", varlen_tma_store=store)
+    padded = facodegen.attention(*(x.reshape(batch, seqlen, x.shape[1], head_dim).contiguous() for x in (q, k, v)),
+                                 causal=causal, arch="sm90")
+    torch.cuda.synchronize()
+    _check(q, k, v, cu_q, cu_k, out, lse, causal, torch.bfloat16)
+    torch.testing.assert_close(out.reshape(padded.shape), padded, atol=2e-2, rtol=2e-2)
