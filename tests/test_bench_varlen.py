@@ -180,6 +180,17 @@ def test_the_persistent_verdict_holds_the_one_cta_per_tile_kernel_to_the_padded_
     assert "varlen / varlen (not persistent) = 1.067" in vl.format_notes([row])
 
 
+def test_the_store_verdict_holds_the_tma_store_to_the_row_store():
+    row = dict(vl.cells(quick=True)[0], results={vl.FACODEGEN_VARLEN: {"tflops": 96.0},
+                                                  vl.FACODEGEN_VARLEN_ROWO: {"tflops": 90.0},
+                                                  vl.PADDED_SM90: {"tflops": 100.0}})
+    assert vl.store_verdict(row) == ("mixed d128 full: varlen / varlen (O row by row) = 1.067, varlen (O row by "
+                                     "row) / facodegen padded (sm90) = 0.900")
+    assert vl.store_verdict(dict(row, results={vl.FACODEGEN_VARLEN: {"tflops": 90.0}})) is None
+    assert "facodegen varlen (O row by row)" in vl.format_table([row]).splitlines()[0]
+    assert "varlen / varlen (O row by row) = 1.067" in vl.format_notes([row])
+
+
 def test_peers_left_out_and_a_cell_that_raises(fake_gpu, monkeypatch):
     rows = vl.run_varlen(vl.cells(quick=True)[:1], peers=(), log=lambda m: None)
     assert set(rows[0]["results"]) == {vl.FACODEGEN_VARLEN, vl.PADDED_SM80, vl.PADDED_SM90}
