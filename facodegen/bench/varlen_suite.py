@@ -82,10 +82,12 @@ NOTES = (
     "cuDNN padded: torch SDPA's CUDNN_ATTENTION backend on (batch, max_seqlen) tensors; SDPA's cuDNN "
     "backend has no packed varlen call, so cuDNN is timed the padded way only.",
     "facodegen varlen is the GPU's own arch's varlen kernel (sm90 on H100/H200: wgmma and TMA, persistent "
-    "CTAs numbering the tiles densely over the sequences, O stored row by row; sm80 elsewhere), held to the "
+    "CTAs numbering the tiles densely over the sequences, O stored by TMA where 64 rows lie inside the "
+    "sequence, else row by row; sm80 elsewhere), held to the "
     "padded kernel of its arch (the same code without varlen; sm90's padded one is persistent too); on sm90 "
     "GPUs facodegen varlen (not persistent) is the same kernel with persistent=False (one CTA per tile, "
-    "the grid sized by max_seqlen_q) and facodegen varlen (sm80) the sm80 kernel compiled for them.",
+    "the grid sized by max_seqlen_q), facodegen varlen (O row by row) the same kernel with varlen_tma_store=False "
+    "(every row of O by 16-byte stores) and facodegen varlen (sm80) the sm80 kernel compiled for them.",
 )
 
 

@@ -837,7 +837,8 @@ def representative_cases() -> list[Case]:
                       return_lse=True, use_out=False, seed=7))
     # Varlen per arch, dtype and causal: six packed sequences (seed 11: queries with no key, keys with
     # no query, one query against 257 keys, odd lengths), GQA, a strided token axis, O poisoned; sm90
-    # (its own varlen kernel: TMA over the packed tokens, O stored row by row) at head_dims 128 and 64.
+    # (its own varlen kernel: TMA over the packed tokens, O by TMA where 64 rows lie inside the sequence,
+    # else row by row) at head_dims 128 and 64.
     for arch in ("sm80", "sm90"):
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
