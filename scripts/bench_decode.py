@@ -40,6 +40,9 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="a subset that runs in ~3 minutes: " + json.dumps(dec.QUICK))
     ap.add_argument("--out", type=Path, help="write bench-decode.{md,csv,json} here")
     ap.add_argument("--list", action="store_true", help="print the cells and exit")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false",
+                    help="leave out the CUDA-graph replay columns (timed where K+V <= %d GB)"
+                         % (dec.GRAPH_MAX_BYTES // 10 ** 9))
     ap.add_argument("--variant", action="append", default=[], metavar="KNOB=VALUE[,...]",
                     help="also time facodegen with these attention_with_kvcache knobs (e.g. fused_combine=1), "
                          "a column of its own; repeatable")
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
     from facodegen.bench import results
     env = results.environment()
     rows = dec.run_decode(todo, args.peers, log=lambda m: print(m, file=sys.stderr, flush=True),
-                          variants=args.variants)
+                          variants=args.variants, graphs=args.graphs)
     print(dec.summary(rows))
     if args.out:
         paths = dec.write_decode_results(rows, args.out, env=env, grid=args.grid)

@@ -6,7 +6,8 @@
 A device call starts on a fresh machine with an empty cache; the GPU tests compile each default
 spec on first use, one after another (about 40 kernels, minutes of NVRTC). Run this first and the
 tests only load them. --fuzz N also compiles the kernels of `facodegen check --fuzz N --family all`'s
-cases (seed 1), every family's.
+cases (seed 1), every family's; --decode-grid those of `facodegen bench --suite decode`'s full grid
+(facodegen.bench.decode.cells, the default call of each cell).
 """
 
 from __future__ import annotations
@@ -32,12 +33,18 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", type=int, help="processes (default: one per core)")
     p.add_argument("--fuzz", type=int, default=0, help="also the kernels of this many fuzz cases (seed 1)")
+    p.add_argument("--decode-grid", action="store_true", help="also the kernels of the decode suite's cells")
+    p.add_argument("--no-shipped", dest="shipped", action="store_false",
+                   help="leave out the shipped defaults (only what --fuzz / --decode-grid add)")
     args = p.parse_args()
     native = api.default_arch(api.device_info(0))
-    specs = set(shipped_specs(native))
+    specs = set(shipped_specs(native)) if args.shipped else set()
     if args.fuzz:
         archs = ("sm80", "sm90") if native == "sm90" else ("sm80",)
         specs |= {s for c in fuzz.generate(args.fuzz, 1, "all", archs) for s in fuzz.case_specs(c)}
+    if args.decode_grid:
+        from facodegen.bench import decode
+        specs |= {s for cell in decode.cells() for s in decode.cell_specs(cell)}
     fuzz.compile_specs(sorted(specs, key=lambda s: (type(s).__name__, s.variant)), args.jobs)
     return 0
 

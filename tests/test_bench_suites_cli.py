@@ -169,7 +169,7 @@ def test_varlen_reaches_run_varlen(fake_gpu, monkeypatch, tmp_path):
     (["--suite", "decode", "--dtype", "fp16"], ["--dtype fp16", "decode"]),
     (["--suite", "decode", "--causal"], ["--causal", "--suite decode"]),
     (["--suite", "decode", "--peers", "fa2"], ["--peers", "fa2"]),
-    (["--suite", "decode", "--head-dim", "256"], ["--head-dim 256"]),
+    (["--suite", "decode", "--head-dim", "192"], ["--head-dim 192", "64, 128, 256"]),
     (["--suite", "variants", "--arch", "sm90"], ["--arch", "--suite variants"]),
     (["--suite", "variants", "--peers", "fa3"], ["--peers"]),
     (["--suite", "varlen", "--dtype", "fp16"], ["--dtype fp16", "--suite varlen is bf16 only"]),

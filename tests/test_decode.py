@@ -546,7 +546,9 @@ def test_bench_decode_grid_and_table(tmp_path):
     assert grid and all(c.kv_bytes <= 60e9 for c in grid)
     assert not any(c.batch == 64 and c.context == 262144 and c.d == 128 for c in grid)   # 68.7 GB and more: skipped
     assert any(c.batch == 8 and c.context == 262144 and c.heads_kv == 32 for c in grid)   # 34 GB kept
-    assert {c.layout for c in grid} == set(bd.LAYOUTS)
+    assert {c.layout for c in grid} == set(bd.LAYOUTS) == {"contiguous", "paged16", "paged64", "paged256"}
+    assert {c.d for c in grid} == {64, 128, 256}                       # issue 39's head dims
+    assert not any(c.d == 256 and c.batch == 64 and c.context == 262144 for c in grid)
     cell = bd.Cell(1, 262144, 32, 8, 128, "paged64")
     assert cell.page_size == 64 and cell.kv_bytes == 2 * 262144 * 8 * 128 * 2
     assert bd.parse_int_list("1k,256k,8") == (1024, 262144, 8)
@@ -567,6 +569,16 @@ def test_bench_decode_grid_and_table(tmp_path):
     assert [(r["cell"], r["impl"]) for r in records] == [("a", "facodegen"), ("a", "fa3"), ("a", "sdpa"),
                                                          ("b", "facodegen")]
     assert float(records[1]["ratio"]) == pytest.approx(4.0 / 3.8, rel=1e-5)
+    assert "graph:" not in text                       # no replay in any row: no graph columns
+    # CUDA-graph replays: their own columns, ratio to the best peer's replay, geomean line, CSV records
+    rows[0].update(facodegen_graph=4.4, fa3_graph=4.0, sdpa_graph=4.2)
+    text = bd.table(rows)
+    assert "graph: facodegen | FA3 | SDPA | vs best |" in text and "| 4.40 | 4.00 | 4.20 | 1.05x |" in text
+    assert text.splitlines()[1].count("---") == 13
+    assert "geomean facodegen / fa3 (CUDA-graph replays): 1.100x" in bd.summary(rows)
+    records = list(csv.DictReader(io.StringIO(bd.to_csv(rows))))
+    graph_fa3 = [r for r in records if r["impl"] == "fa3_graph"]
+    assert len(graph_fa3) == 1 and float(graph_fa3[0]["ratio"]) == pytest.approx(4.4 / 4.0, rel=1e-5)
     paths = bd.write_decode_results(rows, tmp_path, env={"gpu": "fake"}, grid=bd.QUICK)
     assert paths["json"].name == "bench-decode.json" and paths["md"].read_text().startswith("| cell |")
     with pytest.raises(ValueError, match="layout paged7"):
@@ -587,8 +599,9 @@ def test_bench_decode_script_hands_its_grid_to_the_package(monkeypatch, tmp_path
     bd = _bench_script()
     seen = {}
     monkeypatch.setattr(results, "environment", lambda: {"gpu": "fake"})
-    monkeypatch.setattr(dec, "run_decode", lambda todo, peers, log=print, variants=():
-                        seen.update(todo=todo, peers=peers, **({"variants": variants} if variants else {})) or [])
+    monkeypatch.setattr(dec, "run_decode", lambda todo, peers, log=print, variants=(), graphs=True:
+                        seen.update(todo=todo, peers=peers, **({"variants": variants} if variants else {}),
+                                    **({} if graphs else {"graphs": False})) or [])
     assert bd.main(["--batch", "1", "--context", "32k", "--heads", "32/8", "--d", "128", "--layout", "contiguous",
                     "--peers", "fa3", "--out", str(tmp_path)]) == 0
     assert seen == {"todo": [dec.Cell(1, 32768, 32, 8, 128, "contiguous")], "peers": ("fa3",)}
@@ -596,6 +609,9 @@ def test_bench_decode_script_hands_its_grid_to_the_package(monkeypatch, tmp_path
     assert bd.main(["--batch", "1", "--context", "32k", "--heads", "32/8", "--d", "128", "--layout", "contiguous",
                     "--variant", "fused_combine=true", "--out", str(tmp_path)]) == 0
     assert seen["variants"] == [{"fused_combine": True}]
+    assert bd.main(["--batch", "1", "--context", "32k", "--heads", "32/8", "--d", "128", "--layout", "contiguous",
+                    "--no-graphs", "--out", str(tmp_path)]) == 0
+    assert seen["graphs"] is False
     with pytest.raises(SystemExit):
         bd.main(["--variant", "fused_combine", "--list"])
 
@@ -666,3 +682,23 @@ def test_check_inputs_runs_before_the_call():
     cache = torch.zeros(2, 128, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 129 plus 0 new token\(s\) exceeds the cache capacity 128"):
         kvcache.attention_with_kvcache(q, cache, cache, torch.tensor([5, 129], dtype=torch.int32), check_inputs=True)
+
+
+def test_bench_decode_cell_specs_are_the_calls_kernels(monkeypatch):
+    """warm_cache.py --decode-grid compiles what the grid's calls launch: on an H200, batch 1 at 32k keys
+    splits (decode + combine, or a fused combine), and a paged cell gets a paged decode kernel."""
+    from facodegen.bench import decode as bd
+    from facodegen.ops import api, kvcache
+    from facodegen.spec import decode as dec
+    monkeypatch.setattr(api, "device_info", lambda device=0: api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448))
+    specs = bd.cell_specs(bd.Cell(1, 32768, 32, 8, 128, "contiguous"))
+    decode = specs[0]
+    assert isinstance(decode, dec.DecodeSpec) and decode.arch == "sm90" and decode.head_dim == 128
+    assert decode.split and not decode.paged
+    assert len(specs) == (1 if decode.fused_combine else 2)
+    paged = bd.cell_specs(bd.Cell(8, 8192, 32, 32, 256, "paged16"))[0]
+    assert paged.paged and paged.head_dim == 256
+    problem = kvcache._Problem(1, 1, 32, 8, 128, "bf16", False, 0, 0, 32768, 0)
+    assert specs == list(kvcache.plan_specs(problem, "sm90", 132, 0, {}, kvcache._smem_per_sm(api.device_info()))[0]
+                         .values())
+

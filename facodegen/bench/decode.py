@@ -3,9 +3,9 @@ facodegen.attention_with_kvcache beside FlashAttention-3's flash_attn_with_kvcac
 own heuristics) and torch SDPA's flash backend (GQA through enable_gqa), in one run, one query token
 per sequence, bf16, full caches (cache_seqlens = context).
 
-Cells: batch {1, 8, 64} x context {1k, 8k, 32k, 256k} x heads q/kv {32/32, 32/8, 64/8} x d {64, 128}
-x layout {contiguous, paged 64, paged 256}, skipping cells whose K+V exceed ``max_gb`` (60 GB); QUICK
-is a subset that runs in about 3 minutes on an H200. Effective bandwidth = bytes of K and V read
+Cells: batch {1, 8, 64} x context {1k, 8k, 32k, 256k} x heads q/kv {32/32, 32/8, 64/8} x d {64, 128,
+256} x layout {contiguous, paged 16, paged 64, paged 256} (issue 39's grid), skipping cells whose K+V
+exceed ``max_gb`` (60 GB); QUICK is a subset that runs in about 3 minutes on an H200. Effective bandwidth = bytes of K and V read
 (2 x batch x context x heads_kv x d x 2) / time.
 
 Timing: timing.time_cuda_interleaved (CUDA events, warm-up, implementations in turns group by group,
@@ -13,6 +13,12 @@ median of the group means); where one cell's K+V is under twice the L2 (inputs.L
 calls rotate over several caches (inputs.input_sets_needed) so no timing is of a warm L2. Each
 implementation's O is checked against facodegen's reference-tested output on the first cache
 (max |diff| < 2e-2) before timing. The pure parts import without torch.
+
+CUDA-graph replay: where a cell's K+V is at most GRAPH_MAX_BYTES (the cells where a call's host
+work can matter: a 2 GB read takes ~0.5 ms, 30x a call's host cost), each implementation is also
+captured into a CUDA graph of one call per rotating cache and replayed, in the same interleaved
+groups as the eager calls: the ``<impl>_graph`` columns, the time a server that replays its decode
+step sees. Above it the eager call is already device-bound and the graph columns are left out.
 
 Variants: ``variants`` (knob dicts of attention_with_kvcache, e.g. ``{"fused_combine": True}``;
 `--variant fused_combine=1` on the command line) time facodegen with those knobs as columns of their
@@ -34,14 +40,16 @@ from .variants import knob_values, variant_label
 BATCHES = (1, 8, 64)
 CONTEXTS = (1024, 8192, 32768, 262144)
 HEADS = ((32, 32), (32, 8), (64, 8))
-HEAD_DIMS = (64, 128)
-LAYOUTS = ("contiguous", "paged64", "paged256")
+HEAD_DIMS = (64, 128, 256)
+LAYOUTS = ("contiguous", "paged16", "paged64", "paged256")
+GRAPH_MAX_BYTES = 2 * 10 ** 9
 MAX_GB = 60.0
 QUICK = {"batch": (1, 8, 64), "context": (8192, 262144), "heads": ((32, 8),), "d": (128,),
          "layout": ("contiguous", "paged64")}
 FULL = {"batch": BATCHES, "context": CONTEXTS, "heads": HEADS, "d": HEAD_DIMS, "layout": LAYOUTS}
 DECODE_PEERS = ("fa3", "sdpa")
 IMPLS = ("facodegen", *DECODE_PEERS)
+GRAPH_IMPLS = tuple(f"{impl}_graph" for impl in IMPLS)
 CSV_FIELDS = ("cell", "batch", "context", "heads_q", "heads_kv", "d", "layout", "kv_bytes", "impl", "tbps", "ms",
               "host_ms", "ratio", "splits", "note")
 
@@ -147,17 +155,25 @@ def variant_names(rows: list[dict]) -> list[str]:
 
 def table(rows: list[dict]) -> str:
     """Markdown: one row per cell, TB/s of facodegen and each peer, then facodegen / peer ratios last;
-    variant columns (facodegen with knobs) after facodegen's, each with its ratio to the default call."""
+    variant columns (facodegen with knobs) after facodegen's, each with its ratio to the default call;
+    where any row has CUDA-graph replays, their TB/s and facodegen's replay over the best peer's."""
     variants = variant_names(rows)
+    graphs = any(r.get(g) for r in rows for g in GRAPH_IMPLS)
     head = ("| cell | K+V MB | facodegen TB/s | " + "".join(f"{v} TB/s | {v} / default | " for v in variants)
-            + "FA3 TB/s | SDPA flash TB/s | splits | vs FA3 | vs SDPA | vs best |")
-    lines = [head, "|" + "---|" * (9 + 2 * len(variants))]
+            + "FA3 TB/s | SDPA flash TB/s | splits | vs FA3 | vs SDPA | vs best |"
+            + (" graph: facodegen | FA3 | SDPA | vs best |" if graphs else ""))
+    lines = [head, "|" + "---|" * (9 + 2 * len(variants) + 4 * graphs)]
     for r in rows:
         ours, fa3, sdpa = r.get("facodegen"), r.get("fa3"), r.get("sdpa")
         best = max([x for x in (fa3, sdpa) if x], default=None)
         cols = "".join(f"{_num(r.get(v))} | {_ratio(r.get(v), ours)} | " for v in variants)
-        lines.append(f"| {r['cell']} | {r['kv_bytes'] / 1e6:.0f} | {_num(ours)} | {cols}{_num(fa3)} | {_num(sdpa)} | "
-                     f"{r.get('splits', '–')} | {_ratio(ours, fa3)} | {_ratio(ours, sdpa)} | {_ratio(ours, best)} |")
+        line = (f"| {r['cell']} | {r['kv_bytes'] / 1e6:.0f} | {_num(ours)} | {cols}{_num(fa3)} | {_num(sdpa)} | "
+                f"{r.get('splits', '–')} | {_ratio(ours, fa3)} | {_ratio(ours, sdpa)} | {_ratio(ours, best)} |")
+        if graphs:
+            ours_g, fa3_g, sdpa_g = (r.get(g) for g in GRAPH_IMPLS)
+            best_g = max([x for x in (fa3_g, sdpa_g) if x], default=None)
+            line += f" {_num(ours_g)} | {_num(fa3_g)} | {_num(sdpa_g)} | {_ratio(ours_g, best_g)} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -175,18 +191,24 @@ def geomean(values) -> float | None:
 
 
 def geomeans(rows: list[dict]) -> dict:
-    """peer -> geomean of facodegen / peer over the cells where both ran."""
+    """peer -> geomean of facodegen / peer over the cells where both ran; "<peer>_graph" -> the same
+    over CUDA-graph replays, where any."""
     out = {}
     for peer in DECODE_PEERS:
-        g = geomean(r["facodegen"] / r[peer] for r in rows if r.get("facodegen") and r.get(peer))
-        if g:
-            out[peer] = g
+        for ours, theirs in (("facodegen", peer), ("facodegen_graph", peer + "_graph")):
+            g = geomean(r[ours] / r[theirs] for r in rows if r.get(ours) and r.get(theirs))
+            if g:
+                out[theirs] = g
     return out
 
 
 def summary(rows: list[dict]) -> str:
     """The table and the geomean lines, as printed."""
-    return table(rows) + "".join(f"\n\ngeomean facodegen / {peer}: {g:.3f}x" for peer, g in geomeans(rows).items())
+    lines = [table(rows)]
+    for key, g in geomeans(rows).items():
+        graph = " (CUDA-graph replays)" if key.endswith("_graph") else ""
+        lines.append(f"geomean facodegen / {key.removesuffix('_graph')}{graph}: {g:.3f}x")
+    return "\n\n".join(lines)
 
 
 def to_csv(rows: list[dict]) -> str:
@@ -195,10 +217,12 @@ def to_csv(rows: list[dict]) -> str:
     writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
     writer.writeheader()
     for r in rows:
-        for impl in (*IMPLS, *r.get("variants", ())):
-            if r.get(impl) is None and not r.get(impl + "_note") and not r.get("error"):
+        for impl in (*IMPLS, *r.get("variants", ()), *GRAPH_IMPLS):
+            graph = impl.endswith("_graph")
+            if r.get(impl) is None and not r.get(impl + "_note") and (graph or not r.get("error")):
                 continue
-            ratio = r["facodegen"] / r[impl] if impl != "facodegen" and r.get("facodegen") and r.get(impl) else None
+            ours = r.get("facodegen_graph" if graph else "facodegen")
+            ratio = ours / r[impl] if impl not in ("facodegen", "facodegen_graph") and ours and r.get(impl) else None
             rec = {k: r.get(k) for k in CSV_FIELDS[:8]}
             rec.update(impl=impl, tbps=r.get(impl), ms=r.get(impl + "_ms"), host_ms=r.get(impl + "_host_ms"),
                        ratio=ratio, splits=r.get("splits"), note=r.get(impl + "_note") or r.get("error"))
@@ -222,6 +246,20 @@ def write_decode_results(rows: list[dict], out_dir, stem: str = "bench-decode", 
     return paths
 
 
+def cell_specs(cell: Cell, device: int = 0) -> list:
+    """The kernel specs the default call of ``cell`` launches on ``device`` (decode, and combine where
+    its keys are split), as attention_with_kvcache resolves them: what scripts/warm_cache.py
+    --decode-grid compiles ahead of a run. Needs the device's properties (no torch)."""
+    from ..ops import api, kvcache
+    info = api.device_info(device)
+    pages = cell.batch * cell.context // cell.page_size if cell.page_size else 0
+    problem = kvcache._Problem(cell.batch, 1, cell.heads_q, cell.heads_kv, cell.d, "bf16", bool(cell.page_size),
+                               cell.page_size, pages, cell.context, 0)
+    arch = api.default_arch(info)
+    specs, _ = kvcache.plan_specs(problem, arch, info.sms, 0, {}, kvcache._smem_per_sm(info))
+    return list(specs.values())
+
+
 # ------------------------------------------------------------------ GPU part
 
 def _fa3():
@@ -230,7 +268,24 @@ def _fa3():
     return getattr(mod, "flash_attn_with_kvcache", None) if mod is not None else None
 
 
-def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True, variants=()) -> dict:
+def _captured(torch, fn, steps: int):
+    """A CUDA graph of ``steps`` calls of ``fn`` (one per rotating cache), warmed up first on the
+    capture's own stream (so every plan, scratch buffer and peer workspace exists before capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2 * steps):
+            fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(steps):
+            fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True, variants=(), graphs: bool = True) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -310,30 +365,41 @@ def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True, variants=()) ->
             good.append((name, fn))
         except Exception as exc:  # noqa: BLE001 (a peer that refuses the cell)
             result[name + "_note"] = f"{type(exc).__name__}: {str(exc)[:120]}"
-    timings = time_cuda_interleaved([fn for _, fn in good])
-    for (name, _), t in zip(good, timings):
-        result[name] = tbps(cell.kv_bytes, t["ms"])
-        result[name + "_ms"] = t["ms"]
-        result[name + "_host_ms"] = t["host_ms"]
+    timed = [(name, fn, 1) for name, fn in good]
+    if graphs and cell.kv_bytes <= GRAPH_MAX_BYTES:
+        for name, fn in good:
+            if name not in IMPLS:
+                continue
+            try:
+                timed.append((name + "_graph", _captured(torch, fn, sets).replay, sets))
+            except Exception as exc:  # noqa: BLE001 (a peer that cannot be captured)
+                result[name + "_graph_note"] = f"capture: {type(exc).__name__}: {str(exc)[:120]}"
+    timings = time_cuda_interleaved([fn for _, fn, _ in timed])
+    for (name, _, steps), t in zip(timed, timings):     # a replay runs `steps` decode steps
+        result[name] = tbps(cell.kv_bytes, t["ms"] / steps)
+        result[name + "_ms"] = t["ms"] / steps
+        result[name + "_host_ms"] = t["host_ms"] / steps
     result["splits"] = default.num_splits
     result["variant"] = default.specs["decode"].variant
+    del timed, timings
     caches.clear()
     torch.cuda.empty_cache()
     return result
 
 
-def run_decode(todo: list[Cell], peers=DECODE_PEERS, log=print, variants=()) -> list[dict]:
-    """run_cell over the cells (``variants``: knob dicts timed as columns of their own); a cell that
-    raises is reported in its row and the run goes on."""
+def run_decode(todo: list[Cell], peers=DECODE_PEERS, log=print, variants=(), graphs: bool = True) -> list[dict]:
+    """run_cell over the cells (``variants``: knob dicts timed as columns of their own; ``graphs``:
+    CUDA-graph replays beside the eager calls where K+V <= GRAPH_MAX_BYTES); a cell that raises is
+    reported in its row and the run goes on."""
     rows = []
     t0 = time.time()
     for cell in todo:
         try:
-            row = run_cell(cell, peers, variants=variants)
+            row = run_cell(cell, peers, variants=variants, graphs=graphs)
         except Exception as exc:  # noqa: BLE001 (one cell's failure must not lose the others)
             row = {"cell": cell.name, **asdict(cell), "kv_bytes": cell.kv_bytes, "error": f"{type(exc).__name__}: {exc}"}
         rows.append(row)
         log(f"[{time.time() - t0:6.1f}s] {cell.name}: " + ", ".join(
-            f"{k} {row[k]:.2f} TB/s" for k in (*IMPLS, *row.get("variants", ())) if row.get(k)) +
+            f"{k} {row[k]:.2f} TB/s" for k in (*IMPLS, *row.get("variants", ()), *GRAPH_IMPLS) if row.get(k)) +
             (f" ERROR {row['error']}" if "error" in row else ""))
     return rows
