@@ -702,3 +702,47 @@ def test_bench_decode_cell_specs_are_the_calls_kernels(monkeypatch):
     assert specs == list(kvcache.plan_specs(problem, "sm90", 132, 0, {}, kvcache._smem_per_sm(api.device_info()))[0]
                          .values())
 
+
+def test_decode_step_fast_path_hits_the_plan_the_checked_path_built(fake, monkeypatch):
+    """attention_with_kvcache's fast path (a step: no new tokens, out=, knobs) finds the plan _eager stored
+    under the same key, patches the new addresses and launches through launch_step; anything that changes
+    the launch misses (a stride, the page table's shape, the current device, num_splits' type), and a
+    misaligned view or a non-tensor cache_seqlens still gets the checked path's error."""
+    launched = []
+    real_step = kvcache.DecodePlan.launch_step
+    monkeypatch.setattr(kvcache.DecodePlan, "launch_step",
+                        lambda self, *a: launched.append(a) or real_step(self, *a))
+    args, kw = _call_args(batch=4, capacity=4096, paged=True, page=64)
+    kvcache.attention_with_kvcache(*args, **kw)
+    assert kvcache._PLANS.misses == 1 and not launched           # the first call resolved on the checked path
+    plan = next(iter(kvcache._PLANS._plans.values()))
+    assert plan.step_ready and [name for name, _ in plan._step_kernels] == ["decode"]
+    args2, kw2 = _call_args(batch=4, capacity=4096, paged=True, page=64)     # other tensors, same layouts
+    out = kvcache.attention_with_kvcache(*args2, **kw2)
+    assert kvcache._PLANS.misses == 1 and len(launched) == 1
+    q, kc, vc, lengths = args2
+    assert launched[0][1:] == (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), 0, lengths.data_ptr(),
+                               kw2["page_table"].data_ptr())
+    head = struct.unpack_from("<9Q", fake.records[-1]["head"], 0)
+    assert head[:4] == (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr()) and head[7:9] == launched[0][6:8]
+    out, lse = kvcache.attention_with_kvcache(*args2, **kw2, return_lse=True)     # another key: a plan of its own
+    assert kvcache._PLANS.misses == 2 and lse.shape == (4, 32, 1)
+    _, lse2 = kvcache.attention_with_kvcache(*args2, **kw2, return_lse=True)
+    assert kvcache._PLANS.misses == 2 and launched[-1][5] == lse2.data_ptr() != 0
+    wide = FakeTensor((4, 4096 // 32), "int32")                    # the page table's shape: a miss
+    kvcache.attention_with_kvcache(q, kc, vc, lengths, page_table=wide.as_strided((4, 64), (128, 1)))
+    assert kvcache._PLANS.misses == 3
+    q_strided = FakeTensor(q.shape, "bfloat16", strides=(32 * 128 * 2, 32 * 128, 128, 1))
+    kvcache.attention_with_kvcache(q_strided, kc, vc, lengths, **kw2)
+    assert kvcache._PLANS.misses == 4
+    fake.device = 1                                                # another current device: a miss, not a wrong hit
+    kvcache.attention_with_kvcache(*args2, **kw2)
+    assert kvcache._PLANS.misses == 5
+    fake.device = 0
+    with pytest.raises(ValueError, match="num_splits"):
+        kvcache.attention_with_kvcache(*args2, **kw2, num_splits=True)   # True == 1 must not hit num_splits=1's plan
+    with pytest.raises(ValueError, match="q"):
+        kvcache.attention_with_kvcache(q.offset(8), kc, vc, lengths, **kw2)      # misaligned: the checked path's error
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        kvcache.attention_with_kvcache(q, kc, vc, 4096, **kw2)
+

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ..spec import decode as dec
 from ..runtime import driver
+from . import api
 from .api import (ALIGN_BYTES, ARRAY_META, ARRAY_PTR, DTYPE_NAMES, HEAD_DIM_V_NOTE, _allocate, _check_arch,
                   _check_same_place, _current_device, _current_stream, _empty, _torch, _View, _view, default_arch,
                   device_info, device_target)
@@ -69,6 +70,9 @@ class DecodePlan:
                                        "lse_partial": 4 * partial_floats[1], "split_counters": 4 * counters},
                                       allocate, self._zero_counters if counters else None)
         self._lock = threading.Lock()
+        # launch_step's kernels, in launch order: a plan with no append kernel and no context to switch
+        self.step_ready = "append" not in kernels and not switch_context
+        self._step_kernels = tuple((name, kernels[name]) for name in ("decode", "combine") if name in kernels)
 
     def _zero_counters(self, scratch: Scratch, stream: int) -> None:
         """fused_combine's counters start at zero; the last split CTA of each work item puts its counter
@@ -110,6 +114,24 @@ class DecodePlan:
                         kernel.launcher(scratch.stream, kernel.image.kernel_params)
                 else:
                     kernel.launcher(scratch.stream, kernel.image.kernel_params)
+
+    def launch_step(self, stream: int, q: int, k_cache: int, v_cache: int, o: int, lse: int, cache_seqlens: int,
+                    page_table: int) -> None:
+        """``launch`` of a ``step_ready`` plan (no new tokens to append, no context to switch) with less
+        to do: attention_with_kvcache's fast path, a server's decode step."""
+        found = self._scratch._streams.get(stream)
+        scratch = found if found is not None else self._scratch.get(stream)
+        sets = self.pointer_sets(scratch, q, k_cache, v_cache, o, lse, cache_seqlens, page_table, 0, 0)
+        lock = self._lock
+        lock.acquire()      # (cheaper than `with`)
+        try:
+            for name, kernel in self._step_kernels:
+                image = kernel.image
+                kernel.pack.pack_into(image.storage, image.base, *sets[name])
+                if kernel.launcher is not None:
+                    kernel.launcher(scratch.stream, image.kernel_params)
+        finally:
+            lock.release()
 
     def param_bytes(self, name: str) -> bytes:
         return self.kernels[name].image.data()
@@ -456,7 +478,29 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     which marks k_cache and v_cache mutated. There is no backward: a call on tensors that require
     grad (with grad enabled) raises NotImplementedError.
     """
-    torch = _torch()
+    torch = api._TORCH or _torch()
+    # The decode step of a server on torch tensors (no new tokens, knob, out= or value check; eager;
+    # nothing to record): its plan-cache hit in this one frame (_eager's, with the same key).
+    if (torch is not None and q.__class__ is torch.Tensor and k is None and v is None and out is None
+            and not knobs and not check_inputs and not torch.compiler.is_compiling()):
+        try:
+            if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+                plan = None     # (the op records the refusal below)
+            else:
+                device = q.get_device()
+                plan = _PLANS._plans.get(_step_key(torch, q, k_cache, v_cache, cache_seqlens, page_table, device,
+                                                   causal, softmax_scale, num_splits, return_lse, arch))
+        except (AttributeError, TypeError):   # cache_seqlens or page_table not a torch tensor, an unhashable scale
+            plan = None
+        if plan is not None and plan.step_ready:
+            out = torch.empty_like(q)
+            lse = torch.empty(plan.outputs[1], dtype=torch.float32, device=q.device) if return_lse else None
+            qp, kp, vp, op = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+            if not (qp | kp | vp | op) & 15:    # (a misaligned view: the checked path says so)
+                plan.launch_step(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,
+                                 0 if lse is None else lse.data_ptr(), cache_seqlens.data_ptr(),
+                                 0 if page_table is None else page_table.data_ptr())
+                return (out, lse) if return_lse else out
     if torch is not None and isinstance(q, torch.Tensor) and (torch.compiler.is_compiling() or (
             torch.is_grad_enabled() and _requires_grad(q, k_cache, v_cache, k, v))):
         from . import torch_op
@@ -466,6 +510,19 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
                                                **knobs)
     return _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, return_lse,
                   out, arch, check_inputs, knobs)
+
+
+def _step_key(torch, q, k_cache, v_cache, cache_seqlens, page_table, device: int, causal, softmax_scale, num_splits,
+              return_lse, arch) -> tuple:
+    """The plan key of a decode step on torch tensors (no k/v, out=, knob or lse_out): what
+    attention_with_kvcache's fast path and _eager both build (``device``: q.get_device(), read by both)."""
+    return (q.dtype, q.shape, q.stride(), k_cache.dtype, k_cache.shape, k_cache.stride(), k_cache.get_device(),
+            v_cache.dtype, v_cache.shape, v_cache.stride(), v_cache.get_device(),
+            cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.get_device(),
+            None if page_table is None else (page_table.dtype, page_table.shape, page_table.stride(),
+                                             page_table.get_device()),
+            device, torch._C._cuda_getDevice(), causal.__class__, causal, softmax_scale.__class__, softmax_scale,
+            num_splits.__class__, num_splits, bool(return_lse), arch)
 
 
 def _requires_grad(*tensors) -> bool:
@@ -504,14 +561,18 @@ def _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax
             meta = ARRAY_META["torch"]
             device = q.get_device()
             current = torch._C._cuda_getDevice()
+            if k is None and v is None and out is None and not knobs and lse_out is None:   # a step: the fast path's key
+                key = _step_key(torch, q, k_cache, v_cache, cache_seqlens, page_table, device, causal, softmax_scale,
+                                num_splits, return_lse, arch)
         else:
             meta = ARRAY_META["cupy"]
             cupy = sys.modules.get("cupy")
             device = q.device.id if cupy is not None and isinstance(q, cupy.ndarray) else -1
             current = cupy.cuda.runtime.getDevice() if device >= 0 else -1
-        key = (kind, meta(q), meta(k_cache), meta(v_cache), meta(cache_seqlens), meta(page_table), meta(k), meta(v),
-               meta(out), device, current, causal.__class__, causal, softmax_scale.__class__, softmax_scale,
-               num_splits, bool(return_lse), arch, knob_key)
+        if key is None:
+            key = (kind, meta(q), meta(k_cache), meta(v_cache), meta(cache_seqlens), meta(page_table), meta(k),
+                   meta(v), meta(out), device, current, causal.__class__, causal, softmax_scale.__class__,
+                   softmax_scale, num_splits.__class__, num_splits, bool(return_lse), arch, knob_key)
         plan = _PLANS.get(key) if device >= 0 else None
     except (AttributeError, TypeError):   # not all arrays of one library, an unhashable knob: the checked path
         plan = key = None
