@@ -31,6 +31,9 @@ CASES = (
     # the splits merged by the decode kernel's last CTA (counters, fences, partials read back)
     ("contiguous, split, append, fused", 4, 1, 8, 2, 128, 512, 0, (-5, 10 ** 9, 0, 37), 3, 0, True),
     ("paged16, append, bad pages, fused", 3, 2, 8, 1, 64, 256, 16, (-1, 300, 255), 2, 4, True),
+    # d256's 3-stage ring (kvcache.choose -> split_stages: one split of 32 or more key blocks)
+    ("contiguous, d256, one long split", 2, 1, 8, 2, 256, 2048, 0, (2047, -3), 0, 1, False),
+    ("paged256, d256, one long split, append", 1, 1, 4, 1, 256, 4096, 256, (10 ** 6,), 1, 1, False),
 )
 
 

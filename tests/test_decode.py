@@ -746,3 +746,26 @@ def test_decode_step_fast_path_hits_the_plan_the_checked_path_built(fake, monkey
     with pytest.raises(TypeError, match="cache_seqlens"):
         kvcache.attention_with_kvcache(q, kc, vc, 4096, **kw2)
 
+
+def test_head_dim_256_takes_three_stages_on_long_splits():
+    """sm90 d256: 3 ring stages (192 KB) where a split has >= 32 key blocks (contiguous, or pages of at
+    least a block), 2 on short splits and pages of 16, the caller's stages/block_n kept; other head dims
+    and sm80 as default_decode_spec makes them."""
+    from facodegen.ops import kvcache
+    from facodegen.spec import decode as dec
+
+    def spec(d, capacity, batch=1, arch="sm90", knobs=None, splits=0, page=0):
+        problem = kvcache._Problem(batch, 1, 32, 8, d, "bf16", page > 0, page, batch * capacity // max(page, 1),
+                                   capacity, 0)
+        return kvcache.choose(problem, arch, 132, splits, dict(knobs or {}))
+    long_split, splits = spec(256, 262144)
+    assert long_split.stages == 3 and 262144 // 64 // splits >= 32
+    assert long_split.smem_bytes <= 227 * 1024
+    assert spec(256, 8192)[0].stages == 2                       # 16 splits of 8 blocks: the default's 2
+    assert spec(256, 262144, knobs={"stages": 2})[0].stages == 2
+    assert spec(256, 262144, knobs={"block_n": 64})[0].stages == 2
+    assert spec(128, 262144)[0].stages == dec.default_decode_spec("sm90", "bf16", 128, group=4).stages
+    assert spec(256, 262144, arch="sm80")[0].stages == dec.default_decode_spec("sm80", "bf16", 256, group=4).stages
+    assert spec(256, 4096, splits=1)[0].stages == 3             # one split of 64 blocks
+    assert spec(256, 262144, page=64)[0].stages == spec(256, 262144, page=256)[0].stages == 3
+    assert spec(256, 262144, page=16)[0].stages == 2            # pages smaller than a block keep 2

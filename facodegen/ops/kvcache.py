@@ -27,7 +27,7 @@ import math
 import struct
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..spec import decode as dec
 from ..runtime import driver
@@ -278,12 +278,14 @@ def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
     heads_per_cta = group if base.pack_gqa else 1
     rows = problem.seqlen_q * heads_per_cta
     m_blocks = -(-rows // base.block_m)
+    n_blocks = -(-problem.capacity // base.block_n)
     if num_splits == 0:
         work = problem.batch * (problem.heads_q // heads_per_cta) * m_blocks
-        n_blocks = -(-problem.capacity // base.block_n)
         num_splits = dec.num_splits_heuristic(work, n_blocks, sms, dec.ctas_per_sm(base, smem_per_sm))
+    stages = dec.split_stages(base, -(-n_blocks // max(num_splits, 1)), knobs, problem.page_size)
+    if stages != base.stages:
+        base = replace(base, stages=stages)
     if num_splits > 1:
-        from dataclasses import replace
         base = replace(base, split=True, fused_combine=bool(fused))
     return base, num_splits
 

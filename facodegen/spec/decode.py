@@ -22,7 +22,7 @@ comment per branch) and ``num_splits_heuristic`` choose what a call runs.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .knobs import Knob
 from ..runtime.params import Field, pack_fields, place, stride_fields
@@ -304,11 +304,11 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
     # so a stage stays 32-64 KB and a ring of 2-4 stages fits twice per H200 SM (d <= 128).
     block_n = 128 if head_dim <= 64 and block_m <= 32 else 64   # (d64 x 64 rows: S and O would not fit)
     stage = 2 * knobs.get("block_n", block_n) * head_dim * 2    # (the ring of the caller's block_n)
-    # sm90, a contiguous cache: ~128 KB of ring (d64 4, d96 4, d128 4, d192/d256 2 stages), so d64 and
-    # d128 hold one CTA per SM (the split heuristic takes half the splits), whose 4 stages in flight
-    # read faster than two CTAs of 3 where the wave is short. A paged cache (and sm80, not measured
-    # with more): ~96 KB (d64 3, d96 4, d128 3), two CTAs per SM: its loads wait on page-table reads,
-    # and one CTA's producer issues too few.
+    # sm90, a contiguous cache: ~128 KB of ring (d64 4, d96 4, d128 4, d192/d256 2 stages; split_stages
+    # deepens d256's to 3 on long splits), so d64 and d128 hold one CTA per SM (the split heuristic
+    # takes half the splits), whose 4 stages in flight read faster than two CTAs of 3 where the wave
+    # is short. A paged cache (and sm80, not measured with more): ~96 KB (d64 3, d96 4, d128 3), two
+    # CTAs per SM: its loads wait on page-table reads, and one CTA's producer issues too few.
     # H200, 2026-12-04 (session 35, calls 8-9, bench_decode, TB/s 3 stages -> 4): batch 1, 32k keys,
     # GQA 32/8, d128 3.34 -> 3.59 and 3.31 -> 3.42, d64 2.56 -> 2.87; the other contiguous cells of
     # batch 1/8 x 8k/32k/256k x GQA 32/8, MHA 32/32 at d128 0.97-1.03x (noise); paged 64 at d128
@@ -319,6 +319,23 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
               "fused_combine": split and FUSED_COMBINE_DEFAULT, "paged": paged}
     fields.update(knobs)
     return DecodeSpec(**fields)
+
+
+def split_stages(spec: DecodeSpec, blocks_per_split: int, knobs: dict, page_size: int = 0) -> int:
+    """The ring depth of a call whose splits each take ``blocks_per_split`` key blocks: the spec's, except
+    sm90 at head_dim 256 (64 KB stages, so default_decode_spec's ring holds 2, one in flight), which takes
+    3 (a 192 KB ring) where a split has at least 32 blocks (2k keys), the cache is contiguous or its
+    pages hold whole blocks (``page_size`` >= block_n), and the caller set neither stages nor block_n.
+    H200, 2026-12-04 (session 36, calls 3 and 4, `bench_decode.py --d 256` with a stages column, the
+    full d256 grid, two versions of the paged loads; 3 stages over 2, geomean): under 16 blocks a split
+    0.90-0.92x (the deeper prologue does not pay on a short split), 16-127 blocks 1.00-1.04x, over 1 GB
+    of K+V contiguous 1.025x / 1.013x, pages of 64 1.075x / 1.038x, of 256 1.086x / 1.070x; pages of 16
+    (4 pages a block) 1.049x / 0.941x, so they keep 2."""
+    if (spec.arch == "sm90" and spec.head_dim == 256 and blocks_per_split >= 32
+            and (not spec.paged or page_size >= spec.block_n)
+            and "stages" not in knobs and "block_n" not in knobs):
+        return 3
+    return spec.stages
 
 
 def ctas_per_sm(spec: DecodeSpec, smem_per_sm: int = 233472, regs_per_thread: int = 128) -> int:
@@ -541,7 +558,8 @@ def compile_many(specs, sm_of=lambda spec: None, threads: int = 4) -> list:
 
 def shipped_specs() -> list:
     """The decode, combine and append configs the public call picks by default for every dtype,
-    head_dim, paging, split and packing choice at seqlen_q x group <= 64 rows (tests compile all of
+    head_dim, paging, split and packing choice at seqlen_q x group <= 64 rows, short and long splits
+    (split_stages) (tests compile all of
     them for sm_80 and sm_90a and check for spills)."""
     out = []
     for arch in DECODE_ARCHS:
@@ -552,8 +570,10 @@ def shipped_specs() -> list:
                         for split in (False, True):
                             spec = default_decode_spec(arch, dtype, head_dim, seqlen_q=rows, group=1,
                                                        paged=paged, split=split, pack_gqa=True)
-                            if spec not in out:
-                                out.append(spec)
+                            long_split = replace(spec, stages=split_stages(spec, 1 << 30, {}, 1 << 30))
+                            for chosen in (spec, long_split):    # (split_stages: deeper rings of long splits)
+                                if chosen not in out:
+                                    out.append(chosen)
     for dtype in DECODE_DTYPES:
         for head_dim in DECODE_HEAD_DIMS:
             out.append(CombineSpec(dtype=dtype, head_dim=head_dim))
