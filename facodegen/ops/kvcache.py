@@ -72,7 +72,16 @@ class DecodePlan:
         self._lock = threading.Lock()
         # launch_step's kernels, in launch order: a plan with no append kernel and no context to switch
         self.step_ready = "append" not in kernels and not switch_context
+        self._lse_like = None           # new_lse's template
         self._step_kernels = tuple((name, kernels[name]) for name in ("decode", "combine") if name in kernels)
+
+    def new_lse(self, torch, q):
+        """A new float32 LSE of the plan's shape on q's device: empty_like of a template on 4 bytes of
+        storage (strides 0), half a torch.empty's host cost (api's plan outputs do the same)."""
+        if self._lse_like is None:  # (q.device makes an object: read once, not per call)
+            self._lse_like = torch.empty(1, dtype=torch.float32, device=q.device).as_strided(
+                self.outputs[1], (0,) * len(self.outputs[1]))
+        return torch.empty_like(self._lse_like)
 
     def _zero_counters(self, scratch: Scratch, stream: int) -> None:
         """fused_combine's counters start at zero; the last split CTA of each work item puts its counter
@@ -496,7 +505,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
             plan = None
         if plan is not None and plan.step_ready:
             out = torch.empty_like(q)
-            lse = torch.empty(plan.outputs[1], dtype=torch.float32, device=q.device) if return_lse else None
+            lse = plan.new_lse(torch, q) if return_lse else None
             qp, kp, vp, op = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
             if not (qp | kp | vp | op) & 15:    # (a misaligned view: the checked path says so)
                 plan.launch_step(torch._C._cuda_getCurrentRawStream(device), qp, kp, vp, op,

@@ -245,6 +245,32 @@ def test_fused_combine_calls_in_a_row_leave_the_counters_at_zero(page_size):
             assert int(counters.abs().sum()) == 0, "a counter was left non-zero"
 
 
+@pytest.mark.parametrize("page_size", [0, 64])
+def test_a_repeated_step_takes_the_fast_path_and_matches_the_reference(page_size):
+    """The second call of a decode step finds its plan in attention_with_kvcache's own frame
+    (DecodePlan.launch_step, the LSE from new_lse's template; both outputs allocated by the call): O and
+    the LSE against float64, with other lengths in the same cache_seqlens tensor (a server's next step)."""
+    from facodegen.ops import kvcache
+    case = make_case(batch=3, heads_q=16, heads_kv=4, capacity=1024, page_size=page_size, lengths=[1024, 5, 600])
+    args = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"])
+    facodegen.attention_with_kvcache(*args, page_table=case["page_table"], return_lse=True)   # builds the plan
+    steps = []
+    real = kvcache.DecodePlan.launch_step
+    kvcache.DecodePlan.launch_step = lambda self, *a: steps.append(a) or real(self, *a)
+    try:
+        for lengths in ([1, 1023, 0], [700, 64, 1024]):
+            case["cache_seqlens"].copy_(torch.tensor(lengths, dtype=torch.int32))
+            out, lse = facodegen.attention_with_kvcache(*args, page_table=case["page_table"], return_lse=True)
+            ref_o, ref_lse, _, _ = kvcache_reference(_np(case["q"]), _np(case["k_cache"]), _np(case["v_cache"]),
+                                                     _np(case["cache_seqlens"]), page_table=_np(case["page_table"]))
+            assert np.abs(_np(out) - ref_o).max() < 2e-2
+            finite = np.isfinite(ref_lse)
+            assert (np.isneginf(_np(lse)) == ~finite).all() and np.abs(_np(lse)[finite] - ref_lse[finite]).max() < 1e-3
+    finally:
+        kvcache.DecodePlan.launch_step = real
+    assert len(steps) == 2
+
+
 def test_cupy_fp16():
     cupy = pytest.importorskip("cupy")
     case = make_case(dtype="fp16", batch=2, heads_q=8, heads_kv=2, capacity=256, lengths=[256, 17])
