@@ -200,16 +200,20 @@ def _driver_floor_rows(stream: int, param_bytes: int, smem_bytes: int) -> list:
     driver.lib().cuFuncSetAttribute(ctypes.c_void_p(big.ptr), 8, smem_bytes)   # max dynamic smem
     word = ctypes.c_uint64(0)
     blob = (ctypes.c_uint64 * words)()
-    small_args = (ctypes.c_void_p * 1)(ctypes.addressof(word))
-    big_args = (ctypes.c_void_p * 1)(ctypes.addressof(blob))
-    pa, pb = ctypes.addressof(small_args), ctypes.addressof(big_args)
-    _driver_floor_rows.keep = (module, small, big, word, blob, small_args, big_args)   # (a freed module unloads)
-    return [("  driver floor: empty kernel, 8 B of params", lambda: launchKernel(small.ptr, 1, 1, 1, 32, 1, 1, 0,
-                                                                                 stream, pa, 0)),
-            (f"  driver floor: empty kernel, {param_bytes} B of params", lambda: launchKernel(
-                big.ptr, 1, 1, 1, 32, 1, 1, 0, stream, pb, 0)),
-            (f"  driver floor: same, {smem_bytes} B dynamic smem, 384 threads, 132 CTAs", lambda: launchKernel(
-                big.ptr, 132, 1, 1, 384, 1, 1, smem_bytes, stream, pb, 0))]
+
+    def launcher(function, ctas: int, threads: int, smem: int, value):
+        """launchKernel of ``function`` with one argument, ``value``; the closure's default holds the
+        module and the argument array (a freed module unloads, a freed array dangles)."""
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(value))
+        ptr, address = function.ptr, ctypes.addressof(args)
+
+        def launch(_held=(module, function, value, args)):
+            launchKernel(ptr, ctas, 1, 1, threads, 1, 1, smem, stream, address, 0)
+        return launch
+    return [("  driver floor: empty kernel, 8 B of params", launcher(small, 1, 32, 0, word)),
+            (f"  driver floor: empty kernel, {param_bytes} B of params", launcher(big, 1, 32, 0, blob)),
+            (f"  driver floor: same, {smem_bytes} B dynamic smem, 384 threads, 132 CTAs",
+             launcher(big, 132, 384, smem_bytes, blob))]
 
 
 def _allocation_rows(torch, q) -> list:
