@@ -168,27 +168,28 @@ def test_the_verdict_says_when_varlen_is_more_than_5_percent_slower():
     assert vl.equal_verdict(dict(row, results={vl.FACODEGEN_VARLEN: {"tflops": 90.0}})) is None
 
 
-def test_the_persistent_verdict_holds_the_one_cta_per_tile_kernel_to_the_padded_one():
-    row = dict(vl.cells(quick=True)[1], results={vl.FACODEGEN_VARLEN: {"tflops": 96.0},
-                                                  vl.FACODEGEN_VARLEN_NP: {"tflops": 90.0},
-                                                  vl.PADDED_SM90: {"tflops": 100.0}})
-    assert vl.persistent_verdict(row) == ("equal 8x4096 d128 full: varlen (not persistent) / facodegen padded "
-                                          "(sm90) = 0.900, varlen / varlen (not persistent) = 1.067")
-    assert vl.persistent_verdict(dict(row, cell="mixed")) is None
-    assert vl.persistent_verdict(dict(row, results={vl.FACODEGEN_VARLEN: {"tflops": 90.0}})) is None
-    assert "facodegen varlen (not persistent)" in vl.format_table([row]).splitlines()[0]
-    assert "varlen / varlen (not persistent) = 1.067" in vl.format_notes([row])
-
-
-def test_the_store_verdict_holds_the_tma_store_to_the_row_store():
-    row = dict(vl.cells(quick=True)[0], results={vl.FACODEGEN_VARLEN: {"tflops": 96.0},
-                                                  vl.FACODEGEN_VARLEN_ROWO: {"tflops": 90.0},
-                                                  vl.PADDED_SM90: {"tflops": 100.0}})
-    assert vl.store_verdict(row) == ("mixed d128 full: varlen / varlen (O row by row) = 1.067, varlen (O row by "
-                                     "row) / facodegen padded (sm90) = 0.900")
-    assert vl.store_verdict(dict(row, results={vl.FACODEGEN_VARLEN: {"tflops": 90.0}})) is None
-    assert "facodegen varlen (O row by row)" in vl.format_table([row]).splitlines()[0]
-    assert "varlen / varlen (O row by row) = 1.067" in vl.format_notes([row])
+@pytest.mark.parametrize("cell, column, verdict, name, text", [
+    (1, "FACODEGEN_VARLEN_NP", "persistent_verdict", "varlen (not persistent)",
+     "equal 8x4096 d128 full: varlen (not persistent) / facodegen padded (sm90) = 0.900, varlen / varlen (not "
+     "persistent) = 1.067"),
+    (0, "FACODEGEN_VARLEN_ROWO", "store_verdict", "varlen (O row by row)",
+     "mixed d128 full: varlen / varlen (O row by row) = 1.067, varlen (O row by row) / facodegen padded (sm90) "
+     "= 0.900"),
+])
+def test_a_variant_column_verdict_holds_the_default_to_it_and_it_to_the_padded_kernel(cell, column, verdict, name,
+                                                                                       text):
+    """The persistent verdict (the one-CTA-per-tile kernel, equal lengths only) and the store verdict (the
+    row store of O) read their column beside the default and the padded kernel, in the table and notes."""
+    row = dict(vl.cells(quick=True)[cell], results={vl.FACODEGEN_VARLEN: {"tflops": 96.0},
+                                                     getattr(vl, column): {"tflops": 90.0},
+                                                     vl.PADDED_SM90: {"tflops": 100.0}})
+    judge = getattr(vl, verdict)
+    assert judge(row) == text
+    assert judge(dict(row, results={vl.FACODEGEN_VARLEN: {"tflops": 90.0}})) is None
+    assert f"facodegen {name}" in vl.format_table([row]).splitlines()[0]
+    assert f"varlen / {name} = 1.067" in vl.format_notes([row])
+    if verdict == "persistent_verdict":
+        assert judge(dict(row, cell="mixed")) is None      # (equal lengths only)
 
 
 def test_peers_left_out_and_a_cell_that_raises(fake_gpu, monkeypatch):
