@@ -769,3 +769,20 @@ def test_head_dim_256_takes_three_stages_on_long_splits():
     assert spec(256, 4096, splits=1)[0].stages == 3             # one split of 64 blocks
     assert spec(256, 262144, page=64)[0].stages == spec(256, 262144, page=256)[0].stages == 3
     assert spec(256, 262144, page=16)[0].stages == 2            # pages smaller than a block keep 2
+
+
+def test_decode_one_script_builds_the_bench_cell_and_its_knobs():
+    """scripts/decode_one.py (one cell's call, for a profiler) takes bench_decode's cell and knob syntax."""
+    import importlib.util
+    from pathlib import Path
+    from facodegen.bench import decode as bd
+    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_one.py"
+    spec = importlib.util.spec_from_file_location("decode_one", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args(["--batch", "8", "--context", "32k", "--heads", "32/8", "--d", "256", "--layout",
+                              "paged16", "--knob", "stages=3", "--knob", "fused_combine=0"])
+    assert args.cell == bd.Cell(8, 32768, 32, 8, 256, "paged16") and args.cell.page_size == 16
+    assert args.knobs == {"stages": 3, "fused_combine": False} and not args.fa3
+    with pytest.raises(SystemExit):
+        module.parse_args(["--batch", "1", "--context", "1k", "--heads", "8/8", "--d", "64", "--knob", "nope=1"])
