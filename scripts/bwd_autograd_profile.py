@@ -13,7 +13,14 @@ autograd reads 1.00-1.01x the direct call's GPU time, with ~200 µs of host per 
 ~50-80 direct. So the 2-11% gap scripts/bwd_ab.py measured in session 34 was its 3 calls per group,
 which put autograd's host hand-off before the first kernel on the clock.
 
-    python3 scripts/bwd_autograd_profile.py [--gaps]
+3. ``--peers``: the kernel lists of part 1 for cuDNN's and FlashAttention-2's backward too (torch SDPA's
+   CUDNN_ATTENTION and FLASH_ATTENTION backends through autograd on the same tensors, (batch, heads,
+   seqlen, head_dim) views), over the cells where facodegen loses most to cuDNN (head_dim 64 and 128 at
+   512 keys, head_dim 128 causal at 2k, head_dim 256 at 2k): whether cuDNN pays a preprocess (D, a
+   zeroed dQ accumulator) and a dQ conversion as facodegen does (79 + 57.6 µs of 933 at hd128 causal 2k),
+   and what its main kernel takes beside facodegen's.
+
+    python3 scripts/bwd_autograd_profile.py [--gaps | --peers]
 """
 import sys
 import time
@@ -26,9 +33,10 @@ import facodegen
 from torch.profiler import profile, ProfilerActivity
 
 
-def arms(d: int, causal: bool, s: int) -> dict:
+def arms(d: int, causal: bool, s: int, peers: bool = False) -> dict:
     """The two callables of one FA3-paper cell (16k tokens, hidden 2048): autograd through
-    attention() on a retained graph, and attention_backward on the same O and LSE."""
+    attention() on a retained graph, and attention_backward on the same O and LSE; with ``peers``
+    SDPA's cuDNN and flash backends' autograd backward on the same tensors too."""
     b, h = 16384 // s, 2048 // d
     shape = (b, s, h, d)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for _ in range(3))
@@ -36,13 +44,27 @@ def arms(d: int, causal: bool, s: int) -> dict:
     out = facodegen.attention(q, k, v, causal=causal)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     o2, lse = facodegen.attention(qd, kd, vd, causal=causal, return_lse=True)
-    return {"autograd": lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
-            "direct": lambda: facodegen.attention_backward(do, qd, kd, vd, o2, lse, causal=causal)}
+    fns = {"autograd": lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+           "direct": lambda: facodegen.attention_backward(do, qd, kd, vd, o2, lse, causal=causal)}
+    if peers:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("FA2", SDPBackend.FLASH_ATTENTION)):
+            qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+            with sdpa_kernel(backend):
+                peer_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            fns[name] = (lambda o=peer_out, ins=(qt, kt, vt), g=do.transpose(1, 2):
+                         torch.autograd.grad(o, ins, g, retain_graph=True))
+    return fns
 
 
-def kernel_lists() -> None:
-    for d, causal, s in ((128, True, 2048), (64, False, 8192)):
-        for name, fn in arms(d, causal, s).items():
+PROFILE_CELLS = ((128, True, 2048), (64, False, 8192))
+PEER_CELLS = ((64, False, 512), (128, False, 512), (128, True, 2048), (256, False, 2048))
+
+
+def kernel_lists(cells=PROFILE_CELLS, peers: bool = False) -> None:
+    for d, causal, s in cells:
+        for name, fn in arms(d, causal, s, peers).items():
             for _ in range(3):
                 fn()
             torch.cuda.synchronize()
@@ -87,4 +109,9 @@ def gaps() -> None:
 
 
 if __name__ == "__main__":
-    gaps() if "--gaps" in sys.argv[1:] else kernel_lists()
+    if "--gaps" in sys.argv[1:]:
+        gaps()
+    elif "--peers" in sys.argv[1:]:
+        kernel_lists(PEER_CELLS, peers=True)
+    else:
+        kernel_lists()
