@@ -786,3 +786,27 @@ def test_decode_one_script_builds_the_bench_cell_and_its_knobs():
     assert args.knobs == {"stages": 3, "fused_combine": False} and not args.fa3
     with pytest.raises(SystemExit):
         module.parse_args(["--batch", "1", "--context", "1k", "--heads", "8/8", "--d", "64", "--knob", "nope=1"])
+
+
+def test_bench_decode_bar_lines_count_the_cells_that_miss_issue_39s_bars():
+    from facodegen.bench import decode as bd
+
+    def row(batch, layout, ours, fa3=None, sdpa=None, graph=None, context=32768):
+        cell = bd.Cell(batch, context, 32, 8, 128, layout)
+        r = {"cell": cell.name, **cell.__dict__, "kv_bytes": cell.kv_bytes, "facodegen": ours}
+        r.update({k: v for k, v in (("fa3", fa3), ("sdpa", sdpa), ("facodegen_graph", graph)) if v})
+        return r
+    rows = [row(1, "contiguous", 3.5, fa3=3.0, sdpa=3.2, graph=3.7),      # 134 MB: every bar met
+            row(1, "paged64", 3.2, fa3=3.4, graph=3.3),                   # below 3.4, 0.94x FA3, 0.91x contiguous
+            row(1, "paged16", 3.45, fa3=3.5),                             # pages of 16: not in the paged bar
+            row(1, "contiguous", 1.0, fa3=0.5, context=1024)]             # 4 MB: only the peer bar applies
+    lines = bd.bar_lines(rows)
+    assert lines[0] == ("bar >= 3.4 TB/s where K+V >= 64 MB (public call): 2 of 3 cells; lowest "
+                        "b1 ctx32768 h32/8 d128 paged64 3.20")
+    assert lines[1].startswith("bar >= 3.4 TB/s where K+V >= 64 MB (CUDA-graph replays): 1 of 2 cells")
+    assert lines[2] == "bar >= 0.97x the best peer: 3 of 4 cells; lowest b1 ctx32768 h32/8 d128 paged64 0.94x"
+    assert lines[3] == ("bar paged 64/256 >= 0.95x contiguous where K+V >= 64 MB: 0 of 1 cells; lowest "
+                        "b1 ctx32768 h32/8 d128 paged64 0.91x")
+    assert "bar >= 0.97x the best peer: 3 of 4 cells" in bd.summary(rows)
+    assert bd.bar_lines([row(1, "contiguous", 3.5)]) == ["bar >= 3.4 TB/s where K+V >= 64 MB (public call): "
+                                                         "1 of 1 cells"]

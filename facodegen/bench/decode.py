@@ -202,12 +202,55 @@ def geomeans(rows: list[dict]) -> dict:
     return out
 
 
+# Issue 39's decode bars: TB/s where K+V is at least BAR_MIN_BYTES, the ratio to the best peer in every
+# cell, paged (pages of 64 and 256) against contiguous where K+V is at least BAR_MIN_BYTES.
+BAR_TBPS = 3.4
+BAR_MIN_BYTES = 64 * 10 ** 6
+BAR_PEER_RATIO = 0.97
+BAR_PAGED_RATIO = 0.95
+BAR_PAGED_LAYOUTS = ("paged64", "paged256")
+
+
+def bar_lines(rows: list[dict]) -> list[str]:
+    """Issue 39's decode bars over the rows, one line each: the cells that miss each bar (count and
+    the worst), eager, and where any row has them, as CUDA-graph replays for the TB/s bar."""
+    big = [r for r in rows if r["kv_bytes"] >= BAR_MIN_BYTES and r.get("facodegen")]
+    lines = []
+    for column, what in (("facodegen", "public call"), ("facodegen_graph", "CUDA-graph replays")):
+        timed = [r for r in big if r.get(column)]
+        if not timed:
+            continue
+        low = sorted((r for r in timed if r[column] < BAR_TBPS), key=lambda r: r[column])
+        lines.append(f"bar >= {BAR_TBPS} TB/s where K+V >= {BAR_MIN_BYTES // 10 ** 6} MB ({what}): "
+                     f"{len(timed) - len(low)} of {len(timed)} cells"
+                     + (f"; lowest {low[0]['cell']} {low[0][column]:.2f}" if low else ""))
+    peered = [(r, max(x for x in (r.get("fa3"), r.get("sdpa")) if x)) for r in rows
+              if r.get("facodegen") and (r.get("fa3") or r.get("sdpa"))]
+    if peered:
+        low = sorted(((r, r["facodegen"] / best) for r, best in peered if r["facodegen"] < BAR_PEER_RATIO * best),
+                     key=lambda x: x[1])
+        lines.append(f"bar >= {BAR_PEER_RATIO}x the best peer: {len(peered) - len(low)} of {len(peered)} cells"
+                     + (f"; lowest {low[0][0]['cell']} {low[0][1]:.2f}x" if low else ""))
+    def shape(r):   # a cell's shape without its layout
+        return tuple(r.get(k) for k in ("batch", "context", "heads_q", "heads_kv", "d"))
+    contiguous = {shape(r): r["facodegen"] for r in rows if r.get("layout") == "contiguous" and r.get("facodegen")}
+    paged = [(r, r["facodegen"] / contiguous[shape(r)]) for r in big
+             if r.get("layout") in BAR_PAGED_LAYOUTS and shape(r) in contiguous]
+    if paged:
+        low = sorted(((r, x) for r, x in paged if x < BAR_PAGED_RATIO), key=lambda x: x[1])
+        lines.append(f"bar paged 64/256 >= {BAR_PAGED_RATIO}x contiguous where K+V >= "
+                     f"{BAR_MIN_BYTES // 10 ** 6} MB: {len(paged) - len(low)} of {len(paged)} cells"
+                     + (f"; lowest {low[0][0]['cell']} {low[0][1]:.2f}x" if low else ""))
+    return lines
+
+
 def summary(rows: list[dict]) -> str:
-    """The table and the geomean lines, as printed."""
+    """The table, the geomean lines and issue 39's bar lines, as printed."""
     lines = [table(rows)]
     for key, g in geomeans(rows).items():
         graph = " (CUDA-graph replays)" if key.endswith("_graph") else ""
         lines.append(f"geomean facodegen / {key.removesuffix('_graph')}{graph}: {g:.3f}x")
+    lines.extend(bar_lines(rows))
     return "\n\n".join(lines)
 
 
