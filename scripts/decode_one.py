@@ -52,17 +52,9 @@ def main(argv=None) -> int:
     from facodegen.ops import kvcache
 
     cell = args.cell
-    dt = torch.bfloat16
-    q = torch.randn(cell.batch, 1, cell.heads_q, cell.d, dtype=dt, device="cuda")
+    q = torch.randn(cell.batch, 1, cell.heads_q, cell.d, dtype=torch.bfloat16, device="cuda")
     lengths = torch.full((cell.batch,), cell.context, dtype=torch.int32, device="cuda")
-    table = None
-    if cell.page_size:
-        pages = cell.batch * cell.context // cell.page_size
-        shape = (pages, cell.page_size, cell.heads_kv, cell.d)
-        table = torch.randperm(pages, device="cuda").view(cell.batch, -1).to(torch.int32)
-    else:
-        shape = (cell.batch, cell.context, cell.heads_kv, cell.d)
-    k_cache, v_cache = torch.randn(shape, dtype=dt, device="cuda"), torch.randn(shape, dtype=dt, device="cuda")
+    k_cache, v_cache, table = dec.make_cache(torch, cell)
     if args.fa3:
         from facodegen.bench.peers import _fa3_module
         mod, why = _fa3_module()

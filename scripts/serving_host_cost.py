@@ -41,6 +41,7 @@ def rows(calls: int) -> list[tuple[str, str, dict]]:
     import torch.nn.functional as F
 
     import facodegen
+    from facodegen.bench.decode import Cell, make_cache
     from facodegen.bench.timing import time_host_per_call
 
     dev, dt = "cuda", torch.bfloat16
@@ -55,19 +56,11 @@ def rows(calls: int) -> list[tuple[str, str, dict]]:
         except Exception as exc:  # noqa: BLE001 (a peer that refuses the call: its row says why)
             out.append((group, name, {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}))
 
-    batch, heads_q, heads_kv, d, ctx, page = 8, 32, 8, 128, 512, 64
+    batch, heads_q, heads_kv, d, ctx = 8, 32, 8, 128, 512
     q = torch.randn(batch, 1, heads_q, d, dtype=dt, device=dev)
     lengths = torch.randint(ctx // 2, ctx, (batch,), dtype=torch.int32, device=dev)
     for layout in ("contiguous", "paged64"):
-        caches = []
-        for _ in range(2):
-            if layout == "contiguous":
-                shape, table = (batch, ctx, heads_kv, d), None
-            else:
-                pages = batch * ctx // page
-                shape = (pages, page, heads_kv, d)
-                table = torch.randperm(pages, device=dev).view(batch, -1).to(torch.int32)
-            caches.append((torch.randn(shape, dtype=dt, device=dev), torch.randn(shape, dtype=dt, device=dev), table))
+        caches = [make_cache(torch, Cell(batch, ctx, heads_q, heads_kv, d, layout)) for _ in range(2)]
         turn = [0]
 
         def cache():

@@ -5,8 +5,8 @@ per sequence, bf16, full caches (cache_seqlens = context).
 
 Cells: batch {1, 8, 64} x context {1k, 8k, 32k, 256k} x heads q/kv {32/32, 32/8, 64/8} x d {64, 128,
 256} x layout {contiguous, paged 16, paged 64, paged 256} (issue 39's grid), skipping cells whose K+V
-exceed ``max_gb`` (60 GB); QUICK is a subset that runs in about 3 minutes on an H200. Effective bandwidth = bytes of K and V read
-(2 x batch x context x heads_kv x d x 2) / time.
+exceed ``max_gb`` (60 GB); QUICK is a subset that runs in about 3 minutes on an H200. Effective
+bandwidth = bytes of K and V read (2 x batch x context x heads_kv x d x 2) / time.
 
 Timing: timing.time_cuda_interleaved (CUDA events, warm-up, implementations in turns group by group,
 median of the group means); where one cell's K+V is under twice the L2 (inputs.L2_BYTES_DEFAULT) the
@@ -153,6 +153,11 @@ def variant_names(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(name for r in rows for name in r.get("variants", ())))
 
 
+def best_peer(row: dict, suffix: str = "") -> float | None:
+    """The faster peer's TB/s in ``row`` (``suffix`` "_graph": of their CUDA-graph replays), or None."""
+    return max([x for x in (row.get("fa3" + suffix), row.get("sdpa" + suffix)) if x], default=None)
+
+
 def table(rows: list[dict]) -> str:
     """Markdown: one row per cell, TB/s of facodegen and each peer, then facodegen / peer ratios last;
     variant columns (facodegen with knobs) after facodegen's, each with its ratio to the default call;
@@ -164,15 +169,13 @@ def table(rows: list[dict]) -> str:
             + (" graph: facodegen | FA3 | SDPA | vs best |" if graphs else ""))
     lines = [head, "|" + "---|" * (9 + 2 * len(variants) + 4 * graphs)]
     for r in rows:
-        ours, fa3, sdpa = r.get("facodegen"), r.get("fa3"), r.get("sdpa")
-        best = max([x for x in (fa3, sdpa) if x], default=None)
+        ours, fa3, sdpa, best = r.get("facodegen"), r.get("fa3"), r.get("sdpa"), best_peer(r)
         cols = "".join(f"{_num(r.get(v))} | {_ratio(r.get(v), ours)} | " for v in variants)
         line = (f"| {r['cell']} | {r['kv_bytes'] / 1e6:.0f} | {_num(ours)} | {cols}{_num(fa3)} | {_num(sdpa)} | "
                 f"{r.get('splits', '–')} | {_ratio(ours, fa3)} | {_ratio(ours, sdpa)} | {_ratio(ours, best)} |")
         if graphs:
             ours_g, fa3_g, sdpa_g = (r.get(g) for g in GRAPH_IMPLS)
-            best_g = max([x for x in (fa3_g, sdpa_g) if x], default=None)
-            line += f" {_num(ours_g)} | {_num(fa3_g)} | {_num(sdpa_g)} | {_ratio(ours_g, best_g)} |"
+            line += f" {_num(ours_g)} | {_num(fa3_g)} | {_num(sdpa_g)} | {_ratio(ours_g, best_peer(r, '_graph'))} |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -211,36 +214,35 @@ BAR_PAGED_RATIO = 0.95
 BAR_PAGED_LAYOUTS = ("paged64", "paged256")
 
 
+def _bar_line(label: str, values: list[tuple[str, float]], bar: float, unit: str) -> str:
+    """One bar's line: how many of the (cell, value) pairs reach ``bar``, and the lowest that does not."""
+    low = min(((cell, x) for cell, x in values if x < bar), key=lambda p: p[1], default=None)
+    met = sum(x >= bar for _, x in values)
+    return f"{label}: {met} of {len(values)} cells" + (f"; lowest {low[0]} {low[1]:.2f}{unit}" if low else "")
+
+
 def bar_lines(rows: list[dict]) -> list[str]:
     """Issue 39's decode bars over the rows, one line each: the cells that miss each bar (count and
     the worst), eager, and where any row has them, as CUDA-graph replays for the TB/s bar."""
     big = [r for r in rows if r["kv_bytes"] >= BAR_MIN_BYTES and r.get("facodegen")]
+    where = f"where K+V >= {BAR_MIN_BYTES // 10 ** 6} MB"
     lines = []
     for column, what in (("facodegen", "public call"), ("facodegen_graph", "CUDA-graph replays")):
-        timed = [r for r in big if r.get(column)]
-        if not timed:
-            continue
-        low = sorted((r for r in timed if r[column] < BAR_TBPS), key=lambda r: r[column])
-        lines.append(f"bar >= {BAR_TBPS} TB/s where K+V >= {BAR_MIN_BYTES // 10 ** 6} MB ({what}): "
-                     f"{len(timed) - len(low)} of {len(timed)} cells"
-                     + (f"; lowest {low[0]['cell']} {low[0][column]:.2f}" if low else ""))
-    peered = [(r, max(x for x in (r.get("fa3"), r.get("sdpa")) if x)) for r in rows
-              if r.get("facodegen") and (r.get("fa3") or r.get("sdpa"))]
+        timed = [(r["cell"], r[column]) for r in big if r.get(column)]
+        if timed:
+            lines.append(_bar_line(f"bar >= {BAR_TBPS} TB/s {where} ({what})", timed, BAR_TBPS, ""))
+    peered = [(r["cell"], r["facodegen"] / best_peer(r)) for r in rows if r.get("facodegen") and best_peer(r)]
     if peered:
-        low = sorted(((r, r["facodegen"] / best) for r, best in peered if r["facodegen"] < BAR_PEER_RATIO * best),
-                     key=lambda x: x[1])
-        lines.append(f"bar >= {BAR_PEER_RATIO}x the best peer: {len(peered) - len(low)} of {len(peered)} cells"
-                     + (f"; lowest {low[0][0]['cell']} {low[0][1]:.2f}x" if low else ""))
+        lines.append(_bar_line(f"bar >= {BAR_PEER_RATIO}x the best peer", peered, BAR_PEER_RATIO, "x"))
+
     def shape(r):   # a cell's shape without its layout
         return tuple(r.get(k) for k in ("batch", "context", "heads_q", "heads_kv", "d"))
     contiguous = {shape(r): r["facodegen"] for r in rows if r.get("layout") == "contiguous" and r.get("facodegen")}
-    paged = [(r, r["facodegen"] / contiguous[shape(r)]) for r in big
+    paged = [(r["cell"], r["facodegen"] / contiguous[shape(r)]) for r in big
              if r.get("layout") in BAR_PAGED_LAYOUTS and shape(r) in contiguous]
     if paged:
-        low = sorted(((r, x) for r, x in paged if x < BAR_PAGED_RATIO), key=lambda x: x[1])
-        lines.append(f"bar paged 64/256 >= {BAR_PAGED_RATIO}x contiguous where K+V >= "
-                     f"{BAR_MIN_BYTES // 10 ** 6} MB: {len(paged) - len(low)} of {len(paged)} cells"
-                     + (f"; lowest {low[0][0]['cell']} {low[0][1]:.2f}x" if low else ""))
+        lines.append(_bar_line(f"bar paged 64/256 >= {BAR_PAGED_RATIO}x contiguous {where}", paged,
+                               BAR_PAGED_RATIO, "x"))
     return lines
 
 
@@ -293,17 +295,28 @@ def cell_specs(cell: Cell, device: int = 0) -> list:
     """The kernel specs the default call of ``cell`` launches on ``device`` (decode, and combine where
     its keys are split), as attention_with_kvcache resolves them: what scripts/warm_cache.py
     --decode-grid compiles ahead of a run. Needs the device's properties (no torch)."""
-    from ..ops import api, kvcache
-    info = api.device_info(device)
+    from ..ops import kvcache
     pages = cell.batch * cell.context // cell.page_size if cell.page_size else 0
     problem = kvcache._Problem(cell.batch, 1, cell.heads_q, cell.heads_kv, cell.d, "bf16", bool(cell.page_size),
                                cell.page_size, pages, cell.context, 0)
-    arch = api.default_arch(info)
-    specs, _ = kvcache.plan_specs(problem, arch, info.sms, 0, {}, kvcache._smem_per_sm(info))
-    return list(specs.values())
+    return kvcache.device_plan_specs(problem, device)
 
 
 # ------------------------------------------------------------------ GPU part
+
+def make_cache(torch, cell: Cell, dtype=None) -> tuple:
+    """(k_cache, v_cache, page_table) of ``cell`` on the GPU, random (bf16 unless ``dtype``): contiguous
+    (batch, context, heads_kv, d), or pages (pages, page_size, heads_kv, d) with the pages shuffled
+    (a (batch, context / page_size) int32 table of a random permutation; page_table None if contiguous)."""
+    dtype = dtype or torch.bfloat16
+    if cell.page_size:
+        pages = cell.batch * cell.context // cell.page_size
+        shape = (pages, cell.page_size, cell.heads_kv, cell.d)
+        table = torch.randperm(pages, device="cuda").view(cell.batch, -1).to(torch.int32)
+    else:
+        shape, table = (cell.batch, cell.context, cell.heads_kv, cell.d), None
+    return torch.randn(shape, dtype=dtype, device="cuda"), torch.randn(shape, dtype=dtype, device="cuda"), table
+
 
 def _fa3():
     from .peers import _fa3_module
@@ -341,16 +354,7 @@ def run_cell(cell: Cell, peers=DECODE_PEERS, check: bool = True, variants=(), gr
     sets = input_sets(cell.kv_bytes)
     q = torch.randn(cell.batch, 1, cell.heads_q, cell.d, dtype=dt, device="cuda")
     lengths = torch.full((cell.batch,), cell.context, dtype=torch.int32, device="cuda")
-    caches = []
-    for _ in range(sets):
-        if cell.page_size:
-            pages = cell.batch * cell.context // cell.page_size
-            shape = (pages, cell.page_size, cell.heads_kv, cell.d)
-            table_ = torch.randperm(pages, device="cuda").view(cell.batch, -1).to(torch.int32)
-        else:
-            shape, table_ = (cell.batch, cell.context, cell.heads_kv, cell.d), None
-        caches.append((torch.randn(shape, dtype=dt, device="cuda"), torch.randn(shape, dtype=dt, device="cuda"),
-                       table_))
+    caches = [make_cache(torch, cell, dt) for _ in range(sets)]
     turn = {"i": 0}
 
     def rotate():

@@ -313,6 +313,16 @@ def plan_specs(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: d
     return specs, splits
 
 
+def device_plan_specs(problem: _Problem, device: int = 0, num_splits: int = 0, knobs: dict | None = None,
+                      arch: str | None = None) -> list:
+    """plan_specs' kernels, in launch order, for ``device`` (its SM count and shared memory; ``arch``
+    None: its default): what a call of ``problem`` compiles there (the fuzzer's and the decode
+    suite's precompile lists)."""
+    info = api.device_info(device)     # (api's, as case_specs read it before: the one tests replace)
+    specs, _ = plan_specs(problem, arch or default_arch(info), info.sms, num_splits, knobs or {}, _smem_per_sm(info))
+    return list(specs.values())
+
+
 # ------------------------------------------------------------------ building a plan
 
 def _grid_decode(spec, problem, num_splits):

@@ -611,14 +611,12 @@ def case_specs(case: Case, device: int = 0) -> list:
     from ..ops import api
     if case.family == "kvcache":
         from ..ops import kvcache
-        info = api.device_info(device)
         paged = case.page_size > 0
         problem = kvcache._Problem(case.batch, case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim, case.dtype,
                                    paged, case.page_size, case.batch * case.seqlen_k // case.page_size if paged else 0,
                                    case.seqlen_k, case.seqlen_new)
-        knobs = {"fused_combine": case.fused_combine}
-        specs, _ = kvcache.plan_specs(problem, case.arch, info.sms, case.num_splits, knobs, kvcache._smem_per_sm(info))
-        return list(specs.values())
+        return kvcache.device_plan_specs(problem, device, case.num_splits, {"fused_combine": case.fused_combine},
+                                         case.arch)
     forward = case_spec(case, device)
     if case.family == "backward":
         from ..ops import backward
