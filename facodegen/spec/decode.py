@@ -558,9 +558,8 @@ def compile_many(specs, sm_of=lambda spec: None, threads: int = 4) -> list:
 
 def shipped_specs() -> list:
     """The decode, combine and append configs the public call picks by default for every dtype,
-    head_dim, paging, split and packing choice at seqlen_q x group <= 64 rows, short and long splits
-    (split_stages) (tests compile all of
-    them for sm_80 and sm_90a and check for spills)."""
+    head_dim, paging, split and packing choice at seqlen_q x group <= 64 rows, on short and long
+    splits (split_stages); tests compile all of them for sm_80 and sm_90a and check for spills."""
     out = []
     for arch in DECODE_ARCHS:
         for dtype in DECODE_DTYPES:

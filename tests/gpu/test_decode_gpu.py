@@ -246,7 +246,7 @@ def test_fused_combine_calls_in_a_row_leave_the_counters_at_zero(page_size):
 
 
 @pytest.mark.parametrize("page_size", [0, 64])
-def test_a_repeated_step_takes_the_fast_path_and_matches_the_reference(page_size):
+def test_a_repeated_step_takes_the_fast_path_and_matches_the_reference(page_size, monkeypatch):
     """The second call of a decode step finds its plan in attention_with_kvcache's own frame
     (DecodePlan.launch_step, the LSE from new_lse's template; both outputs allocated by the call): O and
     the LSE against float64, with other lengths in the same cache_seqlens tensor (a server's next step)."""
@@ -256,18 +256,15 @@ def test_a_repeated_step_takes_the_fast_path_and_matches_the_reference(page_size
     facodegen.attention_with_kvcache(*args, page_table=case["page_table"], return_lse=True)   # builds the plan
     steps = []
     real = kvcache.DecodePlan.launch_step
-    kvcache.DecodePlan.launch_step = lambda self, *a: steps.append(a) or real(self, *a)
-    try:
-        for lengths in ([1, 1023, 0], [700, 64, 1024]):
-            case["cache_seqlens"].copy_(torch.tensor(lengths, dtype=torch.int32))
-            out, lse = facodegen.attention_with_kvcache(*args, page_table=case["page_table"], return_lse=True)
-            ref_o, ref_lse, _, _ = kvcache_reference(_np(case["q"]), _np(case["k_cache"]), _np(case["v_cache"]),
-                                                     _np(case["cache_seqlens"]), page_table=_np(case["page_table"]))
-            assert np.abs(_np(out) - ref_o).max() < 2e-2
-            finite = np.isfinite(ref_lse)
-            assert (np.isneginf(_np(lse)) == ~finite).all() and np.abs(_np(lse)[finite] - ref_lse[finite]).max() < 1e-3
-    finally:
-        kvcache.DecodePlan.launch_step = real
+    monkeypatch.setattr(kvcache.DecodePlan, "launch_step", lambda self, *a: steps.append(a) or real(self, *a))
+    for lengths in ([1, 1023, 0], [700, 64, 1024]):
+        case["cache_seqlens"].copy_(torch.tensor(lengths, dtype=torch.int32))
+        out, lse = facodegen.attention_with_kvcache(*args, page_table=case["page_table"], return_lse=True)
+        ref_o, ref_lse, _, _ = kvcache_reference(_np(case["q"]), _np(case["k_cache"]), _np(case["v_cache"]),
+                                                 _np(case["cache_seqlens"]), page_table=_np(case["page_table"]))
+        assert np.abs(_np(out) - ref_o).max() < 2e-2
+        finite = np.isfinite(ref_lse)
+        assert (np.isneginf(_np(lse)) == ~finite).all() and np.abs(_np(lse)[finite] - ref_lse[finite]).max() < 1e-3
     assert len(steps) == 2
 
 
