@@ -163,6 +163,31 @@ def test_every_shipped_config_compiles_without_spills(spec, sm):
     assert "HMMA.16816.F32" + (".BF16" if spec.dtype == "bf16" else "") in kernel.sass()
 
 
+def _function_sass(sass: str, name: str) -> str:
+    """One function's part of a module's cuobjdump listing."""
+    [part] = [p for p in re.split(r"\n\s*Function : ", sass)[1:] if p.split("\n", 1)[0].strip() == name]
+    return part
+
+
+@pytest.mark.parametrize("spec, sm", [(BackwardSpec(arch="sm90", head_dim=64), None), (BackwardSpec(head_dim=96), "sm_80"),
+                                      (BackwardSpec(arch="sm90", head_dim=256, causal=True), None)],
+                         ids=lambda x: getattr(x, "variant", None) or str(x))
+def test_preprocess_reads_o_and_do_16_bytes_a_lane(spec, sm):
+    """The preprocess (D = rowsum(dO ∘ O), dq_accum zeroed) loads O and dO with one 16-byte load each per
+    lane and chunk and zeroes dq_accum with 16-byte stores, preprocess_row_threads lanes a row (H200
+    2026-12-04: one warp a row at 4 bytes a lane took 130 µs at head_dim 64 against 80 at 128, the same
+    bytes); its grid covers every stat row."""
+    from facodegen.spec.backward import preprocess_row_threads, preprocess_rows_per_cta, stat_rows
+    sass = _function_sass(backward.compile(spec, sm=sm).sass(), spec.kernel_names[0])
+    assert len(re.findall(r"\bLDG\.E\.128\b", sass)) == 2 * -(-spec.head_dim // 8 // preprocess_row_threads(spec.head_dim))
+    assert re.search(r"\bSTG\.E\.128\b", sass) and "SHFL.BFLY" in sass
+    assert not re.search(r"\bLDG\.E\.(U16|64)\b", sass)
+    assert preprocess_row_threads(spec.head_dim) * 8 >= spec.head_dim
+    for seqlen_q in (1, 17, 1000):
+        pre = backward.grids(spec, 2, 8, 8, seqlen_q, seqlen_q)[0]
+        assert (pre[0] - 1) * preprocess_rows_per_cta(spec) < stat_rows(spec, seqlen_q) <= pre[0] * preprocess_rows_per_cta(spec)
+
+
 @pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False), (256, True)])
 def test_deterministic_backward_adds_dq_in_turns(head_dim, causal):
     """deterministic=True: the same kernels plus a turn per query block (an acquire load, a sleep
@@ -339,7 +364,8 @@ def test_a_call_launches_the_three_kernels_in_order(bwd):
     spec = BackwardSpec(head_dim=128, causal=True, gpu="h200")
     recs = bwd.bwd.records
     assert [r["name"] for r in recs] == list(spec.kernel_names)
-    assert [r["grid"] for r in recs] == [(-(-113 // 8), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 8), 8, 2)]
+    # preprocess: 16 lanes a row at head_dim 128, so 2 rows a warp, 16 a CTA; postprocess: a warp a row
+    assert [r["grid"] for r in recs] == [(-(-113 // 16), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 8), 8, 2)]
     assert [r["smem"] for r in recs] == [0, spec.smem_bytes, 0]
     main = recs[1]
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("dout", do), ("lse", lse), ("dq", dq), ("dk", dk),
@@ -821,7 +847,7 @@ def test_sm90_call_launches_three_kernels_and_moves_its_maps(bwd, monkeypatch):
     # whole, and the default dQ path, dq_tma_reduce, tiles dq_accum in whole blocks); the postprocess
     # takes a CTA per query block (a tile of dq_accum)
     assert spec.dq_tma_reduce
-    assert [r["grid"] for r in recs] == [(-(-128 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 64), 8, 2)]
+    assert [r["grid"] for r in recs] == [(-(-128 // 24), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 64), 8, 2)]
     assert backward.row_stat_floats(spec, 2, 8, 113) == 2 * 2 * 8 * 128   # D, then LSE * log2(e)
     assert [r["smem"] for r in recs] == [0, spec.smem_bytes, 0] and {r["threads"] for r in recs} == {384}
     # the maps: Q and dO in boxes of 64 columns x block_m rows, K and V x block_n rows, 128B swizzle
@@ -920,7 +946,7 @@ def test_sm90_dq_tma_reduce_compiles_to_one_bulk_reduce_per_step(spec):
 
 def test_dq_tma_reduce_call_pads_dq_accum_and_zeroes_the_padding(bwd, monkeypatch):
     """dq_accum is seqlen_q rounded up to block_m rows per (batch, head_q): the preprocess grid covers
-    the padding rows (a warp per HEAD_DIM floats of the tiles: zeroed), the postprocess takes a CTA per
+    the padding rows (16 lanes per HEAD_DIM floats of the tiles at head_dim 128: zeroed), the postprocess takes a CTA per
     tile (query block), padding rows included."""
     from facodegen.runtime import tma
     monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
@@ -930,7 +956,7 @@ def test_dq_tma_reduce_call_pads_dq_accum_and_zeroes_the_padding(bwd, monkeypatc
     spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", dq_tma_reduce=True)
     recs = bwd.bwd.records
     assert [r["name"] for r in recs] == list(spec.kernel_names)
-    assert [r["grid"] for r in recs] == [(-(-128 // 12), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 64), 8, 2)]
+    assert [r["grid"] for r in recs] == [(-(-128 // 24), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 64), 8, 2)]
     assert recs[1]["smem"] == spec.smem_bytes
     assert _field90(recs[1], "dpsum") - _field90(recs[1], "dq_accum") == 4 * 2 * 8 * 128 * 128
     # the plan's per-stream scratch: the padded dq_accum, then D and LSE * log2(e) padded to block_m rows
@@ -1190,7 +1216,8 @@ def test_block_m_128_call_pads_stats_and_dq_accum_to_its_blocks(bwd, monkeypatch
     assert [r["name"] for r in recs] == list(spec.kernel_names) and recs[1]["smem"] == spec.smem_bytes
     accum_rows = 256 if spec.dq_tma_reduce else 130
     post_blocks = -(-130 // 128) if spec.dq_tma_reduce else -(-130 // 12)   # a CTA per tile, else a warp per row
-    assert [r["grid"] for r in recs] == [(-(-256 // 12), 8, 2), (-(-203 // 128), 2, 2), (post_blocks, 8, 2)]
+    # preprocess: 8 lanes a row at head_dim 64, 4 rows a warp, 48 a CTA
+    assert [r["grid"] for r in recs] == [(-(-256 // 48), 8, 2), (-(-203 // 128), 2, 2), (post_blocks, 8, 2)]
     main = recs[1]
     assert _field90(main, "dpsum") - _field90(main, "dq_accum") == 4 * 2 * 8 * accum_rows * 64
     if spec.deterministic:

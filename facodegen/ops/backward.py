@@ -32,9 +32,9 @@ from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_PRODUCER_REGS,
-                              BackwardSpec, dq_accum_rows, sm90_default_stages, sm90_dq_cols, sm90_dq_m_tiles,
-                              sm90_dq_tma_default, sm90_kv_split, sm90_lookahead_default, sm90_swizzle_bytes,
-                              stat_rows)
+                              BackwardSpec, dq_accum_rows, preprocess_row_threads, preprocess_rows_per_cta,
+                              sm90_default_stages, sm90_dq_cols, sm90_dq_m_tiles, sm90_dq_tma_default, sm90_kv_split,
+                              sm90_lookahead_default, sm90_swizzle_bytes, stat_rows)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields,
                                place, stride_fields)
 from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
@@ -146,7 +146,7 @@ def emit(spec: BackwardSpec) -> str:
         smem_bytes=spec.smem_bytes, threads=spec.threads,
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
         producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),
-        dq_bufs=spec.dq_bufs, kv_split=sm90_kv_split(spec.head_dim),
+        dq_bufs=spec.dq_bufs, kv_split=sm90_kv_split(spec.head_dim), row_threads=preprocess_row_threads(spec.head_dim),
         dq_m_tiles=sm90_dq_m_tiles(spec.block_m) if spec.arch == "sm90" else 1,
         sdp_n=spec.block_m // 2 if sm90_kv_split(spec.head_dim) else spec.block_m,
         kv_cols=spec.head_dim // 2 if sm90_kv_split(spec.head_dim) else spec.head_dim))
@@ -183,11 +183,11 @@ def row_stat_floats(spec: BackwardSpec, batch: int, heads_q: int, seqlen_q: int)
 
 
 def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
-    """(preprocess, main, postprocess) grids: one warp per query row for the first (every stat row,
+    """(preprocess, main, postprocess) grids: preprocess_row_threads lanes per query row for the first (every stat row,
     which covers every row of dq_accum: with dq_tma_reduce the preprocess zeroes its padding too), one
     CTA per (key block, kv head, batch) for the main kernel, and for the last one warp per query row,
     or with dq_tma_reduce one CTA per query block (a tile of dq_accum)."""
-    pre = (-(-stat_rows(spec, seqlen_q) // spec.num_warps), heads_q, batch)
+    pre = (-(-stat_rows(spec, seqlen_q) // preprocess_rows_per_cta(spec)), heads_q, batch)
     post = ((-(-seqlen_q // spec.block_m) if spec.dq_tma_reduce else -(-seqlen_q // spec.num_warps)),
             heads_q, batch)
     return pre, (-(-seqlen_k // spec.block_n), heads_kv, batch), post

@@ -360,6 +360,19 @@ def sm90_default_stages(head_dim: int, dq_tma_reduce: bool, gpu: str) -> int:
     return SM90_STAGES if need <= GPUS[gpu].smem_per_block else 1
 
 
+def preprocess_row_threads(head_dim: int) -> int:
+    """Lanes per query row in the preprocess (D = rowsum(dO ∘ O), dq_accum zeroed): each lane loads 16
+    bytes of O and of dO at a time, so a row's head_dim / 8 chunks, rounded up to a power of two: 8 lanes
+    at head_dim 64 (4 rows a warp), 16 at 96 and 128, 32 at 192 and 256."""
+    chunks = head_dim // 8
+    return 8 if chunks <= 8 else 16 if chunks <= 16 else 32
+
+
+def preprocess_rows_per_cta(spec: BackwardSpec) -> int:
+    """Query rows one preprocess CTA covers (its grid's x is stat_rows over this)."""
+    return spec.num_warps * (32 // preprocess_row_threads(spec.head_dim))
+
+
 def _block_rows(spec: BackwardSpec, seqlen_q: int) -> int:
     """seqlen_q rounded up to whole query blocks of block_m rows."""
     return -(-seqlen_q // spec.block_m) * spec.block_m
