@@ -184,7 +184,7 @@ def test_preprocess_reads_o_and_do_16_bytes_a_lane(spec, sm):
     assert not re.search(r"\bLDG\.E\.(U16|64)\b", sass)
     assert preprocess_row_threads(spec.head_dim) * 8 >= spec.head_dim
     for seqlen_q in (1, 17, 1000):
-        pre = backward.grids(spec, 2, 8, 8, seqlen_q, seqlen_q)[0]
+        pre = backward.grids(spec, 2, 8, 8, seqlen_q, seqlen_q, sms=132)[0]
         assert (pre[0] - 1) * preprocess_rows_per_cta(spec) < stat_rows(spec, seqlen_q) <= pre[0] * preprocess_rows_per_cta(spec)
 
 
@@ -322,12 +322,14 @@ class BwdLaunches:
         self.yield_in_launch = False    # let another thread run inside each launch (time.sleep(0))
 
     def launcher(self, function, grid, threads, smem):
+        size = backward.layout("sm90" if "_sm90_" in str(function.ptr) else "sm80")[1]   # (its BwdParams)
+
         def launch(stream, kernel_params):
             if self.yield_in_launch:
                 time.sleep(0)
             address = ctypes.c_void_p.from_address(kernel_params).value
             self.records.append({"name": function.ptr, "grid": grid, "threads": threads, "smem": smem,
-                                 "stream": stream, "params": ctypes.string_at(address, backward.layout()[1])})
+                                 "stream": stream, "params": ctypes.string_at(address, size)})
         return FakeLauncher(launch)
 
 
@@ -609,6 +611,7 @@ def test_variants_that_require_grad_raise_at_the_forward(meta_launches, name):
 
 
 def test_backward_op_fake_shapes():
+    from facodegen.ops import torch_op  # noqa: F401 (registers the ops: alone on a worker, nothing had)
     q, k = meta(2, 33, 8, 96, grad=False), meta(2, 65, 1, 96, grad=False)
     lse = torch.empty(2, 8, 33, dtype=torch.float32, device="meta")
     dq, dk, dv = torch.ops.facodegen.attention_backward(q, q, k, k, q, lse, True, None, None, "")
@@ -687,6 +690,12 @@ def test_sm90_stage_release_counts_one_arrival_per_consumer_thread():
     assert line.strip() == "", f"the arrival is conditional: {line!r}"
     assert source.rindex("wgmma_wait<0>();", 0, arrive) > source.rindex("for (int step = 0;", 0, arrive)
     assert "release_thread" not in source
+
+
+def _consumer_sass(sass: str, spec) -> str:
+    """The sm90 main kernel's consumer warpgroups' SASS: its function's listing up to the producer's
+    setmaxnreg.dec (ptxas lays the consumers' branch out first), without the other two kernels."""
+    return _function_sass(sass, spec.variant).split("USETMAXREG.DEALLOC")[0]
 
 
 def _compiled_clean(spec):
@@ -788,7 +797,7 @@ def test_sm90_head_dims_192_256_compile_clean(head_dim, knobs, smem, stages, dq_
     assert "BAR.SYNC.DEFER_BLOCKING 0x1, 0x100" in sass
     if spec.dq_tma_reduce:
         assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1 and not re.search(r"\bREDG?\.", sass)
-        assert len(re.findall(r"\bSTS\.128 ", sass)) == head_dim // 2 // 2 // 4
+        assert len(re.findall(r"\bSTS\.128 ", _consumer_sass(sass, spec))) == head_dim // 2 // 2 // 4
     else:
         assert "REDG.E.ADD.F32x2" in sass and "UBLKRED" not in sass
     assert ("BAR.SYNC.DEFER_BLOCKING 0x2, 0x100" in sass) == spec.deterministic    # the dq_accum turns
@@ -847,7 +856,7 @@ def test_sm90_call_launches_three_kernels_and_moves_its_maps(bwd, monkeypatch):
     # whole, and the default dQ path, dq_tma_reduce, tiles dq_accum in whole blocks); the postprocess
     # takes a CTA per query block (a tile of dq_accum)
     assert spec.dq_tma_reduce
-    assert [r["grid"] for r in recs] == [(-(-128 // 24), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 64), 8, 2)]
+    assert [r["grid"] for r in recs] == [(-(-128 // 24), 8, 2), (-(-203 // 128) * 2 * 2, 1, 1), (-(-113 // 64), 8, 2)]
     assert backward.row_stat_floats(spec, 2, 8, 113) == 2 * 2 * 8 * 128   # D, then LSE * log2(e)
     assert [r["smem"] for r in recs] == [0, spec.smem_bytes, 0] and {r["threads"] for r in recs} == {384}
     # the maps: Q and dO in boxes of 64 columns x block_m rows, K and V x block_n rows, 128B swizzle
@@ -939,7 +948,7 @@ def test_sm90_dq_tma_reduce_compiles_to_one_bulk_reduce_per_step(spec):
     assert counts["HGMMA"] == backward.compile(spec.replace(dq_tma_reduce=False)).sass_counts()["HGMMA"]
     assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1
     assert not re.search(r"\bREDG?\.", sass), re.findall(r".*\bREDG?\..*", sass)
-    assert len(re.findall(r"\bSTS\.128 ", sass)) == sm90_dq_cols(spec.head_dim) // 2 // 4 * sm90_dq_m_tiles(spec.block_m)
+    assert len(re.findall(r"\bSTS\.128 ", _consumer_sass(sass, spec))) == sm90_dq_cols(spec.head_dim) // 2 // 4 * sm90_dq_m_tiles(spec.block_m)
     assert re.search(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x80", sass)
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
 
@@ -956,7 +965,7 @@ def test_dq_tma_reduce_call_pads_dq_accum_and_zeroes_the_padding(bwd, monkeypatc
     spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, gpu="h200", dq_tma_reduce=True)
     recs = bwd.bwd.records
     assert [r["name"] for r in recs] == list(spec.kernel_names)
-    assert [r["grid"] for r in recs] == [(-(-128 // 24), 8, 2), (-(-203 // 128), 2, 2), (-(-113 // 64), 8, 2)]
+    assert [r["grid"] for r in recs] == [(-(-128 // 24), 8, 2), (-(-203 // 128) * 2 * 2, 1, 1), (-(-113 // 64), 8, 2)]
     assert recs[1]["smem"] == spec.smem_bytes
     assert _field90(recs[1], "dpsum") - _field90(recs[1], "dq_accum") == 4 * 2 * 8 * 128 * 128
     # the plan's per-stream scratch: the padded dq_accum, then D and LSE * log2(e) padded to block_m rows
@@ -1027,7 +1036,7 @@ def test_sm90_block_m_128_compiles_clean(knobs, smem, dq_bufs, dtype, causal):
     assert "BAR.SYNC.DEFER_BLOCKING 0x1, 0x100" not in sass               # split by keys
     if spec.dq_tma_reduce:
         assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1 and not re.search(r"\bREDG?\.", sass)
-        assert len(re.findall(r"\bSTS\.128 ", sass)) == 2 * 64 // 2 // 4
+        assert len(re.findall(r"\bSTS\.128 ", _consumer_sass(sass, spec))) == 2 * 64 // 2 // 4
         assert "bulk_reduce_add_f32(dq_tile, dq_buf, DQ_TILE_BYTES);" in source
     else:
         assert "REDG.E.ADD.F32x2" in sass and "UBLKRED" not in sass
@@ -1149,8 +1158,9 @@ def test_sm90_s_lookahead_compiles_clean_in_its_order(head_dim, block_m, knobs, 
     kernel, sass, counts = _compiled_clean(spec)
     assert "warning" not in kernel.log.lower(), kernel.log      # (an unused step parity once was)
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
-    plain = backward.compile(spec.replace(s_lookahead=False, dp_lookahead=False)).sass()
-    order, before = _consumer_order(sass), _consumer_order(plain)
+    plain_spec = spec.replace(s_lookahead=False, dp_lookahead=False)
+    plain = backward.compile(plain_spec).sass()
+    order, before = _consumer_order(_consumer_sass(sass, spec)), _consumer_order(_consumer_sass(plain, plain_spec))
     s_group = f"G{head_dim // 16}:64x{block_m}S"          # S^T or dP^T (the same shape)
     assert counts["HGMMA"] == plain.count("HGMMA") + (1 + dp) * head_dim // 16
     # without the knobs: S^T, dP^T issued together, wait<1> (S^T), wait<0> (dP^T), dV, ..., the wait
@@ -1174,7 +1184,9 @@ def test_sm90_s_lookahead_compiles_clean_in_its_order(head_dim, block_m, knobs, 
     else:                # right after the wait that retires dK
         tail = ["MW", "W0", s_group, "MW", s_group] if dp else ["MW", "W0", s_group]
     assert order[i - len(tail):i] == tail
-    assert order.count("REL") == before.count("REL") == 1
+    # releases: the step's stage (with the knobs, every step's but the last, whose spare S^T reads it:
+    # that one after the loop's last wait), and kv_empty after each tile
+    assert order.count("REL") == 3 and before.count("REL") == 2
     # right after the dQ write-out (the bulk reduce, or the wait before the vector reductions; a
     # deterministic turn's spin loop aside)
     last = lambda seq, j: [t for t in seq[:j] if t != "LOOP"][-1]   # noqa: E731
@@ -1217,7 +1229,7 @@ def test_block_m_128_call_pads_stats_and_dq_accum_to_its_blocks(bwd, monkeypatch
     accum_rows = 256 if spec.dq_tma_reduce else 130
     post_blocks = -(-130 // 128) if spec.dq_tma_reduce else -(-130 // 12)   # a CTA per tile, else a warp per row
     # preprocess: 8 lanes a row at head_dim 64, 4 rows a warp, 48 a CTA
-    assert [r["grid"] for r in recs] == [(-(-256 // 48), 8, 2), (-(-203 // 128), 2, 2), (post_blocks, 8, 2)]
+    assert [r["grid"] for r in recs] == [(-(-256 // 48), 8, 2), (-(-203 // 128) * 2 * 2, 1, 1), (post_blocks, 8, 2)]
     main = recs[1]
     assert _field90(main, "dpsum") - _field90(main, "dq_accum") == 4 * 2 * 8 * accum_rows * 64
     if spec.deterministic:
@@ -1240,7 +1252,7 @@ def test_dq_tma_reduce_per_call_scratch_is_padded(bwd, monkeypatch):
     backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90", dq_tma_reduce=True)
     [plan] = backward._PLANS._plans.values()
     assert not plan.plain
-    assert allocations[-1] == 4 * (2 * 8 * 128 * 128 + 2 * 2 * 8 * 128)
+    assert allocations[-1] == 4 * (2 * 8 * 128 * 128 + 2 * 2 * 8 * 128 + 1)     # (+ the persistent tile counter)
     main = bwd.bwd.records[1]
     assert _field90(main, "dpsum") - _field90(main, "dq_accum") == 4 * 2 * 8 * 128 * 128
 
@@ -1288,7 +1300,7 @@ def test_a_hit_launches_the_checked_paths_bytes(bwd, monkeypatch, arch, knobs):
     assert [(r["name"], r["grid"], r["stream"]) for r in recs[3:6]] == [(r["name"], r["grid"], r["stream"])
                                                                        for r in recs[:3]]
     assert _scratch_fields(recs[3], arch)[0] != 0
-    assert (_scratch_fields(recs[3], arch)[2] != 0) == bool(knobs)
+    assert (_scratch_fields(recs[3], arch)[2] != 0) == (bool(knobs) or arch == "sm90")   # turns / tile counter
 
 
 def test_a_hit_allocates_contiguous_gradients(bwd):
@@ -1431,3 +1443,114 @@ def test_eager_backward_copies_do_only_where_the_kernels_cannot_read_it(meta_lau
     assert bwd["do"].shape == q.shape and bwd["do"].stride(-1) == 1
     assert (bwd["do"].stride() != grad.stride()) == copied
     assert bwd["do"].is_contiguous() or not copied
+
+
+# ------------------------------------------------------------------ sm90 persistent (a tile counter)
+
+def test_persistent_is_the_sm90_default_and_an_sm90_knob():
+    """On by default on sm90 (off on sm80, which refuses it naming it); off, the variant says np and the
+    emit line --no-persistent (the CLI builds the same source)."""
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True)
+    assert spec.persistent and "np" not in spec.variant.split("_") and "persistent" not in backward.emit_command(spec)
+    assert "constexpr bool PERSISTENT = true;" in backward.emit(spec)
+    off = spec.replace(persistent=False)
+    assert off.variant.endswith("_np_causal") and "--no-persistent" in backward.emit_command(off)
+    assert "constexpr bool PERSISTENT = false;" in backward.emit(off)
+    result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(off).split()[2:]])
+    assert result.exit_code == 0 and result.output == backward.emit(off)
+    assert not BackwardSpec(head_dim=128).persistent
+    with pytest.raises(SpecError, match="persistent"):
+        BackwardSpec(head_dim=128, persistent=True)
+    assert "//   persistent" not in backward.emit(BackwardSpec(head_dim=128))     # (the sm80 header's spec lines)
+
+
+@pytest.mark.parametrize("head_dim, knobs", [(64, {}), (96, {"causal": True}), (128, {}), (128, {"deterministic": True}),
+                                             (192, {"causal": True}), (256, {})],
+                         ids=lambda x: str(x) if isinstance(x, int) else "-".join(f"{k}={v}" for k, v in x.items()))
+def test_sm90_persistent_compiles_clean_with_a_tile_counter(head_dim, knobs):
+    """NVRTC sm_90a: no stack or spills (the producer, in 24 registers, runs its loop as a whole warp:
+    lane 0 alone spilled 28-36 bytes), the same GEMMs and consumer code as one CTA per tile; the
+    producer draws each next tile with one atomic add (ATOMG) after issuing a tile's loads, which the
+    kernel without the knob has none of; the preprocess zeroes the counter."""
+    spec = BackwardSpec(arch="sm90", head_dim=head_dim, persistent=True, **knobs)
+    kernel, sass, counts = _compiled_clean(spec)
+    plain_spec = spec.replace(persistent=False)
+    plain = backward.compile(plain_spec).sass()
+    main, plain_main = _function_sass(sass, spec.variant), _function_sass(plain, plain_spec.variant)
+    assert main.count("HGMMA") == plain_main.count("HGMMA")
+    assert _consumer_order(_consumer_sass(sass, spec)) == _consumer_order(_consumer_sass(plain, plain_spec))
+    producer, plain_producer = main.split("USETMAXREG.DEALLOC")[1], plain_main.split("USETMAXREG.DEALLOC")[1]
+    assert len(re.findall(r"\bATOMG\.E\.ADD\b", producer)) == 1 and "ATOMG" not in plain_producer
+    assert "*tile_counter_of(p, m_blocks) = 0;" in backward.emit(spec)
+    assert "tile_counter_of(p, m_blocks) = 0" not in backward.emit(plain_spec)
+
+
+def test_persistent_call_launches_one_cta_per_sm_and_keeps_a_counter(bwd, monkeypatch):
+    """On the fake H200 (132 SMs): the persistent main kernel's grid is min(tiles, 132) along x (one CTA
+    per tile along x without the knob), and the scratch holds one int32 more, after the deterministic
+    turn counters where there are some (semaphore_ints, tile_counter_of)."""
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
+    for sq, sk, hq, hkv, want in ((113, 203, 8, 2, 2 * 2 * 2), (64, 4096, 16, 16, 132)):
+        bwd.bwd.records.clear()
+        do, q, k, v, o, lse = _problem(sq=sq, sk=sk, hq=hq, hkv=hkv)
+        backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90", persistent=True)
+        main = bwd.bwd.records[1]
+        assert main["name"] == BackwardSpec(arch="sm90", head_dim=128, causal=True, persistent=True).variant
+        assert main["grid"] == (want, 1, 1) and want == min(-(-sk // 128) * hkv * 2, 132)
+        assert _field90(main, "dq_semaphore") != 0
+    spec = BackwardSpec(arch="sm90", head_dim=128, persistent=True)
+    assert backward.semaphore_ints(spec, 2, 8, 113) == 1
+    assert backward.semaphore_ints(spec.replace(deterministic=True), 2, 8, 113) == 2 * 8 * 2 + 1
+    assert backward.semaphore_ints(spec.replace(persistent=False), 2, 8, 113) == 0
+    with pytest.raises(ValueError, match="sms"):
+        backward.grids(spec, 2, 8, 2, 113, 203)
+
+
+def test_lpt_is_a_causal_sm90_knob_with_a_host_worked_group():
+    """lpt (off by default) orders causal tiles block-major within groups of (kv head, batch) pairs whose
+    Q and dO fit SM90_LPT_GROUP_BYTES; refused non-causal and on sm80, naming it; the group's width is a
+    kernel argument the host works out (the producer's 24 registers spilled for the 64-bit division)."""
+    from facodegen.spec.backward import SM90_LPT_GROUP_BYTES
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, lpt=True)
+    assert not BackwardSpec(arch="sm90", head_dim=128, causal=True).lpt and spec.variant.endswith("_lpt_causal")
+    assert "constexpr bool LPT = true;" in backward.emit(spec) and "--lpt" in backward.emit_command(spec)
+    for bad in (dict(arch="sm90", causal=False), dict(arch="sm80", causal=True)):
+        with pytest.raises(SpecError, match="lpt"):
+            BackwardSpec(head_dim=128, lpt=True, **bad)
+    # 4096 queries x head_dim 128, one query head a kv head: 2 MB of Q and dO a pair, 12 in 24 MB
+    assert SM90_LPT_GROUP_BYTES == 24 << 20
+    assert backward.lpt_group_pairs(2, 8, 8, 4096, 128) == 12
+    assert backward.lpt_group_pairs(2, 16, 2, 4096, 64) == 3           # 8 query heads a pair: 8 MB
+    assert backward.lpt_group_pairs(1, 4, 4, 1 << 20, 256) == 1        # one pair over the budget: alone
+    assert backward.lpt_group_pairs(2, 4, 1, 113, 96) == 2             # all of them
+    kernel, sass, counts = _compiled_clean(spec)
+    assert "lpt_pairs" in backward.emit(spec) and "lpt_pairs" not in backward.emit(BackwardSpec(head_dim=128))
+
+
+def test_lpt_call_packs_its_group_width(bwd, monkeypatch):
+    """The call's BwdParams carry lpt_pairs at the kernel struct's offset (after the four tensor maps; a
+    pack of the scalars alone once left it 0 there and the first GPU call faulted on the division)."""
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
+    do, q, k, v, o, lse = _problem()                       # batch 2, 8 query heads, 2 kv heads, 113 queries
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm90", lpt=True)
+    main = bwd.bwd.records[1]
+    assert main["name"].endswith("_lpt_causal")
+    assert _field90(main, "lpt_pairs") == backward.lpt_group_pairs(2, 8, 2, 113, 128) == 4
+    assert _field90(main, "softmax_scale") == pytest.approx(128 ** -0.5)    # the scalars before the maps intact
+
+
+def test_bwd_one_script_parses_its_cell_and_knobs():
+    """scripts/bwd_one.py (one backward cell's call, for a profiler) imports without torch and reads its knobs."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bwd_one.py"
+    spec = importlib.util.spec_from_file_location("bwd_one", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args(["--d", "128", "--seqlen", "2048", "--causal", "--knob", "lpt=1", "--knob", "arch=sm90"])
+    assert (args.d, args.seqlen, args.causal, args.peer, args.calls) == (128, 2048, True, None, 3)
+    assert args.knobs == {"lpt": 1, "arch": "sm90"}

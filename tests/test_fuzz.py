@@ -80,6 +80,9 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # on the same keys, each half of head_dim), none deterministic
     assert {c.head_dim for c in cases if c.family == "backward" and c.arch == "sm90" and not c.deterministic} == {
         64, 128, 256}
+    # and one with more key blocks than an H200 has SMs: persistent CTAs that take several
+    assert any(c.family == "backward" and c.arch == "sm90" and -(-c.seqlen_k // 128) * c.heads_kv * c.batch > 132
+               for c in cases)
     for arch in ("sm80", "sm90"):   # the turn counters too
         assert {c.deterministic for c in cases if c.family == "backward" and c.arch == arch} == {False, True}
     kv = [c for c in cases if c.family == "kvcache"]

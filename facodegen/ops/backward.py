@@ -31,7 +31,7 @@ import threading
 from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
-from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_PRODUCER_REGS,
+from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_LPT_GROUP_BYTES, SM90_PRODUCER_REGS,
                               BackwardSpec, dq_accum_rows, preprocess_row_threads, preprocess_rows_per_cta,
                               sm90_default_stages, sm90_dq_cols, sm90_dq_m_tiles, sm90_dq_tma_default, sm90_kv_split,
                               sm90_lookahead_default, sm90_swizzle_bytes, stat_rows)
@@ -56,7 +56,7 @@ BWD_FIELDS = [
     Field("dq_accum", "ptr", "float*", "fp32 dQ / softmax_scale (batch, heads_q, seqlen_q, head_dim) contiguous"),
     Field("dpsum", "ptr", "float*", "D = rowsum(dO ∘ O), (batch, heads_q, stat_rows); sm90: then LSE * log2(e) likewise"),
     Field("dq_semaphore", "ptr", "int*", "deterministic: key blocks that have added into each (batch, heads_q, "
-                                         "query block) of dq_accum"),
+                                         "query block) of dq_accum; persistent: then the tile counter"),
     *(field for t in _TENSORS for field in stride_fields(t)),
     *SHAPE_FIELDS,
     *SCALE_FIELDS,
@@ -75,8 +75,20 @@ _POINTERS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "d
 _PACK_POINTERS = struct.Struct(f"<{len(_POINTERS)}Q")
 
 
+# sm90 only, after the maps: the lpt tile order's group width (lpt_group_pairs), worked out on the host
+# (a 64-bit division the producer warp, in 24 registers, spilled for).
+BWD_SM90_FIELDS = [Field("lpt_pairs", "i32", "int", "lpt: (kv head, batch) pairs per group of the tile order")]
+
+
+def lpt_group_pairs(batch: int, heads_q: int, heads_kv: int, seqlen_q: int, head_dim: int) -> int:
+    """The lpt tile order's group: as many (kv head, batch) pairs as keep their Q and dO (16-bit) within
+    SM90_LPT_GROUP_BYTES, at least one, at most all."""
+    pair_bytes = 4 * seqlen_q * (heads_q // heads_kv) * head_dim
+    return max(1, min(batch * heads_kv, SM90_LPT_GROUP_BYTES // max(1, pair_bytes)))
+
+
 def fields(arch: str = "sm80") -> list[Field]:
-    return BWD_FIELDS + (BWD_TMA_FIELDS if arch == "sm90" else [])
+    return BWD_FIELDS + (BWD_TMA_FIELDS + BWD_SM90_FIELDS if arch == "sm90" else [])
 
 
 def layout(arch: str = "sm80") -> tuple[list[tuple[Field, int]], int, int]:
@@ -85,18 +97,22 @@ def layout(arch: str = "sm80") -> tuple[list[tuple[Field, int]], int, int]:
 
 
 def pack(values: dict, arch: str = "sm80") -> bytes:
-    """BwdParams' bytes; sm90's tensor maps are given as 128 bytes each."""
-    scalars = [f for f in fields(arch) if f.kind != "tmap"]
-    data = bytearray(pack_fields(scalars, values, "BwdParams"))
+    """BwdParams' bytes; sm90's tensor maps are given as 128 bytes each (the sm90 scalars after them
+    packed at their own offset)."""
+    data = bytearray(pack_fields(BWD_FIELDS, values, "BwdParams"))
     if arch == "sm90":
         placed, size, _ = layout(arch)
         data = data + bytes(size - len(data))
+        offsets = {f.name: off for f, off in placed}
         for f, off in placed:
             if f.kind == "tmap":
                 value = values[f.name]
                 if len(value) != TENSOR_MAP_BYTES:
                     raise ValueError(f"{f.name} must be {TENSOR_MAP_BYTES} bytes, got {len(value)}")
                 data[off:off + TENSOR_MAP_BYTES] = value
+        tail = pack_fields(BWD_SM90_FIELDS, values, "BwdParams")      # (int fields: the same relative layout)
+        first = offsets[BWD_SM90_FIELDS[0].name]
+        data[first:first + len(tail)] = tail
     return bytes(data)
 
 
@@ -112,14 +128,16 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     line says --deterministic, as BackwardSpec makes it; the ring's depth for the dQ path)."""
     if spec.arch == "sm80":
         return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False,
-                "s_lookahead": False, "dp_lookahead": False}
+                "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False}
     s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
                                                    spec.dq_tma_reduce, spec.s_lookahead)
     return {"gpu": SM90_GPU, "stages": sm90_default_stages(spec.head_dim, spec.dq_tma_reduce, SM90_GPU),
             "k_unroll": 2, "deterministic": False, "s_lookahead": s_default, "dp_lookahead": dp_default,
-            "dq_tma_reduce": sm90_dq_tma_default(spec.head_dim) and not spec.deterministic}
+            "dq_tma_reduce": sm90_dq_tma_default(spec.head_dim) and not spec.deterministic,
+            "persistent": not spec.deterministic,
+            "lpt": False}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
-_SM90_ONLY = ("dq_tma_reduce", "s_lookahead", "dp_lookahead")
+_SM90_ONLY = ("dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt")
 
 
 def emit_command(spec: BackwardSpec) -> str:
@@ -147,6 +165,7 @@ def emit(spec: BackwardSpec) -> str:
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
         producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),
         dq_bufs=spec.dq_bufs, kv_split=sm90_kv_split(spec.head_dim), row_threads=preprocess_row_threads(spec.head_dim),
+
         dq_m_tiles=sm90_dq_m_tiles(spec.block_m) if spec.arch == "sm90" else 1,
         sdp_n=spec.block_m // 2 if sm90_kv_split(spec.head_dim) else spec.block_m,
         kv_cols=spec.head_dim // 2 if sm90_kv_split(spec.head_dim) else spec.head_dim))
@@ -182,15 +201,29 @@ def row_stat_floats(spec: BackwardSpec, batch: int, heads_q: int, seqlen_q: int)
     return (2 if spec.arch == "sm90" else 1) * batch * heads_q * stat_rows(spec, seqlen_q)
 
 
-def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
+def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int,
+          sms: int | None = None):
     """(preprocess, main, postprocess) grids: preprocess_row_threads lanes per query row for the first (every stat row,
     which covers every row of dq_accum: with dq_tma_reduce the preprocess zeroes its padding too), one
     CTA per (key block, kv head, batch) for the main kernel, and for the last one warp per query row,
-    or with dq_tma_reduce one CTA per query block (a tile of dq_accum)."""
+    or with dq_tma_reduce one CTA per query block (a tile of dq_accum). sm90's main kernel numbers its
+    tiles along x, key blocks fastest (bwd_tile); persistent: min(tiles, ``sms``) CTAs."""
     pre = (-(-stat_rows(spec, seqlen_q) // preprocess_rows_per_cta(spec)), heads_q, batch)
     post = ((-(-seqlen_q // spec.block_m) if spec.dq_tma_reduce else -(-seqlen_q // spec.num_warps)),
             heads_q, batch)
-    return pre, (-(-seqlen_k // spec.block_n), heads_kv, batch), post
+    n_blocks = -(-seqlen_k // spec.block_n)
+    if spec.arch == "sm80":
+        return pre, (n_blocks, heads_kv, batch), post
+    if spec.persistent and sms is None:
+        raise ValueError("a persistent backward's grid needs the GPU's SM count (sms)")
+    tiles = n_blocks * heads_kv * batch
+    return pre, (min(tiles, sms) if spec.persistent else tiles, 1, 1), post
+
+
+def semaphore_ints(spec: BackwardSpec, batch: int, heads_q: int, seqlen_q: int) -> int:
+    """int32 counters beside dq_accum (dq_semaphore): deterministic, one turn counter per (batch, heads_q,
+    query block); persistent, then the tile counter (tile_counter_of in the templates)."""
+    return (batch * heads_q * -(-seqlen_q // spec.block_m) if spec.deterministic else 0) + int(spec.persistent)
 
 
 # A plan keeps its dq_accum, D and turn counters per stream (plan.StreamScratch) up to this many
@@ -223,7 +256,7 @@ class BackwardPlan:
         self.outputs = outputs
         self.device = device
         self.accum_floats, self.dpsum_floats = accum_floats, dpsum_floats
-        self.semaphore_ints = semaphore_ints     # deterministic: one int32 per (batch, heads_q, query block)
+        self.semaphore_ints = semaphore_ints     # turn counters and the tile counter (semaphore_ints())
         self._switch_context = switch_context
         self._allocate = allocate
         smem = (0, spec.smem_bytes, 0)
@@ -496,13 +529,14 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
     if spec.arch == "sm90":
         driver.ensure_context(qv.device)     # (the autograd engine's thread may have none yet)
-        values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv))
-    return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k),
+        values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv),
+                      lpt_pairs=lpt_group_pairs(batch, heads_q, heads_kv, seqlen_q, head_dim))
+    return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k, info.sms),
                         pack(values, spec.arch), allocate=functools.partial(api._allocate, qv.kind, qv.device),
                         map_targets=tuple(views[operand].ptr for operand in _MAP_OPERANDS.values()),
                         device=qv.device, accum_floats=batch * heads_q * dq_accum_rows(spec, seqlen_q) * head_dim,
                         dpsum_floats=row_stat_floats(spec, batch, heads_q, seqlen_q),
-                        semaphore_ints=batch * heads_q * -(-seqlen_q // spec.block_m) if spec.deterministic else 0,
+                        semaphore_ints=semaphore_ints(spec, batch, heads_q, seqlen_q),
                         switch_context=qv.device != api._current_device(qv.kind))
 
 

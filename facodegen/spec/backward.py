@@ -78,6 +78,16 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "too, so the tensor pipe runs dK, S^T, dP^T back to back; each step then waits on both at its top "
          "(P^T's exponentials no longer run beside this warpgroup's own dP^T).",
          flag="--dp-lookahead/--no-dp-lookahead", token=_flag("dplook")),
+    Knob("persistent", "bool", "sm90 (its default there, deterministic calls aside): min(tiles, SMs) CTAs, each taking key block after key "
+         "block from a tile counter (in key-block order, as a grid starts them): the producer loads the next "
+         "block's K and V while the consumers write the last one's dK and dV, instead of one CTA per key block, "
+         "whose start (K, V and the first Q, dO in flight) and end (dK, dV out) nothing overlaps.",
+         flag="--persistent/--no-persistent",
+         token=lambda s, v: None if v == sm90_persistent_default(s.arch, s.deterministic) else "pers" if v else "np"),
+    Knob("lpt", "bool", "sm90, causal: tiles in longest-first order within groups of (kv head, batch) whose Q "
+         "and dO fit SM90_LPT_GROUP_BYTES of L2 (every key block 0 early, the launch ending on short blocks) "
+         "instead of each (kv head, batch)'s key blocks in turn, whose last block 0 starts late.",
+         flag="--lpt/--no-lpt", token=_flag("lpt")),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
 )
@@ -159,6 +169,16 @@ SM90_CONSUMER_WGS = 2
 SM90_DQ_BUFS = 2     # (head_dim 192, 256: 1, BackwardSpec.dq_bufs)
 
 
+def sm90_persistent_default(arch: str, deterministic: bool) -> bool:
+    """persistent's default: on sm90 but for deterministic calls. H200, 2026-12-04 (session 37), bf16
+    fa3-paper grid, persistent against one CTA per tile in the same runs: 0.98-1.02x per cell (geomean
+    1.004 at head_dim 64, 0.993 at 128, 0.985 at 256), so no faster, but a tile goes only to a running
+    CTA (no reliance on the order the GPU starts CTAs in). Deterministic causal head_dim 128 with the
+    next tile drawn ahead ran at 26 / 72 TFLOP/s (2k / 8k) against 137 / 181 for one CTA per tile: a CTA
+    waiting for a turn held the tile other CTAs' turns waited on (the draw is now deferred there)."""
+    return arch == "sm90" and not deterministic
+
+
 def sm90_kv_split(head_dim: int) -> bool:
     """head_dim 192, 256: both consumer warpgroups hold the same 64 keys (block_n 64) and each computes
     half of head_dim of dV, dK and dQ, and S^T, dP^T for half of the queries; P^T and dS^T go through
@@ -219,6 +239,9 @@ def sm90_lookahead_default(arch: str, head_dim: int, block_m: int, stages: int, 
 
 
 SM90_GPUS = ("h100", "h200")
+# lpt: (kv head, batch) pairs per group, as many as keep their Q and dO within this much of the 50 MB
+# L2 (H100, H200), so a group's key blocks, run block-major, still find their Q and dO there.
+SM90_LPT_GROUP_BYTES = 24 << 20
 
 # k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
 # config (NVRTC 13: 195-255 registers); 4 and full unrolling spill. Not yet timed against 1 on a GPU.
@@ -258,8 +281,12 @@ class BackwardSpec:
     dq_tma_reduce: bool | None = None
     s_lookahead: bool | None = None
     dp_lookahead: bool | None = None
+    persistent: bool | None = None
+    lpt: bool = False
 
     def __post_init__(self) -> None:
+        if self.persistent is None:
+            object.__setattr__(self, "persistent", sm90_persistent_default(self.arch, self.deterministic))
         if self.dq_tma_reduce is None:     # the default: FlashAttention-3's dQ path wherever it runs
             object.__setattr__(self, "dq_tma_reduce", self.arch == "sm90" and self.deterministic is False
                                and sm90_dq_tma_default(self.head_dim))
@@ -405,7 +432,7 @@ def _check_types(spec: BackwardSpec) -> None:
     for k in BACKWARD_KNOBS:
         value = getattr(spec, k.name)
         if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages", "s_lookahead",
-                                        "dp_lookahead"):
+                                        "dp_lookahead", "persistent"):
             continue
         if k.kind == "text" and not isinstance(value, str):
             raise SpecError(k.name, f"must be text ({', '.join(k.choices)}), got {value!r}")
@@ -423,6 +450,11 @@ def _check_types(spec: BackwardSpec) -> None:
 
 
 def _validate(spec: BackwardSpec) -> None:
+    if spec.lpt:
+        raise SpecError("lpt", "an sm90 knob (its tile numbering); the sm80 backward's grid is one CTA per key block")
+    if spec.persistent:
+        raise SpecError("persistent", "an sm90 knob (a producer warp loads the next key block's K, V); the sm80 "
+                                      "backward runs one CTA per key block")
     if spec.dp_lookahead:
         raise SpecError("dp_lookahead", "an sm90 knob (with s_lookahead); the sm80 backward has no asynchronous GEMMs")
     if spec.s_lookahead:
@@ -493,6 +525,8 @@ def _validate_sm90(spec: BackwardSpec) -> None:
                                   f"{SM90_STAGES} at head_dim 192, 256)")
     if spec.k_unroll != 2:
         raise SpecError("k_unroll", f"{spec.k_unroll}: k_unroll is an sm80 knob (wgmma has no such choice)")
+    if spec.lpt and not spec.causal:
+        raise SpecError("lpt", "orders causal tiles by their length (non-causal key blocks are all as long)")
     if spec.s_lookahead and (split or spec.stages < 2):
         raise SpecError("s_lookahead", f"head_dim {spec.head_dim}: the next step's S^T is issued early at head_dim "
                                        f"64, 96, 128 (2-stage ring, S^T from each warpgroup's own keys) only")

@@ -827,6 +827,12 @@ def representative_cases() -> list[Case]:
         cases.append(Case("backward", "sm90", "bf16", batch=2, seqlen_q=113, seqlen_k=203, heads_q=4, heads_kv=2,
                           head_dim=256, causal=causal, softmax_scale=None, layout="strided", magnitude=1.0,
                           return_lse=False, use_out=False, seed=7))
+    # the sm90 backward with more key blocks than SMs (64 x 2 kv heads x batch 2 = 256 tiles: persistent CTAs
+    # take several, the producer loading one's K, V while the consumers write the last one's dK, dV), causal
+    # with seqlen_q < seqlen_k (most blocks see no query: no K, V load, zeros)
+    cases.append(Case("backward", "sm90", "fp16", batch=2, seqlen_q=113, seqlen_k=8192, heads_q=4, heads_kv=2,
+                      head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=False, use_out=False, seed=7))
     cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))

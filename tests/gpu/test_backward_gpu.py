@@ -527,3 +527,76 @@ def test_sm90_s_lookahead_is_bit_identical_to_the_default(sq, sk, causal, heads,
     for name, a, b in zip(("dq", "dk", "dv"), *runs):
         assert torch.equal(a, b), name
     assert check_grads(runs[1], do, q, k, v, causal, 0.125) == []
+
+
+# ------------------------------------------------------------------ sm90 persistent (a tile counter)
+# min(tiles, SMs) CTAs draw key blocks from a counter; the producer loads the next block's K, V while the
+# consumers write the last one's dK, dV. Lengths with more tiles than SMs, so CTAs run several: 4096
+# keys x 4 kv heads x batch 2 = 256 tiles of 128 keys (512 of 64 at head_dim 192, 256); causal with
+# seqlen_q < seqlen_k, so most tiles see no query (dK = dV = 0, no K, V load); odd ends; GQA/MQA.
+_PERSISTENT_LENGTHS = ((64, 4096), (1000, 4096), (4096, 1000), (1, 1), (239, 1))
+_GRID_PERSISTENT = [(sq, sk, causal, d, list(DTYPES)[i % 2], list(HEADS)[i % 3])
+                    for i, ((sq, sk), causal, d) in enumerate(itertools.product(_PERSISTENT_LENGTHS, (False, True),
+                                                                                SM90_HEAD_DIMS))]
+
+
+@sm90_only
+@pytest.mark.parametrize("sq, sk, causal, d, dt, heads", _GRID_PERSISTENT,
+                         ids=[f"pers-{sq}x{sk}-{'causal' if c else 'full'}-hd{d}-{dt}-{h}"
+                              for sq, sk, c, d, dt, h in _GRID_PERSISTENT])
+def test_sm90_persistent_gradients_match_float64(sq, sk, causal, d, dt, heads):
+    hq, hkv = (8, HEADS[heads][1] * 2) if heads != "mqa" else (8, 1)
+    q, k, v, do = make(2, sq, sk, hq, hkv, d, DTYPES[dt], seed=sq * 3 + sk * 5 + d + 11)
+    scale = d ** -0.5 if (sq + d) % 2 else 0.3
+    got = run_backward(q, k, v, do, causal, scale, poison=True, arch="sm90", persistent=True)
+    assert check_grads(got, do, q, k, v, causal, scale) == []
+
+
+@sm90_only
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("sq, sk, causal, heads", [(1000, 4096, False, "gqa"), (4096, 4096, True, "mha")])
+def test_sm90_persistent_is_bit_identical_to_one_cta_per_tile(sq, sk, causal, heads, d):
+    """Deterministic (dQ added in key-block order): the persistent kernel runs the same GEMMs on the same
+    tiles in the same accumulation order as one CTA per tile, so the same bits in dQ, dK and dV."""
+    hq, hkv = HEADS[heads]
+    q, k, v, do = make(2, sq, sk, hq, hkv, d, torch.bfloat16, seed=sq + sk + d)
+    out64, lse64, _ = reference(q, k, v, do, causal, 0.125, upcast=True)
+    out, lse = out64.to(q.dtype), lse64.float().contiguous()
+    runs = [facodegen.attention_backward(do, q, k, v, out, lse, causal=causal, softmax_scale=0.125, arch="sm90",
+                                         deterministic=True, persistent=pers) for pers in (False, True)]
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), name
+    assert check_grads(runs[1], do, q, k, v, causal, 0.125) == []
+
+
+# ------------------------------------------------------------------ sm90 lpt (causal tiles longest first)
+# Key blocks first within groups of (kv head, batch) pairs whose Q and dO fit 24 MB of L2: 4096 queries
+# x head_dim 128 is 2 MB a pair (16 pairs: a group of 12 and one of 4); head_dim 64 at 8 query heads a
+# kv head 8 MB (4 pairs: 3 and 1); seqlen_q < seqlen_k (blocks no query sees); both schedulers.
+_GRID_LPT = [(sq, sk, d, hq, hkv, pers) for (sq, sk, d, hq, hkv) in ((4096, 4096, 128, 8, 8), (4096, 4096, 64, 16, 2),
+                                                                      (1000, 4096, 256, 8, 8), (113, 203, 96, 4, 1))
+             for pers in (False, True)]
+
+
+@sm90_only
+@pytest.mark.parametrize("sq, sk, d, hq, hkv, pers", _GRID_LPT,
+                         ids=[f"lpt-{sq}x{sk}-hd{d}-{hq}x{hkv}-{'pers' if p else 'np'}" for sq, sk, d, hq, hkv, p in _GRID_LPT])
+def test_sm90_lpt_gradients_match_float64(sq, sk, d, hq, hkv, pers):
+    q, k, v, do = make(2, sq, sk, hq, hkv, d, torch.bfloat16, seed=sq + 7 * sk + d + hq)
+    got = run_backward(q, k, v, do, True, d ** -0.5, poison=True, arch="sm90", lpt=True, persistent=pers)
+    assert check_grads(got, do, q, k, v, True, d ** -0.5) == []
+
+
+@sm90_only
+def test_sm90_lpt_is_bit_identical_to_the_default_order():
+    """Deterministic: the key blocks still add into a query block's dQ in key-block order, so the order
+    in which the tiles start changes no bit of dQ, dK or dV."""
+    q, k, v, do = make(2, 4096, 4096, 16, 4, 128, torch.bfloat16, seed=3)
+    out64, lse64, _ = reference(q, k, v, do, True, 0.125, upcast=True)
+    out, lse = out64.to(q.dtype), lse64.float().contiguous()
+    runs = [facodegen.attention_backward(do, q, k, v, out, lse, causal=True, softmax_scale=0.125, arch="sm90",
+                                         deterministic=True, lpt=lpt) for lpt in (False, True)]
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), name
