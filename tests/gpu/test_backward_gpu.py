@@ -529,6 +529,19 @@ def test_sm90_s_lookahead_is_bit_identical_to_the_default(sq, sk, causal, heads,
     assert check_grads(runs[1], do, q, k, v, causal, 0.125) == []
 
 
+def deterministic_runs(q, k, v, do, causal, *knob_sets, scale=0.125):
+    """The sm90 backward under deterministic=True once per knob set, on the float64 forward's O and LSE:
+    asserts they give the same bits in dQ, dK and dV, and returns the gradients of each."""
+    out64, lse64, _ = reference(q, k, v, do, causal, scale, upcast=True)
+    out, lse = out64.to(q.dtype), lse64.float().contiguous()
+    runs = [facodegen.attention_backward(do, q, k, v, out, lse, causal=causal, softmax_scale=scale, arch="sm90",
+                                         deterministic=True, **knobs) for knobs in knob_sets]
+    torch.cuda.synchronize()
+    for name, *grads in zip(("dq", "dk", "dv"), *runs):
+        assert all(torch.equal(grads[0], g) for g in grads[1:]), name
+    return runs
+
+
 # ------------------------------------------------------------------ sm90 persistent (a tile counter)
 # min(tiles, SMs) CTAs draw key blocks from a counter; the producer loads the next block's K, V while the
 # consumers write the last one's dK, dV. Lengths with more tiles than SMs, so CTAs run several: 4096
@@ -560,13 +573,7 @@ def test_sm90_persistent_is_bit_identical_to_one_cta_per_tile(sq, sk, causal, he
     tiles in the same accumulation order as one CTA per tile, so the same bits in dQ, dK and dV."""
     hq, hkv = HEADS[heads]
     q, k, v, do = make(2, sq, sk, hq, hkv, d, torch.bfloat16, seed=sq + sk + d)
-    out64, lse64, _ = reference(q, k, v, do, causal, 0.125, upcast=True)
-    out, lse = out64.to(q.dtype), lse64.float().contiguous()
-    runs = [facodegen.attention_backward(do, q, k, v, out, lse, causal=causal, softmax_scale=0.125, arch="sm90",
-                                         deterministic=True, persistent=pers) for pers in (False, True)]
-    torch.cuda.synchronize()
-    for name, a, b in zip(("dq", "dk", "dv"), *runs):
-        assert torch.equal(a, b), name
+    runs = deterministic_runs(q, k, v, do, causal, {"persistent": False}, {"persistent": True})
     assert check_grads(runs[1], do, q, k, v, causal, 0.125) == []
 
 
@@ -593,10 +600,4 @@ def test_sm90_lpt_is_bit_identical_to_the_default_order():
     """Deterministic: the key blocks still add into a query block's dQ in key-block order, so the order
     in which the tiles start changes no bit of dQ, dK or dV."""
     q, k, v, do = make(2, 4096, 4096, 16, 4, 128, torch.bfloat16, seed=3)
-    out64, lse64, _ = reference(q, k, v, do, True, 0.125, upcast=True)
-    out, lse = out64.to(q.dtype), lse64.float().contiguous()
-    runs = [facodegen.attention_backward(do, q, k, v, out, lse, causal=True, softmax_scale=0.125, arch="sm90",
-                                         deterministic=True, lpt=lpt) for lpt in (False, True)]
-    torch.cuda.synchronize()
-    for name, a, b in zip(("dq", "dk", "dv"), *runs):
-        assert torch.equal(a, b), name
+    deterministic_runs(q, k, v, do, True, {"lpt": False}, {"lpt": True})
