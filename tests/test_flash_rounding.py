@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from facodegen.verify import flash_rounding, fuzz
+from facodegen.spec.backward import preprocess_row_threads
 
 torch = pytest.importorskip("torch")
 
@@ -127,8 +128,9 @@ def test_the_summation_orders_are_the_same_products_in_other_orders():
 
 def _flash_backward_other_order(q, k, v, do, causal, scale):
     """dQ, dK as a FlashAttention backward whose dP = dO V^T sums head_dim in k16 chunks and whose
-    D = rowsum(dO o O) sums it one element at a time from the end: the same products as
-    flash_rounding's, in other orders (a kernel's tensor cores and its preprocess)."""
+    D = rowsum(dO o O) sums it as facodegen's preprocess does (preprocess_row_threads lanes a row,
+    each adding its 16-byte chunks' products a pair at a time, then a butterfly over the lanes): the
+    same products as flash_rounding's, in other orders (a kernel's tensor cores and its preprocess)."""
     out, lse = flash_rounding.attention_flash_rounding(q, k, v, causal, scale)
     group = q.shape[2] // k.shape[2]
     kr, vr = (x.repeat_interleave(group, dim=2) for x in (k, v))
@@ -139,9 +141,17 @@ def _flash_backward_other_order(q, k, v, do, causal, scale):
     for s in range(0, q.shape[-1], 16):
         d_p = d_p + torch.einsum("bqhd,bkhd->bhqk", do[..., s:s + 16].double(), vr[..., s:s + 16].double()).float()
     products = do.float() * out.float()
-    delta = torch.zeros(products.shape[:-1])
-    for i in reversed(range(q.shape[-1])):
-        delta = delta + products[..., i]
+    lanes = preprocess_row_threads(q.shape[-1])
+    pairs = products[..., 0::2] + products[..., 1::2]
+    lane_dot = torch.zeros(*products.shape[:-1], lanes)
+    for chunk in range(q.shape[-1] // 8):
+        for j in range(4):
+            lane_dot[..., chunk % lanes] += pairs[..., 4 * chunk + j]
+    offset = lanes // 2
+    while offset:
+        lane_dot = lane_dot + lane_dot[..., torch.arange(lanes) ^ offset]
+        offset //= 2
+    delta = lane_dot[..., 0]
     d_s = (p * (d_p - delta.transpose(1, 2)[..., None])).to(q.dtype).float()
     d_q = torch.einsum("bhqk,bkhd->bqhd", d_s, kr.float()) * scale
     d_k = torch.einsum("bhqk,bqhd->bkhd", d_s, q.float()).unflatten(2, (k.shape[2], group)).sum(dim=3) * scale
@@ -172,7 +182,10 @@ def test_accumulation_floor_covers_one_key_rows_and_admits_nothing_elsewhere(seq
     for i, (g, r, floor) in enumerate(zip(got, ref, floors)):
         assert fuzz.fa3_failure(g, r, (lows[i], flash[i]), floor) is None, seed
         if i == 0:      # dQ of the row that sees one key: all noise, all within the floor
-            noise = (g[:, one_key_row].double() - r[:, one_key_row]).abs()
+            # (against flash_rounding's backward, on the same O: against float64 the noise also holds O's
+            # own rounding, which the criterion takes through that second computation, not the floor; with
+            # O a whole ulp from V it reached 1.07x the floor, seed 37698027, a CI run on 2026-12-04)
+            noise = (g[:, one_key_row].double() - flash[i][:, one_key_row].double()).abs()
             assert 0 < noise.max() and bool((noise <= floor[:, one_key_row]).all()), seed
     # ordinary inputs: the floor is a small part of the bound, and a 1% error in dQ still fails
     q, k, v = _inputs(128, 160, 4, 2, 128, 1.0, torch.float16, seed)
