@@ -22,29 +22,41 @@ from .spec.knobs import KNOBS, Knob
 from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default_specs
 
 # Kernel families `emit` and `inspect` take (--kernel); forward stays the default.
-def build_backward_spec(fields: dict, deterministic, k_unroll=None, dq_tma_reduce=None, s_lookahead=None,
-                        dp_lookahead=None):
-    """A BackwardSpec from the spec flags given (only those the backward has)."""
+# The backward's own flags (_kernel_options), as emit/inspect receive them: None where not given.
+BACKWARD_FLAGS = ("deterministic", "k_unroll", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "lpt")
+
+
+def build_backward_spec(fields: dict, flags: dict):
+    """A BackwardSpec from the spec flags given (only those the backward has) and the backward's own
+    (``flags``: BACKWARD_FLAGS' values, None where not given)."""
     from .spec.backward import BACKWARD_BY_NAME, BackwardSpec
 
     extra = sorted(set(fields) - set(BACKWARD_BY_NAME))
     if extra:
         raise UsageFailure(f"--kernel backward does not take {', '.join(extra)} (its knobs: "
                            f"{', '.join(k for k in BACKWARD_BY_NAME)})")
-    flags = {"deterministic": deterministic, "k_unroll": k_unroll, "dq_tma_reduce": dq_tma_reduce,
-             "s_lookahead": s_lookahead, "dp_lookahead": dp_lookahead}
-    fields = {**fields, **{name: value for name, value in flags.items() if value is not None}}
+    fields = {**fields, **{name: value for name, value in _backward_flags(flags).items() if value is not None}}
     try:
         return BackwardSpec(**fields)
     except SpecError as err:
         raise UsageFailure(f"invalid backward spec: {err}") from None
 
 
-def _refuse_backward_flags(*values) -> None:
+def _backward_flags(flags: dict) -> dict:
+    """``flags`` as BACKWARD_FLAGS names them (a command passing anything else is a bug here)."""
+    unknown = set(flags) - set(BACKWARD_FLAGS)
+    if unknown:
+        raise TypeError(f"not backward flags: {', '.join(sorted(unknown))}")
+    return {name: flags.get(name) for name in BACKWARD_FLAGS}
+
+
+def _refuse_backward_flags(flags: dict) -> None:
     """emit/inspect of a kernel other than the backward: any backward flag given is a usage error."""
-    if any(value is not None for value in values):
-        raise UsageFailure("--deterministic, --k-unroll, --dq-tma-reduce, --s-lookahead and --dp-lookahead are "
-                           "--kernel backward flags")
+    given = [name for name, value in _backward_flags(flags).items() if value is not None]
+    if given:
+        raise UsageFailure(f"{', '.join('--' + name.replace('_', '-') for name in given)}: --kernel backward "
+                           f"flags (--deterministic, --k-unroll, --dq-tma-reduce, --s-lookahead, --dp-lookahead, "
+                           f"--lpt)")
 
 
 class UsageFailure(click.ClickException):
@@ -87,6 +99,9 @@ def _kernel_options(command):
         click.option("--dp-lookahead/--no-dp-lookahead", "dp_lookahead", default=None,
                      help="--kernel backward --arch sm90 --s-lookahead: the next step's dP^T wgmma issued right "
                           "after its S^T."),
+        click.option("--lpt/--no-lpt", "lpt", default=None,
+                     help="--kernel backward --arch sm90 --causal: tiles longest first within L2-sized groups of "
+                          "(kv head, batch)."),
         click.option("--page-size", type=int, default=None,
                      help="decode/append: a paged KV cache (the page size is a runtime value; any power of two)."),
         click.option("--paged/--contiguous", "paged", default=None, help="decode/append: paged or contiguous cache."),
@@ -303,9 +318,8 @@ def main():
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), help="Write <variant>.cu into this folder.")
 @click.option("--all", "all_specs", is_flag=True,
               help="Write every default spec as <variant>.cu into --out-dir (stale flash_fwd_*.cu there are removed).")
-def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministic=None, k_unroll=None, page_size=None,
-         paged=None, split_kv=None, pack_gqa=None, runtime=None, dq_tma_reduce=None, fused_combine=None,
-         s_lookahead=None, dp_lookahead=None):
+def emit(spec_fields, output, out_dir, all_specs, kernel="forward", page_size=None, paged=None, split_kv=None,
+         pack_gqa=None, runtime=None, fused_combine=None, **backward_flags):
     """Print (or write) the CUDA source of one kernel.
 
     \b
@@ -321,10 +335,10 @@ def emit(spec_fields, output, out_dir, all_specs, kernel="forward", deterministi
         from .ops.backward import emit as render_backward
         if all_specs:
             raise UsageFailure("--all writes the forward's default specs; drop --kernel backward")
-        spec = build_backward_spec(spec_fields, deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead)
+        spec = build_backward_spec(spec_fields, backward_flags)
         _write(render_backward(spec), spec, output, out_dir)
         return
-    _refuse_backward_flags(deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead)
+    _refuse_backward_flags(backward_flags)
     try:
         if kernel != "forward":
             if all_specs:
@@ -389,9 +403,8 @@ def _emit_all(out_dir: Path, render) -> None:
 @click.option("--sass", "what", flag_value="sass",
               help="Print the SASS (cuobjdump) and a count of key instructions.")
 @_kernel_options
-def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=None, page_size=None, paged=None,
-            split_kv=None, pack_gqa=None, dq_tma_reduce=None, fused_combine=None, s_lookahead=None,
-            dp_lookahead=None):
+def inspect(spec_fields, what, kernel="forward", page_size=None, paged=None, split_kv=None, pack_gqa=None,
+            fused_combine=None, **backward_flags):
     """Compile a kernel (no GPU needed) and report what the compiler made of it.
 
     \b
@@ -402,10 +415,9 @@ def inspect(spec_fields, what, kernel="forward", deterministic=None, k_unroll=No
     from .runtime.compiler import ToolNotFoundError
 
     if kernel == "backward":
-        _inspect_backward(build_backward_spec(spec_fields, deterministic, k_unroll, dq_tma_reduce, s_lookahead,
-                                              dp_lookahead), what)
+        _inspect_backward(build_backward_spec(spec_fields, backward_flags), what)
         return
-    _refuse_backward_flags(deterministic, k_unroll, dq_tma_reduce, s_lookahead, dp_lookahead)
+    _refuse_backward_flags(backward_flags)
     if kernel != "forward":
         from .runtime.compiler import CompileError
         from .spec.decode import compile_spec

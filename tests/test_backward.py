@@ -1516,6 +1516,10 @@ def test_lpt_is_a_causal_sm90_knob_with_a_host_worked_group():
     spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, lpt=True)
     assert not BackwardSpec(arch="sm90", head_dim=128, causal=True).lpt and spec.variant.endswith("_lpt_causal")
     assert "constexpr bool LPT = true;" in backward.emit(spec) and "--lpt" in backward.emit_command(spec)
+    result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(spec).split()[2:]])
+    assert result.exit_code == 0 and result.output == backward.emit(spec)
+    result = CliRunner().invoke(cli.main, ["emit", "--arch", "sm90", "--head-dim", "128", "--lpt"])
+    assert result.exit_code == 2 and "--lpt: --kernel backward flags" in result.output
     for bad in (dict(arch="sm90", causal=False), dict(arch="sm80", causal=True)):
         with pytest.raises(SpecError, match="lpt"):
             BackwardSpec(head_dim=128, lpt=True, **bad)
