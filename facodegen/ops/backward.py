@@ -31,11 +31,12 @@ import threading
 from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
-from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_LPT_GROUP_BYTES, SM90_PRODUCER_REGS,
-                              BackwardSpec, dq_accum_rows, preprocess_row_threads, preprocess_rows_per_cta,
-                              sm90_default_stages, sm90_dq_cols, sm90_dq_m_tiles, sm90_dq_tma_default, sm90_kv_split,
-                              sm90_lookahead_default, sm90_swizzle_bytes, stat_rows)
-from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, Field, pack_fields,
+from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_LPT_GROUP_BYTES,
+                              SM90_PRODUCER_REGS, BackwardSpec, dq_accum_rows, preprocess_row_threads,
+                              preprocess_rows_per_cta, sm90_default_stages, sm90_dq_cols, sm90_dq_m_tiles,
+                              sm90_dq_tma_default, sm90_kv_split, sm90_lookahead_default, sm90_persistent_default,
+                              sm90_swizzle_bytes, stat_rows)
+from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, Field, pack_fields,
                                place, stride_fields)
 from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
 from ..spec import SpecError
@@ -97,23 +98,8 @@ def layout(arch: str = "sm80") -> tuple[list[tuple[Field, int]], int, int]:
 
 
 def pack(values: dict, arch: str = "sm80") -> bytes:
-    """BwdParams' bytes; sm90's tensor maps are given as 128 bytes each (the sm90 scalars after them
-    packed at their own offset)."""
-    data = bytearray(pack_fields(BWD_FIELDS, values, "BwdParams"))
-    if arch == "sm90":
-        placed, size, _ = layout(arch)
-        data = data + bytes(size - len(data))
-        offsets = {f.name: off for f, off in placed}
-        for f, off in placed:
-            if f.kind == "tmap":
-                value = values[f.name]
-                if len(value) != TENSOR_MAP_BYTES:
-                    raise ValueError(f"{f.name} must be {TENSOR_MAP_BYTES} bytes, got {len(value)}")
-                data[off:off + TENSOR_MAP_BYTES] = value
-        tail = pack_fields(BWD_SM90_FIELDS, values, "BwdParams")      # (int fields: the same relative layout)
-        first = offsets[BWD_SM90_FIELDS[0].name]
-        data[first:first + len(tail)] = tail
-    return bytes(data)
+    """BwdParams' bytes; sm90's tensor maps are given as 128 bytes each."""
+    return pack_fields(fields(arch), values, "BwdParams")
 
 
 assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range(len(_POINTERS))]
@@ -134,8 +120,7 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     return {"gpu": SM90_GPU, "stages": sm90_default_stages(spec.head_dim, spec.dq_tma_reduce, SM90_GPU),
             "k_unroll": 2, "deterministic": False, "s_lookahead": s_default, "dp_lookahead": dp_default,
             "dq_tma_reduce": sm90_dq_tma_default(spec.head_dim) and not spec.deterministic,
-            "persistent": not spec.deterministic,
-            "lpt": False}
+            "persistent": sm90_persistent_default(spec.arch, spec.deterministic), "lpt": False}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt")
 
@@ -164,8 +149,8 @@ def emit(spec: BackwardSpec) -> str:
         smem_bytes=spec.smem_bytes, threads=spec.threads,
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
         producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),
-        dq_bufs=spec.dq_bufs, kv_split=sm90_kv_split(spec.head_dim), row_threads=preprocess_row_threads(spec.head_dim),
-
+        dq_bufs=spec.dq_bufs, kv_split=sm90_kv_split(spec.head_dim),
+        row_threads=preprocess_row_threads(spec.head_dim),
         dq_m_tiles=sm90_dq_m_tiles(spec.block_m) if spec.arch == "sm90" else 1,
         sdp_n=spec.block_m // 2 if sm90_kv_split(spec.head_dim) else spec.block_m,
         kv_cols=spec.head_dim // 2 if sm90_kv_split(spec.head_dim) else spec.head_dim))
@@ -203,11 +188,11 @@ def row_stat_floats(spec: BackwardSpec, batch: int, heads_q: int, seqlen_q: int)
 
 def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int,
           sms: int | None = None):
-    """(preprocess, main, postprocess) grids: preprocess_row_threads lanes per query row for the first (every stat row,
-    which covers every row of dq_accum: with dq_tma_reduce the preprocess zeroes its padding too), one
-    CTA per (key block, kv head, batch) for the main kernel, and for the last one warp per query row,
-    or with dq_tma_reduce one CTA per query block (a tile of dq_accum). sm90's main kernel numbers its
-    tiles along x, key blocks fastest (bwd_tile); persistent: min(tiles, ``sms``) CTAs."""
+    """(preprocess, main, postprocess) grids: preprocess_row_threads lanes per query row for the first
+    (every stat row, which covers every row of dq_accum: with dq_tma_reduce the preprocess zeroes its
+    padding too); for the main kernel one CTA per (key block, kv head, batch), on sm90 numbered along
+    x (bwd_tile), persistent there min(tiles, ``sms``) CTAs; for the last one warp per query row, or
+    with dq_tma_reduce one CTA per query block (a tile of dq_accum)."""
     pre = (-(-stat_rows(spec, seqlen_q) // preprocess_rows_per_cta(spec)), heads_q, batch)
     post = ((-(-seqlen_q // spec.block_m) if spec.dq_tma_reduce else -(-seqlen_q // spec.num_warps)),
             heads_q, batch)

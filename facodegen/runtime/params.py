@@ -152,24 +152,13 @@ _SCALAR_FORMATS = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}
 
 
 def pack_fields(field_list, values: dict, struct_name: str) -> bytes:
-    """The bytes of a struct of scalar fields (place's layout) holding ``values`` (every field)."""
+    """The bytes of a struct of these fields (place's layout) holding ``values`` (every field; tensor
+    maps as TENSOR_MAP_BYTES bytes each): every kernel's argument struct is packed here."""
     placed, size, _ = place(field_list)
     missing = [f.name for f, _ in placed if f.name not in values]
     if missing:
         raise KeyError(f"{struct_name} fields missing: {', '.join(missing)}")
     buf = bytearray(size)
-    for f, off in placed:
-        struct.pack_into(_SCALAR_FORMATS[f.kind], buf, off, values[f.name])
-    return bytes(buf)
-
-
-def pack(arch: str, values: dict, dtype: str | None = None, variants: bool = False, varlen: bool = False) -> bytes:
-    """Host bytes of FlashParams; every field must be given (tensor maps as 128 bytes)."""
-    placed, size, _ = layout(arch, dtype, variants, varlen)
-    buf = bytearray(size)
-    missing = [f.name for f, _ in placed if f.name not in values]
-    if missing:
-        raise KeyError(f"FlashParams fields missing: {', '.join(missing)}")
     for f, off in placed:
         value = values[f.name]
         if f.kind == "tmap":
@@ -177,6 +166,10 @@ def pack(arch: str, values: dict, dtype: str | None = None, variants: bool = Fal
                 raise ValueError(f"{f.name} must be {TENSOR_MAP_BYTES} bytes, got {len(value)}")
             buf[off:off + TENSOR_MAP_BYTES] = value
         else:
-            fmt = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}[f.kind]
-            struct.pack_into(fmt, buf, off, value)
+            struct.pack_into(_SCALAR_FORMATS[f.kind], buf, off, value)
     return bytes(buf)
+
+
+def pack(arch: str, values: dict, dtype: str | None = None, variants: bool = False, varlen: bool = False) -> bytes:
+    """Host bytes of FlashParams; every field must be given (tensor maps as 128 bytes)."""
+    return pack_fields(fields(arch, dtype, variants, varlen), values, "FlashParams")

@@ -78,8 +78,8 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "too, so the tensor pipe runs dK, S^T, dP^T back to back; each step then waits on both at its top "
          "(P^T's exponentials no longer run beside this warpgroup's own dP^T).",
          flag="--dp-lookahead/--no-dp-lookahead", token=_flag("dplook")),
-    Knob("persistent", "bool", "sm90 (its default there, deterministic calls aside): min(tiles, SMs) CTAs, each taking key block after key "
-         "block from a tile counter (in key-block order, as a grid starts them): the producer loads the next "
+    Knob("persistent", "bool", "sm90 (its default there, deterministic calls aside): min(tiles, SMs) CTAs, "
+         "each taking key block after key block from a tile counter (in key-block order, as a grid starts them): the producer loads the next "
          "block's K and V while the consumers write the last one's dK and dV, instead of one CTA per key block, "
          "whose start (K, V and the first Q, dO in flight) and end (dK, dV out) nothing overlaps.",
          flag="--persistent/--no-persistent",
@@ -432,7 +432,7 @@ def _check_types(spec: BackwardSpec) -> None:
     for k in BACKWARD_KNOBS:
         value = getattr(spec, k.name)
         if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages", "s_lookahead",
-                                        "dp_lookahead", "persistent"):
+                                        "dp_lookahead"):
             continue
         if k.kind == "text" and not isinstance(value, str):
             raise SpecError(k.name, f"must be text ({', '.join(k.choices)}), got {value!r}")
