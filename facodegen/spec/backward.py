@@ -174,8 +174,8 @@ def sm90_persistent_default(arch: str, deterministic: bool) -> bool:
     fa3-paper grid, persistent against one CTA per tile in the same runs: 0.98-1.02x per cell (geomean
     1.004 at head_dim 64, 0.993 at 128, 0.985 at 256), so no faster, but a tile goes only to a running
     CTA (no reliance on the order the GPU starts CTAs in). Deterministic causal head_dim 128 with the
-    next tile drawn ahead ran at 26 / 72 TFLOP/s (2k / 8k) against 137 / 181 for one CTA per tile: a CTA
-    waiting for a turn held the tile other CTAs' turns waited on (the draw is now deferred there)."""
+    next tile drawn ahead ran at 26 / 72 TFLOP/s (2k / 8k; one CTA per tile 143 / 181 in the next call):
+    a CTA waiting for a turn held the tile other CTAs' turns waited on (the draw is now deferred there)."""
     return arch == "sm90" and not deterministic
 
 
