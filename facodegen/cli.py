@@ -23,7 +23,7 @@ from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default
 
 # Kernel families `emit` and `inspect` take (--kernel); forward stays the default.
 # The backward's own flags (_kernel_options), as emit/inspect receive them: None where not given.
-BACKWARD_FLAGS = ("deterministic", "k_unroll", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "lpt")
+BACKWARD_FLAGS = ("deterministic", "k_unroll", "do_stages", "dq_tma_reduce", "dq_pieces", "s_lookahead", "dp_lookahead", "lpt")
 
 
 def build_backward_spec(fields: dict, flags: dict):
@@ -55,8 +55,7 @@ def _refuse_backward_flags(flags: dict) -> None:
     given = [name for name, value in _backward_flags(flags).items() if value is not None]
     if given:
         raise UsageFailure(f"{', '.join('--' + name.replace('_', '-') for name in given)}: --kernel backward "
-                           f"flags (--deterministic, --k-unroll, --dq-tma-reduce, --s-lookahead, --dp-lookahead, "
-                           f"--lpt)")
+                           f"flags ({', '.join('--' + name.replace('_', '-') for name in BACKWARD_FLAGS)})")
 
 
 class UsageFailure(click.ClickException):
@@ -90,9 +89,15 @@ def _kernel_options(command):
                      help="--kernel backward: k16 steps of each warp GEMM unrolled together."),
         click.option("--deterministic/--no-deterministic", "deterministic", default=None,
                      help="--kernel backward: bit-identical gradients (dQ added in key-block order)."),
+        click.option("--do-stages", "do_stages", type=click.Choice(["1", "2"]), callback=_int_choice,
+                     help="--kernel backward --arch sm90: the dO ring's depth, at most --stages (below it the room "
+                          "goes to the dQ tiles of --dq-tma-reduce)."),
         click.option("--dq-tma-reduce/--no-dq-tma-reduce", "dq_tma_reduce", default=None,
                      help="--kernel backward --arch sm90: dQ added into its fp32 accumulator by a TMA bulk "
                           "reduce-add of a shared-memory tile per warpgroup."),
+        click.option("--dq-pieces", "dq_pieces", type=click.Choice(["1", "2", "4"]), callback=_int_choice,
+                     help="--kernel backward --arch sm90 --dq-tma-reduce: pieces each warpgroup stages and adds "
+                          "its dQ tile in per step (default: the fewest that fit)."),
         click.option("--s-lookahead/--no-s-lookahead", "s_lookahead", default=None,
                      help="--kernel backward --arch sm90 (head_dim 64, 96, 128): each consumer warpgroup issues the "
                           "next step's S^T wgmma before the wait that retires this step's dK."),

@@ -49,7 +49,13 @@ def test_variant_names_the_problem_and_the_tile():
 @pytest.mark.parametrize("fields, knob, words", [
     ({"arch": "sm75"}, "arch", "sm75"),
     ({"arch": "sm90", "head_dim": 256, "block_n": 128}, "block_n", "block_n=64"),
-    ({"arch": "sm90", "head_dim": 256, "dq_tma_reduce": True, "stages": 2}, "stages", "stages=1"),
+    ({"arch": "sm90", "head_dim": 256, "dq_tma_reduce": True, "stages": 2, "do_stages": 2}, "stages",
+     "stages=1 or do_stages=1"),
+    ({"arch": "sm90", "head_dim": 256, "do_stages": 2, "stages": 1}, "do_stages", "1 to stages=1"),
+    ({"arch": "sm90", "head_dim": 128, "do_stages": 1}, "do_stages", "dp_lookahead=False"),
+    ({"arch": "sm90", "head_dim": 128, "dq_pieces": 2, "dq_tma_reduce": False}, "dq_pieces", "dq_tma_reduce=True"),
+    ({"dq_pieces": 2}, "dq_pieces", "an sm90 knob"),
+    ({"do_stages": 2, "stages": 1}, "do_stages", "an sm90 knob"),
     ({"arch": "sm90", "head_dim": 192, "stages": 3}, "stages", "1 or 2 at head_dim 192, 256"),
     ({"arch": "sm90", "block_m": 128}, "block_m", "block_m=64"),
     ({"arch": "sm90", "block_m": 32, "head_dim": 64}, "block_m", "or 128"),
@@ -226,7 +232,7 @@ def test_sm90_deterministic_backward_adds_dq_in_turns(head_dim, dtype, causal, d
     assert "NANOSLEEP" in sass and "MEMBAR" in sass and "BAR.SYNC.DEFER_BLOCKING 0x2, 0x100" in sass
     assert "BAR.SYNC.DEFER_BLOCKING 0x2" not in plain and sass.count("MEMBAR") > plain.count("MEMBAR")
     if dq_tma_reduce:
-        assert "_det_dqtma" in spec.variant and len(re.findall(r"\bUBLKRED\.", sass)) == 1
+        assert "_det_dqtma" in spec.variant and len(re.findall(r"\bUBLKRED\.", sass)) == spec.dq_pieces
         assert "fence.proxy.async.global" in source and not re.search(r"\bREDG?\.", sass)
     # two turn barriers per step (all consumers at the same two instructions: synccheck), and where the
     # warpgroups take turns in a CTA (split by keys) warpgroup 0 arrives at barrier 5, warpgroup 1 waits
@@ -757,26 +763,31 @@ def test_sm90_consumers_fit_their_240_registers():
 
 # ------------------------------------------------------------------ sm90 head_dim 192, 256 (KV_SPLIT_COLS)
 
-# (head_dim, knobs, shared memory, stages, dQ buffers per warpgroup): the defaults and both dQ paths,
-# deterministic or not. The tiles are spec/backward.py SM90_TILES' arithmetic; all within 227 KB.
+# (head_dim, knobs, shared memory, stages, dO stages, dQ buffers per warpgroup, pieces of its dQ tile per
+# step): the defaults and both dQ paths, deterministic or not. The tiles are spec/backward.py SM90_TILES'
+# arithmetic; all within 227 KB.
 SPLIT_CONFIGS = [
-    (192, {}, 231424, 2, 1),                                   # default: dq_tma_reduce, one dQ buffer
-    (192, {"dq_tma_reduce": False}, 182272, 2, 0),
-    (192, {"deterministic": True}, 182272, 2, 0),
-    (192, {"deterministic": True, "dq_tma_reduce": True}, 231424, 2, 1),
-    (192, {"stages": 1}, 230912, 1, 2),                        # a 1-deep ring leaves room for two
-    (256, {}, 231424, 2, 0),                                   # default: fp32 vector reductions (FA3's at 256)
-    (256, {"dq_tma_reduce": True}, 230912, 1, 1),              # the dQ tiles cost the ring's second stage
-    (256, {"deterministic": True}, 231424, 2, 0),
-    (256, {"deterministic": True, "dq_tma_reduce": True}, 230912, 1, 1),
+    (192, {}, 231424, 2, 2, 1, 1),                             # default: dq_tma_reduce, one dQ buffer
+    (192, {"dq_tma_reduce": False}, 182272, 2, 2, 0, 1),
+    (192, {"deterministic": True}, 182272, 2, 2, 0, 1),
+    (192, {"deterministic": True, "dq_tma_reduce": True}, 231424, 2, 2, 1, 1),
+    (192, {"stages": 1}, 230912, 1, 1, 2, 1),                  # a 1-deep ring leaves room for two
+    (192, {"dq_pieces": 2}, 231424, 2, 2, 2, 2),               # two buffers of half a tile
+    (256, {}, 231168, 2, 1, 1, 2),                             # default: dq_tma_reduce, 1 dO stage, half tiles
+    (256, {"dq_pieces": 4}, 231168, 2, 1, 2, 4),               # two buffers of a quarter tile
+    (256, {"stages": 1}, 230912, 1, 1, 1, 1),                  # or a Q stage less: one whole tile
+    (256, {"dq_tma_reduce": False}, 231424, 2, 2, 0, 1),       # fp32 vector reductions (FA3's at 256)
+    (256, {"deterministic": True}, 231424, 2, 2, 0, 1),
+    (256, {"deterministic": True, "dq_tma_reduce": True}, 231168, 2, 1, 1, 2),
 ]
 
 
 @pytest.mark.parametrize("dtype, causal", [("bf16", False), ("fp16", True)])
-@pytest.mark.parametrize("head_dim, knobs, smem, stages, dq_bufs", SPLIT_CONFIGS,
+@pytest.mark.parametrize("head_dim, knobs, smem, stages, do_stages, dq_bufs, dq_pieces", SPLIT_CONFIGS,
                          ids=[f"hd{d}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}"
                               for d, kw, *_ in SPLIT_CONFIGS])
-def test_sm90_head_dims_192_256_compile_clean(head_dim, knobs, smem, stages, dq_bufs, dtype, causal):
+def test_sm90_head_dims_192_256_compile_clean(head_dim, knobs, smem, stages, do_stages, dq_bufs, dq_pieces, dtype,
+                                              causal):
     """head_dim 192, 256: both warpgroups on the same 64 keys (block_n 64), S^T, dP^T as m64n32 per
     warpgroup (its 32 queries), dV, dK as SS wgmma of head_dim / 2 columns from the P^T, dS^T tiles,
     dQ of head_dim / 2 columns over the 64 keys. NVRTC sm_90a: no stack, spills or local memory in any
@@ -784,7 +795,8 @@ def test_sm90_head_dims_192_256_compile_clean(head_dim, knobs, smem, stages, dq_
     (measured 2026-12-04, NVRTC 13: 167 at d192, 215 at d256), and shared memory as SM90_TILES says."""
     spec = BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal, **knobs)
     assert (spec.block_m, spec.block_n, spec.num_warps) == (64, 64, 12) and sm90_kv_split(head_dim)
-    assert (spec.stages, spec.dq_bufs, spec.smem_bytes) == (stages, dq_bufs, smem)
+    assert (spec.stages, spec.do_stages, spec.dq_bufs, spec.dq_pieces, spec.smem_bytes) == (stages, do_stages, dq_bufs,
+                                                                                             dq_pieces, smem)
     assert smem <= GPUS["h100"].smem_per_block == GPUS["h200"].smem_per_block
     kernel, sass, counts = _compiled_clean(spec)
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
@@ -796,14 +808,16 @@ def test_sm90_head_dims_192_256_compile_clean(head_dim, knobs, smem, stages, dq_
     # both warpgroups' P^T, dS^T columns written before either reads the tiles: named barrier 1, 256 threads
     assert "BAR.SYNC.DEFER_BLOCKING 0x1, 0x100" in sass
     if spec.dq_tma_reduce:
-        assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1 and not re.search(r"\bREDG?\.", sass)
+        assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == dq_pieces and not re.search(r"\bREDG?\.", sass)
         assert len(re.findall(r"\bSTS\.128 ", _consumer_sass(sass, spec))) == head_dim // 2 // 2 // 4
     else:
         assert "REDG.E.ADD.F32x2" in sass and "UBLKRED" not in sass
     assert ("BAR.SYNC.DEFER_BLOCKING 0x2, 0x100" in sass) == spec.deterministic    # the dq_accum turns
     source = backward.emit(spec)
     assert "constexpr bool KV_SPLIT_COLS = true;" in source and "gemm_tile_rows(dv_acc, pt_tile" in source
+    assert f"constexpr int DQ_PIECES = {dq_pieces};" in source if spec.dq_tma_reduce else "DQ_PIECES" not in source
     assert f"constexpr int DQ_BUFS = {dq_bufs};" in source if spec.dq_tma_reduce else "DQ_BUFS" not in source
+    assert f"constexpr int  DO_STAGES  = {do_stages};" in source
 
 
 def test_sm90_head_dim_192_takes_64_byte_slabs():
@@ -902,7 +916,7 @@ def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
 
 # ------------------------------------------------------------------ sm90 dq_tma_reduce (dQ by TMA bulk reduce-add)
 
-SM90_DQTMA = [s.replace(dq_tma_reduce=True, stages=None) for s in SM90]   # (head_dim 256: 1 stage)
+SM90_DQTMA = [s.replace(dq_tma_reduce=True, stages=None) for s in SM90]   # (head_dim 256: a 1-deep dO ring)
 
 
 def test_dq_tma_reduce_is_the_sm90_default_but_for_deterministic_and_sm80():
@@ -932,7 +946,7 @@ def test_dq_tma_reduce_is_the_sm90_default_but_for_deterministic_and_sm80():
 def test_sm90_dq_tma_reduce_renders_and_round_trips(spec):
     source = _rendered(spec, ("dK += dS^T Q", "dQ = dS K", "TMA bulk reduce-add"))
     assert "//   dq_tma_reduce        = True" in source
-    assert (spec == spec.replace(dq_tma_reduce=None)) == (spec.head_dim < 256)    # the default below 256
+    assert spec == spec.replace(dq_tma_reduce=None)                 # the default at every head_dim
     argv = backward.emit_command(spec).split()[2:]
     result = CliRunner().invoke(cli.main, ["emit", *argv])
     assert result.exit_code == 0 and result.output == source
@@ -946,7 +960,7 @@ def test_sm90_dq_tma_reduce_compiles_to_one_bulk_reduce_per_step(spec):
     kernel, sass, counts = _compiled_clean(spec)
     assert counts["UTMALDG"] == 4
     assert counts["HGMMA"] == backward.compile(spec.replace(dq_tma_reduce=False)).sass_counts()["HGMMA"]
-    assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1
+    assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == spec.dq_pieces
     assert not re.search(r"\bREDG?\.", sass), re.findall(r".*\bREDG?\..*", sass)
     assert len(re.findall(r"\bSTS\.128 ", _consumer_sass(sass, spec))) == sm90_dq_cols(spec.head_dim) // 2 // 4 * sm90_dq_m_tiles(spec.block_m)
     assert re.search(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x80", sass)
@@ -978,10 +992,11 @@ def test_dq_tma_reduce_call_pads_dq_accum_and_zeroes_the_padding(bwd, monkeypatc
 # (knobs, shared memory, dQ buffers per warpgroup): spec/backward.py SM90_BLOCK_MS' arithmetic: K, V
 # 32 KB + 2 x (Q, dO 32 KB + rows 1 KB) + one dS^T tile 32 KB + 1 KB; dq_tma_reduce + 2 x 32 KB.
 WIDE_M_CONFIGS = [
-    ({}, 199680, 1),                                            # the dq_tma_reduce default
-    ({"dq_tma_reduce": False}, 134144, 0),
-    ({"deterministic": True}, 134144, 0),
+    ({}, 199680, 1),                                            # the dq_tma_reduce default: one whole tile
+    ({"dq_tma_reduce": False}, 134144, 1),
+    ({"deterministic": True}, 134144, 1),
     ({"deterministic": True, "dq_tma_reduce": True}, 199680, 1),
+    ({"dq_pieces": 2}, 199680, 2),                              # two buffers of one m64 tile
 ]
 
 
@@ -1003,9 +1018,9 @@ def test_sm90_block_m_128_is_the_default_at_head_dim_64_only():
 
 
 @pytest.mark.parametrize("dtype, causal", [("bf16", False), ("fp16", True)])
-@pytest.mark.parametrize("knobs, smem, dq_bufs", WIDE_M_CONFIGS,
+@pytest.mark.parametrize("knobs, smem, dq_pieces", WIDE_M_CONFIGS,
                          ids=["-".join(f"{k}={v}" for k, v in kw.items()) or "default" for kw, *_ in WIDE_M_CONFIGS])
-def test_sm90_block_m_128_compiles_clean(knobs, smem, dq_bufs, dtype, causal):
+def test_sm90_block_m_128_compiles_clean(knobs, smem, dq_pieces, dtype, causal):
     """head_dim 64, block_m 128: S^T, dP^T as m64n128 (k = 64), dV, dK as RS m64n64 (k = 128 queries),
     dQ as two m64n64 tiles of queries over the warpgroup's 64 keys (split by keys: no barrier between
     the warpgroups). NVRTC sm_90a: no stack, spills or local memory in any of the three kernels, no
@@ -1015,7 +1030,7 @@ def test_sm90_block_m_128_compiles_clean(knobs, smem, dq_bufs, dtype, causal):
     spec = BackwardSpec(arch="sm90", head_dim=64, block_m=128, dtype=dtype, causal=causal, s_lookahead=False,
                         **knobs)     # (the base pipeline; the lookahead default's order is tested below)
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.stages) == (128, 128, 12, 2)
-    assert (spec.dq_bufs, spec.smem_bytes) == (dq_bufs, smem) and smem <= GPUS["h100"].smem_per_block
+    assert (spec.dq_pieces, spec.smem_bytes) == (dq_pieces, smem) and smem <= GPUS["h100"].smem_per_block
     source = _rendered(spec, ("dK += dS^T Q", "dQ = dS K", "producer", "consumers"))
     assert "constexpr int DQ_M_TILES = BLOCK_M / WG_ROWS;" in source and "constexpr int DS_BUFS = 1;" in source
     assert "(step & 1) * DS_TILE_BYTES" not in source
@@ -1035,9 +1050,9 @@ def test_sm90_block_m_128_compiles_clean(knobs, smem, dq_bufs, dtype, causal):
     assert counts["UTMALDG"] == 4 and sass.count("UBLKCP.S.G") == 2 and counts["HMMA"] == 0
     assert "BAR.SYNC.DEFER_BLOCKING 0x1, 0x100" not in sass               # split by keys
     if spec.dq_tma_reduce:
-        assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 1 and not re.search(r"\bREDG?\.", sass)
+        assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == dq_pieces and not re.search(r"\bREDG?\.", sass)
         assert len(re.findall(r"\bSTS\.128 ", _consumer_sass(sass, spec))) == 2 * 64 // 2 // 4
-        assert "bulk_reduce_add_f32(dq_tile, dq_buf, DQ_TILE_BYTES);" in source
+        assert "bulk_reduce_add_f32(dq_tile + piece * (DQ_PIECE_BYTES / 4), dq_buf, DQ_PIECE_BYTES);" in source
     else:
         assert "REDG.E.ADD.F32x2" in sass and "UBLKRED" not in sass
     assert (sass.count("BAR.SYNC.DEFER_BLOCKING 0x2, 0x100") == 2) == spec.deterministic

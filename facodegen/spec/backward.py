@@ -31,6 +31,11 @@ BACKWARD_ARCHS = ("sm80", "sm90")
 BACKWARD_DTYPES = ("fp16", "bf16")
 BACKWARD_GPUS = ("a100", "h100", "h200", "sm86", "sm89")
 ELEMENT_BYTES = 2
+# sm90 dq_tma_reduce: where one whole dQ tile per warpgroup does not fit (head_dim 256 with do_stages=1),
+# each warpgroup stages its tile in 2 or 4 pieces per step (dq_pieces): a piece is the warpgroup's
+# registers 4j..4j+3 for a run of j, a contiguous run of the tile's register order, so dq_accum's layout
+# is the same.
+SM90_DQ_PIECES_CHOICES = (1, 2, 4)
 
 
 def _flag(token: str):
@@ -57,9 +62,15 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("k_unroll", "int", "k16 steps of each warp GEMM unrolled together (more in flight, more registers).",
          flag="--k-unroll", choices=(1, 2, 4), search={"sm80": (1, 2)},
          token=lambda s, v: f"ku{s.k_unroll}" if s.k_unroll != 2 else None),
-    Knob("stages", "int", "Q/dO buffers: sm80 1 (the next step's Q, dO load under the dQ GEMM); sm90 2 (the "
-         "TMA ring the producer warp fills).", flag="--stages",
+    Knob("stages", "int", "Q buffers: sm80 1 (with dO; the next step's Q, dO load under the dQ GEMM); sm90 2 (the "
+         "TMA ring the producer warp fills; dO's: do_stages).", flag="--stages",
          choices=(1, 2), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
+    Knob("do_stages", "int", "sm90: dO buffers (with their D rows), at most stages (None: as deep as fits, "
+         "sm90_default_rings). Below it, a "
+         "step releases its dO once dV has read it, and the shared memory of the dO tiles left out holds the dQ "
+         "tiles of dq_tma_reduce (head_dim 256: a 2-deep Q ring beside them).", flag="--do-stages",
+         choices=(1, 2), token=lambda s, v: f"dos{v}" if s.arch == "sm90" and v != sm90_default_rings(
+             s.head_dim, s.dq_tma_reduce, s.gpu, s.stages)[1] else None),
     Knob("gpu", "text", "Whose shared-memory limit the budget model applies.", choices=BACKWARD_GPUS, flag="--gpu"),
     Knob("deterministic", "bool", "Bit-identical gradients across runs: the key blocks add into each query "
          "block's fp32 dQ in key-block order (a turn counter per query block) instead of in any order.",
@@ -69,6 +80,10 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "thread's fp32 vector reductions from registers; dq_accum is then tiled (BLOCK_M-row tiles in the "
          "warpgroups' register order, seqlen_q padded to BLOCK_M).",
          flag="--dq-tma-reduce/--no-dq-tma-reduce", token=_flag("dqtma")),
+    Knob("dq_pieces", "int", "sm90 dq_tma_reduce: pieces each consumer warpgroup stages and bulk-adds its dQ tile "
+         "in per step (None: the fewest that fit beside the rest), through two piece-sized buffers taking turns "
+         "where they fit, else one; 1 without dq_tma_reduce.", flag="--dq-pieces", choices=SM90_DQ_PIECES_CHOICES,
+         token=lambda s, v: f"dqp{v}" if v != sm90_fewest_dq_pieces(s) else None),
     Knob("s_lookahead", "bool", "sm90, head_dim 64, 96, 128: each consumer warpgroup issues the next step's S^T = K "
          "Q^T (software pipelining across steps) before the wait that retires this step's dK, so the tensor "
          "pipe runs it behind dK instead of idling while the warpgroup waits for dK, releases the stage and "
@@ -125,8 +140,11 @@ DEFAULT_GPU = "a100"
 #   d192: K, V 48 KB + 2 stages x (Q, dO 48 KB + rows) + P^T, dS^T 4 x 8 KB = 178 KB; 64-byte swizzle
 #         (each warpgroup's 96 columns are 3 whole 32-column slabs; 64-column slabs would split one);
 #         dq_tma_reduce: + 2 x 24 KB (one dQ buffer per warpgroup, SM90_DQ_BUFS does not fit) = 226 KB
-#   d256: K, V 64 KB + 2 stages x (Q, dO 64 KB + rows) + P^T, dS^T 4 x 8 KB = 226 KB (of 227);
-#         dq_tma_reduce (off by default, FA3's choice at d256): 1 stage + 2 x 32 KB = 226 KB
+#   d256: K, V 64 KB + 2 stages x (Q, dO 64 KB + rows) + P^T, dS^T 4 x 8 KB = 226 KB (of 227) with
+#         the vector reductions; dq_tma_reduce (the default) drops a dO stage for the dQ tiles: 2 Q stages
+#         + 1 dO stage (32 KB + rows each) + P^T, dS^T 32 KB + 2 warpgroups x one half dQ tile (16 KB,
+#         dq_pieces 2) = 226 KB (or 1 stage of both + 2 whole 32 KB tiles: no faster than the vector
+#         reductions, H200 2026-12-04)
 SM90_TILES = {64: (128, 128, 12), 96: (64, 128, 12), 128: (64, 128, 12), 192: (64, 64, 12), 256: (64, 64, 12)}
 # block_m=128: head_dim 64 only (the default there; block_m=64 is a knob value), FA3's 128x128. H200,
 # 2026-12-04, bf16 fa3-paper cells (seqlen 2k, 8k; full, causal): 376.4 / 447.0 / 271.7 / 383.5 TFLOP/s
@@ -166,7 +184,8 @@ SM90_CONSUMER_WGS = 2
 # dq_tma_reduce: dQ tiles in shared memory per consumer warpgroup (step i writes tile i % 2 while the
 # bulk reduce of step i - 1 may still be reading the other). 64 KB at every head_dim (d96: 96 KB):
 # d128 162 + 64 = 226 KB, d96 130 + 96 = 226 KB, of the 227 KB an sm90 block may have.
-SM90_DQ_BUFS = 2     # (head_dim 192, 256: 1, BackwardSpec.dq_bufs)
+SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
+# (dq_pieces: SM90_DQ_PIECES_CHOICES, above the knobs)
 
 
 def sm90_persistent_default(arch: str, deterministic: bool) -> bool:
@@ -218,10 +237,12 @@ def sm90_dq_m_tiles(block_m: int) -> int:
 
 
 def sm90_dq_tma_default(head_dim: int) -> bool:
-    """dq_tma_reduce's sm90 default (deterministic calls aside): FlashAttention-3's choice, the bulk
-    reduce-add below head_dim 256 and fp32 adds from registers at 256 (ours: at 256 the dQ tiles cost
-    the Q/dO ring's second stage, see SM90_TILES)."""
-    return head_dim < 256
+    """dq_tma_reduce's sm90 default (deterministic calls aside): on at every head_dim. FlashAttention-3
+    adds dQ from registers at head_dim 256 (no room for the dQ tiles); cuDNN's kernel there bulk-reduces
+    it (UTMAREDG in its SASS, ncu H200 2026-12-04), and ours, with a 1-deep dO ring making the room
+    (sm90_default_rings), ran 1.11-1.22x the register adds' TFLOP/s (H200, 2026-12-04, bf16 fa3-paper
+    cells), whose fp32 reductions kept L2 83.8% busy."""
+    return True
 
 
 def sm90_lookahead_default(arch: str, head_dim: int, block_m: int, stages: int, dq_tma_reduce: bool,
@@ -276,9 +297,11 @@ class BackwardSpec:
     num_warps: int | None = None
     k_unroll: int = 2
     stages: int | None = None
+    do_stages: int | None = None
     gpu: str | None = None
     deterministic: bool = False
     dq_tma_reduce: bool | None = None
+    dq_pieces: int | None = None
     s_lookahead: bool | None = None
     dp_lookahead: bool | None = None
     persistent: bool | None = None
@@ -304,16 +327,23 @@ class BackwardSpec:
                 raise SpecError("head_dim", f"{self.head_dim}: the sm90 backward is written for head_dim "
                                             f"{', '.join(map(str, SM90_TILES))} so far (arch='sm80' has the others)")
             block_m, block_n, warps = tile
-            if self.stages is None:
-                set_("stages", sm90_default_stages(self.head_dim, self.dq_tma_reduce, self.gpu))
+            if self.stages is None or self.do_stages is None:
+                stages, do_stages = sm90_default_rings(self.head_dim, self.dq_tma_reduce, self.gpu, self.stages,
+                                                       self.do_stages)
+                set_("stages", stages)
+                set_("do_stages", do_stages)
         else:
             table = SMALL_GPU_TILES if GPUS[self.gpu].smem_per_block < 128 * 1024 else DEFAULT_TILES
             block_m, block_n, warps = table[self.head_dim]
             if self.stages is None:
                 set_("stages", 1)
+        if self.do_stages is None:
+            set_("do_stages", self.stages)
         for name, value in (("block_m", block_m), ("block_n", block_n), ("num_warps", warps)):
             if getattr(self, name) is None:
                 set_(name, value)
+        if self.dq_pieces is None:
+            set_("dq_pieces", sm90_fewest_dq_pieces(self))
         s_default, dp_default = sm90_lookahead_default(self.arch, self.head_dim, self.block_m, self.stages,
                                                        self.dq_tma_reduce, self.s_lookahead)
         if self.s_lookahead is None:
@@ -329,17 +359,18 @@ class BackwardSpec:
     @property
     def smem_bytes(self) -> int:
         if self.arch == "sm90":
-            return sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages, self.dq_tma_reduce,
-                                   self.dq_bufs)
+            return sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages, self.do_stages,
+                                   self.dq_tma_reduce, self.dq_bufs, self.dq_pieces)
         return smem_bytes(self.block_m, self.block_n, self.head_dim)
 
     @property
     def dq_bufs(self) -> int:
-        """sm90 dq_tma_reduce: dQ tiles in shared memory per consumer warpgroup, SM90_DQ_BUFS where they
-        fit the GPU beside the rest, else 1 (head_dim 192, 256); 0 without dq_tma_reduce."""
+        """sm90 dq_tma_reduce: buffers of one dQ piece per consumer warpgroup, SM90_DQ_BUFS taking turns where
+        they fit the GPU beside the rest, else 1; 0 without dq_tma_reduce."""
         if not self.dq_tma_reduce:
             return 0
-        fits = sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages, True, SM90_DQ_BUFS)
+        fits = sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages, self.do_stages, True,
+                               SM90_DQ_BUFS, self.dq_pieces)
         return SM90_DQ_BUFS if fits <= GPUS[self.gpu].smem_per_block else 1
 
     @property
@@ -357,7 +388,19 @@ class BackwardSpec:
         return dataclasses.asdict(self)
 
     def replace(self, **changes) -> BackwardSpec:
-        return BackwardSpec(**{**self.as_dict(), **changes})
+        """This spec with ``changes``; the knobs whose default follows others (do_stages, dq_pieces) keep
+        following them where this spec has their default."""
+        fields = {**self.as_dict(), **changes}
+        for name in ("do_stages", "dq_pieces"):
+            if name not in changes and self._has_default(name):
+                fields[name] = None
+        return BackwardSpec(**fields)
+
+    def _has_default(self, name: str) -> bool:
+        try:
+            return getattr(BackwardSpec(**{**self.as_dict(), name: None}), name) == getattr(self, name)
+        except SpecError:     # (its default does not fit beside this spec's other knobs)
+            return False
 
 
 def smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
@@ -366,25 +409,47 @@ def smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
     return 2 * block_m * head_dim * e + 2 * block_n * head_dim * e + 2 * block_n * block_m * e + 2 * block_m * 4
 
 
-def sm90_smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int, dq_tma_reduce: bool = False,
-                    dq_bufs: int = SM90_DQ_BUFS) -> int:
-    """K + V tiles, ``stages`` x (Q + dO tiles and the LSE, D rows), two dS^T tiles (taking turns
-    between steps; block_m 128: one, sm90_ds_bufs; sm90_kv_split: two P^T tiles too), and 1 KB to align the tiles to 1024 bytes (the
-    128-byte swizzle's period); dq_tma_reduce: each consumer warpgroup's ``dq_bufs`` fp32 dQ tiles of
-    block_m x sm90_dq_cols."""
+def sm90_smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int, do_stages: int | None = None,
+                    dq_tma_reduce: bool = False, dq_bufs: int = 1, dq_pieces: int = 1) -> int:
+    """K + V tiles, ``stages`` x (Q tile and LSE row) and ``do_stages`` (None: stages) x (dO tile and D
+    row), two dS^T tiles (taking turns between steps; block_m 128: one, sm90_ds_bufs; sm90_kv_split: two
+    P^T tiles too), and 1 KB to align the tiles to 1024 bytes (the 128-byte swizzle's period);
+    dq_tma_reduce: each consumer warpgroup's ``dq_bufs`` buffers of one of the ``dq_pieces`` pieces of
+    its fp32 dQ tile (block_m x sm90_dq_cols)."""
     e = ELEMENT_BYTES
-    dq = SM90_CONSUMER_WGS * dq_bufs * block_m * sm90_dq_cols(head_dim) * 4 if dq_tma_reduce else 0
+    do_stages = stages if do_stages is None else do_stages
+    dq_tile = block_m * sm90_dq_cols(head_dim) * 4
+    dq = SM90_CONSUMER_WGS * dq_bufs * dq_tile // dq_pieces if dq_tma_reduce else 0
     score_tiles = 4 if sm90_kv_split(head_dim) else sm90_ds_bufs(block_m)
-    return (2 * block_n * head_dim * e + stages * (2 * block_m * head_dim * e + 2 * block_m * 4)
+    return (2 * block_n * head_dim * e + (stages + do_stages) * (block_m * head_dim * e + block_m * 4)
             + score_tiles * block_n * block_m * e + 1024 + dq)
 
 
-def sm90_default_stages(head_dim: int, dq_tma_reduce: bool, gpu: str) -> int:
-    """The Q/dO ring's depth by default: SM90_STAGES where the tiles fit the GPU (with one dQ buffer per
-    warpgroup under dq_tma_reduce), else 1 (head_dim 256 with dq_tma_reduce)."""
+def sm90_fewest_dq_pieces(spec: BackwardSpec) -> int:
+    """dq_pieces' default: the fewest pieces whose one buffer per warpgroup fits the GPU beside the rest of
+    the spec's tiles (1 where none does, or without dq_tma_reduce: the spec then refuses the shared memory).
+    Fewest, not the most buffers: a piece's stores that wait on the previous piece's reduce reading its
+    buffer stall the warpgroup (H200, 2026-12-04, head_dim 192: two half-tile buffers ran 0.84-0.94x one
+    whole tile)."""
+    if spec.arch != "sm90" or not spec.dq_tma_reduce:
+        return 1
+    limit = GPUS[spec.gpu].smem_per_block
+    return next((n for n in SM90_DQ_PIECES_CHOICES if sm90_smem_bytes(
+        spec.block_m, spec.block_n, spec.head_dim, spec.stages, spec.do_stages, True, 1, n) <= limit), 1)
+
+
+def sm90_default_rings(head_dim: int, dq_tma_reduce: bool, gpu: str, stages: int | None = None,
+                       do_stages: int | None = None) -> tuple[int, int]:
+    """(stages, do_stages) where the caller left them None: the deepest rings whose tiles fit the GPU
+    (the dQ tiles of dq_tma_reduce in their smallest pieces), the Q ring first: SM90_STAGES for both
+    below head_dim 256; at 256 with dq_tma_reduce a 2-deep Q ring and a 1-deep dO ring (a Q ring of
+    one stage, the other way to make room for the dQ tiles, ran no faster than the register adds)."""
     block_m, block_n, _ = SM90_TILES[head_dim]
-    need = sm90_smem_bytes(block_m, block_n, head_dim, SM90_STAGES, dq_tma_reduce, 1)
-    return SM90_STAGES if need <= GPUS[gpu].smem_per_block else 1
+    fits = lambda st, dos: sm90_smem_bytes(block_m, block_n, head_dim, st, dos, dq_tma_reduce, 1,   # noqa: E731
+                                           SM90_DQ_PIECES_CHOICES[-1]) <= GPUS[gpu].smem_per_block
+    pairs = [(st, dos) for st in (SM90_STAGES, 1) for dos in (SM90_STAGES, 1) if dos <= st
+             and (stages is None or st == stages) and (do_stages is None or dos == do_stages)]
+    return next((pair for pair in pairs if fits(*pair)), pairs[-1] if pairs else (stages, do_stages))
 
 
 def preprocess_row_threads(head_dim: int) -> int:
@@ -431,7 +496,7 @@ def _choice(name: str, value, allowed) -> None:
 def _check_types(spec: BackwardSpec) -> None:
     for k in BACKWARD_KNOBS:
         value = getattr(spec, k.name)
-        if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages", "s_lookahead",
+        if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages", "do_stages", "dq_pieces", "s_lookahead",
                                         "dp_lookahead"):
             continue
         if k.kind == "text" and not isinstance(value, str):
@@ -465,6 +530,11 @@ def _validate(spec: BackwardSpec) -> None:
     if spec.stages != 1:
         raise SpecError("stages", f"{spec.stages}: only stages=1 (one Q/dO buffer; the next step's loads run "
                                   f"under the dQ GEMM)")
+    if spec.dq_pieces != 1:
+        raise SpecError("dq_pieces", f"{spec.dq_pieces}: an sm90 knob (pieces of dq_tma_reduce's dQ tile)")
+    if spec.do_stages != spec.stages:
+        raise SpecError("do_stages", f"{spec.do_stages}: an sm90 knob (the dO ring's depth); the sm80 backward's "
+                                     f"one buffer holds Q and dO")
     _choice("num_warps", spec.num_warps, (4, 8))
     _choice("block_m", spec.block_m, (32, 64, 128))
     _choice("k_unroll", spec.k_unroll, (1, 2, 4))
@@ -525,6 +595,14 @@ def _validate_sm90(spec: BackwardSpec) -> None:
                                   f"{SM90_STAGES} at head_dim 192, 256)")
     if spec.k_unroll != 2:
         raise SpecError("k_unroll", f"{spec.k_unroll}: k_unroll is an sm80 knob (wgmma has no such choice)")
+    if spec.dq_pieces != 1 and not spec.dq_tma_reduce:
+        raise SpecError("dq_pieces", f"{spec.dq_pieces}: pieces of the dQ tile dq_tma_reduce stages in shared memory "
+                                     f"(set dq_tma_reduce=True)")
+    if not 1 <= spec.do_stages <= spec.stages:
+        raise SpecError("do_stages", f"{spec.do_stages}: the dO ring is 1 to stages={spec.stages} deep")
+    if spec.do_stages < spec.stages and spec.dp_lookahead:
+        raise SpecError("do_stages", "below stages with dp_lookahead: the next step's dP^T would read its dO before "
+                                     "this step's dV released the one buffer (set dp_lookahead=False)")
     if spec.lpt and not spec.causal:
         raise SpecError("lpt", "orders causal tiles by their length (non-causal key blocks are all as long)")
     if spec.s_lookahead and (split or spec.stages < 2):
@@ -537,10 +615,10 @@ def _validate_sm90(spec: BackwardSpec) -> None:
                                        "NVRTC 13): take dq_tma_reduce=True (block_m 128's default) or block_m=64")
     limit = GPUS[spec.gpu].smem_per_block
     if spec.smem_bytes > limit:
-        if spec.dq_tma_reduce and spec.stages > 1:
+        if spec.dq_tma_reduce and spec.do_stages > 1:
             raise SpecError("stages", f"{spec.smem_bytes} bytes of shared memory, more than the {limit} of gpu="
                                       f"{spec.gpu}: at head_dim {spec.head_dim} dq_tma_reduce's dQ tiles leave room "
-                                      f"for stages=1 (or set dq_tma_reduce=False)")
+                                      f"for stages=1 or do_stages=1 (or set dq_tma_reduce=False)")
         raise SpecError("block_n", f"{spec.smem_bytes} bytes of shared memory, more than the {limit} of gpu="
                                    f"{spec.gpu}")
 

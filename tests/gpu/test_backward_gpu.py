@@ -130,8 +130,9 @@ def test_strided_inputs_and_poisoned_outputs(causal):
     assert check_grads(got, do, q, k, v, causal, 0.125) == []
 
 
-@pytest.mark.parametrize("arch, knobs", [("sm80", {}), ("sm90", {}), ("sm90", {"dq_tma_reduce": True})],
-                         ids=["sm80", "sm90", "sm90-dqtma"])
+@pytest.mark.parametrize("arch, knobs", [("sm80", {}), ("sm90", {}), ("sm90", {"dq_tma_reduce": True}),
+                                         ("sm90", {"dq_tma_reduce": True, "do_stages": 1, "dp_lookahead": False})],
+                         ids=["sm80", "sm90", "sm90-dqtma", "sm90-dqtma-dos1"])
 @pytest.mark.parametrize("sq, sk, causal, d, heads", [(1023, 1024, True, 128, "gqa"), (239, 1, False, 64, "mha"),
                                                       (113, 2000, True, 256, "mqa"), (2048, 2048, False, 96, "mha"),
                                                       (777, 3000, False, 64, "gqa"), (501, 700, True, 192, "gqa")])
@@ -412,6 +413,27 @@ def test_sm90_dq_tma_reduce_strided_inputs_and_a_second_call():
         do = torch.randn(2, 97, 4, 128, device="cuda", dtype=torch.bfloat16)
         got = run_backward(q, k, v, do, True, 0.125, poison=True, arch="sm90", dq_tma_reduce=True)
         assert check_grads(got, do, q, k, v, True, 0.125) == []
+
+
+# ------------------------------------------------------------------ sm90 do_stages=1 (a dO ring of one stage)
+# Each step releases its dO stage once dV has read it (do_empty), the Q ring stays 2 deep; at head_dim
+# 256 with dq_tma_reduce the dO tile left out holds the dQ tiles, staged and reduced in quarters.
+
+@sm90_only
+@pytest.mark.parametrize("sq, sk, hq, hkv", [(113, 239, 8, 2), (239, 113, 6, 1), (1, 300, 4, 4), (1000, 1000, 8, 1)])
+@pytest.mark.parametrize("d, knobs", [(256, {"dq_tma_reduce": True}), (256, {"dq_tma_reduce": False}),
+                                      (192, {}), (128, {"dp_lookahead": False}), (64, {})],
+                         ids=["hd256-dqtma", "hd256-red", "hd192", "hd128", "hd64"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_one_do_stage_matches_the_default(sq, sk, hq, hkv, d, knobs, causal):
+    """do_stages=1 against the default on the same inputs: dK, dV alike (compared within bf16
+    rounding), dQ within fp32 summation-order noise, and right against float64 (poisoned outputs)."""
+    q, k, v, do = make(2, sq, sk, hq, hkv, d, torch.bfloat16, seed=sq + 3 * sk + d)
+    base = run_backward(q, k, v, do, causal, d ** -0.5, arch="sm90")
+    one = run_backward(q, k, v, do, causal, d ** -0.5, poison=True, arch="sm90", do_stages=1, **knobs)
+    for x, y in zip(one, base):
+        torch.testing.assert_close(x, y, atol=1e-2, rtol=1e-2)
+    assert check_grads(one, do, q, k, v, causal, d ** -0.5) == []
 
 
 @sm90_only
