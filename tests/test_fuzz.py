@@ -83,6 +83,8 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and one with more key blocks than an H200 has SMs: persistent CTAs that take several
     assert any(c.family == "backward" and c.arch == "sm90" and -(-c.seqlen_k // 128) * c.heads_kv * c.batch > 132
                for c in cases)
+    # the lpt tile order (attention_backward(..., lpt=True), case.lpt) on such a launch
+    assert [c.head_dim for c in cases if c.lpt] == [64] and all(c.causal and not c.deterministic for c in cases if c.lpt)
     for arch in ("sm80", "sm90"):   # the turn counters too
         assert {c.deterministic for c in cases if c.family == "backward" and c.arch == arch} == {False, True}
     kv = [c for c in cases if c.family == "kvcache"]
@@ -222,8 +224,9 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             knobs = {"deterministic": True} if c.deterministic else {}
             # autograd's backward: sm80 after an sm80 forward, else the default (sm90 where it covers the call)
             arch = "sm80" if c.arch == "sm80" else "sm90"     # (deterministic too; every head_dim)
-            assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs, arch)]
-            assert specs[1].deterministic == c.deterministic
+            lpt = [backward.choose(c.head_dim, c.dtype, c.causal, info, {"lpt": True}, arch)] if c.lpt else []
+            assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs, arch), *lpt]
+            assert specs[1].deterministic == c.deterministic and all(s.lpt for s in specs[2:])
             assert (specs[1].head_dim, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)
         elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen's plan_bound in the shape
             from facodegen.ops import varlen

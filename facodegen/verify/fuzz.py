@@ -96,6 +96,13 @@ class Case:
         return self.family == "backward" and self.seed % 4 == 0
 
     @property
+    def lpt(self) -> bool:
+        """An sm90 causal backward case whose seed is 2 mod 4 also runs attention_backward(..., lpt=True) on
+        the forward's O and LSE (tiles longest first within L2-sized groups; the launch-only sweep launches
+        that one instead), checked like autograd's. Read off the seed, as ``deterministic``."""
+        return self.family == "backward" and self.arch == "sm90" and self.causal and self.seed % 4 == 2
+
+    @property
     def one_cta_per_tile(self) -> bool:
         """An sm90 varlen case whose seed is 1 mod 3 calls attention_varlen(..., persistent=False) (one CTA
         per tile, the grid sized by max_seqlen_q); the others the default persistent kernel, whose CTAs
@@ -422,7 +429,13 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         return False, "deterministic: two backward runs differ"
 
     failures = backward_failures(q, k, v, do, case.causal, scale, got)
-    return not failures, "; ".join(failures) or "dq, dk, dv ok"
+    if case.lpt:
+        out, lse = facodegen.attention(*(x.detach() for x in leaves), causal=case.causal,
+                                       softmax_scale=case.softmax_scale, arch=case.arch, return_lse=True)
+        lpt = facodegen.attention_backward(do, *(x.detach() for x in leaves), out, lse, causal=case.causal,
+                                           softmax_scale=case.softmax_scale, arch=case.arch, lpt=True)
+        failures += [f"lpt: {f}" for f in backward_failures(q, k, v, do, case.causal, scale, lpt)]
+    return not failures, "; ".join(failures) or ("dq, dk, dv ok (autograd, lpt)" if case.lpt else "dq, dk, dv ok")
 
 
 def _backward_launches(case: Case, q, k, v, do) -> tuple:
@@ -443,7 +456,12 @@ def _backward_launches(case: Case, q, k, v, do) -> tuple:
     facodegen.attention(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, arch=case.arch, out=out,
                         lse_out=lse)
     return facodegen.attention_backward(do, q, k, v, out, lse, causal=case.causal, softmax_scale=case.softmax_scale,
-                                        arch=case.arch, **({"deterministic": True} if case.deterministic else {}))
+                                        arch=case.arch, **_backward_knobs(case))
+
+
+def _backward_knobs(case: Case) -> dict:
+    """The knobs the launch-only sweep gives attention_backward for ``case`` (deterministic, lpt)."""
+    return {**({"deterministic": True} if case.deterministic else {}), **({"lpt": True} if case.lpt else {})}
 
 
 def backward_failures(q, k, v, do, causal: bool, scale: float, grads) -> list[str]:
@@ -621,8 +639,11 @@ def case_specs(case: Case, device: int = 0) -> list:
     if case.family == "backward":
         from ..ops import backward
         knobs = {"deterministic": True} if case.deterministic else {}
-        return [forward, backward.choose(case.head_dim, case.dtype, case.causal, api.device_info(device), knobs,
-                                         backward.autograd_arch(case.arch))]
+        info, arch = api.device_info(device), backward.autograd_arch(case.arch)
+        specs = [forward, backward.choose(case.head_dim, case.dtype, case.causal, info, knobs, arch)]
+        if case.lpt:        # (its own attention_backward call, case.lpt)
+            specs.append(backward.choose(case.head_dim, case.dtype, case.causal, info, _backward_knobs(case), arch))
+        return specs
     return [forward]
 
 
@@ -783,7 +804,7 @@ def representative_cases() -> list[Case]:
     blocks, softcap and sinks at once), per arch two padded head dims (80, 8) and head_dim 192 with V of
     128 (head_dim_v), the backward per arch,
     dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic; sm90 bf16 at
-    head_dim 256), and two
+    head_dim 256; sm90 with more tiles than SMs, and with lpt), and two
     decode-family cases (paged with an append and a split, contiguous MQA-like packing): what the
     sanitizer sweep (scripts/sanitize.py) runs under each tool."""
     cases = []
@@ -833,6 +854,11 @@ def representative_cases() -> list[Case]:
     cases.append(Case("backward", "sm90", "fp16", batch=2, seqlen_q=113, seqlen_k=8192, heads_q=4, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=7))
+    # and with lpt (seed 10: case.lpt): 64 key blocks x 6 (kv head, batch) pairs, one L2 group (their Q and
+    # dO take 0.9 MB), run key block first across the pairs; GQA; 3 query blocks (block_m 128), the last partial
+    cases.append(Case("backward", "sm90", "bf16", batch=3, seqlen_q=300, seqlen_k=8192, heads_q=4, heads_kv=2,
+                      head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=False, use_out=False, seed=10))
     cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
