@@ -748,6 +748,12 @@ def test_sm90_compiles_clean_with_the_hopper_instructions(spec):
     # dS^T to shared memory for dQ: one stmatrix x4 per two 8-query column blocks (head_dim 192, 256: P^T
     # and dS^T by 32-bit stores, both warpgroups' query halves)
     assert sass.count("STSM.16.M88.4") == (0 if split else spec.block_m // 16)
+    # dK, dV out: 16 bytes a lane (a quad's column pairs swapped by two SHFL.BFLY stages), per tensor one
+    # store for each 32 columns of each of a thread's two key rows; no 32-bit stores left in the main kernel
+    main = _function_sass(sass, spec.variant)
+    cols = d // 2 if split else d
+    assert len(re.findall(r"\bSTG\.E\.128 ", main)) == 2 * 2 * cols // 32 and not re.search(r"\bSTG\.E ", main)
+    assert main.count("SHFL.BFLY") == 2 * 2 * cols // 32 * 4
     setmaxnreg = [" ".join(x.split()[1:4]) for x in sass.splitlines() if "USETMAXREG" in x]
     assert sorted(setmaxnreg) == ["USETMAXREG.DEALLOC.CTAPOOL 0x18 ;", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0"]
     assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass and "SYNCS.ARRIVE.TRANS64" in sass
