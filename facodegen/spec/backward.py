@@ -9,13 +9,14 @@ in key-block order, one key block at a time per query block). The same sm80
 code runs on sm90 GPUs (compiled for the device at hand).
 
 The sm90 backward is FlashAttention-3's algorithm (templates/sm90/flash_bwd.cu.j2): the same CTA
-per key block, with K, V loaded once by TMA, Q and dO (and the LSE, D rows) through a
-``stages``-deep TMA ring filled by a producer warp, and two consumer warpgroups of 64 keys each
+per key block, with K, V loaded once by TMA, Q and dO (and the LSE, D rows) through TMA rings
+``stages`` and ``do_stages`` deep filled by a producer warp, and two consumer warpgroups of 64 keys each
 computing every GEMM with wgmma (P^T and dS^T stay in registers as the A operand of dV and dK; dS^T
 goes through shared memory for dQ). head_dim 96 and 128: block_m 64; head_dim 64: block_m 128 (64 a knob
 value: dQ in two m64 tiles of queries, one dS^T tile), block_n 128; head_dim 192
 and 256: block_m 64, block_n 64, the two warpgroups sharing the 64 keys and splitting head_dim
-(sm90_kv_split: P^T and dS^T through shared memory for dV and dK too). What it does not cover is
+(sm90_kv_split: P^T and dS^T through shared memory for dV and dK too; at 256 a 1-deep dO ring leaves
+room for the dQ tiles). What it does not cover is
 refused naming the field.
 """
 
@@ -278,14 +279,15 @@ class BackwardSpec:
 
     Problem: arch (sm80, or sm90), head_dim, dtype (fp16/bf16), causal.
     GQA/MQA does not change the code (the CTA loops over its group's query heads). Knobs: block_m,
-    block_n, num_warps (None: the default for head_dim, see DEFAULT_TILES / SM90_TILES), stages
-    (None: sm80 1, sm90 SM90_STAGES where it fits, else 1), gpu (the budget model's limits),
-    deterministic (False: dQ's fp32 adds land in any order), dq_tma_reduce (None: True on sm90 below
-    head_dim 256 unless deterministic, sm90_dq_tma_default; True: a
-    shared-memory tile per consumer warpgroup and one TMA bulk reduce-add, dq_accum tiled and padded,
-    see dq_accum_rows; False: each sm90 consumer thread adds its dQ registers into dq_accum with fp32
-    vector reductions, the sm80 backward's only way; H200 2026-12-04, bf16 fa3-paper cells: the bulk
-    reduce runs 1.12-1.30x the vector reductions' TFLOP/s at head_dim 128, 1.38-1.44x at 64). Each field
+    block_n, num_warps (None: the default for head_dim, see DEFAULT_TILES / SM90_TILES), stages and
+    do_stages (the Q and dO rings; None: sm80 1, sm90 sm90_default_rings: 2 and 2, at head_dim 256 with
+    dq_tma_reduce 2 and 1), gpu (the budget model's limits), deterministic (False: dQ's fp32 adds land in
+    any order), dq_tma_reduce (None: True on sm90 unless deterministic, sm90_dq_tma_default; True: a
+    shared-memory tile per consumer warpgroup, staged in dq_pieces pieces (None: the fewest that fit), and
+    TMA bulk reduce-adds, dq_accum tiled and padded, see dq_accum_rows; False: each sm90 consumer thread
+    adds its dQ registers into dq_accum with fp32 vector reductions, the sm80 backward's only way; H200
+    2026-12-04, bf16 fa3-paper cells: the bulk reduce runs 1.12-1.30x the vector reductions' TFLOP/s at
+    head_dim 128, 1.38-1.44x at 64, 1.11-1.22x at 256 with do_stages=1). Each field
     is checked on construction with a SpecError naming it; the template repeats the checks as
     static_asserts."""
     arch: str = "sm80"
