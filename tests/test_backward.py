@@ -962,6 +962,26 @@ def test_sm90_dq_tma_reduce_renders_and_round_trips(spec):
     assert result.exit_code == 0 and result.output == source
 
 
+@pytest.mark.parametrize("knobs, flags", [
+    ({"head_dim": 256, "stages": 1}, ["--stages", "1"]),
+    ({"head_dim": 256, "dq_pieces": 4}, ["--dq-pieces", "4"]),
+    ({"head_dim": 256, "dq_tma_reduce": False, "do_stages": 1}, ["--no-dq-tma-reduce", "--do-stages", "1"]),
+    ({"head_dim": 128, "do_stages": 1, "dp_lookahead": False}, ["--do-stages", "1", "--no-dp-lookahead"]),
+    ({"head_dim": 192, "dq_pieces": 2}, ["--dq-pieces", "2"])], ids=lambda x: "-".join(map(str, x)) if isinstance(x, list) else None)
+def test_ring_and_piece_knobs_round_trip_through_the_cli(knobs, flags):
+    """do_stages and dq_pieces away from their defaults: the spec's name and emit line say so, `facodegen
+    emit` with the flags builds the same source, and its emit line rebuilds the same spec."""
+    spec = BackwardSpec(arch="sm90", **knobs)
+    line = backward.emit_command(spec)
+    assert all(f in line.split() for f in flags), line
+    result = CliRunner().invoke(cli.main, ["emit", "--kernel", "backward", "--arch", "sm90", "--head-dim",
+                                           str(spec.head_dim), *flags])
+    assert result.exit_code == 0 and result.output == backward.emit(spec)
+    again = CliRunner().invoke(cli.main, ["emit", *line.split()[2:]])
+    assert again.exit_code == 0 and again.output == result.output
+    assert spec.variant != spec.replace(**{k: None for k in ("do_stages", "dq_pieces", "stages")}).variant
+
+
 @pytest.mark.parametrize("spec", SM90_DQTMA, ids=lambda s: s.variant)
 def test_sm90_dq_tma_reduce_compiles_to_one_bulk_reduce_per_step(spec):
     """The knob on: no spills, the same GEMMs, and dQ leaves as STS.128 (register order) + one
