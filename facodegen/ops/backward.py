@@ -34,8 +34,8 @@ from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_LPT_GROUP_BYTES,
                               SM90_PRODUCER_REGS, BackwardSpec, dq_accum_rows, preprocess_row_threads,
                               preprocess_rows_per_cta, sm90_default_rings, sm90_dq_cols, sm90_dq_m_tiles,
-                              sm90_dq_tma_default, sm90_fewest_dq_pieces, sm90_kv_split, sm90_lookahead_default, sm90_persistent_default,
-                              sm90_swizzle_bytes, stat_rows)
+                              sm90_dq_tma_default, sm90_fewest_dq_pieces, sm90_kv_split, sm90_lookahead_default,
+                              sm90_persistent_default, sm90_swizzle_bytes, stat_rows)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, Field, pack_fields,
                                place, stride_fields)
 from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
@@ -114,13 +114,14 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     line says --deterministic, as BackwardSpec makes it; the ring's depth for the dQ path)."""
     if spec.arch == "sm80":
         return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False,
-                "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False, "do_stages": 1, "dq_pieces": 1}
+                "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False, "do_stages": 1,
+                "dq_pieces": 1}
     s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
                                                    spec.dq_tma_reduce, spec.s_lookahead)
     stages, do_stages = sm90_default_rings(spec.head_dim, spec.dq_tma_reduce, SM90_GPU)
     return {"gpu": SM90_GPU, "stages": stages, "do_stages": do_stages, "dq_pieces": sm90_fewest_dq_pieces(spec),
             "k_unroll": 2, "deterministic": False, "s_lookahead": s_default, "dp_lookahead": dp_default,
-            "dq_tma_reduce": sm90_dq_tma_default(spec.head_dim) and not spec.deterministic,
+            "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
             "persistent": sm90_persistent_default(spec.arch, spec.deterministic), "lpt": False}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt")

@@ -237,13 +237,14 @@ def sm90_dq_m_tiles(block_m: int) -> int:
     return block_m // 64
 
 
-def sm90_dq_tma_default(head_dim: int) -> bool:
-    """dq_tma_reduce's sm90 default (deterministic calls aside): on at every head_dim. FlashAttention-3
-    adds dQ from registers at head_dim 256 (no room for the dQ tiles); cuDNN's kernel there bulk-reduces
-    it (UTMAREDG in its SASS, ncu H200 2026-12-04), and ours, with a 1-deep dO ring making the room
-    (sm90_default_rings), ran 1.11-1.22x the register adds' TFLOP/s (H200, 2026-12-04, bf16 fa3-paper
-    cells), whose fp32 reductions kept L2 83.8% busy."""
-    return True
+def sm90_dq_tma_default(arch: str, deterministic: bool) -> bool:
+    """dq_tma_reduce's default: on sm90 at every head_dim, deterministic calls aside (their turns add by
+    fp32 vector reductions unless asked). FlashAttention-3 adds dQ from registers at head_dim 256 (no
+    room for the dQ tiles); cuDNN's kernel there bulk-reduces it (UTMAREDG in its SASS, ncu H200
+    2026-12-04), and ours, with a 1-deep dO ring making the room (sm90_default_rings), ran 1.11-1.22x
+    the register adds' TFLOP/s (H200, 2026-12-04, bf16 fa3-paper cells), whose fp32 reductions kept L2
+    83.8% busy."""
+    return arch == "sm90" and not deterministic
 
 
 def sm90_lookahead_default(arch: str, head_dim: int, block_m: int, stages: int, dq_tma_reduce: bool,
@@ -313,8 +314,7 @@ class BackwardSpec:
         if self.persistent is None:
             object.__setattr__(self, "persistent", sm90_persistent_default(self.arch, self.deterministic))
         if self.dq_tma_reduce is None:     # the default: FlashAttention-3's dQ path wherever it runs
-            object.__setattr__(self, "dq_tma_reduce", self.arch == "sm90" and self.deterministic is False
-                               and sm90_dq_tma_default(self.head_dim))
+            object.__setattr__(self, "dq_tma_reduce", sm90_dq_tma_default(self.arch, self.deterministic is not False))
         _check_types(self)
         _choice("arch", self.arch, BACKWARD_ARCHS)
         _choice("dtype", self.dtype, BACKWARD_DTYPES)
@@ -498,8 +498,8 @@ def _choice(name: str, value, allowed) -> None:
 def _check_types(spec: BackwardSpec) -> None:
     for k in BACKWARD_KNOBS:
         value = getattr(spec, k.name)
-        if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages", "do_stages", "dq_pieces", "s_lookahead",
-                                        "dp_lookahead"):
+        if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages", "do_stages", "dq_pieces",
+                                        "s_lookahead", "dp_lookahead"):
             continue
         if k.kind == "text" and not isinstance(value, str):
             raise SpecError(k.name, f"must be text ({', '.join(k.choices)}), got {value!r}")
