@@ -647,6 +647,17 @@ def test_sm90_spec_defaults():
     assert BackwardSpec(head_dim=128).stages == 1          # sm80 untouched
 
 
+def test_integer_deterministic_takes_the_bool_s_defaults():
+    """deterministic=0 / 1 (as a CLI or JSON may give it) is the spec deterministic=False / True makes: the
+    defaults that follow it (dq_tma_reduce, persistent) too."""
+    for value in (0, 1):
+        assert BackwardSpec(arch="sm90", head_dim=128, deterministic=value) == BackwardSpec(
+            arch="sm90", head_dim=128, deterministic=bool(value))
+    assert BackwardSpec(arch="sm90", head_dim=128, deterministic=0).dq_tma_reduce
+    with pytest.raises(SpecError, match="deterministic"):
+        BackwardSpec(arch="sm90", head_dim=128, deterministic=2)
+
+
 @pytest.mark.parametrize("spec", SM90, ids=lambda s: s.variant)
 def test_sm90_render_says_what_it_is(spec):
     source = _rendered(spec, ("dK += dS^T Q", "dQ = dS K", "producer", "consumers"))
@@ -980,6 +991,16 @@ def test_ring_and_piece_knobs_round_trip_through_the_cli(knobs, flags):
     again = CliRunner().invoke(cli.main, ["emit", *line.split()[2:]])
     assert again.exit_code == 0 and again.output == result.output
     assert spec.variant != spec.replace(**{k: None for k in ("do_stages", "dq_pieces", "stages")}).variant
+
+
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (96, True), (128, True), (192, False), (256, False)])
+def test_the_fuzzer_s_shallow_rings_compile_clean(head_dim, causal):
+    """The specs case.shallow_rings launches (facodegen.verify.fuzz.shallow_ring_knobs: a 1-deep dO ring,
+    twice the dQ pieces) compile like the defaults: no spills, no warning, one bulk reduce per piece."""
+    from facodegen.verify.fuzz import shallow_ring_knobs
+    spec = BackwardSpec(arch="sm90", head_dim=head_dim, causal=causal, **shallow_ring_knobs(head_dim, "bf16", causal))
+    _, sass, counts = _compiled_clean(spec)
+    assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == spec.dq_pieces and counts["HGMMA"] > 0
 
 
 @pytest.mark.parametrize("spec", SM90_DQTMA, ids=lambda s: s.variant)

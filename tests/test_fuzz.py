@@ -85,6 +85,10 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
                for c in cases)
     # the lpt tile order (attention_backward(..., lpt=True), case.lpt) on such a launch
     assert [c.head_dim for c in cases if c.lpt] == [64] and all(c.causal and not c.deterministic for c in cases if c.lpt)
+    # and the rings away from their defaults (case.shallow_rings): a head_dim whose default dO ring is 2 deep
+    # and one whose dQ tile is already in pieces
+    rings = [c for c in cases if c.shallow_rings]
+    assert {c.head_dim for c in rings} == {128, 256} and not any(c.deterministic or c.lpt for c in rings)
     for arch in ("sm80", "sm90"):   # the turn counters too
         assert {c.deterministic for c in cases if c.family == "backward" and c.arch == arch} == {False, True}
     kv = [c for c in cases if c.family == "kvcache"]
@@ -225,8 +229,13 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             # autograd's backward: sm80 after an sm80 forward, else the default (sm90 where it covers the call)
             arch = "sm80" if c.arch == "sm80" else "sm90"     # (deterministic too; every head_dim)
             lpt = [backward.choose(c.head_dim, c.dtype, c.causal, info, {"lpt": True}, arch)] if c.lpt else []
-            assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs, arch), *lpt]
-            assert specs[1].deterministic == c.deterministic and all(s.lpt for s in specs[2:])
+            rings = [backward.choose(c.head_dim, c.dtype, c.causal, info,
+                                     fuzz.shallow_ring_knobs(c.head_dim, c.dtype, c.causal), arch)
+                     ] if c.shallow_rings else []
+            assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs, arch), *lpt,
+                             *rings]
+            assert specs[1].deterministic == c.deterministic
+            assert [s.lpt for s in specs[2:]] == [True] * len(lpt) + [False] * len(rings)
             assert (specs[1].head_dim, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)
         elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen's plan_bound in the shape
             from facodegen.ops import varlen
@@ -361,3 +370,22 @@ def test_adding_varlen_left_the_other_families_draws_unchanged():
     for family, digest in before.items():
         cases = fuzz.generate(300, seed=1, family=family)
         assert hashlib.sha1("".join(c.to_json() for c in cases).encode()).hexdigest()[:12] == digest, family
+
+
+def test_shallow_ring_cases_leave_every_ring_default():
+    """case.shallow_rings (sm90 backward, seed 3 mod 8) runs a second attention_backward whose dO ring and
+    dQ pieces both differ from the defaults at every head_dim (256's dO ring is 1 deep already), in a
+    spec that exists; about an eighth of the sm90 backward draws, none of them deterministic or lpt."""
+    from facodegen.spec.backward import BackwardSpec
+    for head_dim in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            default = BackwardSpec(arch="sm90", head_dim=head_dim, causal=causal)
+            knobs = fuzz.shallow_ring_knobs(head_dim, "bf16", causal)
+            spec = default.replace(**knobs)
+            assert spec.do_stages == 1 and spec.dq_pieces == 2 * default.dq_pieces
+            assert spec.do_stages < default.do_stages or head_dim == 256
+    cases = fuzz.generate(600, seed=31, family="backward")
+    sm90 = [c for c in cases if c.arch == "sm90"]
+    rings = [c for c in sm90 if c.shallow_rings]
+    assert len(sm90) / 16 < len(rings) < len(sm90) / 4
+    assert not any(c.deterministic or c.lpt for c in rings) and {c.head_dim for c in rings} == {64, 96, 128, 192, 256}

@@ -311,10 +311,11 @@ class BackwardSpec:
     lpt: bool = False
 
     def __post_init__(self) -> None:
+        _as_bool(self, "deterministic")     # (first: the defaults below follow it, deterministic=0 as False)
         if self.persistent is None:
             object.__setattr__(self, "persistent", sm90_persistent_default(self.arch, self.deterministic))
         if self.dq_tma_reduce is None:     # the default: FlashAttention-3's dQ path wherever it runs
-            object.__setattr__(self, "dq_tma_reduce", sm90_dq_tma_default(self.arch, self.deterministic is not False))
+            object.__setattr__(self, "dq_tma_reduce", sm90_dq_tma_default(self.arch, self.deterministic))
         _check_types(self)
         _choice("arch", self.arch, BACKWARD_ARCHS)
         _choice("dtype", self.dtype, BACKWARD_DTYPES)
@@ -510,10 +511,16 @@ def _check_types(spec: BackwardSpec) -> None:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise SpecError(k.name, f"must be an integer, got {value!r}")
         if k.kind == "bool":
-            if value in (0, 1) and not isinstance(value, bool) and isinstance(value, int):
-                object.__setattr__(spec, k.name, bool(value))
-            elif not isinstance(value, bool):
-                raise SpecError(k.name, f"must be True or False, got {value!r}")
+            _as_bool(spec, k.name)
+
+
+def _as_bool(spec: BackwardSpec, name: str) -> None:
+    """spec.<name> as a bool: an integer 0 or 1 becomes False or True; anything else not a bool is a SpecError."""
+    value = getattr(spec, name)
+    if value in (0, 1) and not isinstance(value, bool) and isinstance(value, int):
+        object.__setattr__(spec, name, bool(value))
+    elif not isinstance(value, bool):
+        raise SpecError(name, f"must be True or False, got {value!r}")
 
 
 def _validate(spec: BackwardSpec) -> None:

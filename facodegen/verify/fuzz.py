@@ -103,6 +103,14 @@ class Case:
         return self.family == "backward" and self.arch == "sm90" and self.causal and self.seed % 4 == 2
 
     @property
+    def shallow_rings(self) -> bool:
+        """An sm90 backward case whose seed is 3 mod 8 also runs attention_backward with the rings away from
+        their defaults (shallow_ring_knobs: a 1-deep dO ring, the dQ tile in twice the pieces) on the
+        forward's O and LSE, checked like autograd's (the launch-only sweep launches that one instead).
+        Read off the seed, as ``deterministic``."""
+        return self.family == "backward" and self.arch == "sm90" and self.seed % 8 == 3
+
+    @property
     def one_cta_per_tile(self) -> bool:
         """An sm90 varlen case whose seed is 1 mod 3 calls attention_varlen(..., persistent=False) (one CTA
         per tile, the grid sized by max_seqlen_q); the others the default persistent kernel, whose CTAs
@@ -429,13 +437,16 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         return False, "deterministic: two backward runs differ"
 
     failures = backward_failures(q, k, v, do, case.causal, scale, got)
-    if case.lpt:
+    second = _second_call_knobs(case)
+    if second:
         out, lse = facodegen.attention(*(x.detach() for x in leaves), causal=case.causal,
                                        softmax_scale=case.softmax_scale, arch=case.arch, return_lse=True)
-        lpt = facodegen.attention_backward(do, *(x.detach() for x in leaves), out, lse, causal=case.causal,
-                                           softmax_scale=case.softmax_scale, arch=case.arch, lpt=True)
-        failures += [f"lpt: {f}" for f in backward_failures(q, k, v, do, case.causal, scale, lpt)]
-    return not failures, "; ".join(failures) or ("dq, dk, dv ok (autograd, lpt)" if case.lpt else "dq, dk, dv ok")
+        again = facodegen.attention_backward(do, *(x.detach() for x in leaves), out, lse, causal=case.causal,
+                                             softmax_scale=case.softmax_scale, arch=case.arch, **second)
+        label = ", ".join(f"{name}={value}" for name, value in second.items())
+        failures += [f"{label}: {f}" for f in backward_failures(q, k, v, do, case.causal, scale, again)]
+        return not failures, "; ".join(failures) or f"dq, dk, dv ok (autograd; {label})"
+    return not failures, "; ".join(failures) or "dq, dk, dv ok"
 
 
 def _backward_launches(case: Case, q, k, v, do) -> tuple:
@@ -460,8 +471,30 @@ def _backward_launches(case: Case, q, k, v, do) -> tuple:
 
 
 def _backward_knobs(case: Case) -> dict:
-    """The knobs the launch-only sweep gives attention_backward for ``case`` (deterministic, lpt)."""
-    return {**({"deterministic": True} if case.deterministic else {}), **({"lpt": True} if case.lpt else {})}
+    """The knobs the launch-only sweep gives attention_backward for ``case`` (deterministic, the second call's)."""
+    return {**({"deterministic": True} if case.deterministic else {}), **_second_call_knobs(case)}
+
+
+def _second_call_knobs(case: Case) -> dict:
+    """The knobs of a backward case's second call, attention_backward on the forward's O and LSE ({}: none):
+    lpt (case.lpt) or the rings away from their defaults (case.shallow_rings)."""
+    if case.lpt:
+        return {"lpt": True}
+    if case.shallow_rings:
+        return shallow_ring_knobs(case.head_dim, case.dtype, case.causal)
+    return {}
+
+
+def shallow_ring_knobs(head_dim: int, dtype: str, causal: bool) -> dict:
+    """sm90 backward knobs away from the rings' defaults: a 1-deep dO ring (dp_lookahead off where it is on:
+    its next dP^T would read the one buffer early) and the dQ tile staged in twice its default pieces (at
+    most 4): the paths the defaults take at no head_dim or only at 256."""
+    from ..spec.backward import SM90_DQ_PIECES_CHOICES, BackwardSpec
+    default = BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal)
+    knobs = {"do_stages": 1, "dq_pieces": min(SM90_DQ_PIECES_CHOICES[-1], 2 * default.dq_pieces)}
+    if default.dp_lookahead:
+        knobs["dp_lookahead"] = False
+    return knobs
 
 
 def backward_failures(q, k, v, do, causal: bool, scale: float, grads) -> list[str]:
@@ -641,7 +674,7 @@ def case_specs(case: Case, device: int = 0) -> list:
         knobs = {"deterministic": True} if case.deterministic else {}
         info, arch = api.device_info(device), backward.autograd_arch(case.arch)
         specs = [forward, backward.choose(case.head_dim, case.dtype, case.causal, info, knobs, arch)]
-        if case.lpt:        # (its own attention_backward call, case.lpt)
+        if _second_call_knobs(case):        # (its own attention_backward call: case.lpt, case.shallow_rings)
             specs.append(backward.choose(case.head_dim, case.dtype, case.causal, info, _backward_knobs(case), arch))
         return specs
     return [forward]
@@ -804,7 +837,8 @@ def representative_cases() -> list[Case]:
     blocks, softcap and sinks at once), per arch two padded head dims (80, 8) and head_dim 192 with V of
     128 (head_dim_v), the backward per arch,
     dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic; sm90 bf16 at
-    head_dim 256; sm90 with more tiles than SMs, and with lpt), and two
+    head_dim 256; sm90 with more tiles than SMs, and with lpt; last, sm90 with the rings away from their
+    defaults), and two
     decode-family cases (paged with an append and a split, contiguous MQA-like packing): what the
     sanitizer sweep (scripts/sanitize.py) runs under each tool."""
     cases = []
@@ -859,6 +893,7 @@ def representative_cases() -> list[Case]:
     cases.append(Case("backward", "sm90", "bf16", batch=3, seqlen_q=300, seqlen_k=8192, heads_q=4, heads_kv=2,
                       head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=10))
+    # (the rings away from their defaults: cases 44, 45, appended last so the numbers above stay)
     cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
@@ -876,6 +911,12 @@ def representative_cases() -> list[Case]:
                                   head_dim=64 if arch == "sm90" and dtype == "fp16" else 128, causal=causal,
                                   softmax_scale=None, layout="strided", magnitude=1.0, return_lse=True, use_out=True,
                                   seed=VARLEN_REPRESENTATIVE_SEED))
+    # the sm90 backward with its rings away from their defaults (seeds 3 mod 8: case.shallow_rings): head_dim
+    # 128 causal (a 1-deep dO ring, dp_lookahead off, the dQ tile in 2 pieces) and 256 (4 pieces, 2 buffers)
+    for head_dim, causal, seed in ((128, True, 11), (256, False, 19)):
+        cases.append(Case("backward", "sm90", "bf16", batch=2, seqlen_q=113, seqlen_k=203, heads_q=4, heads_kv=2,
+                          head_dim=head_dim, causal=causal, softmax_scale=None, layout="strided", magnitude=1.0,
+                          return_lse=False, use_out=False, seed=seed))
     return cases
 
 
