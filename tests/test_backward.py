@@ -1610,6 +1610,7 @@ def test_lpt_call_packs_its_group_width(bwd, monkeypatch):
     main = bwd.bwd.records[1]
     assert main["name"].endswith("_lpt_causal")
     assert _field90(main, "lpt_pairs") == backward.lpt_group_pairs(2, 8, 2, 113, 128) == 4
+    assert _field90(main, "lpt_tail_pair") == 0          # 4 pairs, 2 key blocks: one group, the last
     assert _field90(main, "softmax_scale") == pytest.approx(128 ** -0.5)    # the scalars before the maps intact
 
 
@@ -1624,3 +1625,44 @@ def test_bwd_one_script_parses_its_cell_and_knobs():
     args = module.parse_args(["--d", "128", "--seqlen", "2048", "--causal", "--knob", "lpt=1", "--knob", "arch=sm90"])
     assert (args.d, args.seqlen, args.causal, args.peer, args.calls) == (128, 2048, True, None, 3)
     assert args.knobs == {"lpt": 1, "arch": "sm90"}
+
+
+def _lpt_tile(tile: int, n_blocks: int, pairs: int, group: int, tail_pair: int) -> tuple[int, int]:
+    """(n_block, pair) of ``tile`` in the lpt order, the template's bwd_tile (LPT) line for line."""
+    first_pair = min(tile // (group * n_blocks) * group, tail_pair)
+    group_pairs = pairs - first_pair if first_pair == tail_pair else group
+    within = tile - first_pair * n_blocks
+    return within // group_pairs, first_pair + within % group_pairs
+
+
+@pytest.mark.parametrize("batch, heads_kv, seqlen, head_dim, block_n", [
+    (4, 8, 4096, 256, 64), (16, 8, 1024, 256, 64), (8, 16, 2048, 128, 128), (32, 32, 512, 64, 128),
+    (1, 8, 16384, 256, 64), (3, 2, 8192, 64, 128), (1, 1, 300, 128, 128)])
+def test_lpt_order_numbers_every_tile_once_and_ends_on_short_blocks(batch, heads_kv, seqlen, head_dim, block_n):
+    """The lpt order (groups of lpt_group_pairs, the last from lpt_tail_pair on) is a permutation of the
+    (key block, pair) tiles; every group but the last is lpt_pairs wide; the last holds at least
+    SM90_LPT_TAIL_WAVES x SMs / key blocks pairs (or all), so the launch's last SMs' worth of tiles are
+    its short, high key blocks; in the shipped bwd_tile."""
+    from facodegen.spec.backward import SM90_LPT_TAIL_WAVES
+    sms, pairs, n_blocks = 132, batch * heads_kv, -(-seqlen // block_n)
+    group = backward.lpt_group_pairs(batch, heads_kv, heads_kv, seqlen, head_dim)
+    tail_pair = backward.lpt_tail_pair(pairs, group, n_blocks, sms)
+    assert tail_pair % group == 0 and (pairs - tail_pair >= SM90_LPT_TAIL_WAVES * sms / n_blocks or tail_pair == 0)
+    assert pairs - tail_pair - SM90_LPT_TAIL_WAVES * sms / n_blocks < 2 * group or tail_pair == 0
+    order = [_lpt_tile(t, n_blocks, pairs, group, tail_pair) for t in range(n_blocks * pairs)]
+    assert sorted(order) == [(n, p) for n in range(n_blocks) for p in range(pairs)]
+    last = order[-min(sms, len(order)):]
+    assert max(n for n, _ in last) >= n_blocks - 1 and min(n for n, _ in last) > 0 or n_blocks * pairs <= sms
+    source = backward.emit(BackwardSpec(arch="sm90", head_dim=head_dim, causal=True, lpt=True))
+    assert ("const int first_pair = min(tile / (p.lpt_pairs * n_blocks) * p.lpt_pairs, p.lpt_tail_pair);"
+            in source)
+    assert "first_pair == p.lpt_tail_pair ? p.heads_kv * p.batch - first_pair : p.lpt_pairs;" in source
+
+
+def test_lpt_tail_pair_takes_whole_groups_from_the_end():
+    # 32 pairs of 64 key blocks on 132 SMs: at least 9 pairs last; groups of 6 -> the last from pair 18 (14 pairs)
+    assert backward.lpt_tail_pair(32, 6, 64, 132) == 18
+    assert backward.lpt_tail_pair(32, 1, 64, 132) == 23                 # groups of one pair: exactly 9
+    assert backward.lpt_tail_pair(8, 1, 256, 132) == 5                  # 16k keys: 3 pairs last
+    assert backward.lpt_tail_pair(128, 24, 16, 132) == 72               # 1k keys: at least 33 -> the last 56
+    assert backward.lpt_tail_pair(4, 2, 2, 132) == 0                    # fewer pairs than the tail: one group

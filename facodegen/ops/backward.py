@@ -32,10 +32,10 @@ from .. import __version__
 from ..runtime import driver
 from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_LPT_GROUP_BYTES,
-                              SM90_PRODUCER_REGS, BackwardSpec, dq_accum_rows, preprocess_row_threads,
-                              preprocess_rows_per_cta, sm90_default_rings, sm90_dq_cols, sm90_dq_m_tiles,
-                              sm90_dq_tma_default, sm90_fewest_dq_pieces, sm90_kv_split, sm90_lookahead_default,
-                              sm90_persistent_default, sm90_swizzle_bytes, stat_rows)
+                              SM90_LPT_TAIL_WAVES, SM90_PRODUCER_REGS, BackwardSpec, dq_accum_rows,
+                              preprocess_row_threads, preprocess_rows_per_cta, sm90_default_rings, sm90_dq_cols,
+                              sm90_dq_m_tiles, sm90_dq_tma_default, sm90_fewest_dq_pieces, sm90_kv_split,
+                              sm90_lookahead_default, sm90_persistent_default, sm90_swizzle_bytes, stat_rows)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, Field, pack_fields,
                                place, stride_fields)
 from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
@@ -76,9 +76,12 @@ _POINTERS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "d
 _PACK_POINTERS = struct.Struct(f"<{len(_POINTERS)}Q")
 
 
-# sm90 only, after the maps: the lpt tile order's group width (lpt_group_pairs), worked out on the host
-# (a 64-bit division the producer warp, in 24 registers, spilled for).
-BWD_SM90_FIELDS = [Field("lpt_pairs", "i32", "int", "lpt: (kv head, batch) pairs per group of the tile order")]
+# sm90 only, after the maps: the lpt tile order's group width (lpt_group_pairs) and its last group's first
+# pair (lpt_tail_pair), worked out on the host (a 64-bit division the producer warp, in 24 registers,
+# spilled for).
+BWD_SM90_FIELDS = [Field("lpt_pairs", "i32", "int", "lpt: (kv head, batch) pairs per group of the tile order"),
+                   Field("lpt_tail_pair", "i32", "int", "lpt: the first pair of the last group, which runs to "
+                                                        "the last pair")]
 
 
 def lpt_group_pairs(batch: int, heads_q: int, heads_kv: int, seqlen_q: int, head_dim: int) -> int:
@@ -86,6 +89,15 @@ def lpt_group_pairs(batch: int, heads_q: int, heads_kv: int, seqlen_q: int, head
     SM90_LPT_GROUP_BYTES, at least one, at most all."""
     pair_bytes = 4 * seqlen_q * (heads_q // heads_kv) * head_dim
     return max(1, min(batch * heads_kv, SM90_LPT_GROUP_BYTES // max(1, pair_bytes)))
+
+
+def lpt_tail_pair(pairs: int, group_pairs: int, n_blocks: int, sms: int) -> int:
+    """The lpt tile order's last group's first pair: the last group holds at least
+    SM90_LPT_TAIL_WAVES x ``sms`` / ``n_blocks`` of the ``pairs`` (causal work pairs x n_blocks^2 / 2 steps:
+    SM90_LPT_TAIL_WAVES / 2 x n_blocks steps an SM), taking whole groups of ``group_pairs`` (the remainder
+    group among them, however narrow)."""
+    tail = -(-SM90_LPT_TAIL_WAVES * sms // max(1, n_blocks))
+    return max(0, pairs - tail) // group_pairs * group_pairs
 
 
 def fields(arch: str = "sm80") -> list[Field]:
@@ -516,8 +528,9 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
     if spec.arch == "sm90":
         driver.ensure_context(qv.device)     # (the autograd engine's thread may have none yet)
-        values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv),
-                      lpt_pairs=lpt_group_pairs(batch, heads_q, heads_kv, seqlen_q, head_dim))
+        group = lpt_group_pairs(batch, heads_q, heads_kv, seqlen_q, head_dim)
+        values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv), lpt_pairs=group,
+                      lpt_tail_pair=lpt_tail_pair(batch * heads_kv, group, -(-seqlen_k // spec.block_n), info.sms))
     return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k, info.sms),
                         pack(values, spec.arch), allocate=functools.partial(api._allocate, qv.kind, qv.device),
                         map_targets=tuple(views[operand].ptr for operand in _MAP_OPERANDS.values()),

@@ -101,8 +101,9 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          flag="--persistent/--no-persistent",
          token=lambda s, v: None if v == sm90_persistent_default(s.arch, s.deterministic) else "pers" if v else "np"),
     Knob("lpt", "bool", "sm90, causal: tiles in longest-first order within groups of (kv head, batch) whose Q "
-         "and dO fit SM90_LPT_GROUP_BYTES of L2 (every key block 0 early, the launch ending on short blocks) "
-         "instead of each (kv head, batch)'s key blocks in turn, whose last block 0 starts late.",
+         "and dO fit SM90_LPT_GROUP_BYTES of L2, the last group at least SM90_LPT_TAIL_WAVES x SMs / key blocks "
+         "pairs wide (every key block 0 early, the launch ending on short blocks) instead of each (kv head, "
+         "batch)'s key blocks in turn, whose last block 0 starts late.",
          flag="--lpt/--no-lpt", token=_flag("lpt")),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
@@ -265,6 +266,13 @@ SM90_GPUS = ("h100", "h200")
 # lpt: (kv head, batch) pairs per group, as many as keep their Q and dO within this much of the 50 MB
 # L2 (H100, H200), so a group's key blocks, run block-major, still find their Q and dO there.
 SM90_LPT_GROUP_BYTES = 24 << 20
+# lpt's last group: at least this many x SMs / key blocks pairs, so its work is at least half this many
+# times a block-0 tile's steps per SM and the block-0 tiles it starts with end before it drains. A model of
+# the tile draws (an SM takes the next tile when done; 1.5 steps of overhead a tile) puts the causal
+# fa3-paper cells at 0.96-0.97 of ideal with the remainder group alone last, 0.99-1.0 with a last group
+# of 2, 4 or 8 x SMs / key blocks pairs (and the default order, each pair's blocks in turn, at 0.94-0.95
+# for head_dim 128/256 at 1k-8k). Not yet timed on a GPU.
+SM90_LPT_TAIL_WAVES = 4
 
 # k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
 # config (NVRTC 13: 195-255 registers); 4 and full unrolling spill. Not yet timed against 1 on a GPU.

@@ -600,11 +600,14 @@ def test_sm90_persistent_is_bit_identical_to_one_cta_per_tile(sq, sk, causal, he
 
 
 # ------------------------------------------------------------------ sm90 lpt (causal tiles longest first)
-# Key blocks first within groups of (kv head, batch) pairs whose Q and dO fit 24 MB of L2: 4096 queries
-# x head_dim 128 is 2 MB a pair (16 pairs: a group of 12 and one of 4); head_dim 64 at 8 query heads a
-# kv head 8 MB (4 pairs: 3 and 1); seqlen_q < seqlen_k (blocks no query sees); both schedulers.
+# Key blocks first within groups of (kv head, batch) pairs whose Q and dO fit 24 MB of L2, the last group
+# at least 4 x SMs / key blocks pairs wide (lpt_tail_pair; 132 SMs here): 4096 queries x head_dim 128 is
+# 2 MB a pair (16 pairs, 32 key blocks: one group, all of them); head_dim 64 at 8 query heads a kv head
+# 8 MB (4 pairs, one group); head_dim 256 at 4096 4 MB (16 pairs of 64 key blocks: a group of 6, then the
+# last 10); seqlen_q < seqlen_k (blocks no query sees); both schedulers.
 _GRID_LPT = [(sq, sk, d, hq, hkv, pers) for (sq, sk, d, hq, hkv) in ((4096, 4096, 128, 8, 8), (4096, 4096, 64, 16, 2),
-                                                                      (1000, 4096, 256, 8, 8), (113, 203, 96, 4, 1))
+                                                                      (1000, 4096, 256, 8, 8), (113, 203, 96, 4, 1),
+                                                                      (4096, 4096, 256, 8, 8))
              for pers in (False, True)]
 
 
