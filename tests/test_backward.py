@@ -1666,3 +1666,22 @@ def test_lpt_tail_pair_takes_whole_groups_from_the_end():
     assert backward.lpt_tail_pair(8, 1, 256, 132) == 5                  # 16k keys: 3 pairs last
     assert backward.lpt_tail_pair(128, 24, 16, 132) == 72               # 1k keys: at least 33 -> the last 56
     assert backward.lpt_tail_pair(4, 2, 2, 132) == 0                    # fewer pairs than the tail: one group
+
+
+def test_tile_order_model_puts_shipped_lpt_ahead_of_the_default_order():
+    """scripts/tile_order_model.py (persistent CTAs drawing tiles, CPU only): on the causal FA3-paper
+    cells where a pair's key blocks in turn leave SMs idle at the end (head_dim 128/256, 1k-4k), the
+    shipped lpt order (lpt_group_pairs, lpt_tail_pair) finishes within 2% of even, the remainder group
+    alone last does not; equal full tiles are the same in every order."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tile_order_model.py"
+    spec = importlib.util.spec_from_file_location("tile_order_model", path)
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    for head_dim in (128, 256):
+        for seqlen in (1024, 4096):
+            row = model.cell(head_dim, seqlen, True, 132, 1.5)
+            assert row["lpt"] > 0.98 > row["lpt, remainder last"] and row["lpt"] > row["default"] + 0.03, row
+    full = model.cell(128, 2048, False, 132, 1.5)
+    assert len(set(full.values())) == 1
