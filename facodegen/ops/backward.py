@@ -572,9 +572,9 @@ def tensor_maps(spec: BackwardSpec, views: dict, batch: int, seqlen_q: int, seql
 def default_arch(info, head_dim: int, dtype: str, causal: bool, knobs: dict) -> str:
     """attention_backward's arch when the caller gives none, and so what facodegen.attention's
     autograd runs: sm90 on a compute capability 9.0 GPU where the sm90 backward takes this call's
-    head_dim and knobs (H200, 2026-12-03: all its GPU tests pass at head_dim 64-128, and at 128 it runs
-    2.5-2.7x the sm80 backward's TFLOP/s; head_dim 192, 256 since 2026-12-04, compile-checked clean on
-    the CPU, GPU tests not yet run), else sm80 (knobs it refuses); deterministic calls too."""
+    head_dim and knobs (H200, 2026-12-03: at head_dim 128 it runs 2.5-2.7x the sm80 backward's TFLOP/s;
+    every head_dim since 2026-12-04, tests/gpu/test_backward_gpu.py passing at 64, 96, 128, 192, 256),
+    else sm80 (knobs it refuses); deterministic calls too."""
     if info.compute_capability == (9, 0):
         try:
             BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal,

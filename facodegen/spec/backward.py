@@ -46,8 +46,8 @@ def _flag(token: str):
 # The backward's knobs, declared once (the forward's registry style, its Knob type): the type check,
 # the variant name, the emit line and docs derive from these.
 BACKWARD_KNOBS: tuple[Knob, ...] = (
-    Knob("arch", "text", "Target: sm80 (FA2 backward, mma.sync; also what runs on sm90 GPUs by default) or sm90 "
-         "(FA3 backward: TMA, wgmma, a producer warp and two consumer warpgroups).",
+    Knob("arch", "text", "Target: sm80 (FA2 backward, mma.sync; the default below compute capability 9.0) or sm90 "
+         "(FA3 backward: TMA, wgmma, a producer warp and two consumer warpgroups; the default on H100/H200).",
          choices=BACKWARD_ARCHS, flag="--arch", problem=True, token=lambda s, v: f"flash_bwd_{s.arch}"),
     Knob("dtype", "text", "Element type of Q, K, V, O, dO and the gradients: fp16 or bf16.",
          choices=BACKWARD_DTYPES, flag="--dtype", problem=True, token=lambda s, v: s.dtype),

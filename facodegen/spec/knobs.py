@@ -338,17 +338,47 @@ def search_space(arch: str) -> dict:
     return {k.name: k.search[arch] for k in KNOBS if k.search and arch in k.search}
 
 
-def markdown_table() -> str:
-    """The knob table of docs/knobs.md."""
-    rows = ["| knob | flag | type | archs | values | tuned on | what it does |", "|---|---|---|---|---|---|---|"]
-    for k in KNOBS:
+def markdown_table(registry: tuple[Knob, ...] = KNOBS) -> str:
+    """The knob table of one kernel family in docs/knobs.md (default: the forward's, KernelSpec). The
+    archs and tuned-on columns are the forward's only: the other families' specs name their arch
+    limits in each knob's text and have no tuner space."""
+    forward = registry is KNOBS
+    head = "| knob | flag | type | archs | values | tuned on | what it does |" if forward else \
+        "| knob | flag | type | values | what it does |"
+    rows = [head, "|---" * head.count(" | ") + "|---|"]
+    for k in registry:
         values = ", ".join(map(str, k.choices)) if k.choices else ("True, False" if k.kind == "bool" else "")
-        tuned = ", ".join(sorted(k.search)) if k.search else ""
         flag = f"`{k.flag}`" if k.flag else "`--regs P/C`"
-        rows.append(f"| `{k.name}`{' (problem)' if k.problem else ''} | {flag} | {k.kind} | {', '.join(k.archs)} "
-                    f"| {values} | {tuned} | {k.doc.replace('|', '/')} |")
+        name = f"`{k.name}`{' (problem)' if k.problem else ''}"
+        doc = k.doc.replace("|", "/")
+        if forward:
+            tuned = ", ".join(sorted(k.search)) if k.search else ""
+            rows.append(f"| {name} | {flag} | {k.kind} | {', '.join(k.archs)} | {values} | {tuned} | {doc} |")
+        else:
+            rows.append(f"| {name} | {flag} | {k.kind} | {values} | {doc} |")
     return "\n".join(rows) + "\n"
 
 
+def document() -> str:
+    """docs/knobs.md: every kernel family's registry, a table each (`python -m facodegen.spec.knobs`)."""
+    from .backward import BACKWARD_KNOBS
+    from .decode import APPEND_KNOBS, COMBINE_KNOBS, DECODE_KNOBS
+    families = (
+        ("Forward (`facodegen emit`, `--kernel forward`)", "KernelSpec", "facodegen/spec/knobs.py", KNOBS),
+        ("Backward (`--kernel backward`)", "BackwardSpec", "facodegen/spec/backward.py", BACKWARD_KNOBS),
+        ("Decode (`--kernel decode`)", "DecodeSpec", "facodegen/spec/decode.py", DECODE_KNOBS),
+        ("Split-KV combine (`--kernel combine`)", "CombineSpec", "facodegen/spec/decode.py", COMBINE_KNOBS),
+        ("KV-cache append (`--kernel append`)", "AppendSpec", "facodegen/spec/decode.py", APPEND_KNOBS))
+    parts = ["# Knobs", "",
+             "Every field of every kernel family's spec, as its registry declares it: the `facodegen emit` /",
+             "`facodegen inspect` flag, its type and values, and what it does (for the forward also the archs it",
+             "applies to and the archs whose tuner searches it). A knob marked (problem) says what is computed,",
+             "not how. Regenerate with `python -m facodegen.spec.knobs > docs/knobs.md` (a test keeps this file",
+             "equal to the registries).", ""]
+    for title, spec, where, registry in families:
+        parts += [f"## {title}", "", f"`{spec}`, declared in `{where}`.", "", markdown_table(registry)]
+    return "\n".join(parts)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    print(markdown_table(), end="")
+    print(document(), end="")
