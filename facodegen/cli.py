@@ -23,7 +23,8 @@ from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default
 
 # Kernel families `emit` and `inspect` take (--kernel); forward stays the default.
 # The backward's own flags (_kernel_options), as emit/inspect receive them: None where not given.
-BACKWARD_FLAGS = ("deterministic", "k_unroll", "do_stages", "dq_tma_reduce", "dq_pieces", "s_lookahead", "dp_lookahead", "lpt")
+BACKWARD_FLAGS = ("deterministic", "k_unroll", "do_stages", "dq_tma_reduce", "dq_pieces", "s_lookahead", "dp_lookahead", "lpt",
+                  "dq_lag")
 
 
 def build_backward_spec(fields: dict, flags: dict):
@@ -107,6 +108,9 @@ def _kernel_options(command):
         click.option("--lpt/--no-lpt", "lpt", default=None,
                      help="--kernel backward --arch sm90 --causal: tiles longest first within L2-sized groups of "
                           "(kv head, batch)."),
+        click.option("--dq-lag/--no-dq-lag", "dq_lag", default=None,
+                     help="--kernel backward --arch sm90 --head-dim 128: each step computes the previous step's dQ, "
+                          "the consumer warpgroups handing dS^T over through mbarriers instead of meeting every step."),
         click.option("--page-size", type=int, default=None,
                      help="decode/append: a paged KV cache (the page size is a runtime value; any power of two)."),
         click.option("--paged/--contiguous", "paged", default=None, help="decode/append: paged or contiguous cache."),

@@ -1685,3 +1685,32 @@ def test_tile_order_model_puts_shipped_lpt_ahead_of_the_default_order():
             assert row["lpt"] > 0.98 > row["lpt, remainder last"] and row["lpt"] > row["default"] + 0.03, row
     full = model.cell(128, 2048, False, 132, 1.5)
     assert len(set(full.values())) == 1
+
+
+def test_dq_lag_is_a_head_dim_128_sm90_knob():
+    """dq_lag (off by default) lags dQ by a step where both consumer warpgroups read each other's dS^T
+    rows (head_dim 128, block_m 64, through the bulk reduce): refused elsewhere, naming it; its flag
+    rebuilds the spec."""
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, dq_lag=True)
+    assert not BackwardSpec(arch="sm90", head_dim=128).dq_lag and spec.variant.endswith("_dqlag_causal")
+    assert "--dq-lag" in backward.emit_command(spec).split()
+    result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(spec).split()[2:]])
+    assert result.exit_code == 0 and result.output == backward.emit(spec)
+    for bad in (dict(head_dim=64), dict(head_dim=96), dict(head_dim=256), dict(head_dim=128, deterministic=True),
+                dict(head_dim=128, dq_tma_reduce=False), dict(head_dim=128, arch="sm80")):
+        with pytest.raises(SpecError, match="dq_lag"):
+            BackwardSpec(**{"arch": "sm90", "dq_lag": True, **bad})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dq_lag_compiles_to_mbarrier_hand_overs(causal):
+    """dq_lag's kernel: clean (no spills, no serialised wgmma, no warning); the consumers' every-step
+    named barrier (id 1, 256 threads) is gone; a tile's last step adds one dQ (8 more HGMMA k-steps);
+    the default kernel keeps its barrier."""
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=causal, dq_lag=True)
+    _, sass, counts = _compiled_clean(spec)
+    _, base_sass, base_counts = _compiled_clean(spec.replace(dq_lag=False))
+    ds_ready = r"BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x100"
+    assert re.search(ds_ready, base_sass) and not re.search(ds_ready, sass)
+    assert counts["HGMMA"] == base_counts["HGMMA"] + 8
+    assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 2 * spec.dq_pieces

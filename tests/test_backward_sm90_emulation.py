@@ -169,6 +169,39 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                 smem.tma_load(v_smem, kv_slab, sw, v[b, :, kv_head], key_begin, bn)
                 dv_acc = [np.zeros((WG_THREADS, kv_cols // 2)) for _ in range(2)]
                 dk_acc = [np.zeros((WG_THREADS, kv_cols // 2)) for _ in range(2)]
+
+                def dq_out(wg, ds_tile, head, row_begin):
+                    """One warpgroup's dQ of a step (the dS^T tile it wrote to, its head and first row)."""
+                    # dQ = dS K (gemm_dq), then dq_accum += dQ
+                    dq_col0 = 0 if split_keys else wg * dq_cols
+                    k_dq = k_smem + wg * WG_ROWS * sw if split_keys else k_smem + (dq_col0 // slab_cols) * kv_slab
+                    ds_rows = ds_tile + (wg * WG_ROWS * ds_row if split_keys else 0)
+                    # (block_m 128: one m64 tile of queries per dS^T slab, m_tile * 64 rows on)
+                    buf = np.zeros(bm * dq_cols, dtype=np.float32)
+                    for m_tile in range(dq_m_tiles):
+                        dq = np.zeros((WG_ROWS, dq_cols))
+                        for kk in range(dq_k_steps):
+                            a = operand(smem, ds_rows + m_tile * ds_slab + kk * 16 * ds_row, ds_tile_bytes,
+                                        8 * ds_sw, ds_sw, WG_ROWS, False)
+                            bmat = operand(smem, k_dq + kk * 16 * sw, kv_slab, 8 * sw, sw, dq_cols, False)
+                            dq += a @ bmat.T
+                        row, col = acc_index(dq_cols)
+                        row = row + m_tile * WG_ROWS
+                        regs = to_regs(dq)
+                        if spec.dq_tma_reduce:
+                            # registers -> dq_smem (float4 j of thread t at (j * 128 + t) * 4 in the
+                            # m64 tile's part), then one bulk reduce-add of the whole tile (below)
+                            for i in range(0, dq_cols // 2, 4):
+                                for t in range(WG_THREADS):
+                                    at = m_tile * WG_ROWS * dq_cols + ((i // 4) * WG_THREADS + t) * 4
+                                    buf[at: at + 4] = regs[t, i: i + 4]
+                            continue
+                        keep = row_begin + row < sq
+                        np.add.at(dq_accum[b, head], (row_begin + row[keep], dq_col0 + col[keep]), regs[keep])
+                    if spec.dq_tma_reduce:
+                        # rows past seqlen_q go in too
+                        tile = (row_begin // bm) * bm * d + (0 if split_keys else wg * bm * dq_cols)
+                        tiled[b, head, tile: tile + bm * dq_cols] += buf
                 for step in range(steps):
                     stage = step % stages
                     head = kv_head * group + step // steps_per_head
@@ -235,36 +268,16 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                                 bmat = operand(smem, tile + kk * 16 * sw, q_slab, 8 * sw, sw, d, False)   # [d x 16]
                                 total += a_full[:, 16 * kk: 16 * kk + 16] @ bmat.T
                             acc[wg] = to_regs(total)
-                        # dQ = dS K (gemm_dq), then dq_accum += dQ
-                        dq_col0 = 0 if split_keys else wg * dq_cols
-                        k_dq = k_smem + wg * WG_ROWS * sw if split_keys else k_smem + (dq_col0 // slab_cols) * kv_slab
-                        ds_rows = ds_tile + (wg * WG_ROWS * ds_row if split_keys else 0)
-                        # (block_m 128: one m64 tile of queries per dS^T slab, m_tile * 64 rows on)
-                        buf = np.zeros(bm * dq_cols, dtype=np.float32)
-                        for m_tile in range(dq_m_tiles):
-                            dq = np.zeros((WG_ROWS, dq_cols))
-                            for kk in range(dq_k_steps):
-                                a = operand(smem, ds_rows + m_tile * ds_slab + kk * 16 * ds_row, ds_tile_bytes,
-                                            8 * ds_sw, ds_sw, WG_ROWS, False)
-                                bmat = operand(smem, k_dq + kk * 16 * sw, kv_slab, 8 * sw, sw, dq_cols, False)
-                                dq += a @ bmat.T
-                            row, col = acc_index(dq_cols)
-                            row = row + m_tile * WG_ROWS
-                            regs = to_regs(dq)
-                            if spec.dq_tma_reduce:
-                                # registers -> dq_smem (float4 j of thread t at (j * 128 + t) * 4 in the
-                                # m64 tile's part), then one bulk reduce-add of the whole tile (below)
-                                for i in range(0, dq_cols // 2, 4):
-                                    for t in range(WG_THREADS):
-                                        at = m_tile * WG_ROWS * dq_cols + ((i // 4) * WG_THREADS + t) * 4
-                                        buf[at: at + 4] = regs[t, i: i + 4]
-                                continue
-                            keep = row_begin + row < sq
-                            np.add.at(dq_accum[b, head], (row_begin + row[keep], dq_col0 + col[keep]), regs[keep])
-                        if spec.dq_tma_reduce:
-                            # rows past seqlen_q go in too
-                            tile = (row_begin // bm) * bm * d + (0 if split_keys else wg * bm * dq_cols)
-                            tiled[b, head, tile: tile + bm * dq_cols] += buf
+                        if not spec.dq_lag:
+                            dq_out(wg, ds_tile, head, row_begin)
+                            continue
+                        # dq_lag: the previous step's dQ (its buffer, head and rows); the tile's last step its own too
+                        if step > 0:
+                            prev = step - 1
+                            dq_out(wg, ds_smem0 + (prev & 1) * ds_tile_bytes, kv_head * group + prev // steps_per_head,
+                                   (m_first + prev % steps_per_head) * bm)
+                        if step + 1 == steps:
+                            dq_out(wg, ds_tile, head, row_begin)
                 # finish: dK *= scale, rows below seqlen_k
                 for wg in range(2):
                     row, col = acc_index(kv_cols)
@@ -347,3 +360,16 @@ def test_the_descriptor_model_reads_back_what_tma_wrote():
         for kk in range(4):     # MN-major: k = rows 16kk.., mn = all 128 columns
             got = operand(smem, kk * 16 * sw, 64 * sw, 8 * sw, sw, 128, False)
             np.testing.assert_array_equal(got, x[16 * kk: 16 * kk + 16].T)
+
+
+@pytest.mark.parametrize("sq, sk, hq, hkv, causal", [
+    (100, 130, 2, 1, True),     # GQA: a tile's steps over two query heads (the lagged dQ's head changes)
+    (200, 60, 1, 1, True),      # seqlen_q > seqlen_k
+    (300, 129, 1, 1, False),    # five steps a tile, the last key block one key long
+    (64, 64, 1, 1, False),      # one step a tile: only the last step's own dQ
+])
+def test_emulated_dq_lag_matches_the_reference(sq, sk, hq, hkv, causal):
+    """dq_lag (head_dim 128): each step's dQ from the previous step's dS^T buffer into its head's and query
+    block's dq_accum tile, and a tile's last step its own: the same gradients."""
+    spec = BackwardSpec(arch="sm90", head_dim=128, dtype="fp16", causal=causal, dq_lag=True)
+    check_emulated_backward(run_main_kernel, spec, sq, sk, hq, hkv, causal, seed=sq + sk)

@@ -127,16 +127,17 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     if spec.arch == "sm80":
         return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False,
                 "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False, "do_stages": 1,
-                "dq_pieces": 1}
+                "dq_pieces": 1, "dq_lag": False}
     s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
                                                    spec.dq_tma_reduce, spec.s_lookahead)
     stages, do_stages = sm90_default_rings(spec.head_dim, spec.dq_tma_reduce, SM90_GPU)
     return {"gpu": SM90_GPU, "stages": stages, "do_stages": do_stages, "dq_pieces": sm90_fewest_dq_pieces(spec),
             "k_unroll": 2, "deterministic": False, "s_lookahead": s_default, "dp_lookahead": dp_default,
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
-            "persistent": sm90_persistent_default(spec.arch, spec.deterministic), "lpt": False}
+            "persistent": sm90_persistent_default(spec.arch, spec.deterministic), "lpt": False, "dq_lag": False}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
-_SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt")
+_SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt",
+              "dq_lag")
 
 
 def emit_command(spec: BackwardSpec) -> str:

@@ -105,6 +105,11 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "pairs wide (every key block 0 early, the launch ending on short blocks) instead of each (kv head, "
          "batch)'s key blocks in turn, whose last block 0 starts late.",
          flag="--lpt/--no-lpt", token=_flag("lpt")),
+    Knob("dq_lag", "bool", "sm90, head_dim 128 (dQ split by columns, both warpgroups' dS^T rows read): each step "
+         "computes and writes out the previous step's dQ, after an mbarrier on which the other warpgroup arrived "
+         "when it wrote that step's dS^T rows a step ago, instead of both warpgroups meeting at a named barrier "
+         "every step before dQ; the warpgroups then need not run in step, one's exponentials beside the other's "
+         "GEMMs. A tile's last dQ follows its loop.", flag="--dq-lag/--no-dq-lag", token=_flag("dqlag")),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
 )
@@ -317,6 +322,7 @@ class BackwardSpec:
     dp_lookahead: bool | None = None
     persistent: bool | None = None
     lpt: bool = False
+    dq_lag: bool = False
 
     def __post_init__(self) -> None:
         _as_bool(self, "deterministic")     # (first: the defaults below follow it, deterministic=0 as False)
@@ -534,6 +540,9 @@ def _as_bool(spec: BackwardSpec, name: str) -> None:
 def _validate(spec: BackwardSpec) -> None:
     if spec.lpt:
         raise SpecError("lpt", "an sm90 knob (its tile numbering); the sm80 backward's grid is one CTA per key block")
+    if spec.dq_lag:
+        raise SpecError("dq_lag", "an sm90 knob (its consumer warpgroups' dS^T hand-over); the sm80 backward's warps "
+                                  "meet at __syncthreads")
     if spec.persistent:
         raise SpecError("persistent", "an sm90 knob (a producer warp loads the next key block's K, V); the sm80 "
                                       "backward runs one CTA per key block")
@@ -622,6 +631,10 @@ def _validate_sm90(spec: BackwardSpec) -> None:
                                      "this step's dV released the one buffer (set dp_lookahead=False)")
     if spec.lpt and not spec.causal:
         raise SpecError("lpt", "orders causal tiles by their length (non-causal key blocks are all as long)")
+    if spec.dq_lag and (sm90_dq_cols(spec.head_dim) == spec.head_dim or split or spec.block_m != 64
+                        or not spec.dq_tma_reduce or spec.deterministic):
+        raise SpecError("dq_lag", "lags dQ where both warpgroups read each other's dS^T rows (head_dim 128, "
+                                  "block_m 64), through the bulk reduce (dq_tma_reduce=True), not deterministic")
     if spec.s_lookahead and (split or spec.stages < 2):
         raise SpecError("s_lookahead", f"head_dim {spec.head_dim}: the next step's S^T is issued early at head_dim "
                                        f"64, 96, 128 (2-stage ring, S^T from each warpgroup's own keys) only")
