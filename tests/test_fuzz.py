@@ -89,6 +89,8 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and one whose dQ tile is already in pieces
     rings = [c for c in cases if c.shallow_rings]
     assert {c.head_dim for c in rings} == {128, 256} and not any(c.deterministic or c.lpt for c in rings)
+    # and dq_lag (case.dq_lag: head_dim 128's warpgroups handing dS^T over by mbarriers), the last case
+    assert [(i, c.head_dim, c.causal) for i, c in enumerate(cases) if c.dq_lag] == [(len(cases) - 1, 128, True)]
     for arch in ("sm80", "sm90"):   # the turn counters too
         assert {c.deterministic for c in cases if c.family == "backward" and c.arch == arch} == {False, True}
     kv = [c for c in cases if c.family == "kvcache"]
@@ -232,6 +234,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             rings = [backward.choose(c.head_dim, c.dtype, c.causal, info,
                                      fuzz.shallow_ring_knobs(c.head_dim, c.dtype, c.causal), arch)
                      ] if c.shallow_rings else []
+            rings += [backward.choose(c.head_dim, c.dtype, c.causal, info, {"dq_lag": True}, arch)] if c.dq_lag else []
             assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs, arch), *lpt,
                              *rings]
             assert specs[1].deterministic == c.deterministic

@@ -111,6 +111,13 @@ class Case:
         return self.family == "backward" and self.arch == "sm90" and self.seed % 8 == 3
 
     @property
+    def dq_lag(self) -> bool:
+        """An sm90 head_dim 128 backward case whose seed is 1 mod 4 also runs attention_backward(...,
+        dq_lag=True) on the forward's O and LSE (dQ a step late, the warpgroups' dS^T handed over by
+        mbarriers; the launch-only sweep launches that one instead). Read off the seed, as ``deterministic``."""
+        return self.family == "backward" and self.arch == "sm90" and self.head_dim == 128 and self.seed % 4 == 1
+
+    @property
     def one_cta_per_tile(self) -> bool:
         """An sm90 varlen case whose seed is 1 mod 3 calls attention_varlen(..., persistent=False) (one CTA
         per tile, the grid sized by max_seqlen_q); the others the default persistent kernel, whose CTAs
@@ -477,11 +484,13 @@ def _backward_knobs(case: Case) -> dict:
 
 def _second_call_knobs(case: Case) -> dict:
     """The knobs of a backward case's second call, attention_backward on the forward's O and LSE ({}: none):
-    lpt (case.lpt) or the rings away from their defaults (case.shallow_rings)."""
+    lpt (case.lpt), the rings away from their defaults (case.shallow_rings) or dq_lag (case.dq_lag)."""
     if case.lpt:
         return {"lpt": True}
     if case.shallow_rings:
         return shallow_ring_knobs(case.head_dim, case.dtype, case.causal)
+    if case.dq_lag:
+        return {"dq_lag": True}
     return {}
 
 
@@ -674,7 +683,7 @@ def case_specs(case: Case, device: int = 0) -> list:
         knobs = {"deterministic": True} if case.deterministic else {}
         info, arch = api.device_info(device), backward.autograd_arch(case.arch)
         specs = [forward, backward.choose(case.head_dim, case.dtype, case.causal, info, knobs, arch)]
-        if _second_call_knobs(case):        # (its own attention_backward call: case.lpt, case.shallow_rings)
+        if _second_call_knobs(case):        # (its own attention_backward call: lpt, shallow_rings, dq_lag)
             specs.append(backward.choose(case.head_dim, case.dtype, case.causal, info, _backward_knobs(case), arch))
         return specs
     return [forward]
@@ -838,7 +847,7 @@ def representative_cases() -> list[Case]:
     128 (head_dim_v), the backward per arch,
     dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic; sm90 bf16 at
     head_dim 256; sm90 with more tiles than SMs, and with lpt; last, sm90 with the rings away from their
-    defaults), and two
+    defaults and with dq_lag), and two
     decode-family cases (paged with an append and a split, contiguous MQA-like packing): what the
     sanitizer sweep (scripts/sanitize.py) runs under each tool."""
     cases = []
@@ -917,6 +926,11 @@ def representative_cases() -> list[Case]:
         cases.append(Case("backward", "sm90", "bf16", batch=2, seqlen_q=113, seqlen_k=203, heads_q=4, heads_kv=2,
                           head_dim=head_dim, causal=causal, softmax_scale=None, layout="strided", magnitude=1.0,
                           return_lse=False, use_out=False, seed=seed))
+    # and with dq_lag (seed 13: case.dq_lag), causal over 300 queries: tiles of one to five steps, two query
+    # heads a kv head (the lagged dQ's head changes within a tile): case 46
+    cases.append(Case("backward", "sm90", "bf16", batch=2, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=2,
+                      head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=False, use_out=False, seed=13))
     return cases
 
 

@@ -436,6 +436,29 @@ def test_sm90_one_do_stage_matches_the_default(sq, sk, hq, hkv, d, knobs, causal
     assert check_grads(one, do, q, k, v, causal, d ** -0.5) == []
 
 
+# ------------------------------------------------------------------ sm90 dq_lag (head_dim 128: dQ a step late)
+# Each step computes the previous step's dQ from the other dS^T buffer (ds_full / ds_empty mbarriers
+# instead of the every-step named barrier), a tile's last step also its own; one step a tile (sq 1),
+# several query heads a tile (GQA: the lagged dQ's head changes mid-tile), many tiles per persistent
+# CTA (8k keys: 64 tiles x 2 pairs x batch 2 > 132), blocks no query sees, and one CTA per tile.
+
+@sm90_only
+@pytest.mark.parametrize("sq, sk, hq, hkv, persistent", [(113, 239, 8, 2, True), (239, 113, 6, 1, True),
+                                                         (1, 300, 4, 4, True), (1000, 1000, 8, 1, True),
+                                                         (300, 8192, 4, 2, True), (1000, 1000, 8, 1, False)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_dq_lag_matches_the_default(sq, sk, hq, hkv, persistent, causal):
+    """dq_lag=True against the default on the same inputs: dK, dV alike, dQ within fp32 summation-order
+    noise, and right against float64 (poisoned outputs)."""
+    q, k, v, do = make(2, sq, sk, hq, hkv, 128, torch.bfloat16, seed=sq + 5 * sk + hq)
+    base = run_backward(q, k, v, do, causal, 128 ** -0.5, arch="sm90")
+    lag = run_backward(q, k, v, do, causal, 128 ** -0.5, poison=True, arch="sm90", dq_lag=True,
+                       persistent=persistent)
+    for x, y in zip(lag, base):
+        torch.testing.assert_close(x, y, atol=1e-2, rtol=1e-2)
+    assert check_grads(lag, do, q, k, v, causal, 128 ** -0.5) == []
+
+
 @sm90_only
 @pytest.mark.parametrize("d", [192, 256])
 def test_sm90_is_the_default_at_head_dims_192_256(d):
