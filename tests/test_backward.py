@@ -1627,12 +1627,15 @@ def test_bwd_one_script_parses_its_cell_and_knobs():
     assert args.knobs == {"lpt": 1, "arch": "sm90"}
 
 
-def _lpt_tile(tile: int, n_blocks: int, pairs: int, group: int, tail_pair: int) -> tuple[int, int]:
-    """(n_block, pair) of ``tile`` in the lpt order, the template's bwd_tile (LPT) line for line."""
-    first_pair = min(tile // (group * n_blocks) * group, tail_pair)
-    group_pairs = pairs - first_pair if first_pair == tail_pair else group
-    within = tile - first_pair * n_blocks
-    return within // group_pairs, first_pair + within % group_pairs
+def _tile_order_model():
+    """scripts/tile_order_model.py as a module (the lpt order's Python twin, the model of the tile draws)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tile_order_model.py"
+    spec = importlib.util.spec_from_file_location("tile_order_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("batch, heads_kv, seqlen, head_dim, block_n", [
@@ -1649,7 +1652,7 @@ def test_lpt_order_numbers_every_tile_once_and_ends_on_short_blocks(batch, heads
     tail_pair = backward.lpt_tail_pair(pairs, group, n_blocks, sms)
     assert tail_pair % group == 0 and (pairs - tail_pair >= SM90_LPT_TAIL_WAVES * sms / n_blocks or tail_pair == 0)
     assert pairs - tail_pair - SM90_LPT_TAIL_WAVES * sms / n_blocks < 2 * group or tail_pair == 0
-    order = [_lpt_tile(t, n_blocks, pairs, group, tail_pair) for t in range(n_blocks * pairs)]
+    order = _tile_order_model().lpt_order(n_blocks, pairs, group, tail_pair)     # bwd_tile's LPT lines in Python
     assert sorted(order) == [(n, p) for n in range(n_blocks) for p in range(pairs)]
     last = order[-min(sms, len(order)):]
     assert max(n for n, _ in last) >= n_blocks - 1 and min(n for n, _ in last) > 0 or n_blocks * pairs <= sms
@@ -1673,12 +1676,7 @@ def test_tile_order_model_puts_shipped_lpt_ahead_of_the_default_order():
     cells where a pair's key blocks in turn leave SMs idle at the end (head_dim 128/256, 1k-4k), the
     shipped lpt order (lpt_group_pairs, lpt_tail_pair) finishes within 2% of even, the remainder group
     alone last does not; equal full tiles are the same in every order."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tile_order_model.py"
-    spec = importlib.util.spec_from_file_location("tile_order_model", path)
-    model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(model)
+    model = _tile_order_model()
     for head_dim in (128, 256):
         for seqlen in (1024, 4096):
             row = model.cell(head_dim, seqlen, True, 132, 1.5)
