@@ -1627,12 +1627,12 @@ def test_bwd_one_script_parses_its_cell_and_knobs():
     assert args.knobs == {"lpt": 1, "arch": "sm90"}
 
 
-def _tile_order_model():
-    """scripts/tile_order_model.py as a module (the lpt order's Python twin, the model of the tile draws)."""
+def _script(name: str):
+    """scripts/<name>.py as a module (the CPU models beside the kernels)."""
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tile_order_model.py"
-    spec = importlib.util.spec_from_file_location("tile_order_model", path)
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -1652,7 +1652,7 @@ def test_lpt_order_numbers_every_tile_once_and_ends_on_short_blocks(batch, heads
     tail_pair = backward.lpt_tail_pair(pairs, group, n_blocks, sms)
     assert tail_pair % group == 0 and (pairs - tail_pair >= SM90_LPT_TAIL_WAVES * sms / n_blocks or tail_pair == 0)
     assert pairs - tail_pair - SM90_LPT_TAIL_WAVES * sms / n_blocks < 2 * group or tail_pair == 0
-    order = _tile_order_model().lpt_order(n_blocks, pairs, group, tail_pair)     # bwd_tile's LPT lines in Python
+    order = _script("tile_order_model").lpt_order(n_blocks, pairs, group, tail_pair)     # bwd_tile's LPT lines in Python
     assert sorted(order) == [(n, p) for n in range(n_blocks) for p in range(pairs)]
     last = order[-min(sms, len(order)):]
     assert max(n for n, _ in last) >= n_blocks - 1 and min(n for n, _ in last) > 0 or n_blocks * pairs <= sms
@@ -1676,7 +1676,7 @@ def test_tile_order_model_puts_shipped_lpt_ahead_of_the_default_order():
     cells where a pair's key blocks in turn leave SMs idle at the end (head_dim 128/256, 1k-4k), the
     shipped lpt order (lpt_group_pairs, lpt_tail_pair) finishes within 2% of even, the remainder group
     alone last does not; equal full tiles are the same in every order."""
-    model = _tile_order_model()
+    model = _script("tile_order_model")
     for head_dim in (128, 256):
         for seqlen in (1024, 4096):
             row = model.cell(head_dim, seqlen, True, 132, 1.5)
@@ -1712,3 +1712,13 @@ def test_dq_lag_compiles_to_mbarrier_hand_overs(causal):
     assert re.search(ds_ready, base_sass) and not re.search(ds_ready, sass)
     assert counts["HGMMA"] == base_counts["HGMMA"] + 8
     assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\.RN ", sass)) == 2 * spec.dq_pieces
+
+
+def test_warpgroup_overlap_model_behind_dq_lag():
+    """scripts/warpgroup_overlap_model.py (CPU): with a few hundred clocks of exponentials a step the
+    lockstep of the every-step barrier leaves the tensor pipe idle and dq_lag's hand-over fills it; with
+    little ALU work a step both keep it busy (what dq_lag is to be timed against)."""
+    model = _script("warpgroup_overlap_model")
+    assert model.pipe_share(200, 150) > 0.99 and model.pipe_share(200, 150, lag=True) > 0.99
+    for exp_clocks in (400, 600):
+        assert model.pipe_share(exp_clocks, 150, lag=True) > model.pipe_share(exp_clocks, 150) + 0.04
