@@ -109,7 +109,7 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "computes and writes out the previous step's dQ, after an mbarrier on which the other warpgroup arrived "
          "when it wrote that step's dS^T rows a step ago, instead of both warpgroups meeting at a named barrier "
          "every step before dQ; the warpgroups then need not run in step, one's exponentials beside the other's "
-         "GEMMs. A tile's last dQ follows its loop.", flag="--dq-lag/--no-dq-lag", token=_flag("dqlag")),
+         "GEMMs. A tile's last step computes its own dQ too.", flag="--dq-lag/--no-dq-lag", token=_flag("dqlag")),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
 )
