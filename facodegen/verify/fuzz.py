@@ -902,7 +902,7 @@ def representative_cases() -> list[Case]:
     cases.append(Case("backward", "sm90", "bf16", batch=3, seqlen_q=300, seqlen_k=8192, heads_q=4, heads_kv=2,
                       head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=10))
-    # (the rings away from their defaults: cases 44, 45, appended last so the numbers above stay)
+    # (the rings away from their defaults and dq_lag: cases 44-46, appended last so the numbers above stay)
     cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
