@@ -89,8 +89,13 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and one whose dQ tile is already in pieces
     rings = [c for c in cases if c.shallow_rings]
     assert {c.head_dim for c in rings} == {128, 256} and not any(c.deterministic or c.lpt for c in rings)
-    # and dq_lag (case.dq_lag: head_dim 128's warpgroups handing dS^T over by mbarriers), the last case
-    assert [(i, c.head_dim, c.causal) for i, c in enumerate(cases) if c.dq_lag] == [(len(cases) - 1, 128, True)]
+    # and dq_lag (case.dq_lag: head_dim 128's warpgroups handing dS^T over by mbarriers): case 46
+    assert [(i, c.head_dim, c.causal) for i, c in enumerate(cases) if c.dq_lag] == [(46, 128, True)]
+    # and varlen_lpt (case.varlen_lpt: a sequence's tiles longest first over L2-sized groups of its heads),
+    # the last case, with sequences long enough that a group holds fewer than all heads (head_dim 128:
+    # 65,536 keys of K and V in a group)
+    assert [i for i, c in enumerate(cases) if c.varlen_lpt] == [len(cases) - 1] == [47]
+    assert max(fuzz.varlen_lengths(cases[47])[1]) * cases[47].heads_q > 65536
     for arch in ("sm80", "sm90"):   # the turn counters too
         assert {c.deterministic for c in cases if c.family == "backward" and c.arch == arch} == {False, True}
     kv = [c for c in cases if c.family == "kvcache"]
@@ -206,6 +211,25 @@ def test_a_third_of_the_sm90_varlen_cases_run_one_cta_per_tile(monkeypatch):
     assert {c.one_cta_per_tile for c in cases[:12]} == {False, True}
 
 
+def test_a_sixth_of_the_sm90_causal_varlen_cases_run_varlen_lpt(monkeypatch):
+    """sm90 causal varlen cases with seed 2 mod 6 call attention_varlen(..., varlen_lpt=True): persistent
+    ones only (not 1 mod 3), none elsewhere; their specs say so, and representative case 47 is one."""
+    cases = [c for c in fuzz.generate(1200, seed=9, family="varlen") if c.arch == "sm90" and c.causal]
+    share = sum(c.varlen_lpt for c in cases) / len(cases)
+    assert 0.08 < share < 0.28, share
+    assert not any(c.varlen_lpt and c.one_cta_per_tile for c in cases)
+    assert not any(c.varlen_lpt for c in fuzz.generate(300, seed=9, family="all")
+                   if not (c.family == "varlen" and c.arch == "sm90" and c.causal))
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    for c in cases[:30]:
+        assert fuzz.case_spec(c).varlen_lpt == c.varlen_lpt
+    assert {c.varlen_lpt for c in cases[:30]} == {False, True}
+    case = fuzz.representative_cases()[47]
+    assert case.varlen_lpt and fuzz.case_spec(case).varlen_lpt
+    assert [c for c in fuzz.representative_cases() if c.varlen_lpt] == [case]
+
+
 def _dense(name, shape, dtype):
     strides = [1]
     for n in reversed(shape[1:]):
@@ -245,7 +269,8 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             bound = varlen.plan_bound
             assert specs == [api.resolve_spec(c.head_dim, c.dtype, c.causal, 0, varlen.check_arch(c.arch),
                                               shape=(c.batch, bound(c.seqlen_q), bound(c.seqlen_k), c.heads_q),
-                                              varlen=True, **({"persistent": False} if c.one_cta_per_tile else {}))]
+                                              varlen=True, **({"persistent": False} if c.one_cta_per_tile else {}),
+                                              **({"varlen_lpt": True} if c.varlen_lpt else {}))]
         else:
             dtype = {"fp16": "float16", "bf16": "bfloat16"}[c.dtype]
             q = _dense("q", (c.batch, c.seqlen_q, c.heads_q, c.head_dim), dtype)

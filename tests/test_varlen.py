@@ -38,6 +38,9 @@ SM90_VARLEN_OTHER_SCHEDULER = [s.replace(dynamic_scheduler=not s.dynamic_schedul
 SM90_VARLEN_KNOBS = [KernelSpec(arch="sm90", head_dim=128, dtype="bf16", causal=True, varlen=True, **f)
                      for f in (dict(l2_prefetch=2), dict(intra_wg_overlap=False), dict(separate_o=False),
                                dict(o_in_v=True, separate_o=False))]
+# varlen_lpt: causal tiles longest first over L2-sized groups of a sequence's heads (both schedulers)
+SM90_VARLEN_LPT = [KernelSpec(arch="sm90", head_dim=d, dtype="bf16", causal=True, varlen=True, varlen_lpt=True, **f)
+                   for d, f in ((64, {}), (128, {}), (256, {}), (128, dict(dynamic_scheduler=False)))]
 # varlen_tma_store=False: every row of O row by row (the store before issue 39's TMA store of whole blocks)
 SM90_VARLEN_ROW_STORE = [s.replace(varlen_tma_store=False) for s in SM90_VARLEN_SPECS]
 
@@ -215,6 +218,36 @@ def test_the_cli_takes_the_varlen_store_knob():
     assert result.exit_code != 0 and "varlen_tma_store" in result.output
 
 
+def test_varlen_lpt_is_an_sm90_persistent_causal_varlen_knob():
+    """Off by default everywhere; on, the variant ends _lpt, the header says so, the CLI's --varlen-lpt
+    emits it, and the scan's decode takes the sections from the sequence's cu_seqlens_k; anywhere it
+    cannot order anything (sm80, the padded kernel, one CTA per tile, non-causal) it is refused naming it."""
+    assert not any(s.varlen_lpt for s in SM90_VARLEN_SPECS + VARLEN_SPECS)
+    spec = SM90_VARLEN_LPT[1]
+    plain = spec.replace(varlen_lpt=False)
+    assert plain in SM90_VARLEN_SPECS and spec.variant == plain.variant + "_lpt"
+    source = facodegen.emit(spec)
+    lines = [line.strip() for line in source.splitlines()]
+    assert "//   varlen_lpt           = True" in source and lines[4].endswith("--varlen --varlen-lpt")
+    for line in ("const int keys = static_cast<int>(static_cast<unsigned>(p.cu_seqlens_k[clamped + 1]) -",
+                 "int section = L2_SECTION_KEYS / (keys > 0 ? keys : 1);", "const int m_index = r / width;",
+                 "return tile_at(p, m_count - 1 - m_index, head, sequence);"):
+        assert any(x.startswith(line) for x in lines), line
+    assert "cu_seqlens_k[clamped" not in facodegen.emit(plain)
+    for fields in (dict(arch="sm80", varlen=True, causal=True), dict(arch="sm90", causal=True),
+                   dict(arch="sm90", varlen=True, causal=True, persistent=False), dict(arch="sm90", varlen=True)):
+        with pytest.raises(SpecError) as err:
+            KernelSpec(head_dim=128, varlen_lpt=True, **fields)
+        assert err.value.field == "varlen_lpt"
+    from click.testing import CliRunner
+
+    from facodegen.cli import main
+    result = CliRunner().invoke(main, ["emit", "--arch", "sm90", "--varlen", "--head-dim", "128", "--causal",
+                                       "--varlen-lpt"])
+    assert result.exit_code == 0, result.output
+    assert f"{spec.variant}(" in result.output
+
+
 @pytest.mark.parametrize("block_m", [128, 192])
 def test_whole_blocks_by_tma_and_the_rest_by_rows_write_every_row_once(block_m):
     """A model of the epilogue's split (o_box_token, store_o_rows' row guard) over sequences around
@@ -296,14 +329,14 @@ def test_the_cli_emits_an_sm90_varlen_kernel():
 # source); the sm90 varlen kernel (persistent) once per head_dim and causal, its dtype seeded (fp16 and
 # bf16 differ in the element type only); with persistent=False once per causal (head_dim and dtype
 # seeded: the one-CTA path compiled at every head_dim through 2026-12-04 and runs on the H200 in
-# tests/gpu); with the other scheduler once (causal seeded); the knob variants; with varlen_tma_store=False
+# tests/gpu); with the other scheduler once (causal seeded); the knob variants and varlen_lpt's; with varlen_tma_store=False
 # once (seeded: its source is the row-by-row store's of 2026-12-04, which compiled at every head_dim)
 @pytest.fixture(scope="module", params=[(s, "sm_80") for s in VARLEN_SPECS]
                 + [(s, "sm_90") for s in one_per(VARLEN_SPECS, lambda s: s.head_dim)]
                 + [(s, None) for s in one_per(SM90_VARLEN_SPECS, lambda s: (s.head_dim, s.causal))
                    + one_per(SM90_VARLEN_NP_SPECS, lambda s: s.causal)
                    + one_per(SM90_VARLEN_OTHER_SCHEDULER, lambda s: True)
-                   + SM90_VARLEN_KNOBS
+                   + SM90_VARLEN_KNOBS + SM90_VARLEN_LPT
                    + one_per(SM90_VARLEN_ROW_STORE, lambda s: True)],
                 ids=lambda p: f"{p[0].variant}-{p[1] or 'sm_90a'}")
 def varlen_kernel(request):
@@ -348,9 +381,21 @@ def _total_tiles(cu, batch, heads, block_m, num_m_blocks, threads=384):
     return sum(warps) * heads
 
 
-def _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor):
+def _lpt_place(local, heads, m_count, keys, section_keys):
+    """VARLEN_LPT's (head, m_index) of a sequence's tile number ``local``: its heads in sections of
+    section_keys // keys (1 .. heads), each section's tiles m_index-major with the heads fastest."""
+    section = min(max(section_keys // (keys if keys > 0 else 1), 1), heads)
+    s, r = divmod(local, section * m_count)
+    first_head = s * section
+    width = min(heads - first_head, section)
+    m_index, within = divmod(r, width)
+    return first_head + within, m_index
+
+
+def _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor, cu_k=None, section_keys=0):
     """decode_tile(p, tile, cursor) lane by lane: chunks of 32 sequences from cursor's, an inclusive
-    scan of their tiles, the ballot of the ends at or before the tile; -> (sequence, head, m_block)."""
+    scan of their tiles, the ballot of the ends at or before the tile; -> (sequence, head, m_block).
+    ``cu_k`` given: VARLEN_LPT's order, with L2_SECTION_KEYS = ``section_keys``."""
     seq_from, base = cursor
     for chunk in range(seq_from, batch, 32):
         blocks = [_m_blocks(cu, chunk + lane, block_m, num_m_blocks) if chunk + lane < batch else 0
@@ -364,7 +409,11 @@ def _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor):
             first = ends[before] - tiles[before]
             cursor[:] = [chunk + before, first]
             local = tile - first
-            head, m_index = divmod(local, blocks[before])
+            if cu_k is not None:
+                seq = chunk + before
+                head, m_index = _lpt_place(local, heads, blocks[before], _i32(cu_k[seq + 1] - cu_k[seq]), section_keys)
+            else:
+                head, m_index = divmod(local, blocks[before])
             assert blocks[before] > 0 and 0 <= head < heads
             return chunk + before, head, (blocks[before] - 1 - m_index if causal else m_index)
         base = ends[31]
@@ -381,17 +430,20 @@ HOSTILE_CU = [
 ]
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal, lpt", [(False, False), (True, False), (True, True)],
+                         ids=["full", "causal", "causal-lpt"])
 @pytest.mark.parametrize("cu", HOSTILE_CU, ids=lambda c: f"b{len(c) - 1}")
-def test_the_varlen_scan_numbers_every_tile_once_and_none_empty(cu, causal):
+def test_the_varlen_scan_numbers_every_tile_once_and_none_empty(cu, causal, lpt):
     """A model of scheduler.cuh.j2's VARLEN_SCAN, lane by lane: whatever cu_seqlens_q holds, the tiles
     0 .. total-1 are every (sequence, head, m_block) with m_block below the sequence's blocks (at most
     p.num_m_blocks, max_seqlen_q's) exactly once, no tile is empty (its first row is in the sequence),
     the total stays within p.num_tiles, a CTA's cursor only moves forward whether its tiles come from
     the static schedule (blockIdx.x + k gridDim.x) or the dynamic one (growing tickets, 0 .. total-1 drawn
     in all, so the counter's reset at ticket total-1 holds), and every tile index past the total decodes
-    to sequence p.batch (which tile_at clamps)."""
+    to sequence p.batch (which tile_at clamps). VARLEN_LPT the same, with a cu_seqlens_k as hostile (twice
+    cu_seqlens_q: wrapping too) and sections of 1 to 3 heads."""
     heads, block_m, num_m_blocks = 3, 128, 2      # max_seqlen_q 256
+    lpt_args = (dict(cu_k=[2 * x for x in cu], section_keys=500) if lpt else {})
     batch = len(cu) - 1
     total = _total_tiles(cu, batch, heads, block_m, num_m_blocks)
     assert total <= batch * heads * num_m_blocks           # p.num_tiles, the grid's bound
@@ -420,15 +472,37 @@ def test_the_varlen_scan_numbers_every_tile_once_and_none_empty(cu, causal):
                 cursor = [0, 0]
                 for tile in tiles:
                     if tile >= total:
-                        assert _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, list(cursor))[0] == batch
+                        assert _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, list(cursor),
+                                       **lpt_args)[0] == batch
                         break
                     before = tuple(cursor)
-                    b, h, m = _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor)
+                    b, h, m = _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor, **lpt_args)
                     assert tuple(cursor) >= before
                     length = _i32(cu[b + 1] - cu[b])
                     assert 0 <= m < num_m_blocks and m * block_m < length        # not empty
                     seen.append((b, h, m))
             assert len(seen) == len(set(seen)) == total and set(seen) == expect
+
+
+@pytest.mark.parametrize("keys, sections", [(4096, [list(range(16))]), (8192, [list(range(8)), list(range(8, 16))]),
+                                            (3 * 4096, [list(range(5 * i, min(5 * i + 5, 16))) for i in range(4)])])
+def test_varlen_lpt_runs_each_sequence_longest_first_over_l2_sized_groups_of_heads(keys, sections):
+    """VARLEN_LPT at head_dim 128 (L2_SECTION_KEYS = 32 MB / (2 x 128 x 2 bytes) = 65536) with 16 heads:
+    a sequence's tiles come section by section (the heads whose K/V fit: 16 at 4096 keys, 8 at 8192, 5
+    at 12288, the last section short), inside each the m_blocks count down with the heads fastest, so
+    each sequence's tiles end on its block 0s; tile for tile what the padded kernel's decode_tile gives
+    one (batch, head) pair of it (sections of pairs there, of one sequence's heads here)."""
+    heads, block_m, num_m_blocks, section_keys = 16, 128, 96, 65536
+    cu = [0, keys, 2 * keys]                      # two equal sequences, keys as long as queries
+    total = _total_tiles(cu, 2, heads, block_m, num_m_blocks)
+    order = [_decode(cu, 2, heads, block_m, num_m_blocks, True, tile, [0, 0], cu_k=cu, section_keys=section_keys)
+             for tile in range(total)]
+    m_blocks = keys // block_m
+    for sequence in (0, 1):
+        mine = [(h, m) for b, h, m in order if b == sequence]
+        expect = [(h, m) for section in sections for m in reversed(range(m_blocks)) for h in section]
+        assert mine == expect
+    assert [b for b, _, _ in order] == [0] * (total // 2) + [1] * (total // 2)
 
 
 # ------------------------------------------------------------------ the float64 reference

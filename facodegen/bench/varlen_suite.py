@@ -12,8 +12,9 @@ about 32k tokens: draw_lengths) and ``equal`` (8 x 4096), where the padded kerne
 and varlen should be within 5% of it (EQUAL_TOLERANCE; the verdict is a note under the table). On
 sm90 GPUs the varlen kernel also runs with persistent=False (one CTA per tile, the column "facodegen
 varlen (not persistent)"), timed in the same turns, with its ratios in a note (persistent_verdict),
-and with varlen_tma_store=False (every row of O by 16-byte stores, the column "facodegen varlen (O row
-by row)": issue 39's A/B of the TMA store of whole blocks; its ratios in a note, store_verdict).
+and on causal cells with varlen_lpt=True (each sequence's tiles longest first over L2-sized groups of
+its heads, the column "facodegen varlen (lpt)": issue 39's A/B of that order; its ratios in a note,
+lpt_verdict).
 ``--quick``: head_dim 128 only and fewer groups and calls (QUICK_TIMING).
 
 TFLOP/s counts only the real work: the sum over sequences of 4 * heads * seqlen_q * seqlen_k *
@@ -56,7 +57,7 @@ VARLEN_PEERS = ("fa3", "cudnn")
 FACODEGEN_VARLEN = "facodegen-varlen"             # the GPU's own arch (sm90 on H100/H200), as a call picks it
 FACODEGEN_VARLEN_SM80 = "facodegen-varlen-sm80"   # where that is not sm80: the sm80 kernel beside it
 FACODEGEN_VARLEN_NP = "facodegen-varlen-np"       # on sm90: its varlen kernel with persistent=False (one CTA a tile)
-FACODEGEN_VARLEN_ROWO = "facodegen-varlen-rowo"   # on sm90: its varlen kernel with varlen_tma_store=False (O row by row)
+FACODEGEN_VARLEN_LPT = "facodegen-varlen-lpt"     # on sm90, causal: its varlen kernel with varlen_lpt=True
 FA3_VARLEN = "fa3-varlen"
 PADDED_SM80 = "facodegen-padded-sm80"
 PADDED_SM90 = "facodegen-padded-sm90"
@@ -65,7 +66,7 @@ TITLES = {
     FACODEGEN_VARLEN: "facodegen varlen",
     FACODEGEN_VARLEN_SM80: "facodegen varlen (sm80)",
     FACODEGEN_VARLEN_NP: "facodegen varlen (not persistent)",
-    FACODEGEN_VARLEN_ROWO: "facodegen varlen (O row by row)",
+    FACODEGEN_VARLEN_LPT: "facodegen varlen (lpt)",
     FA3_VARLEN: "FA3 varlen",
     PADDED_SM80: "facodegen padded (sm80)",
     PADDED_SM90: "facodegen padded (sm90)",
@@ -86,8 +87,9 @@ NOTES = (
     "sequence, else row by row; sm80 elsewhere), held to the "
     "padded kernel of its arch (the same code without varlen; sm90's padded one is persistent too); on sm90 "
     "GPUs facodegen varlen (not persistent) is the same kernel with persistent=False (one CTA per tile, "
-    "the grid sized by max_seqlen_q), facodegen varlen (O row by row) the same kernel with varlen_tma_store=False "
-    "(every row of O by 16-byte stores) and facodegen varlen (sm80) the sm80 kernel compiled for them.",
+    "the grid sized by max_seqlen_q), facodegen varlen (lpt) the same kernel with varlen_lpt=True (causal: "
+    "each sequence's tiles longest first over L2-sized groups of its heads) and facodegen varlen (sm80) the "
+    "sm80 kernel compiled for them.",
 )
 
 
@@ -210,17 +212,16 @@ def persistent_verdict(row: dict) -> str | None:
             f"{'–' if persistent_np is None else f'{persistent_np:.3f}'}")
 
 
-def store_verdict(row: dict) -> str | None:
-    """On a cell where the sm90 varlen kernel ran with varlen_tma_store=False beside it (issue 39's A/B of
-    the O store): the default's ratio to it (> 1: the TMA store of whole blocks is faster) and its own
-    ratio to the padded kernel."""
-    if not row["results"].get(FACODEGEN_VARLEN_ROWO, {}).get("tflops"):
+def lpt_verdict(row: dict) -> str | None:
+    """On a cell where the sm90 varlen kernel ran with varlen_lpt=True beside it (issue 39's A/B of the
+    causal tile order): its ratio to the default (> 1: longest first is faster) and to the padded kernel."""
+    if not row["results"].get(FACODEGEN_VARLEN_LPT, {}).get("tflops"):
         return None
     ref = padded_reference(row)
-    rowo_padded = ratio(row, FACODEGEN_VARLEN_ROWO, ref) if ref else None
-    tma_rowo = ratio(row, FACODEGEN_VARLEN, FACODEGEN_VARLEN_ROWO)
-    return (f"{_tag(row)}: varlen / varlen (O row by row) = {'–' if tma_rowo is None else f'{tma_rowo:.3f}'}, "
-            f"varlen (O row by row) / {TITLES.get(ref, ref)} = {'–' if rowo_padded is None else f'{rowo_padded:.3f}'}")
+    lpt_padded = ratio(row, FACODEGEN_VARLEN_LPT, ref) if ref else None
+    lpt_default = ratio(row, FACODEGEN_VARLEN_LPT, FACODEGEN_VARLEN)
+    return (f"{_tag(row)}: varlen (lpt) / varlen = {'–' if lpt_default is None else f'{lpt_default:.3f}'}, "
+            f"varlen (lpt) / {TITLES.get(ref, ref)} = {'–' if lpt_padded is None else f'{lpt_padded:.3f}'}")
 
 
 def _tag(row: dict) -> str:
@@ -277,7 +278,7 @@ def format_notes(rows: list[dict]) -> str:
                    + ", ".join(map(str, mixed["lengths"])))
     out += [f"- {v}" for v in (equal_verdict(r) for r in rows) if v]
     out += [f"- {v}" for v in (persistent_verdict(r) for r in rows) if v]
-    out += [f"- {v}" for v in (store_verdict(r) for r in rows) if v]
+    out += [f"- {v}" for v in (lpt_verdict(r) for r in rows) if v]
     for row in rows:
         for note in row.get("notes", ()):
             out.append(f"- {_tag(row)}: {note}")
@@ -410,9 +411,10 @@ def _impls(c: dict, sets: list[dict], peers=VARLEN_PEERS) -> tuple[dict, list[st
             return ours_varlen(s, "sm90", persistent=False)
         impls[FACODEGEN_VARLEN_NP] = Impl(lambda: ours_np(pick()), first(_check_varlen, ours_np))
 
-        def ours_rowo(s):           # issue 39's A/B: every row of O by 16-byte stores, as before the TMA store
-            return ours_varlen(s, "sm90", varlen_tma_store=False)
-        impls[FACODEGEN_VARLEN_ROWO] = Impl(lambda: ours_rowo(pick()), first(_check_varlen, ours_rowo))
+        if causal:                  # issue 39's A/B: each sequence's tiles longest first
+            def ours_lpt(s):
+                return ours_varlen(s, "sm90", varlen_lpt=True)
+            impls[FACODEGEN_VARLEN_LPT] = Impl(lambda: ours_lpt(pick()), first(_check_varlen, ours_lpt))
     if native != "sm80":
         def ours_sm80(s):
             return ours_varlen(s, "sm80")

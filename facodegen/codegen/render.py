@@ -111,7 +111,7 @@ def context(spec: KernelSpec, runtime: dict | None = None) -> dict:
     if not has_variants(spec):
         hidden |= {"local", "softcap", "sinks"}
     if not spec.varlen:
-        hidden |= {"varlen", "varlen_tma_store"}
+        hidden |= {"varlen", "varlen_tma_store", "varlen_lpt"}
     if not spec.padded:
         hidden.add("head_dim_real")     # (the kernels of a whole tile show head_dim alone, as before)
     if not spec.split_v:

@@ -717,6 +717,10 @@ class KernelSpec:
     # store (the padded kernel's) over the packed tokens; the rows of a sequence's last partial
     # block, row by row (False: every row by row, the store before issue 39's A/B). Default: on.
     varlen_tma_store: bool | None = None
+    # sm90 persistent causal varlen: each sequence's tiles longest first over L2-sized groups of its
+    # heads (the padded kernel's causal order, per sequence) instead of head by head. Off by default
+    # until measured (issue 39).
+    varlen_lpt: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -1243,12 +1247,26 @@ def _check_varlen(spec: KernelSpec) -> None:
             raise SpecError(name, f"varlen has no attention variants yet: use {name}=False")
 
 
+def _check_varlen_lpt(spec: KernelSpec) -> None:
+    """varlen_lpt reorders the tiles the persistent sm90 varlen kernel numbers by its warp scan, and
+    only causal tiles differ in length."""
+    if not spec.varlen_lpt:
+        return
+    if spec.arch != "sm90" or not spec.varlen or not spec.persistent:
+        raise SpecError("varlen_lpt", "orders the tiles of the persistent sm90 varlen kernel (its warp scan): "
+                                      "it needs arch=sm90, varlen=True and persistent=True")
+    if not spec.causal:
+        raise SpecError("varlen_lpt", "orders causal tiles by their length (non-causal tiles of a sequence are "
+                                      "all as long): it needs causal=True")
+
+
 def _validate(spec: KernelSpec) -> None:
     limits = GPUS[spec.gpu]
     _check_padded(spec)
     _check_split_v(spec)
     _check_variants(spec)
     _check_varlen(spec)
+    _check_varlen_lpt(spec)
     if not isinstance(spec.lazy_rescale, bool):
         raise SpecError("lazy_rescale", f"must be True or False, got {spec.lazy_rescale!r}")
     if spec.lazy_rescale and spec.dtype == "fp8" and (spec.optimistic_max or spec.rescale_under_qk):

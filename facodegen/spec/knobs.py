@@ -316,6 +316,9 @@ KNOBS: tuple[Knob, ...] = (
          "sequence leave by a TMA store over the packed tokens (a sequence's last partial rows, row by row; off: "
          "every row by row). Default: on.", SM90, flag="--varlen-tma-store/--varlen-row-store",
          token=lambda s, v: "rowo" if s.varlen and not v else None),
+    Knob("varlen_lpt", "bool", "sm90 persistent causal varlen: each sequence's tiles longest first over L2-sized "
+         "groups of its heads (the padded kernel's causal order, per sequence); off: head by head. Default: off.",
+         SM90, flag="--varlen-lpt/--no-varlen-lpt", token=_flag("lpt")),
 )
 # The attention variants' switches: off in every default kernel (whose source they leave unchanged).
 VARIANT_FEATURES = ("local", "softcap", "sinks")

@@ -126,6 +126,13 @@ class Case:
         return self.family == "varlen" and self.arch == "sm90" and self.seed % 3 == 1
 
     @property
+    def varlen_lpt(self) -> bool:
+        """An sm90 causal varlen case whose seed is 2 mod 6 (so persistent: not 1 mod 3) calls
+        attention_varlen(..., varlen_lpt=True) (each sequence's tiles longest first over L2-sized groups
+        of its heads); the others the default order. Read off the seed, as ``deterministic``."""
+        return self.family == "varlen" and self.arch == "sm90" and self.causal and self.seed % 6 == 2
+
+    @property
     def fused_combine(self) -> bool:
         """A kvcache case with an odd seed calls attention_with_kvcache(..., fused_combine=True) (the
         default: where the keys are split, the decode kernel's last split CTA of each work item merges
@@ -617,6 +624,11 @@ def varlen_lengths(case: Case) -> tuple[list[int], list[int]]:
     return lengths_q, lengths_k
 
 
+def _varlen_knobs(case: Case) -> dict:
+    """The spec fields a varlen case's attention_varlen call passes (one_cta_per_tile, varlen_lpt)."""
+    return {"persistent": False} if case.one_cta_per_tile else {"varlen_lpt": True} if case.varlen_lpt else {}
+
+
 def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     """attention_varlen on packed sequences of varlen_lengths(case) (the case's layout applied to the
     packed tensors, O poisoned with NaN where the case passes out=), each sequence's O against a
@@ -641,8 +653,7 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     out, lse = facodegen.attention_varlen(*args, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                                           torch.tensor(cu_k, dtype=torch.int32, device="cuda"), case.seqlen_q,
                                           case.seqlen_k, causal=case.causal, softmax_scale=case.softmax_scale,
-                                          return_lse=True, out=out, arch=case.arch,
-                                          **({"persistent": False} if case.one_cta_per_tile else {}))
+                                          return_lse=True, out=out, arch=case.arch, **_varlen_knobs(case))
     if launch_only:
         return _launched(out, lse)
     scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
@@ -700,9 +711,7 @@ def case_spec(case: Case, device: int = 0):
     seqlen_q, seqlen_k = case.seqlen_q, case.seqlen_k
     if case.family == "varlen":     # as varlen.attention_varlen resolves it: max_seqlen's plan_bound in the shape
         from ..ops.varlen import plan_bound
-        fields["varlen"] = True
-        if case.one_cta_per_tile:
-            fields["persistent"] = False
+        fields.update(varlen=True, **_varlen_knobs(case))
         seqlen_q, seqlen_k = plan_bound(seqlen_q), plan_bound(seqlen_k)
     if case.family == "variants":     # the switches api._variants derives from the call's arguments
         local, causal, _, _ = api.window_params(case.window_left, case.window_right, case.causal, case.seqlen_q,
@@ -902,7 +911,7 @@ def representative_cases() -> list[Case]:
     cases.append(Case("backward", "sm90", "bf16", batch=3, seqlen_q=300, seqlen_k=8192, heads_q=4, heads_kv=2,
                       head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=10))
-    # (the rings away from their defaults and dq_lag: cases 44-46, appended last so the numbers above stay)
+    # (the rings away from their defaults, dq_lag and varlen_lpt: cases 44-47, appended last so the numbers above stay)
     cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
@@ -931,6 +940,11 @@ def representative_cases() -> list[Case]:
     cases.append(Case("backward", "sm90", "bf16", batch=2, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=13))
+    # and varlen_lpt (seed 14: case.varlen_lpt), causal: sequences of 20,000 keys put 3 of the 4 heads in
+    # an L2 section (the last section one head), one has no key: case 47
+    cases.append(Case("varlen", "sm90", "bf16", batch=6, seqlen_q=300, seqlen_k=20000, heads_q=4, heads_kv=2,
+                      head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=True, use_out=True, seed=14))
     return cases
 
 

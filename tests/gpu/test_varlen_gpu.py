@@ -289,6 +289,42 @@ def test_sm90_hostile_cu_seqlens_stay_in_bounds(hostile, fields):
         _check(q[:honest], k[:honest], v[:honest], cu, cu, out[:honest], lse[:, :honest], False, torch.bfloat16)
 
 
+@NEEDS_SM90
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_varlen_lpt_matches_the_default_bit_for_bit(head_dim, dynamic):
+    """varlen_lpt only reorders the tiles (each sequence's heads in L2-sized sections, m_blocks counting
+    down with the heads fastest), so O and the LSE equal the default order's bit for bit, and the float64
+    reference. 45 mixed sequences (empty, length 1, other key lengths) and one of 300 queries against
+    40,000 keys, whose K/V (40,000 x 2 x head_dim x 2 bytes a head) put fewer than its 8 heads in a
+    section at every head_dim; GQA 8 x 2; then hostile cu_seqlens write nothing outside O."""
+    lengths_q = _mixed_lengths(45, 400, seed=head_dim) + [300]
+    lengths_k = _mixed_lengths(45, 400, seed=head_dim + 1) + [40000]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, head_dim, torch.bfloat16, seed=head_dim)
+    results = []
+    for lpt in (False, True):
+        out = torch.full_like(q, float("nan"))
+        out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+                                              return_lse=True, out=out, arch="sm90", dynamic_scheduler=dynamic,
+                                              varlen_lpt=lpt)
+        torch.cuda.synchronize()
+        results.append((out.clone(), lse.clone()))
+    _check(q, k, v, cu_q, cu_k, *results[1], True, torch.bfloat16)
+    assert torch.equal(results[0][0].view(torch.int16), results[1][0].view(torch.int16)), "O differs from the default order's"
+    assert torch.equal(results[0][1].nan_to_num(), results[1][1].nan_to_num()), "the LSE differs from the default order's"
+    for (bounds_q, bounds_k), _ in HOSTILE:
+        total, band = 200, 150
+        q, k, v, _, _ = _packed((total,), (total,), 4, 4, head_dim, torch.bfloat16, seed=5)
+        buffer = torch.full((band + total + band, 4, head_dim), -7.5, dtype=torch.bfloat16, device="cuda")
+        before = buffer.clone()
+        facodegen.attention_varlen(q, k, v, *(torch.tensor(b, dtype=torch.int32, device="cuda") for b in (bounds_q, bounds_k)),
+                                   256, 256, causal=True, out=buffer[band:band + total], arch="sm90",
+                                   dynamic_scheduler=dynamic, varlen_lpt=True)
+        torch.cuda.synchronize()
+        assert torch.equal(buffer[:band].view(torch.int16), before[:band].view(torch.int16))
+        assert torch.equal(buffer[band + total:].view(torch.int16), before[band + total:].view(torch.int16))
+
+
 # ------------------------------------------------------------------ O's TMA store of whole blocks (issue 39)
 
 @NEEDS_SM90
