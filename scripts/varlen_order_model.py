@@ -17,7 +17,6 @@ the producer's prefetch.
 from __future__ import annotations
 
 import argparse
-import heapq
 import math
 import sys
 from pathlib import Path
@@ -26,18 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from facodegen.bench.varlen_suite import draw_lengths  # noqa: E402
 from facodegen.ops.api import spec_for_shape  # noqa: E402
+from tile_order_model import finish_efficiency  # noqa: E402  (the backward's model: the same draws)
 
 L2_SECTION_BYTES = 32 << 20        # scheduler.cuh.j2's
 SMS = 132
-
-
-def finish_efficiency(costs: list[float], slots: int, overhead: float) -> float:
-    free = [(0.0, i) for i in range(min(slots, len(costs)))]
-    heapq.heapify(free)
-    for cost in costs:
-        t, i = heapq.heappop(free)
-        heapq.heappush(free, (t + cost + overhead, i))
-    return (sum(costs) + overhead * len(costs)) / (slots * max(t for t, _ in free))
 
 
 def sectioned(lengths: list[int], heads: int, units: list[tuple[int, int]], cost, section_keys: int) -> list[int]:
