@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -94,8 +95,11 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and varlen_lpt (case.varlen_lpt: a sequence's tiles longest first over L2-sized groups of its heads),
     # the last case, with sequences long enough that a group holds fewer than all heads (head_dim 128:
     # 65,536 keys of K and V in a group)
-    assert [i for i, c in enumerate(cases) if c.varlen_lpt] == [len(cases) - 1] == [47]
+    assert [i for i, c in enumerate(cases) if c.varlen_lpt] == [47]
     assert max(fuzz.varlen_lengths(cases[47])[1]) * cases[47].heads_q > 65536
+    # and varlen with all three attention variants, the last case
+    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.has_variant] == [len(cases) - 1] == [48]
+    assert cases[48].sinks and cases[48].softcap and cases[48].window_left >= 0 and cases[48].arch == "sm90"
     for arch in ("sm80", "sm90"):   # the turn counters too
         assert {c.deterministic for c in cases if c.family == "backward" and c.arch == arch} == {False, True}
     kv = [c for c in cases if c.family == "kvcache"]
@@ -211,6 +215,28 @@ def test_a_third_of_the_sm90_varlen_cases_run_one_cta_per_tile(monkeypatch):
     assert {c.one_cta_per_tile for c in cases[:12]} == {False, True}
 
 
+def test_a_fifth_of_the_varlen_cases_have_attention_variants(monkeypatch):
+    """Varlen cases with seed 4 mod 5 draw a window, softcap or sinks from their seed (bottom-right only),
+    the others none; the cases drawn around them are those drawn before variants joined the family (the
+    main draw is untouched); their specs carry the switches, resolved against max_seqlen's plan_bound."""
+    cases = fuzz.generate(600, seed=9, family="varlen")
+    with_variant = [c for c in cases if c.has_variant]
+    assert {c.seed % 5 for c in with_variant} == {4} and len(with_variant) == sum(c.seed % 5 == 4 for c in cases)
+    assert 0.12 < len(with_variant) / len(cases) < 0.28 and not any(c.top_left for c in cases)
+    assert {bool(c.sinks) for c in with_variant} == {False, True} and any(c.softcap for c in with_variant)
+    assert any((c.window_left, c.window_right) != (-1, -1) for c in with_variant)
+    stripped = [dataclasses.replace(c, window_left=-1, window_right=-1, softcap=0.0, sinks=False) for c in cases]
+    monkeypatch.setattr(fuzz, "_variant_fields", lambda rng, sq, sk: dict(window_left=-1, window_right=-1,
+                                                                          softcap=0.0, sinks=False, top_left=False))
+    assert fuzz.generate(600, seed=9, family="varlen") == stripped
+    monkeypatch.undo()
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    for c in with_variant[:20]:
+        spec = fuzz.case_spec(c)
+        assert spec.varlen and spec.softcap == (c.softcap > 0) and spec.sinks == c.sinks
+
+
 def test_a_sixth_of_the_sm90_causal_varlen_cases_run_varlen_lpt(monkeypatch):
     """sm90 causal varlen cases with seed 2 mod 6 call attention_varlen(..., varlen_lpt=True): persistent
     ones only (not 1 mod 3), none elsewhere; their specs say so, and representative case 47 is one."""
@@ -267,10 +293,12 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
         elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen's plan_bound in the shape
             from facodegen.ops import varlen
             bound = varlen.plan_bound
-            assert specs == [api.resolve_spec(c.head_dim, c.dtype, c.causal, 0, varlen.check_arch(c.arch),
-                                              shape=(c.batch, bound(c.seqlen_q), bound(c.seqlen_k), c.heads_q),
+            shape = (c.batch, bound(c.seqlen_q), bound(c.seqlen_k), c.heads_q)
+            local, causal, _, _ = api.window_params(c.window_left, c.window_right, c.causal, *shape[1:3])
+            variant = dict(local=local, softcap=c.softcap > 0, sinks=c.sinks) if c.has_variant else {}
+            assert specs == [api.resolve_spec(c.head_dim, c.dtype, causal, 0, varlen.check_arch(c.arch), shape=shape,
                                               varlen=True, **({"persistent": False} if c.one_cta_per_tile else {}),
-                                              **({"varlen_lpt": True} if c.varlen_lpt else {}))]
+                                              **({"varlen_lpt": True} if c.varlen_lpt else {}), **variant)]
         else:
             dtype = {"fp16": "float16", "bf16": "bfloat16"}[c.dtype]
             q = _dense("q", (c.batch, c.seqlen_q, c.heads_q, c.head_dim), dtype)

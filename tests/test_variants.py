@@ -320,7 +320,7 @@ def test_the_window_switch_comes_with_its_sizes(fake):
 def test_fp8_refuses_the_variants():
     q8 = api._View("q", "torch", 1 << 20, (2, 64, 8, 128), (65536, 1024, 128, 1), "float8_e4m3fn", 0)
     with pytest.raises(ValueError, match="not supported with fp8"):
-        api._variants(((8, 0), 0.0, None, "bottom_right"), q8, 64, False, True)
+        api._variants(((8, 0), 0.0, None, "bottom_right"), q8, 64, 64, False, True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -84,16 +84,41 @@ def test_sm90_varlen_without_persistent_is_one_cta_per_tile():
     (dict(arch="sm90", cluster_m=2), "cluster_m"),
     (dict(arch="sm90", persistent=True, cluster_m=2), "cluster_m"),
     (dict(arch="sm90", persistent=False, cluster_m=2), "cluster_m"),
-    (dict(arch="sm90", local=True), "local"),
     (dict(arch="sm90", head_dim=80), "head_dim"),
     (dict(arch="sm80", schedule="fa1"), "varlen"),
-    (dict(arch="sm80", local=True), "local"),
-    (dict(arch="sm80", sinks=True), "sinks"),
+    (dict(arch="sm80", schedule="fa1", local=True), "local"),
 ])
 def test_varlen_refuses_what_it_does_not_have(fields, knob):
     with pytest.raises(SpecError) as err:
         KernelSpec(varlen=True, **fields)
     assert err.value.field == knob
+
+
+# the attention variants with varlen: each feature alone and all three, both archs (issue 40: the window
+# combines with varlen), compiled once per arch and feature set below
+VARLEN_VARIANT_CASES = ((128, True, dict(local=True)), (64, False, dict(softcap=True)), (256, True, dict(sinks=True)),
+                        (128, False, dict(local=True, softcap=True, sinks=True)))
+SM90_VARLEN_VARIANTS, SM80_VARLEN_VARIANTS = ([KernelSpec(arch=arch, head_dim=d, dtype="bf16", causal=c, varlen=True, **f)
+                                               for d, c, f in VARLEN_VARIANT_CASES] for arch in ("sm90", "sm80"))
+
+
+def test_varlen_kernels_take_the_window_on_each_sequences_diagonal():
+    """A varlen kernel with a window: the window's key offsets from the tile's own lengths (sm90: t.seqlen_q,
+    t.seqlen_k from cu_seqlens; sm80: the sequence's seqlen_q, seqlen_k), its skipped blocks from the same
+    (the scheduler's window_blocks over t's lengths); the padded kernel keeps the call's."""
+    sm90 = [line.strip() for line in facodegen.emit(SM90_VARLEN_VARIANTS[0]).splitlines()]
+    assert "const int key_lo_off = t.seqlen_k - t.seqlen_q - p.window_left;    // row i sees keys i + key_lo_off .." \
+        in sm90
+    assert any(x.startswith("apply_window_mask(s_reg, row0, n * BLOCK_N + col_in_block, t.seqlen_k, key_lo_off,")
+               for x in sm90)
+    assert any(x.startswith("const WindowBlocks w = window_blocks<BLOCK_N>(first_row, last_row, t.seqlen_k,")
+               for x in sm90)
+    assert not any("p.seqlen_k - p.seqlen_q - p.window_left" in x for x in sm90)
+    padded = facodegen.emit(SM90_VARLEN_VARIANTS[0].replace(varlen=False))
+    assert "const int key_lo_off = p.seqlen_k - p.seqlen_q - p.window_left;" in padded
+    sm80 = [line.strip() for line in facodegen.emit(SM80_VARLEN_VARIANTS[0]).splitlines()]
+    assert "const int seqlen_k = p.cu_seqlens_k[sequence + 1] - k_start;" in sm80
+    assert any(x.startswith("const int key_lo_off = seqlen_k - seqlen_q - p.window_left;") for x in sm80)
 
 
 def test_plain_kernels_do_not_mention_varlen():
@@ -336,7 +361,7 @@ def test_the_cli_emits_an_sm90_varlen_kernel():
                 + [(s, None) for s in one_per(SM90_VARLEN_SPECS, lambda s: (s.head_dim, s.causal))
                    + one_per(SM90_VARLEN_NP_SPECS, lambda s: s.causal)
                    + one_per(SM90_VARLEN_OTHER_SCHEDULER, lambda s: True)
-                   + SM90_VARLEN_KNOBS + SM90_VARLEN_LPT
+                   + SM90_VARLEN_KNOBS + SM90_VARLEN_LPT + SM90_VARLEN_VARIANTS + SM80_VARLEN_VARIANTS
                    + one_per(SM90_VARLEN_ROW_STORE, lambda s: True)],
                 ids=lambda p: f"{p[0].variant}-{p[1] or 'sm_90a'}")
 def varlen_kernel(request):
@@ -515,6 +540,28 @@ def _packed(lengths_q, lengths_k, heads_q=4, heads_kv=2, d=16, seed=0):
     return q, k, v, cu_q.astype(np.int32), cu_k.astype(np.int32)
 
 
+@pytest.mark.parametrize("variant", [dict(window_size=(3, 2)), dict(window_size=(5, -1), softcap=2.0),
+                                     dict(sinks=[0.5, -1.0, 0.25, 2.0]), dict(window_size=(0, 0), softcap=1.5,
+                                                                             sinks=[0.5, -1.0, 0.25, 2.0])],
+                         ids=["window", "window-softcap", "sinks", "all"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_reference_with_variants_is_the_padded_reference_per_sequence(causal, variant):
+    """Window (each sequence's own bottom-right diagonal), softcap and sinks: per sequence what
+    attention_reference gives, including a sequence with no key (LSE = its sink where there are sinks)."""
+    lengths_q, lengths_k = [1, 17, 0, 40, 5, 3], [1, 30, 9, 17, 0, 3]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k)
+    o, lse = varlen_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=0.3, **variant)
+    for b in range(len(lengths_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ref_o, ref_lse = attention_reference(q[None, rows], k[None, keys], v[None, keys], causal=causal,
+                                             softmax_scale=0.3, **variant)
+        np.testing.assert_allclose(o[rows], ref_o[0], rtol=0, atol=1e-12)
+        np.testing.assert_allclose(lse[:, rows], ref_lse[0], rtol=0, atol=1e-12)
+    if "sinks" in variant:      # sequence 4 has no key: O = 0, LSE = the sink of each head
+        assert not o[cu_q[4]:cu_q[5]].any()
+        np.testing.assert_array_equal(lse[:, cu_q[4]:cu_q[5]], np.repeat(np.array(variant["sinks"])[:, None], 5, 1))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_reference_is_the_padded_reference_per_sequence(causal):
     lengths_q, lengths_k = [1, 17, 0, 40, 5, 3], [1, 30, 9, 17, 0, 3]     # empty queries, empty keys, q > k
@@ -579,6 +626,12 @@ def _call(args, **kw):
     ({}, dict(out=FakeTensor((118, HQ, 64))), ValueError, "out has shape (118, 8, 64), q has (118, 8, 128)"),
     ({}, dict(out=FakeTensor((118, HQ, D), "float16")), TypeError, "out must be a torch bfloat16 array"),
     ({}, dict(varlen=False), ValueError, "varlen is attention_varlen's own switch"),
+    ({}, dict(window_size=(4, -7)), ValueError, "window_size: the right size must be >= -1"),
+    ({}, dict(window_size=4), ValueError, "window_size must be a pair"),
+    ({}, dict(softcap=float("nan")), ValueError, "softcap must be a finite number >= 0"),
+    ({}, dict(sinks=FakeTensor((HQ + 1,), "float32")), ValueError, "sinks has shape (9,)"),
+    ({}, dict(sinks=FakeTensor((HQ,), "float16")), TypeError, "sinks has dtype float16"),
+    ({}, dict(local=True), ValueError, "local is set by window_size"),
 ])
 def test_argument_errors_name_the_argument(fake, changes, kw, error, words):  # noqa: F811
     with pytest.raises(error) as err:
@@ -597,7 +650,6 @@ def test_a_tensor_that_needs_grad_is_refused(fake):  # noqa: F811
 
 @pytest.mark.parametrize("kw, words", [
     (dict(dropout_p=0.1), "dropout_p=0.1"), (dict(alibi_slopes=object()), "alibi_slopes"),
-    (dict(window_size=(16, 0)), "window_size=(16, 0)"), (dict(softcap=30.0), "softcap=30.0"),
     (dict(block_table=object()), "block_table"),
 ])
 def test_flash_attn_varlen_func_refuses_what_is_unsupported_by_name(kw, words):
@@ -666,6 +718,48 @@ def test_new_cu_seqlens_values_hit_the_plan_and_are_patched_in(varlen_plans, arc
 
 def _plan_spec():
     return next(iter(varlen._PLANS._plans.values())).spec
+
+
+def _variant_fields(record, arch) -> dict:
+    placed, _, _ = params.layout(arch, "bf16", variants=True, varlen=True)
+    at = {f.name: (f, off) for f, off in placed}
+    return {n: struct.unpack_from({"i32": "<i", "f32": "<f", "ptr": "<Q"}[at[n][0].kind], record["params"], at[n][1])[0]
+            for n in ("window_left", "window_right", "softcap_scale", "sinks", "cu_seqlens_q")}
+
+
+@ARCHS
+def test_varlen_variants_resolve_against_the_plan_bound_and_sinks_move_per_call(varlen_plans, arch):
+    """window_size, softcap and sinks through attention_varlen (and window_size, softcap through
+    flash_attn_varlen_func): the variant kernel with varlen; the window in the bottom-right frame against
+    max_seqlen's plan_bound (100 -> 128: an unbounded side is 128 + 128 + 1), so calls the plan serves share
+    it; the window and softcap values key the plan, the sinks' address is patched per call."""
+    state = varlen_plans
+    a = _args()
+    s1, s2 = FakeTensor((HQ,), "float32"), FakeTensor((HQ,), "float32")
+    _call(a, causal=True, window_size=(16, -1), sinks=s1, arch=arch)
+    _call(_args(max_seqlen_q=120), causal=True, window_size=(16, -1), sinks=s2, arch=arch)   # same bound: a hit
+    assert varlen._PLANS.misses == 1 and len(state.launches.records) == 2
+    spec = _plan_spec()
+    assert spec.varlen and spec.local and spec.causal and spec.sinks and not spec.softcap and spec.arch == arch
+    first, second = (_variant_fields(r, arch) for r in state.launches.records)
+    assert (first["window_left"], first["window_right"], first["sinks"]) == (16, 0, s1.data_ptr())
+    assert (second["window_left"], second["window_right"], second["sinks"]) == (16, 0, s2.data_ptr())
+    _call(a, window_size=(-1, 8), arch=arch)                               # another window: another plan
+    assert _variant_fields(state.launches.records[-1], arch)["window_left"] == 128 + 128 + 1
+    adapters.flash_attn_varlen_func(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], 100, 100,
+                                    window_size=(7, 3), softcap=30.0)
+    assert varlen._PLANS.misses == 3
+    spec = list(varlen._PLANS._plans.values())[-1].spec
+    assert spec.local and spec.softcap and not spec.causal and spec.varlen
+    fields = _variant_fields(state.launches.records[-1], spec.arch)     # (the device's arch: sm90)
+    assert (fields["window_left"], fields["window_right"]) == (7, 3)
+    assert fields["softcap_scale"] == pytest.approx(D ** -0.5 / 30.0)
+    # a window that cuts nothing at the plan's bound runs the plain varlen kernel; the causal one the causal
+    _call(a, window_size=(127, 127), arch=arch)
+    _call(a, window_size=(-1, 0), arch=arch)
+    assert [(p.spec.local, p.spec.causal) for p in list(varlen._PLANS._plans.values())[-2:]] == [(False, False),
+                                                                                               (False, True)]
+
 
 
 def test_plan_bound_rounds_up_to_a_power_of_two():

@@ -40,17 +40,24 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Not supported yet, and raising NotImplementedError: ``dropout_p`` != 0, ``alibi_slopes``.
     """
     _refuse_unsupported(dropout_p, alibi_slopes)
+    variants = _variant_kwargs(window_size, softcap)
+    if return_attn_probs:
+        out, lse = facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, return_lse=True,
+                                       **variants)
+        return out, lse, None
+    return facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, **variants)
+
+
+def _variant_kwargs(window_size, softcap) -> dict:
+    """FlashAttention's window_size and softcap as facodegen's keyword arguments: only those that are
+    on (a window with a bounded side; softcap > 0, FlashAttention's <= 0 being off)."""
     window = _window(window_size)
     variants = {}
     if window != (-1, -1):
         variants["window_size"] = window
     if softcap > 0.0:
         variants["softcap"] = softcap
-    if return_attn_probs:
-        out, lse = facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, return_lse=True,
-                                       **variants)
-        return out, lse, None
-    return facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, **variants)
+    return variants
 
 
 def _refuse_unsupported(dropout_p, alibi_slopes) -> None:
@@ -79,23 +86,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out (total_q, heads_q, head_dim); ``return_attn_probs=True`` returns ``(out,
     softmax_lse, None)`` with softmax_lse float32 (heads_q, total_q), as FlashAttention-2's varlen.
 
-    Supported: ``softmax_scale``, ``causal``, ``deterministic`` (moot: the forward is deterministic).
-    Not supported yet, and raising NotImplementedError: ``dropout_p`` != 0, ``alibi_slopes``,
-    ``window_size`` other than unbounded, ``softcap`` > 0, ``block_table`` (paged K/V).
+    Supported: ``softmax_scale``, ``causal``, ``window_size=(left, right)`` and ``softcap`` as
+    flash_attn_func takes them (per sequence, on its bottom-right diagonal), ``deterministic`` (moot:
+    the forward is deterministic). Not supported yet, and raising NotImplementedError: ``dropout_p`` !=
+    0, ``alibi_slopes``, ``block_table`` (paged K/V).
     """
     _refuse_unsupported(dropout_p, alibi_slopes)
-    if _window(window_size) != (-1, -1):
-        raise NotImplementedError(f"window_size={tuple(window_size)!r}: facodegen's varlen kernel has no sliding "
-                                  f"window yet (pass window_size=(-1, -1))")
-    if softcap > 0.0:
-        raise NotImplementedError(f"softcap={softcap!r}: facodegen's varlen kernel has no softcap yet (pass 0.0)")
+    variants = _variant_kwargs(window_size, softcap)
     if block_table is not None:
         raise NotImplementedError("block_table (paged K/V) is not supported by facodegen's varlen kernel yet (pass "
                                   "block_table=None; for decoding over a paged cache see "
                                   "facodegen.flash_attn_with_kvcache)")
     if return_attn_probs:
         out, lse = facodegen.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              causal=bool(causal), softmax_scale=softmax_scale, return_lse=True)
+                                              causal=bool(causal), softmax_scale=softmax_scale, return_lse=True,
+                                              **variants)
         return out, lse, None
     return facodegen.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      causal=bool(causal), softmax_scale=softmax_scale)
+                                      causal=bool(causal), softmax_scale=softmax_scale, **variants)

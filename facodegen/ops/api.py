@@ -577,9 +577,12 @@ def window_params(left: int, right: int, causal: bool, seqlen_q: int, seqlen_k: 
     return True, bool(causal or right == 0), window_left, window_right
 
 
-def _variants(variant, qv: _View, seqlen_k: int, causal: bool, fp8: bool) -> tuple[dict, bool, Variants, _View | None]:
+def _variants(variant, qv: _View, seqlen_q: int, seqlen_k: int, causal: bool,
+              fp8: bool) -> tuple[dict, bool, Variants, _View | None]:
     """The spec fields, causal flag, run-time values and sinks view of a call's window_size,
-    softcap, sinks and causal_alignment (``variant``). Raises naming the argument."""
+    softcap, sinks and causal_alignment (``variant``), for sequences of at most seqlen_q queries and
+    seqlen_k keys (qv: (batch, seqlen, heads_q, head_dim), varlen's packed q seen as one batch). Raises
+    naming the argument."""
     window_size, softcap, sinks, alignment = variant
     left, right = _check_window(window_size)
     cap = _check_softcap(softcap)
@@ -587,7 +590,6 @@ def _variants(variant, qv: _View, seqlen_k: int, causal: bool, fp8: bool) -> tup
     if fp8 and ((left, right) != (-1, -1) or cap or sv is not None):
         raise ValueError("window_size, softcap and sinks are not supported with fp8 (e4m3) inputs yet; "
                          "use bf16/fp16 q, k, v")
-    _, seqlen_q, _, _ = qv.shape
     local, causal, window_left, window_right = window_params(left, right, causal, seqlen_q, seqlen_k,
                                                              alignment == "top_left")
     fields = {"local": local, "softcap": cap > 0, "sinks": sv is not None}
@@ -636,7 +638,7 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     if spec_fields.pop("local", False):
         raise ValueError("local is set by window_size=(left, right), whose sizes the kernel needs; pass window_size")
     if variant is not None:
-        fields, causal, variants, sinks_view = _variants(variant, qv, seqlen_k, causal, fp8)
+        fields, causal, variants, sinks_view = _variants(variant, qv, seqlen_q, seqlen_k, causal, fp8)
         spec_fields.update(fields)
 
     descales, keep, unit_ptrs = _fp8_descales(qv, descale_values, batch, heads_kv) if fp8 else ({}, (), ())

@@ -51,8 +51,9 @@ _PLANS = PlanCache()
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
-                     causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False, out=None,
-                     arch: str | None = None, **spec_fields):
+                     causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+                     softcap: float = 0.0, sinks=None, return_lse: bool = False, out=None, arch: str | None = None,
+                     **spec_fields):
     """Attention over packed variable-length sequences (FlashAttention's ``flash_attn_varlen_func``).
 
     q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim), fp16 or bf16 torch CUDA
@@ -65,14 +66,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 
     Per sequence, exactly attention() of that sequence: causal aligned bottom-right (the last query
     sees every key), a zero-length sequence produces nothing, a query that sees no key gets O = 0
-    and LSE = -inf. Returns O (total_q, heads_q, head_dim) in q's dtype, and with ``return_lse`` the
-    float32 natural-log LSE (heads_q, total_q) (FlashAttention-2/3 varlen's layout). ``out`` receives
-    O in place. ``arch``: "sm90" (the default on H100/H200) or "sm80" (the default elsewhere; it runs
-    on sm90 GPUs too). Spec fields (block_n=..., stages=...) override the defaults. No backward yet,
-    no attention variants, no fp8.
+    and LSE = -inf. The attention variants as attention() takes them, per sequence: ``window_size=(left,
+    right)`` (a sliding window on each sequence's bottom-right diagonal, -1 = unbounded; with
+    ``causal`` the right side is 0), ``softcap`` (> 0: logits c * tanh(scale * s / c)) and ``sinks`` (a
+    float32 (heads_q,) array: one extra logit per query head in the softmax's denominator). Returns O
+    (total_q, heads_q, head_dim) in q's dtype, and with ``return_lse`` the float32 natural-log LSE
+    (heads_q, total_q) (FlashAttention-2/3 varlen's layout; with sinks, the sink included). ``out``
+    receives O in place. ``arch``: "sm90" (the default on H100/H200) or "sm80" (the default elsewhere;
+    it runs on sm90 GPUs too). Spec fields (block_n=..., stages=...) override the defaults. No backward
+    yet, no fp8.
     """
     torch = _torch()
     key = plan = None
+    variant = api._variant_args(window_size, softcap, sinks)
     try:
         if torch is not None and isinstance(q, torch.Tensor):
             kind, device, current = "torch", q.get_device(), torch._C._cuda_getDevice()
@@ -90,13 +96,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                    max_seqlen_q.__class__, plan_bound(max_seqlen_q), max_seqlen_k.__class__,
                    plan_bound(max_seqlen_k), current,
                    causal.__class__, causal, softmax_scale.__class__, softmax_scale, bool(return_lse), arch,
-                   tuple(sorted(spec_fields.items())), packed(out), tunedb.generation())
+                   tuple(sorted(spec_fields.items())), packed(out), tunedb.generation(),
+                   None if variant is None else api._variant_key(variant, meta))
             plan = _PLANS.get(key)
     except (AttributeError, TypeError):     # not all arrays of one library, an unhashable knob: the checked path
         key = plan = None
     if plan is None:
         return _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     bool(return_lse), out, arch, spec_fields)
+                     bool(return_lse), out, arch, spec_fields, variant)
     total_q, heads_q = q.shape[0], q.shape[1]
     # plan.outputs: the tokens whose LSE the plan's scratch holds (the total it was built for); a
     # larger total not asking for the LSE writes it to a temporary instead.
@@ -114,11 +121,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             stream = cupy.cuda.get_current_stream().ptr
     ptr = ARRAY_PTR[kind]
     pointers = (ptr(q), ptr(k), ptr(v), ptr(out))
-    if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or (ptr(cu_seqlens_q) | ptr(cu_seqlens_k)) & 3:
+    sinks_ptr = ptr(sinks) if sinks is not None else 0
+    if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or (ptr(cu_seqlens_q) | ptr(cu_seqlens_k)
+                                                                       | sinks_ptr) & 3:
         return _miss(None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     bool(return_lse), out, arch, spec_fields)     # misaligned: the checked path says which
+                     bool(return_lse), out, arch, spec_fields, variant)    # misaligned: the checked path says which
     _launch(plan, stream, pointers, ptr(lse) if lse is not None else 0, ptr(cu_seqlens_q), ptr(cu_seqlens_k), total_q,
-            k.shape[0])
+            k.shape[0], sinks_ptr)
     return (out, lse) if return_lse else out
 
 
@@ -140,9 +149,9 @@ _PACKED_META = {kind: _packed_meta(meta) for kind, meta in ARRAY_META.items()}
 
 
 def _launch(plan: LaunchPlan, stream: int, pointers: tuple, lse: int, cu_seqlens_q: int, cu_seqlens_k: int,
-            total_q: int, total_k: int) -> None:
+            total_q: int, total_k: int, sinks: int = 0) -> None:
     if plan.grid[0]:    # max_seqlen_q = 0: every sequence is empty, there is nothing to compute
-        plan.launch(stream, *pointers, lse, varlen=(cu_seqlens_q, cu_seqlens_k, total_q),
+        plan.launch(stream, *pointers, lse, sinks=sinks, varlen=(cu_seqlens_q, cu_seqlens_k, total_q),
                     extents=(total_q, total_k) if plan.spec.arch == "sm90" else ())
 
 
@@ -229,9 +238,11 @@ def map_encoder(spec, heads_q: int, heads_kv: int, strides: tuple):
 
 
 def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
-          out, arch, spec_fields):
+          out, arch, spec_fields, variant=None):
     """The checked path: every argument checked (errors name it), the plan built, remembered under
-    ``key`` (None: not cacheable) and launched."""
+    ``key`` (None: not cacheable) and launched. ``variant``: api._variant_args' (window_size, softcap,
+    sinks, alignment) of a call that gave any of them; its window is resolved against the plan's
+    bounds (max_seqlen's plan_bound), so every call the plan serves gets the same kernel and values."""
     qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
     check_packed(qv, kv, vv)
     cu_q, cu_k = check_cu_seqlens(qv, cu_seqlens_q, cu_seqlens_k)
@@ -241,9 +252,15 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         raise TypeError(f"causal must be True or False, got {causal!r}")
     if "varlen" in spec_fields:
         raise ValueError("varlen is attention_varlen's own switch; leave it out of the spec fields")
+    if spec_fields.get("local", False):
+        raise ValueError("local is set by window_size=(left, right), whose sizes the kernel needs; pass window_size")
     total_q, heads_q, head_dim = qv.shape
     scale = _check_scale(softmax_scale, head_dim)
     batch = cu_q.shape[0] - 1
+    variants = sinks_view = None
+    if variant is not None:
+        fields, causal, variants, sinks_view = api._variants(variant, as_one_batch(qv), max_q, max_k, causal, False)
+        spec_fields = {**spec_fields, **fields}
     spec = resolve_spec(head_dim, DTYPE_NAMES[qv.dtype], causal, qv.device, check_arch(arch),
                         shape=(batch, max_q, max_k, heads_q), varlen=True, **spec_fields)
     if out is None:     # as a plan-cache hit makes it (torch: empty_like(q), q's layout)
@@ -262,7 +279,7 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     sm90 = spec.arch == "sm90"
     if sm90:
         driver.ensure_context(qv.device)     # (the TMA maps are encoded in a context)
-    param_bytes = pack_params(spec, *operands, lse_ptr, 0, scale, varlen=boundaries)
+    param_bytes = pack_params(spec, *operands, lse_ptr, 0, scale, variants=variants, varlen=boundaries)
     plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes,
                       tensor_maps=tma.map_operands(spec) if sm90 else {}, lse_floats=heads_q * total_q,
                       workspace_floats=0, stream_k_flags=(0, 0), switch_context=qv.device != _current_device(qv.kind),
@@ -274,5 +291,5 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if key is not None:
         _PLANS.put(key, plan)
     _launch(plan, _current_stream(qv.kind, qv.device), (qv.ptr, kv.ptr, vv.ptr, outv.ptr), lse_ptr, cu_q.ptr, cu_k.ptr,
-            total_q, kv.shape[0])
+            total_q, kv.shape[0], sinks_view.ptr if sinks_view is not None else 0)
     return (out, lse) if return_lse else out

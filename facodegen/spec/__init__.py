@@ -1221,8 +1221,9 @@ def _check_variants(spec: KernelSpec) -> None:
 
 
 def _check_varlen(spec: KernelSpec) -> None:
-    """varlen: the fa2 schedule of sm80 and the 16-bit sm90 kernel, with no attention variant (their
-    windows are resolved per call on the host from one seqlen pair). sm90: persistent (the default:
+    """varlen: the fa2 schedule of sm80 and the 16-bit sm90 kernel, with the attention variants too
+    (window, softcap, sinks: the window in each sequence's own bottom-right frame, as the kernels take
+    each tile's lengths from cu_seqlens). sm90: persistent (the default:
     one CTA per SM, the tiles numbered densely over (sequence, head, m_block) by a warp scan of
     cu_seqlens_q in the kernel, scheduler.cuh.j2) or not (the grid is sequences x heads x
     max_seqlen_q's m-blocks and a tile past its sequence's end leaves at once); no stream-K and no
@@ -1242,9 +1243,6 @@ def _check_varlen(spec: KernelSpec) -> None:
         if spec.cluster_m != 1:
             raise SpecError("cluster_m", "varlen: the two m-blocks of a cluster may lie in sequences of other "
                                          "lengths, so they cannot share K/V loads: use cluster_m=1")
-    for name in VARIANT_FEATURES:
-        if getattr(spec, name):
-            raise SpecError(name, f"varlen has no attention variants yet: use {name}=False")
 
 
 def _check_varlen_lpt(spec: KernelSpec) -> None:

@@ -126,6 +126,12 @@ class Case:
         return self.family == "varlen" and self.arch == "sm90" and self.seed % 3 == 1
 
     @property
+    def has_variant(self) -> bool:
+        """A window with a bounded side, a softcap or sinks (the variants family's cases all have one; a
+        fifth of the varlen family's, seed 4 mod 5)."""
+        return (self.window_left, self.window_right) != (-1, -1) or self.softcap > 0 or self.sinks
+
+    @property
     def varlen_lpt(self) -> bool:
         """An sm90 causal varlen case whose seed is 2 mod 6 (so persistent: not 1 mod 3) calls
         attention_varlen(..., varlen_lpt=True) (each sequence's tiles longest first over L2-sized groups
@@ -235,6 +241,10 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             seed=rng.randrange(1 << 31), **extra)
         if this_family == "head_dims" and case_fields["seed"] % 4 == 3:
             case_fields["head_dim"], case_fields["head_dim_v"] = SPLIT_V_PAIRS[case_fields["seed"] // 4 % 2]
+        if this_family == "varlen" and case_fields["seed"] % 5 == 4:
+            # a fifth of the varlen cases with attention variants (each sequence's own diagonal; varlen has no
+            # top-left alignment), drawn from the case's seed so the cases drawn after it stay as they were
+            case_fields.update(_variant_fields(random.Random(case_fields["seed"]), seqlen_q, seqlen_k), top_left=False)
         cases.append(Case(**case_fields))
     return cases
 
@@ -650,10 +660,12 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     k, v = randn(cu_k[-1], case.heads_kv, case.head_dim), randn(cu_k[-1], case.heads_kv, case.head_dim)
     args = [_layout(x[None], case.layout)[0] for x in (q, k, v)]
     out = torch.full_like(q, float("nan")) if case.use_out else None
+    sinks = (torch.randn(case.heads_q, generator=gen, device="cuda") * 2.0) if case.sinks else None
+    variants = dict(window_size=(case.window_left, case.window_right), softcap=case.softcap, sinks=sinks)
     out, lse = facodegen.attention_varlen(*args, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                                           torch.tensor(cu_k, dtype=torch.int32, device="cuda"), case.seqlen_q,
                                           case.seqlen_k, causal=case.causal, softmax_scale=case.softmax_scale,
-                                          return_lse=True, out=out, arch=case.arch, **_varlen_knobs(case))
+                                          return_lse=True, out=out, arch=case.arch, **variants, **_varlen_knobs(case))
     if launch_only:
         return _launched(out, lse)
     scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
@@ -662,9 +674,9 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         if q0 == q1:
             continue
         one = [x[None, a:b] for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
-        ref, ref_lse = attention_torch(*one, case.causal, scale, upcast=True)
-        why = fa3_failure(out[None, q0:q1], ref.nan_to_num(0.0), _standard_low(*one, case.causal, scale),
-                          forward_floor(*one, case.causal, scale))
+        ref, ref_lse = attention_torch(*one, case.causal, scale, upcast=True, **variants)
+        why = fa3_failure(out[None, q0:q1], ref.nan_to_num(0.0), _standard_low(*one, case.causal, scale, **variants),
+                          forward_floor(*one, case.causal, scale, **variants))
         got_lse, ref_lse = lse[:, q0:q1].double(), ref_lse[0]
         seen = torch.isfinite(ref_lse)
         if not torch.equal(torch.isneginf(got_lse), ~seen):
@@ -713,9 +725,10 @@ def case_spec(case: Case, device: int = 0):
         from ..ops.varlen import plan_bound
         fields.update(varlen=True, **_varlen_knobs(case))
         seqlen_q, seqlen_k = plan_bound(seqlen_q), plan_bound(seqlen_k)
-    if case.family == "variants":     # the switches api._variants derives from the call's arguments
-        local, causal, _, _ = api.window_params(case.window_left, case.window_right, case.causal, case.seqlen_q,
-                                                case.seqlen_k, case.top_left)
+    if case.family == "variants" or case.family == "varlen" and case.has_variant:
+        # the switches api._variants derives from the call's arguments (varlen: against the plan's bounds)
+        local, causal, _, _ = api.window_params(case.window_left, case.window_right, case.causal, seqlen_q,
+                                                seqlen_k, case.top_left)
         fields.update(local=local, softcap=case.softcap > 0, sinks=case.sinks)
     if case.head_dim_v and case.head_dim_v != case.head_dim:   # (attention() reads it off v.shape[3])
         fields["head_dim_v"] = case.head_dim_v
@@ -911,7 +924,8 @@ def representative_cases() -> list[Case]:
     cases.append(Case("backward", "sm90", "bf16", batch=3, seqlen_q=300, seqlen_k=8192, heads_q=4, heads_kv=2,
                       head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=10))
-    # (the rings away from their defaults, dq_lag and varlen_lpt: cases 44-47, appended last so the numbers above stay)
+    # (the rings away from their defaults, dq_lag, varlen_lpt and varlen's variants: cases 44-48, appended last so
+    # the numbers above stay)
     cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
@@ -945,6 +959,11 @@ def representative_cases() -> list[Case]:
     cases.append(Case("varlen", "sm90", "bf16", batch=6, seqlen_q=300, seqlen_k=20000, heads_q=4, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=True, use_out=True, seed=14))
+    # and the attention variants with varlen (window on each sequence's diagonal, softcap, sinks): case 48
+    cases.append(Case("varlen", "sm90", "bf16", batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
+                      head_dim=128, causal=False, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=True, use_out=True, seed=VARLEN_REPRESENTATIVE_SEED, window_left=40,
+                      window_right=7, softcap=30.0, sinks=True))
     return cases
 
 

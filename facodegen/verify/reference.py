@@ -160,6 +160,8 @@ def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | No
     o = np.zeros((b, sq, hq, v.shape[3]))
     lse = np.full((b, hq, sq), -np.inf)
     if sq == 0 or sk == 0:
+        if sink is not None:
+            lse[:] = sink[None, :, None]        # no key at all: every row's LSE is its sink alone
         return o, lse
     chunk = max(1, min(sq, _CHUNK_ELEMENTS // sk))
     cols = np.arange(sk)
@@ -190,16 +192,19 @@ def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | No
     return o, lse
 
 
-def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, softmax_scale: float | None = None):
+def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, softmax_scale: float | None = None,
+                     *, window_size=(-1, -1), softcap: float = 0.0, sinks=None):
     """(O, LSE) in float64 of packed variable-length attention (FlashAttention's flash_attn_varlen_func):
     O (total_q, heads_q, d), LSE (heads_q, total_q).
 
     q (total_q, heads_q, d), k and v (total_k, heads_kv, d); sequence b is query tokens
     cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 against key tokens cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1,
-    causal aligned bottom-right within the sequence. A row that sees no key (and every row of a
-    sequence with no key) gets O = 0 and LSE = -inf; tokens no sequence covers stay O = 0, LSE = -inf.
-    All heads of a sequence at once (query head h reads key head h // (heads_q // heads_kv)), so this
-    is a second derivation of what attention_reference computes per sequence."""
+    causal aligned bottom-right within the sequence, and so is ``window_size`` (window_mask's, each
+    sequence's own diagonal); ``softcap`` and ``sinks`` as attention_reference takes them. A row that
+    sees no key (and every row of a sequence with no key) gets O = 0 and LSE = -inf (with sinks: its
+    sink); tokens no sequence covers stay O = 0, LSE = -inf. All heads of a sequence at once (query
+    head h reads key head h // (heads_q // heads_kv)), so this is a second derivation of what
+    attention_reference computes per sequence."""
     q, k, v = to_float64(q), to_float64(k), to_float64(v)
     cu_q = np.asarray(to_float64(cu_seqlens_q), dtype=np.int64)
     cu_k = np.asarray(to_float64(cu_seqlens_k), dtype=np.int64)
@@ -209,6 +214,9 @@ def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
     total_q, heads_q, d = q.shape
     group = heads_q // k.shape[1]
     scale = _scale(softmax_scale, d)
+    sink = None if sinks is None else to_float64(sinks).reshape(-1)
+    if sink is not None and sink.shape != (heads_q,):
+        raise ValueError(f"sinks: expected shape ({heads_q},), got {sink.shape}")
     o = np.zeros(q.shape)
     lse = np.full((heads_q, total_q), -np.inf)
     for b in range(len(cu_q) - 1):
@@ -219,12 +227,21 @@ def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
         keys = np.repeat(k[k0:k1], group, axis=1).transpose(1, 0, 2)          # (heads_q, seqlen_k, d)
         values = np.repeat(v[k0:k1], group, axis=1).transpose(1, 0, 2)
         s = scale * (q[q0:q1].transpose(1, 0, 2) @ keys.transpose(0, 2, 1))     # (heads_q, seqlen_q, seqlen_k)
-        if causal:
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        if tuple(window_size) != (-1, -1):
+            s = np.where(window_mask(np.arange(seqlen_q), np.arange(seqlen_k), seqlen_q, seqlen_k, window_size,
+                                     causal), -np.inf, s)
+        elif causal:
             s = np.where(causal_mask(np.arange(seqlen_q), np.arange(seqlen_k), seqlen_q, seqlen_k), -np.inf, s)
         m = s.max(axis=2, initial=-np.inf)
+        if sink is not None:
+            m = np.maximum(m, sink[:, None])
         seen = np.isfinite(m)
         p = np.exp(s - np.where(seen, m, 0.0)[..., None])                      # hidden keys: exp(-inf) = 0
         l_sum = p.sum(axis=2)
+        if sink is not None:
+            l_sum = l_sum + np.exp(sink[:, None] - np.where(seen, m, 0.0))
         o[q0:q1] = np.where(seen[..., None], (p @ values) / np.where(seen, l_sum, 1.0)[..., None], 0.0).transpose(1, 0, 2)
         lse[:, q0:q1] = np.where(seen, m + np.log(np.where(seen, l_sum, 1.0)), -np.inf)
     return o, lse

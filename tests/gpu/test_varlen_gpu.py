@@ -1,4 +1,5 @@
 """attention_varlen on a GPU, against the float64 varlen reference (facodegen.verify.reference.varlen_reference),
+with and without the attention variants (window, softcap, sinks),
 on the sm80 kernel and, on an H100/H200, the sm90 one (TMA over the packed tokens; O stored by TMA where a
 warpgroup's 64 rows lie inside the sequence, else row by row, and with varlen_tma_store=False row by row).
 
@@ -63,8 +64,10 @@ def _packed(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, seed=0):
         torch.tensor(cu_k, dtype=torch.int32, device="cuda")
 
 
-def _check(q, k, v, cu_q, cu_k, out, lse, causal, dtype):
-    o_ref, lse_ref = varlen_reference(q, k, v, cu_q, cu_k, causal=causal)
+def _check(q, k, v, cu_q, cu_k, out, lse, causal, dtype, **variants):
+    """O per sequence by FlashAttention-3's criterion and the LSE against the float64 varlen reference
+    (``variants``: window_size, softcap, sinks as attention_varlen took them)."""
+    o_ref, lse_ref = varlen_reference(q, k, v, cu_q, cu_k, causal=causal, **variants)
     o, lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
     assert lse.shape == lse_ref.shape
     assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref)), "LSE -inf rows differ"
@@ -76,7 +79,7 @@ def _check(q, k, v, cu_q, cu_k, out, lse, causal, dtype):
         if q0 == q1:
             continue
         one = [x[None, a:b] for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
-        low, _ = fuzz.attention_torch(*one, causal, q.shape[-1] ** -0.5, upcast=False)
+        low, _ = fuzz.attention_torch(*one, causal, q.shape[-1] ** -0.5, upcast=False, **variants)
         ref = torch.from_numpy(o_ref[None, q0:q1]).cuda()
         why = fuzz.fa3_failure(out[None, q0:q1], ref, low.double().nan_to_num(0.0))
         assert why is None, f"sequence {seq}: {why}"
@@ -94,6 +97,39 @@ def test_varlen_matches_the_float64_reference(arch, case, causal, dtype):
                                           return_lse=True, out=out, **_kw(arch))
     torch.cuda.synchronize()
     _check(q, k, v, cu_q, cu_k, out, lse, causal, dtype)
+
+
+# window_size, softcap, sinks (issue 40: the window combines with varlen), each alone and together
+VARIANTS = [dict(window_size=(32, 8)), dict(window_size=(0, 0)), dict(window_size=(-1, 16)), dict(softcap=5.0),
+            dict(sinks=True), dict(window_size=(100, 0), softcap=8.0, sinks=True)]
+
+
+def _variant_params():
+    """Each variant on one of three CASES in turn (head dims 128, 64, 96), on both archs; the one-CTA-per-tile
+    sm90 kernel with all three variants (a kernel compile per arch x head_dim x causal x feature set)."""
+    sm90 = dict(marks=NEEDS_SM90)
+    params = [pytest.param(arch, CASES[(0, 1, 4)[i % 3]], v, **(sm90 if arch != "sm80" else {}),
+                           id=f"{arch}-" + "-".join(f"{k}{v[k]}" for k in v).replace(" ", ""))
+              for i, v in enumerate(VARIANTS) for arch in ("sm80", "sm90")]
+    return params + [pytest.param("sm90-np", CASES[4], VARIANTS[-1], **sm90, id="sm90-np-all")]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("arch, case, variant", _variant_params())
+def test_varlen_variants_match_the_float64_reference(arch, case, causal, variant):
+    """Each sequence's window on its own bottom-right diagonal (a window of 0 keys each side, one cut at the
+    causal diagonal, one open on the left), softcap, sinks (a sequence with no key: O = 0, LSE = the sink),
+    with empty, length-1 and q > k sequences, GQA and MQA, O and the LSE poisoned first."""
+    lengths_q, lengths_k, heads_q, heads_kv, head_dim = case
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads_q, heads_kv, head_dim, torch.bfloat16, seed=3)
+    variant = dict(variant)
+    if variant.get("sinks"):
+        variant["sinks"] = torch.randn(heads_q, device="cuda", dtype=torch.float32)
+    out = torch.full_like(q, float("nan"))
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                          return_lse=True, out=out, **variant, **_kw(arch))
+    torch.cuda.synchronize()
+    _check(q, k, v, cu_q, cu_k, out, lse, causal, torch.bfloat16, **variant)
 
 
 @ARCHS
