@@ -72,7 +72,7 @@ class UsageFailure(click.ClickException):
 KERNELS = ("forward", "backward", "decode", "combine", "append")
 # Forward spec flags the decode family reads (the rest belong to the forward only).
 _DECODE_SHARED_FLAGS = {
-    "decode": ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "stages"),
+    "decode": ("arch", "dtype", "head_dim", "block_m", "block_n", "num_warps", "stages", "local", "softcap"),
     "combine": ("arch", "dtype", "head_dim", "num_warps"),
     "append": ("arch", "dtype", "head_dim"),
 }

@@ -435,8 +435,8 @@ def test_paged_errors(fake):
 
 
 @pytest.mark.parametrize("name, value", [
-    ("rotary_cos", object()), ("cache_batch_idx", object()), ("cache_leftpad", object()), ("softcap", 30.0),
-    ("alibi_slopes", object()), ("window_size", (128, 0)),
+    ("rotary_cos", object()), ("cache_batch_idx", object()), ("cache_leftpad", object()),
+    ("alibi_slopes", object()), ("attention_chunk", 128),
 ])
 def test_flash_attn_alias_refuses_what_it_lacks(fake, name, value):
     args, _ = _call_args()
@@ -658,6 +658,123 @@ def test_kernel_algorithm_matches_the_reference(knobs, paged):
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=1e-12)
+
+
+@pytest.mark.parametrize("window_size, softcap", [((7, -1), 0.0), ((0, 0), 0.0), ((20, 3), 0.0), ((-1, 5), 0.0),
+                                                   ((-1, -1), 3.0), ((12, 0), 2.5), ((200, -1), 0.0)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kernel_algorithm_with_a_window_and_softcap_matches_the_reference(window_size, softcap, causal, num_splits):
+    """The LOCAL / SOFTCAP kernel's algorithm (decode_tiled_reference with the values decode_window gives the
+    kernel: the tile's keys from its first row's first key's block on, split among the splits, each row's
+    left edge masked; tanh before the mask) against the direct float64 formula with the window on each
+    sequence's diagonal, on lengths 0 and past the capacity, appended tokens, 2 queries x GQA 4, pages."""
+    from facodegen.verify.reference import decode_tiled_reference
+    rng = np.random.default_rng(6)
+    q, kc, vc, kn, vn, lengths, table, kp, vp = _random_case(rng, batch=3, seqlen_q=2, heads_q=8, heads_kv=2, d=16,
+                                                              capacity=96, page=16, new=2)
+    lengths = np.array([0, 40, 200], np.int32)
+    ref_o, ref_lse, kc2, vc2 = kvcache_reference(q, kp, vp, lengths, page_table=table, k=kn, v=vn, causal=causal,
+                                                 window_size=window_size, softcap=softcap)
+    problem = kvcache._Problem(3, 2, 8, 2, 16, "bf16", True, 16, kp.shape[0], 96, 2)
+    window = kvcache.decode_window(window_size, softcap, causal, problem)    # (None: the plain kernel's values)
+    local = window is not None and window.local
+    o, lse = decode_tiled_reference(q, kc2, vc2, lengths, page_table=table, seqlen_new=2, causal=causal,
+                                    num_splits=num_splits, block_n=16, num_warps=2,
+                                    window=(window.window_left, window.window_right) if local else None,
+                                    softcap=window.softcap if window is not None else 0.0)
+    np.testing.assert_allclose(o, ref_o, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=1e-12)
+
+
+def test_decode_window_resolves_the_call_and_names_bad_arguments():
+    """None where nothing is on; causal folds into a right side of 0; an unbounded side is more keys than
+    the cache and the new tokens; a window whose left is unbounded and whose right causal already ends
+    runs no LOCAL kernel (softcap alone: the plain kernel with SOFTCAP); errors name the argument."""
+    problem = kvcache._Problem(2, 4, 32, 8, 128, "bf16", False, 0, 0, 4096, 0)
+    big = 4096 + 4 + 1
+    assert kvcache.decode_window((-1, -1), 0.0, True, problem) is None
+    assert kvcache.decode_window((-1, 7), 0.0, True, problem) is None          # causal: right 0 anyway
+    w = kvcache.decode_window((256, 7), 0.0, True, problem)
+    assert (w.local, w.window_left, w.window_right, w.softcap) == (True, 256, 0, 0.0)
+    assert w.visible_keys(problem) == 256 + 4 + 1
+    w = kvcache.decode_window((-1, 3), 0.0, False, problem)
+    assert (w.local, w.window_left, w.window_right) == (True, big, 3) and w.visible_keys(problem) == 4096
+    w = kvcache.decode_window((10**9, -1), 30.0, False, problem)
+    assert (w.local, w.window_left, w.window_right, w.softcap) == (True, big, big, 30.0)
+    w = kvcache.decode_window((-1, -1), 30.0, True, problem)
+    assert (w.local, w.softcap) == (False, 30.0)
+    for args, error, words in [(((4, -7), 0.0), ValueError, "window_size: the right size must be >= -1"),
+                               ((4, 0.0), ValueError, "window_size must be a pair"),
+                               (((4, 0), -1.0), ValueError, "softcap must be a finite number >= 0"),
+                               (((1.5, 0), 0.0), TypeError, "window_size: the left size must be an integer")]:
+        with pytest.raises(error, match=words.replace("(", r"\(")):
+            kvcache.decode_window(*args, True, problem)
+
+
+def test_window_and_softcap_plans(fake):
+    """The LOCAL / SOFTCAP decode kernel where a call gives window_size / softcap: the variant struct's
+    fields (the window in the bottom-right frame, softcap_scale = scale / c and softmax_scale = c), a plan
+    per window or softcap value (the fast path's key has neither), the split heuristic on the keys a tile
+    sees through a bounded left side, and flash_attn_with_kvcache's window_size and softcap passed on."""
+    args, kw = _call_args(batch=1, capacity=262144, paged=True, page=64)
+    kvcache.attention_with_kvcache(*args, **kw)
+    full = list(kvcache._PLANS._plans.values())[-1]
+    kvcache.attention_with_kvcache(*args, **kw, window_size=(1023, 0), softcap=30.0)
+    plan = list(kvcache._PLANS._plans.values())[-1]
+    spec = plan.specs["decode"]
+    assert spec.local and spec.softcap and spec.paged and dec.args_of(spec).endswith("_variants")
+    offsets = {f.name: (f, off) for f, off in dec.layout(dec.args_of(spec))[0]}
+
+    def get(name):
+        f, off = offsets[name]
+        return struct.unpack_from({"i32": "<i", "i64": "<q", "f32": "<f", "ptr": "<Q"}[f.kind],
+                                  plan.param_bytes("decode"), off)[0]
+    assert (get("window_left"), get("window_right")) == (1023, 0)
+    assert get("softmax_scale") == pytest.approx(30.0) and get("softcap_scale") == pytest.approx(128 ** -0.5 / 30)
+    assert plan.num_splits < full.num_splits       # 1,025 keys a tile, not 262,144: fewer splits
+    assert plan.num_splits == dec.num_splits_heuristic(8, -(-1025 // spec.block_n) + 1, 132,
+                                                       dec.ctas_per_sm(spec, 233472))
+    kvcache.attention_with_kvcache(*args, **kw, window_size=(1023, 0), softcap=30.0)    # the same: a hit
+    kvcache.attention_with_kvcache(*args, **kw, window_size=(511, 0), softcap=30.0)     # another window: a plan
+    assert kvcache._PLANS.misses == 3
+    q, kc, vc, lengths = args
+    kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, block_table=kw["page_table"], causal=True,
+                                    window_size=(-5, -1), softcap=-1.0)                 # FlashAttention's "off"s
+    assert kvcache._PLANS.misses == 3          # (the first call's plan)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, block_table=kw["page_table"],
+                                    window_size=(64, 0), softcap=5.0)
+    spec = list(kvcache._PLANS._plans.values())[-1].specs["decode"]
+    assert spec.local and spec.softcap
+    with pytest.raises(ValueError, match="window_size: the right size"):
+        kvcache.attention_with_kvcache(*args, **kw, window_size=(4, -3))
+
+
+def test_variant_decode_kernels_compile_without_spills():
+    """LOCAL and SOFTCAP, alone and together, with splits, pages and the fused combine, at head dims 64,
+    128, 256 on both archs: no spills, no local memory; the default kernels render as before (the variant
+    fields and code appear only where a switch is on)."""
+    from facodegen.spec.decode import compile_spec
+    for arch in ("sm80", "sm90"):
+        for head_dim in (64, 128, 256):
+            for variant in (dict(local=True), dict(softcap=True),
+                            dict(local=True, softcap=True, split=True, fused_combine=True, paged=True)):
+                spec = dec.default_decode_spec(arch, "bf16", head_dim, seqlen_q=4, group=4, **variant)
+                kernel = compile_spec(spec, sm="sm_80" if arch == "sm80" else None)
+                r = kernel.resources
+                assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (spec.variant, kernel.log)
+    plain = dec.render(dec.default_decode_spec("sm90", "bf16", 128, group=4))
+    assert "LOCAL" not in plain and "window_left" not in plain and "softcap" not in plain
+    local = dec.render(dec.default_decode_spec("sm90", "bf16", 128, group=4, local=True))
+    lines = [x.strip() for x in local.splitlines()]
+    for line in ("const int kv_first = row_key_first(p, row_begin, heads_per_cta, seqlen_k);",
+                 "const int block_begin = first_block + split_begin;",
+                 "if (key0 + BLOCK_N > kv_unmasked || key0 < kv_left_unmasked) {",
+                 "mask_before_first(s[mt], first, key0 + warp_key0 + 2 * tp.t);"):
+        assert line in lines, line
+    assert "--local" in lines[4]
 
 
 def test_check_values_names_the_argument_and_the_bad_entry():

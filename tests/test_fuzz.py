@@ -97,9 +97,12 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # 65,536 keys of K and V in a group)
     assert [i for i, c in enumerate(cases) if c.varlen_lpt] == [47]
     assert max(fuzz.varlen_lengths(cases[47])[1]) * cases[47].heads_q > 65536
-    # and varlen with all three attention variants, the last case
-    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.has_variant] == [len(cases) - 1] == [48]
+    # and varlen with all three attention variants
+    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.has_variant] == [48]
     assert cases[48].sinks and cases[48].softcap and cases[48].window_left >= 0 and cases[48].arch == "sm90"
+    # and the decode's window and softcap (paged, split, with an append), the last case
+    assert [i for i, c in enumerate(cases) if c.family == "kvcache" and c.has_variant] == [len(cases) - 1] == [49]
+    assert cases[49].page_size and cases[49].num_splits > 1 and cases[49].seqlen_new and cases[49].softcap
     for arch in ("sm80", "sm90"):   # the turn counters too
         assert {c.deterministic for c in cases if c.family == "backward" and c.arch == arch} == {False, True}
     kv = [c for c in cases if c.family == "kvcache"]
@@ -237,6 +240,27 @@ def test_a_fifth_of_the_varlen_cases_have_attention_variants(monkeypatch):
         assert spec.varlen and spec.softcap == (c.softcap > 0) and spec.sinks == c.sinks
 
 
+def test_a_fifth_of_the_kvcache_cases_have_a_window_or_softcap(monkeypatch):
+    """kvcache cases with seed 3 mod 5 draw a window or softcap from their seed (never sinks or top-left), the
+    others neither; case_specs' decode kernels carry the switches decode_window gives their call."""
+    cases = fuzz.generate(600, seed=9, family="kvcache")
+    with_variant = [c for c in cases if c.has_variant]
+    assert {c.seed % 5 for c in with_variant} == {3} and len(with_variant) == sum(c.seed % 5 == 3 for c in cases)
+    assert not any(c.sinks or c.top_left for c in cases)
+    assert any(c.softcap for c in with_variant) and any(c.window_left >= 0 for c in with_variant)
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    from facodegen.ops import kvcache
+    for c in with_variant[:30]:
+        decode = fuzz.case_specs(c)[0]
+        problem = kvcache._Problem(c.batch, c.seqlen_q, c.heads_q, c.heads_kv, c.head_dim, c.dtype, c.page_size > 0,
+                                   c.page_size, c.batch * c.seqlen_k // c.page_size if c.page_size else 0, c.seqlen_k,
+                                   c.seqlen_new)
+        window = kvcache.decode_window((c.window_left, c.window_right), c.softcap, c.causal, problem)
+        assert decode.kernel == "decode" and decode.softcap == (c.softcap > 0)
+        assert decode.local == (window is not None and window.local)
+
+
 def test_a_sixth_of_the_sm90_causal_varlen_cases_run_varlen_lpt(monkeypatch):
     """sm90 causal varlen cases with seed 2 mod 6 call attention_varlen(..., varlen_lpt=True): persistent
     ones only (not 1 mod 3), none elsewhere; their specs say so, and representative case 47 is one."""
@@ -310,7 +334,9 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
                    for n in ("k", "v")]
             problem = kvcache.check_arguments(q, kc, vc, lengths, table, *new, None, c.num_splits)
             knobs = {"fused_combine": c.fused_combine}
-            want, splits = kvcache.plan_specs(problem, c.arch, info.sms, c.num_splits, knobs, kvcache._smem_per_sm(info))
+            window = kvcache.decode_window((c.window_left, c.window_right), c.softcap, c.causal, problem)
+            want, splits = kvcache.plan_specs(problem, c.arch, info.sms, c.num_splits, knobs, kvcache._smem_per_sm(info),
+                                              window)
             assert specs == list(want.values())
             assert ("combine" in want) == (splits > 1 and not c.fused_combine) and ("append" in want) == (c.seqlen_new > 0)
             assert want["decode"].fused_combine == (splits > 1 and c.fused_combine)
@@ -419,12 +445,16 @@ def test_varlen_cases_are_16bit_on_both_archs_and_their_lengths_fit():
 
 def test_adding_varlen_left_the_other_families_draws_unchanged():
     """The families are appended: a single family's cases for a seed are what they were before varlen
-    (the digests of the tree before it, commit 42b06b0)."""
+    (the digests of the tree before it, commit 42b06b0), but for the kvcache cases' window and softcap
+    (seed 3 mod 5, drawn from the case's seed after the main draw: stripped here, the rest as before)."""
     import hashlib
     before = {"forward": "bc988c84aecf", "variants": "1c75f1dac4d1", "backward": "34d69a1f7b28",
               "kvcache": "c7dd4993d16a"}
     for family, digest in before.items():
         cases = fuzz.generate(300, seed=1, family=family)
+        if family == "kvcache":
+            assert any(c.has_variant for c in cases)
+            cases = [dataclasses.replace(c, window_left=-1, window_right=-1, softcap=0.0) for c in cases]
         assert hashlib.sha1("".join(c.to_json() for c in cases).encode()).hexdigest()[:12] == digest, family
 
 

@@ -269,10 +269,12 @@ def check_arguments(qv, kc, vc, sl, pt, kn, vn, outv, num_splits) -> _Problem:
 
 
 def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
-           smem_per_sm: int = 233472) -> tuple[dec.DecodeSpec, int]:
+           smem_per_sm: int = 233472, window: "DecodeWindow | None" = None) -> tuple[dec.DecodeSpec, int]:
     """(decode spec, num_splits) of a call: the default spec with the caller's knobs, and the split
-    heuristic on the cache's capacity when num_splits is 0 (a pure function of the shapes).
-    fused_combine applies to split calls only (with one split there is nothing to combine)."""
+    heuristic on the cache's capacity when num_splits is 0 (a pure function of the shapes; with a
+    window whose left side is bounded, on the keys one M tile can see through it instead).
+    fused_combine applies to split calls only (with one split there is nothing to combine).
+    ``window``: the call's window and softcap (decode_window), whose switches the spec takes."""
     unknown = sorted(set(knobs) - set(CALL_KNOBS))
     if unknown:
         raise TypeError(f"attention_with_kvcache got unknown argument(s) {', '.join(unknown)}; knobs it takes: "
@@ -282,12 +284,14 @@ def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
     if fused not in (True, False):
         raise TypeError(f"fused_combine={fused!r}: must be True or False")
     group = problem.heads_q // problem.heads_kv
+    variant = dict(local=window.local, softcap=window.softcap > 0) if window is not None else {}
     base = dec.default_decode_spec(arch, problem.dtype, problem.head_dim, seqlen_q=problem.seqlen_q, group=group,
-                                   paged=problem.paged, **knobs)
+                                   paged=problem.paged, **variant, **knobs)
     heads_per_cta = group if base.pack_gqa else 1
     rows = problem.seqlen_q * heads_per_cta
     m_blocks = -(-rows // base.block_m)
-    n_blocks = -(-problem.capacity // base.block_n)
+    keys = problem.capacity if window is None else min(problem.capacity, window.visible_keys(problem))
+    n_blocks = -(-keys // base.block_n) + (keys < problem.capacity)    # (a window's keys may straddle a block more)
     if num_splits == 0:
         work = problem.batch * (problem.heads_q // heads_per_cta) * m_blocks
         num_splits = dec.num_splits_heuristic(work, n_blocks, sms, dec.ctas_per_sm(base, smem_per_sm))
@@ -300,11 +304,11 @@ def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
 
 
 def plan_specs(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
-               smem_per_sm: int = 233472) -> tuple[dict, int]:
+               smem_per_sm: int = 233472, window: "DecodeWindow | None" = None) -> tuple[dict, int]:
     """({"decode": spec[, "combine": spec][, "append": spec]}, num_splits): the kernels a call
     launches, in order: the combine when the keys are split (and the decode does not combine them
     itself, fused_combine), the append (first) when new tokens come."""
-    spec, splits = choose(problem, arch, sms, num_splits, knobs, smem_per_sm)
+    spec, splits = choose(problem, arch, sms, num_splits, knobs, smem_per_sm, window)
     specs = {"decode": spec}
     if splits > 1 and not spec.fused_combine:
         specs["combine"] = dec.CombineSpec(dtype=problem.dtype, head_dim=problem.head_dim)
@@ -314,13 +318,49 @@ def plan_specs(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: d
 
 
 def device_plan_specs(problem: _Problem, device: int = 0, num_splits: int = 0, knobs: dict | None = None,
-                      arch: str | None = None) -> list:
+                      arch: str | None = None, window: "DecodeWindow | None" = None) -> list:
     """plan_specs' kernels, in launch order, for ``device`` (its SM count and shared memory; ``arch``
     None: its default): what a call of ``problem`` compiles there (the fuzzer's and the decode
     suite's precompile lists)."""
     info = api.device_info(device)     # (api's, as case_specs read it before: the one tests replace)
-    specs, _ = plan_specs(problem, arch or default_arch(info), info.sms, num_splits, knobs or {}, _smem_per_sm(info))
+    specs, _ = plan_specs(problem, arch or default_arch(info), info.sms, num_splits, knobs or {}, _smem_per_sm(info),
+                          window)
     return list(specs.values())
+
+
+@dataclass(frozen=True)
+class DecodeWindow:
+    """A call's window_size and softcap as the decode kernel takes them (decode_window): ``local``, the
+    window in the bottom-right frame (query i of seqlen_q sees keys i + seqlen_k - seqlen_q - window_left ..
+    i + seqlen_k - seqlen_q + window_right; an unbounded side wider than any cache: UNBOUNDED), the
+    softcap c (0: off) and ``left``, the caller's left side (-1: unbounded), which bounds the keys a tile sees."""
+    local: bool
+    window_left: int
+    window_right: int
+    softcap: float
+    left: int
+
+    def visible_keys(self, problem: _Problem) -> int:
+        """Keys an M tile's rows see at most: the left side plus its queries, where the left is bounded."""
+        return problem.capacity if self.left < 0 else self.left + problem.seqlen_q + 1
+
+
+def decode_window(window_size, softcap, causal: bool, problem: _Problem) -> DecodeWindow | None:
+    """The call's window_size and softcap checked (errors name them, as attention()'s) and resolved:
+    None where neither is on, so the plain kernels run. A window cuts nothing when its left side is
+    unbounded and its right one is too or causal already ends the rows there; else the LOCAL kernel
+    runs, with causal as a right side of 0 (FlashAttention's rule), an unbounded side as more keys than
+    the cache and the new tokens hold."""
+    left, right = api._check_window(window_size)
+    cap = api._check_softcap(softcap)
+    if causal:
+        right = 0
+    local = not (left < 0 and (right < 0 or causal))
+    if not local and not cap:
+        return None
+    unbounded = problem.capacity + problem.seqlen_q + 1
+    return DecodeWindow(local, unbounded if left < 0 else min(left, unbounded),
+                        unbounded if right < 0 else min(right, unbounded), cap, left)
 
 
 # ------------------------------------------------------------------ building a plan
@@ -350,17 +390,23 @@ def _values_decode(spec, problem, num_splits, m_blocks, heads_per_cta, qv, kc, v
 
 def build_plan(qv, kc, vc, sl, pt, kn, vn, out_strides, *, causal, softmax_scale, num_splits, arch, knobs,
                device: int, sms: int, load, allocate, switch_context=False,
-               smem_per_sm: int = 233472) -> DecodePlan:
+               smem_per_sm: int = 233472, window_size=(-1, -1), softcap: float = 0.0) -> DecodePlan:
     """A DecodePlan for checked views. ``load(spec) -> LoadedFunction`` (None in CPU tests);
-    ``out_strides``: O's (batch, row, head) strides in elements."""
+    ``out_strides``: O's (batch, row, head) strides in elements; ``window_size``, ``softcap``: the
+    call's (decode_window)."""
     problem = check_arguments(qv, kc, vc, sl, pt, kn, vn, None, num_splits)
-    chosen, splits = plan_specs(problem, arch, sms, num_splits, knobs, smem_per_sm)
+    window = decode_window(window_size, softcap, causal, problem)
+    chosen, splits = plan_specs(problem, arch, sms, num_splits, knobs, smem_per_sm, window)
     spec = chosen["decode"]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     specs, kernels, grids = {}, {}, {}
     grid, m_blocks, heads_per_cta = _grid_decode(spec, problem, splits)
-    values = _values_decode(spec, problem, splits, m_blocks, heads_per_cta, qv, kc, vc, out_strides, pt, scale)
+    values = _values_decode(spec, problem, splits, m_blocks, heads_per_cta, qv, kc, vc, out_strides, pt,
+                            window.softcap if window is not None and window.softcap else scale)
     values["causal"] = int(bool(causal))
+    if window is not None:      # (the fields of a LOCAL / SOFTCAP kernel: softmax_scale is then c)
+        values.update(window_left=window.window_left, window_right=window.window_right,
+                      softcap_scale=scale / window.softcap if window.softcap else 0.0)
     specs["decode"], grids["decode"] = spec, grid
     kernels["decode"] = _kernel(load, spec, grid, dec.pack(dec.args_of(spec), values), dec.args_of(spec))
     if "combine" in chosen:
@@ -467,10 +513,13 @@ def _check_values_on_device(cache_seqlens, page_table, k, k_cache) -> None:
                  num_pages=num_pages)
 
 
+_NO_WINDOW = (-1, -1)      # (attention_with_kvcache's default, which its fast path recognises by identity)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=None, k=None, v=None,
-                           causal: bool = True, softmax_scale: float | None = None, num_splits: int = 0,
-                           return_lse: bool = False, out=None, arch: str | None = None, check_inputs: bool = False,
-                           **knobs):
+                           causal: bool = True, softmax_scale: float | None = None, window_size=_NO_WINDOW,
+                           softcap: float = 0.0, num_splits: int = 0, return_lse: bool = False, out=None,
+                           arch: str | None = None, check_inputs: bool = False, **knobs):
     """Decode attention over a KV cache, FlashAttention-3's ``flash_attn_with_kvcache`` semantics.
 
     q: (batch, seqlen_q, heads_q, head_dim), seqlen_q 1..16, fp16/bf16, head_dim 64/96/128/192/256.
@@ -482,6 +531,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     cache_seqlens[b] before the attention (cache_seqlens itself is not changed, as in FlashAttention);
     the attention then runs over cache_seqlens[b] + seqlen_new keys.
     causal: bottom-right per sequence (query i of seqlen_q sees keys <= seqlen_k - seqlen_q + i).
+    window_size=(left, right): FlashAttention's sliding window on that diagonal (query i sees keys
+    i' - left .. i' + right, i' = seqlen_k - seqlen_q + i; -1 = unbounded; with causal the right side is 0):
+    the blocks left of every row's window are not read. softcap: > 0, logits c * tanh(scale * s / c).
     num_splits: key splits per sequence (0: a heuristic on the shapes; 1: no split).
     heads_kv divides heads_q (GQA/MQA). Returns O like q (and the float32 LSE (batch, heads_q,
     seqlen_q), natural log, with ``return_lse``). Knobs: block_m, block_n, num_warps, stages, pack_gqa,
@@ -503,7 +555,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     # The decode step of a server on torch tensors (no new tokens, knob, out= or value check; eager;
     # nothing to record): its plan-cache hit in this one frame (_eager's, with the same key).
     if (torch is not None and q.__class__ is torch.Tensor and k is None and v is None and out is None
-            and not knobs and not check_inputs and not torch.compiler.is_compiling()):
+            and not knobs and not check_inputs and window_size is _NO_WINDOW and softcap == 0.0
+            and not torch.compiler.is_compiling()):
         try:
             if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
                 plan = None     # (the op records the refusal below)
@@ -526,11 +579,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
             torch.is_grad_enabled() and _requires_grad(q, k_cache, v_cache, k, v))):
         from . import torch_op
         return torch_op.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=page_table, k=k, v=v,
-                                               causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
-                                               return_lse=return_lse, out=out, arch=arch, check_inputs=check_inputs,
-                                               **knobs)
+                                               causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                               softcap=softcap, num_splits=num_splits, return_lse=return_lse, out=out,
+                                               arch=arch, check_inputs=check_inputs, **knobs)
     return _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, return_lse,
-                  out, arch, check_inputs, knobs)
+                  out, arch, check_inputs, knobs, window_size=window_size, softcap=softcap)
 
 
 def _step_key(torch, q, k_cache, v_cache, cache_seqlens, page_table, device: int, causal, softmax_scale, num_splits,
@@ -568,7 +621,7 @@ def check_options(cache_seqlens, causal, softmax_scale, num_splits, knobs: dict)
 
 
 def _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, return_lse, out,
-           arch, check_inputs, knobs, lse_out=None):
+           arch, check_inputs, knobs, lse_out=None, window_size=_NO_WINDOW, softcap=0.0):
     """attention_with_kvcache launched from its plan (the torch operators' CUDA implementations run this
     too; ``lse_out``, theirs only: a contiguous float32 (batch, heads_q, seqlen_q) tensor the LSE goes to)."""
     if check_inputs:
@@ -578,11 +631,14 @@ def _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax
     key = None
     try:
         knob_key = tuple(sorted(knobs.items())) if knobs else ()
+        variant = None if softcap == 0.0 and tuple(window_size) == _NO_WINDOW else \
+            (tuple(window_size), softcap.__class__, softcap)     # (their values are in the plan's images: a key part)
         if kind == "torch":
             meta = ARRAY_META["torch"]
             device = q.get_device()
             current = torch._C._cuda_getDevice()
-            if k is None and v is None and out is None and not knobs and lse_out is None:   # a step: the fast path's key
+            if k is None and v is None and out is None and not knobs and lse_out is None and variant is None:
+                # a step: the fast path's key
                 key = _step_key(torch, q, k_cache, v_cache, cache_seqlens, page_table, device, causal, softmax_scale,
                                 num_splits, return_lse, arch)
         else:
@@ -593,13 +649,13 @@ def _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax
         if key is None:
             key = (kind, meta(q), meta(k_cache), meta(v_cache), meta(cache_seqlens), meta(page_table), meta(k),
                    meta(v), meta(out), device, current, causal.__class__, causal, softmax_scale.__class__,
-                   softmax_scale, num_splits.__class__, num_splits, bool(return_lse), arch, knob_key)
+                   softmax_scale, num_splits.__class__, num_splits, bool(return_lse), arch, knob_key, variant)
         plan = _PLANS.get(key) if device >= 0 else None
     except (AttributeError, TypeError):   # not all arrays of one library, an unhashable knob: the checked path
         plan = key = None
     if plan is None:
         return _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits,
-                     return_lse, out, arch, knobs, lse_out)
+                     return_lse, out, arch, knobs, lse_out, window_size, softcap)
     out_shape, lse_shape = plan.outputs
     if kind == "torch":
         if out is None:
@@ -620,7 +676,7 @@ def _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax
     if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or \
             (k is not None and (ptr(k) | ptr(v)) & 15):    # a misaligned view: the checked path says so
         return _miss(None, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits,
-                     return_lse, out, arch, knobs, lse_out)
+                     return_lse, out, arch, knobs, lse_out, window_size, softcap)
     plan.launch(stream, *pointers, ptr(lse) if lse is not None else 0, ptr(cache_seqlens),
                 ptr(page_table) if page_table is not None else 0,
                 ptr(k) if k is not None else 0, ptr(v) if v is not None else 0)
@@ -628,7 +684,7 @@ def _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax
 
 
 def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, return_lse,
-          out, arch, knobs, lse_out=None):
+          out, arch, knobs, lse_out=None, window_size=_NO_WINDOW, softcap=0.0):
     """The checked path: every argument checked (errors name it), the plan built and remembered."""
     qv = _view("q", q)
     views = {name: (_view(name, x) if x is not None else None) for name, x in
@@ -654,7 +710,7 @@ def _miss(key, q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, sof
                       arch=arch, knobs=knobs, device=qv.device, sms=info.sms, smem_per_sm=_smem_per_sm(info),
                       load=functools.partial(_load_on, qv.device),
                       allocate=functools.partial(_allocate, qv.kind, qv.device),
-                      switch_context=qv.device != _current_device(qv.kind))
+                      switch_context=qv.device != _current_device(qv.kind), window_size=window_size, softcap=softcap)
     if key is not None:
         _PLANS.put(key, plan)
     lse = lse_out if lse_out is not None else \
@@ -687,22 +743,23 @@ _FA_UNSUPPORTED = {
     "rotary_cos": None, "rotary_sin": None, "cache_batch_idx": None, "cache_leftpad": None, "alibi_slopes": None,
     "qv": None, "cu_seqlens_q": None, "cu_seqlens_k_new": None, "max_seqlen_q": None, "rotary_seqlens": None,
     "q_descale": None, "k_descale": None, "v_descale": None, "scheduler_metadata": None, "attention_chunk": 0,
-    "softcap": 0.0, "sm_margin": 0,
+    "sm_margin": 0,
 }
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
-                            page_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            page_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, num_splits=0, pack_gqa=None, return_softmax_lse=False,
                             out=None, **fa_args):
     """FlashAttention's ``flash_attn_with_kvcache`` (FA2 and FA3 spellings: ``block_table`` or
     ``page_table``) on facodegen's kernels. Implemented: q, k_cache, v_cache, k, v, cache_seqlens
-    ((batch,) int32 tensor), block_table/page_table, softmax_scale, causal, num_splits, pack_gqa,
-    return_softmax_lse, out. Refused with an error naming it: rotary_cos/rotary_sin,
-    cache_batch_idx, cache_leftpad, window_size other than (-1, -1), softcap != 0, alibi_slopes,
-    qv, cu_seqlens_q/cu_seqlens_k_new/max_seqlen_q, rotary_seqlens, descales, scheduler_metadata,
-    attention_chunk, sm_margin; any other keyword is an error too. Arguments after v are keyword-only
-    (FA2 and FA3 order them differently: a positional rotary_cos must never land in cache_seqlens)."""
+    ((batch,) int32 tensor), block_table/page_table, softmax_scale, causal, window_size (any negative
+    side unbounded, as FlashAttention's), softcap (<= 0: off, as FlashAttention's), num_splits,
+    pack_gqa, return_softmax_lse, out. Refused with an error naming it: rotary_cos/rotary_sin,
+    cache_batch_idx, cache_leftpad, alibi_slopes, qv, cu_seqlens_q/cu_seqlens_k_new/max_seqlen_q,
+    rotary_seqlens, descales, scheduler_metadata, attention_chunk, sm_margin; any other keyword is an
+    error too. Arguments after v are keyword-only (FA2 and FA3 order them differently: a positional
+    rotary_cos must never land in cache_seqlens)."""
     for name, value in fa_args.items():
         if name not in _FA_UNSUPPORTED:
             raise TypeError(f"flash_attn_with_kvcache got an unexpected argument {name!r}")
@@ -710,14 +767,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         if not (value is None if unused is None else value == unused):
             raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not implemented by facodegen yet "
                                       f"(got {type(value).__name__}); leave it at its default ({unused!r})")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"flash_attn_with_kvcache: window_size={tuple(window_size)} (local attention) is "
-                                  f"not implemented by facodegen yet; only (-1, -1)")
     if block_table is not None and page_table is not None:
         raise ValueError("give block_table or page_table, not both (they are the same argument)")
     if cache_seqlens is None:
         raise TypeError("flash_attn_with_kvcache: cache_seqlens is required here, a (batch,) int32 tensor")
     knobs = {} if pack_gqa is None else {"pack_gqa": bool(pack_gqa)}
+    from .adapters import _variant_kwargs
     return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=block_table if block_table is not None
                                   else page_table, k=k, v=v, causal=bool(causal), softmax_scale=softmax_scale,
-                                  num_splits=num_splits, return_lse=bool(return_softmax_lse), out=out, **knobs)
+                                  num_splits=num_splits, return_lse=bool(return_softmax_lse), out=out,
+                                  **_variant_kwargs(window_size, softcap), **knobs)

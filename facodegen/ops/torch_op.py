@@ -65,7 +65,8 @@ _LIB.define("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tenso
 # The kvcache ops: the caches are written (the append), k/v are the new tokens (None: no append).
 _KV_IN = ("Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? page_table, Tensor? k, "
           "Tensor? v")
-_KV_ARGS = "bool causal, float? softmax_scale, int num_splits, str? arch, str knobs, bool check_inputs=False"
+_KV_ARGS = ("bool causal, float? softmax_scale, int num_splits, str? arch, str knobs, bool check_inputs=False, "
+            "int[] window_size=[-1, -1], float softcap=0.")
 _LIB.define(f"attention_with_kvcache({_KV_IN}, {_KV_ARGS}) -> (Tensor, Tensor)")
 _LIB.define(f"attention_with_kvcache_out({_KV_IN}, Tensor(c!) out, Tensor(d!) lse, {_KV_ARGS}) -> ()")
 
@@ -150,14 +151,16 @@ def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch,
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table, k, v, causal, softmax_scale,
-                           num_splits, return_lse, out, arch, check_inputs, **knobs):
+                           num_splits, return_lse, out, arch, check_inputs, window_size=(-1, -1), softcap=0.0, **knobs):
     """facodegen.attention_with_kvcache through the operators (the arguments are its own)."""
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k_cache, v_cache, k, v)):
         raise NotImplementedError("facodegen.attention_with_kvcache has no backward (decode attention that writes "
                                   "the caches in place): call it under torch.no_grad() or torch.inference_mode(), "
                                   "or on tensors that do not require grad")
     kvcache.check_options(cache_seqlens, causal, softmax_scale, num_splits, knobs)   # before the schema's errors
-    args = (causal, softmax_scale, num_splits, arch, encode_knobs(knobs), bool(check_inputs))
+    # (window_size and softcap are checked where the op runs, kvcache.decode_window, errors naming them)
+    args = (causal, softmax_scale, num_splits, arch, encode_knobs(knobs), bool(check_inputs), list(window_size),
+            softcap)
     if out is None:
         out, lse = torch.ops.facodegen.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, k, v,
                                                               *args)
@@ -221,19 +224,20 @@ def _attention_out_fake(q, k, v, out, lse, causal, softmax_scale, arch, q_descal
 
 
 def _kvcache_cuda(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, arch,
-                  knobs, check_inputs=False):
+                  knobs, check_inputs=False, window_size=(-1, -1), softcap=0.0):
     return kvcache._eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits,
-                          True, None, arch, check_inputs, decode_knobs(knobs))
+                          True, None, arch, check_inputs, decode_knobs(knobs), window_size=tuple(window_size),
+                          softcap=softcap)
 
 
 def _kvcache_out_cuda(q, k_cache, v_cache, cache_seqlens, page_table, k, v, out, lse, causal, softmax_scale,
-                      num_splits, arch, knobs, check_inputs=False):
+                      num_splits, arch, knobs, check_inputs=False, window_size=(-1, -1), softcap=0.0):
     if lse.dtype != torch.float32 or tuple(lse.shape) != _lse_shape(q) or not lse.is_contiguous() or \
             lse.device != q.device:
         raise ValueError(f"lse must be a contiguous float32 tensor of shape {_lse_shape(q)} on {q.device}, got "
                          f"{lse.dtype} {tuple(lse.shape)} strides {lse.stride()} on {lse.device}")
     kvcache._eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, True,
-                   out, arch, check_inputs, decode_knobs(knobs), lse)
+                   out, arch, check_inputs, decode_knobs(knobs), lse, window_size=tuple(window_size), softcap=softcap)
 
 
 def _shape_view(name: str, x):
@@ -254,13 +258,13 @@ def _kvcache_check(q, k_cache, v_cache, cache_seqlens, page_table, k, v, out, nu
 
 
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax_scale, num_splits, arch,
-                  knobs, check_inputs=False):
+                  knobs, check_inputs=False, window_size=(-1, -1), softcap=0.0):
     _kvcache_check(q, k_cache, v_cache, cache_seqlens, page_table, k, v, None, num_splits)
     return torch.empty_like(q), q.new_empty(_lse_shape(q), dtype=torch.float32)   # O as the plan makes it
 
 
 def _kvcache_out_fake(q, k_cache, v_cache, cache_seqlens, page_table, k, v, out, lse, causal, softmax_scale,
-                      num_splits, arch, knobs, check_inputs=False):
+                      num_splits, arch, knobs, check_inputs=False, window_size=(-1, -1), softcap=0.0):
     _kvcache_check(q, k_cache, v_cache, cache_seqlens, page_table, k, v, out, num_splits)
     return None
 

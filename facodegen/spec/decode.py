@@ -84,10 +84,17 @@ DECODE_KNOBS: tuple[Knob, ...] = (
          token=_flag("fused")),
     Knob("paged", "bool", "Paged KV cache (num_pages, page_size, heads_kv, d) read through a page table.",
          flag="--paged/--contiguous", problem=True, token=_flag("paged")),
+    # The attention variants the decode takes (issue 40: the window combines with a paged cache): switches
+    # of the kernel, their values (window sizes, the softcap c) run-time DecodeParams fields.
+    Knob("local", "bool", "Sliding window: query i sees keys i' - window_left .. i' + window_right (i' on its "
+         "bottom-right diagonal); blocks wholly left of every row's window are not read.", flag="--local/--no-local",
+         problem=True, token=_flag("local")),
+    Knob("softcap", "bool", "Logit softcap c*tanh(s*scale/c) before the softmax (c run-time).",
+         flag="--softcap/--no-softcap", problem=True, token=_flag("softcap")),
 )
 # Knobs that appear in a generated file's header and `facodegen emit` line only when on, so the
 # kernels without them render as they did before the knob existed (byte for byte).
-SHOWN_WHEN_ON = ("fused_combine",)
+SHOWN_WHEN_ON = ("fused_combine", "local", "softcap")
 
 
 def _check_fields(spec, knobs) -> None:
@@ -137,6 +144,8 @@ class DecodeSpec:
     split: bool = False
     fused_combine: bool = False
     paged: bool = False
+    local: bool = False
+    softcap: bool = False
 
     def __post_init__(self):
         _check_fields(self, DECODE_KNOBS)
@@ -194,10 +203,8 @@ class DecodeSpec:
     def smem_bytes(self) -> int:
         return self.q_tile_bytes + max(self.stages * self.stage_bytes, self.exchange_bytes)
 
-    # The forward's variant switches, read by the shared templates (common/mask, common/epilogue):
-    # off here, since attention_with_kvcache refuses window_size, softcap and sinks for now.
-    local = False
-    softcap = False
+    # The forward's sinks switch, read by the shared templates (common/mask, common/softmax): off here
+    # (flash_attn_with_kvcache has no sinks).
     sinks = False
 
     @property
@@ -423,6 +430,13 @@ DECODE_FIELDS = [
     Field("softmax_scale", "f32", "float", "scale applied to Q K^T"),
     Field("scale_log2", "f32", "float", "softmax_scale * log2(e)"),
 ]
+# LOCAL / SOFTCAP kernels only, after the others (a kernel without them keeps its struct).
+DECODE_VARIANT_FIELDS = [
+    _i32("window_left", "LOCAL: query i sees keys from i + seqlen_k - seqlen_q - window_left"),
+    _i32("window_right", "LOCAL: .. to i + seqlen_k - seqlen_q + window_right (0: causal)"),
+    Field("softcap_scale", "f32", "float", "SOFTCAP: S = tanh(S * softcap_scale), softcap_scale = scale / c; "
+          "softmax_scale is then c"),
+]
 DECODE_CALL_POINTERS = ("q", "k_cache", "v_cache", "o", "lse", "o_partial", "lse_partial", "cache_seqlens",
                         "page_table")
 # fused_combine: one more call pointer, right after the others (a kernel without it keeps its struct).
@@ -463,16 +477,21 @@ APPEND_FIELDS = [
 ]
 APPEND_CALL_POINTERS = ("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "page_table")
 
-# Argument structs by name: a kernel's (spec.kernel), and "decode_fused" for a fused_combine decode.
-FIELDS = {"decode": DECODE_FIELDS, "decode_fused": DECODE_FUSED_FIELDS, "combine": COMBINE_FIELDS,
-          "append": APPEND_FIELDS}
+# Argument structs by name: a kernel's (spec.kernel), "decode_fused" for a fused_combine decode, and
+# either with "_variants" for a decode with a window or softcap.
+FIELDS = {"decode": DECODE_FIELDS, "decode_fused": DECODE_FUSED_FIELDS,
+          "decode_variants": DECODE_FIELDS + DECODE_VARIANT_FIELDS,
+          "decode_fused_variants": DECODE_FUSED_FIELDS + DECODE_VARIANT_FIELDS,
+          "combine": COMBINE_FIELDS, "append": APPEND_FIELDS}
 CALL_POINTERS = {"decode": DECODE_CALL_POINTERS, "decode_fused": DECODE_FUSED_CALL_POINTERS,
+                 "decode_variants": DECODE_CALL_POINTERS, "decode_fused_variants": DECODE_FUSED_CALL_POINTERS,
                  "combine": COMBINE_CALL_POINTERS, "append": APPEND_CALL_POINTERS}
 
 
 def args_of(spec) -> str:
     """The argument struct (a key of FIELDS) of a spec's kernel."""
-    return "decode_fused" if getattr(spec, "fused_combine", False) else spec.kernel
+    name = "decode_fused" if getattr(spec, "fused_combine", False) else spec.kernel
+    return name + "_variants" if getattr(spec, "local", False) or getattr(spec, "softcap", False) else name
 
 
 def layout(kernel: str) -> tuple[list[tuple[Field, int]], int, int]:

@@ -241,6 +241,13 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             seed=rng.randrange(1 << 31), **extra)
         if this_family == "head_dims" and case_fields["seed"] % 4 == 3:
             case_fields["head_dim"], case_fields["head_dim_v"] = SPLIT_V_PAIRS[case_fields["seed"] // 4 % 2]
+        if this_family == "kvcache" and case_fields["seed"] % 5 == 3:
+            # a fifth of the kvcache cases with a window or softcap (no sinks: flash_attn_with_kvcache has none),
+            # drawn from the case's seed as varlen's below (a draw of sinks alone takes softcap 30 instead)
+            drawn = _variant_fields(random.Random(case_fields["seed"]), seqlen_q, seqlen_k)
+            if not drawn["softcap"] and (drawn["window_left"], drawn["window_right"]) == (-1, -1):
+                drawn["softcap"] = 30.0
+            case_fields.update(drawn, sinks=False, top_left=False)
         if this_family == "varlen" and case_fields["seed"] % 5 == 4:
             # a fifth of the varlen cases with attention variants (each sequence's own diagonal; varlen has no
             # top-left alignment), drawn from the case's seed so the cases drawn after it stay as they were
@@ -574,18 +581,19 @@ def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     if case.seqlen_new:
         kn, vn = randn(b, case.seqlen_new, hkv, d), randn(b, case.seqlen_new, hkv, d)
     scale = case.softmax_scale if case.softmax_scale is not None else d ** -0.5
+    variants = dict(window_size=(case.window_left, case.window_right), softcap=case.softcap)
 
     def host(x):
         return None if x is None else x.detach().cpu().double().numpy() if x.is_floating_point() else x.cpu().numpy()
     if not launch_only:     # before the call: an append changes the caches in place
         ref_o, ref_lse, ref_kc, ref_vc = kvcache_reference(    # (it copies the tensors to float64 NumPy)
             q, k_cache, v_cache, lengths, page_table=table, k=kn, v=vn,
-            causal=case.causal, softmax_scale=scale)
+            causal=case.causal, softmax_scale=scale, **variants)
     out = torch.full_like(q, float("nan"))
     _, lse = facodegen.attention_with_kvcache(q, k_cache, v_cache, lengths, page_table=table, k=kn, v=vn,
                                               causal=case.causal, softmax_scale=case.softmax_scale,
                                               num_splits=case.num_splits, return_lse=True, out=out, arch=case.arch,
-                                              fused_combine=case.fused_combine)
+                                              fused_combine=case.fused_combine, **variants)
     if launch_only:
         return _launched(out, lse)
     o, lse = host(out), host(lse)
@@ -611,8 +619,9 @@ def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
             keys, values = ref_kc[pages, pos % case.page_size], ref_vc[pages, pos % case.page_size]
         one = (q[seq:seq + 1], torch.from_numpy(keys).to("cuda", dt)[None], torch.from_numpy(values).to("cuda", dt)[None])
         ref = torch.from_numpy(ref_o[seq:seq + 1]).to("cuda")
-        why = fa3_failure(torch.from_numpy(o[seq:seq + 1]).to("cuda", dt), ref, _standard_low(*one, case.causal, scale),
-                          forward_floor(*one, case.causal, scale))
+        why = fa3_failure(torch.from_numpy(o[seq:seq + 1]).to("cuda", dt), ref,
+                          _standard_low(*one, case.causal, scale, **variants),
+                          forward_floor(*one, case.causal, scale, **variants))
         if why:
             problems.append(f"O of sequence {seq} ({seqlen_k} keys): {why}")
     return not problems, "; ".join(problems) or "O, LSE and the caches ok"
@@ -698,8 +707,9 @@ def case_specs(case: Case, device: int = 0) -> list:
         problem = kvcache._Problem(case.batch, case.seqlen_q, case.heads_q, case.heads_kv, case.head_dim, case.dtype,
                                    paged, case.page_size, case.batch * case.seqlen_k // case.page_size if paged else 0,
                                    case.seqlen_k, case.seqlen_new)
+        window = kvcache.decode_window((case.window_left, case.window_right), case.softcap, case.causal, problem)
         return kvcache.device_plan_specs(problem, device, case.num_splits, {"fused_combine": case.fused_combine},
-                                         case.arch)
+                                         case.arch, window)
     forward = case_spec(case, device)
     if case.family == "backward":
         from ..ops import backward
@@ -924,8 +934,8 @@ def representative_cases() -> list[Case]:
     cases.append(Case("backward", "sm90", "bf16", batch=3, seqlen_q=300, seqlen_k=8192, heads_q=4, heads_kv=2,
                       head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=10))
-    # (the rings away from their defaults, dq_lag, varlen_lpt and varlen's variants: cases 44-48, appended last so
-    # the numbers above stay)
+    # (the rings away from their defaults, dq_lag, varlen_lpt, varlen's variants and the decode's: cases 44-49,
+    # appended last so the numbers above stay)
     cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
@@ -964,6 +974,11 @@ def representative_cases() -> list[Case]:
                       head_dim=128, causal=False, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=True, use_out=True, seed=VARLEN_REPRESENTATIVE_SEED, window_left=40,
                       window_right=7, softcap=30.0, sinks=True))
+    # and the decode's window and softcap over a paged cache, split, with an append: case 49
+    cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
+                      head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
+                      return_lse=True, use_out=False, seed=7, page_size=16, seqlen_new=3, num_splits=4,
+                      window_left=200, window_right=-1, softcap=30.0))
     return cases
 
 

@@ -575,8 +575,10 @@ def attention_reference_fp8(q, k, v, q_descale=1.0, k_descale=1.0, v_descale=1.0
 # ----------------------------------------------------------------------------------------------
 
 def kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=None, k=None, v=None, causal: bool = True,
-                      softmax_scale: float | None = None):
+                      softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0):
     """Float64 FlashAttention-3 ``flash_attn_with_kvcache``: returns (O, LSE, k_cache', v_cache').
+    ``window_size`` (window_mask's, on each sequence's bottom-right diagonal) and ``softcap`` (logits
+    c tanh(scale s / c)) as facodegen.attention_with_kvcache takes them.
 
     q (batch, seqlen_q, heads_q, d); caches (batch, capacity, heads_kv, d) or, with ``page_table``
     (batch, max_pages) int, pages (num_pages, page_size, heads_kv, d): key j of sequence b is row
@@ -626,10 +628,12 @@ def kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=None, k=
         # (heads_kv, group * seqlen_q) rows per key head.
         rows_q = q[b].reshape(seqlen_q, heads_kv, group, d).transpose(1, 2, 0, 3).reshape(heads_kv, group * seqlen_q, d)
         s = rows_q @ keys.transpose(1, 2, 0) * scale               # (heads_kv, group * seqlen_q, seqlen_k)
-        if causal:
-            cols = np.arange(seqlen_k)[None, :]
-            limit = seqlen_k - seqlen_q + np.tile(np.arange(seqlen_q), group)[:, None]
-            s = np.where(cols <= limit, s, -np.inf)
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        if causal or tuple(window_size) != (-1, -1):    # (rows: query i of each head in turn)
+            hidden = window_mask(np.tile(np.arange(seqlen_q), group), np.arange(seqlen_k), seqlen_q, seqlen_k,
+                                 window_size, causal)
+            s = np.where(hidden, -np.inf, s)
         m = s.max(axis=2, initial=-np.inf)
         seen = np.isfinite(m)
         p = np.exp(s - np.where(seen, m, 0.0)[..., None])
@@ -642,13 +646,18 @@ def kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=None, k=
 
 def decode_tiled_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=None, seqlen_new: int = 0,
                            causal: bool = True, softmax_scale: float | None = None, block_m: int = 16,
-                           block_n: int = 64, num_warps: int = 4, num_splits: int = 1, pack_gqa: bool = True):
+                           block_n: int = 64, num_warps: int = 4, num_splits: int = 1, pack_gqa: bool = True,
+                           window: tuple[int, int] | None = None, softcap: float = 0.0):
     """The decode kernel's algorithm (templates/decode/flash_decode.cu.j2 + flash_combine.cu.j2) in
     float64 NumPy, with its index arithmetic: work items (M tile of packed rows, split, head block,
     sequence), the keys a tile sees (kv_end) and its split of the key blocks, each warp's share of a
     block with its own online softmax (base 2), the warps' merge, then the LSE combine of the splits.
     Caches as kvcache_reference's (already holding any appended tokens; seqlen_new counts them).
-    Returns (O, LSE); equals kvcache_reference up to rounding."""
+    ``window``: a LOCAL kernel's (window_left, window_right) as the host passes them (kvcache.DecodeWindow:
+    causal as a right side of 0, unbounded sides as more keys than the cache holds): the tile's keys
+    from its first row's first key's block on, split among the splits, each row's left edge masked;
+    ``softcap`` c: S = tanh(S scale / c), the softmax then scaled by c. Returns (O, LSE); equals
+    kvcache_reference up to rounding."""
     q = to_float64(q)
     kc, vc = to_float64(k_cache), to_float64(v_cache)
     lengths = np.asarray(to_float64(cache_seqlens), dtype=np.int64)
@@ -656,6 +665,8 @@ def decode_tiled_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     heads_kv = kc.shape[2]
     group = heads_q // heads_kv
     scale = _scale(softmax_scale, d)
+    softcap_scale = scale / softcap if softcap else 0.0
+    scale = softcap if softcap else scale          # (the kernel's softmax_scale)
     scale_log2 = scale * math.log2(math.e)
     paged = page_table is not None
     table = np.asarray(to_float64(page_table), dtype=np.int64) if paged else None
@@ -669,7 +680,13 @@ def decode_tiled_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
 
     def limit(packed, seqlen_k):
         query = min(packed // per_cta, seqlen_q - 1)
+        if window is not None:
+            return min(max(seqlen_k - seqlen_q + query + 1 + window[1], 0), seqlen_k)
         return min(max(seqlen_k - seqlen_q + query + 1, 0), seqlen_k) if causal else seqlen_k
+
+    def first(packed, seqlen_k):
+        query = min(packed // per_cta, seqlen_q - 1)
+        return 0 if window is None else min(max(seqlen_k - seqlen_q + query - window[0], 0), seqlen_k)
 
     def key_rows(b, keys, kv_end):
         valid = keys < kv_end
@@ -692,12 +709,14 @@ def decode_tiled_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
                 head = head0 + packed % per_cta
                 q_tile = np.where((packed < rows_per_item)[:, None], q[b, query, np.minimum(head, heads_q - 1)], 0.0)
                 limits = np.array([limit(int(r), seqlen_k) for r in packed])
+                firsts = np.array([first(int(r), seqlen_k) for r in packed])
                 kv_end = limit(row_begin + rows_valid - 1, seqlen_k)
-                n_blocks = -(-kv_end // block_n)
+                first_block = first(row_begin, seqlen_k) // block_n
+                n_blocks = max(-(-kv_end // block_n) - first_block, 0)
                 per_split = -(-n_blocks // num_splits)
                 for split in range(num_splits):
-                    begin = min(split * per_split, n_blocks)
-                    end = min(begin + per_split, n_blocks)
+                    begin = first_block + min(split * per_split, n_blocks)
+                    end = first_block + min(split * per_split + per_split, n_blocks)
                     m_w = np.full((num_warps, block_m), -np.inf)
                     l_w = np.zeros((num_warps, block_m))
                     o_w = np.zeros((num_warps, block_m, d))
@@ -708,7 +727,10 @@ def decode_tiled_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
                             kt = np.where(valid[:, None], kc[pages, slots, kv_head], 0.0)
                             vt = np.where(valid[:, None], vc[pages, slots, kv_head], 0.0)
                             s = q_tile @ kt.T
-                            s = np.where(keys[None, :] < limits[:, None], s, -np.inf)
+                            if softcap:
+                                s = np.tanh(s * softcap_scale)
+                            s = np.where((keys[None, :] < limits[:, None]) & (keys[None, :] >= firsts[:, None]), s,
+                                         -np.inf)
                             m_new = np.maximum(m_w[w], s.max(axis=1))
                             shift = np.where(np.isneginf(m_new), 0.0, m_new * scale_log2)
                             p = np.exp2(s * scale_log2 - shift[:, None])

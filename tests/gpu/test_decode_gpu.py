@@ -7,7 +7,7 @@ Covers: contiguous and paged caches (page 16/64/256, pages shuffled), cache_seql
 boundaries and at the capacity, GQA 1/4/8, num_splits 0 (heuristic), 1 and > 1, seqlen_q 1 and > 1
 (causal and not), append (incl. tokens past the capacity, dropped), hostile lengths and page tables
 (clamped, same as the reference), LSE, CuPy and torch, CUDA-graph replay with lengths changed on the
-device, and the host cost of a warm call. The correctness cases run twice, the splits merged by the
+device, and the host cost of a warm call; sliding windows and softcap (issue 40). The correctness cases run twice, the splits merged by the
 combine kernel and by the decode kernel itself (fused_combine: the last split CTA of each work item;
 its counters must be back at zero after every call: calls in a row, graph replays). The kernels are
 compiled up front in parallel (~20 specs, and their fused twins).
@@ -53,6 +53,12 @@ def precompiled():
                     for split, fused in ((False, False), (True, False), (True, True)):
                         specs.add(dec.default_decode_spec(arch, dtype, d, seqlen_q=sq, group=group, paged=paged,
                                                           split=split, fused_combine=fused))
+            if dtype == "bf16" and d == 128:       # test_window_and_softcap's
+                for paged in (False, True):
+                    for split, fused in ((False, False), (True, False), (True, True)):
+                        for variant in (dict(local=True), dict(softcap=True), dict(local=True, softcap=True)):
+                            specs.add(dec.default_decode_spec(arch, dtype, d, seqlen_q=4, group=4, paged=paged,
+                                                              split=split, fused_combine=fused, **variant))
             specs.add(dec.CombineSpec(dtype=dtype, head_dim=d))
             specs.add(dec.AppendSpec(dtype=dtype, head_dim=d, paged=False))
             specs.add(dec.AppendSpec(dtype=dtype, head_dim=d, paged=True))
@@ -97,20 +103,22 @@ def _np(x):
     return None if x is None else x.detach().double().cpu().numpy() if x.is_floating_point() else x.cpu().numpy()
 
 
-def check_call(case, *, causal=True, num_splits=0, softmax_scale=None, **knobs):
+def check_call(case, *, causal=True, num_splits=0, softmax_scale=None, window_size=(-1, -1), softcap=0.0, **knobs):
     """Run attention_with_kvcache on ``case`` (its caches are updated in place by an append) and
-    check O, LSE and the caches against the float64 reference."""
+    check O, LSE and the caches against the float64 reference (with the call's window and softcap)."""
     q = case["q"]
     dt = q.dtype
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    variants = dict(window_size=window_size, softcap=softcap)
     ref_o, ref_lse, ref_kc, ref_vc = kvcache_reference(
         _np(q), _np(case["k_cache"]), _np(case["v_cache"]), _np(case["cache_seqlens"]),
-        page_table=_np(case["page_table"]), k=_np(case["k"]), v=_np(case["v"]), causal=causal, softmax_scale=scale)
+        page_table=_np(case["page_table"]), k=_np(case["k"]), v=_np(case["v"]), causal=causal, softmax_scale=scale,
+        **variants)
     out = torch.full_like(q, float("nan"))
     got, lse = facodegen.attention_with_kvcache(
         q, case["k_cache"], case["v_cache"], case["cache_seqlens"], page_table=case["page_table"], k=case["k"],
         v=case["v"], causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True, out=out,
-        **knobs)
+        **variants, **knobs)
     torch.cuda.synchronize()
     assert got is out
     o = out.double().cpu().numpy()
@@ -144,7 +152,7 @@ def check_call(case, *, causal=True, num_splits=0, softmax_scale=None, **knobs):
             keys, values = ref_kc[pages, pos % ref_kc.shape[1]], ref_vc[pages, pos % ref_kc.shape[1]]
         kt = torch.from_numpy(keys).to("cuda", dt)[None]
         vt = torch.from_numpy(values).to("cuda", dt)[None]
-        low, _ = attention_torch(q[b:b + 1], kt, vt, causal, scale, upcast=False)
+        low, _ = attention_torch(q[b:b + 1], kt, vt, causal, scale, upcast=False, **variants)
         ref = torch.from_numpy(ref_o[b:b + 1]).to("cuda")
         bound = fa3_bound(ref, low.double().nan_to_num(0.0), dt)
         err = np.abs(o[b] - ref_o[b]).max()
@@ -222,6 +230,22 @@ def test_softmax_scale_and_knobs(fused):
     case = make_case(batch=2, heads_q=8, heads_kv=1, d=128, capacity=1000, lengths=[1000, 5])
     check_call(case, softmax_scale=0.3, block_n=128, stages=2, fused_combine=fused)
     check_call(case, pack_gqa=False, num_splits=4, fused_combine=fused)
+
+
+@FUSED
+@pytest.mark.parametrize("variant", [dict(window_size=(100, 0)), dict(window_size=(0, 0)), dict(window_size=(700, 3)),
+                                     dict(softcap=5.0), dict(window_size=(257, -1), softcap=30.0)],
+                         ids=["w100", "w0", "w700-3", "softcap", "w257-softcap"])
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_window_and_softcap(variant, page_size, fused):
+    """Issue 40's window with a (paged) KV cache, and softcap: against the float64 reference with the window
+    on each sequence's bottom-right diagonal; lengths 0, 1, under the window, at page edges and the
+    capacity; 4 queries (causal and not) x GQA 4, appended tokens; one split and several (a window's
+    blocks divided among them), the heuristic's."""
+    case = make_case(batch=4, seqlen_q=4, heads_q=8, heads_kv=2, capacity=2048, page_size=page_size,
+                     lengths=[0, 1, 96, 2044], new=2, seed=11)
+    for causal, num_splits in ((True, 0), (False, 5)):
+        check_call(case, causal=causal, num_splits=num_splits, fused_combine=fused, **variant)
 
 
 @pytest.mark.parametrize("page_size", [0, 64])
