@@ -2,11 +2,13 @@
 """The Python cost of a plan-cache hit of facodegen.attention() on torch tensors, on a CPU-only
 machine: the CPU twin of scripts/host_cost_breakdown.py (which times the real thing on a GPU).
 
-    python3 scripts/hit_path_cpu.py [--calls 20000] [--repeat 30] [--only forward|backward]
+    python3 scripts/hit_path_cpu.py [--calls 20000] [--repeat 30] [--only forward|backward|varlen]
 
 The backward section times facodegen.attention_backward's hit and the eager autograd backward
 (torch_op._Attention: through the engine, through grad_fn.apply, and a forward+backward step) on
-(1, 128, 8, 128) bf16 causal (the sm90 backward on the fake H200), and their pieces.
+(1, 128, 8, 128) bf16 causal (the sm90 backward on the fake H200), and their pieces. The varlen section
+times attention_varlen's hit (issue 39: a server's step where only the lengths change) beside
+attention()'s on the same tokens.
 
 CPU torch tensors cannot take the real hit path (their get_device() is -1 and no kernel runs),
 so this script fakes the GPU around the same Python code, as tests/test_plan_cache.py does:
@@ -77,6 +79,10 @@ def install_fake_gpu():
     driver.replace_tensor_map_address = lambda m, p: None
     driver.ensure_context = lambda ordinal: None
     tma.encode = lambda args: bytes(128)
+    from facodegen.ops import varlen        # (its own imports of the names patched above)
+    varlen._allocate, varlen._empty, varlen._view = api._allocate, api._empty, view
+    varlen._current_device = lambda kind: 0
+    varlen._current_stream = lambda kind, device: STREAM
     return torch, api
 
 
@@ -231,14 +237,47 @@ def backward_rows(torch, api):
     return rows, check
 
 
+def varlen_rows(torch, api):
+    """attention_varlen's hit (4 sequences of 256 tokens, 8 heads, d128, bf16, causal: the sm90 persistent
+    kernel on the fake H200) beside attention()'s on the same tokens as (4, 256, 8, 128), and its pieces."""
+    import facodegen
+    from facodegen.ops import varlen
+
+    b, s, h, d = 4, 256, 8, 128
+    q, k, v = (torch.randn(b * s, h, d).to(torch.bfloat16) for _ in range(3))
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)
+    attention_varlen = facodegen.attention_varlen
+    attention_varlen(q, k, v, cu, cu, s, s, causal=True)
+    attention_varlen(q, k, v, cu, cu, s, s, causal=True)
+    assert varlen._PLANS.misses == 1, "the second call must hit the plan the first one built"
+    plan = next(iter(varlen._PLANS._plans.values()))
+    padded = [x.view(b, s, h, d) for x in (q, k, v)]
+    facodegen.attention(*padded, causal=True)
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr())
+    rows = [
+        ("attention_varlen(q, k, v, cu, cu, 256, 256, causal=True) whole hit",
+         lambda: attention_varlen(q, k, v, cu, cu, s, s, causal=True)),
+        ("attention() of the same tokens, (4, 256, 8, 128), whole hit", lambda: facodegen.attention(*padded, causal=True)),
+        ("  torch.empty_like(q) (CPU malloc)", lambda: torch.empty_like(q)),
+        ("  plan.launch_plain with varlen and extents (the hit's)", lambda: plan.launch_plain(
+            STREAM, *ptrs, 0, None, (cu.data_ptr(), cu.data_ptr(), b * s), (b * s, b * s))),
+        ("  plan.launch with varlen and extents (the general one)", lambda: plan.launch(
+            STREAM, *ptrs, 0, varlen=(cu.data_ptr(), cu.data_ptr(), b * s), extents=(b * s, b * s))),
+    ]
+
+    def check():
+        assert varlen._PLANS.misses == 1, "a timed varlen call missed the plan"
+    return rows, check
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=20_000)
     p.add_argument("--repeat", type=int, default=30)
-    p.add_argument("--only", choices=("forward", "backward"), help="time one section (default: both)")
+    p.add_argument("--only", choices=("forward", "backward", "varlen"), help="time one section (default: all)")
     args = p.parse_args()
     torch, api = install_fake_gpu()
-    for name, make in (("forward", forward_rows), ("backward", backward_rows)):
+    for name, make in (("forward", forward_rows), ("backward", backward_rows), ("varlen", varlen_rows)):
         if args.only in (None, name):
             rows, check = make(torch, api)
             _time(rows, args, name)

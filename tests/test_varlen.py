@@ -696,6 +696,7 @@ def test_new_cu_seqlens_values_hit_the_plan_and_are_patched_in(varlen_plans, arc
     again = _args(cu_seqlens_q=FakeTensor((5,), "int32"), cu_seqlens_k=FakeTensor((5,), "int32"))
     out2, lse2 = _call(again, causal=True, return_lse=True, arch=arch)
     assert varlen._PLANS.misses == 1 and len(state.launches.records) == 2
+    assert next(iter(varlen._PLANS._plans.values())).varlen_plain     # (the hit's launch: LaunchPlan.launch_plain)
     first, second = (_fields(r, arch) for r in state.launches.records)
     assert (second["cu_seqlens_q"], second["cu_seqlens_k"]) == (again["cu_seqlens_q"].data_ptr(),
                                                                 again["cu_seqlens_k"].data_ptr())
@@ -744,6 +745,7 @@ def test_varlen_variants_resolve_against_the_plan_bound_and_sinks_move_per_call(
     first, second = (_variant_fields(r, arch) for r in state.launches.records)
     assert (first["window_left"], first["window_right"], first["sinks"]) == (16, 0, s1.data_ptr())
     assert (second["window_left"], second["window_right"], second["sinks"]) == (16, 0, s2.data_ptr())
+    assert not next(iter(varlen._PLANS._plans.values())).varlen_plain     # (sinks to patch: LaunchPlan.launch)
     _call(a, window_size=(-1, 8), arch=arch)                               # another window: another plan
     assert _variant_fields(state.launches.records[-1], arch)["window_left"] == 128 + 128 + 1
     adapters.flash_attn_varlen_func(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], 100, 100,

@@ -85,20 +85,32 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
                 raise NotImplementedError("attention_varlen has no backward yet: call it under torch.no_grad() "
                                           "or on detached tensors")
+            if device >= 0:     # _PACKED_META's and ARRAY_META's parts, written out flat (a server's every step)
+                key = ("torch", q.dtype, q.shape[1:], q.stride(), device, k.dtype, k.shape[1:], k.stride(),
+                       k.get_device(), v.dtype, v.shape[1:], v.stride(), v.get_device(), cu_seqlens_q.dtype,
+                       cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.get_device(), cu_seqlens_k.dtype,
+                       cu_seqlens_k.shape, cu_seqlens_k.stride(), cu_seqlens_k.get_device(),
+                       max_seqlen_q.__class__, plan_bound(max_seqlen_q), max_seqlen_k.__class__,
+                       plan_bound(max_seqlen_k), current,
+                       causal.__class__, causal, softmax_scale.__class__, softmax_scale, bool(return_lse), arch,
+                       tuple(sorted(spec_fields.items())) if spec_fields else (),
+                       None if out is None else _PACKED_META["torch"](out), tunedb.generation(),
+                       None if variant is None else api._variant_key(variant, ARRAY_META["torch"]))
+                plan = _PLANS._plans.get(key)
         else:
             cupy = sys.modules.get("cupy")
             kind = "cupy" if cupy is not None and isinstance(q, cupy.ndarray) else "other"
             device = q.device.id if kind == "cupy" else -1
             current = cupy.cuda.runtime.getDevice() if kind == "cupy" else -1
-        if device >= 0:
-            meta, packed = ARRAY_META[kind], _PACKED_META[kind]
-            key = (kind, packed(q), packed(k), packed(v), meta(cu_seqlens_q), meta(cu_seqlens_k),
-                   max_seqlen_q.__class__, plan_bound(max_seqlen_q), max_seqlen_k.__class__,
-                   plan_bound(max_seqlen_k), current,
-                   causal.__class__, causal, softmax_scale.__class__, softmax_scale, bool(return_lse), arch,
-                   tuple(sorted(spec_fields.items())), packed(out), tunedb.generation(),
-                   None if variant is None else api._variant_key(variant, meta))
-            plan = _PLANS.get(key)
+            if device >= 0:
+                meta, packed = ARRAY_META[kind], _PACKED_META[kind]
+                key = (kind, packed(q), packed(k), packed(v), meta(cu_seqlens_q), meta(cu_seqlens_k),
+                       max_seqlen_q.__class__, plan_bound(max_seqlen_q), max_seqlen_k.__class__,
+                       plan_bound(max_seqlen_k), current,
+                       causal.__class__, causal, softmax_scale.__class__, softmax_scale, bool(return_lse), arch,
+                       tuple(sorted(spec_fields.items())), packed(out), tunedb.generation(),
+                       None if variant is None else api._variant_key(variant, meta))
+                plan = _PLANS.get(key)
     except (AttributeError, TypeError):     # not all arrays of one library, an unhashable knob: the checked path
         key = plan = None
     if plan is None:
@@ -113,21 +125,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             out = torch.empty_like(q)
         lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device) if lse_needed else None
         stream = torch._C._cuda_getCurrentRawStream(device)
+        ptr = torch.Tensor.data_ptr     # (ARRAY_PTR's, without its frame)
     else:
         with cupy.cuda.Device(device):
             if out is None:
                 out = cupy.empty(q.shape, dtype=q.dtype)
             lse = cupy.empty((heads_q, total_q), dtype=cupy.float32) if lse_needed else None
             stream = cupy.cuda.get_current_stream().ptr
-    ptr = ARRAY_PTR[kind]
+        ptr = ARRAY_PTR[kind]
     pointers = (ptr(q), ptr(k), ptr(v), ptr(out))
+    cu_q, cu_k = ptr(cu_seqlens_q), ptr(cu_seqlens_k)
     sinks_ptr = ptr(sinks) if sinks is not None else 0
-    if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or (ptr(cu_seqlens_q) | ptr(cu_seqlens_k)
-                                                                       | sinks_ptr) & 3:
+    if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or (cu_q | cu_k | sinks_ptr) & 3:
         return _miss(None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      bool(return_lse), out, arch, spec_fields, variant)    # misaligned: the checked path says which
-    _launch(plan, stream, pointers, ptr(lse) if lse is not None else 0, ptr(cu_seqlens_q), ptr(cu_seqlens_k), total_q,
-            k.shape[0], sinks_ptr)
+    _launch(plan, stream, pointers, ptr(lse) if lse is not None else 0, cu_q, cu_k, total_q, k.shape[0], sinks_ptr)
     return (out, lse) if return_lse else out
 
 
@@ -150,9 +162,14 @@ _PACKED_META = {kind: _packed_meta(meta) for kind, meta in ARRAY_META.items()}
 
 def _launch(plan: LaunchPlan, stream: int, pointers: tuple, lse: int, cu_seqlens_q: int, cu_seqlens_k: int,
             total_q: int, total_k: int, sinks: int = 0) -> None:
+    """The plan launched with this call's addresses and totals (the extents sm90's maps depend on; a plan
+    without maps ignores them)."""
     if plan.grid[0]:    # max_seqlen_q = 0: every sequence is empty, there is nothing to compute
-        plan.launch(stream, *pointers, lse, sinks=sinks, varlen=(cu_seqlens_q, cu_seqlens_k, total_q),
-                    extents=(total_q, total_k) if plan.spec.arch == "sm90" else ())
+        if plan.varlen_plain:
+            plan.launch_plain(stream, *pointers, lse, None, (cu_seqlens_q, cu_seqlens_k, total_q), (total_q, total_k))
+        else:
+            plan.launch(stream, *pointers, lse, sinks=sinks, varlen=(cu_seqlens_q, cu_seqlens_k, total_q),
+                        extents=(total_q, total_k))
 
 
 # ------------------------------------------------------------------ the checked path

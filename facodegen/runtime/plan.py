@@ -213,6 +213,9 @@ class LaunchPlan:
         # call's pointers and its three descales' addresses
         self.descaled = (self._descale_offset is not None and self._sinks_offset is None
                          and self._varlen_offset is None and not switch_context)
+        # launch_plain with varlen serves this plan: a varlen one with no descales or sinks to patch
+        self.varlen_plain = (self._varlen_offset is not None and self._descale_offset is None
+                             and self._sinks_offset is None and not switch_context)
 
     def workspace_range(self) -> tuple[int, int]:
         """(byte offset, bytes) of the fp32 workspace inside a stream's scratch buffer."""
@@ -266,12 +269,15 @@ class LaunchPlan:
                 self._launcher(scratch.stream, image.kernel_params)
 
     def launch_plain(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
-                     descales: tuple[int, int, int] | None = None) -> None:
+                     descales: tuple[int, int, int] | None = None, varlen: tuple[int, int, int] | None = None,
+                     extents: tuple = ()) -> None:
         """``launch`` of a ``plain`` plan (no fp8 descales, sinks or varlen to patch, no context to
-        switch), or of a ``descaled`` one with its q, k, v ``descales``' addresses, with less to do:
-        the api's hit path of the common call. It writes only what may have changed: an sm90 image
-        found by its (q, k, v, o) holds those already (every launch writes its image's own), and an
-        image's lse, tile counter and workspace stay while its scratch does (``tail_of``)."""
+        switch), of a ``descaled`` one with its q, k, v ``descales``' addresses, or of a ``varlen_plain``
+        one with its ``varlen`` (cu_seqlens_q, cu_seqlens_k, total_q) and ``extents`` (launch's), with
+        less to do: the hit paths of attention() and attention_varlen. It writes only what may have
+        changed: an sm90 image found by its (q, k, v, o) (and extents) holds those already (every launch
+        writes its image's own), and an image's lse, tile counter and workspace stay while its scratch
+        does (``tail_of``)."""
         found = self._scratch._streams.get(stream)
         scratch = found if found is not None else self._scratch.get(stream)
         maps = self._maps
@@ -279,7 +285,7 @@ class LaunchPlan:
         lock.acquire()      # (cheaper than `with`)
         try:
             if maps:
-                operands = (q, k, v, o)
+                operands = (q, k, v, o) + extents if extents else (q, k, v, o)
                 image = self._images.get(operands) or self._image(operands)
             else:
                 image = self._last      # (the one image of a plan without maps)
@@ -290,6 +296,8 @@ class LaunchPlan:
                 image.pack_operands(q, k, v, o)
             if descales is not None:
                 _PACK_DESCALES.pack_into(image.storage, image.base + self._descale_offset, *descales)
+            if varlen is not None:
+                _PACK_VARLEN.pack_into(image.storage, image.base + self._varlen_offset, *varlen)
             self._last = image
             try:
                 self._bare(scratch.stream, image.kernel_params, 0)
