@@ -2,13 +2,13 @@
 """The Python cost of a plan-cache hit of facodegen.attention() on torch tensors, on a CPU-only
 machine: the CPU twin of scripts/host_cost_breakdown.py (which times the real thing on a GPU).
 
-    python3 scripts/hit_path_cpu.py [--calls 20000] [--repeat 30] [--only forward|backward|varlen]
+    python3 scripts/hit_path_cpu.py [--calls 20000] [--repeat 30] [--only forward|backward|varlen|decode]
 
 The backward section times facodegen.attention_backward's hit and the eager autograd backward
 (torch_op._Attention: through the engine, through grad_fn.apply, and a forward+backward step) on
 (1, 128, 8, 128) bf16 causal (the sm90 backward on the fake H200), and their pieces. The varlen section
 times attention_varlen's hit (issue 39: a server's step where only the lengths change) beside
-attention()'s on the same tokens.
+attention()'s on the same tokens; the decode section attention_with_kvcache's step (its fast path).
 
 CPU torch tensors cannot take the real hit path (their get_device() is -1 and no kernel runs),
 so this script fakes the GPU around the same Python code, as tests/test_plan_cache.py does:
@@ -79,10 +79,13 @@ def install_fake_gpu():
     driver.replace_tensor_map_address = lambda m, p: None
     driver.ensure_context = lambda ordinal: None
     tma.encode = lambda args: bytes(128)
-    from facodegen.ops import varlen        # (its own imports of the names patched above)
-    varlen._allocate, varlen._empty, varlen._view = api._allocate, api._empty, view
-    varlen._current_device = lambda kind: 0
-    varlen._current_stream = lambda kind, device: STREAM
+    from facodegen.ops import kvcache, varlen        # (their own imports of the names patched above)
+    for module in (varlen, kvcache):
+        module._allocate, module._empty, module._view = api._allocate, api._empty, view
+        module._current_device = lambda kind: 0
+        module._current_stream = lambda kind, device: STREAM
+    kvcache.device_info = api.device_info
+    kvcache._load = lambda spec, device: driver.LoadedFunction(1, 1, device)
     return torch, api
 
 
@@ -270,14 +273,40 @@ def varlen_rows(torch, api):
     return rows, check
 
 
+def decode_rows(torch, api):
+    """attention_with_kvcache's decode step (batch 2, GQA 32/8, d128, a contiguous 4096-key cache, one query
+    token: its fast path), plain, with return_lse and with a sliding window and softcap."""
+    import facodegen
+    from facodegen.ops import kvcache
+
+    q = torch.randn(2, 1, 32, 128).to(torch.bfloat16)
+    kc, vc = (torch.randn(2, 4096, 8, 128).to(torch.bfloat16) for _ in range(2))
+    lengths = torch.full((2,), 1000, dtype=torch.int32)
+    step = facodegen.attention_with_kvcache
+    for kw in ({}, {"return_lse": True}, {"window_size": (256, 0), "softcap": 30.0}):
+        step(q, kc, vc, lengths, **kw)
+    misses = kvcache._PLANS.misses
+    rows = [
+        ("attention_with_kvcache(q, k_cache, v_cache, cache_seqlens) whole hit", lambda: step(q, kc, vc, lengths)),
+        ("  ... return_lse=True", lambda: step(q, kc, vc, lengths, return_lse=True)),
+        ("  ... window_size=(256, 0), softcap=30.0", lambda: step(q, kc, vc, lengths, window_size=(256, 0),
+                                                                 softcap=30.0)),
+    ]
+
+    def check():
+        assert kvcache._PLANS.misses == misses, "a timed decode step missed its plan"
+    return rows, check
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=20_000)
     p.add_argument("--repeat", type=int, default=30)
-    p.add_argument("--only", choices=("forward", "backward", "varlen"), help="time one section (default: all)")
+    p.add_argument("--only", choices=("forward", "backward", "varlen", "decode"), help="time one section (default: all)")
     args = p.parse_args()
     torch, api = install_fake_gpu()
-    for name, make in (("forward", forward_rows), ("backward", backward_rows), ("varlen", varlen_rows)):
+    for name, make in (("forward", forward_rows), ("backward", backward_rows), ("varlen", varlen_rows),
+                       ("decode", decode_rows)):
         if args.only in (None, name):
             rows, check = make(torch, api)
             _time(rows, args, name)

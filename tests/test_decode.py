@@ -717,7 +717,7 @@ def test_decode_window_resolves_the_call_and_names_bad_arguments():
 def test_window_and_softcap_plans(fake):
     """The LOCAL / SOFTCAP decode kernel where a call gives window_size / softcap: the variant struct's
     fields (the window in the bottom-right frame, softcap_scale = scale / c and softmax_scale = c), a plan
-    per window or softcap value (the fast path's key has neither), the split heuristic on the keys a tile
+    per window or softcap value (they key the fast path's plans too), the split heuristic on the keys a tile
     sees through a bounded left side, and flash_attn_with_kvcache's window_size and softcap passed on."""
     args, kw = _call_args(batch=1, capacity=262144, paged=True, page=64)
     kvcache.attention_with_kvcache(*args, **kw)

@@ -89,3 +89,47 @@ def test_fast_path_hits_write_their_addresses_and_changes_miss():
     done = subprocess.run([sys.executable, "-c", SCRIPT.replace("ROOT", repr(str(ROOT)), 2)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+DECODE_SCRIPT = r"""
+import sys
+sys.path[:0] = [ROOT, ROOT + "/scripts"]
+import hit_path_cpu
+torch, api = hit_path_cpu.install_fake_gpu()      # (kvcache's device, loads and allocations too)
+from facodegen.ops import kvcache
+eager = []
+real_eager = kvcache._eager
+kvcache._eager = lambda *a, **kw: eager.append(1) or real_eager(*a, **kw)
+import facodegen
+
+q = torch.randn(2, 1, 32, 128).to(torch.bfloat16)
+kc, vc = (torch.randn(2, 4096, 8, 128).to(torch.bfloat16) for _ in range(2))
+lengths = torch.full((2,), 1000, dtype=torch.int32)
+step = facodegen.attention_with_kvcache
+for window, softcap in (((-1, -1), 0.0), ((256, 0), 0.0), ((256, 0), 30.0)):
+    step(q, kc, vc, lengths, window_size=window, softcap=softcap)          # the miss: _eager builds the plan
+    calls = len(eager)
+    for _ in range(3):                                                     # a server's steps: the fast path
+        step(q, kc, vc, lengths, window_size=window, softcap=softcap)
+    assert len(eager) == calls, (window, softcap, eager)
+    plan = list(kvcache._PLANS._plans.values())[-1]
+    assert plan.specs["decode"].local == (window != (-1, -1)) and plan.specs["decode"].softcap == (softcap > 0)
+assert kvcache._PLANS.misses == 3
+step(q, kc, vc, lengths, window_size=(128, 0))                            # another window: another plan
+assert kvcache._PLANS.misses == 4
+try:
+    step(q, kc, vc, lengths, window_size=7)
+    raise SystemExit("a bad window_size was launched")
+except ValueError as err:
+    assert "window_size" in str(err), err
+print("ok")
+"""
+
+
+def test_decode_steps_with_a_window_or_softcap_take_the_fast_path():
+    """attention_with_kvcache's fast path (a server's decode step: no new tokens, knob or out=) serves steps
+    with a window or softcap too (their values key the plan): after the miss, no step reaches _eager; a
+    new window is a new plan; a bad window_size is an error naming it, never a hit."""
+    done = subprocess.run([sys.executable, "-c", DECODE_SCRIPT.replace("ROOT", repr(str(ROOT)), 2)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

@@ -513,7 +513,7 @@ def _check_values_on_device(cache_seqlens, page_table, k, k_cache) -> None:
                  num_pages=num_pages)
 
 
-_NO_WINDOW = (-1, -1)      # (attention_with_kvcache's default, which its fast path recognises by identity)
+_NO_WINDOW = (-1, -1)      # attention_with_kvcache's default window_size: unbounded on both sides
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=None, k=None, v=None,
@@ -555,16 +555,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     # The decode step of a server on torch tensors (no new tokens, knob, out= or value check; eager;
     # nothing to record): its plan-cache hit in this one frame (_eager's, with the same key).
     if (torch is not None and q.__class__ is torch.Tensor and k is None and v is None and out is None
-            and not knobs and not check_inputs and window_size is _NO_WINDOW and softcap == 0.0
-            and not torch.compiler.is_compiling()):
+            and not knobs and not check_inputs and not torch.compiler.is_compiling()):
         try:
             if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
                 plan = None     # (the op records the refusal below)
             else:
                 device = q.get_device()
                 plan = _PLANS._plans.get(_step_key(torch, q, k_cache, v_cache, cache_seqlens, page_table, device,
-                                                   causal, softmax_scale, num_splits, return_lse, arch))
-        except (AttributeError, TypeError):   # cache_seqlens or page_table not a torch tensor, an unhashable scale
+                                                   causal, softmax_scale, num_splits, return_lse, arch, window_size,
+                                                   softcap))
+        except (AttributeError, TypeError):   # cache_seqlens or page_table not a torch tensor, an unhashable scale or
+            plan = None                       # window
             plan = None
         if plan is not None and plan.step_ready:
             out = torch.empty_like(q)
@@ -587,16 +588,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
 
 
 def _step_key(torch, q, k_cache, v_cache, cache_seqlens, page_table, device: int, causal, softmax_scale, num_splits,
-              return_lse, arch) -> tuple:
+              return_lse, arch, window_size, softcap) -> tuple:
     """The plan key of a decode step on torch tensors (no k/v, out=, knob or lse_out): what
-    attention_with_kvcache's fast path and _eager both build (``device``: q.get_device(), read by both)."""
+    attention_with_kvcache's fast path and _eager both build (``device``: q.get_device(), read by both;
+    the window and softcap values are in the plan's images, so they key it too)."""
     return (q.dtype, q.shape, q.stride(), k_cache.dtype, k_cache.shape, k_cache.stride(), k_cache.get_device(),
             v_cache.dtype, v_cache.shape, v_cache.stride(), v_cache.get_device(),
             cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.get_device(),
             None if page_table is None else (page_table.dtype, page_table.shape, page_table.stride(),
                                              page_table.get_device()),
             device, torch._C._cuda_getDevice(), causal.__class__, causal, softmax_scale.__class__, softmax_scale,
-            num_splits.__class__, num_splits, bool(return_lse), arch)
+            num_splits.__class__, num_splits, bool(return_lse), arch, tuple(window_size), softcap.__class__, softcap)
 
 
 def _requires_grad(*tensors) -> bool:
@@ -631,16 +633,14 @@ def _eager(q, k_cache, v_cache, cache_seqlens, page_table, k, v, causal, softmax
     key = None
     try:
         knob_key = tuple(sorted(knobs.items())) if knobs else ()
-        variant = None if softcap == 0.0 and tuple(window_size) == _NO_WINDOW else \
-            (tuple(window_size), softcap.__class__, softcap)     # (their values are in the plan's images: a key part)
+        variant = (tuple(window_size), softcap.__class__, softcap)     # (their values are in the plan's images)
         if kind == "torch":
             meta = ARRAY_META["torch"]
             device = q.get_device()
             current = torch._C._cuda_getDevice()
-            if k is None and v is None and out is None and not knobs and lse_out is None and variant is None:
-                # a step: the fast path's key
+            if k is None and v is None and out is None and not knobs and lse_out is None:   # a step: the fast path's key
                 key = _step_key(torch, q, k_cache, v_cache, cache_seqlens, page_table, device, causal, softmax_scale,
-                                num_splits, return_lse, arch)
+                                num_splits, return_lse, arch, window_size, softcap)
         else:
             meta = ARRAY_META["cupy"]
             cupy = sys.modules.get("cupy")
