@@ -100,17 +100,20 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and varlen with all three attention variants
     assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.has_variant] == [48]
     assert cases[48].sinks and cases[48].softcap and cases[48].window_left >= 0 and cases[48].arch == "sm90"
-    # and the decode's window and softcap (paged, split, with an append), the last case
-    assert [i for i, c in enumerate(cases) if c.family == "kvcache" and c.has_variant] == [len(cases) - 1] == [49]
+    # and the decode's window and softcap (paged, split, with an append)
+    assert [i for i, c in enumerate(cases) if c.family == "kvcache" and c.has_variant] == [49]
     assert cases[49].page_size and cases[49].num_splits > 1 and cases[49].seqlen_new and cases[49].softcap
+    # and fp8 varlen, the last case
+    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.dtype == "fp8"] == [len(cases) - 1] == [50]
     for arch in ("sm80", "sm90"):   # the turn counters too
         assert {c.deterministic for c in cases if c.family == "backward" and c.arch == arch} == {False, True}
     kv = [c for c in cases if c.family == "kvcache"]
     assert any(c.page_size and c.seqlen_new and c.num_splits > 1 for c in kv)
     assert all(c.sinks and c.softcap and c.window_left >= 0 for c in variants)
-    # varlen on both archs' kernels (sm90: its own, TMA over the packed tokens), both dtypes and masks
+    # varlen on both archs' kernels (sm90: its own, TMA over the packed tokens), both dtypes and masks, and
+    # sm90's fp8 (causal)
     assert {(c.arch, c.dtype, c.causal) for c in cases if c.family == "varlen"} == {
-        (a, d, c) for a in ("sm80", "sm90") for d in ("bf16", "fp16") for c in (False, True)}
+        (a, d, c) for a in ("sm80", "sm90") for d in ("bf16", "fp16") for c in (False, True)} | {("sm90", "fp8", True)}
 
 
 def test_sanitizer_summaries_are_read():
@@ -240,6 +243,21 @@ def test_a_fifth_of_the_varlen_cases_have_attention_variants(monkeypatch):
         assert spec.varlen and spec.softcap == (c.softcap > 0) and spec.sinks == c.sinks
 
 
+def test_a_seventh_of_the_sm90_varlen_cases_run_fp8(monkeypatch):
+    """sm90 varlen cases with seed 6 mod 7 (and no attention variant: seed not 4 mod 5) run e4m3 inputs with
+    descales; their specs are the fp8 varlen kernel's (V as the packed tokens, O in bf16)."""
+    cases = fuzz.generate(1200, seed=9, family="varlen")
+    fp8 = [c for c in cases if c.dtype == "fp8"]
+    assert fp8 and all(c.arch == "sm90" and c.seed % 7 == 6 and not c.has_variant for c in fp8)
+    assert len(fp8) == sum(c.arch == "sm90" and c.seed % 7 == 6 and c.seed % 5 != 4 for c in cases)
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    for c in fp8[:10]:
+        spec = fuzz.case_spec(c)
+        assert spec.varlen and spec.dtype == "fp8" and spec.v_layout == "row" and spec.out_dtype == "bf16"
+        assert not spec.defer_o_store and not spec.stream_k
+
+
 def test_a_fifth_of_the_kvcache_cases_have_a_window_or_softcap(monkeypatch):
     """kvcache cases with seed 3 mod 5 draw a window or softcap from their seed (never sinks or top-left), the
     others neither; case_specs' decode kernels carry the switches decode_window gives their call."""
@@ -320,9 +338,10 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             shape = (c.batch, bound(c.seqlen_q), bound(c.seqlen_k), c.heads_q)
             local, causal, _, _ = api.window_params(c.window_left, c.window_right, c.causal, *shape[1:3])
             variant = dict(local=local, softcap=c.softcap > 0, sinks=c.sinks) if c.has_variant else {}
+            fp8 = {"out_dtype": "bf16", "v_layout": "row"} if c.dtype == "fp8" else {}
             assert specs == [api.resolve_spec(c.head_dim, c.dtype, causal, 0, varlen.check_arch(c.arch), shape=shape,
                                               varlen=True, **({"persistent": False} if c.one_cta_per_tile else {}),
-                                              **({"varlen_lpt": True} if c.varlen_lpt else {}), **variant)]
+                                              **({"varlen_lpt": True} if c.varlen_lpt else {}), **variant, **fp8)]
         else:
             dtype = {"fp16": "float16", "bf16": "bfloat16"}[c.dtype]
             q = _dense("q", (c.batch, c.seqlen_q, c.heads_q, c.head_dim), dtype)
@@ -428,18 +447,20 @@ def test_slow_cases_are_logged(monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("slow: case 1 took 7.0 s") and cases[0].repro() in lines[0]
 
 
-def test_varlen_cases_are_16bit_on_both_archs_and_their_lengths_fit():
+def test_varlen_cases_are_16bit_on_both_archs_or_fp8_on_sm90_and_their_lengths_fit():
     cases = fuzz.generate(500, seed=4, family="varlen")
     assert {c.family for c in cases} == {"varlen"} and {c.arch for c in cases} == {"sm80", "sm90"}
-    assert {c.dtype for c in cases} == {"bf16", "fp16"} and {c.causal for c in cases} == {False, True}
+    assert {c.dtype for c in cases} == {"bf16", "fp16", "fp8"} and {c.causal for c in cases} == {False, True}
+    assert {c.arch for c in cases if c.dtype == "fp8"} == {"sm90"}
     drawn = set()
     for c in cases:
         lengths_q, lengths_k = fuzz.varlen_lengths(c)
         assert fuzz.varlen_lengths(c) == (lengths_q, lengths_k) and len(lengths_q) == len(lengths_k) == c.batch
         assert max(lengths_q) == c.seqlen_q and max(lengths_k) <= c.seqlen_k and sum(lengths_k) >= 1
         drawn |= {min(lengths_q), min(lengths_k)}
+        fp8 = {"out_dtype": "bf16", "v_layout": "row"} if c.dtype == "fp8" else {}
         assert api.spec_for_shape(c.arch, c.head_dim, c.dtype, c.causal, (c.batch, c.seqlen_q, c.seqlen_k, c.heads_q),
-                                  varlen=True).varlen
+                                  varlen=True, **fp8).varlen
     assert {0, 1} <= drawn
 
 

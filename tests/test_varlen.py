@@ -8,6 +8,7 @@ The kernels' numbers on a GPU: tests/gpu/test_varlen_gpu.py."""
 
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
@@ -41,6 +42,11 @@ SM90_VARLEN_KNOBS = [KernelSpec(arch="sm90", head_dim=128, dtype="bf16", causal=
 # varlen_lpt: causal tiles longest first over L2-sized groups of a sequence's heads (both schedulers)
 SM90_VARLEN_LPT = [KernelSpec(arch="sm90", head_dim=d, dtype="bf16", causal=True, varlen=True, varlen_lpt=True, **f)
                    for d, f in ((64, {}), (128, {}), (256, {}), (128, dict(dynamic_scheduler=False)))]
+# fp8 (e4m3, V as the packed tokens, O in bf16 from registers): every head_dim the fp8 forward ships, both
+# masks, persistent, and one CTA per tile once
+SM90_VARLEN_FP8 = [KernelSpec(arch="sm90", head_dim=d, dtype="fp8", causal=c, varlen=True, v_layout="row")
+                   for d in (64, 128, 256) for c in (False, True)]
+SM90_VARLEN_FP8_NP = [SM90_VARLEN_FP8[3].replace(persistent=False)]
 # varlen_tma_store=False: every row of O row by row (the store before issue 39's TMA store of whole blocks)
 SM90_VARLEN_ROW_STORE = [s.replace(varlen_tma_store=False) for s in SM90_VARLEN_SPECS]
 
@@ -78,7 +84,10 @@ def test_sm90_varlen_without_persistent_is_one_cta_per_tile():
 
 
 @pytest.mark.parametrize("fields, knob", [
-    (dict(arch="sm90", dtype="fp8"), "varlen"),
+    (dict(arch="sm90", dtype="fp8", v_layout="transposed"), "v_layout"),
+    (dict(arch="sm90", dtype="fp8", v_layout="row", vt_in_place=True), "v_layout"),
+    (dict(arch="sm90", dtype="fp8", v_layout="row", defer_o_store=True), "defer_o_store"),
+    (dict(arch="sm90", dtype="fp8", v_layout="row", l2_prefetch=1), "l2_prefetch"),
     (dict(arch="sm90", stream_k=True), "stream_k"),
     (dict(arch="sm90", persistent=True, dynamic_scheduler=False, stream_k=True), "stream_k"),
     (dict(arch="sm90", cluster_m=2), "cluster_m"),
@@ -100,6 +109,52 @@ VARLEN_VARIANT_CASES = ((128, True, dict(local=True)), (64, False, dict(softcap=
                         (128, False, dict(local=True, softcap=True, sinks=True)))
 SM90_VARLEN_VARIANTS, SM80_VARLEN_VARIANTS = ([KernelSpec(arch=arch, head_dim=d, dtype="bf16", causal=c, varlen=True, **f)
                                                for d, c, f in VARLEN_VARIANT_CASES] for arch in ("sm90", "sm80"))
+
+
+def test_the_fp8_varlen_kernel_loads_the_packed_tokens_and_stores_each_sequences_rows():
+    """fp8 varlen: the default fp8 kernel's knobs but stream-K and the deferred O store (varlen tiles differ
+    in length; O leaves at each tile's end); V's loads at the sequence's first key token, as K's; O from
+    registers at the sequence's first query token, rows below its seqlen_q inside the packed tensor;
+    the descales per (sequence, kv head); no _rowo token (fp8 stores no O by TMA anyway)."""
+    for spec in SM90_VARLEN_FP8:
+        plain = KernelSpec(arch="sm90", head_dim=spec.head_dim, dtype="fp8", causal=spec.causal, v_layout="row")
+        assert not spec.stream_k and not spec.defer_o_store and not spec.varlen_tma_store
+        assert spec.variant.endswith("_varlen") and (spec.block_m, spec.block_n) == (plain.block_m, plain.block_n)
+    source = facodegen.emit(SM90_VARLEN_FP8[3])
+    lines = [line.strip() for line in source.splitlines()]
+    for line in ("const int q_start = q_start_again(p, t);",
+                 "const int rows = q_start < 0 ? 0 : min(t.seqlen_q, p.total_q - q_start);",
+                 "store_o(o_reg, o_head, row0, rows, p.o_row_stride, lane % 4);", "init_varlen_tiles(p);"):
+        assert line in lines, line
+    assert source.count("t.k_start + n * BLOCK_N") == 3        # K (roles.cuh.j2's loop), V and the caller's V^T
+
+
+def test_fp8_varlen_calls(fake):  # noqa: F811
+    """attention_varlen on e4m3 tensors: the fp8 varlen kernel on sm90, O in bf16 (out_dtype), each
+    descale's address written per call (a left-out one: the plan's unit descale), a new descale of the
+    same layout a hit; what it refuses is named."""
+    from facodegen.ops import api
+    descale_at = {f.name: off for f, off in params.layout("sm90", "fp8", varlen=True)[0]}["q_descale"]
+    a = _args(dtype="float8_e4m3fn")
+    scalar = lambda: FakeTensor((), "float32")      # noqa: E731
+    d1 = (scalar(), scalar(), scalar())
+    out, lse = _call(a, causal=True, return_lse=True, q_descale=d1[0], k_descale=d1[1], v_descale=d1[2])
+    spec = _plan_spec()
+    assert spec.dtype == "fp8" and spec.varlen and spec.out_dtype == "bf16" and spec.arch == "sm90"
+    assert str(out.dtype).endswith("bfloat16") and out.shape == a["q"].shape
+    d2 = (scalar(), scalar())
+    _call(a, causal=True, return_lse=True, q_descale=d2[0], k_descale=d2[1])     # v_descale left out: the unit one
+    _call(a, causal=True, return_lse=True, q_descale=scalar(), k_descale=scalar())
+    assert varlen._PLANS.misses == 2
+    records = fake.launches.records
+    unit = api._unit_descale(0, "torch").data_ptr()
+    assert struct.unpack_from("<3Q", records[0]["params"], descale_at) == tuple(d.data_ptr() for d in d1)
+    assert struct.unpack_from("<3Q", records[1]["params"], descale_at) == (d2[0].data_ptr(), d2[1].data_ptr(), unit)
+    for kw, error, words in [(dict(arch="sm80"), ValueError, "fp8 (e4m3) varlen runs on sm90"),
+                             (dict(window_size=(8, 0)), ValueError, "not supported with fp8"),
+                             (dict(v_layout="transposed"), SpecError, "v_layout")]:
+        with pytest.raises(error, match=re.escape(words)):
+            _call(a, causal=True, **kw)
 
 
 def test_varlen_kernels_take_the_window_on_each_sequences_diagonal():
@@ -362,6 +417,7 @@ def test_the_cli_emits_an_sm90_varlen_kernel():
                    + one_per(SM90_VARLEN_NP_SPECS, lambda s: s.causal)
                    + one_per(SM90_VARLEN_OTHER_SCHEDULER, lambda s: True)
                    + SM90_VARLEN_KNOBS + SM90_VARLEN_LPT + SM90_VARLEN_VARIANTS + SM80_VARLEN_VARIANTS
+                   + SM90_VARLEN_FP8 + SM90_VARLEN_FP8_NP
                    + one_per(SM90_VARLEN_ROW_STORE, lambda s: True)],
                 ids=lambda p: f"{p[0].variant}-{p[1] or 'sm_90a'}")
 def varlen_kernel(request):
@@ -379,6 +435,9 @@ def test_varlen_kernels_compile_without_spills(varlen_kernel):
         assert counts["LDL"] == 0 and counts["STL"] == 0 and "C75" not in kernel.log, kernel.log
         # Q, K, V by TMA; O by 16-byte st.global (guarded per row) and, with varlen_tma_store, by a TMA
         # store too (one per slab of head_dim, the padded kernel's; the rows of partial blocks as before)
+        if spec.dtype == "fp8":     # O from registers, row by row (no staging tile, no TMA store)
+            assert counts["UTMALDG"] > 0 and counts["UTMASTG"] == 0, counts
+            return
         assert counts["UTMALDG"] > 0 and "STG.E.128" in kernel.sass()
         assert counts["UTMASTG"] == (0 if not spec.varlen_tma_store else
                                      spec.head_dim // tma_mod.slab_geometry(spec.head_dim)[1]), counts

@@ -39,8 +39,9 @@ import sys
 
 from . import api
 from ..tuning import tunedb
-from .api import (ARRAY_META, ARRAY_PTR, DTYPE_NAMES, _allocate, _check_inputs, _check_out, _check_same_place,
-                  _check_scale, _current_device, _current_stream, _empty, _kind, _torch, _View, _view, resolve_spec)
+from .api import (_FP8_KNOBS, ARRAY_META, ARRAY_PTR, DTYPE_NAMES, OUT_DTYPE_NAMES, _allocate,
+                  _check_inputs, _check_out, _check_same_place, _check_scale, _current_device, _current_stream, _empty,
+                  _kind, _torch, _View, _view, resolve_spec)
 from ..runtime import driver, tma
 from ..runtime.launch import Varlen, grid, pack_params
 from ..runtime.plan import LaunchPlan, PlanCache
@@ -73,8 +74,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     (total_q, heads_q, head_dim) in q's dtype, and with ``return_lse`` the float32 natural-log LSE
     (heads_q, total_q) (FlashAttention-2/3 varlen's layout; with sinks, the sink included). ``out``
     receives O in place. ``arch``: "sm90" (the default on H100/H200) or "sm80" (the default elsewhere;
-    it runs on sm90 GPUs too). Spec fields (block_n=..., stages=...) override the defaults. No backward
-    yet, no fp8.
+    it runs on sm90 GPUs too). Spec fields (block_n=..., stages=...) override the defaults. fp8 (sm90):
+    float8_e4m3fn q, k, v with ``q_descale``, ``k_descale``, ``v_descale`` (float32 scalars or
+    (sequences, heads_kv), as attention() takes them, the batch being the sequences; one left out is 1),
+    O in ``out_dtype`` (bf16 by default), no variants. No backward yet.
     """
     torch = _torch()
     key = plan = None
@@ -93,7 +96,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                        max_seqlen_q.__class__, plan_bound(max_seqlen_q), max_seqlen_k.__class__,
                        plan_bound(max_seqlen_k), current,
                        causal.__class__, causal, softmax_scale.__class__, softmax_scale, bool(return_lse), arch,
-                       tuple(sorted(spec_fields.items())) if spec_fields else (),
+                       *(_knob_key(spec_fields, ARRAY_META["torch"]) if spec_fields else ((), None)),
                        None if out is None else _PACKED_META["torch"](out), tunedb.generation(),
                        None if variant is None else api._variant_key(variant, ARRAY_META["torch"]))
                 plan = _PLANS._plans.get(key)
@@ -108,7 +111,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                        max_seqlen_q.__class__, plan_bound(max_seqlen_q), max_seqlen_k.__class__,
                        plan_bound(max_seqlen_k), current,
                        causal.__class__, causal, softmax_scale.__class__, softmax_scale, bool(return_lse), arch,
-                       tuple(sorted(spec_fields.items())), packed(out), tunedb.generation(),
+                       *_knob_key(spec_fields, meta), packed(out), tunedb.generation(),
                        None if variant is None else api._variant_key(variant, meta))
                 plan = _PLANS.get(key)
     except (AttributeError, TypeError):     # not all arrays of one library, an unhashable knob: the checked path
@@ -117,19 +120,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         return _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      bool(return_lse), out, arch, spec_fields, variant)
     total_q, heads_q = q.shape[0], q.shape[1]
-    # plan.outputs: the tokens whose LSE the plan's scratch holds (the total it was built for); a
+    made = plan.outputs
+    # made.tokens: the tokens whose LSE the plan's scratch holds (the total it was built for); a
     # larger total not asking for the LSE writes it to a temporary instead.
-    lse_needed = return_lse or total_q > plan.outputs
+    lse_needed = return_lse or total_q > made.tokens
     if kind == "torch":
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.empty_like(q) if made.out_dtype is None else torch.empty(q.shape, dtype=made.out_dtype,
+                                                                                  device=q.device)
         lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device) if lse_needed else None
         stream = torch._C._cuda_getCurrentRawStream(device)
         ptr = torch.Tensor.data_ptr     # (ARRAY_PTR's, without its frame)
     else:
         with cupy.cuda.Device(device):
             if out is None:
-                out = cupy.empty(q.shape, dtype=q.dtype)
+                out = cupy.empty(q.shape, dtype=q.dtype if made.out_dtype is None else made.out_dtype)
             lse = cupy.empty((heads_q, total_q), dtype=cupy.float32) if lse_needed else None
             stream = cupy.cuda.get_current_stream().ptr
         ptr = ARRAY_PTR[kind]
@@ -139,7 +144,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) & 15 or (cu_q | cu_k | sinks_ptr) & 3:
         return _miss(None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      bool(return_lse), out, arch, spec_fields, variant)    # misaligned: the checked path says which
-    _launch(plan, stream, pointers, ptr(lse) if lse is not None else 0, cu_q, cu_k, total_q, k.shape[0], sinks_ptr)
+    descales = None
+    if made.unit_descale_ptrs:     # fp8: the call's descales' addresses, the plan's unit ones where left out
+        descales = api._descale_ptrs(tuple(spec_fields.get(n) for n in _FP8_KNOBS), made.unit_descale_ptrs, ptr)
+    _launch(plan, stream, pointers, ptr(lse) if lse is not None else 0, cu_q, cu_k, total_q, k.shape[0], sinks_ptr,
+            descales)
     return (out, lse) if return_lse else out
 
 
@@ -161,15 +170,33 @@ _PACKED_META = {kind: _packed_meta(meta) for kind, meta in ARRAY_META.items()}
 
 
 def _launch(plan: LaunchPlan, stream: int, pointers: tuple, lse: int, cu_seqlens_q: int, cu_seqlens_k: int,
-            total_q: int, total_k: int, sinks: int = 0) -> None:
+            total_q: int, total_k: int, sinks: int = 0, descales: tuple[int, int, int] | None = None) -> None:
     """The plan launched with this call's addresses and totals (the extents sm90's maps depend on; a plan
     without maps ignores them)."""
     if plan.grid[0]:    # max_seqlen_q = 0: every sequence is empty, there is nothing to compute
         if plan.varlen_plain:
             plan.launch_plain(stream, *pointers, lse, None, (cu_seqlens_q, cu_seqlens_k, total_q), (total_q, total_k))
         else:
-            plan.launch(stream, *pointers, lse, sinks=sinks, varlen=(cu_seqlens_q, cu_seqlens_k, total_q),
+            plan.launch(stream, *pointers, lse, descales, sinks=sinks, varlen=(cu_seqlens_q, cu_seqlens_k, total_q),
                         extents=(total_q, total_k))
+
+
+def _knob_key(spec_fields: dict, meta) -> tuple:
+    """(the knobs, the fp8 descales' metas or None): the plan-key parts of a call's keyword fields (a
+    descale tensor keys by its layout, its address is patched per call; api._split_knobs' split)."""
+    knobs, descales = api._split_knobs(spec_fields)
+    return knobs, None if all(d is None for d in descales) else tuple(None if d is None else meta(d) for d in descales)
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenOutputs:
+    """What a varlen plan-cache hit needs besides the plan: ``tokens``, the total_q its scratch LSE holds;
+    ``out_dtype``, O's library dtype where it is not q's (fp8: out_dtype's); the unit descales' addresses
+    an fp8 plan launches where a call leaves a descale out, and the arrays behind them (kept alive)."""
+    tokens: int
+    out_dtype: object = None
+    unit_descale_ptrs: tuple = ()
+    keep: tuple = ()
 
 
 # ------------------------------------------------------------------ the checked path
@@ -180,8 +207,9 @@ def as_one_batch(t: _View) -> _View:
     return dataclasses.replace(t, shape=(1,) + tuple(t.shape), strides=(0,) + tuple(t.strides))
 
 
-def check_packed(q: _View, k: _View, v: _View) -> None:
-    """q, k, v of a varlen call: 3-D packed tensors with tokens, then the forward's checks."""
+def check_packed(q: _View, k: _View, v: _View, fp8: bool = False) -> None:
+    """q, k, v of a varlen call: 3-D packed tensors with tokens, then the forward's checks (``fp8``: the
+    e4m3 forward's, V as the packed tokens)."""
     for t in (q, k, v):
         if len(t.shape) != 3:
             raise ValueError(f"{t.name} must be 3-D (total_tokens, heads, head_dim): the sequences packed one after "
@@ -191,7 +219,10 @@ def check_packed(q: _View, k: _View, v: _View) -> None:
     heads_q, heads_kv = q.shape[1], k.shape[1]
     if heads_kv < 1 or heads_q % heads_kv:   # (said here: the forward's message counts 4-D axes)
         raise ValueError(f"heads_kv={heads_kv} (k.shape[1]) must divide heads_q={heads_q} (q.shape[1]) for GQA/MQA")
-    _check_inputs(*(as_one_batch(t) for t in (q, k, v)), what="attention_varlen")
+    if fp8:
+        api.check_fp8_inputs(*(as_one_batch(t) for t in (q, k, v)), "row")
+    else:
+        _check_inputs(*(as_one_batch(t) for t in (q, k, v)), what="attention_varlen")
 
 
 def check_cu_seqlens(q: _View, cu_seqlens_q, cu_seqlens_k) -> tuple[_View, _View]:
@@ -261,7 +292,10 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     sinks, alignment) of a call that gave any of them; its window is resolved against the plan's
     bounds (max_seqlen's plan_bound), so every call the plan serves gets the same kernel and values."""
     qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
-    check_packed(qv, kv, vv)
+    spec_fields = dict(spec_fields)
+    fp8 = api._is_fp8_call(qv, spec_fields)
+    descale_values = [spec_fields.pop(name, None) for name in _FP8_KNOBS]
+    check_packed(qv, kv, vv, fp8)
     cu_q, cu_k = check_cu_seqlens(qv, cu_seqlens_q, cu_seqlens_k)
     max_q, max_k = (plan_bound(check_max_seqlen(name, value)) for name, value in
                     (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
@@ -276,16 +310,32 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     batch = cu_q.shape[0] - 1
     variants = sinks_view = None
     if variant is not None:
-        fields, causal, variants, sinks_view = api._variants(variant, as_one_batch(qv), max_q, max_k, causal, False)
+        fields, causal, variants, sinks_view = api._variants(variant, as_one_batch(qv), max_q, max_k, causal, fp8)
         spec_fields = {**spec_fields, **fields}
-    spec = resolve_spec(head_dim, DTYPE_NAMES[qv.dtype], causal, qv.device, check_arch(arch),
+    dtype, out_name = DTYPE_NAMES.get(qv.dtype), qv.dtype
+    if fp8:     # sm90 only; O in out_dtype (bf16 by default), V as the packed tokens
+        if arch not in (None, "sm90"):
+            raise ValueError(f"arch={arch!r}: fp8 (e4m3) varlen runs on sm90 (H100/H200) only; use arch='sm90'")
+        arch, dtype = "sm90", "fp8"
+        spec_fields["out_dtype"] = spec_fields.get("out_dtype") or "bf16"
+        if spec_fields["out_dtype"] not in OUT_DTYPE_NAMES:
+            raise ValueError(f"out_dtype must be 'bf16' or 'fp16', got {spec_fields['out_dtype']!r}")
+        spec_fields.setdefault("v_layout", "row")
+        out_name = OUT_DTYPE_NAMES[spec_fields["out_dtype"]]
+    descales, keep, unit_ptrs = api._fp8_descales(as_one_batch(qv), descale_values, batch, kv.shape[1]) \
+        if fp8 else ({}, (), ())
+    spec = resolve_spec(head_dim, dtype, causal, qv.device, check_arch(arch),
                         shape=(batch, max_q, max_k, heads_q), varlen=True, **spec_fields)
-    if out is None:     # as a plan-cache hit makes it (torch: empty_like(q), q's layout)
-        out = _torch().empty_like(q) if qv.kind == "torch" else _empty(qv, qv.shape, qv.dtype)
+    library_dtype = None if out_name == qv.dtype else (getattr(_torch(), out_name) if qv.kind == "torch"
+                                                       else api._cupy().dtype(out_name))
+    if out is None:     # as a plan-cache hit makes it (torch: empty_like(q), q's layout; fp8: out_dtype's)
+        out = (_torch().empty_like(q) if library_dtype is None else _torch().empty(q.shape, dtype=library_dtype,
+                                                                                   device=q.device)) \
+            if qv.kind == "torch" else _empty(qv, qv.shape, out_name)
     outv = _view("out", out)
     if tuple(outv.shape) != tuple(qv.shape):
         raise ValueError(f"out has shape {tuple(outv.shape)}, q has {tuple(qv.shape)}; they must match")
-    _check_out(as_one_batch(outv), as_one_batch(qv))
+    _check_out(as_one_batch(outv), as_one_batch(qv), out_name)
     lse = _empty(qv, (heads_q, total_q), "float32") if return_lse else None
 
     prepared = api._prepare(spec, qv.device)     # (through the module: tests stand a fake in)
@@ -296,17 +346,19 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     sm90 = spec.arch == "sm90"
     if sm90:
         driver.ensure_context(qv.device)     # (the TMA maps are encoded in a context)
-    param_bytes = pack_params(spec, *operands, lse_ptr, 0, scale, variants=variants, varlen=boundaries)
+    param_bytes = pack_params(spec, *operands, lse_ptr, 0, scale, descales=descales or None, variants=variants,
+                              varlen=boundaries)
     plan = LaunchPlan(spec, prepared.function, launch_grid, param_bytes,
                       tensor_maps=tma.map_operands(spec) if sm90 else {}, lse_floats=heads_q * total_q,
                       workspace_floats=0, stream_k_flags=(0, 0), switch_context=qv.device != _current_device(qv.kind),
                       allocate=functools.partial(_allocate, qv.kind, qv.device),
-                      outputs=total_q,     # the tokens its scratch LSE holds
+                      outputs=VarlenOutputs(total_q, library_dtype, tuple(unit_ptrs) if fp8 else (), tuple(keep)),
                       encode_maps=map_encoder(spec, heads_q, kv.shape[1], tuple(op.bsh_strides for op in operands))
                       if sm90 else None,
                       extents=(total_q, kv.shape[0]) if sm90 else ())
     if key is not None:
         _PLANS.put(key, plan)
     _launch(plan, _current_stream(qv.kind, qv.device), (qv.ptr, kv.ptr, vv.ptr, outv.ptr), lse_ptr, cu_q.ptr, cu_k.ptr,
-            total_q, kv.shape[0], sinks_view.ptr if sinks_view is not None else 0)
+            total_q, kv.shape[0], sinks_view.ptr if sinks_view is not None else 0,
+            tuple(descales[n].ptr for n in ("q", "k", "v")) if fp8 else None)
     return (out, lse) if return_lse else out

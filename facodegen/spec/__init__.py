@@ -831,9 +831,10 @@ class KernelSpec:
             fill["dynamic_scheduler"] = (bool(resolved("persistent")) and not self.stream_k
                                          and dynamic_scheduler_default(self.head_dim, self.dtype, self.causal))
             fill["stream_k"] = (bool(resolved("persistent")) and not resolved("dynamic_scheduler")
+                                and self.varlen is not True     # (varlen tiles differ in length)
                                 and stream_k_default(self.head_dim, self.dtype, self.causal))
             fill["varlen_tma_store"] = self.varlen is True and self.dtype != "fp8"
-            fill["defer_o_store"] = (bool(overlap)
+            fill["defer_o_store"] = (bool(overlap) and self.varlen is not True     # (varlen stores O at once)
                                      and defer_o_store_default(self.head_dim, self.dtype, self.v_layout, self.causal,
                                                                bool(resolved("q_in_regs"))))
             if self.stages is None and self.dtype == "fp8":
@@ -1236,7 +1237,15 @@ def _check_varlen(spec: KernelSpec) -> None:
         raise SpecError("varlen", "schedule=fa1 has no varlen kernel: use schedule=fa2")
     if spec.arch == "sm90":
         if spec.dtype == "fp8":
-            raise SpecError("varlen", "the fp8 kernel has no varlen path yet: use dtype=bf16 or fp16")
+            # fp8: V as given (row-major, transposed in shared memory), O stored at once from registers
+            if spec.v_layout != "row" or spec.vt_in_place:
+                raise SpecError("v_layout", "fp8 varlen takes V as the packed (total_k, heads_kv, head_dim) tokens: "
+                                            "use v_layout='row' and vt_in_place=False")
+            if spec.defer_o_store:
+                raise SpecError("defer_o_store", "fp8 varlen stores each tile's O at its end: use "
+                                                 "defer_o_store=False")
+            if spec.l2_prefetch:
+                raise SpecError("l2_prefetch", "the fp8 varlen kernel has no L2 prefetch: use l2_prefetch=0")
         if spec.stream_k:
             raise SpecError("stream_k", "varlen tiles differ in length (stream-K cuts equal shares of equal "
                                         "tiles): use stream_k=False")

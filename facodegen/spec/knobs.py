@@ -315,7 +315,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("varlen_tma_store", "bool", "sm90 varlen: a consumer warpgroup's 64 rows of O that lie inside their "
          "sequence leave by a TMA store over the packed tokens (a sequence's last partial rows, row by row; off: "
          "every row by row). Default: on.", SM90, flag="--varlen-tma-store/--varlen-row-store",
-         token=lambda s, v: "rowo" if s.varlen and not v else None),
+         token=lambda s, v: "rowo" if s.varlen and not v and s.dtype != "fp8" else None),   # (fp8: O from registers)
     Knob("varlen_lpt", "bool", "sm90 persistent causal varlen: each sequence's tiles longest first over L2-sized "
          "groups of its heads (the padded kernel's causal order, per sequence); off: head by head. Default: off.",
          SM90, flag="--varlen-lpt/--no-varlen-lpt", token=_flag("lpt")),

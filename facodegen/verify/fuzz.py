@@ -248,6 +248,8 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             if not drawn["softcap"] and (drawn["window_left"], drawn["window_right"]) == (-1, -1):
                 drawn["softcap"] = 30.0
             case_fields.update(drawn, sinks=False, top_left=False)
+        if this_family == "varlen" and arch == "sm90" and case_fields["seed"] % 7 == 6 and case_fields["seed"] % 5 != 4:
+            case_fields["dtype"] = "fp8"     # (a seventh of the sm90 varlen draws: e4m3 with descales, no variants)
         if this_family == "varlen" and case_fields["seed"] % 5 == 4:
             # a fifth of the varlen cases with attention variants (each sequence's own diagonal; varlen has no
             # top-left alignment), drawn from the case's seed so the cases drawn after it stay as they were
@@ -652,14 +654,17 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     """attention_varlen on packed sequences of varlen_lengths(case) (the case's layout applied to the
     packed tensors, O poisoned with NaN where the case passes out=), each sequence's O against a
     float64 computation of that sequence alone by FlashAttention-3's criterion, the LSE (heads_q,
-    total_q) within 1e-3 + 1e-4 |lse| and -inf exactly where the reference has it."""
+    total_q) within 1e-3 + 1e-4 |lse| and -inf exactly where the reference has it. fp8: e4m3 inputs
+    with per-tensor descales, the references on the dequantised values, O by the forward fp8 cases'
+    criterion (rel_fro within 3e-2 or twice a bf16 computation's) and the LSE within 1e-2 + 1e-3 |lse|."""
     import itertools
 
     import torch
 
     import facodegen
     gen = torch.Generator(device="cuda").manual_seed(case.seed)
-    dt = torch.bfloat16 if case.dtype == "bf16" else torch.float16
+    fp8 = case.dtype == "fp8"
+    dt = torch.float16 if case.dtype == "fp16" else torch.bfloat16
     lengths_q, lengths_k = varlen_lengths(case)
     cu_q, cu_k = ([0, *itertools.accumulate(lengths)] for lengths in (lengths_q, lengths_k))
 
@@ -667,14 +672,22 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         return torch.randn(*shape, generator=gen, device="cuda").mul_(case.magnitude).to(dt)
     q = randn(cu_q[-1], case.heads_q, case.head_dim)
     k, v = randn(cu_k[-1], case.heads_kv, case.head_dim), randn(cu_k[-1], case.heads_kv, case.head_dim)
-    args = [_layout(x[None], case.layout)[0] for x in (q, k, v)]
-    out = torch.full_like(q, float("nan")) if case.use_out else None
+    descales = {}
+    if fp8:
+        (q8, qd), (k8, kd), (v8, vd) = (facodegen.quantize_e4m3(x) for x in (q, k, v))
+        q, k, v = (x8.to(torch.float32) * d for x8, d in ((q8, qd), (k8, kd), (v8, vd)))   # what the kernel sees
+        descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+        args = [_layout(x[None], case.layout)[0] for x in (q8, k8, v8)]
+    else:
+        args = [_layout(x[None], case.layout)[0] for x in (q, k, v)]
+    out = torch.full(q.shape, float("nan"), dtype=dt, device="cuda") if case.use_out else None
     sinks = (torch.randn(case.heads_q, generator=gen, device="cuda") * 2.0) if case.sinks else None
     variants = dict(window_size=(case.window_left, case.window_right), softcap=case.softcap, sinks=sinks)
     out, lse = facodegen.attention_varlen(*args, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                                           torch.tensor(cu_k, dtype=torch.int32, device="cuda"), case.seqlen_q,
                                           case.seqlen_k, causal=case.causal, softmax_scale=case.softmax_scale,
-                                          return_lse=True, out=out, arch=case.arch, **variants, **_varlen_knobs(case))
+                                          return_lse=True, out=out, arch=case.arch, **variants, **descales,
+                                          **_varlen_knobs(case))
     if launch_only:
         return _launched(out, lse)
     scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
@@ -684,13 +697,30 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
             continue
         one = [x[None, a:b] for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
         ref, ref_lse = attention_torch(*one, case.causal, scale, upcast=True, **variants)
-        why = fa3_failure(out[None, q0:q1], ref.nan_to_num(0.0), _standard_low(*one, case.causal, scale, **variants),
-                          forward_floor(*one, case.causal, scale, **variants))
+        lse_bound = 1e-3 + 1e-4 * ref_lse[0].abs()
+        if fp8:     # the forward fp8 cases' criterion (_run_forward's), on this sequence
+            ref = ref.nan_to_num(0.0)
+            low, _ = attention_torch(*(x.to(torch.bfloat16) for x in one), case.causal, scale, upcast=False)
+            norm = ref.norm().clamp_min(1e-30)
+            rel = ((out[None, q0:q1].double() - ref).norm() / norm).item()
+            bound = max(3e-2, 2 * ((low.double().nan_to_num(0.0) - ref).norm() / norm).item())
+            why = None if rel <= bound and bool(torch.isfinite(out[q0:q1]).all()) else \
+                f"rel_fro {rel:.2e} (bound {bound:.2e}: 3e-2 or 2x bf16's)"
+            lse_bound = 1e-2 + 1e-3 * ref_lse[0].abs()
+            if k1 > k0:     # fp8 wgmma's accumulation: exact to ~2^-13 of a score's sum of |products|
+                group = case.heads_q // case.heads_kv
+                products = torch.einsum("bqhd,bkhd->bhqk", one[0].double().abs(),
+                                        one[1].double().abs().repeat_interleave(group, dim=2))
+                lse_bound = lse_bound + 2.0 ** -12 * scale * products.amax(dim=-1)[0]
+        else:
+            why = fa3_failure(out[None, q0:q1], ref.nan_to_num(0.0),
+                              _standard_low(*one, case.causal, scale, **variants),
+                              forward_floor(*one, case.causal, scale, **variants))
         got_lse, ref_lse = lse[:, q0:q1].double(), ref_lse[0]
         seen = torch.isfinite(ref_lse)
         if not torch.equal(torch.isneginf(got_lse), ~seen):
             why = (why + "; " if why else "") + "LSE -inf rows differ"
-        elif bool(((got_lse - ref_lse).abs() > 1e-3 + 1e-4 * ref_lse.abs())[seen].any()):
+        elif bool(((got_lse - ref_lse).abs() > lse_bound)[seen].any()):
             why = (why + "; " if why else "") + f"LSE max err {(got_lse - ref_lse)[seen].abs().max().item():.3e}"
         if why:
             problems.append(f"sequence {seq} ({q1 - q0} queries, {k1 - k0} keys): {why}")
@@ -934,8 +964,8 @@ def representative_cases() -> list[Case]:
     cases.append(Case("backward", "sm90", "bf16", batch=3, seqlen_q=300, seqlen_k=8192, heads_q=4, heads_kv=2,
                       head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=10))
-    # (the rings away from their defaults, dq_lag, varlen_lpt, varlen's variants and the decode's: cases 44-49,
-    # appended last so the numbers above stay)
+    # (the rings away from their defaults, dq_lag, varlen_lpt, varlen's variants, the decode's and fp8 varlen:
+    # cases 44-50, appended last so the numbers above stay)
     cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
@@ -979,6 +1009,10 @@ def representative_cases() -> list[Case]:
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=16, seqlen_new=3, num_splits=4,
                       window_left=200, window_right=-1, softcap=30.0))
+    # and fp8 varlen (e4m3 q, k, v with per-tensor descales, O in bf16), causal, GQA: case 50
+    cases.append(Case("varlen", "sm90", "fp8", batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
+                      head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=True, use_out=True, seed=VARLEN_REPRESENTATIVE_SEED))
     return cases
 
 

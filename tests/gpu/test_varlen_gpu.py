@@ -361,6 +361,58 @@ def test_sm90_varlen_lpt_matches_the_default_bit_for_bit(head_dim, dynamic):
         assert torch.equal(buffer[band + total:].view(torch.int16), before[band + total:].view(torch.int16))
 
 
+@NEEDS_SM90
+@pytest.mark.parametrize("per_head", [False, True], ids=["tensor-descales", "sequence-head-descales"])
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "np"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_varlen_matches_the_float64_reference(head_dim, causal, persistent, per_head):
+    """fp8 (e4m3) varlen on sm90: 45 mixed sequences (empty, length 1, other key lengths), GQA 8 x 2,
+    descales per tensor or per (sequence, kv head) (FlashAttention-3's (batch, heads_kv), batch = the
+    sequences), O (bf16) poisoned first: per sequence within the forward fp8 cases' bound (rel_fro 3e-2 or
+    twice a bf16 computation's) of the float64 reference on the dequantised inputs; the LSE within
+    1e-2 + 1e-3 |lse|; rows outside every sequence untouched."""
+    from facodegen.verify.fuzz import attention_torch
+    lengths_q = _mixed_lengths(45, 400, seed=head_dim)
+    lengths_k = _mixed_lengths(45, 400, seed=head_dim + 1)
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, head_dim, torch.bfloat16, seed=head_dim)
+    if per_head:
+        gen = torch.Generator(device="cuda").manual_seed(head_dim)
+
+        def quantize(x, cu):        # descale per (sequence, kv head) in [1/64, 3/64]: |x / d| stays under 448
+            lengths = cu[1:] - cu[:-1]
+            d = (torch.rand(len(lengths), 2, generator=gen, device="cuda") + 0.5) / 32
+            per = d[torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), lengths.long())]
+            per = per.repeat_interleave(x.shape[1] // 2, dim=1)[..., None]       # (tokens, heads, 1)
+            x8 = (x.float() / per).to(torch.float8_e4m3fn)
+            return x8, d, x8.float() * per
+        (q8, qd, qf), (k8, kd, kf), (v8, vd, vf) = (quantize(x, cu) for x, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
+    else:
+        (q8, qd), (k8, kd), (v8, vd) = (facodegen.quantize_e4m3(x) for x in (q, k, v))
+        qf, kf, vf = (x8.float() * d for x8, d in ((q8, qd), (k8, kd), (v8, vd)))
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    out, lse = facodegen.attention_varlen(q8, k8.contiguous(), v8.contiguous(), cu_q, cu_k, max(lengths_q),
+                                          max(lengths_k), causal=causal, return_lse=True, out=out, arch="sm90",
+                                          q_descale=qd, k_descale=kd, v_descale=vd, persistent=persistent)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = varlen_reference(qf, kf, vf, cu_q, cu_k, causal=causal)
+    got_lse = lse.double().cpu().numpy()
+    assert np.array_equal(np.isneginf(got_lse), np.isneginf(lse_ref)), "LSE -inf rows differ"
+    seen = np.isfinite(lse_ref)
+    assert np.all(np.abs(got_lse[seen] - lse_ref[seen]) <= 1e-2 + 1e-3 * np.abs(lse_ref[seen]))
+    bounds = cu_q.tolist(), cu_k.tolist()
+    for seq, (q0, q1, k0, k1) in enumerate(zip(bounds[0], bounds[0][1:], bounds[1], bounds[1][1:])):
+        if q0 == q1:
+            continue
+        ref = torch.from_numpy(o_ref[None, q0:q1]).cuda()
+        one = [x[None, a:b].to(torch.bfloat16) for x, a, b in ((qf, q0, q1), (kf, k0, k1), (vf, k0, k1))]
+        low, _ = attention_torch(*one, causal, head_dim ** -0.5, upcast=False)
+        norm = ref.norm().clamp_min(1e-30)
+        rel = ((out[None, q0:q1].double() - ref).norm() / norm).item()
+        bound = max(3e-2, 2 * ((low.double().nan_to_num(0.0) - ref).norm() / norm).item())
+        assert rel <= bound, f"sequence {seq}: rel_fro {rel:.3e} > {bound:.3e}"
+
+
 # ------------------------------------------------------------------ O's TMA store of whole blocks (issue 39)
 
 @NEEDS_SM90
