@@ -74,6 +74,9 @@ CUSTOM_SPECS = [
     dict(arch="sm90", head_dim=128, block_m=64, producer_regs=56, consumer_regs=256),
     dict(arch="sm90", dtype="fp8", head_dim=256, defer_o_store=False),      # off where its default is on
     dict(arch="sm90", dtype="fp8", head_dim=128, defer_o_store=True),
+    dict(arch="sm90", dtype="fp8", head_dim=256, varlen=True),             # (stream-K and defer_o_store off)
+    dict(arch="sm90", head_dim=128, causal=True, varlen=True, varlen_lpt=True),
+    dict(arch="sm90", head_dim=128, causal=True, varlen=True, local=True, softcap=True, sinks=True),
 ]
 
 

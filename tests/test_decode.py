@@ -484,6 +484,7 @@ def test_cli_kernels_tuple():
 @pytest.mark.parametrize("argv", [
     ["--arch", "sm90", "--kernel", "decode", "--page-size", "64", "--split-kv", "--pack-gqa"],
     ["--arch", "sm90", "--kernel", "decode", "--page-size", "64", "--split-kv", "--fused-combine"],
+    ["--arch", "sm90", "--kernel", "decode", "--page-size", "16", "--split-kv", "--local", "--softcap"],
     ["--arch", "sm80", "--kernel", "decode", "--head-dim", "64", "--block-n", "128", "--stages", "4"],
     ["--kernel", "combine", "--head-dim", "96", "--dtype", "fp16"],
     ["--kernel", "append", "--paged"],
