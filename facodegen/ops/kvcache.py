@@ -332,8 +332,9 @@ def device_plan_specs(problem: _Problem, device: int = 0, num_splits: int = 0, k
 class DecodeWindow:
     """A call's window_size and softcap as the decode kernel takes them (decode_window): ``local``, the
     window in the bottom-right frame (query i of seqlen_q sees keys i + seqlen_k - seqlen_q - window_left ..
-    i + seqlen_k - seqlen_q + window_right; an unbounded side wider than any cache: UNBOUNDED), the
-    softcap c (0: off) and ``left``, the caller's left side (-1: unbounded), which bounds the keys a tile sees."""
+    i + seqlen_k - seqlen_q + window_right; an unbounded side as more keys than the cache and the new tokens
+    hold), the softcap c (0: off) and ``left``, the caller's left side (-1: unbounded), which bounds the keys a
+    tile sees."""
     local: bool
     window_left: int
     window_right: int
