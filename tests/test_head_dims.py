@@ -63,7 +63,7 @@ def test_a_padded_spec_equals_its_tile_with_head_dim_real_and_names_it():
     (dict(head_dim=80, head_dim_real=40), "head_dim", "choose one of 64, 96, 128, 192, 256"),
     (dict(arch="sm90", dtype="fp8", head_dim=80), "head_dim", "fp8 kernel takes head_dim 64, 96, 128, 192, 256"),
     (dict(arch="sm80", schedule="fa1", head_dim=80), "head_dim", "schedule=fa1"),
-    (dict(arch="sm80", varlen=True, head_dim=80), "head_dim", "varlen"),
+    (dict(arch="sm90", dtype="fp8", varlen=True, head_dim=80), "head_dim", "fp8 kernel takes head_dim"),
 ])
 def test_bad_head_dims_name_the_field(fields, knob, words):
     with pytest.raises(SpecError) as err:

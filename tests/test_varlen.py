@@ -93,7 +93,6 @@ def test_sm90_varlen_without_persistent_is_one_cta_per_tile():
     (dict(arch="sm90", cluster_m=2), "cluster_m"),
     (dict(arch="sm90", persistent=True, cluster_m=2), "cluster_m"),
     (dict(arch="sm90", persistent=False, cluster_m=2), "cluster_m"),
-    (dict(arch="sm90", head_dim=80), "head_dim"),
     (dict(arch="sm80", schedule="fa1"), "varlen"),
     (dict(arch="sm80", schedule="fa1", local=True), "local"),
 ])
@@ -105,6 +104,9 @@ def test_varlen_refuses_what_it_does_not_have(fields, knob):
 
 # the attention variants with varlen: each feature alone and all three, both archs (issue 40: the window
 # combines with varlen), compiled once per arch and feature set below
+# padded head dims (issue 40: any multiple of 8) with varlen, both archs: d80 on the d96 tile, d40 on d64's
+SM90_VARLEN_PADDED, SM80_VARLEN_PADDED = ([KernelSpec(arch=arch, head_dim=d, dtype="bf16", causal=c, varlen=True)
+                                           for d, c in ((80, True), (40, False))] for arch in ("sm90", "sm80"))
 VARLEN_VARIANT_CASES = ((128, True, dict(local=True)), (64, False, dict(softcap=True)), (256, True, dict(sinks=True)),
                         (128, False, dict(local=True, softcap=True, sinks=True)))
 SM90_VARLEN_VARIANTS, SM80_VARLEN_VARIANTS = ([KernelSpec(arch=arch, head_dim=d, dtype="bf16", causal=c, varlen=True, **f)
@@ -129,7 +131,7 @@ def test_the_fp8_varlen_kernel_loads_the_packed_tokens_and_stores_each_sequences
     assert source.count("t.k_start + n * BLOCK_N") == 3        # K (roles.cuh.j2's loop), V and the caller's V^T
 
 
-def test_fp8_varlen_calls(fake):  # noqa: F811
+def test_fp8_varlen_calls(varlen_plans):
     """attention_varlen on e4m3 tensors: the fp8 varlen kernel on sm90, O in bf16 (out_dtype), each
     descale's address written per call (a left-out one: the plan's unit descale), a new descale of the
     same layout a hit; what it refuses is named."""
@@ -146,7 +148,7 @@ def test_fp8_varlen_calls(fake):  # noqa: F811
     _call(a, causal=True, return_lse=True, q_descale=d2[0], k_descale=d2[1])     # v_descale left out: the unit one
     _call(a, causal=True, return_lse=True, q_descale=scalar(), k_descale=scalar())
     assert varlen._PLANS.misses == 2
-    records = fake.launches.records
+    records = varlen_plans.launches.records
     unit = api._unit_descale(0, "torch").data_ptr()
     assert struct.unpack_from("<3Q", records[0]["params"], descale_at) == tuple(d.data_ptr() for d in d1)
     assert struct.unpack_from("<3Q", records[1]["params"], descale_at) == (d2[0].data_ptr(), d2[1].data_ptr(), unit)
@@ -155,6 +157,21 @@ def test_fp8_varlen_calls(fake):  # noqa: F811
                              (dict(v_layout="transposed"), SpecError, "v_layout")]:
         with pytest.raises(error, match=re.escape(words)):
             _call(a, causal=True, **kw)
+
+
+def test_varlen_takes_a_head_dim_between_the_tiles(varlen_plans):
+    """head_dim 80 through attention_varlen: the d96 tile with head_dim_real 80 (its TMA maps' rows 80
+    columns wide: loads fill the rest with zeros, the TMA store of O clips there), and the row store of a
+    sequence's last partial block stops at the problem's columns too (sm90's store_o_rows)."""
+    a = _args()
+    a.update(q=FakeTensor((118, HQ, 80)), k=FakeTensor((118, HKV, 80)), v=FakeTensor((118, HKV, 80)))
+    _call(a, causal=True, arch="sm90")
+    spec = _plan_spec()
+    assert (spec.head_dim, spec.head_dim_real, spec.varlen) == (96, 80, True)
+    lines = [line.strip() for line in facodegen.emit(spec).splitlines()]
+    assert "if (row < rows && c < O_REAL_CHUNKS) {" in lines
+    assert any(x.startswith("constexpr int O_REAL_CHUNKS = HEAD_DIM_REAL * ELEM_BYTES / 16;") for x in lines)
+    assert "if (row < rows) {" in [x.strip() for x in facodegen.emit(SM90_VARLEN_SPECS[0]).splitlines()]
 
 
 def test_varlen_kernels_take_the_window_on_each_sequences_diagonal():
@@ -417,7 +434,7 @@ def test_the_cli_emits_an_sm90_varlen_kernel():
                    + one_per(SM90_VARLEN_NP_SPECS, lambda s: s.causal)
                    + one_per(SM90_VARLEN_OTHER_SCHEDULER, lambda s: True)
                    + SM90_VARLEN_KNOBS + SM90_VARLEN_LPT + SM90_VARLEN_VARIANTS + SM80_VARLEN_VARIANTS
-                   + SM90_VARLEN_FP8 + SM90_VARLEN_FP8_NP
+                   + SM90_VARLEN_FP8 + SM90_VARLEN_FP8_NP + SM90_VARLEN_PADDED + SM80_VARLEN_PADDED
                    + one_per(SM90_VARLEN_ROW_STORE, lambda s: True)],
                 ids=lambda p: f"{p[0].variant}-{p[1] or 'sm_90a'}")
 def varlen_kernel(request):

@@ -222,7 +222,7 @@ def check_packed(q: _View, k: _View, v: _View, fp8: bool = False) -> None:
     if fp8:
         api.check_fp8_inputs(*(as_one_batch(t) for t in (q, k, v)), "row")
     else:
-        _check_inputs(*(as_one_batch(t) for t in (q, k, v)), what="attention_varlen")
+        _check_inputs(*(as_one_batch(t) for t in (q, k, v)), any_head_dim=True, what="attention_varlen")
 
 
 def check_cu_seqlens(q: _View, cu_seqlens_q, cu_seqlens_k) -> tuple[_View, _View]:

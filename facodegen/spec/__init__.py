@@ -1121,7 +1121,7 @@ def _check_split_v(spec: "KernelSpec") -> None:
 
 
 def _check_padded(spec: "KernelSpec") -> None:
-    """head_dim_real < head_dim: the 16-bit fa2 forward (sm80, sm90) without varlen pads its tiles."""
+    """head_dim_real < head_dim: the 16-bit fa2 forward (sm80, sm90; varlen too) pads its tiles."""
     if not spec.padded:
         return
     what = f"head_dim={spec.head_dim_real} (on the head_dim {spec.head_dim} tile)"
@@ -1131,8 +1131,6 @@ def _check_padded(spec: "KernelSpec") -> None:
     if spec.schedule == "fa1":
         raise SpecError("head_dim", f"{what}: schedule=fa1 takes head_dim {', '.join(map(str, HEAD_DIMS))} only; "
                                     f"use schedule=fa2")
-    if spec.varlen:
-        raise SpecError("head_dim", f"{what}: varlen takes head_dim {', '.join(map(str, HEAD_DIMS))} only yet")
 
 
 def _check_choice(name: str, value, allowed) -> None:

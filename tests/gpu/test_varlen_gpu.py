@@ -132,6 +132,23 @@ def test_varlen_variants_match_the_float64_reference(arch, case, causal, variant
     _check(q, k, v, cu_q, cu_k, out, lse, causal, torch.bfloat16, **variant)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [40, 80, 112])
+@ARCHS
+def test_varlen_head_dims_between_the_tiles(arch, head_dim, causal):
+    """Issue 40's any head_dim with varlen: d40 / d80 / d112 on the d64 / d96 / d128 tiles, the packed
+    (total, heads, d) tensors exactly d wide (an O row store past d would write the next head's columns),
+    against the float64 reference; 45 mixed sequences with empty and length-1 ones, GQA 8 x 2."""
+    lengths_q = _mixed_lengths(45, 300, seed=head_dim)
+    lengths_k = _mixed_lengths(45, 300, seed=head_dim + 1)
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, head_dim, torch.bfloat16, seed=head_dim)
+    out = torch.full_like(q, float("nan"))
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                          return_lse=True, out=out, **_kw(arch))
+    torch.cuda.synchronize()
+    _check(q, k, v, cu_q, cu_k, out, lse, causal, torch.bfloat16)
+
+
 @ARCHS
 def test_new_boundaries_hit_the_plan_and_are_right(arch):
     """The same packed tensors with other boundaries (same total tokens): a plan-cache hit whose
