@@ -55,7 +55,6 @@ def test_head_dim_v_defaults_to_head_dim_and_is_named_only_when_it_differs():
     (dict(head_dim=80, head_dim_v=64), "padded head_dim=80"),
     (dict(arch="sm90", dtype="fp8", head_dim=128, head_dim_v=64), "fp8"),
     (dict(arch="sm80", head_dim=128, head_dim_v=64, schedule="fa1"), "schedule=fa1"),
-    (dict(arch="sm80", head_dim=128, head_dim_v=64, varlen=True), "varlen"),
 ])
 def test_bad_head_dim_v_names_the_field(fields, words):
     with pytest.raises(SpecError, match=re.escape(words)) as err:
@@ -235,8 +234,8 @@ def view(name, shape, dtype="bfloat16"):
 
 def test_the_paths_without_head_dim_v_say_so():
     q, k, v = view("q", (1, 16, 2, 128)), view("k", (1, 16, 2, 128)), view("v", (1, 16, 2, 64))
-    with pytest.raises(ValueError, match=r"attention_varlen.*head_dim_v of its own .* attention\(\)"):
-        api._check_inputs(q, k, v, what="attention_varlen")
+    with pytest.raises(ValueError, match=r"head_dim_v of its own .* attention\(\) and attention_varlen"):
+        api._check_inputs(q, k, v, what="attention_backward")
     with pytest.raises(ValueError, match="fp8 takes no head_dim_v"):
         api.check_fp8_inputs(*(view(n, s.shape, "float8_e4m3fn") for n, s in (("q", q), ("k", k), ("v", v))), "row")
     from facodegen.ops import kvcache

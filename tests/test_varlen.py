@@ -107,6 +107,10 @@ def test_varlen_refuses_what_it_does_not_have(fields, knob):
 # padded head dims (issue 40: any multiple of 8) with varlen, both archs: d80 on the d96 tile, d40 on d64's
 SM90_VARLEN_PADDED, SM80_VARLEN_PADDED = ([KernelSpec(arch=arch, head_dim=d, dtype="bf16", causal=c, varlen=True)
                                            for d, c in ((80, True), (40, False))] for arch in ("sm90", "sm80"))
+# V narrower than Q and K with varlen, both archs: 192 / 128 (DeepSeek MLA prefill) and 128 / 64
+SM90_VARLEN_SPLIT_V, SM80_VARLEN_SPLIT_V = ([KernelSpec(arch=arch, head_dim=d, head_dim_v=dv, dtype="bf16", causal=c,
+                                                        varlen=True) for d, dv, c in ((192, 128, True), (128, 64, False))]
+                                            for arch in ("sm90", "sm80"))
 VARLEN_VARIANT_CASES = ((128, True, dict(local=True)), (64, False, dict(softcap=True)), (256, True, dict(sinks=True)),
                         (128, False, dict(local=True, softcap=True, sinks=True)))
 SM90_VARLEN_VARIANTS, SM80_VARLEN_VARIANTS = ([KernelSpec(arch=arch, head_dim=d, dtype="bf16", causal=c, varlen=True, **f)
@@ -157,6 +161,22 @@ def test_fp8_varlen_calls(varlen_plans):
                              (dict(v_layout="transposed"), SpecError, "v_layout")]:
         with pytest.raises(error, match=re.escape(words)):
             _call(a, causal=True, **kw)
+
+
+def test_varlen_takes_v_narrower_than_q_and_k(varlen_plans):
+    """head_dim 192 / head_dim_v 128 (DeepSeek MLA prefill) through attention_varlen: the split-V kernel with
+    varlen, O (total, heads, 128) allocated so on a hit too; sm90's O stores (the TMA store's slabs, the
+    partial blocks' row store) are head_dim_v wide."""
+    a = _args()
+    a.update(q=FakeTensor((118, HQ, 192)), k=FakeTensor((118, HKV, 192)), v=FakeTensor((118, HKV, 128)))
+    out = _call(a, causal=True, arch="sm90")
+    out2 = _call(a, causal=True, arch="sm90")                 # a hit: O shaped by the plan
+    spec = _plan_spec()
+    assert (spec.head_dim, spec.head_dim_v, spec.varlen) == (192, 128, True) and varlen._PLANS.misses == 1
+    assert out.shape == out2.shape == (118, HQ, 128)
+    lines = [line.strip() for line in facodegen.emit(spec).splitlines()]
+    assert any(x.startswith("constexpr int O_ROW_CHUNKS = HEAD_DIM_V * ELEM_BYTES / 16;") for x in lines)
+    assert "for (int slab = 0; slab < V_SLABS; ++slab) {" in lines
 
 
 def test_varlen_takes_a_head_dim_between_the_tiles(varlen_plans):
@@ -435,6 +455,7 @@ def test_the_cli_emits_an_sm90_varlen_kernel():
                    + one_per(SM90_VARLEN_OTHER_SCHEDULER, lambda s: True)
                    + SM90_VARLEN_KNOBS + SM90_VARLEN_LPT + SM90_VARLEN_VARIANTS + SM80_VARLEN_VARIANTS
                    + SM90_VARLEN_FP8 + SM90_VARLEN_FP8_NP + SM90_VARLEN_PADDED + SM80_VARLEN_PADDED
+                   + SM90_VARLEN_SPLIT_V + SM80_VARLEN_SPLIT_V
                    + one_per(SM90_VARLEN_ROW_STORE, lambda s: True)],
                 ids=lambda p: f"{p[0].variant}-{p[1] or 'sm_90a'}")
 def varlen_kernel(request):
@@ -456,8 +477,8 @@ def test_varlen_kernels_compile_without_spills(varlen_kernel):
             assert counts["UTMALDG"] > 0 and counts["UTMASTG"] == 0, counts
             return
         assert counts["UTMALDG"] > 0 and "STG.E.128" in kernel.sass()
-        assert counts["UTMASTG"] == (0 if not spec.varlen_tma_store else
-                                     spec.head_dim // tma_mod.slab_geometry(spec.head_dim)[1]), counts
+        assert counts["UTMASTG"] == (0 if not spec.varlen_tma_store else     # (V narrower: O's slabs, head_dim_v)
+                                     spec.head_dim_v // tma_mod.slab_geometry(spec.head_dim)[1]), counts
 
 
 # ------------------------------------------------------------------ the persistent varlen schedule
@@ -638,6 +659,19 @@ def test_varlen_reference_with_variants_is_the_padded_reference_per_sequence(cau
         np.testing.assert_array_equal(lse[:, cu_q[4]:cu_q[5]], np.repeat(np.array(variant["sinks"])[:, None], 5, 1))
 
 
+def test_varlen_reference_with_v_narrower_than_q_and_k():
+    """V (and O) of d_v < d columns: per sequence what attention_reference gives."""
+    q, k, _, cu_q, cu_k = _packed([3, 17, 0, 40], [5, 30, 9, 17])
+    v = np.random.default_rng(3).standard_normal((k.shape[0], k.shape[1], 8))
+    for causal in (False, True):
+        o, _ = varlen_reference(q, k, v, cu_q, cu_k, causal=causal)
+        assert o.shape == (q.shape[0], q.shape[1], 8)
+        for b in range(4):
+            rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            ref, _ = attention_reference(q[None, rows], k[None, keys], v[None, keys], causal=causal)
+            np.testing.assert_allclose(o[rows], ref[0], rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_reference_is_the_padded_reference_per_sequence(causal):
     lengths_q, lengths_k = [1, 17, 0, 40, 5, 3], [1, 30, 9, 17, 0, 3]     # empty queries, empty keys, q > k
@@ -699,7 +733,9 @@ def _call(args, **kw):
     ({}, dict(causal=1), TypeError, "causal must be True or False"),
     ({}, dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be a finite number"),
     ({}, dict(arch="sm100"), ValueError, "arch='sm100': attention_varlen has the sm80 and sm90 kernels"),
-    ({}, dict(out=FakeTensor((118, HQ, 64))), ValueError, "out has shape (118, 8, 64), q has (118, 8, 128)"),
+    ({}, dict(out=FakeTensor((118, HQ, 64))), ValueError,
+     "out has shape (118, 8, 64); expected (total_q, heads_q, head_dim_v) = (118, 8, 128)"),
+    (dict(v=FakeTensor((118, HKV, 64))), dict(head_dim_v=96), ValueError, "head_dim_v=96 but v has head_dim 64"),
     ({}, dict(out=FakeTensor((118, HQ, D), "float16")), TypeError, "out must be a torch bfloat16 array"),
     ({}, dict(varlen=False), ValueError, "varlen is attention_varlen's own switch"),
     ({}, dict(window_size=(4, -7)), ValueError, "window_size: the right size must be >= -1"),

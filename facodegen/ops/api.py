@@ -174,8 +174,8 @@ def _check_attention_shape(q: _View, k: _View, any_head_dim: bool = False, what:
 
 
 # What a path without a V head dim of its own says when v's last dimension differs from k's.
-HEAD_DIM_V_NOTE = ("a head_dim_v of its own (v.shape[3] != k.shape[3]) runs in the 16-bit forward, attention(), "
-                   "only (no backward yet)")
+HEAD_DIM_V_NOTE = ("a head_dim_v of its own (v.shape[3] != k.shape[3]) runs in the 16-bit forwards, attention() and "
+                   "attention_varlen, only (no backward yet)")
 
 
 def _check_inputs(q: _View, k: _View, v: _View, any_head_dim: bool = False, what: str = "",

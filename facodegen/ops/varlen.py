@@ -126,15 +126,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     lse_needed = return_lse or total_q > made.tokens
     if kind == "torch":
         if out is None:
-            out = torch.empty_like(q) if made.out_dtype is None else torch.empty(q.shape, dtype=made.out_dtype,
-                                                                                  device=q.device)
+            out = torch.empty_like(q) if made.out_dtype is None else torch.empty(
+                q.shape if made.out_shape is None else (total_q, *made.out_shape), dtype=made.out_dtype,
+                device=q.device)
         lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device) if lse_needed else None
         stream = torch._C._cuda_getCurrentRawStream(device)
         ptr = torch.Tensor.data_ptr     # (ARRAY_PTR's, without its frame)
     else:
         with cupy.cuda.Device(device):
             if out is None:
-                out = cupy.empty(q.shape, dtype=q.dtype if made.out_dtype is None else made.out_dtype)
+                out = cupy.empty(q.shape if made.out_shape is None else (total_q, *made.out_shape),
+                                 dtype=q.dtype if made.out_dtype is None else made.out_dtype)
             lse = cupy.empty((heads_q, total_q), dtype=cupy.float32) if lse_needed else None
             stream = cupy.cuda.get_current_stream().ptr
         ptr = ARRAY_PTR[kind]
@@ -191,10 +193,13 @@ def _knob_key(spec_fields: dict, meta) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class VarlenOutputs:
     """What a varlen plan-cache hit needs besides the plan: ``tokens``, the total_q its scratch LSE holds;
-    ``out_dtype``, O's library dtype where it is not q's (fp8: out_dtype's); the unit descales' addresses
-    an fp8 plan launches where a call leaves a descale out, and the arrays behind them (kept alive)."""
+    ``out_dtype``, O's library dtype where O is not made like q (fp8: out_dtype's; V narrower than Q and
+    K); ``out_shape``, a token's (heads_q, head_dim_v) where O's shape is not q's; the unit descales'
+    addresses an fp8 plan launches where a call leaves a descale out, and the arrays behind them (kept
+    alive). None: as q."""
     tokens: int
     out_dtype: object = None
+    out_shape: tuple | None = None
     unit_descale_ptrs: tuple = ()
     keep: tuple = ()
 
@@ -222,7 +227,8 @@ def check_packed(q: _View, k: _View, v: _View, fp8: bool = False) -> None:
     if fp8:
         api.check_fp8_inputs(*(as_one_batch(t) for t in (q, k, v)), "row")
     else:
-        _check_inputs(*(as_one_batch(t) for t in (q, k, v)), any_head_dim=True, what="attention_varlen")
+        _check_inputs(*(as_one_batch(t) for t in (q, k, v)), any_head_dim=True, what="attention_varlen",
+                      any_head_dim_v=True)
 
 
 def check_cu_seqlens(q: _View, cu_seqlens_q, cu_seqlens_k) -> tuple[_View, _View]:
@@ -306,6 +312,11 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if spec_fields.get("local", False):
         raise ValueError("local is set by window_size=(left, right), whose sizes the kernel needs; pass window_size")
     total_q, heads_q, head_dim = qv.shape
+    head_dim_v = vv.shape[2]     # (V narrower than Q and K: O is too, head_dim_v; the scale stays Q's)
+    if head_dim_v != head_dim:
+        if spec_fields.setdefault("head_dim_v", head_dim_v) != head_dim_v:
+            raise ValueError(f"head_dim_v={spec_fields['head_dim_v']} but v has head_dim {head_dim_v} (v.shape[2])")
+    out_shape = (total_q, heads_q, head_dim_v)
     scale = _check_scale(softmax_scale, head_dim)
     batch = cu_q.shape[0] - 1
     variants = sinks_view = None
@@ -326,16 +337,16 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         if fp8 else ({}, (), ())
     spec = resolve_spec(head_dim, dtype, causal, qv.device, check_arch(arch),
                         shape=(batch, max_q, max_k, heads_q), varlen=True, **spec_fields)
-    library_dtype = None if out_name == qv.dtype else (getattr(_torch(), out_name) if qv.kind == "torch"
-                                                       else api._cupy().dtype(out_name))
-    if out is None:     # as a plan-cache hit makes it (torch: empty_like(q), q's layout; fp8: out_dtype's)
-        out = (_torch().empty_like(q) if library_dtype is None else _torch().empty(q.shape, dtype=library_dtype,
-                                                                                   device=q.device)) \
-            if qv.kind == "torch" else _empty(qv, qv.shape, out_name)
+    as_q = out_name == qv.dtype and out_shape == tuple(qv.shape)
+    library_dtype = None if as_q else (getattr(_torch(), out_name) if qv.kind == "torch"
+                                       else api._cupy().dtype(out_name))
+    if out is None:     # as a plan-cache hit makes it (torch: empty_like(q), q's layout, where O is as q)
+        out = (_torch().empty_like(q) if as_q else _torch().empty(out_shape, dtype=library_dtype, device=q.device)) \
+            if qv.kind == "torch" else _empty(qv, out_shape, out_name)
     outv = _view("out", out)
-    if tuple(outv.shape) != tuple(qv.shape):
-        raise ValueError(f"out has shape {tuple(outv.shape)}, q has {tuple(qv.shape)}; they must match")
-    _check_out(as_one_batch(outv), as_one_batch(qv), out_name)
+    if tuple(outv.shape) != out_shape:
+        raise ValueError(f"out has shape {tuple(outv.shape)}; expected (total_q, heads_q, head_dim_v) = {out_shape}")
+    _check_out(as_one_batch(outv), as_one_batch(qv), out_name, shape=(1, *out_shape))
     lse = _empty(qv, (heads_q, total_q), "float32") if return_lse else None
 
     prepared = api._prepare(spec, qv.device)     # (through the module: tests stand a fake in)
@@ -352,7 +363,9 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                       tensor_maps=tma.map_operands(spec) if sm90 else {}, lse_floats=heads_q * total_q,
                       workspace_floats=0, stream_k_flags=(0, 0), switch_context=qv.device != _current_device(qv.kind),
                       allocate=functools.partial(_allocate, qv.kind, qv.device),
-                      outputs=VarlenOutputs(total_q, library_dtype, tuple(unit_ptrs) if fp8 else (), tuple(keep)),
+                      outputs=VarlenOutputs(total_q, library_dtype,
+                                            None if out_shape == tuple(qv.shape) else out_shape[1:],
+                                            tuple(unit_ptrs) if fp8 else (), tuple(keep)),
                       encode_maps=map_encoder(spec, heads_q, kv.shape[1], tuple(op.bsh_strides for op in operands))
                       if sm90 else None,
                       extents=(total_q, kv.shape[0]) if sm90 else ())

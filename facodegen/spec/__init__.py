@@ -1107,7 +1107,7 @@ def _resolve_head_dim_tile(spec: "KernelSpec") -> None:
 
 
 def _check_split_v(spec: "KernelSpec") -> None:
-    """head_dim_v != head_dim: the 16-bit fa2 forward (sm80, sm90) without varlen."""
+    """head_dim_v != head_dim: the 16-bit fa2 forward (sm80, sm90; varlen too)."""
     if not spec.split_v:
         return
     what = f"head_dim_v={spec.head_dim_v} (head_dim={spec.head_dim})"
@@ -1116,8 +1116,6 @@ def _check_split_v(spec: "KernelSpec") -> None:
                                       f"dtype=bf16/fp16 or head_dim_v=head_dim")
     if spec.schedule == "fa1":
         raise SpecError("head_dim_v", f"{what}: schedule=fa1 takes V and O of head_dim columns only; use schedule=fa2")
-    if spec.varlen:
-        raise SpecError("head_dim_v", f"{what}: varlen takes V and O of head_dim columns only yet")
 
 
 def _check_padded(spec: "KernelSpec") -> None:

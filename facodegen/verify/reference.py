@@ -195,9 +195,9 @@ def attention_reference(q, k, v, causal: bool = False, softmax_scale: float | No
 def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, softmax_scale: float | None = None,
                      *, window_size=(-1, -1), softcap: float = 0.0, sinks=None):
     """(O, LSE) in float64 of packed variable-length attention (FlashAttention's flash_attn_varlen_func):
-    O (total_q, heads_q, d), LSE (heads_q, total_q).
+    O (total_q, heads_q, d_v), LSE (heads_q, total_q).
 
-    q (total_q, heads_q, d), k and v (total_k, heads_kv, d); sequence b is query tokens
+    q (total_q, heads_q, d), k (total_k, heads_kv, d), v (total_k, heads_kv, d_v); sequence b is query tokens
     cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 against key tokens cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1,
     causal aligned bottom-right within the sequence, and so is ``window_size`` (window_mask's, each
     sequence's own diagonal); ``softcap`` and ``sinks`` as attention_reference takes them. A row that
@@ -208,16 +208,18 @@ def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
     q, k, v = to_float64(q), to_float64(k), to_float64(v)
     cu_q = np.asarray(to_float64(cu_seqlens_q), dtype=np.int64)
     cu_k = np.asarray(to_float64(cu_seqlens_k), dtype=np.int64)
-    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or cu_q.shape != cu_k.shape or cu_q.ndim != 1:
-        raise ValueError(f"varlen_reference: q (total_q, heads_q, d), k = v (total_k, heads_kv, d) and two "
-                         f"(batch + 1,) cu_seqlens, got {q.shape}, {k.shape}, {v.shape}, {cu_q.shape}, {cu_k.shape}")
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or k.shape[:2] != v.shape[:2] or cu_q.shape != cu_k.shape \
+            or cu_q.ndim != 1:
+        raise ValueError(f"varlen_reference: q (total_q, heads_q, d), k (total_k, heads_kv, d), v (total_k, heads_kv, "
+                         f"d_v) and two (batch + 1,) cu_seqlens, got {q.shape}, {k.shape}, {v.shape}, {cu_q.shape}, "
+                         f"{cu_k.shape}")
     total_q, heads_q, d = q.shape
     group = heads_q // k.shape[1]
     scale = _scale(softmax_scale, d)
     sink = None if sinks is None else to_float64(sinks).reshape(-1)
     if sink is not None and sink.shape != (heads_q,):
         raise ValueError(f"sinks: expected shape ({heads_q},), got {sink.shape}")
-    o = np.zeros(q.shape)
+    o = np.zeros((total_q, heads_q, v.shape[2]))     # (V may be narrower than Q and K: O is as V)
     lse = np.full((heads_q, total_q), -np.inf)
     for b in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]

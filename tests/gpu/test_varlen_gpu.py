@@ -149,6 +149,26 @@ def test_varlen_head_dims_between_the_tiles(arch, head_dim, causal):
     _check(q, k, v, cu_q, cu_k, out, lse, causal, torch.bfloat16)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dims", [(192, 128), (128, 64)], ids=["192-128", "128-64"])
+@ARCHS
+def test_varlen_v_narrower_than_q_and_k(arch, dims, causal):
+    """head_dim_v < head_dim with varlen (DeepSeek MLA prefill's 192 / 128): O (total, heads, d_v) against
+    the float64 reference, twice (the second call a plan-cache hit that makes O itself); 45 mixed
+    sequences with empty and length-1 ones, GQA 8 x 2."""
+    head_dim, head_dim_v = dims
+    lengths_q = _mixed_lengths(45, 300, seed=head_dim_v)
+    lengths_k = _mixed_lengths(45, 300, seed=head_dim_v + 1)
+    q, k, _, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, head_dim, torch.bfloat16, seed=head_dim_v)
+    v = torch.randn(cu_k[-1].item(), 2, head_dim_v, device="cuda").to(torch.bfloat16)
+    for _ in range(2):
+        out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                              return_lse=True, **_kw(arch))
+        torch.cuda.synchronize()
+        assert out.shape == (q.shape[0], 8, head_dim_v)
+        _check(q, k, v, cu_q, cu_k, out, lse, causal, torch.bfloat16)
+
+
 @ARCHS
 def test_new_boundaries_hit_the_plan_and_are_right(arch):
     """The same packed tensors with other boundaries (same total tokens): a plan-cache hit whose
