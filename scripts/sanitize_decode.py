@@ -22,7 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-# (name, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, lengths, new, num_splits, fused_combine)
+# (name, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, lengths, new, num_splits, fused_combine
+#  [, the call's window and softcap: issue 40's LOCAL / SOFTCAP decode, whose first-key clamps meet the same
+#  hostile lengths])
 CASES = (
     ("contiguous, split, append", 4, 1, 8, 2, 128, 512, 0, (-5, 10 ** 9, 0, 37), 3, 0, False),
     ("paged16, append, bad pages", 3, 2, 8, 1, 64, 256, 16, (-1, 300, 255), 2, 4, False),
@@ -34,7 +36,17 @@ CASES = (
     # d256's 3-stage ring (kvcache.choose -> split_stages: one split of 32 or more key blocks)
     ("contiguous, d256, one long split", 2, 1, 8, 2, 256, 2048, 0, (2047, -3), 0, 1, False),
     ("paged256, d256, one long split, append", 1, 1, 4, 1, 256, 4096, 256, (10 ** 6,), 1, 1, False),
+    ("paged16, window 20 causal, softcap, bad pages, split", 3, 2, 8, 1, 64, 256, 16, (-1, 300, 255), 2, 4, True,
+     dict(window_size=(20, 0), softcap=30.0)),
+    ("contiguous, window (5, 3) not causal, split, append", 4, 3, 8, 2, 128, 512, 0, (-5, 10 ** 9, 0, 37), 3, 3,
+     False, dict(window_size=(5, 3), causal=False)),
 )
+
+
+def _case(index: int) -> tuple:
+    """CASES[index] with its window/softcap arguments ({} where it has none) as a 13th item."""
+    case = CASES[index]
+    return case if len(case) == 13 else (*case, {})
 
 
 def run_case(index: int) -> None:
@@ -42,7 +54,7 @@ def run_case(index: int) -> None:
 
     import facodegen
 
-    name, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, lengths, new, splits, fused = CASES[index]
+    name, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, lengths, new, splits, fused, extra = _case(index)
     dt = torch.bfloat16
     q = torch.randn(batch, seqlen_q, heads_q, d, device="cuda", dtype=dt)
     table = None
@@ -56,7 +68,7 @@ def run_case(index: int) -> None:
     k_cache = torch.randn(shape, device="cuda", dtype=dt)
     v_cache = torch.randn(shape, device="cuda", dtype=dt)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    kw = {"page_table": table, "num_splits": splits, "return_lse": True, "fused_combine": fused}
+    kw = {"page_table": table, "num_splits": splits, "return_lse": True, "fused_combine": fused, **extra}
     if new:
         kw["k"] = torch.randn(batch, new, heads_kv, d, device="cuda", dtype=dt)
         kw["v"] = torch.randn(batch, new, heads_kv, d, device="cuda", dtype=dt)
@@ -68,11 +80,13 @@ def run_case(index: int) -> None:
 def fuzz_case(index: int, arch: str):
     """The case's shapes as a fuzz kvcache Case: what fuzz.case_specs needs to list its kernels."""
     from facodegen.verify import fuzz
-    _, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, _, new, splits, fused = CASES[index]
+    _, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, _, new, splits, fused, extra = _case(index)
+    left, right = extra.get("window_size", (-1, -1))
     return fuzz.Case("kvcache", arch, "bf16", batch=batch, seqlen_q=seqlen_q, seqlen_k=capacity, heads_q=heads_q,
-                     heads_kv=heads_kv, head_dim=d, causal=True, softmax_scale=None, layout="contiguous",
-                     magnitude=1.0, return_lse=True, use_out=False, page_size=page_size, seqlen_new=new,
-                     num_splits=splits, seed=2 * index + fused)     # (an odd seed: Case.fused_combine)
+                     heads_kv=heads_kv, head_dim=d, causal=extra.get("causal", True), softmax_scale=None,
+                     layout="contiguous", magnitude=1.0, return_lse=True, use_out=False, page_size=page_size,
+                     seqlen_new=new, num_splits=splits, seed=2 * index + fused,     # (an odd seed: Case.fused_combine)
+                     window_left=left, window_right=right, softcap=extra.get("softcap", 0.0))
 
 
 def main() -> int:

@@ -135,15 +135,20 @@ def test_the_hostile_decode_cases_list_their_kernels(monkeypatch):
     import sanitize_decode
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
     monkeypatch.setattr(api, "device_info", lambda ordinal: info)
-    for i, (name, *_, new, splits, fused) in enumerate(sanitize_decode.CASES):
+    for i in range(len(sanitize_decode.CASES)):
+        name, *_, new, splits, fused, extra = sanitize_decode._case(i)
         specs = fuzz.case_specs(sanitize_decode.fuzz_case(i, "sm90"))
+        decode = [s for s in specs if type(s).__name__ == "DecodeSpec"]
+        # the window/softcap cases name the LOCAL / SOFTCAP decode kernel their call runs
+        assert [(s.local, s.softcap) for s in decode] == [("window_size" in extra, "softcap" in extra)], name
         kinds = {type(s).__name__ for s in specs}
         assert "DecodeSpec" in kinds and ("AppendSpec" in kinds) == bool(new), name
         if fused:   # the decode kernel merges its splits: no combine kernel to compile
             assert "CombineSpec" not in kinds and any(getattr(s, "fused_combine", False) for s in specs), name
         if "long split" in name:    # d256's 3-stage ring (split_stages) is under the sanitizer too
             assert [s.stages for s in specs if type(s).__name__ == "DecodeSpec"] == [3], name
-    assert any(case[-1] for case in sanitize_decode.CASES)
+    assert any(sanitize_decode._case(i)[11] for i in range(len(sanitize_decode.CASES)))
+    assert any(sanitize_decode._case(i)[12] for i in range(len(sanitize_decode.CASES)))
 
 
 def test_check_fuzz_without_a_gpu_is_one_clear_line(monkeypatch):
