@@ -19,11 +19,12 @@ from .ops.quantize import quantize_e4m3  # noqa: E402
 from .ops.varlen import attention_varlen  # noqa: E402
 from .ops.adapters import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 from .ops.backward import attention_backward  # noqa: E402
+from .ops.varlen_backward import attention_varlen_backward  # noqa: E402
 from .spec.backward import BackwardSpec  # noqa: E402
 from .ops.kvcache import attention_with_kvcache, flash_attn_with_kvcache  # noqa: E402
 
 __all__ = ["KernelSpec", "SpecError", "default_spec", "default_specs", "emit", "compile", "CompiledKernel",
            "CompileError", "attention", "transpose_v", "quantize_e4m3", "prepare", "flash_attn_func",
            "attention_varlen", "flash_attn_varlen_func",
-           "attention_backward", "BackwardSpec", "attention_with_kvcache", "flash_attn_with_kvcache",
+           "attention_backward", "attention_varlen_backward", "BackwardSpec", "attention_with_kvcache", "flash_attn_with_kvcache",
            "__version__"]

@@ -328,7 +328,8 @@ class BwdLaunches:
         self.yield_in_launch = False    # let another thread run inside each launch (time.sleep(0))
 
     def launcher(self, function, grid, threads, smem):
-        size = backward.layout("sm90" if "_sm90_" in str(function.ptr) else "sm80")[1]   # (its BwdParams)
+        size = backward.layout("sm90" if "_sm90_" in str(function.ptr) else "sm80",     # (its BwdParams)
+                               varlen=str(function.ptr).endswith(("_varlen", "_varlen_dot_do_o", "_varlen_convert_dq")))[1]
 
         def launch(stream, kernel_params):
             if self.yield_in_launch:

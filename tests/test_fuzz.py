@@ -103,8 +103,13 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and the decode's window and softcap (paged, split, with an append)
     assert [i for i, c in enumerate(cases) if c.family == "kvcache" and c.has_variant] == [49]
     assert cases[49].page_size and cases[49].num_splits > 1 and cases[49].seqlen_new and cases[49].softcap
-    # and fp8 varlen, the last case
-    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.dtype == "fp8"] == [len(cases) - 1] == [50]
+    # and fp8 varlen
+    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.dtype == "fp8"] == [50]
+    # the varlen backward: the 16-bit varlen cases of seed 11, and deterministic, the last case
+    assert [i for i, c in enumerate(cases) if c.varlen_backward] == [36, 37, 38, 39, 40, 41, 42, 43, 51]
+    assert [i for i, c in enumerate(cases) if c.varlen_backward and c.seed % 8 == 7] == [len(cases) - 1] == [51]
+    lengths_q, lengths_k = fuzz.varlen_lengths(cases[51])
+    assert 0 in lengths_q and any(q > k for q, k in zip(lengths_q, lengths_k)) and cases[51].causal
     for arch in ("sm80", "sm90"):   # the turn counters too
         assert {c.deterministic for c in cases if c.family == "backward" and c.arch == arch} == {False, True}
     kv = [c for c in cases if c.family == "kvcache"]
@@ -346,7 +351,11 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             fp8 = {"out_dtype": "bf16", "v_layout": "row"} if c.dtype == "fp8" else {}
             assert specs == [api.resolve_spec(c.head_dim, c.dtype, causal, 0, varlen.check_arch(c.arch), shape=shape,
                                               varlen=True, **({"persistent": False} if c.one_cta_per_tile else {}),
-                                              **({"varlen_lpt": True} if c.varlen_lpt else {}), **variant, **fp8)]
+                                              **({"varlen_lpt": True} if c.varlen_lpt else {}), **variant, **fp8)
+                             ] + ([backward.choose(c.head_dim, c.dtype, c.causal, info, {
+                                 "varlen": True, "deterministic": c.seed % 8 == 7}, "sm80")] if c.varlen_backward else [])
+            assert c.varlen_backward == (c.dtype != "fp8" and not c.has_variant and c.seed % 4 == 3
+                                         and c.heads_q * c.seqlen_q * c.seqlen_k <= fuzz.MAX_SCORES // 8)
         else:
             dtype = {"fp16": "float16", "bf16": "bfloat16"}[c.dtype]
             q = _dense("q", (c.batch, c.seqlen_q, c.heads_q, c.head_dim), dtype)

@@ -751,15 +751,6 @@ def test_argument_errors_name_the_argument(fake, changes, kw, error, words):  # 
     assert words in str(err.value)
 
 
-def test_a_tensor_that_needs_grad_is_refused(fake):  # noqa: F811
-    args = _args()
-    args["q"].requires_grad = True
-    import sys
-    sys.modules["torch"].is_grad_enabled = lambda: True
-    with pytest.raises(NotImplementedError, match="no backward"):
-        _call(args)
-
-
 @pytest.mark.parametrize("kw, words", [
     (dict(dropout_p=0.1), "dropout_p=0.1"), (dict(alibi_slopes=object()), "alibi_slopes"),
     (dict(block_table=object()), "block_table"),

@@ -87,9 +87,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     softmax_lse, None)`` with softmax_lse float32 (heads_q, total_q), as FlashAttention-2's varlen.
 
     Supported: ``softmax_scale``, ``causal``, ``window_size=(left, right)`` and ``softcap`` as
-    flash_attn_func takes them (per sequence, on its bottom-right diagonal), ``deterministic`` (moot:
-    the forward is deterministic). Not supported yet, and raising NotImplementedError: ``dropout_p`` !=
-    0, ``alibi_slopes``, ``block_table`` (paged K/V).
+    flash_attn_func takes them (per sequence, on its bottom-right diagonal), ``deterministic`` (the
+    backward's, as FlashAttention's: bit-identical gradients; the forward is deterministic either way).
+    Gradients: fp16/bf16 tensors that require grad record attention_varlen's backward (head_dim 64, 96,
+    128, 192 or 256, no window or softcap). Not supported yet, and raising NotImplementedError:
+    ``dropout_p`` != 0, ``alibi_slopes``, ``block_table`` (paged K/V).
     """
     _refuse_unsupported(dropout_p, alibi_slopes)
     variants = _variant_kwargs(window_size, softcap)
@@ -100,7 +102,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if return_attn_probs:
         out, lse = facodegen.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                               causal=bool(causal), softmax_scale=softmax_scale, return_lse=True,
-                                              **variants)
+                                              deterministic=bool(deterministic), **variants)
         return out, lse, None
     return facodegen.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      causal=bool(causal), softmax_scale=softmax_scale, **variants)
+                                      causal=bool(causal), softmax_scale=softmax_scale,
+                                      deterministic=bool(deterministic), **variants)

@@ -100,18 +100,29 @@ def lpt_tail_pair(pairs: int, group_pairs: int, n_blocks: int, sms: int) -> int:
     return max(0, pairs - tail) // group_pairs * group_pairs
 
 
-def fields(arch: str = "sm80") -> list[Field]:
-    return BWD_FIELDS + (BWD_TMA_FIELDS + BWD_SM90_FIELDS if arch == "sm90" else [])
+# varlen only, last: the sequence boundaries the main kernel reads (a call patches their addresses in).
+# There batch is the number of sequences and seqlen_q / seqlen_k the packed totals (the rows of LSE, D
+# and dq_accum per head: the preprocess and postprocess see the packed tokens as one batch).
+BWD_VARLEN_FIELDS = [Field("cu_seqlens_q", "ptr", "const int*", "varlen: (sequences + 1,) prefix sums of the "
+                                                                "query lengths"),
+                     Field("cu_seqlens_k", "ptr", "const int*", "varlen: (sequences + 1,) prefix sums of the key "
+                                                                "lengths")]
+_PACK_CU_SEQLENS = struct.Struct("<2Q")
 
 
-def layout(arch: str = "sm80") -> tuple[list[tuple[Field, int]], int, int]:
+def fields(arch: str = "sm80", varlen: bool = False) -> list[Field]:
+    return (BWD_FIELDS + (BWD_TMA_FIELDS + BWD_SM90_FIELDS if arch == "sm90" else [])
+            + (BWD_VARLEN_FIELDS if varlen else []))
+
+
+def layout(arch: str = "sm80", varlen: bool = False) -> tuple[list[tuple[Field, int]], int, int]:
     """[(field, offset)], size and alignment of BwdParams (params.place)."""
-    return place(fields(arch))
+    return place(fields(arch, varlen))
 
 
-def pack(values: dict, arch: str = "sm80") -> bytes:
+def pack(values: dict, arch: str = "sm80", varlen: bool = False) -> bytes:
     """BwdParams' bytes; sm90's tensor maps are given as 128 bytes each."""
-    return pack_fields(fields(arch), values, "BwdParams")
+    return pack_fields(fields(arch, varlen), values, "BwdParams")
 
 
 assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range(len(_POINTERS))]
@@ -127,14 +138,15 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     if spec.arch == "sm80":
         return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False,
                 "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False, "do_stages": 1,
-                "dq_pieces": 1, "dq_lag": False}
+                "dq_pieces": 1, "dq_lag": False, "varlen": False}
     s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
                                                    spec.dq_tma_reduce, spec.s_lookahead)
     stages, do_stages = sm90_default_rings(spec.head_dim, spec.dq_tma_reduce, SM90_GPU)
     return {"gpu": SM90_GPU, "stages": stages, "do_stages": do_stages, "dq_pieces": sm90_fewest_dq_pieces(spec),
             "k_unroll": 2, "deterministic": False, "s_lookahead": s_default, "dp_lookahead": dp_default,
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
-            "persistent": sm90_persistent_default(spec.arch, spec.deterministic), "lpt": False, "dq_lag": False}
+            "persistent": sm90_persistent_default(spec.arch, spec.deterministic), "lpt": False, "dq_lag": False,
+            "varlen": False}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt",
               "dq_lag")
@@ -157,10 +169,11 @@ def emit(spec: BackwardSpec) -> str:
     """The CUDA source of the spec's three kernels: byte-identical for equal specs."""
     from ..codegen.render import render_template
 
-    placed, size, align = layout(spec.arch)
+    placed, size, align = layout(spec.arch, spec.varlen)
     return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
-        spec_items=sorted((k, v) for k, v in spec.as_dict().items() if spec.arch == "sm90" or k not in _SM90_ONLY),
+        spec_items=sorted((k, v) for k, v in spec.as_dict().items()
+                          if (spec.arch == "sm90" or k not in _SM90_ONLY) and (k != "varlen" or v)),
         smem_bytes=spec.smem_bytes, threads=spec.threads,
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
         producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),
@@ -222,8 +235,29 @@ def grids(spec: BackwardSpec, batch: int, heads_q: int, heads_kv: int, seqlen_q:
 
 def semaphore_ints(spec: BackwardSpec, batch: int, heads_q: int, seqlen_q: int) -> int:
     """int32 counters beside dq_accum (dq_semaphore): deterministic, one turn counter per (batch, heads_q,
-    query block); persistent, then the tile counter (tile_counter_of in the templates)."""
+    query block); persistent, then the tile counter (tile_counter_of in the templates). varlen: ``batch``
+    sequences of ``seqlen_q`` packed query tokens in all, whose query blocks' counters per head are
+    ceil(seqlen_q / block_m) + batch (varlen_turn_blocks in the templates)."""
+    if spec.varlen:
+        return heads_q * varlen_turn_blocks(spec, batch, seqlen_q) if spec.deterministic else 0
     return (batch * heads_q * -(-seqlen_q // spec.block_m) if spec.deterministic else 0) + int(spec.persistent)
+
+
+def varlen_turn_blocks(spec: BackwardSpec, sequences: int, total_q: int) -> int:
+    """A varlen deterministic backward's turn counters per query head: each sequence's query blocks
+    from (its first token + its index x block_m) // block_m on (so none shares one)."""
+    return -(-total_q // spec.block_m) + sequences
+
+
+def varlen_grids(spec: BackwardSpec, sequences: int, heads_q: int, heads_kv: int, total_q: int, max_seqlen_k: int):
+    """grids() of a varlen backward: the preprocess and postprocess over the packed query rows as one
+    batch (the preprocess over the turn counters too where they outnumber the rows); the main kernel one
+    CTA per (key block of the longest sequence's keys, kv head, sequence)."""
+    pre, _, post = grids(spec, 1, heads_q, heads_kv, total_q, 1)
+    if spec.deterministic:
+        rows = max(total_q, varlen_turn_blocks(spec, sequences, total_q))
+        pre = (-(-rows // preprocess_rows_per_cta(spec)), heads_q, 1)
+    return pre, (-(-max_seqlen_k // spec.block_n), heads_kv, sequences), post
 
 
 # A plan keeps its dq_accum, D and turn counters per stream (plan.StreamScratch) up to this many
@@ -271,23 +305,26 @@ class BackwardPlan:
                                        "semaphore": 4 * semaphore_ints}, allocate) \
             if allocate is not None and nbytes <= CACHED_SCRATCH_BYTES else None
         # sm90: (offset of a TMA map in BwdParams, index of its tensor in ``pointers``) per map
-        offsets = {f.name: off for f, off in layout(spec.arch)[0]}
+        offsets = {f.name: off for f, off in layout(spec.arch, spec.varlen)[0]}
+        self._cu_seqlens_at = offsets.get("cu_seqlens_q")     # varlen: where a call's boundaries go
         self._maps = [(offsets[name], _POINTERS.index(operand)) for name, operand in _MAP_OPERANDS.items()] \
             if spec.arch == "sm90" else []
         first = _Image(param_bytes)
         self._images = {(tuple(map_targets) if map_targets is not None else None) if self._maps else None: first}
         self._last = first
-        # launch_plain serves this plan: the scratch is the plan's, no context to switch
-        self.plain = self._scratch is not None and not switch_context
+        # launch_plain serves this plan: the scratch is the plan's, no context to switch (and no boundaries
+        # to patch in: varlen plans launch through launch)
+        self.plain = self._scratch is not None and not switch_context and not spec.varlen
 
     def _image(self, targets: tuple) -> _Image:
         """The image whose TMA maps point at ``targets`` (made from the last one; lock held)."""
         return add_image(self._images, targets, self._last,
                          [(offset, ptr) for (offset, _), ptr in zip(self._maps, targets)])
 
-    def launch(self, stream: int, pointers: tuple) -> None:
+    def launch(self, stream: int, pointers: tuple, cu_seqlens: tuple[int, int] | None = None) -> None:
         """``pointers``: q, k, v, o, dout, lse, dq, dk, dv device addresses (the scratch is the
-        plan's, or, too large to keep or without an ``allocate``, made for this call)."""
+        plan's, or, too large to keep or without an ``allocate``, made for this call); a varlen plan's
+        ``cu_seqlens``: the cu_seqlens_q and cu_seqlens_k addresses."""
         held = None
         if self._scratch is not None:
             scratch = self._scratch.get(stream)
@@ -306,6 +343,8 @@ class BackwardPlan:
             else:
                 image = self._last
             _PACK_POINTERS.pack_into(image.storage, image.base, *pointers)
+            if self._cu_seqlens_at is not None:
+                _PACK_CU_SEQLENS.pack_into(image.storage, image.base + self._cu_seqlens_at, *cu_seqlens)
             self._last = image
             arg = driver.stream_arg(stream)
             if self._switch_context:

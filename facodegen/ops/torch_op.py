@@ -107,20 +107,28 @@ def _head_dim_v_has_no_backward(q, v) -> str:
 
 def _split_v(q, v) -> bool:
     """v's head dim differs from q's (16-bit: head_dim_v; fp8's transposed V ends in seqlen_k)."""
-    return (q.dtype != torch.float8_e4m3fn and q.dim() == 4 and getattr(v, "dim", lambda: 0)() == 4
+    return (q.dtype != torch.float8_e4m3fn and q.dim() in (3, 4) and getattr(v, "dim", lambda: 0)() == q.dim()
             and v.shape[-1] != q.shape[-1])
 
 
-def _refuse_without_backward(q, out, lse_out, variant, v=None) -> None:
+def _refuse_without_backward(q, out, lse_out, variant, v=None, what: str = "facodegen.attention") -> None:
     """A call that would record a gradient raises at the forward where the backward has no kernel
     (``variant``: api's window_size, softcap, sinks, causal_alignment, or None; a head_dim outside
     HEAD_DIMS, which the forward pads; a ``v`` narrower than q, head_dim_v), rather than returning an
-    output with no grad_fn or with a backward of another function."""
+    output with no grad_fn or with a backward of another function. ``what``: the call the errors name
+    (attention_varlen's packed q, k, v are 3-D)."""
+    try:
+        _refuse(q, out, lse_out, variant, v)
+    except NotImplementedError as err:
+        raise NotImplementedError(str(err).replace("facodegen.attention", what, 1)) from None
+
+
+def _refuse(q, out, lse_out, variant, v) -> None:
     if q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError(_FP8_HAS_NO_BACKWARD)
     if v is not None and _split_v(q, v):
         raise NotImplementedError(_head_dim_v_has_no_backward(q, v))
-    if q.dim() == 4 and q.shape[-1] not in HEAD_DIMS and head_dim_problem(int(q.shape[-1])) is None:
+    if q.dim() in (3, 4) and q.shape[-1] not in HEAD_DIMS and head_dim_problem(int(q.shape[-1])) is None:
         raise NotImplementedError(f"facodegen.attention: head_dim={q.shape[-1]} has no backward yet (the backward "
                                   f"takes head_dim {', '.join(map(str, HEAD_DIMS))}); call it under "
                                   f"torch.no_grad() or on tensors that do not require grad")
@@ -385,6 +393,54 @@ def _backward(ctx, grad_out):
 
 
 _backward_once = once_differentiable(_backward)
+
+
+def attention_varlen_recording(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                               return_lse, out, arch, spec_fields, variant, deterministic=False):
+    """facodegen.attention_varlen on tensors that record a gradient (its arguments; ``variant``: api's
+    (window_size, softcap, sinks, alignment) or None, refused like fp8, head_dim_v, a padded head_dim
+    and ``out``): _VarlenAttention, the no-grad call and attention_varlen_backward."""
+    _refuse_without_backward(q, out, None, variant, v, what="facodegen.attention_varlen")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    call = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, arch, spec_fields,
+            deterministic)
+    out, lse = _VarlenAttention.apply(q, k, v, call)
+    return (out, lse) if return_lse else out
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """attention_varlen with its backward (_Attention's way): the forward is the no-grad call with the
+    LSE, which it saves with O; the backward runs attention_varlen_backward on them. ``call``:
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, arch, spec_fields,
+    deterministic); the boundaries take no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call):
+        from .varlen import attention_varlen
+        cu_q, cu_k, max_q, max_k, causal, softmax_scale, arch, spec_fields, _ = call
+        out, lse = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=softmax_scale,
+                                    return_lse=True, arch=arch, **spec_fields)     # (grad mode is off in here)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.call = call
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        from .varlen_backward import attention_varlen_backward
+        if grad_out is None:
+            return None, None, None, None
+        if grad_out.stride(-1) != 1 or (grad_out.stride(0) | grad_out.stride(1)) & 7 or grad_out.data_ptr() & 15:
+            grad_out = grad_out.contiguous()
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        _, _, max_q, max_k, causal, softmax_scale, arch, _, deterministic = ctx.call
+        knobs = {"deterministic": True} if deterministic else _backward_knobs()
+        dq, dk, dv = attention_varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
+                                               softmax_scale=softmax_scale, arch=backward.autograd_arch(arch), **knobs)
+        return dq, dk, dv, None
 
 
 _LIB.impl("attention", _attention_cuda, "CUDA")

@@ -54,7 +54,7 @@ _PLANS = PlanCache()
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
                      softcap: float = 0.0, sinks=None, return_lse: bool = False, out=None, arch: str | None = None,
-                     **spec_fields):
+                     deterministic: bool = False, **spec_fields):
     """Attention over packed variable-length sequences (FlashAttention's ``flash_attn_varlen_func``).
 
     q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim), fp16 or bf16 torch CUDA
@@ -77,17 +77,24 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     it runs on sm90 GPUs too). Spec fields (block_n=..., stages=...) override the defaults. fp8 (sm90):
     float8_e4m3fn q, k, v with ``q_descale``, ``k_descale``, ``v_descale`` (float32 scalars or
     (sequences, heads_kv), as attention() takes them, the batch being the sequences; one left out is 1),
-    O in ``out_dtype`` (bf16 by default), no variants. No backward yet.
+    O in ``out_dtype`` (bf16 by default), no variants. Gradients: torch tensors that require grad record
+    one (attention_varlen_backward, the sm80 backward's varlen kernels, on any GPU), for fp16/bf16 with
+    head_dim 64, 96, 128, 192 or 256 shared by Q, K and V, no variant and no ``out``; the others raise
+    at the forward. ``deterministic``: that backward's dQ adds in key-block order, so gradients are
+    bit-identical across runs (so they are under torch.use_deterministic_algorithms(True)); the forward
+    is deterministic either way.
     """
     torch = _torch()
     key = plan = None
     variant = api._variant_args(window_size, softcap, sinks)
+    if torch is not None and isinstance(q, torch.Tensor) and torch.is_grad_enabled() and any(
+            getattr(t, "requires_grad", False) for t in (q, k, v)):
+        from .torch_op import attention_varlen_recording     # (the gradient: attention_varlen_backward)
+        return attention_varlen_recording(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                          softmax_scale, return_lse, out, arch, spec_fields, variant, deterministic)
     try:
         if torch is not None and isinstance(q, torch.Tensor):
             kind, device, current = "torch", q.get_device(), torch._C._cuda_getDevice()
-            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-                raise NotImplementedError("attention_varlen has no backward yet: call it under torch.no_grad() "
-                                          "or on detached tensors")
             if device >= 0:     # _PACKED_META's and ARRAY_META's parts, written out flat (a server's every step)
                 key = ("torch", q.dtype, q.shape[1:], q.stride(), device, k.dtype, k.shape[1:], k.stride(),
                        k.get_device(), v.dtype, v.shape[1:], v.stride(), v.get_device(), cu_seqlens_q.dtype,
@@ -212,9 +219,10 @@ def as_one_batch(t: _View) -> _View:
     return dataclasses.replace(t, shape=(1,) + tuple(t.shape), strides=(0,) + tuple(t.strides))
 
 
-def check_packed(q: _View, k: _View, v: _View, fp8: bool = False) -> None:
+def check_packed(q: _View, k: _View, v: _View, fp8: bool = False, backward: bool = False) -> None:
     """q, k, v of a varlen call: 3-D packed tensors with tokens, then the forward's checks (``fp8``: the
-    e4m3 forward's, V as the packed tokens)."""
+    e4m3 forward's, V as the packed tokens; ``backward``: the backward's, a head_dim of HEAD_DIMS shared
+    by Q, K and V)."""
     for t in (q, k, v):
         if len(t.shape) != 3:
             raise ValueError(f"{t.name} must be 3-D (total_tokens, heads, head_dim): the sequences packed one after "
@@ -226,6 +234,8 @@ def check_packed(q: _View, k: _View, v: _View, fp8: bool = False) -> None:
         raise ValueError(f"heads_kv={heads_kv} (k.shape[1]) must divide heads_q={heads_q} (q.shape[1]) for GQA/MQA")
     if fp8:
         api.check_fp8_inputs(*(as_one_batch(t) for t in (q, k, v)), "row")
+    elif backward:
+        _check_inputs(*(as_one_batch(t) for t in (q, k, v)), what="attention_varlen_backward")
     else:
         _check_inputs(*(as_one_batch(t) for t in (q, k, v)), any_head_dim=True, what="attention_varlen",
                       any_head_dim_v=True)

@@ -112,6 +112,10 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "GEMMs. A tile's last step computes its own dQ too.", flag="--dq-lag/--no-dq-lag", token=_flag("dqlag")),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
+    Knob("varlen", "bool", "sm80: packed variable-length sequences (attention_varlen's backward): grid z is the "
+         "sequence, whose first tokens and lengths the main kernel reads from cu_seqlens_q / cu_seqlens_k; the "
+         "preprocess and postprocess see the packed rows as one batch.", flag="--varlen/--no-varlen", problem=True,
+         token=_flag("varlen")),
 )
 BACKWARD_BY_NAME = {k.name: k for k in BACKWARD_KNOBS}
 
@@ -323,6 +327,7 @@ class BackwardSpec:
     persistent: bool | None = None
     lpt: bool = False
     dq_lag: bool = False
+    varlen: bool = False
 
     def __post_init__(self) -> None:
         _as_bool(self, "deterministic")     # (first: the defaults below follow it, deterministic=0 as False)
@@ -598,6 +603,9 @@ def _validate(spec: BackwardSpec) -> None:
 def _validate_sm90(spec: BackwardSpec) -> None:
     """FA3's tiles as SM90_TILES gives them (block_m 128 too at head_dim 64, SM90_BLOCK_MS): two
     consumer warpgroups, a 2-deep Q/dO ring (1 or 2 at head_dim 192, 256)."""
+    if spec.varlen:
+        raise SpecError("varlen", "the sm90 backward has no varlen yet (its TMA maps and tile counter are per batch): "
+                                  "arch='sm80' runs the varlen backward on H100/H200 too")
     if spec.gpu not in SM90_GPUS:
         raise SpecError("gpu", f"{spec.gpu}: the sm90 backward runs on {', '.join(SM90_GPUS)}")
     if spec.block_m not in SM90_BLOCK_MS:

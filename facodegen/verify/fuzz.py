@@ -29,7 +29,8 @@ twice and compared bit for bit); ``kvcache`` (attention_with_kvcache:
 split counts, half of them (odd seeds) with fused_combine); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
 case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; the case's arch:
 sm80's kernel, which an H100 runs compiled for sm_90, or sm90's own, persistent by default and with
-persistent=False for a third of its cases, seeds 1 mod 3). The families are appended in this order, so adding one leaves
+persistent=False for a third of its cases, seeds 1 mod 3; a quarter of the 16-bit ones without variants,
+seeds 3 mod 4, also take attention_varlen_backward's gradients per sequence, seeds 7 mod 8 deterministic). The families are appended in this order, so adding one leaves
 the draws of a single family's run unchanged for a seed (``all`` draws among them all).
 """
 
@@ -137,6 +138,16 @@ class Case:
         attention_varlen(..., varlen_lpt=True) (each sequence's tiles longest first over L2-sized groups
         of its heads); the others the default order. Read off the seed, as ``deterministic``."""
         return self.family == "varlen" and self.arch == "sm90" and self.causal and self.seed % 6 == 2
+
+    @property
+    def varlen_backward(self) -> bool:
+        """A 16-bit varlen case without variants whose seed is 3 mod 4 (where float64 autograd of its longest
+        sequence stays within the backward family's size) also runs attention_varlen_backward on its O and
+        LSE, each sequence's dQ, dK, dV against float64 autograd by the backward family's criterion, and with
+        seed 7 mod 8 deterministic=True, twice, bit-identical (the launch-only sweep launches it too). Read
+        off the seed, as ``deterministic``."""
+        return (self.family == "varlen" and self.dtype != "fp8" and not self.has_variant and self.seed % 4 == 3
+                and self.head_dim in HEAD_DIMS and self.heads_q * self.seqlen_q * self.seqlen_k <= MAX_SCORES // 8)
 
     @property
     def fused_combine(self) -> bool:
@@ -683,15 +694,26 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     out = torch.full(q.shape, float("nan"), dtype=dt, device="cuda") if case.use_out else None
     sinks = (torch.randn(case.heads_q, generator=gen, device="cuda") * 2.0) if case.sinks else None
     variants = dict(window_size=(case.window_left, case.window_right), softcap=case.softcap, sinks=sinks)
-    out, lse = facodegen.attention_varlen(*args, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
-                                          torch.tensor(cu_k, dtype=torch.int32, device="cuda"), case.seqlen_q,
-                                          case.seqlen_k, causal=case.causal, softmax_scale=case.softmax_scale,
-                                          return_lse=True, out=out, arch=case.arch, **variants, **descales,
-                                          **_varlen_knobs(case))
+    boundaries = [torch.tensor(cu, dtype=torch.int32, device="cuda") for cu in (cu_q, cu_k)]
+    out, lse = facodegen.attention_varlen(*args, *boundaries, case.seqlen_q, case.seqlen_k, causal=case.causal,
+                                          softmax_scale=case.softmax_scale, return_lse=True, out=out, arch=case.arch,
+                                          **variants, **descales, **_varlen_knobs(case))
+    grads = None
+    if case.varlen_backward:
+        do = randn(cu_q[-1], case.heads_q, case.head_dim)
+        runs = [facodegen.attention_varlen_backward(do, *args, out, lse, *boundaries, case.seqlen_q, case.seqlen_k,
+                                                    causal=case.causal, softmax_scale=case.softmax_scale,
+                                                    arch="sm80", deterministic=case.seed % 8 == 7)
+                for _ in range(2 if case.seed % 8 == 7 and not launch_only else 1)]
+        grads = runs[0]
     if launch_only:
-        return _launched(out, lse)
+        return _launched(out, lse, *(grads or ()))
     scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
     problems = []
+    if grads is not None:
+        if len(runs) > 1 and not all(torch.equal(a, b) for a, b in zip(*runs)):
+            problems.append("deterministic: two varlen backward runs differ")
+        problems += _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, case.causal, scale, grads)
     for seq, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
         if q0 == q1:
             continue
@@ -727,6 +749,22 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     return not problems, "; ".join(problems) or f"O and LSE ok ({case.batch} sequences, {cu_q[-1]} query tokens)"
 
 
+def _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, causal: bool, scale: float, grads) -> list[str]:
+    """backward_failures per sequence of packed gradients; a sequence with no query or no key must have
+    zero gradients."""
+    problems = []
+    for seq, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
+        got = [g[None, a:b] for g, a, b in zip(grads, (q0, k0, k0), (q1, k1, k1))]
+        if q0 == q1 or k0 == k1:
+            if any(bool(g.any()) for g in got):
+                problems.append(f"gradients of sequence {seq} ({q1 - q0} queries, {k1 - k0} keys) are not zero")
+            continue
+        one = [x[None, a:b].contiguous() for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1), (do, q0, q1))]
+        problems += [f"sequence {seq} ({q1 - q0} queries, {k1 - k0} keys): {why}"
+                     for why in backward_failures(*one, causal, scale, got)]
+    return problems
+
+
 def case_specs(case: Case, device: int = 0) -> list:
     """Every kernel spec ``case`` launches on ``device``, as the calls resolve them: the forward's
     (backward cases: and the backward's), or the decode family's decode, combine and append."""
@@ -749,6 +787,10 @@ def case_specs(case: Case, device: int = 0) -> list:
         if _second_call_knobs(case):        # (its own attention_backward call: lpt, shallow_rings, dq_lag)
             specs.append(backward.choose(case.head_dim, case.dtype, case.causal, info, _backward_knobs(case), arch))
         return specs
+    if case.varlen_backward:
+        from ..ops import backward
+        knobs = {"varlen": True, "deterministic": case.seed % 8 == 7}
+        return [forward, backward.choose(case.head_dim, case.dtype, case.causal, api.device_info(device), knobs, "sm80")]
     return [forward]
 
 
@@ -1013,6 +1055,12 @@ def representative_cases() -> list[Case]:
     cases.append(Case("varlen", "sm90", "fp8", batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=True, use_out=True, seed=VARLEN_REPRESENTATIVE_SEED))
+    # (the varlen cases of seed 11 above, 3 mod 4, run attention_varlen_backward on their O and LSE too:
+    # case.varlen_backward) and the varlen backward's deterministic turns (seed 15, 7 mod 8: queries that
+    # see no key, sequences of one query and one key), causal, head_dim 64: case 51
+    cases.append(Case("varlen", "sm80", "fp16", batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
+                      head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=True, use_out=True, seed=15))
     return cases
 
 

@@ -286,6 +286,30 @@ def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scal
     return dq, dk, dv
 
 
+def varlen_backward_reference(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
+                              softmax_scale: float | None = None):
+    """(dQ, dK, dV) in float64 of :func:`varlen_reference`'s O given dO, packed as q, k and v: each
+    sequence's attention_backward_reference (causal on its own bottom-right diagonal). Tokens no
+    sequence covers get zero gradients."""
+    do, q, k, v = to_float64(do), to_float64(q), to_float64(k), to_float64(v)
+    cu_q = np.asarray(to_float64(cu_seqlens_q), dtype=np.int64)
+    cu_k = np.asarray(to_float64(cu_seqlens_k), dtype=np.int64)
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or do.shape != q.shape or cu_q.shape != cu_k.shape:
+        raise ValueError(f"varlen_backward_reference: do, q (total_q, heads_q, d), k, v (total_k, heads_kv, d) and two "
+                         f"(batch + 1,) cu_seqlens, got {do.shape}, {q.shape}, {k.shape}, {v.shape}, {cu_q.shape}, "
+                         f"{cu_k.shape}")
+    scale = _scale(softmax_scale, q.shape[2])
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.stop <= rows.start or keys.stop <= keys.start:
+            continue    # no query, or no key: nothing is attended, every gradient is zero
+        grads = attention_backward_reference(do[None, rows], q[None, rows], k[None, keys], v[None, keys], causal,
+                                             scale)
+        dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
+    return dq, dk, dv
+
+
 # ----------------------------------------------------------------------------------------------
 # the tiled algorithms
 # ----------------------------------------------------------------------------------------------

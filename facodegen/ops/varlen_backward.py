@@ -1,0 +1,150 @@
+"""``attention_varlen_backward``: the gradients of ``attention_varlen`` (packed variable-length
+sequences, FlashAttention's ``flash_attn_varlen_func`` backward), and what its autograd runs.
+
+The kernels are the backward's (ops/backward.py) built with ``varlen=True`` (sm80 code, which runs on
+H100/H200 too; the sm90 backward has no varlen yet): the preprocess (D = rowsum(dO ∘ O), dq_accum = 0)
+and the postprocess (dQ = softmax_scale * dq_accum) see the packed query tokens as one batch of
+total_q rows, so LSE, D and dq_accum have one row per packed token, as the varlen forward's LSE
+(heads_q, total_q) has; the main kernel's grid z is the sequence, whose first tokens and lengths it
+reads from cu_seqlens_q / cu_seqlens_k (no value is read on the host, so a call never syncs), and
+its grid x covers max_seqlen_k's plan_bound keys (a key block past its sequence's keys returns).
+
+A plan is keyed by the arrays' layouts and shapes (the token totals: the preprocess and postprocess
+grids and the scratch follow them), the number of sequences and the max_seqlen bounds, never by
+the values in cu_seqlens: a call with other boundaries and the same totals is a plan-cache hit that
+patches the cu_seqlens addresses into its BwdParams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from . import api, backward, varlen
+from .api import _view
+from ..runtime.plan import PlanCache
+
+_PLANS = PlanCache()
+
+
+def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                              max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
+                              dq=None, dk=None, dv=None, arch: str | None = None, **knobs):
+    """Gradients (dq, dk, dv) of attention_varlen given dO = ``do`` and the forward's ``out`` and ``lse``.
+
+    q, out, do: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim), fp16 or bf16 torch
+    CUDA tensors or CuPy arrays (attention_varlen's layout rules; head_dim one of 64, 96, 128, 192, 256,
+    V as wide as Q and K); lse: the forward's float32 natural-log LSE, contiguous (heads_q, total_q)
+    (attention_varlen(..., return_lse=True)); cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    ``causal`` and ``softmax_scale``: the forward's. dK and dV of a kv head are summed over the query
+    heads that share it (GQA/MQA). dq, dk, dv: arrays to write the gradients into (default: new
+    contiguous ones, zero at the tokens no sequence covers; a given dk or dv keeps what it held there,
+    and dq is zero there either way). ``arch``: None or "sm80" (the varlen backward's one code, on any
+    GPU). ``knobs``: BackwardSpec fields (block_n=..., deterministic=True, ...). Runs on the caller's
+    current stream.
+    """
+    kind = api._kind(q)
+    plan = key = None
+    if kind != "other":
+        meta = api.ARRAY_META[kind]
+        try:
+            key = (kind, meta(do), meta(q), meta(k), meta(v), meta(out), meta(lse), meta(dq), meta(dk), meta(dv),
+                   meta(cu_seqlens_q), meta(cu_seqlens_k), max_seqlen_q.__class__, varlen.plan_bound(max_seqlen_q),
+                   max_seqlen_k.__class__, varlen.plan_bound(max_seqlen_k), causal.__class__, causal,
+                   softmax_scale.__class__, softmax_scale, arch, tuple(sorted(knobs.items())),
+                   api._current_device(kind))
+            plan = _PLANS.get(key)
+        except (AttributeError, TypeError, ValueError):     # not arrays of one library, an unhashable knob
+            plan = key = None
+    if plan is None:
+        plan = _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                        softmax_scale, dq, dk, dv, arch, knobs)
+        if key is not None:
+            _PLANS.put(key, plan)
+    device = plan.device
+    dq = _new_like(kind, device, q, zero=False) if dq is None else dq      # (the postprocess writes every row)
+    dk = _new_like(kind, device, k, zero=True) if dk is None else dk
+    dv = _new_like(kind, device, v, zero=True) if dv is None else dv
+    ptr = api.ARRAY_PTR[kind]
+    pointers = (ptr(q), ptr(k), ptr(v), ptr(out), ptr(do), ptr(lse), ptr(dq), ptr(dk), ptr(dv))
+    if any(p % 16 for p in pointers[:5] + pointers[6:9]):
+        raise ValueError("do, q, k, v, out, dq, dk, dv: data pointers must be 16-byte aligned")
+    cu_seqlens = (ptr(cu_seqlens_q), ptr(cu_seqlens_k))
+    if (cu_seqlens[0] | cu_seqlens[1]) & 3:
+        raise ValueError("cu_seqlens_q, cu_seqlens_k: data pointers must be 4-byte aligned")
+    plan.launch(api._current_stream(kind, device), pointers, cu_seqlens)
+    return dq, dk, dv
+
+
+def _new_like(kind: str, device: int, x, zero: bool):
+    """A new contiguous array of x's shape and dtype on ``device``, zeroed where ``zero``: dK and dV
+    rows of tokens no sequence covers are never written by the kernels, and are zero gradients."""
+    if kind == "torch":
+        torch = api._torch()
+        make = torch.zeros_like if zero else torch.empty_like
+        return make(x, memory_format=torch.contiguous_format)
+    cupy = api._cupy()
+    with cupy.cuda.Device(device):
+        return (cupy.zeros if zero else cupy.empty)(x.shape, dtype=x.dtype)
+
+
+def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+             dq, dk, dv, arch, knobs) -> backward.BackwardPlan:
+    """Check every argument (errors name it), pick and load the kernels, build the plan."""
+    qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
+    varlen.check_packed(qv, kv, vv, backward=True)
+    cu_q, _ = varlen.check_cu_seqlens(qv, cu_seqlens_q, cu_seqlens_k)
+    varlen.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = varlen.plan_bound(varlen.check_max_seqlen("max_seqlen_k", max_seqlen_k))
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if "varlen" in knobs:
+        raise ValueError("varlen is attention_varlen_backward's own switch; leave it out of the knobs")
+    total_q, heads_q, head_dim = qv.shape
+    total_k, heads_kv = kv.shape[0], kv.shape[1]
+    sequences = cu_q.shape[0] - 1
+    views = {"q": qv, "k": kv, "v": vv}
+    for name, x in (("do", do), ("out", out)):
+        view = _view(name, x)
+        backward._check_like(varlen.as_one_batch(view), varlen.as_one_batch(qv), name)
+        views["dout" if name == "do" else "o"] = view
+    lsev = _view("lse", lse)
+    if lsev.kind != qv.kind or lsev.dtype != "float32" or lsev.device != qv.device:
+        raise TypeError(f"lse must be a float32 {qv.kind} array on cuda:{qv.device} (attention_varlen's "
+                        f"return_lse), got a {lsev.kind} {lsev.dtype} array on cuda:{lsev.device}")
+    if lsev.shape != (heads_q, total_q) or lsev.strides != (total_q, 1):
+        raise ValueError(f"lse must be a contiguous (heads_q, total_q) = {(heads_q, total_q)} array (attention_varlen's "
+                         f"return_lse), got shape {lsev.shape} strides {lsev.strides}")
+    for name, x, like in (("dq", dq, qv), ("dk", dk, kv), ("dv", dv, vv)):
+        if x is not None:
+            views[name] = _view(name, x)
+            backward._check_like(varlen.as_one_batch(views[name]), varlen.as_one_batch(like), name)
+        else:   # a new contiguous array per call (_new_like)
+            views[name] = dataclasses.replace(like, name=name, strides=backward._contiguous_strides(like.shape))
+    scale = api._check_scale(softmax_scale, head_dim)
+    if arch not in (None, "sm80", "sm90"):
+        raise ValueError(f"arch must be 'sm80', 'sm90' or None, got {arch!r}")
+    info = api.device_info(qv.device)
+    dtype = api.DTYPE_NAMES[qv.dtype]
+    knobs = {**knobs, "varlen": True}
+    arch = arch or backward.default_arch(info, head_dim, dtype, causal, knobs)
+    api._check_arch(arch, info)
+    spec = backward.choose(head_dim, dtype, causal, info, knobs, arch)
+    functions = backward._load(spec, qv.device)
+    values = {name: 0 for name in backward._POINTERS}
+    for t in backward._TENSORS:
+        strides = varlen.as_one_batch(views[t]).strides
+        values.update(zip((f"{t}_batch_stride", f"{t}_row_stride", f"{t}_head_stride"), strides[:3]))
+    values.update(batch=sequences, seqlen_q=total_q, seqlen_k=total_k, heads_q=heads_q, heads_kv=heads_kv,
+                  softmax_scale=scale, scale_log2=scale * math.log2(math.e), cu_seqlens_q=0, cu_seqlens_k=0)
+    return backward.BackwardPlan(
+        spec, functions, backward.varlen_grids(spec, sequences, heads_q, heads_kv, total_q, max_k),
+        backward.pack(values, spec.arch, varlen=True), allocate=functools.partial(api._allocate, qv.kind, qv.device),
+        device=qv.device, accum_floats=heads_q * total_q * head_dim,
+        dpsum_floats=backward.row_stat_floats(spec, 1, heads_q, total_q),
+        semaphore_ints=backward.semaphore_ints(spec, sequences, heads_q, total_q),
+        switch_context=qv.device != api._current_device(qv.kind))
+
+
+__all__ = ["attention_varlen_backward"]

@@ -1,0 +1,175 @@
+"""attention_varlen's backward on a GPU (facodegen.attention_varlen_backward: the sm80 backward built with
+varlen=True, which runs on H100/H200 too): dQ, dK, dV of packed sequences against each sequence's
+float64 gradients with FlashAttention-3's criterion (tests/gpu/test_backward_gpu.py's check_grads, per
+sequence), over odd lengths (1, 17, 1000), empty sequences (no queries; queries with no key; q
+longer than k under causal), GQA/MQA, every head_dim, fp16/bf16, causal or not; NaN-poisoned
+gradient buffers (every covered row must be written); autograd through attention_varlen and
+flash_attn_varlen_func (the forward's own O and LSE) against attention() on each sequence padded as
+a batch of one; the deterministic mode bit-identical across runs; a second call with other
+boundaries and the same totals (a plan-cache hit); sequences covering part of the buffers (dK, dV
+outside them zero when the call makes them, untouched when given). Budget: under a minute on an H200.
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from facodegen.runtime.compiler import gpu_available  # noqa: E402
+
+HAVE_GPU, GPU_WHY = gpu_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason=f"needs a CUDA GPU: {GPU_WHY}")]
+
+import facodegen  # noqa: E402
+from facodegen.ops import api, backward  # noqa: E402
+from facodegen.spec.backward import BackwardSpec  # noqa: E402
+from test_backward_gpu import check_grads, reference  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# query lengths, key lengths, heads_q, heads_kv, head_dim, dtype
+CASES = [
+    ((1, 17, 1000, 0), (1, 17, 1000, 5), 4, 2, 128, "bf16"),      # odd lengths; a sequence with no query
+    ((17, 1000, 1), (300, 17, 0), 8, 1, 64, "fp16"),               # MQA; q > k (causal: rows see none); no keys
+    ((129, 64, 1), (128, 65, 3), 6, 3, 96, "bf16"),                # tile edges
+    ((193, 7, 385), (191, 1, 500), 4, 1, 192, "fp16"),             # MQA, several query blocks
+    ((300, 2, 77), (301, 200, 77), 2, 2, 256, "bf16"),             # head_dim 256's 64x64 tiles
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled():
+    """The varlen backward kernels these tests run, compiled in parallel."""
+    info = api.device_info(torch.cuda.current_device())
+    target = api.device_target("sm80", info)
+    specs = {BackwardSpec(head_dim=c[4], dtype=c[5], causal=causal, varlen=True, gpu=info.budget_gpu)
+             for c in CASES for causal in (False, True)}
+    specs |= {BackwardSpec(head_dim=128, dtype="bf16", causal=causal, varlen=True, deterministic=True,
+                           gpu=info.budget_gpu) for causal in (False, True)}
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda spec: backward.compile(spec, sm=target, verbose=False), specs))
+
+
+def packed(lengths_q, lengths_k, hq, hkv, d, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(dtype)  # noqa: E731
+    cu_q, cu_k = ([0, *itertools.accumulate(lengths)] for lengths in (lengths_q, lengths_k))
+    q, do = rand(cu_q[-1], hq, d), rand(cu_q[-1], hq, d)
+    k, v = rand(cu_k[-1], hkv, d), rand(cu_k[-1], hkv, d)
+    as_tensor = lambda c: torch.tensor(c, dtype=torch.int32, device="cuda")  # noqa: E731
+    return q, k, v, do, as_tensor(cu_q), as_tensor(cu_k)
+
+
+def forward_of(q, k, v, cu_q, cu_k, causal, scale):
+    """O (rounded to the dtype) and LSE (heads_q, total_q) of each sequence's float64 reference: the
+    backward's inputs, so that only the backward is under test."""
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device="cuda")
+    for (q0, q1), (k0, k1) in zip(_spans(cu_q), _spans(cu_k)):
+        if q1 > q0 and k1 > k0:
+            o, l_, _ = reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], q[None, q0:q1], causal, scale,
+                                 upcast=True)
+            out[q0:q1], lse[:, q0:q1] = o[0].to(q.dtype), l_[0].float()
+    return out, lse
+
+
+def _spans(cu):
+    cu = cu.tolist()
+    return list(zip(cu, cu[1:]))
+
+
+def check_sequences(grads, do, q, k, v, cu_q, cu_k, causal, scale):
+    """check_grads per sequence (a sequence with no query or no key: zero gradients)."""
+    dq, dk, dv = grads
+    failures = []
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(_spans(cu_q), _spans(cu_k))):
+        if q1 == q0 or k1 == k0:
+            if dq[q0:q1].abs().sum() or dk[k0:k1].abs().sum() or dv[k0:k1].abs().sum():
+                failures.append(f"sequence {b} ({q1 - q0} queries, {k1 - k0} keys) has non-zero gradients")
+            continue
+        got = (dq[None, q0:q1], dk[None, k0:k1], dv[None, k0:k1])
+        failures += [f"sequence {b}: {f}" for f in check_grads(got, do[None, q0:q1], q[None, q0:q1], k[None, k0:k1],
+                                                               v[None, k0:k1], causal, scale)]
+    return failures
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"hd{c[4]}-{c[5]}-h{c[2]}/{c[3]}")
+def test_varlen_gradients_match_float64(case, causal):
+    lengths_q, lengths_k, hq, hkv, d, dt = case
+    q, k, v, do, cu_q, cu_k = packed(lengths_q, lengths_k, hq, hkv, d, DTYPES[dt], seed=d + causal)
+    scale = d ** -0.5 if causal else 0.3
+    out, lse = forward_of(q, k, v, cu_q, cu_k, causal, scale)
+    poison = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
+    grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                causal=causal, softmax_scale=scale, **poison)
+    assert all(g is poison[n] for g, n in zip(grads, ("dq", "dk", "dv")))
+    assert check_sequences(grads, do, q, k, v, cu_q, cu_k, causal, scale) == []
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_autograd_through_attention_varlen_matches_attention_per_sequence(causal):
+    """torch.autograd through attention_varlen (its own forward's O and LSE) and through
+    flash_attn_varlen_func against facodegen.attention's autograd on each sequence as a batch of one."""
+    lengths = (1, 17, 300, 64)
+    q, k, v, do, cu_q, cu_k = packed(lengths, lengths, 4, 2, 128, torch.bfloat16, seed=11)
+    for call in ("attention_varlen", "flash_attn_varlen_func"):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        out = getattr(facodegen, call)(*leaves, cu_q, cu_k, max(lengths), max(lengths), causal=causal)
+        out.backward(do)
+        for (q0, q1) in _spans(cu_q):
+            parts = [x.detach()[None, q0:q1].clone().requires_grad_(True) for x in (q, k, v)]
+            ref = facodegen.attention(*parts, causal=causal)
+            ref.backward(do[None, q0:q1])
+            for name, leaf, part in zip("qkv", leaves, parts):
+                err = (leaf.grad[q0:q1].float() - part.grad[0].float()).abs().max().item()
+                assert err <= 2e-2 * max(1.0, part.grad.abs().max().item()), (call, name, q0, err)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_varlen_gradients_are_bit_identical(causal):
+    lengths_q, lengths_k = (1000, 1, 0, 513), (700, 1, 9, 1500)
+    q, k, v, do, cu_q, cu_k = packed(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16, seed=5)
+    out, lse = forward_of(q, k, v, cu_q, cu_k, causal, 0.1)
+    runs = [facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 1000, 1500, causal=causal,
+                                                softmax_scale=0.1, deterministic=True) for _ in range(3)]
+    for later in runs[1:]:
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(runs[0], later))
+    assert check_sequences(runs[0], do, q, k, v, cu_q, cu_k, causal, 0.1) == []
+
+
+def test_other_boundaries_with_the_same_totals_hit_the_plan():
+    lengths_a, lengths_b = (100, 28, 0, 1), (1, 0, 28, 100)
+    q, k, v, do, cu_q, cu_k = packed(lengths_a, lengths_a, 4, 4, 64, torch.bfloat16, seed=2)
+    cu_b = torch.tensor([0, *itertools.accumulate(lengths_b)], dtype=torch.int32, device="cuda")
+    for cu in (cu_q, cu_b):
+        out, lse = forward_of(q, k, v, cu, cu, True, 0.125)
+        grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu, cu, 100, 100, causal=True,
+                                                    softmax_scale=0.125)
+        assert check_sequences(grads, do, q, k, v, cu, cu, True, 0.125) == []
+
+
+def test_tokens_outside_the_sequences():
+    """Boundaries covering part of the buffers: dQ is zero outside them; dK, dV made by the call are zero
+    outside them, and given ones keep what they held there."""
+    q, k, v, do, _, _ = packed((150,), (200,), 4, 2, 128, torch.bfloat16, seed=4)
+    cu_q = torch.tensor([7, 20, 20, 120], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([5, 5, 60, 190], dtype=torch.int32, device="cuda")
+    out, lse = forward_of(q, k, v, cu_q, cu_k, False, 0.2)
+    dq, dk, dv = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 100, 130, softmax_scale=0.2)
+    outside_q = torch.ones(150, dtype=torch.bool, device="cuda")
+    outside_q[7:120] = False
+    outside_k = torch.ones(200, dtype=torch.bool, device="cuda")
+    outside_k[5:190] = False
+    assert not dq[outside_q].any() and not dk[outside_k].any() and not dv[outside_k].any()
+    given = torch.full_like(k, -3.0)
+    _, dk2, _ = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 100, 130, softmax_scale=0.2,
+                                                    dk=given)
+    assert dk2 is given and (given[outside_k] == -3.0).all() and torch.equal(given[~outside_k], dk[~outside_k])
+    local = (cu_q - 7, cu_k - 5)
+    grads = (dq[7:120], dk[5:190], dv[5:190])
+    assert check_sequences(grads, do[7:120], q[7:120], k[5:190], v[5:190], *local, False, 0.2) == []

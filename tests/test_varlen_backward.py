@@ -1,0 +1,376 @@
+"""attention_varlen's backward on the CPU: the varlen switch of the backward spec, the rendered and
+compiled kernels (NVRTC, no spills), attention_varlen_backward's launches and BwdParams bytes on a
+fake H200 (facodegen.ops.varlen_backward), its argument errors, the turn counters' layout, the float64
+reference against finite differences, and the autograd that attention_varlen records on meta
+tensors. What runs the kernels is tests/gpu/test_varlen_backward_gpu.py."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import struct
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import facodegen
+from facodegen import cli
+from facodegen.ops import backward, varlen_backward
+from facodegen.runtime import driver
+from facodegen.spec import HEAD_DIMS, SpecError
+from facodegen.spec.backward import BACKWARD_DTYPES, BackwardSpec
+from facodegen.verify.reference import varlen_backward_reference, varlen_reference
+from fakes import FakeTensor
+from sampling import one_per
+from test_backward import BwdLaunches
+from test_plan_cache import fake  # noqa: F401 (the fake torch and driver fixture)
+
+VARLEN_SPECS = [BackwardSpec(head_dim=d, dtype=t, causal=c, varlen=True) for d in HEAD_DIMS for t in BACKWARD_DTYPES
+                for c in (False, True)]
+
+
+# ------------------------------------------------------------------ spec, render, CLI
+
+def test_varlen_is_a_problem_switch_of_the_sm80_backward():
+    for spec in VARLEN_SPECS:
+        plain = spec.replace(varlen=False)
+        assert spec.variant == plain.variant + "_varlen"
+        assert (spec.block_m, spec.block_n, spec.num_warps) == (plain.block_m, plain.block_n, plain.num_warps)
+    with pytest.raises(SpecError) as err:
+        BackwardSpec(arch="sm90", head_dim=128, varlen=True)
+    assert err.value.field == "varlen" and "arch='sm80'" in str(err.value)
+
+
+def test_the_varlen_kernels_read_cu_seqlens_and_the_plain_ones_do_not():
+    spec = BackwardSpec(head_dim=128, causal=True, varlen=True)
+    source = backward.emit(spec)
+    assert "p.cu_seqlens_q[sequence]" in source and "p.cu_seqlens_k[sequence + 1]" in source
+    assert re.search(r"const int\*\s+cu_seqlens_q;", source) and "VARLEN: Q/K/V/O/dO/dQ/dK/dV are packed" in source
+    assert "cu_seqlens" not in backward.emit(spec.replace(varlen=False))
+    assert "varlen_turn_block(q_start, sequence)" in backward.emit(spec.replace(deterministic=True))
+
+
+def test_params_layout_appends_the_boundaries():
+    plain, packed = backward.layout("sm80"), backward.layout("sm80", varlen=True)
+    assert packed[0][:len(plain[0])] == plain[0]
+    assert [(f.name, off) for f, off in packed[0][len(plain[0]):]] == [("cu_seqlens_q", plain[1]),
+                                                                      ("cu_seqlens_k", plain[1] + 8)]
+
+
+@pytest.mark.parametrize("argv", [["--head-dim", "64", "--causal", "--varlen"],
+                                  ["--head-dim", "256", "--varlen", "--deterministic", "--dtype", "fp16"]])
+def test_cli_emits_the_varlen_backward_and_its_line_rebuilds_it(argv):
+    runner = CliRunner()
+    result = runner.invoke(cli.main, ["emit", "--kernel", "backward", *argv])
+    assert result.exit_code == 0, result.output
+    spec = BackwardSpec(head_dim=int(argv[1]), causal="--causal" in argv, varlen=True,
+                        deterministic="--deterministic" in argv, dtype="fp16" if "fp16" in argv else "bf16")
+    assert result.output == backward.emit(spec)
+    line = backward.emit_command(spec)
+    assert "--varlen" in line
+    assert runner.invoke(cli.main, line.split()[1:]).output == result.output
+    refused = runner.invoke(cli.main, ["emit", "--kernel", "backward", "--arch", "sm90", "--varlen"])
+    assert refused.exit_code == 2 and "varlen" in refused.output
+
+
+# ------------------------------------------------------------------ compile (NVRTC)
+
+compiler = pytest.importorskip("facodegen.runtime.compiler")
+
+
+def _compile_targets():
+    """Every head_dim x dtype x mask of the varlen backward for sm_80, one per head_dim for sm_90 (an
+    H100/H200 runs this code for varlen), and the deterministic turns at 64 and 128."""
+    deterministic = [BackwardSpec(head_dim=d, causal=True, varlen=True, deterministic=True) for d in (64, 128)]
+    return ([(s, None) for s in VARLEN_SPECS + deterministic]
+            + [(s, "sm_90") for s in one_per(VARLEN_SPECS, lambda s: s.head_dim)])
+
+
+@pytest.mark.parametrize("spec, sm", _compile_targets(), ids=lambda x: getattr(x, "variant", None) or str(x or "sm_80"))
+def test_varlen_backward_compiles_without_spills(spec, sm):
+    kernel = backward.compile(spec, sm=sm)
+    resources = backward.resources_of(kernel)
+    for name in spec.kernel_names:
+        r = resources[name]
+        assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (name, r)
+    counts = kernel.sass_counts()
+    assert counts["HMMA"] >= 5 and counts["LDGSTS"] > 0 and counts["LDL"] == 0 and counts["STL"] == 0
+
+
+# ------------------------------------------------------------------ launches on a fake H200
+
+HQ, HKV, D = 8, 2, 128
+LENGTHS_Q, LENGTHS_K = (1, 17, 0, 100), (5, 17, 3, 300)
+
+
+@pytest.fixture
+def vbwd(fake, monkeypatch):  # noqa: F811
+    launches = BwdLaunches()
+    monkeypatch.setattr(backward, "_load", lambda spec, device: tuple(
+        driver.LoadedFunction(name, 1, device) for name in spec.kernel_names))
+    monkeypatch.setattr(driver, "Launcher", launches.launcher)
+    monkeypatch.setattr(varlen_backward, "_PLANS", backward.PlanCache())
+    zeroed = []
+    torch = sys.modules["torch"]
+    monkeypatch.setattr(torch, "zeros_like", lambda x, memory_format=None: zeroed.append(x) or torch.empty_like(x),
+                        raising=False)
+    fake.bwd, fake.zeroed = launches, zeroed
+    return fake
+
+
+def _problem(lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K, d=D, dtype="bfloat16"):
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q, do, o = (FakeTensor((total_q, HQ, d), dtype) for _ in range(3))
+    k, v = FakeTensor((total_k, HKV, d), dtype), FakeTensor((total_k, HKV, d), dtype)
+    lse = FakeTensor((HQ, total_q), "float32")
+    cu_q, cu_k = FakeTensor((len(lengths_q) + 1,), "int32"), FakeTensor((len(lengths_k) + 1,), "int32")
+    return dict(do=do, q=q, k=k, v=v, out=o, lse=lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+
+
+def _call(args, **kw):
+    a = dict(args)
+    positional = [a.pop(n) for n in ("do", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                     "max_seqlen_k")]
+    return varlen_backward.attention_varlen_backward(*positional, **a, **kw)
+
+
+def _fields(record) -> dict:
+    formats = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}
+    return {f.name: struct.unpack_from(formats[f.kind], record["params"], off)[0]
+            for f, off in backward.layout("sm80", varlen=True)[0]}
+
+
+def test_a_varlen_call_launches_the_three_kernels_over_the_packed_rows(vbwd):
+    """On the fake H200 arch=None takes the sm80 code (the sm90 backward has no varlen): the preprocess
+    and postprocess over the 118 packed query rows as one batch, the main kernel over max_seqlen_k's
+    plan_bound keys (512: 4 blocks of 128) x kv heads x sequences; BwdParams has the sequences as its
+    batch, the totals as its lengths, the packed strides (batch 0) and the call's boundaries."""
+    a = _problem()
+    dq, dk, dv = _call(a, causal=True, softmax_scale=0.25)
+    spec = BackwardSpec(head_dim=D, causal=True, gpu="h200", varlen=True)
+    recs = vbwd.bwd.records
+    assert [r["name"] for r in recs] == list(spec.kernel_names)
+    assert [r["grid"] for r in recs] == [(-(-118 // 16), HQ, 1), (4, HKV, 4), (-(-118 // 8), HQ, 1)]
+    f = _fields(recs[1])
+    assert (f["batch"], f["seqlen_q"], f["seqlen_k"], f["heads_q"], f["heads_kv"]) == (4, 118, 325, HQ, HKV)
+    assert (f["cu_seqlens_q"], f["cu_seqlens_k"]) == (a["cu_seqlens_q"].data_ptr(), a["cu_seqlens_k"].data_ptr())
+    assert (f["q_batch_stride"], f["q_row_stride"], f["q_head_stride"]) == (0, HQ * D, D)
+    assert (f["k_batch_stride"], f["k_row_stride"], f["dk_row_stride"]) == (0, HKV * D, HKV * D)
+    assert f["dpsum"] - f["dq_accum"] == 4 * HQ * 118 * D and f["dq_semaphore"] == 0
+    assert f["softmax_scale"] == 0.25 and (f["dq"], f["dk"], f["dv"]) == tuple(t.data_ptr() for t in (dq, dk, dv))
+    assert vbwd.zeroed == [a["k"], a["v"]]      # dK and dV zero where no sequence's keys are; dQ is written whole
+
+
+def test_new_boundaries_hit_the_plan_and_are_patched_in(vbwd):
+    a = _problem()
+    _call(a)
+    moved = dict(a, cu_seqlens_q=FakeTensor((5,), "int32"), cu_seqlens_k=FakeTensor((5,), "int32"), max_seqlen_k=260)
+    _call(moved)
+    assert varlen_backward._PLANS.misses == 1 and len(vbwd.bwd.records) == 6
+    f = _fields(vbwd.bwd.records[4])
+    assert (f["cu_seqlens_q"], f["cu_seqlens_k"]) == (moved["cu_seqlens_q"].data_ptr(),
+                                                      moved["cu_seqlens_k"].data_ptr())
+    _call(_problem(lengths_q=(1, 17, 1, 100)))      # another total: the grids and scratch follow it
+    _call(dict(a, max_seqlen_k=600))                # another plan_bound (1024): the main grid follows it
+    assert varlen_backward._PLANS.misses == 3
+    assert vbwd.bwd.records[-2]["grid"] == (8, HKV, 4)
+
+
+def test_deterministic_varlen_call_keeps_a_turn_counter_per_query_block(vbwd):
+    """deterministic: ceil(total_q / block_m) + sequences counters per query head after D, which the
+    preprocess zeroes (its grid covers them where they outnumber the rows)."""
+    a = _problem(lengths_q=(1, 1, 1, 1, 1, 1), lengths_k=(64,) * 6)
+    _call(a, deterministic=True)
+    spec = BackwardSpec(head_dim=D, gpu="h200", varlen=True, deterministic=True)
+    pre, main, _ = vbwd.bwd.records
+    assert main["name"] == spec.variant
+    f = _fields(main)
+    assert f["dq_semaphore"] - f["dpsum"] == 4 * HQ * 6
+    turns = backward.varlen_turn_blocks(spec, 6, 6)
+    assert turns == 1 + 6 and backward.semaphore_ints(spec, 6, HQ, 6) == HQ * turns
+    assert pre["grid"] == (1, HQ, 1) and 16 >= turns    # 16 rows a preprocess CTA at head_dim 128
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_varlen_turn_counters_are_distinct_and_in_range(seed):
+    """varlen_turn_block: each sequence's query blocks from (first token + index x block_m) // block_m on
+    never meet another sequence's and stay below varlen_turn_blocks, empty sequences among them."""
+    rng = np.random.default_rng(seed)
+    for block_m in (64, 128):
+        spec = BackwardSpec(head_dim=64, varlen=True, deterministic=True, block_m=block_m, block_n=64)
+        lengths = rng.choice([0, 1, 17, 63, 64, 65, 128, 129, 1000], size=rng.integers(1, 12))
+        starts = [0, *itertools.accumulate(lengths)]
+        total = starts[-1]
+        taken = []
+        for b, length in enumerate(lengths):
+            first = (starts[b] + b * block_m) // block_m
+            taken += [first + m for m in range(-(-int(length) // block_m))]
+        assert len(taken) == len(set(taken)) and all(0 <= t < backward.varlen_turn_blocks(spec, len(lengths), total)
+                                                     for t in taken)
+
+
+@pytest.mark.parametrize("changes, kw, error, words", [
+    (dict(lse=FakeTensor((HQ, 117), "float32")), {}, ValueError, "lse must be a contiguous (heads_q, total_q)"),
+    (dict(lse=FakeTensor((1, HQ, 118), "float32")), {}, ValueError, "lse must be a contiguous (heads_q, total_q)"),
+    (dict(lse=FakeTensor((HQ, 118), "bfloat16")), {}, TypeError, "lse must be a float32"),
+    (dict(do=FakeTensor((118, HQ, 64))), {}, ValueError, "do has shape"),
+    (dict(out=FakeTensor((118, HQ, D), "float16")), {}, TypeError, "out must be a torch bfloat16"),
+    (dict(q=FakeTensor((1, 118, HQ, D))), {}, ValueError, "q must be 3-D (total_tokens"),
+    (dict(q=FakeTensor((118, HQ, 80)), do=FakeTensor((118, HQ, 80)), out=FakeTensor((118, HQ, 80)),
+          k=FakeTensor((325, HKV, 80)), v=FakeTensor((325, HKV, 80))), {}, ValueError,
+     "head_dim=80 is not supported by attention_varlen_backward"),
+    (dict(v=FakeTensor((325, HKV, 64))), {}, ValueError, "k and v must have the same shape"),
+    (dict(cu_seqlens_k=FakeTensor((5,), "int64")), {}, TypeError, "cu_seqlens_k has dtype int64"),
+    (dict(cu_seqlens_k=FakeTensor((4,), "int32")), {}, ValueError, "cu_seqlens_k has shape (4,)"),
+    (dict(max_seqlen_k=300.0), {}, TypeError, "max_seqlen_k must be a host int"),
+    (dict(max_seqlen_q=-2), {}, ValueError, "max_seqlen_q must be >= 0"),
+    ({}, dict(dk=FakeTensor((325, HQ, D))), ValueError, "dk has shape"),
+    ({}, dict(causal=1), TypeError, "causal must be True or False"),
+    ({}, dict(arch="sm90"), SpecError, "the sm90 backward has no varlen yet"),
+    ({}, dict(varlen=True), ValueError, "varlen is attention_varlen_backward's own switch"),
+    ({}, dict(block_n=72), SpecError, "block_n"),
+])
+def test_argument_errors_name_the_argument(vbwd, changes, kw, error, words):
+    with pytest.raises(error) as err:
+        _call({**_problem(), **changes}, **kw)
+    assert words in str(err.value)
+
+
+def test_fp8_has_no_varlen_backward(vbwd):
+    a = _problem(dtype="float8_e4m3fn")
+    with pytest.raises(TypeError, match="q has dtype float8_e4m3fn; supported: float16, bfloat16"):
+        _call(dict(a, lse=FakeTensor((HQ, 118), "float32")))
+
+
+# ------------------------------------------------------------------ the float64 reference
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_backward_reference_is_the_gradient_of_varlen_reference(causal):
+    """Central differences of sum(O * dO) through varlen_reference (an empty query sequence, a
+    sequence with no keys, q longer than k, GQA) against varlen_backward_reference."""
+    rng = np.random.default_rng(7 + causal)
+    cu_q, cu_k = np.array([0, 3, 3, 5, 9]), np.array([0, 2, 4, 4, 7])
+    q, do = rng.standard_normal((9, 2, 4)), rng.standard_normal((9, 2, 4))
+    k, v = rng.standard_normal((7, 1, 4)), rng.standard_normal((7, 1, 4))
+    scale = 0.7
+
+    def loss(q, k, v):
+        return float((varlen_reference(q, k, v, cu_q, cu_k, causal, scale)[0] * do).sum())
+
+    grads = varlen_backward_reference(do, q, k, v, cu_q, cu_k, causal, scale)
+    h = 1e-6
+    for i, (name, x) in enumerate((("q", q), ("k", k), ("v", v))):
+        numeric = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            args = [q.copy(), k.copy(), v.copy()]
+            args[i][idx] += h
+            up = loss(*args)
+            args[i][idx] -= 2 * h
+            numeric[idx] = (up - loss(*args)) / (2 * h)
+        np.testing.assert_allclose(grads[i], numeric, atol=1e-6, err_msg=name)
+    assert not grads[0][3:5].any()      # sequence 2's queries have no key: no gradient
+
+
+# ------------------------------------------------------------------ autograd (meta tensors)
+
+torch = pytest.importorskip("torch")
+
+
+def meta(*shape, dtype=torch.bfloat16, grad=True):
+    return torch.empty(*shape, dtype=dtype, device="meta").requires_grad_(grad)
+
+
+class MetaVarlen:
+    """Stand-ins for the varlen forward and backward launches on meta tensors, recording their arguments."""
+
+    def __init__(self):
+        self.forwards, self.backwards = [], []
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        assert not torch.is_grad_enabled()
+        made = torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        self.forwards.append(dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, made=made, **kw))
+        return made if kw.get("return_lse") else made[0]
+
+    def backward(self, do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, **kw):
+        self.backwards.append(dict(do=do, q=q, k=k, v=v, out=out, lse=lse, cu_q=cu_q, cu_k=cu_k, max_q=max_q,
+                                   max_k=max_k, **kw))
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@pytest.fixture
+def meta_varlen(monkeypatch):
+    from facodegen.ops import varlen
+    launches = MetaVarlen()
+    monkeypatch.setattr(varlen, "attention_varlen", launches.forward)        # what _VarlenAttention calls
+    monkeypatch.setattr(varlen_backward, "attention_varlen_backward", launches.backward)
+    return launches
+
+
+def _boundaries():
+    return (torch.empty(4, dtype=torch.int32, device="meta"), torch.empty(4, dtype=torch.int32, device="meta"))
+
+
+def test_attention_varlen_records_its_backward(meta_varlen):
+    """A call on tensors that require grad records _VarlenAttention: the no-grad forward with the LSE,
+    and a backward that passes O, the LSE and the call's boundaries, lengths, mask and scale to
+    attention_varlen_backward (arch None: its default, whatever the forward's); the LSE takes none."""
+    q, k, v = meta(100, 8, 128), meta(77, 2, 128), meta(77, 2, 128)
+    cu_q, cu_k = _boundaries()
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 60, 50, causal=True, softmax_scale=0.1,
+                                          return_lse=True, arch="sm90", block_n=64)
+    assert type(out.grad_fn).__name__ == "_VarlenAttentionBackward" and not lse.requires_grad
+    [fwd] = meta_varlen.forwards
+    assert (fwd["causal"], fwd["softmax_scale"], fwd["return_lse"], fwd["arch"], fwd["block_n"]) == \
+        (True, 0.1, True, "sm90", 64)
+    out.float().sum().backward()
+    [bwd] = meta_varlen.backwards
+    assert torch._C._is_alias_of(bwd["out"], fwd["made"][0]) and torch._C._is_alias_of(bwd["lse"], fwd["made"][1])
+    assert bwd["q"] is q and bwd["cu_q"] is cu_q and bwd["cu_k"] is cu_k and (bwd["max_q"], bwd["max_k"]) == (60, 50)
+    assert {n: x for n, x in bwd.items() if n in ("causal", "softmax_scale", "arch")} == \
+        {"causal": True, "softmax_scale": 0.1, "arch": None} and "block_n" not in bwd
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_varlen_backward_is_deterministic_under_torch_use_deterministic_algorithms(meta_varlen):
+    q = meta(16, 2, 64)
+    out = facodegen.attention_varlen(q, q.detach(), q.detach(), *_boundaries(), 8, 8)
+    torch.use_deterministic_algorithms(True)
+    try:
+        out.float().sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert meta_varlen.backwards[0]["deterministic"] is True
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_flash_attn_varlen_func_records_the_backward_too(meta_varlen, deterministic):
+    """flash_attn_varlen_func's deterministic is FlashAttention's: the backward's."""
+    q = meta(16, 2, 64)
+    out = facodegen.flash_attn_varlen_func(q, q.detach(), q.detach(), *_boundaries(), 8, 8, causal=True,
+                                           deterministic=deterministic)
+    out.float().sum().backward()
+    [bwd] = meta_varlen.backwards
+    assert bwd["causal"] is True and bwd.get("deterministic", False) is deterministic
+
+
+@pytest.mark.parametrize("kw, q_shape, v_dim, dtype, words", [
+    (dict(window_size=(8, 0)), (16, 2, 64), 64, torch.bfloat16, "window_size, softcap and sinks have no backward"),
+    (dict(softcap=20.0), (16, 2, 64), 64, torch.bfloat16, "window_size, softcap and sinks have no backward"),
+    (dict(out="new"), (16, 2, 64), 64, torch.bfloat16, "out="),
+    ({}, (16, 2, 128), 64, torch.bfloat16, "head_dim_v=64"),
+    ({}, (16, 2, 80), 80, torch.bfloat16, "head_dim=80 has no backward yet"),
+    ({}, (16, 2, 64), 64, torch.float8_e4m3fn, "fp8"),
+])
+def test_what_has_no_backward_raises_at_the_forward(meta_varlen, kw, q_shape, v_dim, dtype, words):
+    q = meta(*q_shape, dtype=dtype)
+    v = meta(q_shape[0], q_shape[1], v_dim, dtype=dtype, grad=False)
+    if kw.get("out") == "new":
+        kw = dict(out=torch.empty_like(q.detach()))
+    with pytest.raises(NotImplementedError) as err:
+        facodegen.attention_varlen(q, q.detach(), v, *_boundaries(), 8, 8, **kw)
+    assert words in str(err.value) and "facodegen.attention_varlen" in str(err.value)
+    assert not meta_varlen.forwards
