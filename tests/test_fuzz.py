@@ -353,7 +353,8 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
                                               varlen=True, **({"persistent": False} if c.one_cta_per_tile else {}),
                                               **({"varlen_lpt": True} if c.varlen_lpt else {}), **variant, **fp8)
                              ] + ([backward.choose(c.head_dim, c.dtype, c.causal, info, {
-                                 "varlen": True, "deterministic": c.seed % 8 == 7}, "sm80")] if c.varlen_backward else [])
+                                 "varlen": True, "deterministic": c.seed % 8 == 7},
+                                 "sm80" if c.seed % 8 == 7 else c.arch)] if c.varlen_backward else [])
             assert c.varlen_backward == (c.dtype != "fp8" and not c.has_variant and c.seed % 4 == 3
                                          and c.heads_q * c.seqlen_q * c.seqlen_k <= fuzz.MAX_SCORES // 8)
         else:

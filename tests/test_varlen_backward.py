@@ -20,7 +20,7 @@ from facodegen import cli
 from facodegen.ops import backward, varlen_backward
 from facodegen.runtime import driver
 from facodegen.spec import HEAD_DIMS, SpecError
-from facodegen.spec.backward import BACKWARD_DTYPES, BackwardSpec
+from facodegen.spec.backward import BACKWARD_DTYPES, BackwardSpec, varlen_padded_blocks
 from facodegen.verify.reference import varlen_backward_reference, varlen_reference
 from fakes import FakeTensor
 from sampling import one_per
@@ -29,18 +29,27 @@ from test_plan_cache import fake  # noqa: F401 (the fake torch and driver fixtur
 
 VARLEN_SPECS = [BackwardSpec(head_dim=d, dtype=t, causal=c, varlen=True) for d in HEAD_DIMS for t in BACKWARD_DTYPES
                 for c in (False, True)]
+SM90_VARLEN_SPECS = [BackwardSpec(arch="sm90", head_dim=d, dtype=t, causal=c, varlen=True) for d in HEAD_DIMS
+                     for t in BACKWARD_DTYPES for c in (False, True)]
 
 
 # ------------------------------------------------------------------ spec, render, CLI
 
-def test_varlen_is_a_problem_switch_of_the_sm80_backward():
-    for spec in VARLEN_SPECS:
-        plain = spec.replace(varlen=False)
-        assert spec.variant == plain.variant + "_varlen"
-        assert (spec.block_m, spec.block_n, spec.num_warps) == (plain.block_m, plain.block_n, plain.num_warps)
-    with pytest.raises(SpecError) as err:
-        BackwardSpec(arch="sm90", head_dim=128, varlen=True)
-    assert err.value.field == "varlen" and "arch='sm80'" in str(err.value)
+def test_varlen_is_a_problem_switch_of_both_backwards():
+    """The varlen kernels are the default tiles with varlen; sm90's run one CTA per tile (no persistent
+    token: its default there) and refuse, naming the knob, what they do not have."""
+    for spec in VARLEN_SPECS + SM90_VARLEN_SPECS:
+        plain = spec.replace(varlen=False, persistent=False)
+        assert spec.variant == plain.variant.replace("_np", "") + "_varlen"
+        assert (spec.block_m, spec.block_n, spec.num_warps, spec.dq_tma_reduce) == \
+            (plain.block_m, plain.block_n, plain.num_warps, plain.dq_tma_reduce)
+        assert not spec.persistent
+    for knobs, field in ((dict(deterministic=True), "deterministic"), (dict(persistent=True), "persistent"),
+                         (dict(lpt=True, causal=True), "lpt")):
+        with pytest.raises(SpecError) as err:
+            BackwardSpec(arch="sm90", head_dim=128, varlen=True, **knobs)
+        assert err.value.field == field
+    assert BackwardSpec(head_dim=128, varlen=True, deterministic=True).deterministic     # (sm80's has them)
 
 
 def test_the_varlen_kernels_read_cu_seqlens_and_the_plain_ones_do_not():
@@ -49,7 +58,7 @@ def test_the_varlen_kernels_read_cu_seqlens_and_the_plain_ones_do_not():
     assert "p.cu_seqlens_q[sequence]" in source and "p.cu_seqlens_k[sequence + 1]" in source
     assert re.search(r"const int\*\s+cu_seqlens_q;", source) and "VARLEN: Q/K/V/O/dO/dQ/dK/dV are packed" in source
     assert "cu_seqlens" not in backward.emit(spec.replace(varlen=False))
-    assert "varlen_turn_block(q_start, sequence)" in backward.emit(spec.replace(deterministic=True))
+    assert "varlen_first_block(q_start, sequence)" in backward.emit(spec.replace(deterministic=True))
 
 
 def test_params_layout_appends_the_boundaries():
@@ -71,8 +80,8 @@ def test_cli_emits_the_varlen_backward_and_its_line_rebuilds_it(argv):
     line = backward.emit_command(spec)
     assert "--varlen" in line
     assert runner.invoke(cli.main, line.split()[1:]).output == result.output
-    refused = runner.invoke(cli.main, ["emit", "--kernel", "backward", "--arch", "sm90", "--varlen"])
-    assert refused.exit_code == 2 and "varlen" in refused.output
+    refused = runner.invoke(cli.main, ["emit", "--kernel", "backward", "--arch", "sm90", "--varlen", "--deterministic"])
+    assert refused.exit_code == 2 and "deterministic" in refused.output
 
 
 # ------------------------------------------------------------------ compile (NVRTC)
@@ -81,22 +90,37 @@ compiler = pytest.importorskip("facodegen.runtime.compiler")
 
 
 def _compile_targets():
-    """Every head_dim x dtype x mask of the varlen backward for sm_80, one per head_dim for sm_90 (an
-    H100/H200 runs this code for varlen), and the deterministic turns at 64 and 128."""
+    """Every head_dim x dtype x mask of the sm80 varlen backward for sm_80, one per head_dim for sm_90 (an
+    H100/H200 runs it for deterministic varlen calls), the deterministic turns at 64 and 128; the sm90 varlen
+    backward once per head_dim (seeded: dtype and mask), and with the vector dQ adds, dq_lag and block_m 64
+    at head_dim 64 (the knobs whose code reads the sequence's rows)."""
     deterministic = [BackwardSpec(head_dim=d, causal=True, varlen=True, deterministic=True) for d in (64, 128)]
+    sm90_knobs = [BackwardSpec(arch="sm90", head_dim=128, causal=True, varlen=True, dq_tma_reduce=False),
+                  BackwardSpec(arch="sm90", head_dim=128, causal=True, varlen=True, dq_lag=True),
+                  BackwardSpec(arch="sm90", head_dim=64, varlen=True, block_m=64, dtype="fp16"),
+                  BackwardSpec(arch="sm90", head_dim=256, causal=True, varlen=True, dq_tma_reduce=False)]
     return ([(s, None) for s in VARLEN_SPECS + deterministic]
-            + [(s, "sm_90") for s in one_per(VARLEN_SPECS, lambda s: s.head_dim)])
+            + [(s, "sm_90") for s in one_per(VARLEN_SPECS, lambda s: s.head_dim)]
+            + [(s, None) for s in one_per(SM90_VARLEN_SPECS, lambda s: s.head_dim) + sm90_knobs])
 
 
 @pytest.mark.parametrize("spec, sm", _compile_targets(), ids=lambda x: getattr(x, "variant", None) or str(x or "sm_80"))
 def test_varlen_backward_compiles_without_spills(spec, sm):
+    """No local memory in any of the three kernels (the sm90 producer's 24 registers included: a
+    persistent producer skipping the tiles past a sequence's keys spilled at head_dim 64 and 256)."""
     kernel = backward.compile(spec, sm=sm)
     resources = backward.resources_of(kernel)
     for name in spec.kernel_names:
         r = resources[name]
         assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (name, r)
     counts = kernel.sass_counts()
-    assert counts["HMMA"] >= 5 and counts["LDGSTS"] > 0 and counts["LDL"] == 0 and counts["STL"] == 0
+    assert counts["LDL"] == 0 and counts["STL"] == 0
+    if spec.arch == "sm80":
+        assert counts["HMMA"] >= 5 and counts["LDGSTS"] > 0
+    else:       # TMA loads, wgmma, and the bulk copies of the LSE, D rows (and dQ's bulk reduce-adds)
+        sass = kernel.sass()
+        assert "UTMALDG.4D" in sass and "HGMMA" in sass and "UBLKCP" in sass
+        assert ("UBLKRED" in sass) == spec.dq_tma_reduce
 
 
 # ------------------------------------------------------------------ launches on a fake H200
@@ -137,19 +161,19 @@ def _call(args, **kw):
     return varlen_backward.attention_varlen_backward(*positional, **a, **kw)
 
 
-def _fields(record) -> dict:
+def _fields(record, arch="sm80") -> dict:
     formats = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}
     return {f.name: struct.unpack_from(formats[f.kind], record["params"], off)[0]
-            for f, off in backward.layout("sm80", varlen=True)[0]}
+            for f, off in backward.layout(arch, varlen=True)[0] if f.kind in formats}
 
 
 def test_a_varlen_call_launches_the_three_kernels_over_the_packed_rows(vbwd):
-    """On the fake H200 arch=None takes the sm80 code (the sm90 backward has no varlen): the preprocess
-    and postprocess over the 118 packed query rows as one batch, the main kernel over max_seqlen_k's
-    plan_bound keys (512: 4 blocks of 128) x kv heads x sequences; BwdParams has the sequences as its
-    batch, the totals as its lengths, the packed strides (batch 0) and the call's boundaries."""
+    """arch="sm80": the preprocess and postprocess over the 118 packed query rows as one batch, the main
+    kernel over max_seqlen_k's plan_bound keys (512: 4 blocks of 128) x kv heads x sequences; BwdParams has
+    the sequences as its batch, the totals as its lengths, the packed strides (batch 0) and the call's
+    boundaries."""
     a = _problem()
-    dq, dk, dv = _call(a, causal=True, softmax_scale=0.25)
+    dq, dk, dv = _call(a, causal=True, softmax_scale=0.25, arch="sm80")
     spec = BackwardSpec(head_dim=D, causal=True, gpu="h200", varlen=True)
     recs = vbwd.bwd.records
     assert [r["name"] for r in recs] == list(spec.kernel_names)
@@ -164,32 +188,63 @@ def test_a_varlen_call_launches_the_three_kernels_over_the_packed_rows(vbwd):
     assert vbwd.zeroed == [a["k"], a["v"]]      # dK and dV zero where no sequence's keys are; dQ is written whole
 
 
-def test_new_boundaries_hit_the_plan_and_are_patched_in(vbwd):
+def test_the_sm90_varlen_call_runs_one_cta_per_tile_over_the_packed_tokens(vbwd, monkeypatch):
+    """arch=None on the fake H200: the sm90 varlen backward. The preprocess and postprocess per sequence
+    (grid z) over max_seqlen_q's bound (128: 6 CTAs of 24 rows, 2 query blocks of 64); one CTA per tile,
+    (4 key blocks of max_seqlen_k's 512) x 2 kv heads x 4 sequences; the TMA maps over the packed tokens
+    as one batch, moved to each call's tensors; the stats and the tiled dq_accum in (ceil(118 / 64) + 4)
+    padded blocks of 64 rows per head."""
+    from facodegen.runtime import tma
+    encoded = []
+    monkeypatch.setattr(tma, "encode", lambda args: encoded.append(args) or bytes(128))
     a = _problem()
-    _call(a)
+    _call(a, causal=True)
+    spec = BackwardSpec(arch="sm90", head_dim=D, causal=True, varlen=True)
+    recs = vbwd.bwd.records
+    assert [r["name"] for r in recs] == list(spec.kernel_names) and spec.dq_tma_reduce and not spec.persistent
+    assert [r["grid"] for r in recs] == [(6, HQ, 4), (4 * HKV * 4, 1, 1), (2, HQ, 4)]
+    f = _fields(recs[1], "sm90")
+    assert (f["batch"], f["seqlen_q"], f["seqlen_k"], f["varlen_max_seqlen_k"]) == (4, 118, 325, 512)
+    assert (f["cu_seqlens_q"], f["cu_seqlens_k"]) == (a["cu_seqlens_q"].data_ptr(), a["cu_seqlens_k"].data_ptr())
+    padded_rows = (2 + 4) * 64
+    assert f["dpsum"] - f["dq_accum"] == 4 * HQ * padded_rows * D
+    assert vbwd.zeroed == [a["q"], a["k"], a["v"]]      # (sm90's postprocess writes each sequence's dQ rows only)
+    assert [(m.dims, m.box[1]) for m in encoded] == [((D, 118, HQ, 1), 64), ((D, 325, HKV, 1), 128),
+                                                    ((D, 325, HKV, 1), 128), ((D, 118, HQ, 1), 64)]
+    again = dict(_problem(), cu_seqlens_q=a["cu_seqlens_q"])    # new tensors of the same layouts: a hit
+    vbwd.launches.map_moves.clear()
+    _call(again, causal=True)
+    assert varlen_backward._PLANS.misses == 1
+    assert sorted(vbwd.launches.map_moves) == sorted(again[n].data_ptr() for n in ("q", "k", "v", "do"))
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_new_boundaries_hit_the_plan_and_are_patched_in(vbwd, arch):
+    a = _problem()
+    _call(a, arch=arch)
     moved = dict(a, cu_seqlens_q=FakeTensor((5,), "int32"), cu_seqlens_k=FakeTensor((5,), "int32"), max_seqlen_k=260)
-    _call(moved)
+    _call(moved, arch=arch)
     assert varlen_backward._PLANS.misses == 1 and len(vbwd.bwd.records) == 6
-    f = _fields(vbwd.bwd.records[4])
+    f = _fields(vbwd.bwd.records[4], arch)
     assert (f["cu_seqlens_q"], f["cu_seqlens_k"]) == (moved["cu_seqlens_q"].data_ptr(),
                                                       moved["cu_seqlens_k"].data_ptr())
-    _call(_problem(lengths_q=(1, 17, 1, 100)))      # another total: the grids and scratch follow it
-    _call(dict(a, max_seqlen_k=600))                # another plan_bound (1024): the main grid follows it
+    _call(_problem(lengths_q=(1, 17, 1, 100)), arch=arch)      # another total: the grids and scratch follow it
+    _call(dict(a, max_seqlen_k=600), arch=arch)                # another plan_bound (1024): the main grid follows it
     assert varlen_backward._PLANS.misses == 3
-    assert vbwd.bwd.records[-2]["grid"] == (8, HKV, 4)
+    assert vbwd.bwd.records[-2]["grid"] == ((8, HKV, 4) if arch == "sm80" else (8 * HKV * 4, 1, 1))
 
 
 def test_deterministic_varlen_call_keeps_a_turn_counter_per_query_block(vbwd):
     """deterministic: ceil(total_q / block_m) + sequences counters per query head after D, which the
     preprocess zeroes (its grid covers them where they outnumber the rows)."""
     a = _problem(lengths_q=(1, 1, 1, 1, 1, 1), lengths_k=(64,) * 6)
-    _call(a, deterministic=True)
+    _call(a, deterministic=True)      # (arch=None: the sm90 backward has no deterministic varlen, so sm80's)
     spec = BackwardSpec(head_dim=D, gpu="h200", varlen=True, deterministic=True)
     pre, main, _ = vbwd.bwd.records
     assert main["name"] == spec.variant
     f = _fields(main)
     assert f["dq_semaphore"] - f["dpsum"] == 4 * HQ * 6
-    turns = backward.varlen_turn_blocks(spec, 6, 6)
+    turns = varlen_padded_blocks(spec, 6, 6)
     assert turns == 1 + 6 and backward.semaphore_ints(spec, 6, HQ, 6) == HQ * turns
     assert pre["grid"] == (1, HQ, 1) and 16 >= turns    # 16 rows a preprocess CTA at head_dim 128
 
@@ -197,7 +252,7 @@ def test_deterministic_varlen_call_keeps_a_turn_counter_per_query_block(vbwd):
 @pytest.mark.parametrize("seed", range(5))
 def test_varlen_turn_counters_are_distinct_and_in_range(seed):
     """varlen_turn_block: each sequence's query blocks from (first token + index x block_m) // block_m on
-    never meet another sequence's and stay below varlen_turn_blocks, empty sequences among them."""
+    never meet another sequence's and stay below varlen_padded_blocks, empty sequences among them."""
     rng = np.random.default_rng(seed)
     for block_m in (64, 128):
         spec = BackwardSpec(head_dim=64, varlen=True, deterministic=True, block_m=block_m, block_n=64)
@@ -208,7 +263,7 @@ def test_varlen_turn_counters_are_distinct_and_in_range(seed):
         for b, length in enumerate(lengths):
             first = (starts[b] + b * block_m) // block_m
             taken += [first + m for m in range(-(-int(length) // block_m))]
-        assert len(taken) == len(set(taken)) and all(0 <= t < backward.varlen_turn_blocks(spec, len(lengths), total)
+        assert len(taken) == len(set(taken)) and all(0 <= t < varlen_padded_blocks(spec, len(lengths), total)
                                                      for t in taken)
 
 
@@ -229,7 +284,7 @@ def test_varlen_turn_counters_are_distinct_and_in_range(seed):
     (dict(max_seqlen_q=-2), {}, ValueError, "max_seqlen_q must be >= 0"),
     ({}, dict(dk=FakeTensor((325, HQ, D))), ValueError, "dk has shape"),
     ({}, dict(causal=1), TypeError, "causal must be True or False"),
-    ({}, dict(arch="sm90"), SpecError, "the sm90 backward has no varlen yet"),
+    ({}, dict(arch="sm90", deterministic=True), SpecError, "the sm90 varlen backward has no deterministic turns"),
     ({}, dict(varlen=True), ValueError, "varlen is attention_varlen_backward's own switch"),
     ({}, dict(block_n=72), SpecError, "block_n"),
 ])

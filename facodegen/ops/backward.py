@@ -35,7 +35,8 @@ from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM
                               SM90_LPT_TAIL_WAVES, SM90_PRODUCER_REGS, BackwardSpec, dq_accum_rows,
                               preprocess_row_threads, preprocess_rows_per_cta, sm90_default_rings, sm90_dq_cols,
                               sm90_dq_m_tiles, sm90_dq_tma_default, sm90_fewest_dq_pieces, sm90_kv_split,
-                              sm90_lookahead_default, sm90_persistent_default, sm90_swizzle_bytes, stat_rows)
+                              sm90_lookahead_default, sm90_persistent_default, sm90_swizzle_bytes, stat_rows,
+                              varlen_padded_blocks)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, Field, pack_fields,
                                place, stride_fields)
 from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
@@ -107,12 +108,15 @@ BWD_VARLEN_FIELDS = [Field("cu_seqlens_q", "ptr", "const int*", "varlen: (sequen
                                                                 "query lengths"),
                      Field("cu_seqlens_k", "ptr", "const int*", "varlen: (sequences + 1,) prefix sums of the key "
                                                                 "lengths")]
+# sm90 varlen, after them: the keys each sequence's key blocks are counted over (its tiles: n_blocks_of)
+BWD_SM90_VARLEN_FIELDS = [Field("varlen_max_seqlen_k", "i32", "int", "varlen: keys per sequence the tiles cover "
+                                                                     "(max_seqlen_k's plan bound)")]
 _PACK_CU_SEQLENS = struct.Struct("<2Q")
 
 
 def fields(arch: str = "sm80", varlen: bool = False) -> list[Field]:
     return (BWD_FIELDS + (BWD_TMA_FIELDS + BWD_SM90_FIELDS if arch == "sm90" else [])
-            + (BWD_VARLEN_FIELDS if varlen else []))
+            + (BWD_VARLEN_FIELDS if varlen else []) + (BWD_SM90_VARLEN_FIELDS if varlen and arch == "sm90" else []))
 
 
 def layout(arch: str = "sm80", varlen: bool = False) -> tuple[list[tuple[Field, int]], int, int]:
@@ -145,7 +149,7 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     return {"gpu": SM90_GPU, "stages": stages, "do_stages": do_stages, "dq_pieces": sm90_fewest_dq_pieces(spec),
             "k_unroll": 2, "deterministic": False, "s_lookahead": s_default, "dp_lookahead": dp_default,
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
-            "persistent": sm90_persistent_default(spec.arch, spec.deterministic), "lpt": False, "dq_lag": False,
+            "persistent": sm90_persistent_default(spec.arch, spec.deterministic, spec.varlen), "lpt": False, "dq_lag": False,
             "varlen": False}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt",
@@ -237,27 +241,43 @@ def semaphore_ints(spec: BackwardSpec, batch: int, heads_q: int, seqlen_q: int) 
     """int32 counters beside dq_accum (dq_semaphore): deterministic, one turn counter per (batch, heads_q,
     query block); persistent, then the tile counter (tile_counter_of in the templates). varlen: ``batch``
     sequences of ``seqlen_q`` packed query tokens in all, whose query blocks' counters per head are
-    ceil(seqlen_q / block_m) + batch (varlen_turn_blocks in the templates)."""
+    ceil(seqlen_q / block_m) + batch (spec/backward.py varlen_padded_blocks)."""
     if spec.varlen:
-        return heads_q * varlen_turn_blocks(spec, batch, seqlen_q) if spec.deterministic else 0
+        turns = heads_q * varlen_padded_blocks(spec, batch, seqlen_q) if spec.deterministic else 0
+        return turns + int(spec.persistent)
     return (batch * heads_q * -(-seqlen_q // spec.block_m) if spec.deterministic else 0) + int(spec.persistent)
 
 
-def varlen_turn_blocks(spec: BackwardSpec, sequences: int, total_q: int) -> int:
-    """A varlen deterministic backward's turn counters per query head: each sequence's query blocks
-    from (its first token + its index x block_m) // block_m on (so none shares one)."""
-    return -(-total_q // spec.block_m) + sequences
+def varlen_grids(spec: BackwardSpec, sequences: int, heads_q: int, heads_kv: int, total_q: int, max_seqlen_q: int,
+                 max_seqlen_k: int, sms: int | None = None):
+    """grids() of a varlen backward (``max_seqlen_q``, ``max_seqlen_k``: the plan's bounds). sm80: the
+    preprocess and postprocess over the packed query rows as one batch (the preprocess over the turn counters
+    too where they outnumber the rows); the main kernel one CTA per (key block of max_seqlen_k's, kv head,
+    sequence). sm90: the preprocess and postprocess per sequence (grid z) over max_seqlen_q's rows rounded up to
+    block_m (each sequence's padded stat rows); the main kernel's tiles (key block of max_seqlen_k's, kv head,
+    sequence) one CTA each, or persistent min(tiles, ``sms``) CTAs."""
+    n_blocks = -(-max_seqlen_k // spec.block_n)
+    if spec.arch == "sm80":
+        pre, _, post = grids(spec, 1, heads_q, heads_kv, total_q, 1)
+        if spec.deterministic:
+            rows = max(total_q, varlen_padded_blocks(spec, sequences, total_q))
+            pre = (-(-rows // preprocess_rows_per_cta(spec)), heads_q, 1)
+        return pre, (n_blocks, heads_kv, sequences), post
+    pre, _, post = grids(spec, sequences, heads_q, heads_kv, max_seqlen_q, 1)
+    if spec.persistent and sms is None:
+        raise ValueError("a persistent backward's grid needs the GPU's SM count (sms)")
+    tiles = n_blocks * heads_kv * sequences
+    return pre, (min(tiles, sms) if spec.persistent else tiles, 1, 1), post
 
 
-def varlen_grids(spec: BackwardSpec, sequences: int, heads_q: int, heads_kv: int, total_q: int, max_seqlen_k: int):
-    """grids() of a varlen backward: the preprocess and postprocess over the packed query rows as one
-    batch (the preprocess over the turn counters too where they outnumber the rows); the main kernel one
-    CTA per (key block of the longest sequence's keys, kv head, sequence)."""
-    pre, _, post = grids(spec, 1, heads_q, heads_kv, total_q, 1)
-    if spec.deterministic:
-        rows = max(total_q, varlen_turn_blocks(spec, sequences, total_q))
-        pre = (-(-rows // preprocess_rows_per_cta(spec)), heads_q, 1)
-    return pre, (-(-max_seqlen_k // spec.block_n), heads_kv, sequences), post
+def varlen_scratch(spec: BackwardSpec, sequences: int, heads_q: int, total_q: int) -> tuple[int, int]:
+    """(dq_accum floats, row-stat floats) of a varlen backward: sm80 one batch of total_q rows; sm90 its
+    LSE * log2(e) and D in varlen_padded_blocks per head, and dq_accum there too where tiled (dq_tma_reduce),
+    else a row per packed token."""
+    if spec.arch == "sm80":
+        return heads_q * total_q * spec.head_dim, row_stat_floats(spec, 1, heads_q, total_q)
+    padded_rows = varlen_padded_blocks(spec, sequences, total_q) * spec.block_m
+    return heads_q * (padded_rows if spec.dq_tma_reduce else total_q) * spec.head_dim, 2 * heads_q * padded_rows
 
 
 # A plan keeps its dq_accum, D and turn counters per stream (plan.StreamScratch) up to this many

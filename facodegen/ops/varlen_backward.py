@@ -1,13 +1,16 @@
 """``attention_varlen_backward``: the gradients of ``attention_varlen`` (packed variable-length
 sequences, FlashAttention's ``flash_attn_varlen_func`` backward), and what its autograd runs.
 
-The kernels are the backward's (ops/backward.py) built with ``varlen=True`` (sm80 code, which runs on
-H100/H200 too; the sm90 backward has no varlen yet): the preprocess (D = rowsum(dO ∘ O), dq_accum = 0)
-and the postprocess (dQ = softmax_scale * dq_accum) see the packed query tokens as one batch of
-total_q rows, so LSE, D and dq_accum have one row per packed token, as the varlen forward's LSE
-(heads_q, total_q) has; the main kernel's grid z is the sequence, whose first tokens and lengths it
-reads from cu_seqlens_q / cu_seqlens_k (no value is read on the host, so a call never syncs), and
-its grid x covers max_seqlen_k's plan_bound keys (a key block past its sequence's keys returns).
+The kernels are the backward's (ops/backward.py) built with ``varlen=True``; no value of cu_seqlens is
+read on the host, so a call never syncs. sm80 (any GPU; H100/H200's deterministic calls): the
+preprocess (D = rowsum(dO ∘ O), dq_accum = 0) and the postprocess (dQ = softmax_scale * dq_accum) see
+the packed query tokens as one batch of total_q rows, so LSE, D and dq_accum have one row per packed
+token, as the varlen forward's LSE (heads_q, total_q) has; the main kernel's grid z is the sequence,
+whose first tokens and lengths it reads from cu_seqlens_q / cu_seqlens_k, and its grid x covers
+max_seqlen_k's plan_bound keys (a key block past its sequence's keys returns). sm90 (H100/H200's
+default): one CTA per tile (key block of max_seqlen_k's bound, kv head, sequence), TMA maps over the
+packed tokens, the pre- and postprocess per sequence (grid z) writing LSE * log2(e) and D (and the
+tiled dq_accum) in each sequence's padded blocks (spec/backward.py varlen_padded_blocks).
 
 A plan is keyed by the arrays' layouts and shapes (the token totals: the preprocess and postprocess
 grids and the scratch follow them), the number of sequences and the max_seqlen bounds, never by
@@ -23,6 +26,7 @@ import math
 
 from . import api, backward, varlen
 from .api import _view
+from ..runtime import driver
 from ..runtime.plan import PlanCache
 
 _PLANS = PlanCache()
@@ -39,10 +43,10 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     (attention_varlen(..., return_lse=True)); cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     ``causal`` and ``softmax_scale``: the forward's. dK and dV of a kv head are summed over the query
     heads that share it (GQA/MQA). dq, dk, dv: arrays to write the gradients into (default: new
-    contiguous ones, zero at the tokens no sequence covers; a given dk or dv keeps what it held there,
-    and dq is zero there either way). ``arch``: None or "sm80" (the varlen backward's one code, on any
-    GPU). ``knobs``: BackwardSpec fields (block_n=..., deterministic=True, ...). Runs on the caller's
-    current stream.
+    contiguous ones, zero at the tokens no sequence covers; given ones keep what they held there, but for
+    dQ on sm80, written zero). ``arch``: None (sm90 on H100/H200 where it takes the call, deterministic
+    calls aside; else sm80), "sm80" (any GPU) or "sm90". ``knobs``: BackwardSpec fields (block_n=...,
+    deterministic=True, ...). Runs on the caller's current stream.
     """
     kind = api._kind(q)
     plan = key = None
@@ -63,7 +67,8 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         if key is not None:
             _PLANS.put(key, plan)
     device = plan.device
-    dq = _new_like(kind, device, q, zero=False) if dq is None else dq      # (the postprocess writes every row)
+    # (sm80's postprocess writes every row of dQ; sm90's, each sequence's)
+    dq = _new_like(kind, device, q, zero=plan.spec.arch == "sm90") if dq is None else dq
     dk = _new_like(kind, device, k, zero=True) if dk is None else dk
     dv = _new_like(kind, device, v, zero=True) if dv is None else dv
     ptr = api.ARRAY_PTR[kind]
@@ -95,8 +100,8 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
     varlen.check_packed(qv, kv, vv, backward=True)
     cu_q, _ = varlen.check_cu_seqlens(qv, cu_seqlens_q, cu_seqlens_k)
-    varlen.check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    max_k = varlen.plan_bound(varlen.check_max_seqlen("max_seqlen_k", max_seqlen_k))
+    max_q, max_k = (varlen.plan_bound(varlen.check_max_seqlen(name, value)) for name, value in
+                    (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     if "varlen" in knobs:
@@ -138,11 +143,17 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         values.update(zip((f"{t}_batch_stride", f"{t}_row_stride", f"{t}_head_stride"), strides[:3]))
     values.update(batch=sequences, seqlen_q=total_q, seqlen_k=total_k, heads_q=heads_q, heads_kv=heads_kv,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e), cu_seqlens_q=0, cu_seqlens_k=0)
+    if spec.arch == "sm90":     # TMA maps over the packed tokens (as one batch); tiles over max_seqlen_k's bound
+        driver.ensure_context(qv.device)
+        packed = {name: varlen.as_one_batch(view) for name, view in views.items()}
+        values.update(backward.tensor_maps(spec, packed, 1, total_q, total_k, heads_q, heads_kv), lpt_pairs=0,
+                      lpt_tail_pair=0, varlen_max_seqlen_k=max_k)
+    accum_floats, stat_floats = backward.varlen_scratch(spec, sequences, heads_q, total_q)
     return backward.BackwardPlan(
-        spec, functions, backward.varlen_grids(spec, sequences, heads_q, heads_kv, total_q, max_k),
+        spec, functions, backward.varlen_grids(spec, sequences, heads_q, heads_kv, total_q, max_q, max_k, info.sms),
         backward.pack(values, spec.arch, varlen=True), allocate=functools.partial(api._allocate, qv.kind, qv.device),
-        device=qv.device, accum_floats=heads_q * total_q * head_dim,
-        dpsum_floats=backward.row_stat_floats(spec, 1, heads_q, total_q),
+        map_targets=tuple(views[operand].ptr for operand in backward._MAP_OPERANDS.values()),
+        device=qv.device, accum_floats=accum_floats, dpsum_floats=stat_floats,
         semaphore_ints=backward.semaphore_ints(spec, sequences, heads_q, total_q),
         switch_context=qv.device != api._current_device(qv.kind))
 

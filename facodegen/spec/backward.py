@@ -99,7 +99,7 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "block's K and V while the consumers write the last one's dK and dV, instead of one CTA per key block, "
          "whose start (K, V and the first Q, dO in flight) and end (dK, dV out) nothing overlaps.",
          flag="--persistent/--no-persistent",
-         token=lambda s, v: None if v == sm90_persistent_default(s.arch, s.deterministic) else "pers" if v else "np"),
+         token=lambda s, v: None if v == sm90_persistent_default(s.arch, s.deterministic, s.varlen) else "pers" if v else "np"),
     Knob("lpt", "bool", "sm90, causal: tiles in longest-first order within groups of (kv head, batch) whose Q "
          "and dO fit SM90_LPT_GROUP_BYTES of L2, the last group at least SM90_LPT_TAIL_WAVES x SMs / key blocks "
          "pairs wide (every key block 0 early, the launch ending on short blocks) instead of each (kv head, "
@@ -112,10 +112,13 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "GEMMs. A tile's last step computes its own dQ too.", flag="--dq-lag/--no-dq-lag", token=_flag("dqlag")),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
-    Knob("varlen", "bool", "sm80: packed variable-length sequences (attention_varlen's backward): grid z is the "
-         "sequence, whose first tokens and lengths the main kernel reads from cu_seqlens_q / cu_seqlens_k; the "
-         "preprocess and postprocess see the packed rows as one batch.", flag="--varlen/--no-varlen", problem=True,
-         token=_flag("varlen")),
+    Knob("varlen", "bool", "Packed variable-length sequences (attention_varlen's backward): a tile's sequence "
+         "reads its first tokens and lengths from cu_seqlens_q / cu_seqlens_k. sm80: grid z is the sequence, the "
+         "preprocess and postprocess see the packed rows as one batch; sm90: tiles (key block of max_seqlen_k's "
+         "bound, kv head, sequence), a block past its sequence's keys skipped, TMA over the packed tokens, the "
+         "LSE, D (and the tiled dq_accum) rows of each sequence padded to block_m at (first token + index x "
+         "block_m) // block_m blocks (FlashAttention-3's); not deterministic, not lpt.",
+         flag="--varlen/--no-varlen", problem=True, token=_flag("varlen")),
 )
 BACKWARD_BY_NAME = {k.name: k for k in BACKWARD_KNOBS}
 
@@ -199,14 +202,16 @@ SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
 # (dq_pieces: SM90_DQ_PIECES_CHOICES, above the knobs)
 
 
-def sm90_persistent_default(arch: str, deterministic: bool) -> bool:
+def sm90_persistent_default(arch: str, deterministic: bool, varlen: bool = False) -> bool:
     """persistent's default: on sm90 but for deterministic calls. H200, 2026-12-04 (session 37), bf16
     fa3-paper grid, persistent against one CTA per tile in the same runs: 0.98-1.02x per cell (geomean
     1.004 at head_dim 64, 0.993 at 128, 0.985 at 256), so no faster, but a tile goes only to a running
     CTA (no reliance on the order the GPU starts CTAs in). Deterministic causal head_dim 128 with the
     next tile drawn ahead ran at 26 / 72 TFLOP/s (2k / 8k; one CTA per tile 143 / 181 in the next call):
-    a CTA waiting for a turn held the tile other CTAs' turns waited on (the draw is now deferred there)."""
-    return arch == "sm90" and not deterministic
+    a CTA waiting for a turn held the tile other CTAs' turns waited on (the draw is now deferred there).
+    Varlen: off (one CTA per tile, a tile past its sequence's keys exiting at once; the persistent producer's
+    skipping of such tiles spilled its 24 registers at head_dim 64 and 256, NVRTC 13)."""
+    return arch == "sm90" and not deterministic and not varlen
 
 
 def sm90_kv_split(head_dim: int) -> bool:
@@ -332,7 +337,8 @@ class BackwardSpec:
     def __post_init__(self) -> None:
         _as_bool(self, "deterministic")     # (first: the defaults below follow it, deterministic=0 as False)
         if self.persistent is None:
-            object.__setattr__(self, "persistent", sm90_persistent_default(self.arch, self.deterministic))
+            _as_bool(self, "varlen")
+            object.__setattr__(self, "persistent", sm90_persistent_default(self.arch, self.deterministic, self.varlen))
         if self.dq_tma_reduce is None:     # the default: FlashAttention-3's dQ path wherever it runs
             object.__setattr__(self, "dq_tma_reduce", sm90_dq_tma_default(self.arch, self.deterministic))
         _check_types(self)
@@ -505,6 +511,15 @@ def stat_rows(spec: BackwardSpec, seqlen_q: int) -> int:
     return _block_rows(spec, seqlen_q) if spec.arch == "sm90" else seqlen_q
 
 
+def varlen_padded_blocks(spec: BackwardSpec, sequences: int, total_q: int) -> int:
+    """Query blocks per head of a varlen backward's per-block arrays (sm80 deterministic: the turn counters;
+    sm90: the LSE, D rows and the tiled dq_accum): sequence b's ceil(length / block_m) blocks from (its first
+    token + b x block_m) // block_m on, which moves each sequence at least one whole block past the last
+    one's (FlashAttention-3's padded offsets), so no two sequences share a block and ceil(total_q / block_m)
+    + sequences hold them all."""
+    return -(-total_q // spec.block_m) + sequences
+
+
 def kv_acc_floats(spec: BackwardSpec) -> int:
     """dK + dV accumulator floats per thread."""
     return 2 * spec.block_n * spec.head_dim // spec.threads
@@ -603,9 +618,15 @@ def _validate(spec: BackwardSpec) -> None:
 def _validate_sm90(spec: BackwardSpec) -> None:
     """FA3's tiles as SM90_TILES gives them (block_m 128 too at head_dim 64, SM90_BLOCK_MS): two
     consumer warpgroups, a 2-deep Q/dO ring (1 or 2 at head_dim 192, 256)."""
-    if spec.varlen:
-        raise SpecError("varlen", "the sm90 backward has no varlen yet (its TMA maps and tile counter are per batch): "
-                                  "arch='sm80' runs the varlen backward on H100/H200 too")
+    if spec.varlen and spec.deterministic:
+        raise SpecError("deterministic", "the sm90 varlen backward has no deterministic turns yet: arch='sm80' "
+                                         "runs deterministic varlen gradients on H100/H200 too")
+    if spec.varlen and spec.persistent:
+        raise SpecError("persistent", "the sm90 varlen backward runs one CTA per tile (a tile past its sequence's keys "
+                                      "exits at once); persistent=False")
+    if spec.varlen and spec.lpt:
+        raise SpecError("lpt", "orders a batch's (kv head, batch) pairs; the varlen backward's tiles are "
+                               "(key block, kv head, sequence)")
     if spec.gpu not in SM90_GPUS:
         raise SpecError("gpu", f"{spec.gpu}: the sm90 backward runs on {', '.join(SM90_GPUS)}")
     if spec.block_m not in SM90_BLOCK_MS:

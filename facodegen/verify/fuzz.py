@@ -30,7 +30,7 @@ split counts, half of them (odd seeds) with fused_combine); ``varlen`` (attentio
 case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; the case's arch:
 sm80's kernel, which an H100 runs compiled for sm_90, or sm90's own, persistent by default and with
 persistent=False for a third of its cases, seeds 1 mod 3; a quarter of the 16-bit ones without variants,
-seeds 3 mod 4, also take attention_varlen_backward's gradients per sequence, seeds 7 mod 8 deterministic). The families are appended in this order, so adding one leaves
+seeds 3 mod 4, also take attention_varlen_backward's gradients per sequence on the case's arch, seeds 7 mod 8 deterministic on sm80's). The families are appended in this order, so adding one leaves
 the draws of a single family's run unchanged for a seed (``all`` draws among them all).
 """
 
@@ -703,7 +703,7 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         do = randn(cu_q[-1], case.heads_q, case.head_dim)
         runs = [facodegen.attention_varlen_backward(do, *args, out, lse, *boundaries, case.seqlen_q, case.seqlen_k,
                                                     causal=case.causal, softmax_scale=case.softmax_scale,
-                                                    arch="sm80", deterministic=case.seed % 8 == 7)
+                                                    **_varlen_backward_knobs(case))
                 for _ in range(2 if case.seed % 8 == 7 and not launch_only else 1)]
         grads = runs[0]
     if launch_only:
@@ -749,6 +749,15 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     return not problems, "; ".join(problems) or f"O and LSE ok ({case.batch} sequences, {cu_q[-1]} query tokens)"
 
 
+def _varlen_backward_knobs(case: Case) -> dict:
+    """attention_varlen_backward's arch and knobs in a varlen_backward case: the case's arch (sm90: its varlen
+    backward; sm80: the sm80 kernels), deterministic (seeds 7 mod 8) on the sm80 kernels, the only ones with
+    varlen turns."""
+    if case.seed % 8 == 7:
+        return {"arch": "sm80", "deterministic": True}
+    return {"arch": case.arch}
+
+
 def _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, causal: bool, scale: float, grads) -> list[str]:
     """backward_failures per sequence of packed gradients; a sequence with no query or no key must have
     zero gradients."""
@@ -789,8 +798,9 @@ def case_specs(case: Case, device: int = 0) -> list:
         return specs
     if case.varlen_backward:
         from ..ops import backward
-        knobs = {"varlen": True, "deterministic": case.seed % 8 == 7}
-        return [forward, backward.choose(case.head_dim, case.dtype, case.causal, api.device_info(device), knobs, "sm80")]
+        knobs = dict(_varlen_backward_knobs(case), varlen=True)
+        arch = knobs.pop("arch")
+        return [forward, backward.choose(case.head_dim, case.dtype, case.causal, api.device_info(device), knobs, arch)]
     return [forward]
 
 

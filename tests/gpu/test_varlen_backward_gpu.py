@@ -1,5 +1,5 @@
 """attention_varlen's backward on a GPU (facodegen.attention_varlen_backward: the sm80 backward built with
-varlen=True, which runs on H100/H200 too): dQ, dK, dV of packed sequences against each sequence's
+varlen=True, which runs on H100/H200 too, and there the sm90 one, TMA over the packed tokens): dQ, dK, dV of packed sequences against each sequence's
 float64 gradients with FlashAttention-3's criterion (tests/gpu/test_backward_gpu.py's check_grads, per
 sequence), over odd lengths (1, 17, 1000), empty sequences (no queries; queries with no key; q
 longer than k under causal), GQA/MQA, every head_dim, fp16/bf16, causal or not; NaN-poisoned
@@ -30,6 +30,9 @@ from facodegen.spec.backward import BackwardSpec  # noqa: E402
 from test_backward_gpu import check_grads, reference  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+HAVE_SM90 = HAVE_GPU and torch.cuda.get_device_capability() == (9, 0)
+ARCHS = pytest.mark.parametrize("arch", ["sm80", pytest.param("sm90", marks=pytest.mark.skipif(
+    not HAVE_SM90, reason="the sm90 backward needs an H100/H200"))])
 
 # query lengths, key lengths, heads_q, heads_kv, head_dim, dtype
 CASES = [
@@ -45,13 +48,16 @@ CASES = [
 def precompiled():
     """The varlen backward kernels these tests run, compiled in parallel."""
     info = api.device_info(torch.cuda.current_device())
-    target = api.device_target("sm80", info)
-    specs = {BackwardSpec(head_dim=c[4], dtype=c[5], causal=causal, varlen=True, gpu=info.budget_gpu)
-             for c in CASES for causal in (False, True)}
-    specs |= {BackwardSpec(head_dim=128, dtype="bf16", causal=causal, varlen=True, deterministic=True,
-                           gpu=info.budget_gpu) for causal in (False, True)}
+    archs = ("sm80", "sm90") if info.compute_capability == (9, 0) else ("sm80",)
+    specs = {BackwardSpec(arch=arch, head_dim=c[4], dtype=c[5], causal=causal, varlen=True)
+             for arch in archs for c in CASES for causal in (False, True)}
+    specs |= {BackwardSpec(head_dim=128, dtype="bf16", causal=causal, varlen=True, deterministic=True)
+              for causal in (False, True)}
+    specs |= {BackwardSpec(arch="sm90", head_dim=128, dtype="bf16", causal=True, varlen=True, **knobs)
+              for knobs in ({"dq_tma_reduce": False}, {"dq_lag": True})} if "sm90" in archs else set()
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda spec: backward.compile(spec, sm=target, verbose=False), specs))
+        list(pool.map(lambda spec: backward.compile(spec.replace(gpu=info.budget_gpu),
+                                                    sm=api.device_target(spec.arch, info), verbose=False), specs))
 
 
 def packed(lengths_q, lengths_k, hq, hkv, d, dtype, seed=0):
@@ -97,16 +103,17 @@ def check_sequences(grads, do, q, k, v, cu_q, cu_k, causal, scale):
     return failures
 
 
+@ARCHS
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"hd{c[4]}-{c[5]}-h{c[2]}/{c[3]}")
-def test_varlen_gradients_match_float64(case, causal):
+def test_varlen_gradients_match_float64(case, causal, arch):
     lengths_q, lengths_k, hq, hkv, d, dt = case
     q, k, v, do, cu_q, cu_k = packed(lengths_q, lengths_k, hq, hkv, d, DTYPES[dt], seed=d + causal)
     scale = d ** -0.5 if causal else 0.3
     out, lse = forward_of(q, k, v, cu_q, cu_k, causal, scale)
     poison = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
     grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max(lengths_q), max(lengths_k),
-                                                causal=causal, softmax_scale=scale, **poison)
+                                                causal=causal, softmax_scale=scale, arch=arch, **poison)
     assert all(g is poison[n] for g, n in zip(grads, ("dq", "dk", "dv")))
     assert check_sequences(grads, do, q, k, v, cu_q, cu_k, causal, scale) == []
 
@@ -132,6 +139,7 @@ def test_autograd_through_attention_varlen_matches_attention_per_sequence(causal
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_deterministic_varlen_gradients_are_bit_identical(causal):
+    """(arch=None: the sm80 kernels, whatever the GPU; the sm90 varlen backward has no turns yet)"""
     lengths_q, lengths_k = (1000, 1, 0, 513), (700, 1, 9, 1500)
     q, k, v, do, cu_q, cu_k = packed(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16, seed=5)
     out, lse = forward_of(q, k, v, cu_q, cu_k, causal, 0.1)
@@ -142,25 +150,28 @@ def test_deterministic_varlen_gradients_are_bit_identical(causal):
     assert check_sequences(runs[0], do, q, k, v, cu_q, cu_k, causal, 0.1) == []
 
 
-def test_other_boundaries_with_the_same_totals_hit_the_plan():
+@ARCHS
+def test_other_boundaries_with_the_same_totals_hit_the_plan(arch):
     lengths_a, lengths_b = (100, 28, 0, 1), (1, 0, 28, 100)
     q, k, v, do, cu_q, cu_k = packed(lengths_a, lengths_a, 4, 4, 64, torch.bfloat16, seed=2)
     cu_b = torch.tensor([0, *itertools.accumulate(lengths_b)], dtype=torch.int32, device="cuda")
     for cu in (cu_q, cu_b):
         out, lse = forward_of(q, k, v, cu, cu, True, 0.125)
         grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu, cu, 100, 100, causal=True,
-                                                    softmax_scale=0.125)
+                                                    softmax_scale=0.125, arch=arch)
         assert check_sequences(grads, do, q, k, v, cu, cu, True, 0.125) == []
 
 
-def test_tokens_outside_the_sequences():
-    """Boundaries covering part of the buffers: dQ is zero outside them; dK, dV made by the call are zero
-    outside them, and given ones keep what they held there."""
+@ARCHS
+def test_tokens_outside_the_sequences(arch):
+    """Boundaries covering part of the buffers: gradients made by the call are zero outside them, and given
+    dK, dV keep what they held there (a TMA box of the next sequence's rows is read, never written)."""
     q, k, v, do, _, _ = packed((150,), (200,), 4, 2, 128, torch.bfloat16, seed=4)
     cu_q = torch.tensor([7, 20, 20, 120], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([5, 5, 60, 190], dtype=torch.int32, device="cuda")
     out, lse = forward_of(q, k, v, cu_q, cu_k, False, 0.2)
-    dq, dk, dv = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 100, 130, softmax_scale=0.2)
+    dq, dk, dv = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 100, 130, softmax_scale=0.2,
+                                                     arch=arch)
     outside_q = torch.ones(150, dtype=torch.bool, device="cuda")
     outside_q[7:120] = False
     outside_k = torch.ones(200, dtype=torch.bool, device="cuda")
@@ -168,8 +179,21 @@ def test_tokens_outside_the_sequences():
     assert not dq[outside_q].any() and not dk[outside_k].any() and not dv[outside_k].any()
     given = torch.full_like(k, -3.0)
     _, dk2, _ = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 100, 130, softmax_scale=0.2,
-                                                    dk=given)
+                                                    dk=given, arch=arch)
     assert dk2 is given and (given[outside_k] == -3.0).all() and torch.equal(given[~outside_k], dk[~outside_k])
     local = (cu_q - 7, cu_k - 5)
     grads = (dq[7:120], dk[5:190], dv[5:190])
     assert check_sequences(grads, do[7:120], q[7:120], k[5:190], v[5:190], *local, False, 0.2) == []
+
+
+@pytest.mark.skipif(not HAVE_SM90, reason="the sm90 backward needs an H100/H200")
+@pytest.mark.parametrize("knobs", [{"dq_tma_reduce": False}, {"dq_lag": True}], ids=["vector-dq", "dq-lag"])
+def test_sm90_varlen_knobs(knobs):
+    """The sm90 varlen backward's dQ paths other than the default bulk reduce-add: every thread's vector
+    adds into a row per packed token, and dq_lag's lagged write-out."""
+    lengths_q, lengths_k = (1000, 1, 0, 513), (700, 1, 9, 1500)
+    q, k, v, do, cu_q, cu_k = packed(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16, seed=9)
+    out, lse = forward_of(q, k, v, cu_q, cu_k, True, 0.1)
+    grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 1000, 1500, causal=True,
+                                                softmax_scale=0.1, arch="sm90", **knobs)
+    assert check_sequences(grads, do, q, k, v, cu_q, cu_k, True, 0.1) == []
