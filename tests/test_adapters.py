@@ -72,10 +72,36 @@ class FakeAttention:
         return (o, lse.float()) if return_lse else o
 
 
+class FakeVarlen:
+    """facodegen.attention_varlen's contract on the CPU: each sequence through FakeAttention (so its
+    bottom-right causal, scale and GQA), recording each call (its boundaries and lengths)."""
+
+    def __init__(self, attention):
+        self.attention, self.calls = attention, []
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                 softmax_scale=None):
+        assert q.dim() == k.dim() == v.dim() == 3 and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+        assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
+        self.calls.append(dict(q=q, k=k, v=v, cu_q=cu_seqlens_q.tolist(), cu_k=cu_seqlens_k.tolist(),
+                               max_q=max_seqlen_q, max_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale))
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+        for (q0, q1), (k0, k1) in zip(zip(self.calls[-1]["cu_q"], self.calls[-1]["cu_q"][1:]),
+                                      zip(self.calls[-1]["cu_k"], self.calls[-1]["cu_k"][1:])):
+            assert q1 - q0 <= max_seqlen_q and k1 - k0 <= max_seqlen_k
+            if q1 > q0 and k1 > k0:
+                out[q0:q1] = self.attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal,
+                                            softmax_scale=softmax_scale)[0]
+        self.attention.calls.clear()
+        return out
+
+
 @pytest.fixture
 def fake(monkeypatch):
     f = FakeAttention()
     monkeypatch.setattr(facodegen, "attention", f)
+    f.varlen = FakeVarlen(FakeAttention())
+    monkeypatch.setattr(facodegen, "attention_varlen", f.varlen)
     return f
 
 
@@ -386,15 +412,15 @@ def test_transformers_masks(fake):
     assert _causal_from_mask(causal_bool, 4, 7, False) is True
     assert _causal_from_mask(additive, 4, 7, False) is True
     assert _causal_from_mask(torch.ones(2, 1, 4, 7, dtype=torch.bool), 4, 7, True) is False
-    padded_2d = torch.ones(2, 7, dtype=torch.long)
-    padded_2d[1, :2] = 0
     padded_4d = causal_bool.clone()
     padded_4d[1, :, :, :2] = False
     top_left = torch.ones(4, 7, dtype=torch.bool).tril()[None, None].expand(2, 1, 4, 7)
-    for mask in (padded_2d, torch.ones(2, 9, dtype=torch.bool), padded_4d, top_left):
-        with pytest.raises(NotImplementedError, match=r"padded batches need variable-length support \(not yet\)"):
+    for mask in (padded_4d, top_left):
+        with pytest.raises(NotImplementedError, match="a 4-D attention mask that hides more than the causal pattern"):
             attention_forward(_Module(), q, k, v, mask)
-    assert not fake.calls
+    with pytest.raises(ValueError, match="a 2-D padding mask has one entry per key"):
+        attention_forward(_Module(), q, k, v, torch.ones(2, 9, dtype=torch.bool))
+    assert not fake.calls and not fake.varlen.calls
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -403,7 +429,6 @@ def test_transformers_masks(fake):
     (dict(sliding_window=4), "sliding_window"),
     (dict(s_aux=torch.zeros(8)), "s_aux"),
     (dict(position_bias=torch.zeros(1, 8, 6, 6)), "position_bias"),
-    (dict(cu_seq_lens_q=torch.tensor([0, 6]), cu_seq_lens_k=torch.tensor([0, 6])), "cu_seq_lens"),
 ])
 def test_transformers_refuses(fake, kwargs, name):
     from facodegen.integrations.transformers import attention_forward
@@ -418,11 +443,89 @@ def test_transformers_accepts_what_flash_attention_2_accepts(fake):
     q, k, v = _hf_qkv(batch=1)
     attention_forward(_Module(), q, k, v, None, sliding_window=6, softcap=None, s_aux=None, output_attentions=True,
                       position_ids=torch.arange(3, 9)[None])
-    assert len(fake.calls) == 1
-    with pytest.raises(NotImplementedError, match="packed"):
-        attention_forward(_Module(), q, k, v, None, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    assert len(fake.calls) == 1 and not fake.varlen.calls
+    with pytest.raises(NotImplementedError, match="not packed sequences this backend can split"):
+        attention_forward(_Module(), q, k, v, None, position_ids=torch.tensor([[3, 4, 5, 0, 1, 2]]))
     out, _ = attention_forward(_Module(), q, k, v, None, is_causal=False)
     assert fake.calls[-1]["causal"] is False
+
+
+def _per_row_reference(q, k, v, queries, keys, causal, scale):
+    """(batch, seqlen_q, heads_q, d) of each row on its own tokens (torch SDPA, bottom-right causal), zeros at
+    the padded query positions: what flash_attention_2 returns for a padded batch."""
+    out = torch.zeros(q.shape, dtype=q.dtype)      # (batch, heads_q, seqlen_q, d), as transformers passes q
+    for b in range(q.shape[0]):
+        rows, cols = queries[b].nonzero().flatten(), keys[b].nonzero().flatten()
+        mask = _bottom_right(len(rows), len(cols)) if causal else None
+        out[b][:, rows] = F.scaled_dot_product_attention(q[b:b + 1, :, rows], k[b:b + 1, :, cols], v[b:b + 1, :, cols],
+                                                         attn_mask=mask, scale=scale, enable_gqa=True)[0]
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("sq, sk, side", [(6, 6, "right"), (6, 6, "left"), (1, 9, "left"), (3, 9, "left")],
+                         ids=["prefill-right", "prefill-left", "decode", "chunk"])
+def test_transformers_padded_batch_runs_on_packed_sequences(fake, sq, sk, side):
+    """A 2-D padding mask that hides keys: the tokens gathered into packed sequences (attention_varlen, the
+    K/V heads unrepeated), each row's attention on its own tokens, zeros at padded query positions (as
+    flash_attention_2); the queries are the keys' tokens, one per row in a decode step, else the keys' last
+    seqlen_q (left padding)."""
+    from facodegen.integrations.transformers import attention_forward
+    q, k, v = _hf_qkv(batch=3, sq=sq, sk=sk)
+    keys = torch.ones(3, sk, dtype=torch.long)
+    if side == "right":
+        keys[0, 4:], keys[2, 1:] = 0, 0
+    else:
+        keys[0, :2], keys[2, :sk - 1] = 0, 0
+    queries = (keys if sq == sk else keys[:, -sq:]).bool() if sq > 1 else torch.ones(3, 1, dtype=torch.bool)
+    out, _ = attention_forward(_Module(), q, k, v, keys, scaling=0.3)
+    _close(out, _per_row_reference(q, k, v, queries, keys.bool(), sq > 1, 0.3))
+    (call,) = fake.varlen.calls
+    lengths_q, lengths_k = queries.sum(-1).tolist(), keys.sum(-1).tolist()
+    assert call["cu_k"] == [0, *torch.tensor(lengths_k).cumsum(0).tolist()] and call["max_k"] == max(lengths_k)
+    assert call["cu_q"] == [0, *torch.tensor(lengths_q).cumsum(0).tolist()] and call["max_q"] == max(lengths_q)
+    assert call["k"].shape == (sum(lengths_k), 2, 64) and call["causal"] is (sq > 1) and not fake.calls
+
+
+def test_transformers_padded_batch_takes_gradients_through_the_gather():
+    """autograd through the gather and scatter (the varlen call faked by differentiable torch ops): no
+    gradient reaches a padded position."""
+    from facodegen.integrations import transformers as fa_tf
+    fake_attention = FakeAttention()
+    varlen = FakeVarlen(fake_attention)
+    q, k, v = (x.detach().requires_grad_(True) for x in _hf_qkv(batch=2, sq=5, sk=5))
+    keys = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    original = facodegen.attention_varlen
+    facodegen.attention_varlen = varlen
+    try:
+        out, _ = fa_tf.attention_forward(_Module(), q, k, v, keys)
+    finally:
+        facodegen.attention_varlen = original
+    out.float().square().sum().backward()
+    assert not q.grad[0, :, 3:].any() and not k.grad[0, :, 3:].any() and not v.grad[0, :, 3:].any()
+    assert q.grad[0, :, :3].abs().sum() > 0 and k.grad[1].abs().sum() > 0
+
+
+def test_transformers_packed_sequences(fake):
+    """A batch of one holding several sequences: the cu_seq_lens kwargs (transformers' padding-free
+    collator, max_length given or not) or position_ids restarting at 0 give the same packed call."""
+    from facodegen.integrations.transformers import attention_forward
+    q, k, v = _hf_qkv(batch=1, sq=9, sk=9)
+    cu = torch.tensor([0, 4, 5, 9], dtype=torch.int64)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 0, 1, 2, 3]])
+    outs = [attention_forward(_Module(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4,
+                              max_length_k=4)[0],
+            attention_forward(_Module(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)[0],
+            attention_forward(_Module(), q, k, v, None, position_ids=positions)[0]]
+    ones = torch.ones(1, 9, dtype=torch.bool)
+    for out in outs:
+        for a, b in ((0, 4), (4, 5), (5, 9)):
+            _close(out[:, a:b], _per_row_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], ones[:, a:b],
+                                                   ones[:, a:b], True, 0.125))
+    assert [(c["cu_q"], c["cu_k"], c["max_q"], c["causal"]) for c in fake.varlen.calls] == [([0, 4, 5, 9],) * 2
+                                                                                          + (4, True)] * 3
+    assert not fake.calls
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k come together"):
+        attention_forward(_Module(), q, k, v, None, cu_seq_lens_q=cu)
 
 
 # a tiny random Llama, float32 on the CPU, facodegen.attention faked: the whole model path
@@ -471,11 +574,34 @@ def test_transformers_llama_matches_sdpa(fake):
 
 
 @torch.no_grad()
-def test_transformers_llama_padded_batch_raises(fake):
-    ours = _tiny_llama("facodegen")
-    ids = torch.randint(3, 128, (2, 8))
+def test_transformers_llama_padded_batch_matches_sdpa(fake):
+    """A left-padded batch through the model and generate(): facodegen's packed call matches SDPA's masked
+    one at every real token, and greedy generation gives the same tokens."""
+    sdpa = _tiny_llama("sdpa")
+    ours = _tiny_llama("facodegen", sdpa.state_dict())
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    with pytest.raises(NotImplementedError, match=r"padded batches need variable-length support \(not yet\)"):
-        ours(ids, attention_mask=mask)
-    assert not fake.calls
+    real = mask.bool()
+    _close(ours(ids, attention_mask=mask).logits[real], sdpa(ids, attention_mask=mask).logits[real])
+    assert fake.varlen.calls and not fake.calls
+    want = sdpa.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=True)
+    assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=True), want)
+
+
+@torch.no_grad()
+def test_transformers_llama_packed_sequences_match_each_sequence_alone(fake):
+    """Padding-free packing (transformers' DataCollatorWithFlattening: one row, position_ids restarting at
+    0): each sequence's logits are those of the sequence run alone through SDPA."""
+    sdpa = _tiny_llama("sdpa")
+    ours = _tiny_llama("facodegen", sdpa.state_dict())
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(3, 128, (1, n), generator=g) for n in (5, 1, 9)]
+    ids = torch.cat(seqs, dim=1)
+    positions = torch.cat([torch.arange(s.shape[1]) for s in seqs])[None]
+    got = ours(ids, position_ids=positions).logits
+    start = 0
+    for s in seqs:
+        _close(got[:, start:start + s.shape[1]], sdpa(s).logits)
+        start += s.shape[1]
+    assert fake.varlen.calls and all(c["cu_q"] == [0, 5, 6, 15] for c in fake.varlen.calls) and not fake.calls

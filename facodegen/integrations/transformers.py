@@ -14,13 +14,22 @@ nothing or is exactly the causal pattern is accepted.
 
 Supported: causal and bidirectional attention (``module.is_causal`` or the ``is_causal`` kwarg),
 causal aligned bottom-right (the query rows are the last rows of the keys, as in a KV-cached
-decode or prefill step), GQA/MQA on the KV heads as they are (no repeat_kv), ``scaling``.
-Not supported yet, raising NotImplementedError: padded batches (an attention_mask that hides a
-key), packed sequences (varlen kwargs, or position_ids that restart in a batch of one), dropout
-in training, ``softcap``, attention sinks (``s_aux``), ``position_bias``, and a
-``sliding_window`` narrower than the keys (a wider one hides nothing and is accepted, as
-flash_attention_2 does). Training runs facodegen's generated backward through autograd (fp16/bf16;
-see facodegen.attention).
+decode or prefill step), GQA/MQA on the KV heads as they are (no repeat_kv), ``scaling``, and, as
+flash_attention_2 runs them, on facodegen.attention_varlen:
+
+- padded batches (the 2-D padding mask, 1 = a token): the tokens gathered into packed sequences,
+  attended per sequence and scattered back, zeros at the padded query positions; the queries are
+  the keys' tokens when as many, one per row in a decode step, else the keys' last ones (left padding);
+- packed sequences in a batch of one: the ``cu_seq_lens_q`` / ``cu_seq_lens_k`` kwargs (with
+  ``max_length_q`` / ``max_length_k``; transformers' padding-free collator), or position_ids that
+  restart at 0 inside the row.
+
+Like flash_attention_2's, those calls read the lengths on the host (a sync). Not supported yet,
+raising NotImplementedError: a 4-D mask that hides more than the causal pattern (transformers >=
+4.53 with register() hands this backend the 2-D mask instead), dropout in training, ``softcap``,
+attention sinks (``s_aux``), ``position_bias``, and a ``sliding_window`` narrower than the keys (a
+wider one hides nothing and is accepted, as flash_attention_2 does). Training runs facodegen's
+generated backward through autograd (fp16/bf16; see facodegen.attention and attention_varlen).
 """
 
 from __future__ import annotations
@@ -31,8 +40,8 @@ __all__ = ["register", "attention_forward", "NAME"]
 
 NAME = "facodegen"
 
-PADDED = ("padded batches need variable-length support (not yet): facodegen runs batches whose "
-          "sequences have no padding tokens")
+MASK_4D = ("a 4-D attention mask that hides more than the causal pattern is not supported: register() on "
+           "transformers >= 4.53 hands this backend the 2-D padding mask, which it runs on packed sequences")
 
 
 def register(name: str = NAME) -> None:
@@ -57,11 +66,16 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     _refuse_unsupported(module, seqlen_k, dropout, kwargs)
     is_causal = kwargs.get("is_causal")
     causal = (getattr(module, "is_causal", True) if is_causal is None else is_causal) and seqlen_q > 1
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)   # (batch, seqlen, heads, d)
+    packed = _packed_boundaries(kwargs, attention_mask, q.shape[0], seqlen_q, seqlen_k)
+    if packed is not None:
+        out = facodegen.attention_varlen(q[0], k[0], v[0], *packed, causal=causal, softmax_scale=scaling)
+        return out[None], None
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == seqlen_k \
+            and not bool(attention_mask.all()):
+        return _padded_attention(q, k, v, attention_mask.bool(), causal, scaling), None
     causal = _causal_from_mask(attention_mask, seqlen_q, seqlen_k, causal)
-    if attention_mask is None and query.shape[0] == 1 and seqlen_q > 1:
-        _refuse_packed(kwargs.get("position_ids"))
-    out = facodegen.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
-                              softmax_scale=scaling)
+    out = facodegen.attention(q, k, v, causal=causal, softmax_scale=scaling)
     return out, None
 
 
@@ -78,19 +92,17 @@ def _refuse_unsupported(module, seqlen_k: int, dropout, kwargs: dict) -> None:
     for name in ("s_aux", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{name} is not supported yet")
-    if any(kwargs.get(name) is not None for name in ("cu_seq_lens_q", "cu_seq_lens_k")):
-        raise NotImplementedError(f"cu_seq_lens_q/cu_seq_lens_k: packed sequences (varlen) are not supported yet; "
-                                  f"{PADDED}")
 
 
 def _causal_from_mask(mask, seqlen_q: int, seqlen_k: int, causal: bool) -> bool:
     """The causal flag to launch with, or NotImplementedError when the mask hides more than that."""
     if mask is None:
         return causal
-    if mask.dim() == 2:   # (batch, keys), 1 = attend: flash attention's padding mask
+    if mask.dim() == 2:   # (batch, keys), 1 = attend: flash attention's padding mask (one that hides: _padded_attention)
         if mask.shape[-1] == seqlen_k and bool(mask.all()):
             return causal
-        raise NotImplementedError(f"attention_mask: {PADDED}")
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)}: a 2-D padding mask has one entry per key "
+                         f"({seqlen_k})")
     if mask.dim() == 4 and mask.shape[-2:] == (seqlen_q, seqlen_k):
         # (batch, 1 or heads, q, k), bool (True = attend) or additive float (0 = attend). As in
         # sdpa, a 4-D mask is the whole truth: it decides causality, module.is_causal does not.
@@ -100,15 +112,55 @@ def _causal_from_mask(mask, seqlen_q: int, seqlen_k: int, causal: bool) -> bool:
         bottom_right = attend.new_ones((seqlen_q, seqlen_k)).tril(seqlen_k - seqlen_q)
         if bool((attend == bottom_right).all()):
             return True
-        raise NotImplementedError(f"attention_mask: it hides more than the causal pattern; {PADDED}")
+        raise NotImplementedError(f"attention_mask: {MASK_4D}")
     raise NotImplementedError(f"attention_mask of shape {tuple(mask.shape)} (query {seqlen_q}, keys {seqlen_k}) "
-                              f"is not supported; {PADDED}")
+                              f"is not supported; {MASK_4D}")
 
 
-def _refuse_packed(position_ids) -> None:
-    """Several sequences packed in one row (positions restart) would attend across each other."""
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
-        return
-    if bool((position_ids.diff(dim=-1) != 1).any()):
-        raise NotImplementedError(f"position_ids restart inside the row: packed sequences are not supported yet; "
-                                  f"{PADDED}")
+def _packed_boundaries(kwargs: dict, mask, batch: int, seqlen_q: int, seqlen_k: int):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of packed sequences in a batch of one (the
+    cu_seq_lens kwargs, or position_ids restarting at 0 inside the row), else None."""
+    import torch
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None or batch != 1 or mask is not None:
+            raise ValueError("cu_seq_lens_q and cu_seq_lens_k come together, for packed sequences in a batch of one "
+                             "with no attention_mask")
+        cu_q, cu_k = (c.to(torch.int32).contiguous() for c in (cu_q, cu_k))
+        max_q, max_k = (kwargs.get(name) for name in ("max_length_q", "max_length_k"))
+        max_q = int(cu_q.diff().max()) if max_q is None else int(max_q)
+        max_k = int(cu_k.diff().max()) if max_k is None else int(max_k)
+        return cu_q, cu_k, max_q, max_k
+    position_ids = kwargs.get("position_ids")
+    if (mask is not None or batch != 1 or seqlen_q < 2 or position_ids is None or position_ids.dim() != 2
+            or position_ids.shape[-1] != seqlen_q or not bool((position_ids.diff(dim=-1) != 1).any())):
+        return None
+    # several sequences in the row: each restarts at position 0 (transformers' padding-free batches)
+    if seqlen_q != seqlen_k or int(position_ids[0, 0]) != 0:
+        raise NotImplementedError("position_ids restart inside the row, but not from a first position 0 over as many "
+                                  "keys as queries: not packed sequences this backend can split")
+    starts = (position_ids[0] == 0).nonzero().flatten()
+    cu = torch.cat([starts, starts.new_tensor([seqlen_q])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return cu, cu, longest, longest
+
+
+def _padded_attention(q, k, v, keys, causal: bool, scaling):
+    """Attention of a padded batch (``keys``: the (batch, seqlen_k) bool padding mask, True = a token) as
+    flash_attention_2 runs it: each row's tokens gathered into packed sequences, attention_varlen, the
+    outputs scattered back (zeros at padded query positions). The query rows are the keys' tokens where there
+    are as many, every row of a one-token decode step, else the keys' last seqlen_q (left padding)."""
+    import torch
+    batch, seqlen_q, heads_q = q.shape[:3]
+    seqlen_k = k.shape[1]
+    queries = keys if seqlen_q == seqlen_k else keys.new_ones(batch, 1) if seqlen_q == 1 else keys[:, -seqlen_q:]
+    lengths_q, lengths_k = queries.sum(-1, dtype=torch.int32), keys.sum(-1, dtype=torch.int32)
+    cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (lengths_q, lengths_k))
+    rows_q, rows_k = queries.flatten().nonzero().flatten(), keys.flatten().nonzero().flatten()
+    out = facodegen.attention_varlen(q.reshape(batch * seqlen_q, *q.shape[2:]).index_select(0, rows_q),
+                                     k.reshape(batch * seqlen_k, *k.shape[2:]).index_select(0, rows_k),
+                                     v.reshape(batch * seqlen_k, *v.shape[2:]).index_select(0, rows_k),
+                                     cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()), causal=causal,
+                                     softmax_scale=scaling)
+    full = out.new_zeros(batch * seqlen_q, *out.shape[1:]).index_copy(0, rows_q, out)
+    return full.view(batch, seqlen_q, *out.shape[1:])
