@@ -184,6 +184,9 @@ def test_a_varlen_call_launches_the_three_kernels_over_the_packed_rows(vbwd):
     assert (f["q_batch_stride"], f["q_row_stride"], f["q_head_stride"]) == (0, HQ * D, D)
     assert (f["k_batch_stride"], f["k_row_stride"], f["dk_row_stride"]) == (0, HKV * D, HKV * D)
     assert f["dpsum"] - f["dq_accum"] == 4 * HQ * 118 * D and f["dq_semaphore"] == 0
+    # the scratch is the call's (a plan per token total must not hold one each)
+    plan = next(iter(varlen_backward._PLANS._plans.values()))
+    assert plan.scratch(vbwd.stream) is None and not plan.plain
     assert f["softmax_scale"] == 0.25 and (f["dq"], f["dk"], f["dv"]) == tuple(t.data_ptr() for t in (dq, dk, dv))
     assert vbwd.zeroed == [a["k"], a["v"]]      # dK and dV zero where no sequence's keys are; dQ is written whole
 
@@ -429,3 +432,24 @@ def test_what_has_no_backward_raises_at_the_forward(meta_varlen, kw, q_shape, v_
         facodegen.attention_varlen(q, q.detach(), v, *_boundaries(), 8, 8, **kw)
     assert words in str(err.value) and "facodegen.attention_varlen" in str(err.value)
     assert not meta_varlen.forwards
+
+
+# ------------------------------------------------------------------ the benchmark script (its CPU parts)
+
+def test_bench_varlen_backward_counts_real_work_and_tabulates_ratios_to_fa2():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_varlen_backward.py"
+    spec = importlib.util.spec_from_file_location("bench_varlen_backward", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["--quick", "--causal"])
+    cells = bench.vs.cells(args.quick, args.head_dim, args.causal)
+    assert args.quick and args.causal is True and {c["head_dim"] for c in cells} == {128} and all(c["causal"] for c in cells)
+    c = cells[0]
+    assert bench.backward_tflops(c, 1.0) == pytest.approx(2.5 * c["flops"] / 1e-3 / 1e12)
+    rows = [{**c, "results": {"facodegen autograd": {"ms": 2.0, "tflops": 10.0}, "FA2 varlen (NJT)": {"ms": 3.0,
+                                                                                                       "tflops": 6.7},
+                              "facodegen sm80": {"why": "RuntimeError: no kernel image"}}}]
+    table = bench.format_table(rows)
+    assert "autograd 1.50x" in table and "RuntimeError: no kernel image" in table and "| 10.0 |" in table

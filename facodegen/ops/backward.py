@@ -304,7 +304,7 @@ class BackwardPlan:
 
     def __init__(self, spec: BackwardSpec, functions, grid3, param_bytes: bytes, *, device: int, accum_floats: int,
                  dpsum_floats: int, semaphore_ints: int = 0, switch_context: bool, allocate=None, map_targets=None,
-                 outputs=None):
+                 outputs=None, keep_scratch: bool = True):
         self.spec = spec
         self.grids = grid3
         self.outputs = outputs
@@ -323,7 +323,7 @@ class BackwardPlan:
         nbytes = 4 * (accum_floats + dpsum_floats + semaphore_ints)
         self._scratch = StreamScratch({"accum": 4 * accum_floats, "dpsum": 4 * dpsum_floats,
                                        "semaphore": 4 * semaphore_ints}, allocate) \
-            if allocate is not None and nbytes <= CACHED_SCRATCH_BYTES else None
+            if allocate is not None and keep_scratch and nbytes <= CACHED_SCRATCH_BYTES else None
         # sm90: (offset of a TMA map in BwdParams, index of its tensor in ``pointers``) per map
         offsets = {f.name: off for f, off in layout(spec.arch, spec.varlen)[0]}
         self._cu_seqlens_at = offsets.get("cu_seqlens_q")     # varlen: where a call's boundaries go

@@ -15,7 +15,9 @@ tiled dq_accum) in each sequence's padded blocks (spec/backward.py varlen_padded
 A plan is keyed by the arrays' layouts and shapes (the token totals: the preprocess and postprocess
 grids and the scratch follow them), the number of sequences and the max_seqlen bounds, never by
 the values in cu_seqlens: a call with other boundaries and the same totals is a plan-cache hit that
-patches the cu_seqlens addresses into its BwdParams.
+patches the cu_seqlens addresses into its BwdParams. Its scratch (dq_accum, D, LSE * log2(e)) is
+allocated per call in the caller's library, never kept by the plan: training with varying token totals
+builds a plan per total, and kept scratch (up to backward.CACHED_SCRATCH_BYTES each) would pile up.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         map_targets=tuple(views[operand].ptr for operand in backward._MAP_OPERANDS.values()),
         device=qv.device, accum_floats=accum_floats, dpsum_floats=stat_floats,
         semaphore_ints=backward.semaphore_ints(spec, sequences, heads_q, total_q),
-        switch_context=qv.device != api._current_device(qv.kind))
+        switch_context=qv.device != api._current_device(qv.kind), keep_scratch=False)
 
 
 __all__ = ["attention_varlen_backward"]

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The device work waiting since sessions 40-41, when no device was lent: everything below landed CPU-checked
+# only. Two calls, each inside the device tool's 600 s (carry [".whl"] for FlashAttention-3); logs under $OUT,
+# a table of steps last. Run `check` first: a failure there makes `bench`'s numbers moot.
+#
+#   OUT=/path bash scripts/pending_gpu.sh check   # GPU tests of the unvalidated features, their fuzz shares, the
+#                                                 # sanitizer's cases of them (~520 s)
+#   OUT=/path bash scripts/pending_gpu.sh bench   # their timings beside the peers (~520 s)
+#
+# check covers: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
+# 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
+# softcap, the varlen backward on both archs (session 41: tests/gpu/test_varlen_backward_gpu.py, the varlen
+# fuzz share seeds 3 mod 4, sanitizer 36-43 and 51), varlen_lpt (47), varlen variants (48), decode variants
+# (49), fp8 varlen (50).
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-pending-out}"
+mkdir -p "$OUT"
+for archive in .whl/*.tar.xz; do
+    [ -e "$archive" ] && mkdir -p /tmp/site && tar -xJf "$archive" -C /tmp/site && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+done
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+export FACODEGEN_CACHE_DIR="${FACODEGEN_CACHE_DIR:-/tmp/facodegen-pending-cache}"
+start=$(date +%s)
+summary=()
+step() {   # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, note its exit status, time and last line
+    local name=$1 limit=$2
+    shift 2
+    local t0=$(date +%s)
+    timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    summary+=("| $name | $rc | $(( $(date +%s) - t0 )) s | $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-110) |")
+}
+
+case "${1:-}" in
+    check)
+        step warm 120 python3 scripts/warm_cache.py --fuzz 2000
+        step pytest 230 python3 -m pytest -q -rs -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
+            tests/gpu/test_varlen_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_adapters_gpu.py
+        step fuzz_varlen 70 python3 -m facodegen check --fuzz 400 --seed 41 --family varlen
+        step fuzz_backward 50 python3 -m facodegen check --fuzz 200 --seed 41 --family backward
+        step fuzz_kvcache 30 python3 -m facodegen check --fuzz 200 --seed 41 --family kvcache
+        step sanitize 140 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 24,27,30,33,36,39,40,43,44,46,47,48,49,50,51
+        ;;
+    bench)
+        step bwd_ab 160 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
+            --variant dq_lag=true --variant lpt=true --out "$OUT"      # (lpt refuses the non-causal cells)
+        step varlen_backward 130 python3 scripts/bench_varlen_backward.py --quick --out "$OUT"
+        step varlen 120 python3 -m facodegen bench --suite varlen --quick --out "$OUT"
+        step decode 60 python3 -m facodegen bench --suite decode --quick --head-dim 128 --out "$OUT"
+        step overhead 40 python3 -m facodegen bench --suite overhead --out "$OUT"
+        step serving_host 20 python3 scripts/serving_host_cost.py
+        ;;
+    *)
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh check|bench"; exit 2 ;;
+esac
+echo
+echo "pending_gpu.sh $1: $(( $(date +%s) - start )) s, logs in $OUT"
+echo "| step | exit | time | last line |"
+echo "|---|---|---|---|"
+printf '%s\n' "${summary[@]}"
