@@ -265,7 +265,7 @@ def varlen_rows(torch, api):
         ("  plan.launch_plain with varlen and extents (the hit's)", lambda: plan.launch_plain(
             STREAM, *ptrs, 0, None, (cu.data_ptr(), cu.data_ptr(), b * s), (b * s, b * s))),
         ("  plan.launch with varlen and extents (the general one)", lambda: plan.launch(
-            STREAM, *ptrs, 0, varlen=(cu.data_ptr(), cu.data_ptr(), b * s), extents=(b * s, b * s))),
+            STREAM, *ptrs, 0, varlen=(cu.data_ptr(), cu.data_ptr(), b * s, b * s), extents=(b * s, b * s))),
     ]
 
     def check():

@@ -11,7 +11,7 @@
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
 # softcap, the varlen backward on both archs (session 41: tests/gpu/test_varlen_backward_gpu.py, the varlen
 # fuzz share seeds 3 mod 4, sanitizer 36-43 and 51), varlen_lpt (47), varlen variants (48), decode variants
-# (49), fp8 varlen (50).
+# (49), fp8 varlen (50), and every varlen kernel's clamp of hostile cu_seqlens (scripts/sanitize_varlen.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-pending-out}"
@@ -35,12 +35,13 @@ step() {   # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, note its e
 case "${1:-}" in
     check)
         step warm 120 python3 scripts/warm_cache.py --fuzz 2000
-        step pytest 230 python3 -m pytest -q -rs -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
+        step pytest 210 python3 -m pytest -q -rs -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
             tests/gpu/test_varlen_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_adapters_gpu.py
         step fuzz_varlen 70 python3 -m facodegen check --fuzz 400 --seed 41 --family varlen
         step fuzz_backward 50 python3 -m facodegen check --fuzz 200 --seed 41 --family backward
         step fuzz_kvcache 30 python3 -m facodegen check --fuzz 200 --seed 41 --family kvcache
-        step sanitize 140 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 24,27,30,33,36,39,40,43,44,46,47,48,49,50,51
+        step sanitize 120 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 24,27,30,33,36,39,40,43,44,46,47,48,49,50,51
+        step sanitize_varlen 80 python3 scripts/sanitize_varlen.py --tools memcheck --out "$OUT/sanitize-varlen"
         ;;
     bench)
         step bwd_ab 160 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \

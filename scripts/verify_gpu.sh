@@ -49,7 +49,8 @@ for s in $steps; do
             step fuzz "${FUZZ_S:-390}" python3 -m facodegen check --fuzz 12000 --seed 1 --family all ;;
         sanitize)
             step sanitize "${SANITIZE_S:-240}" python3 scripts/sanitize.py --out "$OUT/sanitize"
-            step sanitize_decode "${SANITIZE_DECODE_S:-120}" python3 scripts/sanitize_decode.py --out "$OUT/sanitize-decode" ;;
+            step sanitize_decode "${SANITIZE_DECODE_S:-120}" python3 scripts/sanitize_decode.py --out "$OUT/sanitize-decode"
+            step sanitize_varlen "${SANITIZE_VARLEN_S:-150}" python3 scripts/sanitize_varlen.py --out "$OUT/sanitize-varlen" ;;
         host)
             step host_cost 60 python3 scripts/host_cost_breakdown.py
             step overhead 60 python3 -m facodegen bench --suite overhead --out "$OUT" ;;

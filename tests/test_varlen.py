@@ -209,7 +209,7 @@ def test_varlen_kernels_take_the_window_on_each_sequences_diagonal():
     padded = facodegen.emit(SM90_VARLEN_VARIANTS[0].replace(varlen=False))
     assert "const int key_lo_off = p.seqlen_k - p.seqlen_q - p.window_left;" in padded
     sm80 = [line.strip() for line in facodegen.emit(SM80_VARLEN_VARIANTS[0]).splitlines()]
-    assert "const int seqlen_k = p.cu_seqlens_k[sequence + 1] - k_start;" in sm80
+    assert "const SeqSpan keys = seq_span(p.cu_seqlens_k, sequence, p.total_k);" in sm80
     assert any(x.startswith("const int key_lo_off = seqlen_k - seqlen_q - p.window_left;") for x in sm80)
 
 
@@ -222,8 +222,8 @@ def test_the_varlen_kernel_reads_cu_seqlens_and_says_so():
     source = facodegen.emit(VARLEN_SPECS[0])
     lines = [line.strip() for line in source.splitlines()]
     assert "//   varlen               = True" in source and lines[4].endswith("--varlen")
-    for line in ("const int sequence = blockIdx.z;", "const int seqlen_q = p.cu_seqlens_q[sequence + 1] - q_start();",
-                 "const int k_start = p.cu_seqlens_k[sequence];", "if (rows_valid <= 0) return;"):
+    for line in ("const int sequence = blockIdx.z;", "const int seqlen_q = seq_span(p.cu_seqlens_q, sequence, p.total_q).len;",
+                 "const int k_start = keys.start;", "if (rows_valid <= 0 || static_cast<unsigned>(q_start()) > "):
         assert any(x.startswith(line) for x in lines), line
     assert "cu_seqlens_q;" in source and "total_q;" in source     # the FlashParams fields
 
@@ -237,7 +237,7 @@ def test_the_sm90_varlen_kernel_stores_o_row_by_row():
     source = facodegen.emit(spec)
     lines = [line.strip() for line in source.splitlines()]
     assert lines[4].endswith("--varlen --varlen-row-store") and "--no-persistent" in lines[4]
-    for line in ("t.q_start = p.cu_seqlens_q[sequence];", "t.seqlen_k = max(p.cu_seqlens_k[sequence + 1] - t.k_start, 0);",
+    for line in ("t.q_start = queries.start;", "const SeqSpan keys = seq_span(p.cu_seqlens_k, sequence, p.total_k);",
                  "const int sequence = static_cast<unsigned>(batch) < static_cast<unsigned>(p.batch) ? batch",
                  "if (first.m_block * BLOCK_M >= first.seqlen_q) {", "store_o_rows(p, t, o_rows, wg, tid);",
                  "t.q_start + t.m_block * BLOCK_M, t.head, 0, L2_EVICT_FIRST);",
@@ -346,11 +346,11 @@ def test_varlen_lpt_is_an_sm90_persistent_causal_varlen_knob():
     source = facodegen.emit(spec)
     lines = [line.strip() for line in source.splitlines()]
     assert "//   varlen_lpt           = True" in source and lines[4].endswith("--varlen --varlen-lpt")
-    for line in ("const int keys = static_cast<int>(static_cast<unsigned>(p.cu_seqlens_k[clamped + 1]) -",
+    for line in ("const int keys = seq_span(p.cu_seqlens_k, clamped, p.total_k).len;",
                  "int section = L2_SECTION_KEYS / (keys > 0 ? keys : 1);", "const int m_index = r / width;",
                  "return tile_at(p, m_count - 1 - m_index, head, sequence);"):
         assert any(x.startswith(line) for x in lines), line
-    assert "cu_seqlens_k[clamped" not in facodegen.emit(plain)
+    assert "cu_seqlens_k, clamped" not in facodegen.emit(plain)
     for fields in (dict(arch="sm80", varlen=True, causal=True), dict(arch="sm90", causal=True),
                    dict(arch="sm90", varlen=True, causal=True, persistent=False), dict(arch="sm90", varlen=True)):
         with pytest.raises(SpecError) as err:
@@ -487,17 +487,28 @@ def _i32(x):
     return (x + 2**31) % 2**32 - 2**31
 
 
-def _m_blocks(cu, seq, block_m, num_m_blocks):
-    """scheduler.cuh.j2's varlen_m_blocks: the length wraps as int32, below 0 counts as 0, capped."""
-    length = _i32(cu[seq + 1] - cu[seq])
+MODEL_TOTAL_Q = 400      # the packed query tokens of the scan test's calls (cu_seqlens_k's: twice that)
+
+
+def _span_len(cu, seq, total=None):
+    """varlen_span.cuh.j2's seq_span(cu, seq, total).len: start clamped into [0, total], the end into
+    [start, total] (``total`` None: the largest boundary, as a call whose tensors hold every sequence)."""
+    total = max(max(cu), 0) if total is None else total
+    start = min(max(cu[seq], 0), total)
+    return min(max(cu[seq + 1], start), total) - start
+
+
+def _m_blocks(cu, seq, block_m, num_m_blocks, total=None):
+    """scheduler.cuh.j2's varlen_m_blocks: the clamped length's blocks (0 for none), capped."""
+    length = _span_len(cu, seq, total)
     blocks = 0 if length <= 0 else (length - 1) // block_m + 1
     return min(blocks, num_m_blocks)
 
 
-def _total_tiles(cu, batch, heads, block_m, num_m_blocks, threads=384):
+def _total_tiles(cu, batch, heads, block_m, num_m_blocks, threads=384, total=None):
     """init_varlen_tiles: thread i sums the blocks of sequences i, i + THREADS, ..., the warps' sums
     are added by thread 0; times heads."""
-    per_thread = [sum(_m_blocks(cu, s, block_m, num_m_blocks) for s in range(i, batch, threads))
+    per_thread = [sum(_m_blocks(cu, s, block_m, num_m_blocks, total) for s in range(i, batch, threads))
                   for i in range(threads)]
     warps = [sum(per_thread[w * 32:(w + 1) * 32]) for w in range(threads // 32)]
     return sum(warps) * heads
@@ -514,13 +525,13 @@ def _lpt_place(local, heads, m_count, keys, section_keys):
     return first_head + within, m_index
 
 
-def _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor, cu_k=None, section_keys=0):
+def _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor, cu_k=None, section_keys=0, total=None):
     """decode_tile(p, tile, cursor) lane by lane: chunks of 32 sequences from cursor's, an inclusive
     scan of their tiles, the ballot of the ends at or before the tile; -> (sequence, head, m_block).
     ``cu_k`` given: VARLEN_LPT's order, with L2_SECTION_KEYS = ``section_keys``."""
     seq_from, base = cursor
     for chunk in range(seq_from, batch, 32):
-        blocks = [_m_blocks(cu, chunk + lane, block_m, num_m_blocks) if chunk + lane < batch else 0
+        blocks = [_m_blocks(cu, chunk + lane, block_m, num_m_blocks, total) if chunk + lane < batch else 0
                   for lane in range(32)]
         tiles = [b * heads for b in blocks]
         ends = [base + sum(tiles[:lane + 1]) for lane in range(32)]
@@ -533,7 +544,8 @@ def _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor, cu_k=
             local = tile - first
             if cu_k is not None:
                 seq = chunk + before
-                head, m_index = _lpt_place(local, heads, blocks[before], _i32(cu_k[seq + 1] - cu_k[seq]), section_keys)
+                head, m_index = _lpt_place(local, heads, blocks[before],
+                                           _span_len(cu_k, seq, None if total is None else 2 * total), section_keys)
             else:
                 head, m_index = divmod(local, blocks[before])
             assert blocks[before] > 0 and 0 <= head < heads
@@ -565,12 +577,13 @@ def test_the_varlen_scan_numbers_every_tile_once_and_none_empty(cu, causal, lpt)
     to sequence p.batch (which tile_at clamps). VARLEN_LPT the same, with a cu_seqlens_k as hostile (twice
     cu_seqlens_q: wrapping too) and sections of 1 to 3 heads."""
     heads, block_m, num_m_blocks = 3, 128, 2      # max_seqlen_q 256
-    lpt_args = (dict(cu_k=[2 * x for x in cu], section_keys=500) if lpt else {})
+    lpt_args = dict(cu_k=[2 * x for x in cu], section_keys=500) if lpt else {}
+    lpt_args["total"] = MODEL_TOTAL_Q          # (the packed tokens seq_span clamps into: 400 queries, 800 keys)
     batch = len(cu) - 1
-    total = _total_tiles(cu, batch, heads, block_m, num_m_blocks)
+    total = _total_tiles(cu, batch, heads, block_m, num_m_blocks, total=MODEL_TOTAL_Q)
     assert total <= batch * heads * num_m_blocks           # p.num_tiles, the grid's bound
     expect = {(b, h, m) for b in range(batch) for h in range(heads)
-              for m in range(_m_blocks(cu, b, block_m, num_m_blocks))}
+              for m in range(_m_blocks(cu, b, block_m, num_m_blocks, MODEL_TOTAL_Q))}
     assert total == len(expect)
     rng = np.random.default_rng(len(cu))
     for ctas in (1, 5, 132):
@@ -600,7 +613,7 @@ def test_the_varlen_scan_numbers_every_tile_once_and_none_empty(cu, causal, lpt)
                     before = tuple(cursor)
                     b, h, m = _decode(cu, batch, heads, block_m, num_m_blocks, causal, tile, cursor, **lpt_args)
                     assert tuple(cursor) >= before
-                    length = _i32(cu[b + 1] - cu[b])
+                    length = _span_len(cu, b, MODEL_TOTAL_Q)
                     assert 0 <= m < num_m_blocks and m * block_m < length        # not empty
                     seen.append((b, h, m))
             assert len(seen) == len(set(seen)) == total and set(seen) == expect
@@ -884,8 +897,9 @@ def test_other_total_tokens_hit_the_plan_and_patch_total_q(varlen_plans, arch):
     assert varlen._PLANS.misses == 1 and out.shape == (213, HQ, D) and lse.shape == (HQ, 213)
     first, second = (_fields(r, arch) for r in state.launches.records)
     assert (first["total_q"], second["total_q"]) == (118, 213) and second["lse"] == lse.data_ptr()
+    assert (first["total_k"], second["total_k"]) == (118, 213)
     changed = {n for n in first if first[n] != second[n]}
-    assert changed <= {"q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "total_q"}
+    assert changed <= {"q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "total_q", "total_k"}
     # without the LSE (another plan): its scratch holds 118 tokens' LSE
     _call(_args((1, 17, 0, 100)), causal=True, arch=arch)
     scratch_lse = _fields(state.launches.records[-1], arch)["lse"]

@@ -453,3 +453,41 @@ def test_bench_varlen_backward_counts_real_work_and_tabulates_ratios_to_fa2():
                               "facodegen sm80": {"why": "RuntimeError: no kernel image"}}}]
     table = bench.format_table(rows)
     assert "autograd 1.50x" in table and "RuntimeError: no kernel image" in table and "| 10.0 |" in table
+
+
+# ------------------------------------------------------------------ hostile boundaries
+
+@pytest.mark.parametrize("cu_q, cu_k, words", [
+    ([-1, 5, 10], [0, 5, 10], "cu_seqlens_q[0] = -1 is negative"),
+    ([0, 7, 5], [0, 5, 10], "cu_seqlens_q decreases at sequence 1"),
+    ([0, 5, 10], [0, 5, 12], "cu_seqlens_k[-1] = 12 is past the 10 packed tokens"),
+    ([0, 1, 10], [0, 5, 10], "sequence 1 has 9 tokens (cu_seqlens_q[2] - cu_seqlens_q[1]) but max_seqlen_q is 8"),
+    ([0, 5, 10], [0, 0, 10], "sequence 1 has 10 tokens (cu_seqlens_k[2] - cu_seqlens_k[1]) but max_seqlen_k is 8"),
+])
+def test_check_inputs_refuses_boundaries_that_are_not_the_packed_tokens(cu_q, cu_k, words):
+    from facodegen.ops import varlen
+    with pytest.raises(ValueError) as err:
+        varlen.check_boundaries(cu_q, cu_k, 10, 10, 8, 8)
+    assert words in str(err.value)
+    varlen.check_boundaries([0, 5, 10], [2, 3, 10], 10, 10, 8, 8)    # (need not start at 0 nor cover every token)
+
+
+def test_every_varlen_kernel_reads_cu_seqlens_through_the_clamp():
+    """Hostile cu_seqlens (decreasing, negative, past the packed tokens) never reach an address: every
+    varlen kernel, forward and backward on both archs, takes a sequence's start and length from seq_span
+    (clamped into the packed tokens), but for the sm80 forward's raw re-read of the start, whose tile returns
+    where that start lies outside them."""
+    from facodegen import KernelSpec
+    from facodegen.codegen.render import emit
+    sources = [emit(KernelSpec(arch=a, head_dim=128, dtype=t, causal=True, varlen=True, **k))
+               for a, t, k in (("sm80", "bf16", {}), ("sm90", "bf16", {}), ("sm90", "bf16", dict(persistent=False)),
+                               ("sm90", "fp8", dict(v_layout="row")))]
+    sources += [backward.emit(BackwardSpec(arch=a, head_dim=128, causal=True, varlen=True, **k))
+                for a, k in (("sm80", {}), ("sm80", dict(deterministic=True)), ("sm90", {}),
+                             ("sm90", dict(dq_tma_reduce=False)))]
+    for source in sources:
+        assert "SeqSpan seq_span(" in source
+        raw = re.findall(r"p\.cu_seqlens_[qk]\[[^\]]*\]", source)
+        assert raw == (["p.cu_seqlens_q[opaque(sequence)]"] if "flash_fwd_sm80" in source.split("\n", 2)[1] else []), raw
+    sm80 = sources[0]
+    assert "static_cast<unsigned>(q_start()) > static_cast<unsigned>(p.total_q)) return;" in sm80

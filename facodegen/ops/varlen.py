@@ -54,7 +54,7 @@ _PLANS = PlanCache()
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
                      softcap: float = 0.0, sinks=None, return_lse: bool = False, out=None, arch: str | None = None,
-                     deterministic: bool = False, **spec_fields):
+                     deterministic: bool = False, check_inputs: bool = False, **spec_fields):
     """Attention over packed variable-length sequences (FlashAttention's ``flash_attn_varlen_func``).
 
     q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim), fp16 or bf16 torch CUDA
@@ -82,8 +82,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     head_dim 64, 96, 128, 192 or 256 shared by Q, K and V, no variant and no ``out``; the others raise
     at the forward. ``deterministic``: that backward's dQ adds in key-block order, so gradients are
     bit-identical across runs (so they are under torch.use_deterministic_algorithms(True)); the forward
-    is deterministic either way.
+    is deterministic either way. ``check_inputs=True`` reads cu_seqlens on the host first (a sync) and
+    raises ValueError naming the argument where they are not boundaries of the packed tokens
+    (check_boundaries); without it the kernels clamp each sequence into the packed tokens (no read or
+    write outside them), computing on whatever that leaves.
     """
+    if check_inputs:
+        check_boundaries(_host_ints(cu_seqlens_q), _host_ints(cu_seqlens_k), q.shape[0], k.shape[0], max_seqlen_q,
+                         max_seqlen_k)
     torch = _torch()
     key = plan = None
     variant = api._variant_args(window_size, softcap, sinks)
@@ -161,6 +167,31 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     return (out, lse) if return_lse else out
 
 
+def check_boundaries(cu_q, cu_k, total_q: int, total_k: int, max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """check_inputs=True: host copies of cu_seqlens_q and cu_seqlens_k against the packed tokens. Each
+    starts at 0 or later, never decreases, ends within its total, and no sequence is longer than its
+    max_seqlen (whose rows or keys past it the kernels would not compute). Raises ValueError naming the
+    argument and the first sequence at fault."""
+    for name, cu, total, longest, bound in (("cu_seqlens_q", cu_q, total_q, "max_seqlen_q", max_seqlen_q),
+                                            ("cu_seqlens_k", cu_k, total_k, "max_seqlen_k", max_seqlen_k)):
+        cu = [int(x) for x in cu]
+        if cu[0] < 0:
+            raise ValueError(f"{name}[0] = {cu[0]} is negative; cu_seqlens are token offsets into the packed tensors")
+        for b, (start, end) in enumerate(zip(cu, cu[1:])):
+            if end < start:
+                raise ValueError(f"{name} decreases at sequence {b}: {name}[{b}] = {start}, {name}[{b + 1}] = {end}")
+            if end - start > bound:
+                raise ValueError(f"sequence {b} has {end - start} tokens ({name}[{b + 1}] - {name}[{b}]) but {longest} "
+                                 f"is {bound}: the kernels cover {longest} tokens per sequence")
+        if cu[-1] > total:
+            raise ValueError(f"{name}[-1] = {cu[-1]} is past the {total} packed tokens")
+
+
+def _host_ints(x) -> list[int]:
+    """An int32 device array's values on the host (a sync; torch's and CuPy's tolist)."""
+    return x.tolist()
+
+
 def plan_bound(max_seqlen: int) -> int:
     """The length a plan is built for: ``max_seqlen`` rounded up to a power of two (0 stays 0; a
     negative value is left as it is, for the checked path to refuse)."""
@@ -184,10 +215,11 @@ def _launch(plan: LaunchPlan, stream: int, pointers: tuple, lse: int, cu_seqlens
     without maps ignores them)."""
     if plan.grid[0]:    # max_seqlen_q = 0: every sequence is empty, there is nothing to compute
         if plan.varlen_plain:
-            plan.launch_plain(stream, *pointers, lse, None, (cu_seqlens_q, cu_seqlens_k, total_q), (total_q, total_k))
+            plan.launch_plain(stream, *pointers, lse, None, (cu_seqlens_q, cu_seqlens_k, total_q, total_k),
+                              (total_q, total_k))
         else:
-            plan.launch(stream, *pointers, lse, descales, sinks=sinks, varlen=(cu_seqlens_q, cu_seqlens_k, total_q),
-                        extents=(total_q, total_k))
+            plan.launch(stream, *pointers, lse, descales, sinks=sinks,
+                        varlen=(cu_seqlens_q, cu_seqlens_k, total_q, total_k), extents=(total_q, total_k))
 
 
 def _knob_key(spec_fields: dict, meta) -> tuple:
@@ -362,7 +394,7 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     prepared = api._prepare(spec, qv.device)     # (through the module: tests stand a fake in)
     launch_grid = grid(spec, batch, heads_q, max_q, prepared.resident_ctas)
     lse_ptr = _view("lse", lse).ptr if lse is not None else 0
-    boundaries = Varlen(cu_q.ptr, cu_k.ptr, batch, max_q, max_k, total_q)
+    boundaries = Varlen(cu_q.ptr, cu_k.ptr, batch, max_q, max_k, total_q, kv.shape[0])
     operands = [as_one_batch(t).operand() for t in (qv, kv, vv, outv)]
     sm90 = spec.arch == "sm90"
     if sm90:

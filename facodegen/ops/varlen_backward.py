@@ -36,7 +36,8 @@ _PLANS = PlanCache()
 
 def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                               max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
-                              dq=None, dk=None, dv=None, arch: str | None = None, **knobs):
+                              dq=None, dk=None, dv=None, arch: str | None = None, check_inputs: bool = False,
+                              **knobs):
     """Gradients (dq, dk, dv) of attention_varlen given dO = ``do`` and the forward's ``out`` and ``lse``.
 
     q, out, do: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim), fp16 or bf16 torch
@@ -48,8 +49,12 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     contiguous ones, zero at the tokens no sequence covers; given ones keep what they held there, but for
     dQ on sm80, written zero). ``arch``: None (sm90 on H100/H200 where it takes the call, deterministic
     calls aside; else sm80), "sm80" (any GPU) or "sm90". ``knobs``: BackwardSpec fields (block_n=...,
-    deterministic=True, ...). Runs on the caller's current stream.
+    deterministic=True, ...). ``check_inputs``: attention_varlen's (cu_seqlens checked on the host, a sync).
+    Runs on the caller's current stream.
     """
+    if check_inputs:
+        varlen.check_boundaries(varlen._host_ints(cu_seqlens_q), varlen._host_ints(cu_seqlens_k), q.shape[0],
+                                k.shape[0], max_seqlen_q, max_seqlen_k)
     kind = api._kind(q)
     plan = key = None
     if kind != "other":

@@ -97,14 +97,16 @@ class Variants:
 class Varlen:
     """The sequence boundaries of a varlen call (spec.varlen; params.VARLEN_FIELDS): the int32
     cu_seqlens addresses (patched per call by the plan), the number of sequences, the caller's
-    max_seqlen_q / max_seqlen_k (the grid's bound) and the packed query tokens (the LSE's head
-    stride). The operands are then (1, total_tokens, heads, head_dim): one row per token."""
+    max_seqlen_q / max_seqlen_k (the grid's bound) and the packed query and key tokens (the LSE's head
+    stride; what the kernels clamp each sequence into). The operands are then (1, total_tokens, heads,
+    head_dim): one row per token."""
     cu_seqlens_q_ptr: int
     cu_seqlens_k_ptr: int
     batch: int
     max_seqlen_q: int
     max_seqlen_k: int
     total_q: int
+    total_k: int
 
 
 def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand, lse_ptr: int,
@@ -154,7 +156,7 @@ def pack_params(spec: KernelSpec, q: Operand, k: Operand, v: Operand, o: Operand
                       softcap_scale=softcap_scale, sinks=variants.sinks_ptr)
     if spec.varlen:
         values.update(cu_seqlens_q=varlen.cu_seqlens_q_ptr, cu_seqlens_k=varlen.cu_seqlens_k_ptr,
-                      total_q=varlen.total_q)
+                      total_q=varlen.total_q, total_k=varlen.total_k)
     return params_mod.pack(spec.arch, values, spec.dtype, has_variants, spec.varlen)
 
 

@@ -110,6 +110,8 @@ VARLEN_FIELDS = [
     Field("cu_seqlens_q", "ptr", "const int*", "varlen: int32 (batch + 1,) prefix sums of the query lengths"),
     Field("cu_seqlens_k", "ptr", "const int*", "varlen: int32 (batch + 1,) prefix sums of the key lengths"),
     Field("total_q", "i32", "int", "varlen: query tokens of all sequences (the LSE's head stride)"),
+    Field("total_k", "i32", "int", "varlen: key tokens of all sequences (the kernels clamp each sequence's "
+                                   "keys into them)"),
 ]
 
 

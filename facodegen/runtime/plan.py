@@ -41,7 +41,7 @@ _PACK_CALL = struct.Struct("<7Q")
 _PACK_OPERANDS = struct.Struct("<4Q")
 _PACK_DESCALES = struct.Struct("<3Q")
 _PACK_SINKS = struct.Struct("<Q")
-_PACK_VARLEN = struct.Struct("<2Qi")     # cu_seqlens_q, cu_seqlens_k, total_q (params.VARLEN_FIELDS, adjacent)
+_PACK_VARLEN = struct.Struct("<2Q2i")    # cu_seqlens_q, cu_seqlens_k, total_q, total_k (params.VARLEN_FIELDS, adjacent)
 _OPERANDS = ("q", "k", "v", "o")
 
 
@@ -58,7 +58,7 @@ def _check_layout() -> None:
             first = off[_DESCALES[0]]
             assert [off[n] for n in _DESCALES] == [first, first + 8, first + 16], "descale order changed"
     off = _offsets("sm80", "bf16", varlen=True)
-    assert (off["cu_seqlens_k"], off["total_q"]) == (off["cu_seqlens_q"] + 8, off["cu_seqlens_q"] + 16), \
+    assert (off["cu_seqlens_k"], off["total_q"], off["total_k"]) == tuple(off["cu_seqlens_q"] + i for i in (8, 16, 20)), \
         "VARLEN_FIELDS order changed"
 
 
@@ -244,10 +244,10 @@ class LaunchPlan:
 
     def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
                descales: tuple[int, int, int] | None = None, sinks: int = 0,
-               varlen: tuple[int, int, int] = (0, 0, 0), extents: tuple = ()) -> None:
+               varlen: tuple[int, int, int, int] = (0, 0, 0, 0), extents: tuple = ()) -> None:
         """Launch on ``stream`` with these device addresses; ``lse`` 0 writes the LSE to scratch;
         ``sinks``: the fp32 sinks' address of a spec with sinks; ``varlen``: a varlen spec's int32
-        cu_seqlens_q and cu_seqlens_k addresses and its total_q (the LSE's head stride), patched in;
+        cu_seqlens_q and cu_seqlens_k addresses and its total_q (the LSE's head stride) and total_k, patched in;
         ``extents``: with encode_maps, what else the maps depend on (varlen: total_q, total_k)."""
         scratch = self._scratch.get(stream)
         operands = (q, k, v, o) + extents if self._maps else None
@@ -269,11 +269,11 @@ class LaunchPlan:
                 self._launcher(scratch.stream, image.kernel_params)
 
     def launch_plain(self, stream: int, q: int, k: int, v: int, o: int, lse: int = 0,
-                     descales: tuple[int, int, int] | None = None, varlen: tuple[int, int, int] | None = None,
+                     descales: tuple[int, int, int] | None = None, varlen: tuple[int, int, int, int] | None = None,
                      extents: tuple = ()) -> None:
         """``launch`` of a ``plain`` plan (no fp8 descales, sinks or varlen to patch, no context to
         switch), of a ``descaled`` one with its q, k, v ``descales``' addresses, or of a ``varlen_plain``
-        one with its ``varlen`` (cu_seqlens_q, cu_seqlens_k, total_q) and ``extents`` (launch's), with
+        one with its ``varlen`` (cu_seqlens_q, cu_seqlens_k, total_q, total_k) and ``extents`` (launch's), with
         less to do: the hit paths of attention() and attention_varlen. It writes only what may have
         changed: an sm90 image found by its (q, k, v, o) (and extents) holds those already (every launch
         writes its image's own), and an image's lse, tile counter and workspace stay while its scratch

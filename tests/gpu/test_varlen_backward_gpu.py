@@ -197,3 +197,21 @@ def test_sm90_varlen_knobs(knobs):
     grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 1000, 1500, causal=True,
                                                 softmax_scale=0.1, arch="sm90", **knobs)
     assert check_sequences(grads, do, q, k, v, cu_q, cu_k, True, 0.1) == []
+
+
+@ARCHS
+def test_hostile_boundaries_are_clamped_and_check_inputs_refuses_them(arch):
+    """cu_seqlens that decrease, start below 0 and run past the packed tokens: check_inputs=True refuses
+    them naming the argument; without it the forward and the backward clamp each sequence into the packed
+    tokens and finish with finite outputs (scripts/sanitize_varlen.py shows no access outside them)."""
+    q, k, v, do, _, _ = packed((120,), (90,), 4, 2, 128, torch.bfloat16, seed=6)
+    cu_q = torch.tensor([0, 50, 20, 120], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([-5, 10 ** 9, 50, 90], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="cu_seqlens_q decreases at sequence 1"):
+        facodegen.attention_varlen(q, k, v, cu_q, cu_k, 64, 64, check_inputs=True, arch=arch)
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 64, 64, causal=True, return_lse=True, arch=arch)
+    with pytest.raises(ValueError, match="cu_seqlens_k\\[0\\] = -5 is negative"):
+        facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q.sort().values, cu_k, 64, 64, check_inputs=True)
+    grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 64, 64, causal=True, arch=arch)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out.float()).any() and all(torch.isfinite(g.float()).all() for g in grads)
