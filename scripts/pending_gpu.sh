@@ -16,21 +16,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-pending-out}"
 mkdir -p "$OUT"
-for archive in .whl/*.tar.xz; do
-    [ -e "$archive" ] && mkdir -p /tmp/site && tar -xJf "$archive" -C /tmp/site && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-done
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-export FACODEGEN_CACHE_DIR="${FACODEGEN_CACHE_DIR:-/tmp/facodegen-pending-cache}"
-start=$(date +%s)
-summary=()
-step() {   # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, note its exit status, time and last line
-    local name=$1 limit=$2
-    shift 2
-    local t0=$(date +%s)
-    timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    summary+=("| $name | $rc | $(( $(date +%s) - t0 )) s | $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-110) |")
-}
+source scripts/gpu_steps.sh
 
 case "${1:-}" in
     check)
@@ -55,8 +41,4 @@ case "${1:-}" in
     *)
         echo "usage: OUT=DIR bash scripts/pending_gpu.sh check|bench"; exit 2 ;;
 esac
-echo
-echo "pending_gpu.sh $1: $(( $(date +%s) - start )) s, logs in $OUT"
-echo "| step | exit | time | last line |"
-echo "|---|---|---|---|"
-printf '%s\n' "${summary[@]}"
+print_summary "pending_gpu.sh $1"

@@ -82,6 +82,38 @@ def run_children(jobs, sanitizer: str, out: Path, workers: int, child_seconds: i
         return list(pool.map(one, jobs))
 
 
+def hostile_sweep_main(doc: str, script: str, names: list[str], run_case, precompile, default_out: str) -> int:
+    """The main of a sweep of hostile cases (scripts/sanitize_decode.py, sanitize_varlen.py): `--case N` runs
+    case N (``run_case(N)``, in a child); else ``precompile()`` compiles the kernels (in parallel processes),
+    every case runs once plainly (it must run at all), then each (tool, case) under compute-sanitizer
+    (run_children, several at once), and a table of errors per tool and case prints last."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--out", type=Path, default=Path(default_out))
+    p.add_argument("--jobs", type=int, default=8, help="sanitizer runs at once")
+    p.add_argument("--child-seconds", type=int, default=120)
+    p.add_argument("--case", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.case is not None:
+        run_case(args.case)
+        return 0
+    tool_path = shutil.which("compute-sanitizer")
+    if tool_path is None:
+        print("compute-sanitizer not found on PATH", file=sys.stderr)
+        return 2
+    precompile()
+    for i in range(len(names)):
+        run_case(i)
+    args.out.mkdir(parents=True, exist_ok=True)
+    jobs = [(tool, name, [script, "--case", str(i)], f"case {i}: {name}")
+            for tool in args.tools.split(",") for i, name in enumerate(names)]
+    rows = run_children(jobs, tool_path, args.out, args.jobs, args.child_seconds)
+    print("| tool | case | errors | exit |\n|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+    return 0 if all(r[2] == "0" and r[3] == 0 for r in rows) else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tools", default=",".join(TOOLS))

@@ -14,8 +14,6 @@ case. Logs go to DIR/<tool>.log. The kernels are compiled first in parallel proc
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -90,38 +88,14 @@ def fuzz_case(index: int, arch: str):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tools", default=",".join(TOOLS))
-    p.add_argument("--out", type=Path, default=Path("sanitize-decode"))
-    p.add_argument("--jobs", type=int, default=8, help="sanitizer runs at once")
-    p.add_argument("--child-seconds", type=int, default=120)
-    p.add_argument("--case", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.case is not None:
-        run_case(args.case)
-        return 0
-    tool_path = shutil.which("compute-sanitizer")
-    if tool_path is None:
-        print("compute-sanitizer not found on PATH", file=sys.stderr)
-        return 2
     from facodegen.ops import api
     from facodegen.verify import fuzz
-    from sanitize import run_children     # scripts/sanitize.py
+    from sanitize import hostile_sweep_main     # scripts/sanitize.py
 
-    # compile every kernel first, in parallel processes (one by one they took the whole step on a fresh H200)
-    arch = api.default_arch(api.device_info(0))
-    fuzz.precompile([fuzz_case(i, arch) for i in range(len(CASES))])
-    for i in range(len(CASES)):
-        run_case(i)                                          # each case once, plainly: it must run at all
-    args.out.mkdir(parents=True, exist_ok=True)
-    jobs = [(tool, name, [__file__, "--case", str(i)], f"case {i}: {name}")
-            for tool in args.tools.split(",") for i, (name, *_) in enumerate(CASES)]
-    rows = run_children(jobs, tool_path, args.out, args.jobs, args.child_seconds)
-    print("| tool | case | errors | exit |\n|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(map(str, row)) + " |")
-    return 0 if all(r[2] == "0" and r[3] == 0 for r in rows) else 1
-
+    def precompile():   # in parallel processes (one by one they took the whole step on a fresh H200)
+        arch = api.default_arch(api.device_info(0))
+        fuzz.precompile([fuzz_case(i, arch) for i in range(len(CASES))])
+    return hostile_sweep_main(__doc__, __file__, [case[0] for case in CASES], run_case, precompile, "sanitize-decode")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,8 +15,6 @@ scripts/sanitize_varlen.py --case N` (sanitize.py's run_children), and prints a 
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -82,35 +80,10 @@ def fuzz_cases():
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tools", default=",".join(TOOLS))
-    p.add_argument("--out", type=Path, default=Path("sanitize-varlen"))
-    p.add_argument("--jobs", type=int, default=8, help="sanitizer runs at once")
-    p.add_argument("--child-seconds", type=int, default=120)
-    p.add_argument("--case", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.case is not None:
-        run_case(args.case)
-        return 0
-    tool_path = shutil.which("compute-sanitizer")
-    if tool_path is None:
-        print("compute-sanitizer not found on PATH", file=sys.stderr)
-        return 2
     from facodegen.verify import fuzz
-    from sanitize import run_children     # scripts/sanitize.py
-
-    fuzz.precompile(fuzz_cases())           # (the rest compiles in the plain runs below)
-    for i in range(len(CASES)):
-        run_case(i)                         # each case once, plainly: it must run at all
-    args.out.mkdir(parents=True, exist_ok=True)
-    jobs = [(tool, name, [__file__, "--case", str(i)], f"case {i}: {name}")
-            for tool in args.tools.split(",") for i, (name, *_) in enumerate(CASES)]
-    rows = run_children(jobs, tool_path, args.out, args.jobs, args.child_seconds)
-    print("| tool | case | errors | exit |\n|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(map(str, row)) + " |")
-    return 0 if all(r[2] == "0" and r[3] == 0 for r in rows) else 1
-
+    from sanitize import hostile_sweep_main     # scripts/sanitize.py
+    return hostile_sweep_main(__doc__, __file__, [case[0] for case in CASES], run_case,
+                              lambda: fuzz.precompile(fuzz_cases()), "sanitize-varlen")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,22 +23,7 @@ for s in $steps; do
     case $s in tests|fuzz|sanitize|host|bwd|decode|variants) ;;
         *) echo "unknown step: $s (tests fuzz sanitize bench host bwd decode variants)"; exit 2 ;; esac
 done
-# Peers carried as unpacked wheels (.whl/*.tar.xz, e.g. FlashAttention-3: carry [".whl"]) go to /tmp/site.
-for archive in .whl/*.tar.xz; do
-    [ -e "$archive" ] && mkdir -p /tmp/site && tar -xJf "$archive" -C /tmp/site && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-done
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-export FACODEGEN_CACHE_DIR="${FACODEGEN_CACHE_DIR:-/tmp/facodegen-verify-cache}"
-start=$(date +%s)
-summary=()
-step() {   # step NAME LIMIT_S COMMAND...: run, log to $OUT/NAME.log, note its exit status and time
-    local name=$1 limit=$2
-    shift 2
-    local t0=$(date +%s)
-    timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1     # -k: a step blocked on a hung kernel ignores SIGTERM
-    local rc=$?
-    summary+=("| $name | $rc | $(( $(date +%s) - t0 )) s | $(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-100) |")
-}
+source scripts/gpu_steps.sh
 
 timeout -k 15 150 python3 scripts/warm_cache.py --fuzz "${WARM_FUZZ:-12000}" > "$OUT/warm.log" 2>&1; echo "warm: exit $? after $(( $(date +%s) - start )) s" >> "$OUT/warm.log"
 for s in $steps; do
@@ -65,8 +50,4 @@ for s in $steps; do
             step bench_variants 90 python3 -m facodegen bench --suite variants --out "$OUT" ;;
     esac
 done
-echo
-echo "verify_gpu.sh: $(( $(date +%s) - start )) s, logs in $OUT"
-echo "| step | exit | time | last line |"
-echo "|---|---|---|---|"
-printf '%s\n' "${summary[@]}"
+print_summary verify_gpu.sh

@@ -156,6 +156,30 @@ def test_the_hostile_decode_cases_list_their_kernels(monkeypatch):
     assert any(sanitize_decode._case(i)[12] for i in range(len(sanitize_decode.CASES)))
 
 
+def test_the_hostile_varlen_cases_list_their_kernels(monkeypatch):
+    """sanitize_varlen.py compiles its kernels through fuzz varlen Cases of the same shapes: each names the
+    forward its calls run (persistent or not, fp8) and the varlen backward (the arch's, sm80's deterministic;
+    none for fp8), and every kernel meets every hostile boundary set."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import sanitize_varlen
+    info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
+    monkeypatch.setattr(api, "device_info", lambda ordinal: info)
+    monkeypatch.setattr(api, "_tuned_fields", lambda *a: None)
+    for (label, arch, dtype, knobs, backward), case in zip(sanitize_varlen.KERNELS, sanitize_varlen.fuzz_cases()):
+        forward, *rest = fuzz.case_specs(case)
+        assert (forward.arch, forward.dtype, forward.varlen) == (arch, dtype, True), label
+        assert forward.persistent == (arch == "sm90" and knobs.get("persistent", True)), label
+        if backward is None:
+            assert rest == [], label
+        else:
+            [spec] = rest
+            assert (spec.arch, spec.varlen, spec.deterministic) == (backward[0], True,
+                                                                    backward[1].get("deterministic", False)), label
+    assert len(sanitize_varlen.CASES) == len(sanitize_varlen.KERNELS) * len(sanitize_varlen.BOUNDARIES)
+
+
 def test_check_fuzz_without_a_gpu_is_one_clear_line(monkeypatch):
     from click.testing import CliRunner
 

@@ -18,13 +18,12 @@ from click.testing import CliRunner
 import facodegen
 from facodegen import cli
 from facodegen.ops import backward, varlen_backward
-from facodegen.runtime import driver
 from facodegen.spec import HEAD_DIMS, SpecError
 from facodegen.spec.backward import BACKWARD_DTYPES, BackwardSpec, varlen_padded_blocks
 from facodegen.verify.reference import varlen_backward_reference, varlen_reference
 from fakes import FakeTensor
 from sampling import one_per
-from test_backward import BwdLaunches
+from test_backward import bwd  # noqa: F401 (the fake H200's backward launches fixture)
 from test_plan_cache import fake  # noqa: F401 (the fake torch and driver fixture)
 
 VARLEN_SPECS = [BackwardSpec(head_dim=d, dtype=t, causal=c, varlen=True) for d in HEAD_DIMS for t in BACKWARD_DTYPES
@@ -55,7 +54,7 @@ def test_varlen_is_a_problem_switch_of_both_backwards():
 def test_the_varlen_kernels_read_cu_seqlens_and_the_plain_ones_do_not():
     spec = BackwardSpec(head_dim=128, causal=True, varlen=True)
     source = backward.emit(spec)
-    assert "p.cu_seqlens_q[sequence]" in source and "p.cu_seqlens_k[sequence + 1]" in source
+    assert "seq_span(p.cu_seqlens_q, sequence, p.seqlen_q)" in source and "seq_span(p.cu_seqlens_k, sequence" in source
     assert re.search(r"const int\*\s+cu_seqlens_q;", source) and "VARLEN: Q/K/V/O/dO/dQ/dK/dV are packed" in source
     assert "cu_seqlens" not in backward.emit(spec.replace(varlen=False))
     assert "varlen_first_block(q_start, sequence)" in backward.emit(spec.replace(deterministic=True))
@@ -130,18 +129,16 @@ LENGTHS_Q, LENGTHS_K = (1, 17, 0, 100), (5, 17, 3, 300)
 
 
 @pytest.fixture
-def vbwd(fake, monkeypatch):  # noqa: F811
-    launches = BwdLaunches()
-    monkeypatch.setattr(backward, "_load", lambda spec, device: tuple(
-        driver.LoadedFunction(name, 1, device) for name in spec.kernel_names))
-    monkeypatch.setattr(driver, "Launcher", launches.launcher)
+def vbwd(bwd, monkeypatch):  # noqa: F811
+    """test_backward's fake H200 and launch records (bwd), with a plan cache of varlen_backward's own and
+    the arrays torch.zeros_like made."""
     monkeypatch.setattr(varlen_backward, "_PLANS", backward.PlanCache())
     zeroed = []
     torch = sys.modules["torch"]
     monkeypatch.setattr(torch, "zeros_like", lambda x, memory_format=None: zeroed.append(x) or torch.empty_like(x),
                         raising=False)
-    fake.bwd, fake.zeroed = launches, zeroed
-    return fake
+    bwd.zeroed = zeroed
+    return bwd
 
 
 def _problem(lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K, d=D, dtype="bfloat16"):
@@ -385,11 +382,11 @@ def test_attention_varlen_records_its_backward(meta_varlen):
     assert (fwd["causal"], fwd["softmax_scale"], fwd["return_lse"], fwd["arch"], fwd["block_n"]) == \
         (True, 0.1, True, "sm90", 64)
     out.float().sum().backward()
-    [bwd] = meta_varlen.backwards
-    assert torch._C._is_alias_of(bwd["out"], fwd["made"][0]) and torch._C._is_alias_of(bwd["lse"], fwd["made"][1])
-    assert bwd["q"] is q and bwd["cu_q"] is cu_q and bwd["cu_k"] is cu_k and (bwd["max_q"], bwd["max_k"]) == (60, 50)
-    assert {n: x for n, x in bwd.items() if n in ("causal", "softmax_scale", "arch")} == \
-        {"causal": True, "softmax_scale": 0.1, "arch": None} and "block_n" not in bwd
+    [back] = meta_varlen.backwards
+    assert torch._C._is_alias_of(back["out"], fwd["made"][0]) and torch._C._is_alias_of(back["lse"], fwd["made"][1])
+    assert back["q"] is q and back["cu_q"] is cu_q and back["cu_k"] is cu_k and (back["max_q"], back["max_k"]) == (60, 50)
+    assert {n: x for n, x in back.items() if n in ("causal", "softmax_scale", "arch")} == \
+        {"causal": True, "softmax_scale": 0.1, "arch": None} and "block_n" not in back
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
@@ -411,8 +408,8 @@ def test_flash_attn_varlen_func_records_the_backward_too(meta_varlen, determinis
     out = facodegen.flash_attn_varlen_func(q, q.detach(), q.detach(), *_boundaries(), 8, 8, causal=True,
                                            deterministic=deterministic)
     out.float().sum().backward()
-    [bwd] = meta_varlen.backwards
-    assert bwd["causal"] is True and bwd.get("deterministic", False) is deterministic
+    [back] = meta_varlen.backwards
+    assert back["causal"] is True and back.get("deterministic", False) is deterministic
 
 
 @pytest.mark.parametrize("kw, q_shape, v_dim, dtype, words", [
