@@ -500,11 +500,9 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
         kind = api._kind(q)
         plan = key = None
         if kind != "other":
-            meta = api.ARRAY_META[kind]
             try:
-                key = (kind, meta(do), meta(q), meta(k), meta(v), meta(out), meta(lse), meta(dq), meta(dk), meta(dv),
-                       causal.__class__, causal, softmax_scale.__class__,
-                       softmax_scale, arch, tuple(sorted(knobs.items())), api._current_device(kind))
+                key = call_key(kind, (do, q, k, v, out, lse, dq, dk, dv), (
+                    causal.__class__, causal, softmax_scale.__class__, softmax_scale, arch, tuple(sorted(knobs.items()))))
                 plan = _PLANS.get(key)
             except (AttributeError, TypeError, ValueError):   # not arrays of one library, an unhashable knob
                 plan = key = None
@@ -522,6 +520,14 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
         raise ValueError("do, q, k, v, out, dq, dk, dv: data pointers must be 16-byte aligned")
     plan.launch(api._current_stream(kind, device), pointers)
     return dq, dk, dv
+
+
+def call_key(kind: str, arrays: tuple, options: tuple) -> tuple:
+    """The plan key of a backward call on ``kind`` arrays outside attention_backward's torch frame (CuPy,
+    the varlen backward): each array's meta (None: not given), the ``options`` and the current device."""
+    from . import api
+    meta = api.ARRAY_META[kind]
+    return (kind, *(meta(x) for x in arrays), *options, api._current_device(kind))
 
 
 def _new_like(kind: str, device: int, x):

@@ -58,13 +58,11 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     kind = api._kind(q)
     plan = key = None
     if kind != "other":
-        meta = api.ARRAY_META[kind]
         try:
-            key = (kind, meta(do), meta(q), meta(k), meta(v), meta(out), meta(lse), meta(dq), meta(dk), meta(dv),
-                   meta(cu_seqlens_q), meta(cu_seqlens_k), max_seqlen_q.__class__, varlen.plan_bound(max_seqlen_q),
-                   max_seqlen_k.__class__, varlen.plan_bound(max_seqlen_k), causal.__class__, causal,
-                   softmax_scale.__class__, softmax_scale, arch, tuple(sorted(knobs.items())),
-                   api._current_device(kind))
+            key = backward.call_key(kind, (do, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k), (
+                max_seqlen_q.__class__, varlen.plan_bound(max_seqlen_q), max_seqlen_k.__class__,
+                varlen.plan_bound(max_seqlen_k), causal.__class__, causal, softmax_scale.__class__, softmax_scale, arch,
+                tuple(sorted(knobs.items()))))
             plan = _PLANS.get(key)
         except (AttributeError, TypeError, ValueError):     # not arrays of one library, an unhashable knob
             plan = key = None
