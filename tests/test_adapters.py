@@ -33,8 +33,9 @@ class FakeAttention:
         self.calls = []
 
     def __call__(self, q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, lse_out=None,
-                 arch=None, causal_alignment="bottom_right", window_size=(-1, -1), softcap=0.0, **spec_fields):
-        assert not spec_fields and arch is None and lse_out is None
+                 arch=None, causal_alignment="bottom_right", window_size=(-1, -1), softcap=0.0, deterministic=False,
+                 **spec_fields):
+        assert not spec_fields and arch is None and lse_out is None and isinstance(deterministic, bool)
         assert causal_alignment in ("bottom_right", "top_left")
         batch, seqlen_q, heads_q, head_dim = q.shape
         seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -44,7 +45,7 @@ class FakeAttention:
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head_dim must be contiguous"
         self.calls.append(dict(q=q, k=k, v=v, causal=causal, softmax_scale=softmax_scale, out=out,
                                causal_alignment=causal_alignment, return_lse=return_lse, window_size=window_size,
-                               softcap=softcap))
+                               softcap=softcap, deterministic=deterministic))
         scale = 1 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
         group = heads_q // heads_kv
         qd = q.double().transpose(1, 2)
@@ -361,6 +362,15 @@ def test_flash_attn_func_positional_scale(fake):
     q, k, v = (x.transpose(1, 2) for x in _qkv_bhsd((1, 2, 2, 4, 4, 64)))
     flash_attn_func(q, k, v, 0.0, 0.25, True)
     assert fake.calls[0]["softmax_scale"] == 0.25 and fake.calls[0]["causal"] is True
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_flash_attn_func_passes_deterministic_to_the_backward(fake, deterministic):
+    """FlashAttention's deterministic is the backward's: it reaches facodegen.attention, which hands it to
+    the backward it records (tests/test_backward.py checks that hand-over)."""
+    q, k, v = (x.transpose(1, 2) for x in _qkv_bhsd((1, 2, 2, 4, 4, 64)))
+    flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+    assert fake.calls[0]["deterministic"] is deterministic
 
 
 # ------------------------------------------------------------------------------------------------

@@ -522,6 +522,29 @@ def test_eager_backward_is_deterministic_under_torch_use_deterministic_algorithm
     assert bwd["deterministic"] is True and bwd["arch"] is None and bwd["causal"] is False
 
 
+def test_a_deterministic_call_records_a_deterministic_backward(meta_launches):
+    """attention(..., deterministic=True) (flash_attn_func's deterministic): the backward it records adds dQ in
+    a fixed order, eager and through the op's autograd formula (torch.compile)."""
+    import facodegen
+    q = meta(1, 16, 2, 64)
+    facodegen.attention(q, q.detach(), q.detach(), deterministic=True).float().sum().backward()
+    facodegen.attention(q, q.detach(), q.detach()).float().sum().backward()
+    assert [b.get("deterministic", False) for b in meta_launches.backwards] == [True, False]
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(lambda q: facodegen.attention(q, q.detach(), q.detach(), deterministic=True).float().sum(),
+                      fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))(q).backward()
+    [backward_graph] = [g for g in graphs if "facodegen.attention_backward" in g]
+    assert "deterministic=True), kwargs" in backward_graph     # (the knobs string, the op's last argument)
+
+
 def test_eager_autograd_takes_no_second_derivative(meta_launches):
     import facodegen
     q = meta(1, 16, 2, 64)

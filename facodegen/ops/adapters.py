@@ -31,9 +31,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Supported: ``softmax_scale`` (default 1/sqrt(head_dim)), ``causal``, ``window_size=(left, right)``
     (FlashAttention's sliding window, -1 = unbounded on that side, on the causal diagonal; with
     ``causal`` the right side is 0), ``softcap`` (> 0: logits c * tanh(scale * s / c); <= 0 is off, as
-    in FlashAttention), ``deterministic`` (accepted; the forward is deterministic, and the backward's
-    bit-identical gradients come with torch.use_deterministic_algorithms(True), which it reads: unlike
-    flash_attn_varlen_func's, this flag does not reach it yet). ``return_attn_probs=True``
+    in FlashAttention), ``deterministic`` (FlashAttention's: the backward's bit-identical gradients, dQ
+    added in a fixed order; the forward is deterministic either way). ``return_attn_probs=True``
     returns ``(out, softmax_lse, None)``: softmax_lse is float32 (batch, heads_q, seqlen_q), natural
     log, as FlashAttention's; the third item, FlashAttention's S_dmask (the probabilities, for
     testing), is never computed and is None.
@@ -44,9 +43,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     variants = _variant_kwargs(window_size, softcap)
     if return_attn_probs:
         out, lse = facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, return_lse=True,
-                                       **variants)
+                                       deterministic=bool(deterministic), **variants)
         return out, lse, None
-    return facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, **variants)
+    return facodegen.attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale,
+                               deterministic=bool(deterministic), **variants)
 
 
 def _variant_kwargs(window_size, softcap) -> dict:

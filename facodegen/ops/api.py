@@ -778,7 +778,8 @@ _NO_SOFTCAP = 0.0
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
               out=None, lse_out=None, arch: str | None = None, causal_alignment: str = _BOTTOM_RIGHT,
-              window_size=_NO_WINDOW, softcap: float = _NO_SOFTCAP, sinks=None, **spec_fields):
+              window_size=_NO_WINDOW, softcap: float = _NO_SOFTCAP, sinks=None, deterministic: bool = False,
+              **spec_fields):
     """Attention forward, O = softmax(scale * Q K^T [+ causal mask]) V.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
@@ -809,6 +810,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     ``torch.compile``/``torch.export`` the call goes through the ``facodegen::attention`` custom op
     (facodegen.ops.torch_op), whose autograd formula runs the same backward. fp8 inputs, the
     variants below and out=/lse_out= have no backward: a call that would record a gradient raises.
+    ``deterministic=True``: that backward adds dQ in a fixed order, so gradients are bit-identical across
+    runs (so they are under torch.use_deterministic_algorithms(True)); the forward is deterministic anyway.
 
     FP8 (sm90): q, k, v as torch.float8_e4m3fn; ``q_descale``/``k_descale``/``v_descale`` float32
     device tensors, each a scalar or (batch, heads_kv) (default 1); the scores are
@@ -887,18 +890,19 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
             variant = variant[:3] + (causal_alignment,)     # the window kernel takes the top-left diagonal
         elif causal is True and q.shape[1] != k.shape[1]:
             return _top_left(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
-                             lse_out=lse_out, arch=arch, **spec_fields)
+                             lse_out=lse_out, arch=arch, deterministic=deterministic, **spec_fields)
     torch = _torch()
     if torch is not None and isinstance(q, torch.Tensor):
         if torch.compiler.is_compiling():   # Dynamo and torch.export trace the ops (and their autograd formula)
             from . import torch_op
             return torch_op.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                                      out=out, lse_out=lse_out, arch=arch, variant=variant, **spec_fields)
+                                      out=out, lse_out=lse_out, arch=arch, variant=variant,
+                                      deterministic=deterministic, **spec_fields)
         if torch.is_grad_enabled() and (    # (k, v may be of another library)
                 q.requires_grad or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False)):
             from . import torch_op
             return torch_op.attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch,
-                                                spec_fields, variant)
+                                                spec_fields, variant, deterministic)
         return _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields,
                                 variant)
     return _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant)
@@ -1073,7 +1077,7 @@ def _miss(key, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, s
     return (call.out, call.lse_out) if return_lse else call.out
 
 
-def _top_left(q, k, v, *, softmax_scale, return_lse, out, lse_out, arch, **spec_fields):
+def _top_left(q, k, v, *, softmax_scale, return_lse, out, lse_out, arch, deterministic=False, **spec_fields):
     """Causal attention aligned top-left when seqlen_q != seqlen_k, from bottom-right launches on
     views. seqlen_q < seqlen_k: row i sees keys 0..i, which is bottom-right causal over the first
     seqlen_q keys. seqlen_q > seqlen_k: rows 0..seqlen_k-1 are a square causal problem and the
@@ -1084,7 +1088,8 @@ def _top_left(q, k, v, *, softmax_scale, return_lse, out, lse_out, arch, **spec_
     if seqlen_q < seqlen_k:
         v_part = v[..., :seqlen_q] if fp8_vt else v[:, :seqlen_q]
         return attention(q, k[:, :seqlen_q], v_part, causal=True, softmax_scale=softmax_scale,
-                         return_lse=return_lse, out=out, lse_out=lse_out, arch=arch, **spec_fields)
+                         return_lse=return_lse, out=out, lse_out=lse_out, arch=arch, deterministic=deterministic,
+                         **spec_fields)
     square = dict(causal=True, softmax_scale=softmax_scale, return_lse=True, arch=arch, **spec_fields)
     if out is not None:
         _, lse_head = attention(q[:, :seqlen_k], k, v, out=out[:, :seqlen_k], **square)

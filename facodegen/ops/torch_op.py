@@ -57,7 +57,7 @@ _LIB = torch.library.Library("facodegen", "DEF")
 # defaults, so a call that names none of them is the op's older form.
 _ARGS = ("bool causal, float? softmax_scale, str? arch, Tensor? q_descale, Tensor? k_descale, "
          "Tensor? v_descale, str knobs, int[] window_size=[-1, -1], float softcap=0., Tensor? sinks=None, "
-         "str causal_alignment=\"bottom_right\"")
+         "str causal_alignment=\"bottom_right\", bool deterministic=False")
 _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tensor)")
 _LIB.define(f"attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, {_ARGS}) -> ()")
 _LIB.define("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
@@ -138,9 +138,11 @@ def _refuse(q, out, lse_out, variant, v) -> None:
         raise NotImplementedError(_OUT_HAS_NO_BACKWARD)
 
 
-def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch, variant=None, **spec_fields):
+def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch, variant=None, deterministic=False,
+              **spec_fields):
     """facodegen.attention through the operators, as Dynamo and torch.export trace it (the arguments
-    are attention()'s; ``variant``: api's (window_size, softcap, sinks, causal_alignment) or None)."""
+    are attention()'s; ``variant``: api's (window_size, softcap, sinks, causal_alignment) or None;
+    ``deterministic``: the backward's, which the op's autograd formula reads)."""
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
         _refuse_without_backward(q, out, lse_out, variant, v)
     descales = [spec_fields.pop(name, None) for name in _DESCALES]
@@ -148,7 +150,8 @@ def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch,
     variant = (list(window_size), float(softcap), sinks, alignment)
     knobs = encode_knobs(spec_fields)
     if out is None and lse_out is None:
-        out, lse = torch.ops.facodegen.attention(q, k, v, causal, softmax_scale, arch, *descales, knobs, *variant)
+        out, lse = torch.ops.facodegen.attention(q, k, v, causal, softmax_scale, arch, *descales, knobs, *variant,
+                                                 bool(deterministic))
         return (out, lse) if return_lse else out
     if out is None:
         out = q.new_empty(q.shape, dtype=_out_dtype(q, knobs))
@@ -207,27 +210,31 @@ def _variant(window_size, softcap, sinks, causal_alignment):
 
 
 def _attention_cuda(q, k, v, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs,
-                    window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right"):
+                    window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right",
+                    deterministic=False):   # (deterministic: the backward's, _attention_grad's)
     return api._attention_torch(torch, q, k, v, causal, softmax_scale, True, None, None, arch,
                                 _fields(knobs, (q_descale, k_descale, v_descale)),
                                 _variant(window_size, softcap, sinks, causal_alignment))
 
 
 def _attention_out_cuda(q, k, v, out, lse, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs,
-                        window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right"):
+                        window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right",
+                        deterministic=False):
     api._attention_torch(torch, q, k, v, causal, softmax_scale, True, out, lse, arch,
                          _fields(knobs, (q_descale, k_descale, v_descale)),
                          _variant(window_size, softcap, sinks, causal_alignment))
 
 
 def _attention_fake(q, k, v, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs,
-                    window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right"):
+                    window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right",
+                    deterministic=False):
     shape = (*q.shape[:3], v.shape[-1]) if _split_v(q, v) else q.shape     # (head_dim_v: v's head dim)
     return q.new_empty(shape, dtype=_out_dtype(q, knobs)), q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
 def _attention_out_fake(q, k, v, out, lse, causal, softmax_scale, arch, q_descale, k_descale, v_descale, knobs,
-                        window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right"):
+                        window_size=(-1, -1), softcap=0.0, sinks=None, causal_alignment="bottom_right",
+                        deterministic=False):
     return None
 
 
@@ -307,21 +314,22 @@ def _no_backward(op):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, arch, *_, window_size, softcap, sinks, causal_alignment = inputs
+    q, k, v, causal, softmax_scale, arch, *_, window_size, softcap, sinks, causal_alignment, deterministic = inputs
     if _variant(window_size, softcap, sinks, causal_alignment) is not None:    # the op called by hand
         raise NotImplementedError(_VARIANTS_HAVE_NO_BACKWARD)
     if _split_v(q, v):
         raise NotImplementedError(_head_dim_v_has_no_backward(q, v))
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.softmax_scale, ctx.arch = causal, softmax_scale, arch
+    ctx.causal, ctx.softmax_scale, ctx.arch, ctx.deterministic = causal, softmax_scale, arch, deterministic
+    ctx.inputs = len(inputs)        # (a gradient, or None, for each)
     ctx.mark_non_differentiable(lse)
 
 
-def _backward_knobs() -> dict:
-    """The backward's knobs at backward time: torch.use_deterministic_algorithms(True) asks for
-    bit-identical gradients, dQ's adds in a fixed order."""
-    return {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}
+def _backward_knobs(deterministic: bool = False) -> dict:
+    """The backward's knobs at backward time: the call's ``deterministic`` or
+    torch.use_deterministic_algorithms(True) ask for bit-identical gradients, dQ's adds in a fixed order."""
+    return {"deterministic": True} if deterministic or torch.are_deterministic_algorithms_enabled() else {}
 
 
 def _attention_grad(ctx, grad_out, grad_lse):
@@ -332,18 +340,19 @@ def _attention_grad(ctx, grad_out, grad_lse):
     # an sm80 forward gets the sm80 backward, any other the default (backward.default_arch)
     dq, dk, dv = torch.ops.facodegen.attention_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.causal,
                                                         ctx.softmax_scale, backward.autograd_arch(ctx.arch),
-                                                        encode_knobs(_backward_knobs()))
-    return dq, dk, dv, None, None, None, None, None, None, None
+                                                        encode_knobs(_backward_knobs(ctx.deterministic)))
+    return (dq, dk, dv) + (None,) * (ctx.inputs - 3)
 
 
 # ------------------------------------------------------------------ eager autograd
 
-def attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant):
+def attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant,
+                        deterministic=False):
     """facodegen.attention in eager mode on tensors that record a gradient (api.attention's
     arguments): _Attention, the direct launches of the no-grad call and of attention_backward.
     (``variant`` is refused: the backward kernels have no window, softcap or sink.)"""
     _refuse_without_backward(q, out, lse_out, variant, v)
-    out, lse = _Attention.apply(q, k, v, (causal, softmax_scale, arch, spec_fields))
+    out, lse = _Attention.apply(q, k, v, (causal, softmax_scale, arch, spec_fields, bool(deterministic)))
     return (out, lse) if return_lse else out
 
 
@@ -354,12 +363,12 @@ class _Attention(torch.autograd.Function):
     autograd formula (_setup_context, _attention_grad) at a fraction of its host cost: per call,
     torch.library's autograd kernel rebinds the op's 14 arguments to its schema
     (torch._library.utils.fill_defaults), several times the cost of this whole forward.
-    ``call``: (causal, softmax_scale, arch, spec_fields), one argument for Function.apply to walk
-    rather than four."""
+    ``call``: (causal, softmax_scale, arch, spec_fields, deterministic), one argument for Function.apply
+    to walk rather than five."""
 
     @staticmethod
     def forward(ctx, q, k, v, call):
-        causal, softmax_scale, arch, spec_fields = call
+        causal, softmax_scale, arch, spec_fields, _ = call
         out, lse = api._attention_torch(torch, q, k, v, causal, softmax_scale, True, None, None, arch, spec_fields)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
@@ -385,10 +394,10 @@ def _backward(ctx, grad_out):
         if s[3] != 1 or (s[0] | s[1] | s[2]) & 7 or grad_out.data_ptr() & 15:
             grad_out = grad_out.contiguous()
     q, k, v, out, lse = ctx.saved_tensors
-    causal, softmax_scale, arch, _ = ctx.call
+    causal, softmax_scale, arch, _, deterministic = ctx.call
     dq, dk, dv = backward.attention_backward(grad_out, q, k, v, out, lse, causal=causal,
                                              softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
-                                             **_backward_knobs())
+                                             **_backward_knobs(deterministic))
     return dq, dk, dv, None
 
 
@@ -437,9 +446,9 @@ class _VarlenAttention(torch.autograd.Function):
             grad_out = grad_out.contiguous()
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         _, _, max_q, max_k, causal, softmax_scale, arch, _, deterministic = ctx.call
-        knobs = {"deterministic": True} if deterministic else _backward_knobs()
         dq, dk, dv = attention_varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
-                                               softmax_scale=softmax_scale, arch=backward.autograd_arch(arch), **knobs)
+                                               softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
+                                               **_backward_knobs(deterministic))
         return dq, dk, dv, None
 
 
