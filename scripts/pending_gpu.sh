@@ -26,7 +26,7 @@ case "${1:-}" in
         step fuzz_varlen 70 python3 -m facodegen check --fuzz 400 --seed 41 --family varlen
         step fuzz_backward 50 python3 -m facodegen check --fuzz 200 --seed 41 --family backward
         step fuzz_kvcache 30 python3 -m facodegen check --fuzz 200 --seed 41 --family kvcache
-        step sanitize 120 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 24,27,30,33,36,39,40,43,44,46,47,48,49,50,51
+        step sanitize 120 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 24,27,30,33,36,39,40,43,44,46,47,48,49,50,51,52
         step sanitize_varlen 80 python3 scripts/sanitize_varlen.py --tools memcheck --out "$OUT/sanitize-varlen"
         ;;
     bench)

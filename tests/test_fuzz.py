@@ -106,8 +106,10 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and fp8 varlen
     assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.dtype == "fp8"] == [50]
     # the varlen backward: the 16-bit varlen cases of seed 11, and deterministic, the last case
-    assert [i for i, c in enumerate(cases) if c.varlen_backward] == [36, 37, 38, 39, 40, 41, 42, 43, 51]
-    assert [i for i, c in enumerate(cases) if c.varlen_backward and c.seed % 8 == 7] == [len(cases) - 1] == [51]
+    assert [i for i, c in enumerate(cases) if c.varlen_backward] == [36, 37, 38, 39, 40, 41, 42, 43, 51, 52]
+    assert [(i, c.arch) for i, c in enumerate(cases) if c.varlen_backward and c.seed % 8 == 7] == [(51, "sm80"),
+                                                                                                  (52, "sm90")]
+    assert len(cases) == 53
     lengths_q, lengths_k = fuzz.varlen_lengths(cases[51])
     assert 0 in lengths_q and any(q > k for q, k in zip(lengths_q, lengths_k)) and cases[51].causal
     for arch in ("sm80", "sm90"):   # the turn counters too
@@ -377,8 +379,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
                                               varlen=True, **({"persistent": False} if c.one_cta_per_tile else {}),
                                               **({"varlen_lpt": True} if c.varlen_lpt else {}), **variant, **fp8)
                              ] + ([backward.choose(c.head_dim, c.dtype, c.causal, info, {
-                                 "varlen": True, "deterministic": c.seed % 8 == 7},
-                                 "sm80" if c.seed % 8 == 7 else c.arch)] if c.varlen_backward else [])
+                                 "varlen": True, "deterministic": c.seed % 8 == 7}, c.arch)] if c.varlen_backward else [])
             assert c.varlen_backward == (c.dtype != "fp8" and not c.has_variant and c.seed % 4 == 3
                                          and c.heads_q * c.seqlen_q * c.seqlen_k <= fuzz.MAX_SCORES // 8)
         else:

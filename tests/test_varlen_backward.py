@@ -43,12 +43,12 @@ def test_varlen_is_a_problem_switch_of_both_backwards():
         assert (spec.block_m, spec.block_n, spec.num_warps, spec.dq_tma_reduce) == \
             (plain.block_m, plain.block_n, plain.num_warps, plain.dq_tma_reduce)
         assert not spec.persistent
-    for knobs, field in ((dict(deterministic=True), "deterministic"), (dict(persistent=True), "persistent"),
+    for knobs, field in ((dict(persistent=True), "persistent"),
                          (dict(lpt=True, causal=True), "lpt")):
         with pytest.raises(SpecError) as err:
             BackwardSpec(arch="sm90", head_dim=128, varlen=True, **knobs)
         assert err.value.field == field
-    assert BackwardSpec(head_dim=128, varlen=True, deterministic=True).deterministic     # (sm80's has them)
+    assert BackwardSpec(arch="sm90", head_dim=128, varlen=True, deterministic=True).deterministic
 
 
 def test_the_varlen_kernels_read_cu_seqlens_and_the_plain_ones_do_not():
@@ -79,8 +79,8 @@ def test_cli_emits_the_varlen_backward_and_its_line_rebuilds_it(argv):
     line = backward.emit_command(spec)
     assert "--varlen" in line
     assert runner.invoke(cli.main, line.split()[1:]).output == result.output
-    refused = runner.invoke(cli.main, ["emit", "--kernel", "backward", "--arch", "sm90", "--varlen", "--deterministic"])
-    assert refused.exit_code == 2 and "deterministic" in refused.output
+    refused = runner.invoke(cli.main, ["emit", "--kernel", "backward", "--arch", "sm90", "--varlen", "--persistent"])
+    assert refused.exit_code == 2 and "persistent" in refused.output
 
 
 # ------------------------------------------------------------------ compile (NVRTC)
@@ -91,13 +91,15 @@ compiler = pytest.importorskip("facodegen.runtime.compiler")
 def _compile_targets():
     """Every head_dim x dtype x mask of the sm80 varlen backward for sm_80, one per head_dim for sm_90 (an
     H100/H200 runs it for deterministic varlen calls), the deterministic turns at 64 and 128; the sm90 varlen
-    backward once per head_dim (seeded: dtype and mask), and with the vector dQ adds, dq_lag and block_m 64
-    at head_dim 64 (the knobs whose code reads the sequence's rows)."""
+    backward once per head_dim (seeded: dtype and mask), and with the vector dQ adds, dq_lag, block_m 64 at
+    head_dim 64 and the deterministic turns (the knobs whose code reads the sequence's rows)."""
     deterministic = [BackwardSpec(head_dim=d, causal=True, varlen=True, deterministic=True) for d in (64, 128)]
     sm90_knobs = [BackwardSpec(arch="sm90", head_dim=128, causal=True, varlen=True, dq_tma_reduce=False),
                   BackwardSpec(arch="sm90", head_dim=128, causal=True, varlen=True, dq_lag=True),
                   BackwardSpec(arch="sm90", head_dim=64, varlen=True, block_m=64, dtype="fp16"),
-                  BackwardSpec(arch="sm90", head_dim=256, causal=True, varlen=True, dq_tma_reduce=False)]
+                  BackwardSpec(arch="sm90", head_dim=256, causal=True, varlen=True, dq_tma_reduce=False),
+                  BackwardSpec(arch="sm90", head_dim=64, causal=True, varlen=True, deterministic=True),
+                  BackwardSpec(arch="sm90", head_dim=128, varlen=True, deterministic=True, dq_tma_reduce=True)]
     return ([(s, None) for s in VARLEN_SPECS + deterministic]
             + [(s, "sm_90") for s in one_per(VARLEN_SPECS, lambda s: s.head_dim)]
             + [(s, None) for s in one_per(SM90_VARLEN_SPECS, lambda s: s.head_dim) + sm90_knobs])
@@ -234,19 +236,27 @@ def test_new_boundaries_hit_the_plan_and_are_patched_in(vbwd, arch):
     assert vbwd.bwd.records[-2]["grid"] == ((8, HKV, 4) if arch == "sm80" else (8 * HKV * 4, 1, 1))
 
 
-def test_deterministic_varlen_call_keeps_a_turn_counter_per_query_block(vbwd):
-    """deterministic: ceil(total_q / block_m) + sequences counters per query head after D, which the
-    preprocess zeroes (its grid covers them where they outnumber the rows)."""
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_deterministic_varlen_call_keeps_a_turn_counter_per_query_block(vbwd, arch):
+    """deterministic: ceil(total_q / block_m) + sequences counters per query head after the row stats,
+    which the preprocess zeroes (sm80: its grid covers them where they outnumber the rows; sm90: each
+    sequence's at its padded blocks, as its stat rows)."""
     a = _problem(lengths_q=(1, 1, 1, 1, 1, 1), lengths_k=(64,) * 6)
-    _call(a, deterministic=True)      # (arch=None: the sm90 backward has no deterministic varlen, so sm80's)
-    spec = BackwardSpec(head_dim=D, gpu="h200", varlen=True, deterministic=True)
+    _call(a, deterministic=True, arch=arch)
+    spec = BackwardSpec(arch=arch, head_dim=D, gpu="h200", varlen=True, deterministic=True)
     pre, main, _ = vbwd.bwd.records
-    assert main["name"] == spec.variant
-    f = _fields(main)
-    assert f["dq_semaphore"] - f["dpsum"] == 4 * HQ * 6
+    assert main["name"] == spec.variant and not spec.dq_tma_reduce
+    f = _fields(main, arch)
     turns = varlen_padded_blocks(spec, 6, 6)
+    stats = HQ * 6 if arch == "sm80" else 2 * HQ * turns * 64
+    assert f["dq_semaphore"] - f["dpsum"] == 4 * stats
     assert turns == 1 + 6 and backward.semaphore_ints(spec, 6, HQ, 6) == HQ * turns
-    assert pre["grid"] == (1, HQ, 1) and 16 >= turns    # 16 rows a preprocess CTA at head_dim 128
+    if arch == "sm80":
+        assert pre["grid"] == (1, HQ, 1) and 16 >= turns    # 16 rows a preprocess CTA at head_dim 128
+    else:       # per sequence: max_seqlen_q's 1 row rounded up to 64, 24 rows a CTA
+        assert pre["grid"] == (3, HQ, 6)
+    source = backward.emit(spec)
+    assert ("stat_row0 / BLOCK_M + row / BLOCK_M] = 0;" in source) == (arch == "sm90")
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -284,7 +294,7 @@ def test_varlen_turn_counters_are_distinct_and_in_range(seed):
     (dict(max_seqlen_q=-2), {}, ValueError, "max_seqlen_q must be >= 0"),
     ({}, dict(dk=FakeTensor((325, HQ, D))), ValueError, "dk has shape"),
     ({}, dict(causal=1), TypeError, "causal must be True or False"),
-    ({}, dict(arch="sm90", deterministic=True), SpecError, "the sm90 varlen backward has no deterministic turns"),
+    ({}, dict(arch="sm90", persistent=True), SpecError, "the sm90 varlen backward runs one CTA per tile"),
     ({}, dict(varlen=True), ValueError, "varlen is attention_varlen_backward's own switch"),
     ({}, dict(block_n=72), SpecError, "block_n"),
 ])
@@ -480,7 +490,7 @@ def test_every_varlen_kernel_reads_cu_seqlens_through_the_clamp():
                for a, t, k in (("sm80", "bf16", {}), ("sm90", "bf16", {}), ("sm90", "bf16", dict(persistent=False)),
                                ("sm90", "fp8", dict(v_layout="row")))]
     sources += [backward.emit(BackwardSpec(arch=a, head_dim=128, causal=True, varlen=True, **k))
-                for a, k in (("sm80", {}), ("sm80", dict(deterministic=True)), ("sm90", {}),
+                for a, k in (("sm80", {}), ("sm80", dict(deterministic=True)), ("sm90", {}), ("sm90", dict(deterministic=True)),
                              ("sm90", dict(dq_tma_reduce=False)))]
     for source in sources:
         assert "SeqSpan seq_span(" in source

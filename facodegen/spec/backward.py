@@ -117,7 +117,7 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "preprocess and postprocess see the packed rows as one batch; sm90: tiles (key block of max_seqlen_k's "
          "bound, kv head, sequence), a block past its sequence's keys skipped, TMA over the packed tokens, the "
          "LSE, D (and the tiled dq_accum) rows of each sequence padded to block_m at (first token + index x "
-         "block_m) // block_m blocks (FlashAttention-3's); not deterministic, not lpt.",
+         "block_m) // block_m blocks (FlashAttention-3's; deterministic: its turn counters too); not lpt.",
          flag="--varlen/--no-varlen", problem=True, token=_flag("varlen")),
 )
 BACKWARD_BY_NAME = {k.name: k for k in BACKWARD_KNOBS}
@@ -618,9 +618,6 @@ def _validate(spec: BackwardSpec) -> None:
 def _validate_sm90(spec: BackwardSpec) -> None:
     """FA3's tiles as SM90_TILES gives them (block_m 128 too at head_dim 64, SM90_BLOCK_MS): two
     consumer warpgroups, a 2-deep Q/dO ring (1 or 2 at head_dim 192, 256)."""
-    if spec.varlen and spec.deterministic:
-        raise SpecError("deterministic", "the sm90 varlen backward has no deterministic turns yet: arch='sm80' "
-                                         "runs deterministic varlen gradients on H100/H200 too")
     if spec.varlen and spec.persistent:
         raise SpecError("persistent", "the sm90 varlen backward runs one CTA per tile (a tile past its sequence's keys "
                                       "exits at once); persistent=False")

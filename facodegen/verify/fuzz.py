@@ -30,7 +30,7 @@ split counts, half of them (odd seeds) with fused_combine); ``varlen`` (attentio
 case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; the case's arch:
 sm80's kernel, which an H100 runs compiled for sm_90, or sm90's own, persistent by default and with
 persistent=False for a third of its cases, seeds 1 mod 3; a quarter of the 16-bit ones without variants,
-seeds 3 mod 4, also take attention_varlen_backward's gradients per sequence on the case's arch, seeds 7 mod 8 deterministic on sm80's). The families are appended in this order, so adding one leaves
+seeds 3 mod 4, also take attention_varlen_backward's gradients per sequence on the case's arch, seeds 7 mod 8 deterministic). The families are appended in this order, so adding one leaves
 the draws of a single family's run unchanged for a seed (``all`` draws among them all).
 """
 
@@ -751,11 +751,8 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
 
 def _varlen_backward_knobs(case: Case) -> dict:
     """attention_varlen_backward's arch and knobs in a varlen_backward case: the case's arch (sm90: its varlen
-    backward; sm80: the sm80 kernels), deterministic (seeds 7 mod 8) on the sm80 kernels, the only ones with
-    varlen turns."""
-    if case.seed % 8 == 7:
-        return {"arch": "sm80", "deterministic": True}
-    return {"arch": case.arch}
+    backward; sm80: the sm80 kernels), deterministic for seeds 7 mod 8."""
+    return {"arch": case.arch, "deterministic": case.seed % 8 == 7}
 
 
 def _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, causal: bool, scale: float, grads) -> list[str]:
@@ -1070,6 +1067,10 @@ def representative_cases() -> list[Case]:
     # see no key, sequences of one query and one key), causal, head_dim 64: case 51
     cases.append(Case("varlen", "sm80", "fp16", batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
                       head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=True, use_out=True, seed=15))
+    # and the sm90 varlen backward's deterministic turns (at each sequence's padded blocks), head_dim 128: case 52
+    cases.append(Case("varlen", "sm90", "bf16", batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
+                      head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=True, use_out=True, seed=15))
     return cases
 
