@@ -27,6 +27,9 @@ allocator: compare it as a piece, not as the H200's 3.6 µs). The pieces are tim
 exactly. Numbers are µs per call, the best of ``--repeat`` rounds over all rows of ``--calls`` calls each.
 The backward's hit misses three driver calls, not one, and its dq, dk, dv (and before bwd-host its
 scratch) are CPU allocations too; moving a TMA map (cuTensorMapReplaceAddress, ~1 µs) is a no-op here.
+The varlen backward's rows are dominated by CPU work a GPU does not do: its per-call scratch (MBs of CPU
+malloc) and the zero-filled dQ, dK, dV (CPU memsets where the GPU launches memset kernels): read them for
+the Python around those, not as the device's cost.
 """
 
 from __future__ import annotations
@@ -263,13 +266,31 @@ def varlen_rows(torch, api):
         ("attention() of the same tokens, (4, 256, 8, 128), whole hit", lambda: facodegen.attention(*padded, causal=True)),
         ("  torch.empty_like(q) (CPU malloc)", lambda: torch.empty_like(q)),
         ("  plan.launch_plain with varlen and extents (the hit's)", lambda: plan.launch_plain(
-            STREAM, *ptrs, 0, None, (cu.data_ptr(), cu.data_ptr(), b * s), (b * s, b * s))),
+            STREAM, *ptrs, 0, None, (cu.data_ptr(), cu.data_ptr(), b * s, b * s), (b * s, b * s))),
         ("  plan.launch with varlen and extents (the general one)", lambda: plan.launch(
             STREAM, *ptrs, 0, varlen=(cu.data_ptr(), cu.data_ptr(), b * s, b * s), extents=(b * s, b * s))),
     ]
 
+    # the varlen backward (the sm90 kernels on the fake H200): its hit, and autograd's forward + backward
+    from facodegen.ops import varlen_backward
+    do = torch.randn(b * s, h, d).to(torch.bfloat16)
+    out, lse = attention_varlen(q, k, v, cu, cu, s, s, causal=True, return_lse=True)
+    facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu, cu, s, s, causal=True)
+    qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+
+    def step():     # forward + backward of one layer's varlen attention, as a training step runs it
+        return torch.autograd.grad(attention_varlen(qg, kg, vg, cu, cu, s, s, causal=True), (qg, kg, vg), do)
+    step()
+    fwd_misses, bwd_misses = varlen._PLANS.misses, varlen_backward._PLANS.misses     # (return_lse: a plan of its own)
+    rows += [
+        ("attention_varlen_backward(do, q, k, v, out, lse, cu, cu, 256, 256, causal=True) whole hit",
+         lambda: facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu, cu, s, s, causal=True)),
+        ("autograd: forward + backward through attention_varlen", step),
+    ]
+
     def check():
-        assert varlen._PLANS.misses == 1, "a timed varlen call missed the plan"
+        assert varlen._PLANS.misses == fwd_misses, "a timed varlen call missed the plan"
+        assert varlen_backward._PLANS.misses == bwd_misses, "a timed varlen backward call missed its plan"
     return rows, check
 
 

@@ -27,7 +27,6 @@ import functools
 import math
 
 from . import api, backward, varlen
-from .api import _view
 from ..runtime import driver
 from ..runtime.plan import PlanCache
 
@@ -102,7 +101,7 @@ def _new_like(kind: str, device: int, x, zero: bool):
 def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
              dq, dk, dv, arch, knobs) -> backward.BackwardPlan:
     """Check every argument (errors name it), pick and load the kernels, build the plan."""
-    qv, kv, vv = _view("q", q), _view("k", k), _view("v", v)
+    qv, kv, vv = api._view("q", q), api._view("k", k), api._view("v", v)
     varlen.check_packed(qv, kv, vv, backward=True)
     cu_q, _ = varlen.check_cu_seqlens(qv, cu_seqlens_q, cu_seqlens_k)
     max_q, max_k = (varlen.plan_bound(varlen.check_max_seqlen(name, value)) for name, value in
@@ -116,10 +115,10 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     sequences = cu_q.shape[0] - 1
     views = {"q": qv, "k": kv, "v": vv}
     for name, x in (("do", do), ("out", out)):
-        view = _view(name, x)
+        view = api._view(name, x)
         backward._check_like(varlen.as_one_batch(view), varlen.as_one_batch(qv), name)
         views["dout" if name == "do" else "o"] = view
-    lsev = _view("lse", lse)
+    lsev = api._view("lse", lse)
     if lsev.kind != qv.kind or lsev.dtype != "float32" or lsev.device != qv.device:
         raise TypeError(f"lse must be a float32 {qv.kind} array on cuda:{qv.device} (attention_varlen's "
                         f"return_lse), got a {lsev.kind} {lsev.dtype} array on cuda:{lsev.device}")
@@ -128,7 +127,7 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"return_lse), got shape {lsev.shape} strides {lsev.strides}")
     for name, x, like in (("dq", dq, qv), ("dk", dk, kv), ("dv", dv, vv)):
         if x is not None:
-            views[name] = _view(name, x)
+            views[name] = api._view(name, x)
             backward._check_like(varlen.as_one_batch(views[name]), varlen.as_one_batch(like), name)
         else:   # a new contiguous array per call (_new_like)
             views[name] = dataclasses.replace(like, name=name, strides=backward._contiguous_strides(like.shape))
