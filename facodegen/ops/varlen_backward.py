@@ -2,7 +2,7 @@
 sequences, FlashAttention's ``flash_attn_varlen_func`` backward), and what its autograd runs.
 
 The kernels are the backward's (ops/backward.py) built with ``varlen=True``; no value of cu_seqlens is
-read on the host, so a call never syncs. sm80 (any GPU; H100/H200's deterministic calls): the
+read on the host, so a call never syncs. sm80 (any GPU): the
 preprocess (D = rowsum(dO ∘ O), dq_accum = 0) and the postprocess (dQ = softmax_scale * dq_accum) see
 the packed query tokens as one batch of total_q rows, so LSE, D and dq_accum have one row per packed
 token, as the varlen forward's LSE (heads_q, total_q) has; the main kernel's grid z is the sequence,
@@ -46,8 +46,8 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     ``causal`` and ``softmax_scale``: the forward's. dK and dV of a kv head are summed over the query
     heads that share it (GQA/MQA). dq, dk, dv: arrays to write the gradients into (default: new
     contiguous ones, zero at the tokens no sequence covers; given ones keep what they held there, but for
-    dQ on sm80, written zero). ``arch``: None (sm90 on H100/H200 where it takes the call, deterministic
-    calls aside; else sm80), "sm80" (any GPU) or "sm90". ``knobs``: BackwardSpec fields (block_n=...,
+    dQ on sm80, written zero). ``arch``: None (sm90 on H100/H200, where it takes the call's knobs; else
+    sm80), "sm80" (any GPU) or "sm90". ``knobs``: BackwardSpec fields (block_n=...,
     deterministic=True, ...). ``check_inputs``: attention_varlen's (cu_seqlens checked on the host, a sync).
     Runs on the caller's current stream.
     """
