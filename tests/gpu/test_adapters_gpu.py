@@ -238,19 +238,14 @@ def test_transformers_packed_row_matches_each_sequence_alone(llamas):
         start += s.shape[1]
 
 
-def test_ten_training_steps_on_padded_batches_track_sdpa():
-    """Training on right-padded batches (labels -100 at the pads): the varlen forward and backward through the
-    model track SDPA's bf16 run within twice its own bf16-vs-fp32 gap + 1e-3 at every step."""
+def _training_tracks_sdpa(batches) -> list[float]:
+    """Train a small random-weight Llama (AdamW, the same initial weights and ``batches`` of (ids,
+    attention_mask or None, labels)) with facodegen's attention in bf16, SDPA's in bf16 and in fp32; at every
+    step facodegen's loss is within twice SDPA's own bf16-vs-fp32 gap + 1e-3 of SDPA's bf16 loss. Returns
+    facodegen's losses."""
     transformers, config = _llama_config()
     torch.manual_seed(0)
     state = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").state_dict()
-    gen = torch.Generator().manual_seed(5)
-    batches = []
-    for _ in range(10):
-        ids = torch.randint(3, 1024, (4, 256), generator=gen)
-        lengths = torch.randint(17, 257, (4,), generator=gen)
-        mask = (torch.arange(256)[None] < lengths[:, None]).long()
-        batches.append((ids.cuda(), mask.cuda(), ids.masked_fill(mask == 0, -100).cuda()))
 
     def train(impl: str, dtype) -> list[float]:
         model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
@@ -270,34 +265,27 @@ def test_ten_training_steps_on_padded_batches_track_sdpa():
     for step, (a, b, c) in enumerate(zip(ours, sdpa, exact)):
         assert abs(a - b) <= 2 * abs(b - c) + 1e-3, (f"step {step}: facodegen {a:.5f}, sdpa bf16 {b:.5f}, "
                                                       f"sdpa fp32 {c:.5f}\n{ours}\n{sdpa}\n{exact}")
+    return ours
+
+
+def test_ten_training_steps_on_padded_batches_track_sdpa():
+    """Training on right-padded batches (labels -100 at the pads): the varlen forward and backward through the
+    model track SDPA's bf16 run (_training_tracks_sdpa)."""
+    gen = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(10):
+        ids = torch.randint(3, 1024, (4, 256), generator=gen)
+        lengths = torch.randint(17, 257, (4,), generator=gen)
+        mask = (torch.arange(256)[None] < lengths[:, None]).long()
+        batches.append((ids.cuda(), mask.cuda(), ids.masked_fill(mask == 0, -100).cuda()))
+    _training_tracks_sdpa(batches)
 
 
 def test_twenty_training_steps_of_a_llama_track_sdpa():
     """Issue #38's training check: a small random-weight Llama trained 20 steps (AdamW, the same
     initial weights and batches) with facodegen's attention (forward and generated backward, bf16)
     tracks SDPA's bf16 run at every step within twice SDPA's own bf16-vs-fp32 gap + 1e-3."""
-    transformers, config = _llama_config()
-    torch.manual_seed(0)
-    state = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").state_dict()
     gen = torch.Generator().manual_seed(2)
-    batches = [torch.randint(3, 1024, (4, 256), generator=gen).cuda() for _ in range(20)]
-
-    def train(impl: str, dtype) -> list[float]:
-        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
-        model.load_state_dict(state)
-        model = model.to("cuda", dtype).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        for ids in batches:
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses
-
-    ours, sdpa, exact = train("facodegen", torch.bfloat16), train("sdpa", torch.bfloat16), train("sdpa", torch.float32)
-    for step, (a, b, c) in enumerate(zip(ours, sdpa, exact)):
-        assert abs(a - b) <= 2 * abs(b - c) + 1e-3, (f"step {step}: facodegen {a:.5f}, sdpa bf16 {b:.5f}, "
-                                                      f"sdpa fp32 {c:.5f}\n{ours}\n{sdpa}\n{exact}")
+    batches = [(ids, None, ids) for ids in (torch.randint(3, 1024, (4, 256), generator=gen).cuda() for _ in range(20))]
+    ours = _training_tracks_sdpa(batches)
     assert len(set(ours)) > 1       # the weights moved (random tokens: the loss stays near log(1024))
