@@ -961,6 +961,13 @@ def representative_cases() -> list[Case]:
     defaults and with dq_lag), and two
     decode-family cases (paged with an append and a split, contiguous MQA-like packing): what the
     sanitizer sweep (scripts/sanitize.py) runs under each tool."""
+    def packed(arch: str, dtype: str, head_dim: int, causal: bool, seed: int, seqlen_k: int = 257, **variant) -> Case:
+        """A varlen case: six packed sequences drawn from ``seed`` under 300 queries and ``seqlen_k`` keys, GQA
+        4/2, a strided token axis, the LSE asked for and O poisoned."""
+        return Case("varlen", arch, dtype, batch=6, seqlen_q=300, seqlen_k=seqlen_k, heads_q=4, heads_kv=2,
+                    head_dim=head_dim, causal=causal, softmax_scale=None, layout="strided", magnitude=1.0,
+                    return_lse=True, use_out=True, seed=seed, **variant)
+
     cases = []
     for arch, dtypes in (("sm80", ("bf16", "fp16")), ("sm90", ("bf16", "fp16", "fp8"))):
         for dtype in dtypes:
@@ -1028,10 +1035,8 @@ def representative_cases() -> list[Case]:
     for arch in ("sm80", "sm90"):
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
-                cases.append(Case("varlen", arch, dtype, batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
-                                  head_dim=64 if arch == "sm90" and dtype == "fp16" else 128, causal=causal,
-                                  softmax_scale=None, layout="strided", magnitude=1.0, return_lse=True, use_out=True,
-                                  seed=VARLEN_REPRESENTATIVE_SEED))
+                cases.append(packed(arch, dtype, 64 if arch == "sm90" and dtype == "fp16" else 128, causal,
+                                    VARLEN_REPRESENTATIVE_SEED))
     # the sm90 backward with its rings away from their defaults (seeds 3 mod 8: case.shallow_rings): head_dim
     # 128 causal (a 1-deep dO ring, dp_lookahead off, the dQ tile in 2 pieces) and 256 (4 pieces, 2 buffers)
     for head_dim, causal, seed in ((128, True, 11), (256, False, 19)):
@@ -1045,33 +1050,23 @@ def representative_cases() -> list[Case]:
                       return_lse=False, use_out=False, seed=13))
     # and varlen_lpt (seed 14: case.varlen_lpt), causal: sequences of 20,000 keys put 3 of the 4 heads in
     # an L2 section (the last section one head), one has no key: case 47
-    cases.append(Case("varlen", "sm90", "bf16", batch=6, seqlen_q=300, seqlen_k=20000, heads_q=4, heads_kv=2,
-                      head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
-                      return_lse=True, use_out=True, seed=14))
+    cases.append(packed("sm90", "bf16", 128, True, 14, seqlen_k=20000))
     # and the attention variants with varlen (window on each sequence's diagonal, softcap, sinks): case 48
-    cases.append(Case("varlen", "sm90", "bf16", batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
-                      head_dim=128, causal=False, softmax_scale=None, layout="strided", magnitude=1.0,
-                      return_lse=True, use_out=True, seed=VARLEN_REPRESENTATIVE_SEED, window_left=40,
-                      window_right=7, softcap=30.0, sinks=True))
+    cases.append(packed("sm90", "bf16", 128, False, VARLEN_REPRESENTATIVE_SEED, window_left=40, window_right=7,
+                        softcap=30.0, sinks=True))
     # and the decode's window and softcap over a paged cache, split, with an append: case 49
     cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=4, seqlen_k=1024, heads_q=8, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=16, seqlen_new=3, num_splits=4,
                       window_left=200, window_right=-1, softcap=30.0))
     # and fp8 varlen (e4m3 q, k, v with per-tensor descales, O in bf16), causal, GQA: case 50
-    cases.append(Case("varlen", "sm90", "fp8", batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
-                      head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
-                      return_lse=True, use_out=True, seed=VARLEN_REPRESENTATIVE_SEED))
+    cases.append(packed("sm90", "fp8", 128, True, VARLEN_REPRESENTATIVE_SEED))
     # (the varlen cases of seed 11 above, 3 mod 4, run attention_varlen_backward on their O and LSE too:
     # case.varlen_backward) and the varlen backward's deterministic turns (seed 15, 7 mod 8: queries that
     # see no key, sequences of one query and one key), causal, head_dim 64: case 51
-    cases.append(Case("varlen", "sm80", "fp16", batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
-                      head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
-                      return_lse=True, use_out=True, seed=15))
+    cases.append(packed("sm80", "fp16", 64, True, 15))
     # and the sm90 varlen backward's deterministic turns (at each sequence's padded blocks), head_dim 128: case 52
-    cases.append(Case("varlen", "sm90", "bf16", batch=6, seqlen_q=300, seqlen_k=257, heads_q=4, heads_kv=2,
-                      head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
-                      return_lse=True, use_out=True, seed=15))
+    cases.append(packed("sm90", "bf16", 128, True, 15))
     return cases
 
 
