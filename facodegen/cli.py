@@ -679,7 +679,9 @@ SUITE_NAMES = ("fa3-paper", "quick", "sm80", "evolution", "fp8", "overhead", "de
 @click.option("--backward", is_flag=True,
               help="--suite fa3-paper: time the backward (torch.autograd.grad through facodegen.attention) "
                    "beside torch SDPA's cuDNN and flash backends' backward; TFLOP/s with backward FLOPs = "
-                   "2.5 x forward (bf16 or fp16).")
+                   "2.5 x forward (bf16 or fp16). --suite varlen: the varlen backward (attention_varlen's "
+                   "autograd, attention_varlen_backward per arch) beside FA2's varlen backward (SDPA flash on "
+                   "nested jagged tensors) and the padded backward (bf16).")
 @click.option("--fwd-bwd", is_flag=True,
               help="--suite fa3-paper: time forward + backward together (FLOPs = 3.5 x forward), same peers.")
 @click.option("--variant", "bwd_variants", multiple=True, metavar="KNOB=VALUE[,...]",
@@ -741,7 +743,9 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
     _check_suite_options(suite, spec_fields, peers, backward, fwd_bwd, bwd_variants, quick, no_prepared, budget_s)
     if suite is not None:
         _require_gpu("bench")
-        if mode is not None:
+        if mode is not None and suite == "varlen":
+            _bench_varlen_backward(spec_fields, out_dir, quick)
+        elif mode is not None:
             _bench_backward(spec_fields, peers, out_dir, no_plot, mode, bwd_variants, quick)
         elif suite == "decode":
             _bench_decode(spec_fields, peers, out_dir, quick, bwd_variants)
@@ -792,8 +796,12 @@ def _check_suite_options(suite, spec_fields: dict, peers, backward: bool, fwd_bw
     timed = "--fwd-bwd" if fwd_bwd else "--backward" if backward else None
     if backward and fwd_bwd:
         raise UsageFailure("--backward and --fwd-bwd: give one (--fwd-bwd times forward + backward together)")
-    if timed and suite != "fa3-paper":
-        raise UsageFailure(f"{timed} is for --suite fa3-paper (got {'no --suite' if suite is None else '--suite ' + suite})")
+    if timed and suite != "fa3-paper" and not (backward and suite == "varlen"):
+        raise UsageFailure(f"{timed} is for --suite fa3-paper (and --backward for --suite varlen; got "
+                           f"{'no --suite' if suite is None else '--suite ' + suite})")
+    if backward and suite == "varlen" and peers is not None:
+        raise UsageFailure("--peers is not for --suite varlen --backward (FA2's varlen backward through SDPA on "
+                           "nested jagged tensors is timed where torch has it)")
     if variants and not (backward or suite == "decode"):
         raise UsageFailure("--variant is for --suite fa3-paper --backward (backward knobs) and --suite decode "
                            "(attention_with_kvcache knobs)")
@@ -807,7 +815,11 @@ def _check_suite_options(suite, spec_fields: dict, peers, backward: bool, fwd_bw
         raise UsageFailure(f"--no-prepared is for the forward suites, not {own}")
     if budget_s is not None:
         raise UsageFailure(f"--budget-s is for the forward suites, not {own}")
-    if timed:
+    if timed and suite == "varlen":
+        allowed = ("dtype", "head_dim", "causal")
+        if spec_fields.get("dtype", "bf16") != "bf16":
+            raise UsageFailure(f"--dtype {spec_fields['dtype']}: --suite varlen --backward is bf16 only")
+    elif timed:
         allowed = ("dtype", "head_dim", "causal")
         if spec_fields.get("dtype", "bf16") not in ("bf16", "fp16"):
             raise UsageFailure(f"--dtype {spec_fields['dtype']}: {spec_fields['dtype']} has no backward; "
@@ -957,6 +969,26 @@ def _bench_varlen(spec_fields: dict, peers, out_dir: Path, quick: bool) -> None:
     click.echo(f"\nTFLOP/s of the real tokens ({env.get('gpu', '?')}, facodegen {env.get('facodegen')}"
                f"{', commit ' + env['commit'] if env.get('commit') else ''}):")
     click.echo(vl.summary(rows))
+
+
+def _bench_varlen_backward(spec_fields: dict, out_dir: Path, quick: bool) -> None:
+    """`bench --suite varlen --backward`: bench.varlen_backward_suite.run over the varlen cells (--quick: head_dim
+    128 and fewer groups; --head-dim / --causal pick part): the varlen backward beside FA2's and the padded one.
+    The table prints last."""
+    from .bench import varlen_backward_suite as vb
+    from .bench import varlen_suite as vl
+
+    head_dim, causal = spec_fields.get("head_dim"), spec_fields.get("causal")
+    cells = vl.cells(quick, head_dim, causal)
+    if not cells:
+        raise UsageFailure(f"--head-dim {head_dim}: no cell of suite varlen{' --quick' if quick else ''} has it "
+                           f"({', '.join(map(str, vl.QUICK_HEAD_DIMS if quick else vl.HEAD_DIMS))})")
+    click.echo(f"bench --suite varlen --backward: {len(cells)} cells, bf16, ~{vl.TOTAL_TOKENS} tokens each", err=True)
+    rows = vb.run(cells, quick, log=lambda m: click.echo(m, err=True))
+    paths = vb.write_results(rows, out_dir)
+    click.echo("\n" + _written(paths))
+    click.echo("\nBackward TFLOP/s of the real tokens (2.5 x the forward's FLOPs):")
+    click.echo(vb.format_table(rows))
 
 
 def _bench_replot(path: Path, out_dir: Path) -> None:

@@ -1,170 +1,19 @@
 #!/usr/bin/env python3
-"""The varlen backward's speed (GPU): gradients of packed variable-length attention, bf16, over the varlen
-suite's cells (facodegen.bench.varlen_suite.cells: mixed lengths 100-8k summing to ~32k tokens, and 8 x 4096),
-beside FlashAttention-2's varlen backward (torch SDPA's flash backend on nested jagged tensors, the packed
-call torch has) and the padded backward (facodegen.attention_backward with every sequence padded to the
-longest), all in turns in one run.
+"""The varlen backward's speed on a GPU beside FlashAttention-2's varlen backward and the padded backward: a
+thin wrapper of facodegen.bench.varlen_backward_suite (the same as ``facodegen bench --suite varlen
+--backward``), whose docstring says what each column times.
 
     python3 scripts/bench_varlen_backward.py [--quick] [--head-dim 128] [--causal|--no-causal] [--out DIR]
-
-Columns (each timed as torch.autograd.grad of O with retain_graph, or the direct call, between CUDA events):
-  facodegen autograd   torch.autograd.grad through facodegen.attention_varlen: the call users make (its
-                       backward's default arch: sm90 on H100/H200)
-  facodegen sm90 / sm80  facodegen.attention_varlen_backward(..., arch=...) on the forward's O and LSE
-  FA2 varlen (NJT)     torch.autograd.grad through SDPA (FLASH_ATTENTION) on nested jagged tensors
-  facodegen padded     facodegen.attention_backward on the padded batch (the same code without varlen; its
-                       TFLOP/s fall by the padding it computes)
-TFLOP/s count the real work: 2.5 x the forward's FLOPs summed over the sequences (varlen_flops). Each
-implementation's dQ, dK, dV are checked on the first sequence against facodegen's autograd (within 2e-2
-of the largest) before it is timed; one that fails or refuses is reported with the reason. The table
-(and ratios to FA2 varlen) prints last; --out writes it as JSON too.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from facodegen.bench import varlen_suite as vs  # noqa: E402
-
-BACKWARD_FLOPS = 2.5      # backward FLOPs per forward FLOP
-TIMING = {"warmup": 3, "groups": 5, "calls": 10}
-QUICK_TIMING = {"warmup": 2, "groups": 3, "calls": 5}
-COLUMNS = ("facodegen autograd", "facodegen sm90", "facodegen sm80", "FA2 varlen (NJT)", "facodegen padded")
-PEER = "FA2 varlen (NJT)"
-
-
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="head_dim 128 only, fewer groups and calls")
-    ap.add_argument("--head-dim", type=int, choices=vs.HEAD_DIMS)
-    mask = ap.add_mutually_exclusive_group()
-    mask.add_argument("--causal", dest="causal", action="store_true", default=None)
-    mask.add_argument("--no-causal", dest="causal", action="store_false")
-    ap.add_argument("--out", help="a directory for bench-varlen-backward.json")
-    return ap.parse_args(argv)
-
-
-def backward_tflops(c: dict, ms: float) -> float:
-    """TFLOP/s of a backward over cell ``c`` in ``ms``: 2.5 x its real forward FLOPs."""
-    return BACKWARD_FLOPS * c["flops"] / (ms * 1e-3) / 1e12
-
-
-def format_table(rows: list[dict]) -> str:
-    """One line per cell: TFLOP/s of each column (or why it has none) and each's ratio to FA2 varlen."""
-    head = "| cell | d | causal | " + " | ".join(COLUMNS) + " | vs FA2 varlen |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 4)]
-    for r in rows:
-        got = r["results"]
-        cols = [f"{got[n]['tflops']:.1f}" if "tflops" in got.get(n, {}) else got.get(n, {}).get("why", "-")[:40]
-                for n in COLUMNS]
-        peer = got.get(PEER, {}).get("ms")
-        ratios = ", ".join(f"{n.replace('facodegen ', '')} {peer / got[n]['ms']:.2f}x" for n in COLUMNS
-                           if n != PEER and peer and "ms" in got.get(n, {}))
-        lines.append(f"| {r['cell']} | {r['head_dim']} | {r['causal']} | " + " | ".join(cols) + f" | {ratios or '-'} |")
-    return "\n".join(lines)
-
-
-def _implementations(c: dict, torch, facodegen):
-    """{column: (function, grads)}: each a callable of no argument that runs one backward, and the (dQ,
-    dK, dV) of its last run (for the check)."""
-    heads, d, causal, lengths = c["heads"], c["head_dim"], c["causal"], c["lengths"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    total = c["tokens"]
-    q, k, v, do = (torch.randn(total, heads, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(4))
-    cu = torch.tensor(vs.cu_seqlens(lengths), dtype=torch.int32, device="cuda")
-    longest = c["max_seqlen"]
-    impls = {}
-
-    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-    out_ag = facodegen.attention_varlen(*leaves, cu, cu, longest, longest, causal=causal)
-    impls["facodegen autograd"] = lambda: torch.autograd.grad(out_ag, leaves, do, retain_graph=True)
-    with torch.no_grad():
-        out, lse = facodegen.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal, return_lse=True)
-    for arch in ("sm90", "sm80"):
-        impls[f"facodegen {arch}"] = (lambda arch=arch: facodegen.attention_varlen_backward(
-            do, q, k, v, out, lse, cu, cu, longest, longest, causal=causal, arch=arch))
-
-    def fa2():
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        offsets = cu.to(torch.int64)
-        nested = [torch.nested.nested_tensor_from_jagged(x, offsets=offsets).transpose(1, 2) for x in leaves_fa2]
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            o = torch.nn.functional.scaled_dot_product_attention(*nested, is_causal=causal)
-        return o.transpose(1, 2).values()
-    leaves_fa2 = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-    out_fa2 = fa2()
-    impls[PEER] = lambda: torch.autograd.grad(out_fa2, leaves_fa2, do, retain_graph=True)
-
-    batch = len(lengths)
-    padded = [torch.zeros(batch, longest, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    for x, p in zip((q, k, v, do), padded):
-        for b, (a, e) in enumerate(zip(vs.cu_seqlens(lengths), vs.cu_seqlens(lengths)[1:])):
-            p[b, :e - a] = x[a:e]
-    with torch.no_grad():
-        out_p, lse_p = facodegen.attention(*padded[:3], causal=causal, return_lse=True)
-    impls["facodegen padded"] = lambda: facodegen.attention_backward(padded[3], *padded[:3], out_p, lse_p,
-                                                                     causal=causal)
-    first = lengths[0]
-    return impls, (q, k, v, do, cu, first)
-
-
-def measure(c: dict, timing: dict) -> dict:
-    import torch
-
-    import facodegen
-    from facodegen.bench.timing import time_cuda_interleaved
-    results = {}
-    try:
-        impls, (q, k, v, do, cu, first) = _implementations(c, torch, facodegen)
-    except Exception as err:    # noqa: BLE001 (a setup failure is the row's result)
-        return {**c, "results": {n: {"why": f"setup: {type(err).__name__}: {err}"} for n in COLUMNS}}
-    reference = None
-    runnable = {}
-    for name, fn in impls.items():
-        try:
-            grads = fn()
-            torch.cuda.synchronize()
-            got = [g[:first] if g.dim() == 3 else g[0, :first] for g in grads]
-            if reference is None:
-                reference = got
-            worst = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
-                        for a, b in zip(got, reference))
-            if not worst <= 2e-2:
-                results[name] = {"why": f"gradients off by {worst:.2e} of the largest"}
-                continue
-            runnable[name] = fn
-        except Exception as err:    # noqa: BLE001 (a refusing implementation is reported, not timed)
-            results[name] = {"why": f"{type(err).__name__}: {err}".splitlines()[0]}
-            traceback.print_exc(limit=2)
-    timed = time_cuda_interleaved(list(runnable.values()), **timing) if runnable else []
-    for name, t in zip(runnable, timed):
-        results[name] = {"ms": t["ms"], "tflops": backward_tflops(c, t["ms"]), "host_ms": t["host_ms"]}
-    torch.cuda.empty_cache()
-    return {**c, "results": results}
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    todo = vs.cells(args.quick, args.head_dim, args.causal)
-    timing = QUICK_TIMING if args.quick else TIMING
-    rows = []
-    for c in todo:
-        print(f"cell {c['cell']} d{c['head_dim']} causal={c['causal']}: {c['sequences']} sequences, {c['tokens']} "
-              f"tokens", file=sys.stderr, flush=True)
-        rows.append(measure(c, timing))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench-varlen-backward.json").write_text(json.dumps(rows, indent=1))
-    print(format_table(rows))
-    return 0
-
+from facodegen.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", "--suite", "varlen", "--backward", *sys.argv[1:]]))

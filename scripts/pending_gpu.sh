@@ -32,7 +32,7 @@ case "${1:-}" in
     bench)
         step bwd_ab 160 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
             --variant dq_lag=true --variant lpt=true --out "$OUT"      # (lpt refuses the non-causal cells)
-        step varlen_backward 130 python3 scripts/bench_varlen_backward.py --quick --out "$OUT"
+        step varlen_backward 130 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         step varlen 120 python3 -m facodegen bench --suite varlen --quick --out "$OUT"
         step decode 60 python3 -m facodegen bench --suite decode --quick --head-dim 128 --out "$OUT"
         step overhead 40 python3 -m facodegen bench --suite overhead --out "$OUT"

@@ -150,6 +150,24 @@ def test_varlen_reaches_run_varlen(fake_gpu, monkeypatch, tmp_path):
     assert seen == [(vl.cells(head_dim=64, causal=False), ("cudnn",), False)] and len(seen[0][0]) == 2
 
 
+def test_varlen_backward_reaches_its_suite(fake_gpu, monkeypatch, tmp_path):
+    """`bench --suite varlen --backward` runs bench.varlen_backward_suite over the varlen cells (--quick, --head-dim,
+    --causal as --suite varlen takes them), prints its table last and writes it."""
+    from facodegen.bench import varlen_backward_suite as vb
+    seen = []
+
+    def fake_run(todo, quick=False, log=print):
+        seen.append((todo, quick))
+        return [dict(c, results={"facodegen autograd": {"ms": 2.0, "tflops": 300.0}, "FA2 varlen (NJT)": {
+            "ms": 3.0, "tflops": 200.0}}) for c in todo]
+    monkeypatch.setattr(vb, "run", fake_run)
+    result = invoke("--suite", "varlen", "--backward", "--quick", "--causal", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert seen == [(vl.cells(quick=True, causal=True), True)]
+    assert result.output.rstrip().splitlines()[-1].endswith("| autograd 1.50x |")
+    assert (tmp_path / "bench-varlen-backward.md").exists() and (tmp_path / "bench-varlen-backward.json").exists()
+
+
 @pytest.mark.parametrize("args, names", [
     (["--suite", "fa3-paper", "--backward", "--dtype", "fp8"], ["--dtype fp8", "no backward"]),
     (["--suite", "fa3-paper", "--fwd-bwd", "--dtype", "fp8"], ["--dtype fp8", "--fwd-bwd"]),
@@ -181,7 +199,10 @@ def test_varlen_reaches_run_varlen(fake_gpu, monkeypatch, tmp_path):
     (["--suite", "varlen", "--quick", "--head-dim", "64"], ["--head-dim 64", "--quick"]),
     (["--suite", "varlen", "--budget-s", "10"], ["--budget-s", "--suite varlen"]),
     (["--suite", "varlen", "--no-prepared"], ["--no-prepared", "--suite varlen"]),
-    (["--suite", "varlen", "--backward"], ["--backward", "--suite varlen"]),
+    (["--suite", "varlen", "--fwd-bwd"], ["--fwd-bwd", "--suite fa3-paper"]),
+    (["--suite", "varlen", "--backward", "--dtype", "fp16"], ["--dtype fp16", "--suite varlen --backward is bf16"]),
+    (["--suite", "varlen", "--backward", "--peers", "fa3"], ["--peers", "--suite varlen --backward"]),
+    (["--suite", "varlen", "--backward", "--block-n", "64"], ["--block-n", "--backward"]),
 ])
 def test_bad_combinations_are_usage_errors_naming_the_option(fake_gpu, backward_calls, monkeypatch, args, names):
     monkeypatch.setattr(dec, "run_decode", lambda *a, **k: pytest.fail("ran"))

@@ -445,16 +445,8 @@ def test_what_has_no_backward_raises_at_the_forward(meta_varlen, kw, q_shape, v_
 # ------------------------------------------------------------------ the benchmark script (its CPU parts)
 
 def test_bench_varlen_backward_counts_real_work_and_tabulates_ratios_to_fa2():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_varlen_backward.py"
-    spec = importlib.util.spec_from_file_location("bench_varlen_backward", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    args = bench.parse_args(["--quick", "--causal"])
-    cells = bench.vs.cells(args.quick, args.head_dim, args.causal)
-    assert args.quick and args.causal is True and {c["head_dim"] for c in cells} == {128} and all(c["causal"] for c in cells)
-    c = cells[0]
+    from facodegen.bench import varlen_backward_suite as bench
+    c = bench.vs.cells(quick=True, causal=True)[0]
     assert bench.backward_tflops(c, 1.0) == pytest.approx(2.5 * c["flops"] / 1e-3 / 1e12)
     rows = [{**c, "results": {"facodegen autograd": {"ms": 2.0, "tflops": 10.0}, "FA2 varlen (NJT)": {"ms": 3.0,
                                                                                                        "tflops": 6.7},
