@@ -496,6 +496,26 @@ def test_transformers_padded_batch_runs_on_packed_sequences(fake, sq, sk, side):
     assert call["k"].shape == (sum(lengths_k), 2, 64) and call["causal"] is (sq > 1) and not fake.calls
 
 
+def test_transformers_reads_a_padding_mask_once_for_every_layer(fake, monkeypatch):
+    """The model hands every layer the same mask tensor: its gather (two nonzero calls, a host sync each, and
+    the lengths' max) is worked out at the first layer only; an in-place change of the mask is read again."""
+    from facodegen.integrations.transformers import attention_forward
+    calls = []
+    real = torch.Tensor.nonzero
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    q, k, v = _hf_qkv(batch=2, sq=6, sk=6)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    first = [attention_forward(_Module(), q, k, v, mask)[0] for _ in range(3)]     # three layers
+    assert len(calls) == 2 and all(torch.equal(x, first[0]) for x in first)
+    assert [c["cu_q"] for c in fake.varlen.calls] == [[0, 4, 10]] * 3
+    mask[1, :1] = 0                                                                # (a new version)
+    attention_forward(_Module(), q, k, v, mask)
+    assert len(calls) == 4 and fake.varlen.calls[-1]["cu_q"] == [0, 4, 9]
+    attention_forward(_Module(), q[:, :, -1:], k, v, mask)                         # another seqlen_q: a decode step
+    assert len(calls) == 6 and fake.varlen.calls[-1]["cu_q"] == [0, 1, 2]
+
+
 def test_transformers_padded_batch_takes_gradients_through_the_gather():
     """autograd through the gather and scatter (the varlen call faked by differentiable torch ops): no
     gradient reaches a padded position."""

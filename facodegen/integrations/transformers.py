@@ -24,7 +24,8 @@ flash_attention_2 runs them, on facodegen.attention_varlen:
   ``max_length_q`` / ``max_length_k``; transformers' padding-free collator), or position_ids that
   restart at 0 inside the row.
 
-Like flash_attention_2's, those calls read the lengths on the host (a sync). Not supported yet,
+Like flash_attention_2's, those calls read the lengths on the host (a sync), but once per mask: the model
+hands every layer the same mask tensor, and its gather is kept for the layers after the first. Not supported yet,
 raising NotImplementedError: a 4-D mask that hides more than the causal pattern (transformers >=
 4.53 with register() hands this backend the 2-D mask instead), dropout in training, ``softcap``,
 attention sinks (``s_aux``), ``position_bias``, and a ``sliding_window`` narrower than the keys (a
@@ -71,9 +72,11 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if packed is not None:
         out = facodegen.attention_varlen(q[0], k[0], v[0], *packed, causal=causal, softmax_scale=scaling)
         return out[None], None
-    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == seqlen_k \
-            and not bool(attention_mask.all()):
-        return _padded_attention(q, k, v, attention_mask.bool(), causal, scaling), None
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == seqlen_k:
+        gather = _gather_of(attention_mask, seqlen_q)
+        if gather is not None:
+            return _padded_attention(q, k, v, gather, causal, scaling), None
+        attention_mask = None       # (a mask that hides nothing)
     causal = _causal_from_mask(attention_mask, seqlen_q, seqlen_k, causal)
     out = facodegen.attention(q, k, v, causal=causal, softmax_scale=scaling)
     return out, None
@@ -145,22 +148,49 @@ def _packed_boundaries(kwargs: dict, mask, batch: int, seqlen_q: int, seqlen_k: 
     return cu, cu, longest, longest
 
 
-def _padded_attention(q, k, v, keys, causal: bool, scaling):
-    """Attention of a padded batch (``keys``: the (batch, seqlen_k) bool padding mask, True = a token) as
-    flash_attention_2 runs it: each row's tokens gathered into packed sequences, attention_varlen, the
-    outputs scattered back (zeros at padded query positions). The query rows are the keys' tokens where there
-    are as many, every row of a one-token decode step, else the keys' last seqlen_q (left padding)."""
+# The gathers of the padding masks seen last (id -> (a weak reference to the mask, its version, seqlen_q,
+# the gather)): the model hands every layer the same mask tensor, so only the first layer reads it on the
+# host (each read a sync, which would also stall the launch queue at every layer).
+_GATHERS: dict = {}
+_GATHERS_KEPT = 8
+
+
+def _gather_of(mask, seqlen_q: int):
+    """What a (batch, seqlen_k) padding mask (1 = a token) asks of a call with ``seqlen_q`` queries: None where
+    it hides nothing, else (rows_q, rows_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of the
+    gather. The query rows are the keys' tokens where there are as many, every row of a one-token decode
+    step, else the keys' last seqlen_q (left padding). Worked out once per mask tensor and seqlen_q (an in-place
+    change of the mask, which bumps its version, is read again)."""
     import torch
-    batch, seqlen_q, heads_q = q.shape[:3]
+    import weakref
+    found = _GATHERS.get(id(mask))
+    if found is not None and found[0]() is mask and found[1:3] == (mask._version, seqlen_q):
+        return found[3]
+    keys = mask.bool()
+    gather = None
+    if not bool(keys.all()):
+        batch, seqlen_k = keys.shape
+        queries = keys if seqlen_q == seqlen_k else keys.new_ones(batch, 1) if seqlen_q == 1 else keys[:, -seqlen_q:]
+        lengths_q, lengths_k = queries.sum(-1, dtype=torch.int32), keys.sum(-1, dtype=torch.int32)
+        cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (lengths_q, lengths_k))
+        gather = (queries.flatten().nonzero().flatten(), keys.flatten().nonzero().flatten(), cu_q, cu_k,
+                  int(lengths_q.max()), int(lengths_k.max()))
+    while len(_GATHERS) >= _GATHERS_KEPT:
+        _GATHERS.pop(next(iter(_GATHERS)))
+    _GATHERS[id(mask)] = (weakref.ref(mask), mask._version, seqlen_q, gather)
+    return gather
+
+
+def _padded_attention(q, k, v, gather, causal: bool, scaling):
+    """Attention of a padded batch as flash_attention_2 runs it: each row's tokens gathered into packed
+    sequences (``gather``: _gather_of's), attention_varlen, the outputs scattered back (zeros at padded
+    query positions)."""
+    batch, seqlen_q = q.shape[:2]
     seqlen_k = k.shape[1]
-    queries = keys if seqlen_q == seqlen_k else keys.new_ones(batch, 1) if seqlen_q == 1 else keys[:, -seqlen_q:]
-    lengths_q, lengths_k = queries.sum(-1, dtype=torch.int32), keys.sum(-1, dtype=torch.int32)
-    cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (lengths_q, lengths_k))
-    rows_q, rows_k = queries.flatten().nonzero().flatten(), keys.flatten().nonzero().flatten()
+    rows_q, rows_k, cu_q, cu_k, max_q, max_k = gather
     out = facodegen.attention_varlen(q.reshape(batch * seqlen_q, *q.shape[2:]).index_select(0, rows_q),
                                      k.reshape(batch * seqlen_k, *k.shape[2:]).index_select(0, rows_k),
                                      v.reshape(batch * seqlen_k, *v.shape[2:]).index_select(0, rows_k),
-                                     cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()), causal=causal,
-                                     softmax_scale=scaling)
+                                     cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scaling)
     full = out.new_zeros(batch * seqlen_q, *out.shape[1:]).index_copy(0, rows_q, out)
     return full.view(batch, seqlen_q, *out.shape[1:])
