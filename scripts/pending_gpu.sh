@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The device work waiting since sessions 40-41, when no device was lent: everything below landed CPU-checked
-# only. Two calls, each inside the device tool's 600 s (carry [".whl"] for FlashAttention-3); logs under $OUT,
-# a table of steps last. Run `check` first: a failure there makes `bench`'s numbers moot.
+# only. Three calls, each inside the device tool's 600 s (carry [".whl"] for FlashAttention-3); logs under
+# $OUT, a table of steps last. Run `tests` and `checks` first: a failure there makes `bench`'s numbers moot.
 #
-#   OUT=/path bash scripts/pending_gpu.sh check   # GPU tests of the unvalidated features, their fuzz shares, the
-#                                                 # sanitizer's cases of them (~520 s)
-#   OUT=/path bash scripts/pending_gpu.sh bench   # their timings beside the peers (~520 s)
+#   OUT=/path bash scripts/pending_gpu.sh tests    # GPU tests of the unvalidated features (at most 500 s)
+#   OUT=/path bash scripts/pending_gpu.sh checks   # their fuzz shares and sanitizer cases (at most 480 s)
+#   OUT=/path bash scripts/pending_gpu.sh bench    # their timings beside the peers (at most 530 s)
 #
-# check covers: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
+# tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
 # softcap, the varlen backward on both archs (session 41: tests/gpu/test_varlen_backward_gpu.py, the varlen
 # fuzz share seeds 3 mod 4, sanitizer 36-43 and 51), varlen_lpt (47), varlen variants (48), decode variants
@@ -19,15 +19,18 @@ mkdir -p "$OUT"
 source scripts/gpu_steps.sh
 
 case "${1:-}" in
-    check)
-        step warm 120 python3 scripts/warm_cache.py --fuzz 2000
-        step pytest 210 python3 -m pytest -q -rs -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
+    tests)
+        step warm 120 python3 scripts/warm_cache.py --fuzz 0
+        step pytest 380 python3 -m pytest -q -rs -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
             tests/gpu/test_varlen_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_adapters_gpu.py
-        step fuzz_varlen 70 python3 -m facodegen check --fuzz 400 --seed 41 --family varlen
+        ;;
+    checks)
+        step warm 100 python3 scripts/warm_cache.py --fuzz 0      # (the fuzz compiles its own cases first)
+        step fuzz_varlen 80 python3 -m facodegen check --fuzz 400 --seed 41 --family varlen
         step fuzz_backward 50 python3 -m facodegen check --fuzz 200 --seed 41 --family backward
         step fuzz_kvcache 30 python3 -m facodegen check --fuzz 200 --seed 41 --family kvcache
-        step sanitize 120 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 24,27,30,33,36,39,40,43,44,46,47,48,49,50,51,52
-        step sanitize_varlen 80 python3 scripts/sanitize_varlen.py --tools memcheck --out "$OUT/sanitize-varlen"
+        step sanitize 130 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 24,27,30,33,36,39,40,43,44,46,47,48,49,50,51,52
+        step sanitize_varlen 90 python3 scripts/sanitize_varlen.py --tools memcheck --out "$OUT/sanitize-varlen"
         ;;
     bench)
         step bwd_ab 160 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
@@ -39,6 +42,6 @@ case "${1:-}" in
         step serving_host 20 python3 scripts/serving_host_cost.py
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh check|bench"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
