@@ -514,12 +514,19 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     dq = _new_like(kind, device, q) if dq is None else dq
     dk = _new_like(kind, device, k) if dk is None else dk
     dv = _new_like(kind, device, v) if dv is None else dv
-    ptr = api.ARRAY_PTR[kind]       # (kind is torch or cupy: _resolve refused anything else)
-    pointers = (ptr(q), ptr(k), ptr(v), ptr(out), ptr(do), ptr(lse), ptr(dq), ptr(dk), ptr(dv))
+    plan.launch(api._current_stream(kind, device), call_pointers(kind, (q, k, v, out, do, lse, dq, dk, dv)))
+    return dq, dk, dv
+
+
+def call_pointers(kind: str, arrays: tuple) -> tuple:
+    """The addresses of a backward call's q, k, v, out, do, lse, dq, dk, dv (``kind`` arrays: torch or CuPy, as
+    the checked path let through), each but the LSE's checked to be 16-byte aligned."""
+    from . import api
+    ptr = api.ARRAY_PTR[kind]
+    pointers = tuple(ptr(x) for x in arrays)
     if any(p % 16 for p in pointers[:5] + pointers[6:9]):
         raise ValueError("do, q, k, v, out, dq, dk, dv: data pointers must be 16-byte aligned")
-    plan.launch(api._current_stream(kind, device), pointers)
-    return dq, dk, dv
+    return pointers
 
 
 def call_key(kind: str, arrays: tuple, options: tuple) -> tuple:
@@ -530,16 +537,17 @@ def call_key(kind: str, arrays: tuple, options: tuple) -> tuple:
     return (kind, *(meta(x) for x in arrays), *options, api._current_device(kind))
 
 
-def _new_like(kind: str, device: int, x):
-    """A new contiguous array of x's shape and dtype on ``device`` (x's: the plan's key holds it)."""
+def _new_like(kind: str, device: int, x, zero: bool = False):
+    """A new contiguous array of x's shape and dtype on ``device`` (x's: the plan's key holds it), zero-filled
+    where ``zero`` (the varlen backward's gradients at tokens its kernels do not write)."""
     if kind == "torch":
         # empty_like: no device string to parse; 1.9 against 4.5 µs per call for torch.empty(shape,
         # dtype=, device="...") (CPU tensors, 2026-12-03), three times per backward call
         torch = sys.modules["torch"]
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
+        return (torch.zeros_like if zero else torch.empty_like)(x, memory_format=torch.contiguous_format)
     import cupy
     with cupy.cuda.Device(device):
-        return cupy.empty(x.shape, dtype=x.dtype)
+        return (cupy.zeros if zero else cupy.empty)(x.shape, dtype=x.dtype)
 
 
 def _contiguous_strides(shape) -> tuple:

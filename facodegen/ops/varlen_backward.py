@@ -71,31 +71,18 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         if key is not None:
             _PLANS.put(key, plan)
     device = plan.device
-    # (sm80's postprocess writes every row of dQ; sm90's, each sequence's)
-    dq = _new_like(kind, device, q, zero=plan.spec.arch == "sm90") if dq is None else dq
-    dk = _new_like(kind, device, k, zero=True) if dk is None else dk
-    dv = _new_like(kind, device, v, zero=True) if dv is None else dv
+    # zero where no sequence's tokens are: the kernels write dK, dV only there (sm80's postprocess writes
+    # every row of dQ; sm90's, each sequence's)
+    dq = backward._new_like(kind, device, q, zero=plan.spec.arch == "sm90") if dq is None else dq
+    dk = backward._new_like(kind, device, k, zero=True) if dk is None else dk
+    dv = backward._new_like(kind, device, v, zero=True) if dv is None else dv
+    pointers = backward.call_pointers(kind, (q, k, v, out, do, lse, dq, dk, dv))
     ptr = api.ARRAY_PTR[kind]
-    pointers = (ptr(q), ptr(k), ptr(v), ptr(out), ptr(do), ptr(lse), ptr(dq), ptr(dk), ptr(dv))
-    if any(p % 16 for p in pointers[:5] + pointers[6:9]):
-        raise ValueError("do, q, k, v, out, dq, dk, dv: data pointers must be 16-byte aligned")
     cu_seqlens = (ptr(cu_seqlens_q), ptr(cu_seqlens_k))
     if (cu_seqlens[0] | cu_seqlens[1]) & 3:
         raise ValueError("cu_seqlens_q, cu_seqlens_k: data pointers must be 4-byte aligned")
     plan.launch(api._current_stream(kind, device), pointers, cu_seqlens)
     return dq, dk, dv
-
-
-def _new_like(kind: str, device: int, x, zero: bool):
-    """A new contiguous array of x's shape and dtype on ``device``, zeroed where ``zero``: dK and dV
-    rows of tokens no sequence covers are never written by the kernels, and are zero gradients."""
-    if kind == "torch":
-        torch = api._torch()
-        make = torch.zeros_like if zero else torch.empty_like
-        return make(x, memory_format=torch.contiguous_format)
-    cupy = api._cupy()
-    with cupy.cuda.Device(device):
-        return (cupy.zeros if zero else cupy.empty)(x.shape, dtype=x.dtype)
 
 
 def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -129,7 +116,7 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if x is not None:
             views[name] = api._view(name, x)
             backward._check_like(varlen.as_one_batch(views[name]), varlen.as_one_batch(like), name)
-        else:   # a new contiguous array per call (_new_like)
+        else:   # a new contiguous array per call (backward._new_like)
             views[name] = dataclasses.replace(like, name=name, strides=backward._contiguous_strides(like.shape))
     scale = api._check_scale(softmax_scale, head_dim)
     if arch not in (None, "sm80", "sm90"):
