@@ -90,19 +90,27 @@ def decode_knobs(knobs: str) -> dict:
     return fields
 
 
-_FP8_HAS_NO_BACKWARD = ("facodegen.attention: fp8 (e4m3) inputs have no backward yet; call it under "
-                        "torch.no_grad() or on tensors that do not require grad")
-_OUT_HAS_NO_BACKWARD = ("facodegen.attention with out=/lse_out= has no backward: drop out= and lse_out= (use "
-                        "return_lse=True) on tensors that require grad, or call it under torch.no_grad()")
-_VARIANTS_HAVE_NO_BACKWARD = ("facodegen.attention: window_size, softcap and sinks have no backward yet (the "
-                              "generated backward computes plain attention's gradients); call it under "
-                              "torch.no_grad() or on tensors that do not require grad")
+# The refusals of a call that would record a gradient the backward has no kernel for; ``what``: the call
+# they name (facodegen.attention, or attention_varlen, whose recording path shares the checks).
+def _fp8_has_no_backward(what: str = "facodegen.attention") -> str:
+    return (f"{what}: fp8 (e4m3) inputs have no backward yet; call it under torch.no_grad() or on tensors that do "
+            f"not require grad")
 
 
-def _head_dim_v_has_no_backward(q, v) -> str:
-    return (f"facodegen.attention: a V head dim of its own (head_dim_v={v.shape[-1]}, head_dim={q.shape[-1]}) has no "
-            f"backward yet (the backward takes V as wide as Q and K); call it under torch.no_grad() or on tensors "
-            f"that do not require grad")
+def _out_has_no_backward(what: str = "facodegen.attention") -> str:
+    return (f"{what} with out=/lse_out= has no backward: drop out= and lse_out= (use return_lse=True) on tensors "
+            f"that require grad, or call it under torch.no_grad()")
+
+
+def _variants_have_no_backward(what: str = "facodegen.attention") -> str:
+    return (f"{what}: window_size, softcap and sinks have no backward yet (the generated backward computes plain "
+            f"attention's gradients); call it under torch.no_grad() or on tensors that do not require grad")
+
+
+def _head_dim_v_has_no_backward(q, v, what: str = "facodegen.attention") -> str:
+    return (f"{what}: a V head dim of its own (head_dim_v={v.shape[-1]}, head_dim={q.shape[-1]}) has no backward "
+            f"yet (the backward takes V as wide as Q and K); call it under torch.no_grad() or on tensors that do "
+            f"not require grad")
 
 
 def _split_v(q, v) -> bool:
@@ -117,25 +125,18 @@ def _refuse_without_backward(q, out, lse_out, variant, v=None, what: str = "faco
     HEAD_DIMS, which the forward pads; a ``v`` narrower than q, head_dim_v), rather than returning an
     output with no grad_fn or with a backward of another function. ``what``: the call the errors name
     (attention_varlen's packed q, k, v are 3-D)."""
-    try:
-        _refuse(q, out, lse_out, variant, v)
-    except NotImplementedError as err:
-        raise NotImplementedError(str(err).replace("facodegen.attention", what, 1)) from None
-
-
-def _refuse(q, out, lse_out, variant, v) -> None:
     if q.dtype == torch.float8_e4m3fn:
-        raise NotImplementedError(_FP8_HAS_NO_BACKWARD)
+        raise NotImplementedError(_fp8_has_no_backward(what))
     if v is not None and _split_v(q, v):
-        raise NotImplementedError(_head_dim_v_has_no_backward(q, v))
+        raise NotImplementedError(_head_dim_v_has_no_backward(q, v, what))
     if q.dim() in (3, 4) and q.shape[-1] not in HEAD_DIMS and head_dim_problem(int(q.shape[-1])) is None:
-        raise NotImplementedError(f"facodegen.attention: head_dim={q.shape[-1]} has no backward yet (the backward "
-                                  f"takes head_dim {', '.join(map(str, HEAD_DIMS))}); call it under "
-                                  f"torch.no_grad() or on tensors that do not require grad")
+        raise NotImplementedError(f"{what}: head_dim={q.shape[-1]} has no backward yet (the backward takes head_dim "
+                                  f"{', '.join(map(str, HEAD_DIMS))}); call it under torch.no_grad() or on tensors "
+                                  f"that do not require grad")
     if variant is not None:
-        raise NotImplementedError(_VARIANTS_HAVE_NO_BACKWARD)
+        raise NotImplementedError(_variants_have_no_backward(what))
     if out is not None or lse_out is not None:
-        raise NotImplementedError(_OUT_HAS_NO_BACKWARD)
+        raise NotImplementedError(_out_has_no_backward(what))
 
 
 def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch, variant=None, deterministic=False,
@@ -307,7 +308,7 @@ def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, arc
 def _no_backward(op):
     def autograd_kernel(q, k, v, *args):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise NotImplementedError(_OUT_HAS_NO_BACKWARD)
+            raise NotImplementedError(_out_has_no_backward())
         with torch._C._AutoDispatchBelowAutograd():
             return op(q, k, v, *args)
     return autograd_kernel
@@ -316,7 +317,7 @@ def _no_backward(op):
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, arch, *_, window_size, softcap, sinks, causal_alignment, deterministic = inputs
     if _variant(window_size, softcap, sinks, causal_alignment) is not None:    # the op called by hand
-        raise NotImplementedError(_VARIANTS_HAVE_NO_BACKWARD)
+        raise NotImplementedError(_variants_have_no_backward())
     if _split_v(q, v):
         raise NotImplementedError(_head_dim_v_has_no_backward(q, v))
     out, lse = output
@@ -336,7 +337,7 @@ def _attention_grad(ctx, grad_out, grad_lse):
     """dQ, dK, dV through the generated backward (the LSE output takes no gradient)."""
     q, k, v, out, lse = ctx.saved_tensors
     if q.dtype == torch.float8_e4m3fn:
-        raise NotImplementedError(_FP8_HAS_NO_BACKWARD)
+        raise NotImplementedError(_fp8_has_no_backward())
     # an sm80 forward gets the sm80 backward, any other the default (backward.default_arch)
     dq, dk, dv = torch.ops.facodegen.attention_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.causal,
                                                         ctx.softmax_scale, backward.autograd_arch(ctx.arch),
