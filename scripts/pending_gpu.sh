@@ -5,7 +5,7 @@
 #
 #   OUT=/path bash scripts/pending_gpu.sh tests    # GPU tests of the unvalidated features (at most 500 s)
 #   OUT=/path bash scripts/pending_gpu.sh checks   # their fuzz shares and sanitizer cases (at most 480 s)
-#   OUT=/path bash scripts/pending_gpu.sh bench    # their timings beside the peers (at most 530 s)
+#   OUT=/path bash scripts/pending_gpu.sh bench    # their timings beside the peers, and ncu of varlen (at most 510 s)
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -36,9 +36,15 @@ case "${1:-}" in
         step bwd_ab 160 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
             --variant dq_lag=true --variant lpt=true --out "$OUT"      # (lpt refuses the non-causal cells)
         step varlen_backward 130 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
-        step varlen 120 python3 -m facodegen bench --suite varlen --quick --out "$OUT"
-        step decode 60 python3 -m facodegen bench --suite decode --quick --head-dim 128 --out "$OUT"
+        step varlen 100 python3 -m facodegen bench --suite varlen --quick --out "$OUT"
         step overhead 40 python3 -m facodegen bench --suite overhead --out "$OUT"
+        # varlen's equal-lengths gap (0.86-0.95x the padded kernel, whose consumer loop its SASS matches):
+        # one varlen launch (the 6th) and one padded (the 7th) under Nsight Compute
+        step ncu_varlen 60 ncu --clock-control none -k regex:flash_fwd --launch-skip 5 --launch-count 2 \
+            --section SpeedOfLight --section LaunchStats --section WarpStateStats --section SchedulerStats \
+            --section MemoryWorkloadAnalysis \
+            --metrics sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_active.min,lts__t_sector_hit_rate.pct \
+            python3 scripts/varlen_one.py --d 128 --calls 5
         step serving_host 20 python3 scripts/serving_host_cost.py
         ;;
     *)
