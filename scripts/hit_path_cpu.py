@@ -28,8 +28,7 @@ exactly. Numbers are µs per call, the best of ``--repeat`` rounds over all rows
 The backward's hit misses three driver calls, not one, and its dq, dk, dv (and before bwd-host its
 scratch) are CPU allocations too; moving a TMA map (cuTensorMapReplaceAddress, ~1 µs) is a no-op here.
 The varlen backward's rows are dominated by CPU work a GPU does not do: its per-call scratch (MBs of CPU
-malloc) and the zero-filled dQ, dK, dV (CPU memsets where the GPU launches memset kernels): read them for
-the Python around those, not as the device's cost.
+malloc): read them for the Python around it, not as the device's cost.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def test_params_layout_appends_the_boundaries():
     plain, packed = backward.layout("sm80"), backward.layout("sm80", varlen=True)
     assert packed[0][:len(plain[0])] == plain[0]
     assert [(f.name, off) for f, off in packed[0][len(plain[0]):]] == [("cu_seqlens_q", plain[1]),
-                                                                      ("cu_seqlens_k", plain[1] + 8)]
+                                                                      ("cu_seqlens_k", plain[1] + 8),
+                                                                      ("zero_outside", plain[1] + 16)]
 
 
 @pytest.mark.parametrize("argv", [["--head-dim", "64", "--causal", "--varlen"],
@@ -134,7 +135,7 @@ LENGTHS_Q, LENGTHS_K = (1, 17, 0, 100), (5, 17, 3, 300)
 @pytest.fixture
 def vbwd(bwd, monkeypatch):  # noqa: F811
     """test_backward's fake H200 and launch records (bwd), with a plan cache of varlen_backward's own and
-    the arrays torch.zeros_like made."""
+    the arrays torch.zeros_like made (none: the preprocess zeroes what the call needs zeroed)."""
     monkeypatch.setattr(varlen_backward, "_PLANS", backward.PlanCache())
     zeroed = []
     torch = sys.modules["torch"]
@@ -188,7 +189,10 @@ def test_a_varlen_call_launches_the_three_kernels_over_the_packed_rows(vbwd):
     plan = next(iter(varlen_backward._PLANS._plans.values()))
     assert plan.scratch(vbwd.stream) is None and not plan.plain
     assert f["softmax_scale"] == 0.25 and (f["dq"], f["dk"], f["dv"]) == tuple(t.data_ptr() for t in (dq, dk, dv))
-    assert vbwd.zeroed == [a["k"], a["v"]]      # dK and dV zero where no sequence's keys are; dQ is written whole
+    # no fill launch: the preprocess zeroes dK and dV where no sequence's keys are; dQ is written whole
+    assert vbwd.zeroed == [] and f["zero_outside"] == 0b110
+    _call(a, causal=True, softmax_scale=0.25, arch="sm80", dk=FakeTensor(a["k"].shape, "bfloat16"))
+    assert _fields(recs[-2])["zero_outside"] == 0b100    # a given dK keeps what it held there
 
 
 def test_the_sm90_varlen_call_runs_one_cta_per_tile_over_the_packed_tokens(vbwd, monkeypatch):
@@ -211,7 +215,8 @@ def test_the_sm90_varlen_call_runs_one_cta_per_tile_over_the_packed_tokens(vbwd,
     assert (f["cu_seqlens_q"], f["cu_seqlens_k"]) == (a["cu_seqlens_q"].data_ptr(), a["cu_seqlens_k"].data_ptr())
     padded_rows = (2 + 4) * 64
     assert f["dpsum"] - f["dq_accum"] == 4 * HQ * padded_rows * D
-    assert vbwd.zeroed == [a["q"], a["k"], a["v"]]      # (sm90's postprocess writes each sequence's dQ rows only)
+    # (sm90's postprocess writes each sequence's dQ rows only: the preprocess zeroes the others too)
+    assert vbwd.zeroed == [] and f["zero_outside"] == 0b111
     assert [(m.dims, m.box[1]) for m in encoded] == [((D, 118, HQ, 1), 64), ((D, 325, HKV, 1), 128),
                                                     ((D, 325, HKV, 1), 128), ((D, 118, HQ, 1), 64)]
     again = dict(_problem(), cu_seqlens_q=a["cu_seqlens_q"])    # new tensors of the same layouts: a hit

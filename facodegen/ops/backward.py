@@ -107,7 +107,9 @@ def lpt_tail_pair(pairs: int, group_pairs: int, n_blocks: int, sms: int) -> int:
 BWD_VARLEN_FIELDS = [Field("cu_seqlens_q", "ptr", "const int*", "varlen: (sequences + 1,) prefix sums of the "
                                                                 "query lengths"),
                      Field("cu_seqlens_k", "ptr", "const int*", "varlen: (sequences + 1,) prefix sums of the key "
-                                                                "lengths")]
+                                                                "lengths"),
+                     Field("zero_outside", "i32", "int", "varlen: the preprocess zeroes the rows no sequence "
+                                                         "covers of dQ (bit 0), dK (bit 1), dV (bit 2)")]
 # sm90 varlen, after them: the keys each sequence's key blocks are counted over (its tiles: n_blocks_of)
 BWD_SM90_VARLEN_FIELDS = [Field("varlen_max_seqlen_k", "i32", "int", "varlen: keys per sequence the tiles cover "
                                                                      "(max_seqlen_k's plan bound)")]
@@ -537,17 +539,16 @@ def call_key(kind: str, arrays: tuple, options: tuple) -> tuple:
     return (kind, *(meta(x) for x in arrays), *options, api._current_device(kind))
 
 
-def _new_like(kind: str, device: int, x, zero: bool = False):
-    """A new contiguous array of x's shape and dtype on ``device`` (x's: the plan's key holds it), zero-filled
-    where ``zero`` (the varlen backward's gradients at tokens its kernels do not write)."""
+def _new_like(kind: str, device: int, x):
+    """A new contiguous array of x's shape and dtype on ``device`` (x's: the plan's key holds it)."""
     if kind == "torch":
         # empty_like: no device string to parse; 1.9 against 4.5 µs per call for torch.empty(shape,
         # dtype=, device="...") (CPU tensors, 2026-12-03), three times per backward call
         torch = sys.modules["torch"]
-        return (torch.zeros_like if zero else torch.empty_like)(x, memory_format=torch.contiguous_format)
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
     import cupy
     with cupy.cuda.Device(device):
-        return (cupy.zeros if zero else cupy.empty)(x.shape, dtype=x.dtype)
+        return cupy.empty(x.shape, dtype=x.dtype)
 
 
 def _contiguous_strides(shape) -> tuple:

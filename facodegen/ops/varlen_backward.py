@@ -71,11 +71,10 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         if key is not None:
             _PLANS.put(key, plan)
     device = plan.device
-    # zero where no sequence's tokens are: the kernels write dK, dV only there (sm80's postprocess writes
-    # every row of dQ; sm90's, each sequence's)
-    dq = backward._new_like(kind, device, q, zero=plan.spec.arch == "sm90") if dq is None else dq
-    dk = backward._new_like(kind, device, k, zero=True) if dk is None else dk
-    dv = backward._new_like(kind, device, v, zero=True) if dv is None else dv
+    # (the preprocess zeroes the rows of these that no sequence covers: BwdParams.zero_outside)
+    dq = backward._new_like(kind, device, q) if dq is None else dq
+    dk = backward._new_like(kind, device, k) if dk is None else dk
+    dv = backward._new_like(kind, device, v) if dv is None else dv
     pointers = backward.call_pointers(kind, (q, k, v, out, do, lse, dq, dk, dv))
     ptr = api.ARRAY_PTR[kind]
     cu_seqlens = (ptr(cu_seqlens_q), ptr(cu_seqlens_k))
@@ -83,6 +82,14 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         raise ValueError("cu_seqlens_q, cu_seqlens_k: data pointers must be 4-byte aligned")
     plan.launch(api._current_stream(kind, device), pointers, cu_seqlens)
     return dq, dk, dv
+
+
+def zero_outside_bits(arch: str, new_dq: bool, new_dk: bool, new_dv: bool) -> int:
+    """BwdParams.zero_outside: the arrays the call makes whose rows outside every sequence the preprocess
+    zeroes (bit 0 dQ, 1 dK, 2 dV). The main kernel writes dK, dV only at the sequences' keys; sm80's
+    postprocess writes every row of dQ (dq_accum is zero outside them), sm90's only the sequences'.
+    Arrays the caller gave keep what they held there."""
+    return int(arch == "sm90" and new_dq) | int(new_dk) << 1 | int(new_dv) << 2
 
 
 def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -133,7 +140,8 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         strides = varlen.as_one_batch(views[t]).strides
         values.update(zip((f"{t}_batch_stride", f"{t}_row_stride", f"{t}_head_stride"), strides[:3]))
     values.update(batch=sequences, seqlen_q=total_q, seqlen_k=total_k, heads_q=heads_q, heads_kv=heads_kv,
-                  softmax_scale=scale, scale_log2=scale * math.log2(math.e), cu_seqlens_q=0, cu_seqlens_k=0)
+                  softmax_scale=scale, scale_log2=scale * math.log2(math.e), cu_seqlens_q=0, cu_seqlens_k=0,
+                  zero_outside=zero_outside_bits(spec.arch, dq is None, dk is None, dv is None))
     if spec.arch == "sm90":     # TMA maps over the packed tokens (as one batch); tiles over max_seqlen_k's bound
         driver.ensure_context(qv.device)
         packed = {name: varlen.as_one_batch(view) for name, view in views.items()}

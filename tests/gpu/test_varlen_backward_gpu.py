@@ -166,12 +166,16 @@ def test_other_boundaries_with_the_same_totals_hit_the_plan(arch):
 
 @ARCHS
 def test_tokens_outside_the_sequences(arch):
-    """Boundaries covering part of the buffers: gradients made by the call are zero outside them, and given
-    dK, dV keep what they held there (a TMA box of the next sequence's rows is read, never written)."""
+    """Boundaries covering part of the buffers: gradients made by the call are zero outside them (the
+    preprocess writes the zeros: no fill launch), and given dK, dV keep what they held there (a TMA box of
+    the next sequence's rows is read, never written)."""
     q, k, v, do, _, _ = packed((150,), (200,), 4, 2, 128, torch.bfloat16, seed=4)
     cu_q = torch.tensor([7, 20, 20, 120], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([5, 5, 60, 190], dtype=torch.int32, device="cuda")
     out, lse = forward_of(q, k, v, cu_q, cu_k, False, 0.2)
+    # NaN in the blocks torch's caching allocator hands dQ, dK, dV next: the zeros must be written
+    poison = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+    del poison
     dq, dk, dv = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 100, 130, softmax_scale=0.2,
                                                      arch=arch)
     outside_q = torch.ones(150, dtype=torch.bool, device="cuda")
