@@ -5,7 +5,7 @@
 #
 #   OUT=/path bash scripts/pending_gpu.sh tests    # GPU tests of the unvalidated features (at most 500 s)
 #   OUT=/path bash scripts/pending_gpu.sh checks   # their fuzz shares and sanitizer cases (at most 480 s)
-#   OUT=/path bash scripts/pending_gpu.sh bench    # their timings beside the peers, and ncu of varlen (at most 510 s)
+#   OUT=/path bash scripts/pending_gpu.sh bench    # their timings beside the peers, and ncu of varlen (at most 570 s)
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -33,9 +33,13 @@ case "${1:-}" in
         step sanitize_varlen 90 python3 scripts/sanitize_varlen.py --tools memcheck --out "$OUT/sanitize-varlen"
         ;;
     bench)
-        step bwd_ab 160 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
+        # issue 39's d256 paged gap (3.3-4.1 TB/s against FA3's 4.1-4.5): producer warps as columns
+        step decode_pw 100 python3 scripts/bench_decode.py --batch 8,64 --context 8192,32768 --heads 32/8 --d 256 \
+            --layout paged16,paged64,contiguous --peers fa3 --no-graphs --variant producer_warps=1 \
+            --variant producer_warps=2 --out "$OUT/decode-pw"
+        step bwd_ab 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
             --variant dq_lag=true --variant lpt=true --out "$OUT"      # (lpt refuses the non-causal cells)
-        step varlen_backward 130 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
+        step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         step varlen 100 python3 -m facodegen bench --suite varlen --quick --out "$OUT"
         step overhead 40 python3 -m facodegen bench --suite overhead --out "$OUT"
         # varlen's equal-lengths gap (0.86-0.95x the padded kernel, whose consumer loop its SASS matches):
@@ -45,7 +49,6 @@ case "${1:-}" in
             --section MemoryWorkloadAnalysis \
             --metrics sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_active.min,lts__t_sector_hit_rate.pct \
             python3 scripts/varlen_one.py --d 128 --calls 5
-        step serving_host 20 python3 scripts/serving_host_cost.py
         ;;
     *)
         echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench"; exit 2 ;;

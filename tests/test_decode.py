@@ -9,6 +9,7 @@ import ctypes
 import struct
 import sys
 import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -939,3 +940,53 @@ def test_serving_host_cost_script_documents_itself_without_torch():
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "flash_attn_with_kvcache" in result.stdout and "--calls" in result.stdout
+
+
+# ------------------------------------------------------------------ producer warps
+
+@pytest.mark.parametrize("fields, knob", [
+    ({"arch": "sm80", "producer_warps": 1}, "producer_warps"),     # mbarrier.try_wait is sm90's
+    ({"head_dim": 192, "producer_warps": 1}, "producer_warps"),    # 24 chunks a row: a lane would idle
+    ({"producer_warps": 3}, "producer_warps"),
+])
+def test_producer_warps_spec_errors_name_the_knob(fields, knob):
+    with pytest.raises(SpecError) as err:
+        dec.DecodeSpec(**fields)
+    assert err.value.field == knob and knob in str(err.value)
+
+
+def test_producer_warps_name_threads_and_shared_memory():
+    spec = dec.default_decode_spec("sm90", "bf16", 256, group=8, paged=True, producer_warps=1)
+    assert spec.variant.endswith("_paged_pw1") and spec.threads == 32 * 5
+    assert spec.static_smem_bytes == 16 * spec.stages and dec.default_decode_spec("sm90", "bf16", 256).static_smem_bytes == 0
+    source = dec.render(spec)
+    assert "--producer-warps 1" in source and "producer_warps" not in dec.render(replace(spec, producer_warps=0))
+
+
+@pytest.mark.parametrize("d, paged, warps", [(256, True, 1), (256, True, 2), (256, False, 1), (128, True, 1),
+                                             (64, True, 2)])
+def test_producer_warps_compile_without_spills_and_wait_on_mbarriers(d, paged, warps):
+    """The producers' copies arrive on the stage's mbarrier (ARRIVES.LDGSTSBAR) and the math warps wait on
+    it (SYNCS), where the plain kernel waits on its own cp.async groups (LDGDEPBAR, DEPBAR); no local
+    memory, at most 255 registers."""
+    spec = dec.default_decode_spec("sm90", "bf16", d, group=8, paged=paged, split=True, fused_combine=True,
+                                   producer_warps=warps)
+    kernel = dec.compile_spec(spec)
+    r = kernel.resources
+    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 255 and not kernel.warnings
+    try:
+        sass = kernel.sass()
+        plain = dec.compile_spec(replace(spec, producer_warps=0)).sass()
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+    assert "ARRIVES.LDGSTSBAR" in sass and "SYNCS" in sass and "LDGSTS" in sass
+    assert "ARRIVES" not in plain and "LDGDEPBAR" in plain
+
+
+def test_producer_warps_plan_launches_their_threads(fake):
+    args, kw = _call_args(batch=2, capacity=4096, paged=True, page=16, d=256)
+    kvcache.attention_with_kvcache(*args, **kw, producer_warps=1)
+    plan = next(iter(kvcache._PLANS._plans.values()))
+    assert plan.specs["decode"].producer_warps == 1
+    decode = [r for r in fake.records if r["smem"] == plan.specs["decode"].smem_bytes]
+    assert decode and all(r["threads"] == 160 for r in decode)

@@ -38,7 +38,7 @@ from .api import (ALIGN_BYTES, ARRAY_META, ARRAY_PTR, DTYPE_NAMES, HEAD_DIM_V_NO
 from ..runtime.plan import PlanCache, Scratch, StreamScratch, _Image
 
 # Knobs a caller may pass (**knobs): the decode spec's tuning knobs.
-CALL_KNOBS = ("block_m", "block_n", "num_warps", "stages", "pack_gqa", "fused_combine")
+CALL_KNOBS = ("block_m", "block_n", "num_warps", "stages", "pack_gqa", "fused_combine", "producer_warps")
 
 
 # ------------------------------------------------------------------ the plan

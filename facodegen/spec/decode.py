@@ -91,10 +91,16 @@ DECODE_KNOBS: tuple[Knob, ...] = (
          problem=True, token=_flag("local")),
     Knob("softcap", "bool", "Logit softcap c*tanh(s*scale/c) before the softmax (c run-time).",
          flag="--softcap/--no-softcap", problem=True, token=_flag("softcap")),
+    Knob("producer_warps", "int", "sm90: warps that only copy Q and the K/V stages (cp.async arriving on an mbarrier "
+         "per stage) while the num_warps math warps compute; 0: every warp copies its share between steps.",
+         choices=(0, 1, 2, 4), flag="--producer-warps", token=lambda spec, value: f"pw{value}" if value else None),
 )
 # Knobs that appear in a generated file's header and `facodegen emit` line only when on, so the
 # kernels without them render as they did before the knob existed (byte for byte).
-SHOWN_WHEN_ON = ("fused_combine", "local", "softcap")
+SHOWN_WHEN_ON = ("fused_combine", "local", "softcap", "producer_warps")
+# The ring's mbarriers with producer warps (a full and an empty barrier per stage, 8 bytes each): static
+# shared memory beside the dynamic Q tile and ring.
+BARRIER_BYTES_PER_STAGE = 16
 
 
 def _check_fields(spec, knobs) -> None:
@@ -146,9 +152,17 @@ class DecodeSpec:
     paged: bool = False
     local: bool = False
     softcap: bool = False
+    producer_warps: int = 0
 
     def __post_init__(self):
         _check_fields(self, DECODE_KNOBS)
+        if self.producer_warps and self.arch != "sm90":
+            raise _spec_error(f"producer_warps={self.producer_warps} on {self.arch}: the math warps wait for a stage "
+                              f"with mbarrier.try_wait (sm90); use arch='sm90' or producer_warps=0", "producer_warps")
+        if self.producer_warps and self.head_dim not in (64, 128, 256):
+            raise _spec_error(f"producer_warps at head_dim {self.head_dim}: a producer warp copies whole rows of 16-byte "
+                              f"chunks with every lane (head_dim 64, 128 or 256); use producer_warps=0",
+                              "producer_warps")
         if self.fused_combine and not self.split:
             raise _spec_error("fused_combine=True without split: there are no splits to combine; set split=True "
                               "(--split-kv) or drop fused_combine", "fused_combine")
@@ -165,7 +179,7 @@ class DecodeSpec:
             raise _spec_error(f"block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}: the S "
                               f"and O accumulators would take {held} floats per thread (at most {MAX_ACC_FLOATS}); "
                               f"lower block_n or block_m", "block_n")
-        if self.smem_bytes > SMEM_LIMIT[self.arch]:
+        if self.smem_bytes + self.static_smem_bytes > SMEM_LIMIT[self.arch]:
             raise _spec_error(f"stages={self.stages}, block_n={self.block_n}: {self.smem_bytes} bytes of shared "
                             f"memory, more than {self.arch}'s {SMEM_LIMIT[self.arch]}; lower stages or block_n",
                             "stages")
@@ -183,7 +197,12 @@ class DecodeSpec:
 
     @property
     def threads(self) -> int:
-        return 32 * self.num_warps
+        return 32 * (self.num_warps + self.producer_warps)
+
+    @property
+    def static_smem_bytes(self) -> int:
+        """The ring's mbarriers (producer_warps only), outside smem_bytes (the dynamic size a launch asks for)."""
+        return BARRIER_BYTES_PER_STAGE * self.stages if self.producer_warps else 0
 
     @property
     def q_tile_bytes(self) -> int:
@@ -347,7 +366,7 @@ def split_stages(spec: DecodeSpec, blocks_per_split: int, knobs: dict, page_size
 
 def ctas_per_sm(spec: DecodeSpec, smem_per_sm: int = 233472, regs_per_thread: int = 128) -> int:
     """Decode CTAs an SM holds (shared memory and registers; 1 KB reserved per CTA)."""
-    by_smem = smem_per_sm // (spec.smem_bytes + 1024)
+    by_smem = smem_per_sm // (spec.smem_bytes + spec.static_smem_bytes + 1024)
     by_regs = 65536 // (regs_per_thread * spec.threads)
     return max(1, min(by_smem, by_regs, 32 // spec.num_warps))
 

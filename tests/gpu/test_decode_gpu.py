@@ -59,6 +59,14 @@ def precompiled():
                         for variant in (dict(local=True), dict(softcap=True), dict(local=True, softcap=True)):
                             specs.add(dec.default_decode_spec(arch, dtype, d, seqlen_q=4, group=4, paged=paged,
                                                               split=split, fused_combine=fused, **variant))
+            if arch == "sm90" and dtype == "bf16":     # test_producer_warps'
+                for paged in (False, True):
+                    for split, fused in ((False, False), (True, True)):
+                        for sq, group in ((1, 8), (4, 2)):
+                            for warps in (1, 2):
+                                specs.add(dec.default_decode_spec(arch, dtype, d, seqlen_q=sq, group=group,
+                                                                  paged=paged, split=split, fused_combine=fused,
+                                                                  producer_warps=warps))
             specs.add(dec.CombineSpec(dtype=dtype, head_dim=d))
             specs.add(dec.AppendSpec(dtype=dtype, head_dim=d, paged=False))
             specs.add(dec.AppendSpec(dtype=dtype, head_dim=d, paged=True))
@@ -189,6 +197,22 @@ def test_page_sizes_and_boundaries(page_size, fused):
     case = make_case(batch=4, heads_q=16, heads_kv=2, capacity=capacity, page_size=page_size, lengths=lengths)
     check_call(case, fused_combine=fused)
     check_call(case, num_splits=16, fused_combine=fused)      # (the heuristic may not split: 16 do)
+
+
+@pytest.mark.skipif(HAVE_GPU and torch.cuda.get_device_capability() != (9, 0), reason="producer_warps is sm90's")
+@pytest.mark.parametrize("producer_warps", [1, 2])
+@pytest.mark.parametrize("d, page_size", [(256, 16), (256, 0), (128, 16), (64, 64)])
+@pytest.mark.parametrize("seqlen_q, group", [(1, 8), (4, 2)])
+def test_producer_warps(d, page_size, producer_warps, seqlen_q, group):
+    """Warps that only copy (mbarrier ring): lengths at page and block edges, an empty sequence, pages out
+    of order, one CTA per sequence and 16 splits (fused), seqlen_q 4 with its causal rows."""
+    capacity = 2048
+    lengths = [0, 1, 63, 65, capacity - 1, capacity] if page_size == 0 else \
+        [0, 1, page_size - 1, page_size + 1, 1000, capacity]
+    case = make_case(batch=len(lengths), seqlen_q=seqlen_q, heads_q=16, heads_kv=16 // group, d=d,
+                     capacity=capacity, page_size=page_size, lengths=lengths, seed=d + page_size + producer_warps)
+    check_call(case, num_splits=1, producer_warps=producer_warps)
+    check_call(case, num_splits=16, fused_combine=True, producer_warps=producer_warps)
 
 
 @FUSED
