@@ -37,7 +37,7 @@ from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM
                               sm90_dq_m_tiles, sm90_dq_tma_default, sm90_fewest_dq_pieces, sm90_kv_split,
                               sm90_lookahead_default, sm90_persistent_default, sm90_swizzle_bytes, stat_rows,
                               varlen_padded_blocks)
-from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, Field, pack_fields,
+from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, Field, pack_placed,
                                place, stride_fields)
 from ..runtime.plan import PlanCache, StreamScratch, _Image, add_image
 from ..spec import SpecError
@@ -121,14 +121,15 @@ def fields(arch: str = "sm80", varlen: bool = False) -> list[Field]:
             + (BWD_VARLEN_FIELDS if varlen else []) + (BWD_SM90_VARLEN_FIELDS if varlen and arch == "sm90" else []))
 
 
-def layout(arch: str = "sm80", varlen: bool = False) -> tuple[list[tuple[Field, int]], int, int]:
-    """[(field, offset)], size and alignment of BwdParams (params.place)."""
+@functools.lru_cache(maxsize=None)
+def layout(arch: str = "sm80", varlen: bool = False) -> tuple[tuple[tuple[Field, int], ...], int, int]:
+    """((field, offset), ...), size and alignment of BwdParams (params.place)."""
     return place(fields(arch, varlen))
 
 
 def pack(values: dict, arch: str = "sm80", varlen: bool = False) -> bytes:
     """BwdParams' bytes; sm90's tensor maps are given as 128 bytes each."""
-    return pack_fields(fields(arch, varlen), values, "BwdParams")
+    return pack_placed(layout(arch, varlen), values, "BwdParams")
 
 
 assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range(len(_POINTERS))]
@@ -425,16 +426,22 @@ def choose(head_dim: int, dtype: str, causal: bool, info, knobs: dict, arch: str
     pick for the call), the default tiles for its GPU with the caller's knobs, refused (naming
     block_n) where its shared memory does not fit."""
     arch = arch or default_arch(info, head_dim, dtype, causal, knobs)
-    knobs = dict(knobs)
-    knobs.setdefault("gpu", info.budget_gpu)
     try:
-        spec = BackwardSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **knobs)
+        spec = _spec(arch, head_dim, dtype, causal, tuple({"gpu": info.budget_gpu, **knobs}.items()))
     except TypeError as err:
         raise TypeError(f"attention_backward: {err} (knobs are BackwardSpec fields)") from None
     if info.smem_per_block_optin and spec.smem_bytes > info.smem_per_block_optin:
         raise SpecError("block_n", f"the kernel needs {spec.smem_bytes} bytes of shared memory but {info.name} "
                                    f"allows {info.smem_per_block_optin} per block")
     return spec
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(arch: str, head_dim: int, dtype: str, causal: bool, knob_items: tuple) -> BackwardSpec:
+    """BackwardSpec(arch=..., **dict(knob_items)), remembered: a miss of the backward's plan cache (in
+    training, the varlen backward's at every new token total) asks for its spec twice (default_arch,
+    choose), ~10 µs a construction; specs are frozen, and a refused one is not remembered."""
+    return BackwardSpec(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal, **dict(knob_items))
 
 
 @functools.lru_cache(maxsize=128)
@@ -652,8 +659,7 @@ def default_arch(info, head_dim: int, dtype: str, causal: bool, knobs: dict) -> 
     else sm80 (knobs it refuses); deterministic calls too."""
     if info.compute_capability == (9, 0):
         try:
-            BackwardSpec(arch="sm90", head_dim=head_dim, dtype=dtype, causal=causal,
-                         **{"gpu": info.budget_gpu, **knobs})
+            _spec("sm90", head_dim, dtype, causal, tuple({"gpu": info.budget_gpu, **knobs}.items()))
             return "sm90"
         except (SpecError, TypeError):
             pass

@@ -7,11 +7,14 @@ the host bytes passed to ``cuLaunchKernel``; the generated struct carries
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
 TENSOR_MAP_BYTES = 128
 TENSOR_MAP_ALIGN = 64
+_KIND_BYTES = {"ptr": 8, "i32": 4, "i64": 8, "f32": 4, "tmap": TENSOR_MAP_BYTES}
+_KIND_ALIGN = {**_KIND_BYTES, "tmap": TENSOR_MAP_ALIGN}
 
 
 @dataclass(frozen=True)
@@ -23,11 +26,11 @@ class Field:
 
     @property
     def size(self) -> int:
-        return {"ptr": 8, "i32": 4, "i64": 8, "f32": 4, "tmap": TENSOR_MAP_BYTES}[self.kind]
+        return _KIND_BYTES[self.kind]
 
     @property
     def align(self) -> int:
-        return TENSOR_MAP_ALIGN if self.kind == "tmap" else self.size
+        return _KIND_ALIGN[self.kind]
 
 
 def stride_fields(tensor: str, first: str = "batch") -> list[Field]:
@@ -126,20 +129,26 @@ def has_variants(spec) -> bool:
 
 
 def layout(arch: str, dtype: str | None = None, variants: bool = False,
-           varlen: bool = False) -> tuple[list[tuple[Field, int]], int, int]:
-    """[(field, offset)], total size and alignment of FlashParams (place)."""
+           varlen: bool = False) -> tuple[tuple[tuple[Field, int], ...], int, int]:
+    """((field, offset), ...), total size and alignment of FlashParams (place)."""
     return place(fields(arch, dtype, variants, varlen))
 
 
-def spec_layout(spec) -> tuple[list[tuple[Field, int]], int, int]:
+def spec_layout(spec) -> tuple[tuple[tuple[Field, int], ...], int, int]:
     """layout() of the FlashParams that ``spec``'s kernel takes."""
     return layout(spec.arch, spec.dtype, has_variants(spec), spec.varlen)
 
 
-def place(field_list) -> tuple[list[tuple[Field, int]], int, int]:
-    """[(field, offset)], total size and alignment of a C struct of these fields in this order, with
+def place(field_list) -> tuple[tuple[tuple[Field, int], ...], int, int]:
+    """((field, offset), ...), total size and alignment of a C struct of these fields in this order, with
     C's natural-alignment rules: one layout rule for every kernel's argument struct (FlashParams,
-    the backward's, the decode family's)."""
+    the backward's, the decode family's). Remembered per field tuple: a plan-cache miss packs its
+    struct, and working the layout out again took ~45 µs of it (the backward's 53 fields)."""
+    return _place(tuple(field_list))
+
+
+@functools.lru_cache(maxsize=256)
+def _place(field_list: tuple) -> tuple[tuple[tuple[Field, int], ...], int, int]:
     offset, max_align, placed = 0, 1, []
     for f in field_list:
         offset = (offset + f.align - 1) // f.align * f.align
@@ -147,7 +156,7 @@ def place(field_list) -> tuple[list[tuple[Field, int]], int, int]:
         offset += f.size
         max_align = max(max_align, f.align)
     size = (offset + max_align - 1) // max_align * max_align
-    return placed, size, max_align
+    return tuple(placed), size, max_align
 
 
 _SCALAR_FORMATS = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}
@@ -156,7 +165,12 @@ _SCALAR_FORMATS = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}
 def pack_fields(field_list, values: dict, struct_name: str) -> bytes:
     """The bytes of a struct of these fields (place's layout) holding ``values`` (every field; tensor
     maps as TENSOR_MAP_BYTES bytes each): every kernel's argument struct is packed here."""
-    placed, size, _ = place(field_list)
+    return pack_placed(place(field_list), values, struct_name)
+
+
+def pack_placed(layout: tuple, values: dict, struct_name: str) -> bytes:
+    """pack_fields of a struct whose place() ``layout`` the caller holds."""
+    placed, size, _ = layout
     missing = [f.name for f, _ in placed if f.name not in values]
     if missing:
         raise KeyError(f"{struct_name} fields missing: {', '.join(missing)}")

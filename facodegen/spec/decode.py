@@ -513,7 +513,7 @@ def args_of(spec) -> str:
     return name + "_variants" if getattr(spec, "local", False) or getattr(spec, "softcap", False) else name
 
 
-def layout(kernel: str) -> tuple[list[tuple[Field, int]], int, int]:
+def layout(kernel: str) -> tuple[tuple[tuple[Field, int], ...], int, int]:
     """[(field, offset)], size and alignment of an argument struct (a key of FIELDS; params.place)."""
     return place(FIELDS[kernel])
 
