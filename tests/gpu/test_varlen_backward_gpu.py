@@ -215,10 +215,12 @@ def test_hostile_boundaries_are_clamped_and_check_inputs_refuses_them(arch):
     cu_k = torch.tensor([-5, 10 ** 9, 50, 90], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="cu_seqlens_q decreases at sequence 1"):
         facodegen.attention_varlen(q, k, v, cu_q, cu_k, 64, 64, check_inputs=True, arch=arch)
-    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 64, 64, causal=True, return_lse=True, arch=arch)
+    # (max_seqlen 128 bounds every clamped span, [0, 50), [20, 120) and [0, 90), [50, 90): every row is some
+    # sequence's; rows of a span longer than its max_seqlen, which check_inputs refuses, are not written)
+    out, lse = facodegen.attention_varlen(q, k, v, cu_q, cu_k, 128, 128, causal=True, return_lse=True, arch=arch)
     with pytest.raises(ValueError, match="cu_seqlens_k\\[0\\] = -5 is negative"):
         facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q.sort().values, cu_k, 128, 64,
                                             check_inputs=True)     # (sorted: q's boundaries pass, k's first is -5)
-    grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 64, 64, causal=True, arch=arch)
+    grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 128, 128, causal=True, arch=arch)
     torch.cuda.synchronize()
     assert not torch.isnan(out.float()).any() and all(torch.isfinite(g.float()).all() for g in grads)
