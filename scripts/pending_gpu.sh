@@ -3,8 +3,10 @@
 # only. Three calls, each inside the device tool's 600 s (carry [".whl"] for FlashAttention-3); logs under
 # $OUT, a table of steps last. Run `tests` and `checks` first: a failure there makes `bench`'s numbers moot.
 #
-#   OUT=/path bash scripts/pending_gpu.sh tests    # GPU tests of the unvalidated features (at most 500 s)
-#   OUT=/path bash scripts/pending_gpu.sh checks   # their fuzz shares and sanitizer cases (at most 480 s)
+#   OUT=/path bash scripts/pending_gpu.sh tests    # GPU tests of the unvalidated features (at most 500 s;
+#                                                  # run on the H200 2026-12-05 at 04084f2: 1358 passed, 1 failed,
+#                                                  # that test's fix is rerun by `checks`; pytest needs ~455 s)
+#   OUT=/path bash scripts/pending_gpu.sh checks   # their fuzz shares and sanitizer cases (at most 540 s)
 #   OUT=/path bash scripts/pending_gpu.sh bench    # their timings beside the peers, and ncu of varlen (at most 570 s)
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
@@ -21,11 +23,13 @@ source scripts/gpu_steps.sh
 case "${1:-}" in
     tests)
         step warm 120 python3 scripts/warm_cache.py --fuzz 0
-        step pytest 380 python3 -m pytest -q -rs -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
+        step pytest 380 python3 -m pytest -q -rs -rf -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
             tests/gpu/test_varlen_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_adapters_gpu.py
         ;;
     checks)
         step warm 100 python3 scripts/warm_cache.py --fuzz 0      # (the fuzz compiles its own cases first)
+        # the one test `tests` failed on the H200 at 04084f2 (its max_seqlen, since ad8d935)
+        step hostile 60 python3 -m pytest -q -rf tests/gpu/test_varlen_backward_gpu.py -k "hostile or outside"
         step fuzz_varlen 80 python3 -m facodegen check --fuzz 400 --seed 41 --family varlen
         step fuzz_backward 50 python3 -m facodegen check --fuzz 200 --seed 41 --family backward
         step fuzz_kvcache 30 python3 -m facodegen check --fuzz 200 --seed 41 --family kvcache
