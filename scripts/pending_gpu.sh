@@ -37,8 +37,9 @@ case "${1:-}" in
         step sanitize_varlen 90 python3 scripts/sanitize_varlen.py --tools memcheck --out "$OUT/sanitize-varlen"
         ;;
     bench)
-        # issue 39's d256 paged gap (3.3-4.1 TB/s against FA3's 4.1-4.5): producer warps as columns
-        step decode_pw 100 python3 scripts/bench_decode.py --batch 8,64 --context 8192,32768 --heads 32/8 --d 256 \
+        # issue 39's paged gaps (d256 3.3-4.1 TB/s against FA3's 4.1-4.5; d128 pages of 16 at batch 64, 32k
+        # 0.94-0.96x FA3): producer warps as columns
+        step decode_pw 100 python3 scripts/bench_decode.py --batch 8,64 --context 32768 --heads 32/8 --d 128,256 \
             --layout paged16,paged64,contiguous --peers fa3 --no-graphs --variant producer_warps=1 \
             --variant producer_warps=2 --out "$OUT/decode-pw"
         step bwd_ab 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
