@@ -80,7 +80,7 @@ _DECODE_SHARED_FLAGS = {
 
 def _kernel_options(command):
     """--kernel, the backward's flags (--k-unroll, --deterministic) and the decode family's (--page-size,
-    --paged, --split-kv, --pack-gqa, --fused-combine)."""
+    --paged, --split-kv, --pack-gqa, --fused-combine, --producer-warps)."""
     options = [
         click.option("--kernel", type=click.Choice(KERNELS), default="forward", show_default=True,
                      help="Which kernel: the forward; the backward (--arch sm80: FlashAttention-2's, which also "
@@ -121,6 +121,10 @@ def _kernel_options(command):
         click.option("--fused-combine/--no-fused-combine", "fused_combine", default=None,
                      help="decode --split-kv: the last split CTA of each work item merges the splits (no combine "
                           "kernel)."),
+        click.option("--producer-warps", "producer_warps", type=click.Choice(["0", "1", "2", "4"]),
+                     callback=_int_choice,
+                     help="decode --arch sm90 (head_dim 64, 128, 256): warps that only copy Q and the K/V stages, "
+                          "over a ring of mbarriers (default 0: every warp copies between its steps)."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -128,7 +132,7 @@ def _kernel_options(command):
 
 
 def decode_family_spec(kernel: str, spec_fields: dict, page_size=None, paged=None, split_kv=None, pack_gqa=None,
-                       fused_combine=None):
+                       fused_combine=None, producer_warps=None):
     """The DecodeSpec/CombineSpec/AppendSpec of `--kernel decode|combine|append` and its flags."""
     from .spec import decode as dec
 
@@ -146,11 +150,13 @@ def decode_family_spec(kernel: str, spec_fields: dict, page_size=None, paged=Non
             arch = fields.pop("arch", "sm90")
             dtype = fields.pop("dtype", "bf16")
             head_dim = fields.pop("head_dim", 128)
-            options = {k: v for k, v in (("pack_gqa", pack_gqa), ("fused_combine", fused_combine)) if v is not None}
+            options = {k: v for k, v in (("pack_gqa", pack_gqa), ("fused_combine", fused_combine),
+                                         ("producer_warps", producer_warps)) if v is not None}
             return dec.default_decode_spec(arch, dtype, head_dim, group=4, paged=bool(paged), split=bool(split_kv),
                                            **options, **fields)
-        if fused_combine is not None:
-            raise UsageFailure(f"--fused-combine is a --kernel decode flag, not --kernel {kernel}'s")
+        for flag, value in (("--fused-combine", fused_combine), ("--producer-warps", producer_warps)):
+            if value is not None:
+                raise UsageFailure(f"{flag} is a --kernel decode flag, not --kernel {kernel}'s")
         if kernel == "combine":
             return dec.CombineSpec(**fields)
         return dec.AppendSpec(paged=bool(paged), **fields)
@@ -328,7 +334,7 @@ def main():
 @click.option("--all", "all_specs", is_flag=True,
               help="Write every default spec as <variant>.cu into --out-dir (stale flash_fwd_*.cu there are removed).")
 def emit(spec_fields, output, out_dir, all_specs, kernel="forward", page_size=None, paged=None, split_kv=None,
-         pack_gqa=None, runtime=None, fused_combine=None, **backward_flags):
+         pack_gqa=None, runtime=None, fused_combine=None, producer_warps=None, **backward_flags):
     """Print (or write) the CUDA source of one kernel.
 
     \b
@@ -353,10 +359,11 @@ def emit(spec_fields, output, out_dir, all_specs, kernel="forward", page_size=No
             if all_specs:
                 raise UsageFailure("--all writes the forward's default specs; drop --kernel")
             from .spec.decode import render
-            spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa, fused_combine)
-        elif any(x is not None for x in (page_size, paged, split_kv, pack_gqa, fused_combine)):
-            raise UsageFailure("--page-size, --paged, --split-kv, --pack-gqa and --fused-combine belong to --kernel "
-                               "decode/append")
+            spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa, fused_combine,
+                                      producer_warps)
+        elif any(x is not None for x in (page_size, paged, split_kv, pack_gqa, fused_combine, producer_warps)):
+            raise UsageFailure("--page-size, --paged, --split-kv, --pack-gqa, --fused-combine and --producer-warps "
+                               "belong to --kernel decode/append")
         if all_specs:
             if spec_fields:
                 raise UsageFailure("--all writes the default specs; drop the spec flags "
@@ -413,7 +420,7 @@ def _emit_all(out_dir: Path, render) -> None:
               help="Print the SASS (cuobjdump) and a count of key instructions.")
 @_kernel_options
 def inspect(spec_fields, what, kernel="forward", page_size=None, paged=None, split_kv=None, pack_gqa=None,
-            fused_combine=None, **backward_flags):
+            fused_combine=None, producer_warps=None, **backward_flags):
     """Compile a kernel (no GPU needed) and report what the compiler made of it.
 
     \b
@@ -432,7 +439,8 @@ def inspect(spec_fields, what, kernel="forward", page_size=None, paged=None, spl
         from .spec.decode import compile_spec
         from .codegen.render import TemplateRenderError
 
-        spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa, fused_combine)
+        spec = decode_family_spec(kernel, spec_fields, page_size, paged, split_kv, pack_gqa, fused_combine,
+                                  producer_warps)
         try:
             kernel = compile_spec(spec)
         except (CompileError, TemplateRenderError) as err:

@@ -486,6 +486,7 @@ def test_cli_kernels_tuple():
     ["--arch", "sm90", "--kernel", "decode", "--page-size", "64", "--split-kv", "--pack-gqa"],
     ["--arch", "sm90", "--kernel", "decode", "--page-size", "64", "--split-kv", "--fused-combine"],
     ["--arch", "sm90", "--kernel", "decode", "--page-size", "16", "--split-kv", "--local", "--softcap"],
+    ["--arch", "sm90", "--kernel", "decode", "--head-dim", "256", "--page-size", "16", "--producer-warps", "2"],
     ["--arch", "sm80", "--kernel", "decode", "--head-dim", "64", "--block-n", "128", "--stages", "4"],
     ["--kernel", "combine", "--head-dim", "96", "--dtype", "fp16"],
     ["--kernel", "append", "--paged"],
@@ -520,6 +521,12 @@ def test_cli_decode_errors_and_inspect():
     assert bad.exit_code == 2 and "fused_combine" in bad.output
     bad = runner.invoke(cli.main, ["emit", "--kernel", "combine", "--fused-combine"])
     assert bad.exit_code == 2 and "--fused-combine" in bad.output
+    bad = runner.invoke(cli.main, ["emit", "--kernel", "append", "--producer-warps", "1"])
+    assert bad.exit_code == 2 and "--producer-warps" in bad.output
+    bad = runner.invoke(cli.main, ["emit", "--kernel", "decode", "--arch", "sm80", "--producer-warps", "1"])
+    assert bad.exit_code == 2 and "producer_warps" in bad.output and "sm90" in bad.output
+    bad = runner.invoke(cli.main, ["emit", "--producer-warps", "1"])
+    assert bad.exit_code == 2 and "--kernel decode" in bad.output
     res = runner.invoke(cli.main, ["inspect", "--kernel", "decode", "--arch", "sm80", "--head-dim", "64", "--resources"])
     assert res.exit_code == 0, res.output
     assert "flash_decode_sm80_bf16_hd64" in res.output and "0 B stores, 0 B loads" in res.output
