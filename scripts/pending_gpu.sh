@@ -23,7 +23,7 @@ source scripts/gpu_steps.sh
 case "${1:-}" in
     tests)
         step warm 120 python3 scripts/warm_cache.py --fuzz 0
-        step pytest 380 python3 -m pytest -q -rs -rf -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
+        step pytest 380 python3 -m pytest -q -rs -rf --durations=25 -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
             tests/gpu/test_varlen_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_adapters_gpu.py
         ;;
     checks)

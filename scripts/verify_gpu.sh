@@ -29,7 +29,7 @@ timeout -k 15 150 python3 scripts/warm_cache.py --fuzz "${WARM_FUZZ:-12000}" > "
 for s in $steps; do
     case $s in
         tests)
-            step pytest "${TESTS_S:-300}" python3 -m pytest -q -rs -n 8 ${TESTS:-tests/gpu} ;;
+            step pytest "${TESTS_S:-300}" python3 -m pytest -q -rs -rf --durations=25 -n 8 ${TESTS:-tests/gpu} ;;
         fuzz)
             step fuzz "${FUZZ_S:-390}" python3 -m facodegen check --fuzz 12000 --seed 1 --family all ;;
         sanitize)
