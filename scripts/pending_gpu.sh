@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The device work waiting since sessions 40-41, when no device was lent: everything below landed CPU-checked
-# only. Three calls, each inside the device tool's 600 s (carry [".whl"] for FlashAttention-3); logs under
+# The device work waiting since sessions 40-42 (40-41 had no device; 42 ran `tests` only): everything below
+# landed CPU-checked. Three calls, each inside the device tool's 600 s (carry [".whl"] for FlashAttention-3); logs under
 # $OUT, a table of steps last. Run `tests` and `checks` first: a failure there makes `bench`'s numbers moot.
 #
 #   OUT=/path bash scripts/pending_gpu.sh tests    # GPU tests of the unvalidated features (at most 500 s;
