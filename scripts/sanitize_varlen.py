@@ -4,7 +4,9 @@ memcheck, racecheck, synccheck and initcheck over boundaries that decrease, star
 the packed tokens or past max_seqlen, on every varlen kernel (the sm80 forward and backward, the sm90
 forward persistent and not, fp8, the sm90 backward, both deterministic backwards). The kernels clamp
 each sequence into the packed tokens (templates/common/varlen_span.cuh.j2): no error, and whatever they
-computed is finite. (check_inputs=True would refuse these boundaries on the host instead.)
+computed is finite: each clamped sequence's first max_seqlen rows and, in the gradients the call made, the
+rows before the first sequence and after the last (zeroed by the preprocess); rows past a sequence's
+max_seqlen no kernel writes. (check_inputs=True would refuse these boundaries on the host instead.)
 
     python3 scripts/sanitize_varlen.py [--tools memcheck,initcheck] [--out DIR]
 
@@ -40,6 +42,23 @@ KERNELS = (
 CASES = [(f"{kernel[0]}, {bounds[0]}", kernel, bounds) for kernel in KERNELS for bounds in BOUNDARIES]
 
 
+def defined_rows(cu: tuple, total: int, outside: bool) -> list[int]:
+    """The rows of a packed array a varlen call writes for boundaries ``cu`` over ``total`` tokens: each
+    sequence's span as seq_span clamps it, its first MAX_SEQLEN rows (a power of two: the plans' bound), and
+    with ``outside`` (the backward's zero_outside) the rows before the first span and after the last."""
+    rows, starts, ends = set(), [], []
+    for begin, finish in zip(cu, cu[1:]):
+        start = min(max(begin, 0), total)
+        end = min(max(finish, start), total)
+        rows.update(range(start, min(end, start + MAX_SEQLEN)))
+        starts.append(start)
+        ends.append(end)
+    if outside:
+        rows.update(range(0, starts[0]))
+        rows.update(range(ends[-1], total))
+    return sorted(rows)
+
+
 def run_case(index: int) -> None:
     import torch
 
@@ -58,13 +77,15 @@ def run_case(index: int) -> None:
     out, lse = facodegen.attention_varlen(q, k, v, *bounds, MAX_SEQLEN, MAX_SEQLEN, causal=True, return_lse=True,
                                           arch=arch, **extra)
     torch.cuda.synchronize()
-    assert not torch.isnan(out.float()).any(), f"{name}: O has NaN"
+    assert not torch.isnan(out[defined_rows(cu_q, TOTAL_Q, False)].float()).any(), f"{name}: O has NaN"
     if backward is not None:
         do = torch.randn_like(out)
         grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, *bounds, MAX_SEQLEN, MAX_SEQLEN,
                                                     causal=True, arch=backward[0], **backward[1])
         torch.cuda.synchronize()
-        assert all(torch.isfinite(g.float()).all() for g in grads), f"{name}: a gradient is not finite"
+        rows_q, rows_k = defined_rows(cu_q, TOTAL_Q, True), defined_rows(cu_k, TOTAL_K, True)
+        assert all(torch.isfinite(g[rows].float()).all() for g, rows in zip(grads, (rows_q, rows_k, rows_k))), \
+            f"{name}: a gradient is not finite"
 
 
 def fuzz_cases():

@@ -180,6 +180,12 @@ def test_the_hostile_varlen_cases_list_their_kernels(monkeypatch):
             assert (spec.arch, spec.varlen, spec.deterministic) == (backward[0], True,
                                                                     backward[1].get("deterministic", False)), label
     assert len(sanitize_varlen.CASES) == len(sanitize_varlen.KERNELS) * len(sanitize_varlen.BOUNDARIES)
+    # the rows its finiteness checks read: each clamped span's first MAX_SEQLEN (64) rows, and in the
+    # gradients the rows before the first span and after the last (zero_outside)
+    rows = sanitize_varlen.defined_rows
+    assert rows((0, 119, 119, 120), 120, False) == list(range(64)) + [119]
+    assert rows((5, 10), 20, False) == list(range(5, 10)) and rows((5, 10), 20, True) == list(range(20))
+    assert rows((-30, 40, 10 ** 6, 120), 120, True) == list(range(104))
 
 
 def test_check_fuzz_without_a_gpu_is_one_clear_line(monkeypatch):
