@@ -589,23 +589,10 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     if lsev.shape != want or lsev.strides != (heads_q * seqlen_q, seqlen_q, 1):
         raise ValueError(f"lse must be a contiguous (batch, heads_q, seqlen_q) = {want} array, got shape "
                          f"{lsev.shape} strides {lsev.strides}")
-    for name, x, like in (("dq", dq, qv), ("dk", dk, kv), ("dv", dv, vv)):
-        if x is not None:
-            views[name] = api._view(name, x)
-            _check_like(views[name], like, name)
-        else:   # a new contiguous array per call (_new_like)
-            views[name] = dataclasses.replace(like, name=name, strides=_contiguous_strides(like.shape))
+    gradient_views(views, dq, dk, dv)
     scale = api._check_scale(softmax_scale, head_dim)
-    if arch not in (None, "sm80", "sm90"):
-        raise ValueError(f"arch must be 'sm80', 'sm90' or None, got {arch!r}")
-    info = api.device_info(qv.device)
-    arch = arch or default_arch(info, head_dim, api.DTYPE_NAMES[qv.dtype], causal, knobs)
-    api._check_arch(arch, info)     # before the spec's own checks: the clearer error for a GPU without it
-    spec = choose(head_dim, api.DTYPE_NAMES[qv.dtype], causal, info, knobs, arch)
-    functions = _load(spec, qv.device)
-    values = {name: 0 for name in _POINTERS}
-    for t in _TENSORS:
-        values.update(zip((f"{t}_batch_stride", f"{t}_row_stride", f"{t}_head_stride"), views[t].strides[:3]))
+    info, spec, functions = spec_of_call(qv, head_dim, causal, knobs, arch)
+    values = stride_values(views)
     values.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
     if spec.arch == "sm90":
@@ -620,6 +607,42 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
                         dpsum_floats=row_stat_floats(spec, batch, heads_q, seqlen_q),
                         semaphore_ints=semaphore_ints(spec, batch, heads_q, seqlen_q),
                         switch_context=qv.device != api._current_device(qv.kind))
+
+
+def gradient_views(views: dict, dq, dk, dv, checked=lambda view: view) -> None:
+    """views["dq"], ["dk"], ["dv"] of a backward call: each given array's view, checked to be like q's, k's,
+    v's (``checked``: the form both are compared in, the varlen backward's one batch of packed tokens), or,
+    for one the call makes (None), a new contiguous array's (_new_like)."""
+    from . import api
+    for name, x, like in (("dq", dq, views["q"]), ("dk", dk, views["k"]), ("dv", dv, views["v"])):
+        if x is not None:
+            views[name] = api._view(name, x)
+            _check_like(checked(views[name]), checked(like), name)
+        else:
+            views[name] = dataclasses.replace(like, name=name, strides=_contiguous_strides(like.shape))
+
+
+def spec_of_call(qv, head_dim: int, causal: bool, knobs: dict, arch: str | None):
+    """(the device's info, the spec, its loaded kernels) of a backward call on q's view ``qv``: ``arch`` checked
+    (None: default_arch's pick), then the GPU's, then the spec's (choose)."""
+    from . import api
+    if arch not in (None, "sm80", "sm90"):
+        raise ValueError(f"arch must be 'sm80', 'sm90' or None, got {arch!r}")
+    info = api.device_info(qv.device)
+    dtype = api.DTYPE_NAMES[qv.dtype]
+    arch = arch or default_arch(info, head_dim, dtype, causal, knobs)
+    api._check_arch(arch, info)     # before the spec's own checks: the clearer error for a GPU without it
+    spec = choose(head_dim, dtype, causal, info, knobs, arch)
+    return info, spec, _load(spec, qv.device)
+
+
+def stride_values(views: dict) -> dict:
+    """BwdParams values of a plan: every pointer 0 (each launch writes its call's) and each tensor's batch, row
+    and head strides from ``views``."""
+    values = {name: 0 for name in _POINTERS}
+    for t in _TENSORS:
+        values.update(zip((f"{t}_batch_stride", f"{t}_row_stride", f"{t}_head_stride"), views[t].strides[:3]))
+    return values
 
 
 def tensor_map_args(spec: BackwardSpec, views: dict, batch: int, seqlen_q: int, seqlen_k: int, heads_q: int,

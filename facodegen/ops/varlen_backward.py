@@ -22,7 +22,6 @@ builds a plan per total, and kept scratch (up to backward.CACHED_SCRATCH_BYTES e
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -119,32 +118,16 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if lsev.shape != (heads_q, total_q) or lsev.strides != (total_q, 1):
         raise ValueError(f"lse must be a contiguous (heads_q, total_q) = {(heads_q, total_q)} array (attention_varlen's "
                          f"return_lse), got shape {lsev.shape} strides {lsev.strides}")
-    for name, x, like in (("dq", dq, qv), ("dk", dk, kv), ("dv", dv, vv)):
-        if x is not None:
-            views[name] = api._view(name, x)
-            backward._check_like(varlen.as_one_batch(views[name]), varlen.as_one_batch(like), name)
-        else:   # a new contiguous array per call (backward._new_like)
-            views[name] = dataclasses.replace(like, name=name, strides=backward._contiguous_strides(like.shape))
+    backward.gradient_views(views, dq, dk, dv, checked=varlen.as_one_batch)
     scale = api._check_scale(softmax_scale, head_dim)
-    if arch not in (None, "sm80", "sm90"):
-        raise ValueError(f"arch must be 'sm80', 'sm90' or None, got {arch!r}")
-    info = api.device_info(qv.device)
-    dtype = api.DTYPE_NAMES[qv.dtype]
-    knobs = {**knobs, "varlen": True}
-    arch = arch or backward.default_arch(info, head_dim, dtype, causal, knobs)
-    api._check_arch(arch, info)
-    spec = backward.choose(head_dim, dtype, causal, info, knobs, arch)
-    functions = backward._load(spec, qv.device)
-    values = {name: 0 for name in backward._POINTERS}
-    for t in backward._TENSORS:
-        strides = varlen.as_one_batch(views[t]).strides
-        values.update(zip((f"{t}_batch_stride", f"{t}_row_stride", f"{t}_head_stride"), strides[:3]))
+    info, spec, functions = backward.spec_of_call(qv, head_dim, causal, {**knobs, "varlen": True}, arch)
+    packed = {name: varlen.as_one_batch(view) for name, view in views.items()}    # (as FlashParams takes them)
+    values = backward.stride_values(packed)
     values.update(batch=sequences, seqlen_q=total_q, seqlen_k=total_k, heads_q=heads_q, heads_kv=heads_kv,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e), cu_seqlens_q=0, cu_seqlens_k=0,
                   zero_outside=zero_outside_bits(spec.arch, dq is None, dk is None, dv is None))
     if spec.arch == "sm90":     # TMA maps over the packed tokens (as one batch); tiles over max_seqlen_k's bound
         driver.ensure_context(qv.device)
-        packed = {name: varlen.as_one_batch(view) for name, view in views.items()}
         values.update(backward.tensor_maps(spec, packed, 1, total_q, total_k, heads_q, heads_kv), lpt_pairs=0,
                       lpt_tail_pair=0, varlen_max_seqlen_k=max_k)
     accum_floats, stat_floats = backward.varlen_scratch(spec, sequences, heads_q, total_q)
