@@ -390,10 +390,7 @@ def _backward(ctx, grad_out):
     """_Attention's backward (grad mode off: the engine's, without create_graph)."""
     if grad_out is None:    # (no gradient reached O: set_materialize_grads(False) leaves it None)
         return None, None, None, None
-    if not grad_out.is_contiguous():    # a layout the kernels read as it is needs no copy (e.g. a transposed
-        s = grad_out.stride()           # (batch, heads, seqlen, head_dim) gradient seen as (b, s, h, d))
-        if s[3] != 1 or (s[0] | s[1] | s[2]) & 7 or grad_out.data_ptr() & 15:
-            grad_out = grad_out.contiguous()
+    grad_out = _kernel_layout(grad_out)
     q, k, v, out, lse = ctx.saved_tensors
     causal, softmax_scale, arch, _, deterministic = ctx.call
     dq, dk, dv = backward.attention_backward(grad_out, q, k, v, out, lse, causal=causal,
@@ -403,6 +400,18 @@ def _backward(ctx, grad_out):
 
 
 _backward_once = once_differentiable(_backward)
+
+
+def _kernel_layout(grad_out):
+    """dO as the backward kernels read it: itself where its layout is one they take (head_dim contiguous,
+    the other strides multiples of 8 elements, 16-byte aligned; e.g. a transposed (batch, heads, seqlen,
+    head_dim) gradient seen as (b, s, h, d)), else a contiguous copy."""
+    if grad_out.is_contiguous():
+        return grad_out
+    s = grad_out.stride()
+    if s[-1] != 1 or any(x & 7 for x in s[:-1]) or grad_out.data_ptr() & 15:
+        return grad_out.contiguous()
+    return grad_out
 
 
 def attention_varlen_recording(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -443,8 +452,7 @@ class _VarlenAttention(torch.autograd.Function):
         from .varlen_backward import attention_varlen_backward
         if grad_out is None:
             return None, None, None, None
-        if grad_out.stride(-1) != 1 or (grad_out.stride(0) | grad_out.stride(1)) & 7 or grad_out.data_ptr() & 15:
-            grad_out = grad_out.contiguous()
+        grad_out = _kernel_layout(grad_out)
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         _, _, max_q, max_k, causal, softmax_scale, arch, _, deterministic = ctx.call
         dq, dk, dv = attention_varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
