@@ -321,6 +321,18 @@ def test_a_fifth_of_the_kvcache_cases_have_a_window_or_softcap(monkeypatch):
         assert decode.local == (window is not None and window.local)
 
 
+def test_a_third_of_the_sm90_kvcache_cases_at_their_head_dims_run_producer_warps():
+    """kvcache cases on sm90 at head_dim 64, 128 or 256 with seeds 2, 5 mod 12 take one producer warp, 8, 11
+    mod 12 two (with the combine kernel and fused_combine alike); every other case none."""
+    cases = fuzz.generate(1200, seed=9, family="all")
+    eligible = [c for c in cases if c.family == "kvcache" and c.arch == "sm90" and c.head_dim in (64, 128, 256)]
+    assert {c.producer_warps for c in eligible} == {0, 1, 2}
+    assert all(c.producer_warps == {2: 1, 5: 1, 8: 2, 11: 2}.get(c.seed % 12, 0) for c in eligible)
+    assert {(c.producer_warps, c.fused_combine) for c in eligible if c.producer_warps} == \
+        {(1, False), (1, True), (2, False), (2, True)}
+    assert not any(c.producer_warps for c in cases if c not in eligible)
+
+
 def test_a_sixth_of_the_sm90_causal_varlen_cases_run_varlen_lpt(monkeypatch):
     """sm90 causal varlen cases with seed 2 mod 6 call attention_varlen(..., varlen_lpt=True): persistent
     ones only (not 1 mod 3), none elsewhere; their specs say so, and representative case 47 is one."""
@@ -398,13 +410,14 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             new = [_dense(n, (c.batch, c.seqlen_new, c.heads_kv, c.head_dim), dtype) if c.seqlen_new else None
                    for n in ("k", "v")]
             problem = kvcache.check_arguments(q, kc, vc, lengths, table, *new, None, c.num_splits)
-            knobs = {"fused_combine": c.fused_combine}
+            knobs = {"fused_combine": c.fused_combine, **({"producer_warps": c.producer_warps} if c.producer_warps else {})}
             window = kvcache.decode_window((c.window_left, c.window_right), c.softcap, c.causal, problem)
             want, splits = kvcache.plan_specs(problem, c.arch, info.sms, c.num_splits, knobs, kvcache._smem_per_sm(info),
                                               window)
             assert specs == list(want.values())
             assert ("combine" in want) == (splits > 1 and not c.fused_combine) and ("append" in want) == (c.seqlen_new > 0)
             assert want["decode"].fused_combine == (splits > 1 and c.fused_combine)
+            assert want["decode"].producer_warps == c.producer_warps
     with pytest.raises(ValueError, match="case_specs"):
         fuzz.case_spec(next(c for c in cases if c.family == "kvcache"))
 

@@ -26,7 +26,8 @@ alignment, softcap values, sinks); ``backward`` (dQ, dK, dV of attention() under
 float64 autograd, FlashAttention-3's criterion per gradient; a quarter of them deterministic, run
 twice and compared bit for bit); ``kvcache`` (attention_with_kvcache:
 1-16 query tokens, contiguous or paged caches with shuffled pages, random lengths from 0, appends,
-split counts, half of them (odd seeds) with fused_combine); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
+split counts, half of them (odd seeds) with fused_combine, and on sm90 at head_dim 64/128/256 a third
+with producer warps, seeds 2, 5 mod 12 one and 8, 11 mod 12 two); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
 case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; the case's arch:
 sm80's kernel, which an H100 runs compiled for sm_90, or sm90's own, persistent by default and with
 persistent=False for a third of its cases, seeds 1 mod 3; a quarter of the 16-bit ones without variants,
@@ -156,6 +157,16 @@ class Case:
         them), an even seed fused_combine=False (the combine kernel). Read off the seed, as
         ``deterministic``: the draws and JSON stay as before."""
         return self.family == "kvcache" and self.seed % 2 == 1
+
+    @property
+    def producer_warps(self) -> int:
+        """A kvcache case on sm90 at head_dim 64, 128 or 256 (the decode's producer_warps knob) whose seed is
+        2 or 5 mod 12 calls attention_with_kvcache(..., producer_warps=1), 8 or 11 mod 12 producer_warps=2
+        (each with the combine kernel and with fused_combine); 0 otherwise. Read off the seed, as
+        ``fused_combine``."""
+        if self.family != "kvcache" or self.arch != "sm90" or self.head_dim not in (64, 128, 256):
+            return 0
+        return {2: 1, 5: 1, 8: 2, 11: 2}.get(self.seed % 12, 0)
 
     def to_json(self) -> str:
         fields = asdict(self)
@@ -606,7 +617,7 @@ def _run_kvcache(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     _, lse = facodegen.attention_with_kvcache(q, k_cache, v_cache, lengths, page_table=table, k=kn, v=vn,
                                               causal=case.causal, softmax_scale=case.softmax_scale,
                                               num_splits=case.num_splits, return_lse=True, out=out, arch=case.arch,
-                                              fused_combine=case.fused_combine, **variants)
+                                              **_kvcache_knobs(case), **variants)
     if launch_only:
         return _launched(out, lse)
     o, lse = host(out), host(lse)
@@ -771,6 +782,14 @@ def _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, causal: bool, scale: floa
     return problems
 
 
+def _kvcache_knobs(case: Case) -> dict:
+    """attention_with_kvcache's knobs in a kvcache case: fused_combine, and producer_warps where it has them."""
+    knobs = {"fused_combine": case.fused_combine}
+    if case.producer_warps:
+        knobs["producer_warps"] = case.producer_warps
+    return knobs
+
+
 def case_specs(case: Case, device: int = 0) -> list:
     """Every kernel spec ``case`` launches on ``device``, as the calls resolve them: the forward's
     (backward cases: and the backward's), or the decode family's decode, combine and append."""
@@ -782,8 +801,7 @@ def case_specs(case: Case, device: int = 0) -> list:
                                    paged, case.page_size, case.batch * case.seqlen_k // case.page_size if paged else 0,
                                    case.seqlen_k, case.seqlen_new)
         window = kvcache.decode_window((case.window_left, case.window_right), case.softcap, case.causal, problem)
-        return kvcache.device_plan_specs(problem, device, case.num_splits, {"fused_combine": case.fused_combine},
-                                         case.arch, window)
+        return kvcache.device_plan_specs(problem, device, case.num_splits, _kvcache_knobs(case), case.arch, window)
     forward = case_spec(case, device)
     if case.family == "backward":
         from ..ops import backward
