@@ -2,7 +2,8 @@
 """compute-sanitizer over attention_with_kvcache with hostile inputs (GPU): memcheck, racecheck,
 synccheck and initcheck, each over a few cases whose cache_seqlens are negative or far past the
 cache's capacity and whose page tables hold negative and out-of-range page indices, with new tokens
-appended past the capacity, contiguous and paged, split and not. The kernels must clamp: no error.
+appended past the capacity, contiguous and paged, split and not, with and without producer warps. The
+kernels must clamp: no error.
 
     python3 scripts/sanitize_decode.py [--tools memcheck,initcheck] [--out DIR]
 
@@ -21,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 # (name, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, lengths, new, num_splits, fused_combine
-#  [, the call's window and softcap: issue 40's LOCAL / SOFTCAP decode, whose first-key clamps meet the same
-#  hostile lengths])
+#  [, the call's other arguments: issue 40's window and softcap (LOCAL / SOFTCAP decode, whose first-key clamps
+#  meet the same hostile lengths), or producer_warps (the copies and their page lookups in warps of their own)])
 CASES = (
     ("contiguous, split, append", 4, 1, 8, 2, 128, 512, 0, (-5, 10 ** 9, 0, 37), 3, 0, False),
     ("paged16, append, bad pages", 3, 2, 8, 1, 64, 256, 16, (-1, 300, 255), 2, 4, False),
@@ -38,11 +39,15 @@ CASES = (
      dict(window_size=(20, 0), softcap=30.0)),
     ("contiguous, window (5, 3) not causal, split, append", 4, 3, 8, 2, 128, 512, 0, (-5, 10 ** 9, 0, 37), 3, 3,
      False, dict(window_size=(5, 3), causal=False)),
+    ("paged16, d256, a producer warp, bad pages, split, append, fused", 3, 1, 8, 1, 256, 1024, 16, (-1, 10 ** 6, 511),
+     2, 4, True, dict(producer_warps=1)),
+    ("contiguous, two producer warps, split, append", 4, 1, 8, 2, 128, 512, 0, (-5, 10 ** 9, 0, 37), 3, 3, False,
+     dict(producer_warps=2)),
 )
 
 
 def _case(index: int) -> tuple:
-    """CASES[index] with its window/softcap arguments ({} where it has none) as a 13th item."""
+    """CASES[index] with its other arguments ({} where it has none) as a 13th item."""
     case = CASES[index]
     return case if len(case) == 13 else (*case, {})
 
@@ -76,15 +81,21 @@ def run_case(index: int) -> None:
 
 
 def fuzz_case(index: int, arch: str):
-    """The case's shapes as a fuzz kvcache Case: what fuzz.case_specs needs to list its kernels."""
+    """The case's shapes as a fuzz kvcache Case: what fuzz.case_specs needs to list its kernels. The knobs a
+    Case reads off its seed (fused_combine: odd; producer_warps: Case.producer_warps) are the call's: the
+    first seed from 2 x index on that gives both."""
     from facodegen.verify import fuzz
     _, batch, seqlen_q, heads_q, heads_kv, d, capacity, page_size, _, new, splits, fused, extra = _case(index)
     left, right = extra.get("window_size", (-1, -1))
-    return fuzz.Case("kvcache", arch, "bf16", batch=batch, seqlen_q=seqlen_q, seqlen_k=capacity, heads_q=heads_q,
-                     heads_kv=heads_kv, head_dim=d, causal=extra.get("causal", True), softmax_scale=None,
-                     layout="contiguous", magnitude=1.0, return_lse=True, use_out=False, page_size=page_size,
-                     seqlen_new=new, num_splits=splits, seed=2 * index + fused,     # (an odd seed: Case.fused_combine)
-                     window_left=left, window_right=right, softcap=extra.get("softcap", 0.0))
+    for seed in range(2 * index + fused, 2 * index + fused + 24, 2):
+        case = fuzz.Case("kvcache", arch, "bf16", batch=batch, seqlen_q=seqlen_q, seqlen_k=capacity, heads_q=heads_q,
+                         heads_kv=heads_kv, head_dim=d, causal=extra.get("causal", True), softmax_scale=None,
+                         layout="contiguous", magnitude=1.0, return_lse=True, use_out=False, page_size=page_size,
+                         seqlen_new=new, num_splits=splits, seed=seed, window_left=left, window_right=right,
+                         softcap=extra.get("softcap", 0.0))
+        if case.producer_warps == extra.get("producer_warps", 0):
+            return case
+    raise AssertionError(f"no seed gives case {index}'s knobs")
 
 
 def main() -> int:

@@ -146,8 +146,9 @@ def test_the_hostile_decode_cases_list_their_kernels(monkeypatch):
         name, *_, new, splits, fused, extra = sanitize_decode._case(i)
         specs = fuzz.case_specs(sanitize_decode.fuzz_case(i, "sm90"))
         decode = [s for s in specs if type(s).__name__ == "DecodeSpec"]
-        # the window/softcap cases name the LOCAL / SOFTCAP decode kernel their call runs
+        # the window/softcap cases name the LOCAL / SOFTCAP decode kernel their call runs, the producer ones theirs
         assert [(s.local, s.softcap) for s in decode] == [("window_size" in extra, "softcap" in extra)], name
+        assert [s.producer_warps for s in decode] == [extra.get("producer_warps", 0)], name
         kinds = {type(s).__name__ for s in specs}
         assert "DecodeSpec" in kinds and ("AppendSpec" in kinds) == bool(new), name
         if fused:   # the decode kernel merges its splits: no combine kernel to compile
@@ -156,6 +157,7 @@ def test_the_hostile_decode_cases_list_their_kernels(monkeypatch):
             assert [s.stages for s in specs if type(s).__name__ == "DecodeSpec"] == [3], name
     assert any(sanitize_decode._case(i)[11] for i in range(len(sanitize_decode.CASES)))
     assert any(sanitize_decode._case(i)[12] for i in range(len(sanitize_decode.CASES)))
+    assert {sanitize_decode._case(i)[12].get("producer_warps", 0) for i in range(len(sanitize_decode.CASES))} == {0, 1, 2}
 
 
 def test_the_hostile_varlen_cases_list_their_kernels(monkeypatch):
