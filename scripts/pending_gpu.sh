@@ -55,7 +55,22 @@ case "${1:-}" in
             --metrics sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_active.min,lts__t_sector_hit_rate.pct \
             python3 scripts/varlen_one.py --d 128 --calls 5
         ;;
+    producer)
+        # session 43: the decode producer warps' fixes (Q's copies waited for where a split has no step;
+        # every math thread releases a stage) under the sanitizers and the tests, then the knobs' sweeps
+        # that pick defaults: producer_warps 2 and 4 against FA3, dq_lag and lpt at each head_dim
+        step pytest_pw 120 python3 -m pytest -q -rf -n 8 tests/gpu/test_decode_gpu.py -k "producer or hostile or fused"
+        step fuzz_kvcache 60 python3 -m facodegen check --fuzz 300 --seed 43 --family kvcache
+        step sanitize_decode 130 python3 scripts/sanitize_decode.py --out "$OUT/sanitize-decode"
+        step decode_pw 150 python3 scripts/bench_decode.py --batch 1,8,64 --context 32768 --heads 32/8 --d 64,128,256 \
+            --layout paged16,paged64,paged256,contiguous --peers fa3 --no-graphs --variant producer_warps=2 \
+            --variant producer_warps=4 --out "$OUT/decode-pw"
+        for d in 64 128 256; do
+            step "bwd_d$d" 50 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
+                --variant lpt=true --variant dq_lag=true --variant dq_lag=true,lpt=true --out "$OUT/bwd-d$d"
+        done
+        ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
