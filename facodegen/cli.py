@@ -124,7 +124,8 @@ def _kernel_options(command):
         click.option("--producer-warps", "producer_warps", type=click.Choice(["0", "1", "2", "4"]),
                      callback=_int_choice,
                      help="decode --arch sm90 (head_dim 64, 128, 256): warps that only copy Q and the K/V stages, "
-                          "over a ring of mbarriers (default 0: every warp copies between its steps)."),
+                          "over a ring of mbarriers (0: every warp copies between its steps; default 4 at head_dim 256, 2 at "
+                          "128 without --split-kv, else 0)."),
     ]
     for option in reversed(options):
         command = option(command)

@@ -897,6 +897,25 @@ def test_head_dim_256_takes_three_stages_on_long_splits():
     assert spec(256, 262144, page=16)[0].stages == 2            # pages smaller than a block keep 2
 
 
+def test_producer_warps_default_follows_head_dim_and_the_split():
+    """The call's decode runs 4 producer warps at head_dim 256 (split or not), 2 at 128 where the keys are
+    not split and none where they are, none at 64 or on sm80; the caller's producer_warps wins."""
+    from facodegen.ops import kvcache
+
+    def spec(d, batch, arch="sm90", knobs=None, page=0):
+        problem = kvcache._Problem(batch, 1, 32, 8, d, "bf16", page > 0, page, batch * 32768 // max(page, 1),
+                                   32768, 0)
+        return kvcache.choose(problem, arch, 132, 0, dict(knobs or {}))
+    assert [spec(256, b)[0].producer_warps for b in (1, 64)] == [4, 4]
+    (split128, splits), (whole128, one) = spec(128, 1, page=16), spec(128, 64, page=16)
+    assert splits > 1 and one == 1 and (split128.producer_warps, whole128.producer_warps) == (0, 2)
+    assert spec(64, 64)[0].producer_warps == 0 and spec(256, 64, arch="sm80")[0].producer_warps == 0
+    assert spec(256, 64, knobs={"producer_warps": 0})[0].producer_warps == 0
+    assert spec(128, 1, knobs={"producer_warps": 1})[0].producer_warps == 1
+    assert dec.default_decode_spec("sm90", "bf16", 128, split=True).producer_warps == 0
+    assert dec.default_decode_spec("sm90", "bf16", 128).producer_warps == 2
+
+
 def test_decode_one_script_builds_the_bench_cell_and_its_knobs():
     """scripts/decode_one.py (one cell's call, for a profiler) takes bench_decode's cell and knob syntax."""
     import importlib.util
@@ -965,7 +984,8 @@ def test_producer_warps_spec_errors_name_the_knob(fields, knob):
 def test_producer_warps_name_threads_and_shared_memory():
     spec = dec.default_decode_spec("sm90", "bf16", 256, group=8, paged=True, producer_warps=1)
     assert spec.variant.endswith("_paged_pw1") and spec.threads == 32 * 5
-    assert spec.static_smem_bytes == 16 * spec.stages and dec.default_decode_spec("sm90", "bf16", 256).static_smem_bytes == 0
+    assert spec.static_smem_bytes == 16 * spec.stages
+    assert dec.default_decode_spec("sm90", "bf16", 256, producer_warps=0).static_smem_bytes == 0
     source = dec.render(spec)
     assert "--producer-warps 1" in source and "producer_warps" not in dec.render(replace(spec, producer_warps=0))
 

@@ -11,6 +11,7 @@ import pytest
 from facodegen.ops import api
 from facodegen.verify import fuzz
 from facodegen.spec import HEAD_DIMS
+from facodegen.spec import decode as dec
 
 
 def test_cases_are_seeded_valid_and_cover_the_options():
@@ -148,7 +149,8 @@ def test_the_hostile_decode_cases_list_their_kernels(monkeypatch):
         decode = [s for s in specs if type(s).__name__ == "DecodeSpec"]
         # the window/softcap cases name the LOCAL / SOFTCAP decode kernel their call runs, the producer ones theirs
         assert [(s.local, s.softcap) for s in decode] == [("window_size" in extra, "softcap" in extra)], name
-        assert [s.producer_warps for s in decode] == [extra.get("producer_warps", 0)], name
+        assert [s.producer_warps for s in decode] == \
+            [extra.get("producer_warps", dec.default_producer_warps("sm90", s.head_dim, s.split)) for s in decode], name
         kinds = {type(s).__name__ for s in specs}
         assert "DecodeSpec" in kinds and ("AppendSpec" in kinds) == bool(new), name
         if fused:   # the decode kernel merges its splits: no combine kernel to compile
@@ -323,16 +325,17 @@ def test_a_fifth_of_the_kvcache_cases_have_a_window_or_softcap(monkeypatch):
         assert decode.local == (window is not None and window.local)
 
 
-def test_a_third_of_the_sm90_kvcache_cases_at_their_head_dims_run_producer_warps():
+def test_half_the_sm90_kvcache_cases_at_their_head_dims_set_producer_warps():
     """kvcache cases on sm90 at head_dim 64, 128 or 256 with seeds 2, 5 mod 12 take one producer warp, 8, 11
-    mod 12 two (with the combine kernel and fused_combine alike); every other case none."""
+    mod 12 two, 3, 6 mod 12 none (with the combine kernel and fused_combine alike); every other case the
+    call's default (None)."""
     cases = fuzz.generate(1200, seed=9, family="all")
     eligible = [c for c in cases if c.family == "kvcache" and c.arch == "sm90" and c.head_dim in (64, 128, 256)]
-    assert {c.producer_warps for c in eligible} == {0, 1, 2}
-    assert all(c.producer_warps == {2: 1, 5: 1, 8: 2, 11: 2}.get(c.seed % 12, 0) for c in eligible)
-    assert {(c.producer_warps, c.fused_combine) for c in eligible if c.producer_warps} == \
-        {(1, False), (1, True), (2, False), (2, True)}
-    assert not any(c.producer_warps for c in cases if c not in eligible)
+    assert {c.producer_warps for c in eligible} == {None, 0, 1, 2}
+    assert all(c.producer_warps == {2: 1, 5: 1, 8: 2, 11: 2, 3: 0, 6: 0}.get(c.seed % 12) for c in eligible)
+    assert {(c.producer_warps, c.fused_combine) for c in eligible if c.producer_warps is not None} == \
+        {(w, fused) for w in (0, 1, 2) for fused in (False, True)}
+    assert all(c.producer_warps is None for c in cases if c not in eligible)
 
 
 def test_a_sixth_of_the_sm90_causal_varlen_cases_run_varlen_lpt(monkeypatch):
@@ -412,14 +415,15 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             new = [_dense(n, (c.batch, c.seqlen_new, c.heads_kv, c.head_dim), dtype) if c.seqlen_new else None
                    for n in ("k", "v")]
             problem = kvcache.check_arguments(q, kc, vc, lengths, table, *new, None, c.num_splits)
-            knobs = {"fused_combine": c.fused_combine, **({"producer_warps": c.producer_warps} if c.producer_warps else {})}
+            knobs = fuzz._kvcache_knobs(c)
             window = kvcache.decode_window((c.window_left, c.window_right), c.softcap, c.causal, problem)
             want, splits = kvcache.plan_specs(problem, c.arch, info.sms, c.num_splits, knobs, kvcache._smem_per_sm(info),
                                               window)
             assert specs == list(want.values())
             assert ("combine" in want) == (splits > 1 and not c.fused_combine) and ("append" in want) == (c.seqlen_new > 0)
             assert want["decode"].fused_combine == (splits > 1 and c.fused_combine)
-            assert want["decode"].producer_warps == c.producer_warps
+            default = dec.default_producer_warps(c.arch, want["decode"].head_dim, splits > 1)
+            assert want["decode"].producer_warps == (default if c.producer_warps is None else c.producer_warps)
     with pytest.raises(ValueError, match="case_specs"):
         fuzz.case_spec(next(c for c in cases if c.family == "kvcache"))
 

@@ -92,7 +92,8 @@ DECODE_KNOBS: tuple[Knob, ...] = (
     Knob("softcap", "bool", "Logit softcap c*tanh(s*scale/c) before the softmax (c run-time).",
          flag="--softcap/--no-softcap", problem=True, token=_flag("softcap")),
     Knob("producer_warps", "int", "sm90: warps that only copy Q and the K/V stages (cp.async arriving on an mbarrier "
-         "per stage) while the num_warps math warps compute; 0: every warp copies its share between steps.",
+         "per stage) while the num_warps math warps compute; 0: every warp copies its share between steps. Default: "
+         "default_producer_warps (4 at head_dim 256, 2 at 128 without a split).",
          choices=(0, 1, 2, 4), flag="--producer-warps", token=lambda spec, value: f"pw{value}" if value else None),
 )
 # Knobs that appear in a generated file's header and `facodegen emit` line only when on, so the
@@ -342,9 +343,26 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
     stages = max(2, min(4, ((128 if arch == "sm90" and not paged else 96) * 1024) // stage))
     fields = {"arch": arch, "dtype": dtype, "head_dim": head_dim, "block_m": block_m, "block_n": block_n,
               "num_warps": 4, "stages": stages, "pack_gqa": pack_gqa, "split": split,
-              "fused_combine": split and FUSED_COMBINE_DEFAULT, "paged": paged}
+              "fused_combine": split and FUSED_COMBINE_DEFAULT, "paged": paged,
+              "producer_warps": default_producer_warps(arch, head_dim, split)}
     fields.update(knobs)
     return DecodeSpec(**fields)
+
+
+def default_producer_warps(arch: str, head_dim: int, split: bool) -> int:
+    """producer_warps' default: sm90 at head_dim 256, 4 warps; at head_dim 128 without a split, 2; else 0.
+    H200, 2026-12-05 (session 43, `pending_gpu.sh producer`, bench_decode.py: batch 1/8/64, 32k keys, GQA
+    32/8, pages of 16/64/256 and contiguous; each knob over the default of 0 warps, in the same run):
+    - head_dim 256, 4 warps: 1.15-1.37x with pages of 16, 1.02-1.24x of 64, 1.00-1.17x of 256, 1.00-1.03x
+      contiguous (one warp copies too few: 0.41-0.86x, and two 1.00-1.19x);
+    - head_dim 128, 2 warps: 1.02-1.14x at batch 64 (no split), 0.98-1.01x where the keys are split
+      (batch 1 and 8), where 4 warps run 0.86-0.96x with pages;
+    - head_dim 64: 0.96-1.03x either way (two CTAs an SM already keep its loads in flight)."""
+    if arch != "sm90":
+        return 0
+    if head_dim == 256:
+        return 4
+    return 2 if head_dim == 128 and not split else 0
 
 
 def split_stages(spec: DecodeSpec, blocks_per_split: int, knobs: dict, page_size: int = 0) -> int:

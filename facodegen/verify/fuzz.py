@@ -159,14 +159,15 @@ class Case:
         return self.family == "kvcache" and self.seed % 2 == 1
 
     @property
-    def producer_warps(self) -> int:
+    def producer_warps(self) -> int | None:
         """A kvcache case on sm90 at head_dim 64, 128 or 256 (the decode's producer_warps knob) whose seed is
-        2 or 5 mod 12 calls attention_with_kvcache(..., producer_warps=1), 8 or 11 mod 12 producer_warps=2
-        (each with the combine kernel and with fused_combine); 0 otherwise. Read off the seed, as
-        ``fused_combine``."""
+        2 or 5 mod 12 calls attention_with_kvcache(..., producer_warps=1), 8 or 11 mod 12 producer_warps=2,
+        3 or 6 mod 12 producer_warps=0 (the kernel without them, which the default no longer runs at head_dim
+        256), each with the combine kernel and with fused_combine; None otherwise: the call's default
+        (decode.default_producer_warps). Read off the seed, as ``fused_combine``."""
         if self.family != "kvcache" or self.arch != "sm90" or self.head_dim not in (64, 128, 256):
-            return 0
-        return {2: 1, 5: 1, 8: 2, 11: 2}.get(self.seed % 12, 0)
+            return None
+        return {2: 1, 5: 1, 8: 2, 11: 2, 3: 0, 6: 0}.get(self.seed % 12)
 
     def to_json(self) -> str:
         fields = asdict(self)
@@ -785,7 +786,7 @@ def _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, causal: bool, scale: floa
 def _kvcache_knobs(case: Case) -> dict:
     """attention_with_kvcache's knobs in a kvcache case: fused_combine, and producer_warps where it has them."""
     knobs = {"fused_combine": case.fused_combine}
-    if case.producer_warps:
+    if case.producer_warps is not None:
         knobs["producer_warps"] = case.producer_warps
     return knobs
 
