@@ -664,7 +664,7 @@ SM90 = [BackwardSpec(arch="sm90", head_dim=d, dtype=dt, causal=c, dq_tma_reduce=
 def test_sm90_spec_defaults():
     spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, dq_tma_reduce=False)
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.stages, spec.gpu) == (64, 128, 12, 2, "h200")
-    assert spec.threads == 384 and spec.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_slook_dplook_causal"
+    assert spec.threads == 384 and spec.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_slook_dplook_lpt_causal"
     # K, V + 2 x (Q, dO, LSE and D rows) + 2 dS^T tiles + 1 KB of alignment
     assert spec.smem_bytes == 2 * 128 * 128 * 2 + 2 * (2 * 64 * 128 * 2 + 2 * 64 * 4) + 2 * 128 * 64 * 2 + 1024
     assert all(s.smem_bytes <= GPUS["h100"].smem_per_block for s in SM90)
@@ -889,8 +889,9 @@ def test_cli_inspect_sm90_backward():
     assert "sm_90a" in result.output and "0 B stores / 0 B loads" in result.output
     result = runner.invoke(cli.main, ["inspect", "--kernel", "backward", "--arch", "sm90", "--head-dim", "128",
                                       "--sass"])
-    # 32 in the loop + the step-0 S^T and dP^T the lookahead defaults issue before it (8 + 8)
-    assert result.exit_code == 0 and "HGMMA 48" in result.output.splitlines()[-1]
+    # 32 in the loop + the step-0 S^T and dP^T the lookahead defaults issue before it (8 + 8) + the last step's
+    # own dQ under dq_lag (the default without a causal mask, 8)
+    assert result.exit_code == 0 and "HGMMA 56" in result.output.splitlines()[-1]
 
 
 def _field90(record, name):
@@ -961,7 +962,8 @@ def test_sm90_by_default_takes_the_calls_it_covers(bwd, monkeypatch):
 
 # ------------------------------------------------------------------ sm90 dq_tma_reduce (dQ by TMA bulk reduce-add)
 
-SM90_DQTMA = [s.replace(dq_tma_reduce=True, stages=None) for s in SM90]   # (head_dim 256: a 1-deep dO ring)
+# (head_dim 256: a 1-deep dO ring; dq_lag, the default at head_dim 128 without a mask, tested on its own)
+SM90_DQTMA = [s.replace(dq_tma_reduce=True, stages=None, dq_lag=False) for s in SM90]
 
 
 def test_dq_tma_reduce_is_the_sm90_default_but_for_deterministic_and_sm80():
@@ -970,7 +972,7 @@ def test_dq_tma_reduce_is_the_sm90_default_but_for_deterministic_and_sm80():
     written for the register path) and sm80 (no such knob), whose sources never mention it; asked
     for off on sm90, the emit line says --no-dq-tma-reduce."""
     spec = BackwardSpec(arch="sm90", head_dim=128)
-    assert spec.dq_tma_reduce and spec.variant.endswith("_dqtma_slook_dplook")
+    assert spec.dq_tma_reduce and spec.variant.endswith("_dqtma_slook_dplook_dqlag")
     assert "//   dq_tma_reduce        = True" in backward.emit(spec)
     assert "dq-tma-reduce" not in backward.emit_command(spec)
     det = BackwardSpec(arch="sm90", head_dim=128, deterministic=True)
@@ -1186,7 +1188,7 @@ def test_sm90_s_lookahead_is_an_sm90_knob_at_head_dims_64_96_128():
                         ("sm80", 128, None, None): (False, False)}
     assert BackwardSpec(arch="sm90", head_dim=128, s_lookahead=False).dp_lookahead is False
     spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, s_lookahead=True, dp_lookahead=False)
-    assert spec.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_dqtma_slook_causal"
+    assert spec.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_dqtma_slook_lpt_causal"
     line = backward.emit_command(spec)
     off = spec.replace(s_lookahead=False)
     assert "--no-dp-lookahead" in line.split() and "--s-lookahead" not in line.split()
@@ -1208,7 +1210,7 @@ def test_sm90_s_lookahead_is_an_sm90_knob_at_head_dims_64_96_128():
                         s_lookahead=True).s_lookahead
     # dp_lookahead: with s_lookahead only; its own token and flag
     both = spec.replace(dp_lookahead=True)
-    assert both.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_dqtma_slook_dplook_causal"
+    assert both.variant == "flash_bwd_sm90_bf16_hd128_bm64_bn128_w12_st2_dqtma_slook_dplook_lpt_causal"
     line = backward.emit_command(both)
     assert "lookahead" not in line         # head_dim 128's default: the line needs neither flag
     assert CliRunner().invoke(cli.main, ["emit", *line.split()[2:]]).output == backward.emit(both)
@@ -1244,7 +1246,7 @@ def test_sm90_s_lookahead_compiles_clean_in_its_order(head_dim, block_m, knobs, 
     wgmma_wait<0> that retires dK), and the step's first wait is a wgmma_wait<0> (S^T's, in flight
     since the previous step) before dP^T is issued, or with dp_lookahead before dV."""
     spec = BackwardSpec(arch="sm90", head_dim=head_dim, block_m=block_m, dtype=dtype, causal=causal,
-                        s_lookahead=True, dp_lookahead=dp, **knobs)
+                        s_lookahead=True, dp_lookahead=dp, **{"dq_lag": False, **knobs})
     kernel, sass, counts = _compiled_clean(spec)
     assert "warning" not in kernel.log.lower(), kernel.log      # (an unused step parity once was)
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < 240
@@ -1544,7 +1546,7 @@ def test_persistent_is_the_sm90_default_and_an_sm90_knob():
     assert spec.persistent and "np" not in spec.variant.split("_") and "persistent" not in backward.emit_command(spec)
     assert "constexpr bool PERSISTENT = true;" in backward.emit(spec)
     off = spec.replace(persistent=False)
-    assert off.variant.endswith("_np_causal") and "--no-persistent" in backward.emit_command(off)
+    assert off.variant.endswith("_np_lpt_causal") and "--no-persistent" in backward.emit_command(off)
     assert "constexpr bool PERSISTENT = false;" in backward.emit(off)
     result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(off).split()[2:]])
     assert result.exit_code == 0 and result.output == backward.emit(off)
@@ -1599,15 +1601,23 @@ def test_persistent_call_launches_one_cta_per_sm_and_keeps_a_counter(bwd, monkey
 
 
 def test_lpt_is_a_causal_sm90_knob_with_a_host_worked_group():
-    """lpt (off by default) orders causal tiles block-major within groups of (kv head, batch) pairs whose
-    Q and dO fit SM90_LPT_GROUP_BYTES; refused non-causal and on sm80, naming it; the group's width is a
-    kernel argument the host works out (the producer's 24 registers spilled for the 64-bit division)."""
+    """lpt (the default of sm90's causal backward, but deterministic or varlen) orders causal tiles block-major
+    within groups of (kv head, batch) pairs whose Q and dO fit SM90_LPT_GROUP_BYTES; refused non-causal and
+    on sm80, naming it; the group's width is a kernel argument the host works out (the producer's 24
+    registers spilled for the 64-bit division)."""
     from facodegen.spec.backward import SM90_LPT_GROUP_BYTES
-    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, lpt=True)
-    assert not BackwardSpec(arch="sm90", head_dim=128, causal=True).lpt and spec.variant.endswith("_lpt_causal")
-    assert "constexpr bool LPT = true;" in backward.emit(spec) and "--lpt" in backward.emit_command(spec)
-    result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(spec).split()[2:]])
-    assert result.exit_code == 0 and result.output == backward.emit(spec)
+    spec = BackwardSpec(arch="sm90", head_dim=128, causal=True)
+    assert spec.lpt and spec == BackwardSpec(arch="sm90", head_dim=128, causal=True, lpt=True)
+    assert spec.variant.endswith("_lpt_causal") and "lpt" not in backward.emit_command(spec)
+    assert not any(BackwardSpec(arch="sm90", head_dim=128, causal=True, **off).lpt
+                   for off in (dict(deterministic=True), dict(varlen=True)))
+    assert not BackwardSpec(arch="sm90", head_dim=128).lpt and not BackwardSpec(head_dim=128, causal=True).lpt
+    assert "constexpr bool LPT = true;" in backward.emit(spec)
+    off = spec.replace(lpt=False)
+    assert "--no-lpt" in backward.emit_command(off).split() and "constexpr bool LPT = false;" in backward.emit(off)
+    for one in (spec, off):
+        result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(one).split()[2:]])
+        assert result.exit_code == 0 and result.output == backward.emit(one)
     result = CliRunner().invoke(cli.main, ["emit", "--arch", "sm90", "--head-dim", "128", "--lpt"])
     assert result.exit_code == 2 and "--lpt: --kernel backward flags" in result.output
     for bad in (dict(arch="sm90", causal=False), dict(arch="sm80", causal=True)):
@@ -1710,11 +1720,15 @@ def test_tile_order_model_puts_shipped_lpt_ahead_of_the_default_order():
 
 
 def test_dq_lag_is_a_head_dim_128_sm90_knob():
-    """dq_lag (off by default) lags dQ by a step where both consumer warpgroups read each other's dS^T
-    rows (head_dim 128, block_m 64, through the bulk reduce): refused elsewhere, naming it; its flag
-    rebuilds the spec."""
+    """dq_lag (the default at head_dim 128 without a causal mask, varlen or determinism) lags dQ by a step
+    where both consumer warpgroups read each other's dS^T rows (head_dim 128, block_m 64, through the bulk
+    reduce): refused elsewhere, naming it; its flag rebuilds the spec."""
     spec = BackwardSpec(arch="sm90", head_dim=128, causal=True, dq_lag=True)
-    assert not BackwardSpec(arch="sm90", head_dim=128).dq_lag and spec.variant.endswith("_dqlag_causal")
+    assert BackwardSpec(arch="sm90", head_dim=128).dq_lag and spec.variant.endswith("_lpt_dqlag_causal")
+    assert not any(BackwardSpec(arch="sm90", head_dim=d, **kw).dq_lag for d, kw in
+                   ((128, dict(causal=True)), (128, dict(varlen=True)), (128, dict(deterministic=True)), (64, {}),
+                    (256, {})))
+    assert "--no-dq-lag" in backward.emit_command(BackwardSpec(arch="sm90", head_dim=128, dq_lag=False)).split()
     assert "--dq-lag" in backward.emit_command(spec).split()
     result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(spec).split()[2:]])
     assert result.exit_code == 0 and result.output == backward.emit(spec)

@@ -85,14 +85,15 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and one with more key blocks than an H200 has SMs: persistent CTAs that take several
     assert any(c.family == "backward" and c.arch == "sm90" and -(-c.seqlen_k // 128) * c.heads_kv * c.batch > 132
                for c in cases)
-    # the lpt tile order (attention_backward(..., lpt=True), case.lpt) on such a launch
-    assert [c.head_dim for c in cases if c.lpt] == [64] and all(c.causal and not c.deterministic for c in cases if c.lpt)
+    # the tile order before lpt (attention_backward(..., lpt=False), case.lpt_flipped) on such a launch
+    assert [c.head_dim for c in cases if c.lpt_flipped] == [64]
+    assert all(c.causal and not c.deterministic for c in cases if c.lpt_flipped)
     # and the rings away from their defaults (case.shallow_rings): a head_dim whose default dO ring is 2 deep
     # and one whose dQ tile is already in pieces
     rings = [c for c in cases if c.shallow_rings]
-    assert {c.head_dim for c in rings} == {128, 256} and not any(c.deterministic or c.lpt for c in rings)
-    # and dq_lag (case.dq_lag: head_dim 128's warpgroups handing dS^T over by mbarriers): case 46
-    assert [(i, c.head_dim, c.causal) for i, c in enumerate(cases) if c.dq_lag] == [(46, 128, True)]
+    assert {c.head_dim for c in rings} == {128, 256} and not any(c.deterministic or c.lpt_flipped for c in rings)
+    # and dq_lag (case.dq_lag_flipped: head_dim 128's warpgroups handing dS^T over by mbarriers): case 46
+    assert [(i, c.head_dim, c.causal) for i, c in enumerate(cases) if c.dq_lag_flipped] == [(46, 128, True)]
     # and varlen_lpt (case.varlen_lpt: a sequence's tiles longest first over L2-sized groups of its heads),
     # the last case, with sequences long enough that a group holds fewer than all heads (head_dim 128:
     # 65,536 keys of K and V in a group)
@@ -381,15 +382,17 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             knobs = {"deterministic": True} if c.deterministic else {}
             # autograd's backward: sm80 after an sm80 forward, else the default (sm90 where it covers the call)
             arch = "sm80" if c.arch == "sm80" else "sm90"     # (deterministic too; every head_dim)
-            lpt = [backward.choose(c.head_dim, c.dtype, c.causal, info, {"lpt": True}, arch)] if c.lpt else []
+            lpt = [backward.choose(c.head_dim, c.dtype, c.causal, info, {"lpt": False}, arch)] if c.lpt_flipped else []
             rings = [backward.choose(c.head_dim, c.dtype, c.causal, info,
                                      fuzz.shallow_ring_knobs(c.head_dim, c.dtype, c.causal), arch)
                      ] if c.shallow_rings else []
-            rings += [backward.choose(c.head_dim, c.dtype, c.causal, info, {"dq_lag": True}, arch)] if c.dq_lag else []
+            rings += [backward.choose(c.head_dim, c.dtype, c.causal, info, {"dq_lag": c.causal}, arch)
+                      ] if c.dq_lag_flipped else []
             assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs, arch), *lpt,
                              *rings]
             assert specs[1].deterministic == c.deterministic
-            assert [s.lpt for s in specs[2:]] == [True] * len(lpt) + [False] * len(rings)
+            lpt_default = c.arch == "sm90" and c.causal and not c.deterministic
+            assert [s.lpt for s in specs[2:]] == [False] * len(lpt) + [lpt_default] * len(rings)
             assert (specs[1].head_dim, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)
         elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen's plan_bound in the shape
             from facodegen.ops import varlen
@@ -560,4 +563,4 @@ def test_shallow_ring_cases_leave_every_ring_default():
     sm90 = [c for c in cases if c.arch == "sm90"]
     rings = [c for c in sm90 if c.shallow_rings]
     assert len(sm90) / 16 < len(rings) < len(sm90) / 4
-    assert not any(c.deterministic or c.lpt for c in rings) and {c.head_dim for c in rings} == {64, 96, 128, 192, 256}
+    assert not any(c.deterministic or c.lpt_flipped for c in rings) and {c.head_dim for c in rings} == {64, 96, 128, 192, 256}

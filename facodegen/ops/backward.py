@@ -34,8 +34,8 @@ from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_LPT_GROUP_BYTES,
                               SM90_LPT_TAIL_WAVES, SM90_PRODUCER_REGS, BackwardSpec, dq_accum_rows,
                               preprocess_row_threads, preprocess_rows_per_cta, sm90_default_rings, sm90_dq_cols,
-                              sm90_dq_m_tiles, sm90_dq_tma_default, sm90_fewest_dq_pieces, sm90_kv_split,
-                              sm90_lookahead_default, sm90_persistent_default, sm90_swizzle_bytes, stat_rows,
+                              sm90_dq_lag_default, sm90_dq_m_tiles, sm90_dq_tma_default, sm90_fewest_dq_pieces, sm90_kv_split,
+                              sm90_lookahead_default, sm90_lpt_default, sm90_persistent_default, sm90_swizzle_bytes, stat_rows,
                               varlen_padded_blocks)
 from ..runtime.params import (SCALE_FIELDS, SHAPE_FIELDS, TENSOR_MAP_ALIGN, Field, pack_placed,
                                place, stride_fields)
@@ -152,8 +152,9 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     return {"gpu": SM90_GPU, "stages": stages, "do_stages": do_stages, "dq_pieces": sm90_fewest_dq_pieces(spec),
             "k_unroll": 2, "deterministic": False, "s_lookahead": s_default, "dp_lookahead": dp_default,
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
-            "persistent": sm90_persistent_default(spec.arch, spec.deterministic, spec.varlen), "lpt": False, "dq_lag": False,
-            "varlen": False}
+            "persistent": sm90_persistent_default(spec.arch, spec.deterministic, spec.varlen),
+            "lpt": sm90_lpt_default(spec.arch, spec.causal, spec.deterministic, spec.varlen),
+            "dq_lag": sm90_dq_lag_default(spec), "varlen": False}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt",
               "dq_lag")

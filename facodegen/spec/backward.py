@@ -276,6 +276,25 @@ def sm90_lookahead_default(arch: str, head_dim: int, block_m: int, stages: int, 
     return s, on is True and s and head_dim == 128
 
 
+def sm90_lpt_default(arch: str, causal: bool, deterministic: bool, varlen: bool) -> bool:
+    """lpt's default: on for sm90's causal backward (persistent: neither deterministic nor varlen). H200,
+    2026-12-05 (session 43, `pending_gpu.sh bench` and `producer`, bf16 fa3-paper cells 2k and 8k, lpt=True
+    beside the default in the same runs): head_dim 128 1.11x / 1.08x at 2k and 1.03x / 1.02x at 8k (two
+    runs), 256 1.08x and 1.02x, 64 0.99x and 1.03x."""
+    return arch == "sm90" and causal and not deterministic and not varlen
+
+
+def sm90_dq_lag_default(spec: "BackwardSpec") -> bool:
+    """dq_lag's default: on where it is allowed (sm90, head_dim 128, block_m 64, the bulk dQ reduce, not
+    deterministic) for the non-causal, non-varlen backward. H200, 2026-12-05 (session 43, two runs, bf16
+    fa3-paper cells at head_dim 128, beside the default in the same runs): full 1.04-1.06x at 2k and
+    1.03-1.04x at 8k; causal 1.04-1.07x at 2k and 1.00-1.01x at 8k alone, but beside lpt (the causal
+    default) 0.98x / 1.00x of lpt alone."""
+    return (spec.arch == "sm90" and not spec.causal and not spec.varlen and not spec.deterministic
+            and sm90_dq_cols(spec.head_dim) != spec.head_dim and not sm90_kv_split(spec.head_dim)
+            and spec.block_m == 64 and spec.dq_tma_reduce is True)
+
+
 SM90_GPUS = ("h100", "h200")
 # lpt: (kv head, batch) pairs per group, as many as keep their Q and dO within this much of the 50 MB
 # L2 (H100, H200), so a group's key blocks, run block-major, still find their Q and dO there.
@@ -285,7 +304,7 @@ SM90_LPT_GROUP_BYTES = 24 << 20
 # the tile draws (an SM takes the next tile when done; 1.5 steps of overhead a tile) puts the causal
 # fa3-paper cells at 0.96-0.97 of ideal with the remainder group alone last, 0.99-1.0 with a last group
 # of 2, 4 or 8 x SMs / key blocks pairs (and the default order, each pair's blocks in turn, at 0.94-0.95
-# for head_dim 128/256 at 1k-8k). Not yet timed on a GPU.
+# for head_dim 128/256 at 1k-8k). Timed against the default order: sm90_lpt_default.
 SM90_LPT_TAIL_WAVES = 4
 
 # k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
@@ -330,8 +349,8 @@ class BackwardSpec:
     s_lookahead: bool | None = None
     dp_lookahead: bool | None = None
     persistent: bool | None = None
-    lpt: bool = False
-    dq_lag: bool = False
+    lpt: bool | None = None
+    dq_lag: bool | None = None
     varlen: bool = False
 
     def __post_init__(self) -> None:
@@ -378,6 +397,10 @@ class BackwardSpec:
             set_("s_lookahead", s_default)
         if self.dp_lookahead is None:
             set_("dp_lookahead", dp_default)
+        if self.lpt is None:
+            set_("lpt", sm90_lpt_default(self.arch, self.causal, self.deterministic, self.varlen))
+        if self.dq_lag is None:
+            set_("dq_lag", sm90_dq_lag_default(self))
         (_validate_sm90 if self.arch == "sm90" else _validate)(self)
 
     @property
@@ -416,10 +439,10 @@ class BackwardSpec:
         return dataclasses.asdict(self)
 
     def replace(self, **changes) -> BackwardSpec:
-        """This spec with ``changes``; the knobs whose default follows others (do_stages, dq_pieces) keep
-        following them where this spec has their default."""
+        """This spec with ``changes``; the knobs whose default follows others (do_stages, dq_pieces, lpt,
+        dq_lag) keep following them where this spec has their default."""
         fields = {**self.as_dict(), **changes}
-        for name in ("do_stages", "dq_pieces"):
+        for name in ("do_stages", "dq_pieces", "lpt", "dq_lag"):
             if name not in changes and self._has_default(name):
                 fields[name] = None
         return BackwardSpec(**fields)
@@ -534,7 +557,7 @@ def _check_types(spec: BackwardSpec) -> None:
     for k in BACKWARD_KNOBS:
         value = getattr(spec, k.name)
         if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages", "do_stages", "dq_pieces",
-                                        "s_lookahead", "dp_lookahead"):
+                                        "s_lookahead", "dp_lookahead", "lpt", "dq_lag"):
             continue
         if k.kind == "text" and not isinstance(value, str):
             raise SpecError(k.name, f"must be text ({', '.join(k.choices)}), got {value!r}")

@@ -98,10 +98,11 @@ class Case:
         return self.family == "backward" and self.seed % 4 == 0
 
     @property
-    def lpt(self) -> bool:
-        """An sm90 causal backward case whose seed is 2 mod 4 also runs attention_backward(..., lpt=True) on
-        the forward's O and LSE (tiles longest first within L2-sized groups; the launch-only sweep launches
-        that one instead), checked like autograd's. Read off the seed, as ``deterministic``."""
+    def lpt_flipped(self) -> bool:
+        """An sm90 causal backward case whose seed is 2 mod 4 also runs attention_backward(..., lpt=False) on
+        the forward's O and LSE (each (kv head, batch)'s key blocks in turn, the order before lpt became the
+        causal default; the launch-only sweep launches that one instead), checked like autograd's. Read off
+        the seed, as ``deterministic``."""
         return self.family == "backward" and self.arch == "sm90" and self.causal and self.seed % 4 == 2
 
     @property
@@ -113,10 +114,12 @@ class Case:
         return self.family == "backward" and self.arch == "sm90" and self.seed % 8 == 3
 
     @property
-    def dq_lag(self) -> bool:
+    def dq_lag_flipped(self) -> bool:
         """An sm90 head_dim 128 backward case whose seed is 1 mod 4 also runs attention_backward(...,
-        dq_lag=True) on the forward's O and LSE (dQ a step late, the warpgroups' dS^T handed over by
-        mbarriers; the launch-only sweep launches that one instead). Read off the seed, as ``deterministic``."""
+        dq_lag=causal) on the forward's O and LSE: the dQ hand-over the default does not take (its default is
+        on without a causal mask: dQ a step late, the warpgroups' dS^T handed over by mbarriers; off with one:
+        both warpgroups meet at a named barrier each step); the launch-only sweep launches that one instead.
+        Read off the seed, as ``deterministic``."""
         return self.family == "backward" and self.arch == "sm90" and self.head_dim == 128 and self.seed % 4 == 1
 
     @property
@@ -533,13 +536,14 @@ def _backward_knobs(case: Case) -> dict:
 
 def _second_call_knobs(case: Case) -> dict:
     """The knobs of a backward case's second call, attention_backward on the forward's O and LSE ({}: none):
-    lpt (case.lpt), the rings away from their defaults (case.shallow_rings) or dq_lag (case.dq_lag)."""
-    if case.lpt:
-        return {"lpt": True}
+    lpt off (case.lpt_flipped), the rings away from their defaults (case.shallow_rings) or dq_lag away from its
+    default (case.dq_lag_flipped)."""
+    if case.lpt_flipped:
+        return {"lpt": False}
     if case.shallow_rings:
         return shallow_ring_knobs(case.head_dim, case.dtype, case.causal)
-    if case.dq_lag:
-        return {"dq_lag": True}
+    if case.dq_lag_flipped:
+        return {"dq_lag": case.causal}
     return {}
 
 
@@ -1034,7 +1038,8 @@ def representative_cases() -> list[Case]:
     cases.append(Case("backward", "sm90", "fp16", batch=2, seqlen_q=113, seqlen_k=8192, heads_q=4, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=7))
-    # and with lpt (seed 10: case.lpt): 64 key blocks x 6 (kv head, batch) pairs, one L2 group (their Q and
+    # with lpt (the causal default), and without (seed 10: case.lpt_flipped): 64 key blocks x 6 (kv head, batch)
+    # pairs, one L2 group (their Q and
     # dO take 0.9 MB), run key block first across the pairs; GQA; 3 query blocks (block_m 128), the last partial
     cases.append(Case("backward", "sm90", "bf16", batch=3, seqlen_q=300, seqlen_k=8192, heads_q=4, heads_kv=2,
                       head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
@@ -1062,7 +1067,7 @@ def representative_cases() -> list[Case]:
         cases.append(Case("backward", "sm90", "bf16", batch=2, seqlen_q=113, seqlen_k=203, heads_q=4, heads_kv=2,
                           head_dim=head_dim, causal=causal, softmax_scale=None, layout="strided", magnitude=1.0,
                           return_lse=False, use_out=False, seed=seed))
-    # and with dq_lag (seed 13: case.dq_lag), causal over 300 queries: tiles of one to five steps, two query
+    # and with dq_lag (seed 13: case.dq_lag_flipped), causal over 300 queries: tiles of one to five steps, two query
     # heads a kv head (the lagged dQ's head changes within a tile): case 46
     cases.append(Case("backward", "sm90", "bf16", batch=2, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
