@@ -12,8 +12,9 @@ Columns (each timed as torch.autograd.grad of O with retain_graph, or the direct
   facodegen padded       facodegen.attention_backward on the padded batch (the same code without varlen; its
                          TFLOP/s fall by the padding it computes)
 TFLOP/s count the real work: 2.5 x the forward's FLOPs summed over the sequences (varlen_flops). Each
-implementation's dQ, dK, dV are checked on the first sequence against facodegen's autograd (within 2e-2
-of the largest) before it is timed; one that fails or refuses is reported with the reason. The pure parts
+implementation's dQ, dK, dV are checked on the longest sequence against facodegen's autograd (within 2e-2
+of the largest) before it is timed: the one sequence the padded batch computes as varlen does without a
+causal mask (a shorter sequence's queries see its zero-padded keys there); one that fails or refuses is reported with the reason. The pure parts
 (the counting, the table) import without torch.
 """
 
@@ -93,8 +94,8 @@ def _implementations(c: dict, torch, facodegen):
         out_p, lse_p = facodegen.attention(*padded[:3], causal=causal, return_lse=True)
     impls["facodegen padded"] = lambda: facodegen.attention_backward(padded[3], *padded[:3], out_p, lse_p,
                                                                      causal=causal)
-    first = lengths[0]
-    return impls, (q, k, v, do, cu, first)
+    longest_seq = max(range(batch), key=lengths.__getitem__)
+    return impls, (q, k, v, do, cu, longest_seq)
 
 
 def measure(c: dict, timing: dict) -> dict:
@@ -104,7 +105,7 @@ def measure(c: dict, timing: dict) -> dict:
     from .timing import time_cuda_interleaved
     results = {}
     try:
-        impls, (q, k, v, do, cu, first) = _implementations(c, torch, facodegen)
+        impls, (q, k, v, do, cu, seq) = _implementations(c, torch, facodegen)
     except Exception as err:    # noqa: BLE001 (a setup failure is the row's result)
         return {**c, "results": {n: {"why": f"setup: {type(err).__name__}: {err}"} for n in COLUMNS}}
     reference = None
@@ -113,7 +114,8 @@ def measure(c: dict, timing: dict) -> dict:
         try:
             grads = fn()
             torch.cuda.synchronize()
-            got = [g[:first] if g.dim() == 3 else g[0, :first] for g in grads]
+            start, length = vs.cu_seqlens(c["lengths"])[seq], c["lengths"][seq]
+            got = [g[start:start + length] if g.dim() == 3 else g[seq, :length] for g in grads]
             if reference is None:
                 reference = got
             worst = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
