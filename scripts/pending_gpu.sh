@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The device work waiting since sessions 40-42 (40-41 had no device; 42 ran `tests` only): everything below
-# landed CPU-checked. Three calls, each inside the device tool's 600 s (carry [".whl"] for FlashAttention-3); logs under
-# $OUT, a table of steps last. Run `tests` and `checks` first: a failure there makes `bench`'s numbers moot.
+# Device work in steps, each call inside the device tool's 600 s (carry [".whl"] for FlashAttention-3); logs
+# under $OUT, packed into $OUT/all.tgz (the tool brings back 8 files), a table of steps last.
 #
-#   OUT=/path bash scripts/pending_gpu.sh tests    # GPU tests of the unvalidated features (at most 500 s;
-#                                                  # run on the H200 2026-12-05 at 04084f2: 1358 passed, 1 failed,
-#                                                  # that test's fix is rerun by `checks`; pytest needs ~455 s)
-#   OUT=/path bash scripts/pending_gpu.sh checks   # their fuzz shares and sanitizer cases (at most 540 s)
-#   OUT=/path bash scripts/pending_gpu.sh bench    # their timings beside the peers, and ncu of varlen (at most 570 s)
+#   OUT=/path bash scripts/pending_gpu.sh tests     # GPU tests of sessions 40-42's features (ran 2026-12-05 at
+#                                                   # 04084f2: 1358 passed, 1 failed, fixed in ad8d935)
+#   OUT=/path bash scripts/pending_gpu.sh checks    # their fuzz shares and sanitizer cases (ran 2026-12-05 at
+#                                                   # f7ee6ca: 0 failures; the hostile test passes)
+#   OUT=/path bash scripts/pending_gpu.sh bench     # their timings beside the peers (ran at f7ee6ca)
+#   OUT=/path bash scripts/pending_gpu.sh producer  # the decode producer fixes' checks, the knob sweeps (ran at
+#                                                   # 8848a71's template: 0 hazards, 0 failures)
+#   OUT=/path bash scripts/pending_gpu.sh defaults  # session 43's new defaults as defaults: NOT YET RUN (loans paused)
+#   OUT=/path bash scripts/pending_gpu.sh paged_b1  # issue 39's batch-1 paged gap: NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -82,7 +85,15 @@ case "${1:-}" in
             --layout paged16,paged64,contiguous --peers fa3 --no-graphs --out "$OUT/decode"
         step fuzz_backward 50 python3 -m facodegen check --fuzz 200 --seed 43 --family backward
         ;;
+    paged_b1)
+        # issue 39's last decode gaps (session 43): batch 1 (split) paged caches at head_dim 64 and 128 read
+        # 0.83-0.89x the contiguous cache (33 splits of a 96 KB ring, two CTAs an SM, against 16 of 128 KB) and
+        # 2.2-3.2 TB/s: the contiguous cache's split count, a deeper ring, producer warps on split calls
+        step decode_b1 150 python3 scripts/bench_decode.py --batch 1 --context 8192,32768,262144 --heads 32/8 \
+            --d 64,128 --layout paged16,paged64,paged256,contiguous --peers fa3 --no-graphs --variant num_splits=16 \
+            --variant stages=4 --variant producer_warps=2 --out "$OUT/decode-b1"
+        ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|paged_b1"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
