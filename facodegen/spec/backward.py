@@ -103,13 +103,15 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("lpt", "bool", "sm90, causal: tiles in longest-first order within groups of (kv head, batch) whose Q "
          "and dO fit SM90_LPT_GROUP_BYTES of L2, the last group at least SM90_LPT_TAIL_WAVES x SMs / key blocks "
          "pairs wide (every key block 0 early, the launch ending on short blocks) instead of each (kv head, "
-         "batch)'s key blocks in turn, whose last block 0 starts late.",
+         "batch)'s key blocks in turn, whose last block 0 starts late. Default: on for causal calls that are "
+         "neither deterministic nor varlen (sm90_lpt_default).",
          flag="--lpt/--no-lpt", token=_flag("lpt")),
     Knob("dq_lag", "bool", "sm90, head_dim 128 (dQ split by columns, both warpgroups' dS^T rows read): each step "
          "computes and writes out the previous step's dQ, after an mbarrier on which the other warpgroup arrived "
          "when it wrote that step's dS^T rows a step ago, instead of both warpgroups meeting at a named barrier "
          "every step before dQ; the warpgroups then need not run in step, one's exponentials beside the other's "
-         "GEMMs. A tile's last step computes its own dQ too.", flag="--dq-lag/--no-dq-lag", token=_flag("dqlag")),
+         "GEMMs. A tile's last step computes its own dQ too. Default: on where allowed without a causal mask, "
+         "varlen or determinism (sm90_dq_lag_default).", flag="--dq-lag/--no-dq-lag", token=_flag("dqlag")),
     Knob("causal", "bool", "Bottom-right aligned causal mask.", flag="--causal/--no-causal", problem=True,
          token=_flag("causal")),
     Knob("varlen", "bool", "Packed variable-length sequences (attention_varlen's backward): a tile's sequence "
