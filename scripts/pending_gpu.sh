@@ -10,7 +10,7 @@
 #   OUT=/path bash scripts/pending_gpu.sh producer  # the decode producer fixes' checks, the knob sweeps (ran at
 #                                                   # 8848a71's template: 0 hazards, 0 failures)
 #   OUT=/path bash scripts/pending_gpu.sh defaults  # session 43's new defaults as defaults: NOT YET RUN (loans paused)
-#   OUT=/path bash scripts/pending_gpu.sh paged_b1  # issue 39's batch-1 paged gap: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh serving   # issue 39's serving host cost, batch-1 paged gap: NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -85,15 +85,18 @@ case "${1:-}" in
             --layout paged16,paged64,contiguous --peers fa3 --no-graphs --out "$OUT/decode"
         step fuzz_backward 50 python3 -m facodegen check --fuzz 200 --seed 43 --family backward
         ;;
-    paged_b1)
-        # issue 39's last decode gaps (session 43): batch 1 (split) paged caches at head_dim 64 and 128 read
+    serving)
+        # issue 39's host cost of the serving calls (last timed in session 36 on a slow host: 23-32 µs against
+        # its SDPA's 29.4; the CPU twin, scripts/hit_path_cpu.py, now reads 4.5 µs decode, 5.9 varlen), then its
+        # last decode gaps (session 43): batch 1 (split) paged caches at head_dim 64 and 128 read
         # 0.83-0.89x the contiguous cache (33 splits of a 96 KB ring, two CTAs an SM, against 16 of 128 KB) and
         # 2.2-3.2 TB/s: the contiguous cache's split count, a deeper ring, producer warps on split calls
         step decode_b1 150 python3 scripts/bench_decode.py --batch 1 --context 8192,32768,262144 --heads 32/8 \
             --d 64,128 --layout paged16,paged64,paged256,contiguous --peers fa3 --no-graphs --variant num_splits=16 \
             --variant stages=4 --variant producer_warps=2 --out "$OUT/decode-b1"
+        step serving_host 60 python3 scripts/serving_host_cost.py
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|paged_b1"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
