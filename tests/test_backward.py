@@ -1546,7 +1546,7 @@ def test_persistent_is_the_sm90_default_and_an_sm90_knob():
     assert spec.persistent and "np" not in spec.variant.split("_") and "persistent" not in backward.emit_command(spec)
     assert "constexpr bool PERSISTENT = true;" in backward.emit(spec)
     off = spec.replace(persistent=False)
-    assert off.variant.endswith("_np_lpt_causal") and "--no-persistent" in backward.emit_command(off)
+    assert off.variant.endswith("_np_causal") and "--no-persistent" in backward.emit_command(off)   # (lpt: persistent's)
     assert "constexpr bool PERSISTENT = false;" in backward.emit(off)
     result = CliRunner().invoke(cli.main, ["emit", *backward.emit_command(off).split()[2:]])
     assert result.exit_code == 0 and result.output == backward.emit(off)
@@ -1610,7 +1610,7 @@ def test_lpt_is_a_causal_sm90_knob_with_a_host_worked_group():
     assert spec.lpt and spec == BackwardSpec(arch="sm90", head_dim=128, causal=True, lpt=True)
     assert spec.variant.endswith("_lpt_causal") and "lpt" not in backward.emit_command(spec)
     assert not any(BackwardSpec(arch="sm90", head_dim=128, causal=True, **off).lpt
-                   for off in (dict(deterministic=True), dict(varlen=True)))
+                   for off in (dict(deterministic=True), dict(varlen=True), dict(persistent=False)))
     assert not BackwardSpec(arch="sm90", head_dim=128).lpt and not BackwardSpec(head_dim=128, causal=True).lpt
     assert "constexpr bool LPT = true;" in backward.emit(spec)
     off = spec.replace(lpt=False)

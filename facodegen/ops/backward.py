@@ -153,7 +153,7 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
             "k_unroll": 2, "deterministic": False, "s_lookahead": s_default, "dp_lookahead": dp_default,
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
             "persistent": sm90_persistent_default(spec.arch, spec.deterministic, spec.varlen),
-            "lpt": sm90_lpt_default(spec.arch, spec.causal, spec.deterministic, spec.varlen),
+            "lpt": sm90_lpt_default(spec.arch, spec.causal, spec.deterministic, spec.varlen, spec.persistent),
             "dq_lag": sm90_dq_lag_default(spec), "varlen": False}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt",

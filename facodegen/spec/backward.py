@@ -103,8 +103,8 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("lpt", "bool", "sm90, causal: tiles in longest-first order within groups of (kv head, batch) whose Q "
          "and dO fit SM90_LPT_GROUP_BYTES of L2, the last group at least SM90_LPT_TAIL_WAVES x SMs / key blocks "
          "pairs wide (every key block 0 early, the launch ending on short blocks) instead of each (kv head, "
-         "batch)'s key blocks in turn, whose last block 0 starts late. Default: on for causal calls that are "
-         "neither deterministic nor varlen (sm90_lpt_default).",
+         "batch)'s key blocks in turn, whose last block 0 starts late. Default: on for persistent causal calls "
+         "(neither deterministic nor varlen; sm90_lpt_default).",
          flag="--lpt/--no-lpt", token=_flag("lpt")),
     Knob("dq_lag", "bool", "sm90, head_dim 128 (dQ split by columns, both warpgroups' dS^T rows read): each step "
          "computes and writes out the previous step's dQ, after an mbarrier on which the other warpgroup arrived "
@@ -278,12 +278,13 @@ def sm90_lookahead_default(arch: str, head_dim: int, block_m: int, stages: int, 
     return s, on is True and s and head_dim == 128
 
 
-def sm90_lpt_default(arch: str, causal: bool, deterministic: bool, varlen: bool) -> bool:
-    """lpt's default: on for sm90's causal backward (persistent: neither deterministic nor varlen). H200,
+def sm90_lpt_default(arch: str, causal: bool, deterministic: bool, varlen: bool, persistent: bool) -> bool:
+    """lpt's default: on for sm90's causal, persistent backward (the only one it was timed on; persistent is
+    the default but for deterministic and varlen calls). H200,
     2026-12-05 (session 43, `pending_gpu.sh bench` and `producer`, bf16 fa3-paper cells 2k and 8k, lpt=True
     beside the default in the same runs): head_dim 128 1.11x / 1.08x at 2k and 1.03x / 1.02x at 8k (two
     runs), 256 1.08x and 1.02x, 64 0.99x and 1.03x."""
-    return arch == "sm90" and causal and not deterministic and not varlen
+    return arch == "sm90" and causal and persistent and not deterministic and not varlen
 
 
 def sm90_dq_lag_default(spec: "BackwardSpec") -> bool:
@@ -400,7 +401,7 @@ class BackwardSpec:
         if self.dp_lookahead is None:
             set_("dp_lookahead", dp_default)
         if self.lpt is None:
-            set_("lpt", sm90_lpt_default(self.arch, self.causal, self.deterministic, self.varlen))
+            set_("lpt", sm90_lpt_default(self.arch, self.causal, self.deterministic, self.varlen, self.persistent))
         if self.dq_lag is None:
             set_("dq_lag", sm90_dq_lag_default(self))
         (_validate_sm90 if self.arch == "sm90" else _validate)(self)
