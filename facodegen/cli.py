@@ -24,7 +24,7 @@ from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default
 # Kernel families `emit` and `inspect` take (--kernel); forward stays the default.
 # The backward's own flags (_kernel_options), as emit/inspect receive them: None where not given.
 BACKWARD_FLAGS = ("deterministic", "k_unroll", "do_stages", "dq_tma_reduce", "dq_pieces", "s_lookahead", "dp_lookahead", "lpt",
-                  "dq_lag")
+                  "dq_lag", "key_warps", "dq_row_warps")
 
 
 def build_backward_spec(fields: dict, flags: dict):
@@ -88,6 +88,10 @@ def _kernel_options(command):
                           "family's decode, combine or append."),
         click.option("--k-unroll", "k_unroll", type=click.Choice(["1", "2", "4"]), callback=_int_choice,
                      help="--kernel backward: k16 steps of each warp GEMM unrolled together."),
+        click.option("--key-warps", "key_warps", type=click.Choice(["1", "2", "4", "8"]), callback=_int_choice,
+                     help="--kernel backward --arch sm80: warps along the keys of the S^T, dP^T, dK, dV warp grids."),
+        click.option("--dq-row-warps", "dq_row_warps", type=click.Choice(["1", "2", "4", "8"]), callback=_int_choice,
+                     help="--kernel backward --arch sm80: warps along the query rows of the dQ warp grid."),
         click.option("--deterministic/--no-deterministic", "deterministic", default=None,
                      help="--kernel backward: bit-identical gradients (dQ added in key-block order)."),
         click.option("--do-stages", "do_stages", type=click.Choice(["1", "2"]), callback=_int_choice,

@@ -11,6 +11,7 @@
 #                                                   # 8848a71's template: 0 hazards, 0 failures)
 #   OUT=/path bash scripts/pending_gpu.sh defaults  # session 43's new defaults as defaults: NOT YET RUN (loans paused)
 #   OUT=/path bash scripts/pending_gpu.sh serving   # issue 39's serving host cost, batch-1 paged gap: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh sm80_bwd  # issue 38's sm80 backward warp grids: NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -96,7 +97,18 @@ case "${1:-}" in
             --variant stages=4 --variant producer_warps=2 --out "$OUT/decode-b1"
         step serving_host 60 python3 scripts/serving_host_cost.py
         ;;
+    sm80_bwd)
+        # issue 38's sm80 bar (>= 1.0x FlashAttention-2's backward; 0.54-0.63x in 2026-12-03's grid, the varlen
+        # backward 0.57-0.66x in session 43): the warp grids of FA2's d128 backward (key_warps 4 of 8 along the
+        # keys, dq_row_warps 2), ~25% less ldmatrix traffic a step at d128 by count, checked then timed
+        step pytest_grids 120 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py -k "warp_grids"
+        for d in 64 128; do
+            step "sm80_bwd_d$d" 120 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
+                --variant arch=sm80 --variant arch=sm80,key_warps=4,dq_row_warps=2 --variant arch=sm80,key_warps=4 \
+                --variant arch=sm80,key_warps=2,dq_row_warps=2 --out "$OUT/sm80-bwd-d$d"
+        done
+        ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"

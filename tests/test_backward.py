@@ -46,6 +46,45 @@ def test_variant_names_the_problem_and_the_tile():
     assert len({s.variant for s in DEFAULTS}) == len(DEFAULTS)
 
 
+def test_sm80_warp_grids_are_knobs_with_the_old_grids_as_defaults():
+    """key_warps and dq_row_warps default to one warp per 16-key / 16-row slab (the grids before them):
+    the name, the emit line and the header leave them out there; another grid names itself (kw, qw), its
+    emit line rebuilds it, its source says the count; sm90's header never lists them."""
+    from facodegen.spec.backward import sm80_dq_row_warps_default, sm80_key_warps_default
+    spec = BackwardSpec(head_dim=128)
+    assert (spec.key_warps, spec.dq_row_warps) == (8, 4) == (sm80_key_warps_default(128, 8),
+                                                            sm80_dq_row_warps_default(64, 8))
+    assert spec == BackwardSpec(head_dim=128, key_warps=8, dq_row_warps=4)
+    assert "warps" not in spec.variant.split("_w8")[1] and "key-warps" not in backward.emit_command(spec)
+    fa2 = BackwardSpec(head_dim=128, key_warps=4, dq_row_warps=2)
+    assert fa2.variant.endswith("_w8_kw4_qw2")
+    line = backward.emit_command(fa2)
+    assert "--key-warps 4" in line and "--dq-row-warps 2" in line
+    source = backward.emit(fa2)
+    assert "constexpr int WARPS_SN = 4;" in source and "constexpr int WARPS_QM = 2;" in source
+    result = CliRunner().invoke(cli.main, ["emit", *line.split()[2:]])
+    assert result.exit_code == 0 and result.output == source
+    assert fa2.replace(head_dim=64).key_warps == 4 and spec.replace(block_n=64).key_warps == 4   # (defaults follow)
+    assert "key_warps" not in backward.emit(BackwardSpec(arch="sm90", head_dim=128))
+
+
+@pytest.mark.parametrize("head_dim, key_warps, dq_row_warps", [(128, 4, 2), (128, 2, 2), (64, 4, 2), (64, 2, 4),
+                                                              (96, 4, 4)])
+def test_sm80_warp_grids_compile_without_spills_and_read_shared_memory_less(head_dim, key_warps, dq_row_warps):
+    """NVRTC sm_80: no spills or stack; the same HMMA count as the default grid (the same GEMMs), and fewer
+    ldmatrix instructions in the main kernel where fewer warps share a column range (each reads the shared
+    operand once per warp)."""
+    spec = BackwardSpec(head_dim=head_dim, key_warps=key_warps, dq_row_warps=dq_row_warps)
+    kernel = backward.compile(spec, sm="sm_80")
+    r = kernel.resources
+    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 255
+    try:
+        counts, default = kernel.sass_counts(), backward.compile(BackwardSpec(head_dim=head_dim), sm="sm_80").sass_counts()
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+    assert counts["HMMA"] == default["HMMA"] and counts["LDSM"] < default["LDSM"]
+
+
 @pytest.mark.parametrize("fields, knob, words", [
     ({"arch": "sm75"}, "arch", "sm75"),
     ({"arch": "sm90", "head_dim": 256, "block_n": 128}, "block_n", "block_n=64"),
@@ -65,6 +104,12 @@ def test_variant_names_the_problem_and_the_tile():
     ({"arch": "sm90", "num_warps": 8}, "num_warps", "12 warps"),
     ({"arch": "sm90", "stages": 1}, "stages", "2 deep"),
     ({"arch": "sm90", "k_unroll": 1}, "k_unroll", "sm80 knob"),
+    ({"arch": "sm90", "key_warps": 4}, "key_warps", "sm80 knob"),
+    ({"arch": "sm90", "dq_row_warps": 2}, "dq_row_warps", "sm80 knob"),
+    ({"key_warps": 3}, "key_warps", "3 of 8 warps"),
+    ({"head_dim": 96, "key_warps": 2}, "num_warps", "16-column pieces"),
+    ({"head_dim": 96, "dq_row_warps": 2}, "dq_row_warps", "2 x 4 of 8 warps"),
+    ({"dq_row_warps": 0}, "dq_row_warps", "at least 1"),
     ({"arch": "sm90", "gpu": "a100"}, "gpu", "h100, h200"),
     ({"dq_tma_reduce": True}, "dq_tma_reduce", "an sm90 knob"),
     ({"dtype": "fp8"}, "dtype", "fp8"),

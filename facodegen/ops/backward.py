@@ -33,7 +33,8 @@ from ..runtime import driver
 from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_LPT_GROUP_BYTES,
                               SM90_LPT_TAIL_WAVES, SM90_PRODUCER_REGS, BackwardSpec, dq_accum_rows,
-                              preprocess_row_threads, preprocess_rows_per_cta, sm90_default_rings, sm90_dq_cols,
+                              preprocess_row_threads, preprocess_rows_per_cta, sm80_dq_row_warps_default,
+                              sm80_key_warps_default, sm90_default_rings, sm90_dq_cols,
                               sm90_dq_lag_default, sm90_dq_m_tiles, sm90_dq_tma_default, sm90_fewest_dq_pieces, sm90_kv_split,
                               sm90_lookahead_default, sm90_lpt_default, sm90_persistent_default, sm90_swizzle_bytes, stat_rows,
                               varlen_padded_blocks)
@@ -145,7 +146,9 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     if spec.arch == "sm80":
         return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False,
                 "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False, "do_stages": 1,
-                "dq_pieces": 1, "dq_lag": False, "varlen": False}
+                "dq_pieces": 1, "dq_lag": False, "varlen": False,
+                "key_warps": sm80_key_warps_default(spec.block_n, spec.num_warps),
+                "dq_row_warps": sm80_dq_row_warps_default(spec.block_m, spec.num_warps)}
     s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
                                                    spec.dq_tma_reduce, spec.s_lookahead)
     stages, do_stages = sm90_default_rings(spec.head_dim, spec.dq_tma_reduce, SM90_GPU)
@@ -154,10 +157,12 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
             "persistent": sm90_persistent_default(spec.arch, spec.deterministic, spec.varlen),
             "lpt": sm90_lpt_default(spec.arch, spec.causal, spec.deterministic, spec.varlen, spec.persistent),
-            "dq_lag": sm90_dq_lag_default(spec), "varlen": False}
+            "dq_lag": sm90_dq_lag_default(spec), "varlen": False, "key_warps": 0, "dq_row_warps": 0}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt",
               "dq_lag")
+# and the sm80 warp grids' knobs, which the sm90 header leaves out (0 there: its warpgroups own 64 keys each)
+_SM80_ONLY = ("key_warps", "dq_row_warps")
 
 
 def emit_command(spec: BackwardSpec) -> str:
@@ -181,7 +186,7 @@ def emit(spec: BackwardSpec) -> str:
     return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
         spec_items=sorted((k, v) for k, v in spec.as_dict().items()
-                          if (spec.arch == "sm90" or k not in _SM90_ONLY) and (k != "varlen" or v)),
+                          if (k not in (_SM80_ONLY if spec.arch == "sm90" else _SM90_ONLY)) and (k != "varlen" or v)),
         smem_bytes=spec.smem_bytes, threads=spec.threads,
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
         producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),

@@ -63,6 +63,19 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("k_unroll", "int", "k16 steps of each warp GEMM unrolled together (more in flight, more registers).",
          flag="--k-unroll", choices=(1, 2, 4), search={"sm80": (1, 2)},
          token=lambda s, v: f"ku{s.k_unroll}" if s.k_unroll != 2 else None),
+    Knob("key_warps", "int", "sm80: warps along the keys of the S^T, dP^T, dK and dV warp grids (the rest split "
+         "the queries, and head_dim for dK, dV); each warp's GEMMs read its keys' slabs and its share of Q, dO "
+         "from shared memory, so fewer warps along the keys read Q and dO fewer times (FlashAttention-2's d128 "
+         "backward: 4 of 8). Default: as many as block_n has 16-key slabs, up to num_warps.",
+         flag="--key-warps", choices=(1, 2, 4, 8), search={"sm80": (2, 4, 8)},
+         token=lambda s, v: f"kw{v}" if s.arch == "sm80" and v != sm80_key_warps_default(s.block_n, s.num_warps)
+         else None),
+    Knob("dq_row_warps", "int", "sm80: warps along the query rows of the dQ warp grid (the rest split head_dim): "
+         "each reads its rows' dS and its columns' K (FlashAttention-2's d128 backward: 2 of 8). Default: as "
+         "many as block_m has 16-row slabs, up to num_warps.", flag="--dq-row-warps", choices=(1, 2, 4, 8),
+         search={"sm80": (2, 4)},
+         token=lambda s, v: f"qw{v}" if s.arch == "sm80" and v != sm80_dq_row_warps_default(s.block_m, s.num_warps)
+         else None),
     Knob("stages", "int", "Q buffers: sm80 1 (with dO; the next step's Q, dO load under the dQ GEMM); sm90 2 (the "
          "TMA ring the producer warp fills; dO's: do_stages).", flag="--stages",
          choices=(1, 2), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
@@ -204,6 +217,16 @@ SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
 # (dq_pieces: SM90_DQ_PIECES_CHOICES, above the knobs)
 
 
+def sm80_key_warps_default(block_n: int, num_warps: int) -> int:
+    """key_warps' default: one warp per 16-key slab, up to num_warps (the grids before the knob)."""
+    return min(block_n // 16, num_warps)
+
+
+def sm80_dq_row_warps_default(block_m: int, num_warps: int) -> int:
+    """dq_row_warps' default: one warp per 16-row slab of dQ, up to num_warps (the grid before the knob)."""
+    return min(block_m // 16, num_warps)
+
+
 def sm90_persistent_default(arch: str, deterministic: bool, varlen: bool = False) -> bool:
     """persistent's default: on sm90 but for deterministic calls. H200, 2026-12-04 (session 37), bf16
     fa3-paper grid, persistent against one CTA per tile in the same runs: 0.98-1.02x per cell (geomean
@@ -343,6 +366,8 @@ class BackwardSpec:
     block_n: int | None = None
     num_warps: int | None = None
     k_unroll: int = 2
+    key_warps: int | None = None
+    dq_row_warps: int | None = None
     stages: int | None = None
     do_stages: int | None = None
     gpu: str | None = None
@@ -394,6 +419,10 @@ class BackwardSpec:
                 set_(name, value)
         if self.dq_pieces is None:
             set_("dq_pieces", sm90_fewest_dq_pieces(self))
+        if self.key_warps is None:       # (sm90's consumer warpgroups own 64 keys each: the field is sm80's)
+            set_("key_warps", sm80_key_warps_default(self.block_n, self.num_warps) if self.arch == "sm80" else 0)
+        if self.dq_row_warps is None:
+            set_("dq_row_warps", sm80_dq_row_warps_default(self.block_m, self.num_warps) if self.arch == "sm80" else 0)
         s_default, dp_default = sm90_lookahead_default(self.arch, self.head_dim, self.block_m, self.stages,
                                                        self.dq_tma_reduce, self.s_lookahead)
         if self.s_lookahead is None:
@@ -443,9 +472,9 @@ class BackwardSpec:
 
     def replace(self, **changes) -> BackwardSpec:
         """This spec with ``changes``; the knobs whose default follows others (do_stages, dq_pieces, lpt,
-        dq_lag) keep following them where this spec has their default."""
+        dq_lag, key_warps, dq_row_warps) keep following them where this spec has their default."""
         fields = {**self.as_dict(), **changes}
-        for name in ("do_stages", "dq_pieces", "lpt", "dq_lag"):
+        for name in ("do_stages", "dq_pieces", "lpt", "dq_lag", "key_warps", "dq_row_warps"):
             if name not in changes and self._has_default(name):
                 fields[name] = None
         return BackwardSpec(**fields)
@@ -560,7 +589,7 @@ def _check_types(spec: BackwardSpec) -> None:
     for k in BACKWARD_KNOBS:
         value = getattr(spec, k.name)
         if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages", "do_stages", "dq_pieces",
-                                        "s_lookahead", "dp_lookahead", "lpt", "dq_lag"):
+                                        "s_lookahead", "dp_lookahead", "lpt", "dq_lag", "key_warps", "dq_row_warps"):
             continue
         if k.kind == "text" and not isinstance(value, str):
             raise SpecError(k.name, f"must be text ({', '.join(k.choices)}), got {value!r}")
@@ -613,22 +642,27 @@ def _validate(spec: BackwardSpec) -> None:
     if spec.block_n % 16 or not 16 <= spec.block_n <= 256:
         raise SpecError("block_n", f"{spec.block_n}: a multiple of 16 from 16 to 256")
     warps = spec.num_warps
-    warps_sn = min(spec.block_n // 16, warps)
+    warps_sn = spec.key_warps
+    if warps_sn < 1 or spec.dq_row_warps < 1:
+        raise SpecError("key_warps" if warps_sn < 1 else "dq_row_warps", "at least 1 warp")
     if warps % warps_sn or spec.block_n % (16 * warps_sn):
-        raise SpecError("block_n", f"{spec.block_n} keys do not split into 16-key slabs over {warps} warps "
-                                   f"(num_warps)")
+        raise SpecError("key_warps" if warps_sn != sm80_key_warps_default(spec.block_n, warps) else "block_n",
+                        f"{spec.block_n} keys do not split into 16-key slabs over {warps_sn} of {warps} warps "
+                        f"(key_warps, num_warps)")
     warps_sm = warps // warps_sn
     if spec.block_m % (16 * warps_sm):
         raise SpecError("block_m", f"{spec.block_m} query rows do not split into 16-column pieces over the "
-                                   f"{warps_sm} warps left along the queries (raise block_n or lower num_warps)")
+                                   f"{warps_sm} warps left along the queries (raise block_n or key_warps, or lower "
+                                   f"num_warps)")
     warps_kd = warps // warps_sn
     if spec.head_dim % (16 * warps_kd):
         raise SpecError("num_warps", f"head_dim {spec.head_dim} does not split into 16-column pieces over "
-                                     f"{warps_kd} warps (raise block_n or lower num_warps)")
-    warps_qm = min(spec.block_m // 16, warps)
-    if warps % warps_qm or spec.head_dim % (16 * (warps // warps_qm)):
-        raise SpecError("block_m", f"{spec.block_m} rows x head_dim {spec.head_dim} of dQ do not split over "
-                                   f"{warps} warps (num_warps)")
+                                     f"{warps_kd} warps (raise block_n or key_warps, or lower num_warps)")
+    warps_qm = spec.dq_row_warps
+    if warps % warps_qm or spec.block_m % (16 * warps_qm) or spec.head_dim % (16 * (warps // warps_qm)):
+        raise SpecError("dq_row_warps" if warps_qm != sm80_dq_row_warps_default(spec.block_m, warps) else "block_m",
+                        f"{spec.block_m} rows x head_dim {spec.head_dim} of dQ do not split over {warps_qm} x "
+                        f"{warps // max(warps_qm, 1)} of {warps} warps (dq_row_warps, num_warps)")
     floats = kv_acc_floats(spec)
     if floats > MAX_KV_ACC_FLOATS:
         raise SpecError("block_n", f"{spec.block_n} keys x head_dim {spec.head_dim}: dK and dV take {floats} "
@@ -673,6 +707,10 @@ def _validate_sm90(spec: BackwardSpec) -> None:
                                   f"{SM90_STAGES} at head_dim 192, 256)")
     if spec.k_unroll != 2:
         raise SpecError("k_unroll", f"{spec.k_unroll}: k_unroll is an sm80 knob (wgmma has no such choice)")
+    for name in ("key_warps", "dq_row_warps"):
+        if getattr(spec, name):
+            raise SpecError(name, f"{getattr(spec, name)}: an sm80 knob (the sm90 backward's consumer warpgroups "
+                                  f"own 64 keys each)")
     if spec.dq_pieces != 1 and not spec.dq_tma_reduce:
         raise SpecError("dq_pieces", f"{spec.dq_pieces}: pieces of the dQ tile dq_tma_reduce stages in shared memory "
                                      f"(set dq_tma_reduce=True)")

@@ -280,6 +280,26 @@ def test_non_default_tiles_and_cupy():
     assert torch.equal(torch.as_tensor(dv, device="cuda"), ref[2])
 
 
+# sm80 warp grids away from the default (key_warps, dq_row_warps): FlashAttention-2's d128 layout and others,
+# at the head_dims whose default tile they split, causal and not, GQA
+_GRID_WARPS = [(d, kw, qw, causal) for d, kw, qw in ((128, 4, 2), (128, 2, 2), (128, 4, 4), (64, 4, 2), (64, 2, 4),
+                                                     (96, 4, 4)) for causal in (False, True)]
+
+
+@pytest.mark.parametrize("d, key_warps, dq_row_warps, causal", _GRID_WARPS,
+                         ids=[f"hd{d}-kw{kw}-qw{qw}-{'causal' if c else 'full'}" for d, kw, qw, c in _GRID_WARPS])
+def test_sm80_warp_grids_match_float64_and_the_default_dk_dv(d, key_warps, dq_row_warps, causal):
+    """Another warp grid changes which warp computes an element, not the order of its sums: dK and dV
+    bit-identical to the default grid's, dQ (fp32 atomics in any order) within the criterion."""
+    q, k, v, do = make(2, 239, 203, 4, 2, d, torch.bfloat16, seed=d + 10 * key_warps + dq_row_warps)
+    scale = d ** -0.5
+    got = run_backward(q, k, v, do, causal, scale, poison=True, arch="sm80", key_warps=key_warps,
+                       dq_row_warps=dq_row_warps)
+    assert check_grads(got, do, q, k, v, causal, scale) == []
+    default = run_backward(q, k, v, do, causal, scale, arch="sm80")
+    assert torch.equal(got[1], default[1]) and torch.equal(got[2], default[2])
+
+
 def test_errors_name_the_argument():
     q, k, v, do = make(1, 64, 64, 2, 2, 64, torch.bfloat16, seed=1)
     out, lse = facodegen.attention(q, k, v, return_lse=True)
