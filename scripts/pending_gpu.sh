@@ -100,12 +100,14 @@ case "${1:-}" in
     sm80_bwd)
         # issue 38's sm80 bar (>= 1.0x FlashAttention-2's backward; 0.54-0.63x in 2026-12-03's grid, the varlen
         # backward 0.57-0.66x in session 43): the warp grids of FA2's d128 backward (key_warps 4 of 8 along the
-        # keys, dq_row_warps 2), ~25% less ldmatrix traffic a step at d128 by count, checked then timed
-        step pytest_grids 120 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py -k "warp_grids"
+        # keys, dq_row_warps 2: ~25% less ldmatrix traffic a step at d128 by count) and the 2-deep Q/dO ring
+        # (stages=2: the next step's loads under all five GEMMs, a barrier a step fewer), checked then timed
+        step pytest_grids 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py -k "warp_grids or sm80-st2"
         for d in 64 128; do
-            step "sm80_bwd_d$d" 120 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
-                --variant arch=sm80 --variant arch=sm80,key_warps=4,dq_row_warps=2 --variant arch=sm80,key_warps=4 \
-                --variant arch=sm80,key_warps=2,dq_row_warps=2 --out "$OUT/sm80-bwd-d$d"
+            step "sm80_bwd_d$d" 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
+                --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2 \
+                --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 --variant arch=sm80,key_warps=2,dq_row_warps=2 \
+                --out "$OUT/sm80-bwd-d$d"
         done
         ;;
     *)

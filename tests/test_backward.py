@@ -68,18 +68,32 @@ def test_sm80_warp_grids_are_knobs_with_the_old_grids_as_defaults():
     assert "key_warps" not in backward.emit(BackwardSpec(arch="sm90", head_dim=128))
 
 
-@pytest.mark.parametrize("head_dim, key_warps, dq_row_warps", [(128, 4, 2), (128, 2, 2), (64, 4, 2), (64, 2, 4),
-                                                              (96, 4, 4)])
-def test_sm80_warp_grids_compile_without_spills_and_read_shared_memory_less(head_dim, key_warps, dq_row_warps):
+def test_sm80_two_stages_double_the_q_do_buffers_and_name_themselves():
+    """stages=2 on sm80: two of each Q, dO tile and LSE, D row in shared memory, the name says st2, the emit
+    line --stages 2 (and no --do-stages: it follows), the source STAGES = 2; head_dim 256's 214 KB fits an
+    H100/H200, not the A100's budget."""
+    one, two = BackwardSpec(head_dim=128), BackwardSpec(head_dim=128, stages=2)
+    assert two.smem_bytes - one.smem_bytes == 2 * 64 * 128 * 2 + 2 * 64 * 4 and two.variant.endswith("_w8_st2")
+    line = backward.emit_command(two)
+    assert "--stages 2" in line and "--do-stages" not in line and "constexpr int  STAGES     = 2;" in backward.emit(two)
+    result = CliRunner().invoke(cli.main, ["emit", *line.split()[2:]])
+    assert result.exit_code == 0 and result.output == backward.emit(two)
+    assert BackwardSpec(head_dim=256, stages=2, gpu="h100").smem_bytes <= GPUS["h100"].smem_per_block
+
+
+@pytest.mark.parametrize("head_dim, key_warps, dq_row_warps, stages", [
+    (128, 4, 2, 1), (128, 2, 2, 1), (64, 4, 2, 1), (64, 2, 4, 1), (96, 4, 4, 1), (128, 4, 2, 2), (64, 4, 2, 2)])
+def test_sm80_warp_grids_compile_without_spills_and_read_shared_memory_less(head_dim, key_warps, dq_row_warps, stages):
     """NVRTC sm_80: no spills or stack; the same HMMA count as the default grid (the same GEMMs), and fewer
     ldmatrix instructions in the main kernel where fewer warps share a column range (each reads the shared
     operand once per warp)."""
-    spec = BackwardSpec(head_dim=head_dim, key_warps=key_warps, dq_row_warps=dq_row_warps)
+    spec = BackwardSpec(head_dim=head_dim, key_warps=key_warps, dq_row_warps=dq_row_warps, stages=stages)
     kernel = backward.compile(spec, sm="sm_80")
     r = kernel.resources
     assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 255
     try:
-        counts, default = kernel.sass_counts(), backward.compile(BackwardSpec(head_dim=head_dim), sm="sm_80").sass_counts()
+        counts = kernel.sass_counts()
+        default = backward.compile(BackwardSpec(head_dim=head_dim, stages=stages), sm="sm_80").sass_counts()
     except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
         pytest.skip(f"cuobjdump: {err}")
     assert counts["HMMA"] == default["HMMA"] and counts["LDSM"] < default["LDSM"]
@@ -114,7 +128,8 @@ def test_sm80_warp_grids_compile_without_spills_and_read_shared_memory_less(head
     ({"dq_tma_reduce": True}, "dq_tma_reduce", "an sm90 knob"),
     ({"dtype": "fp8"}, "dtype", "fp8"),
     ({"head_dim": 80}, "head_dim", "80"),
-    ({"stages": 2}, "stages", "stages=1"),
+    ({"stages": 3}, "stages", "3"),
+    ({"head_dim": 256, "stages": 2}, "block_n", "shared memory"),     # (214 KB: the A100's 163 KB budget)
     ({"k_unroll": 3}, "k_unroll", "3"),
     ({"num_warps": 6}, "num_warps", "6"),
     ({"block_m": 48}, "block_m", "48"),

@@ -145,7 +145,7 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     line says --deterministic, as BackwardSpec makes it; the ring's depth for the dQ path)."""
     if spec.arch == "sm80":
         return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "deterministic": False, "dq_tma_reduce": False,
-                "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False, "do_stages": 1,
+                "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False, "do_stages": spec.stages,
                 "dq_pieces": 1, "dq_lag": False, "varlen": False,
                 "key_warps": sm80_key_warps_default(spec.block_n, spec.num_warps),
                 "dq_row_warps": sm80_dq_row_warps_default(spec.block_m, spec.num_warps)}

@@ -76,8 +76,9 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          search={"sm80": (2, 4)},
          token=lambda s, v: f"qw{v}" if s.arch == "sm80" and v != sm80_dq_row_warps_default(s.block_m, s.num_warps)
          else None),
-    Knob("stages", "int", "Q buffers: sm80 1 (with dO; the next step's Q, dO load under the dQ GEMM); sm90 2 (the "
-         "TMA ring the producer warp fills; dO's: do_stages).", flag="--stages",
+    Knob("stages", "int", "Q buffers: sm80 1 (with dO; the next step's Q, dO load under the dQ GEMM) or 2 (with "
+         "dO: the next step's Q, dO, LSE and D rows load from the top of each step, under all five GEMMs, and a "
+         "barrier a step goes); sm90 2 (the TMA ring the producer warp fills; dO's: do_stages).", flag="--stages",
          choices=(1, 2), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
     Knob("do_stages", "int", "sm90: dO buffers (with their D rows), at most stages (None: as deep as fits, "
          "sm90_default_rings). Below it, a "
@@ -444,7 +445,7 @@ class BackwardSpec:
         if self.arch == "sm90":
             return sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages, self.do_stages,
                                    self.dq_tma_reduce, self.dq_bufs, self.dq_pieces)
-        return smem_bytes(self.block_m, self.block_n, self.head_dim)
+        return smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages)
 
     @property
     def dq_bufs(self) -> int:
@@ -486,10 +487,12 @@ class BackwardSpec:
             return False
 
 
-def smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
-    """Q + dO tiles, K + V tiles, P^T + dS^T tiles (elem_t), LSE and D rows (float32)."""
+def smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int = 1) -> int:
+    """The sm80 backward: ``stages`` x (Q + dO tiles, LSE and D rows (float32)), K + V tiles, P^T + dS^T
+    tiles (elem_t)."""
     e = ELEMENT_BYTES
-    return 2 * block_m * head_dim * e + 2 * block_n * head_dim * e + 2 * block_n * block_m * e + 2 * block_m * 4
+    return stages * (2 * block_m * head_dim * e + 2 * block_m * 4) + 2 * block_n * head_dim * e + \
+        2 * block_n * block_m * e
 
 
 def sm90_smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int, do_stages: int | None = None,
@@ -628,14 +631,12 @@ def _validate(spec: BackwardSpec) -> None:
                                        "has no asynchronous GEMMs")
     if spec.dq_tma_reduce:
         raise SpecError("dq_tma_reduce", "an sm90 knob (TMA bulk reduce-add); the sm80 backward adds dQ with atomics")
-    if spec.stages != 1:
-        raise SpecError("stages", f"{spec.stages}: only stages=1 (one Q/dO buffer; the next step's loads run "
-                                  f"under the dQ GEMM)")
+    _choice("stages", spec.stages, (1, 2))
     if spec.dq_pieces != 1:
         raise SpecError("dq_pieces", f"{spec.dq_pieces}: an sm90 knob (pieces of dq_tma_reduce's dQ tile)")
     if spec.do_stages != spec.stages:
         raise SpecError("do_stages", f"{spec.do_stages}: an sm90 knob (the dO ring's depth); the sm80 backward's "
-                                     f"one buffer holds Q and dO")
+                                     f"buffers (stages) hold Q and dO together")
     _choice("num_warps", spec.num_warps, (4, 8))
     _choice("block_m", spec.block_m, (32, 64, 128))
     _choice("k_unroll", spec.k_unroll, (1, 2, 4))

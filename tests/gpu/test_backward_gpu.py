@@ -130,9 +130,10 @@ def test_strided_inputs_and_poisoned_outputs(causal):
     assert check_grads(got, do, q, k, v, causal, 0.125) == []
 
 
-@pytest.mark.parametrize("arch, knobs", [("sm80", {}), ("sm90", {}), ("sm90", {"dq_tma_reduce": True}),
+@pytest.mark.parametrize("arch, knobs", [("sm80", {}), ("sm80", {"stages": 2, "key_warps": 4, "dq_row_warps": 2}),
+                                         ("sm90", {}), ("sm90", {"dq_tma_reduce": True}),
                                          ("sm90", {"dq_tma_reduce": True, "do_stages": 1, "dp_lookahead": False})],
-                         ids=["sm80", "sm90", "sm90-dqtma", "sm90-dqtma-dos1"])
+                         ids=["sm80", "sm80-st2-kw4-qw2", "sm90", "sm90-dqtma", "sm90-dqtma-dos1"])
 @pytest.mark.parametrize("sq, sk, causal, d, heads", [(1023, 1024, True, 128, "gqa"), (239, 1, False, 64, "mha"),
                                                       (113, 2000, True, 256, "mqa"), (2048, 2048, False, 96, "mha"),
                                                       (777, 3000, False, 64, "gqa"), (501, 700, True, 192, "gqa")])
@@ -280,21 +281,25 @@ def test_non_default_tiles_and_cupy():
     assert torch.equal(torch.as_tensor(dv, device="cuda"), ref[2])
 
 
-# sm80 warp grids away from the default (key_warps, dq_row_warps): FlashAttention-2's d128 layout and others,
-# at the head_dims whose default tile they split, causal and not, GQA
-_GRID_WARPS = [(d, kw, qw, causal) for d, kw, qw in ((128, 4, 2), (128, 2, 2), (128, 4, 4), (64, 4, 2), (64, 2, 4),
-                                                     (96, 4, 4)) for causal in (False, True)]
+# sm80 warp grids away from the default (key_warps, dq_row_warps: FlashAttention-2's d128 layout and others,
+# at the head_dims whose default tile they split) and the 2-deep Q/dO ring (stages), causal and not, GQA
+_GRID_WARPS = [(d, kw, qw, st, causal) for d, kw, qw, st in
+               ((128, 4, 2, 1), (128, 2, 2, 1), (128, 4, 4, 1), (64, 4, 2, 1), (64, 2, 4, 1), (96, 4, 4, 1),
+                (128, None, None, 2), (128, 4, 2, 2), (64, 4, 2, 2), (96, None, None, 2), (192, None, None, 2),
+                (256, None, None, 2)) for causal in (False, True)]
 
 
-@pytest.mark.parametrize("d, key_warps, dq_row_warps, causal", _GRID_WARPS,
-                         ids=[f"hd{d}-kw{kw}-qw{qw}-{'causal' if c else 'full'}" for d, kw, qw, c in _GRID_WARPS])
-def test_sm80_warp_grids_match_float64_and_the_default_dk_dv(d, key_warps, dq_row_warps, causal):
-    """Another warp grid changes which warp computes an element, not the order of its sums: dK and dV
-    bit-identical to the default grid's, dQ (fp32 atomics in any order) within the criterion."""
-    q, k, v, do = make(2, 239, 203, 4, 2, d, torch.bfloat16, seed=d + 10 * key_warps + dq_row_warps)
+@pytest.mark.parametrize("d, key_warps, dq_row_warps, stages, causal", _GRID_WARPS,
+                         ids=[f"hd{d}-kw{kw}-qw{qw}-st{st}-{'causal' if c else 'full'}" for d, kw, qw, st, c in _GRID_WARPS])
+def test_sm80_warp_grids_match_float64_and_the_default_dk_dv(d, key_warps, dq_row_warps, stages, causal):
+    """Another warp grid, or the 2-deep ring, changes which warp computes an element or when its operands
+    land, not the order of its sums: dK and dV bit-identical to the default's, dQ (fp32 atomics in any
+    order) within the criterion; 239 queries make 4 steps a key block (2 at head_dim 64's 128 rows), so the
+    ring's two stages take turns."""
+    q, k, v, do = make(2, 239, 203, 4, 2, d, torch.bfloat16, seed=d + 10 * (key_warps or 0) + (dq_row_warps or 0))
     scale = d ** -0.5
     got = run_backward(q, k, v, do, causal, scale, poison=True, arch="sm80", key_warps=key_warps,
-                       dq_row_warps=dq_row_warps)
+                       dq_row_warps=dq_row_warps, stages=stages)
     assert check_grads(got, do, q, k, v, causal, scale) == []
     default = run_backward(q, k, v, do, causal, scale, arch="sm80")
     assert torch.equal(got[1], default[1]) and torch.equal(got[2], default[2])
