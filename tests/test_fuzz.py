@@ -111,7 +111,10 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert [i for i, c in enumerate(cases) if c.varlen_backward] == [36, 37, 38, 39, 40, 41, 42, 43, 51, 52]
     assert [(i, c.arch) for i, c in enumerate(cases) if c.varlen_backward and c.seed % 8 == 7] == [(51, "sm80"),
                                                                                                   (52, "sm90")]
-    assert len(cases) == 53
+    # and the sm80 backward's 2-deep ring and FlashAttention-2's warp grid (case.sm80_pipelined), the last case
+    assert [i for i, c in enumerate(cases) if c.sm80_pipelined] == [53]
+    assert fuzz._second_call_knobs(cases[53]) == {"stages": 2, "key_warps": 4, "dq_row_warps": 2}
+    assert len(cases) == 54
     lengths_q, lengths_k = fuzz.varlen_lengths(cases[51])
     assert 0 in lengths_q and any(q > k for q, k in zip(lengths_q, lengths_k)) and cases[51].causal
     for arch in ("sm80", "sm90"):   # the turn counters too
@@ -388,6 +391,8 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
                      ] if c.shallow_rings else []
             rings += [backward.choose(c.head_dim, c.dtype, c.causal, info, {"dq_lag": c.causal}, arch)
                       ] if c.dq_lag_flipped else []
+            rings += [backward.choose(c.head_dim, c.dtype, c.causal, info,
+                                      {"stages": 2, **fuzz.sm80_fa2_grid(c.head_dim)}, arch)] if c.sm80_pipelined else []
             assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs, arch), *lpt,
                              *rings]
             assert specs[1].deterministic == c.deterministic
@@ -564,3 +569,17 @@ def test_shallow_ring_cases_leave_every_ring_default():
     rings = [c for c in sm90 if c.shallow_rings]
     assert len(sm90) / 16 < len(rings) < len(sm90) / 4
     assert not any(c.deterministic or c.lpt_flipped for c in rings) and {c.head_dim for c in rings} == {64, 96, 128, 192, 256}
+
+
+def test_a_quarter_of_the_sm80_backward_cases_run_the_pipelined_kernel():
+    """sm80 backward cases up to head_dim 192 with seed 1 mod 4 also call attention_backward(..., stages=2)
+    with FlashAttention-2's warp grid; each such spec is valid on an A100 (the ring fits its 163 KB)."""
+    from facodegen.spec.backward import BackwardSpec
+    cases = [c for c in fuzz.generate(2000, seed=3, family="backward") if c.arch == "sm80"]
+    chosen = [c for c in cases if c.sm80_pipelined]
+    assert chosen and all(c.seed % 4 == 1 and c.head_dim <= 192 for c in chosen)
+    assert not any(c.sm80_pipelined for c in cases if c.seed % 4 != 1 or c.head_dim > 192)
+    for d in (64, 96, 128, 192):
+        for causal in (False, True):
+            spec = BackwardSpec(arch="sm80", head_dim=d, causal=causal, gpu="a100", stages=2, **fuzz.sm80_fa2_grid(d))
+            assert spec.stages == 2 and spec.key_warps == fuzz.sm80_fa2_grid(d).get("key_warps", spec.key_warps)

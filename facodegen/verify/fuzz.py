@@ -123,6 +123,14 @@ class Case:
         return self.family == "backward" and self.arch == "sm90" and self.head_dim == 128 and self.seed % 4 == 1
 
     @property
+    def sm80_pipelined(self) -> bool:
+        """An sm80 backward case (head_dim up to 192, whose 2-deep ring fits an A100) whose seed is 1 mod 4 also
+        runs attention_backward(..., stages=2) with FlashAttention-2's warp grid where its tile splits that way
+        (sm80_fa2_grid) on the forward's O and LSE, checked like autograd's (the launch-only sweep launches
+        that one instead). Read off the seed, as ``deterministic``."""
+        return self.family == "backward" and self.arch == "sm80" and self.head_dim <= 192 and self.seed % 4 == 1
+
+    @property
     def one_cta_per_tile(self) -> bool:
         """An sm90 varlen case whose seed is 1 mod 3 calls attention_varlen(..., persistent=False) (one CTA
         per tile, the grid sized by max_seqlen_q); the others the default persistent kernel, whose CTAs
@@ -536,8 +544,11 @@ def _backward_knobs(case: Case) -> dict:
 
 def _second_call_knobs(case: Case) -> dict:
     """The knobs of a backward case's second call, attention_backward on the forward's O and LSE ({}: none):
-    lpt off (case.lpt_flipped), the rings away from their defaults (case.shallow_rings) or dq_lag away from its
-    default (case.dq_lag_flipped)."""
+    lpt off (case.lpt_flipped), the rings away from their defaults (case.shallow_rings), dq_lag away from its
+    default (case.dq_lag_flipped) or the sm80 backward's 2-deep ring and FlashAttention-2's warp grid
+    (case.sm80_pipelined)."""
+    if case.sm80_pipelined:
+        return {"stages": 2, **sm80_fa2_grid(case.head_dim)}
     if case.lpt_flipped:
         return {"lpt": False}
     if case.shallow_rings:
@@ -545,6 +556,14 @@ def _second_call_knobs(case: Case) -> dict:
     if case.dq_lag_flipped:
         return {"dq_lag": case.causal}
     return {}
+
+
+def sm80_fa2_grid(head_dim: int) -> dict:
+    """The sm80 backward's warp grid as FlashAttention-2's sm80 backward lays out 8 warps, where the default
+    tile at ``head_dim`` splits that way: 4 along the keys and 2 along dQ's rows at head_dim 64 and 128, 4 and
+    4 at 96 (96 columns do not split over 4 warps); {} (the default grid) at 192 and 256."""
+    return {64: {"key_warps": 4, "dq_row_warps": 2}, 128: {"key_warps": 4, "dq_row_warps": 2},
+            96: {"key_warps": 4, "dq_row_warps": 4}}.get(head_dim, {})
 
 
 def shallow_ring_knobs(head_dim: int, dtype: str, causal: bool) -> dict:
@@ -813,7 +832,7 @@ def case_specs(case: Case, device: int = 0) -> list:
         knobs = {"deterministic": True} if case.deterministic else {}
         info, arch = api.device_info(device), backward.autograd_arch(case.arch)
         specs = [forward, backward.choose(case.head_dim, case.dtype, case.causal, info, knobs, arch)]
-        if _second_call_knobs(case):        # (its own attention_backward call: lpt, shallow_rings, dq_lag)
+        if _second_call_knobs(case):        # (its own attention_backward call: lpt, shallow_rings, dq_lag, sm80_pipelined)
             specs.append(backward.choose(case.head_dim, case.dtype, case.causal, info, _backward_knobs(case), arch))
         return specs
     if case.varlen_backward:
@@ -981,7 +1000,7 @@ def representative_cases() -> list[Case]:
     128 (head_dim_v), the backward per arch,
     dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic; sm90 bf16 at
     head_dim 256; sm90 with more tiles than SMs, and with lpt; last, sm90 with the rings away from their
-    defaults and with dq_lag), and two
+    defaults and with dq_lag; sm80 with stages=2 and FlashAttention-2's warp grid), and two
     decode-family cases (paged with an append and a split, contiguous MQA-like packing): what the
     sanitizer sweep (scripts/sanitize.py) runs under each tool."""
     def packed(arch: str, dtype: str, head_dim: int, causal: bool, seed: int, seqlen_k: int = 257, **variant) -> Case:
@@ -1091,6 +1110,11 @@ def representative_cases() -> list[Case]:
     cases.append(packed("sm80", "fp16", 64, True, 15))
     # and the sm90 varlen backward's deterministic turns (at each sequence's padded blocks), head_dim 128: case 52
     cases.append(packed("sm90", "bf16", 128, True, 15))
+    # the sm80 backward's 2-deep ring with FlashAttention-2's warp grid (seed 5: case.sm80_pipelined), causal
+    # over 239 queries, GQA: four query blocks a head, so both stages take turns: case 53
+    cases.append(Case("backward", "sm80", "bf16", batch=2, seqlen_q=239, seqlen_k=203, heads_q=4, heads_kv=2,
+                      head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=False, use_out=False, seed=5))
     return cases
 
 
