@@ -1820,3 +1820,18 @@ def test_warpgroup_overlap_model_behind_dq_lag():
     assert model.pipe_share(200, 150) > 0.99 and model.pipe_share(200, 150, lag=True) > 0.99
     for exp_clocks in (400, 600):
         assert model.pipe_share(exp_clocks, 150, lag=True) > model.pipe_share(exp_clocks, 150) + 0.04
+
+
+def test_sm80_backward_adds_dq_by_vector_reductions_where_compiled_for_sm90():
+    """On an H100/H200 the sm80 backward compiles for sm_90, where dQ's column pairs go out as one fp32
+    vector reduction each (REDG ...F32x2, as the sm90 backward's), half the instructions of the scalar
+    atomics it issues for sm_80."""
+    import re as _re
+    spec = BackwardSpec(head_dim=128, gpu="h100")
+    try:
+        sass90 = backward.compile(spec, sm="sm_90").sass()
+        sass80 = backward.compile(spec, sm="sm_80").sass()
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+    assert _re.search(r"\bREDG\.E\.ADD\.F32x2\b", sass90) and not _re.search(r"\bREDG?\.E\.ADD\.F32\.", sass90)
+    assert _re.search(r"\bRED\.E\.ADD\.F32\.", sass80) and "F32x2" not in sass80
