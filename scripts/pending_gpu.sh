@@ -101,7 +101,8 @@ case "${1:-}" in
         # issue 38's sm80 bar (>= 1.0x FlashAttention-2's backward; 0.54-0.63x in 2026-12-03's grid, the varlen
         # backward 0.57-0.66x in session 43): the warp grids of FA2's d128 backward (key_warps 4 of 8 along the
         # keys, dq_row_warps 2: ~25% less ldmatrix traffic a step at d128 by count) and the 2-deep Q/dO ring
-        # (stages=2: the next step's loads under all five GEMMs, a barrier a step fewer), checked then timed
+        # (stages=2: the next step's loads under all five GEMMs, a barrier a step fewer), checked then timed; the
+        # arch=sm80 column is the default kernel, whose dQ adds are vector reductions on sm_90 since session 43
         step pytest_grids 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py -k "warp_grids or sm80-st2"
         step fuzz_sm80 60 python3 -m facodegen check --fuzz 300 --seed 45 --family backward   # (a quarter of its sm80 cases)
         step sanitize_sm80 60 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53
