@@ -473,10 +473,11 @@ def test_sm90_one_do_stage_matches_the_default(sq, sk, hq, hkv, d, knobs, causal
                                                          (300, 8192, 4, 2, True), (1000, 1000, 8, 1, False)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_dq_lag_matches_the_default(sq, sk, hq, hkv, persistent, causal):
-    """dq_lag=True against the default on the same inputs: dK, dV alike, dQ within fp32 summation-order
-    noise, and right against float64 (poisoned outputs)."""
+    """dq_lag=True against dq_lag=False (the default with a causal mask; without one dq_lag is the default)
+    on the same inputs: dK, dV alike, dQ within fp32 summation-order noise, and right against float64
+    (poisoned outputs)."""
     q, k, v, do = make(2, sq, sk, hq, hkv, 128, torch.bfloat16, seed=sq + 5 * sk + hq)
-    base = run_backward(q, k, v, do, causal, 128 ** -0.5, arch="sm90")
+    base = run_backward(q, k, v, do, causal, 128 ** -0.5, arch="sm90", dq_lag=False)
     lag = run_backward(q, k, v, do, causal, 128 ** -0.5, poison=True, arch="sm90", dq_lag=True,
                        persistent=persistent)
     for x, y in zip(lag, base):
