@@ -299,9 +299,10 @@ def choose(problem: _Problem, arch: str, sms: int, num_splits: int, knobs: dict,
     if stages != base.stages:
         base = replace(base, stages=stages)
     if num_splits > 1:
-        base = replace(base, split=True, fused_combine=bool(fused))
+        split = {"split": True, "fused_combine": bool(fused)}
         if "producer_warps" not in knobs:     # (its default follows the split)
-            base = replace(base, producer_warps=dec.default_producer_warps(arch, problem.head_dim, True))
+            split["producer_warps"] = dec.default_producer_warps(arch, problem.head_dim, True)
+        base = replace(base, **split)
     return base, num_splits
 
 

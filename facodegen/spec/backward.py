@@ -663,7 +663,7 @@ def _validate(spec: BackwardSpec) -> None:
     if warps % warps_qm or spec.block_m % (16 * warps_qm) or spec.head_dim % (16 * (warps // warps_qm)):
         raise SpecError("dq_row_warps" if warps_qm != sm80_dq_row_warps_default(spec.block_m, warps) else "block_m",
                         f"{spec.block_m} rows x head_dim {spec.head_dim} of dQ do not split over {warps_qm} x "
-                        f"{warps // max(warps_qm, 1)} of {warps} warps (dq_row_warps, num_warps)")
+                        f"{warps // warps_qm} of {warps} warps (dq_row_warps, num_warps)")
     floats = kv_acc_floats(spec)
     if floats > MAX_KV_ACC_FLOATS:
         raise SpecError("block_n", f"{spec.block_n} keys x head_dim {spec.head_dim}: dK and dV take {floats} "

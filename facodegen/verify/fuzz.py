@@ -26,8 +26,8 @@ alignment, softcap values, sinks); ``backward`` (dQ, dK, dV of attention() under
 float64 autograd, FlashAttention-3's criterion per gradient; a quarter of them deterministic, run
 twice and compared bit for bit); ``kvcache`` (attention_with_kvcache:
 1-16 query tokens, contiguous or paged caches with shuffled pages, random lengths from 0, appends,
-split counts, half of them (odd seeds) with fused_combine, and on sm90 at head_dim 64/128/256 a third
-with producer warps, seeds 2, 5 mod 12 one and 8, 11 mod 12 two); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
+split counts, half of them (odd seeds) with fused_combine, and on sm90 at head_dim 64/128/256 half with
+producer_warps set, seeds 2, 5 mod 12 one, 8, 11 mod 12 two and 3, 6 mod 12 none, the rest the default); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
 case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; the case's arch:
 sm80's kernel, which an H100 runs compiled for sm_90, or sm90's own, persistent by default and with
 persistent=False for a third of its cases, seeds 1 mod 3; a quarter of the 16-bit ones without variants,
@@ -1058,8 +1058,8 @@ def representative_cases() -> list[Case]:
                       head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=7))
     # with lpt (the causal default), and without (seed 10: case.lpt_flipped): 64 key blocks x 6 (kv head, batch)
-    # pairs, one L2 group (their Q and
-    # dO take 0.9 MB), run key block first across the pairs; GQA; 3 query blocks (block_m 128), the last partial
+    # pairs, one L2 group (their Q and dO take 0.9 MB), run key block first across the pairs; GQA; 3 query
+    # blocks (block_m 128), the last partial
     cases.append(Case("backward", "sm90", "bf16", batch=3, seqlen_q=300, seqlen_k=8192, heads_q=4, heads_kv=2,
                       head_dim=64, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=10))
