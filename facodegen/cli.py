@@ -943,9 +943,10 @@ def _bench_variants(out_dir: Path, quick: bool) -> None:
     from .bench import results
     from .bench import variants_suite as vs
 
-    cells = vs.cells() + vs.head_dim_cells(vs.HEAD_DIM_SEQLENS[1:2] if quick else vs.HEAD_DIM_SEQLENS)
+    cells = vs.cells() + vs.fp8_cells() + vs.head_dim_cells(vs.HEAD_DIM_SEQLENS[1:2] if quick else vs.HEAD_DIM_SEQLENS)
     env = results.environment()
-    click.echo(f"bench --suite variants: {len(cells)} cells, bf16 causal d{vs.HEAD_DIM}, then head dims "
+    click.echo(f"bench --suite variants: {len(cells)} cells, bf16 (and fp8 at {vs.FP8_SEQLENS}) causal d{vs.HEAD_DIM}, "
+               f"then head dims "
                f"{', '.join(f'{d}/{dv}' for d, dv in vs.HEAD_DIMS)}"
                + (f", timing {vs.QUICK_TIMING}" if quick else ""), err=True)
     rows = vs.run_variants(cells, quick, log=lambda m: click.echo(m, err=True))

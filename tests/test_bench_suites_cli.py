@@ -120,7 +120,7 @@ def test_variants_reaches_run_variants(fake_gpu, monkeypatch, tmp_path):
     monkeypatch.setattr(vs, "run_variants", fake_run_variants)
     result = invoke("--suite", "variants", "--quick", "--out", str(tmp_path))
     assert result.exit_code == 0, result.output
-    assert seen == [(vs.cells() + vs.head_dim_cells((4096,)), True)]     # --quick: head dims at 4k only
+    assert seen == [(vs.cells() + vs.fp8_cells() + vs.head_dim_cells((4096,)), True)]     # --quick: head dims at 4k
     assert result.output.rstrip().splitlines()[-1].startswith("| d192/128 causal | 4096 | 4 |")
     assert (tmp_path / "bench-variants.json").exists() and (tmp_path / "bench-variants.md").exists()
 

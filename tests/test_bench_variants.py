@@ -34,6 +34,14 @@ def test_cells_are_16k_tokens_of_16_heads_at_head_dim_128():
     assert b.QUICK_TIMING == {"warmup": 2, "groups": 3, "calls": 5}
 
 
+def test_fp8_cells_are_the_same_rows_in_e4m3():
+    cells = b.fp8_cells()
+    assert [(c["variant"], c["seqlen"], c["dtype"]) for c in cells] == [
+        ("window", 16384, "fp8"), ("softcap", 16384, "fp8"), ("sinks", 16384, "fp8")]
+    assert [b.label(c) for c in cells] == ["fp8 window", "fp8 softcap", "fp8 sinks"]
+    assert all("dtype" not in c for c in b.cells())
+
+
 def test_visible_pairs_and_the_ideal_speedup():
     assert b.visible_pairs(4, 4) == 16
     assert b.visible_pairs(4, 4, causal=True) == 10

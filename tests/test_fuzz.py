@@ -100,13 +100,13 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert [i for i, c in enumerate(cases) if c.varlen_lpt] == [47]
     assert max(fuzz.varlen_lengths(cases[47])[1]) * cases[47].heads_q > 65536
     # and varlen with all three attention variants
-    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.has_variant] == [48]
+    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.has_variant] == [48, 55]
     assert cases[48].sinks and cases[48].softcap and cases[48].window_left >= 0 and cases[48].arch == "sm90"
     # and the decode's window and softcap (paged, split, with an append)
     assert [i for i, c in enumerate(cases) if c.family == "kvcache" and c.has_variant] == [49]
     assert cases[49].page_size and cases[49].num_splits > 1 and cases[49].seqlen_new and cases[49].softcap
     # and fp8 varlen
-    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.dtype == "fp8"] == [50]
+    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.dtype == "fp8"] == [50, 55]
     # the varlen backward: the 16-bit varlen cases of seed 11, and deterministic, the last case
     assert [i for i, c in enumerate(cases) if c.varlen_backward] == [36, 37, 38, 39, 40, 41, 42, 43, 51, 52]
     assert [(i, c.arch) for i, c in enumerate(cases) if c.varlen_backward and c.seed % 8 == 7] == [(51, "sm80"),
@@ -114,7 +114,11 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and the sm80 backward's 2-deep ring and FlashAttention-2's warp grid (case.sm80_pipelined), the last case
     assert [i for i, c in enumerate(cases) if c.sm80_pipelined] == [53]
     assert fuzz._second_call_knobs(cases[53]) == {"stages": 2, "key_warps": 4, "dq_row_warps": 2}
-    assert len(cases) == 54
+    # and fp8 with all three variants, alone and varlen (a window masking both edges of a row's keys)
+    assert [(i, c.family) for i, c in enumerate(cases) if c.dtype == "fp8" and c.has_variant] == [(54, "variants"),
+                                                                                                (55, "varlen")]
+    assert all(cases[i].sinks and cases[i].softcap and cases[i].window_left > 0 < cases[i].window_right for i in (54, 55))
+    assert len(cases) == 56
     lengths_q, lengths_k = fuzz.varlen_lengths(cases[51])
     assert 0 in lengths_q and any(q > k for q, k in zip(lengths_q, lengths_k)) and cases[51].causal
     for arch in ("sm80", "sm90"):   # the turn counters too
@@ -123,9 +127,10 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert any(c.page_size and c.seqlen_new and c.num_splits > 1 for c in kv)
     assert all(c.sinks and c.softcap and c.window_left >= 0 for c in variants)
     # varlen on both archs' kernels (sm90: its own, TMA over the packed tokens), both dtypes and masks, and
-    # sm90's fp8 (causal)
+    # sm90's fp8 (causal; and not, with the variants)
     assert {(c.arch, c.dtype, c.causal) for c in cases if c.family == "varlen"} == {
-        (a, d, c) for a in ("sm80", "sm90") for d in ("bf16", "fp16") for c in (False, True)} | {("sm90", "fp8", True)}
+        (a, d, c) for a in ("sm80", "sm90") for d in ("bf16", "fp16") for c in (False, True)} | {
+        ("sm90", "fp8", True), ("sm90", "fp8", False)}
 
 
 def test_sanitizer_summaries_are_read():
@@ -293,19 +298,25 @@ def test_a_fifth_of_the_varlen_cases_have_attention_variants(monkeypatch):
         assert spec.varlen and spec.softcap == (c.softcap > 0) and spec.sinks == c.sinks
 
 
-def test_a_seventh_of_the_sm90_varlen_cases_run_fp8(monkeypatch):
-    """sm90 varlen cases with seed 6 mod 7 (and no attention variant: seed not 4 mod 5) run e4m3 inputs with
-    descales; their specs are the fp8 varlen kernel's (V as the packed tokens, O in bf16)."""
-    cases = fuzz.generate(1200, seed=9, family="varlen")
+@pytest.mark.parametrize("family", ["varlen", "variants"])
+def test_a_seventh_of_the_sm90_varlen_and_variants_cases_run_fp8(monkeypatch, family):
+    """sm90 varlen and variants cases with seed 6 mod 7 run e4m3 inputs with descales (the attention variants
+    too, where the case has them); their specs are the fp8 kernel's (varlen: V as the packed tokens; O in bf16)
+    with the variants' switches."""
+    cases = fuzz.generate(1200 if family == "varlen" else 400, seed=9, family=family)
     fp8 = [c for c in cases if c.dtype == "fp8"]
-    assert fp8 and all(c.arch == "sm90" and c.seed % 7 == 6 and not c.has_variant for c in fp8)
-    assert len(fp8) == sum(c.arch == "sm90" and c.seed % 7 == 6 and c.seed % 5 != 4 for c in cases)
+    assert fp8 and all(c.arch == "sm90" and c.seed % 7 == 6 for c in fp8)
+    assert len(fp8) == sum(c.arch == "sm90" and c.seed % 7 == 6 for c in cases)
+    assert any(c.has_variant for c in fp8)
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
     monkeypatch.setattr(api, "device_info", lambda ordinal: info)
     for c in fp8[:10]:
         spec = fuzz.case_spec(c)
-        assert spec.varlen and spec.dtype == "fp8" and spec.v_layout == "row" and spec.out_dtype == "bf16"
-        assert not spec.defer_o_store and not spec.stream_k
+        assert spec.dtype == "fp8" and spec.v_layout == "row" and spec.out_dtype == "bf16"
+        assert spec.varlen == (family == "varlen") and spec.softcap == (c.softcap > 0) and spec.sinks == c.sinks
+        assert not spec.stream_k or not (spec.local or spec.varlen)
+        if family == "varlen":
+            assert not spec.defer_o_store
 
 
 def test_a_fifth_of_the_kvcache_cases_have_a_window_or_softcap(monkeypatch):
@@ -540,15 +551,20 @@ def test_varlen_cases_are_16bit_on_both_archs_or_fp8_on_sm90_and_their_lengths_f
 def test_adding_varlen_left_the_other_families_draws_unchanged():
     """The families are appended: a single family's cases for a seed are what they were before varlen
     (the digests of the tree before it, commit 42b06b0), but for the kvcache cases' window and softcap
-    (seed 3 mod 5, drawn from the case's seed after the main draw: stripped here, the rest as before)."""
+    (seed 3 mod 5, drawn from the case's seed after the main draw: stripped here, the rest as before) and
+    the variants cases turned fp8 (sm90, seed 6 mod 7: left out here; the digest of the rest of the tree
+    before them, b2a1ae6, is the same)."""
     import hashlib
-    before = {"forward": "bc988c84aecf", "variants": "1c75f1dac4d1", "backward": "34d69a1f7b28",
+    before = {"forward": "bc988c84aecf", "variants": "21a6b55f402d", "backward": "34d69a1f7b28",
               "kvcache": "c7dd4993d16a"}
     for family, digest in before.items():
         cases = fuzz.generate(300, seed=1, family=family)
         if family == "kvcache":
             assert any(c.has_variant for c in cases)
             cases = [dataclasses.replace(c, window_left=-1, window_right=-1, softcap=0.0) for c in cases]
+        if family == "variants":
+            assert any(c.dtype == "fp8" for c in cases)
+            cases = [c for c in cases if not (c.arch == "sm90" and c.seed % 7 == 6)]
         assert hashlib.sha1("".join(c.to_json() for c in cases).encode()).hexdigest()[:12] == digest, family
 
 

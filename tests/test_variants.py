@@ -45,9 +45,7 @@ def test_variant_switches_name_the_kernel_and_default_off():
 
 
 @pytest.mark.parametrize("fields, name", [
-    (dict(arch="sm90", dtype="fp8", local=True), "local"),
-    (dict(arch="sm90", dtype="fp8", softcap=True), "softcap"),
-    (dict(arch="sm90", dtype="fp8", sinks=True), "sinks"),
+    (dict(arch="sm90", dtype="fp8", head_dim=256, local=True, stream_k=True), "stream_k"),
     (dict(arch="sm80", schedule="fa1", sinks=True), "sinks"),
     (dict(arch="sm90", head_dim=128, local=True, cluster_m=2), "cluster_m"),
     (dict(arch="sm80", local=None), "local"),
@@ -199,6 +197,25 @@ def test_variant_kernels_compile_without_spills(arch, head_dim, causal, feature)
     assert ("softmax_finalize_sink" in source) == spec.sinks
 
 
+# fp8 (sm90): every head dim and feature, causal and the V layout seeded per group (at head_dim 256 each
+# layout: the caller's V^T is where a window's third loop spilled before uniform_wg)
+_FP8_VARIANT_COMPILES = one_per([(d, c, f, layout) for d in (64, 96, 128, 192, 256) for c in (False, True)
+                                 for f in FEATURES for layout in ("row", "transposed")],
+                                lambda x: (x[0], x[2], x[3] if x[0] == 256 else None))
+
+
+@pytest.mark.parametrize("head_dim, causal, feature, v_layout", _FP8_VARIANT_COMPILES)
+def test_fp8_variant_kernels_compile_without_spills(head_dim, causal, feature, v_layout):
+    spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=head_dim, causal=causal, v_layout=v_layout,
+                      **FEATURES[feature])
+    kernel = compiler.compile(spec)
+    r = kernel.resources
+    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), (spec.variant, r)
+    assert ("MUFU.TANH" in kernel.sass()) == spec.softcap
+    assert ("softmax_finalize_fp8_sink" in kernel.source) == spec.sinks
+    assert not spec.stream_k or not spec.local
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_sequence_length_rule_kernels_take_the_variants_without_spills(head_dim, causal):
@@ -317,10 +334,41 @@ def test_the_window_switch_comes_with_its_sizes(fake):
     assert not plan.spec.local and len(fake.launches.records) == 1
 
 
-def test_fp8_refuses_the_variants():
-    q8 = api._View("q", "torch", 1 << 20, (2, 64, 8, 128), (65536, 1024, 128, 1), "float8_e4m3fn", 0)
-    with pytest.raises(ValueError, match="not supported with fp8"):
-        api._variants(((8, 0), 0.0, None, "bottom_right"), q8, 64, 64, False, True)
+def test_fp8_calls_take_the_variants_with_their_descales(fake):
+    """An e4m3 call with a window, softcap and sinks runs the fp8 kernel with the three switches; the
+    descales and the sinks are patched per call, the window and softcap values key the plan."""
+    descale_at = {f.name: off for f, off in params.layout("sm90", "fp8", True)[0]}["q_descale"]
+    q, k, v = qkv(dtype="float8_e4m3fn")
+    scalar = lambda: FakeTensor((), "float32")      # noqa: E731
+    sinks = FakeTensor((HQ,), "float32")
+    api.attention(q, k, v, window_size=(16, 3), softcap=50.0, sinks=sinks, q_descale=scalar(), k_descale=scalar(),
+                  v_descale=scalar())
+    qd, kd, vd, sinks2 = scalar(), scalar(), scalar(), FakeTensor((HQ,), "float32")
+    api.attention(q, k, v, window_size=(16, 3), softcap=50.0, sinks=sinks2, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert (api._PLANS.misses, hits(fake)) == (1, 1)
+    plan = next(iter(api._PLANS._plans.values()))
+    spec = plan.spec
+    assert spec.dtype == "fp8" and spec.local and spec.softcap and spec.sinks and not spec.stream_k
+    assert struct.unpack_from("<3Q", fake.launches.records[-1]["params"], descale_at) == (
+        qd.data_ptr(), kd.data_ptr(), vd.data_ptr())
+    fields = _plan_fields(plan)
+    assert (fields["window_left"], fields["window_right"], fields["sinks"]) == (16, 3, sinks2.data_ptr())
+    assert fields["softcap_scale"] == pytest.approx(128 ** -0.5 / 50.0)
+    api.attention(q, k, v, window_size=(16, 3), softcap=30.0, sinks=sinks2, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert api._PLANS.misses == 2
+
+
+def test_fp8_variant_template_scales_inside_the_tanh():
+    """With a softcap the descales multiply the tanh's factor, not the softmax's (c tanh(s * descales * scale /
+    c)); sinks take the fp8 row sums' offset out; a window's left edge has a masked loop of its own."""
+    capped = emit(KernelSpec(arch="sm90", dtype="fp8", head_dim=128, softcap=True, sinks=True, local=True))
+    assert "const float softcap_scale = p.softcap_scale * qk_descale;" in capped
+    assert "const float scale_log2 = p.scale_log2;" in capped and "p.scale_log2 * qk_descale" not in capped
+    assert "softmax_finalize_fp8_sink(o_reg, row_max, row_sum, p.softmax_scale, v_descale" in capped
+    assert "apply_softcap(s_reg, softcap_scale);" in capped
+    assert capped.count("t.n_end - 1 - i >= t.n_left_mask") == 1
+    plain = emit(KernelSpec(arch="sm90", dtype="fp8", head_dim=128))
+    assert "p.scale_log2 * qk_descale" in plain and "softcap_scale" not in plain and "n_left_mask" not in plain
 
 
 # ------------------------------------------------------------------------------------------------
@@ -389,7 +437,9 @@ def test_fuzz_torch_reference_agrees_with_the_numpy_one():
 
 def test_fuzz_variants_family_covers_the_edges_with_few_kernels():
     cases = fuzz.generate(3000, seed=11, family="variants")
-    assert all(c.family == "variants" and c.dtype in ("bf16", "fp16") for c in cases)
+    assert all(c.family == "variants" for c in cases)
+    assert {c.dtype for c in cases} == {"bf16", "fp16", "fp8"}
+    assert all(c.arch == "sm90" and c.seed % 7 == 6 for c in cases if c.dtype == "fp8")
     assert all(c.sinks or c.softcap or (c.window_left, c.window_right) != (-1, -1) for c in cases)
     sides = {c.window_left for c in cases} | {c.window_right for c in cases}
     assert {-1, 0, 1} <= sides
@@ -403,7 +453,7 @@ def test_fuzz_variants_family_covers_the_edges_with_few_kernels():
         local, causal, _, _ = api.window_params(c.window_left, c.window_right, c.causal, c.seqlen_q, c.seqlen_k,
                                                 c.top_left)
         kernels.add((c.arch, c.dtype, c.head_dim, causal, local, c.softcap > 0, c.sinks))
-    assert len(kernels) <= 2 * 2 * 5 * 2 * 2 * 2 * 2
+    assert len(kernels) <= (2 + 3) * 5 * 2 * 2 * 2 * 2     # (arch, dtype): sm80's two, sm90's three
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,8 +483,11 @@ def test_emit_takes_the_run_time_values_and_its_line_reproduces_the_file():
         assert off.exit_code == 0 and "softcap" not in off.output.splitlines()[1], off.output
     bad = runner.invoke(main, ["emit", "--arch", "sm80", "--window-left", "-2"])
     assert bad.exit_code == 2 and "--window-left" in bad.output
-    fp8 = runner.invoke(main, ["emit", "--arch", "sm90", "--dtype", "fp8", "--window-left", "8"])
-    assert fp8.exit_code == 2 and "local" in fp8.output
+    fp8 = runner.invoke(main, ["emit", "--arch", "sm90", "--dtype", "fp8", "--head-dim", "256", "--window-left", "8",
+                               "--window-right", "0", "--stream-k"])
+    assert fp8.exit_code == 2 and "stream_k" in fp8.output
+    fp8 = runner.invoke(main, ["emit", "--arch", "sm90", "--dtype", "fp8", "--window-left", "8", "--window-right", "0"])
+    assert fp8.exit_code == 0 and "_local" in fp8.output.splitlines()[1]
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])

@@ -138,7 +138,7 @@ def test_the_fp8_varlen_kernel_loads_the_packed_tokens_and_stores_each_sequences
 def test_fp8_varlen_calls(varlen_plans):
     """attention_varlen on e4m3 tensors: the fp8 varlen kernel on sm90, O in bf16 (out_dtype), each
     descale's address written per call (a left-out one: the plan's unit descale), a new descale of the
-    same layout a hit; what it refuses is named."""
+    same layout a hit; the attention variants too; what it refuses is named."""
     from facodegen.ops import api
     descale_at = {f.name: off for f, off in params.layout("sm90", "fp8", varlen=True)[0]}["q_descale"]
     a = _args(dtype="float8_e4m3fn")
@@ -156,8 +156,10 @@ def test_fp8_varlen_calls(varlen_plans):
     unit = api._unit_descale(0, "torch").data_ptr()
     assert struct.unpack_from("<3Q", records[0]["params"], descale_at) == tuple(d.data_ptr() for d in d1)
     assert struct.unpack_from("<3Q", records[1]["params"], descale_at) == (d2[0].data_ptr(), d2[1].data_ptr(), unit)
+    _call(a, causal=False, window_size=(8, 3), softcap=20.0, q_descale=scalar(), k_descale=scalar())
+    spec = list(varlen._PLANS._plans.values())[-1].spec
+    assert spec.dtype == "fp8" and spec.varlen and spec.local and spec.softcap and not spec.sinks
     for kw, error, words in [(dict(arch="sm80"), ValueError, "fp8 (e4m3) varlen runs on sm90"),
-                             (dict(window_size=(8, 0)), ValueError, "not supported with fp8"),
                              (dict(v_layout="transposed"), SpecError, "v_layout")]:
         with pytest.raises(error, match=re.escape(words)):
             _call(a, causal=True, **kw)

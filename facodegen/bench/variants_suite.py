@@ -8,6 +8,8 @@ variants of issue 40 timed on the GPU, bf16, causal, head_dim 128, 16k tokens pe
   visible (query, key) pairs, printed as `ideal`);
 * softcap 50 and sinks: facodegen with each beside facodegen without it (and FA3's softcap where
   its module takes one);
+* the same three in fp8 (e4m3 with per-tensor descales, O in bf16) at seqlen 16k (fp8_cells), beside
+  FlashAttention-3's fp8 call with the same window (and softcap, where it takes one);
 * head dims without a tile of their own (80, 96's neighbours 112, ...) and V narrower than Q/K
   (192/128, DeepSeek MLA prefill), causal and not, at seqlen 1k, 4k and 16k (HEAD_DIM_CELLS, 16k
   tokens, heads = 2048 // head_dim): facodegen beside FlashAttention-3 on the same shapes, whose
@@ -36,6 +38,7 @@ SOFTCAP = 50.0
 # (head_dim, head_dim_v) of the head-dim rows: issue 40's bar is >= 1.0x FlashAttention-3 on each
 HEAD_DIMS = ((80, 80), (96, 96), (112, 112), (192, 128))
 HEAD_DIM_SEQLENS = (1024, 4096, 16384)
+FP8_SEQLENS = (16384,)
 
 
 def cells(seqlens=SEQLENS) -> list[dict]:
@@ -49,6 +52,11 @@ def cells(seqlens=SEQLENS) -> list[dict]:
     return out
 
 
+def fp8_cells(seqlens=FP8_SEQLENS) -> list[dict]:
+    """cells() in e4m3 (dtype "fp8"): window, softcap and sinks per seqlen."""
+    return [dict(cell, dtype="fp8") for cell in cells(seqlens)]
+
+
 def head_dim_cells(seqlens=HEAD_DIM_SEQLENS, head_dims=HEAD_DIMS) -> list[dict]:
     """The head-dim rows: each (head_dim, head_dim_v) x causal no/yes x seqlen, 16k tokens per batch."""
     return [dict(seqlen=s, batch=max(1, TOKENS // s), heads=HIDDEN // d, head_dim=d, head_dim_v=dv,
@@ -59,7 +67,7 @@ def head_dim_cells(seqlens=HEAD_DIM_SEQLENS, head_dims=HEAD_DIMS) -> list[dict]:
 def label(row: dict) -> str:
     """A row's variant as the table names it: head_dim rows say their dims and mask."""
     if row["variant"] != "head_dim":
-        return row["variant"]
+        return f"fp8 {row['variant']}" if row.get("dtype") == "fp8" else row["variant"]
     dims = f"{row['head_dim']}" if row["head_dim_v"] == row["head_dim"] else f"{row['head_dim']}/{row['head_dim_v']}"
     return f"d{dims} {'causal' if row['causal'] else 'full'}"
 
@@ -147,27 +155,35 @@ def measure(cell: dict, quick: bool = False) -> dict:
     if cell.get("head_dim_v", cell["head_dim"]) != cell["head_dim"]:
         v = torch.randn(shape[:3] + (cell["head_dim_v"],), generator=gen, device="cuda", dtype=torch.bfloat16)
     sinks = torch.randn(cell["heads"], generator=gen, device="cuda") if cell["variant"] == "sinks" else None
+    ours, theirs = {}, {}       # fp8: each call's descales (FlashAttention-3 takes them per (batch, kv head))
+    if cell.get("dtype") == "fp8":
+        (q, qd), (k, kd), (v, vd) = (facodegen.quantize_e4m3(x) for x in (q, k, v))
+        ours = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+        theirs = {n: d.reshape(1, 1).expand(shape[0], shape[2]).contiguous() for n, d in ours.items()}
+
+    def attention(**kwargs):
+        return facodegen.attention(q, k, v, **ours, **kwargs)
     fa3, why = _fa3()
     notes = [why] if why else []
     fns = {}
     if cell["variant"] == "head_dim":
-        fns["facodegen_head_dim"] = lambda: facodegen.attention(q, k, v, causal=cell["causal"])
+        fns["facodegen_head_dim"] = lambda: attention(causal=cell["causal"])
         if fa3 is not None:
-            fns["fa3_head_dim"] = lambda: _fa3_call(fa3, q, k, v, causal=cell["causal"])
+            fns["fa3_head_dim"] = lambda: _fa3_call(fa3, q, k, v, causal=cell["causal"], **theirs)
     elif cell["variant"] == "window":
-        fns["facodegen_window"] = lambda: facodegen.attention(q, k, v, causal=True, window_size=cell["window_size"])
-        fns["facodegen_full_causal"] = lambda: facodegen.attention(q, k, v, causal=True)
+        fns["facodegen_window"] = lambda: attention(causal=True, window_size=cell["window_size"])
+        fns["facodegen_full_causal"] = lambda: attention(causal=True)
         if fa3 is not None:
-            fns["fa3_window"] = lambda: _fa3_call(fa3, q, k, v, window_size=cell["window_size"])
+            fns["fa3_window"] = lambda: _fa3_call(fa3, q, k, v, window_size=cell["window_size"], **theirs)
     else:
-        fns["facodegen_plain"] = lambda: facodegen.attention(q, k, v, causal=True)
+        fns["facodegen_plain"] = lambda: attention(causal=True)
         if cell["variant"] == "softcap":
-            fns["facodegen_softcap"] = lambda: facodegen.attention(q, k, v, causal=True, softcap=cell["softcap"])
+            fns["facodegen_softcap"] = lambda: attention(causal=True, softcap=cell["softcap"])
             if fa3 is not None:
-                fns["fa3_plain"] = lambda: _fa3_call(fa3, q, k, v)
-                fns["fa3_softcap"] = lambda: _fa3_call(fa3, q, k, v, softcap=cell["softcap"])
+                fns["fa3_plain"] = lambda: _fa3_call(fa3, q, k, v, **theirs)
+                fns["fa3_softcap"] = lambda: _fa3_call(fa3, q, k, v, softcap=cell["softcap"], **theirs)
         else:
-            fns["facodegen_sinks"] = lambda: facodegen.attention(q, k, v, causal=True, sinks=sinks)
+            fns["facodegen_sinks"] = lambda: attention(causal=True, sinks=sinks)
     usable = {}
     for name, fn in fns.items():          # a peer that fails is noted and left out, not fatal
         try:

@@ -577,8 +577,8 @@ def window_params(left: int, right: int, causal: bool, seqlen_q: int, seqlen_k: 
     return True, bool(causal or right == 0), window_left, window_right
 
 
-def _variants(variant, qv: _View, seqlen_q: int, seqlen_k: int, causal: bool,
-              fp8: bool) -> tuple[dict, bool, Variants, _View | None]:
+def _variants(variant, qv: _View, seqlen_q: int, seqlen_k: int,
+              causal: bool) -> tuple[dict, bool, Variants, _View | None]:
     """The spec fields, causal flag, run-time values and sinks view of a call's window_size,
     softcap, sinks and causal_alignment (``variant``), for sequences of at most seqlen_q queries and
     seqlen_k keys (qv: (batch, seqlen, heads_q, head_dim), varlen's packed q seen as one batch). Raises
@@ -587,9 +587,6 @@ def _variants(variant, qv: _View, seqlen_q: int, seqlen_k: int, causal: bool,
     left, right = _check_window(window_size)
     cap = _check_softcap(softcap)
     sv = _check_sinks(sinks, qv)
-    if fp8 and ((left, right) != (-1, -1) or cap or sv is not None):
-        raise ValueError("window_size, softcap and sinks are not supported with fp8 (e4m3) inputs yet; "
-                         "use bf16/fp16 q, k, v")
     local, causal, window_left, window_right = window_params(left, right, causal, seqlen_q, seqlen_k,
                                                              alignment == "top_left")
     fields = {"local": local, "softcap": cap > 0, "sinks": sv is not None}
@@ -638,7 +635,7 @@ def _resolve(q, k, v, *, causal, softmax_scale, out, lse_out, want_lse: bool, ar
     if spec_fields.pop("local", False):
         raise ValueError("local is set by window_size=(left, right), whose sizes the kernel needs; pass window_size")
     if variant is not None:
-        fields, causal, variants, sinks_view = _variants(variant, qv, seqlen_q, seqlen_k, causal, fp8)
+        fields, causal, variants, sinks_view = _variants(variant, qv, seqlen_q, seqlen_k, causal)
         spec_fields.update(fields)
 
     descales, keep, unit_ptrs = _fp8_descales(qv, descale_values, batch, heads_kv) if fp8 else ({}, (), ())
@@ -819,8 +816,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     ``v_layout="transposed"`` takes V^T (batch, heads_kv, head_dim, seqlen_k), keys contiguous, head_dim
     stride a multiple of 16 (see facodegen.ops.quantize for bf16 -> e4m3).
 
-    Attention variants (bf16/fp16, sm80 and sm90; a kernel is compiled per feature, the values are
-    run-time arguments):
+    Attention variants (bf16/fp16 on sm80 and sm90, fp8 on sm90, where the descales scale the score inside
+    the softcap's tanh; a kernel is compiled per feature, the values are run-time arguments):
 
     * ``window_size=(left, right)``, FlashAttention's sliding window (-1: unbounded on that side):
       query row i sees keys j with i' - left <= j <= i' + right, i' = i + seqlen_k - seqlen_q (the

@@ -364,7 +364,7 @@ def _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     batch = cu_q.shape[0] - 1
     variants = sinks_view = None
     if variant is not None:
-        fields, causal, variants, sinks_view = api._variants(variant, as_one_batch(qv), max_q, max_k, causal, fp8)
+        fields, causal, variants, sinks_view = api._variants(variant, as_one_batch(qv), max_q, max_k, causal)
         spec_fields = {**spec_fields, **fields}
     dtype, out_name = DTYPE_NAMES.get(qv.dtype), qv.dtype
     if fp8:     # sm90 only; O in out_dtype (bf16 by default), V as the packed tokens

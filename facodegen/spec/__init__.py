@@ -242,8 +242,10 @@ def optimistic_max_default(head_dim: int, dtype: str, causal: bool) -> bool:
 # only where the consumers need it to fit: causal, since the fp8 mask-free loop (bde33cc; without it 4
 # bytes of spills, NVRTC 13.0). The non-causal one fits without and runs faster so (H200, 2026-12-01,
 # 8 groups, TFLOP/s uniform_wg on / off): s16k 1111.7 / 1129.3; causal s16k 1080.5 / 1105.3 (spilling).
-def uniform_wg_default(head_dim: int, dtype: str, v_layout: str, causal: bool) -> bool:
-    return dtype == "fp8" and head_dim == 256 and (v_layout == "row" or causal)
+# With a window (local) too: its third, masked loop (the left edge) spills 16 bytes without (40 with
+# softcap and sinks beside it; NVRTC 13.0, 2026-12-05), none with.
+def uniform_wg_default(head_dim: int, dtype: str, v_layout: str, causal: bool, local: bool = False) -> bool:
+    return dtype == "fp8" and head_dim == 256 and (v_layout == "row" or causal or local)
 
 # dynamic_scheduler's default (sm90, persistent: the tiles after each CTA's first are handed out by an
 # atomic counter instead of every gridDim.x-th tile; sm90/scheduler.cuh.j2). Causal: on (its tiles differ
@@ -813,7 +815,8 @@ class KernelSpec:
                         # need the optimistic step): an explicit value wins
                         anchor_softmax=(anchor_softmax_default(self.head_dim, self.dtype, self.causal)
                                         and not self.optimistic_max and self.p_buffers in (None, 1)),
-                        uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout, self.causal),
+                        uniform_wg=uniform_wg_default(self.head_dim, self.dtype, self.v_layout, self.causal,
+                                                      bool(self.local)),
                         ctas_per_sm=1, cluster_m=1, o_in_v=tiles.o_in_v and self.separate_o is not True,
                         q_stages=1, p_buffers=1,
                         rebuild_q_desc=False, l2_prefetch=0, vt_in_place=False,
@@ -831,7 +834,7 @@ class KernelSpec:
             fill["dynamic_scheduler"] = (bool(resolved("persistent")) and not self.stream_k
                                          and dynamic_scheduler_default(self.head_dim, self.dtype, self.causal))
             fill["stream_k"] = (bool(resolved("persistent")) and not resolved("dynamic_scheduler")
-                                and self.varlen is not True     # (varlen tiles differ in length)
+                                and self.varlen is not True and not self.local  # (their tiles differ in length)
                                 and stream_k_default(self.head_dim, self.dtype, self.causal))
             fill["varlen_tma_store"] = self.varlen is True and self.dtype != "fp8"
             fill["defer_o_store"] = (bool(overlap) and self.varlen is not True     # (varlen stores O at once)
@@ -1203,13 +1206,10 @@ def sm90_consumer_registers(head_dim: int, block_n: int, dtype: str, q_in_regs: 
 
 
 def _check_variants(spec: KernelSpec) -> None:
-    """local / softcap / sinks: the fa2 schedule of sm80 and the 16-bit sm90 kernel have them."""
+    """local / softcap / sinks: the fa2 schedule of sm80 and the sm90 kernels (16-bit and fp8) have them."""
     for name in ("local", "softcap", "sinks"):
         if not getattr(spec, name):
             continue
-        if spec.dtype == "fp8":
-            raise SpecError(name, "the fp8 kernel has no attention variants yet (window, softcap, sinks): "
-                                  f"use dtype=bf16/fp16 or {name}=False")
         if spec.schedule == "fa1":
             raise SpecError(name, f"schedule=fa1 has no attention variants: use schedule=fa2 or {name}=False")
     if spec.local and spec.cluster_m != 1:
@@ -1421,9 +1421,9 @@ def _check_stream_k(spec: KernelSpec) -> None:
     if spec.dtype != "fp8":
         raise SpecError("stream_k", "splits tiles in the fp8 kernel only (the 16-bit epilogue stores O through "
                                     "shared memory): use stream_k=False")
-    if spec.causal:
-        raise SpecError("stream_k", "cuts equal shares of equal tiles; causal tiles differ in length and take "
-                                    "the dynamic scheduler: use stream_k=False")
+    if spec.causal or spec.local:
+        raise SpecError("stream_k", f"cuts equal shares of equal tiles; {'causal' if spec.causal else 'window'} "
+                                    "tiles differ in length: use stream_k=False")
     if not spec.persistent or spec.dynamic_scheduler:
         raise SpecError("stream_k", "needs persistent=True with the static scheduler (dynamic_scheduler=False): "
                                     "each CTA computes its share from its index")

@@ -20,9 +20,9 @@ a relative Frobenius error of O against the float64 reference on the dequantised
 GPU tests' bound) or twice a bf16 computation's on the same inputs, whichever is larger, and its LSE within 1e-2 + 1e-3 |lse| + 2^-12 scale max_k sum_i |q_i k_i|
 (the fp8 wgmma accumulator's precision, ~14 bits, on the row's scores). A failing case prints the one command that reruns it.
 
-Families: ``forward``; ``variants`` (16-bit problems with a sliding window whose sides are drawn
+Families: ``forward``; ``variants`` (problems with a sliding window whose sides are drawn
 from 0, 1, a few keys, the sequence length and beyond, -1 = unbounded, causal or not and either
-alignment, softcap values, sinks); ``backward`` (dQ, dK, dV of attention() under autograd against
+alignment, softcap values, sinks; 16-bit, and on sm90 e4m3 with descales where the seed is 6 mod 7); ``backward`` (dQ, dK, dV of attention() under autograd against
 float64 autograd, FlashAttention-3's criterion per gradient; a quarter of them deterministic, run
 twice and compared bit for bit); ``kvcache`` (attention_with_kvcache:
 1-16 query tokens, contiguous or paged caches with shuffled pages, random lengths from 0, appends,
@@ -31,7 +31,8 @@ producer_warps set, seeds 2, 5 mod 12 one, 8, 11 mod 12 two and 3, 6 mod 12 none
 case's seed, 0 and 1 among them, under the case's seqlen_q / seqlen_k as max_seqlen; the case's arch:
 sm80's kernel, which an H100 runs compiled for sm_90, or sm90's own, persistent by default and with
 persistent=False for a third of its cases, seeds 1 mod 3; a quarter of the 16-bit ones without variants,
-seeds 3 mod 4, also take attention_varlen_backward's gradients per sequence on the case's arch, seeds 7 mod 8 deterministic). The families are appended in this order, so adding one leaves
+seeds 3 mod 4, also take attention_varlen_backward's gradients per sequence on the case's arch, seeds 7 mod 8 deterministic;
+sm90 cases whose seed is 6 mod 7 are e4m3 with descales, variants and all). The families are appended in this order, so adding one leaves
 the draws of a single family's run unchanged for a seed (``all`` draws among them all).
 """
 
@@ -282,8 +283,8 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             if not drawn["softcap"] and (drawn["window_left"], drawn["window_right"]) == (-1, -1):
                 drawn["softcap"] = 30.0
             case_fields.update(drawn, sinks=False, top_left=False)
-        if this_family == "varlen" and arch == "sm90" and case_fields["seed"] % 7 == 6 and case_fields["seed"] % 5 != 4:
-            case_fields["dtype"] = "fp8"     # (a seventh of the sm90 varlen draws: e4m3 with descales, no variants)
+        if this_family in ("varlen", "variants") and arch == "sm90" and case_fields["seed"] % 7 == 6:
+            case_fields["dtype"] = "fp8"     # (a seventh of the sm90 varlen and variants draws: e4m3 with descales)
         if this_family == "varlen" and case_fields["seed"] % 5 == 4:
             # a fifth of the varlen cases with attention variants (each sequence's own diagonal; varlen has no
             # top-left alignment), drawn from the case's seed so the cases drawn after it stay as they were
@@ -401,7 +402,8 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         # FlashAttention-3's criterion on its fp8 terms: at most twice a same-precision (bf16) reference's
         # error, or 3e-2. Where huge logits make the softmax one-hot, a near tie between two keys is decided
         # by the last bits of the scores: the bf16 reference flips such rows too, and its error says so.
-        low, _ = attention_torch(*(x.to(torch.bfloat16) for x in (q, k, v)), case.causal, scale, upcast=False)
+        low, _ = attention_torch(*(x.to(torch.bfloat16) for x in (q, k, v)), case.causal, scale, upcast=False,
+                                 **variants)
         rel_low = ((low.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         bound = max(3e-2, 2 * rel_low)
         ok_o, what = rel <= bound, f"rel_fro {rel:.2e} (bound {bound:.2e}: 3e-2 or 2x bf16's {rel_low:.2e})"
@@ -757,7 +759,7 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         lse_bound = 1e-3 + 1e-4 * ref_lse[0].abs()
         if fp8:     # the forward fp8 cases' criterion (_run_forward's), on this sequence
             ref = ref.nan_to_num(0.0)
-            low, _ = attention_torch(*(x.to(torch.bfloat16) for x in one), case.causal, scale, upcast=False)
+            low, _ = attention_torch(*(x.to(torch.bfloat16) for x in one), case.causal, scale, upcast=False, **variants)
             norm = ref.norm().clamp_min(1e-30)
             rel = ((out[None, q0:q1].double() - ref).norm() / norm).item()
             bound = max(3e-2, 2 * ((low.double().nan_to_num(0.0) - ref).norm() / norm).item())
@@ -1000,9 +1002,9 @@ def representative_cases() -> list[Case]:
     128 (head_dim_v), the backward per arch,
     dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic; sm90 bf16 at
     head_dim 256; sm90 with more tiles than SMs, and with lpt; last, sm90 with the rings away from their
-    defaults and with dq_lag; sm80 with stages=2 and FlashAttention-2's warp grid), and two
-    decode-family cases (paged with an append and a split, contiguous MQA-like packing): what the
-    sanitizer sweep (scripts/sanitize.py) runs under each tool."""
+    defaults and with dq_lag; sm80 with stages=2 and FlashAttention-2's warp grid), two
+    decode-family cases (paged with an append and a split, contiguous MQA-like packing), and fp8 with
+    the variants, alone and varlen: what the sanitizer sweep (scripts/sanitize.py) runs under each tool."""
     def packed(arch: str, dtype: str, head_dim: int, causal: bool, seed: int, seqlen_k: int = 257, **variant) -> Case:
         """A varlen case: six packed sequences drawn from ``seed`` under 300 queries and ``seqlen_k`` keys, GQA
         4/2, a strided token axis, the LSE asked for and O poisoned."""
@@ -1115,6 +1117,15 @@ def representative_cases() -> list[Case]:
     cases.append(Case("backward", "sm80", "bf16", batch=2, seqlen_q=239, seqlen_k=203, heads_q=4, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=5))
+    # fp8 with the attention variants (e4m3 with descales): a two-sided window over 1000 keys (blocks masked at
+    # both edges and unmasked between: the mask-free loop's third, left-edge loop), softcap and sinks: case 54;
+    # and fp8 varlen with them (each sequence's own diagonal): case 55
+    cases.append(Case("variants", "sm90", "fp8", batch=2, seqlen_q=1000, seqlen_k=1000, heads_q=4, heads_kv=2,
+                      head_dim=128, causal=False, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=True, use_out=True, seed=7, window_left=300, window_right=17, softcap=30.0,
+                      sinks=True))
+    cases.append(packed("sm90", "fp8", 128, False, VARLEN_REPRESENTATIVE_SEED, window_left=40, window_right=7,
+                        softcap=30.0, sinks=True))
     return cases
 
 

@@ -586,14 +586,16 @@ def dequantize_fp8(x, descale=1.0, heads_kv: int | None = None, v_layout: str = 
 
 
 def attention_reference_fp8(q, k, v, q_descale=1.0, k_descale=1.0, v_descale=1.0, causal: bool = False,
-                            softmax_scale: float | None = None, v_layout: str = "row"):
+                            softmax_scale: float | None = None, v_layout: str = "row", **variants):
     """(O, LSE) in float64 of attention on e4m3 inputs: dequantise (value x descale), then
-    :func:`attention_reference`. The descales are per tensor or (batch, heads_kv) as the kernel takes them."""
+    :func:`attention_reference` (``variants``: its window_size, softcap, sinks, top_left; the softcap's
+    tanh takes the dequantised scores). The descales are per tensor or (batch, heads_kv) as the kernel
+    takes them."""
     kv_heads = to_float64(k).shape[2] if not (isinstance(k, np.ndarray) and k.dtype == np.uint8) else k.shape[2]
     qf = dequantize_fp8(q, q_descale, heads_kv=kv_heads)
     kf = dequantize_fp8(k, k_descale)
     vf = dequantize_fp8(v, v_descale, v_layout=v_layout)
-    return attention_reference(qf, kf, vf, causal=causal, softmax_scale=softmax_scale)
+    return attention_reference(qf, kf, vf, causal=causal, softmax_scale=softmax_scale, **variants)
 
 
 # ----------------------------------------------------------------------------------------------

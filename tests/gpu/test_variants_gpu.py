@@ -4,7 +4,8 @@ Each case runs facodegen.attention on torch tensors with O and LSE poisoned with
 the kernel never writes fails), on both archs where the GPU runs them, and checks O with
 FlashAttention-3's criterion (the error against float64 at most twice a same-precision
 computation's plus twice the dtype's rounding of the reference, as facodegen.verify.fuzz does) and the
-LSE within 1e-3 + 1e-4 |lse|, -inf exactly where the reference has it. The cases cover windows of 0,
+LSE within 1e-3 + 1e-4 |lse|, -inf exactly where the reference has it (fp8, on sm90: every case in e4m3 with
+per-tensor descales by the fuzz's fp8 criterion, V as given and, where a window bounds the keys, as V^T). The cases cover windows of 0,
 1 and past the sequence, seqlen_q != seqlen_k both ways (rows that see no key: O = 0, LSE = -inf,
 or the sink with sinks), GQA/MQA, odd lengths, a single query row, top-left alignment, and head
 dims 64/128/256. Budget: well under two minutes on an H200 (most of it NVRTC compiles; -n 4 helps).
@@ -102,6 +103,59 @@ def test_window_values_change_per_call_without_a_new_kernel(arch):
         _check(arch, "bf16", (128, 700, 700, 4, 2, True, window, 0.0, False, False))
     new = [p for key, p in api._PLANS._plans.items() if key not in before]
     assert len(new) == 2 and new[0].spec == new[1].spec and new[0].spec.local    # the third call hit
+
+
+def _check_fp8(case, v_layout, seed=0):
+    """An e4m3 call (per-tensor descales, O in bf16) of ``case`` against float64 on the dequantised inputs, by
+    the fuzz's fp8 criterion: O's relative Frobenius error within 3e-2 or twice a bf16 computation's, the LSE
+    within 1e-2 + 1e-3 |lse| plus the fp8 wgmma accumulator's 2^-12 of a score's sum of |products|, -inf
+    exactly where the reference has it. ``v_layout="transposed"``: V^T (batch, heads_kv, head_dim, seqlen_k)
+    from a buffer whose key axis is padded to a multiple of 16."""
+    head_dim, sq, sk, hq, hkv, causal, window, softcap, sinks, top_left = case
+    if CC != (9, 0):
+        pytest.skip(f"fp8 runs on sm90 (compute capability 9.0), not {CC}")
+    import facodegen
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn((2, s, h, head_dim), generator=gen, device="cuda").to(torch.bfloat16)
+               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    (q8, qd), (k8, kd), (v8, vd) = (facodegen.quantize_e4m3(x) for x in (q, k, v))
+    q, k, v = (x8.to(torch.float32) * d for x8, d in ((q8, qd), (k8, kd), (v8, vd)))    # what the kernel sees
+    if v_layout == "transposed":
+        padded = torch.zeros((2, hkv, head_dim, (sk + 15) // 16 * 16), dtype=v8.dtype, device="cuda")
+        padded[..., :sk] = v8.permute(0, 2, 3, 1)
+        v8 = padded[..., :sk]
+    sink = torch.randn(hq, generator=gen, device="cuda") * 2.0 if sinks else None
+    out = torch.full((2, sq, hq, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((2, hq, sq), float("nan"), device="cuda")
+    facodegen.attention(q8, k8, v8, causal=causal, window_size=window, softcap=softcap, sinks=sink, out=out,
+                        lse_out=lse, q_descale=qd, k_descale=kd, v_descale=vd, v_layout=v_layout,
+                        causal_alignment="top_left" if top_left else "bottom_right")
+    torch.cuda.synchronize()
+    scale = head_dim ** -0.5
+    variants = dict(window_size=window, softcap=softcap, sinks=sink, top_left=top_left)
+    ref, ref_lse = fuzz.attention_torch(q, k, v, causal, scale, True, **variants)
+    low, _ = fuzz.attention_torch(*(x.to(torch.bfloat16) for x in (q, k, v)), causal, scale, False, **variants)
+    assert torch.isfinite(out).all(), "O has NaN/inf (unwritten or bad)"
+    norm = ref.norm().clamp_min(1e-30)
+    rel = ((out.double() - ref).norm() / norm).item()
+    bound = max(3e-2, 2 * ((low.double() - ref).norm() / norm).item())
+    assert rel <= bound, f"O rel_fro {rel:.3e} over {bound:.3e} (3e-2 or twice bf16's)"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), ~finite), "LSE -inf where the reference has a visible key or sink"
+    products = torch.einsum("bqhd,bkhd->bhqk", q.double().abs(), k.double().abs().repeat_interleave(hq // hkv, dim=2))
+    lse_bound = 1e-2 + 1e-3 * ref_lse.abs() + 2.0 ** -12 * scale * products.amax(dim=-1)
+    diff = (lse.double() - ref_lse).abs()
+    assert (diff <= lse_bound)[finite].all(), f"LSE max error {diff[finite].max().item():.3e}"
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+@pytest.mark.parametrize("v_layout", ["row", "transposed"])
+def test_fp8_variant_matches_float64(v_layout, i):
+    """Every case in e4m3 with V as given; with the caller's V^T the cases with a bounded window (the fp8 kernel's
+    loop over the window's left edge) and head_dim 256."""
+    if v_layout == "transposed" and CASES[i][6] == (-1, -1) and CASES[i][0] != 256:
+        pytest.skip("V^T: the window and head_dim 256 cases")
+    _check_fp8(CASES[i], v_layout, seed=i)
 
 
 def test_fuzz_variants_family_short_run():
