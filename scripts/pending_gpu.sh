@@ -12,7 +12,8 @@
 #   OUT=/path bash scripts/pending_gpu.sh defaults  # session 43's new defaults as defaults: NOT YET RUN (loans paused)
 #   OUT=/path bash scripts/pending_gpu.sh serving   # issue 39's serving host cost, batch-1 paged gap: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh sm80_bwd  # issue 38's sm80 backward warp grids: NOT YET RUN
-#   OUT=/path bash scripts/pending_gpu.sh fp8_variants  # issue 40's variants in fp8 (session 44): NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh fp8_variants  # issue 40's variants and padded head dims in fp8
+#                                                       # (session 44): NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -116,10 +117,12 @@ case "${1:-}" in
         ;;
     fp8_variants)
         # session 44: the fp8 kernel with the attention variants (window with its left-edge loop, softcap with the
-        # descales inside the tanh, sinks past the P offset), checked, then timed beside FlashAttention-3 fp8
-        step pytest_fp8var 200 python3 -m pytest -q -rf -n 8 tests/gpu/test_variants_gpu.py -k fp8
+        # descales inside the tanh, sinks past the P offset) and padded head dims, checked, then timed beside
+        # FlashAttention-3 fp8
+        step pytest_fp8var 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_variants_gpu.py tests/gpu/test_head_dims_gpu.py -k fp8
         step fuzz_variants 90 python3 -m facodegen check --fuzz 700 --seed 44 --family variants   # (~50 fp8 cases)
-        step sanitize_fp8var 90 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 54,55
+        step fuzz_head_dims 60 python3 -m facodegen check --fuzz 400 --seed 44 --family head_dims  # (~30 fp8 cases)
+        step sanitize_fp8var 100 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 54,55,56
         step bench_variants 150 python3 -m facodegen bench --suite variants --quick --out "$OUT/variants"
         ;;
     *)

@@ -118,7 +118,9 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert [(i, c.family) for i, c in enumerate(cases) if c.dtype == "fp8" and c.has_variant] == [(54, "variants"),
                                                                                                 (55, "varlen")]
     assert all(cases[i].sinks and cases[i].softcap and cases[i].window_left > 0 < cases[i].window_right for i in (54, 55))
-    assert len(cases) == 56
+    # and an fp8 padded head dim (80 on the 96 tile)
+    assert [i for i, c in enumerate(cases) if c.family == "head_dims" and c.dtype == "fp8"] == [56]
+    assert len(cases) == 57
     lengths_q, lengths_k = fuzz.varlen_lengths(cases[51])
     assert 0 in lengths_q and any(q > k for q, k in zip(lengths_q, lengths_k)) and cases[51].causal
     for arch in ("sm80", "sm90"):   # the turn counters too

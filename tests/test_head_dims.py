@@ -19,6 +19,7 @@ from facodegen.spec import HEAD_DIMS, SpecError
 from facodegen.spec.knobs import head_dim_problem, tile_head_dim
 from facodegen.verify.reference import attention_reference, flash2_reference
 from forward_checks import compiled_clean
+from sampling import one_per
 
 # The sample of padded head dims the compile tests take (the CPU suite's time is budgeted: a sample)
 SAMPLE = (8, 40, 80, 112, 160, 248)
@@ -61,9 +62,8 @@ def test_a_padded_spec_equals_its_tile_with_head_dim_real_and_names_it():
     (dict(head_dim=96, head_dim_real=100), "head_dim_real", "multiple of 8"),
     (dict(head_dim=96, head_dim_real=112), "head_dim_real", "use head_dim=128"),
     (dict(head_dim=80, head_dim_real=40), "head_dim", "choose one of 64, 96, 128, 192, 256"),
-    (dict(arch="sm90", dtype="fp8", head_dim=80), "head_dim", "fp8 kernel takes head_dim 64, 96, 128, 192, 256"),
+    (dict(arch="sm90", dtype="fp8", head_dim=80, vt_in_place=True), "vt_in_place", "whole 32-column blocks"),
     (dict(arch="sm80", schedule="fa1", head_dim=80), "head_dim", "schedule=fa1"),
-    (dict(arch="sm90", dtype="fp8", varlen=True, head_dim=80), "head_dim", "fp8 kernel takes head_dim"),
 ])
 def test_bad_head_dims_name_the_field(fields, knob, words):
     with pytest.raises(SpecError) as err:
@@ -181,6 +181,26 @@ def test_padded_kernels_compile_clean(spec):
             assert counts["HGMMA"] < whole.sass_counts()["HGMMA"]
 
 
+# fp8 (sm90): the padded e4m3 kernels, both V layouts and the variants seeded per head dim; Q K^T in
+# ceil(d/32) k32 steps (fewer than the tile's where d leaves a whole step out: 16 on 64, 160 on 192, 200 on 256)
+_FP8_COMPILED = one_per([(d, c, layout, f) for d in (16, 40, 80, 112, 160, 200, 248) for c in (False, True)
+                         for layout in ("row", "transposed") for f in (False, True)], lambda x: x[0])
+
+
+@pytest.mark.parametrize("d, causal, v_layout, variants", _FP8_COMPILED)
+def test_fp8_padded_kernels_compile_clean_and_stop_q_k_at_d(d, causal, v_layout, variants):
+    extra = dict(local=True, softcap=True, sinks=True) if variants else {}
+    spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=d, causal=causal, v_layout=v_layout, **extra)
+    assert (spec.head_dim, spec.head_dim_real) == (tile_head_dim(d), d)
+    kernel, counts = compiled_clean(spec)
+    source = kernel.source
+    assert f"constexpr int HEAD_DIM_REAL = {d};" in source and "(HEAD_DIM_REAL + 31) / 32" in source
+    assert ("16 * a + 4 * t < HEAD_DIM_REAL" in source) == (d % 16 != 0)     # the half group's predicate
+    whole = compiler.compile(spec.replace(head_dim=spec.head_dim))
+    steps_left_out = spec.head_dim // 32 - math.ceil(d / 32)
+    assert (counts["QGMMA"] < whole.sass_counts()["QGMMA"]) == (steps_left_out > 0), (counts, steps_left_out)
+
+
 # ------------------------------------------------------------------ host side: TMA maps, FlashParams
 
 PTR = 1 << 20
@@ -200,6 +220,23 @@ def test_tma_maps_take_d_as_their_innermost_dimension_with_the_tiles_boxes(d):
     # the slabs a kernel loads reach past d but never start past it: no box is wholly outside the tensor
     for real in range(8, 257, 8):
         assert (tile_head_dim(real) - 1) // box_cols_of(real) * box_cols_of(real) < real
+
+
+@pytest.mark.parametrize("v_layout", ("row", "transposed"))
+def test_fp8_maps_take_d_with_the_tiles_boxes(v_layout):
+    """e4m3 on the 96 tile with d = 80: Q, K (and row V) maps of d bytes a row in the tile's slab boxes; the
+    caller's V^T (batch, heads_kv, d, seqlen_k) has d rows and boxes of the tile's 96 (zeros past d)."""
+    d, b, s, h, hkv = 80, 2, 17, 4, 2
+    spec = KernelSpec(arch="sm90", dtype="fp8", head_dim=d, v_layout=v_layout)
+    q_strides, kv_strides = (s * h * d, h * d, d), (s * hkv * d, hkv * d, d)
+    v_strides = kv_strides if v_layout == "row" else (hkv * d * 32, d * 32, 32)     # V^T: keys padded to 32
+    maps = tma.tensor_map_args(spec, PTR, PTR + 4096, PTR + 8192, PTR + 12288, b, s, s, h, hkv,
+                               q_strides, kv_strides, v_strides, q_strides)
+    swizzle, box_cols = tma.slab_geometry(spec.head_dim, 1)
+    for name in ("tma_q", "tma_k") + (("tma_v",) if v_layout == "row" else ()):
+        assert maps[name].dims[0] == d and maps[name].box[0] == box_cols, name
+    if v_layout == "transposed":
+        assert maps["tma_v"].dims[:2] == (s, d) and maps["tma_v"].box[1] == 96
 
 
 def box_cols_of(d: int) -> int:
@@ -235,6 +272,25 @@ def test_a_padded_call_runs_the_tiles_kernel_with_d_in_its_maps_and_scale(monkey
         assert not encoded
 
 
+@pytest.mark.usefixtures("fake")
+@pytest.mark.parametrize("v_layout", ("row", "transposed"))
+def test_an_fp8_padded_call_runs_the_tiles_kernel_with_d_in_its_maps_and_scale(monkeypatch, v_layout):
+    encoded = []
+    monkeypatch.setattr(tma, "encode", lambda args: encoded.append(args) or bytes(128))
+    d = 80
+    v_shape, v_strides = ((2, 40, 2, d), None) if v_layout == "row" else ((2, 2, d, 40), (2 * d * 48, d * 48, 48, 1))
+    q, k = FakeTensor((2, 33, 4, d), "float8_e4m3fn"), FakeTensor((2, 40, 2, d), "float8_e4m3fn")
+    v = FakeTensor(v_shape, "float8_e4m3fn", v_strides)
+    call = api.prepare(q, k, v, causal=True, v_layout=v_layout)
+    assert (call.spec.head_dim, call.spec.head_dim_real, call.spec.dtype) == (96, 80, "fp8")
+    assert call.spec.variant.startswith("flash_fwd_sm90_fp8_hd96_d80_")
+    assert math.isclose(_field(call._param_bytes, call.spec, "softmax_scale"), 1 / math.sqrt(80), rel_tol=1e-6)
+    rows = [a.dims[0] for a in encoded if a.box[1] != 96]       # Q, K (and row V): d bytes a row
+    assert rows and set(rows) == {80}
+    if v_layout == "transposed":
+        assert [a.dims[:2] for a in encoded if a.box[1] == 96] == [(40, 80)]     # V^T: d rows of 40 keys
+
+
 def test_the_tile_heads_tuned_rules_apply():
     from facodegen.spec import seqlen_rule_fields
     rule = seqlen_rule_fields("sm90", 128, "bf16", False, 8192, 8192)
@@ -266,8 +322,9 @@ def test_the_paths_limited_to_the_five_tiles_say_so():
     with pytest.raises(ValueError, match=r"head_dim=80 is not supported by attention_backward; choose one of "
                                          r"64, 96, 128, 192, 256 \(the 16-bit forward"):
         api._check_inputs(*qkv(80), what="attention_backward")
-    with pytest.raises(ValueError, match="head_dim=80 is not supported by dtype=fp8"):
-        api.check_fp8_inputs(*qkv(80, "float8_e4m3fn"), "row")
+    api.check_fp8_inputs(*qkv(80, "float8_e4m3fn"), "row")     # fp8 pads too (whole 16-byte rows)
+    with pytest.raises(ValueError, match=r"q's heads stride \(88 elements\) must be a multiple of 16"):
+        api.check_fp8_inputs(*qkv(88, "float8_e4m3fn"), "row")
 
 
 def test_autograd_refuses_a_padded_head_dim_at_the_forward():
@@ -300,19 +357,26 @@ def test_zero_columns_change_nothing_but_the_scale(d, causal):
 
 # ------------------------------------------------------------------ the fuzzer and the sanitizer sweep
 
-def test_the_head_dims_family_draws_padded_16_bit_forwards(monkeypatch):
+def test_the_head_dims_family_draws_padded_forwards(monkeypatch):
+    """16-bit at PADDED_HEAD_DIMS; sm90 cases with seed 6 mod 7 (not 3 mod 4: head_dim_v's) in e4m3 at
+    FP8_PADDED_HEAD_DIMS, whole 16-byte rows."""
     from facodegen.verify import fuzz
     info = api.DeviceInfo(0, "NVIDIA H200", (9, 0), 132, 232448)
     monkeypatch.setattr(api, "device_info", lambda ordinal: info)
     monkeypatch.setattr(api, "_tuned_fields", lambda *a: None)
-    cases = [c for c in fuzz.generate(200, seed=3, family="head_dims") if not c.head_dim_v]   # (head_dim_v: its own test)
-    assert {c.head_dim for c in cases} == set(fuzz.PADDED_HEAD_DIMS)
-    assert {c.dtype for c in cases} == {"bf16", "fp16"} and {c.arch for c in cases} == {"sm80", "sm90"}
-    for c in cases[:40]:
+    cases = [c for c in fuzz.generate(400, seed=3, family="head_dims") if not c.head_dim_v]   # (head_dim_v: its own test)
+    wide = [c for c in cases if c.dtype != "fp8"]
+    fp8 = [c for c in cases if c.dtype == "fp8"]
+    assert {c.head_dim for c in wide} == set(fuzz.PADDED_HEAD_DIMS)
+    assert {c.dtype for c in wide} == {"bf16", "fp16"} and {c.arch for c in wide} == {"sm80", "sm90"}
+    assert fp8 and all(c.arch == "sm90" and c.seed % 7 == 6 and c.head_dim % 16 == 0 for c in fp8)
+    assert {c.head_dim for c in fp8} <= set(fuzz.FP8_PADDED_HEAD_DIMS) and len({c.head_dim for c in fp8}) > 3
+    for c in wide[:30] + fp8[:10]:
         spec = fuzz.case_spec(c)
-        assert (spec.head_dim_real, spec.head_dim) == (c.head_dim, tile_head_dim(c.head_dim))
+        assert (spec.head_dim_real, spec.head_dim, spec.dtype) == (c.head_dim, tile_head_dim(c.head_dim), c.dtype)
     sweep = [c for c in fuzz.representative_cases() if c.family == "head_dims" and not c.head_dim_v]
-    assert {(c.arch, c.head_dim) for c in sweep} == {(a, d) for a in ("sm80", "sm90") for d in (8, 80)}
+    assert {(c.arch, c.dtype, c.head_dim) for c in sweep} == {
+        (a, d, h) for a in ("sm80", "sm90") for d, h in (("bf16", 80), ("fp16", 8))} | {("sm90", "fp8", 80)}
 
 
 def test_precompile_takes_a_padded_head_dim():

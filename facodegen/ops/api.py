@@ -359,7 +359,7 @@ def check_fp8_inputs(q: _View, k: _View, v: _View, v_layout: str) -> None:
         raise ValueError(f"v has shape {v.shape}; expected {what} = {tuple(want_v)}"
                          + (" (fp8 takes no head_dim_v of its own)" if v_layout == "row" and len(v.shape) == 4
                             and tuple(v.shape[:3]) == tuple(want_v[:3]) else ""))
-    _check_attention_shape(q, k, what="dtype=fp8 (e4m3)")
+    _check_attention_shape(q, k, any_head_dim=True)     # (a head_dim between the tiles: the next tile's, padded)
     _check_layout(q)
     _check_layout(k)
     if v_layout == "row":

@@ -278,9 +278,10 @@ def tensor_map_args(spec, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, batch:
 def _fp8_map_args(spec, q_ptr, k_ptr, v_ptr, batch, seqlen_q, seqlen_k, heads_q, heads_kv, q_strides,
                   k_strides, v_strides, swizzle, box_cols) -> dict[str, TiledArgs]:
     """fp8: Q, K (and row-major V) as e4m3 bytes in head_dim slabs; V^T (v_layout=transposed) with
-    v_strides = (batch, head, dim) of the (batch, heads_kv, head_dim, seqlen_k) tensor. O is written
-    from registers (tma_o is unused: it gets Q's map so the bytes are a valid descriptor)."""
-    d = spec.head_dim
+    v_strides = (batch, head, dim) of the (batch, heads_kv, head_dim, seqlen_k) tensor, boxes of the tile's
+    head_dim rows. O is written from registers (tma_o is unused: it gets Q's map so the bytes are a valid
+    descriptor). The global head_dim is spec.head_dim_real (zeros past it, as tensor_map_args')."""
+    d = spec.head_dim_real
     plan = {
         "tma_q": (q_ptr, (batch, seqlen_q, heads_q, d), q_strides, spec.block_m),
         "tma_k": (k_ptr, (batch, seqlen_k, heads_kv, d), k_strides, spec.block_n),
@@ -298,7 +299,8 @@ def _fp8_map_args(spec, q_ptr, k_ptr, v_ptr, batch, seqlen_q, seqlen_k, heads_q,
     if spec.v_layout == "transposed":
         vt_swizzle, box_keys = vt_geometry(spec.block_n)
         try:
-            out["tma_v"] = transposed_v_args(v_ptr, (batch, heads_kv, d, seqlen_k), v_strides, d, box_keys, vt_swizzle)
+            out["tma_v"] = transposed_v_args(v_ptr, (batch, heads_kv, d, seqlen_k), v_strides, spec.head_dim, box_keys,
+                                             vt_swizzle)
         except ValueError as err:
             raise ValueError(f"v: {err}") from None
     out["tma_o"] = out["tma_q"]

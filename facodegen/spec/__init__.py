@@ -1122,13 +1122,13 @@ def _check_split_v(spec: "KernelSpec") -> None:
 
 
 def _check_padded(spec: "KernelSpec") -> None:
-    """head_dim_real < head_dim: the 16-bit fa2 forward (sm80, sm90; varlen too) pads its tiles."""
+    """head_dim_real < head_dim: the fa2 forward (sm80, sm90; fp8 on sm90; varlen too) pads its tiles."""
     if not spec.padded:
         return
     what = f"head_dim={spec.head_dim_real} (on the head_dim {spec.head_dim} tile)"
-    if spec.dtype == "fp8":
-        raise SpecError("head_dim", f"{what}: the fp8 kernel takes head_dim {', '.join(map(str, HEAD_DIMS))} only; "
-                                    f"use dtype=bf16/fp16 or one of those head dims")
+    if spec.vt_in_place:
+        raise SpecError("vt_in_place", f"{what}: the in-place V^T boxes are whole 32-column blocks of the tile; "
+                                       "use vt_in_place=False")
     if spec.schedule == "fa1":
         raise SpecError("head_dim", f"{what}: schedule=fa1 takes head_dim {', '.join(map(str, HEAD_DIMS))} only; "
                                     f"use schedule=fa2")

@@ -46,13 +46,17 @@ from .flash_rounding import attention_backward_flash_rounding, backward_floor, f
 from ..spec import HEAD_DIMS
 
 FAMILIES = ("forward", "variants", "backward", "kvcache", "varlen", "head_dims")
-# The head_dims family: the 16-bit forward at head dims outside HEAD_DIMS, each on the next one's tile
+# The head_dims family: the forward at head dims outside HEAD_DIMS (16-bit; fp8 below), each on the next one's tile
 # with the columns past it zero-filled in the kernel (issue 40); a fixed few, so the kernels stay few.
 PADDED_HEAD_DIMS = (8, 40, 80, 112, 160, 200, 248)
 # ... and a V narrower than Q and K (head_dim_v): a head_dims case whose seed is 3 mod 4 takes
 # (head_dim, head_dim_v) = SPLIT_V_PAIRS[seed // 4 % 2] instead of its padded head_dim (read off the
 # seed, so the family's other draws are what they were).
 SPLIT_V_PAIRS = ((192, 128), (128, 64))
+# An sm90 head_dims case whose seed is 6 mod 7 (and not 3 mod 4) runs e4m3 with descales at
+# FP8_PADDED_HEAD_DIMS[seed // 7 % 8] instead: rows of whole 16-byte chunks (a contiguous e4m3 tensor's head
+# stride is head_dim bytes), each on the next tile.
+FP8_PADDED_HEAD_DIMS = (16, 48, 80, 112, 144, 176, 208, 240)
 KVCACHE_PAGE_SIZES = (0, 0, 16, 64, 256)   # 0: contiguous
 LAYOUTS = ("contiguous", "strided", "offset")
 VARLEN_REPRESENTATIVE_SEED = 11
@@ -276,6 +280,8 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             seed=rng.randrange(1 << 31), **extra)
         if this_family == "head_dims" and case_fields["seed"] % 4 == 3:
             case_fields["head_dim"], case_fields["head_dim_v"] = SPLIT_V_PAIRS[case_fields["seed"] // 4 % 2]
+        elif this_family == "head_dims" and arch == "sm90" and case_fields["seed"] % 7 == 6:
+            case_fields["dtype"], case_fields["head_dim"] = "fp8", FP8_PADDED_HEAD_DIMS[case_fields["seed"] // 7 % 8]
         if this_family == "kvcache" and case_fields["seed"] % 5 == 3:
             # a fifth of the kvcache cases with a window or softcap (no sinks: flash_attn_with_kvcache has none),
             # drawn from the case's seed as varlen's below (a draw of sinks alone takes softcap 30 instead)
@@ -398,15 +404,8 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     ref, ref_lse = attention_torch(q, k, v, case.causal, scale, upcast=True, **variants)
     err = (out.double() - ref).abs().max().item()
     if case.dtype == "fp8":
-        rel = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        # FlashAttention-3's criterion on its fp8 terms: at most twice a same-precision (bf16) reference's
-        # error, or 3e-2. Where huge logits make the softmax one-hot, a near tie between two keys is decided
-        # by the last bits of the scores: the bf16 reference flips such rows too, and its error says so.
-        low, _ = attention_torch(*(x.to(torch.bfloat16) for x in (q, k, v)), case.causal, scale, upcast=False,
-                                 **variants)
-        rel_low = ((low.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        bound = max(3e-2, 2 * rel_low)
-        ok_o, what = rel <= bound, f"rel_fro {rel:.2e} (bound {bound:.2e}: 3e-2 or 2x bf16's {rel_low:.2e})"
+        why = fp8_failure(out, ref, q, k, v, case.causal, scale, **variants)
+        ok_o, what = why is None, why or f"max err {err:.2e} ok"
     else:
         why = fa3_failure(out, ref.nan_to_num(0.0), _standard_low(q, k, v, case.causal, scale, **variants),
                           forward_floor(q, k, v, case.causal, scale, **variants))
@@ -416,11 +415,7 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     lse_err = (lse.double() - ref_lse).abs().where(finite, torch.zeros_like(ref_lse))
     lse_bound = atol + rtol * ref_lse.abs().where(finite, torch.zeros_like(ref_lse))
     if case.dtype == "fp8":
-        # Hopper's fp8 wgmma accumulates in fewer bits than fp32 (DeepSeek-V3's paper: ~14), so a score
-        # is exact only to ~2^-13 of its sum of |products|; the LSE inherits that of its largest score.
-        group = q.shape[2] // k.shape[2]
-        products = torch.einsum("bqhd,bkhd->bhqk", q.double().abs(), k.double().abs().repeat_interleave(group, dim=2))
-        lse_bound = lse_bound + 2.0 ** -12 * scale * products.amax(dim=-1)
+        lse_bound = lse_bound + fp8_lse_slack(q, k, scale)
     worst = (lse_err - lse_bound).argmax()
     lse_ok = bool(torch.equal(torch.isneginf(lse), ~finite)) and bool((lse_err <= lse_bound).all())
     lse_what = "ok" if lse_ok else (
@@ -428,6 +423,34 @@ def run_case(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         f"(batch, head, row) {tuple(int(i) for i in torch.unravel_index(worst, lse_err.shape))}; -inf rows "
         f"{'agree' if torch.equal(torch.isneginf(lse), ~finite) else 'DIFFER'})")
     return ok_o and lse_ok and bool(torch.isfinite(out).all()), f"O {what}; LSE {lse_what}"
+
+
+def fp8_failure(out, ref, q, k, v, causal: bool, scale: float, **variants) -> str | None:
+    """FlashAttention-3's criterion on its fp8 terms for an e4m3 call's O against the float64 ``ref`` of the
+    dequantised q, k, v (what the kernel sees): a relative Frobenius error at most twice a same-precision
+    (bf16) computation's, or 3e-2; None if it holds. Where huge logits make the softmax one-hot, a near tie
+    between two keys is decided by the last bits of the scores: the bf16 computation flips such rows too,
+    and its error says so. A row that sees no key is 0 in both (ref's NaN taken as 0)."""
+    import torch
+    ref = ref.nan_to_num(0.0)
+    low, _ = attention_torch(*(x.to(torch.bfloat16) for x in (q, k, v)), causal, scale, upcast=False, **variants)
+    norm = ref.norm().clamp_min(1e-30)
+    rel = ((out.double() - ref).norm() / norm).item()
+    rel_low = ((low.double().nan_to_num(0.0) - ref).norm() / norm).item()
+    bound = max(3e-2, 2 * rel_low)
+    if rel <= bound and bool(torch.isfinite(out).all()):
+        return None
+    return f"rel_fro {rel:.2e} (bound {bound:.2e}: 3e-2 or 2x bf16's {rel_low:.2e})"
+
+
+def fp8_lse_slack(q, k, scale: float):
+    """What an e4m3 call's LSE (batch, heads_q, seqlen_q) may err beyond 16-bit tolerances: Hopper's fp8
+    wgmma accumulates in fewer bits than fp32 (DeepSeek-V3's paper: ~14), so a score is exact only to ~2^-13
+    of its sum of |products|; the LSE inherits that of its largest score: 2^-12 scale max_k sum_i |q_i k_i|."""
+    import torch
+    group = q.shape[2] // k.shape[2]
+    products = torch.einsum("bqhd,bkhd->bhqk", q.double().abs(), k.double().abs().repeat_interleave(group, dim=2))
+    return 2.0 ** -12 * scale * products.amax(dim=-1)
 
 
 def _standard_low(q, k, v, causal, scale, **variants):
@@ -757,20 +780,11 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         one = [x[None, a:b] for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
         ref, ref_lse = attention_torch(*one, case.causal, scale, upcast=True, **variants)
         lse_bound = 1e-3 + 1e-4 * ref_lse[0].abs()
-        if fp8:     # the forward fp8 cases' criterion (_run_forward's), on this sequence
-            ref = ref.nan_to_num(0.0)
-            low, _ = attention_torch(*(x.to(torch.bfloat16) for x in one), case.causal, scale, upcast=False, **variants)
-            norm = ref.norm().clamp_min(1e-30)
-            rel = ((out[None, q0:q1].double() - ref).norm() / norm).item()
-            bound = max(3e-2, 2 * ((low.double().nan_to_num(0.0) - ref).norm() / norm).item())
-            why = None if rel <= bound and bool(torch.isfinite(out[q0:q1]).all()) else \
-                f"rel_fro {rel:.2e} (bound {bound:.2e}: 3e-2 or 2x bf16's)"
+        if fp8:     # the forward fp8 cases' criterion (run_case's), on this sequence
+            why = fp8_failure(out[None, q0:q1], ref, *one, case.causal, scale, **variants)
             lse_bound = 1e-2 + 1e-3 * ref_lse[0].abs()
-            if k1 > k0:     # fp8 wgmma's accumulation: exact to ~2^-13 of a score's sum of |products|
-                group = case.heads_q // case.heads_kv
-                products = torch.einsum("bqhd,bkhd->bhqk", one[0].double().abs(),
-                                        one[1].double().abs().repeat_interleave(group, dim=2))
-                lse_bound = lse_bound + 2.0 ** -12 * scale * products.amax(dim=-1)[0]
+            if k1 > k0:
+                lse_bound = lse_bound + fp8_lse_slack(one[0], one[1], scale)[0]
         else:
             why = fa3_failure(out[None, q0:q1], ref.nan_to_num(0.0),
                               _standard_low(*one, case.causal, scale, **variants),
@@ -1004,7 +1018,8 @@ def representative_cases() -> list[Case]:
     head_dim 256; sm90 with more tiles than SMs, and with lpt; last, sm90 with the rings away from their
     defaults and with dq_lag; sm80 with stages=2 and FlashAttention-2's warp grid), two
     decode-family cases (paged with an append and a split, contiguous MQA-like packing), and fp8 with
-    the variants, alone and varlen: what the sanitizer sweep (scripts/sanitize.py) runs under each tool."""
+    the variants, alone and varlen, and padded: what the sanitizer sweep (scripts/sanitize.py) runs under
+    each tool."""
     def packed(arch: str, dtype: str, head_dim: int, causal: bool, seed: int, seqlen_k: int = 257, **variant) -> Case:
         """A varlen case: six packed sequences drawn from ``seed`` under 300 queries and ``seqlen_k`` keys, GQA
         4/2, a strided token axis, the LSE asked for and O poisoned."""
@@ -1126,6 +1141,10 @@ def representative_cases() -> list[Case]:
                       sinks=True))
     cases.append(packed("sm90", "fp8", 128, False, VARLEN_REPRESENTATIVE_SEED, window_left=40, window_right=7,
                         softcap=30.0, sinks=True))
+    # and an fp8 padded head dim, 80 on the 96 tile (causal, GQA), O poisoned: case 56
+    cases.append(Case("head_dims", "sm90", "fp8", batch=2, seqlen_q=77, seqlen_k=203, heads_q=4, heads_kv=2,
+                      head_dim=80, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=True, use_out=True, seed=7))
     return cases
 
 

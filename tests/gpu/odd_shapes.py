@@ -1,6 +1,7 @@
 """What the head-dim GPU tests share (tests/gpu/test_head_dims_gpu.py, padded head dims;
-test_head_dim_v_gpu.py, V narrower than Q and K): the GPU at hand, four shapes with odd lengths,
-inputs, and the check of one call's O and LSE against float64 with FlashAttention-3's criterion."""
+test_head_dim_v_gpu.py, V narrower than Q and K; test_variants_gpu.py's fp8 cases): the GPU at hand, four
+shapes with odd lengths, inputs, the check of one call's O and LSE against float64 with FlashAttention-3's
+criterion, and an e4m3 call checked by the fuzz's fp8 criterion."""
 
 from __future__ import annotations
 
@@ -70,3 +71,57 @@ def check_every_shape(arch, d, dtype, causal, seed, dv=None, spec_is=lambda spec
             check(out, lse, q, k, v, causal, dtype)
         except AssertionError as err:
             raise AssertionError(f"shape (seqlen_q, seqlen_k, heads_q, heads_kv) = {shape}: {err}") from None
+
+
+def check_fp8_call(head_dim, shape, causal, v_layout="row", seed=0, *, window_size=(-1, -1), softcap=0.0,
+                   sinks=False, top_left=False, wide=0):
+    """One e4m3 call of facodegen.attention (per-tensor descales, O in bf16, batch 2; ``shape`` = (seqlen_q,
+    seqlen_k, heads_q, heads_kv)) into a NaN-poisoned O and LSE, against float64 on the dequantised inputs by
+    the fuzz's fp8 criterion (fuzz.fp8_failure: O's relative Frobenius error within 3e-2 or twice a bf16
+    computation's; the LSE within 1e-2 + 1e-3 |lse| + fuzz.fp8_lse_slack, -inf exactly where the reference
+    has it). ``v_layout="transposed"``: V^T (batch, heads_kv, head_dim, seqlen_k) from a buffer whose key axis
+    is padded to a multiple of 16. ``wide`` > 0: q, k, v (row V) and O are views of buffers ``wide`` columns
+    wider, the inputs NaN past head_dim (a read past it would reach O), O's buffer a sentinel there (it must
+    survive). sm90 only (skips elsewhere)."""
+    if CC != (9, 0):
+        pytest.skip(f"fp8 runs on sm90 (compute capability 9.0), not {CC}")
+    import facodegen
+    sq, sk, hq, hkv = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn((2, s, h, head_dim), generator=gen, device="cuda").to(torch.bfloat16)
+               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    (q8, qd), (k8, kd), (v8, vd) = (facodegen.quantize_e4m3(x) for x in (q, k, v))
+    q, k, v = (x8.to(torch.float32) * d for x8, d in ((q8, qd), (k8, kd), (v8, vd)))    # what the kernel sees
+
+    def widened(x, fill):
+        buf = torch.full((*x.shape[:3], head_dim + wide), fill, device="cuda").to(x.dtype)
+        buf[..., :head_dim] = x
+        return buf[..., :head_dim]
+    if wide:
+        q8, k8, v8 = (widened(x, float("nan")) for x in (q8, k8, v8))
+    if v_layout == "transposed":
+        padded = torch.zeros((2, hkv, head_dim, (sk + 15) // 16 * 16), dtype=v8.dtype, device="cuda")
+        padded[..., :sk] = v8.permute(0, 2, 3, 1)
+        v8 = padded[..., :sk]
+    sink = torch.randn(hq, generator=gen, device="cuda") * 2.0 if sinks else None
+    out = torch.full((2, sq, hq, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    if wide:
+        out = widened(out, 7.0)
+    lse = torch.full((2, hq, sq), float("nan"), device="cuda")
+    facodegen.attention(q8, k8, v8, causal=causal, window_size=window_size, softcap=softcap, sinks=sink, out=out,
+                        lse_out=lse, q_descale=qd, k_descale=kd, v_descale=vd, v_layout=v_layout,
+                        causal_alignment="top_left" if top_left else "bottom_right")
+    torch.cuda.synchronize()
+    if wide:
+        past = torch.as_strided(out, (*out.shape[:3], wide), out.stride(), out.storage_offset() + head_dim)
+        assert (past == 7.0).all(), "the kernel wrote O's memory past head_dim"
+    scale = head_dim ** -0.5
+    variants = dict(window_size=window_size, softcap=softcap, sinks=sink, top_left=top_left)
+    ref, ref_lse = fuzz.attention_torch(q, k, v, causal, scale, True, **variants)
+    why = fuzz.fp8_failure(out, ref, q, k, v, causal, scale, **variants)
+    assert why is None, f"O: {why}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), ~finite), "LSE -inf where the reference has a visible key or sink"
+    lse_bound = 1e-2 + 1e-3 * ref_lse.abs() + fuzz.fp8_lse_slack(q, k, scale)
+    diff = (lse.double() - ref_lse).abs()
+    assert (diff <= lse_bound)[finite].all(), f"LSE max error {diff[finite].max().item():.3e}"

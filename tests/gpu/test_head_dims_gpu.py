@@ -9,7 +9,9 @@ FlashAttention-3's criterion (its error against the float64 reference of facodeg
 at most twice a same-precision computation's plus twice the dtype's rounding of the reference) and in
 relative Frobenius norm (reference.check), the LSE with reference.check_lse. A second test gives the
 kernels views of wider buffers: inputs whose columns past d hold NaN (a read past d would reach O) and
-an O whose memory past d holds a sentinel (a write past d would change it).
+an O whose memory past d holds a sentinel (a write past d would change it). fp8 (sm90): head dims of
+whole 16-byte e4m3 rows (16, 48, ..., 240) x causal x both V layouts over the same shapes, and the
+wide-buffer test, by the fuzz's fp8 criterion.
 
 Run alone: ``python -m pytest -q tests/gpu/test_head_dims_gpu.py`` (-n 4 helps: 56 kernels to compile).
 """
@@ -24,7 +26,8 @@ from facodegen.verify import reference
 
 torch = pytest.importorskip("torch")
 
-from odd_shapes import CC, HAVE_GPU, check, check_every_shape, inputs, skip_unless_runs  # noqa: E402
+from odd_shapes import (HAVE_GPU, SHAPES, check, check_every_shape, check_fp8_call, inputs,  # noqa: E402
+                        skip_unless_runs)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU (torch.cuda)")]
 
@@ -89,7 +92,7 @@ def test_default_output_and_scale(arch):
     assert not math.isclose(0.3, 40 ** -0.5)
 
 
-def test_padded_head_dims_have_no_backward_or_fp8_yet():
+def test_padded_head_dims_have_no_backward_yet():
     import facodegen
     q, k, v = inputs((64, 64, 2, 2), 80, "bf16", seed=3)
     with pytest.raises(NotImplementedError, match="head_dim=80 has no backward yet"):
@@ -99,10 +102,30 @@ def test_padded_head_dims_have_no_backward_or_fp8_yet():
     out, lse = facodegen.attention(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match="head_dim=80 is not supported by attention_backward"):
         facodegen.attention_backward(do, q, k, v, out, lse)
-    if CC == (9, 0):
-        f8 = [x.to(torch.float8_e4m3fn) for x in (q, k, v)]
-        with pytest.raises(ValueError, match="head_dim=80 is not supported by dtype=fp8"):
-            facodegen.attention(*f8)
+
+
+# fp8 (sm90): head dims whose rows are whole 16-byte chunks of e4m3 (a contiguous tensor's head stride is
+# d bytes; d = 8 mod 16 takes strided views), each on the next tile
+FP8_HEAD_DIMS = (16, 48, 80, 112, 160, 208, 240)
+
+
+@pytest.mark.parametrize("v_layout", ("row", "transposed"))
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("d", FP8_HEAD_DIMS)
+def test_fp8_padded_head_dim_matches_float64(d, causal, v_layout):
+    """Each of SHAPES in e4m3 (odd_shapes.check_fp8_call), V as given and as the caller's V^T."""
+    for i, shape in enumerate(SHAPES):
+        try:
+            check_fp8_call(d, shape, causal, v_layout, seed=1000 * d + i)
+        except AssertionError as err:
+            raise AssertionError(f"shape (seqlen_q, seqlen_k, heads_q, heads_kv) = {shape}: {err}") from None
+
+
+@pytest.mark.parametrize("d", (16, 80, 208))
+@pytest.mark.parametrize("causal", (False, True))
+def test_fp8_nothing_past_d_is_read_or_written(d, causal):
+    """e4m3 q, k, v and O as views of buffers 128 columns wider: NaN past d in the inputs, a sentinel in O's."""
+    check_fp8_call(d, (333, 1000 if not causal else 100, 4, 2), causal, seed=d, wide=128)
 
 
 @pytest.mark.parametrize("arch", ("sm80", "sm90"))

@@ -18,6 +18,8 @@ import pytest
 from facodegen.verify import fuzz
 
 torch = pytest.importorskip("torch")
+
+from odd_shapes import check_fp8_call  # noqa: E402
 HAVE_GPU = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU (torch.cuda)")]
 CC = torch.cuda.get_device_capability() if HAVE_GPU else (0, 0)
@@ -106,46 +108,10 @@ def test_window_values_change_per_call_without_a_new_kernel(arch):
 
 
 def _check_fp8(case, v_layout, seed=0):
-    """An e4m3 call (per-tensor descales, O in bf16) of ``case`` against float64 on the dequantised inputs, by
-    the fuzz's fp8 criterion: O's relative Frobenius error within 3e-2 or twice a bf16 computation's, the LSE
-    within 1e-2 + 1e-3 |lse| plus the fp8 wgmma accumulator's 2^-12 of a score's sum of |products|, -inf
-    exactly where the reference has it. ``v_layout="transposed"``: V^T (batch, heads_kv, head_dim, seqlen_k)
-    from a buffer whose key axis is padded to a multiple of 16."""
+    """``case`` in e4m3 (odd_shapes.check_fp8_call: per-tensor descales, O in bf16, the fuzz's fp8 criterion)."""
     head_dim, sq, sk, hq, hkv, causal, window, softcap, sinks, top_left = case
-    if CC != (9, 0):
-        pytest.skip(f"fp8 runs on sm90 (compute capability 9.0), not {CC}")
-    import facodegen
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn((2, s, h, head_dim), generator=gen, device="cuda").to(torch.bfloat16)
-               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
-    (q8, qd), (k8, kd), (v8, vd) = (facodegen.quantize_e4m3(x) for x in (q, k, v))
-    q, k, v = (x8.to(torch.float32) * d for x8, d in ((q8, qd), (k8, kd), (v8, vd)))    # what the kernel sees
-    if v_layout == "transposed":
-        padded = torch.zeros((2, hkv, head_dim, (sk + 15) // 16 * 16), dtype=v8.dtype, device="cuda")
-        padded[..., :sk] = v8.permute(0, 2, 3, 1)
-        v8 = padded[..., :sk]
-    sink = torch.randn(hq, generator=gen, device="cuda") * 2.0 if sinks else None
-    out = torch.full((2, sq, hq, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((2, hq, sq), float("nan"), device="cuda")
-    facodegen.attention(q8, k8, v8, causal=causal, window_size=window, softcap=softcap, sinks=sink, out=out,
-                        lse_out=lse, q_descale=qd, k_descale=kd, v_descale=vd, v_layout=v_layout,
-                        causal_alignment="top_left" if top_left else "bottom_right")
-    torch.cuda.synchronize()
-    scale = head_dim ** -0.5
-    variants = dict(window_size=window, softcap=softcap, sinks=sink, top_left=top_left)
-    ref, ref_lse = fuzz.attention_torch(q, k, v, causal, scale, True, **variants)
-    low, _ = fuzz.attention_torch(*(x.to(torch.bfloat16) for x in (q, k, v)), causal, scale, False, **variants)
-    assert torch.isfinite(out).all(), "O has NaN/inf (unwritten or bad)"
-    norm = ref.norm().clamp_min(1e-30)
-    rel = ((out.double() - ref).norm() / norm).item()
-    bound = max(3e-2, 2 * ((low.double() - ref).norm() / norm).item())
-    assert rel <= bound, f"O rel_fro {rel:.3e} over {bound:.3e} (3e-2 or twice bf16's)"
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isneginf(lse), ~finite), "LSE -inf where the reference has a visible key or sink"
-    products = torch.einsum("bqhd,bkhd->bhqk", q.double().abs(), k.double().abs().repeat_interleave(hq // hkv, dim=2))
-    lse_bound = 1e-2 + 1e-3 * ref_lse.abs() + 2.0 ** -12 * scale * products.amax(dim=-1)
-    diff = (lse.double() - ref_lse).abs()
-    assert (diff <= lse_bound)[finite].all(), f"LSE max error {diff[finite].max().item():.3e}"
+    check_fp8_call(head_dim, (sq, sk, hq, hkv), causal, v_layout, seed, window_size=window, softcap=softcap,
+                   sinks=sinks, top_left=top_left)
 
 
 @pytest.mark.parametrize("i", range(len(CASES)))
