@@ -725,6 +725,18 @@ def _call(args, **kw):
                                       a.pop("cu_seqlens_k"), a.pop("max_seqlen_q"), a.pop("max_seqlen_k"), **a, **kw)
 
 
+def test_a_hit_refuses_v_or_out_of_another_total(varlen_plans):
+    """The plan key leaves the token totals out, so a hit checks that V has K's tokens and out= q's: a call
+    whose V or O is shorter would read or write past it. The checked path's error names the array."""
+    a = _args()
+    _call(a, out=FakeTensor((118, HQ, D)))
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        _call(dict(a, v=FakeTensor((117, HKV, D))))
+    with pytest.raises(ValueError, match="out has shape"):
+        _call(a, out=FakeTensor((117, HQ, D)))
+    assert varlen._PLANS.misses == 1
+
+
 @pytest.mark.parametrize("changes, kw, error, words", [
     (dict(q=FakeTensor((2, 118, HQ, D))), {}, ValueError, "q must be 3-D (total_tokens"),
     (dict(k=FakeTensor((0, HKV, D))), {}, ValueError, "k has no tokens"),

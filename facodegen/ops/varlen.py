@@ -133,6 +133,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         return _miss(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      bool(return_lse), out, arch, spec_fields, variant)
     total_q, heads_q = q.shape[0], q.shape[1]
+    if v.shape[0] != k.shape[0] or out is not None and out.shape[0] != total_q:    # (the key has no totals)
+        return _miss(None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                     bool(return_lse), out, arch, spec_fields, variant)   # the checked path names the array
     made = plan.outputs
     # made.tokens: the tokens whose LSE the plan's scratch holds (the total it was built for); a
     # larger total not asking for the LSE writes it to a temporary instead.
