@@ -991,8 +991,8 @@ def test_sm90_maps_span_the_packed_tokens_and_follow_the_totals(varlen_plans, mo
     encoded.clear()
     _call(dict(args, q=q), arch="sm90", out=out)                   # the same addresses and totals: the image
     assert encoded == [] and varlen._PLANS.misses == 1
-    longer_k = FakeTensor((300, HKV, D))
-    _call(dict(args, q=q, k=longer_k, v=args["v"]), arch="sm90", out=out)    # other total_k: encoded anew
+    longer_k, longer_v = FakeTensor((300, HKV, D)), FakeTensor((300, HKV, D))
+    _call(dict(args, q=q, k=longer_k, v=longer_v), arch="sm90", out=out)    # other total_k: encoded anew
     assert varlen._PLANS.misses == 1 and len(encoded) == 4         # Q, K, V and O (varlen_tma_store)
     assert {a.dims for a in encoded} == {(D, 300, HKV, 1), (D, 118, HQ, 1)}
     assert varlen_plans.launches.map_moves == []
