@@ -282,9 +282,21 @@ def varlen_rows(torch, api):
         return torch.autograd.grad(attention_varlen(qg, kg, vg, cu, cu, s, s, causal=True), (qg, kg, vg), do)
     step()
     fwd_misses, bwd_misses = varlen._PLANS.misses, varlen_backward._PLANS.misses     # (return_lse: a plan of its own)
+    # a training step's packing: other token totals each call (the same sequences count and bounds), 96 of them
+    # in turn (more than a plan keeps images of: each call encodes its maps, as a step with a new total does);
+    # q, dO and O are views of the first `total` tokens, the LSE its own (heads, total)
+    batches = [(do[:b * s - extra], q[:b * s - extra], out[:b * s - extra], torch.empty(h, b * s - extra))
+               for extra in range(96)]
+    turn = iter(range(1 << 62))
+
+    def new_total():
+        don, qn, outn, lsen = batches[next(turn) % len(batches)]
+        return facodegen.attention_varlen_backward(don, qn, k, v, outn, lsen, cu, cu, s, s, causal=True)
     rows += [
         ("attention_varlen_backward(do, q, k, v, out, lse, cu, cu, 256, 256, causal=True) whole hit",
          lambda: facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu, cu, s, s, causal=True)),
+        ("  ... a new token total each call (its maps encoded; tma.encode is a stub here, ~1.5 µs each on a GPU)",
+         new_total),
         ("autograd: forward + backward through attention_varlen", step),
         # what a call with new token totals adds (a plan per total): the checks, the spec, the maps, BwdParams
         ("  a miss's plan: varlen_backward._resolve(...) (200 calls a round)", lambda: varlen_backward._resolve(

@@ -220,10 +220,9 @@ def test_the_sm90_varlen_call_runs_one_cta_per_tile_over_the_packed_tokens(vbwd,
     assert [(m.dims, m.box[1]) for m in encoded] == [((D, 118, HQ, 1), 64), ((D, 325, HKV, 1), 128),
                                                     ((D, 325, HKV, 1), 128), ((D, 118, HQ, 1), 64)]
     again = dict(_problem(), cu_seqlens_q=a["cu_seqlens_q"])    # new tensors of the same layouts: a hit
-    vbwd.launches.map_moves.clear()
     _call(again, causal=True)
-    assert varlen_backward._PLANS.misses == 1
-    assert sorted(vbwd.launches.map_moves) == sorted(again[n].data_ptr() for n in ("q", "k", "v", "do"))
+    assert varlen_backward._PLANS.misses == 1       # ... whose maps are encoded for its tensors (and totals)
+    assert [m.ptr for m in encoded[4:]] == [again[n].data_ptr() for n in ("q", "k", "v", "do")]
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
@@ -236,10 +235,70 @@ def test_new_boundaries_hit_the_plan_and_are_patched_in(vbwd, arch):
     f = _fields(vbwd.bwd.records[4], arch)
     assert (f["cu_seqlens_q"], f["cu_seqlens_k"]) == (moved["cu_seqlens_q"].data_ptr(),
                                                       moved["cu_seqlens_k"].data_ptr())
-    _call(_problem(lengths_q=(1, 17, 1, 100)), arch=arch)      # another total: the grids and scratch follow it
+    _call(_problem(lengths_q=(1, 17, 1, 100)), arch=arch)      # another total: a hit whose grids and totals follow it
+    assert varlen_backward._PLANS.misses == 1
+    f = _fields(vbwd.bwd.records[-2], arch)
+    assert (f["seqlen_q"], f["seqlen_k"]) == (119, 325)
+    if arch == "sm80":      # the preprocess and postprocess over the packed rows
+        assert [r["grid"] for r in vbwd.bwd.records[-3:]] == [(-(-119 // 16), HQ, 1), (4, HKV, 4), (-(-119 // 8), HQ, 1)]
     _call(dict(a, max_seqlen_k=600), arch=arch)                # another plan_bound (1024): the main grid follows it
-    assert varlen_backward._PLANS.misses == 3
+    assert varlen_backward._PLANS.misses == 2
     assert vbwd.bwd.records[-2]["grid"] == ((8, HKV, 4) if arch == "sm80" else (8 * HKV * 4, 1, 1))
+
+
+# the pointers a call's arrays and scratch take (its own each call) and the scratch's sizes (the gaps between)
+_PER_CALL = ("dq", "dk", "dv", "dq_accum", "dpsum", "dq_semaphore")
+
+
+def _launched(record, arch) -> tuple:
+    """A launch's kernel, grid, BwdParams bytes with the per-call pointers zeroed, and its scratch's sizes."""
+    data = bytearray(record["params"])
+    for field, off in backward.layout(arch, varlen=True)[0]:
+        if field.name in _PER_CALL:
+            data[off:off + 8] = bytes(8)
+    f = _fields(record, arch)
+    return (record["name"], record["grid"], bytes(data), f["dpsum"] - f["dq_accum"],
+            f["dq_semaphore"] and f["dq_semaphore"] - f["dpsum"])
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_hit_with_other_totals_launches_what_a_new_plan_would(vbwd, monkeypatch, arch, deterministic):
+    """A plan serves calls with other token totals (the same sequences count and max_seqlen bounds): each hit
+    launches the kernels, grids, BwdParams (the totals, the maps of its tensors over its totals) and scratch
+    sizes that a plan built for that call launches."""
+    import hashlib
+
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: hashlib.sha512(repr(args).encode()).digest() * 2)
+    recs = vbwd.bwd.records
+    _call(_problem(), arch=arch, deterministic=deterministic, causal=True)
+    for lengths_q, lengths_k in (((3, 40, 0, 77), (9, 1, 300, 15)), ((100, 1, 1, 16), (5, 17, 3, 290)),
+                                 ((65, 65, 65, 65), (257, 257, 257, 257)), ((1, 0, 0, 70), (260, 0, 0, 1)),
+                                 ((1, 0, 0, 0), (0, 0, 1, 0))):     # (one token: the maps' row stride too)
+        a = dict(_problem(lengths_q, lengths_k), max_seqlen_q=100, max_seqlen_k=300)    # (the first call's bounds)
+        n = len(recs)
+        _call(a, arch=arch, deterministic=deterministic, causal=True)
+        assert varlen_backward._PLANS.misses == 1, (lengths_q, lengths_k)
+        monkeypatch.setattr(varlen_backward, "_PLANS", backward.PlanCache())     # the same call on a new plan
+        _call(a, arch=arch, deterministic=deterministic, causal=True)
+        assert [_launched(r, arch) for r in recs[n:n + 3]] == [_launched(r, arch) for r in recs[n + 3:]]
+
+
+def test_a_hit_refuses_arrays_that_disagree_on_the_totals(vbwd):
+    """The key leaves the totals out, so a hit checks that the arrays agree on them: one that does not goes
+    the checked path, whose error names it."""
+    a = _problem()
+    _call(a, arch="sm80")
+    short = FakeTensor((117, HQ, D), "bfloat16")
+    for name, words in (("do", "do"), ("out", "out"), ("dq", "dq")):
+        with pytest.raises(ValueError, match=words):
+            _call(dict(a, **{name: short}), arch="sm80")
+    with pytest.raises(ValueError, match="lse"):
+        _call(dict(a, lse=FakeTensor((HQ, 117), "float32")), arch="sm80")
+    with pytest.raises(ValueError, match="v"):
+        _call(dict(a, v=FakeTensor((324, HKV, D), "bfloat16")), arch="sm80")
+    assert varlen_backward._PLANS.misses == 1
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])

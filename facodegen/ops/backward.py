@@ -115,6 +115,7 @@ BWD_VARLEN_FIELDS = [Field("cu_seqlens_q", "ptr", "const int*", "varlen: (sequen
 BWD_SM90_VARLEN_FIELDS = [Field("varlen_max_seqlen_k", "i32", "int", "varlen: keys per sequence the tiles cover "
                                                                      "(max_seqlen_k's plan bound)")]
 _PACK_CU_SEQLENS = struct.Struct("<2Q")
+_PACK_TOTALS = struct.Struct("<2i")     # seqlen_q, seqlen_k (adjacent in SHAPE_FIELDS): a varlen call's totals
 
 
 def fields(arch: str = "sm80", varlen: bool = False) -> list[Field]:
@@ -289,10 +290,41 @@ def varlen_scratch(spec: BackwardSpec, sequences: int, heads_q: int, total_q: in
     return heads_q * (padded_rows if spec.dq_tma_reduce else total_q) * spec.head_dim, 2 * heads_q * padded_rows
 
 
+class VarlenTotals:
+    """What a varlen backward plan works out per call from the packed token totals, which its key leaves out (a
+    training step packs other totals each step): the grids (sm80's preprocess and postprocess run over the
+    total_q rows; sm90's over max_seqlen_q's bound), the scratch (dq_accum, the row stats, the turn counters:
+    varlen_scratch, semaphore_ints) and, sm90, the TMA maps over the packed tokens (``encode_maps(targets,
+    total_q, total_k)`` -> {BwdParams field: 128 bytes}, targets the q, k, v, dout addresses). BwdParams'
+    seqlen_q and seqlen_k take the totals (BackwardPlan.launch)."""
+
+    def __init__(self, spec: BackwardSpec, sequences: int, heads_q: int, heads_kv: int, max_seqlen_q: int,
+                 max_seqlen_k: int, sms: int | None, encode_maps=None):
+        self.spec, self.sequences, self.heads_q, self.heads_kv = spec, sequences, heads_q, heads_kv
+        self.max_seqlen_q, self.max_seqlen_k, self.sms = max_seqlen_q, max_seqlen_k, sms
+        self.encode_maps = encode_maps
+        self._per_total: dict[int, tuple] = {}     # total_q -> (grids, scratch), the last MAX_LAUNCHER_SETS
+
+    def of(self, total_q: int) -> tuple:
+        """(grids, (dq_accum floats, row-stat floats, turn-counter ints)) of a call with ``total_q`` query tokens."""
+        found = self._per_total.get(total_q)
+        if found is None:
+            accum, stats = varlen_scratch(self.spec, self.sequences, self.heads_q, total_q)
+            found = (varlen_grids(self.spec, self.sequences, self.heads_q, self.heads_kv, total_q, self.max_seqlen_q,
+                                  self.max_seqlen_k, self.sms),
+                     (accum, stats, semaphore_ints(self.spec, self.sequences, self.heads_q, total_q)))
+            while len(self._per_total) >= MAX_LAUNCHER_SETS:
+                del self._per_total[next(iter(self._per_total))]
+            self._per_total[total_q] = found
+        return found
+
+
 # A plan keeps its dq_accum, D and turn counters per stream (plan.StreamScratch) up to this many
 # bytes; a larger call allocates them per call in the caller's library, as every call did before
 # (its kernels run long enough that the allocation is noise, and a plan does not hold that memory).
 CACHED_SCRATCH_BYTES = 16 << 20
+# A varlen plan keeps the launchers of at most this many grids (sm80's change with the token totals).
+MAX_LAUNCHER_SETS = 8
 
 
 class BackwardPlan:
@@ -309,11 +341,16 @@ class BackwardPlan:
 
     sm90 keeps one image per (q, k, v, dout) addresses seen, as plan.LaunchPlan does: a model's
     layers of one shape share a plan, and their tensors' addresses recur from step to step, so a
-    launch finds an image whose TMA maps point there already (cuTensorMapReplaceAddress: ~1 µs a map)."""
+    launch finds an image whose TMA maps point there already (cuTensorMapReplaceAddress: ~1 µs a map).
+
+    A varlen plan (``varlen``: its VarlenTotals; ``totals``: the (total_q, total_k) it was built for) serves
+    any token totals: each launch takes its call's, which set BwdParams' seqlen_q and seqlen_k, the grids
+    (a set of launchers per grid seen), the scratch's size and, sm90, its image (one per addresses and
+    totals, the maps encoded anew for new ones)."""
 
     def __init__(self, spec: BackwardSpec, functions, grid3, param_bytes: bytes, *, device: int, accum_floats: int,
                  dpsum_floats: int, semaphore_ints: int = 0, switch_context: bool, allocate=None, map_targets=None,
-                 outputs=None, keep_scratch: bool = True):
+                 outputs=None, keep_scratch: bool = True, varlen: VarlenTotals | None = None, totals: tuple = ()):
         self.spec = spec
         self.grids = grid3
         self.outputs = outputs
@@ -322,9 +359,10 @@ class BackwardPlan:
         self.semaphore_ints = semaphore_ints     # turn counters and the tile counter (semaphore_ints())
         self._switch_context = switch_context
         self._allocate = allocate
-        smem = (0, spec.smem_bytes, 0)
-        self._launchers = [driver.Launcher(f, g, spec.threads, s) for f, g, s in zip(functions, grid3, smem)] \
-            if functions[0] is not None else []
+        self._functions = functions
+        self._launchers = self._make_launchers(grid3) if functions[0] is not None else []
+        self._varlen = varlen
+        self._launcher_sets = {tuple(grid3): self._launchers}     # varlen: the launchers of each grid seen
         # launch_plain calls the bindings themselves (driver.Launcher.bare), saving the Launchers' frames
         self._bares = tuple(launcher.bare for launcher in self._launchers)
         self._bare_error = self._launchers[0].error if self._launchers else ()
@@ -336,52 +374,87 @@ class BackwardPlan:
         # sm90: (offset of a TMA map in BwdParams, index of its tensor in ``pointers``) per map
         offsets = {f.name: off for f, off in layout(spec.arch, spec.varlen)[0]}
         self._cu_seqlens_at = offsets.get("cu_seqlens_q")     # varlen: where a call's boundaries go
+        self._totals_at = offsets["seqlen_q"]                 # varlen: where its totals go (seqlen_q, seqlen_k)
         self._maps = [(offsets[name], _POINTERS.index(operand)) for name, operand in _MAP_OPERANDS.items()] \
             if spec.arch == "sm90" else []
+        self._map_offsets = {name: offsets[name] for name in _MAP_OPERANDS} if self._maps else {}
         first = _Image(param_bytes)
-        self._images = {(tuple(map_targets) if map_targets is not None else None) if self._maps else None: first}
+        first_key = (tuple(map_targets) if map_targets is not None else None) if self._maps else None
+        self._images = {first_key + tuple(totals) if self._maps and varlen is not None else first_key: first}
         self._last = first
         # launch_plain serves this plan: the scratch is the plan's, no context to switch (and no boundaries
         # to patch in: varlen plans launch through launch)
         self.plain = self._scratch is not None and not switch_context and not spec.varlen
 
-    def _image(self, targets: tuple) -> _Image:
-        """The image whose TMA maps point at ``targets`` (made from the last one; lock held)."""
+    def _make_launchers(self, grid3) -> list:
+        smem = (0, self.spec.smem_bytes, 0)
+        return [driver.Launcher(f, g, self.spec.threads, s) for f, g, s in zip(self._functions, grid3, smem)]
+
+    def _launchers_for(self, grid3) -> list:
+        """The launchers of ``grid3`` (a varlen call's; lock held), made on first use; at most
+        MAX_LAUNCHER_SETS kept, the oldest going first (the built plan's stays)."""
+        key = tuple(grid3)
+        found = self._launcher_sets.get(key)
+        if found is None:
+            while len(self._launcher_sets) >= MAX_LAUNCHER_SETS:
+                del self._launcher_sets[next(k for k in self._launcher_sets if k != tuple(self.grids))]
+            found = self._launcher_sets[key] = self._make_launchers(grid3)
+        return found
+
+    def _image(self, targets: tuple, totals: tuple = ()) -> _Image:
+        """The image whose TMA maps point at ``targets`` (made from the last one; lock held); a varlen
+        plan's are keyed by the totals too and encoded whole for them."""
+        if self._varlen is not None:
+            return add_image(self._images, targets + totals, self._last, [],
+                             [(self._map_offsets[name], data)
+                              for name, data in self._varlen.encode_maps(targets, *totals).items()])
         return add_image(self._images, targets, self._last,
                          [(offset, ptr) for (offset, _), ptr in zip(self._maps, targets)])
 
-    def launch(self, stream: int, pointers: tuple, cu_seqlens: tuple[int, int] | None = None) -> None:
+    def launch(self, stream: int, pointers: tuple, cu_seqlens: tuple[int, int] | None = None,
+               totals: tuple[int, int] | None = None) -> None:
         """``pointers``: q, k, v, o, dout, lse, dq, dk, dv device addresses (the scratch is the
         plan's, or, too large to keep or without an ``allocate``, made for this call); a varlen plan's
-        ``cu_seqlens``: the cu_seqlens_q and cu_seqlens_k addresses."""
+        ``cu_seqlens``: the cu_seqlens_q and cu_seqlens_k addresses, and ``totals``: the call's packed
+        (total_q, total_k)."""
         held = None
+        varlen = self._varlen
+        if varlen is not None:
+            grid3, (accum, dpsum, semaphores) = varlen.of(totals[0])
+        else:
+            accum, dpsum, semaphores = self.accum_floats, self.dpsum_floats, self.semaphore_ints
         if self._scratch is not None:
             scratch = self._scratch.get(stream)
             tail = (scratch.accum, scratch.dpsum, scratch.semaphore)
         else:
             # The scratch goes back to the caller's allocator when ``held`` dies; both allocators (torch's
             # caching allocator, CuPy's pool) reuse a block only in stream order, after these launches.
-            held, base = self._allocate(4 * (self.accum_floats + self.dpsum_floats + self.semaphore_ints))
-            tail = (base, base + 4 * self.accum_floats,
-                    base + 4 * (self.accum_floats + self.dpsum_floats) if self.semaphore_ints else 0)
+            held, base = self._allocate(4 * (accum + dpsum + semaphores))
+            tail = (base, base + 4 * accum, base + 4 * (accum + dpsum) if semaphores else 0)
         pointers = tuple(pointers) + tail
         with self._lock:
+            launchers = self._launchers_for(grid3) if varlen is not None and self._launchers else self._launchers
             if self._maps:
                 targets = tuple(pointers[i] for _, i in self._maps)
-                image = self._images.get(targets) or self._image(targets)
+                if varlen is not None:
+                    image = self._images.get(targets + tuple(totals)) or self._image(targets, tuple(totals))
+                else:
+                    image = self._images.get(targets) or self._image(targets)
             else:
                 image = self._last
             _PACK_POINTERS.pack_into(image.storage, image.base, *pointers)
             if self._cu_seqlens_at is not None:
                 _PACK_CU_SEQLENS.pack_into(image.storage, image.base + self._cu_seqlens_at, *cu_seqlens)
+            if varlen is not None:
+                _PACK_TOTALS.pack_into(image.storage, image.base + self._totals_at, *totals)
             self._last = image
             arg = driver.stream_arg(stream)
             if self._switch_context:
                 with driver.on_device(self.device):
-                    for launcher in self._launchers:
+                    for launcher in launchers:
                         launcher(arg, image.kernel_params)
             else:
-                for launcher in self._launchers:
+                for launcher in launchers:
                     launcher(arg, image.kernel_params)
         del held
 

@@ -209,7 +209,12 @@ def _packed_meta(meta):
     return packed
 
 
-_PACKED_META = {kind: _packed_meta(meta) for kind, meta in ARRAY_META.items()}
+def _torch_packed_meta(x):
+    """_packed_meta(ARRAY_META["torch"]) in one frame (the varlen backward's key takes eight a call)."""
+    return None if x is None else (x.dtype, x.shape[1:], x.stride(), x.get_device())
+
+
+_PACKED_META = {**{kind: _packed_meta(meta) for kind, meta in ARRAY_META.items()}, "torch": _torch_packed_meta}
 
 
 def _launch(plan: LaunchPlan, stream: int, pointers: tuple, lse: int, cu_seqlens_q: int, cu_seqlens_k: int,

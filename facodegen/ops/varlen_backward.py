@@ -12,12 +12,15 @@ default): one CTA per tile (key block of max_seqlen_k's bound, kv head, sequence
 packed tokens, the pre- and postprocess per sequence (grid z) writing LSE * log2(e) and D (and the
 tiled dq_accum) in each sequence's padded blocks (spec/backward.py varlen_padded_blocks).
 
-A plan is keyed by the arrays' layouts and shapes (the token totals: the preprocess and postprocess
-grids and the scratch follow them), the number of sequences and the max_seqlen bounds, never by
-the values in cu_seqlens: a call with other boundaries and the same totals is a plan-cache hit that
-patches the cu_seqlens addresses into its BwdParams. Its scratch (dq_accum, D, LSE * log2(e)) is
-allocated per call in the caller's library, never kept by the plan: training with varying token totals
-builds a plan per total, and kept scratch (up to backward.CACHED_SCRATCH_BYTES each) would pile up.
+A plan is keyed by the arrays' layouts without their token counts (as attention_varlen's), the number of
+sequences and the max_seqlen bounds, never by the values in cu_seqlens or the totals: a call with other
+boundaries or other totals (a training step's new packing) is a plan-cache hit that patches the
+cu_seqlens addresses and the totals into its BwdParams, launches the grids of its totals (sm80's
+preprocess and postprocess run over the packed rows) and, sm90, the TMA maps of its totals
+(backward.VarlenTotals). A hit first checks that the arrays agree on the totals (q, dO, O, the LSE and dQ
+on total_q, K, V, dK, dV on total_k), else the checked path names the one that does not. The scratch
+(dq_accum, D, LSE * log2(e)) is allocated per call in the caller's library, never kept by the plan (its
+size follows the totals).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import functools
 import math
 
 from . import api, backward, varlen
-from ..runtime import driver
+from ..runtime import driver, tma
 from ..runtime.plan import PlanCache
+from ..spec.backward import ELEMENT_BYTES
 
 _PLANS = PlanCache()
 
@@ -57,12 +61,12 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     plan = key = None
     if kind != "other":
         try:
-            key = backward.call_key(kind, (do, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k), (
+            key = _call_key(kind, (do, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k), (
                 max_seqlen_q.__class__, varlen.plan_bound(max_seqlen_q), max_seqlen_k.__class__,
                 varlen.plan_bound(max_seqlen_k), causal.__class__, causal, softmax_scale.__class__, softmax_scale, arch,
                 tuple(sorted(knobs.items()))))
-            plan = _PLANS.get(key)
-        except (AttributeError, TypeError, ValueError):     # not arrays of one library, an unhashable knob
+            plan = None if key is None else _PLANS.get(key)
+        except (AttributeError, TypeError, ValueError, IndexError):   # not arrays of one library, an unhashable knob
             plan = key = None
     if plan is None:
         plan = _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -79,8 +83,34 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     cu_seqlens = (ptr(cu_seqlens_q), ptr(cu_seqlens_k))
     if (cu_seqlens[0] | cu_seqlens[1]) & 3:
         raise ValueError("cu_seqlens_q, cu_seqlens_k: data pointers must be 4-byte aligned")
-    plan.launch(api._current_stream(kind, device), pointers, cu_seqlens)
+    plan.launch(api._current_stream(kind, device), pointers, cu_seqlens, (q.shape[0], k.shape[0]))
     return dq, dk, dv
+
+
+def _call_key(kind: str, arrays: tuple, options: tuple) -> tuple | None:
+    """The plan key of a call on ``arrays`` = (do, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k):
+    the packed arrays' metas without their token counts (varlen._PACKED_META), the LSE's without its total_q
+    (its heads, rank, inner stride, whether its rows are contiguous), the boundaries' metas, the ``options``
+    and the current device; None where the arrays disagree on a total (the checked path names which)."""
+    do, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k = arrays
+    total_q, total_k = q.shape[0], k.shape[0]
+    if not (do.shape[0] == out.shape[0] == lse.shape[-1] == total_q == (total_q if dq is None else dq.shape[0])
+            and v.shape[0] == total_k == (total_k if dk is None else dk.shape[0])
+            == (total_k if dv is None else dv.shape[0])):
+        return None
+    packed, meta = varlen._PACKED_META[kind], api.ARRAY_META[kind]
+    m = meta(lse)
+    lse_layout = (m[0], m[1][0], len(m[1]), m[2][-1], m[2][0] == m[2][-1] * m[1][-1], m[3])
+    return (kind, *(packed(x) for x in (do, q, k, v, out, dq, dk, dv)), lse_layout, meta(cu_q), meta(cu_k), *options,
+            api._current_device(kind))
+
+
+def _encode_maps(built: dict, row_bytes: dict, targets: tuple, total_q: int, total_k: int) -> dict[str, bytes]:
+    """sm90: the maps of a call with other addresses (``targets``: q, k, v, dO) or totals, from the plan's
+    checked ones (``built``: tiled_args', the key fixes the layouts; ``row_bytes``: each tensor's row stride)."""
+    return {name: tma.encode(tma.with_rows(args, ptr, total_k if name in ("tma_k", "tma_v") else total_q,
+                                           row_bytes[name]))
+            for (name, args), ptr in zip(built.items(), targets)}
 
 
 def zero_outside_bits(arch: str, new_dq: bool, new_dk: bool, new_dv: bool) -> int:
@@ -126,18 +156,24 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     values.update(batch=sequences, seqlen_q=total_q, seqlen_k=total_k, heads_q=heads_q, heads_kv=heads_kv,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e), cu_seqlens_q=0, cu_seqlens_k=0,
                   zero_outside=zero_outside_bits(spec.arch, dq is None, dk is None, dv is None))
+    encode_maps = None
     if spec.arch == "sm90":     # TMA maps over the packed tokens (as one batch); tiles over max_seqlen_k's bound
         driver.ensure_context(qv.device)
-        values.update(backward.tensor_maps(spec, packed, 1, total_q, total_k, heads_q, heads_kv), lpt_pairs=0,
-                      lpt_tail_pair=0, varlen_max_seqlen_k=max_k)
-    accum_floats, stat_floats = backward.varlen_scratch(spec, sequences, heads_q, total_q)
+        map_args = backward.tensor_map_args(spec, packed, 1, total_q, total_k, heads_q, heads_kv)
+        values.update({name: tma.encode(a) for name, a in map_args.items()}, lpt_pairs=0, lpt_tail_pair=0,
+                      varlen_max_seqlen_k=max_k)
+        row_bytes = {name: packed[operand].strides[1] * ELEMENT_BYTES
+                     for name, operand in backward._MAP_OPERANDS.items()}
+        encode_maps = functools.partial(_encode_maps, map_args, row_bytes)
+    totals = backward.VarlenTotals(spec, sequences, heads_q, heads_kv, max_q, max_k, info.sms, encode_maps)
+    grid3, (accum_floats, stat_floats, semaphore_ints) = totals.of(total_q)
     return backward.BackwardPlan(
-        spec, functions, backward.varlen_grids(spec, sequences, heads_q, heads_kv, total_q, max_q, max_k, info.sms),
+        spec, functions, grid3,
         backward.pack(values, spec.arch, varlen=True), allocate=functools.partial(api._allocate, qv.kind, qv.device),
         map_targets=tuple(views[operand].ptr for operand in backward._MAP_OPERANDS.values()),
-        device=qv.device, accum_floats=accum_floats, dpsum_floats=stat_floats,
-        semaphore_ints=backward.semaphore_ints(spec, sequences, heads_q, total_q),
-        switch_context=qv.device != api._current_device(qv.kind), keep_scratch=False)
+        device=qv.device, accum_floats=accum_floats, dpsum_floats=stat_floats, semaphore_ints=semaphore_ints,
+        switch_context=qv.device != api._current_device(qv.kind), keep_scratch=False, varlen=totals,
+        totals=(total_q, total_k))
 
 
 __all__ = ["attention_varlen_backward"]

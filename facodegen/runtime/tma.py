@@ -137,6 +137,22 @@ def tiled_args(ptr: int, dtype: str, shape_bshd, strides_elems, box_rows: int, b
                      box=(box_cols, box_rows, 1, 1), swizzle_code=SWIZZLE_CODES[swizzle])
 
 
+def with_rows(args: TiledArgs, ptr: int, seqlen: int, row_stride_bytes: int) -> TiledArgs:
+    """tiled_args' ``args`` of a one-batch tensor (a varlen call's packed tokens) for the same layout at ``ptr``
+    with ``seqlen`` rows (``row_stride_bytes``: the tensor's row stride), as tiled_args makes them without
+    checking again: a size-1 dimension's stride is the contiguous value (the batch's always, the row's with
+    one row), so the batch stride follows seqlen. ``ptr`` must be 16-byte aligned (the callers check)."""
+    head_dim, _, heads, batch = args.dims
+    if batch != 1:
+        raise ValueError(f"args: a one-batch tensor's map (batch {batch})")
+    contiguous_row = head_dim * heads * _CODE_BYTES[args.dtype_code]
+    row = contiguous_row if seqlen == 1 else row_stride_bytes
+    return TiledArgs(ptr=ptr, dtype_code=args.dtype_code, dims=(head_dim, seqlen, heads, 1),
+                     strides=(row, args.strides[1], seqlen * contiguous_row), box=args.box,
+                     swizzle_code=args.swizzle_code)
+
+
+_CODE_BYTES = {code: ELEMENT_BYTES[name] for name, code in DTYPE_CODES.items()}
 _ENCODE = None
 
 
