@@ -12,8 +12,9 @@
 #   OUT=/path bash scripts/pending_gpu.sh defaults  # session 43's new defaults as defaults: NOT YET RUN (loans paused)
 #   OUT=/path bash scripts/pending_gpu.sh serving   # issue 39's serving host cost, batch-1 paged gap: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh sm80_bwd  # issue 38's sm80 backward warp grids: NOT YET RUN
-#   OUT=/path bash scripts/pending_gpu.sh fp8_variants  # issue 40's variants and padded head dims in fp8
-#                                                       # (session 44): NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s44_checks    # session 44: fp8 variants and padded head dims, the varlen
+#                                                       # backward's plans across totals: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s44_fuzz      # their fuzz shares, then the variants bench: NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -115,17 +116,22 @@ case "${1:-}" in
                 --out "$OUT/sm80-bwd-d$d"
         done
         ;;
-    fp8_variants)
+    s44_checks)
         # session 44: the fp8 kernel with the attention variants (window with its left-edge loop, softcap with the
-        # descales inside the tanh, sinks past the P offset) and padded head dims, checked, then timed beside
-        # FlashAttention-3 fp8
-        step pytest_fp8var 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_variants_gpu.py tests/gpu/test_head_dims_gpu.py -k fp8
+        # descales inside the tanh, sinks past the P offset) and padded head dims; the varlen backward, whose
+        # plans now serve any token totals (its GPU tests' problems of other totals hit one plan); the sanitizer
+        step pytest_fp8 260 python3 -m pytest -q -rf -n 8 tests/gpu/test_variants_gpu.py tests/gpu/test_head_dims_gpu.py -k fp8
+        step pytest_vbwd 200 python3 -m pytest -q -rf -n 8 tests/gpu/test_varlen_backward_gpu.py
+        step sanitize_s44 120 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 51,52,54,55,56
+        ;;
+    s44_fuzz)
         step fuzz_variants 90 python3 -m facodegen check --fuzz 700 --seed 44 --family variants   # (~50 fp8 cases)
         step fuzz_head_dims 60 python3 -m facodegen check --fuzz 400 --seed 44 --family head_dims  # (~30 fp8 cases)
-        step sanitize_fp8var 100 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 54,55,56
+        step fuzz_varlen 100 python3 -m facodegen check --fuzz 400 --seed 44 --family varlen       # (fp8 variants; backward)
         step bench_variants 150 python3 -m facodegen bench --suite variants --quick --out "$OUT/variants"
+        step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|fp8_variants"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|s44_checks|s44_fuzz"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
