@@ -256,39 +256,30 @@ from fakes import FakeTensor, param_field as _field  # noqa: E402
 
 
 @pytest.mark.usefixtures("fake")
-@pytest.mark.parametrize("arch", ("sm80", "sm90"))
-def test_a_padded_call_runs_the_tiles_kernel_with_d_in_its_maps_and_scale(monkeypatch, arch):
+@pytest.mark.parametrize("arch, dtype, v_layout", [("sm80", "bfloat16", "row"), ("sm90", "bfloat16", "row"),
+                                                   ("sm90", "float8_e4m3fn", "row"),
+                                                   ("sm90", "float8_e4m3fn", "transposed")])
+def test_a_padded_call_runs_the_tiles_kernel_with_d_in_its_maps_and_scale(monkeypatch, arch, dtype, v_layout):
+    """d = 80 runs the 96 tile's kernel with d in its maps (sm90: Q, K and row V d elements a row in the
+    tile's slab boxes; fp8's caller V^T d rows in boxes of 96) and the scale 1/sqrt(80)."""
     encoded = []
     monkeypatch.setattr(tma, "encode", lambda args: encoded.append(args) or bytes(128))
-    d = 80
-    q, k, v = (FakeTensor((2, 33, 4, d)), FakeTensor((2, 40, 2, d)), FakeTensor((2, 40, 2, d)))
-    call = api.prepare(q, k, v, causal=True, arch=arch)
+    d, fp8 = 80, dtype == "float8_e4m3fn"
+    v_shape, v_strides = ((2, 40, 2, d), None) if v_layout == "row" else ((2, 2, d, 40), (2 * d * 48, d * 48, 48, 1))
+    q, k, v = FakeTensor((2, 33, 4, d), dtype), FakeTensor((2, 40, 2, d), dtype), FakeTensor(v_shape, dtype, v_strides)
+    call = api.prepare(q, k, v, causal=True, arch=arch, **({"v_layout": v_layout} if fp8 else {}))
     assert (call.spec.head_dim, call.spec.head_dim_real) == (96, 80)
-    assert call.spec.variant.startswith(f"flash_fwd_{arch}_bf16_hd96_d80_")
+    assert call.spec.variant.startswith(f"flash_fwd_{arch}_{'fp8' if fp8 else 'bf16'}_hd96_d80_")
     assert math.isclose(_field(call._param_bytes, call.spec, "softmax_scale"), 1 / math.sqrt(80), rel_tol=1e-6)
-    if arch == "sm90":
+    if arch == "sm80":
+        assert not encoded
+    elif not fp8:
         assert {a.dims[0] for a in encoded} == {80} and {a.box[0] for a in encoded} == {32}
     else:
-        assert not encoded
-
-
-@pytest.mark.usefixtures("fake")
-@pytest.mark.parametrize("v_layout", ("row", "transposed"))
-def test_an_fp8_padded_call_runs_the_tiles_kernel_with_d_in_its_maps_and_scale(monkeypatch, v_layout):
-    encoded = []
-    monkeypatch.setattr(tma, "encode", lambda args: encoded.append(args) or bytes(128))
-    d = 80
-    v_shape, v_strides = ((2, 40, 2, d), None) if v_layout == "row" else ((2, 2, d, 40), (2 * d * 48, d * 48, 48, 1))
-    q, k = FakeTensor((2, 33, 4, d), "float8_e4m3fn"), FakeTensor((2, 40, 2, d), "float8_e4m3fn")
-    v = FakeTensor(v_shape, "float8_e4m3fn", v_strides)
-    call = api.prepare(q, k, v, causal=True, v_layout=v_layout)
-    assert (call.spec.head_dim, call.spec.head_dim_real, call.spec.dtype) == (96, 80, "fp8")
-    assert call.spec.variant.startswith("flash_fwd_sm90_fp8_hd96_d80_")
-    assert math.isclose(_field(call._param_bytes, call.spec, "softmax_scale"), 1 / math.sqrt(80), rel_tol=1e-6)
-    rows = [a.dims[0] for a in encoded if a.box[1] != 96]       # Q, K (and row V): d bytes a row
-    assert rows and set(rows) == {80}
-    if v_layout == "transposed":
-        assert [a.dims[:2] for a in encoded if a.box[1] == 96] == [(40, 80)]     # V^T: d rows of 40 keys
+        rows = [a.dims[0] for a in encoded if a.box[1] != 96]       # Q, K (and row V): d bytes a row
+        assert rows and set(rows) == {80}
+        if v_layout == "transposed":
+            assert [a.dims[:2] for a in encoded if a.box[1] == 96] == [(40, 80)]     # V^T: d rows of 40 keys
 
 
 def test_the_tile_heads_tuned_rules_apply():
