@@ -401,15 +401,14 @@ class BackwardPlan:
             found = self._launcher_sets[key] = self._make_launchers(grid3)
         return found
 
-    def _image(self, targets: tuple, totals: tuple = ()) -> _Image:
-        """The image whose TMA maps point at ``targets`` (made from the last one; lock held); a varlen
-        plan's are keyed by the totals too and encoded whole for them."""
+    def _image(self, key: tuple) -> _Image:
+        """The image of ``key``: the q, k, v, dout addresses its TMA maps point at, then a varlen plan's totals
+        (whose maps are encoded whole for them); made from the last one, lock held."""
         if self._varlen is not None:
-            return add_image(self._images, targets + totals, self._last, [],
-                             [(self._map_offsets[name], data)
-                              for name, data in self._varlen.encode_maps(targets, *totals).items()])
-        return add_image(self._images, targets, self._last,
-                         [(offset, ptr) for (offset, _), ptr in zip(self._maps, targets)])
+            encoded = self._varlen.encode_maps(key[:len(self._maps)], *key[len(self._maps):])
+            return add_image(self._images, key, self._last, [],
+                             [(self._map_offsets[name], data) for name, data in encoded.items()])
+        return add_image(self._images, key, self._last, [(offset, ptr) for (offset, _), ptr in zip(self._maps, key)])
 
     def launch(self, stream: int, pointers: tuple, cu_seqlens: tuple[int, int] | None = None,
                totals: tuple[int, int] | None = None) -> None:
@@ -435,11 +434,8 @@ class BackwardPlan:
         with self._lock:
             launchers = self._launchers_for(grid3) if varlen is not None and self._launchers else self._launchers
             if self._maps:
-                targets = tuple(pointers[i] for _, i in self._maps)
-                if varlen is not None:
-                    image = self._images.get(targets + tuple(totals)) or self._image(targets, tuple(totals))
-                else:
-                    image = self._images.get(targets) or self._image(targets)
+                key = tuple(pointers[i] for _, i in self._maps) + (tuple(totals) if varlen is not None else ())
+                image = self._images.get(key) or self._image(key)
             else:
                 image = self._last
             _PACK_POINTERS.pack_into(image.storage, image.base, *pointers)
