@@ -128,6 +128,9 @@ case "${1:-}" in
         step fuzz_variants 90 python3 -m facodegen check --fuzz 700 --seed 44 --family variants   # (~50 fp8 cases)
         step fuzz_head_dims 60 python3 -m facodegen check --fuzz 400 --seed 44 --family head_dims  # (~30 fp8 cases)
         step fuzz_varlen 100 python3 -m facodegen check --fuzz 400 --seed 44 --family varlen       # (fp8 variants; backward)
+        # the sm80 d192 586 x 1 backward case the fuzz failed on 2026-12-04 (O's rounding after the normalisation;
+        # backward_floor holds it since session 44)
+        step fuzz_case_d192 40 python3 -m facodegen check --fuzz-case '{"arch": "sm80", "batch": 2, "causal": false, "dtype": "fp16", "family": "backward", "head_dim": 192, "heads_kv": 4, "heads_q": 16, "layout": "contiguous", "magnitude": 16.0, "num_splits": 0, "page_size": 0, "return_lse": true, "seed": 551713815, "seqlen_k": 1, "seqlen_new": 0, "seqlen_q": 586, "sinks": false, "softcap": 0.0, "softmax_scale": 0.4691, "top_left": false, "use_out": false, "window_left": -1, "window_right": -1}'
         step bench_variants 150 python3 -m facodegen bench --suite variants --quick --out "$OUT/variants"
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;

@@ -171,22 +171,35 @@ def backward_floor(q, k, v, do, causal: bool, softmax_scale: float):
       second same-precision computation);
     - dP_ij = dO_i . V_j and D_i are float32 sums of exact products: where a row sees one key (P = 1,
       O = V) they are the same products in two orders, and dS is pure rounding noise, known in size:
-      ACCUMULATION_NOISE_FACTOR sqrt(d) u (|dO_i o V_j|_2 + |dO_i o O_i|_2).
-    Both per P_ij, carried through dQ = dS K and dK = dS^T Q in absolute values (logits in the
+      ACCUMULATION_NOISE_FACTOR sqrt(d) u (|dO_i o V_j|_2 + |dO_i o O_i|_2);
+    - O's own rounding where a row is one-hot: O = V_j (P / l), and P = 2^r is off 1 by the forward's
+      FFMA residual r at the row max (eps = |r| ln 2 <= 2^-24 |m| for the row's largest logit m, natural
+      units), so each O_id lands on V_jd or, with probability ~ eps |O_id| / ulp, an ulp away; D moves
+      by sum_d dO_id (O_id - V_jd): 2 sqrt(2 P_ROUNDING eps_i) |dO_i o O_i|_2 (a random walk over
+      head_dim), weighted by the row's largest P (1 where one-hot). The same-precision model draws its
+      own r and often none (its O is then V exactly), so no draw of it bounds this: with logits in the
+      thousands (inputs x16, one key) the model's own dQ error spans 0.15 to 24 from one summation order
+      to another, and without this term the criterion failed the model against itself in 2 of 24 such
+      draws (and the H200 fuzz's sm80 d192 586 x 1 case, 2026-12-04).
+    Each per P_ij, carried through dQ = dS K and dK = dS^T Q in absolute values (logits in the
     thousands: 1e-2)."""
     import torch
     from .fuzz import attention_probabilities
     group = q.shape[2] // k.shape[2]
     kr, vr = (x.repeat_interleave(group, dim=2).double() for x in (k, v))
     qd, dod = q.double(), do.double()
-    p, _ = attention_probabilities(q, k, causal, softmax_scale, True)
+    p, lse = attention_probabilities(q, k, causal, softmax_scale, True)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vr)
     d_p = torch.einsum("bqhd,bkhd->bhqk", dod, vr)
     d_p_norm = torch.einsum("bqhd,bkhd->bhqk", dod ** 2, vr ** 2).sqrt()
     delta_norm = (dod * out).norm(dim=-1).transpose(1, 2)[..., None]
-    d_rounding = P_ROUNDING[str(q.dtype).removeprefix("torch.")] * (p * d_p).norm(dim=-1, keepdim=True)
+    p_rounding = P_ROUNDING[str(q.dtype).removeprefix("torch.")]
+    d_rounding = p_rounding * (p * d_p).norm(dim=-1, keepdim=True)
     accumulation = ACCUMULATION_NOISE_FACTOR * q.shape[-1] ** 0.5 * UNIT_ROUNDOFF_FP32 * (d_p_norm + delta_norm)
-    noise = p * (accumulation + d_rounding)
+    # (the LSE bounds the row's largest logit from above where the row is one-hot, where the term matters)
+    eps = 2.0 ** -24 * torch.where(torch.isfinite(lse), lse.abs(), 0.0)[..., None]
+    o_rounding = 2 * p.amax(dim=-1, keepdim=True) * (2 * p_rounding * eps).sqrt() * delta_norm
+    noise = p * (accumulation + d_rounding + o_rounding)
     floor_dq = torch.einsum("bhqk,bkhd->bqhd", noise, kr.abs()) * softmax_scale
     floor_dk = torch.einsum("bhqk,bqhd->bkhd", noise, qd.abs()) * softmax_scale
     return floor_dq, floor_dk.unflatten(2, (k.shape[2], group)).sum(dim=3)
