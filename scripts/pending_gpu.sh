@@ -120,9 +120,9 @@ case "${1:-}" in
         # session 44: the fp8 kernel with the attention variants (window with its left-edge loop, softcap with the
         # descales inside the tanh, sinks past the P offset) and padded head dims; the varlen backward, whose
         # plans now serve any token totals (its GPU tests' problems of other totals hit one plan); the sanitizer
-        step pytest_fp8 300 python3 -m pytest -q -rf -n 8 tests/gpu/test_variants_gpu.py tests/gpu/test_head_dims_gpu.py \
+        step pytest_fp8 280 python3 -m pytest -q -rf -n 8 tests/gpu/test_variants_gpu.py tests/gpu/test_head_dims_gpu.py \
             tests/gpu/test_varlen_gpu.py -k fp8
-        step pytest_vbwd 200 python3 -m pytest -q -rf -n 8 tests/gpu/test_varlen_backward_gpu.py
+        step pytest_vbwd 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_varlen_backward_gpu.py
         step sanitize_s44 120 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 51,52,54,55,56
         ;;
     s44_fuzz)
