@@ -109,10 +109,12 @@ case "${1:-}" in
         step pytest_grids 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py -k "warp_grids or sm80-st2"
         step fuzz_sm80 60 python3 -m facodegen check --fuzz 300 --seed 45 --family backward   # (a quarter of its sm80 cases)
         step sanitize_sm80 60 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53
+        # (head_dim 128 also with k_unroll=4: four k16 steps of ldmatrix in flight, no spills there since the warp grids)
         for d in 64 128; do
             step "sm80_bwd_d$d" 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
                 --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2 \
                 --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 --variant arch=sm80,key_warps=2,dq_row_warps=2 \
+                $([ $d = 128 ] && echo --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,k_unroll=4) \
                 --out "$OUT/sm80-bwd-d$d"
         done
         ;;

@@ -335,7 +335,9 @@ SM90_LPT_GROUP_BYTES = 24 << 20
 SM90_LPT_TAIL_WAVES = 4
 
 # k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
-# config (NVRTC 13: 195-255 registers); 4 and full unrolling spill. Not yet timed against 1 on a GPU.
+# config (NVRTC 13: 195-255 registers); 4 spills at head_dim 64 (8-56 bytes with or without FA2's warp
+# grid and stages=2), none at 128 (241-247 registers, 2026-12-05); full unrolling spills. Not yet timed
+# against 1 or 4 on a GPU (pending_gpu.sh sm80_bwd has a k_unroll=4 column at head_dim 128).
 
 # dK and dV accumulators held in registers across the whole loop, floats per thread: above 128 the
 # S^T / dP^T fragments, addresses and dQ pieces no longer fit in 255 registers without spills.
