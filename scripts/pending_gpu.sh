@@ -12,6 +12,7 @@
 #   OUT=/path bash scripts/pending_gpu.sh defaults  # session 43's new defaults as defaults: NOT YET RUN (loans paused)
 #   OUT=/path bash scripts/pending_gpu.sh serving   # issue 39's serving host cost, batch-1 paged gap: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh sm80_bwd  # issue 38's sm80 backward warp grids: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh sm80_ncu      # the sm80 backward and FA2's under Nsight Compute: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s44_checks    # session 44: fp8 variants and padded head dims, the varlen
 #                                                       # backward's plans across totals: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s44_fuzz      # their fuzz shares, then the variants bench: NOT YET RUN
@@ -118,6 +119,20 @@ case "${1:-}" in
                 --out "$OUT/sm80-bwd-d$d"
         done
         ;;
+    sm80_ncu)
+        # where the sm80 backward's time goes beside FlashAttention-2's (SDPA flash), d128 2k full, under Nsight
+        # Compute: our main kernel (default, and FA2's warp grid with stages=2) and FA2's dq_dk_dv kernel
+        for knobs in "--knob arch=sm80" "--knob arch=sm80 --knob key_warps=4 --knob dq_row_warps=2 --knob stages=2"; do
+            step "ncu_sm80_$(echo "$knobs" | wc -w)" 120 ncu --clock-control none -k regex:'flash_bwd_sm80_[a-z0-9_]*[0-9a-z]$' \
+                --launch-skip 1 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+                --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats --section Occupancy \
+                python3 scripts/bwd_one.py --d 128 --seqlen 2048 $knobs
+        done
+        step ncu_fa2 120 ncu --clock-control none -k regex:'flash_bwd_dq_dk_dv' --launch-skip 1 --launch-count 1 \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+            --section MemoryWorkloadAnalysis --section SchedulerStats --section Occupancy \
+            python3 scripts/bwd_one.py --d 128 --seqlen 2048 --peer fa2
+        ;;
     s44_checks)
         # session 44: the fp8 kernel with the attention variants (window with its left-edge loop, softcap with the
         # descales inside the tanh, sinks past the P offset) and padded head dims; the varlen backward, whose
@@ -138,6 +153,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|s44_checks|s44_fuzz"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_ncu|s44_checks|s44_fuzz"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
