@@ -1126,6 +1126,9 @@ def _check_padded(spec: "KernelSpec") -> None:
     if not spec.padded:
         return
     what = f"head_dim={spec.head_dim_real} (on the head_dim {spec.head_dim} tile)"
+    if spec.dtype == "fp8" and spec.head_dim_real % 16:
+        raise SpecError("head_dim", f"{what}: an e4m3 row is head_dim bytes and TMA moves whole 16-byte chunks; "
+                                    "fp8 takes a multiple of 16 (or dtype=bf16/fp16)")
     if spec.vt_in_place:
         raise SpecError("vt_in_place", f"{what}: the in-place V^T boxes are whole 32-column blocks of the tile; "
                                        "use vt_in_place=False")

@@ -164,7 +164,8 @@ KNOBS: tuple[Knob, ...] = (
          choices=DTYPES, flag="--dtype", problem=True,
          token=lambda s, v: s.dtype),
     Knob("head_dim", "int", f"Head dimension d of the kernel's tiles: {', '.join(map(str, HEAD_DIMS))}; any other "
-         f"multiple of 8 in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}] runs on the next one's tile (sets --head-dim-real).",
+         f"multiple of 8 (fp8: of 16) in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}] runs on the next one's tile (sets "
+         f"--head-dim-real).",
          choices=HEAD_DIMS, flag="--head-dim", problem=True, flag_offers_choices=False,
          token=lambda s, v: f"hd{s.head_dim}"),
     Knob("head_dim_real", "int", "The problem's head dimension when below the tile's head_dim (default: head_dim): "
