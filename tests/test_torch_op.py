@@ -123,6 +123,22 @@ def test_compile_and_export_carry_the_variants():
     assert "torch.ops.facodegen.attention.default" in text and "[16, 16]" in text and "top_left" in text
 
 
+def test_compile_carries_fp8_with_the_variants_and_descales():
+    """e4m3 q, k, v with their descales and a window, softcap and sinks (the fp8 kernel takes them since
+    session 44): one op in the graph, the descales and the sinks as its inputs, O in bf16."""
+    q, k = meta(2, 100, 8, 128, dtype=torch.float8_e4m3fn), meta(2, 77, 2, 128, dtype=torch.float8_e4m3fn)
+    d, sinks = torch.empty((), dtype=torch.float32, device="meta"), meta(8, dtype=torch.float32)
+    seen = []
+
+    def layer(q, k, v, d, sinks):
+        return facodegen.attention(q, k, v, causal=True, window_size=(64, 0), softcap=30.0, sinks=sinks,
+                                   q_descale=d, k_descale=d, v_descale=d)
+
+    out = torch.compile(layer, fullgraph=True, backend=recording_backend(seen))(q, k, k, d, sinks)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert seen[0].count("facodegen.attention") == 1 and "[64, 0]" in seen[0] and "30.0" in seen[0]
+
+
 # ------------------------------------------------------------------ attention_with_kvcache
 
 def kv_case(*, paged=False, new=0, batch=2, seqlen_q=1, heads_q=8, heads_kv=2, d=128, capacity=256, page=64):
