@@ -285,6 +285,45 @@ def test_a_hit_with_other_totals_launches_what_a_new_plan_would(vbwd, monkeypatc
         assert [_launched(r, arch) for r in recs[n:n + 3]] == [_launched(r, arch) for r in recs[n + 3:]]
 
 
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_threads_with_other_totals_share_the_plan(vbwd, monkeypatch, arch):
+    """Four threads, each calling with totals of its own (more than the plan keeps grids and images of), share
+    one plan: every call's three launches come in order with its own totals in BwdParams (sm90: maps encoded
+    for them), nothing raises."""
+    import threading
+
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: repr(args.dims).encode().ljust(128, b"\0")[:128])
+    problems = [dict(_problem((1, 17, 0, 100 - i), (5, 17, 3, 300 - i)), max_seqlen_q=100, max_seqlen_k=300)
+                for i in range(24)]
+    _call(problems[0], arch=arch)
+    vbwd.bwd.yield_in_launch = True
+    errors = []
+
+    def run(first):
+        try:
+            for i in range(first, first + 60):
+                _call(problems[i % len(problems)], arch=arch)
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+    threads = [threading.Thread(target=run, args=(6 * n,)) for n in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == [] and varlen_backward._PLANS.misses == 1
+    recs = vbwd.bwd.records[3:]
+    spec = BackwardSpec(arch=arch, head_dim=D, gpu="h200", varlen=True)
+    assert len(recs) == 3 * 240 and [r["name"] for r in recs] == list(spec.kernel_names) * 240
+    for pre, main, post in zip(recs[0::3], recs[1::3], recs[2::3]):
+        f = _fields(main, arch)
+        assert _fields(pre, arch)["seqlen_q"] == f["seqlen_q"] == _fields(post, arch)["seqlen_q"]
+        assert f["seqlen_k"] - f["seqlen_q"] == 325 - 118       # (each problem: total_k - total_q = 207)
+        if arch == "sm90":
+            off = {fl.name: o for fl, o in backward.layout("sm90", varlen=True)[0]}["tma_q"]
+            assert main["params"][off:off + 128].rstrip(b"\0") == repr((D, f["seqlen_q"], HQ, 1)).encode()
+
+
 def test_a_hit_refuses_arrays_that_disagree_on_the_totals(vbwd):
     """The key leaves the totals out, so a hit checks that the arrays agree on them: one that does not goes
     the checked path, whose error names it."""

@@ -304,6 +304,7 @@ class VarlenTotals:
         self.max_seqlen_q, self.max_seqlen_k, self.sms = max_seqlen_q, max_seqlen_k, sms
         self.encode_maps = encode_maps
         self._per_total: dict[int, tuple] = {}     # total_q -> (grids, scratch), the last MAX_LAUNCHER_SETS
+        self._lock = threading.Lock()              # (calls on several threads share a plan)
 
     def of(self, total_q: int) -> tuple:
         """(grids, (dq_accum floats, row-stat floats, turn-counter ints)) of a call with ``total_q`` query tokens."""
@@ -313,9 +314,10 @@ class VarlenTotals:
             found = (varlen_grids(self.spec, self.sequences, self.heads_q, self.heads_kv, total_q, self.max_seqlen_q,
                                   self.max_seqlen_k, self.sms),
                      (accum, stats, semaphore_ints(self.spec, self.sequences, self.heads_q, total_q)))
-            while len(self._per_total) >= MAX_LAUNCHER_SETS:
-                del self._per_total[next(iter(self._per_total))]
-            self._per_total[total_q] = found
+            with self._lock:
+                while len(self._per_total) >= MAX_LAUNCHER_SETS:
+                    del self._per_total[next(iter(self._per_total))]
+                self._per_total[total_q] = found
         return found
 
 
