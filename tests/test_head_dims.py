@@ -197,6 +197,7 @@ def test_fp8_padded_kernels_compile_clean_and_stop_q_k_at_d(d, causal, v_layout,
     source = kernel.source
     assert f"constexpr int HEAD_DIM_REAL = {d};" in source and "(HEAD_DIM_REAL + 31) / 32" in source
     assert "for (int a = 0; a < HEAD_DIM_REAL / 16; ++a)" in source      # O's stores stop at d
+    assert f"QGMMA.64x{d}x32" in kernel.sass()      # O += P V with wgmma N = d (V^T's rows: K-major B)
     whole = compiler.compile(spec.replace(head_dim=spec.head_dim))
     steps_left_out = spec.head_dim // 32 - math.ceil(d / 32)
     assert (counts["QGMMA"] < whole.sass_counts()["QGMMA"]) == (steps_left_out > 0), (counts, steps_left_out)
