@@ -28,7 +28,8 @@ exactly. Numbers are µs per call, the best of ``--repeat`` rounds over all rows
 The backward's hit misses three driver calls, not one, and its dq, dk, dv (and before bwd-host its
 scratch) are CPU allocations too; moving a TMA map (cuTensorMapReplaceAddress, ~1 µs) is a no-op here.
 The varlen backward's rows are dominated by CPU work a GPU does not do: its per-call scratch (MBs of CPU
-malloc): read them for the Python around it, not as the device's cost.
+malloc): read them for the Python around it, not as the device's cost. Its "new token total each call" row
+cycles 96 totals (more than a plan keeps images of), so each call encodes its maps, stubbed here.
 """
 
 from __future__ import annotations
@@ -298,7 +299,8 @@ def varlen_rows(torch, api):
         ("  ... a new token total each call (its maps encoded; tma.encode is a stub here, ~1.5 µs each on a GPU)",
          new_total),
         ("autograd: forward + backward through attention_varlen", step),
-        # what a call with new token totals adds (a plan per total): the checks, the spec, the maps, BwdParams
+        # what a miss costs (a new layout or bound; new token totals hit since session 44): the checks, the spec,
+        # the maps, BwdParams
         ("  a miss's plan: varlen_backward._resolve(...) (200 calls a round)", lambda: varlen_backward._resolve(
             do, q, k, v, out, lse, cu, cu, s, s, True, None, None, None, None, None, {}), 200),
     ]
