@@ -616,8 +616,9 @@ def call_pointers(kind: str, arrays: tuple) -> tuple:
 
 
 def call_key(kind: str, arrays: tuple, options: tuple) -> tuple:
-    """The plan key of a backward call on ``kind`` arrays outside attention_backward's torch frame (CuPy,
-    the varlen backward): each array's meta (None: not given), the ``options`` and the current device."""
+    """The plan key of a backward call on ``kind`` arrays outside attention_backward's torch frame (CuPy):
+    each array's meta (None: not given), the ``options`` and the current device. (The varlen backward keys
+    without the token totals: varlen_backward._call_key.)"""
     from . import api
     meta = api.ARRAY_META[kind]
     return (kind, *(meta(x) for x in arrays), *options, api._current_device(kind))

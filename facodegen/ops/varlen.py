@@ -214,7 +214,7 @@ def _torch_packed_meta(x):
     return None if x is None else (x.dtype, x.shape[1:], x.stride(), x.get_device())
 
 
-_PACKED_META = {**{kind: _packed_meta(meta) for kind, meta in ARRAY_META.items()}, "torch": _torch_packed_meta}
+_PACKED_META = {"torch": _torch_packed_meta, "cupy": _packed_meta(ARRAY_META["cupy"])}
 
 
 def _launch(plan: LaunchPlan, stream: int, pointers: tuple, lse: int, cu_seqlens_q: int, cu_seqlens_k: int,
