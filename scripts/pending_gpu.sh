@@ -11,7 +11,8 @@
 #                                                   # 8848a71's template: 0 hazards, 0 failures)
 #   OUT=/path bash scripts/pending_gpu.sh defaults  # session 43's new defaults as defaults: NOT YET RUN (loans paused)
 #   OUT=/path bash scripts/pending_gpu.sh serving   # issue 39's serving host cost, batch-1 paged gap: NOT YET RUN
-#   OUT=/path bash scripts/pending_gpu.sh sm80_bwd  # issue 38's sm80 backward warp grids: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh sm80_bwd  # issue 38's sm80 backward warp grids (checks, head_dim 128): NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh sm80_bwd2 # the same timed at head_dim 64 and 256: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh sm80_ncu      # the sm80 backward and FA2's under Nsight Compute: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s44_checks    # session 44: fp8 variants and padded head dims, the varlen
 #                                                       # backward's plans across totals: NOT YET RUN
@@ -111,13 +112,19 @@ case "${1:-}" in
         step fuzz_sm80 60 python3 -m facodegen check --fuzz 300 --seed 45 --family backward   # (a quarter of its sm80 cases)
         step sanitize_sm80 60 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53
         # (head_dim 128 also with k_unroll=4: four k16 steps of ldmatrix in flight, no spills there since the warp grids)
-        for d in 64 128; do
-            step "sm80_bwd_d$d" 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
-                --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2 \
-                --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 --variant arch=sm80,key_warps=2,dq_row_warps=2 \
-                $([ $d = 128 ] && echo --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,k_unroll=4) \
-                --out "$OUT/sm80-bwd-d$d"
-        done
+        step sm80_bwd_d128 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
+            --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2 \
+            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 --variant arch=sm80,key_warps=2,dq_row_warps=2 \
+            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,k_unroll=4 --out "$OUT/sm80-bwd-d128"
+        ;;
+    sm80_bwd2)
+        # the same at head_dim 64 and 256 (d256: block_n 64, so key_warps is 4 already; stages=2 is 209 KB, H100/H200 only)
+        step sm80_bwd_d64 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 \
+            --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2 \
+            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 --out "$OUT/sm80-bwd-d64"
+        step sm80_bwd_d256 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 256 \
+            --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,dq_row_warps=2 \
+            --out "$OUT/sm80-bwd-d256"      # (dq_row_warps=2 with stages=2 spills 20 bytes there)
         ;;
     sm80_ncu)
         # where the sm80 backward's time goes beside FlashAttention-2's (SDPA flash), d128 2k full, under Nsight
@@ -153,6 +160,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_ncu|s44_checks|s44_fuzz"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s44_checks|s44_fuzz"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
