@@ -23,7 +23,7 @@ from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default
 
 # Kernel families `emit` and `inspect` take (--kernel); forward stays the default.
 # The backward's own flags (_kernel_options), as emit/inspect receive them: None where not given.
-BACKWARD_FLAGS = ("deterministic", "k_unroll", "do_stages", "dq_tma_reduce", "dq_pieces", "s_lookahead", "dp_lookahead", "lpt",
+BACKWARD_FLAGS = ("deterministic", "k_unroll", "frag_prefetch", "do_stages", "dq_tma_reduce", "dq_pieces", "s_lookahead", "dp_lookahead", "lpt",
                   "dq_lag", "key_warps", "dq_row_warps")
 
 
@@ -88,6 +88,9 @@ def _kernel_options(command):
                           "family's decode, combine or append."),
         click.option("--k-unroll", "k_unroll", type=click.Choice(["1", "2", "4"]), callback=_int_choice,
                      help="--kernel backward: k16 steps of each warp GEMM unrolled together."),
+        click.option("--frag-prefetch/--no-frag-prefetch", "frag_prefetch", default=None,
+                     help="--kernel backward --arch sm80: each warp GEMM loads the next k16 step's fragments before "
+                          "this step's mma.sync."),
         click.option("--key-warps", "key_warps", type=click.Choice(["1", "2", "4", "8"]), callback=_int_choice,
                      help="--kernel backward --arch sm80: warps along the keys of the S^T, dP^T, dK, dV warp grids."),
         click.option("--dq-row-warps", "dq_row_warps", type=click.Choice(["1", "2", "4", "8"]), callback=_int_choice,

@@ -108,23 +108,24 @@ case "${1:-}" in
         # keys, dq_row_warps 2: ~25% less ldmatrix traffic a step at d128 by count) and the 2-deep Q/dO ring
         # (stages=2: the next step's loads under all five GEMMs, a barrier a step fewer), checked then timed; the
         # arch=sm80 column is the default kernel, whose dQ adds are vector reductions on sm_90 since session 43
-        step pytest_grids 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py -k "warp_grids or sm80-st2"
+        step pytest_grids 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py -k "warp_grids or sm80-st2 or frag_prefetch"
         step fuzz_sm80 60 python3 -m facodegen check --fuzz 300 --seed 45 --family backward   # (a quarter of its sm80 cases)
         step sanitize_sm80 60 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53
         # (head_dim 128 also with k_unroll=4: four k16 steps of ldmatrix in flight, no spills there since the warp grids)
         step sm80_bwd_d128 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
             --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2 \
-            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 --variant arch=sm80,key_warps=2,dq_row_warps=2 \
+            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,frag_prefetch=true \
             --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,k_unroll=4 --out "$OUT/sm80-bwd-d128"
         ;;
     sm80_bwd2)
         # the same at head_dim 64 and 256 (d256: block_n 64, so key_warps is 4 already; stages=2 is 209 KB, H100/H200 only)
         step sm80_bwd_d64 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 \
             --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2 \
-            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 --out "$OUT/sm80-bwd-d64"
+            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,frag_prefetch=true \
+            --out "$OUT/sm80-bwd-d64"
         step sm80_bwd_d256 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 256 \
             --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,dq_row_warps=2 \
-            --out "$OUT/sm80-bwd-d256"      # (dq_row_warps=2 with stages=2 spills 20 bytes there)
+            --variant arch=sm80,stages=2,frag_prefetch=true --out "$OUT/sm80-bwd-d256"      # (dq_row_warps=2 with stages=2 spills 20 bytes there)
         ;;
     sm80_ncu)
         # where the sm80 backward's time goes beside FlashAttention-2's (SDPA flash), d128 2k full, under Nsight

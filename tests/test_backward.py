@@ -99,6 +99,35 @@ def test_sm80_warp_grids_compile_without_spills_and_read_shared_memory_less(head
     assert counts["HMMA"] == default["HMMA"] and counts["LDSM"] < default["LDSM"]
 
 
+@pytest.mark.parametrize("head_dim, grid", [(128, {"key_warps": 4, "dq_row_warps": 2}), (128, {}),
+                                            (64, {"key_warps": 4, "dq_row_warps": 2}), (256, {}), (192, {})])
+def test_sm80_frag_prefetch_compiles_without_spills_and_interleaves_ldmatrix_with_mma(head_dim, grid):
+    """NVRTC sm_80: frag_prefetch has no spills or stack; its warp GEMMs issue the
+    next k16 step's ldmatrix between this step's HMMAs (a run of ldmatrix with no HMMA between them is
+    shorter than without the knob, where a step's loads all come first)."""
+    spec = BackwardSpec(head_dim=head_dim, frag_prefetch=True, **grid)
+    kernel = backward.compile(spec, sm="sm_80")
+    r = kernel.resources
+    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 255
+    try:
+        sass = kernel.sass()
+        plain = backward.compile(BackwardSpec(head_dim=head_dim, **grid), sm="sm_80")
+        plain_sass = plain.sass()
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+
+    def longest_ldsm_run(text: str) -> int:
+        run = longest = 0
+        for line in text.splitlines():
+            if "LDSM" in line:
+                run += 1
+                longest = max(longest, run)
+            elif "HMMA" in line:
+                run = 0
+        return longest
+    assert longest_ldsm_run(sass) < longest_ldsm_run(plain_sass)
+
+
 @pytest.mark.parametrize("fields, knob, words", [
     ({"arch": "sm75"}, "arch", "sm75"),
     ({"arch": "sm90", "head_dim": 256, "block_n": 128}, "block_n", "block_n=64"),
@@ -119,6 +148,8 @@ def test_sm80_warp_grids_compile_without_spills_and_read_shared_memory_less(head
     ({"arch": "sm90", "stages": 1}, "stages", "2 deep"),
     ({"arch": "sm90", "k_unroll": 1}, "k_unroll", "sm80 knob"),
     ({"arch": "sm90", "key_warps": 4}, "key_warps", "sm80 knob"),
+    ({"arch": "sm90", "frag_prefetch": True}, "frag_prefetch", "sm80 knob"),
+    ({"frag_prefetch": True, "k_unroll": 1}, "k_unroll", "pairs of k16 steps"),
     ({"arch": "sm90", "dq_row_warps": 2}, "dq_row_warps", "sm80 knob"),
     ({"key_warps": 3}, "key_warps", "3 of 8 warps"),
     ({"head_dim": 96, "key_warps": 2}, "num_warps", "16-column pieces"),

@@ -63,6 +63,10 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("k_unroll", "int", "k16 steps of each warp GEMM unrolled together (more in flight, more registers).",
          flag="--k-unroll", choices=(1, 2, 4), search={"sm80": (1, 2)},
          token=lambda s, v: f"ku{s.k_unroll}" if s.k_unroll != 2 else None),
+    Knob("frag_prefetch", "bool", "sm80: each warp GEMM loads the next k16 step's ldmatrix fragments before it "
+         "issues this step's mma.sync (two fragment sets in registers), so a warp keeps shared-memory reads in "
+         "flight under its own MMAs instead of loading a step's fragments, then waiting on them.",
+         flag="--frag-prefetch/--no-frag-prefetch", token=_flag("pf")),
     Knob("key_warps", "int", "sm80: warps along the keys of the S^T, dP^T, dK and dV warp grids (the rest split "
          "the queries, and head_dim for dK, dV); each warp's GEMMs read its keys' slabs and its share of Q, dO "
          "from shared memory, so fewer warps along the keys read Q and dO fewer times (FlashAttention-2's d128 "
@@ -369,6 +373,7 @@ class BackwardSpec:
     block_n: int | None = None
     num_warps: int | None = None
     k_unroll: int = 2
+    frag_prefetch: bool = False
     key_warps: int | None = None
     dq_row_warps: int | None = None
     stages: int | None = None
@@ -642,6 +647,9 @@ def _validate(spec: BackwardSpec) -> None:
     _choice("num_warps", spec.num_warps, (4, 8))
     _choice("block_m", spec.block_m, (32, 64, 128))
     _choice("k_unroll", spec.k_unroll, (1, 2, 4))
+    if spec.frag_prefetch and spec.k_unroll % 2:
+        raise SpecError("k_unroll", f"{spec.k_unroll} with frag_prefetch: its two fragment sets take turns over "
+                                    f"pairs of k16 steps (k_unroll 2 or 4)")
     if spec.block_n % 16 or not 16 <= spec.block_n <= 256:
         raise SpecError("block_n", f"{spec.block_n}: a multiple of 16 from 16 to 256")
     warps = spec.num_warps
@@ -710,6 +718,8 @@ def _validate_sm90(spec: BackwardSpec) -> None:
                                   f"{SM90_STAGES} at head_dim 192, 256)")
     if spec.k_unroll != 2:
         raise SpecError("k_unroll", f"{spec.k_unroll}: k_unroll is an sm80 knob (wgmma has no such choice)")
+    if spec.frag_prefetch:
+        raise SpecError("frag_prefetch", "an sm80 knob (ldmatrix fragments; wgmma reads shared memory itself)")
     for name in ("key_warps", "dq_row_warps"):
         if getattr(spec, name):
             raise SpecError(name, f"{getattr(spec, name)}: an sm80 knob (the sm90 backward's consumer warpgroups "

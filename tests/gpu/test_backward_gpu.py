@@ -305,6 +305,27 @@ def test_sm80_warp_grids_match_float64_and_the_default_dk_dv(d, key_warps, dq_ro
     assert torch.equal(got[1], default[1]) and torch.equal(got[2], default[2])
 
 
+_PREFETCH = [(d, grid, st, causal) for d, grid, st in
+             ((128, {"key_warps": 4, "dq_row_warps": 2}, 1), (128, {"key_warps": 4, "dq_row_warps": 2}, 2), (128, {}, 1),
+              (64, {"key_warps": 4, "dq_row_warps": 2}, 1), (96, {}, 1), (192, {}, 1), (256, {}, 1))
+             for causal in (False, True)]
+
+
+@pytest.mark.parametrize("d, grid, stages, causal", _PREFETCH,
+                         ids=[f"hd{d}-{'kw4-qw2' if g else 'grid'}-st{st}-{'causal' if c else 'full'}"
+                              for d, g, st, c in _PREFETCH])
+def test_sm80_frag_prefetch_matches_float64_and_the_same_grid_without_it(d, grid, stages, causal):
+    """frag_prefetch loads the next k16 step's fragments earlier, the same MMAs in the same order: dK and dV
+    bit-identical to the same grid without it, dQ (fp32 atomics in any order) within the criterion."""
+    q, k, v, do = make(2, 239, 203, 4, 2, d, torch.bfloat16, seed=d + 7 * stages + len(grid))
+    scale = d ** -0.5
+    got = run_backward(q, k, v, do, causal, scale, poison=True, arch="sm80", frag_prefetch=True, stages=stages,
+                       **grid)
+    assert check_grads(got, do, q, k, v, causal, scale) == []
+    plain = run_backward(q, k, v, do, causal, scale, arch="sm80", stages=stages, **grid)
+    assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
+
+
 def test_errors_name_the_argument():
     q, k, v, do = make(1, 64, 64, 2, 2, 64, torch.bfloat16, seed=1)
     out, lse = facodegen.attention(q, k, v, return_lse=True)
