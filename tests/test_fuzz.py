@@ -120,7 +120,10 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert all(cases[i].sinks and cases[i].softcap and cases[i].window_left > 0 < cases[i].window_right for i in (54, 55))
     # and an fp8 padded head dim (80 on the 96 tile)
     assert [i for i, c in enumerate(cases) if c.family == "head_dims" and c.dtype == "fp8"] == [56]
-    assert len(cases) == 57
+    # and the backward at a padded head dim (80: the sm80 kernel's 96 tile under autograd's default), deterministic
+    assert [i for i, c in enumerate(cases) if c.family == "backward" and c.head_dim not in (64, 96, 128, 192, 256)] == [57]
+    assert cases[57].deterministic and cases[57].causal and fuzz._backward_arch(cases[57]) is None
+    assert len(cases) == 58
     lengths_q, lengths_k = fuzz.varlen_lengths(cases[51])
     assert 0 in lengths_q and any(q > k for q, k in zip(lengths_q, lengths_k)) and cases[51].causal
     for arch in ("sm80", "sm90"):   # the turn counters too
@@ -396,8 +399,10 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             assert specs == [fuzz.case_spec(c)]
         elif c.family == "backward":
             knobs = {"deterministic": True} if c.deterministic else {}
-            # autograd's backward: sm80 after an sm80 forward, else the default (sm90 where it covers the call)
-            arch = "sm80" if c.arch == "sm80" else "sm90"     # (deterministic too; every head_dim)
+            # autograd's backward: sm80 after an sm80 forward, else the default (sm90 where it covers the call:
+            # deterministic too, every tile head_dim; the sm80 kernel at a padded head_dim)
+            padded = c.head_dim not in (64, 96, 128, 192, 256)
+            arch = "sm80" if c.arch == "sm80" or padded else "sm90"
             lpt = [backward.choose(c.head_dim, c.dtype, c.causal, info, {"lpt": False}, arch)] if c.lpt_flipped else []
             rings = [backward.choose(c.head_dim, c.dtype, c.causal, info,
                                      fuzz.shallow_ring_knobs(c.head_dim, c.dtype, c.causal), arch)
@@ -409,9 +414,10 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs, arch), *lpt,
                              *rings]
             assert specs[1].deterministic == c.deterministic
-            lpt_default = c.arch == "sm90" and c.causal and not c.deterministic
+            lpt_default = arch == "sm90" and c.causal and not c.deterministic
             assert [s.lpt for s in specs[2:]] == [False] * len(lpt) + [lpt_default] * len(rings)
-            assert (specs[1].head_dim, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)
+            assert (specs[1].head_dim_real, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)
+            assert specs[1].arch == arch and specs[1].padded == padded
         elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen's plan_bound in the shape
             from facodegen.ops import varlen
             bound = varlen.plan_bound
@@ -550,12 +556,13 @@ def test_varlen_cases_are_16bit_on_both_archs_or_fp8_on_sm90_and_their_lengths_f
     assert {0, 1} <= drawn
 
 
-def test_adding_varlen_left_the_other_families_draws_unchanged():
+def test_adding_varlen_left_the_other_families_draws_unchanged(monkeypatch):
     """The families are appended: a single family's cases for a seed are what they were before varlen
     (the digests of the tree before it, commit 42b06b0), but for the kvcache cases' window and softcap
     (seed 3 mod 5, drawn from the case's seed after the main draw: stripped here, the rest as before) and
     the variants cases turned fp8 (sm90, seed 6 mod 7: left out here; the digest of the rest of the tree
-    before them, b2a1ae6, is the same)."""
+    before them, b2a1ae6, is the same) and the backward cases at a padded head_dim (seed 5 mod 9: drawn
+    without them here, BACKWARD_PADDED_EVERY = 0)."""
     import hashlib
     before = {"forward": "bc988c84aecf", "variants": "21a6b55f402d", "backward": "34d69a1f7b28",
               "kvcache": "c7dd4993d16a"}
@@ -567,6 +574,10 @@ def test_adding_varlen_left_the_other_families_draws_unchanged():
         if family == "variants":
             assert any(c.dtype == "fp8" for c in cases)
             cases = [c for c in cases if not (c.arch == "sm90" and c.seed % 7 == 6)]
+        if family == "backward":
+            assert any(c.head_dim not in (64, 96, 128, 192, 256) for c in cases)
+            monkeypatch.setattr(fuzz, "BACKWARD_PADDED_EVERY", 0)
+            cases = fuzz.generate(300, seed=1, family=family)
         assert hashlib.sha1("".join(c.to_json() for c in cases).encode()).hexdigest()[:12] == digest, family
 
 

@@ -312,18 +312,21 @@ def test_the_forward_takes_any_multiple_of_8_and_names_head_dim_otherwise():
 
 
 def test_the_paths_limited_to_the_five_tiles_say_so():
-    with pytest.raises(ValueError, match=r"head_dim=80 is not supported by attention_backward; choose one of "
-                                         r"64, 96, 128, 192, 256 \(the 16-bit forward"):
-        api._check_inputs(*qkv(80), what="attention_backward")
+    with pytest.raises(ValueError, match=r"head_dim=80 is not supported by attention_varlen_backward; choose one "
+                                         r"of 64, 96, 128, 192, 256 \(the 16-bit forward"):
+        api._check_inputs(*qkv(80), what="attention_varlen_backward")
     api.check_fp8_inputs(*qkv(80, "float8_e4m3fn"), "row")     # fp8 pads too (whole 16-byte rows)
 
 
-def test_autograd_refuses_a_padded_head_dim_at_the_forward():
+def test_autograd_takes_a_padded_head_dim_and_the_varlen_call_refuses_it_at_the_forward():
+    """attention() on (batch, seqlen, heads, 80) tensors records the sm80 backward's padded kernel;
+    attention_varlen's packed (total, heads, 80) ones raise at the forward (its backward takes the five)."""
     torch = pytest.importorskip("torch")
     from facodegen.ops import torch_op
-    q = torch.zeros(1, 4, 2, 80, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="head_dim=80 has no backward yet"):
-        torch_op._refuse_without_backward(q, None, None, None)
+    torch_op._refuse_without_backward(torch.zeros(1, 4, 2, 80, requires_grad=True), None, None, None)
+    with pytest.raises(NotImplementedError, match="head_dim=80 has no varlen backward yet"):
+        torch_op._refuse_without_backward(torch.zeros(4, 2, 80, requires_grad=True), None, None, None,
+                                          what="facodegen.attention_varlen")
     torch_op._refuse_without_backward(torch.zeros(1, 4, 2, 96, requires_grad=True), None, None, None)
     torch_op._refuse_without_backward(torch.zeros(1, 4, 2, 84, requires_grad=True), None, None, None)  # forward's error
 

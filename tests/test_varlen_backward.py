@@ -531,7 +531,7 @@ def test_flash_attn_varlen_func_records_the_backward_too(meta_varlen, determinis
     (dict(softcap=20.0), (16, 2, 64), 64, torch.bfloat16, "window_size, softcap and sinks have no backward"),
     (dict(out="new"), (16, 2, 64), 64, torch.bfloat16, "out="),
     ({}, (16, 2, 128), 64, torch.bfloat16, "head_dim_v=64"),
-    ({}, (16, 2, 80), 80, torch.bfloat16, "head_dim=80 has no backward yet"),
+    ({}, (16, 2, 80), 80, torch.bfloat16, "head_dim=80 has no varlen backward yet"),
     ({}, (16, 2, 64), 64, torch.float8_e4m3fn, "fp8"),
 ])
 def test_what_has_no_backward_raises_at_the_forward(meta_varlen, kw, q_shape, v_dim, dtype, words):

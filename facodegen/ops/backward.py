@@ -145,7 +145,7 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     spec built from the line's other flags takes them (sm90: dq_tma_reduce's default is off where the
     line says --deterministic, as BackwardSpec makes it; the ring's depth for the dQ path)."""
     if spec.arch == "sm80":
-        return {"gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "frag_prefetch": False, "deterministic": False, "dq_tma_reduce": False,
+        return {"head_dim_real": spec.head_dim, "gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "frag_prefetch": False, "deterministic": False, "dq_tma_reduce": False,
                 "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False, "do_stages": spec.stages,
                 "dq_pieces": 1, "dq_lag": False, "varlen": False,
                 "key_warps": sm80_key_warps_default(spec.block_n, spec.num_warps),
@@ -153,7 +153,7 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
                                                    spec.dq_tma_reduce, spec.s_lookahead)
     stages, do_stages = sm90_default_rings(spec.head_dim, spec.dq_tma_reduce, SM90_GPU)
-    return {"gpu": SM90_GPU, "stages": stages, "do_stages": do_stages, "dq_pieces": sm90_fewest_dq_pieces(spec),
+    return {"head_dim_real": spec.head_dim, "gpu": SM90_GPU, "stages": stages, "do_stages": do_stages, "dq_pieces": sm90_fewest_dq_pieces(spec),
             "k_unroll": 2, "frag_prefetch": False, "deterministic": False, "s_lookahead": s_default, "dp_lookahead": dp_default,
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
             "persistent": sm90_persistent_default(spec.arch, spec.deterministic, spec.varlen),
@@ -175,6 +175,10 @@ def emit_command(spec: BackwardSpec) -> str:
         value = getattr(spec, knob.name)
         if knob.name not in _EMIT_ALWAYS and value == defaults.get(knob.name):
             continue
+        if knob.name == "head_dim" and spec.padded:
+            value = spec.head_dim_real      # --head-dim 80 (the tile of 96 follows)
+        elif knob.name == "head_dim_real":
+            continue
         flags.append(knob.command_text(value))
     return "facodegen emit " + " ".join(flags)
 
@@ -187,7 +191,8 @@ def emit(spec: BackwardSpec) -> str:
     return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
         spec_items=sorted((k, v) for k, v in spec.as_dict().items()
-                          if (k not in (_SM80_ONLY if spec.arch == "sm90" else _SM90_ONLY)) and (k != "varlen" or v)),
+                          if (k not in (_SM80_ONLY if spec.arch == "sm90" else _SM90_ONLY)) and (k != "varlen" or v)
+                          and (k != "head_dim_real" or spec.padded)),
         smem_bytes=spec.smem_bytes, threads=spec.threads,
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
         producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),
@@ -545,6 +550,9 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     return_lse=True)). ``causal`` and ``softmax_scale`` must be the forward's (bottom-right
     causal). dK and dV of a kv head are summed over the query heads that share it (GQA/MQA).
     dq, dk, dv: arrays to write the gradients into (default: new contiguous ones).
+    head_dim: 64, 96, 128, 192, 256, or any other multiple of 8 in [8, 256] (sm80: the next one's tile,
+    padded inside the kernel as the forward's; the sm90 backward takes the five, so such a call runs the
+    sm80 kernel on every GPU for now).
     ``arch``: None or sm80 (FlashAttention-2's backward, mma.sync: the default on every GPU for now),
     or sm90 (FlashAttention-3's backward, TMA + wgmma: every head_dim, H100/H200 only; the default on
     sm90 GPUs where it covers the call: default_arch). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
@@ -649,7 +657,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     from . import api
 
     qv, kv, vv = api._view("q", q), api._view("k", k), api._view("v", v)
-    api._check_inputs(qv, kv, vv, what="attention_backward")
+    api._check_inputs(qv, kv, vv, any_head_dim=True, what="attention_backward")   # (a padded d: the sm80 kernel)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     batch, seqlen_q, heads_q, head_dim = qv.shape
@@ -681,7 +689,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k, info.sms),
                         pack(values, spec.arch), allocate=functools.partial(api._allocate, qv.kind, qv.device),
                         map_targets=tuple(views[operand].ptr for operand in _MAP_OPERANDS.values()),
-                        device=qv.device, accum_floats=batch * heads_q * dq_accum_rows(spec, seqlen_q) * head_dim,
+                        device=qv.device, accum_floats=batch * heads_q * dq_accum_rows(spec, seqlen_q) * spec.head_dim,
                         dpsum_floats=row_stat_floats(spec, batch, heads_q, seqlen_q),
                         semaphore_ints=semaphore_ints(spec, batch, heads_q, seqlen_q),
                         switch_context=qv.device != api._current_device(qv.kind))

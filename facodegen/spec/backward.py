@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .knobs import HEAD_DIMS, Knob
+from .knobs import HEAD_DIMS, Knob, head_dim_problem, tile_head_dim
 from . import GPUS, SpecError
 
 BACKWARD_ARCHS = ("sm80", "sm90")
@@ -53,6 +53,11 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          choices=BACKWARD_DTYPES, flag="--dtype", problem=True, token=lambda s, v: s.dtype),
     Knob("head_dim", "int", f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}.", choices=HEAD_DIMS,
          flag="--head-dim", problem=True, flag_offers_choices=False, token=lambda s, v: f"hd{s.head_dim}"),
+    Knob("head_dim_real", "int", "sm80: the problem's head dimension d when below the tile's head_dim (any multiple "
+         "of 8 runs on the next tile, as the forward: BackwardSpec(head_dim=80) is the head_dim 96 tile with "
+         "head_dim_real=80). Q, K, V, O and dO columns past d load as zeros, dQ, dK, dV's are never written.",
+         flag="--head-dim-real", problem=True, flag_offers_choices=False,
+         token=lambda s, v: f"d{v}" if v != s.head_dim else None),
     Knob("block_m", "int", "Query rows per step of a CTA's loop (BLOCK_M); sm90: 64, or 128 at head_dim 64 "
          "(its default).",
          flag="--block-m", choices=(32, 64, 128), search={"sm80": (64, 128)}, token=lambda s, v: f"bm{s.block_m}"),
@@ -367,6 +372,7 @@ class BackwardSpec:
     static_asserts."""
     arch: str = "sm80"
     head_dim: int = 128
+    head_dim_real: int | None = None
     dtype: str = "bf16"
     causal: bool = False
     block_m: int | None = None
@@ -396,11 +402,24 @@ class BackwardSpec:
             object.__setattr__(self, "persistent", sm90_persistent_default(self.arch, self.deterministic, self.varlen))
         if self.dq_tma_reduce is None:     # the default: FlashAttention-3's dQ path wherever it runs
             object.__setattr__(self, "dq_tma_reduce", sm90_dq_tma_default(self.arch, self.deterministic))
+        set_ = lambda name, value: object.__setattr__(self, name, value)
+        if self.head_dim_real is None:   # head_dim=80: the head_dim 96 tile, padded (the forward's KernelSpec too)
+            padded = (isinstance(self.head_dim, int) and not isinstance(self.head_dim, bool)
+                      and self.head_dim not in HEAD_DIMS and head_dim_problem(self.head_dim) is None)
+            set_("head_dim_real", self.head_dim)
+            if padded:
+                set_("head_dim", tile_head_dim(self.head_dim))
         _check_types(self)
         _choice("arch", self.arch, BACKWARD_ARCHS)
         _choice("dtype", self.dtype, BACKWARD_DTYPES)
+        if self.head_dim not in HEAD_DIMS and head_dim_problem(self.head_dim) is not None:
+            raise SpecError("head_dim", head_dim_problem(self.head_dim))
         _choice("head_dim", self.head_dim, HEAD_DIMS)
-        set_ = lambda name, value: object.__setattr__(self, name, value)
+        if self.padded:
+            why = head_dim_problem(self.head_dim_real)
+            if why is not None or tile_head_dim(self.head_dim_real) != self.head_dim:
+                raise SpecError("head_dim_real", why or f"{self.head_dim_real} runs on the head_dim "
+                                f"{tile_head_dim(self.head_dim_real)} tile, not {self.head_dim}")
         if self.gpu is None:
             set_("gpu", SM90_GPU if self.arch == "sm90" else DEFAULT_GPU)
         _choice("gpu", self.gpu, BACKWARD_GPUS)
@@ -448,6 +467,11 @@ class BackwardSpec:
         return 32 * self.num_warps
 
     @property
+    def padded(self) -> bool:
+        """The problem's head dimension is below the tile's (head_dim_real < head_dim)."""
+        return self.head_dim_real != self.head_dim
+
+    @property
     def smem_bytes(self) -> int:
         if self.arch == "sm90":
             return sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages, self.do_stages,
@@ -479,9 +503,11 @@ class BackwardSpec:
         return dataclasses.asdict(self)
 
     def replace(self, **changes) -> BackwardSpec:
-        """This spec with ``changes``; the knobs whose default follows others (do_stages, dq_pieces, lpt,
-        dq_lag, key_warps, dq_row_warps) keep following them where this spec has their default."""
+        """This spec with ``changes``; the knobs whose default follows others (head_dim_real, do_stages, dq_pieces,
+        lpt, dq_lag, key_warps, dq_row_warps) keep following them where this spec has their default."""
         fields = {**self.as_dict(), **changes}
+        if "head_dim_real" not in changes and not self.padded:
+            fields["head_dim_real"] = None     # (an unpadded spec's follows head_dim)
         for name in ("do_stages", "dq_pieces", "lpt", "dq_lag", "key_warps", "dq_row_warps"):
             if name not in changes and self._has_default(name):
                 fields[name] = None
@@ -623,6 +649,9 @@ def _as_bool(spec: BackwardSpec, name: str) -> None:
 
 
 def _validate(spec: BackwardSpec) -> None:
+    if spec.padded and spec.varlen:
+        raise SpecError("head_dim_real", f"{spec.head_dim_real}: the varlen backward takes head_dim "
+                                         f"{', '.join(map(str, HEAD_DIMS))} so far")
     if spec.lpt:
         raise SpecError("lpt", "an sm90 knob (its tile numbering); the sm80 backward's grid is one CTA per key block")
     if spec.dq_lag:
@@ -689,6 +718,10 @@ def _validate(spec: BackwardSpec) -> None:
 def _validate_sm90(spec: BackwardSpec) -> None:
     """FA3's tiles as SM90_TILES gives them (block_m 128 too at head_dim 64, SM90_BLOCK_MS): two
     consumer warpgroups, a 2-deep Q/dO ring (1 or 2 at head_dim 192, 256)."""
+    if spec.padded:
+        raise SpecError("head_dim_real", f"{spec.head_dim_real}: the sm90 backward takes head_dim "
+                                         f"{', '.join(map(str, HEAD_DIMS))} so far (arch='sm80' runs the others "
+                                         f"on the next tile)")
     if spec.varlen and spec.persistent:
         raise SpecError("persistent", "the sm90 varlen backward runs one CTA per tile (a tile past its sequence's keys "
                                       "exits at once); persistent=False")

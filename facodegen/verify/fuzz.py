@@ -49,6 +49,9 @@ FAMILIES = ("forward", "variants", "backward", "kvcache", "varlen", "head_dims")
 # The head_dims family: the forward at head dims outside HEAD_DIMS (16-bit; fp8 below), each on the next one's tile
 # with the columns past it zero-filled in the kernel (issue 40); a fixed few, so the kernels stay few.
 PADDED_HEAD_DIMS = (8, 40, 80, 112, 160, 200, 248)
+# The backward family's cases whose seed is 5 mod this run at PADDED_HEAD_DIMS[seed // it % 7] instead of
+# their drawn head_dim (0: none).
+BACKWARD_PADDED_EVERY = 9
 # ... and a V narrower than Q and K (head_dim_v): a head_dims case whose seed is 3 mod 4 takes
 # (head_dim, head_dim_v) = SPLIT_V_PAIRS[seed // 4 % 2] instead of its padded head_dim (read off the
 # seed, so the family's other draws are what they were).
@@ -108,7 +111,8 @@ class Case:
         the forward's O and LSE (each (kv head, batch)'s key blocks in turn, the order before lpt became the
         causal default; the launch-only sweep launches that one instead), checked like autograd's. Read off
         the seed, as ``deterministic``."""
-        return self.family == "backward" and self.arch == "sm90" and self.causal and self.seed % 4 == 2
+        return (self.family == "backward" and self.arch == "sm90" and self.causal and self.seed % 4 == 2
+                and self.head_dim in HEAD_DIMS)
 
     @property
     def shallow_rings(self) -> bool:
@@ -116,7 +120,7 @@ class Case:
         their defaults (shallow_ring_knobs: a 1-deep dO ring, the dQ tile in twice the pieces) on the
         forward's O and LSE, checked like autograd's (the launch-only sweep launches that one instead).
         Read off the seed, as ``deterministic``."""
-        return self.family == "backward" and self.arch == "sm90" and self.seed % 8 == 3
+        return self.family == "backward" and self.arch == "sm90" and self.seed % 8 == 3 and self.head_dim in HEAD_DIMS
 
     @property
     def dq_lag_flipped(self) -> bool:
@@ -278,6 +282,11 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             layout="contiguous" if this_family == "kvcache" else rng.choice(LAYOUTS), magnitude=1.0 if rng.random() < 0.8 else rng.choice((4.0, 16.0)),
             return_lse=rng.random() < 0.5, use_out=this_family != "backward" and rng.random() < 0.3,
             seed=rng.randrange(1 << 31), **extra)
+        if this_family == "backward" and BACKWARD_PADDED_EVERY and case_fields["seed"] % BACKWARD_PADDED_EVERY == 5:
+            # a ninth of the backward draws at a head_dim between the tiles (the sm80 kernel of the next tile, on
+            # either arch's case), read off the seed so the cases drawn after it stay as they were
+            case_fields["head_dim"] = PADDED_HEAD_DIMS[case_fields["seed"] // BACKWARD_PADDED_EVERY
+                                                       % len(PADDED_HEAD_DIMS)]
         if this_family == "head_dims" and case_fields["seed"] % 4 == 3:
             case_fields["head_dim"], case_fields["head_dim_v"] = SPLIT_V_PAIRS[case_fields["seed"] // 4 % 2]
         elif this_family == "head_dims" and arch == "sm90" and case_fields["seed"] % 7 == 6:
@@ -534,7 +543,7 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         out, lse = facodegen.attention(*(x.detach() for x in leaves), causal=case.causal,
                                        softmax_scale=case.softmax_scale, arch=case.arch, return_lse=True)
         again = facodegen.attention_backward(do, *(x.detach() for x in leaves), out, lse, causal=case.causal,
-                                             softmax_scale=case.softmax_scale, arch=case.arch, **second)
+                                             softmax_scale=case.softmax_scale, arch=_backward_arch(case), **second)
         label = ", ".join(f"{name}={value}" for name, value in second.items())
         failures += [f"{label}: {f}" for f in backward_failures(q, k, v, do, case.causal, scale, again)]
         return not failures, "; ".join(failures) or f"dq, dk, dv ok (autograd; {label})"
@@ -559,7 +568,15 @@ def _backward_launches(case: Case, q, k, v, do) -> tuple:
     facodegen.attention(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, arch=case.arch, out=out,
                         lse_out=lse)
     return facodegen.attention_backward(do, q, k, v, out, lse, causal=case.causal, softmax_scale=case.softmax_scale,
-                                        arch=case.arch, **_backward_knobs(case))
+                                        arch=_backward_arch(case), **_backward_knobs(case))
+
+
+def _backward_arch(case: Case) -> str | None:
+    """The arch a backward case's attention_backward calls ask for: autograd's for the case's forward (sm80
+    for an sm80 case, else the default: the sm90 backward where it covers the call, the sm80 one for a padded
+    head_dim), so those calls run the kernels autograd runs."""
+    from ..ops import backward
+    return backward.autograd_arch(case.arch)
 
 
 def _backward_knobs(case: Case) -> dict:
@@ -1013,7 +1030,7 @@ def representative_cases() -> list[Case]:
     """One small case per arch, dtype and causal (odd lengths, GQA, a strided layout, the LSE and
     out= asked for), and per arch and causal a bf16 variants case (a window that skips and masks
     blocks, softcap and sinks at once), per arch two padded head dims (80, 8) and head_dim 192 with V of
-    128 (head_dim_v), the backward per arch,
+    128 (head_dim_v), the backward per arch (and at the padded head dim 80, case 57),
     dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic; sm90 bf16 at
     head_dim 256; sm90 with more tiles than SMs, and with lpt; last, sm90 with the rings away from their
     defaults and with dq_lag; sm80 with stages=2 and FlashAttention-2's warp grid), two
@@ -1145,6 +1162,11 @@ def representative_cases() -> list[Case]:
     cases.append(Case("head_dims", "sm90", "fp8", batch=2, seqlen_q=77, seqlen_k=203, heads_q=4, heads_kv=2,
                       head_dim=80, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=True, use_out=True, seed=7))
+    # and the backward at a padded head dim, 80 on the sm80 kernel's 96 tile (an sm90 case: autograd's default
+    # backward runs the sm80 kernel there), causal, GQA, deterministic (seed 8, 0 mod 4): case 57
+    cases.append(Case("backward", "sm90", "bf16", batch=2, seqlen_q=239, seqlen_k=203, heads_q=4, heads_kv=2,
+                      head_dim=80, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                      return_lse=True, use_out=False, seed=8))
     return cases
 
 

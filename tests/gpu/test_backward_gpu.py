@@ -326,6 +326,48 @@ def test_sm80_frag_prefetch_matches_float64_and_the_same_grid_without_it(d, grid
     assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
 
 
+_PADDED = [(d, sq, sk, causal, heads, dt) for d, (sq, sk), causal, heads, dt in
+           ((8, (1, 1), False, "mha", "bf16"), (40, (239, 1), True, "gqa", "fp16"), (80, (113, 203), True, "gqa", "bf16"),
+            (80, (1023, 1024), False, "mqa", "fp16"), (112, (128, 128), True, "mha", "bf16"),
+            (160, (113, 203), False, "gqa", "bf16"), (248, (239, 300), True, "mqa", "fp16"),
+            (56, (1000, 17), False, "gqa", "bf16"))]
+
+
+@pytest.mark.parametrize("d, sq, sk, causal, heads, dt", _PADDED,
+                         ids=[f"d{d}-{sq}x{sk}-{'causal' if c else 'full'}-{h}-{dt}" for d, sq, sk, c, h, dt in _PADDED])
+def test_padded_head_dims_match_float64_and_write_only_their_columns(d, sq, sk, causal, heads, dt):
+    """A head_dim between the tiles (the sm80 kernel of the next tile, on every GPU): dQ, dK, dV within FA3's
+    criterion, written into views of d columns of NaN-filled buffers 16 columns wider, whose columns past d
+    stay NaN (the kernels never write past d), with the default scale 1/sqrt(d)."""
+    hq, hkv = HEADS[heads]
+    q, k, v, do = make(2, sq, sk, hq, hkv, d, DTYPES[dt], seed=d * 31 + sq)
+    scale = d ** -0.5
+    out64, lse64, _ = reference(q, k, v, do, causal, scale, upcast=True)
+    wide = [torch.full((*x.shape[:3], d + 16), float("nan"), device="cuda", dtype=x.dtype) for x in (q, k, v)]
+    grads = facodegen.attention_backward(do, q, k, v, out64.to(q.dtype), lse64.float().contiguous(), causal=causal,
+                                         dq=wide[0][..., :d], dk=wide[1][..., :d], dv=wide[2][..., :d])
+    assert check_grads(grads, do, q, k, v, causal, scale) == []
+    assert all(torch.isnan(w[..., d:]).all() for w in wide)
+
+
+def test_autograd_of_a_padded_head_dim_matches_attention_backward():
+    """attention() on head_dim 80 tensors that require grad records the padded sm80 backward: its dK, dV are
+    attention_backward's on the same O and LSE bit for bit (dQ: fp32 atomics in any order), and all three
+    meet FA3's criterion."""
+    q, k, v, do = make(2, 300, 300, 4, 2, 80, torch.bfloat16, seed=80)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = facodegen.attention(*leaves, causal=True)
+    assert out.grad_fn is not None
+    got = torch.autograd.grad(out, leaves, do)
+    with torch.no_grad():
+        out2, lse = facodegen.attention(q, k, v, causal=True, return_lse=True)
+    direct = facodegen.attention_backward(do, q, k, v, out2, lse, causal=True)
+    assert torch.equal(out, out2)
+    torch.testing.assert_close(got[0], direct[0], atol=2e-2, rtol=2e-2)
+    assert torch.equal(got[1], direct[1]) and torch.equal(got[2], direct[2])
+    assert check_grads(got, do, q, k, v, True, 80 ** -0.5) == []
+
+
 def test_errors_name_the_argument():
     q, k, v, do = make(1, 64, 64, 2, 2, 64, torch.bfloat16, seed=1)
     out, lse = facodegen.attention(q, k, v, return_lse=True)

@@ -92,16 +92,15 @@ def test_default_output_and_scale(arch):
     assert not math.isclose(0.3, 40 ** -0.5)
 
 
-def test_padded_head_dims_have_no_backward_yet():
+def test_a_padded_head_dim_has_no_varlen_backward_yet():
+    """attention() on head_dim 80 tensors records the padded backward (tests/gpu/test_backward_gpu.py checks
+    it); attention_varlen's packed ones refuse at the forward."""
     import facodegen
     q, k, v = inputs((64, 64, 2, 2), 80, "bf16", seed=3)
-    with pytest.raises(NotImplementedError, match="head_dim=80 has no backward yet"):
-        facodegen.attention(q.requires_grad_(), k, v)
-    q = q.detach()
-    do = torch.randn_like(q)
-    out, lse = facodegen.attention(q, k, v, return_lse=True)
-    with pytest.raises(ValueError, match="head_dim=80 is not supported by attention_backward"):
-        facodegen.attention_backward(do, q, k, v, out, lse)
+    packed = [x.reshape(-1, x.shape[2], 80) for x in (q, k, v)]
+    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    with pytest.raises(NotImplementedError, match="head_dim=80 has no varlen backward yet"):
+        facodegen.attention_varlen(packed[0].requires_grad_(), packed[1], packed[2], cu, cu, 64, 64)
 
 
 # fp8 (sm90): head dims whose rows are whole 16-byte chunks of e4m3 (a contiguous tensor's head stride is
