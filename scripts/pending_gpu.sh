@@ -109,10 +109,10 @@ case "${1:-}" in
         # keys, dq_row_warps 2: ~25% less ldmatrix traffic a step at d128 by count) and the 2-deep Q/dO ring
         # (stages=2: the next step's loads under all five GEMMs, a barrier a step fewer), checked then timed; the
         # arch=sm80 column is the default kernel, whose dQ adds are vector reductions on sm_90 since session 43
-        step pytest_grids 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_head_dims_gpu.py \
+        step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_head_dims_gpu.py \
             -k "warp_grids or sm80-st2 or frag_prefetch or padded"
         step fuzz_sm80 60 python3 -m facodegen check --fuzz 300 --seed 45 --family backward   # (~33 at padded head dims)
-        step sanitize_sm80 80 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53,57   # (57: the padded backward)
+        step sanitize_sm80 100 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53,57,58   # (57, 58: padded backward)
         # (head_dim 128 also with k_unroll=4: four k16 steps of ldmatrix in flight, no spills there since the warp grids)
         step sm80_bwd_d128 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
             --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2 \

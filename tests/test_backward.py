@@ -162,7 +162,7 @@ def test_sm80_frag_prefetch_compiles_without_spills_and_interleaves_ldmatrix_wit
     ({"head_dim": 264}, "head_dim", "multiple of 8"),
     ({"head_dim": 96, "head_dim_real": 56}, "head_dim_real", "head_dim 64 tile"),
     ({"head_dim": 96, "head_dim_real": 84}, "head_dim_real", "multiple of 8"),
-    ({"arch": "sm90", "head_dim": 80}, "head_dim_real", "sm90 backward takes"),
+    ({"arch": "sm90", "head_dim": 80, "varlen": True}, "head_dim_real", "varlen backward takes"),
     ({"head_dim": 80, "varlen": True}, "head_dim_real", "varlen backward takes"),
     ({"stages": 3}, "stages", "3"),
     ({"head_dim": 256, "stages": 2}, "block_n", "shared memory"),     # (214 KB: the A100's 163 KB budget)
@@ -403,7 +403,7 @@ def test_cli_emit_and_inspect_backward():
     (["--arch", "sm90", "--head-dim", "256", "--block-n", "128"], "block_n=64"),
     (["--pingpong"], "does not take pingpong"),
     (["--head-dim", "84"], "head_dim"),
-    (["--arch", "sm90", "--head-dim", "80"], "head_dim_real: 80"),
+    (["--arch", "sm90", "--head-dim", "80", "--varlen"], "head_dim_real: 80"),
 ])
 def test_cli_backward_errors_in_one_line(argv, words):
     result = CliRunner().invoke(cli.main, ["emit", "--kernel", "backward", *argv])
@@ -503,34 +503,47 @@ def test_deterministic_call_gets_its_kernels_and_turn_counters(bwd, monkeypatch,
 
 
 @pytest.mark.parametrize("d, tile", [(80, 96), (8, 64), (112, 128), (200, 256)])
-def test_a_padded_head_dim_runs_the_sm80_kernel_of_the_next_tile(bwd, d, tile):
-    """head_dim 80 on this fake H200 with arch=None: the sm90 backward takes the five tiles only, so the sm80
-    kernel of the 96 tile with head_dim_real=80 runs; dq_accum rows are the tile's 96 floats (its kernels
-    index them so), the default scale is 80's, and Q, K's row strides are the tensors' own 80."""
+def test_a_padded_head_dim_runs_the_kernels_of_the_next_tile(bwd, monkeypatch, d, tile):
+    """head_dim 80 on this fake H200: arch=None runs the sm90 kernels of the 96 tile with head_dim_real=80,
+    whose TMA maps are 80 columns wide (the boxes' columns past it land as zeros) in the tile's boxes;
+    arch="sm80" the sm80 ones. Both: dq_accum rows of the tile's width (the kernels index them so), the
+    default scale 1/sqrt(80), the tensors' own row strides."""
+    from facodegen.runtime import tma
+    encoded = []
+    monkeypatch.setattr(tma, "encode", lambda args: encoded.append(args) or bytes(128))
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
     do, q, k, v, o, lse = _problem(d=d)
     backward.attention_backward(do, q, k, v, o, lse, causal=True)
+    spec = BackwardSpec(arch="sm90", head_dim=d, causal=True, gpu="h200")
+    assert (spec.head_dim, spec.head_dim_real) == (tile, d) and f"_hd{tile}_d{d}_" in spec.variant
+    main = bwd.bwd.records[1]
+    assert [r["name"] for r in bwd.bwd.records] == list(spec.kernel_names)
+    assert [a.dims[0] for a in encoded] == [d] * 4
+    assert [a.box[0] for a in encoded] == [backward.sm90_swizzle_bytes(tile) // 2] * 4
+    assert _field90(main, "softmax_scale") == pytest.approx(d ** -0.5)
+    assert _field90(main, "k_row_stride") == 2 * d and _field90(main, "q_head_stride") == d
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, arch="sm80")
     spec = BackwardSpec(head_dim=d, causal=True, gpu="h200")
-    assert (spec.head_dim, spec.head_dim_real, spec.arch) == (tile, d, "sm80")
-    assert f"_hd{tile}_d{d}_" in spec.variant
-    recs = bwd.bwd.records
-    assert [r["name"] for r in recs] == list(spec.kernel_names)
+    recs = bwd.bwd.records[3:]
+    assert spec.arch == "sm80" and [r["name"] for r in recs] == list(spec.kernel_names)
     main = recs[1]
     assert _field(main, "dpsum") - _field(main, "dq_accum") == 4 * 2 * 8 * 113 * tile
     assert _field(main, "softmax_scale") == pytest.approx(d ** -0.5)
     assert _field(main, "k_row_stride") == 2 * d and _field(main, "q_head_stride") == d
 
 
-def test_the_padded_backward_compiles_without_spills_and_masks_its_stores():
-    """NVRTC sm_80: every padded tile family without spills; the kernel is the tile's with the loads' zero fill
-    and the stores' column masks (its source names HEAD_DIM_REAL and REAL_CHUNKS), the emit line says
-    --head-dim 80 and reproduces it."""
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_the_padded_backward_compiles_without_spills_and_masks_its_stores(arch):
+    """NVRTC (sm_80, sm_90a): every padded tile family without spills; the kernel is the tile's with its stores'
+    column masks (sm80: and the loads' zero fill), the emit line says --head-dim 80 and reproduces it."""
     for d in (8, 56, 80, 112, 160, 248):
-        spec = BackwardSpec(head_dim=d, causal=d % 16 == 0)
-        r = backward.compile(spec, sm="sm_80").resources
+        spec = BackwardSpec(arch=arch, head_dim=d, causal=d % 16 == 0)
+        r = backward.compile(spec).resources
         assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), (d, r)
         source = backward.emit(spec)
-        assert f"constexpr int  HEAD_DIM_REAL = {d};" in source and "chunk < REAL_CHUNKS" in source
-        assert "col < HEAD_DIM_REAL" in source and f"--head-dim {d} " in backward.emit_command(spec)
+        assert f"constexpr int  HEAD_DIM_REAL = {d};" in source and f"--head-dim {d} " in backward.emit_command(spec)
+        assert ("chunk < REAL_CHUNKS" in source and "col < HEAD_DIM_REAL" in source) if arch == "sm80" else \
+            "32 * group < HEAD_DIM_REAL" in source and "part * DQ_COLS + col < HEAD_DIM_REAL" in source
     result = CliRunner().invoke(cli.main, ["emit", "--kernel", "backward", "--head-dim", "80"])
     assert result.exit_code == 0 and result.output == backward.emit(BackwardSpec(head_dim=80))
     assert "HEAD_DIM_REAL = HEAD_DIM;" in backward.emit(BackwardSpec(head_dim=96))

@@ -79,14 +79,14 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert {(c.arch, c.dtype, c.causal) for c in cases if c.family == "backward"} == {
         (a, d, c) for a in ("sm80", "sm90") for d in ("bf16", "fp16") for c in (False, True)}
     # the sm90 backward's three splits (dQ by columns at head_dim 128, by keys at 64; at 256 both warpgroups
-    # on the same keys, each half of head_dim), none deterministic
+    # on the same keys, each half of head_dim), none deterministic (and 80 on the 96 tile: case 57)
     assert {c.head_dim for c in cases if c.family == "backward" and c.arch == "sm90" and not c.deterministic} == {
-        64, 128, 256}
+        64, 80, 128, 256}
     # and one with more key blocks than an H200 has SMs: persistent CTAs that take several
     assert any(c.family == "backward" and c.arch == "sm90" and -(-c.seqlen_k // 128) * c.heads_kv * c.batch > 132
                for c in cases)
     # the tile order before lpt (attention_backward(..., lpt=False), case.lpt_flipped) on such a launch
-    assert [c.head_dim for c in cases if c.lpt_flipped] == [64]
+    assert [c.head_dim for c in cases if c.lpt_flipped] == [64, 80]     # (80: case 57, below)
     assert all(c.causal and not c.deterministic for c in cases if c.lpt_flipped)
     # and the rings away from their defaults (case.shallow_rings): a head_dim whose default dO ring is 2 deep
     # and one whose dQ tile is already in pieces
@@ -120,10 +120,11 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert all(cases[i].sinks and cases[i].softcap and cases[i].window_left > 0 < cases[i].window_right for i in (54, 55))
     # and an fp8 padded head dim (80 on the 96 tile)
     assert [i for i, c in enumerate(cases) if c.family == "head_dims" and c.dtype == "fp8"] == [56]
-    # and the backward at a padded head dim (80: the sm80 kernel's 96 tile under autograd's default), deterministic
-    assert [i for i, c in enumerate(cases) if c.family == "backward" and c.head_dim not in (64, 96, 128, 192, 256)] == [57]
-    assert cases[57].deterministic and cases[57].causal and fuzz._backward_arch(cases[57]) is None
-    assert len(cases) == 58
+    # and the backward at a padded head dim (80 on the 96 tile) per arch: sm90's with lpt off too, sm80's deterministic
+    assert [(i, c.arch) for i, c in enumerate(cases) if c.family == "backward"
+            and c.head_dim not in (64, 96, 128, 192, 256)] == [(57, "sm90"), (58, "sm80")]
+    assert cases[57].lpt_flipped and cases[58].deterministic and cases[57].causal and cases[58].causal
+    assert len(cases) == 59
     lengths_q, lengths_k = fuzz.varlen_lengths(cases[51])
     assert 0 in lengths_q and any(q > k for q, k in zip(lengths_q, lengths_k)) and cases[51].causal
     for arch in ("sm80", "sm90"):   # the turn counters too
@@ -400,9 +401,9 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
         elif c.family == "backward":
             knobs = {"deterministic": True} if c.deterministic else {}
             # autograd's backward: sm80 after an sm80 forward, else the default (sm90 where it covers the call:
-            # deterministic too, every tile head_dim; the sm80 kernel at a padded head_dim)
+            # deterministic too, every head_dim, padded ones too)
             padded = c.head_dim not in (64, 96, 128, 192, 256)
-            arch = "sm80" if c.arch == "sm80" or padded else "sm90"
+            arch = "sm80" if c.arch == "sm80" else "sm90"
             lpt = [backward.choose(c.head_dim, c.dtype, c.causal, info, {"lpt": False}, arch)] if c.lpt_flipped else []
             rings = [backward.choose(c.head_dim, c.dtype, c.causal, info,
                                      fuzz.shallow_ring_knobs(c.head_dim, c.dtype, c.causal), arch)
@@ -597,7 +598,8 @@ def test_shallow_ring_cases_leave_every_ring_default():
     sm90 = [c for c in cases if c.arch == "sm90"]
     rings = [c for c in sm90 if c.shallow_rings]
     assert len(sm90) / 16 < len(rings) < len(sm90) / 4
-    assert not any(c.deterministic or c.lpt_flipped for c in rings) and {c.head_dim for c in rings} == {64, 96, 128, 192, 256}
+    assert not any(c.deterministic or c.lpt_flipped for c in rings)
+    assert {BackwardSpec(arch="sm90", head_dim=c.head_dim).head_dim for c in rings} == {64, 96, 128, 192, 256}
 
 
 def test_a_quarter_of_the_sm80_backward_cases_run_the_pipelined_kernel():

@@ -550,9 +550,8 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     return_lse=True)). ``causal`` and ``softmax_scale`` must be the forward's (bottom-right
     causal). dK and dV of a kv head are summed over the query heads that share it (GQA/MQA).
     dq, dk, dv: arrays to write the gradients into (default: new contiguous ones).
-    head_dim: 64, 96, 128, 192, 256, or any other multiple of 8 in [8, 256] (sm80: the next one's tile,
-    padded inside the kernel as the forward's; the sm90 backward takes the five, so such a call runs the
-    sm80 kernel on every GPU for now).
+    head_dim: 64, 96, 128, 192, 256, or any other multiple of 8 in [8, 256] (the next one's tile, padded
+    inside the kernels as the forward's: BackwardSpec(head_dim=80) is the 96 tile with head_dim_real=80).
     ``arch``: None or sm80 (FlashAttention-2's backward, mma.sync: the default on every GPU for now),
     or sm90 (FlashAttention-3's backward, TMA + wgmma: every head_dim, H100/H200 only; the default on
     sm90 GPUs where it covers the call: default_arch). ``knobs``: BackwardSpec fields (block_m, block_n, num_warps, ...). Runs on the caller's
@@ -657,7 +656,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     from . import api
 
     qv, kv, vv = api._view("q", q), api._view("k", k), api._view("v", v)
-    api._check_inputs(qv, kv, vv, any_head_dim=True, what="attention_backward")   # (a padded d: the sm80 kernel)
+    api._check_inputs(qv, kv, vv, any_head_dim=True, what="attention_backward")   # (a padded d: the next tile's)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     batch, seqlen_q, heads_q, head_dim = qv.shape
@@ -744,8 +743,8 @@ def tensor_map_args(spec: BackwardSpec, views: dict, batch: int, seqlen_q: int, 
         seqlen, heads, rows = (seqlen_k, heads_kv, spec.block_n) if operand in ("k", "v") else \
             (seqlen_q, heads_q, spec.block_m)
         try:
-            out[name] = tma.tiled_args(view.ptr, spec.dtype, (batch, seqlen, heads, spec.head_dim),
-                                       view.strides[:3], rows, box_cols, swizzle)
+            out[name] = tma.tiled_args(view.ptr, spec.dtype, (batch, seqlen, heads, spec.head_dim_real),
+                                       view.strides[:3], rows, box_cols, swizzle)   # (d wide: zeros past it)
         except ValueError as err:
             raise ValueError(f"{'do' if operand == 'dout' else operand}: {err}") from None
     return out

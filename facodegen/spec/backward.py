@@ -53,7 +53,7 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          choices=BACKWARD_DTYPES, flag="--dtype", problem=True, token=lambda s, v: s.dtype),
     Knob("head_dim", "int", f"Head dimension d: {', '.join(map(str, HEAD_DIMS))}.", choices=HEAD_DIMS,
          flag="--head-dim", problem=True, flag_offers_choices=False, token=lambda s, v: f"hd{s.head_dim}"),
-    Knob("head_dim_real", "int", "sm80: the problem's head dimension d when below the tile's head_dim (any multiple "
+    Knob("head_dim_real", "int", "The problem's head dimension d when below the tile's head_dim (any multiple "
          "of 8 runs on the next tile, as the forward: BackwardSpec(head_dim=80) is the head_dim 96 tile with "
          "head_dim_real=80). Q, K, V, O and dO columns past d load as zeros, dQ, dK, dV's are never written.",
          flag="--head-dim-real", problem=True, flag_offers_choices=False,
@@ -718,10 +718,9 @@ def _validate(spec: BackwardSpec) -> None:
 def _validate_sm90(spec: BackwardSpec) -> None:
     """FA3's tiles as SM90_TILES gives them (block_m 128 too at head_dim 64, SM90_BLOCK_MS): two
     consumer warpgroups, a 2-deep Q/dO ring (1 or 2 at head_dim 192, 256)."""
-    if spec.padded:
-        raise SpecError("head_dim_real", f"{spec.head_dim_real}: the sm90 backward takes head_dim "
-                                         f"{', '.join(map(str, HEAD_DIMS))} so far (arch='sm80' runs the others "
-                                         f"on the next tile)")
+    if spec.padded and spec.varlen:
+        raise SpecError("head_dim_real", f"{spec.head_dim_real}: the varlen backward takes head_dim "
+                                         f"{', '.join(map(str, HEAD_DIMS))} so far")
     if spec.varlen and spec.persistent:
         raise SpecError("persistent", "the sm90 varlen backward runs one CTA per tile (a tile past its sequence's keys "
                                       "exits at once); persistent=False")

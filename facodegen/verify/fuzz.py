@@ -111,8 +111,7 @@ class Case:
         the forward's O and LSE (each (kv head, batch)'s key blocks in turn, the order before lpt became the
         causal default; the launch-only sweep launches that one instead), checked like autograd's. Read off
         the seed, as ``deterministic``."""
-        return (self.family == "backward" and self.arch == "sm90" and self.causal and self.seed % 4 == 2
-                and self.head_dim in HEAD_DIMS)
+        return self.family == "backward" and self.arch == "sm90" and self.causal and self.seed % 4 == 2
 
     @property
     def shallow_rings(self) -> bool:
@@ -120,7 +119,7 @@ class Case:
         their defaults (shallow_ring_knobs: a 1-deep dO ring, the dQ tile in twice the pieces) on the
         forward's O and LSE, checked like autograd's (the launch-only sweep launches that one instead).
         Read off the seed, as ``deterministic``."""
-        return self.family == "backward" and self.arch == "sm90" and self.seed % 8 == 3 and self.head_dim in HEAD_DIMS
+        return self.family == "backward" and self.arch == "sm90" and self.seed % 8 == 3
 
     @property
     def dq_lag_flipped(self) -> bool:
@@ -283,8 +282,8 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             return_lse=rng.random() < 0.5, use_out=this_family != "backward" and rng.random() < 0.3,
             seed=rng.randrange(1 << 31), **extra)
         if this_family == "backward" and BACKWARD_PADDED_EVERY and case_fields["seed"] % BACKWARD_PADDED_EVERY == 5:
-            # a ninth of the backward draws at a head_dim between the tiles (the sm80 kernel of the next tile, on
-            # either arch's case), read off the seed so the cases drawn after it stay as they were
+            # a ninth of the backward draws at a head_dim between the tiles (either arch's kernel of the next tile),
+            # read off the seed so the cases drawn after it stay as they were
             case_fields["head_dim"] = PADDED_HEAD_DIMS[case_fields["seed"] // BACKWARD_PADDED_EVERY
                                                        % len(PADDED_HEAD_DIMS)]
         if this_family == "head_dims" and case_fields["seed"] % 4 == 3:
@@ -573,8 +572,8 @@ def _backward_launches(case: Case, q, k, v, do) -> tuple:
 
 def _backward_arch(case: Case) -> str | None:
     """The arch a backward case's attention_backward calls ask for: autograd's for the case's forward (sm80
-    for an sm80 case, else the default: the sm90 backward where it covers the call, the sm80 one for a padded
-    head_dim), so those calls run the kernels autograd runs."""
+    for an sm80 case, else the default: the sm90 backward where it covers the call), so those calls run the
+    kernels autograd runs."""
     from ..ops import backward
     return backward.autograd_arch(case.arch)
 
@@ -1030,7 +1029,7 @@ def representative_cases() -> list[Case]:
     """One small case per arch, dtype and causal (odd lengths, GQA, a strided layout, the LSE and
     out= asked for), and per arch and causal a bf16 variants case (a window that skips and masks
     blocks, softcap and sinks at once), per arch two padded head dims (80, 8) and head_dim 192 with V of
-    128 (head_dim_v), the backward per arch (and at the padded head dim 80, case 57),
+    128 (head_dim_v), the backward per arch (and at the padded head dim 80, cases 57 and 58),
     dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic; sm90 bf16 at
     head_dim 256; sm90 with more tiles than SMs, and with lpt; last, sm90 with the rings away from their
     defaults and with dq_lag; sm80 with stages=2 and FlashAttention-2's warp grid), two
@@ -1162,11 +1161,12 @@ def representative_cases() -> list[Case]:
     cases.append(Case("head_dims", "sm90", "fp8", batch=2, seqlen_q=77, seqlen_k=203, heads_q=4, heads_kv=2,
                       head_dim=80, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=True, use_out=True, seed=7))
-    # and the backward at a padded head dim, 80 on the sm80 kernel's 96 tile (an sm90 case: autograd's default
-    # backward runs the sm80 kernel there), causal, GQA, deterministic (seed 8, 0 mod 4): case 57
-    cases.append(Case("backward", "sm90", "bf16", batch=2, seqlen_q=239, seqlen_k=203, heads_q=4, heads_kv=2,
-                      head_dim=80, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
-                      return_lse=True, use_out=False, seed=8))
+    # and the backward at a padded head dim, 80 on the 96 tile, per arch: causal, GQA, sm90's with lpt off too
+    # (seed 6, 2 mod 4: case.lpt_flipped), sm80's deterministic (seed 8, 0 mod 4): cases 57, 58
+    for arch, seed in (("sm90", 6), ("sm80", 8)):
+        cases.append(Case("backward", arch, "bf16", batch=2, seqlen_q=239, seqlen_k=203, heads_q=4, heads_kv=2,
+                          head_dim=80, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
+                          return_lse=True, use_out=False, seed=seed))
     return cases
 
 
