@@ -109,8 +109,8 @@ case "${1:-}" in
         # keys, dq_row_warps 2: ~25% less ldmatrix traffic a step at d128 by count) and the 2-deep Q/dO ring
         # (stages=2: the next step's loads under all five GEMMs, a barrier a step fewer), checked then timed; the
         # arch=sm80 column is the default kernel, whose dQ adds are vector reductions on sm_90 since session 43
-        step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_head_dims_gpu.py \
-            -k "warp_grids or sm80-st2 or frag_prefetch or padded"
+        step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
+            -k "warp_grids or sm80-st2 or frag_prefetch or padded or hd80-bf16 or hd40-fp16"
         step fuzz_sm80 60 python3 -m facodegen check --fuzz 300 --seed 45 --family backward   # (~33 at padded head dims)
         step sanitize_sm80 100 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53,57,58   # (57, 58: padded backward)
         # (head_dim 128 also with k_unroll=4: four k16 steps of ldmatrix in flight, no spills there since the warp grids)

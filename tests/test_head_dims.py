@@ -318,15 +318,18 @@ def test_the_paths_limited_to_the_five_tiles_say_so():
     api.check_fp8_inputs(*qkv(80, "float8_e4m3fn"), "row")     # fp8 pads too (whole 16-byte rows)
 
 
-def test_autograd_takes_a_padded_head_dim_and_the_varlen_call_refuses_it_at_the_forward():
-    """attention() on (batch, seqlen, heads, 80) tensors records the sm80 backward's padded kernel;
-    attention_varlen's packed (total, heads, 80) ones raise at the forward (its backward takes the five)."""
+def test_autograd_takes_a_padded_head_dim():
+    """attention() on (batch, seqlen, heads, 80) tensors and attention_varlen on packed (total, heads, 80) ones
+    record the backward's padded kernels (the 96 tile, head_dim_real=80)."""
     torch = pytest.importorskip("torch")
     from facodegen.ops import torch_op
+    from facodegen.spec.backward import BackwardSpec
     torch_op._refuse_without_backward(torch.zeros(1, 4, 2, 80, requires_grad=True), None, None, None)
-    with pytest.raises(NotImplementedError, match="head_dim=80 has no varlen backward yet"):
-        torch_op._refuse_without_backward(torch.zeros(4, 2, 80, requires_grad=True), None, None, None,
-                                          what="facodegen.attention_varlen")
+    torch_op._refuse_without_backward(torch.zeros(4, 2, 80, requires_grad=True), None, None, None,
+                                      what="facodegen.attention_varlen")
+    for arch in ("sm80", "sm90"):
+        spec = BackwardSpec(arch=arch, head_dim=80, varlen=True)
+        assert (spec.head_dim, spec.head_dim_real, spec.varlen) == (96, 80, True)
     torch_op._refuse_without_backward(torch.zeros(1, 4, 2, 96, requires_grad=True), None, None, None)
     torch_op._refuse_without_backward(torch.zeros(1, 4, 2, 84, requires_grad=True), None, None, None)  # forward's error
 

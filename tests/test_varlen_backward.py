@@ -103,7 +103,9 @@ def _compile_targets():
                   BackwardSpec(arch="sm90", head_dim=128, varlen=True, deterministic=True, dq_tma_reduce=True)]
     return ([(s, None) for s in VARLEN_SPECS + deterministic]
             + [(s, "sm_90") for s in one_per(VARLEN_SPECS, lambda s: s.head_dim)]
-            + [(s, None) for s in one_per(SM90_VARLEN_SPECS, lambda s: s.head_dim) + sm90_knobs])
+            + [(s, None) for s in one_per(SM90_VARLEN_SPECS, lambda s: s.head_dim) + sm90_knobs]
+            + [(BackwardSpec(arch=a, head_dim=d, causal=True, varlen=True), None)     # padded head dims
+               for a in ("sm80", "sm90") for d in (40, 200)])
 
 
 @pytest.mark.parametrize("spec, sm", _compile_targets(), ids=lambda x: getattr(x, "variant", None) or str(x or "sm_80"))
@@ -193,6 +195,27 @@ def test_a_varlen_call_launches_the_three_kernels_over_the_packed_rows(vbwd):
     assert vbwd.zeroed == [] and f["zero_outside"] == 0b110
     _call(a, causal=True, softmax_scale=0.25, arch="sm80", dk=FakeTensor(a["k"].shape, "bfloat16"))
     assert _fields(recs[-2])["zero_outside"] == 0b100    # a given dK keeps what it held there
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_a_padded_head_dim_runs_the_varlen_kernels_of_the_next_tile(vbwd, monkeypatch, arch):
+    """head_dim 80: the varlen kernels of the 96 tile with head_dim_real=80, dq_accum rows of the tile's width,
+    the packed tensors' own strides, the default scale 1/sqrt(80); sm90's maps are 80 columns wide."""
+    from facodegen.runtime import driver, tma
+    encoded = []
+    monkeypatch.setattr(tma, "encode", lambda args: encoded.append(args) or bytes(128))
+    monkeypatch.setattr(driver, "replace_tensor_map_address", lambda address, ptr: None)
+    _call(_problem(d=80), causal=True, arch=arch)
+    spec = BackwardSpec(arch=arch, head_dim=80, causal=True, gpu="h200", varlen=True)
+    recs = vbwd.bwd.records
+    assert spec.head_dim == 96 and [r["name"] for r in recs] == list(spec.kernel_names)
+    f = _fields(recs[1], arch)
+    assert (f["q_row_stride"], f["q_head_stride"], f["k_row_stride"]) == (HQ * 80, 80, HKV * 80)
+    assert f["softmax_scale"] == pytest.approx(80 ** -0.5)
+    if arch == "sm80":
+        assert f["dpsum"] - f["dq_accum"] == 4 * HQ * 118 * 96
+    else:
+        assert [a.dims[0] for a in encoded] == [80] * 4
 
 
 def test_the_sm90_varlen_call_runs_one_cta_per_tile_over_the_packed_tokens(vbwd, monkeypatch):
@@ -388,9 +411,9 @@ def test_varlen_turn_counters_are_distinct_and_in_range(seed):
     (dict(do=FakeTensor((118, HQ, 64))), {}, ValueError, "do has shape"),
     (dict(out=FakeTensor((118, HQ, D), "float16")), {}, TypeError, "out must be a torch bfloat16"),
     (dict(q=FakeTensor((1, 118, HQ, D))), {}, ValueError, "q must be 3-D (total_tokens"),
-    (dict(q=FakeTensor((118, HQ, 80)), do=FakeTensor((118, HQ, 80)), out=FakeTensor((118, HQ, 80)),
-          k=FakeTensor((325, HKV, 80)), v=FakeTensor((325, HKV, 80))), {}, ValueError,
-     "head_dim=80 is not supported by attention_varlen_backward"),
+    (dict(q=FakeTensor((118, HQ, 84)), do=FakeTensor((118, HQ, 84)), out=FakeTensor((118, HQ, 84)),
+          k=FakeTensor((325, HKV, 84)), v=FakeTensor((325, HKV, 84))), {}, ValueError,
+     "head_dim (q.shape[3]) 84 is not supported: it must be a multiple of 8"),
     (dict(v=FakeTensor((325, HKV, 64))), {}, ValueError, "k and v must have the same shape"),
     (dict(cu_seqlens_k=FakeTensor((5,), "int64")), {}, TypeError, "cu_seqlens_k has dtype int64"),
     (dict(cu_seqlens_k=FakeTensor((4,), "int32")), {}, ValueError, "cu_seqlens_k has shape (4,)"),
@@ -531,7 +554,6 @@ def test_flash_attn_varlen_func_records_the_backward_too(meta_varlen, determinis
     (dict(softcap=20.0), (16, 2, 64), 64, torch.bfloat16, "window_size, softcap and sinks have no backward"),
     (dict(out="new"), (16, 2, 64), 64, torch.bfloat16, "out="),
     ({}, (16, 2, 128), 64, torch.bfloat16, "head_dim_v=64"),
-    ({}, (16, 2, 80), 80, torch.bfloat16, "head_dim=80 has no varlen backward yet"),
     ({}, (16, 2, 64), 64, torch.float8_e4m3fn, "fp8"),
 ])
 def test_what_has_no_backward_raises_at_the_forward(meta_varlen, kw, q_shape, v_dim, dtype, words):

@@ -49,8 +49,6 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import api, backward, kvcache
-from ..spec import HEAD_DIMS
-from ..spec.knobs import head_dim_problem
 
 _LIB = torch.library.Library("facodegen", "DEF")
 # The attention variants (window_size, softcap, sinks: facodegen.attention's) come last, with
@@ -121,20 +119,13 @@ def _split_v(q, v) -> bool:
 
 def _refuse_without_backward(q, out, lse_out, variant, v=None, what: str = "facodegen.attention") -> None:
     """A call that would record a gradient raises at the forward where the backward has no kernel
-    (``variant``: api's window_size, softcap, sinks, causal_alignment, or None; a head_dim outside
-    HEAD_DIMS, which the forward pads, in a varlen call (3-D q: the padded backward takes (batch, seqlen,
-    heads, d) tensors); a ``v`` narrower than q, head_dim_v), rather than returning an
-    output with no grad_fn or with a backward of another function. ``what``: the call the errors name
+    (``variant``: api's window_size, softcap, sinks, causal_alignment, or None; a ``v`` narrower than q,
+    head_dim_v), rather than returning an output with no grad_fn or with a backward of another function. ``what``: the call the errors name
     (attention_varlen's packed q, k, v are 3-D)."""
     if q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError(_fp8_has_no_backward(what))
     if v is not None and _split_v(q, v):
         raise NotImplementedError(_head_dim_v_has_no_backward(q, v, what))
-    if q.dim() == 3 and q.shape[-1] not in HEAD_DIMS and head_dim_problem(int(q.shape[-1])) is None:
-        raise NotImplementedError(f"{what}: head_dim={q.shape[-1]} has no varlen backward yet (it takes head_dim "
-                                  f"{', '.join(map(str, HEAD_DIMS))}; attention() on (batch, seqlen, heads, "
-                                  f"{q.shape[-1]}) tensors has one); call it under torch.no_grad() or on tensors "
-                                  f"that do not require grad")
     if variant is not None:
         raise NotImplementedError(_variants_have_no_backward(what))
     if out is not None or lse_out is not None:

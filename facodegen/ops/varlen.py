@@ -276,7 +276,7 @@ def check_packed(q: _View, k: _View, v: _View, fp8: bool = False, backward: bool
     if fp8:
         api.check_fp8_inputs(*(as_one_batch(t) for t in (q, k, v)), "row")
     elif backward:
-        _check_inputs(*(as_one_batch(t) for t in (q, k, v)), what="attention_varlen_backward")
+        _check_inputs(*(as_one_batch(t) for t in (q, k, v)), any_head_dim=True, what="attention_varlen_backward")
     else:
         _check_inputs(*(as_one_batch(t) for t in (q, k, v)), any_head_dim=True, what="attention_varlen",
                       any_head_dim_v=True)

@@ -43,8 +43,8 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     """Gradients (dq, dk, dv) of attention_varlen given dO = ``do`` and the forward's ``out`` and ``lse``.
 
     q, out, do: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim), fp16 or bf16 torch
-    CUDA tensors or CuPy arrays (attention_varlen's layout rules; head_dim one of 64, 96, 128, 192, 256,
-    V as wide as Q and K); lse: the forward's float32 natural-log LSE, contiguous (heads_q, total_q)
+    CUDA tensors or CuPy arrays (attention_varlen's layout rules; head_dim any multiple of 8 in [8, 256]: 64,
+    96, 128, 192, 256 or the next one's tile, padded inside the kernels; V as wide as Q and K); lse: the forward's float32 natural-log LSE, contiguous (heads_q, total_q)
     (attention_varlen(..., return_lse=True)); cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     ``causal`` and ``softmax_scale``: the forward's. dK and dV of a kv head are summed over the query
     heads that share it (GQA/MQA). dq, dk, dv: arrays to write the gradients into (default: new

@@ -649,9 +649,6 @@ def _as_bool(spec: BackwardSpec, name: str) -> None:
 
 
 def _validate(spec: BackwardSpec) -> None:
-    if spec.padded and spec.varlen:
-        raise SpecError("head_dim_real", f"{spec.head_dim_real}: the varlen backward takes head_dim "
-                                         f"{', '.join(map(str, HEAD_DIMS))} so far")
     if spec.lpt:
         raise SpecError("lpt", "an sm90 knob (its tile numbering); the sm80 backward's grid is one CTA per key block")
     if spec.dq_lag:
@@ -718,9 +715,6 @@ def _validate(spec: BackwardSpec) -> None:
 def _validate_sm90(spec: BackwardSpec) -> None:
     """FA3's tiles as SM90_TILES gives them (block_m 128 too at head_dim 64, SM90_BLOCK_MS): two
     consumer warpgroups, a 2-deep Q/dO ring (1 or 2 at head_dim 192, 256)."""
-    if spec.padded and spec.varlen:
-        raise SpecError("head_dim_real", f"{spec.head_dim_real}: the varlen backward takes head_dim "
-                                         f"{', '.join(map(str, HEAD_DIMS))} so far")
     if spec.varlen and spec.persistent:
         raise SpecError("persistent", "the sm90 varlen backward runs one CTA per tile (a tile past its sequence's keys "
                                       "exits at once); persistent=False")

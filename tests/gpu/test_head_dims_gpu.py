@@ -92,17 +92,6 @@ def test_default_output_and_scale(arch):
     assert not math.isclose(0.3, 40 ** -0.5)
 
 
-def test_a_padded_head_dim_has_no_varlen_backward_yet():
-    """attention() on head_dim 80 tensors records the padded backward (tests/gpu/test_backward_gpu.py checks
-    it); attention_varlen's packed ones refuse at the forward."""
-    import facodegen
-    q, k, v = inputs((64, 64, 2, 2), 80, "bf16", seed=3)
-    packed = [x.reshape(-1, x.shape[2], 80) for x in (q, k, v)]
-    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
-    with pytest.raises(NotImplementedError, match="head_dim=80 has no varlen backward yet"):
-        facodegen.attention_varlen(packed[0].requires_grad_(), packed[1], packed[2], cu, cu, 64, 64)
-
-
 # fp8 (sm90): head dims whose rows are whole 16-byte chunks of e4m3 (a contiguous tensor's head stride is
 # d bytes; d = 8 mod 16 takes strided views), each on the next tile
 FP8_HEAD_DIMS = (16, 48, 80, 112, 160, 208, 240)
