@@ -15,6 +15,7 @@
 #                                                   # dims' backward (checks; timed at head_dim 128): NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh sm80_bwd2 # the same timed at head_dim 64 and 256: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh sm80_ncu      # the sm80 backward and FA2's under Nsight Compute: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s45_decode    # session 45: the decode at padded head dims: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s44_checks    # session 44: fp8 variants and padded head dims, the varlen
 #                                                       # backward's plans across totals: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s44_fuzz      # their fuzz shares, then the variants bench: NOT YET RUN
@@ -143,6 +144,13 @@ case "${1:-}" in
             --section MemoryWorkloadAnalysis --section SchedulerStats --section Occupancy \
             python3 scripts/bwd_one.py --d 128 --seqlen 2048 --peer fa2
         ;;
+    s45_decode)
+        # session 45: the decode at padded head dims (the next tile's kernel; d-wide split partials, combine and
+        # appends): its GPU tests, the kvcache fuzz (seeds 7 mod 11 at padded head dims), sanitizer case 59
+        step pytest_decode 200 python3 -m pytest -q -rf -n 8 tests/gpu/test_decode_gpu.py -k "padded or num_splits"
+        step fuzz_kvcache 80 python3 -m facodegen check --fuzz 400 --seed 45 --family kvcache
+        step sanitize_decode 90 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 59
+        ;;
     s44_checks)
         # session 44: the fp8 kernel with the attention variants (window with its left-edge loop, softcap with the
         # descales inside the tanh, sinks past the P offset) and padded head dims; the varlen backward, whose
@@ -163,6 +171,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s44_checks|s44_fuzz"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_decode|s44_checks|s44_fuzz"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"

@@ -37,7 +37,9 @@ def test_variant_names():
     ({"block_n": 32, "num_warps": 4}, "block_n"),           # 8 keys a warp: not a k16 slice
     ({"head_dim": 256, "block_m": 32}, "block_m"),          # O would take 256 floats a thread
     ({"head_dim": 256, "block_n": 256, "stages": 6}, "stages"),  # 1.5 MB of ring
-    ({"head_dim": 80}, "head_dim"),
+    ({"head_dim": 84}, "head_dim"),
+    ({"head_dim": 96, "head_dim_real": 56}, "head_dim_real"),     # (56 runs on the 64 tile)
+    ({"head_dim": 80, "producer_warps": 2}, "producer_warps"),
     ({"dtype": "fp8"}, "dtype"),
     ({"block_n": 64.0}, "block_n"),
     ({"paged": "yes"}, "paged"),
@@ -337,6 +339,40 @@ def test_plan_split_launches_decode_then_combine(fake):
                       kw2["page_table"].data_ptr())
 
 
+@pytest.mark.parametrize("d, tile", [(80, 96), (8, 64), (200, 256)])
+def test_a_padded_head_dim_plans_the_next_tiles_decode_and_d_wide_combine_and_append(fake, d, tile):
+    """head_dim 80: the decode kernel of the 96 tile with head_dim_real=80 (no producer warps: they copy whole
+    tile rows), the combine and append kernels at d itself (the split partials are d floats a row), the split
+    partials sized so, the default scale 1/sqrt(80)."""
+    args, kw = _call_args(batch=1, capacity=65536, paged=True, page=64, new=1, d=d)
+    kvcache.attention_with_kvcache(*args, **kw, fused_combine=False)
+    plan = next(iter(kvcache._PLANS._plans.values()))
+    decode = plan.specs["decode"]
+    assert (decode.head_dim, decode.head_dim_real, decode.producer_warps) == (tile, d, 0)
+    assert f"_hd{tile}_d{d}_" in decode.variant and decode.split and plan.num_splits > 1
+    assert plan.specs["combine"].head_dim == d and plan.specs["append"].head_dim == d
+    assert [r["grid"] for r in fake.records] == [plan.grids["append"], plan.grids["decode"], plan.grids["combine"]]
+
+
+def test_padded_decode_kernels_compile_without_spills_and_say_so():
+    """NVRTC sm_90a and sm_80: the padded decode (contiguous and paged, split with either merge, a window and
+    softcap) without spills; its source names the padded loads and MMA steps, the emit line says --head-dim 80."""
+    for d in (8, 80, 112, 200, 248):
+        for arch in ("sm80", "sm90"):
+            for knobs in (dict(), dict(paged=True, split=True), dict(split=True, fused_combine=True, local=True,
+                                                                     softcap=True)):
+                spec = dec.default_decode_spec(arch, "bf16", d, seqlen_q=4, group=4, **knobs)
+                r = dec.compile_spec(spec).resources
+                assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), (spec.variant, r)
+        source = dec.render(spec)
+        assert f"constexpr int  HEAD_DIM_REAL = {d};" in source and "chunk < REAL_CHUNKS" in source
+        assert "QK_K16_STEPS" in source and f"--head-dim {d} " in dec.emit_command(spec)
+        for extra in (dec.CombineSpec(head_dim=d), dec.AppendSpec(head_dim=d, paged=True)):
+            r = dec.compile_spec(extra).resources
+            assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0), (extra.variant, r)
+    assert "HEAD_DIM_REAL = HEAD_DIM;" in dec.render(dec.default_decode_spec("sm90", "bf16", 128))
+
+
 def test_plan_fused_combine_launches_no_combine(fake, monkeypatch):
     """fused_combine: append and decode only; the decode kernel gets O, the LSE and the counters
     (one int32 per work item, zeroed once per stream's scratch, never per call)."""
@@ -403,7 +439,7 @@ def test_mha_without_packing_and_seqlen_q(fake):
     (lambda a, kw: ((FakeTensor((2, 1, 32, 128), "float32"),) + a[1:], kw), "q has dtype float32"),
     (lambda a, kw: ((a[0], FakeTensor((2, 4096, 8, 128), "float16"), a[2], a[3]), kw), "k_cache has dtype float16"),
     (lambda a, kw: ((a[0], FakeTensor((2, 4096, 5, 128)), FakeTensor((2, 4096, 5, 128)), a[3]), kw), "heads_kv=5"),
-    (lambda a, kw: ((FakeTensor((2, 1, 32, 80)),) + a[1:], kw), "head_dim=80"),
+    (lambda a, kw: ((FakeTensor((2, 1, 32, 84)),) + a[1:], kw), r"head_dim \(q.shape\[3\]\) 84 is not supported"),
     (lambda a, kw: (a, dict(kw, page_table=FakeTensor((2,), "int32"))), "page_table must be 2-D"),
     (lambda a, kw: (a, dict(kw, k=FakeTensor((2, 1, 8, 128)))), "k and v"),
     (lambda a, kw: (a, dict(kw, k=FakeTensor((2, 1, 8, 128)), v=FakeTensor((2, 1, 4, 128)))), "v has shape"),

@@ -124,7 +124,10 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert [(i, c.arch) for i, c in enumerate(cases) if c.family == "backward"
             and c.head_dim not in (64, 96, 128, 192, 256)] == [(57, "sm90"), (58, "sm80")]
     assert cases[57].lpt_flipped and cases[58].deterministic and cases[57].causal and cases[58].causal
-    assert len(cases) == 59
+    # and the decode there (paged, split, an append)
+    assert [i for i, c in enumerate(cases) if c.family == "kvcache" and c.head_dim == 80] == [59]
+    assert cases[59].page_size and cases[59].num_splits > 1 and cases[59].seqlen_new
+    assert len(cases) == 60
     lengths_q, lengths_k = fuzz.varlen_lengths(cases[51])
     assert 0 in lengths_q and any(q > k for q, k in zip(lengths_q, lengths_k)) and cases[51].causal
     for arch in ("sm80", "sm90"):   # the turn counters too
@@ -450,7 +453,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             assert specs == list(want.values())
             assert ("combine" in want) == (splits > 1 and not c.fused_combine) and ("append" in want) == (c.seqlen_new > 0)
             assert want["decode"].fused_combine == (splits > 1 and c.fused_combine)
-            default = dec.default_producer_warps(c.arch, want["decode"].head_dim, splits > 1)
+            default = dec.default_producer_warps(c.arch, want["decode"].head_dim_real, splits > 1)   # (padded: 0)
             assert want["decode"].producer_warps == (default if c.producer_warps is None else c.producer_warps)
     with pytest.raises(ValueError, match="case_specs"):
         fuzz.case_spec(next(c for c in cases if c.family == "kvcache"))
@@ -562,8 +565,8 @@ def test_adding_varlen_left_the_other_families_draws_unchanged(monkeypatch):
     (the digests of the tree before it, commit 42b06b0), but for the kvcache cases' window and softcap
     (seed 3 mod 5, drawn from the case's seed after the main draw: stripped here, the rest as before) and
     the variants cases turned fp8 (sm90, seed 6 mod 7: left out here; the digest of the rest of the tree
-    before them, b2a1ae6, is the same) and the backward cases at a padded head_dim (seed 5 mod 9: drawn
-    without them here, BACKWARD_PADDED_EVERY = 0)."""
+    before them, b2a1ae6, is the same) and the backward and kvcache cases at a padded head_dim (seed 5 mod
+    9, 7 mod 11: drawn without them here, BACKWARD_PADDED_EVERY = KVCACHE_PADDED_EVERY = 0)."""
     import hashlib
     before = {"forward": "bc988c84aecf", "variants": "21a6b55f402d", "backward": "34d69a1f7b28",
               "kvcache": "c7dd4993d16a"}
@@ -571,6 +574,9 @@ def test_adding_varlen_left_the_other_families_draws_unchanged(monkeypatch):
         cases = fuzz.generate(300, seed=1, family=family)
         if family == "kvcache":
             assert any(c.has_variant for c in cases)
+            assert any(c.head_dim not in (64, 96, 128, 192, 256) for c in cases)
+            monkeypatch.setattr(fuzz, "KVCACHE_PADDED_EVERY", 0)
+            cases = fuzz.generate(300, seed=1, family=family)
             cases = [dataclasses.replace(c, window_left=-1, window_right=-1, softcap=0.0) for c in cases]
         if family == "variants":
             assert any(c.dtype == "fp8" for c in cases)

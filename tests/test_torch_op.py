@@ -275,7 +275,7 @@ def _trace(fn, *args):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"q": (2, 1, 8, 80)}, "head_dim=80 is not supported"),
+    ({"q": (2, 1, 8, 84)}, r"head_dim \(q.shape\[3\]\) 84 is not supported"),
     ({"k_cache": (3, 256, 2, 128)}, "k_cache has batch 3 but q has batch 2"),
     ({"q": (2, 1, 7, 128)}, "heads_kv=2 .* must divide heads_q=7"),
     ({"cache_seqlens": (2, 1)}, "cache_seqlens has shape"),

@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass, replace
 
 from ..spec import decode as dec
+from ..spec.knobs import head_dim_problem
 from ..runtime import driver
 from . import api
 from .api import (ALIGN_BYTES, ARRAY_META, ARRAY_PTR, DTYPE_NAMES, HEAD_DIM_V_NOTE, _allocate, _check_arch,
@@ -209,9 +210,8 @@ def check_arguments(qv, kc, vc, sl, pt, kn, vn, outv, num_splits) -> _Problem:
     if tuple(kc.shape) != tuple(vc.shape):
         raise ValueError(f"k_cache and v_cache must have the same shape, got {kc.shape} and {vc.shape}"
                          + (f" ({HEAD_DIM_V_NOTE})" if tuple(kc.shape[:3]) == tuple(vc.shape[:3]) else ""))
-    if head_dim not in dec.DECODE_HEAD_DIMS:
-        raise ValueError(f"head_dim={head_dim} is not supported; choose one of "
-                         f"{', '.join(map(str, dec.DECODE_HEAD_DIMS))}")
+    if head_dim not in dec.DECODE_HEAD_DIMS and head_dim_problem(head_dim) is not None:
+        raise ValueError(f"head_dim (q.shape[3]) {head_dim_problem(head_dim)}")
     if kc.shape[3] != head_dim:
         raise ValueError(f"k_cache has head_dim {kc.shape[3]} but q has head_dim {head_dim}")
     for name, value in (("batch (q.shape[0])", batch), ("seqlen_q (q.shape[1])", seqlen_q),
@@ -526,7 +526,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
                            arch: str | None = None, check_inputs: bool = False, **knobs):
     """Decode attention over a KV cache, FlashAttention-3's ``flash_attn_with_kvcache`` semantics.
 
-    q: (batch, seqlen_q, heads_q, head_dim), seqlen_q 1..16, fp16/bf16, head_dim 64/96/128/192/256.
+    q: (batch, seqlen_q, heads_q, head_dim), seqlen_q 1..16, fp16/bf16, head_dim 64/96/128/192/256 or any other
+    multiple of 8 in [8, 256] (the next one's tile, padded inside the kernel: its loads zero-fill the columns
+    past head_dim and its stores stop there).
     k_cache, v_cache: (batch, seqlen_cache, heads_kv, head_dim), or with ``page_table`` the pages
     (num_pages, page_size, heads_kv, head_dim) (page_size a power of two) and page_table
     (batch, max_pages) int32: key j of sequence b is row j % page_size of page page_table[b][j // page_size].

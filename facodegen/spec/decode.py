@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from .knobs import Knob
+from .knobs import Knob, head_dim_problem, tile_head_dim
 from ..runtime.params import Field, pack_fields, place, stride_fields
 from . import SpecError
 
@@ -65,8 +65,12 @@ DECODE_KNOBS: tuple[Knob, ...] = (
          choices=DECODE_ARCHS, flag="--arch", problem=True, token=_tok("flash_decode_{}")),
     Knob("dtype", "text", "Element type of q, the cache and O.", choices=DECODE_DTYPES, flag="--dtype",
          problem=True, token=_tok("{}")),
-    Knob("head_dim", "int", "Head dimension d.", choices=DECODE_HEAD_DIMS, flag="--head-dim", problem=True,
-         flag_offers_choices=False, token=_tok("hd{}")),
+    Knob("head_dim", "int", "Head dimension d of the kernel's tiles: 64, 96, 128, 192, 256 (any other multiple of 8 "
+         "in [8, 256] runs on the next one's tile: DecodeSpec(head_dim=80) is the 96 tile with head_dim_real=80).",
+         choices=DECODE_HEAD_DIMS, flag="--head-dim", problem=True, flag_offers_choices=False, token=_tok("hd{}")),
+    Knob("head_dim_real", "int", "The problem's head dimension d when below the tile's: q, K and V chunks past it "
+         "load as zeros, O's (and the split partials') are never written.", flag="--head-dim-real", problem=True,
+         flag_offers_choices=False, token=lambda s, v: f"d{v}" if v != s.head_dim else None),
     Knob("block_m", "int", "Packed query rows per CTA (seqlen_q x query heads of one KV head), a multiple of 16.",
          choices=(16, 32, 64), flag="--block-m", token=_tok("bm{}")),
     Knob("block_n", "int", "Keys per K/V ring stage; each warp takes block_n / num_warps of them.",
@@ -126,6 +130,13 @@ def _check_fields(spec, knobs) -> None:
             raise _spec_error(f"{knob.name}={value!r}: choose one of {', '.join(knob.choices)}", knob.name)
 
 
+def _check_any_head_dim(head_dim: int) -> None:
+    """A head dimension the combine and append kernels take: any multiple of 8 in [8, 256] (no tile)."""
+    why = head_dim_problem(head_dim)
+    if why is not None:
+        raise _spec_error(f"head_dim {why}", "head_dim")
+
+
 def _variant(spec, knobs) -> str:
     parts = [knob.token(spec, getattr(spec, knob.name)) for knob in knobs if knob.token]
     return "_".join(p for p in parts if p)
@@ -143,6 +154,7 @@ class DecodeSpec:
     arch: str = "sm90"
     dtype: str = "bf16"
     head_dim: int = 128
+    head_dim_real: int | None = None
     block_m: int = 16
     block_n: int = 64
     num_warps: int = 4
@@ -156,7 +168,21 @@ class DecodeSpec:
     producer_warps: int = 0
 
     def __post_init__(self):
+        if self.head_dim_real is None:   # head_dim=80: the 96 tile, padded (the forward's KernelSpec too)
+            padded = (isinstance(self.head_dim, int) and not isinstance(self.head_dim, bool)
+                      and self.head_dim not in DECODE_HEAD_DIMS and head_dim_problem(self.head_dim) is None)
+            object.__setattr__(self, "head_dim_real", self.head_dim)
+            if padded:
+                object.__setattr__(self, "head_dim", tile_head_dim(self.head_dim))
         _check_fields(self, DECODE_KNOBS)
+        if self.padded and (head_dim_problem(self.head_dim_real) is not None
+                            or tile_head_dim(self.head_dim_real) != self.head_dim):
+            raise _spec_error(f"head_dim_real={self.head_dim_real}: " + (
+                head_dim_problem(self.head_dim_real) or f"runs on the head_dim {tile_head_dim(self.head_dim_real)} "
+                                                        f"tile, not {self.head_dim}"), "head_dim_real")
+        if self.producer_warps and self.padded:
+            raise _spec_error(f"producer_warps at head_dim {self.head_dim_real} (the {self.head_dim} tile, padded): "
+                              f"a producer warp copies whole rows of the tile; use producer_warps=0", "producer_warps")
         if self.producer_warps and self.arch != "sm90":
             raise _spec_error(f"producer_warps={self.producer_warps} on {self.arch}: the math warps wait for a stage "
                               f"with mbarrier.try_wait (sm90); use arch='sm90' or producer_warps=0", "producer_warps")
@@ -188,6 +214,11 @@ class DecodeSpec:
     @property
     def kernel(self) -> str:
         return "decode"
+
+    @property
+    def padded(self) -> bool:
+        """The problem's head dimension is below the tile's (head_dim_real < head_dim)."""
+        return self.head_dim_real != self.head_dim
 
     # What common/softmax.cuh.j2 reads: the plain exact step (decode is bound by the K/V read, not
     # by the softmax, so none of the forward's softmax tricks is switched on).
@@ -238,8 +269,8 @@ class DecodeSpec:
 COMBINE_KNOBS: tuple[Knob, ...] = (
     Knob("dtype", "text", "Element type of O.", choices=DECODE_DTYPES, flag="--dtype", problem=True,
          token=_tok("flash_combine_{}")),
-    Knob("head_dim", "int", "Head dimension d.", choices=DECODE_HEAD_DIMS, flag="--head-dim", problem=True,
-         flag_offers_choices=False, token=_tok("hd{}")),
+    Knob("head_dim", "int", "Head dimension d (any multiple of 8 in [8, 256]: the partials are d wide).",
+         flag="--head-dim", problem=True, flag_offers_choices=False, token=_tok("hd{}")),
     Knob("num_warps", "int", "Warps per CTA; one output row (batch, query, head) per warp.", choices=(4, 8),
          flag="--warps", token=lambda s, v: None if v == 4 else f"w{v}"),
 )
@@ -256,6 +287,7 @@ class CombineSpec:
 
     def __post_init__(self):
         _check_fields(self, COMBINE_KNOBS)
+        _check_any_head_dim(self.head_dim)
         if self.arch not in DECODE_ARCHS:
             raise _spec_error(f"arch={self.arch!r}: choose one of {', '.join(DECODE_ARCHS)}", "arch")
 
@@ -271,8 +303,8 @@ class CombineSpec:
 APPEND_KNOBS: tuple[Knob, ...] = (
     Knob("dtype", "text", "Element type of the cache.", choices=DECODE_DTYPES, flag="--dtype", problem=True,
          token=_tok("flash_append_{}")),
-    Knob("head_dim", "int", "Head dimension d.", choices=DECODE_HEAD_DIMS, flag="--head-dim", problem=True,
-         flag_offers_choices=False, token=_tok("hd{}")),
+    Knob("head_dim", "int", "Head dimension d (any multiple of 8 in [8, 256]: rows of whole 16-byte chunks).",
+         flag="--head-dim", problem=True, flag_offers_choices=False, token=_tok("hd{}")),
     Knob("paged", "bool", "Paged KV cache.", flag="--paged/--contiguous", problem=True, token=_flag("paged")),
 )
 
@@ -288,6 +320,7 @@ class AppendSpec:
 
     def __post_init__(self):
         _check_fields(self, APPEND_KNOBS)
+        _check_any_head_dim(self.head_dim)
         if self.arch not in DECODE_ARCHS:
             raise _spec_error(f"arch={self.arch!r}: choose one of {', '.join(DECODE_ARCHS)}", "arch")
 
@@ -322,6 +355,9 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
     """
     if pack_gqa is None:
         pack_gqa = group > 1            # packing is free at group 1 and the point of GQA otherwise
+    real = head_dim
+    if head_dim not in DECODE_HEAD_DIMS and head_dim_problem(head_dim) is None:
+        head_dim = tile_head_dim(head_dim)      # a padded head_dim: the next tile's defaults
     rows = rows_per_tile(seqlen_q, group, pack_gqa)
     most_m = MAX_O_FLOATS * 32 // head_dim
     block_m = 16
@@ -341,16 +377,17 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
     # batch 1/8 x 8k/32k/256k x GQA 32/8, MHA 32/32 at d128 0.97-1.03x (noise); paged 64 at d128
     # 3.27 -> 3.17 (b1 32k) down to 4.36 -> 3.30 (b1 256k MHA), 0.75-0.99x.
     stages = max(2, min(4, ((128 if arch == "sm90" and not paged else 96) * 1024) // stage))
-    fields = {"arch": arch, "dtype": dtype, "head_dim": head_dim, "block_m": block_m, "block_n": block_n,
-              "num_warps": 4, "stages": stages, "pack_gqa": pack_gqa, "split": split,
+    fields = {"arch": arch, "dtype": dtype, "head_dim": head_dim, "head_dim_real": real, "block_m": block_m,
+              "block_n": block_n, "num_warps": 4, "stages": stages, "pack_gqa": pack_gqa, "split": split,
               "fused_combine": split and FUSED_COMBINE_DEFAULT, "paged": paged,
-              "producer_warps": default_producer_warps(arch, head_dim, split)}
+              "producer_warps": default_producer_warps(arch, real, split)}
     fields.update(knobs)
     return DecodeSpec(**fields)
 
 
 def default_producer_warps(arch: str, head_dim: int, split: bool) -> int:
-    """producer_warps' default: sm90 at head_dim 256, 4 warps; at head_dim 128 without a split, 2; else 0.
+    """producer_warps' default: sm90 at head_dim 256, 4 warps; at head_dim 128 without a split, 2; else 0
+    (``head_dim``: the problem's, so a padded one, whose tile rows a producer warp does not copy, takes none).
     H200, 2026-12-05 (session 43, `pending_gpu.sh producer`, bench_decode.py: batch 1/8/64, 32k keys, GQA
     32/8, pages of 16/64/256 and contiguous; each knob over the default of 0 warps, in the same run):
     - head_dim 256, 4 warps: 1.15-1.37x with pages of 16, 1.02-1.24x of 64, 1.00-1.17x of 256, 1.00-1.03x
@@ -563,6 +600,10 @@ def emit_command(spec) -> str:
         value = getattr(spec, knob.name)
         if knob.name in SHOWN_WHEN_ON and not value:
             continue
+        if knob.name == "head_dim_real":
+            continue                    # (--head-dim says it: the problem's d, the tile follows)
+        if knob.name == "head_dim" and spec.kernel == "decode":
+            value = spec.head_dim_real
         flags.append(knob.command_text(value))
     if spec.kernel != "decode":
         flags.append(f"--arch {spec.arch}")
@@ -575,7 +616,8 @@ def render(spec) -> str:
     from ..codegen.render import render_template
 
     placed, size, align = layout(args_of(spec))
-    items = sorted((k, v) for k, v in spec.as_dict().items() if v or k not in SHOWN_WHEN_ON)
+    items = sorted((k, v) for k, v in spec.as_dict().items() if (v or k not in SHOWN_WHEN_ON)
+                   and (k != "head_dim_real" or spec.padded))
     context = {
         "spec": spec, "kernel_name": spec.variant, "version": __version__, "emit_command": emit_command(spec),
         "spec_items": items, "smem_bytes": spec.smem_bytes, "threads": spec.threads,

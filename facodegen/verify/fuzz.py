@@ -50,8 +50,9 @@ FAMILIES = ("forward", "variants", "backward", "kvcache", "varlen", "head_dims")
 # with the columns past it zero-filled in the kernel (issue 40); a fixed few, so the kernels stay few.
 PADDED_HEAD_DIMS = (8, 40, 80, 112, 160, 200, 248)
 # The backward family's cases whose seed is 5 mod this run at PADDED_HEAD_DIMS[seed // it % 7] instead of
-# their drawn head_dim (0: none).
+# their drawn head_dim (0: none); the kvcache family's whose seed is 7 mod KVCACHE_PADDED_EVERY likewise.
 BACKWARD_PADDED_EVERY = 9
+KVCACHE_PADDED_EVERY = 11
 # ... and a V narrower than Q and K (head_dim_v): a head_dims case whose seed is 3 mod 4 takes
 # (head_dim, head_dim_v) = SPLIT_V_PAIRS[seed // 4 % 2] instead of its padded head_dim (read off the
 # seed, so the family's other draws are what they were).
@@ -286,6 +287,9 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             # read off the seed so the cases drawn after it stay as they were
             case_fields["head_dim"] = PADDED_HEAD_DIMS[case_fields["seed"] // BACKWARD_PADDED_EVERY
                                                        % len(PADDED_HEAD_DIMS)]
+        if this_family == "kvcache" and KVCACHE_PADDED_EVERY and case_fields["seed"] % KVCACHE_PADDED_EVERY == 7:
+            case_fields["head_dim"] = PADDED_HEAD_DIMS[case_fields["seed"] // KVCACHE_PADDED_EVERY
+                                                       % len(PADDED_HEAD_DIMS)]      # (the decode's next tile)
         if this_family == "head_dims" and case_fields["seed"] % 4 == 3:
             case_fields["head_dim"], case_fields["head_dim_v"] = SPLIT_V_PAIRS[case_fields["seed"] // 4 % 2]
         elif this_family == "head_dims" and arch == "sm90" and case_fields["seed"] % 7 == 6:
@@ -1029,7 +1033,8 @@ def representative_cases() -> list[Case]:
     """One small case per arch, dtype and causal (odd lengths, GQA, a strided layout, the LSE and
     out= asked for), and per arch and causal a bf16 variants case (a window that skips and masks
     blocks, softcap and sinks at once), per arch two padded head dims (80, 8) and head_dim 192 with V of
-    128 (head_dim_v), the backward per arch (and at the padded head dim 80, cases 57 and 58),
+    128 (head_dim_v), the backward per arch (and at the padded head dim 80, cases 57 and 58; the decode there,
+    case 59),
     dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic; sm90 bf16 at
     head_dim 256; sm90 with more tiles than SMs, and with lpt; last, sm90 with the rings away from their
     defaults and with dq_lag; sm80 with stages=2 and FlashAttention-2's warp grid), two
@@ -1167,6 +1172,11 @@ def representative_cases() -> list[Case]:
         cases.append(Case("backward", arch, "bf16", batch=2, seqlen_q=239, seqlen_k=203, heads_q=4, heads_kv=2,
                           head_dim=80, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                           return_lse=True, use_out=False, seed=seed))
+    # and the decode at a padded head dim, 80 on the 96 tile: a paged cache, split (d-wide partials), an
+    # append of d-wide rows: case 59
+    cases.append(Case("kvcache", "sm90", "bf16", batch=3, seqlen_q=2, seqlen_k=1024, heads_q=8, heads_kv=2,
+                      head_dim=80, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
+                      return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
     return cases
 
 

@@ -68,6 +68,14 @@ def precompiled():
                                                                   paged=paged, split=split, fused_combine=fused,
                                                                   producer_warps=warps))
             specs.add(dec.CombineSpec(dtype=dtype, head_dim=d))
+        if dtype == "bf16":     # test_padded_head_dims'
+            for d, paged, sq in ((80, False, 1), (80, True, 4), (8, True, 1), (112, False, 2), (200, True, 1),
+                                 (40, False, 16)):
+                for split, fused in ((False, False), (True, False), (True, True)):
+                    specs.add(dec.default_decode_spec(arch, dtype, d, seqlen_q=sq, group=4, paged=paged, split=split,
+                                                      fused_combine=fused))
+                specs.add(dec.CombineSpec(dtype=dtype, head_dim=d))
+                specs.add(dec.AppendSpec(dtype=dtype, head_dim=d, paged=paged))
             specs.add(dec.AppendSpec(dtype=dtype, head_dim=d, paged=False))
             specs.add(dec.AppendSpec(dtype=dtype, head_dim=d, paged=True))
 
@@ -180,6 +188,26 @@ def test_decode_one_query(d, page_size, group, fused):
     case = make_case(batch=4, heads_q=8, heads_kv=8 // group, d=d, capacity=1024, page_size=page_size,
                      lengths=lengths, seed=d + group)
     check_call(case, fused_combine=fused)
+
+
+@FUSED
+@pytest.mark.parametrize("d, page_size, num_splits, seqlen_q, new", [(80, 0, 0, 1, 0), (80, 64, 5, 4, 3),
+                                                                    (8, 16, 1, 1, 1), (112, 0, 16, 2, 0),
+                                                                    (200, 64, 0, 1, 2), (40, 0, 3, 16, 0)])
+def test_padded_head_dims(d, page_size, num_splits, seqlen_q, new, fused):
+    """A head_dim between the tiles (the next tile's kernel, padded inside it): O and LSE against float64, the
+    split partials d wide (the combine kernel's and the fused merge's rows), appends of d-wide rows; O into a
+    d-column view of a NaN-filled buffer 16 columns wider, whose columns past d stay NaN."""
+    case = make_case(batch=3, seqlen_q=seqlen_q, heads_q=8, heads_kv=2, d=d, capacity=1024, page_size=page_size,
+                     lengths=[0, 1, 700] if page_size else [1, 513, 1000], new=new, seed=d + seqlen_q)
+    check_call(case, num_splits=num_splits, fused_combine=fused)
+    q = case["q"]
+    wide = torch.full((*q.shape[:3], d + 16), float("nan"), device="cuda", dtype=q.dtype)
+    facodegen.attention_with_kvcache(q, case["k_cache"], case["v_cache"], case["cache_seqlens"],
+                                     page_table=case["page_table"], num_splits=num_splits, out=wide[..., :d],
+                                     fused_combine=fused)
+    torch.cuda.synchronize()
+    assert torch.isnan(wide[..., d:]).all() and torch.isfinite(wide[..., :d]).all()
 
 
 @FUSED
