@@ -15,6 +15,7 @@
 #                                                   # dims' backward (checks; timed at head_dim 128): NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh sm80_bwd2 # the same timed at head_dim 64 and 256: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh sm80_ncu      # the sm80 backward and FA2's under Nsight Compute: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s45_quick     # sm80_bwd's tests and d128 timing alone (less device time)
 #   OUT=/path bash scripts/pending_gpu.sh s45_decode    # session 45: the decode at padded head dims: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s44_checks    # session 44: fp8 variants and padded head dims, the varlen
 #                                                       # backward's plans across totals: NOT YET RUN
@@ -144,6 +145,16 @@ case "${1:-}" in
             --section MemoryWorkloadAnalysis --section SchedulerStats --section Occupancy \
             python3 scripts/bwd_one.py --d 128 --seqlen 2048 --peer fa2
         ;;
+    s45_quick)
+        # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
+        step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
+            -k "warp_grids or sm80-st2 or frag_prefetch or padded or hd80-bf16 or hd40-fp16"
+        step sm80_bwd_d128 200 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
+            --variant arch=sm80 --variant arch=sm80,key_warps=4,dq_row_warps=2 \
+            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 \
+            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,frag_prefetch=true --out "$OUT/sm80-bwd-d128"
+        tail -15 "$OUT/pytest_grids.log"; tail -30 "$OUT/sm80_bwd_d128.log"
+        ;;
     s45_decode)
         # session 45: the decode at padded head dims (the next tile's kernel; d-wide split partials, combine and
         # appends): its GPU tests, the kvcache fuzz (seeds 7 mod 11 at padded head dims), sanitizer case 59
@@ -171,6 +182,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_decode|s44_checks|s44_fuzz"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
