@@ -161,6 +161,9 @@ case "${1:-}" in
         step pytest_decode 200 python3 -m pytest -q -rf -n 8 tests/gpu/test_decode_gpu.py -k "padded or num_splits"
         step fuzz_kvcache 80 python3 -m facodegen check --fuzz 400 --seed 45 --family kvcache
         step sanitize_decode 90 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 59
+        # and its bandwidth beside FlashAttention-3's (which runs d 80 and 112 on its 96 and 128 kernels)
+        step decode_padded 150 python3 scripts/bench_decode.py --batch 1,8,64 --context 32768 --heads 32/8 --d 80,112 \
+            --layout paged64,contiguous --peers fa3 --no-graphs --out "$OUT/decode-padded"
         ;;
     s44_checks)
         # session 44: the fp8 kernel with the attention variants (window with its left-edge loop, softcap with the
