@@ -1109,6 +1109,26 @@ def _resolve_head_dim_tile(spec: "KernelSpec") -> None:
                                          f"head_dim={tile_head_dim(real)} (or leave head_dim_real out)")
 
 
+def padded_tile(head_dim) -> tuple:
+    """(head_dim, head_dim_real) of a spec given ``head_dim`` and no head_dim_real (the backward's and the
+    decode's; KernelSpec's _resolve_head_dim_tile also refuses what is no head dim): a multiple of 8 in
+    [8, 256] outside HEAD_DIMS is head_dim_real on tile_head_dim's tile; anything else stays as given (the
+    spec's own checks name what is wrong with it)."""
+    if (isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim not in HEAD_DIMS
+            and head_dim_problem(head_dim) is None):
+        return tile_head_dim(head_dim), head_dim
+    return head_dim, head_dim
+
+
+def check_padded_tile(head_dim: int, head_dim_real: int) -> None:
+    """A head_dim_real below the tile's head_dim (the backward's and the decode's): a head dim of its own
+    whose tile is head_dim, else a SpecError naming head_dim_real."""
+    why = head_dim_problem(head_dim_real)
+    if why is not None or tile_head_dim(head_dim_real) != head_dim:
+        raise SpecError("head_dim_real", why or f"{head_dim_real} runs on the head_dim {tile_head_dim(head_dim_real)} "
+                                                f"tile, not {head_dim}")
+
+
 def _check_split_v(spec: "KernelSpec") -> None:
     """head_dim_v != head_dim: the 16-bit fa2 forward (sm80, sm90; varlen too)."""
     if not spec.split_v:

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .knobs import HEAD_DIMS, Knob, head_dim_problem, tile_head_dim
-from . import GPUS, SpecError
+from .knobs import HEAD_DIMS, Knob, head_dim_problem
+from . import GPUS, SpecError, check_padded_tile, padded_tile
 
 BACKWARD_ARCHS = ("sm80", "sm90")
 BACKWARD_DTYPES = ("fp16", "bf16")
@@ -404,11 +404,9 @@ class BackwardSpec:
             object.__setattr__(self, "dq_tma_reduce", sm90_dq_tma_default(self.arch, self.deterministic))
         set_ = lambda name, value: object.__setattr__(self, name, value)
         if self.head_dim_real is None:   # head_dim=80: the head_dim 96 tile, padded (the forward's KernelSpec too)
-            padded = (isinstance(self.head_dim, int) and not isinstance(self.head_dim, bool)
-                      and self.head_dim not in HEAD_DIMS and head_dim_problem(self.head_dim) is None)
-            set_("head_dim_real", self.head_dim)
-            if padded:
-                set_("head_dim", tile_head_dim(self.head_dim))
+            tile, real = padded_tile(self.head_dim)
+            set_("head_dim", tile)
+            set_("head_dim_real", real)
         _check_types(self)
         _choice("arch", self.arch, BACKWARD_ARCHS)
         _choice("dtype", self.dtype, BACKWARD_DTYPES)
@@ -416,10 +414,7 @@ class BackwardSpec:
             raise SpecError("head_dim", head_dim_problem(self.head_dim))
         _choice("head_dim", self.head_dim, HEAD_DIMS)
         if self.padded:
-            why = head_dim_problem(self.head_dim_real)
-            if why is not None or tile_head_dim(self.head_dim_real) != self.head_dim:
-                raise SpecError("head_dim_real", why or f"{self.head_dim_real} runs on the head_dim "
-                                f"{tile_head_dim(self.head_dim_real)} tile, not {self.head_dim}")
+            check_padded_tile(self.head_dim, self.head_dim_real)
         if self.gpu is None:
             set_("gpu", SM90_GPU if self.arch == "sm90" else DEFAULT_GPU)
         _choice("gpu", self.gpu, BACKWARD_GPUS)

@@ -24,9 +24,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from .knobs import Knob, head_dim_problem, tile_head_dim
+from .knobs import Knob, head_dim_problem
 from ..runtime.params import Field, pack_fields, place, stride_fields
-from . import SpecError
+from . import SpecError, check_padded_tile, padded_tile
 
 DECODE_ARCHS = ("sm80", "sm90")
 DECODE_DTYPES = ("fp16", "bf16")
@@ -169,17 +169,12 @@ class DecodeSpec:
 
     def __post_init__(self):
         if self.head_dim_real is None:   # head_dim=80: the 96 tile, padded (the forward's KernelSpec too)
-            padded = (isinstance(self.head_dim, int) and not isinstance(self.head_dim, bool)
-                      and self.head_dim not in DECODE_HEAD_DIMS and head_dim_problem(self.head_dim) is None)
-            object.__setattr__(self, "head_dim_real", self.head_dim)
-            if padded:
-                object.__setattr__(self, "head_dim", tile_head_dim(self.head_dim))
+            tile, real = padded_tile(self.head_dim)
+            object.__setattr__(self, "head_dim", tile)
+            object.__setattr__(self, "head_dim_real", real)
         _check_fields(self, DECODE_KNOBS)
-        if self.padded and (head_dim_problem(self.head_dim_real) is not None
-                            or tile_head_dim(self.head_dim_real) != self.head_dim):
-            raise _spec_error(f"head_dim_real={self.head_dim_real}: " + (
-                head_dim_problem(self.head_dim_real) or f"runs on the head_dim {tile_head_dim(self.head_dim_real)} "
-                                                        f"tile, not {self.head_dim}"), "head_dim_real")
+        if self.padded:
+            check_padded_tile(self.head_dim, self.head_dim_real)
         if self.producer_warps and self.padded:
             raise _spec_error(f"producer_warps at head_dim {self.head_dim_real} (the {self.head_dim} tile, padded): "
                               f"a producer warp copies whole rows of the tile; use producer_warps=0", "producer_warps")
@@ -355,9 +350,7 @@ def default_decode_spec(arch: str, dtype: str, head_dim: int, *, seqlen_q: int =
     """
     if pack_gqa is None:
         pack_gqa = group > 1            # packing is free at group 1 and the point of GQA otherwise
-    real = head_dim
-    if head_dim not in DECODE_HEAD_DIMS and head_dim_problem(head_dim) is None:
-        head_dim = tile_head_dim(head_dim)      # a padded head_dim: the next tile's defaults
+    head_dim, real = padded_tile(head_dim)      # (a padded head_dim: the next tile's defaults)
     rows = rows_per_tile(seqlen_q, group, pack_gqa)
     most_m = MAX_O_FLOATS * 32 // head_dim
     block_m = 16
