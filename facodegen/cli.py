@@ -23,8 +23,8 @@ from .spec import ARCHS, DTYPES, GPUS, HEAD_DIMS, KernelSpec, SpecError, default
 
 # Kernel families `emit` and `inspect` take (--kernel); forward stays the default.
 # The backward's own flags (_kernel_options), as emit/inspect receive them: None where not given.
-BACKWARD_FLAGS = ("deterministic", "k_unroll", "frag_prefetch", "do_stages", "dq_tma_reduce", "dq_pieces", "s_lookahead", "dp_lookahead", "lpt",
-                  "dq_lag", "key_warps", "dq_row_warps")
+BACKWARD_FLAGS = ("deterministic", "k_unroll", "frag_prefetch", "do_stages", "dq_tma_reduce", "dq_pieces", "s_lookahead",
+                  "dp_lookahead", "lpt", "dq_lag", "key_warps", "dq_row_warps")
 
 
 def build_backward_spec(fields: dict, flags: dict):

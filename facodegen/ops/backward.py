@@ -145,16 +145,18 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     spec built from the line's other flags takes them (sm90: dq_tma_reduce's default is off where the
     line says --deterministic, as BackwardSpec makes it; the ring's depth for the dQ path)."""
     if spec.arch == "sm80":
-        return {"head_dim_real": spec.head_dim, "gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "frag_prefetch": False, "deterministic": False, "dq_tma_reduce": False,
-                "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False, "do_stages": spec.stages,
-                "dq_pieces": 1, "dq_lag": False, "varlen": False,
+        return {"head_dim_real": spec.head_dim, "gpu": DEFAULT_GPU, "stages": 1, "k_unroll": 2, "frag_prefetch": False,
+                "deterministic": False, "dq_tma_reduce": False, "s_lookahead": False, "dp_lookahead": False,
+                "persistent": False, "lpt": False, "do_stages": spec.stages, "dq_pieces": 1, "dq_lag": False,
+                "varlen": False,
                 "key_warps": sm80_key_warps_default(spec.block_n, spec.num_warps),
                 "dq_row_warps": sm80_dq_row_warps_default(spec.block_m, spec.num_warps)}
     s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
                                                    spec.dq_tma_reduce, spec.s_lookahead)
     stages, do_stages = sm90_default_rings(spec.head_dim, spec.dq_tma_reduce, SM90_GPU)
-    return {"head_dim_real": spec.head_dim, "gpu": SM90_GPU, "stages": stages, "do_stages": do_stages, "dq_pieces": sm90_fewest_dq_pieces(spec),
-            "k_unroll": 2, "frag_prefetch": False, "deterministic": False, "s_lookahead": s_default, "dp_lookahead": dp_default,
+    return {"head_dim_real": spec.head_dim, "gpu": SM90_GPU, "stages": stages, "do_stages": do_stages,
+            "dq_pieces": sm90_fewest_dq_pieces(spec), "k_unroll": 2, "frag_prefetch": False, "deterministic": False,
+            "s_lookahead": s_default, "dp_lookahead": dp_default,
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
             "persistent": sm90_persistent_default(spec.arch, spec.deterministic, spec.varlen),
             "lpt": sm90_lpt_default(spec.arch, spec.causal, spec.deterministic, spec.varlen, spec.persistent),

@@ -120,8 +120,8 @@ def _split_v(q, v) -> bool:
 def _refuse_without_backward(q, out, lse_out, variant, v=None, what: str = "facodegen.attention") -> None:
     """A call that would record a gradient raises at the forward where the backward has no kernel
     (``variant``: api's window_size, softcap, sinks, causal_alignment, or None; a ``v`` narrower than q,
-    head_dim_v), rather than returning an output with no grad_fn or with a backward of another function. ``what``: the call the errors name
-    (attention_varlen's packed q, k, v are 3-D)."""
+    head_dim_v), rather than returning an output with no grad_fn or with a backward of another function.
+    ``what``: the call the errors name (attention_varlen's packed q, k, v are 3-D)."""
     if q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError(_fp8_has_no_backward(what))
     if v is not None and _split_v(q, v):

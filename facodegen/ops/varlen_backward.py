@@ -44,13 +44,13 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
 
     q, out, do: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim), fp16 or bf16 torch
     CUDA tensors or CuPy arrays (attention_varlen's layout rules; head_dim any multiple of 8 in [8, 256]: 64,
-    96, 128, 192, 256 or the next one's tile, padded inside the kernels; V as wide as Q and K); lse: the forward's float32 natural-log LSE, contiguous (heads_q, total_q)
-    (attention_varlen(..., return_lse=True)); cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    ``causal`` and ``softmax_scale``: the forward's. dK and dV of a kv head are summed over the query
-    heads that share it (GQA/MQA). dq, dk, dv: arrays to write the gradients into (default: new
-    contiguous ones, zero at the tokens no sequence covers; given ones keep what they held there, but for
-    dQ on sm80, written zero). ``arch``: None (sm90 on H100/H200, where it takes the call's knobs; else
-    sm80), "sm80" (any GPU) or "sm90". ``knobs``: BackwardSpec fields (block_n=...,
+    96, 128, 192, 256 or the next one's tile, padded inside the kernels; V as wide as Q and K); lse: the
+    forward's float32 natural-log LSE, contiguous (heads_q, total_q) (attention_varlen(..., return_lse=True));
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ``causal`` and ``softmax_scale``: the forward's.
+    dK and dV of a kv head are summed over the query heads that share it (GQA/MQA). dq, dk, dv: arrays to
+    write the gradients into (default: new contiguous ones, zero at the tokens no sequence covers; given ones
+    keep what they held there, but for dQ on sm80, written zero). ``arch``: None (sm90 on H100/H200, where it
+    takes the call's knobs; else sm80), "sm80" (any GPU) or "sm90". ``knobs``: BackwardSpec fields (block_n=...,
     deterministic=True, ...). ``check_inputs``: attention_varlen's (cu_seqlens checked on the host, a sync).
     Runs on the caller's current stream.
     """
