@@ -102,6 +102,13 @@ def warp_gemm(smem, c, m_slabs, n_tiles, k_dim, a_chunks, a_t, a_tile, a_row0, b
                         c[mt][ln][4 * tile: 4 * tile + 4] = d[ln]
 
 
+def p_tile_addr(pt_s, pc, s_key0, s_col0, ln, mt, i):
+    """PTileAddr: the P^T address of element (mt, i) of lane ln's S^T fragment, by the template's XOR form."""
+    g, t = ln // 4, ln % 4
+    base = pt_s + swz_offset(pc, s_key0 + g, s_col0 // 8) + 4 * t
+    return (base ^ ((i >> 2) << 4)) + (16 * mt + 8 * ((i >> 1) & 1)) * pc * 16
+
+
 def fragment_elements(m_slabs, elems, row0, col0, step=1):
     """(slab, lane, element, row, column) of each element of a warp's mma.sync accumulators: m_slabs
     16-row slabs of ``elems`` floats per lane (every ``step``-th), the warp's tile at (row0, col0)."""
@@ -173,6 +180,7 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                         s_key0, s_col0 = (warp % wsn) * 16 * s_slabs, (warp // wsn) * 8 * s_tiles
                         st = zeros(s_slabs, s_tiles)
                         warp_gemm(smem, st, s_slabs, s_tiles, d, rc, False, k_s, s_key0, rc, False, q_s, s_col0)
+                        pt = {}     # P^T in registers, elem_t pairs (softmax_p_tile's pt)
                         for mt, ln, i, key_row, col in fragment_elements(s_slabs, s_tiles * 4, s_key0, s_col0, 2):
                             pr = []
                             for e in range(2):
@@ -182,13 +190,13 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                                     if key >= sk or (causal and key > query + sk - sq):
                                         p = 0.0
                                 pr.append(p)
-                            smem.st_pair(pt_s + swz_offset(pc, key_row, col // 8) + 2 * (col % 8), *pr)
+                            pt[mt, ln, i] = E(pr[0]), E(pr[1])
+                            smem.st_pair(p_tile_addr(pt_s, pc, s_key0, s_col0, ln, mt, i), *pr)
                         dpt = zeros(s_slabs, s_tiles)
                         warp_gemm(smem, dpt, s_slabs, s_tiles, d, rc, False, v_s, s_key0, rc, False, do_s, s_col0)
                         for mt, ln, i, key_row, col in fragment_elements(s_slabs, s_tiles * 4, s_key0, s_col0, 2):
-                            at = swz_offset(pc, key_row, col // 8) + 2 * (col % 8)
-                            p0, p1 = smem.ld_pair(pt_s + at)
-                            smem.st_pair(dst_s + at, float(p0) * (dpt[mt][ln][i] - dp_s[col]),
+                            p0, p1 = pt[mt, ln, i]
+                            smem.st_pair(p_tile_addr(pt_s, pc, s_key0, s_col0, ln, mt, i) + p_bytes, float(p0) * (dpt[mt][ln][i] - dp_s[col]),
                                          float(p1) * (dpt[mt][ln][i + 1] - dp_s[col + 1]))
                     for warp in range(W):       # dV += P^T dO; dK += dS^T Q
                         kv_key0, kv_col0 = (warp % wkn) * 16 * kv_slabs, (warp // wkn) * 8 * kv_tiles
@@ -198,13 +206,18 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                                   q_s, kv_col0)
                     for warp in range(W):       # dq_accum += dS K
                         dq_row0, dq_col0 = (warp % wqm) * 16 * dq_slabs, (warp // wqm) * 16 * dq_pairs
-                        for dp in range(dq_pairs):
-                            acc = zeros(dq_slabs, 2)
-                            warp_gemm(smem, acc, dq_slabs, 2, BN, pc, True, dst_s, dq_row0, rc, True, k_s,
-                                      dq_col0 + 16 * dp)
-                            for mt, ln, i, row, col in fragment_elements(dq_slabs, 8, dq_row0, dq_col0 + 16 * dp):
-                                if row_begin + row < sq:
-                                    dq_accum[batch, head, row_begin + row, col] += acc[mt][ln][i]
+                        dq_chunk = next(c for c in (4, 3, 2, 1) if dq_pairs % c == 0)
+                        for chunk in range(dq_pairs // dq_chunk):
+                            acc = zeros(dq_slabs, 2 * dq_chunk)
+                            warp_gemm(smem, acc, dq_slabs, 2 * dq_chunk, BN, pc, True, dst_s, dq_row0, rc, True, k_s,
+                                      dq_col0 + 16 * dq_chunk * chunk)
+                            for mt, ln, i in ((mt, ln, i) for mt in range(dq_slabs) for ln in range(32)
+                                              for i in range(8 * dq_chunk)):     # add_dq_chunk's addressing
+                                g, t = ln // 4, ln % 4
+                                row_in, col_in = 16 * mt + 8 * ((i >> 1) & 1), 16 * dq_chunk * chunk + 8 * (i >> 2)
+                                if row_in < sq - row_begin - dq_row0 - g:
+                                    at = (dq_row0 + g) * d + dq_col0 + 2 * t + row_in * d + col_in + (i & 1)
+                                    dq_accum[batch, head].reshape(-1)[row_begin * d + at] += acc[mt][ln][i]
                 for warp in range(W):           # finish
                     kv_key0, kv_col0 = (warp % wkn) * 16 * kv_slabs, (warp // wkn) * 8 * kv_tiles
                     for mt, ln, i, row, col in fragment_elements(kv_slabs, kv_tiles * 4, kv_key0, kv_col0):
@@ -223,3 +236,21 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
 def test_emulated_kernel_matches_the_reference(fields, sq, sk, hq, hkv, causal):
     spec = BackwardSpec(dtype="fp16", causal=causal, **fields)
     check_emulated_backward(run_main_kernel, spec, sq, sk, hq, hkv, causal, seed=sq + sk)
+
+
+@pytest.mark.parametrize("block_m, block_n, num_warps", [(bm, bn, w) for bm in (32, 64, 128) for bn in (64, 128)
+                                                      for w in (4, 8)])
+def test_p_tile_xor_address_is_the_swizzled_one(block_m, block_n, num_warps):
+    """PTileAddr's XOR form (the chunk c0 + j as c0 ^ j, one swizzle term per thread) gives every element of
+    every warp's S^T fragment the address swz_offset gives it, for every warp grid the knobs allow."""
+    pc = block_m * 2 // 16
+    pt_s = 3 * 16384          # a tile start on a row-size boundary, as in the kernel's shared memory
+    for wsn in (1, 2, 4, 8):
+        if num_warps % wsn or block_n % (16 * wsn) or block_m % (16 * (num_warps // wsn)):
+            continue
+        s_slabs, s_tiles = block_n // (16 * wsn), block_m // (8 * (num_warps // wsn))
+        for warp in range(num_warps):
+            s_key0, s_col0 = (warp % wsn) * 16 * s_slabs, (warp // wsn) * 8 * s_tiles
+            for mt, ln, i, key_row, col in fragment_elements(s_slabs, s_tiles * 4, s_key0, s_col0, 2):
+                assert p_tile_addr(pt_s, pc, s_key0, s_col0, ln, mt, i) == \
+                    pt_s + swz_offset(pc, key_row, col // 8) + 2 * (col % 8), (wsn, warp, ln, mt, i)
