@@ -196,7 +196,8 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                         warp_gemm(smem, dpt, s_slabs, s_tiles, d, rc, False, v_s, s_key0, rc, False, do_s, s_col0)
                         for mt, ln, i, key_row, col in fragment_elements(s_slabs, s_tiles * 4, s_key0, s_col0, 2):
                             p0, p1 = pt[mt, ln, i]
-                            smem.st_pair(p_tile_addr(pt_s, pc, s_key0, s_col0, ln, mt, i) + p_bytes, float(p0) * (dpt[mt][ln][i] - dp_s[col]),
+                            smem.st_pair(p_tile_addr(pt_s, pc, s_key0, s_col0, ln, mt, i) + p_bytes,
+                                         float(p0) * (dpt[mt][ln][i] - dp_s[col]),
                                          float(p1) * (dpt[mt][ln][i + 1] - dp_s[col + 1]))
                     for warp in range(W):       # dV += P^T dO; dK += dS^T Q
                         kv_key0, kv_col0 = (warp % wkn) * 16 * kv_slabs, (warp // wkn) * 8 * kv_tiles
