@@ -128,6 +128,30 @@ def test_sm80_frag_prefetch_compiles_without_spills_and_interleaves_ldmatrix_wit
     assert longest_ldsm_run(sass) < longest_ldsm_run(plain_sass)
 
 
+@pytest.mark.parametrize("grid", [{}, {"key_warps": 4, "dq_row_warps": 2, "stages": 2}])
+def test_sm80_backward_step_keeps_p_in_registers_and_adds_whole_dq_blocks_straight(grid):
+    """The sm80 backward at d128 compiled for sm_90 (what an H100/H200 runs): dS^T reads P^T from registers,
+    not back from shared memory (the only 32-bit shared loads left are the LSE/D rows' float2), and a whole
+    query block's dQ adds are one straight run of vector reductions (no branch around each), on an
+    address plus immediate offsets."""
+    kernel = backward.compile(BackwardSpec(head_dim=128, **grid), sm="sm_90")
+    try:
+        sass = kernel.sass()
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+    main = sass.split("Function : ")[[i for i, f in enumerate(sass.split("Function : "))
+                                      if f.startswith(kernel.name + "\n")][0]]
+    ops = [line.split(";")[0].split("*/")[-1].strip() for line in main.splitlines() if "*/" in line and ";" in line]
+    assert not [op for op in ops if op.startswith("LDS ") or op.startswith("LDS.U")]   # (LDS.64: the rows)
+    run = longest = 0
+    for op in ops:
+        run = run + 1 if op.startswith("REDG") else 0
+        longest = max(longest, run)
+    per_thread = 64 * 128 // (32 * 8) // 2      # a (block_m x head_dim) dQ block's float pairs per thread
+    assert longest == per_thread
+    assert len({op.split("[")[1].split(".")[0] for op in ops if op.startswith("REDG")}) <= 2   # (base registers)
+
+
 @pytest.mark.parametrize("fields, knob, words", [
     ({"arch": "sm75"}, "arch", "sm75"),
     ({"arch": "sm90", "head_dim": 256, "block_n": 128}, "block_n", "block_n=64"),
