@@ -20,6 +20,8 @@
 #   OUT=/path bash scripts/pending_gpu.sh s44_checks    # session 44: fp8 variants and padded head dims, the varlen
 #                                                       # backward's plans across totals: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s44_fuzz      # their fuzz shares, then the variants bench: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s46           # session 46: the sm80 backward's leaner step (every sm80
+#                                                       # backward GPU test, a fuzz, the d128 timing): NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -144,6 +146,19 @@ case "${1:-}" in
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
             --section MemoryWorkloadAnalysis --section SchedulerStats --section Occupancy \
             python3 scripts/bwd_one.py --d 128 --seqlen 2048 --peer fa2
+        ;;
+    s46)
+        # session 46's sm80 backward (P^T in registers, XOR addresses, straight dQ adds, counted steps): the default
+        # kernel changed, so every sm80 backward GPU test (plain, varlen, the grids, frag_prefetch, padded), a fuzz
+        # share, then head_dim 128 beside FA2 with the grids, stages, frag_prefetch and k_unroll=4 as columns
+        step pytest_sm80 280 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
+            -k "sm80 or warp_grids or frag_prefetch or padded"
+        step sm80_bwd_d128 200 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
+            --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 \
+            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,frag_prefetch=true \
+            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,k_unroll=4 --out "$OUT/sm80-bwd-d128"
+        step fuzz_sm80 60 python3 -m facodegen check --fuzz 200 --seed 46 --family backward
+        tail -15 "$OUT/pytest_sm80.log"; tail -30 "$OUT/sm80_bwd_d128.log"
         ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
