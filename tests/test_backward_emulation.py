@@ -72,6 +72,23 @@ def mma(d, a, b0, b1):
         d[lane][3] += C[g + 8, 2 * t + 1]
 
 
+def swizzle_of(chunks: int, row: int) -> int:
+    return (row & 7) if chunks % 8 == 0 else ((row >> 1) & 3)
+
+
+def k_major_addr(chunks, tile, row, half, kk):
+    """bwd_gemm.cuh.j2's k_major_addr: chunk 2 kk + half of a row, the step as an XOR of kk << 5."""
+    row_addr, in_row = tile + row * chunks * 16, (half ^ swizzle_of(chunks, row)) << 4
+    if chunks & (chunks - 1) == 0:
+        return (row_addr + in_row) ^ (kk << 5)
+    return row_addr + (in_row ^ (kk << 5))
+
+
+def k_rows_addr(chunks, tile, row, chunk, kk):
+    """bwd_gemm.cuh.j2's k_rows_addr: row 16 kk + row, the step as an add of 16 rows."""
+    return tile + swz_offset(chunks, row, chunk) + kk * 16 * chunks * 16
+
+
 def warp_gemm(smem, c, m_slabs, n_tiles, k_dim, a_chunks, a_t, a_tile, a_row0, b_chunks, b_kn, b_tile, b_col0):
     """bwd_gemm.cuh.j2's warp_gemm; c[mt][lane] is a list of n_tiles*4 floats."""
     for kk in range(k_dim // 16):
@@ -79,20 +96,21 @@ def warp_gemm(smem, c, m_slabs, n_tiles, k_dim, a_chunks, a_t, a_tile, a_row0, b
         for mt in range(m_slabs):
             row0 = a_row0 + 16 * mt
             if a_t:
-                addrs = [a_tile + swz_offset(a_chunks, 16 * kk + ln % 8 + 8 * (ln // 16), row0 // 8 + (ln // 8) % 2)
+                addrs = [k_rows_addr(a_chunks, a_tile, ln % 8 + 8 * (ln // 16), row0 // 8 + (ln // 8) % 2, kk)
                          for ln in range(32)]
                 a.append(smem.ldmatrix_x4(addrs, trans=True))
             else:
-                addrs = [a_tile + swz_offset(a_chunks, row0 + ln % 16, 2 * kk + ln // 16) for ln in range(32)]
+                addrs = [k_major_addr(a_chunks, a_tile, a_row0 + ln % 16, ln // 16, kk) + 16 * mt * a_chunks * 16
+                         for ln in range(32)]
                 a.append(smem.ldmatrix_x4(addrs))
         for np_ in range(n_tiles // 2):
             col0 = b_col0 + 16 * np_
             if b_kn:
-                addrs = [b_tile + swz_offset(b_chunks, 16 * kk + ln % 16, col0 // 8 + ln // 16) for ln in range(32)]
+                addrs = [k_rows_addr(b_chunks, b_tile, ln % 16, col0 // 8 + ln // 16, kk) for ln in range(32)]
                 b = smem.ldmatrix_x4(addrs, trans=True)
             else:
-                addrs = [b_tile + swz_offset(b_chunks, col0 + ln % 8 + 8 * (ln // 16), 2 * kk + (ln // 8) % 2)
-                         for ln in range(32)]
+                addrs = [k_major_addr(b_chunks, b_tile, b_col0 + ln % 8 + 8 * (ln // 16), (ln // 8) % 2, kk)
+                         + 16 * np_ * b_chunks * 16 for ln in range(32)]
                 b = smem.ldmatrix_x4(addrs)
             for mt in range(m_slabs):
                 for tile, (x, y) in ((2 * np_, (0, 1)), (2 * np_ + 1, (2, 3))):
@@ -255,3 +273,23 @@ def test_p_tile_xor_address_is_the_swizzled_one(block_m, block_n, num_warps):
             for mt, ln, i, key_row, col in fragment_elements(s_slabs, s_tiles * 4, s_key0, s_col0, 2):
                 assert p_tile_addr(pt_s, pc, s_key0, s_col0, ln, mt, i) == \
                     pt_s + swz_offset(pc, key_row, col // 8) + 2 * (col % 8), (wsn, warp, ln, mt, i)
+
+
+@pytest.mark.parametrize("chunks", [4, 8, 12, 16, 24, 32])
+def test_warp_gemm_step_addresses_are_the_swizzled_ones(chunks):
+    """k_major_addr (a step as an XOR of kk << 5) and k_rows_addr (a step as 16 rows' add), slab or pair
+    offsets added after, give every lane at every k16 step the address swz_offset gives, for the row sizes
+    of every tile the backward reads (head_dim 32-256 as 4-32 chunks; P^T/dS^T of block_m 32-128)."""
+    tile = 5 * 16384        # tiles start on 1024-byte boundaries
+    for kk in range(chunks // 2):
+        for row0 in range(0, 64, 16):
+            for ln in range(32):
+                for slab in range(3):
+                    row = row0 + ln % 16
+                    assert k_major_addr(chunks, tile, row, ln // 16, kk) + 16 * slab * chunks * 16 == \
+                        tile + swz_offset(chunks, row + 16 * slab, 2 * kk + ln // 16)
+        for ln in range(32):
+            for chunk in range(chunks):
+                if 16 * kk + 16 <= 16 * chunks:     # (rows of a [K x cols] tile: any K)
+                    assert k_rows_addr(chunks, tile, ln % 16, chunk, kk) == \
+                        tile + swz_offset(chunks, 16 * kk + ln % 16, chunk)
