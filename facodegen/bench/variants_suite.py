@@ -193,9 +193,10 @@ def measure(cell: dict, quick: bool = False) -> dict:
             notes.append(f"{name} skipped: {type(err).__name__}: {err}")
     torch.cuda.synchronize()
     check = {}
-    for ours, fa3_name in (("facodegen_window", "fa3_window"), ("facodegen_head_dim", "fa3_head_dim")):
-        if fa3_name in usable and ours in usable:   # the two agree (same bf16 inputs)
-            check["max_abs_diff_vs_fa3"] = (usable[ours]().float() - usable[fa3_name]().float()).abs().max().item()
+    for ours_name, fa3_name in (("facodegen_window", "fa3_window"), ("facodegen_head_dim", "fa3_head_dim")):
+        if fa3_name in usable and ours_name in usable:   # the two agree (same bf16 inputs; `ours` is the closures')
+            check["max_abs_diff_vs_fa3"] = (usable[ours_name]().float()
+                                            - usable[fa3_name]().float()).abs().max().item()
     kwargs = dict(QUICK_TIMING) if quick else {}
     timed = time_cuda_interleaved(list(usable.values()), **kwargs)
     row = dict(cell, ms={name: t["ms"] for name, t in zip(usable, timed)},
