@@ -21,7 +21,9 @@
 #                                                       # backward's plans across totals: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s44_fuzz      # their fuzz shares, then the variants bench: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s46           # session 46: the sm80 backward's leaner step (every sm80
-#                                                       # backward GPU test, a fuzz, the d128 timing): NOT YET RUN
+#                                                       # backward GPU test, a fuzz, the d128 timing): ran at 4a8e2aa
+#   OUT=/path bash scripts/pending_gpu.sh s46b          # its second round (the d128 default grid, fp32 P, peeled
+#                                                       # steps) checked and timed at d128 and d64; the variants bench
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -159,6 +161,21 @@ case "${1:-}" in
             --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,k_unroll=4 --out "$OUT/sm80-bwd-d128"
         step fuzz_sm80 60 python3 -m facodegen check --fuzz 200 --seed 46 --family backward
         tail -15 "$OUT/pytest_sm80.log"; tail -30 "$OUT/sm80_bwd_d128.log"
+        ;;
+    s46b)
+        # the sm80 backward's second round: FA2's grid and stages=2 as head_dim 128's default, fp32 P in registers,
+        # the first k16 steps peeled, whole Q/dO blocks loaded without row checks; then the variants bench, fixed
+        step pytest_sm80 280 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
+            -k "sm80 or warp_grids or frag_prefetch or padded"
+        step sm80_bwd_d128 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
+            --variant arch=sm80 --variant arch=sm80,key_warps=8,dq_row_warps=4,stages=1 --variant arch=sm80,k_unroll=4 \
+            --variant arch=sm80,frag_prefetch=true --out "$OUT/sm80-bwd-d128"
+        step sm80_bwd_d64 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 \
+            --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 \
+            --variant arch=sm80,key_warps=4,dq_row_warps=4,stages=2 --out "$OUT/sm80-bwd-d64"
+        step fuzz_sm80 60 python3 -m facodegen check --fuzz 200 --seed 47 --family backward
+        step bench_variants 150 python3 -m facodegen bench --suite variants --quick --out "$OUT/variants"
+        tail -12 "$OUT/sm80_bwd_d128.log"; tail -12 "$OUT/sm80_bwd_d64.log"; tail -30 "$OUT/bench_variants.log"
         ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)

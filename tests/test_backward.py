@@ -39,7 +39,8 @@ def test_every_head_dim_dtype_causal_has_a_default():
 
 def test_variant_names_the_problem_and_the_tile():
     spec = BackwardSpec(head_dim=128, dtype="bf16", causal=True)
-    assert spec.variant == "flash_bwd_sm80_bf16_hd128_bm64_bn128_w8_causal"
+    assert spec.variant == "flash_bwd_sm80_bf16_hd128_bm64_bn128_w8_kw4_qw2_st2_causal"   # (SM80_MEASURED_DEFAULTS)
+    assert BackwardSpec(head_dim=96).variant == "flash_bwd_sm80_bf16_hd96_bm64_bn128_w8"
     assert spec.kernel_names == (f"{spec.variant}_dot_do_o", spec.variant, f"{spec.variant}_convert_dq")
     assert BackwardSpec(head_dim=64, dtype="fp16").variant == "flash_bwd_sm80_fp16_hd64_bm128_bn128_w8"
     assert BackwardSpec(head_dim=64, k_unroll=1).variant == "flash_bwd_sm80_bf16_hd64_bm128_bn128_w8_ku1"
@@ -47,24 +48,29 @@ def test_variant_names_the_problem_and_the_tile():
 
 
 def test_sm80_warp_grids_are_knobs_with_the_old_grids_as_defaults():
-    """key_warps and dq_row_warps default to one warp per 16-key / 16-row slab (the grids before them):
-    the name, the emit line and the header leave them out there; another grid names itself (kw, qw), its
-    emit line rebuilds it, its source says the count; sm90's header never lists them."""
+    """key_warps and dq_row_warps default to one warp per 16-key / 16-row slab (the grids before them), but
+    for the tiles SM80_MEASURED_DEFAULTS names (head_dim 128's 64x128: FA2's grid, with stages=2). The name
+    shows a grid other than one warp per slab (kw, qw), the emit line leaves out only the tile's own
+    defaults and rebuilds any other grid, the source says the count; sm90's header never lists them."""
     from facodegen.spec.backward import sm80_dq_row_warps_default, sm80_key_warps_default
-    spec = BackwardSpec(head_dim=128)
-    assert (spec.key_warps, spec.dq_row_warps) == (8, 4) == (sm80_key_warps_default(128, 8),
-                                                            sm80_dq_row_warps_default(64, 8))
-    assert spec == BackwardSpec(head_dim=128, key_warps=8, dq_row_warps=4)
+    spec = BackwardSpec(head_dim=64)
+    assert (spec.key_warps, spec.dq_row_warps) == (8, 8) == (sm80_key_warps_default(128, 8),
+                                                            sm80_dq_row_warps_default(128, 8))
+    assert spec == BackwardSpec(head_dim=64, key_warps=8, dq_row_warps=8, stages=1)
     assert "warps" not in spec.variant.split("_w8")[1] and "key-warps" not in backward.emit_command(spec)
-    fa2 = BackwardSpec(head_dim=128, key_warps=4, dq_row_warps=2)
-    assert fa2.variant.endswith("_w8_kw4_qw2")
-    line = backward.emit_command(fa2)
-    assert "--key-warps 4" in line and "--dq-row-warps 2" in line
-    source = backward.emit(fa2)
-    assert "constexpr int WARPS_SN = 4;" in source and "constexpr int WARPS_QM = 2;" in source
-    result = CliRunner().invoke(cli.main, ["emit", *line.split()[2:]])
-    assert result.exit_code == 0 and result.output == source
-    assert fa2.replace(head_dim=64).key_warps == 4 and spec.replace(block_n=64).key_warps == 4   # (defaults follow)
+    measured = BackwardSpec(head_dim=128)
+    assert (measured.key_warps, measured.dq_row_warps, measured.stages) == (4, 2, 2)
+    assert measured.variant.endswith("_w8_kw4_qw2_st2") and "key-warps" not in backward.emit_command(measured)
+    for grid in (BackwardSpec(head_dim=128, key_warps=8, dq_row_warps=4, stages=1),    # the grid before the knobs
+                 BackwardSpec(head_dim=64, key_warps=4, dq_row_warps=2)):
+        line = backward.emit_command(grid)
+        source = backward.emit(grid)
+        assert f"--key-warps {grid.key_warps}" in line and f"--dq-row-warps {grid.dq_row_warps}" in line
+        assert f"constexpr int WARPS_SN = {grid.key_warps};" in source
+        assert f"constexpr int WARPS_QM = {grid.dq_row_warps};" in source
+        result = CliRunner().invoke(cli.main, ["emit", *line.split()[2:]])
+        assert result.exit_code == 0 and result.output == source
+    assert measured.replace(block_n=64).key_warps == 4 and spec.replace(block_n=64).key_warps == 4   # (defaults follow)
     assert "key_warps" not in backward.emit(BackwardSpec(arch="sm90", head_dim=128))
 
 
@@ -72,8 +78,8 @@ def test_sm80_two_stages_double_the_q_do_buffers_and_name_themselves():
     """stages=2 on sm80: two of each Q, dO tile and LSE, D row in shared memory, the name says st2, the emit
     line --stages 2 (and no --do-stages: it follows), the source STAGES = 2; head_dim 256's 214 KB fits an
     H100/H200, not the A100's budget."""
-    one, two = BackwardSpec(head_dim=128), BackwardSpec(head_dim=128, stages=2)
-    assert two.smem_bytes - one.smem_bytes == 2 * 64 * 128 * 2 + 2 * 64 * 4 and two.variant.endswith("_w8_st2")
+    one, two = BackwardSpec(head_dim=96), BackwardSpec(head_dim=96, stages=2)     # (96: no measured defaults)
+    assert two.smem_bytes - one.smem_bytes == 2 * 64 * 96 * 2 + 2 * 64 * 4 and two.variant.endswith("_w8_st2")
     line = backward.emit_command(two)
     assert "--stages 2" in line and "--do-stages" not in line and "constexpr int  STAGES     = 2;" in backward.emit(two)
     result = CliRunner().invoke(cli.main, ["emit", *line.split()[2:]])
@@ -87,13 +93,17 @@ def test_sm80_warp_grids_compile_without_spills_and_read_shared_memory_less(head
     """NVRTC sm_80: no spills or stack; the same HMMA count as the default grid (the same GEMMs), and fewer
     ldmatrix instructions in the main kernel where fewer warps share a column range (each reads the shared
     operand once per warp)."""
+    from facodegen.spec.backward import sm80_dq_row_warps_default, sm80_key_warps_default
     spec = BackwardSpec(head_dim=head_dim, key_warps=key_warps, dq_row_warps=dq_row_warps, stages=stages)
     kernel = backward.compile(spec, sm="sm_80")
     r = kernel.resources
     assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 255
     try:
         counts = kernel.sass_counts()
-        default = backward.compile(BackwardSpec(head_dim=head_dim, stages=stages), sm="sm_80").sass_counts()
+        default = backward.compile(BackwardSpec(head_dim=head_dim, stages=stages,     # a warp a 16-row slab
+                                                key_warps=sm80_key_warps_default(spec.block_n, spec.num_warps),
+                                                dq_row_warps=sm80_dq_row_warps_default(spec.block_m, spec.num_warps)),
+                                   sm="sm_80").sass_counts()
     except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
         pytest.skip(f"cuobjdump: {err}")
     assert counts["HMMA"] == default["HMMA"] and counts["LDSM"] < default["LDSM"]
@@ -103,9 +113,8 @@ def test_sm80_warp_grids_compile_without_spills_and_read_shared_memory_less(head
                                             (64, {"key_warps": 4, "dq_row_warps": 2}), (256, {}), (192, {})])
 def test_sm80_frag_prefetch_compiles_without_spills_and_interleaves_ldmatrix_with_mma(head_dim, grid):
     """NVRTC sm_80: frag_prefetch has no spills or stack; its warp GEMMs issue the next k16 step's ldmatrix
-    between this step's HMMAs: an HMMA followed by an ldmatrix (nothing but other instructions between) happens
-    at least twice as often as without the knob, where a step's loads all come first. (The longest run of
-    ldmatrix is no measure: the two-step prologue that fills the pipeline is a run as long as a plain step's.)"""
+    between this step's HMMAs: inside the innermost loops, an ldmatrix after an HMMA of the same iteration
+    happens at least twice as often as without the knob, where an iteration's loads all come first."""
     spec = BackwardSpec(head_dim=head_dim, frag_prefetch=True, **grid)
     kernel = backward.compile(spec, sm="sm_80")
     r = kernel.resources
@@ -117,16 +126,20 @@ def test_sm80_frag_prefetch_compiles_without_spills_and_interleaves_ldmatrix_wit
     except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
         pytest.skip(f"cuobjdump: {err}")
 
-    def mma_then_ldmatrix(text: str) -> int:
-        count, last = 0, None
-        for line in text.splitlines():
-            if "LDSM" in line:
-                count += last == "HMMA"
-                last = "LDSM"
-            elif "HMMA" in line:
-                last = "HMMA"
+    def ldmatrix_after_mma_in_loops(text: str) -> int:
+        ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)]
+        loops = [(int(m.group(1), 16), at) for at, op in ins if (m := re.search(r"BRA\s+\S*?0x([0-9a-f]+)", op))
+                 and int(m.group(1), 16) < at]
+        innermost = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+        count = 0
+        for lo, hi in innermost:
+            after_mma = False
+            for at, op in ins:
+                if lo <= at <= hi:
+                    after_mma = after_mma or "HMMA" in op
+                    count += after_mma and "LDSM" in op
         return count
-    assert mma_then_ldmatrix(sass) >= 2 * mma_then_ldmatrix(plain_sass)
+    assert ldmatrix_after_mma_in_loops(sass) >= 2 * ldmatrix_after_mma_in_loops(plain_sass)
 
 
 @pytest.mark.parametrize("grid", [{}, {"key_warps": 4, "dq_row_warps": 2, "stages": 2}])
@@ -835,7 +848,7 @@ def test_sm90_spec_defaults():
     # K, V + 2 x (Q, dO, LSE and D rows) + 2 dS^T tiles + 1 KB of alignment
     assert spec.smem_bytes == 2 * 128 * 128 * 2 + 2 * (2 * 64 * 128 * 2 + 2 * 64 * 4) + 2 * 128 * 64 * 2 + 1024
     assert all(s.smem_bytes <= GPUS["h100"].smem_per_block for s in SM90)
-    assert BackwardSpec(head_dim=128).stages == 1          # sm80 untouched
+    assert BackwardSpec(head_dim=96).stages == 1           # sm80 untouched (but SM80_MEASURED_DEFAULTS' tiles)
 
 
 def test_integer_deterministic_takes_the_bool_s_defaults():

@@ -156,8 +156,8 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
     sk, hkv = k.shape[1], k.shape[2]
     BM, BN, W = spec.block_m, spec.block_n, spec.num_warps
     rc, pc = d * 2 // 16, BM * 2 // 16
-    wsn = min(BN // 16, W); wsm = W // wsn; wkn = wsn; wkd = W // wkn
-    wqm = min(BM // 16, W); wqd = W // wqm
+    wsn = spec.key_warps; wsm = W // wsn; wkn = wsn; wkd = W // wkn
+    wqm = spec.dq_row_warps; wqd = W // wqm
     s_slabs, s_tiles = BN // (16 * wsn), BM // (8 * wsm)
     kv_slabs, kv_tiles = BN // (16 * wkn), d // (8 * wkd)
     dq_slabs, dq_pairs = BM // (16 * wqm), d // (16 * wqd)
@@ -251,6 +251,7 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
     (dict(head_dim=64, block_m=32, block_n=64, num_warps=8), 45, 30, 2, 2, True),      # seqlen_q > seqlen_k: empty rows
     (dict(head_dim=96, block_m=64, block_n=32, num_warps=4), 33, 40, 1, 1, False),     # swizzle over 12 chunks
     (dict(head_dim=64, block_m=128, block_n=128, num_warps=8), 20, 9, 1, 1, False),    # the default d64 tile
+    (dict(head_dim=128), 70, 200, 2, 1, True),     # the default d128 kernel: FA2's warp grid (key_warps 4, dq_row_warps 2)
 ])
 def test_emulated_kernel_matches_the_reference(fields, sq, sk, hq, hkv, causal):
     spec = BackwardSpec(dtype="fp16", causal=causal, **fields)

@@ -75,19 +75,22 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("key_warps", "int", "sm80: warps along the keys of the S^T, dP^T, dK and dV warp grids (the rest split "
          "the queries, and head_dim for dK, dV); each warp's GEMMs read its keys' slabs and its share of Q, dO "
          "from shared memory, so fewer warps along the keys read Q and dO fewer times (FlashAttention-2's d128 "
-         "backward: 4 of 8). Default: as many as block_n has 16-key slabs, up to num_warps.",
+         "backward: 4 of 8). Default: 4 on head_dim 128's 64x128 tile (SM80_MEASURED_DEFAULTS), else as many as "
+         "block_n has 16-key slabs, up to num_warps.",
          flag="--key-warps", choices=(1, 2, 4, 8), search={"sm80": (2, 4, 8)},
          token=lambda s, v: f"kw{v}" if s.arch == "sm80" and v != sm80_key_warps_default(s.block_n, s.num_warps)
          else None),
     Knob("dq_row_warps", "int", "sm80: warps along the query rows of the dQ warp grid (the rest split head_dim): "
-         "each reads its rows' dS and its columns' K (FlashAttention-2's d128 backward: 2 of 8). Default: as "
-         "many as block_m has 16-row slabs, up to num_warps.", flag="--dq-row-warps", choices=(1, 2, 4, 8),
+         "each reads its rows' dS and its columns' K (FlashAttention-2's d128 backward: 2 of 8). Default: 2 on "
+         "head_dim 128's 64x128 tile (SM80_MEASURED_DEFAULTS), else as many as block_m has 16-row slabs, up to "
+         "num_warps.", flag="--dq-row-warps", choices=(1, 2, 4, 8),
          search={"sm80": (2, 4)},
          token=lambda s, v: f"qw{v}" if s.arch == "sm80" and v != sm80_dq_row_warps_default(s.block_m, s.num_warps)
          else None),
     Knob("stages", "int", "Q buffers: sm80 1 (with dO; the next step's Q, dO load under the dQ GEMM) or 2 (with "
          "dO: the next step's Q, dO, LSE and D rows load from the top of each step, under all five GEMMs, and a "
-         "barrier a step goes); sm90 2 (the TMA ring the producer warp fills; dO's: do_stages).", flag="--stages",
+         "barrier a step goes; the default on head_dim 128's 64x128 tile where it fits); sm90 2 (the TMA ring the "
+         "producer warp fills; dO's: do_stages).", flag="--stages",
          choices=(1, 2), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
     Knob("do_stages", "int", "sm90: dO buffers (with their D rows), at most stages (None: as deep as fits, "
          "sm90_default_rings). Below it, a "
@@ -225,6 +228,24 @@ SM90_CONSUMER_WGS = 2
 # d128 162 + 64 = 226 KB, d96 130 + 96 = 226 KB, of the 227 KB an sm90 block may have.
 SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
 # (dq_pieces: SM90_DQ_PIECES_CHOICES, above the knobs)
+
+
+# The sm80 backward's warp grid and Q/dO ring where they were measured faster than one warp per slab with one
+# stage, per (head_dim, block_m, block_n, num_warps) default tile. H200, 2026-12-05 (session 46, commit
+# 4a8e2aa's kernel; pending_gpu.sh s46), bf16 fa3-paper quick cells (2k/8k, full/causal), TFLOP/s against
+# FlashAttention-2 (SDPA flash) in the same run: head_dim 128, FA2's own grid (key_warps 4, dq_row_warps 2)
+# with stages=2 at 225 / 241 / 192 / 228 against the default grid's 198 / 213 / 171 / 201 (1.12-1.14x;
+# FA2 275 / 304 / 239 / 284). Where stages=2 does not fit the GPU, stages stays 1.
+SM80_MEASURED_DEFAULTS = {(128, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2}}
+
+
+def sm80_measured_defaults(head_dim: int, block_m: int, block_n: int, num_warps: int, gpu: str) -> dict:
+    """SM80_MEASURED_DEFAULTS' knobs for a tile on ``gpu`` (stages only where two stages fit it)."""
+    knobs = dict(SM80_MEASURED_DEFAULTS.get((head_dim, block_m, block_n, num_warps), {}))
+    if knobs.get("stages", 1) > 1 and smem_bytes(block_m, block_n, head_dim, knobs["stages"]) > \
+            GPUS[gpu].smem_per_block:
+        del knobs["stages"]
+    return knobs
 
 
 def sm80_key_warps_default(block_n: int, num_warps: int) -> int:
@@ -432,8 +453,11 @@ class BackwardSpec:
         else:
             table = SMALL_GPU_TILES if GPUS[self.gpu].smem_per_block < 128 * 1024 else DEFAULT_TILES
             block_m, block_n, warps = table[self.head_dim]
-            if self.stages is None:
-                set_("stages", 1)
+            measured = sm80_measured_defaults(self.head_dim, self.block_m or block_m, self.block_n or block_n,
+                                              self.num_warps or warps, self.gpu)
+            for name in ("stages", "key_warps", "dq_row_warps"):
+                if getattr(self, name) is None:
+                    set_(name, measured.get(name, 1 if name == "stages" else None))
         if self.do_stages is None:
             set_("do_stages", self.stages)
         for name, value in (("block_m", block_m), ("block_n", block_n), ("num_warps", warps)):
