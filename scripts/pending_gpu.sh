@@ -165,17 +165,20 @@ case "${1:-}" in
     s46b)
         # the sm80 backward's second round: FA2's grid and stages=2 as head_dim 128's default, fp32 P in registers,
         # the first k16 steps peeled, whole Q/dO blocks loaded without row checks; then the variants bench, fixed
-        step pytest_sm80 280 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
+        # (in the order that matters if a short call cuts it: the checks, the d128 timing, the fuzz, d64, variants)
+        step pytest_sm80 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
             -k "sm80 or warp_grids or frag_prefetch or padded"
-        step sm80_bwd_d128 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
+        step sm80_bwd_d128 100 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
             --variant arch=sm80 --variant arch=sm80,key_warps=8,dq_row_warps=4,stages=1 --variant arch=sm80,k_unroll=4 \
             --variant arch=sm80,frag_prefetch=true --out "$OUT/sm80-bwd-d128"
-        step sm80_bwd_d64 150 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 \
+        tail -12 "$OUT/sm80_bwd_d128.log"
+        step fuzz_sm80 60 python3 -m facodegen check --fuzz 200 --seed 47 --family backward
+        step sm80_bwd_d64 100 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 \
             --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 \
             --variant arch=sm80,key_warps=4,dq_row_warps=4,stages=2 --out "$OUT/sm80-bwd-d64"
-        step fuzz_sm80 60 python3 -m facodegen check --fuzz 200 --seed 47 --family backward
+        tail -12 "$OUT/sm80_bwd_d64.log"
         step bench_variants 150 python3 -m facodegen bench --suite variants --quick --out "$OUT/variants"
-        tail -12 "$OUT/sm80_bwd_d128.log"; tail -12 "$OUT/sm80_bwd_d64.log"; tail -30 "$OUT/bench_variants.log"
+        tail -30 "$OUT/bench_variants.log"
         ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
