@@ -232,7 +232,7 @@ SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
 
 # The sm80 backward's warp grid and Q/dO ring where they were measured faster than one warp per slab with one
 # stage, per (head_dim, block_m, block_n, num_warps) default tile. H200, 2026-12-05 (session 46, commit
-# 4a8e2aa's kernel; pending_gpu.sh s46), bf16 fa3-paper quick cells (2k/8k, full/causal), TFLOP/s against
+# 0f7310b's kernel; pending_gpu.sh s46), bf16 fa3-paper quick cells (2k/8k, full/causal), TFLOP/s against
 # FlashAttention-2 (SDPA flash) in the same run: head_dim 128, FA2's own grid (key_warps 4, dq_row_warps 2)
 # with stages=2 at 225 / 241 / 192 / 228 against the default grid's 198 / 213 / 171 / 201 (1.12-1.14x;
 # FA2 275 / 304 / 239 / 284). Where stages=2 does not fit the GPU, stages stays 1.
