@@ -21,9 +21,12 @@ from backward_emulation_check import check_emulated_backward
 E = np.float16     # elem_t (fp16; the emulation rounds like the kernel's cvt.rn)
 
 
+def swizzle_of(chunks: int, row: int) -> int:
+    return (row & 7) if chunks % 8 == 0 else ((row >> 1) & 3)
+
+
 def swz_offset(chunks: int, row: int, chunk: int) -> int:
-    sw = (row & 7) if chunks % 8 == 0 else ((row >> 1) & 3)
-    return row * chunks * 16 + ((chunk ^ sw) << 4)
+    return row * chunks * 16 + ((chunk ^ swizzle_of(chunks, row)) << 4)
 
 
 class Smem:
@@ -70,10 +73,6 @@ def mma(d, a, b0, b1):
         d[lane][1] += C[g, 2 * t + 1]
         d[lane][2] += C[g + 8, 2 * t]
         d[lane][3] += C[g + 8, 2 * t + 1]
-
-
-def swizzle_of(chunks: int, row: int) -> int:
-    return (row & 7) if chunks % 8 == 0 else ((row >> 1) & 3)
 
 
 def k_major_addr(chunks, tile, row, half, kk):
