@@ -1955,3 +1955,21 @@ def test_sm80_backward_adds_dq_by_vector_reductions_where_compiled_for_sm90():
         pytest.skip(f"cuobjdump: {err}")
     assert _re.search(r"\bREDG\.E\.ADD\.F32x2\b", sass90) and not _re.search(r"\bREDG?\.E\.ADD\.F32\.", sass90)
     assert _re.search(r"\bRED\.E\.ADD\.F32\.", sass80) and "F32x2" not in sass80
+
+
+@pytest.mark.parametrize("knobs, most", [({}, 1200), ({"k_unroll": 4}, 1200), ({"key_warps": 8, "dq_row_warps": 4}, 1260)])
+def test_sm80_backward_step_issues_at_most_its_counted_instructions(knobs, most):
+    """scripts/sass_step_count.py on the d128 kernel for sm_90: the time a step takes follows the instructions a
+    warp issues (Nsight Compute, H200, 2026-12-05: FA2's kernel and ours both at IPC ~1.0, FA2 ~1030 a warp a
+    step), so a change that adds to the 1154 (FA2's grid, the default) / 1134 (k_unroll=4) / 1219 (one warp a
+    slab) of session 46 beyond a few percent fails here; every GEMM loop the model expects is in the SASS."""
+    counter = _script("sass_step_count")
+    spec = BackwardSpec(head_dim=128, **knobs)
+    kernel = backward.compile(spec, sm="sm_90")
+    try:
+        sass = kernel.sass()
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+    trips, hmma = counter.gemm_loop_trips(spec)
+    count = counter.step_count(counter.instructions(sass, kernel.name), trips)
+    assert hmma == 320 and hmma < count["total"] <= most
