@@ -71,8 +71,9 @@ def gemm_loop_trips(spec) -> tuple[list[int], int]:
     kv_slabs, kv_tiles = spec.block_n // (16 * kw), spec.head_dim // (8 * (w // kw))
     dq_slabs, pairs = spec.block_m // (16 * qw), spec.head_dim // (16 * (w // qw))
     chunk = next(c for c in (4, 3, 2, 1) if pairs % c == 0)
-    gemms = [(s_slabs, s_tiles, spec.head_dim // 16, True)] * 2 + [(kv_slabs, kv_tiles, spec.block_m // 16, False)] * 2 \
-        + [(dq_slabs, 2 * chunk, spec.block_n // 16, True)] * (pairs // chunk)
+    gemms = ([(s_slabs, s_tiles, spec.head_dim // 16, True)] * 2           # S^T, dP^T
+             + [(kv_slabs, kv_tiles, spec.block_m // 16, False)] * 2      # dV, dK
+             + [(dq_slabs, 2 * chunk, spec.block_n // 16, True)] * (pairs // chunk))   # dQ's chunks
     trips, hmma = [], 0
     for slabs, tiles, k_steps, fresh in gemms:
         hmma += slabs * tiles * k_steps
