@@ -616,6 +616,7 @@ __device__ __forceinline__ uint32_t chunk_step(uint32_t addr, int step) {
 // whole loop, where the S and O accumulators need them.
 __device__ __forceinline__ int opaque(int x) {
     asm volatile("" : "+r"(x));
+    __builtin_assume(x >= 0);   // (an index: / and % by powers of two stay shifts and masks)
     return x;
 }
 
