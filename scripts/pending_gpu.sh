@@ -24,6 +24,8 @@
 #                                                       # backward GPU test, a fuzz, the d128 timing): ran at 4a8e2aa
 #   OUT=/path bash scripts/pending_gpu.sh s46b          # its second round (the d128 default grid, fp32 P, peeled
 #                                                       # steps) checked and timed at d128 and d64; the variants bench
+#   OUT=/path bash scripts/pending_gpu.sh s47           # session 47: opaque()'s index assumption (sm80 forward, decode,
+#                                                       # backward) and the leaner backward step: tests, d128, fuzz, d64
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -180,6 +182,27 @@ case "${1:-}" in
         step bench_variants 150 python3 -m facodegen bench --suite variants --quick --out "$OUT/variants"
         tail -30 "$OUT/bench_variants.log"
         ;;
+    s47)
+        # session 47: opaque() assumes a non-negative index (the sm80 forward, the decode and the sm80 backward all
+        # change), the sm80 backward's LSE/D reads once per n8 tile and its step offsets counted by adds (1107
+        # instructions a warp-step at d128 by the SASS, from 1154; b580322's fp32 P, peeled steps, unchecked loads
+        # and FA2's grid as d128's default ride along, never run before): their GPU tests first, then d128 timed
+        step pytest 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
+            tests/gpu/test_numerics.py tests/gpu/test_decode_gpu.py -k "sm80 or warp_grids or frag_prefetch or padded or decode"
+        step sm80_bwd_d128 100 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
+            --variant arch=sm80 --variant arch=sm80,k_unroll=4 --variant arch=sm80,key_warps=8,dq_row_warps=4,stages=1 \
+            --out "$OUT/sm80-bwd-d128"
+        tail -12 "$OUT/sm80_bwd_d128.log"
+        step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 47 --family backward
+        for d in 64 128; do
+            step "sm80_fwd_d$d" 40 python3 -m facodegen bench --arch sm80 --head-dim $d --seqlen 4096 --batch 4 --heads 16 \
+                --peers fa2
+        done
+        step sm80_bwd_d64 100 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 \
+            --variant arch=sm80 --variant arch=sm80,k_unroll=4 --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 \
+            --out "$OUT/sm80-bwd-d64"
+        tail -12 "$OUT/sm80_bwd_d64.log"
+        ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
         step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
@@ -220,6 +243,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
