@@ -175,6 +175,8 @@ case "${1:-}" in
             --variant arch=sm80,frag_prefetch=true --out "$OUT/sm80-bwd-d128"
         tail -12 "$OUT/sm80_bwd_d128.log"
         step fuzz_sm80 60 python3 -m facodegen check --fuzz 200 --seed 47 --family backward
+        step sm80_bwd_d256 80 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 256 \
+            --variant arch=sm80 --variant arch=sm80,k_unroll=0 --out "$OUT/sm80-bwd-d256"
         step sm80_bwd_d64 100 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 \
             --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 \
             --variant arch=sm80,key_warps=4,dq_row_warps=4,stages=2 --out "$OUT/sm80-bwd-d64"
@@ -190,17 +192,19 @@ case "${1:-}" in
         step pytest 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
             tests/gpu/test_numerics.py tests/gpu/test_decode_gpu.py -k "sm80 or warp_grids or frag_prefetch or padded or decode"
         step sm80_bwd_d128 100 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 \
-            --variant arch=sm80 --variant arch=sm80,k_unroll=4 --variant arch=sm80,key_warps=8,dq_row_warps=4,stages=1 \
-            --out "$OUT/sm80-bwd-d128"
+            --variant arch=sm80 --variant arch=sm80,k_unroll=0 --variant arch=sm80,k_unroll=4 \
+            --variant arch=sm80,key_warps=8,dq_row_warps=4,stages=1 --out "$OUT/sm80-bwd-d128"
         tail -12 "$OUT/sm80_bwd_d128.log"
         step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 47 --family backward
         for d in 64 128; do
             step "sm80_fwd_d$d" 40 python3 -m facodegen bench --arch sm80 --head-dim $d --seqlen 4096 --batch 4 --heads 16 \
                 --peers fa2
         done
+        step sm80_bwd_d256 80 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 256 \
+            --variant arch=sm80 --variant arch=sm80,k_unroll=0 --out "$OUT/sm80-bwd-d256"
         step sm80_bwd_d64 100 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 \
-            --variant arch=sm80 --variant arch=sm80,k_unroll=4 --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 \
-            --out "$OUT/sm80-bwd-d64"
+            --variant arch=sm80 --variant arch=sm80,k_unroll=0 --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2 \
+            --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,k_unroll=0 --out "$OUT/sm80-bwd-d64"
         tail -12 "$OUT/sm80_bwd_d64.log"
         ;;
     s45_quick)

@@ -62,11 +62,10 @@ def step_count(ins: list[tuple[int, str, str]], loop_trips: list[int]) -> dict:
 def gemm_loop_trips(spec) -> tuple[list[int], int]:
     """(the trips of each warp GEMM's k16 loop that stays a loop, in program order; the step's HMMA per warp),
     by templates/sm80/bwd_gemm.cuh.j2's warp_gemm: an iteration takes K_UNROLL k16 steps (2 with
-    frag_prefetch); a FRESH GEMM (S^T, dP^T, dQ) with 32 accumulator registers or fewer runs its first
+    frag_prefetch; k_unroll 0: all of them); a FRESH GEMM (S^T, dP^T, dQ) with 32 accumulator registers or fewer runs its first
     iteration before the loop where that iteration is at most 2 steps (PEELED); a loop as long as one
     iteration is straight line."""
     w, kw, qw = spec.num_warps, spec.key_warps, spec.dq_row_warps
-    per_step = 2 if spec.frag_prefetch else spec.k_unroll
     s_slabs, s_tiles = spec.block_n // (16 * kw), spec.block_m // (8 * (w // kw))
     kv_slabs, kv_tiles = spec.block_n // (16 * kw), spec.head_dim // (8 * (w // kw))
     dq_slabs, pairs = spec.block_m // (16 * qw), spec.head_dim // (16 * (w // qw))
@@ -77,6 +76,7 @@ def gemm_loop_trips(spec) -> tuple[list[int], int]:
     trips, hmma = [], 0
     for slabs, tiles, k_steps, fresh in gemms:
         hmma += slabs * tiles * k_steps
+        per_step = 2 if spec.frag_prefetch else spec.k_unroll or k_steps   # (k_unroll 0: every step)
         peeled = per_step if (fresh and slabs * tiles * 4 <= 32 and per_step <= 2 and k_steps % per_step == 0
                               and k_steps > per_step) else 0
         if k_steps - peeled > per_step:

@@ -65,9 +65,11 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          search={"sm80": (64, 128)}, flag_offers_choices=False, token=lambda s, v: f"bn{s.block_n}"),
     Knob("num_warps", "int", "Warps per CTA.", flag="--warps", choices=(4, 8), search={"sm80": (4, 8)},
          token=lambda s, v: f"w{s.num_warps}"),
-    Knob("k_unroll", "int", "k16 steps of each warp GEMM unrolled together (more in flight, more registers).",
-         flag="--k-unroll", choices=(1, 2, 4), search={"sm80": (1, 2)},
-         token=lambda s, v: f"ku{s.k_unroll}" if s.k_unroll != 2 else None),
+    Knob("k_unroll", "int", "k16 steps of each warp GEMM unrolled together (more in flight, more registers); "
+         "0: all of them (each warp GEMM straight-line code: no loop counter, every shared address an "
+         "immediate offset of a few per-GEMM bases).",
+         flag="--k-unroll", choices=(0, 1, 2, 4), search={"sm80": (0, 1, 2)},
+         token=lambda s, v: (f"ku{s.k_unroll}" if s.k_unroll else "kuall") if s.k_unroll != 2 else None),
     Knob("frag_prefetch", "bool", "sm80: each warp GEMM loads the next k16 step's ldmatrix fragments before it "
          "issues this step's mma.sync (two fragment sets in registers), so a warp keeps shared-memory reads in "
          "flight under its own MMAs instead of loading a step's fragments, then waiting on them.",
@@ -365,9 +367,11 @@ SM90_LPT_GROUP_BYTES = 24 << 20
 SM90_LPT_TAIL_WAVES = 4
 
 # k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
-# config (NVRTC 13: 195-255 registers); 4 spills at head_dim 64 (8-56 bytes with or without FA2's warp
-# grid and stages=2), none at 128 (241-247 registers, 2026-12-05); full unrolling spills. Not yet timed
-# against 1 or 4 on a GPU (pending_gpu.sh sm80_bwd has a k_unroll=4 column at head_dim 128).
+# config (NVRTC 13: 195-255 registers). 0 (every step unrolled, as FlashAttention-2's GEMMs are) keeps every
+# head_dim's default without spills since session 47's leaner step (sm_80 and sm_90; not the head_dim 128
+# varlen kernel on sm_90: 48 bytes) and issues 11-16% fewer instructions a warp-step (d128: 986 against
+# 1107, scripts/sass_step_count.py); 4: 1093, spills at head_dim 64. Not yet timed on a GPU
+# (pending_gpu.sh s47 has k_unroll 0 and 4 columns at head_dim 128 and 64).
 
 # dK and dV accumulators held in registers across the whole loop, floats per thread: above 128 the
 # S^T / dP^T fragments, addresses and dQ pieces no longer fit in 255 registers without spills.
@@ -691,7 +695,7 @@ def _validate(spec: BackwardSpec) -> None:
                                      f"buffers (stages) hold Q and dO together")
     _choice("num_warps", spec.num_warps, (4, 8))
     _choice("block_m", spec.block_m, (32, 64, 128))
-    _choice("k_unroll", spec.k_unroll, (1, 2, 4))
+    _choice("k_unroll", spec.k_unroll, (0, 1, 2, 4))
     if spec.frag_prefetch and spec.k_unroll % 2:
         raise SpecError("k_unroll", f"{spec.k_unroll} with frag_prefetch: its two fragment sets take turns over "
                                     f"pairs of k16 steps (k_unroll 2 or 4)")

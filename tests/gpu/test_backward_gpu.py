@@ -328,6 +328,20 @@ def test_sm80_frag_prefetch_matches_float64_and_the_same_grid_without_it(d, grid
     assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
 
 
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm80_k_unroll_all_matches_float64_and_the_looped_gemms(d, causal):
+    """k_unroll=0 unrolls every warp GEMM's k16 steps (straight-line code), the same MMAs in the same order: dK
+    and dV bit-identical to the default's loops (k_unroll 2), dQ (fp32 atomics in any order) within the
+    criterion; 239 queries against 203 keys leave partial blocks on both sides."""
+    q, k, v, do = make(2, 239, 203, 4, 2, d, torch.bfloat16, seed=d + 3 * causal)
+    scale = d ** -0.5
+    got = run_backward(q, k, v, do, causal, scale, poison=True, arch="sm80", k_unroll=0)
+    assert check_grads(got, do, q, k, v, causal, scale) == []
+    looped = run_backward(q, k, v, do, causal, scale, arch="sm80", k_unroll=2)
+    assert torch.equal(got[1], looped[1]) and torch.equal(got[2], looped[2])
+
+
 _PADDED = [(d, sq, sk, causal, heads, dt) for d, (sq, sk), causal, heads, dt in
            ((8, (1, 1), False, "mha", "bf16"), (40, (239, 1), True, "gqa", "fp16"), (80, (113, 203), True, "gqa", "bf16"),
             (80, (1023, 1024), False, "mqa", "fp16"), (112, (128, 128), True, "mha", "bf16"),
