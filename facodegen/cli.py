@@ -86,7 +86,7 @@ def _kernel_options(command):
                      help="Which kernel: the forward; the backward (--arch sm80: FlashAttention-2's, which also "
                           "runs on sm90 GPUs; --arch sm90: FlashAttention-3's, head_dim 64, 96, 128); the decode "
                           "family's decode, combine or append."),
-        click.option("--k-unroll", "k_unroll", type=click.Choice(["1", "2", "4"]), callback=_int_choice,
+        click.option("--k-unroll", "k_unroll", type=click.Choice(["0", "1", "2", "4"]), callback=_int_choice,
                      help="--kernel backward: k16 steps of each warp GEMM unrolled together."),
         click.option("--frag-prefetch/--no-frag-prefetch", "frag_prefetch", default=None,
                      help="--kernel backward --arch sm80: each warp GEMM loads the next k16 step's fragments before "

@@ -26,6 +26,8 @@
 #                                                       # steps) checked and timed at d128 and d64; the variants bench
 #   OUT=/path bash scripts/pending_gpu.sh s47           # session 47: opaque()'s index assumption (sm80 forward, decode,
 #                                                       # backward) and the leaner backward step: tests, d128, fuzz, d64
+#                                                       # (ran 2026-12-05 at 8161a1e on an H100)
+#   OUT=/path bash scripts/pending_gpu.sh s47b          # its new defaults (k_unroll 0): tests, fuzz, sanitizer, d96/192/64
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -207,6 +209,21 @@ case "${1:-}" in
             --variant arch=sm80,key_warps=4,dq_row_warps=2,stages=2,k_unroll=0 --out "$OUT/sm80-bwd-d64"
         tail -12 "$OUT/sm80_bwd_d64.log"
         ;;
+    s47b)
+        # session 47's new sm80 backward defaults (k_unroll 0 at head_dim 64, 128, 256; FA2's d128 grid and stages=2
+        # at 64 too): every backward GPU test, a fuzz share, the sanitizer on the d128 default (cases 21, 53), then
+        # head_dim 96 and 192 with k_unroll 0 as a column, and 64 beside FA2's own d64 grid (dq_row_warps 4)
+        step pytest 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py
+        step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 48 --family backward
+        step sanitize 150 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 21,53
+        for d in 96 192; do
+            step "sm80_bwd_d$d" 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
+                --variant arch=sm80 --variant arch=sm80,k_unroll=0 --out "$OUT/sm80-bwd-d$d"
+        done
+        step sm80_bwd_d64 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 \
+            --variant arch=sm80 --variant arch=sm80,dq_row_warps=4 --out "$OUT/sm80-bwd-d64"
+        tail -8 "$OUT/sm80_bwd_d96.log" "$OUT/sm80_bwd_d192.log" "$OUT/sm80_bwd_d64.log"
+        ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
         step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
@@ -247,6 +264,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"

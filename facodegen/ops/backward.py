@@ -145,8 +145,10 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     spec built from the line's other flags takes them (sm90: dq_tma_reduce's default is off where the
     line says --deterministic, as BackwardSpec makes it; the ring's depth for the dQ path)."""
     if spec.arch == "sm80":
-        measured = sm80_measured_defaults(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.gpu)
-        return {"head_dim_real": spec.head_dim, "gpu": DEFAULT_GPU, "stages": measured.get("stages", 1), "k_unroll": 2,
+        measured = sm80_measured_defaults(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.gpu,
+                                          spec.varlen)
+        return {"head_dim_real": spec.head_dim, "gpu": DEFAULT_GPU, "stages": measured.get("stages", 1),
+                "k_unroll": measured.get("k_unroll", 2),
                 "frag_prefetch": False, "deterministic": False, "dq_tma_reduce": False, "s_lookahead": False,
                 "dp_lookahead": False, "persistent": False, "lpt": False, "do_stages": spec.stages, "dq_pieces": 1,
                 "dq_lag": False, "varlen": False,

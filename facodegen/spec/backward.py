@@ -67,7 +67,8 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          token=lambda s, v: f"w{s.num_warps}"),
     Knob("k_unroll", "int", "k16 steps of each warp GEMM unrolled together (more in flight, more registers); "
          "0: all of them (each warp GEMM straight-line code: no loop counter, every shared address an "
-         "immediate offset of a few per-GEMM bases).",
+         "immediate offset of a few per-GEMM bases). Default: 0 on head_dim 64, 128 and 256's tiles but varlen "
+         "(SM80_MEASURED_DEFAULTS), else 2.",
          flag="--k-unroll", choices=(0, 1, 2, 4), search={"sm80": (0, 1, 2)},
          token=lambda s, v: (f"ku{s.k_unroll}" if s.k_unroll else "kuall") if s.k_unroll != 2 else None),
     Knob("frag_prefetch", "bool", "sm80: each warp GEMM loads the next k16 step's ldmatrix fragments before it "
@@ -77,21 +78,21 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("key_warps", "int", "sm80: warps along the keys of the S^T, dP^T, dK and dV warp grids (the rest split "
          "the queries, and head_dim for dK, dV); each warp's GEMMs read its keys' slabs and its share of Q, dO "
          "from shared memory, so fewer warps along the keys read Q and dO fewer times (FlashAttention-2's d128 "
-         "backward: 4 of 8). Default: 4 on head_dim 128's 64x128 tile (SM80_MEASURED_DEFAULTS), else as many as "
+         "backward: 4 of 8). Default: 4 on head_dim 64 and 128's tiles (SM80_MEASURED_DEFAULTS), else as many as "
          "block_n has 16-key slabs, up to num_warps.",
          flag="--key-warps", choices=(1, 2, 4, 8), search={"sm80": (2, 4, 8)},
          token=lambda s, v: f"kw{v}" if s.arch == "sm80" and v != sm80_key_warps_default(s.block_n, s.num_warps)
          else None),
     Knob("dq_row_warps", "int", "sm80: warps along the query rows of the dQ warp grid (the rest split head_dim): "
          "each reads its rows' dS and its columns' K (FlashAttention-2's d128 backward: 2 of 8). Default: 2 on "
-         "head_dim 128's 64x128 tile (SM80_MEASURED_DEFAULTS), else as many as block_m has 16-row slabs, up to "
+         "head_dim 64 and 128's tiles (SM80_MEASURED_DEFAULTS), else as many as block_m has 16-row slabs, up to "
          "num_warps.", flag="--dq-row-warps", choices=(1, 2, 4, 8),
          search={"sm80": (2, 4)},
          token=lambda s, v: f"qw{v}" if s.arch == "sm80" and v != sm80_dq_row_warps_default(s.block_m, s.num_warps)
          else None),
     Knob("stages", "int", "Q buffers: sm80 1 (with dO; the next step's Q, dO load under the dQ GEMM) or 2 (with "
          "dO: the next step's Q, dO, LSE and D rows load from the top of each step, under all five GEMMs, and a "
-         "barrier a step goes; the default on head_dim 128's 64x128 tile where it fits); sm90 2 (the TMA ring the "
+         "barrier a step goes; the default on head_dim 64 and 128's tiles where it fits); sm90 2 (the TMA ring the "
          "producer warp fills; dO's: do_stages).", flag="--stages",
          choices=(1, 2), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
     Knob("do_stages", "int", "sm90: dO buffers (with their D rows), at most stages (None: as deep as fits, "
@@ -232,21 +233,34 @@ SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
 # (dq_pieces: SM90_DQ_PIECES_CHOICES, above the knobs)
 
 
-# The sm80 backward's warp grid and Q/dO ring where they were measured faster than one warp per slab with one
-# stage, per (head_dim, block_m, block_n, num_warps) default tile. H200, 2026-12-05 (session 46, commit
-# 0f7310b's kernel; pending_gpu.sh s46), bf16 fa3-paper quick cells (2k/8k, full/causal), TFLOP/s against
-# FlashAttention-2 (SDPA flash) in the same run: head_dim 128, FA2's own grid (key_warps 4, dq_row_warps 2)
-# with stages=2 at 225 / 241 / 192 / 228 against the default grid's 198 / 213 / 171 / 201 (1.12-1.14x;
-# FA2 275 / 304 / 239 / 284). Where stages=2 does not fit the GPU, stages stays 1.
-SM80_MEASURED_DEFAULTS = {(128, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2}}
+# The sm80 backward's warp grid, Q/dO ring and k16 unrolling where they were measured faster than one warp per
+# slab, one stage and two k16 steps a loop iteration, per (head_dim, block_m, block_n, num_warps) default tile,
+# bf16 fa3-paper quick cells (2k/8k, full/causal), TFLOP/s against FlashAttention-2 (SDPA flash) in the same run.
+# - head_dim 128, FA2's own grid (key_warps 4, dq_row_warps 2) with stages=2: H200, 2026-12-05 (session 46,
+#   commit 0f7310b's kernel), 225 / 241 / 192 / 228 against the default grid's 198 / 213 / 171 / 201 (FA2 275 /
+#   304 / 239 / 284).
+# - k_unroll 0 (every k16 step unrolled): H100, 2026-12-05 (session 47, commit 8161a1e; pending_gpu.sh s47),
+#   head_dim 128 259 / 281 / 211 / 266 against k_unroll 2's 249 / 271 / 208 / 259 (FA2 271 / 308 / 225 / 293);
+#   head_dim 256 192 / 210 / 170 / 210 against 188 / 202 / 162 / 202 (FA2 237 / 261 / 201 / 249); head_dim 64
+#   with FA2's d128 grid and stages=2, 223 / 247 / 191 / 235 against the default's 193 / 210 / 167 / 201 (FA2
+#   260 / 290 / 212 / 264).
+# Where stages=2 does not fit the GPU, stages stays 1; varlen kernels keep k_unroll 2 (head_dim 128's spills 48
+# bytes on sm_90 unrolled, NVRTC 13).
+SM80_MEASURED_DEFAULTS = {(128, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2, "k_unroll": 0},
+                          (64, 128, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2, "k_unroll": 0},
+                          (256, 64, 64, 8): {"k_unroll": 0}}
 
 
-def sm80_measured_defaults(head_dim: int, block_m: int, block_n: int, num_warps: int, gpu: str) -> dict:
-    """SM80_MEASURED_DEFAULTS' knobs for a tile on ``gpu`` (stages only where two stages fit it)."""
+def sm80_measured_defaults(head_dim: int, block_m: int, block_n: int, num_warps: int, gpu: str,
+                           varlen: bool = False) -> dict:
+    """SM80_MEASURED_DEFAULTS' knobs for a tile on ``gpu`` (stages only where two stages fit it; k_unroll not
+    for varlen)."""
     knobs = dict(SM80_MEASURED_DEFAULTS.get((head_dim, block_m, block_n, num_warps), {}))
     if knobs.get("stages", 1) > 1 and smem_bytes(block_m, block_n, head_dim, knobs["stages"]) > \
             GPUS[gpu].smem_per_block:
         del knobs["stages"]
+    if varlen:
+        knobs.pop("k_unroll", None)
     return knobs
 
 
@@ -366,12 +380,11 @@ SM90_LPT_GROUP_BYTES = 24 << 20
 # for head_dim 128/256 at 1k-8k). Timed against the default order: sm90_lpt_default.
 SM90_LPT_TAIL_WAVES = 4
 
-# k_unroll's default, 2: two k16 steps of ldmatrix in flight per warp GEMM, no spills in any default
-# config (NVRTC 13: 195-255 registers). 0 (every step unrolled, as FlashAttention-2's GEMMs are) keeps every
-# head_dim's default without spills since session 47's leaner step (sm_80 and sm_90; not the head_dim 128
-# varlen kernel on sm_90: 48 bytes) and issues 11-16% fewer instructions a warp-step (d128: 986 against
-# 1107, scripts/sass_step_count.py); 4: 1093, spills at head_dim 64. Not yet timed on a GPU
-# (pending_gpu.sh s47 has k_unroll 0 and 4 columns at head_dim 128 and 64).
+# k_unroll's default: 2 (two k16 steps of ldmatrix in flight per warp GEMM, no spills in any config, NVRTC 13:
+# 195-255 registers), or 0 where SM80_MEASURED_DEFAULTS says so (every step unrolled, as FlashAttention-2's
+# GEMMs are: no spills at any head_dim's default tile since session 47's leaner step, sm_80 and sm_90, but the
+# head_dim 128 varlen kernel on sm_90; 11-16% fewer instructions a warp-step by scripts/sass_step_count.py, d128
+# 986 against 1107); 4 (1093 at d128) spills at head_dim 64 and timed no faster than 2 at 128.
 
 # dK and dV accumulators held in registers across the whole loop, floats per thread: above 128 the
 # S^T / dP^T fragments, addresses and dQ pieces no longer fit in 255 registers without spills.
@@ -403,7 +416,7 @@ class BackwardSpec:
     block_m: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
-    k_unroll: int = 2
+    k_unroll: int | None = None
     frag_prefetch: bool = False
     key_warps: int | None = None
     dq_row_warps: int | None = None
@@ -454,14 +467,16 @@ class BackwardSpec:
                                                        self.do_stages)
                 set_("stages", stages)
                 set_("do_stages", do_stages)
+            if self.k_unroll is None:   # (an sm80 knob: wgmma has no k16 loop to unroll)
+                set_("k_unroll", 2)
         else:
             table = SMALL_GPU_TILES if GPUS[self.gpu].smem_per_block < 128 * 1024 else DEFAULT_TILES
             block_m, block_n, warps = table[self.head_dim]
             measured = sm80_measured_defaults(self.head_dim, self.block_m or block_m, self.block_n or block_n,
-                                              self.num_warps or warps, self.gpu)
-            for name in ("stages", "key_warps", "dq_row_warps"):
+                                              self.num_warps or warps, self.gpu, bool(self.varlen))
+            for name, plain in (("stages", 1), ("key_warps", None), ("dq_row_warps", None), ("k_unroll", 2)):
                 if getattr(self, name) is None:
-                    set_(name, measured.get(name, 1 if name == "stages" else None))
+                    set_(name, measured.get(name, plain))
         if self.do_stages is None:
             set_("do_stages", self.stages)
         for name, value in (("block_m", block_m), ("block_n", block_n), ("num_warps", warps)):
@@ -648,7 +663,8 @@ def _check_types(spec: BackwardSpec) -> None:
     for k in BACKWARD_KNOBS:
         value = getattr(spec, k.name)
         if value is None and k.name in ("block_m", "block_n", "num_warps", "gpu", "stages", "do_stages", "dq_pieces",
-                                        "s_lookahead", "dp_lookahead", "lpt", "dq_lag", "key_warps", "dq_row_warps"):
+                                        "s_lookahead", "dp_lookahead", "lpt", "dq_lag", "key_warps", "dq_row_warps",
+                                        "k_unroll"):
             continue
         if k.kind == "text" and not isinstance(value, str):
             raise SpecError(k.name, f"must be text ({', '.join(k.choices)}), got {value!r}")
