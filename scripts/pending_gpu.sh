@@ -28,6 +28,8 @@
 #                                                       # backward) and the leaner backward step: tests, d128, fuzz, d64
 #                                                       # (ran 2026-12-05 at 8161a1e on an H100)
 #   OUT=/path bash scripts/pending_gpu.sh s47b          # its new defaults (k_unroll 0): tests, fuzz, sanitizer, d96/192/64
+#                                                       # (ran at ee7440c on an H100: 945 passed, 0 fuzz failures)
+#   OUT=/path bash scripts/pending_gpu.sh s47c          # dQ before dK (DK_AFTER_DQ): tests, fuzz, stall samples, timings
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -224,6 +226,25 @@ case "${1:-}" in
             --variant arch=sm80 --variant arch=sm80,dq_row_warps=4 --out "$OUT/sm80-bwd-d64"
         tail -8 "$OUT/sm80_bwd_d96.log" "$OUT/sm80_bwd_d192.log" "$OUT/sm80_bwd_d64.log"
         ;;
+    s47c)
+        # dQ's GEMM and adds before dK's (DK_AFTER_DQ: the 2-deep ring with k_unroll 0, the d64/d128 defaults):
+        # the sm80 backward tests, a fuzz share, the stall samples beside FA2's, then head_dim 128, 64, 256 with
+        # k_unroll 2 (the order before) and stages=1 (963 instructions a warp-step at d128) as columns
+        step pytest 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
+            -k "sm80 or warp_grids or frag_prefetch or padded or k_unroll or deterministic"
+        step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 49 --family backward
+        M=smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_mio_throttle,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_selected,gpu__time_duration.sum,smsp__inst_executed.sum
+        step ncu_ours 60 ncu --clock-control none -k regex:'flash_bwd_sm80_[a-z0-9_]*[0-9a-z]$' --launch-skip 1 --launch-count 1 \
+            --metrics $M python3 scripts/bwd_one.py --d 128 --seqlen 2048 --knob arch=sm80
+        step ncu_fa2 60 ncu --clock-control none -k regex:'flash_bwd_dq_dk_dv' --launch-skip 1 --launch-count 1 \
+            --metrics $M python3 scripts/bwd_one.py --d 128 --seqlen 2048 --peer fa2
+        grep -h -E "smsp__|gpu__" "$OUT/ncu_ours.log" "$OUT/ncu_fa2.log" | sed 's/smsp__pcsamp_warps_issue_stalled_//'
+        for d in 128 64 256; do
+            step "sm80_bwd_d$d" 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
+                --variant arch=sm80 --variant arch=sm80,k_unroll=2 --variant arch=sm80,stages=1 --out "$OUT/sm80-bwd-d$d"
+            tail -6 "$OUT/sm80_bwd_d$d.log"
+        done
+        ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
         step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
@@ -264,6 +285,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"

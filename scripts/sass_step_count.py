@@ -44,12 +44,13 @@ def step_count(ins: list[tuple[int, str, str]], loop_trips: list[int]) -> dict:
             elif not text.startswith("@"):
                 jumps.append((at + 1, target - 1))   # an if/else's other arm
     main = max(loops, key=lambda lp: lp[1] - lp[0])
-    inner = sorted(lp for lp in loops if lp != main and main[0] <= lp[0] and lp[1] <= main[1]
-                   and not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops))
-    if len(inner) != len(loop_trips):
-        raise SystemExit(f"{len(inner)} GEMM loops in the SASS, {len(loop_trips)} expected: the model is stale")
     skipped = [span for span in jumps if main[0] <= span[0] <= main[1]]
     inside = lambda at, spans: any(lo <= at <= hi for lo, hi in spans)
+    inner = sorted(lp for lp in loops if lp != main and main[0] <= lp[0] and lp[1] <= main[1]
+                   and not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)
+                   and not inside(lp[0], skipped))   # (a GEMM's copy in the cold arm of an if/else)
+    if len(inner) != len(loop_trips):
+        raise SystemExit(f"{len(inner)} GEMM loops in the SASS, {len(loop_trips)} expected: the model is stale")
     hot = [op for at, op, _ in ins if main[0] <= at <= main[1] and not inside(at, inner + skipped)]
     loops_out, total = [], len(hot)
     for (lo, hi), trips in zip(inner, loop_trips):
@@ -62,17 +63,21 @@ def step_count(ins: list[tuple[int, str, str]], loop_trips: list[int]) -> dict:
 def gemm_loop_trips(spec) -> tuple[list[int], int]:
     """(the trips of each warp GEMM's k16 loop that stays a loop, in program order; the step's HMMA per warp),
     by templates/sm80/bwd_gemm.cuh.j2's warp_gemm: an iteration takes K_UNROLL k16 steps (2 with
-    frag_prefetch; k_unroll 0: all of them); a FRESH GEMM (S^T, dP^T, dQ) with 32 accumulator registers or fewer runs its first
-    iteration before the loop where that iteration is at most 2 steps (PEELED); a loop as long as one
-    iteration is straight line."""
+    frag_prefetch; k_unroll 0: all of them); a FRESH GEMM (S^T, dP^T, dQ) with 32 accumulator registers or
+    fewer runs its first iteration before the loop where that iteration is at most 2 steps (PEELED); a loop as
+    long as one iteration is straight line; dQ's GEMMs come before dK's where flash_bwd's DK_AFTER_DQ holds."""
     w, kw, qw = spec.num_warps, spec.key_warps, spec.dq_row_warps
     s_slabs, s_tiles = spec.block_n // (16 * kw), spec.block_m // (8 * (w // kw))
     kv_slabs, kv_tiles = spec.block_n // (16 * kw), spec.head_dim // (8 * (w // kw))
     dq_slabs, pairs = spec.block_m // (16 * qw), spec.head_dim // (16 * (w // qw))
     chunk = next(c for c in (4, 3, 2, 1) if pairs % c == 0)
-    gemms = ([(s_slabs, s_tiles, spec.head_dim // 16, True)] * 2           # S^T, dP^T
-             + [(kv_slabs, kv_tiles, spec.block_m // 16, False)] * 2      # dV, dK
-             + [(dq_slabs, 2 * chunk, spec.block_n // 16, True)] * (pairs // chunk))   # dQ's chunks
+    dq_chunks = [(dq_slabs, 2 * chunk, spec.block_n // 16, True)] * (pairs // chunk)
+    dv = dk = [(kv_slabs, kv_tiles, spec.block_m // 16, False)]
+    gemms = [(s_slabs, s_tiles, spec.head_dim // 16, True)] * 2               # S^T, dP^T
+    if spec.stages == 2 and not spec.deterministic and spec.k_unroll == 0:   # (flash_bwd's DK_AFTER_DQ)
+        gemms += dv + dq_chunks + dk
+    else:
+        gemms += dv + dk + dq_chunks
     trips, hmma = [], 0
     for slabs, tiles, k_steps, fresh in gemms:
         hmma += slabs * tiles * k_steps
