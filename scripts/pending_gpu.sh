@@ -9,8 +9,8 @@
 #   OUT=/path bash scripts/pending_gpu.sh bench     # their timings beside the peers (ran at f7ee6ca)
 #   OUT=/path bash scripts/pending_gpu.sh producer  # the decode producer fixes' checks, the knob sweeps (ran at
 #                                                   # 8848a71's template: 0 hazards, 0 failures)
-#   OUT=/path bash scripts/pending_gpu.sh defaults  # session 43's new defaults as defaults: NOT YET RUN (loans paused)
-#   OUT=/path bash scripts/pending_gpu.sh serving   # issue 39's serving host cost, batch-1 paged gap: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh defaults  # session 43's new defaults as defaults (ran 2026-12-05 at ee7440c, H100: 0 failures)
+#   OUT=/path bash scripts/pending_gpu.sh serving   # issue 39's serving host cost, batch-1 paged gap (ran at ee7440c, H100)
 #   OUT=/path bash scripts/pending_gpu.sh sm80_bwd  # issue 38's sm80 backward warp grids, frag_prefetch, the padded head
 #                                                   # dims' backward (checks; timed at head_dim 128): NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh sm80_bwd2 # the same timed at head_dim 64 and 256: NOT YET RUN
@@ -30,6 +30,7 @@
 #   OUT=/path bash scripts/pending_gpu.sh s47b          # its new defaults (k_unroll 0): tests, fuzz, sanitizer, d96/192/64
 #                                                       # (ran at ee7440c on an H100: 945 passed, 0 fuzz failures)
 #   OUT=/path bash scripts/pending_gpu.sh s47c          # dQ before dK (DK_AFTER_DQ): tests, fuzz, stall samples, timings
+#                                                       # (ran at b3f29ef on an H100: 129 passed, 0 fuzz failures)
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and

@@ -244,8 +244,10 @@ SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
 #   head_dim 256 192 / 210 / 170 / 210 against 188 / 202 / 162 / 202 (FA2 237 / 261 / 201 / 249); head_dim 64
 #   with FA2's d128 grid and stages=2, 223 / 247 / 191 / 235 against the default's 193 / 210 / 167 / 201 (FA2
 #   260 / 290 / 212 / 264).
-# Where stages=2 does not fit the GPU, stages stays 1; varlen kernels keep k_unroll 2 (head_dim 128's spills 48
-# bytes on sm_90 unrolled, NVRTC 13).
+#   At b3f29ef (dQ before dK, s47c), d128 259 / 284 / 211 / 265 (FA2 278 / 309 / 237 / 289), d64 232 / 249 /
+#   191 / 237 (FA2 262 / 288 / 213 / 265), d256 196 / 210 / 167 / 209 (FA2 241 / 261 / 203 / 250).
+# Where stages=2 does not fit the GPU, stages stays 1; varlen kernels keep k_unroll 2 (head_dim 128's spills
+# on sm_90 unrolled, NVRTC 13); head_dim 96 and 192 are not in the fa3-paper grid and stay at 2 untimed.
 SM80_MEASURED_DEFAULTS = {(128, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2, "k_unroll": 0},
                           (64, 128, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2, "k_unroll": 0},
                           (256, 64, 64, 8): {"k_unroll": 0}}
