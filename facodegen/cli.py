@@ -868,16 +868,18 @@ def _written(paths: dict) -> str:
 
 def _bench_backward(spec_fields: dict, peers, out_dir: Path, no_plot: bool, mode: str, variants, quick: bool) -> None:
     """`bench --suite fa3-paper --backward|--fwd-bwd`: bench.backward.run_backward over the FA3-paper
-    cells (--head-dim / --causal pick part, --quick seqlen 2k and 8k), beside SDPA's cuDNN and flash
+    cells (--head-dim / --causal pick part; --head-dim 96 or 192: those shapes at that d; --quick seqlen 2k
+    and 8k), beside SDPA's cuDNN and flash
     backends (--peers cudnn,fa2; flash = fa2), --variant knobs as extra columns. The table prints last."""
     from .bench import backward as bw
     from .bench import results
 
     dtype = spec_fields.get("dtype", "bf16")
     head_dim, causal = spec_fields.get("head_dim"), spec_fields.get("causal")
-    if head_dim is not None and head_dim not in bw.HEAD_DIMS:
+    if head_dim is not None and head_dim not in bw.HEAD_DIMS + bw.OTHER_HEAD_DIMS:
         raise UsageFailure(f"--head-dim {head_dim}: no cell of suite fa3-paper has it "
-                           f"({', '.join(map(str, bw.HEAD_DIMS))})")
+                           f"({', '.join(map(str, bw.HEAD_DIMS))}; {' and '.join(map(str, bw.OTHER_HEAD_DIMS))} "
+                           f"with --backward / --fwd-bwd alone)")
     try:
         peer_names = bw.BACKWARD_PEERS if peers is None else bw.peer_names(_peer_list(peers))
     except ValueError as err:

@@ -31,6 +31,7 @@
 #                                                       # (ran at ee7440c on an H100: 945 passed, 0 fuzz failures)
 #   OUT=/path bash scripts/pending_gpu.sh s47c          # dQ before dK (DK_AFTER_DQ): tests, fuzz, stall samples, timings
 #                                                       # (ran at b3f29ef on an H100: 129 passed, 0 fuzz failures)
+#   OUT=/path bash scripts/pending_gpu.sh s47d          # FA2's warp grids at head_dim 96, 192, 256 with k_unroll 0
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -246,6 +247,20 @@ case "${1:-}" in
             tail -6 "$OUT/sm80_bwd_d$d.log"
         done
         ;;
+    s47d)
+        # FA2's warp grids at head_dim 96 (key_warps 4, dq_row_warps 4), 192 and 256 (2 and 2) with k_unroll 0: 858,
+        # 803 and 930 instructions a warp-step by the SASS against the defaults' 1052, 1015 and 997; checked, timed
+        step pytest 90 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py -k "warp_grids and (hd96 or hd192 or hd256)"
+        step sm80_bwd_d96 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 96 --peers fa2 \
+            --variant arch=sm80 --variant arch=sm80,k_unroll=0 --variant arch=sm80,key_warps=4,dq_row_warps=4,k_unroll=0 \
+            --out "$OUT/sm80-bwd-d96"
+        step sm80_bwd_d192 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 192 --peers fa2 \
+            --variant arch=sm80 --variant arch=sm80,k_unroll=0 --variant arch=sm80,key_warps=2,dq_row_warps=2,k_unroll=0 \
+            --out "$OUT/sm80-bwd-d192"
+        step sm80_bwd_d256 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 256 --peers fa2 \
+            --variant arch=sm80 --variant arch=sm80,key_warps=2,dq_row_warps=2 --out "$OUT/sm80-bwd-d256"
+        for d in 96 192 256; do tail -6 "$OUT/sm80_bwd_d$d.log"; done
+        ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
         step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
@@ -286,6 +301,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"

@@ -179,7 +179,7 @@ def test_varlen_backward_reaches_its_suite(fake_gpu, monkeypatch, tmp_path):
     (["--suite", "fa3-paper", "--backward", "--variant", "k_unroll"], ["--variant", "knob=value"]),
     (["--suite", "fa3-paper", "--backward", "--block-n", "64"], ["--block-n", "--backward"]),
     (["--suite", "fa3-paper", "--backward", "--arch", "sm90"], ["--arch", "--backward"]),
-    (["--suite", "fa3-paper", "--backward", "--head-dim", "96"], ["--head-dim 96"]),
+    (["--suite", "fa3-paper", "--backward", "--head-dim", "80"], ["--head-dim 80", "96 and 192"]),
     (["--suite", "fa3-paper", "--backward", "--peers", "fa3"], ["--peers", "fa3"]),
     (["--suite", "fa3-paper", "--backward", "--budget-s", "10"], ["--budget-s"]),
     (["--suite", "fa3-paper", "--backward", "--no-prepared"], ["--no-prepared"]),

@@ -29,6 +29,9 @@ from .grids import FA3_SEQLENS, attention_flops, paper_cell, tflops
 from .variants import knob_values, variant_label
 
 HEAD_DIMS = (64, 128, 256)
+# Not the paper's, timed only when --head-dim names one: the paper grid's shapes at that d (16k tokens,
+# hidden ~2048: 2048 // d heads).
+OTHER_HEAD_DIMS = (96, 192)
 SEQLENS = FA3_SEQLENS
 QUICK_SEQLENS = (2048, 8192)
 FACODEGEN = "facodegen"

@@ -288,7 +288,7 @@ def test_non_default_tiles_and_cupy():
 _GRID_WARPS = [(d, kw, qw, st, causal) for d, kw, qw, st in
                ((128, 4, 2, 1), (128, 2, 2, 1), (128, 4, 4, 1), (64, 4, 2, 1), (64, 2, 4, 1), (96, 4, 4, 1),
                 (128, None, None, 2), (128, 4, 2, 2), (64, 4, 2, 2), (96, None, None, 2), (192, None, None, 2),
-                (256, None, None, 2)) for causal in (False, True)]
+                (256, None, None, 2), (96, 4, 4, 1), (192, 2, 2, 1), (256, 2, 2, 1)) for causal in (False, True)]
 
 
 @pytest.mark.parametrize("d, key_warps, dq_row_warps, stages, causal", _GRID_WARPS,
