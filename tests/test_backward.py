@@ -40,23 +40,24 @@ def test_every_head_dim_dtype_causal_has_a_default():
 def test_variant_names_the_problem_and_the_tile():
     spec = BackwardSpec(head_dim=128, dtype="bf16", causal=True)
     assert spec.variant == "flash_bwd_sm80_bf16_hd128_bm64_bn128_w8_kuall_kw4_qw2_st2_causal"   # (SM80_MEASURED_DEFAULTS)
-    assert BackwardSpec(head_dim=96).variant == "flash_bwd_sm80_bf16_hd96_bm64_bn128_w8"
+    assert BackwardSpec(head_dim=96).variant == "flash_bwd_sm80_bf16_hd96_bm64_bn128_w8_kuall_kw4"
+    assert BackwardSpec(head_dim=96, block_n=64).variant == "flash_bwd_sm80_bf16_hd96_bm64_bn64_w8"   # (unmeasured)
     assert spec.kernel_names == (f"{spec.variant}_dot_do_o", spec.variant, f"{spec.variant}_convert_dq")
     assert BackwardSpec(head_dim=64, dtype="fp16").variant == "flash_bwd_sm80_fp16_hd64_bm128_bn128_w8_kuall_kw4_qw2_st2"
-    assert BackwardSpec(head_dim=96, k_unroll=1).variant == "flash_bwd_sm80_bf16_hd96_bm64_bn128_w8_ku1"
+    assert BackwardSpec(head_dim=96, k_unroll=1).variant == "flash_bwd_sm80_bf16_hd96_bm64_bn128_w8_ku1_kw4"
     assert len({s.variant for s in DEFAULTS}) == len(DEFAULTS)
 
 
 def test_sm80_warp_grids_are_knobs_with_the_old_grids_as_defaults():
     """key_warps and dq_row_warps default to one warp per 16-key / 16-row slab (the grids before them), but
-    for the tiles SM80_MEASURED_DEFAULTS names (head_dim 64 and 128's: FA2's d128 grid, with stages=2). The name
+    for the tiles SM80_MEASURED_DEFAULTS names (every head_dim's default tile: FA2's grids). The name
     shows a grid other than one warp per slab (kw, qw), the emit line leaves out only the tile's own
     defaults and rebuilds any other grid, the source says the count; sm90's header never lists them."""
     from facodegen.spec.backward import sm80_dq_row_warps_default, sm80_key_warps_default
-    spec = BackwardSpec(head_dim=96)
-    assert (spec.key_warps, spec.dq_row_warps) == (8, 4) == (sm80_key_warps_default(128, 8),
+    spec = BackwardSpec(head_dim=96, block_n=64)   # (a tile SM80_MEASURED_DEFAULTS does not name)
+    assert (spec.key_warps, spec.dq_row_warps) == (4, 4) == (sm80_key_warps_default(64, 8),
                                                             sm80_dq_row_warps_default(64, 8))
-    assert spec == BackwardSpec(head_dim=96, key_warps=8, dq_row_warps=4, stages=1)
+    assert spec == BackwardSpec(head_dim=96, block_n=64, key_warps=4, dq_row_warps=4, stages=1, k_unroll=2)
     assert "warps" not in spec.variant.split("_w8")[1] and "key-warps" not in backward.emit_command(spec)
     measured = BackwardSpec(head_dim=128)
     assert (measured.key_warps, measured.dq_row_warps, measured.stages) == (4, 2, 2)
@@ -78,8 +79,8 @@ def test_sm80_two_stages_double_the_q_do_buffers_and_name_themselves():
     """stages=2 on sm80: two of each Q, dO tile and LSE, D row in shared memory, the name says st2, the emit
     line --stages 2 (and no --do-stages: it follows), the source STAGES = 2; head_dim 256's 214 KB fits an
     H100/H200, not the A100's budget."""
-    one, two = BackwardSpec(head_dim=96), BackwardSpec(head_dim=96, stages=2)     # (96: no measured defaults)
-    assert two.smem_bytes - one.smem_bytes == 2 * 64 * 96 * 2 + 2 * 64 * 4 and two.variant.endswith("_w8_st2")
+    one, two = BackwardSpec(head_dim=96), BackwardSpec(head_dim=96, stages=2)     # (96: measured stages 1)
+    assert two.smem_bytes - one.smem_bytes == 2 * 64 * 96 * 2 + 2 * 64 * 4 and two.variant.endswith("_kw4_st2")
     line = backward.emit_command(two)
     assert "--stages 2" in line and "--do-stages" not in line and "constexpr int  STAGES     = 2;" in backward.emit(two)
     result = CliRunner().invoke(cli.main, ["emit", *line.split()[2:]])

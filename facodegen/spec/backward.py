@@ -67,7 +67,7 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          token=lambda s, v: f"w{s.num_warps}"),
     Knob("k_unroll", "int", "k16 steps of each warp GEMM unrolled together (more in flight, more registers); "
          "0: all of them (each warp GEMM straight-line code: no loop counter, every shared address an "
-         "immediate offset of a few per-GEMM bases). Default: 0 on head_dim 64, 128 and 256's tiles but varlen "
+         "immediate offset of a few per-GEMM bases). Default: 0 on every head_dim's default tile but varlen "
          "(SM80_MEASURED_DEFAULTS), else 2.",
          flag="--k-unroll", choices=(0, 1, 2, 4), search={"sm80": (0, 1, 2)},
          token=lambda s, v: (f"ku{s.k_unroll}" if s.k_unroll else "kuall") if s.k_unroll != 2 else None),
@@ -78,14 +78,15 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("key_warps", "int", "sm80: warps along the keys of the S^T, dP^T, dK and dV warp grids (the rest split "
          "the queries, and head_dim for dK, dV); each warp's GEMMs read its keys' slabs and its share of Q, dO "
          "from shared memory, so fewer warps along the keys read Q and dO fewer times (FlashAttention-2's d128 "
-         "backward: 4 of 8). Default: 4 on head_dim 64 and 128's tiles (SM80_MEASURED_DEFAULTS), else as many as "
+         "backward: 4 of 8). Default: FA2's on every head_dim's default tile (SM80_MEASURED_DEFAULTS: 4 at 64, 96 "
+         "and 128, 2 at 192 and 256), else as many as "
          "block_n has 16-key slabs, up to num_warps.",
          flag="--key-warps", choices=(1, 2, 4, 8), search={"sm80": (2, 4, 8)},
          token=lambda s, v: f"kw{v}" if s.arch == "sm80" and v != sm80_key_warps_default(s.block_n, s.num_warps)
          else None),
     Knob("dq_row_warps", "int", "sm80: warps along the query rows of the dQ warp grid (the rest split head_dim): "
-         "each reads its rows' dS and its columns' K (FlashAttention-2's d128 backward: 2 of 8). Default: 2 on "
-         "head_dim 64 and 128's tiles (SM80_MEASURED_DEFAULTS), else as many as block_m has 16-row slabs, up to "
+         "each reads its rows' dS and its columns' K (FlashAttention-2's d128 backward: 2 of 8). Default: FA2's on "
+         "every head_dim's default tile (SM80_MEASURED_DEFAULTS: 2, 4 at head_dim 96), else as many as block_m has 16-row slabs, up to "
          "num_warps.", flag="--dq-row-warps", choices=(1, 2, 4, 8),
          search={"sm80": (2, 4)},
          token=lambda s, v: f"qw{v}" if s.arch == "sm80" and v != sm80_dq_row_warps_default(s.block_m, s.num_warps)
@@ -247,10 +248,17 @@ SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
 #   At b3f29ef (dQ before dK, s47c), d128 259 / 284 / 211 / 265 (FA2 278 / 309 / 237 / 289), d64 232 / 249 /
 #   191 / 237 (FA2 262 / 288 / 213 / 265), d256 196 / 210 / 167 / 209 (FA2 241 / 261 / 203 / 250).
 # Where stages=2 does not fit the GPU, stages stays 1; varlen kernels keep k_unroll 2 (head_dim 128's spills
-# on sm_90 unrolled, NVRTC 13); head_dim 96 and 192 are not in the fa3-paper grid and stay at 2 untimed.
+# on sm_90 unrolled, NVRTC 13).
+# - FA2's own grids at head_dim 96 (key_warps 4, dq_row_warps 4), 192 and 256 (2 and 2) with k_unroll 0: H100,
+#   2026-12-05 (c848b01, pending_gpu.sh s47d), d96 232 / 257 / 196 / 242 against the old default's 199 / 215 /
+#   169 / 205 (FA2 269 / 295 / 203 / 252), d192 199 / 214 / 172 / 210 against 184 / 197 / 162 / 197 (FA2 236 /
+#   255 / 209 / 259), d256 201 / 217 / 173 / 214 against k_unroll 0 alone's 193 / 208 / 168 / 207 (FA2 234 /
+#   255 / 199 / 246).
 SM80_MEASURED_DEFAULTS = {(128, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2, "k_unroll": 0},
                           (64, 128, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2, "k_unroll": 0},
-                          (256, 64, 64, 8): {"k_unroll": 0}}
+                          (96, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 4, "k_unroll": 0},
+                          (192, 64, 64, 8): {"key_warps": 2, "dq_row_warps": 2, "k_unroll": 0},
+                          (256, 64, 64, 8): {"key_warps": 2, "dq_row_warps": 2, "k_unroll": 0}}
 
 
 def sm80_measured_defaults(head_dim: int, block_m: int, block_n: int, num_warps: int, gpu: str,
