@@ -32,6 +32,8 @@
 #   OUT=/path bash scripts/pending_gpu.sh s47c          # dQ before dK (DK_AFTER_DQ): tests, fuzz, stall samples, timings
 #                                                       # (ran at b3f29ef on an H100: 129 passed, 0 fuzz failures)
 #   OUT=/path bash scripts/pending_gpu.sh s47d          # FA2's warp grids at head_dim 96, 192, 256 with k_unroll 0
+#                                                       # (ran at c848b01 on an H100: 14 passed; now the defaults)
+#   OUT=/path bash scripts/pending_gpu.sh s48           # the new defaults' varlen kernels and GPU tests: NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -261,6 +263,22 @@ case "${1:-}" in
             --variant arch=sm80 --variant arch=sm80,key_warps=2,dq_row_warps=2 --out "$OUT/sm80-bwd-d256"
         for d in 96 192 256; do tail -6 "$OUT/sm80_bwd_d$d.log"; done
         ;;
+    s48)
+        # session 47's last changes, not yet on a GPU as defaults: the varlen backward at head_dim 96, 192, 256 now
+        # runs FA2's warp grids (k_unroll 2: varlen keeps it), and every sm80 backward GPU test at the new grids;
+        # the varlen fuzz share, then the varlen backward timed beside FA2's
+        step pytest 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
+            -k "sm80 or varlen or warp_grids or padded"
+        step fuzz_varlen 60 python3 -m facodegen check --fuzz 200 --seed 50 --family varlen
+        step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 51 --family backward
+        step varlen_bwd 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT/varlen-bwd"
+        tail -20 "$OUT/varlen_bwd.log"
+        # head_dim 256's K-major ldmatrix addresses: 4 bases an operand and immediate offsets (882 instructions a
+        # warp-step, from 930; never run), timed beside FA2
+        step sm80_bwd_d256 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 256 --peers fa2 \
+            --variant arch=sm80 --out "$OUT/sm80-bwd-d256"
+        tail -6 "$OUT/sm80_bwd_d256.log"
+        ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
         step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
@@ -301,6 +319,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"

@@ -81,7 +81,7 @@ def gemm_loop_trips(spec) -> tuple[list[int], int]:
     trips, hmma = [], 0
     for slabs, tiles, k_steps, fresh in gemms:
         hmma += slabs * tiles * k_steps
-        per_step = 2 if spec.frag_prefetch else spec.k_unroll or k_steps   # (k_unroll 0: every step)
+        per_step = k_steps if spec.k_unroll == 0 else 2 if spec.frag_prefetch else spec.k_unroll   # (0: every step)
         peeled = per_step if (fresh and slabs * tiles * 4 <= 32 and per_step <= 2 and k_steps % per_step == 0
                               and k_steps > per_step) else 0
         if k_steps - peeled > per_step:
