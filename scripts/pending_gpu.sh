@@ -273,11 +273,13 @@ case "${1:-}" in
         step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 51 --family backward
         step varlen_bwd 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT/varlen-bwd"
         tail -20 "$OUT/varlen_bwd.log"
-        # head_dim 256's K-major ldmatrix addresses: 4 bases an operand and immediate offsets (882 instructions a
-        # warp-step, from 930; never run), timed beside FA2
-        step sm80_bwd_d256 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 256 --peers fa2 \
-            --variant arch=sm80 --out "$OUT/sm80-bwd-d256"
-        tail -6 "$OUT/sm80_bwd_d256.log"
+        # the K-major ldmatrix addresses of straight-line GEMMs from a few bases an operand and immediate offsets
+        # (instructions a warp-step: d256 930 -> 882, d192 803 -> 771, d96 858 -> 842; never run), timed beside FA2
+        for d in 256 192 96; do
+            step "sm80_bwd_d$d" 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d --peers fa2 \
+                --variant arch=sm80 --out "$OUT/sm80-bwd-d$d"
+            tail -6 "$OUT/sm80_bwd_d$d.log"
+        done
         ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
