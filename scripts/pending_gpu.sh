@@ -34,6 +34,7 @@
 #   OUT=/path bash scripts/pending_gpu.sh s47d          # FA2's warp grids at head_dim 96, 192, 256 with k_unroll 0
 #                                                       # (ran at c848b01 on an H100: 14 passed; now the defaults)
 #   OUT=/path bash scripts/pending_gpu.sh s48           # the new defaults' varlen kernels and GPU tests: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s48b          # softcap with exp2 moved to the FMA pipe: NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -281,6 +282,18 @@ case "${1:-}" in
             tail -6 "$OUT/sm80_bwd_d$d.log"
         done
         ;;
+    s48b)
+        # issue 40's softcap cost (29-47% on the H100 at ee7440c; bar 5%): tanh.approx is a second MUFU op per score
+        # beside exp2, so the MUFU pipe may now bound the step where poly_exp2_tiles (exp2 on the FMA pipe, off by
+        # default: the step was issue-bound without softcap) pays; the plain kernel beside it
+        for d in 128 256; do
+            step "plain_d$d" 40 python3 -m facodegen bench --arch sm90 --head-dim $d --seqlen 16384 --batch 1 --heads $((2048 / d))
+            for t in 0 2 4; do
+                step "softcap_d${d}_poly$t" 40 python3 -m facodegen bench --arch sm90 --head-dim $d --seqlen 16384 --batch 1 \
+                    --heads $((2048 / d)) --softcap 50 --poly-exp2-tiles $t
+            done
+        done
+        ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
         step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
@@ -321,6 +334,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48|s48b"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
