@@ -73,6 +73,12 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _stride_of(size: int, stride: int, contiguous: int) -> int:
+    """A dimension's stride in the map: a dimension of size 1 is only ever addressed at coordinate 0, so its
+    stride is free and takes the contiguous value (views of size-1 dims may carry any stride, even 0 or odd)."""
+    return contiguous if size == 1 else stride
+
+
 def tiled_args(ptr: int, dtype: str, shape_bshd, strides_elems, box_rows: int, box_cols: int = 64,
                swizzle: int = 128) -> TiledArgs:
     """Check everything cuTensorMapEncodeTiled would reject (and what the kernel assumes).
@@ -104,14 +110,11 @@ def tiled_args(ptr: int, dtype: str, shape_bshd, strides_elems, box_rows: int, b
         strides = strides[:3]
     if (head_dim * e) % 16:
         raise ValueError(f"shape_bshd: head_dim={head_dim} x {e} bytes must be a multiple of 16 bytes")
-    # A dimension of size 1 is only ever addressed at coordinate 0, so its stride is free: give
-    # it the contiguous value (views of size-1 dims may carry any stride, even 0 or odd).
     contiguous = {"batch": seqlen * heads * head_dim, "row": heads * head_dim, "head": head_dim}
     sizes = {"batch": batch, "row": seqlen, "head": heads}
     stride_bytes = {}
     for name, stride in zip(("batch", "row", "head"), strides):
-        if sizes[name] == 1:
-            stride = contiguous[name]
+        stride = _stride_of(sizes[name], stride, contiguous[name])
         nbytes = stride * e
         if nbytes <= 0 or nbytes % 16:
             raise ValueError(f"strides_elems: {name} stride {stride} elements = {nbytes} bytes must be a "
@@ -140,15 +143,15 @@ def tiled_args(ptr: int, dtype: str, shape_bshd, strides_elems, box_rows: int, b
 def with_rows(args: TiledArgs, ptr: int, seqlen: int, row_stride_bytes: int) -> TiledArgs:
     """tiled_args' ``args`` of a one-batch tensor (a varlen call's packed tokens) for the same layout at ``ptr``
     with ``seqlen`` rows (``row_stride_bytes``: the tensor's row stride), as tiled_args makes them without
-    checking again: a size-1 dimension's stride is the contiguous value (the batch's always, the row's with
-    one row), so the batch stride follows seqlen. ``ptr`` must be 16-byte aligned (the callers check)."""
+    checking again (its _stride_of: the batch's stride follows seqlen). ``ptr`` must be 16-byte aligned (the
+    callers check)."""
     head_dim, _, heads, batch = args.dims
     if batch != 1:
         raise ValueError(f"args: a one-batch tensor's map (batch {batch})")
     contiguous_row = head_dim * heads * _CODE_BYTES[args.dtype_code]
-    row = contiguous_row if seqlen == 1 else row_stride_bytes
     return TiledArgs(ptr=ptr, dtype_code=args.dtype_code, dims=(head_dim, seqlen, heads, 1),
-                     strides=(row, args.strides[1], seqlen * contiguous_row), box=args.box,
+                     strides=(_stride_of(seqlen, row_stride_bytes, contiguous_row), args.strides[1],
+                              _stride_of(1, 0, seqlen * contiguous_row)), box=args.box,
                      swizzle_code=args.swizzle_code)
 
 
