@@ -46,9 +46,12 @@ def step_count(ins: list[tuple[int, str, str]], loop_trips: list[int]) -> dict:
     main = max(loops, key=lambda lp: lp[1] - lp[0])
     skipped = [span for span in jumps if main[0] <= span[0] <= main[1]]
     inside = lambda at, spans: any(lo <= at <= hi for lo, hi in spans)
+    spins = [lp for lp in loops if lp != main and any(op == "NANOSLEEP" for at, op, _ in ins if lp[0] <= at <= lp[1])]
     inner = sorted(lp for lp in loops if lp != main and main[0] <= lp[0] and lp[1] <= main[1]
                    and not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)
-                   and not inside(lp[0], skipped))   # (a GEMM's copy in the cold arm of an if/else)
+                   and not inside(lp[0], skipped)   # (a GEMM's copy in the cold arm of an if/else)
+                   and lp not in spins)             # (deterministic: thread 0's wait for its dQ turn)
+    skipped += spins
     if len(inner) != len(loop_trips):
         raise SystemExit(f"{len(inner)} GEMM loops in the SASS, {len(loop_trips)} expected: the model is stale")
     hot = [op for at, op, _ in ins if main[0] <= at <= main[1] and not inside(at, inner + skipped)]

@@ -86,8 +86,8 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          else None),
     Knob("dq_row_warps", "int", "sm80: warps along the query rows of the dQ warp grid (the rest split head_dim): "
          "each reads its rows' dS and its columns' K (FlashAttention-2's d128 backward: 2 of 8). Default: FA2's on "
-         "every head_dim's default tile (SM80_MEASURED_DEFAULTS: 2, 4 at head_dim 96), else as many as block_m has 16-row slabs, up to "
-         "num_warps.", flag="--dq-row-warps", choices=(1, 2, 4, 8),
+         "every head_dim's default tile (SM80_MEASURED_DEFAULTS: 2, 4 at head_dim 96), else as many as block_m "
+         "has 16-row slabs, up to num_warps.", flag="--dq-row-warps", choices=(1, 2, 4, 8),
          search={"sm80": (2, 4)},
          token=lambda s, v: f"qw{v}" if s.arch == "sm80" and v != sm80_dq_row_warps_default(s.block_m, s.num_warps)
          else None),
