@@ -281,6 +281,10 @@ case "${1:-}" in
                 --variant arch=sm80 --out "$OUT/sm80-bwd-d$d"
             tail -6 "$OUT/sm80_bwd_d$d.log"
         done
+        # head_dim 64's one stage with P^T in fp32 (1183 instructions a warp-step; stages=2 there: 1204)
+        step sm80_bwd_d64 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 --peers fa2 \
+            --variant arch=sm80 --variant arch=sm80,stages=2 --out "$OUT/sm80-bwd-d64"
+        tail -6 "$OUT/sm80_bwd_d64.log"
         ;;
     s48b)
         # issue 40's softcap cost (29-47% on the H100 at ee7440c; bar 5%): tanh.approx is a second MUFU op per score

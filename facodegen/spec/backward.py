@@ -93,7 +93,7 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          else None),
     Knob("stages", "int", "Q buffers: sm80 1 (with dO; the next step's Q, dO load under the dQ GEMM) or 2 (with "
          "dO: the next step's Q, dO, LSE and D rows load from the top of each step, under all five GEMMs, and a "
-         "barrier a step goes; the default on head_dim 64 and 128's tiles where it fits); sm90 2 (the TMA ring the "
+         "barrier a step goes; the default on head_dim 128's tile where it fits); sm90 2 (the TMA ring the "
          "producer warp fills; dO's: do_stages).", flag="--stages",
          choices=(1, 2), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
     Knob("do_stages", "int", "sm90: dO buffers (with their D rows), at most stages (None: as deep as fits, "
@@ -247,6 +247,9 @@ SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
 #   260 / 290 / 212 / 264).
 #   At b3f29ef (dQ before dK, s47c), d128 259 / 284 / 211 / 265 (FA2 278 / 309 / 237 / 289), d64 232 / 249 /
 #   191 / 237 (FA2 262 / 288 / 213 / 265), d256 196 / 210 / 167 / 209 (FA2 241 / 261 / 203 / 250).
+#   stages=1 at head_dim 64 (b3f29ef, s47c's column): 233 / 248 / 195 / 234 against stages=2's 232 / 249 / 191 /
+#   237, the same; so head_dim 64 takes one stage, whose registers let P^T stay in fp32 for dS^T (P_IN_FP32:
+#   1236 -> 1183 instructions a warp-step; with two stages its fp16 causal kernel spilled 4 bytes on sm_90).
 # Where stages=2 does not fit the GPU, stages stays 1; varlen kernels keep k_unroll 2 (head_dim 128's spills
 # on sm_90 unrolled, NVRTC 13).
 # - FA2's own grids at head_dim 96 (key_warps 4, dq_row_warps 4), 192 and 256 (2 and 2) with k_unroll 0: H100,
@@ -255,7 +258,7 @@ SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
 #   255 / 209 / 259), d256 201 / 217 / 173 / 214 against k_unroll 0 alone's 193 / 208 / 168 / 207 (FA2 234 /
 #   255 / 199 / 246).
 SM80_MEASURED_DEFAULTS = {(128, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2, "k_unroll": 0},
-                          (64, 128, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2, "k_unroll": 0},
+                          (64, 128, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "k_unroll": 0},
                           (96, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 4, "k_unroll": 0},
                           (192, 64, 64, 8): {"key_warps": 2, "dq_row_warps": 2, "k_unroll": 0},
                           (256, 64, 64, 8): {"key_warps": 2, "dq_row_warps": 2, "k_unroll": 0}}
