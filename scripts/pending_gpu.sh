@@ -276,9 +276,11 @@ case "${1:-}" in
         tail -20 "$OUT/varlen_bwd.log"
         # the K-major ldmatrix addresses of straight-line GEMMs from a few bases an operand and immediate offsets
         # (instructions a warp-step: d256 930 -> 882, d192 803 -> 771, d96 858 -> 842; never run), timed beside FA2
+        # (and the 2-deep Q/dO ring as a column: FA2 double-buffers on an H100/H200; d256, 192, 96: 906, 789, 860
+        # instructions a warp-step against one stage's 882, 771, 842, no spills with gpu=h100)
         for d in 256 192 96; do
             step "sm80_bwd_d$d" 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d --peers fa2 \
-                --variant arch=sm80 --out "$OUT/sm80-bwd-d$d"
+                --variant arch=sm80 --variant arch=sm80,stages=2 --out "$OUT/sm80-bwd-d$d"
             tail -6 "$OUT/sm80_bwd_d$d.log"
         done
         # head_dim 64's one stage with P^T in fp32 (1183 instructions a warp-step; stages=2 there: 1204)
