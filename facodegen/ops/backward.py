@@ -33,8 +33,7 @@ from ..runtime import driver
 from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_LPT_GROUP_BYTES,
                               SM90_LPT_TAIL_WAVES, SM90_PRODUCER_REGS, BackwardSpec, dq_accum_rows,
-                              preprocess_row_threads, preprocess_rows_per_cta, sm80_dq_row_warps_default,
-                              sm80_key_warps_default, sm80_measured_defaults, sm90_default_rings, sm90_dq_cols,
+                              preprocess_row_threads, preprocess_rows_per_cta, sm80_defaults, sm90_default_rings, sm90_dq_cols,
                               sm90_dq_lag_default, sm90_dq_m_tiles, sm90_dq_tma_default, sm90_fewest_dq_pieces, sm90_kv_split,
                               sm90_lookahead_default, sm90_lpt_default, sm90_persistent_default, sm90_swizzle_bytes, stat_rows,
                               varlen_padded_blocks)
@@ -145,15 +144,10 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     spec built from the line's other flags takes them (sm90: dq_tma_reduce's default is off where the
     line says --deterministic, as BackwardSpec makes it; the ring's depth for the dQ path)."""
     if spec.arch == "sm80":
-        measured = sm80_measured_defaults(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.gpu,
-                                          spec.varlen)
-        return {"head_dim_real": spec.head_dim, "gpu": DEFAULT_GPU, "stages": measured.get("stages", 1),
-                "k_unroll": measured.get("k_unroll", 2),
-                "frag_prefetch": False, "deterministic": False, "dq_tma_reduce": False, "s_lookahead": False,
-                "dp_lookahead": False, "persistent": False, "lpt": False, "do_stages": spec.stages, "dq_pieces": 1,
-                "dq_lag": False, "varlen": False,
-                "key_warps": measured.get("key_warps", sm80_key_warps_default(spec.block_n, spec.num_warps)),
-                "dq_row_warps": measured.get("dq_row_warps", sm80_dq_row_warps_default(spec.block_m, spec.num_warps))}
+        return {"head_dim_real": spec.head_dim, "gpu": DEFAULT_GPU, "frag_prefetch": False, "deterministic": False,
+                "dq_tma_reduce": False, "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False,
+                "do_stages": spec.stages, "dq_pieces": 1, "dq_lag": False, "varlen": False,
+                **sm80_defaults(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.gpu, spec.varlen)}
     s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
                                                    spec.dq_tma_reduce, spec.s_lookahead)
     stages, do_stages = sm90_default_rings(spec.head_dim, spec.dq_tma_reduce, SM90_GPU)

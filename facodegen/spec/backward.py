@@ -244,19 +244,19 @@ SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
 #   head_dim 128 259 / 281 / 211 / 266 against k_unroll 2's 249 / 271 / 208 / 259 (FA2 271 / 308 / 225 / 293);
 #   head_dim 256 192 / 210 / 170 / 210 against 188 / 202 / 162 / 202 (FA2 237 / 261 / 201 / 249); head_dim 64
 #   with FA2's d128 grid and stages=2, 223 / 247 / 191 / 235 against the default's 193 / 210 / 167 / 201 (FA2
-#   260 / 290 / 212 / 264).
-#   At b3f29ef (dQ before dK, s47c), d128 259 / 284 / 211 / 265 (FA2 278 / 309 / 237 / 289), d64 232 / 249 /
-#   191 / 237 (FA2 262 / 288 / 213 / 265), d256 196 / 210 / 167 / 209 (FA2 241 / 261 / 203 / 250).
-#   stages=1 at head_dim 64 (b3f29ef, s47c's column): 233 / 248 / 195 / 234 against stages=2's 232 / 249 / 191 /
-#   237, the same; so head_dim 64 takes one stage, whose registers let P^T stay in fp32 for dS^T (P_IN_FP32:
-#   1236 -> 1183 instructions a warp-step; with two stages its fp16 causal kernel spilled 4 bytes on sm_90).
-# Where stages=2 does not fit the GPU, stages stays 1; varlen kernels keep k_unroll 2 (head_dim 128's spills
-# on sm_90 unrolled, NVRTC 13).
+#   260 / 290 / 212 / 264). At b3f29ef (dQ before dK, s47c): d128 259 / 284 / 211 / 265 (FA2 278 / 309 / 237 /
+#   289), d64 232 / 249 / 191 / 237 (FA2 262 / 288 / 213 / 265), d256 196 / 210 / 167 / 209 (FA2 241 / 261 /
+#   203 / 250).
+# - head_dim 64 with one stage (b3f29ef, s47c's column): 233 / 248 / 195 / 234 against stages=2's 232 / 249 /
+#   191 / 237, the same; so it takes one stage, whose registers let P^T stay in fp32 for dS^T (P_IN_FP32: 1236
+#   -> 1183 instructions a warp-step; with two stages its fp16 causal kernel spilled 4 bytes on sm_90).
 # - FA2's own grids at head_dim 96 (key_warps 4, dq_row_warps 4), 192 and 256 (2 and 2) with k_unroll 0: H100,
 #   2026-12-05 (c848b01, pending_gpu.sh s47d), d96 232 / 257 / 196 / 242 against the old default's 199 / 215 /
 #   169 / 205 (FA2 269 / 295 / 203 / 252), d192 199 / 214 / 172 / 210 against 184 / 197 / 162 / 197 (FA2 236 /
 #   255 / 209 / 259), d256 201 / 217 / 173 / 214 against k_unroll 0 alone's 193 / 208 / 168 / 207 (FA2 234 /
 #   255 / 199 / 246).
+# Where stages=2 does not fit the GPU, stages stays 1; varlen kernels keep k_unroll 2 (head_dim 128's spills
+# on sm_90 unrolled, NVRTC 13).
 SM80_MEASURED_DEFAULTS = {(128, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2, "k_unroll": 0},
                           (64, 128, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "k_unroll": 0},
                           (96, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 4, "k_unroll": 0},
@@ -264,17 +264,19 @@ SM80_MEASURED_DEFAULTS = {(128, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 2,
                           (256, 64, 64, 8): {"key_warps": 2, "dq_row_warps": 2, "k_unroll": 0}}
 
 
-def sm80_measured_defaults(head_dim: int, block_m: int, block_n: int, num_warps: int, gpu: str,
-                           varlen: bool = False) -> dict:
-    """SM80_MEASURED_DEFAULTS' knobs for a tile on ``gpu`` (stages only where two stages fit it; k_unroll not
-    for varlen)."""
-    knobs = dict(SM80_MEASURED_DEFAULTS.get((head_dim, block_m, block_n, num_warps), {}))
-    if knobs.get("stages", 1) > 1 and smem_bytes(block_m, block_n, head_dim, knobs["stages"]) > \
+def sm80_defaults(head_dim: int, block_m: int, block_n: int, num_warps: int, gpu: str, varlen: bool = False) -> dict:
+    """The sm80 backward's stages, key_warps, dq_row_warps and k_unroll for a tile on ``gpu``: one stage, a warp
+    per 16-row slab and k_unroll 2, but where SM80_MEASURED_DEFAULTS says otherwise (stages only where two
+    stages fit the GPU; k_unroll not for varlen). BackwardSpec and the emit line both take them from here."""
+    knobs = {"stages": 1, "key_warps": sm80_key_warps_default(block_n, num_warps),
+             "dq_row_warps": sm80_dq_row_warps_default(block_m, num_warps), "k_unroll": 2}
+    measured = dict(SM80_MEASURED_DEFAULTS.get((head_dim, block_m, block_n, num_warps), {}))
+    if measured.get("stages", 1) > 1 and smem_bytes(block_m, block_n, head_dim, measured["stages"]) > \
             GPUS[gpu].smem_per_block:
-        del knobs["stages"]
+        del measured["stages"]
     if varlen:
-        knobs.pop("k_unroll", None)
-    return knobs
+        measured.pop("k_unroll", None)
+    return knobs | measured
 
 
 def sm80_key_warps_default(block_n: int, num_warps: int) -> int:
@@ -485,11 +487,10 @@ class BackwardSpec:
         else:
             table = SMALL_GPU_TILES if GPUS[self.gpu].smem_per_block < 128 * 1024 else DEFAULT_TILES
             block_m, block_n, warps = table[self.head_dim]
-            measured = sm80_measured_defaults(self.head_dim, self.block_m or block_m, self.block_n or block_n,
-                                              self.num_warps or warps, self.gpu, bool(self.varlen))
-            for name, plain in (("stages", 1), ("key_warps", None), ("dq_row_warps", None), ("k_unroll", 2)):
+            for name, value in sm80_defaults(self.head_dim, self.block_m or block_m, self.block_n or block_n,
+                                             self.num_warps or warps, self.gpu, bool(self.varlen)).items():
                 if getattr(self, name) is None:
-                    set_(name, measured.get(name, plain))
+                    set_(name, value)
         if self.do_stages is None:
             set_("do_stages", self.stages)
         for name, value in (("block_m", block_m), ("block_n", block_n), ("num_warps", warps)):
@@ -497,10 +498,10 @@ class BackwardSpec:
                 set_(name, value)
         if self.dq_pieces is None:
             set_("dq_pieces", sm90_fewest_dq_pieces(self))
-        if self.key_warps is None:       # (sm90's consumer warpgroups own 64 keys each: the field is sm80's)
-            set_("key_warps", sm80_key_warps_default(self.block_n, self.num_warps) if self.arch == "sm80" else 0)
+        if self.key_warps is None:       # (sm90: its consumer warpgroups own 64 keys each; the fields are sm80's)
+            set_("key_warps", 0)
         if self.dq_row_warps is None:
-            set_("dq_row_warps", sm80_dq_row_warps_default(self.block_m, self.num_warps) if self.arch == "sm80" else 0)
+            set_("dq_row_warps", 0)
         s_default, dp_default = sm90_lookahead_default(self.arch, self.head_dim, self.block_m, self.stages,
                                                        self.dq_tma_reduce, self.s_lookahead)
         if self.s_lookahead is None:
