@@ -275,9 +275,9 @@ case "${1:-}" in
         step varlen_bwd 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT/varlen-bwd"
         tail -20 "$OUT/varlen_bwd.log"
         # the K-major ldmatrix addresses of straight-line GEMMs from a few bases an operand and immediate offsets
-        # (instructions a warp-step: d256 930 -> 882, d192 803 -> 771, d96 858 -> 842; never run), timed beside FA2
-        # (and the 2-deep Q/dO ring as a column: FA2 double-buffers on an H100/H200; d256, 192, 96: 906, 789, 860
-        # instructions a warp-step against one stage's 882, 771, 842, no spills with gpu=h100)
+        # (instructions a warp-step: d256 930 -> 882, d192 803 -> 766, d96 858 -> 838; never run), timed beside FA2
+        # (and the 2-deep Q/dO ring as a column: FA2 double-buffers on an H100/H200; d256, 192, 96: 906, 786, 858
+        # instructions a warp-step against one stage's 882, 766, 838, no spills with gpu=h100)
         for d in 256 192 96; do
             step "sm80_bwd_d$d" 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d --peers fa2 \
                 --variant arch=sm80 --variant arch=sm80,stages=2 --out "$OUT/sm80-bwd-d$d"
