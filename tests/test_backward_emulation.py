@@ -75,10 +75,15 @@ def mma(d, a, b0, b1):
         d[lane][3] += C[g + 8, 2 * t + 1]
 
 
-def k_major_addr(chunks, tile, row, half, kk):
-    """bwd_gemm.cuh.j2's k_major_addr: chunk 2 kk + half of a row, the step as an XOR of kk << 5."""
+def k_major_addr(chunks, tile, row, half, kk, unrolled=False):
+    """bwd_gemm.cuh.j2's k_major_addr: chunk 2 kk + half of a row, the step as an XOR of kk << 5; ``unrolled``
+    (k_unroll 0) with 32-chunk rows or rows of another size than a power of two: only kk's bits within the
+    swizzle's reach XOR, the rest add."""
+    pow2, low = chunks & (chunks - 1) == 0, 3 if chunks % 8 == 0 else 1
     row_addr, in_row = tile + row * chunks * 16, (half ^ swizzle_of(chunks, row)) << 4
-    if chunks & (chunks - 1) == 0:
+    if unrolled and (chunks >= 32 or not pow2):
+        return ((row_addr + in_row) ^ ((kk & low) << 5)) + ((kk & ~low) << 5)
+    if pow2:
         return (row_addr + in_row) ^ (kk << 5)
     return row_addr + (in_row ^ (kk << 5))
 
@@ -88,8 +93,9 @@ def k_rows_addr(chunks, tile, row, chunk, kk):
     return tile + swz_offset(chunks, row, chunk) + kk * 16 * chunks * 16
 
 
-def warp_gemm(smem, c, m_slabs, n_tiles, k_dim, a_chunks, a_t, a_tile, a_row0, b_chunks, b_kn, b_tile, b_col0):
-    """bwd_gemm.cuh.j2's warp_gemm; c[mt][lane] is a list of n_tiles*4 floats."""
+def warp_gemm(smem, c, m_slabs, n_tiles, k_dim, a_chunks, a_t, a_tile, a_row0, b_chunks, b_kn, b_tile, b_col0,
+              unrolled=False):
+    """bwd_gemm.cuh.j2's warp_gemm; c[mt][lane] is a list of n_tiles*4 floats; ``unrolled``: k_unroll 0."""
     for kk in range(k_dim // 16):
         a = []
         for mt in range(m_slabs):
@@ -99,8 +105,8 @@ def warp_gemm(smem, c, m_slabs, n_tiles, k_dim, a_chunks, a_t, a_tile, a_row0, b
                          for ln in range(32)]
                 a.append(smem.ldmatrix_x4(addrs, trans=True))
             else:
-                addrs = [k_major_addr(a_chunks, a_tile, a_row0 + ln % 16, ln // 16, kk) + 16 * mt * a_chunks * 16
-                         for ln in range(32)]
+                addrs = [k_major_addr(a_chunks, a_tile, a_row0 + ln % 16, ln // 16, kk, unrolled)
+                         + 16 * mt * a_chunks * 16 for ln in range(32)]
                 a.append(smem.ldmatrix_x4(addrs))
         for np_ in range(n_tiles // 2):
             col0 = b_col0 + 16 * np_
@@ -108,7 +114,7 @@ def warp_gemm(smem, c, m_slabs, n_tiles, k_dim, a_chunks, a_t, a_tile, a_row0, b
                 addrs = [k_rows_addr(b_chunks, b_tile, ln % 16, col0 // 8 + ln // 16, kk) for ln in range(32)]
                 b = smem.ldmatrix_x4(addrs, trans=True)
             else:
-                addrs = [k_major_addr(b_chunks, b_tile, b_col0 + ln % 8 + 8 * (ln // 16), (ln // 8) % 2, kk)
+                addrs = [k_major_addr(b_chunks, b_tile, b_col0 + ln % 8 + 8 * (ln // 16), (ln // 8) % 2, kk, unrolled)
                          + 16 * np_ * b_chunks * 16 for ln in range(32)]
                 b = smem.ldmatrix_x4(addrs)
             for mt in range(m_slabs):
@@ -160,6 +166,9 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
     s_slabs, s_tiles = BN // (16 * wsn), BM // (8 * wsm)
     kv_slabs, kv_tiles = BN // (16 * wkn), d // (8 * wkd)
     dq_slabs, dq_pairs = BM // (16 * wqm), d // (16 * wqd)
+    unrolled = spec.k_unroll == 0
+    p_in_fp32 = (s_slabs * s_tiles * 4 <= 32 or s_slabs * s_tiles * 4 + 2 * kv_slabs * kv_tiles * 4 <= 128) \
+        and not spec.frag_prefetch   # (flash_bwd.cu.j2's P_IN_FP32)
     q_bytes, kv_bytes, p_bytes = BM * d * 2, BN * d * 2, BN * BM * 2
     q_s, do_s = 0, q_bytes
     k_s, v_s = 2 * q_bytes, 2 * q_bytes + kv_bytes
@@ -196,8 +205,9 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                     for warp in range(W):       # S^T, P^T, dP^T, dS^T
                         s_key0, s_col0 = (warp % wsn) * 16 * s_slabs, (warp // wsn) * 8 * s_tiles
                         st = zeros(s_slabs, s_tiles)
-                        warp_gemm(smem, st, s_slabs, s_tiles, d, rc, False, k_s, s_key0, rc, False, q_s, s_col0)
-                        pt = {}     # P^T in registers, elem_t pairs (softmax_p_tile's pt)
+                        warp_gemm(smem, st, s_slabs, s_tiles, d, rc, False, k_s, s_key0, rc, False, q_s, s_col0,
+                                  unrolled)
+                        pt = {}     # P^T in registers for dS^T: fp32 (P_IN_FP32) or elem_t pairs (softmax_p_tile)
                         for mt, ln, i, key_row, col in fragment_elements(s_slabs, s_tiles * 4, s_key0, s_col0, 2):
                             pr = []
                             for e in range(2):
@@ -207,10 +217,11 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                                     if key >= sk or (causal and key > query + sk - sq):
                                         p = 0.0
                                 pr.append(p)
-                            pt[mt, ln, i] = E(pr[0]), E(pr[1])
+                            pt[mt, ln, i] = tuple(pr) if p_in_fp32 else (E(pr[0]), E(pr[1]))
                             smem.st_pair(p_tile_addr(pt_s, pc, s_key0, s_col0, ln, mt, i), *pr)
                         dpt = zeros(s_slabs, s_tiles)
-                        warp_gemm(smem, dpt, s_slabs, s_tiles, d, rc, False, v_s, s_key0, rc, False, do_s, s_col0)
+                        warp_gemm(smem, dpt, s_slabs, s_tiles, d, rc, False, v_s, s_key0, rc, False, do_s, s_col0,
+                                  unrolled)
                         for mt, ln, i, key_row, col in fragment_elements(s_slabs, s_tiles * 4, s_key0, s_col0, 2):
                             p0, p1 = pt[mt, ln, i]
                             smem.st_pair(p_tile_addr(pt_s, pc, s_key0, s_col0, ln, mt, i) + p_bytes,
@@ -219,16 +230,16 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                     for warp in range(W):       # dV += P^T dO; dK += dS^T Q
                         kv_key0, kv_col0 = (warp % wkn) * 16 * kv_slabs, (warp // wkn) * 8 * kv_tiles
                         warp_gemm(smem, dv_acc[warp], kv_slabs, kv_tiles, BM, pc, False, pt_s, kv_key0, rc, True,
-                                  do_s, kv_col0)
+                                  do_s, kv_col0, unrolled)
                         warp_gemm(smem, dk_acc[warp], kv_slabs, kv_tiles, BM, pc, False, dst_s, kv_key0, rc, True,
-                                  q_s, kv_col0)
+                                  q_s, kv_col0, unrolled)
                     for warp in range(W):       # dq_accum += dS K
                         dq_row0, dq_col0 = (warp % wqm) * 16 * dq_slabs, (warp // wqm) * 16 * dq_pairs
                         dq_chunk = next(c for c in (4, 3, 2, 1) if dq_pairs % c == 0)
                         for chunk in range(dq_pairs // dq_chunk):
                             acc = zeros(dq_slabs, 2 * dq_chunk)
                             warp_gemm(smem, acc, dq_slabs, 2 * dq_chunk, BN, pc, True, dst_s, dq_row0, rc, True, k_s,
-                                      dq_col0 + 16 * dq_chunk * chunk)
+                                      dq_col0 + 16 * dq_chunk * chunk, unrolled)
                             for mt, ln, i in ((mt, ln, i) for mt in range(dq_slabs) for ln in range(32)
                                               for i in range(8 * dq_chunk)):     # add_dq_chunk's addressing
                                 g, t = ln // 4, ln % 4
@@ -249,6 +260,7 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
     (dict(head_dim=64, block_m=64, block_n=64, num_warps=4), 70, 100, 2, 1, True),     # GQA, ragged, diagonal
     (dict(head_dim=64, block_m=32, block_n=64, num_warps=8), 45, 30, 2, 2, True),      # seqlen_q > seqlen_k: empty rows
     (dict(head_dim=96, block_m=64, block_n=32, num_warps=4), 33, 40, 1, 1, False),     # swizzle over 12 chunks
+    (dict(head_dim=96, block_m=64, block_n=32, num_warps=4, k_unroll=0), 33, 40, 1, 1, True),   # kk's split add
     (dict(head_dim=64, block_m=128, block_n=128, num_warps=8), 20, 9, 1, 1, False),    # the default d64 tile
     (dict(head_dim=128), 70, 200, 2, 1, True),     # the default d128 kernel: FA2's warp grid (key_warps 4, dq_row_warps 2)
 ])
@@ -275,18 +287,20 @@ def test_p_tile_xor_address_is_the_swizzled_one(block_m, block_n, num_warps):
                     pt_s + swz_offset(pc, key_row, col // 8) + 2 * (col % 8), (wsn, warp, ln, mt, i)
 
 
+@pytest.mark.parametrize("unrolled", [False, True], ids=["looped", "unrolled"])
 @pytest.mark.parametrize("chunks", [4, 8, 12, 16, 24, 32])
-def test_warp_gemm_step_addresses_are_the_swizzled_ones(chunks):
-    """k_major_addr (a step as an XOR of kk << 5) and k_rows_addr (a step as 16 rows' add), slab or pair
-    offsets added after, give every lane at every k16 step the address swz_offset gives, for the row sizes
-    of every tile the backward reads (head_dim 32-256 as 4-32 chunks; P^T/dS^T of block_m 32-128)."""
+def test_warp_gemm_step_addresses_are_the_swizzled_ones(chunks, unrolled):
+    """k_major_addr (a step as an XOR of kk << 5; unrolled, as k_unroll 0 has it: kk's bits past the swizzle's
+    reach added) and k_rows_addr (a step as 16 rows' add), slab or pair offsets added after, give every lane
+    at every k16 step the address swz_offset gives, for the row sizes of every tile the backward reads
+    (head_dim 32-256 as 4-32 chunks; P^T/dS^T of block_m 32-128)."""
     tile = 5 * 16384        # tiles start on 1024-byte boundaries
     for kk in range(chunks // 2):
         for row0 in range(0, 64, 16):
             for ln in range(32):
                 for slab in range(3):
                     row = row0 + ln % 16
-                    assert k_major_addr(chunks, tile, row, ln // 16, kk) + 16 * slab * chunks * 16 == \
+                    assert k_major_addr(chunks, tile, row, ln // 16, kk, unrolled) + 16 * slab * chunks * 16 == \
                         tile + swz_offset(chunks, row + 16 * slab, 2 * kk + ln // 16)
         for ln in range(32):
             for chunk in range(chunks):
