@@ -177,9 +177,8 @@ def test_sm80_backward_step_keeps_p_in_registers_and_adds_whole_dq_blocks_straig
         sass = kernel.sass()
     except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
         pytest.skip(f"cuobjdump: {err}")
-    main = sass.split("Function : ")[[i for i, f in enumerate(sass.split("Function : "))
-                                      if f.startswith(kernel.name + "\n")][0]]
-    ops = [line.split(";")[0].split("*/")[-1].strip() for line in main.splitlines() if "*/" in line and ";" in line]
+    ops = [line.split(";")[0].split("*/")[-1].strip() for line in _function_sass(sass, kernel.name).splitlines()
+           if "*/" in line and ";" in line]
     assert not [op for op in ops if op.startswith("LDS ") or op.startswith("LDS.U")]   # (LDS.64: the rows)
     per_thread = 64 * 128 // (32 * 8) // 2      # a (block_m x head_dim) dQ block's float pairs per thread
     reds = [i for i, op in enumerate(ops) if op.startswith("REDG")][:per_thread]
