@@ -2000,3 +2000,15 @@ def test_sm80_backward_step_issues_at_most_its_counted_instructions(knobs, most)
     count = counter.step_count(counter.instructions(sass, kernel.name), trips)
     in_sass = count["hot_hmma"] + sum(loop_hmma * loop_trips for _, loop_hmma, _, loop_trips in count["loops"])
     assert hmma == in_sass and hmma < count["total"] <= most
+
+
+def test_sass_vs_fa2_names_the_fa2_kernel_torch_builds():
+    """scripts/sass_vs_fa2.py finds FA2's backward in libtorch_cuda.so by its mangled name: the d128 one is the
+    name cuobjdump listed in torch 2.14.1's build (2026-12-05), and each head_dim's name carries its own traits."""
+    script = _script("sass_vs_fa2")
+    assert script.fa2_kernel_name(128) == (
+        "_ZN13pytorch_flash44flash_bwd_dq_dk_dv_loop_seqk_parallel_kernelI23Flash_bwd_kernel_traitsILi128ELi64ELi128"
+        "ELi8ELi2ELi4ELi2ELb0ELb0EN7cutlass10bfloat16_tE19Flash_kernel_traitsILi128ELi64ELi128ELi8ES3_EELb0ELb0ELb0"
+        "ELb0ELb1ELb1ELb0EEEvNS_16Flash_bwd_paramsE")
+    assert "ILi96ELi64ELi128ELi8ELi2ELi4ELi4ELb1ELb0E" in script.fa2_kernel_name(96)   # V in registers
+    assert script.fa2_kernel_name(256).endswith("ELb0ELb0ELb0ELb0ELb0ELb1ELb0EEEvNS_16Flash_bwd_paramsE")
