@@ -138,6 +138,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int s
                  :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// 4-byte global -> shared copy (cp.async.ca: the .cg form takes 16 bytes only). src_bytes is 4 or 0; with 0
+// nothing is read and the destination is zero-filled.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
 // Close the group of cp.async issued since the last commit (an empty group is legal).
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");

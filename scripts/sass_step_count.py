@@ -34,15 +34,7 @@ def instructions(sass: str, kernel: str) -> list[tuple[int, str, str]]:
 def step_count(ins: list[tuple[int, str, str]], loop_trips: list[int]) -> dict:
     """The main loop's hot-path count outside its inner loops, the inner loops, and the step's total;
     ``loop_trips``: the trips of each GEMM loop left in the kernel, in program order (gemm_loop_trips)."""
-    loops, jumps = [], []
-    for at, op, text in ins:
-        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
-        if op == "BRA" and m:
-            target = int(m.group(1), 16)
-            if target < at:
-                loops.append((target, at))
-            elif not text.startswith("@"):
-                jumps.append((at + 1, target - 1))   # an if/else's other arm
+    loops, jumps = _branches(ins)
     main = max(loops, key=lambda lp: lp[1] - lp[0])
     skipped = [span for span in jumps if main[0] <= span[0] <= main[1]]
     inside = lambda at, spans: any(lo <= at <= hi for lo, hi in spans)
@@ -61,6 +53,64 @@ def step_count(ins: list[tuple[int, str, str]], loop_trips: list[int]) -> dict:
         loops_out.append((len(body), body.count("HMMA"), body.count("LDSM"), trips))
         total += len(body) * trips
     return {"hot": len(hot), "hot_hmma": hot.count("HMMA"), "loops": loops_out, "total": total}
+
+
+def _branches(ins):
+    """(the loops: backward branches as (target, branch); the spans unconditional forward branches jump over:
+    an if/else's other arm)."""
+    loops, skips = [], []
+    for at, op, text in ins:
+        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if op == "BRA" and m:
+            target = int(m.group(1), 16)
+            if target < at:
+                loops.append((target, at))
+            elif not text.startswith("@"):
+                skips.append((at + 1, target - 1))
+    return loops, skips
+
+
+def hot_path(ins, innermost: bool) -> list[tuple[str, str]]:
+    """(opcode, text) of one step: the innermost loop (FA2's query-block loop) or the longest (ours)."""
+    loops, skips = _branches(ins)
+    lo, hi = (min if innermost else max)(loops, key=lambda lp: lp[1] - lp[0])
+    skipped = [s for s in skips if lo <= s[0] <= hi]
+    return [(op, text) for at, op, text in ins if lo <= at <= hi and not any(a <= at <= b for a, b in skipped)]
+
+
+_WIDTH = {".64": 2, ".128": 4}
+
+
+def _registers(operands: str) -> set[int]:
+    return {int(r) for r in re.findall(r"\bR(\d+)\b", operands)}
+
+
+def first_use_distances(step: list[tuple[str, str]], loads=("LDG", "LDS", "LDSM")) -> dict[str, int]:
+    """Per load opcode, the fewest instructions between a load of the step and the first instruction that reads
+    what it loaded (a load whose registers are overwritten first, or never read in the step, counts not):
+    a short one is latency the warp waits out there, with nothing of its own to issue."""
+    def dest_and_sources(text):
+        body = text.split(None, 1)[1] if text.startswith("@") else text
+        op, _, operands = body.partition(" ")
+        if op.startswith(("ST", "RED", "BAR", "BRA", "LDGSTS")):
+            return set(), _registers(operands)
+        first, _, rest = operands.partition(",")
+        width = 4 if op.startswith("LDSM") and op.endswith(".4") else next(
+            (n for key, n in _WIDTH.items() if key in op), 1)
+        return {r + i for r in _registers(first) for i in range(width)}, _registers(rest)
+    shortest = {}
+    for i, (op, text) in enumerate(step):
+        if op not in loads:
+            continue
+        loaded, _ = dest_and_sources(text)
+        for j in range(i + 1, len(step)):
+            written, read = dest_and_sources(step[j][1])
+            if read & loaded:
+                shortest[op] = min(shortest.get(op, j - i), j - i)
+                break
+            if written & loaded:
+                break
+    return shortest
 
 
 def gemm_loop_trips(spec) -> tuple[list[int], int]:

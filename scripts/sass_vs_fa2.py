@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sass_step_count import instructions  # noqa: E402
+from sass_step_count import hot_path, instructions  # noqa: E402
 
 # head_dim: (kBlockM, kBlockN, kNWarps, AtomLayoutMSdP, AtomLayoutNdKV, AtomLayoutMdQ, Is_V_in_regs,
 # No_double_buffer), and Is_even_MN of the instantiation that runs at 2k-8k tokens (FA2 builds the even-MN
@@ -62,27 +61,6 @@ def fa2_sass(lib: Path, head_dim: int, sm: str) -> tuple[str, str]:
     if f"Function : {name}" not in done.stdout:
         raise SystemExit(f"{lib} has no {sm} SASS of FA2's kernel {name}: {done.stderr.strip()[:300]}")
     return done.stdout, name
-
-
-def _branches(ins):
-    loops, skips = [], []
-    for at, op, text in ins:
-        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
-        if op == "BRA" and m:
-            target = int(m.group(1), 16)
-            if target < at:
-                loops.append((target, at))
-            elif not text.startswith("@"):
-                skips.append((at + 1, target - 1))
-    return loops, skips
-
-
-def hot_path(ins, innermost: bool) -> list[tuple[str, str]]:
-    """(opcode, text) of one step: the innermost loop (FA2's query-block loop) or the longest (ours)."""
-    loops, skips = _branches(ins)
-    lo, hi = (min if innermost else max)(loops, key=lambda lp: lp[1] - lp[0])
-    skipped = [s for s in skips if lo <= s[0] <= hi]
-    return [(op, text) for at, op, text in ins if lo <= at <= hi and not any(a <= at <= b for a, b in skipped)]
 
 
 def opcode(op: str, text: str) -> str:

@@ -2012,3 +2012,23 @@ def test_sass_vs_fa2_names_the_fa2_kernel_torch_builds():
         "ELb0ELb1ELb1ELb0EEEvNS_16Flash_bwd_paramsE")
     assert "ILi96ELi64ELi128ELi8ELi2ELi4ELi4ELb1ELb0E" in script.fa2_kernel_name(96)   # V in registers
     assert script.fa2_kernel_name(256).endswith("ELb0ELb0ELb0ELb0ELb0ELb1ELb0EEEvNS_16Flash_bwd_paramsE")
+
+
+@pytest.mark.parametrize("knobs", [{}, {"stages": 2, "gpu": "h100"}, {"varlen": True}],
+                         ids=["default", "stages2", "varlen"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_sm80_backward_step_waits_on_no_load_at_once(head_dim, knobs):
+    """No load of the sm80 backward's step (sm_90 SASS, its hot path) is read soon after it: no global load at all
+    (the next step's LSE and D rows come with its tiles, by cp.async), a shared one (LSE/D pairs, ldmatrix) not
+    within 8 / 4 instructions. Session 48 found the LSE scaled 3-6 instructions after its LDG (the loading warps
+    waited out a global load each step, the others at the next barrier) and each LSE/D pair read from shared
+    memory one instruction before its use (after P^T's stores, which ptxas keeps in order)."""
+    counter = _script("sass_step_count")
+    kernel = backward.compile(BackwardSpec(head_dim=head_dim, **knobs), sm="sm_90")
+    try:
+        sass = kernel.sass()
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+    shortest = counter.first_use_distances(counter.hot_path(counter.instructions(sass, kernel.name), innermost=False))
+    assert shortest.keys() == {"LDS", "LDSM"}, shortest
+    assert shortest["LDS"] >= 8 and shortest["LDSM"] >= 4, shortest

@@ -196,8 +196,9 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                     row_begin = (m_first + step % steps_per_head) * BM
                     load_tile(smem, q_s, rc, q[batch, :, head], row_begin, BM, sq)
                     load_tile(smem, do_s, rc, do[batch, :, head], row_begin, BM, sq)
-                    lse_s = [(math.inf if lse[batch, head, row_begin + r] == -math.inf else
-                              lse[batch, head, row_begin + r] * math.log2(math.e)) if row_begin + r < sq else math.inf
+                    # (load_rows: LSE as it is, 0 past seqlen_q; softmax_p_tile scales it by log2(e): a row that sees
+                    # no key gets exp2(+inf), which only its mask may zero)
+                    lse_s = [lse[batch, head, row_begin + r] * math.log2(math.e) if row_begin + r < sq else 0.0
                              for r in range(BM)]
                     dp_s = [dpsum[batch, head, row_begin + r] if row_begin + r < sq else 0.0 for r in range(BM)]
                     cut = key_begin + BN > sk
