@@ -33,7 +33,10 @@
 #                                                       # (ran at b3f29ef on an H100: 129 passed, 0 fuzz failures)
 #   OUT=/path bash scripts/pending_gpu.sh s47d          # FA2's warp grids at head_dim 96, 192, 256 with k_unroll 0
 #                                                       # (ran at c848b01 on an H100: 14 passed; now the defaults)
-#   OUT=/path bash scripts/pending_gpu.sh s48           # the new defaults' varlen kernels and GPU tests: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s48           # the new defaults' varlen kernels, session 48's row loads (cp.async)
+#                                                       # and LSE/D pairs read ahead: GPU tests, fuzz, timings: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s48a          # session 48's sm80 backward against the tree before it (bfa6edc in
+#                                                       # .old: carry [".whl", ".old"]), turn by turn, FA2 in each run: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s48b          # softcap with exp2 moved to the FMA pipe: NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
@@ -283,10 +286,29 @@ case "${1:-}" in
                 --variant arch=sm80 --variant arch=sm80,stages=2 --out "$OUT/sm80-bwd-d$d"
             tail -6 "$OUT/sm80_bwd_d$d.log"
         done
+        step sm80_bwd_d128 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 --peers fa2 \
+            --variant arch=sm80 --out "$OUT/sm80-bwd-d128"
+        tail -6 "$OUT/sm80_bwd_d128.log"
         # head_dim 64's one stage with P^T in fp32 (1183 instructions a warp-step; stages=2 there: 1204)
         step sm80_bwd_d64 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 --peers fa2 \
             --variant arch=sm80 --variant arch=sm80,stages=2 --out "$OUT/sm80-bwd-d64"
         tail -6 "$OUT/sm80_bwd_d64.log"
+        ;;
+    s48a)
+        # session 48's step (LSE/D rows by cp.async, no global load in the step; LSE/D pairs read before the GEMM
+        # ahead of their use) against bfa6edc's, where ncu saw 13.1k barrier stall samples against FA2's 7.9k
+        # (H100, d128 2k): old and new trees take turns, each run with FA2 beside it; .old is `git archive bfa6edc
+        # facodegen templates scripts pyproject.toml`, unpacked into a git-ignored .old/
+        [ -d .old/facodegen ] || { echo "no .old tree: carry it"; exit 1; }
+        for round in 1 2; do
+            for d in 128 256; do
+                step "new_d${d}_r$round" 90 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
+                    --peers fa2 --variant arch=sm80 --out "$OUT/new-d$d-r$round"
+                step "old_d${d}_r$round" 90 bash -c "cd .old && python3 -m facodegen bench --suite fa3-paper --backward \
+                    --quick --head-dim $d --peers fa2 --variant arch=sm80 --out '$OUT/old-d$d-r$round'"
+            done
+        done
+        for f in "$OUT"/new_d*.log "$OUT"/old_d*.log; do echo "== $f"; tail -8 "$f"; done
         ;;
     s48b)
         # issue 40's softcap cost (29-47% on the H100 at ee7440c; bar 5%): tanh.approx is a second MUFU op per score
