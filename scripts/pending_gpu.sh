@@ -37,6 +37,8 @@
 #                                                       # and LSE/D pairs read ahead: GPU tests, fuzz, timings: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s48a          # session 48's sm80 backward against the tree before it (bfa6edc in
 #                                                       # .old: carry [".whl", ".old"]), turn by turn, FA2 in each run: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s48c          # the sm80 backward's stall samples beside FA2's, and per SASS
+#                                                       # instruction (ncu-source): NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s48b          # softcap with exp2 moved to the FMA pipe: NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
@@ -309,6 +311,20 @@ case "${1:-}" in
             done
         done
         for f in "$OUT"/new_d*.log "$OUT"/old_d*.log; do echo "== $f"; tail -8 "$f"; done
+        ;;
+    s48c)
+        # where the sm80 backward's warps still wait (d128 2k, beside FA2's stall samples as s47c took them): the
+        # stall reasons, then per SASS instruction (ncu-source: mio_throttle was 38.6k samples against FA2's 16.6k
+        # with the same count of MIO-bound instructions a warp-step, scripts/sass_vs_fa2.py)
+        M=smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_mio_throttle,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_selected,gpu__time_duration.sum,smsp__inst_executed.sum
+        step ncu_ours 60 ncu --clock-control none -k regex:'flash_bwd_sm80_[a-z0-9_]*[0-9a-z]$' --launch-skip 1 --launch-count 1 \
+            --metrics $M python3 scripts/bwd_one.py --d 128 --seqlen 2048 --knob arch=sm80
+        step ncu_fa2 60 ncu --clock-control none -k regex:'flash_bwd_dq_dk_dv' --launch-skip 1 --launch-count 1 \
+            --metrics $M python3 scripts/bwd_one.py --d 128 --seqlen 2048 --peer fa2
+        grep -h -E "smsp__|gpu__" "$OUT/ncu_ours.log" "$OUT/ncu_fa2.log" | sed 's/smsp__pcsamp_warps_issue_stalled_//'
+        step ncu_source 120 python3 scripts/lab.py ncu-source --out "$OUT/src" --cell 128,2048,0 --backward \
+            --variant arch=sm80 --top 40
+        tail -60 "$OUT/ncu_source.log"
         ;;
     s48b)
         # issue 40's softcap cost (29-47% on the H100 at ee7440c; bar 5%): tanh.approx is a second MUFU op per score
