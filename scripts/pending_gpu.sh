@@ -323,7 +323,7 @@ case "${1:-}" in
             --metrics $M python3 scripts/bwd_one.py --d 128 --seqlen 2048 --peer fa2
         grep -h -E "smsp__|gpu__" "$OUT/ncu_ours.log" "$OUT/ncu_fa2.log" | sed 's/smsp__pcsamp_warps_issue_stalled_//'
         step ncu_source 120 python3 scripts/lab.py ncu-source --out "$OUT/src" --cell 128,2048,0 --backward \
-            --variant arch=sm80 --top 40
+            --variant arch=sm80 --peer fa2 --top 40
         tail -60 "$OUT/ncu_source.log"
         ;;
     s48b)
