@@ -291,9 +291,11 @@ case "${1:-}" in
         step sm80_bwd_d128 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 --peers fa2 \
             --variant arch=sm80 --out "$OUT/sm80-bwd-d128"
         tail -6 "$OUT/sm80_bwd_d128.log"
-        # head_dim 64's one stage with P^T in fp32 (1183 instructions a warp-step; stages=2 there: 1204)
-        step sm80_bwd_d64 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 --peers fa2 \
-            --variant arch=sm80 --variant arch=sm80,stages=2 --out "$OUT/sm80-bwd-d64"
+        # head_dim 64's one stage with P^T in fp32 (1202 instructions a warp-step at e.g. b234045; stages=2 there:
+        # 1201), and FA2's dQ grid there (AtomLayoutMdQ 4: dq_row_warps=4, 1152; with stages=2 1156)
+        step sm80_bwd_d64 90 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 --peers fa2 \
+            --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,dq_row_warps=4 \
+            --variant arch=sm80,dq_row_warps=4,stages=2 --out "$OUT/sm80-bwd-d64"
         tail -6 "$OUT/sm80_bwd_d64.log"
         ;;
     s48a)
