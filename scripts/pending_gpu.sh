@@ -275,6 +275,9 @@ case "${1:-}" in
         # the varlen fuzz share, then the varlen backward timed beside FA2's
         step pytest 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
             -k "sm80 or varlen or warp_grids or padded"
+        # (and the split merge's lse_s loaded once, session 48: the decode tests with splits, a kvcache fuzz share)
+        step pytest_decode 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_decode_gpu.py -k "split or combine or fused"
+        step fuzz_kvcache 60 python3 -m facodegen check --fuzz 200 --seed 48 --family kvcache
         step fuzz_varlen 60 python3 -m facodegen check --fuzz 200 --seed 50 --family varlen
         step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 51 --family backward
         step varlen_bwd 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT/varlen-bwd"
