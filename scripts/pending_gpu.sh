@@ -291,8 +291,11 @@ case "${1:-}" in
                 --variant arch=sm80 --variant arch=sm80,stages=2 --out "$OUT/sm80-bwd-d$d"
             tail -6 "$OUT/sm80_bwd_d$d.log"
         done
-        step sm80_bwd_d128 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 --peers fa2 \
-            --variant arch=sm80 --out "$OUT/sm80-bwd-d128"
+        # (and P's exp2 of 1 or 2 of the 4 n8 query tiles on the FMA pipe, session 48's poly_exp2_tiles: a warp-step's
+        # 32 MUFU ops ran 8 per 25 instructions beside the P^T stores; ncu's mio_throttle was 2.3x FA2's)
+        step sm80_bwd_d128 90 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 --peers fa2 \
+            --variant arch=sm80 --variant arch=sm80,poly_exp2_tiles=1 --variant arch=sm80,poly_exp2_tiles=2 \
+            --out "$OUT/sm80-bwd-d128"
         tail -6 "$OUT/sm80_bwd_d128.log"
         # head_dim 64's one stage with P^T in fp32 (1202 instructions a warp-step at e.g. b234045; stages=2 there:
         # 1201), and FA2's dQ grid there (AtomLayoutMdQ 4: dq_row_warps=4, 1152; with stages=2 1156)

@@ -2032,3 +2032,22 @@ def test_sm80_backward_step_waits_on_no_load_at_once(head_dim, knobs):
     shortest = counter.first_use_distances(counter.hot_path(counter.instructions(sass, kernel.name), innermost=False))
     assert shortest.keys() == {"LDS", "LDSM"}, shortest
     assert shortest["LDS"] >= 8 and shortest["LDSM"] >= 4, shortest
+
+
+@pytest.mark.parametrize("head_dim, tiles, s_tiles", [(64, 2, 8), (128, 1, 4), (128, 4, 4), (256, 1, 2)])
+def test_sm80_poly_exp2_tiles_moves_that_share_of_mufu_ex2(head_dim, tiles, s_tiles):
+    """poly_exp2_tiles=t of a warp's S_TILES n8 query tiles: the SASS has (S_TILES - t) / S_TILES of the default's
+    MUFU.EX2 (both softmax copies, masked and not), no spills (sm_90); past S_TILES, or on sm90, it is an error
+    naming the knob."""
+    kernel = backward.compile(BackwardSpec(head_dim=head_dim, poly_exp2_tiles=tiles), sm="sm_90")
+    plain = backward.compile(BackwardSpec(head_dim=head_dim), sm="sm_90")
+    try:
+        got, base = kernel.sass().count("MUFU.EX2"), plain.sass().count("MUFU.EX2")
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+    assert base > 0 and got * s_tiles == base * (s_tiles - tiles)
+    assert kernel.resources.spill_stores == 0 and kernel.resources.stack_bytes == 0
+    with pytest.raises(SpecError, match="poly_exp2_tiles"):
+        BackwardSpec(head_dim=head_dim, poly_exp2_tiles=s_tiles + 1)
+    with pytest.raises(SpecError, match="poly_exp2_tiles"):
+        BackwardSpec(arch="sm90", head_dim=128, poly_exp2_tiles=1)

@@ -75,6 +75,11 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "issues this step's mma.sync (two fragment sets in registers), so a warp keeps shared-memory reads in "
          "flight under its own MMAs instead of loading a step's fragments, then waiting on them.",
          flag="--frag-prefetch/--no-frag-prefetch", token=_flag("pf")),
+    Knob("poly_exp2_tiles", "int", "sm80: of the S_TILES n8 query tiles of each warp's S^T fragment, how many take "
+         "P's exp2 as a polynomial on the FMA pipe (the forward's poly_exp2) instead of MUFU.EX2, spread evenly: "
+         "a warp-step's 32 MUFU ops at head_dim 128 come in one run, 8 per 25 instructions, beside the P^T stores "
+         "(MIO ops too). 0 (the default) to S_TILES.", flag="--poly-exp2-tiles", flag_offers_choices=False,
+         token=lambda s, v: f"px{v}" if v else None),
     Knob("key_warps", "int", "sm80: warps along the keys of the S^T, dP^T, dK and dV warp grids (the rest split "
          "the queries, and head_dim for dK, dV); each warp's GEMMs read its keys' slabs and its share of Q, dO "
          "from shared memory, so fewer warps along the keys read Q and dO fewer times (FlashAttention-2's d128 "
@@ -433,6 +438,7 @@ class BackwardSpec:
     num_warps: int | None = None
     k_unroll: int | None = None
     frag_prefetch: bool = False
+    poly_exp2_tiles: int = 0
     key_warps: int | None = None
     dq_row_warps: int | None = None
     stages: int | None = None
@@ -744,6 +750,10 @@ def _validate(spec: BackwardSpec) -> None:
         raise SpecError("block_m", f"{spec.block_m} query rows do not split into 16-column pieces over the "
                                    f"{warps_sm} warps left along the queries (raise block_n or key_warps, or lower "
                                    f"num_warps)")
+    s_tiles = spec.block_m // (8 * warps_sm)
+    if not 0 <= spec.poly_exp2_tiles <= s_tiles:
+        raise SpecError("poly_exp2_tiles", f"{spec.poly_exp2_tiles}: from 0 to the {s_tiles} n8 query tiles of a warp's "
+                                           f"S^T fragment (block_m {spec.block_m} over {warps_sm} warps)")
     warps_kd = warps // warps_sn
     if spec.head_dim % (16 * warps_kd):
         raise SpecError("num_warps", f"head_dim {spec.head_dim} does not split into 16-column pieces over "
@@ -799,6 +809,8 @@ def _validate_sm90(spec: BackwardSpec) -> None:
         raise SpecError("k_unroll", f"{spec.k_unroll}: k_unroll is an sm80 knob (wgmma has no such choice)")
     if spec.frag_prefetch:
         raise SpecError("frag_prefetch", "an sm80 knob (ldmatrix fragments; wgmma reads shared memory itself)")
+    if spec.poly_exp2_tiles:
+        raise SpecError("poly_exp2_tiles", "an sm80 knob (the sm90 backward's consumer softmax takes MUFU.EX2)")
     for name in ("key_warps", "dq_row_warps"):
         if getattr(spec, name):
             raise SpecError(name, f"{getattr(spec, name)}: an sm80 knob (the sm90 backward's consumer warpgroups "

@@ -759,3 +759,16 @@ def test_sm90_lpt_is_bit_identical_to_the_default_order():
     in which the tiles start changes no bit of dQ, dK or dV."""
     q, k, v, do = make(2, 4096, 4096, 16, 4, 128, torch.bfloat16, seed=3)
     deterministic_runs(q, k, v, do, True, {"lpt": False}, {"lpt": True})
+
+
+@pytest.mark.parametrize("d, tiles", [(64, 2), (128, 1), (128, 4), (256, 1)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm80_poly_exp2_tiles_matches_float64(d, tiles, causal):
+    """poly_exp2_tiles takes P's exp2 of that many n8 query tiles on the FMA pipe (the forward's cubic poly_exp2,
+    ~1e-4 relative, under bf16's rounding of P and dS): every gradient within FA3's criterion of the float64
+    reference, with NaN-poisoned outputs, partial blocks on both sides (239 queries, 203 keys) and, causal, the
+    masked path's exp2(+inf) of rows that see no key."""
+    q, k, v, do = make(2, 239, 203, 4, 2, d, torch.bfloat16, seed=d + tiles + 5 * causal)
+    scale = d ** -0.5
+    got = run_backward(q, k, v, do, causal, scale, poison=True, arch="sm80", poly_exp2_tiles=tiles)
+    assert check_grads(got, do, q, k, v, causal, scale) == []
