@@ -33,8 +33,10 @@
 #                                                       # (ran at b3f29ef on an H100: 129 passed, 0 fuzz failures)
 #   OUT=/path bash scripts/pending_gpu.sh s47d          # FA2's warp grids at head_dim 96, 192, 256 with k_unroll 0
 #                                                       # (ran at c848b01 on an H100: 14 passed; now the defaults)
-#   OUT=/path bash scripts/pending_gpu.sh s48           # the new defaults' varlen kernels, session 48's row loads (cp.async)
-#                                                       # and LSE/D pairs read ahead: GPU tests, fuzz, timings: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s48           # the new defaults' varlen kernels, session 48's row loads (cp.async),
+#                                                       # LSE/D pairs read ahead, poly_exp2_tiles, the split merge: GPU
+#                                                       # tests and fuzz: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s48t          # their timings beside FA2 (every head_dim; knob columns): NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s48a          # session 48's sm80 backward against the tree before it (bfa6edc in
 #                                                       # .old: carry [".whl", ".old"]), turn by turn, FA2 in each run: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s48c          # the sm80 backward's stall samples beside FA2's, and per SASS
@@ -280,6 +282,10 @@ case "${1:-}" in
         step fuzz_kvcache 60 python3 -m facodegen check --fuzz 200 --seed 48 --family kvcache
         step fuzz_varlen 60 python3 -m facodegen check --fuzz 200 --seed 50 --family varlen
         step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 51 --family backward
+        ;;
+    s48t)
+        # s48's timings (their own call: with s48's tests they would pass the 600 s a call has): the varlen backward
+        # beside FA2's, then the sm80 backward's head dims beside FA2 with the columns below
         step varlen_bwd 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT/varlen-bwd"
         tail -20 "$OUT/varlen_bwd.log"
         # the K-major ldmatrix addresses of straight-line GEMMs from a few bases an operand and immediate offsets
