@@ -54,6 +54,15 @@ OUT="${OUT:-pending-out}"
 mkdir -p "$OUT"
 source scripts/gpu_steps.sh
 
+sm80_bwd_stalls_beside_fa2() {   # the sm80 backward's and FA2's stall samples by reason, d128 2k full, one launch each
+    local M=smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_mio_throttle,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_selected,gpu__time_duration.sum,smsp__inst_executed.sum
+    step ncu_ours 60 ncu --clock-control none -k regex:'flash_bwd_sm80_[a-z0-9_]*[0-9a-z]$' --launch-skip 1 --launch-count 1 \
+        --metrics $M python3 scripts/bwd_one.py --d 128 --seqlen 2048 --knob arch=sm80
+    step ncu_fa2 60 ncu --clock-control none -k regex:'flash_bwd_dq_dk_dv' --launch-skip 1 --launch-count 1 \
+        --metrics $M python3 scripts/bwd_one.py --d 128 --seqlen 2048 --peer fa2
+    grep -h -E "smsp__|gpu__" "$OUT/ncu_ours.log" "$OUT/ncu_fa2.log" | sed 's/smsp__pcsamp_warps_issue_stalled_//'
+}
+
 case "${1:-}" in
     tests)
         step warm 120 python3 scripts/warm_cache.py --fuzz 0
@@ -245,12 +254,7 @@ case "${1:-}" in
         step pytest 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
             -k "sm80 or warp_grids or frag_prefetch or padded or k_unroll or deterministic"
         step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 49 --family backward
-        M=smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_mio_throttle,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_selected,gpu__time_duration.sum,smsp__inst_executed.sum
-        step ncu_ours 60 ncu --clock-control none -k regex:'flash_bwd_sm80_[a-z0-9_]*[0-9a-z]$' --launch-skip 1 --launch-count 1 \
-            --metrics $M python3 scripts/bwd_one.py --d 128 --seqlen 2048 --knob arch=sm80
-        step ncu_fa2 60 ncu --clock-control none -k regex:'flash_bwd_dq_dk_dv' --launch-skip 1 --launch-count 1 \
-            --metrics $M python3 scripts/bwd_one.py --d 128 --seqlen 2048 --peer fa2
-        grep -h -E "smsp__|gpu__" "$OUT/ncu_ours.log" "$OUT/ncu_fa2.log" | sed 's/smsp__pcsamp_warps_issue_stalled_//'
+        sm80_bwd_stalls_beside_fa2
         for d in 128 64 256; do
             step "sm80_bwd_d$d" 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
                 --variant arch=sm80 --variant arch=sm80,k_unroll=2 --variant arch=sm80,stages=1 --out "$OUT/sm80-bwd-d$d"
@@ -330,12 +334,7 @@ case "${1:-}" in
         # where the sm80 backward's warps still wait (d128 2k, beside FA2's stall samples as s47c took them): the
         # stall reasons, then per SASS instruction (ncu-source: mio_throttle was 38.6k samples against FA2's 16.6k
         # with the same count of MIO-bound instructions a warp-step, scripts/sass_vs_fa2.py)
-        M=smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_mio_throttle,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_selected,gpu__time_duration.sum,smsp__inst_executed.sum
-        step ncu_ours 60 ncu --clock-control none -k regex:'flash_bwd_sm80_[a-z0-9_]*[0-9a-z]$' --launch-skip 1 --launch-count 1 \
-            --metrics $M python3 scripts/bwd_one.py --d 128 --seqlen 2048 --knob arch=sm80
-        step ncu_fa2 60 ncu --clock-control none -k regex:'flash_bwd_dq_dk_dv' --launch-skip 1 --launch-count 1 \
-            --metrics $M python3 scripts/bwd_one.py --d 128 --seqlen 2048 --peer fa2
-        grep -h -E "smsp__|gpu__" "$OUT/ncu_ours.log" "$OUT/ncu_fa2.log" | sed 's/smsp__pcsamp_warps_issue_stalled_//'
+        sm80_bwd_stalls_beside_fa2
         step ncu_source 120 python3 scripts/lab.py ncu-source --out "$OUT/src" --cell 128,2048,0 --backward \
             --variant arch=sm80 --peer fa2 --top 40
         tail -60 "$OUT/ncu_source.log"
