@@ -335,6 +335,9 @@ case "${1:-}" in
         # stall reasons, then per SASS instruction (ncu-source: mio_throttle was 38.6k samples against FA2's 16.6k
         # with the same count of MIO-bound instructions a warp-step, scripts/sass_vs_fa2.py)
         sm80_bwd_stalls_beside_fa2
+        for d in 128 256; do    # (against the FA2 this torch times: its own libtorch_cuda.so)
+            step "sass_vs_fa2_d$d" 60 python3 scripts/sass_vs_fa2.py --head-dim $d
+        done
         step ncu_source 120 python3 scripts/lab.py ncu-source --out "$OUT/src" --cell 128,2048,0 --backward \
             --variant arch=sm80 --peer fa2 --top 40
         tail -60 "$OUT/ncu_source.log"

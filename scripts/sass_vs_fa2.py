@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """The sm80 backward's step beside FlashAttention-2's, opcode by opcode, from the two SASS listings (no GPU).
 
-    python3 scripts/sass_vs_fa2.py --lib PATH/libtorch_cuda.so [--head-dim 128] [--sm sm_90] [knob=value ...]
+    python3 scripts/sass_vs_fa2.py [--lib PATH/libtorch_cuda.so] [--head-dim 128] [--sm sm_90] [knob=value ...]
 
 FA2 here is the copy inside PyTorch (torch SDPA's flash backend, the sm80 bar of issue 38): its
 flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel for bf16, non-causal, no dropout, at the tile FA2's own
 launcher picks on an H100/H200 (FA2_TRAITS, from its run_mha_bwd_hdim* for >= 144 KB of shared memory).
-PATH: torch's lib/libtorch_cuda.so; without a CUDA build of torch, unzip it from the wheel
+PATH: torch's lib/libtorch_cuda.so (default: the installed torch's, as on the device); without a CUDA build of
+torch, unzip it from the wheel
 (`unzip torch-*.whl 'torch/lib/libtorch_cuda.so'`, ~500 MB). cuobjdump finds the kernel by its mangled name.
 
 Both counts are a warp's hot path through one step: FA2's step is its innermost loop (one query block), ours
@@ -53,6 +54,16 @@ def fa2_kernel_name(head_dim: int) -> str:
     return f"_ZN13pytorch_flash44flash_bwd_dq_dk_dv_loop_seqk_parallel_kernelI{traits}{flags}EEvNS_16Flash_bwd_paramsE"
 
 
+def installed_torch_cuda_lib() -> Path:
+    """The installed torch's lib/libtorch_cuda.so (a CUDA build of torch: on the device, the FA2 it times)."""
+    import importlib.util
+    found = importlib.util.find_spec("torch")
+    lib = Path(found.origin).parent / "lib" / "libtorch_cuda.so" if found and found.origin else None
+    if lib is None or not lib.exists():
+        raise SystemExit("no CUDA build of torch installed here: give --lib PATH/libtorch_cuda.so (see the docstring)")
+    return lib
+
+
 def fa2_sass(lib: Path, head_dim: int, sm: str) -> tuple[str, str]:
     from facodegen.runtime.compiler import cuobjdump_path
     name = fa2_kernel_name(head_dim)
@@ -72,12 +83,15 @@ def opcode(op: str, text: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lib", type=Path, required=True, help="libtorch_cuda.so of a CUDA build of torch")
+    parser.add_argument("--lib", type=Path, default=None,
+                        help="libtorch_cuda.so of a CUDA build of torch (default: the installed torch's)")
     parser.add_argument("--head-dim", type=int, default=128, choices=sorted(FA2_TRAITS))
     parser.add_argument("--sm", default="sm_90", help="the real target of both listings (sm_90: H100/H200)")
     parser.add_argument("--positions", action="store_true", help="where each MIO opcode sits in the step")
     parser.add_argument("knobs", nargs="*", help="BackwardSpec fields of ours, knob=value")
     args = parser.parse_args()
+    if args.lib is None:
+        args.lib = installed_torch_cuda_lib()
     from facodegen.ops import backward
     from facodegen.spec.backward import BackwardSpec
 
