@@ -281,6 +281,9 @@ case "${1:-}" in
         # the varlen fuzz share, then the varlen backward timed beside FA2's
         step pytest 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
             -k "sm80 or varlen or warp_grids or padded"
+        # (and the sm90 backward at head_dim 192, 256: D's pairs read ahead of the dS^T loop's stores, session 48)
+        step pytest_sm90_kvsplit 120 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py \
+            -k "test_sm90_gradients_match_float64 and (hd192 or hd256)"
         # (and the split merge's lse_s loaded once, session 48: the decode tests with splits, a kvcache fuzz share)
         step pytest_decode 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_decode_gpu.py -k "split or combine or fused"
         step fuzz_kvcache 60 python3 -m facodegen check --fuzz 200 --seed 48 --family kvcache
@@ -313,6 +316,11 @@ case "${1:-}" in
             --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,dq_row_warps=4 \
             --variant arch=sm80,dq_row_warps=4,stages=2 --out "$OUT/sm80-bwd-d64"
         tail -6 "$OUT/sm80_bwd_d64.log"
+        # the sm90 backward at head_dim 256 beside cuDNN (0.96 / 1.01 / 0.88 / 0.86x on the H100 at ee7440c), with D's
+        # pairs now read ahead of the dS^T loop's stores (4 exposed shared loads a warp-step before)
+        step sm90_bwd_d256 90 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 256 \
+            --peers cudnn --out "$OUT/sm90-bwd-d256"
+        tail -6 "$OUT/sm90_bwd_d256.log"
         ;;
     s48a)
         # session 48's step (LSE/D rows by cp.async, no global load in the step; LSE/D pairs read before the GEMM
