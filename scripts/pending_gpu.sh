@@ -35,7 +35,8 @@
 #                                                       # (ran at c848b01 on an H100: 14 passed; now the defaults)
 #   OUT=/path bash scripts/pending_gpu.sh s48           # the new defaults' varlen kernels, session 48's row loads (cp.async),
 #                                                       # LSE/D pairs read ahead, poly_exp2_tiles, the split merge: GPU
-#                                                       # tests and fuzz: NOT YET RUN
+#                                                       # tests: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s48f          # their fuzz shares (kvcache, varlen, backward): NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s48t          # their timings beside FA2 (every head_dim; knob columns): NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s48a          # session 48's sm80 backward against the tree before it (bfa6edc in
 #                                                       # .old: carry [".whl", ".old"]), turn by turn, FA2 in each run: NOT YET RUN
@@ -286,6 +287,9 @@ case "${1:-}" in
             -k "test_sm90_gradients_match_float64 and (hd192 or hd256)"
         # (and the split merge's lse_s loaded once, session 48: the decode tests with splits, a kvcache fuzz share)
         step pytest_decode 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_decode_gpu.py -k "split or combine or fused"
+        ;;
+    s48f)
+        # s48's fuzz shares (a call of their own: with its tests they would pass the 600 s a call has)
         step fuzz_kvcache 60 python3 -m facodegen check --fuzz 200 --seed 48 --family kvcache
         step fuzz_varlen 60 python3 -m facodegen check --fuzz 200 --seed 50 --family varlen
         step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 51 --family backward
