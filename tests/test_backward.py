@@ -2051,3 +2051,24 @@ def test_sm80_poly_exp2_tiles_moves_that_share_of_mufu_ex2(head_dim, tiles, s_ti
         BackwardSpec(head_dim=head_dim, poly_exp2_tiles=s_tiles + 1)
     with pytest.raises(SpecError, match="poly_exp2_tiles"):
         BackwardSpec(arch="sm90", head_dim=128, poly_exp2_tiles=1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_sm90_backward_reads_no_lse_or_d_pair_just_before_its_use(head_dim, causal):
+    """The sm90 backward's LSE and D pairs (the consumers' only LDS.64) are read at least 4 instructions before
+    their first use (sm_90a SASS, the whole kernel). At head_dim 192/256 the dS^T loop's stores to shared
+    memory sat between its D reads, so each came 1 instruction before its use until session 48 read them
+    with the LSE."""
+    counter = _script("sass_step_count")
+    kernel = backward.compile(BackwardSpec(arch="sm90", head_dim=head_dim, causal=causal))
+    try:
+        sass = kernel.sass()
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+    def opcode(op, text):   # (LDS.64 apart from the tile scheduler's LDS.128)
+        body = text.split(None, 1)[1] if text.startswith("@") else text
+        return "LDS.64" if body.startswith("LDS.64") else op
+    listing = [(opcode(op, text), text) for _, op, text in counter.instructions(sass, kernel.name)]
+    shortest = counter.first_use_distances(listing, loads=("LDS.64",))
+    assert shortest.get("LDS.64", 0) >= 4, shortest
