@@ -36,7 +36,8 @@
 #   OUT=/path bash scripts/pending_gpu.sh s48           # the new defaults' varlen kernels, session 48's row loads (cp.async),
 #                                                       # LSE/D pairs read ahead, poly_exp2_tiles, the split merge: GPU
 #                                                       # tests: NOT YET RUN
-#   OUT=/path bash scripts/pending_gpu.sh s48f          # their fuzz shares (kvcache, varlen, backward): NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s48f          # their fuzz shares (kvcache, varlen, backward), the varlen
+#                                                       # backward bench: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s48t          # their timings beside FA2 (every head_dim; knob columns): NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s48a          # session 48's sm80 backward against the tree before it (bfa6edc in
 #                                                       # .old: carry [".whl", ".old"]), turn by turn, FA2 in each run: NOT YET RUN
@@ -282,23 +283,25 @@ case "${1:-}" in
         # the varlen fuzz share, then the varlen backward timed beside FA2's
         step pytest 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_varlen_backward_gpu.py tests/gpu/test_backward_gpu.py \
             -k "sm80 or varlen or warp_grids or padded"
-        # (and the sm90 backward at head_dim 192, 256: D's pairs read ahead of the dS^T loop's stores, session 48)
-        step pytest_sm90_kvsplit 120 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py \
-            -k "test_sm90_gradients_match_float64 and (hd192 or hd256)"
+        # (and the sm90 backward: LSE pairs read before the wait for S^T, D's at head_dim 192, 256 ahead of the dS^T
+        # loop's stores, session 48; its float64 grid and the deterministic bit-identity test)
+        step pytest_sm90 180 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py \
+            -k "test_sm90_gradients_match_float64 or (deterministic and sm90)"
         # (and the split merge's lse_s loaded once, session 48: the decode tests with splits, a kvcache fuzz share)
         step pytest_decode 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_decode_gpu.py -k "split or combine or fused"
         ;;
     s48f)
-        # s48's fuzz shares (a call of their own: with its tests they would pass the 600 s a call has)
+        # s48's fuzz shares and the varlen backward beside FA2's (a call of their own: with its tests they would pass
+        # the 600 s a call has)
         step fuzz_kvcache 60 python3 -m facodegen check --fuzz 200 --seed 48 --family kvcache
         step fuzz_varlen 60 python3 -m facodegen check --fuzz 200 --seed 50 --family varlen
         step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 51 --family backward
-        ;;
-    s48t)
-        # s48's timings (their own call: with s48's tests they would pass the 600 s a call has): the varlen backward
-        # beside FA2's, then the sm80 backward's head dims beside FA2 with the columns below
         step varlen_bwd 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT/varlen-bwd"
         tail -20 "$OUT/varlen_bwd.log"
+        ;;
+    s48t)
+        # s48's timings (their own call: with s48's tests they would pass the 600 s a call has): the sm80 backward's
+        # head dims beside FA2 with the columns below, then the sm90 backward's d128, d256 beside cuDNN
         # the K-major ldmatrix addresses of straight-line GEMMs from a few bases an operand and immediate offsets
         # (instructions a warp-step: d256 930 -> 882, d192 803 -> 766, d96 858 -> 838; never run), timed beside FA2
         # (and the 2-deep Q/dO ring as a column: FA2 double-buffers on an H100/H200; d256, 192, 96: 906, 786, 858
@@ -320,11 +323,13 @@ case "${1:-}" in
             --variant arch=sm80 --variant arch=sm80,stages=2 --variant arch=sm80,dq_row_warps=4 \
             --variant arch=sm80,dq_row_warps=4,stages=2 --out "$OUT/sm80-bwd-d64"
         tail -6 "$OUT/sm80_bwd_d64.log"
-        # the sm90 backward at head_dim 256 beside cuDNN (0.96 / 1.01 / 0.88 / 0.86x on the H100 at ee7440c), with D's
-        # pairs now read ahead of the dS^T loop's stores (4 exposed shared loads a warp-step before)
-        step sm90_bwd_d256 90 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 256 \
-            --peers cudnn --out "$OUT/sm90-bwd-d256"
-        tail -6 "$OUT/sm90_bwd_d256.log"
+        # the sm90 backward beside cuDNN (H100, ee7440c: d128 1.03 / 1.06 / 0.92 / 1.00x, d256 0.96 / 1.01 / 0.88 /
+        # 0.86x), with the LSE pairs read before the wait for S^T and, at d256, D's ahead of the dS^T loop's stores
+        for d in 128 256; do
+            step "sm90_bwd_d$d" 90 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
+                --peers cudnn --out "$OUT/sm90-bwd-d$d"
+            tail -6 "$OUT/sm90_bwd_d$d.log"
+        done
         ;;
     s48a)
         # session 48's step (LSE/D rows by cp.async, no global load in the step; LSE/D pairs read before the GEMM
