@@ -278,11 +278,21 @@ def test_render_is_deterministic_and_says_what_it_is(spec):
 def test_emit_command_rebuilds_the_spec():
     runner = CliRunner()
     for spec in (DEFAULTS[0], BackwardSpec(head_dim=128, block_n=64, num_warps=4, causal=True, k_unroll=1),
-                 BackwardSpec(head_dim=96, gpu="h200", dtype="fp16")):
+                 BackwardSpec(head_dim=96, gpu="h200", dtype="fp16"), BackwardSpec(head_dim=128, poly_exp2_tiles=1)):
         argv = backward.emit_command(spec).split()[2:]
         result = runner.invoke(cli.main, ["emit", *argv])
         assert result.exit_code == 0, result.output
         assert result.output == backward.emit(spec)
+
+
+def test_emit_line_names_only_knobs_off_their_default():
+    """A default spec's emit line is the problem and its tile alone, on both archs (poly_exp2_tiles' 0 left
+    out); a knob set away from its default is on the line."""
+    for arch in ("sm80", "sm90"):
+        line = backward.emit_command(BackwardSpec(arch=arch, head_dim=128))
+        assert line.split()[6:] == ["--dtype", "bf16", "--head-dim", "128", "--block-m", "64", "--block-n", "128",
+                                    "--warps", "8" if arch == "sm80" else "12", "--no-causal"], line
+    assert "--poly-exp2-tiles 1" in backward.emit_command(BackwardSpec(head_dim=128, poly_exp2_tiles=1))
 
 
 def test_params_layout_matches_the_packer():

@@ -144,7 +144,8 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     spec built from the line's other flags takes them (sm90: dq_tma_reduce's default is off where the
     line says --deterministic, as BackwardSpec makes it; the ring's depth for the dQ path)."""
     if spec.arch == "sm80":
-        return {"head_dim_real": spec.head_dim, "gpu": DEFAULT_GPU, "frag_prefetch": False, "deterministic": False,
+        return {"head_dim_real": spec.head_dim, "gpu": DEFAULT_GPU, "frag_prefetch": False, "poly_exp2_tiles": 0,
+                "deterministic": False,
                 "dq_tma_reduce": False, "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False,
                 "do_stages": spec.stages, "dq_pieces": 1, "dq_lag": False, "varlen": False,
                 **sm80_defaults(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.gpu, spec.varlen)}
@@ -152,7 +153,8 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
                                                    spec.dq_tma_reduce, spec.s_lookahead)
     stages, do_stages = sm90_default_rings(spec.head_dim, spec.dq_tma_reduce, SM90_GPU)
     return {"head_dim_real": spec.head_dim, "gpu": SM90_GPU, "stages": stages, "do_stages": do_stages,
-            "dq_pieces": sm90_fewest_dq_pieces(spec), "k_unroll": 2, "frag_prefetch": False, "deterministic": False,
+            "dq_pieces": sm90_fewest_dq_pieces(spec), "k_unroll": 2, "frag_prefetch": False, "poly_exp2_tiles": 0,
+            "deterministic": False,
             "s_lookahead": s_default, "dp_lookahead": dp_default,
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
             "persistent": sm90_persistent_default(spec.arch, spec.deterministic, spec.varlen),
@@ -162,7 +164,7 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
 _SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt",
               "dq_lag")
 # and the sm80 warp grids' knobs, which the sm90 header leaves out (0 there: its warpgroups own 64 keys each)
-_SM80_ONLY = ("key_warps", "dq_row_warps", "frag_prefetch")
+_SM80_ONLY = ("key_warps", "dq_row_warps", "frag_prefetch", "poly_exp2_tiles")
 
 
 def emit_command(spec: BackwardSpec) -> str:
