@@ -220,6 +220,13 @@ __device__ __forceinline__ float poly_exp2(float x) {
     return __int_as_float(__float_as_int(p) + (__float_as_int(floored) << 23));
 }
 
+// Whether tile t of T is one of the SHARE that take poly_exp2 (spread evenly: where the even spread of SHARE
+// over T steps up at t; the rest take MUFU.EX2).
+template <int SHARE, int T>
+__device__ __forceinline__ constexpr bool poly_exp2_tile(int t) {
+    return (t + 1) * SHARE / T != t * SHARE / T;
+}
+
 // log2(x) on the special-function unit; log2(0) = -inf.
 __device__ __forceinline__ float fast_log2(float x) {
     float y;
@@ -359,12 +366,6 @@ __device__ __forceinline__ void thread_row_max(const float (&s)[N], const float 
     }
 }
 
-// Tile t of T takes the polynomial when the even spread of POLY_EXP2_TILES over T steps up at t.
-template <int T>
-__device__ __forceinline__ constexpr bool poly_exp2_tile(int t) {
-    return (t + 1) * POLY_EXP2_TILES / T != t * POLY_EXP2_TILES / T;
-}
-
 // 2^(s*scale_log2 - shift[row]) for every score, handed G at a time to store(i, p[G]) (scores
 // i..i+G-1, in order); returns this thread's row sums. One FFMA + MUFU.EX2 each, or poly_exp2 on the
 // POLY_EXP2_TILES tiles. SINGLE_FMA writes the FFMA as one: left to the compiler's contraction, the
@@ -389,7 +390,7 @@ __device__ __forceinline__ void exp2_rows_to(const float (&s)[N], float scale_lo
             const int i = first + k;
             const int r = (i >> 1) & 1;
             const float x = SINGLE_FMA ? __fmaf_rn(s[i], scale_log2, -shift[r]) : s[i] * scale_log2 - shift[r];
-            p[k] = poly_exp2_tile<N / 4>(i >> 2) ? poly_exp2(x) : fast_exp2(x);
+            p[k] = poly_exp2_tile<POLY_EXP2_TILES, N / 4>(i >> 2) ? poly_exp2(x) : fast_exp2(x);
             chain[r][(i >> 2) % CHAINS] += p[k];
         }
         store(first, p);
