@@ -78,6 +78,13 @@ def hot_path(ins, innermost: bool) -> list[tuple[str, str]]:
     return [(op, text) for at, op, text in ins if lo <= at <= hi and not any(a <= at <= b for a, b in skipped)]
 
 
+def opcode(op: str, text: str) -> str:
+    """The opcode, with its width and cache modifiers for memory operations (LDSM.16.MT88.4, REDG...F32x2)."""
+    if op in ("LDS", "STS", "LDG", "STG", "REDG", "LDSM", "LDGSTS"):
+        return text.split()[1] if text.startswith("@") else text.split()[0]
+    return op
+
+
 _WIDTH = {".64": 2, ".128": 4}
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sass_step_count import hot_path, instructions  # noqa: E402
+from sass_step_count import hot_path, instructions, opcode  # noqa: E402
 
 # head_dim: (kBlockM, kBlockN, kNWarps, AtomLayoutMSdP, AtomLayoutNdKV, AtomLayoutMdQ, Is_V_in_regs,
 # No_double_buffer), and Is_even_MN of the instantiation that runs at 2k-8k tokens (FA2 builds the even-MN
@@ -72,13 +72,6 @@ def fa2_sass(lib: Path, head_dim: int, sm: str) -> tuple[str, str]:
     if f"Function : {name}" not in done.stdout:
         raise SystemExit(f"{lib} has no {sm} SASS of FA2's kernel {name}: {done.stderr.strip()[:300]}")
     return done.stdout, name
-
-
-def opcode(op: str, text: str) -> str:
-    """The opcode, with its width and cache modifiers for memory operations (LDSM.16.MT88.4, REDG...F32x2)."""
-    if op in ("LDS", "STS", "LDG", "STG", "REDG", "LDSM", "LDGSTS"):
-        return text.split()[1] if text.startswith("@") else text.split()[0]
-    return op
 
 
 def main() -> None:

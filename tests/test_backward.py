@@ -2076,9 +2076,7 @@ def test_sm90_backward_reads_no_lse_or_d_pair_just_before_its_use(head_dim, caus
         sass = kernel.sass()
     except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
         pytest.skip(f"cuobjdump: {err}")
-    def opcode(op, text):   # (LDS.64 apart from the tile scheduler's LDS.128)
-        body = text.split(None, 1)[1] if text.startswith("@") else text
-        return "LDS.64" if body.startswith("LDS.64") else op
-    listing = [(opcode(op, text), text) for _, op, text in counter.instructions(sass, kernel.name)]
+    # (memory opcodes with their width: LDS.64 apart from the tile scheduler's LDS.128)
+    listing = [(counter.opcode(op, text), text) for _, op, text in counter.instructions(sass, kernel.name)]
     shortest = counter.first_use_distances(listing, loads=("LDS.64",))
     assert shortest.get("LDS.64", 0) >= 4, shortest
