@@ -53,6 +53,9 @@ SUBCOMMANDS = {
                    "fuzz cases run by facodegen and by FA2 on the same inputs, both criteria: a kernel bug or precision"),
     "backward-lse": ("backward_lse", "GPU",
                      "a failing backward case re-run on the forward's LSE, float64's LSE, float64's O: whose error"),
+    "varlen-bwd-nonfinite": ("varlen_bwd_nonfinite", "GPU",
+                             "a varlen backward fuzz case with non-finite gradients: where, the reference's size, "
+                             "other knobs"),
     "sass-ab": ("sass_ab", "CPU",
                 "another tree's templates against this one's, kernel SASS instruction for instruction: a refactor "
                 "that must not change a kernel"),

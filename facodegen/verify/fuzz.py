@@ -503,6 +503,14 @@ def fa3_failure(got, ref, lows, floor=None) -> str | None:
             + ("" if floor is None else f", floor {floor[worst].item():.3g}") + ")")
 
 
+def grad_output(gen, shape, dt):
+    """dO of a backward case: unit normal, whatever the case's input magnitude. (dO at magnitude 16 beside
+    Q, K, V at 16 made fp16 gradients the float64 reference puts past 65504: a varlen case of 2026-12-05,
+    |dQ| up to 1.2e5, came back inf, as any fp16 kernel's would.)"""
+    import torch
+    return torch.randn(shape, generator=gen, device="cuda").to(dt)
+
+
 def backward_inputs(case: Case) -> tuple:
     """(q, k, v, do, softmax_scale) of a backward case on the GPU, contiguous, from its seed."""
     import torch
@@ -512,7 +520,7 @@ def backward_inputs(case: Case) -> tuple:
               (case.batch, case.seqlen_k, case.heads_kv, case.head_dim),
               (case.batch, case.seqlen_k, case.heads_kv, case.head_dim))
     q, k, v = (torch.randn(s, generator=gen, device="cuda").mul_(case.magnitude).to(dt) for s in shapes)
-    do = torch.randn(shapes[0], generator=gen, device="cuda").to(dt)
+    do = grad_output(gen, shapes[0], dt)
     scale = case.softmax_scale if case.softmax_scale is not None else case.head_dim ** -0.5
     return q, k, v, do, scale
 
@@ -780,7 +788,7 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
                                           **variants, **descales, **_varlen_knobs(case))
     grads = None
     if case.varlen_backward:
-        do = randn(cu_q[-1], case.heads_q, case.head_dim)
+        do = grad_output(gen, (cu_q[-1], case.heads_q, case.head_dim), dt)
         runs = [facodegen.attention_varlen_backward(do, *args, out, lse, *boundaries, case.seqlen_q, case.seqlen_k,
                                                     causal=case.causal, softmax_scale=case.softmax_scale,
                                                     **_varlen_backward_knobs(case))
