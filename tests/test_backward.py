@@ -43,7 +43,7 @@ def test_variant_names_the_problem_and_the_tile():
     assert BackwardSpec(head_dim=96).variant == "flash_bwd_sm80_bf16_hd96_bm64_bn128_w8_kuall_kw4"
     assert BackwardSpec(head_dim=96, block_n=64).variant == "flash_bwd_sm80_bf16_hd96_bm64_bn64_w8"   # (unmeasured)
     assert spec.kernel_names == (f"{spec.variant}_dot_do_o", spec.variant, f"{spec.variant}_convert_dq")
-    assert BackwardSpec(head_dim=64, dtype="fp16").variant == "flash_bwd_sm80_fp16_hd64_bm128_bn128_w8_kuall_kw4_qw2"
+    assert BackwardSpec(head_dim=64, dtype="fp16").variant == "flash_bwd_sm80_fp16_hd64_bm128_bn128_w8_kuall_kw4_qw4_st2"
     assert BackwardSpec(head_dim=96, k_unroll=1).variant == "flash_bwd_sm80_bf16_hd96_bm64_bn128_w8_ku1_kw4"
     assert len({s.variant for s in DEFAULTS}) == len(DEFAULTS)
 
@@ -63,7 +63,7 @@ def test_sm80_warp_grids_are_knobs_with_the_old_grids_as_defaults():
     assert (measured.key_warps, measured.dq_row_warps, measured.stages) == (4, 2, 2)
     assert measured.variant.endswith("_w8_kuall_kw4_qw2_st2") and "key-warps" not in backward.emit_command(measured)
     for grid in (BackwardSpec(head_dim=128, key_warps=8, dq_row_warps=4, stages=1),    # the grid before the knobs
-                 BackwardSpec(head_dim=64, key_warps=2, dq_row_warps=4)):
+                 BackwardSpec(head_dim=64, key_warps=2, dq_row_warps=2)):
         line = backward.emit_command(grid)
         source = backward.emit(grid)
         assert f"--key-warps {grid.key_warps}" in line and f"--dq-row-warps {grid.dq_row_warps}" in line
@@ -457,7 +457,7 @@ def test_non_default_tiles_compile(fields):
 def test_cli_emit_and_inspect_backward():
     runner = CliRunner()
     result = runner.invoke(cli.main, ["emit", "--kernel", "backward", "--head-dim", "64", "--causal"])
-    assert result.exit_code == 0 and "flash_bwd_sm80_bf16_hd64_bm128_bn128_w8_kuall_kw4_qw2_causal" in result.output
+    assert result.exit_code == 0 and "flash_bwd_sm80_bf16_hd64_bm128_bn128_w8_kuall_kw4_qw4_st2_causal" in result.output
     result = runner.invoke(cli.main, ["inspect", "--kernel", "backward", "--head-dim", "64", "--causal"])
     assert result.exit_code == 0, result.output
     assert "0 B stores / 0 B loads" in result.output and "_convert_dq" in result.output

@@ -91,15 +91,15 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          else None),
     Knob("dq_row_warps", "int", "sm80: warps along the query rows of the dQ warp grid (the rest split head_dim): "
          "each reads its rows' dS and its columns' K (FlashAttention-2's d128 backward: 2 of 8). Default: FA2's on "
-         "every head_dim's default tile (SM80_MEASURED_DEFAULTS: 2, 4 at head_dim 96), else as many as block_m "
+         "every head_dim's default tile (SM80_MEASURED_DEFAULTS: 2, 4 at head_dim 64 and 96), else as many as block_m "
          "has 16-row slabs, up to num_warps.", flag="--dq-row-warps", choices=(1, 2, 4, 8),
          search={"sm80": (2, 4)},
          token=lambda s, v: f"qw{v}" if s.arch == "sm80" and v != sm80_dq_row_warps_default(s.block_m, s.num_warps)
          else None),
     Knob("stages", "int", "Q buffers: sm80 1 (with dO; the next step's Q, dO load under the dQ GEMM) or 2 (with "
          "dO: the next step's Q, dO, LSE and D rows load from the top of each step, under all five GEMMs, and a "
-         "barrier a step goes; the default on head_dim 128's tile where it fits); sm90 2 (the TMA ring the "
-         "producer warp fills; dO's: do_stages).", flag="--stages",
+         "barrier a step goes; the default on the tiles of head_dim 64, 128, 192 and 256 where it fits); sm90 2 (the TMA "
+         "ring the producer warp fills; dO's: do_stages).", flag="--stages",
          choices=(1, 2), token=lambda s, v: f"st{s.stages}" if s.stages != 1 else None),
     Knob("do_stages", "int", "sm90: dO buffers (with their D rows), at most stages (None: as deep as fits, "
          "sm90_default_rings). Below it, a "
@@ -262,11 +262,16 @@ SM90_DQ_BUFS = 2     # (where they fit, else 1: BackwardSpec.dq_bufs)
 #   255 / 199 / 246).
 # Where stages=2 does not fit the GPU, stages stays 1; varlen kernels keep k_unroll 2 (head_dim 128's spills
 # on sm_90 unrolled, NVRTC 13).
+# - Two stages at head_dim 192 and 256, and at head_dim 64 with dq_row_warps 4 (FA2's AtomLayoutMdQ there): H100,
+#   2026-12-05 (session 49, commit 6483ad7's kernels, pending_gpu.sh s48t), d64 232 / 256 / 203 / 252 against one
+#   stage's 225 / 248 / 192 / 238 (FA2 260 / 286 / 212 / 262); d192 207 / 224 / 177 / 213 against 199 / 216 / 173
+#   / 214 (FA2 229 / 251 / 210 / 261); d256 204 / 220 / 175 / 216 against 199 / 218 / 173 / 215 (FA2 236 / 258 /
+#   197 / 248). At head_dim 96 two stages were no faster (243 / 260 / 203 / 244 against 238 / 264 / 201 / 250).
 SM80_MEASURED_DEFAULTS = {(128, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "stages": 2, "k_unroll": 0},
-                          (64, 128, 128, 8): {"key_warps": 4, "dq_row_warps": 2, "k_unroll": 0},
+                          (64, 128, 128, 8): {"key_warps": 4, "dq_row_warps": 4, "stages": 2, "k_unroll": 0},
                           (96, 64, 128, 8): {"key_warps": 4, "dq_row_warps": 4, "k_unroll": 0},
-                          (192, 64, 64, 8): {"key_warps": 2, "dq_row_warps": 2, "k_unroll": 0},
-                          (256, 64, 64, 8): {"key_warps": 2, "dq_row_warps": 2, "k_unroll": 0}}
+                          (192, 64, 64, 8): {"key_warps": 2, "dq_row_warps": 2, "stages": 2, "k_unroll": 0},
+                          (256, 64, 64, 8): {"key_warps": 2, "dq_row_warps": 2, "stages": 2, "k_unroll": 0}}
 
 
 def sm80_defaults(head_dim: int, block_m: int, block_n: int, num_warps: int, gpu: str, varlen: bool = False) -> dict:
