@@ -774,6 +774,11 @@ def bench(spec_fields, seqlen, seqlen_k, batch, heads, heads_kv, peers, suite, n
         return
     if spec_fields.get("arch") == "both":
         raise UsageFailure("--arch both is for --suite; give sm80 or sm90")
+    variant_flags = [flag for field, flag in (("softcap", "--softcap"), ("local", "--window-left/--window-right"),
+                                              ("sinks", "--sinks")) if spec_fields.get(field)]
+    if variant_flags:   # (its peers and reference check are plain attention's)
+        raise UsageFailure(f"{', '.join(variant_flags)}: the one-cell bench times plain attention beside its "
+                           "peers; time the variants with --suite variants (or scripts/bench_softcap.py)")
     spec = build_spec(spec_fields)
     _require_gpu("bench")
     try:

@@ -202,6 +202,18 @@ def test_bench_calls_run_cli_bench(runner, monkeypatch):
     assert result.output.strip() == f"{variant} 4096 4 16 {{'heads_kv': 2, 'peers': ('fa2', 'cudnn')}}"
 
 
+@pytest.mark.parametrize("flags", [["--softcap", "50"], ["--softcap"], ["--window-left", "256"]])
+def test_bench_refuses_variant_flags_of_the_one_cell_bench(runner, monkeypatch, flags):
+    # (it once passed softcap=True as the softcap value and failed on the GPU, 2026-12-05)
+    from facodegen.bench import runner as bench_runner
+
+    monkeypatch.setattr(bench_runner, "run_cli_bench", lambda *a, **kw: pytest.fail("ran"))
+    monkeypatch.setattr(fc, "gpu_available", lambda: (True, "fake GPU"))
+    result = runner.invoke(cli.main, ["bench", "--arch", "sm90", "--head-dim", "128", *flags])
+    assert result.exit_code == 2, result.output
+    assert "--suite variants" in result.output and flags[0].split("-")[2] in result.output
+
+
 def test_bench_matches_the_real_run_cli_bench_signature():
     import inspect
 
