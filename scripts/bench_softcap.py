@@ -1,5 +1,5 @@
 """Time softcap's cost and poly_exp2_tiles against it (issue 40): facodegen.attention, bf16, causal,
-head_dim 128, 16 heads, batch 1 (--batch), seqlen 4k and 16k: without softcap, with softcap 50, and
+head_dim 128 with 16 heads (--head-dims: each with 2048 / head_dim heads), batch 1 (--batch), seqlen 4k and 16k: without softcap, with softcap 50, and
 with softcap 50 and each --tiles value of poly_exp2_tiles (n8 key tiles per score fragment whose
 exp2 runs as a polynomial on the FMA pipe instead of MUFU.EX2, beside softcap's MUFU.TANH). All
 arms of a sequence length take turns group by group (timing.time_cuda_interleaved: CUDA events,
@@ -20,12 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HEADS, HEAD_DIM, SOFTCAP = 16, 128, 50.0
+HIDDEN, SOFTCAP = 2048, 50.0     # heads = HIDDEN / head_dim
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlens", default="4096,16384", help="comma-separated sequence lengths")
+    parser.add_argument("--head-dims", default="128", help="comma-separated head dims")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tiles", default="2,4,8", help="poly_exp2_tiles values to time with softcap")
     parser.add_argument("--groups", type=int, default=11, help="timed groups per arm (the median is kept)")
@@ -50,24 +51,26 @@ def main(argv=None) -> int:
     from facodegen.ops import api
 
     tiles = tuple(int(t) for t in args.tiles.split(",") if t)
-    print(f"{torch.cuda.get_device_name()}, bf16, causal, batch {args.batch}, {HEADS} heads, head_dim {HEAD_DIM}")
-    print(f"{'seqlen':>6}  {'arm':<18} {'ms':>8} {'TFLOP/s':>8} {'/no cap':>8} {'/softcap':>8}  kernel")
-    for seqlen in (int(s) for s in args.seqlens.split(",")):
-        shape = (args.batch, seqlen, HEADS, HEAD_DIM)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        fns, kernels = [], []
-        for _, kwargs in arms(tiles):
-            out = torch.empty_like(q)
-            fields = {n: kwargs[n] for n in kwargs if n != "softcap"}
-            spec = api.resolve_spec(HEAD_DIM, "bf16", True, q.device.index or 0,
-                                    shape=(args.batch, seqlen, seqlen, HEADS), softcap="softcap" in kwargs, **fields)
-            kernels.append(spec.variant)
-            fns.append(lambda out=out, kwargs=kwargs: facodegen.attention(q, k, v, causal=True, out=out, **kwargs))
-        results = time_cuda_interleaved(fns, groups=args.groups, calls=args.calls)
-        flops = 4 * args.batch * HEADS * seqlen * seqlen * HEAD_DIM / 2            # causal: half the pairs
-        for (label, _), r, kernel in zip(arms(tiles), results, kernels):
-            print(f"{seqlen:>6}  {label:<18} {r['ms']:>8.3f} {flops / r['ms'] / 1e9:>8.1f} "
-                  f"{r['ms'] / results[0]['ms']:>8.3f} {r['ms'] / results[1]['ms']:>8.3f}  {kernel}")
+    print(f"{torch.cuda.get_device_name()}, bf16, causal, batch {args.batch}, {HIDDEN} / head_dim heads")
+    print(f"{'d':>3} {'seqlen':>6}  {'arm':<18} {'ms':>8} {'TFLOP/s':>8} {'/no cap':>8} {'/softcap':>8}  kernel")
+    for head_dim in (int(d) for d in args.head_dims.split(",")):
+        heads = HIDDEN // head_dim
+        for seqlen in (int(s) for s in args.seqlens.split(",")):
+            shape = (args.batch, seqlen, heads, head_dim)
+            q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            fns, kernels = [], []
+            for _, kwargs in arms(tiles):
+                out = torch.empty_like(q)
+                fields = {n: kwargs[n] for n in kwargs if n != "softcap"}
+                spec = api.resolve_spec(head_dim, "bf16", True, q.device.index or 0,
+                                        shape=(args.batch, seqlen, seqlen, heads), softcap="softcap" in kwargs, **fields)
+                kernels.append(spec.variant)
+                fns.append(lambda out=out, kwargs=kwargs: facodegen.attention(q, k, v, causal=True, out=out, **kwargs))
+            results = time_cuda_interleaved(fns, groups=args.groups, calls=args.calls)
+            flops = 4 * args.batch * heads * seqlen * seqlen * head_dim / 2            # causal: half the pairs
+            for (label, _), r, kernel in zip(arms(tiles), results, kernels):
+                print(f"{head_dim:>3} {seqlen:>6}  {label:<18} {r['ms']:>8.3f} {flops / r['ms'] / 1e9:>8.1f} "
+                      f"{r['ms'] / results[0]['ms']:>8.3f} {r['ms'] / results[1]['ms']:>8.3f}  {kernel}")
     return 0
 
 

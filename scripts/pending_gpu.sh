@@ -43,7 +43,10 @@
 #                                                       # .old: carry [".whl", ".old"]), turn by turn, FA2 in each run: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s48c          # the sm80 backward's stall samples beside FA2's, and per SASS
 #                                                       # instruction (ncu-source): NOT YET RUN
-#   OUT=/path bash scripts/pending_gpu.sh s48b          # softcap with exp2 moved to the FMA pipe: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s48b          # softcap with exp2 moved to the FMA pipe (its one-cell bench
+#                                                       # refused --softcap's value: s49 times it by bench_softcap.py)
+#   OUT=/path bash scripts/pending_gpu.sh s49           # session 49: s48f's varlen fuzz failure diagnosed, the new
+#                                                       # sm80 defaults checked and timed, ncu-source, softcap
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -373,6 +376,31 @@ case "${1:-}" in
             done
         done
         ;;
+    s49)
+        # session 49: the sm80 varlen backward case s48f's fuzz failed on (d96 fp16 magnitude 16, dq and dk
+        # non-finite in sequence 0, dv finite), diagnosed here and on bfa6edc's tree (.old: carry [".old"]); the
+        # sm80 backward's new defaults (two stages at d64 with dq_row_warps 4, d192, d256) checked and timed; the
+        # sm80 backward's and FA2's stall samples per SASS instruction; softcap's cost with poly_exp2_tiles
+        step nonfinite 90 python3 scripts/lab.py varlen-bwd-nonfinite '{"arch": "sm80", "batch": 3, "causal": false, "dtype": "fp16", "family": "varlen", "head_dim": 96, "heads_kv": 1, "heads_q": 8, "layout": "contiguous", "magnitude": 16.0, "num_splits": 0, "page_size": 0, "return_lse": true, "seed": 1853277507, "seqlen_k": 74, "seqlen_new": 0, "seqlen_q": 107, "sinks": false, "softcap": 0.0, "softmax_scale": 0.9529, "top_left": false, "use_out": true, "window_left": -1, "window_right": -1}' --knobs stages=1 --knobs stages=2 \
+            --knobs k_unroll=0
+        [ -d .old/facodegen ] && step nonfinite_old 60 bash -c "cd .old && python3 -m facodegen check --fuzz-case '{"arch": "sm80", "batch": 3, "causal": false, "dtype": "fp16", "family": "varlen", "head_dim": 96, "heads_kv": 1, "heads_q": 8, "layout": "contiguous", "magnitude": 16.0, "num_splits": 0, "page_size": 0, "return_lse": true, "seed": 1853277507, "seqlen_k": 74, "seqlen_new": 0, "seqlen_q": 107, "sinks": false, "softcap": 0.0, "softmax_scale": 0.9529, "top_left": false, "use_out": true, "window_left": -1, "window_right": -1}'"
+        step pytest 150 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
+            -k "sm80 or varlen or warp_grids or padded"
+        step fuzz_varlen 60 python3 -m facodegen check --fuzz 200 --seed 52 --family varlen
+        step fuzz_bwd 60 python3 -m facodegen check --fuzz 200 --seed 53 --family backward
+        for d in 64 192 256; do
+            step "sm80_bwd_d$d" 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d --peers fa2 \
+                --variant arch=sm80 --out "$OUT/sm80-bwd-d$d"
+        done
+        step ncu_source_ours 120 python3 scripts/lab.py ncu-source --out "$OUT/src-ours" --cell 128,2048,0 --backward \
+            --variant arch=sm80 --peer fa2 --top 40
+        step ncu_source_fa2 120 python3 scripts/lab.py ncu-source --out "$OUT/src-fa2" --cell 128,2048,0 --backward \
+            --variant arch=sm80 --peer fa2 --top 40 --kernel-regex flash_bwd_dq_dk_dv
+        step softcap 120 python3 scripts/bench_softcap.py --head-dims 128,256 --seqlens 16384 --tiles 2,4,6,8,10
+        cat "$OUT/nonfinite.log" "$OUT/nonfinite_old.log" | grep -v compiling | tail -40
+        for d in 64 192 256; do grep -A7 "vs FA2" "$OUT/sm80_bwd_d$d.log" | head -7; done
+        tail -14 "$OUT/softcap.log"
+        ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
         step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
@@ -413,6 +441,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48|s48b"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48|s48b|s49"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"

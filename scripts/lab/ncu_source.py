@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     add_child_arguments(p, "the peer ncu_compare's child builds (runs, not profiled)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--csv", help="summarise this saved source.csv instead of profiling")
+    p.add_argument("--kernel-regex", default=None,
+                   help="the kernel to profile (ncu -k regex:...; default: the forward's flash_fwd, with --backward "
+                        "facodegen's main backward kernel; FA2's main backward kernel: flash_bwd_dq_dk_dv)")
     args = p.parse_args(argv)
     if args.csv:
         with open(args.csv) as f:
@@ -87,10 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "-k", "regex:flash_fwd",
+    # (facodegen's backward launches its preprocess, main and postprocess kernels in turn, all flash_bwd_sm*)
+    kernel, skip = (args.kernel_regex, 0) if args.kernel_regex else ("flash_bwd_sm", 1) if args.backward else \
+        ("flash_fwd", 0)
+    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "-k", f"regex:{kernel}",
+           "--launch-skip", str(skip), "--launch-count", "1",
            "--section", "SourceCounters", "--section", "WarpStateStats", "--page", "source",
            "--print-source", "sass", "--csv", sys.executable, os.path.join(here, "ncu_compare.py"), "--child",
-           "--cell", args.cell, "--dtype", args.dtype, "--variant", args.variant, "--peer", args.peer]
+           "--cell", args.cell, "--dtype", args.dtype, "--variant", args.variant, "--peer", args.peer,
+           *(["--backward"] if args.backward else [])]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "source.csv")
