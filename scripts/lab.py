@@ -56,6 +56,8 @@ SUBCOMMANDS = {
     "varlen-bwd-nonfinite": ("varlen_bwd_nonfinite", "GPU",
                              "a varlen backward fuzz case with non-finite gradients: where, the reference's size, "
                              "other knobs"),
+    "mufu-rate": ("mufu_rate", "GPU",
+                  "microbenchmark: MUFU.TANH against MUFU.EX2 per SM per clock, and a tanh from one EX2 and FMAs"),
     "sass-ab": ("sass_ab", "CPU",
                 "another tree's templates against this one's, kernel SASS instruction for instruction: a refactor "
                 "that must not change a kernel"),

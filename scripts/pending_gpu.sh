@@ -47,6 +47,8 @@
 #                                                       # refused --softcap's value: s49 times it by bench_softcap.py)
 #   OUT=/path bash scripts/pending_gpu.sh s49           # session 49: s48f's varlen fuzz failure diagnosed, the new
 #                                                       # sm80 defaults checked and timed, ncu-source, softcap
+#   OUT=/path bash scripts/pending_gpu.sh s49b          # MUFU rates, the varlen case again, ncu-source of the sm80
+#                                                       # backward (ran 2026-12-05, H100)
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -401,6 +403,19 @@ case "${1:-}" in
         for d in 64 192 256; do grep -A7 "vs FA2" "$OUT/sm80_bwd_d$d.log" | head -7; done
         tail -14 "$OUT/softcap.log"
         ;;
+    s49b)
+        # session 49's second call (H100, 2026-12-05): MUFU.TANH, .EX2 and .RCP each 15.9 a clock an SM, so softcap's
+        # d128 cost (1.62x at 16k causal) is not a slow tanh; a tanh from one EX2 and a degree-5 polynomial
+        # (10.0 a clock an SM here) on 4 / 8 / all 18 n8 tiles timed 0.995 / 1.000 / 1.158x the plain softcap
+        # kernel at d128 and 1.15-1.25x at d256, so that knob (softcap_ex2_tiles) was dropped unmerged. The
+        # varlen case and s48f's fuzz share passed with dO at unit scale; ncu-source of the sm80 backward
+        step mufu_rate 60 python3 scripts/lab.py mufu-rate
+        step fuzz_case 60 python3 -m facodegen check --fuzz-case '{"arch": "sm80", "batch": 3, "causal": false, "dtype": "fp16", "family": "varlen", "head_dim": 96, "heads_kv": 1, "heads_q": 8, "layout": "contiguous", "magnitude": 16.0, "num_splits": 0, "page_size": 0, "return_lse": true, "seed": 1853277507, "seqlen_k": 74, "seqlen_new": 0, "seqlen_q": 107, "sinks": false, "softcap": 0.0, "softmax_scale": 0.9529, "top_left": false, "use_out": true, "window_left": -1, "window_right": -1}'
+        step fuzz_varlen 60 python3 -m facodegen check --fuzz 200 --seed 50 --family varlen
+        step ncu_source_ours 90 python3 scripts/lab.py ncu-source --out "$OUT/src-ours" --cell 128,2048,0 --backward \
+            --variant arch=sm80 --peer fa2 --top 40
+        cat "$OUT/mufu_rate.log"; tail -3 "$OUT/fuzz_case.log"; head -30 "$OUT/ncu_source_ours.log"
+        ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
         step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
@@ -441,6 +456,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48|s48b|s49"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48|s48b|s49|s49b"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
