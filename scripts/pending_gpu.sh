@@ -49,6 +49,7 @@
 #                                                       # sm80 defaults checked and timed, ncu-source, softcap
 #   OUT=/path bash scripts/pending_gpu.sh s49b          # MUFU rates, the varlen case again, ncu-source of the sm80
 #                                                       # backward (ran 2026-12-05, H100)
+#   OUT=/path bash scripts/pending_gpu.sh s49c          # the sm80 backward against an older tree in .old (carry .old)
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -416,6 +417,24 @@ case "${1:-}" in
             --variant arch=sm80 --peer fa2 --top 40
         cat "$OUT/mufu_rate.log"; tail -3 "$OUT/fuzz_case.log"; head -30 "$OUT/ncu_source_ours.log"
         ;;
+    s49c)
+        # the sm80 backward's working tree against an older one (.old: carry [".old"]) turn by turn, FA2 in each run,
+        # its GPU tests between. Ran 2026-12-05 (H100) with the last dQ adds paced through dK's GEMM against 3e86550
+        # (ncu-source, s49b: the 16-REDG run before dK's first ldmatrix held most of mio_throttle's 44k samples
+        # against FA2's 16.8k): 86 passed, 0.95-1.03x, so the pacing was dropped (flash_bwd.cu.j2 says so)
+        [ -d .old/facodegen ] || { echo "no .old tree: carry it"; exit 1; }
+        for d in 128 pytest 64 192; do
+            if [ $d = pytest ]; then
+                step pytest 70 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py -k "sm80"
+                continue
+            fi
+            step "new_d$d" 40 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim $d \
+                --peers fa2 --variant arch=sm80 --out "$OUT/new-d$d"
+            step "old_d$d" 40 bash -c "cd .old && python3 -m facodegen bench --suite fa3-paper --backward \
+                --quick --head-dim $d --peers fa2 --variant arch=sm80 --out '$OUT/old-d$d'"
+        done
+        tail -3 "$OUT/pytest.log"; grep -h "^\[" "$OUT"/new_d*.log "$OUT"/old_d*.log
+        ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
         step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
@@ -456,6 +475,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48|s48b|s49|s49b"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48|s48b|s49|s49b|s49c"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
