@@ -111,9 +111,9 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert [i for i, c in enumerate(cases) if c.varlen_backward] == [36, 37, 38, 39, 40, 41, 42, 43, 51, 52]
     assert [(i, c.arch) for i, c in enumerate(cases) if c.varlen_backward and c.seed % 8 == 7] == [(51, "sm80"),
                                                                                                   (52, "sm90")]
-    # and the sm80 backward's 2-deep ring and FlashAttention-2's warp grid (case.sm80_pipelined), the last case
-    assert [i for i, c in enumerate(cases) if c.sm80_pipelined] == [53]
-    assert fuzz._second_call_knobs(cases[53]) == {"stages": 2, "key_warps": 4, "dq_row_warps": 2}
+    # and the sm80 backward with one warp a slab and looped GEMMs (case.sm80_knobs_flipped, turn 1)
+    assert [i for i, c in enumerate(cases) if c.sm80_knobs_flipped] == [53]
+    assert fuzz._second_call_knobs(cases[53]) == {"key_warps": 8, "dq_row_warps": 4, "k_unroll": 2, "stages": 1}
     # and fp8 with all three variants, alone and varlen (a window masking both edges of a row's keys)
     assert [(i, c.family) for i, c in enumerate(cases) if c.dtype == "fp8" and c.has_variant] == [(54, "variants"),
                                                                                                 (55, "varlen")]
@@ -414,7 +414,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             rings += [backward.choose(c.head_dim, c.dtype, c.causal, info, {"dq_lag": c.causal}, arch)
                       ] if c.dq_lag_flipped else []
             rings += [backward.choose(c.head_dim, c.dtype, c.causal, info,
-                                      {"stages": 2, **fuzz.sm80_fa2_grid(c.head_dim)}, arch)] if c.sm80_pipelined else []
+                                      fuzz.sm80_flipped_knobs(c.head_dim, c.seed), arch)] if c.sm80_knobs_flipped else []
             assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs, arch), *lpt,
                              *rings]
             assert specs[1].deterministic == c.deterministic
@@ -608,15 +608,23 @@ def test_shallow_ring_cases_leave_every_ring_default():
     assert {BackwardSpec(arch="sm90", head_dim=c.head_dim).head_dim for c in rings} == {64, 96, 128, 192, 256}
 
 
-def test_a_quarter_of_the_sm80_backward_cases_run_the_pipelined_kernel():
-    """sm80 backward cases up to head_dim 192 with seed 1 mod 4 also call attention_backward(..., stages=2)
-    with FlashAttention-2's warp grid; each such spec is valid on an A100 (the ring fits its 163 KB)."""
+def test_a_quarter_of_the_sm80_backward_cases_flip_a_tuning_knob():
+    """sm80 backward cases with seed 1 mod 4 call attention_backward once more with one tuning knob away from its
+    tile's default, each of the four sets in turn (stages, one warp a slab with looped GEMMs, poly_exp2_tiles,
+    frag_prefetch); each set makes a valid spec at every head_dim the family draws, padded ones too, that
+    differs from the default there (and two stages only where the ring fits an A100)."""
     from facodegen.spec.backward import BackwardSpec
     cases = [c for c in fuzz.generate(2000, seed=3, family="backward") if c.arch == "sm80"]
-    chosen = [c for c in cases if c.sm80_pipelined]
-    assert chosen and all(c.seed % 4 == 1 and c.head_dim <= 192 for c in chosen)
-    assert not any(c.sm80_pipelined for c in cases if c.seed % 4 != 1 or c.head_dim > 192)
-    for d in (64, 96, 128, 192):
-        for causal in (False, True):
-            spec = BackwardSpec(arch="sm80", head_dim=d, causal=causal, gpu="a100", stages=2, **fuzz.sm80_fa2_grid(d))
-            assert spec.stages == 2 and spec.key_warps == fuzz.sm80_fa2_grid(d).get("key_warps", spec.key_warps)
+    chosen = [c for c in cases if c.sm80_knobs_flipped]
+    assert chosen and all(c.seed % 4 == 1 for c in chosen)
+    assert not any(c.sm80_knobs_flipped for c in cases if c.seed % 4 != 1)
+    assert {next(iter(fuzz.sm80_flipped_knobs(c.head_dim, c.seed))) for c in chosen} == {
+        "stages", "key_warps", "poly_exp2_tiles", "frag_prefetch"}
+    for d in sorted({c.head_dim for c in chosen} | {64, 96, 128, 192, 256}):
+        default = BackwardSpec(arch="sm80", head_dim=d, gpu="h100")
+        for seed in (1, 5, 9, 13, 29, 45):
+            knobs = fuzz.sm80_flipped_knobs(d, seed)
+            spec = BackwardSpec(arch="sm80", head_dim=d, gpu="h100", **knobs)
+            assert spec != default and all(getattr(spec, k) == v for k, v in knobs.items()), (d, knobs)
+            if knobs.get("stages") == 2:
+                assert BackwardSpec(arch="sm80", head_dim=d, gpu="a100", **knobs).stages == 2

@@ -24,7 +24,8 @@ Families: ``forward``; ``variants`` (problems with a sliding window whose sides 
 from 0, 1, a few keys, the sequence length and beyond, -1 = unbounded, causal or not and either
 alignment, softcap values, sinks; 16-bit, and on sm90 e4m3 with descales where the seed is 6 mod 7); ``backward`` (dQ, dK, dV of attention() under autograd against
 float64 autograd, FlashAttention-3's criterion per gradient; a quarter of them deterministic, run
-twice and compared bit for bit); ``kvcache`` (attention_with_kvcache:
+twice and compared bit for bit; a quarter of the sm80 ones, seeds 1 mod 4, once more with one of its tuning
+knobs away from its default: stages, the old warp grids, poly_exp2_tiles, frag_prefetch); ``kvcache`` (attention_with_kvcache:
 1-16 query tokens, contiguous or paged caches with shuffled pages, random lengths from 0, appends,
 split counts, half of them (odd seeds) with fused_combine, and on sm90 at head_dim 64/128/256 half with
 producer_warps set, seeds 2, 5 mod 12 one, 8, 11 mod 12 two and 3, 6 mod 12 none, the rest the default); ``varlen`` (attention_varlen on packed sequences: per-sequence lengths drawn from the
@@ -132,12 +133,13 @@ class Case:
         return self.family == "backward" and self.arch == "sm90" and self.head_dim == 128 and self.seed % 4 == 1
 
     @property
-    def sm80_pipelined(self) -> bool:
-        """An sm80 backward case (head_dim up to 192, whose 2-deep ring fits an A100) whose seed is 1 mod 4 also
-        runs attention_backward(..., stages=2) with FlashAttention-2's warp grid where its tile splits that way
-        (sm80_fa2_grid) on the forward's O and LSE, checked like autograd's (the launch-only sweep launches
-        that one instead). Read off the seed, as ``deterministic``."""
-        return self.family == "backward" and self.arch == "sm80" and self.head_dim <= 192 and self.seed % 4 == 1
+    def sm80_knobs_flipped(self) -> bool:
+        """An sm80 backward case whose seed is 1 mod 4 also runs attention_backward on the forward's O and LSE
+        with one of the sm80 backward's tuning knobs away from its tile's default (sm80_flipped_knobs: the
+        stages, the warp grid one warp a slab with looped GEMMs, poly_exp2_tiles, frag_prefetch, in turn by
+        seed), checked like autograd's (the launch-only sweep launches that one instead). Read off the seed,
+        as ``deterministic``."""
+        return self.family == "backward" and self.arch == "sm80" and self.seed % 4 == 1
 
     @property
     def one_cta_per_tile(self) -> bool:
@@ -598,10 +600,9 @@ def _backward_knobs(case: Case) -> dict:
 def _second_call_knobs(case: Case) -> dict:
     """The knobs of a backward case's second call, attention_backward on the forward's O and LSE ({}: none):
     lpt off (case.lpt_flipped), the rings away from their defaults (case.shallow_rings), dq_lag away from its
-    default (case.dq_lag_flipped) or the sm80 backward's 2-deep ring and FlashAttention-2's warp grid
-    (case.sm80_pipelined)."""
-    if case.sm80_pipelined:
-        return {"stages": 2, **sm80_fa2_grid(case.head_dim)}
+    default (case.dq_lag_flipped) or an sm80 tuning knob away from its default (case.sm80_knobs_flipped)."""
+    if case.sm80_knobs_flipped:
+        return sm80_flipped_knobs(case.head_dim, case.seed)
     if case.lpt_flipped:
         return {"lpt": False}
     if case.shallow_rings:
@@ -611,12 +612,26 @@ def _second_call_knobs(case: Case) -> dict:
     return {}
 
 
-def sm80_fa2_grid(head_dim: int) -> dict:
-    """The sm80 backward's warp grid as FlashAttention-2's sm80 backward lays out 8 warps, where the default
-    tile at ``head_dim`` splits that way: 4 along the keys and 2 along dQ's rows at head_dim 64 and 128, 4 and
-    4 at 96 (96 columns do not split over 4 warps); {} (the default grid) at 192 and 256."""
-    return {64: {"key_warps": 4, "dq_row_warps": 2}, 128: {"key_warps": 4, "dq_row_warps": 2},
-            96: {"key_warps": 4, "dq_row_warps": 4}}.get(head_dim, {})
+def sm80_flipped_knobs(head_dim: int, seed: int) -> dict:
+    """sm80 backward knobs away from the default tile's at ``head_dim`` (an H100/H200's, where the fuzz runs),
+    one set by seed // 4 % 4: the other stage count (two only up to head_dim 192, whose ring fits an A100
+    too); the tile's defaults before SM80_MEASURED_DEFAULTS (one warp per 16-row slab in every warp grid, two
+    k16 steps a loop, one stage); poly_exp2_tiles from 1 to the warp's S_TILES (by seed // 16); frag_prefetch
+    (with looped GEMMs, which it pairs up). Each compiles for sm_90 without spills but the old grid at head_dim
+    64 (8 bytes, NVRTC 13), which the fuzz runs for its answers, not its speed."""
+    from ..spec.backward import BackwardSpec, sm80_dq_row_warps_default, sm80_key_warps_default
+    default = BackwardSpec(arch="sm80", head_dim=head_dim, gpu="h100")
+    turn = seed // 4 % 4
+    if turn == 0:
+        return {"stages": 1} if default.stages == 2 else {"stages": 2} if head_dim <= 192 else {"stages": 1}
+    if turn == 1:
+        return {"key_warps": sm80_key_warps_default(default.block_n, default.num_warps),
+                "dq_row_warps": sm80_dq_row_warps_default(default.block_m, default.num_warps), "k_unroll": 2,
+                "stages": 1}
+    if turn == 2:
+        s_tiles = default.block_m // (8 * (default.num_warps // default.key_warps))
+        return {"poly_exp2_tiles": 1 + seed // 16 % s_tiles}
+    return {"frag_prefetch": True, "k_unroll": 2}
 
 
 def shallow_ring_knobs(head_dim: int, dtype: str, causal: bool) -> dict:
@@ -876,7 +891,7 @@ def case_specs(case: Case, device: int = 0) -> list:
         knobs = {"deterministic": True} if case.deterministic else {}
         info, arch = api.device_info(device), backward.autograd_arch(case.arch)
         specs = [forward, backward.choose(case.head_dim, case.dtype, case.causal, info, knobs, arch)]
-        if _second_call_knobs(case):        # (its own attention_backward call: lpt, shallow_rings, dq_lag, sm80_pipelined)
+        if _second_call_knobs(case):        # (its own attention_backward call: lpt, shallow_rings, dq_lag, sm80 knobs)
             specs.append(backward.choose(case.head_dim, case.dtype, case.causal, info, _backward_knobs(case), arch))
         return specs
     if case.varlen_backward:
@@ -1045,7 +1060,7 @@ def representative_cases() -> list[Case]:
     case 59),
     dtype and causal (sm80 fp16's deterministic; sm90 fp16 once more, deterministic; sm90 bf16 at
     head_dim 256; sm90 with more tiles than SMs, and with lpt; last, sm90 with the rings away from their
-    defaults and with dq_lag; sm80 with stages=2 and FlashAttention-2's warp grid), two
+    defaults and with dq_lag; sm80 with one warp a slab and looped GEMMs), two
     decode-family cases (paged with an append and a split, contiguous MQA-like packing), and fp8 with
     the variants, alone and varlen, and padded: what the sanitizer sweep (scripts/sanitize.py) runs under
     each tool."""
@@ -1156,8 +1171,8 @@ def representative_cases() -> list[Case]:
     cases.append(packed("sm80", "fp16", 64, True, 15))
     # and the sm90 varlen backward's deterministic turns (at each sequence's padded blocks), head_dim 128: case 52
     cases.append(packed("sm90", "bf16", 128, True, 15))
-    # the sm80 backward's 2-deep ring with FlashAttention-2's warp grid (seed 5: case.sm80_pipelined), causal
-    # over 239 queries, GQA: four query blocks a head, so both stages take turns: case 53
+    # the sm80 backward with one warp a slab and looped GEMMs (seed 5: case.sm80_knobs_flipped, its turn 1), causal
+    # over 239 queries, GQA: four query blocks a head: case 53
     cases.append(Case("backward", "sm80", "bf16", batch=2, seqlen_q=239, seqlen_k=203, heads_q=4, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=False, use_out=False, seed=5))
