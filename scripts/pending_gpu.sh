@@ -50,6 +50,8 @@
 #   OUT=/path bash scripts/pending_gpu.sh s49b          # MUFU rates, the varlen case again, ncu-source of the sm80
 #                                                       # backward (ran 2026-12-05, H100)
 #   OUT=/path bash scripts/pending_gpu.sh s49c          # the sm80 backward against an older tree in .old (carry .old)
+#   OUT=/path bash scripts/pending_gpu.sh s50           # the sm80 backward fuzz's flipped knobs, sanitizer case 53:
+#                                                       # NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -435,6 +437,14 @@ case "${1:-}" in
         done
         tail -3 "$OUT/pytest.log"; grep -h "^\[" "$OUT"/new_d*.log "$OUT"/old_d*.log
         ;;
+    s50)
+        # session 49's last change, not yet on a GPU: the sm80 backward's fuzz second call flips one tuning knob a
+        # case (stages, the pre-measurement grid and GEMMs, poly_exp2_tiles, frag_prefetch; fuzz.sm80_flipped_knobs),
+        # and sanitizer case 53 now runs the old grid with looped GEMMs
+        step fuzz_bwd 120 python3 -m facodegen check --fuzz 600 --seed 60 --family backward
+        step sanitize_53 90 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53
+        tail -12 "$OUT/fuzz_bwd.log"; tail -5 "$OUT/sanitize_53.log"
+        ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
         step pytest_grids 240 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_backward_gpu.py \
@@ -475,6 +485,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48|s48b|s49|s49b|s49c"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48|s48b|s49|s49b|s49c|s50"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
