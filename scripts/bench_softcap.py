@@ -29,15 +29,24 @@ def parse_args(argv=None):
     parser.add_argument("--head-dims", default="128", help="comma-separated head dims")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tiles", default="2,4,8", help="poly_exp2_tiles values to time with softcap")
+    parser.add_argument("--arm", action="append", default=[], metavar="KNOB=VALUE[,...]",
+                        help="another softcap arm with these spec knobs (repeatable), e.g. pingpong=1 or "
+                             "pingpong=1,block_n=112: a tile the softcap's second MUFU op may suit better")
     parser.add_argument("--groups", type=int, default=11, help="timed groups per arm (the median is kept)")
     parser.add_argument("--calls", type=int, default=20, help="calls per group")
     return parser.parse_args(argv)
 
 
-def arms(tiles: tuple[int, ...]) -> list[tuple[str, dict]]:
-    """(label, attention keywords) of each arm: no softcap, softcap, softcap + each tile count."""
-    return ([("no softcap", {}), (f"softcap {SOFTCAP:g}", {"softcap": SOFTCAP})]
-            + [(f"softcap {SOFTCAP:g} px{n}", {"softcap": SOFTCAP, "poly_exp2_tiles": n}) for n in tiles])
+def arms(tiles: tuple[int, ...], knob_arms: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
+    """(label, attention keywords) of each arm: no softcap, softcap, softcap + each tile count, softcap + each
+    --arm's knobs (typed by the knob registry)."""
+    from facodegen.bench.variants import knob_values
+    from facodegen.spec.knobs import BY_NAME
+    cap = {"softcap": SOFTCAP}
+    return ([("no softcap", {}), (f"softcap {SOFTCAP:g}", cap)]
+            + [(f"softcap {SOFTCAP:g} px{n}", {**cap, "poly_exp2_tiles": n}) for n in tiles]
+            + [(f"softcap {SOFTCAP:g} {text}", {**cap, **knob_values(text, BY_NAME, "the forward")})
+               for text in knob_arms])
 
 
 def main(argv=None) -> int:
@@ -52,14 +61,14 @@ def main(argv=None) -> int:
 
     tiles = tuple(int(t) for t in args.tiles.split(",") if t)
     print(f"{torch.cuda.get_device_name()}, bf16, causal, batch {args.batch}, {HIDDEN} / head_dim heads")
-    print(f"{'d':>3} {'seqlen':>6}  {'arm':<18} {'ms':>8} {'TFLOP/s':>8} {'/no cap':>8} {'/softcap':>8}  kernel")
+    print(f"{'d':>3} {'seqlen':>6}  {'arm':<30} {'ms':>8} {'TFLOP/s':>8} {'/no cap':>8} {'/softcap':>8}  kernel")
     for head_dim in (int(d) for d in args.head_dims.split(",")):
         heads = HIDDEN // head_dim
         for seqlen in (int(s) for s in args.seqlens.split(",")):
             shape = (args.batch, seqlen, heads, head_dim)
             q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             fns, kernels = [], []
-            for _, kwargs in arms(tiles):
+            for _, kwargs in arms(tiles, tuple(args.arm)):
                 out = torch.empty_like(q)
                 fields = {n: kwargs[n] for n in kwargs if n != "softcap"}
                 spec = api.resolve_spec(head_dim, "bf16", True, q.device.index or 0,
@@ -68,8 +77,8 @@ def main(argv=None) -> int:
                 fns.append(lambda out=out, kwargs=kwargs: facodegen.attention(q, k, v, causal=True, out=out, **kwargs))
             results = time_cuda_interleaved(fns, groups=args.groups, calls=args.calls)
             flops = 4 * args.batch * heads * seqlen * seqlen * head_dim / 2            # causal: half the pairs
-            for (label, _), r, kernel in zip(arms(tiles), results, kernels):
-                print(f"{head_dim:>3} {seqlen:>6}  {label:<18} {r['ms']:>8.3f} {flops / r['ms'] / 1e9:>8.1f} "
+            for (label, _), r, kernel in zip(arms(tiles, tuple(args.arm)), results, kernels):
+                print(f"{head_dim:>3} {seqlen:>6}  {label:<30} {r['ms']:>8.3f} {flops / r['ms'] / 1e9:>8.1f} "
                       f"{r['ms'] / results[0]['ms']:>8.3f} {r['ms'] / results[1]['ms']:>8.3f}  {kernel}")
     return 0
 

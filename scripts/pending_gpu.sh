@@ -50,8 +50,8 @@
 #   OUT=/path bash scripts/pending_gpu.sh s49b          # MUFU rates, the varlen case again, ncu-source of the sm80
 #                                                       # backward (ran 2026-12-05, H100)
 #   OUT=/path bash scripts/pending_gpu.sh s49c          # the sm80 backward against an older tree in .old (carry .old)
-#   OUT=/path bash scripts/pending_gpu.sh s50           # the sm80 backward fuzz's flipped knobs, sanitizer case 53:
-#                                                       # NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s50           # the sm80 backward fuzz's flipped knobs, sanitizer case 53,
+#                                                       # softcap's tile with ping-pong: NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -443,7 +443,14 @@ case "${1:-}" in
         # and sanitizer case 53 now runs the old grid with looped GEMMs
         step fuzz_bwd 120 python3 -m facodegen check --fuzz 600 --seed 60 --family backward
         step sanitize_53 90 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53
-        tail -12 "$OUT/fuzz_bwd.log"; tail -5 "$OUT/sanitize_53.log"
+        # softcap's tile (#40: 1.56-1.62x at d128, s49): the default d128 kernel runs both consumer warpgroups'
+        # softmax at once, intra-warpgroup overlap hiding it under the next S GEMM alone, and the second MUFU op a
+        # score doubles that softmax; ping-pong hides one warpgroup's softmax under the other's two GEMMs
+        step softcap_d128 150 python3 scripts/bench_softcap.py --head-dims 128 --seqlens 4096,16384 --tiles 6 \
+            --arm pingpong=1 --arm pingpong=1,block_n=112 --arm pingpong=1,block_n=160 --arm pingpong=1,poly_exp2_tiles=4
+        step softcap_d256 90 python3 scripts/bench_softcap.py --head-dims 256 --seqlens 4096,16384 --tiles 2 \
+            --arm pingpong=1 --arm pingpong=1,poly_exp2_tiles=4
+        tail -12 "$OUT/fuzz_bwd.log"; tail -5 "$OUT/sanitize_53.log"; grep -v compiling "$OUT"/softcap_d*.log
         ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
