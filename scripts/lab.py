@@ -58,6 +58,9 @@ SUBCOMMANDS = {
                              "other knobs"),
     "mufu-rate": ("mufu_rate", "GPU",
                   "microbenchmark: MUFU.TANH against MUFU.EX2 per SM per clock, and a tanh from one EX2 and FMAs"),
+    "bwd-patch-ab": ("bwd_patch_ab", "GPU",
+                     "a patch of the backward's rendered kernels against the plain ones, in turns, the peer "
+                     "beside: time what a step would cost without (or with another) part"),
     "sass-ab": ("sass_ab", "CPU",
                 "another tree's templates against this one's, kernel SASS instruction for instruction: a refactor "
                 "that must not change a kernel"),

@@ -51,7 +51,8 @@
 #                                                       # backward (ran 2026-12-05, H100)
 #   OUT=/path bash scripts/pending_gpu.sh s49c          # the sm80 backward against an older tree in .old (carry .old)
 #   OUT=/path bash scripts/pending_gpu.sh s50           # the sm80 backward fuzz's flipped knobs, sanitizer case 53,
-#                                                       # softcap's tile with ping-pong: NOT YET RUN
+#                                                       # softcap's tile with ping-pong, the sm80 backward without
+#                                                       # its dQ adds and with scalar ones (bwd-patch-ab): NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -450,7 +451,13 @@ case "${1:-}" in
             --arm pingpong=1 --arm pingpong=1,block_n=112 --arm pingpong=1,block_n=160 --arm pingpong=1,poly_exp2_tiles=4
         step softcap_d256 90 python3 scripts/bench_softcap.py --head-dims 256 --seqlens 4096,16384 --tiles 2 \
             --arm pingpong=1 --arm pingpong=1,poly_exp2_tiles=4
+        # the sm80 backward's dQ adds (#38: mio_throttle 2.7x FA2's, most of it on their REDG run, s49b): what the
+        # step costs without them (an upper bound on any better add), and as FA2's scalar atomics
+        step bwd_patch_ab 150 python3 scripts/lab.py bwd-patch-ab --cell 128,2048,0 --cell 128,8192,1 --cell 64,2048,0 \
+            --cell 192,8192,0 --patch scripts/lab/patches/sm80_bwd_no_dq_adds.patch \
+            --patch scripts/lab/patches/sm80_bwd_scalar_dq_adds.patch --variant arch=sm80 --peer fa2
         tail -12 "$OUT/fuzz_bwd.log"; tail -5 "$OUT/sanitize_53.log"; grep -v compiling "$OUT"/softcap_d*.log
+        grep -v compiling "$OUT/bwd_patch_ab.log" | tail -16
         ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)

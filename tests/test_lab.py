@@ -114,3 +114,22 @@ def test_sass_ab_compares_instructions_not_addresses():
     assert instructions(one) == ["FFMA R1, R2, R3, R4", "@P0 BRA X"]
     assert instructions(moved) == instructions(one)
     assert instructions(changed) != instructions(one)
+
+
+@pytest.mark.parametrize("patch", sorted((ROOT / "scripts" / "lab" / "patches").glob("sm80_bwd_*.patch")),
+                         ids=lambda p: p.stem)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_the_shipped_backward_patches_apply_to_the_rendered_kernels(patch, head_dim):
+    """scripts/lab/patches/sm80_bwd_*.patch (bwd-patch-ab's experiments) still find their text in the sm80
+    backward's default kernel at every head_dim and change it; a template edit that moves it fails here, not
+    on the device."""
+    sys.path.insert(0, str(ROOT / "scripts" / "lab"))
+    try:
+        from bwd_patch_ab import emitters
+    finally:
+        sys.path.remove(str(ROOT / "scripts" / "lab"))
+    from facodegen.spec.backward import BackwardSpec
+    found = emitters([str(patch)])
+    spec = BackwardSpec(head_dim=head_dim, gpu="h100")
+    plain, patched = found["plain"](spec), found[patch.name](spec)
+    assert patched != plain and "patched" in patched
