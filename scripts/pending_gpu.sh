@@ -52,7 +52,8 @@
 #   OUT=/path bash scripts/pending_gpu.sh s49c          # the sm80 backward against an older tree in .old (carry .old)
 #   OUT=/path bash scripts/pending_gpu.sh s50           # the sm80 backward fuzz's flipped knobs, sanitizer case 53,
 #                                                       # softcap's tile with ping-pong, the sm80 backward without
-#                                                       # its dQ adds and with scalar ones (bwd-patch-ab): NOT YET RUN
+#                                                       # its dQ adds and with scalar ones (bwd-patch-ab), dq_bulk_add
+#                                                       # checked and timed: NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -456,8 +457,19 @@ case "${1:-}" in
         step bwd_patch_ab 150 python3 scripts/lab.py bwd-patch-ab --cell 128,2048,0 --cell 128,8192,1 --cell 64,2048,0 \
             --cell 192,8192,0 --patch scripts/lab/patches/sm80_bwd_no_dq_adds.patch \
             --patch scripts/lab/patches/sm80_bwd_scalar_dq_adds.patch --variant arch=sm80 --peer fa2
+        # and dq_bulk_add (session 49: each warp stages its whole-block dQ, each lane bulk-adds a row; no spills),
+        # checked, then timed as a column beside FA2 (d192 / 256: one stage, the staging leaves no room for two)
+        step pytest_bulk 120 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py -k "dq_bulk_add"
+        step bulk_d128 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 --peers fa2 \
+            --variant arch=sm80 --variant arch=sm80,dq_bulk_add=true --out "$OUT/bulk-d128"
+        step bulk_d64 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 64 --peers fa2 \
+            --variant arch=sm80 --variant arch=sm80,dq_bulk_add=true --out "$OUT/bulk-d64"
+        step bulk_d192 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 192 --peers fa2 \
+            --variant arch=sm80 --variant arch=sm80,stages=1 --variant arch=sm80,stages=1,dq_bulk_add=true \
+            --out "$OUT/bulk-d192"
         tail -12 "$OUT/fuzz_bwd.log"; tail -5 "$OUT/sanitize_53.log"; grep -v compiling "$OUT"/softcap_d*.log
-        grep -v compiling "$OUT/bwd_patch_ab.log" | tail -16
+        grep -v compiling "$OUT/bwd_patch_ab.log" | tail -16; tail -3 "$OUT/pytest_bulk.log"
+        for d in 128 64 192; do grep "^\[" "$OUT/bulk_d$d.log"; done
         ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)

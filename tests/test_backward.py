@@ -2080,3 +2080,42 @@ def test_sm90_backward_reads_no_lse_or_d_pair_just_before_its_use(head_dim, caus
     listing = [(counter.opcode(op, text), text) for _, op, text in counter.instructions(sass, kernel.name)]
     shortest = counter.first_use_distances(listing, loads=("LDS.64",))
     assert shortest.get("LDS.64", 0) >= 4, shortest
+
+
+@pytest.mark.parametrize("head_dim, knobs", [(128, {}), (64, {}), (96, {}), (192, {"stages": 1}), (256, {"stages": 1}),
+                                             (128, {"varlen": True})])
+def test_sm80_dq_bulk_add_stages_dq_and_bulk_adds_it_on_sm90_only(head_dim, knobs):
+    """dq_bulk_add (sm80 compiled for sm_90): the whole-block path's vector reductions give way to one bulk
+    reduce-add a lane (UBLKRED) from a staging the budget counts; no spills; the edge blocks keep their
+    predicated reductions. For sm_80 it is a compile error naming the knob, as it is an SpecError on an A100's
+    budget, with deterministic, on sm90, and where the staging does not fit beside two stages."""
+    from facodegen.runtime.compiler import CompileError
+    from facodegen.spec.backward import sm80_dq_staging_bytes
+    spec = BackwardSpec(head_dim=head_dim, gpu="h100", dq_bulk_add=True, **knobs)
+    plain = BackwardSpec(head_dim=head_dim, gpu="h100", **knobs)
+    assert spec.variant.replace("_dqbulk", "") == plain.variant and "dqbulk" in spec.variant
+    assert spec.smem_bytes == plain.smem_bytes + sm80_dq_staging_bytes(spec)
+    listed = re.compile(r"^//\s+dq_bulk_add\s+= True", re.M)     # (the header lists it only when on)
+    assert "--dq-bulk-add" in backward.emit_command(spec) and listed.search(backward.emit(spec))
+    assert not re.search(r"^//\s+dq_bulk_add\s+=", backward.emit(plain), re.M)
+    kernel = backward.compile(spec, sm="sm_90")
+    r = kernel.resources
+    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0)
+    try:
+        sass, plain_sass = kernel.sass(), backward.compile(plain, sm="sm_90").sass()
+    except Exception as err:  # noqa: BLE001 (no cuobjdump: nothing to read)
+        pytest.skip(f"cuobjdump: {err}")
+    main, plain_main = _function_sass(sass, kernel.name), _function_sass(plain_sass, plain.variant)
+    assert "UBLKRED" in main and "UBLKRED" not in plain_main
+    assert 0 < main.count("REDG") < plain_main.count("REDG")      # (the edge blocks' predicated ones stay)
+    with pytest.raises(CompileError, match="dq_bulk_add needs sm_90"):
+        backward.compile(spec, sm="sm_80")
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"gpu": "a100"}, "needs sm_90"), ({"deterministic": True}, "deterministic"),
+    ({"arch": "sm90"}, "an sm80 knob"), ({"head_dim": 192, "stages": 2}, "stages=1")])
+def test_sm80_dq_bulk_add_refuses_what_it_cannot_run(fields, words):
+    with pytest.raises(SpecError, match="dq_bulk_add") as err:
+        BackwardSpec(**{"head_dim": 128, "gpu": "h100", "dq_bulk_add": True, **fields})
+    assert words in str(err.value)

@@ -33,7 +33,8 @@ from ..runtime import driver
 from ..runtime import compiler as compile_mod
 from ..spec.backward import (BACKWARD_KNOBS, DEFAULT_GPU, SM90_CONSUMER_REGS, SM90_GPU, SM90_LPT_GROUP_BYTES,
                               SM90_LPT_TAIL_WAVES, SM90_PRODUCER_REGS, BackwardSpec, dq_accum_rows,
-                              preprocess_row_threads, preprocess_rows_per_cta, sm80_defaults, sm90_default_rings, sm90_dq_cols,
+                              preprocess_row_threads, preprocess_rows_per_cta, sm80_defaults, sm80_dq_stage_pitch,
+                              sm90_default_rings, sm90_dq_cols,
                               sm90_dq_lag_default, sm90_dq_m_tiles, sm90_dq_tma_default, sm90_fewest_dq_pieces, sm90_kv_split,
                               sm90_lookahead_default, sm90_lpt_default, sm90_persistent_default, sm90_swizzle_bytes, stat_rows,
                               varlen_padded_blocks)
@@ -145,6 +146,7 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     line says --deterministic, as BackwardSpec makes it; the ring's depth for the dQ path)."""
     if spec.arch == "sm80":
         return {"head_dim_real": spec.head_dim, "gpu": DEFAULT_GPU, "frag_prefetch": False, "poly_exp2_tiles": 0,
+                "dq_bulk_add": False,
                 "deterministic": False,
                 "dq_tma_reduce": False, "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False,
                 "do_stages": spec.stages, "dq_pieces": 1, "dq_lag": False, "varlen": False,
@@ -154,6 +156,7 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
     stages, do_stages = sm90_default_rings(spec.head_dim, spec.dq_tma_reduce, SM90_GPU)
     return {"head_dim_real": spec.head_dim, "gpu": SM90_GPU, "stages": stages, "do_stages": do_stages,
             "dq_pieces": sm90_fewest_dq_pieces(spec), "k_unroll": 2, "frag_prefetch": False, "poly_exp2_tiles": 0,
+            "dq_bulk_add": False,
             "deterministic": False,
             "s_lookahead": s_default, "dp_lookahead": dp_default,
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
@@ -164,7 +167,9 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
 _SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt",
               "dq_lag")
 # and the sm80 warp grids' knobs, which the sm90 header leaves out (0 there: its warpgroups own 64 keys each)
-_SM80_ONLY = ("key_warps", "dq_row_warps", "frag_prefetch", "poly_exp2_tiles")
+_SM80_ONLY = ("key_warps", "dq_row_warps", "frag_prefetch", "poly_exp2_tiles", "dq_bulk_add")
+# and knobs the header lists only when on (so the sources from before them are unchanged)
+_LISTED_WHEN_ON = ("dq_bulk_add",)
 
 
 def emit_command(spec: BackwardSpec) -> str:
@@ -193,8 +198,10 @@ def emit(spec: BackwardSpec) -> str:
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
         spec_items=sorted((k, v) for k, v in spec.as_dict().items()
                           if (k not in (_SM80_ONLY if spec.arch == "sm90" else _SM90_ONLY)) and (k != "varlen" or v)
+                          and (k not in _LISTED_WHEN_ON or v)
                           and (k != "head_dim_real" or spec.padded)),
         smem_bytes=spec.smem_bytes, threads=spec.threads,
+        dq_stage_pitch=sm80_dq_stage_pitch(spec) if spec.arch == "sm80" else 0,
         log2e=repr(math.log2(math.e)), placed=placed, size=size, align=align, tmap_align=TENSOR_MAP_ALIGN,
         producer_regs=SM90_PRODUCER_REGS, consumer_regs=SM90_CONSUMER_REGS, dq_cols=sm90_dq_cols(spec.head_dim),
         dq_bufs=spec.dq_bufs, dq_pieces=spec.dq_pieces, kv_split=sm90_kv_split(spec.head_dim),

@@ -116,6 +116,11 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "thread's fp32 vector reductions from registers; dq_accum is then tiled (BLOCK_M-row tiles in the "
          "warpgroups' register order, seqlen_q padded to BLOCK_M).",
          flag="--dq-tma-reduce/--no-dq-tma-reduce", token=_flag("dqtma")),
+    Knob("dq_bulk_add", "bool", "sm80 compiled for sm_90 (an H100/H200): each warp stages a whole query block's dQ "
+         "(fp32) in shared memory and each of its lanes adds one row of it into dq_accum with a bulk reduce-add "
+         "(cp.reduce.async.bulk), in place of the run of vector reductions the step's ldmatrix waits behind (Nsight "
+         "Compute's mio_throttle); dq_accum keeps its layout. Off by default (not timed yet).",
+         flag="--dq-bulk-add/--no-dq-bulk-add", token=_flag("dqbulk")),
     Knob("dq_pieces", "int", "sm90 dq_tma_reduce: pieces each consumer warpgroup stages and bulk-adds its dQ tile "
          "in per step (None: the fewest that fit beside the rest), through two piece-sized buffers taking turns "
          "where they fit, else one; 1 without dq_tma_reduce.", flag="--dq-pieces", choices=SM90_DQ_PIECES_CHOICES,
@@ -444,6 +449,7 @@ class BackwardSpec:
     k_unroll: int | None = None
     frag_prefetch: bool = False
     poly_exp2_tiles: int = 0
+    dq_bulk_add: bool = False
     key_warps: int | None = None
     dq_row_warps: int | None = None
     stages: int | None = None
@@ -539,7 +545,8 @@ class BackwardSpec:
         if self.arch == "sm90":
             return sm90_smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages, self.do_stages,
                                    self.dq_tma_reduce, self.dq_bufs, self.dq_pieces)
-        return smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages)
+        return smem_bytes(self.block_m, self.block_n, self.head_dim, self.stages) + (
+            sm80_dq_staging_bytes(self) if self.dq_bulk_add else 0)
 
     @property
     def dq_bufs(self) -> int:
@@ -589,6 +596,21 @@ def smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int = 1) -> in
     e = ELEMENT_BYTES
     return stages * (2 * block_m * head_dim * e + 2 * block_m * 4) + 2 * block_n * head_dim * e + \
         2 * block_n * block_m * e
+
+
+def sm80_dq_stage_pitch(spec) -> int:
+    """sm80 dq_bulk_add: bytes between the rows of a warp's dQ staging, its columns' bytes rounded up to 32 past a
+    multiple of 128: a warp's 64-bit stores of rows g = 0..7 (32 bytes each) then start 8 banks apart, so rows 0-3
+    and 4-7 each fill the 32 banks once (two wavefronts a store, the least), and each row stays 16-byte aligned
+    for its bulk copy."""
+    cols = spec.head_dim // (spec.num_warps // spec.dq_row_warps)
+    return -(-(4 * cols - 32) // 128) * 128 + 32
+
+
+def sm80_dq_staging_bytes(spec) -> int:
+    """sm80 dq_bulk_add: every warp's staging of its dQ rows (block_m / dq_row_warps of them) at
+    sm80_dq_stage_pitch."""
+    return spec.num_warps * (spec.block_m // spec.dq_row_warps) * sm80_dq_stage_pitch(spec)
 
 
 def sm90_smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int, do_stages: int | None = None,
@@ -727,7 +749,14 @@ def _validate(spec: BackwardSpec) -> None:
         raise SpecError("s_lookahead", "an sm90 knob (the next step's S^T wgmma issued early); the sm80 backward "
                                        "has no asynchronous GEMMs")
     if spec.dq_tma_reduce:
-        raise SpecError("dq_tma_reduce", "an sm90 knob (TMA bulk reduce-add); the sm80 backward adds dQ with atomics")
+        raise SpecError("dq_tma_reduce", "an sm90 knob (TMA bulk reduce-add of tiles); the sm80 backward's own is "
+                                         "dq_bulk_add")
+    if spec.dq_bulk_add and spec.gpu not in SM90_GPUS:
+        raise SpecError("dq_bulk_add", f"gpu={spec.gpu}: the bulk reduce-add (cp.reduce.async.bulk) needs sm_90, an "
+                                       f"H100 or H200 (gpu=h100, h200)")
+    if spec.dq_bulk_add and spec.deterministic:
+        raise SpecError("dq_bulk_add", "with deterministic: a turn passes once a block's adds are complete, which "
+                                       "bulk adds are not when their copies are issued")
     _choice("stages", spec.stages, (1, 2))
     if spec.dq_pieces != 1:
         raise SpecError("dq_pieces", f"{spec.dq_pieces}: an sm90 knob (pieces of dq_tma_reduce's dQ tile)")
@@ -768,12 +797,19 @@ def _validate(spec: BackwardSpec) -> None:
         raise SpecError("dq_row_warps" if warps_qm != sm80_dq_row_warps_default(spec.block_m, warps) else "block_m",
                         f"{spec.block_m} rows x head_dim {spec.head_dim} of dQ do not split over {warps_qm} x "
                         f"{warps // warps_qm} of {warps} warps (dq_row_warps, num_warps)")
+    if spec.dq_bulk_add and spec.block_m // warps_qm > 32:
+        raise SpecError("dq_row_warps", f"{warps_qm} with dq_bulk_add: a warp's {spec.block_m // warps_qm} dQ rows "
+                                        f"are more than its 32 lanes, one bulk add a row (raise dq_row_warps)")
     floats = kv_acc_floats(spec)
     if floats > MAX_KV_ACC_FLOATS:
         raise SpecError("block_n", f"{spec.block_n} keys x head_dim {spec.head_dim}: dK and dV take {floats} "
                                    f"registers per thread at {warps} warps, more than {MAX_KV_ACC_FLOATS} "
                                    f"(lower block_n or raise num_warps)")
     limit = GPUS[spec.gpu].smem_per_block
+    if spec.dq_bulk_add and spec.smem_bytes > limit >= spec.smem_bytes - sm80_dq_staging_bytes(spec):
+        raise SpecError("dq_bulk_add", f"its dQ staging ({sm80_dq_staging_bytes(spec)} bytes) beside the rest needs "
+                                         f"{spec.smem_bytes} bytes of shared memory, more than the {limit} of gpu="
+                                         f"{spec.gpu} (stages=1)")
     if spec.smem_bytes > limit:
         raise SpecError("block_n", f"block_m {spec.block_m} x block_n {spec.block_n} at head_dim {spec.head_dim} "
                                    f"needs {spec.smem_bytes} bytes of shared memory, more than the {limit} of gpu="
@@ -816,6 +852,8 @@ def _validate_sm90(spec: BackwardSpec) -> None:
         raise SpecError("frag_prefetch", "an sm80 knob (ldmatrix fragments; wgmma reads shared memory itself)")
     if spec.poly_exp2_tiles:
         raise SpecError("poly_exp2_tiles", "an sm80 knob (the sm90 backward's consumer softmax takes MUFU.EX2)")
+    if spec.dq_bulk_add:
+        raise SpecError("dq_bulk_add", "an sm80 knob (the sm90 backward's bulk adds are dq_tma_reduce)")
     for name in ("key_warps", "dq_row_warps"):
         if getattr(spec, name):
             raise SpecError(name, f"{getattr(spec, name)}: an sm80 knob (the sm90 backward's consumer warpgroups "

@@ -332,6 +332,24 @@ def test_sm80_frag_prefetch_matches_float64_and_the_same_grid_without_it(d, grid
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm80_dq_bulk_add_matches_float64_and_the_same_kernel_without_it(d, causal):
+    """dq_bulk_add stages each whole query block's dQ in shared memory and bulk-adds it a row a lane: dQ within the
+    criterion (fp32 adds in any order), dK and dV bit-identical to the kernel without it (their path is the same);
+    239 queries against 203 keys leave a partial query block, whose adds stay vector reductions. Two stages where
+    the staging fits beside them (d64, d128), else one."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("dq_bulk_add: sm_90's cp.reduce.async.bulk")
+    q, k, v, do = make(2, 239, 203, 4, 2, d, torch.bfloat16, seed=d + 5 * causal)
+    scale = d ** -0.5
+    stages = {} if d in (64, 96, 128) else {"stages": 1}
+    got = run_backward(q, k, v, do, causal, scale, poison=True, arch="sm80", dq_bulk_add=True, **stages)
+    assert check_grads(got, do, q, k, v, causal, scale) == []
+    plain = run_backward(q, k, v, do, causal, scale, arch="sm80", **stages)
+    assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm80_k_unroll_all_matches_float64_and_the_looped_gemms(d, causal):
     """k_unroll=0 unrolls every warp GEMM's k16 steps (straight-line code), the same MMAs in the same order: dK
     and dV bit-identical to the default's loops (k_unroll 2), dQ (fp32 atomics in any order) within the
