@@ -50,10 +50,10 @@
 #   OUT=/path bash scripts/pending_gpu.sh s49b          # MUFU rates, the varlen case again, ncu-source of the sm80
 #                                                       # backward (ran 2026-12-05, H100)
 #   OUT=/path bash scripts/pending_gpu.sh s49c          # the sm80 backward against an older tree in .old (carry .old)
-#   OUT=/path bash scripts/pending_gpu.sh s50           # the sm80 backward fuzz's flipped knobs, sanitizer case 53,
-#                                                       # softcap's tile with ping-pong, the sm80 backward without
-#                                                       # its dQ adds and with scalar ones (bwd-patch-ab), dq_bulk_add
-#                                                       # checked and timed: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s50           # dq_bulk_add checked and timed beside FA2, the sm80 backward
+#                                                       # without its dQ adds and with scalar ones (bwd-patch-ab), the
+#                                                       # fuzz's flipped sm80 knobs: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s50b          # softcap's tile with ping-pong, sanitizer case 53: NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -440,25 +440,11 @@ case "${1:-}" in
         tail -3 "$OUT/pytest.log"; grep -h "^\[" "$OUT"/new_d*.log "$OUT"/old_d*.log
         ;;
     s50)
-        # session 49's last change, not yet on a GPU: the sm80 backward's fuzz second call flips one tuning knob a
-        # case (stages, the pre-measurement grid and GEMMs, poly_exp2_tiles, frag_prefetch; fuzz.sm80_flipped_knobs),
-        # and sanitizer case 53 now runs the old grid with looped GEMMs
-        step fuzz_bwd 120 python3 -m facodegen check --fuzz 600 --seed 60 --family backward
-        step sanitize_53 90 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53
-        # softcap's tile (#40: 1.56-1.62x at d128, s49): the default d128 kernel runs both consumer warpgroups'
-        # softmax at once, intra-warpgroup overlap hiding it under the next S GEMM alone, and the second MUFU op a
-        # score doubles that softmax; ping-pong hides one warpgroup's softmax under the other's two GEMMs
-        step softcap_d128 150 python3 scripts/bench_softcap.py --head-dims 128 --seqlens 4096,16384 --tiles 6 \
-            --arm pingpong=1 --arm pingpong=1,block_n=112 --arm pingpong=1,block_n=160 --arm pingpong=1,poly_exp2_tiles=4
-        step softcap_d256 90 python3 scripts/bench_softcap.py --head-dims 256 --seqlens 4096,16384 --tiles 2 \
-            --arm pingpong=1 --arm pingpong=1,poly_exp2_tiles=4
-        # the sm80 backward's dQ adds (#38: mio_throttle 2.7x FA2's, most of it on their REDG run, s49b): what the
-        # step costs without them (an upper bound on any better add), and as FA2's scalar atomics
-        step bwd_patch_ab 150 python3 scripts/lab.py bwd-patch-ab --cell 128,2048,0 --cell 128,8192,1 --cell 64,2048,0 \
-            --cell 192,8192,0 --patch scripts/lab/patches/sm80_bwd_no_dq_adds.patch \
-            --patch scripts/lab/patches/sm80_bwd_scalar_dq_adds.patch --variant arch=sm80 --peer fa2
-        # and dq_bulk_add (session 49: each warp stages its whole-block dQ, each lane bulk-adds a row; no spills),
-        # checked, then timed as a column beside FA2 (d192 / 256: one stage, the staging leaves no room for two)
+        # session 49's sm80 backward work, not yet on a GPU (#38: mio_throttle 2.7x FA2's, most of it on the run of
+        # dQ's REDG before dK's first ldmatrix, s49b): dq_bulk_add (each warp stages its whole-block dQ, each lane
+        # bulk-adds a row; no spills) checked, then timed as a column beside FA2 (d192: one stage, the staging
+        # leaves no room for two); what the step costs without its dQ adds (an upper bound on any better add) and
+        # with FA2's scalar atomics (bwd-patch-ab); the fuzz's second call now flips one sm80 tuning knob a case
         step pytest_bulk 120 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py -k "dq_bulk_add"
         step bulk_d128 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 128 --peers fa2 \
             --variant arch=sm80 --variant arch=sm80,dq_bulk_add=true --out "$OUT/bulk-d128"
@@ -467,9 +453,24 @@ case "${1:-}" in
         step bulk_d192 60 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 192 --peers fa2 \
             --variant arch=sm80 --variant arch=sm80,stages=1 --variant arch=sm80,stages=1,dq_bulk_add=true \
             --out "$OUT/bulk-d192"
-        tail -12 "$OUT/fuzz_bwd.log"; tail -5 "$OUT/sanitize_53.log"; grep -v compiling "$OUT"/softcap_d*.log
-        grep -v compiling "$OUT/bwd_patch_ab.log" | tail -16; tail -3 "$OUT/pytest_bulk.log"
-        for d in 128 64 192; do grep "^\[" "$OUT/bulk_d$d.log"; done
+        step bwd_patch_ab 150 python3 scripts/lab.py bwd-patch-ab --cell 128,2048,0 --cell 128,8192,1 --cell 64,2048,0 \
+            --patch scripts/lab/patches/sm80_bwd_no_dq_adds.patch \
+            --patch scripts/lab/patches/sm80_bwd_scalar_dq_adds.patch --variant arch=sm80 --peer fa2
+        step fuzz_bwd 100 python3 -m facodegen check --fuzz 400 --seed 60 --family backward
+        tail -3 "$OUT/pytest_bulk.log"; for d in 128 64 192; do grep "^\[" "$OUT/bulk_d$d.log"; done
+        grep -v compiling "$OUT/bwd_patch_ab.log" | tail -12; tail -10 "$OUT/fuzz_bwd.log"
+        ;;
+    s50b)
+        # softcap's tile (#40: 1.56-1.62x at d128, s49): the default d128 kernel runs both consumer warpgroups'
+        # softmax at once, intra-warpgroup overlap hiding it under the next S GEMM alone, and the second MUFU op a
+        # score doubles that softmax; ping-pong hides one warpgroup's softmax under the other's two GEMMs. Then
+        # sanitizer case 53 (now the sm80 backward's old grid with looped GEMMs)
+        step softcap_d128 200 python3 scripts/bench_softcap.py --head-dims 128 --seqlens 4096,16384 --tiles 6 \
+            --arm pingpong=1 --arm pingpong=1,block_n=112 --arm pingpong=1,block_n=160 --arm pingpong=1,poly_exp2_tiles=4
+        step softcap_d256 120 python3 scripts/bench_softcap.py --head-dims 256 --seqlens 4096,16384 --tiles 2 \
+            --arm pingpong=1 --arm pingpong=1,poly_exp2_tiles=4
+        step sanitize_53 90 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53
+        grep -v compiling "$OUT"/softcap_d*.log; tail -5 "$OUT/sanitize_53.log"
         ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
@@ -511,6 +512,6 @@ case "${1:-}" in
         step varlen_backward 120 python3 -m facodegen bench --suite varlen --backward --quick --out "$OUT"
         ;;
     *)
-        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48|s48b|s49|s49b|s49c|s50"; exit 2 ;;
+        echo "usage: OUT=DIR bash scripts/pending_gpu.sh tests|checks|bench|producer|defaults|serving|sm80_bwd|sm80_bwd2|sm80_ncu|s45_quick|s45_decode|s44_checks|s44_fuzz|s46|s46b|s47|s47b|s47c|s47d|s48|s48b|s49|s49b|s49c|s50|s50b"; exit 2 ;;
 esac
 print_summary "pending_gpu.sh $1"
