@@ -931,3 +931,19 @@ def test_overhead_rows_take_turns_and_keep_the_median(monkeypatch):
     a, b, c = (row for row, _ in built)
     assert a["host_us"] == 11.0 and b["host_us"] == 22.0    # medians of (10, 11, 12) and (20, 50, 22)
     assert c["host_us"] is None and c["note"] == "skipped: no"
+
+
+def test_bench_softcap_arms_type_their_knobs_and_refuse_unknown_ones():
+    """scripts/bench_softcap.py: the arms are no softcap, softcap, softcap with each poly_exp2_tiles count, and
+    softcap with each --arm's knobs typed by the registry (pingpong=1 -> True); a name that is no forward knob is
+    a ValueError naming it, before any GPU work."""
+    script = _script("bench_softcap")
+    arms = script.arms((6,), ("pingpong=1,block_n=112",))
+    assert [label for label, _ in arms] == ["no softcap", "softcap 50", "softcap 50 px6",
+                                            "softcap 50 pingpong=1,block_n=112"]
+    assert arms[0][1] == {} and arms[2][1] == {"softcap": 50.0, "poly_exp2_tiles": 6}
+    assert arms[3][1] == {"softcap": 50.0, "pingpong": True, "block_n": 112}
+    with pytest.raises(ValueError, match="frobnicate"):
+        script.arms((), ("frobnicate=1",))
+    args = script.parse_args(["--head-dims", "128,256", "--arm", "pingpong=1", "--arm", "block_n=96"])
+    assert args.head_dims == "128,256" and args.arm == ["pingpong=1", "block_n=96"]
