@@ -783,11 +783,6 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
-// Generic-proxy shared-memory writes -> visible to the async proxy (TMA store, wgmma).
-__device__ __forceinline__ void fence_proxy_async_smem() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
 // Register reallocation between the warpgroups (the whole warpgroup executes it).
 template <int REGS>
 __device__ __forceinline__ void setmaxnreg_dec() {
@@ -867,6 +862,15 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap& map, uint32_t sr
         "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, { %2, %3, %4, %5 }], [%1];\n"
         :: "l"(tmap_addr(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
+}
+
+// ---- sm_90's bulk asynchronous copies (TMA stores, bulk reduce-adds): the async proxy's fence and the
+// thread's bulk groups. The sm90 kernels take them through sm90/tma.cuh.j2; the sm80 backward's dq_bulk_add
+// includes this file itself. ----
+
+// Generic-proxy shared-memory writes -> visible to the async proxy (TMA store, wgmma, bulk reduce-add).
+__device__ __forceinline__ void fence_proxy_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void tma_store_commit() {
