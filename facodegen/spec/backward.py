@@ -598,6 +598,12 @@ def smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int = 1) -> in
         2 * block_n * block_m * e
 
 
+def sm80_s_tiles(spec) -> int:
+    """The sm80 backward's S_TILES: n8 query tiles of a warp's S^T fragment, block_m over the warps left along the
+    queries (num_warps / key_warps); poly_exp2_tiles takes 0 to this many."""
+    return spec.block_m // (8 * (spec.num_warps // spec.key_warps))
+
+
 def sm80_dq_stage_pitch(spec) -> int:
     """sm80 dq_bulk_add: bytes between the rows of a warp's dQ staging, its columns' bytes rounded up to 32 past a
     multiple of 128: a warp's 64-bit stores of rows g = 0..7 (32 bytes each) then start 8 banks apart, so rows 0-3
@@ -784,7 +790,7 @@ def _validate(spec: BackwardSpec) -> None:
         raise SpecError("block_m", f"{spec.block_m} query rows do not split into 16-column pieces over the "
                                    f"{warps_sm} warps left along the queries (raise block_n or key_warps, or lower "
                                    f"num_warps)")
-    s_tiles = spec.block_m // (8 * warps_sm)
+    s_tiles = sm80_s_tiles(spec)
     if not 0 <= spec.poly_exp2_tiles <= s_tiles:
         raise SpecError("poly_exp2_tiles", f"{spec.poly_exp2_tiles}: from 0 to the {s_tiles} n8 query tiles of a warp's "
                                            f"S^T fragment (block_m {spec.block_m} over {warps_sm} warps)")

@@ -619,7 +619,7 @@ def sm80_flipped_knobs(head_dim: int, seed: int) -> dict:
     k16 steps a loop, one stage); poly_exp2_tiles from 1 to the warp's S_TILES (by seed // 16); frag_prefetch
     (with looped GEMMs, which it pairs up). Each compiles for sm_90 without spills but the old grid at head_dim
     64 (8 bytes, NVRTC 13), which the fuzz runs for its answers, not its speed."""
-    from ..spec.backward import BackwardSpec, sm80_dq_row_warps_default, sm80_key_warps_default
+    from ..spec.backward import BackwardSpec, sm80_dq_row_warps_default, sm80_key_warps_default, sm80_s_tiles
     default = BackwardSpec(arch="sm80", head_dim=head_dim, gpu="h100")
     turn = seed // 4 % 4
     if turn == 0:
@@ -629,8 +629,7 @@ def sm80_flipped_knobs(head_dim: int, seed: int) -> dict:
                 "dq_row_warps": sm80_dq_row_warps_default(default.block_m, default.num_warps), "k_unroll": 2,
                 "stages": 1}
     if turn == 2:
-        s_tiles = default.block_m // (8 * (default.num_warps // default.key_warps))
-        return {"poly_exp2_tiles": 1 + seed // 16 % s_tiles}
+        return {"poly_exp2_tiles": 1 + seed // 16 % sm80_s_tiles(default)}
     return {"frag_prefetch": True, "k_unroll": 2}
 
 
