@@ -56,10 +56,12 @@ def main(argv=None) -> int:
         print("bench_softcap needs a CUDA GPU", file=sys.stderr)
         return 2
     import facodegen
+    from facodegen.bench.grids import attention_flops, tflops
     from facodegen.bench.timing import time_cuda_interleaved
     from facodegen.ops import api
 
     tiles = tuple(int(t) for t in args.tiles.split(",") if t)
+    timed = arms(tiles, tuple(args.arm))
     print(f"{torch.cuda.get_device_name()}, bf16, causal, batch {args.batch}, {HIDDEN} / head_dim heads")
     print(f"{'d':>3} {'seqlen':>6}  {'arm':<30} {'ms':>8} {'TFLOP/s':>8} {'/no cap':>8} {'/softcap':>8}  kernel")
     for head_dim in (int(d) for d in args.head_dims.split(",")):
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
             shape = (args.batch, seqlen, heads, head_dim)
             q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             fns, kernels = [], []
-            for _, kwargs in arms(tiles, tuple(args.arm)):
+            for _, kwargs in timed:
                 out = torch.empty_like(q)
                 fields = {n: kwargs[n] for n in kwargs if n != "softcap"}
                 spec = api.resolve_spec(head_dim, "bf16", True, q.device.index or 0,
@@ -76,9 +78,9 @@ def main(argv=None) -> int:
                 kernels.append(spec.variant)
                 fns.append(lambda out=out, kwargs=kwargs: facodegen.attention(q, k, v, causal=True, out=out, **kwargs))
             results = time_cuda_interleaved(fns, groups=args.groups, calls=args.calls)
-            flops = 4 * args.batch * heads * seqlen * seqlen * head_dim / 2            # causal: half the pairs
-            for (label, _), r, kernel in zip(arms(tiles, tuple(args.arm)), results, kernels):
-                print(f"{head_dim:>3} {seqlen:>6}  {label:<30} {r['ms']:>8.3f} {flops / r['ms'] / 1e9:>8.1f} "
+            flops = attention_flops(args.batch, heads, seqlen, seqlen, head_dim, True)
+            for (label, _), r, kernel in zip(timed, results, kernels):
+                print(f"{head_dim:>3} {seqlen:>6}  {label:<30} {r['ms']:>8.3f} {tflops(flops, r['ms']):>8.1f} "
                       f"{r['ms'] / results[0]['ms']:>8.3f} {r['ms'] / results[1]['ms']:>8.3f}  {kernel}")
     return 0
 
