@@ -28,13 +28,8 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
 def emitters(patches: list[str]) -> dict:
     """{name: emit(spec) -> source}: the plain backward emitter and one per patch file."""
     from facodegen.ops import backward
-    from trace_steps import apply_patch
-    plain = backward.emit
-    found = {"plain": plain}
-    for path in patches:
-        with open(path) as f:
-            found[os.path.basename(path)] = lambda spec, text=f.read(): apply_patch(plain(spec), text)
-    return found
+    from trace_steps import patched_emitters
+    return patched_emitters(backward.emit, patches)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,13 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     from facodegen.bench.variants import _facodegen_fn
     from sweep import parse_cell
     from clock_probe import samples_during, smi_samples, smi_sampling
-    from trace_steps import apply_patch
+    from trace_steps import patched_emitters
     overrides = dict(bench.parse_variant("sm90:" + args.variant)[1], dtype=args.dtype)
     compiler.spec_index = False     # the kernels compiled here are patched renderings: not the index's
     plain_emit = render.emit
-    emitters = {"plain": plain_emit}
-    for f in args.patch:
-        emitters[os.path.basename(f)] = lambda spec, text=open(f).read(): apply_patch(plain_emit(spec), text)
+    emitters = patched_emitters(plain_emit, args.patch)
     zeroed = set()      # emitters whose kernels get the host's counter reset (--zero-counter)
     for d in args.templates:
         name = os.path.basename(os.path.dirname(os.path.abspath(d))) or d

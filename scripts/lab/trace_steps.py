@@ -151,6 +151,16 @@ def apply_patch(source: str, patch: str) -> str:
     return source
 
 
+def patched_emitters(plain, paths) -> dict:
+    """{name: emit(spec) -> source}: ``plain`` as "plain" and, per patch file, plain's source with that patch
+    applied (apply_patch), named by the file (patch-ab's and bwd-patch-ab's kernels)."""
+    emitters = {"plain": plain}
+    for path in paths:
+        with open(path) as f:
+            emitters[os.path.basename(path)] = lambda spec, text=f.read(): apply_patch(plain(spec), text)
+    return emitters
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
