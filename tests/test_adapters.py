@@ -33,8 +33,8 @@ class FakeAttention:
         self.calls = []
 
     def __call__(self, q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, lse_out=None,
-                 arch=None, causal_alignment="bottom_right", window_size=(-1, -1), softcap=0.0, deterministic=False,
-                 **spec_fields):
+                 arch=None, causal_alignment="bottom_right", window_size=(-1, -1), softcap=0.0, sinks=None,
+                 deterministic=False, **spec_fields):
         assert not spec_fields and arch is None and lse_out is None and isinstance(deterministic, bool)
         assert causal_alignment in ("bottom_right", "top_left")
         batch, seqlen_q, heads_q, head_dim = q.shape
@@ -45,7 +45,7 @@ class FakeAttention:
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head_dim must be contiguous"
         self.calls.append(dict(q=q, k=k, v=v, causal=causal, softmax_scale=softmax_scale, out=out,
                                causal_alignment=causal_alignment, return_lse=return_lse, window_size=window_size,
-                               softcap=softcap, deterministic=deterministic))
+                               softcap=softcap, sinks=sinks, deterministic=deterministic))
         scale = 1 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
         group = heads_q // heads_kv
         qd = q.double().transpose(1, 2)
@@ -64,6 +64,9 @@ class FakeAttention:
             rows = torch.arange(seqlen_q)[:, None]
             s = s.masked_fill(torch.arange(seqlen_k)[None, :] > rows + shift, -math.inf)
         lse = torch.logsumexp(s, dim=-1)                                     # -inf on rows with no key
+        if sinks is not None:     # (heads_q,) float32 logits in each row's denominator, no value
+            assert sinks.dtype == torch.float32 and sinks.shape == (heads_q,)
+            lse = torch.logaddexp(lse, sinks.double()[None, :, None])
         p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
         o = (p @ vd).transpose(1, 2).to(q.dtype)
         if out is not None:
@@ -81,18 +84,20 @@ class FakeVarlen:
         self.attention, self.calls = attention, []
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                 softmax_scale=None):
+                 softmax_scale=None, **variants):
         assert q.dim() == k.dim() == v.dim() == 3 and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
         assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
+        assert set(variants) <= {"window_size", "softcap", "sinks"}
         self.calls.append(dict(q=q, k=k, v=v, cu_q=cu_seqlens_q.tolist(), cu_k=cu_seqlens_k.tolist(),
-                               max_q=max_seqlen_q, max_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale))
+                               max_q=max_seqlen_q, max_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                               **variants))
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
         for (q0, q1), (k0, k1) in zip(zip(self.calls[-1]["cu_q"], self.calls[-1]["cu_q"][1:]),
                                       zip(self.calls[-1]["cu_k"], self.calls[-1]["cu_k"][1:])):
             assert q1 - q0 <= max_seqlen_q and k1 - k0 <= max_seqlen_k
             if q1 > q0 and k1 > k0:
                 out[q0:q1] = self.attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal,
-                                            softmax_scale=softmax_scale)[0]
+                                            softmax_scale=softmax_scale, **variants)[0]
         self.attention.calls.clear()
         return out
 
@@ -435,9 +440,6 @@ def test_transformers_masks(fake):
 
 @pytest.mark.parametrize("kwargs, name", [
     (dict(dropout=0.1), "dropout"),
-    (dict(softcap=50.0), "softcap"),
-    (dict(sliding_window=4), "sliding_window"),
-    (dict(s_aux=torch.zeros(8)), "s_aux"),
     (dict(position_bias=torch.zeros(1, 8, 6, 6)), "position_bias"),
 ])
 def test_transformers_refuses(fake, kwargs, name):
@@ -458,6 +460,61 @@ def test_transformers_accepts_what_flash_attention_2_accepts(fake):
         attention_forward(_Module(), q, k, v, None, position_ids=torch.tensor([[3, 4, 5, 0, 1, 2]]))
     out, _ = attention_forward(_Module(), q, k, v, None, is_causal=False)
     assert fake.calls[-1]["causal"] is False
+
+
+def _eager_variants_reference(q, k, v, scale, window, softcap, sinks):
+    """transformers' eager attention of a causal layer with a sliding window, softcap and sinks, written out
+    ((batch, heads, seqlen, d) in, (batch, seqlen, heads, d) out): query i (the keys' last rows) sees key j
+    where j <= i' and j > i' - window (masking_utils' sliding_window_overlay), logits softcap * tanh(s /
+    softcap), each head's sink logit a column of the softmax whose probability is dropped (gpt-oss)."""
+    batch, heads_q, seqlen_q, _ = q.shape
+    seqlen_k, group = k.shape[2], heads_q // k.shape[1]
+    keys, values = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
+    s = scale * q.double() @ keys.transpose(-1, -2)
+    s = softcap * torch.tanh(s / softcap)
+    row = torch.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+    col = torch.arange(seqlen_k)[None]
+    s = s.masked_fill(~((col <= row) & (col > row - window)), -math.inf)
+    logits = torch.cat([s, sinks.double()[None, :, None, None].expand(batch, heads_q, seqlen_q, 1)], dim=-1)
+    return (logits.softmax(-1)[..., :-1] @ values).transpose(1, 2).to(q.dtype)
+
+
+@pytest.mark.parametrize("sq, sk", [(6, 9), (9, 9), (1, 9)])
+def test_transformers_passes_the_variants_as_flash_attention_2_takes_them(fake, sq, sk):
+    """sliding_window (narrower than the keys), softcap and s_aux reach facodegen.attention as window_size
+    (sliding_window - 1 both sides: a causal row sees itself and sliding_window - 1 keys before), softcap and
+    float32 sinks, and give transformers' eager attention; a window as wide as the keys, softcap None or 0 and
+    s_aux None are no variant (the plain call, whose fast path a variant argument would leave)."""
+    from facodegen.integrations.transformers import attention_forward
+    q, k, v = _hf_qkv(sq=sq, sk=sk)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out, _ = attention_forward(_Module(), q, k, v, None, scaling=0.2, sliding_window=4, softcap=2.0, s_aux=sinks)
+    (call,) = fake.calls
+    assert call["window_size"] == (3, 3) and call["softcap"] == 2.0 and call["causal"] is (sq > 1)
+    assert call["sinks"].dtype == torch.float32 and torch.equal(call["sinks"], sinks.float())
+    _close(out, _eager_variants_reference(q, k, v, 0.2, 4, 2.0, sinks.float()))
+    fake.calls.clear()
+    attention_forward(_Module(), q, k, v, None, sliding_window=sk, softcap=0.0, s_aux=None)
+    attention_forward(_Module(), q, k, v, None, softcap=None)
+    assert [(c["window_size"], c["softcap"], c["sinks"]) for c in fake.calls] == [((-1, -1), 0.0, None)] * 2
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        attention_forward(_Module(), q, k, v, None, sliding_window=0)
+
+
+def test_transformers_padded_batch_passes_the_variants(fake):
+    """A padded batch's packed call (attention_varlen) takes the same variants, per sequence."""
+    from facodegen.integrations.transformers import attention_forward
+    q, k, v = _hf_qkv(batch=2, sq=7, sk=7)
+    keys = torch.ones(2, 7, dtype=torch.long)
+    keys[0, :2] = 0
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(5))
+    out, _ = attention_forward(_Module(), q, k, v, keys, scaling=0.3, sliding_window=3, softcap=1.5, s_aux=sinks)
+    (call,) = fake.varlen.calls
+    assert call["window_size"] == (2, 2) and call["softcap"] == 1.5 and torch.equal(call["sinks"], sinks)
+    assert not out[0, :2].any()
+    for b, first in ((0, 2), (1, 0)):
+        _close(out[b:b + 1, first:], _eager_variants_reference(q[b:b + 1, :, first:], k[b:b + 1, :, first:],
+                                                               v[b:b + 1, :, first:], 0.3, 3, 1.5, sinks))
 
 
 def _per_row_reference(q, k, v, queries, keys, causal, scale):
@@ -635,3 +692,60 @@ def test_transformers_llama_packed_sequences_match_each_sequence_alone(fake):
         _close(got[:, start:start + s.shape[1]], sdpa(s).logits)
         start += s.shape[1]
     assert fake.varlen.calls and all(c["cu_q"] == [0, 5, 6, 15] for c in fake.varlen.calls) and not fake.calls
+
+
+# the variants in whole models: Mistral (sliding window), Gemma-2 (softcap and sliding layers), gpt-oss (sinks
+# and sliding layers), each a tiny random one in float32 beside transformers' eager attention
+
+VARIANT_MODELS = {
+    "mistral": ("MistralConfig", dict(sliding_window=4)),
+    "gemma2": ("Gemma2Config", dict(sliding_window=4, attn_logit_softcapping=5.0, query_pre_attn_scalar=64)),
+    "gpt_oss": ("GptOssConfig", dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+
+def _tiny_variant_model(family, attn_implementation, state_dict=None):
+    transformers = pytest.importorskip("transformers")
+    from facodegen.integrations.transformers import register
+    register()
+    name, fields = VARIANT_MODELS[family]
+    config = getattr(transformers, name)(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                         max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                         **fields)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    if family == "gpt_oss":     # learned sinks of either sign, not the initial zeros
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-2.0, 2.0, layer.self_attn.sinks.numel()))
+    return model.eval()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", sorted(VARIANT_MODELS))
+def test_transformers_variant_models_match_eager(fake, family):
+    """12 tokens through a sliding window of 4 (and softcap, sinks): the logits of an unpadded and a
+    left-padded batch are eager attention's, and greedy generate() gives its tokens."""
+    eager = _tiny_variant_model(family, "eager")
+    ours = _tiny_variant_model(family, "facodegen", eager.state_dict())
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(6))
+    _close(ours(ids).logits, eager(ids).logits)
+    windows = {c["window_size"] for c in fake.calls}
+    assert (3, 3) in windows, "the sliding layers must reach facodegen with their window"
+    if family == "gemma2":
+        assert {c["softcap"] for c in fake.calls} == {5.0}
+    if family == "gpt_oss":
+        assert all(c["sinks"] is not None and c["sinks"].dtype == torch.float32 for c in fake.calls)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    real = mask.bool()
+    _close(ours(ids, attention_mask=mask).logits[real], eager(ids, attention_mask=mask).logits[real])
+    assert fake.varlen.calls
+    for batch_mask in (torch.ones_like(ids), mask):
+        want = eager.generate(ids, attention_mask=batch_mask, max_new_tokens=6, do_sample=False, use_cache=True)
+        got = ours.generate(ids, attention_mask=batch_mask, max_new_tokens=6, do_sample=False, use_cache=True)
+        assert torch.equal(got, want)

@@ -14,8 +14,17 @@ nothing or is exactly the causal pattern is accepted.
 
 Supported: causal and bidirectional attention (``module.is_causal`` or the ``is_causal`` kwarg),
 causal aligned bottom-right (the query rows are the last rows of the keys, as in a KV-cached
-decode or prefill step), GQA/MQA on the KV heads as they are (no repeat_kv), ``scaling``, and, as
-flash_attention_2 runs them, on facodegen.attention_varlen:
+decode or prefill step), GQA/MQA on the KV heads as they are (no repeat_kv), ``scaling``, the
+attention variants the models pass as kwargs, as flash_attention_2 takes them (facodegen.attention's
+``window_size``, ``softcap``, ``sinks``):
+
+- ``sliding_window`` (Mistral, Gemma-2/3, gpt-oss' sliding layers): where the keys outnumber it, the
+  window (sliding_window - 1, sliding_window - 1), flash_attention_2's, so a causal row sees itself and the
+  sliding_window - 1 keys before it, as transformers' sliding-window mask has it;
+- ``softcap`` (Gemma-2's attn_logit_softcapping): logits c * tanh(scaling * s / c);
+- ``s_aux`` (gpt-oss' learned sinks, one logit per query head): facodegen's ``sinks`` (in float32);
+
+and, as flash_attention_2 runs them, on facodegen.attention_varlen (the variants too):
 
 - padded batches (the 2-D padding mask, 1 = a token): the tokens gathered into packed sequences,
   attended per sequence and scattered back, zeros at the padded query positions; the queries are
@@ -27,10 +36,10 @@ flash_attention_2 runs them, on facodegen.attention_varlen:
 Like flash_attention_2's, those calls read the lengths on the host (a sync), but once per mask: the model
 hands every layer the same mask tensor, and its gather is kept for the layers after the first. Not supported yet,
 raising NotImplementedError: a 4-D mask that hides more than the causal pattern (transformers >=
-4.53 with register() hands this backend the 2-D mask instead), dropout in training, ``softcap``,
-attention sinks (``s_aux``), ``position_bias``, and a ``sliding_window`` narrower than the keys (a
-wider one hides nothing and is accepted, as flash_attention_2 does). Training runs facodegen's
-generated backward through autograd (fp16/bf16; see facodegen.attention and attention_varlen).
+4.53 with register() hands this backend the 2-D mask instead), dropout in training and ``position_bias``.
+Training runs facodegen's generated backward through autograd (fp16/bf16; see facodegen.attention and
+attention_varlen); the variants have no backward yet, so a layer that uses one raises at its forward where
+gradients are recorded (run inference under torch.no_grad(), as generate() does).
 """
 
 from __future__ import annotations
@@ -64,37 +73,51 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     """The AttentionInterface function: query (batch, heads_q, seqlen_q, head_dim), key/value
     (batch, heads_kv, seqlen_k, head_dim) -> (output (batch, seqlen_q, heads_q, head_dim), None)."""
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
-    _refuse_unsupported(module, seqlen_k, dropout, kwargs)
+    _refuse_unsupported(dropout, kwargs)
+    variants = _variants(seqlen_k, kwargs)
     is_causal = kwargs.get("is_causal")
     causal = (getattr(module, "is_causal", True) if is_causal is None else is_causal) and seqlen_q > 1
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)   # (batch, seqlen, heads, d)
     packed = _packed_boundaries(kwargs, attention_mask, q.shape[0], seqlen_q, seqlen_k)
     if packed is not None:
-        out = facodegen.attention_varlen(q[0], k[0], v[0], *packed, causal=causal, softmax_scale=scaling)
+        out = facodegen.attention_varlen(q[0], k[0], v[0], *packed, causal=causal, softmax_scale=scaling, **variants)
         return out[None], None
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == seqlen_k:
         gather = _gather_of(attention_mask, seqlen_q)
         if gather is not None:
-            return _padded_attention(q, k, v, gather, causal, scaling), None
+            return _padded_attention(q, k, v, gather, causal, scaling, variants), None
         attention_mask = None       # (a mask that hides nothing)
     causal = _causal_from_mask(attention_mask, seqlen_q, seqlen_k, causal)
-    out = facodegen.attention(q, k, v, causal=causal, softmax_scale=scaling)
+    out = facodegen.attention(q, k, v, causal=causal, softmax_scale=scaling, **variants)
     return out, None
 
 
-def _refuse_unsupported(module, seqlen_k: int, dropout, kwargs: dict) -> None:
+def _refuse_unsupported(dropout, kwargs: dict) -> None:
     if dropout:
         raise NotImplementedError(f"dropout={dropout!r}: attention dropout is not supported yet (the model is in "
                                   f"training mode with attention_dropout > 0; call model.eval())")
-    if kwargs.get("softcap"):
-        raise NotImplementedError(f"softcap={kwargs['softcap']!r}: logit softcapping is not supported yet")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("position_bias is not supported yet")
+
+
+def _variants(seqlen_k: int, kwargs: dict) -> dict:
+    """facodegen's variant arguments for the ones transformers passed that are in effect (none: a plain call,
+    which keeps attention()'s fast path): sliding_window as flash_attention_2 turns it into a window where the
+    keys outnumber it, softcap where it is set (None or 0: off), and s_aux as float32 sinks."""
+    variants = {}
     window = kwargs.get("sliding_window")
     if window is not None and seqlen_k > window:
-        raise NotImplementedError(f"sliding_window={window}: a sliding window narrower than the keys "
-                                  f"({seqlen_k}) is not supported yet")
-    for name in ("s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"{name} is not supported yet")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"sliding_window must be a positive integer (keys a row sees, itself included), "
+                             f"got {window!r}")
+        variants["window_size"] = (window - 1, window - 1)
+    softcap = kwargs.get("softcap")
+    if softcap:
+        variants["softcap"] = softcap
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:   # (a model's parameter in its dtype: facodegen takes float32, one per query head)
+        variants["sinks"] = sinks.float().contiguous()
+    return variants
 
 
 def _causal_from_mask(mask, seqlen_q: int, seqlen_k: int, causal: bool) -> bool:
@@ -181,16 +204,16 @@ def _gather_of(mask, seqlen_q: int):
     return gather
 
 
-def _padded_attention(q, k, v, gather, causal: bool, scaling):
+def _padded_attention(q, k, v, gather, causal: bool, scaling, variants: dict):
     """Attention of a padded batch as flash_attention_2 runs it: each row's tokens gathered into packed
-    sequences (``gather``: _gather_of's), attention_varlen, the outputs scattered back (zeros at padded
-    query positions)."""
+    sequences (``gather``: _gather_of's), attention_varlen (with ``variants``: _variants'), the outputs
+    scattered back (zeros at padded query positions)."""
     batch, seqlen_q = q.shape[:2]
     seqlen_k = k.shape[1]
     rows_q, rows_k, cu_q, cu_k, max_q, max_k = gather
     out = facodegen.attention_varlen(q.reshape(batch * seqlen_q, *q.shape[2:]).index_select(0, rows_q),
                                      k.reshape(batch * seqlen_k, *k.shape[2:]).index_select(0, rows_k),
                                      v.reshape(batch * seqlen_k, *v.shape[2:]).index_select(0, rows_k),
-                                     cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scaling)
+                                     cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scaling, **variants)
     full = out.new_zeros(batch * seqlen_q, *out.shape[1:]).index_copy(0, rows_q, out)
     return full.view(batch, seqlen_q, *out.shape[1:])

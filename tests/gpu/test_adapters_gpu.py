@@ -289,3 +289,68 @@ def test_twenty_training_steps_of_a_llama_track_sdpa():
     batches = [(ids, None, ids) for ids in (torch.randint(3, 1024, (4, 256), generator=gen).cuda() for _ in range(20))]
     ours = _training_tracks_sdpa(batches)
     assert len(set(ours)) > 1       # the weights moved (random tokens: the loss stays near log(1024))
+
+
+# the attention variants in whole models (Mistral: sliding window; Gemma-2: softcap and sliding layers;
+# gpt-oss: learned sinks and sliding layers), bf16 beside transformers' eager attention in bf16 and fp32
+
+VARIANT_MODELS = {
+    "mistral": ("MistralConfig", dict(sliding_window=64)),
+    "gemma2": ("Gemma2Config", dict(sliding_window=64, attn_logit_softcapping=5.0, query_pre_attn_scalar=64)),
+    "gpt_oss": ("GptOssConfig", dict(sliding_window=64, num_local_experts=4, num_experts_per_tok=2,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+
+def _variant_models(family):
+    """{"facodegen", "eager" (bf16), "eager32" (fp32)}: one tiny random model of ``family``, the same weights."""
+    transformers = pytest.importorskip("transformers")
+    from facodegen.integrations.transformers import register
+    register()
+    name, fields = VARIANT_MODELS[family]
+    config = getattr(transformers, name)(vocab_size=1024, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                         max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                         initializer_range=0.1, **fields)
+    torch.manual_seed(0)
+    models, state = {}, None
+    for label, impl, dtype in (("eager32", "eager", torch.float32), ("eager", "eager", torch.bfloat16),
+                               ("facodegen", "facodegen", torch.bfloat16)):
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+        if state is None:
+            if family == "gpt_oss":     # learned sinks of either sign, not the initial zeros
+                with torch.no_grad():
+                    for layer in model.model.layers:
+                        layer.self_attn.sinks.copy_(torch.linspace(-2.0, 2.0, layer.self_attn.sinks.numel()))
+            state = model.state_dict()
+        else:
+            model.load_state_dict(state)
+        models[label] = model.to("cuda", dtype).eval()
+    return models
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", sorted(VARIANT_MODELS))
+def test_transformers_variant_models(family, monkeypatch):
+    """300 tokens through a window of 64 (Gemma-2: softcap 5; gpt-oss: sinks), an unpadded and a left-padded
+    batch: facodegen's bf16 logits are as close to fp32 eager attention's as twice bf16 eager's + 2e-3; then
+    generate() runs on both batches."""
+    models = _variant_models(family)
+    calls = []
+    real = facodegen.attention
+    monkeypatch.setattr(facodegen, "attention", lambda *a, **k: calls.append(k.get("window_size")) or real(*a, **k))
+    ids = torch.randint(3, 1024, (2, 300), generator=torch.Generator().manual_seed(7)).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :45] = 0
+    for batch_mask in (None, mask):
+        real_tokens = torch.ones_like(ids, dtype=torch.bool) if batch_mask is None else batch_mask.bool()
+        logits = {label: model(ids, attention_mask=batch_mask).logits[real_tokens].float()
+                  for label, model in models.items()}
+        floor = _rel(logits["eager"], logits["eager32"])
+        err = _rel(logits["facodegen"], logits["eager32"])
+        assert err <= 2 * floor + 2e-3, f"{family}: facodegen {err:.3e} from fp32 eager, bf16 eager {floor:.3e}"
+    assert (63, 63) in calls, "the sliding layers must reach facodegen.attention with their window"
+    for batch_mask in (torch.ones_like(ids), mask):
+        out = models["facodegen"].generate(ids, attention_mask=batch_mask, max_new_tokens=8, do_sample=False,
+                                           use_cache=True)
+        assert out.shape == (2, 308)
