@@ -54,6 +54,9 @@
 #                                                       # without its dQ adds and with scalar ones (bwd-patch-ab), the
 #                                                       # fuzz's flipped sm80 knobs: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s50b          # softcap's tile with ping-pong, sanitizer case 53: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s50c          # session 50: transformers' variant models (Mistral, Gemma-2,
+#                                                       # gpt-oss) on the kernels; the sm80 dQ path at d192/d256
+#                                                       # (bwd-patch-ab, dq_bulk_add with one stage): NOT YET RUN
 #
 # tests and checks cover: the backward's aac90d6/dq_lag/lpt tail/shallow rings (tests/gpu/test_backward_gpu.py; sanitizer
 # 24-33, 44-46), varlen's variants, fp8, padded head dims and head_dim_v (session 40), the decode's window and
@@ -471,6 +474,21 @@ case "${1:-}" in
             --arm pingpong=1 --arm pingpong=1,poly_exp2_tiles=4
         step sanitize_53 90 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53
         grep -v compiling "$OUT"/softcap_d*.log; tail -5 "$OUT/sanitize_53.log"
+        ;;
+    s50c)
+        # session 50 (no device): the transformers backend passes sliding_window, softcap and s_aux to the kernels
+        # (CPU-checked against eager on tiny models); the sm80 backward's weakest head dims (d192 0.87x, d256 0.86x
+        # FA2, s49) with fewer instructions a warp-step than FA2's (scripts/sass_vs_fa2.py: 783 vs 815, 888 vs
+        # 1028): what their dQ adds cost (no adds, FA2's scalar ones) and dq_bulk_add at one stage
+        step pytest_tf_variants 240 python3 -m pytest -q -rf tests/gpu/test_adapters_gpu.py -k "variant_models"
+        step bwd_patch_ab_big 200 python3 scripts/lab.py bwd-patch-ab --cell 256,2048,0 --cell 192,8192,1 \
+            --patch scripts/lab/patches/sm80_bwd_no_dq_adds.patch \
+            --patch scripts/lab/patches/sm80_bwd_scalar_dq_adds.patch --variant arch=sm80 --peer fa2 --groups 6
+        step bulk_d256 90 python3 -m facodegen bench --suite fa3-paper --backward --quick --head-dim 256 --peers fa2 \
+            --variant arch=sm80 --variant arch=sm80,stages=1 --variant arch=sm80,stages=1,dq_bulk_add=true \
+            --out "$OUT/bulk-d256"
+        tail -3 "$OUT/pytest_tf_variants.log"; grep -v compiling "$OUT/bwd_patch_ab_big.log" | tail -10
+        grep "^\[" "$OUT/bulk_d256.log"
         ;;
     s45_quick)
         # sm80_bwd's GPU tests and its head_dim 128 timing alone (for a call with less device time left)
