@@ -35,7 +35,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     in place, never repeated). Not supported yet, and raising NotImplementedError: ``attn_mask``
     and ``dropout_p`` != 0. Shapes SDPA would broadcast (batch dims that differ between q and k/v)
     or leading batch dims that cannot be merged into one without a copy raise ValueError.
-    There is no backward: inputs that require grad raise (see facodegen.attention).
+    Inputs that require grad (with grad mode on) record facodegen's generated backward (see
+    facodegen.attention): the result is then a (*batch, heads_q, seqlen_q, head_dim_v) view of a
+    (batch, seqlen_q, heads_q, head_dim_v) tensor, as SDPA's flash backend returns it.
     """
     if attn_mask is not None:
         raise NotImplementedError("attn_mask is not supported yet (facodegen runs causal or no mask; "
@@ -69,6 +71,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise ValueError(f"enable_gqa: key/value heads ({heads_kv}) must divide query heads ({heads_q})")
     q, k, v = (_as_bshd(name, x) for name, x in (("query", query), ("key", key), ("value", value)))
 
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        # (out= records no gradient: facodegen's output, seen as SDPA's layout)
+        out = facodegen.attention(q, k, v, causal=bool(is_causal), softmax_scale=scale, causal_alignment="top_left")
+        return out.transpose(1, 2).unflatten(0, batch)
     result = torch.empty((*batch, heads_q, seqlen_q, head_dim_v), dtype=query.dtype, device=query.device)
     facodegen.attention(q, k, v, causal=bool(is_causal), softmax_scale=scale, causal_alignment="top_left",
                         out=result.view(math.prod(batch), heads_q, seqlen_q, head_dim_v).transpose(1, 2))

@@ -304,6 +304,23 @@ def test_sdpa_matches_torch(fake, shape, causal, scale):
     assert _same_storage(call["out"], out) and call["out"].data_ptr() == out.data_ptr(), "out= must alias the result"
 
 
+@pytest.mark.parametrize("shape", [(2, 4, 2, 10, 17, 64), (2, 4, 4, 17, 10, 64)], ids=str)
+def test_sdpa_records_a_gradient_without_out(fake, shape):
+    """Inputs that require grad: facodegen.attention without out= (out= records none), its result seen in
+    SDPA's layout; the gradients are torch SDPA's (top-left causal, GQA)."""
+    q, k, v = (x.requires_grad_(True) for x in _qkv_bhsd(shape))
+    gqa = shape[1] != shape[2]
+    out = ftorch.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    (call,) = fake.calls
+    assert call["out"] is None and call["causal_alignment"] == "top_left" and out.grad_fn is not None
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(out, (q, k, v), g)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    _close(out, ref)
+    for x, r in zip(got, torch.autograd.grad(ref, (q, k, v), g)):
+        _close(x, r)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_takes_a_narrower_value_head_dim(fake, causal):
     """SDPA's Ev != E: value (..., head_dim_v) reaches facodegen.attention as it is; the result is

@@ -492,8 +492,10 @@ class BwdLaunches:
         self.yield_in_launch = False    # let another thread run inside each launch (time.sleep(0))
 
     def launcher(self, function, grid, threads, smem):
-        size = backward.layout("sm90" if "_sm90_" in str(function.ptr) else "sm80",     # (its BwdParams)
-                               varlen=str(function.ptr).endswith(("_varlen", "_varlen_dot_do_o", "_varlen_convert_dq")))[1]
+        name = str(function.ptr)
+        size = backward.layout("sm90" if "_sm90_" in name else "sm80",     # (its BwdParams)
+                               varlen=name.endswith(("_varlen", "_varlen_dot_do_o", "_varlen_convert_dq")),
+                               local=name.endswith(("_local", "_local_dot_do_o", "_local_convert_dq")))[1]
 
         def launch(stream, kernel_params):
             if self.yield_in_launch:
@@ -515,8 +517,8 @@ def bwd(fake, monkeypatch):  # noqa: F811
     return fake
 
 
-def _field(record, name):
-    placed = dict((f.name, (f, off)) for f, off in backward.layout()[0])
+def _field(record, name, local=False):
+    placed = dict((f.name, (f, off)) for f, off in backward.layout(local=local)[0])
     f, off = placed[name]
     fmt = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}[f.kind]
     return struct.unpack_from(fmt, record["params"], off)[0]
@@ -614,6 +616,53 @@ def test_the_padded_backward_compiles_without_spills_and_masks_its_stores(arch):
     result = CliRunner().invoke(cli.main, ["emit", "--kernel", "backward", "--head-dim", "80"])
     assert result.exit_code == 0 and result.output == backward.emit(BackwardSpec(head_dim=80))
     assert "HEAD_DIM_REAL = HEAD_DIM;" in backward.emit(BackwardSpec(head_dim=96))
+
+
+def test_a_window_runs_the_sm80_local_kernels_with_its_window(bwd):
+    """window_size and top-left causal (the forward's): the sm80 backward's LOCAL kernels, on this fake H200 too
+    (the sm90 backward has no window yet), with BwdParams' window in the bottom-right frame api.window_params
+    folds it into; a window that cuts nothing is the plain kernel; each window is a plan of its own."""
+    do, q, k, v, o, lse = _problem()    # 113 queries, 203 keys
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, window_size=(40, -1))
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, causal_alignment="top_left")
+    backward.attention_backward(do, q, k, v, o, lse, window_size=[7, 9])
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, window_size=(500, -1))
+    mains = bwd.bwd.records[1::3]
+    local_causal = BackwardSpec(head_dim=128, causal=True, local=True, gpu="h200")
+    assert [m["name"] for m in mains[:3]] == [local_causal.variant, local_causal.variant,
+                                              BackwardSpec(head_dim=128, local=True, gpu="h200").variant]
+    windows = [(_field(m, "window_left", local=True), _field(m, "window_right", local=True)) for m in mains[:3]]
+    assert windows == [(40, 0), (113 + 203 + 1, 113 - 203), (7, 9)]
+    assert "_local" not in mains[3]["name"] and "_sm90_" in mains[3]["name"]    # (500, 0): plain causal
+    assert backward._PLANS.misses == 4
+    backward.attention_backward(do, q, k, v, o, lse, window_size=(7, 9))
+    assert backward._PLANS.misses == 4, "a list and a tuple of one window are one plan"
+
+
+@pytest.mark.parametrize("change, error, words", [
+    ({"window_size": (-2, 0)}, ValueError, "window_size"),
+    ({"window_size": 5}, ValueError, "window_size"),
+    ({"causal_alignment": "top"}, ValueError, "causal_alignment"),
+    ({"window_size": (8, 0), "local": True}, TypeError, "local: set by window_size"),
+    ({"window_size": (8, 0), "arch": "sm90"}, SpecError, "local"),
+    ({"window_size": (8, 0), "deterministic": True}, SpecError, "local"),
+])
+def test_window_argument_errors_name_the_argument(bwd, change, error, words):
+    with pytest.raises(error, match=words):
+        backward.attention_backward(*_problem(), causal=True, **change)
+
+
+def test_the_window_backward_compiles_without_spills():
+    """LOCAL kernels: a seeded pair (sm_80 at head_dim 128, sm_90 at 64 causal) compiles with no local memory and
+    masks its steps by both window edges."""
+    for spec, sm in ((BackwardSpec(head_dim=128, local=True), None),
+                     (BackwardSpec(head_dim=64, causal=True, local=True, gpu="h100"), "sm_90")):
+        source = backward.emit(spec)
+        assert "key < query + key_lo_off || key > query + key_hi_off" in source and "p.window_left" in source
+        kernel = backward.compile(spec, sm=sm)
+        for name in spec.kernel_names:
+            r = backward.resources_of(kernel)[name]
+            assert (r.stack_bytes, r.spill_stores, r.spill_loads) == (0, 0, 0), (name, r)
 
 
 def test_a_second_call_hits_the_plan(bwd):
@@ -822,33 +871,90 @@ def test_out_with_grad_raises_at_the_forward():
         facodegen.attention(q, q.detach(), q.detach(), out=torch.empty_like(q.detach()))
 
 
-VARIANTS = {"window": lambda: {"window_size": (16, 0)}, "softcap": lambda: {"softcap": 30.0},
-            "sinks": lambda: {"sinks": torch.empty(2, dtype=torch.float32, device="meta")},
-            "window_top_left": lambda: {"window_size": (8, 8), "causal_alignment": "top_left"}}
+NO_BACKWARD = {"softcap": lambda: {"softcap": 30.0},
+               "sinks": lambda: {"sinks": torch.empty(2, dtype=torch.float32, device="meta")},
+               "window_softcap": lambda: {"window_size": (8, 0), "softcap": 30.0}}
 
 
-@pytest.mark.parametrize("name", VARIANTS)
-def test_variants_that_require_grad_raise_at_the_forward(meta_launches, name):
-    """The backward kernels compute plain attention's gradients: a window, softcap or sinks call that
-    would record a gradient raises, eager, traced and through the op, rather than returning O with
-    another function's backward."""
+@pytest.mark.parametrize("name", NO_BACKWARD)
+def test_variants_without_a_backward_raise_at_the_forward(meta_launches, name):
+    """The backward kernels compute plain and sliding-window attention's gradients: a softcap or sinks call that
+    would record a gradient raises, eager, traced and through the op, rather than returning O with another
+    function's backward."""
     import facodegen
-    variant = VARIANTS[name]()
+    variant = NO_BACKWARD[name]()
     q = meta(1, 16, 2, 64)
-    with pytest.raises(NotImplementedError, match="window_size, softcap and sinks have no backward"):
+    with pytest.raises(NotImplementedError, match="softcap and sinks have no backward"):
         facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant)
     assert not meta_launches.forwards
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="window_size, softcap and sinks have no backward"):
+    with pytest.raises(Exception, match="softcap and sinks have no backward"):
         torch.compile(lambda q: facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant),
                       fullgraph=True, backend="aot_eager")(q)
     op_args = dict(window_size=[-1, -1], softcap=0.0, sinks=None, causal_alignment="bottom_right")
     op_args.update({n: list(x) if n == "window_size" else x for n, x in variant.items()})
-    with pytest.raises(NotImplementedError, match="window_size, softcap and sinks have no backward"):
+    with pytest.raises(NotImplementedError, match="softcap and sinks have no backward"):
         torch.ops.facodegen.attention(q, q.detach(), q.detach(), True, None, None, None, None, None, "", **op_args)
     with torch.no_grad():       # no gradient recorded: the eager launch
         facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant)
     assert len(meta_launches.forwards) == 1
+
+
+# (top-left causal without a window runs on views of k and v with the plain kernels: api._top_left)
+WINDOWS = {"window": {"window_size": (16, 0)}, "window_top_left": {"window_size": (8, 8), "causal_alignment": "top_left"}}
+
+
+@pytest.mark.parametrize("name", WINDOWS)
+def test_a_window_records_its_backward(meta_launches, name):
+    """A sliding window (and top-left causal) records a backward with the same window: eager through _Attention
+    (attention_backward's window_size and causal_alignment) and, traced, through the op's autograd formula."""
+    import facodegen
+    from torch._dynamo.backends.common import aot_autograd
+    variant = WINDOWS[name]
+    q, k = meta(1, 16, 2, 64), meta(1, 24, 2, 64)
+    facodegen.attention(q, k, k.detach(), causal=True, **variant).float().sum().backward()
+    [fwd], [bwd] = meta_launches.forwards, meta_launches.backwards
+    window = tuple(variant.get("window_size", (-1, -1)))
+    alignment = variant.get("causal_alignment", "bottom_right")
+    assert tuple(fwd["variant"][0]) == window and fwd["variant"][1:] == (0.0, None, alignment)
+    assert (bwd["window_size"], bwd["causal_alignment"], bwd["causal"]) == (window, alignment, True)
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(lambda q, k: facodegen.attention(q, k, k.detach(), causal=True, **variant).float().sum(),
+                      fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))(q, k).backward()
+    [backward_graph] = [g for g in graphs if "facodegen.attention_backward" in g]
+    # (the graph prints the op's arguments up to the last one off its default)
+    if window != (-1, -1):
+        assert f"[{window[0]}, {window[1]}]" in backward_graph, backward_graph
+    assert ("top_left" in backward_graph) == (alignment == "top_left"), backward_graph
+
+
+@pytest.mark.parametrize("sq, sk", [(16, 24), (24, 16)])
+def test_top_left_causal_that_records_a_gradient_runs_as_its_window(meta_launches, sq, sk):
+    """Top-left causal on seqlen_q != seqlen_k: without a gradient, views of k and v through the plain kernels
+    (api._top_left; where seqlen_q > seqlen_k two calls, the second into out=, which records no gradient);
+    recording one, one call as the window (-1, -1) on the top-left diagonal, whose backward takes the same
+    alignment."""
+    import facodegen
+    q, k = meta(1, sq, 2, 64), meta(1, sk, 2, 64)
+    plain = 0
+    if sq < sk:     # (the other's second part allocates through api._empty, which takes no meta tensor)
+        with torch.no_grad():
+            facodegen.attention(q, k, k, causal=True, causal_alignment="top_left")
+        assert [f["variant"] for f in meta_launches.forwards] == [None]
+        plain = 1
+    facodegen.attention(q, k, k.detach(), causal=True, causal_alignment="top_left").float().sum().backward()
+    [fwd] = meta_launches.forwards[plain:]
+    assert fwd["variant"] == ((-1, -1), 0.0, None, "top_left") and fwd["q"] is q
+    [bwd] = meta_launches.backwards
+    assert (bwd["window_size"], bwd["causal_alignment"], bwd["causal"]) == ((-1, -1), "top_left", True)
 
 
 def test_backward_op_fake_shapes():

@@ -155,8 +155,9 @@ def load_tile(smem, dst, chunks, rows_matrix, row_begin, rows, row_end):
             smem.h[off // 2: off // 2 + 8] = src[8 * c: 8 * c + 8]
 
 
-def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
-    """One launch of the main kernel (every CTA), fp16 storage; returns dq_accum, dk, dv (float)."""
+def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale, window=None):
+    """One launch of the main kernel (every CTA), fp16 storage; returns dq_accum, dk, dv (float). ``window``: a
+    LOCAL spec's (window_left, window_right), BwdParams' values."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     BM, BN, W = spec.block_m, spec.block_n, spec.num_warps
@@ -183,10 +184,18 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                 smem = Smem(2 * q_bytes + 2 * kv_bytes + 2 * p_bytes)
                 key_begin = n_block * BN
                 keys_valid = min(BN, sk - key_begin)
-                first_row = max(0, key_begin - (sk - sq)) if causal else 0
-                m_first = first_row // BM
                 m_blocks = -(-sq // BM)
-                steps_per_head = m_blocks - m_first if first_row < sq else 0
+                if window is not None:      # LOCAL: rows [key_begin - key_hi_off, last key - key_lo_off]
+                    key_lo_off, key_hi_off = sk - sq - window[0], sk - sq + window[1]
+                    first_row = max(0, key_begin - key_hi_off)
+                    last_row = min(sq - 1, key_begin + keys_valid - 1 - key_lo_off)
+                    m_first = first_row // BM
+                    m_end = last_row // BM + 1 if first_row <= last_row else m_first
+                else:
+                    first_row = max(0, key_begin - (sk - sq)) if causal else 0
+                    m_first = first_row // BM
+                    m_end = m_blocks if first_row < sq else m_first
+                steps_per_head = m_end - m_first
                 load_tile(smem, k_s, rc, k[batch, :, kv_head], key_begin, BN, sk)
                 load_tile(smem, v_s, rc, v[batch, :, kv_head], key_begin, BN, sk)
                 dv_acc = [zeros(kv_slabs, kv_tiles) for _ in range(W)]
@@ -203,6 +212,9 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                     dp_s = [dpsum[batch, head, row_begin + r] if row_begin + r < sq else 0.0 for r in range(BM)]
                     cut = key_begin + BN > sk
                     crosses = causal and key_begin + BN - 1 > row_begin + sk - sq
+                    if window is not None:
+                        crosses |= (key_begin + BN - 1 > row_begin + key_hi_off
+                                    or key_begin < row_begin + BM - 1 + key_lo_off)
                     for warp in range(W):       # S^T, P^T, dP^T, dS^T
                         s_key0, s_col0 = (warp % wsn) * 16 * s_slabs, (warp // wsn) * 8 * s_tiles
                         st = zeros(s_slabs, s_tiles)
@@ -215,7 +227,8 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
                                 p = 2.0 ** (st[mt][ln][i + e] * scale_log2 - lse_s[col + e])
                                 if cut or crosses:
                                     key, query = key_begin + key_row, row_begin + col + e
-                                    if key >= sk or (causal and key > query + sk - sq):
+                                    if key >= sk or (causal and key > query + sk - sq) or (window is not None and (
+                                            key < query + key_lo_off or key > query + key_hi_off)):
                                         p = 0.0
                                 pr.append(p)
                             pt[mt, ln, i] = tuple(pr) if p_in_fp32 else (E(pr[0]), E(pr[1]))
@@ -268,6 +281,24 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale):
 def test_emulated_kernel_matches_the_reference(fields, sq, sk, hq, hkv, causal):
     spec = BackwardSpec(dtype="fp16", causal=causal, **fields)
     check_emulated_backward(run_main_kernel, spec, sq, sk, hq, hkv, causal, seed=sq + sk)
+
+
+@pytest.mark.parametrize("fields, sq, sk, causal, window_size", [
+    (dict(head_dim=64, block_m=32, block_n=32, num_warps=4), 100, 130, True, (20, -1)),    # causal window, ragged
+    (dict(head_dim=64, block_m=32, block_n=32, num_warps=4), 100, 70, False, (9, 25)),     # both edges, sq > sk
+    (dict(head_dim=64, block_m=32, block_n=64, num_warps=8), 90, 90, False, (0, 0)),       # the diagonal alone
+    (dict(head_dim=64, block_m=32, block_n=32, num_warps=4), 70, 60, False, (-1, 5)),      # right edge only
+    (dict(head_dim=64, block_m=32, block_n=32, num_warps=4), 90, 40, True, (10, -1)),      # rows that see no key
+    (dict(head_dim=128), 150, 200, True, (60, -1)),    # the default d128 kernel (FA2's warp grid, two stages)
+])
+def test_emulated_window_kernel_matches_the_reference(fields, sq, sk, causal, window_size):
+    """LOCAL: each key block's query blocks (first_row, last_row) and the window masks, against the float64
+    reference with the window."""
+    from facodegen.ops.api import window_params
+    local, kernel_causal, _, _ = window_params(*window_size, causal, sq, sk)
+    assert local
+    spec = BackwardSpec(dtype="fp16", causal=kernel_causal, local=True, **fields)
+    check_emulated_backward(run_main_kernel, spec, sq, sk, 2, 1, causal, seed=sq + 3 * sk, window_size=window_size)
 
 
 @pytest.mark.parametrize("block_m, block_n, num_warps", [(bm, bn, w) for bm in (32, 64, 128) for bn in (64, 128)

@@ -127,7 +127,11 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and the decode there (paged, split, an append)
     assert [i for i, c in enumerate(cases) if c.family == "kvcache" and c.head_dim == 80] == [59]
     assert cases[59].page_size and cases[59].num_splits > 1 and cases[59].seqlen_new
-    assert len(cases) == 60
+    assert len(cases) == 62
+    # the sliding-window backward, after each arch's forward (the sm80 LOCAL kernels both): cases 60, 61
+    windowed = [(i, c.arch, c.causal) for i, c in enumerate(cases) if c.family == "backward" and fuzz._backward_window(c)]
+    assert windowed == [(60, "sm80", True), (61, "sm90", False)]
+    assert not any(cases[i].deterministic for i in (60, 61))
     lengths_q, lengths_k = fuzz.varlen_lengths(cases[51])
     assert 0 in lengths_q and any(q > k for q, k in zip(lengths_q, lengths_k)) and cases[51].causal
     for arch in ("sm80", "sm90"):   # the turn counters too
@@ -566,7 +570,8 @@ def test_adding_varlen_left_the_other_families_draws_unchanged(monkeypatch):
     (seed 3 mod 5, drawn from the case's seed after the main draw: stripped here, the rest as before) and
     the variants cases turned fp8 (sm90, seed 6 mod 7: left out here; the digest of the rest of the tree
     before them, b2a1ae6, is the same) and the backward and kvcache cases at a padded head_dim (seed 5 mod
-    9, 7 mod 11: drawn without them here, BACKWARD_PADDED_EVERY = KVCACHE_PADDED_EVERY = 0)."""
+    9, 7 mod 11: drawn without them here, BACKWARD_PADDED_EVERY = KVCACHE_PADDED_EVERY = 0), and the backward
+    cases' sliding windows (seed 6 mod 8, drawn from the case's seed after the main draw: stripped here)."""
     import hashlib
     before = {"forward": "bc988c84aecf", "variants": "21a6b55f402d", "backward": "34d69a1f7b28",
               "kvcache": "c7dd4993d16a"}
@@ -585,6 +590,8 @@ def test_adding_varlen_left_the_other_families_draws_unchanged(monkeypatch):
             assert any(c.head_dim not in (64, 96, 128, 192, 256) for c in cases)
             monkeypatch.setattr(fuzz, "BACKWARD_PADDED_EVERY", 0)
             cases = fuzz.generate(300, seed=1, family=family)
+            assert any(c.has_variant for c in cases) and not any(c.softcap or c.sinks for c in cases)
+            cases = [dataclasses.replace(c, window_left=-1, window_right=-1, top_left=False) for c in cases]
         assert hashlib.sha1("".join(c.to_json() for c in cases).encode()).hexdigest()[:12] == digest, family
 
 
@@ -628,3 +635,31 @@ def test_a_quarter_of_the_sm80_backward_cases_flip_a_tuning_knob():
             assert spec != default and all(getattr(spec, k) == v for k, v in knobs.items()), (d, knobs)
             if knobs.get("stages") == 2:
                 assert BackwardSpec(arch="sm80", head_dim=d, gpu="a100", **knobs).stages == 2
+
+
+def test_backward_window_cases_and_their_criterion():
+    """An eighth of the backward cases (seed 6 mod 8) carry a sliding window, none of them deterministic (the
+    window's kernels take no dQ turns yet), each a spec the sm80 backward builds; backward_failures with the
+    case's window passes float64's own gradients, rounded, and fails them against the window-less reference."""
+    import torch
+
+    from facodegen.ops.api import window_params
+    from facodegen.spec.backward import BackwardSpec
+    cases = fuzz.generate(400, seed=60, family="backward")
+    windowed = [c for c in cases if fuzz._backward_window(c)]
+    assert windowed and all(c.seed % 8 == 6 and not c.deterministic for c in windowed)
+    assert all(not fuzz._backward_window(c) for c in cases if c.seed % 8 != 6)
+    for c in windowed:
+        local, causal, _, _ = window_params(c.window_left, c.window_right, c.causal, c.seqlen_q, c.seqlen_k,
+                                            c.top_left)
+        if local:
+            BackwardSpec(arch="sm80", head_dim=c.head_dim, causal=causal, local=True, gpu="h100")
+    torch.manual_seed(0)
+    q, do = (torch.randn(1, 50, 2, 64).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 70, 1, 64).to(torch.bfloat16) for _ in range(2))
+    window = dict(window_size=(9, 3), top_left=True)
+    inputs = [x.double().requires_grad_(True) for x in (q, k, v)]
+    out, _ = fuzz.attention_torch(*inputs, True, 0.2, upcast=True, **window)
+    grads = [g.to(torch.bfloat16) for g in torch.autograd.grad(out, inputs, do.double())]
+    assert fuzz.backward_failures(q, k, v, do, True, 0.2, grads, **window) == []
+    assert len(fuzz.backward_failures(q, k, v, do, True, 0.2, grads)) == 3

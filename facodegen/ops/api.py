@@ -805,8 +805,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     On torch tensors that require grad, the call records its backward: the generated backward
     kernels (facodegen.attention_backward) on the saved O and LSE; the LSE takes no gradient. Under
     ``torch.compile``/``torch.export`` the call goes through the ``facodegen::attention`` custom op
-    (facodegen.ops.torch_op), whose autograd formula runs the same backward. fp8 inputs, the
-    variants below and out=/lse_out= have no backward: a call that would record a gradient raises.
+    (facodegen.ops.torch_op), whose autograd formula runs the same backward. fp8 inputs, softcap,
+    sinks and out=/lse_out= have no backward: a call that would record a gradient raises.
     ``deterministic=True``: that backward adds dQ in a fixed order, so gradients are bit-identical across
     runs (so they are under torch.use_deterministic_algorithms(True)); the forward is deterministic anyway.
 
@@ -830,8 +830,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
       softmax denominator and adds no value, O = sum_j e^(x_j) v_j / (sum_j e^(x_j) + e^(sink)).
       The LSE returned includes the sink, log(sum_j e^(x_j) + e^(sink)), as FlashAttention-4's and
       vLLM's kernels return it; a row that sees no key gets O = 0 and LSE = sink.
-    Tensors that require grad record the generated backward (fp16/bf16, plain attention); fp8 inputs
-    and the variants (window, softcap, sinks) have no backward yet and raise there.
+    Tensors that require grad record the generated backward (fp16/bf16, plain attention, and a window or
+    top-left causal: the sm80 backward's LOCAL kernels); fp8 inputs, softcap and sinks have no backward yet
+    and raise there.
     """
     torch = _TORCH
     # The common torch call (no variant, knob or lse_out; eager; nothing to record), and the fp8 call
@@ -886,8 +887,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         if variant is not None:
             variant = variant[:3] + (causal_alignment,)     # the window kernel takes the top-left diagonal
         elif causal is True and q.shape[1] != k.shape[1]:
-            return _top_left(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
-                             lse_out=lse_out, arch=arch, deterministic=deterministic, **spec_fields)
+            if not _records_grad(q, k, v):
+                return _top_left(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
+                                 lse_out=lse_out, arch=arch, deterministic=deterministic, **spec_fields)
+            # (recording a gradient: one launch of the window kernel, whose backward takes the window too;
+            # _top_left's second part writes into out=, which records none)
+            variant = ((-1, -1), 0.0, None, causal_alignment)
     torch = _torch()
     if torch is not None and isinstance(q, torch.Tensor):
         if torch.compiler.is_compiling():   # Dynamo and torch.export trace the ops (and their autograd formula)
@@ -903,6 +908,13 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         return _attention_torch(torch, q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields,
                                 variant)
     return _attention_any(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch, spec_fields, variant)
+
+
+def _records_grad(q, k, v) -> bool:
+    """A call on torch tensors that would record a gradient (grad mode on, q, k or v requiring grad)."""
+    torch = _TORCH
+    return (torch is not None and isinstance(q, torch.Tensor) and torch.is_grad_enabled()
+            and any(getattr(x, "requires_grad", False) for x in (q, k, v)))
 
 
 def _variant_key(variant, meta) -> tuple | None:

@@ -161,6 +161,12 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "LSE, D (and the tiled dq_accum) rows of each sequence padded to block_m at (first token + index x "
          "block_m) // block_m blocks (FlashAttention-3's; deterministic: its turn counters too); not lpt.",
          flag="--varlen/--no-varlen", problem=True, token=_flag("varlen")),
+    Knob("local", "bool", "Sliding window (attention()'s window_size, and top-left causal): query i sees keys "
+         "[i + seqlen_k - seqlen_q - window_left, i + seqlen_k - seqlen_q + window_right], the two values run-time "
+         "arguments (BwdParams) in the bottom-right frame api.window_params folds the window into. A key block "
+         "visits only the query blocks whose rows see one of its keys, and masks the steps a window edge crosses. "
+         "sm80 (it runs on sm90 GPUs too), not deterministic or varlen yet.",
+         flag="--local/--no-local", problem=True, token=_flag("local")),
 )
 BACKWARD_BY_NAME = {k.name: k for k in BACKWARD_KNOBS}
 
@@ -464,6 +470,7 @@ class BackwardSpec:
     lpt: bool | None = None
     dq_lag: bool | None = None
     varlen: bool = False
+    local: bool = False
 
     def __post_init__(self) -> None:
         _as_bool(self, "deterministic")     # (first: the defaults below follow it, deterministic=0 as False)
@@ -741,6 +748,11 @@ def _as_bool(spec: BackwardSpec, name: str) -> None:
 
 
 def _validate(spec: BackwardSpec) -> None:
+    if spec.local and spec.deterministic:
+        raise SpecError("local", "the sliding-window backward has no deterministic mode yet (its dQ turn order counts "
+                                 "key blocks from 0; a window's first key block per query block is later)")
+    if spec.local and spec.varlen:
+        raise SpecError("local", "the varlen backward takes no sliding window yet")
     if spec.lpt:
         raise SpecError("lpt", "an sm90 knob (its tile numbering); the sm80 backward's grid is one CTA per key block")
     if spec.dq_lag:
@@ -825,6 +837,8 @@ def _validate(spec: BackwardSpec) -> None:
 def _validate_sm90(spec: BackwardSpec) -> None:
     """FA3's tiles as SM90_TILES gives them (block_m 128 too at head_dim 64, SM90_BLOCK_MS): two
     consumer warpgroups, a 2-deep Q/dO ring (1 or 2 at head_dim 192, 256)."""
+    if spec.local:
+        raise SpecError("local", "the sm90 backward has no sliding window yet; arch='sm80' runs it (on sm90 GPUs too)")
     if spec.varlen and spec.persistent:
         raise SpecError("persistent", "the sm90 varlen backward runs one CTA per tile (a tile past its sequence's keys "
                                       "exits at once); persistent=False")

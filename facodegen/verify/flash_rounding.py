@@ -109,16 +109,19 @@ def attention_flash_rounding(q, k, v, causal: bool, softmax_scale: float, *, win
     return out.to(v.dtype), torch.where(seen, lse, float("-inf")).squeeze(-1).float()
 
 
-def attention_backward_flash_rounding(q, k, v, do, causal: bool, softmax_scale: float, order: int = 0):
+def attention_backward_flash_rounding(q, k, v, do, causal: bool, softmax_scale: float, order: int = 0, *,
+                                      window_size=(-1, -1), top_left: bool = False):
     """(dQ, dK, dV) in the inputs' dtype as FlashAttention's backward rounds them, from this
     module's forward: D = rowsum(dO * O) of the dtype-rounded O, P recomputed from the LSE by FFMA
     (exp2(s scale log2(e) - LSE log2(e))), P and dS rounded to the dtype for their matmuls, float32
-    accumulation, dK and dV summed over a GQA group in float32."""
+    accumulation, dK and dV summed over a GQA group in float32. ``window_size``, ``top_left``: a sliding
+    window's (attention_flash_rounding's)."""
     import torch
-    out, lse = attention_flash_rounding(q, k, v, causal, softmax_scale, order=order)
+    out, lse = attention_flash_rounding(q, k, v, causal, softmax_scale, order=order, window_size=window_size,
+                                        top_left=top_left)
     group = q.shape[2] // k.shape[2]
     kr, vr = (x.repeat_interleave(group, dim=2) for x in (k, v))
-    u, c, visible = _scores(q, kr, causal, softmax_scale, (-1, -1), 0.0, False, order)   # as the forward summed S
+    u, c, visible = _scores(q, kr, causal, softmax_scale, window_size, 0.0, top_left, order)   # as the forward summed S
     lse_log2 = torch.where(torch.isfinite(lse), lse.double() * LOG2E, float("inf")).float()[..., None]
     p = torch.exp2(_ffma_exponent(u, c, lse_log2)).masked_fill(~visible, 0.0)
     dt = q.dtype
@@ -162,7 +165,7 @@ def forward_floor(q, k, v, causal: bool, softmax_scale: float, **variants):
     return P_ROUNDING[str(v.dtype).removeprefix("torch.")] * (walk + torch.einsum("bhqk,bkhd->bqhd", p, vr).abs())
 
 
-def backward_floor(q, k, v, do, causal: bool, softmax_scale: float):
+def backward_floor(q, k, v, do, causal: bool, softmax_scale: float, **window):
     """Per-element floors (float64, the shapes of dQ and dK) for what FlashAttention's dS = P (dP - D)
     carries beyond a same-precision reference's:
     - D = rowsum(dO o O) from the kernel's O, whose P roundings (forward_floor) move D_i by
@@ -188,7 +191,7 @@ def backward_floor(q, k, v, do, causal: bool, softmax_scale: float):
     group = q.shape[2] // k.shape[2]
     kr, vr = (x.repeat_interleave(group, dim=2).double() for x in (k, v))
     qd, dod = q.double(), do.double()
-    p, lse = attention_probabilities(q, k, causal, softmax_scale, True)
+    p, lse = attention_probabilities(q, k, causal, softmax_scale, True, **window)   # (window_size, top_left)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vr)
     d_p = torch.einsum("bqhd,bkhd->bhqk", dod, vr)
     d_p_norm = torch.einsum("bqhd,bkhd->bhqk", dod ** 2, vr ** 2).sqrt()

@@ -249,18 +249,20 @@ def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
     return o, lse
 
 
-def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scale: float | None = None):
+def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scale: float | None = None, *,
+                                 window_size=(-1, -1), top_left: bool = False):
     """(dQ, dK, dV) in float64 of O = softmax(scale Q K^T [+ causal mask]) V given dO, with the
-    layouts and masks of :func:`attention_reference`; dK, dV of a kv head are summed over the query
-    heads that share it (GQA/MQA). A query row with no visible key contributes nothing. Computed
-    from the scores directly (P = exp(scale S - LSE), D = rowsum(dO ∘ O), dS = P ∘ (dP - D)), one
-    block of query rows at a time like attention_reference."""
+    layouts and masks of :func:`attention_reference` (``window_size``, ``top_left``: its sliding window, see
+    window_mask); dK, dV of a kv head are summed over the query heads that share it (GQA/MQA). A query row
+    with no visible key contributes nothing. Computed from the scores directly (P = exp(scale S - LSE),
+    D = rowsum(dO ∘ O), dS = P ∘ (dP - D)), one block of query rows at a time like attention_reference."""
     do, q, k, v = to_float64(do), to_float64(q), to_float64(k), to_float64(v)
     b, sq, sk, hq, hkv, d = _shapes(q, k, v)
     if do.shape != q.shape:
         raise ValueError(f"do: shape {do.shape} does not match q's {q.shape}")
     scale = _scale(softmax_scale, d)
     group = hq // hkv
+    windowed = tuple(window_size) != (-1, -1) or top_left
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     chunk = max(1, min(sq, _CHUNK_ELEMENTS // max(sk, 1)))
     cols = np.arange(sk)
@@ -270,7 +272,9 @@ def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scal
             for r0 in range(0, sq, chunk):
                 r1 = min(sq, r0 + chunk)
                 s = scale * (q[bi, r0:r1, h, :] @ kh.T)                       # S = scale Q K^T
-                if causal:
+                if windowed:
+                    s[window_mask(np.arange(r0, r1), cols, sq, sk, window_size, causal, top_left)] = -np.inf
+                elif causal:
                     s[causal_mask(np.arange(r0, r1), cols, sq, sk)] = -np.inf
                 m = s.max(axis=1)
                 empty = np.isneginf(m)

@@ -47,9 +47,10 @@ def precompiled():
         list(pool.map(lambda job: backward.compile(job[0], sm=job[1], verbose=False), jobs))
 
 
-def reference(q, k, v, do, causal, scale, upcast):
+def reference(q, k, v, do, causal, scale, upcast, hidden=None):
     """O, LSE and (dQ, dK, dV) by torch autograd: float64 (upcast) or FA3's same-precision reference
-    (scores and P V in the inputs' dtype, softmax in float32). Bottom-right causal, GQA by repetition."""
+    (scores and P V in the inputs' dtype, softmax in float32). Bottom-right causal, GQA by repetition;
+    ``hidden``: a (seqlen_q, seqlen_k) bool mask of the hidden scores instead (a sliding window's)."""
     q, k, v = (x.detach().clone().double() if upcast else x.detach().clone() for x in (q, k, v))
     for x in (q, k, v):
         x.requires_grad_(True)
@@ -58,7 +59,9 @@ def reference(q, k, v, do, causal, scale, upcast):
     scores = torch.einsum("bqhd,bkhd->bhqk", q, kk)
     scores = (scores if upcast else scores.float()) * scale
     sq, sk = q.shape[1], k.shape[1]
-    if causal:
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
+    elif causal:
         rows = torch.arange(sq, device=q.device)[:, None]
         cols = torch.arange(sk, device=q.device)[None, :]
         scores = scores.masked_fill(cols > rows + (sk - sq), float("-inf"))
@@ -69,10 +72,10 @@ def reference(q, k, v, do, causal, scale, upcast):
     return out.detach(), lse.detach(), grads
 
 
-def check_grads(got, do, q, k, v, causal, scale):
+def check_grads(got, do, q, k, v, causal, scale, hidden=None):
     """FA3's criterion for each of dQ, dK, dV; returns a message per failure."""
-    _, _, ref = reference(q, k, v, do, causal, scale, upcast=True)
-    _, _, low = reference(q, k, v, do, causal, scale, upcast=False)
+    _, _, ref = reference(q, k, v, do, causal, scale, upcast=True, hidden=hidden)
+    _, _, low = reference(q, k, v, do, causal, scale, upcast=False, hidden=hidden)
     failures = []
     for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
         if not torch.isfinite(g).all():
@@ -790,3 +793,65 @@ def test_sm80_poly_exp2_tiles_matches_float64(d, tiles, causal):
     scale = d ** -0.5
     got = run_backward(q, k, v, do, causal, scale, poison=True, arch="sm80", poly_exp2_tiles=tiles)
     assert check_grads(got, do, q, k, v, causal, scale) == []
+
+
+# ------------------------------------------------------------------ sliding window (the sm80 LOCAL kernels)
+
+# sq, sk, causal, window_size, top_left, head_dim, dtype, heads
+_WINDOWS = [
+    (113, 203, True, (40, -1), False, 128, "bf16", "gqa"),
+    (203, 113, False, (17, 33), False, 64, "fp16", "mha"),
+    (1000, 1000, True, (256, 0), False, 128, "bf16", "mqa"),     # Mistral's shape of window
+    (239, 1, False, (0, 0), False, 256, "bf16", "mha"),
+    (1, 1, True, (0, -1), False, 96, "fp16", "gqa"),
+    (128, 300, False, (-1, 8), False, 192, "bf16", "gqa"),
+    (300, 128, True, (5, -1), False, 64, "bf16", "mqa"),          # rows that see no key
+    (113, 203, False, (8, 8), True, 128, "fp16", "mha"),          # top-left window
+    (1023, 1024, True, (-1, -1), True, 128, "bf16", "gqa"),       # top-left causal
+    (1000, 1000, False, (1, 1), False, 256, "fp16", "gqa"),       # a window of 3
+]
+
+
+def _hidden(sq, sk, causal, window_size, top_left):
+    import numpy as np
+
+    from facodegen.verify.reference import window_mask
+    return torch.from_numpy(window_mask(np.arange(sq), np.arange(sk), sq, sk, window_size, causal, top_left)).cuda()
+
+
+@pytest.mark.parametrize("sq, sk, causal, window_size, top_left, d, dt, heads", _WINDOWS,
+                         ids=[f"{sq}x{sk}-{'causal' if c else 'full'}-w{w[0]}_{w[1]}{'-tl' if t else ''}-hd{d}-{dt}-{h}"
+                              for sq, sk, c, w, t, d, dt, h in _WINDOWS])
+def test_window_gradients_match_float64(sq, sk, causal, window_size, top_left, d, dt, heads):
+    """attention_backward with the forward's window_size / causal_alignment (arch=None: the sm80 LOCAL kernels on
+    every GPU) against float64 with the same window, FA3's criterion, NaN-poisoned gradient buffers."""
+    hq, hkv = HEADS[heads]
+    q, k, v, do = make(2 if sq * sk < 100_000 else 1, sq, sk, hq, hkv, d, DTYPES[dt], seed=sq + 3 * sk + d)
+    scale = 0.3 if d == 64 else d ** -0.5
+    hidden = _hidden(sq, sk, causal, window_size, top_left)
+    out64, lse64, _ = reference(q, k, v, do, causal, scale, upcast=True, hidden=hidden)
+    poison = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
+    got = facodegen.attention_backward(do, q, k, v, out64.to(q.dtype), lse64.float().contiguous(), causal=causal,
+                                       softmax_scale=scale, window_size=window_size,
+                                       causal_alignment="top_left" if top_left else "bottom_right", **poison)
+    assert check_grads(got, do, q, k, v, causal, scale, hidden=hidden) == []
+
+
+@pytest.mark.parametrize("window_size, causal_alignment", [((64, 0), "bottom_right"), ((32, 16), "top_left")])
+def test_autograd_through_a_window_equals_attention_backward(window_size, causal_alignment):
+    """facodegen.attention(..., window_size=...) on tensors that require grad records the window's backward: its
+    gradients are attention_backward's with the same window, and float64's."""
+    q, k, v, do = make(2, 300, 257, 4, 2, 128, torch.bfloat16, seed=11)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    variant = dict(window_size=window_size, causal_alignment=causal_alignment)
+    out = facodegen.attention(*leaves, causal=True, **variant)
+    out.backward(do)
+    with torch.no_grad():
+        out2, lse = facodegen.attention(q, k, v, causal=True, return_lse=True, **variant)
+    dq, dk, dv = facodegen.attention_backward(do, q, k, v, out2, lse, causal=True, **variant)
+    assert torch.equal(out, out2)
+    torch.testing.assert_close(leaves[0].grad, dq, atol=2e-2, rtol=2e-2)   # dQ: fp32 atomics, any order
+    assert torch.equal(leaves[1].grad, dk) and torch.equal(leaves[2].grad, dv)
+    hidden = _hidden(300, 257, True, window_size, causal_alignment == "top_left")
+    assert check_grads((leaves[0].grad, leaves[1].grad, leaves[2].grad), do, q, k, v, True, 128 ** -0.5,
+                       hidden=hidden) == []
