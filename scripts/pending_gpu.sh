@@ -54,6 +54,8 @@
 #                                                       # without its dQ adds and with scalar ones (bwd-patch-ab), the
 #                                                       # fuzz's flipped sm80 knobs: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s50b          # softcap's tile with ping-pong, sanitizer case 53: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s50d          # session 50: the sliding-window backward (sm80 LOCAL kernels):
+#                                                       # GPU tests, the SDPA adapter's gradients, fuzz, sanitizer 60-61
 #   OUT=/path bash scripts/pending_gpu.sh s50c          # session 50: transformers' variant models (Mistral, Gemma-2,
 #                                                       # gpt-oss) on the kernels; the sm80 dQ path at d192/d256
 #                                                       # (bwd-patch-ab, dq_bulk_add with one stage): NOT YET RUN
@@ -474,6 +476,15 @@ case "${1:-}" in
             --arm pingpong=1 --arm pingpong=1,poly_exp2_tiles=4
         step sanitize_53 90 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 53
         grep -v compiling "$OUT"/softcap_d*.log; tail -5 "$OUT/sanitize_53.log"
+        ;;
+    s50d)
+        # session 50 (no device): the sliding-window backward (BackwardSpec(local=True), sm80's kernels on every GPU,
+        # attention_backward(window_size=, causal_alignment=), autograd, top-left causal under grad as its window)
+        step pytest_window 300 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_adapters_gpu.py \
+            -k "window or sdpa_gradients or autograd_through_attention"
+        step fuzz_window 200 python3 -m facodegen check --fuzz 240 --seed 61 --family backward
+        step sanitize_window 120 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 60,61
+        tail -3 "$OUT/pytest_window.log"; tail -5 "$OUT/fuzz_window.log"; tail -5 "$OUT/sanitize_window.log"
         ;;
     s50c)
         # session 50 (no device): the transformers backend passes sliding_window, softcap and s_aux to the kernels
