@@ -481,7 +481,7 @@ case "${1:-}" in
         # session 50 (no device): the sliding-window backward (BackwardSpec(local=True), sm80's kernels on every GPU,
         # attention_backward(window_size=, causal_alignment=), autograd, top-left causal under grad as its window)
         step pytest_window 300 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_adapters_gpu.py \
-            -k "window or sdpa_gradients or autograd_through_attention"
+            -k "window or softcap or sdpa_gradients or autograd_through_attention"
         step fuzz_window 200 python3 -m facodegen check --fuzz 240 --seed 61 --family backward
         step sanitize_window 120 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 60,61
         tail -3 "$OUT/pytest_window.log"; tail -5 "$OUT/fuzz_window.log"; tail -5 "$OUT/sanitize_window.log"

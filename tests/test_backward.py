@@ -495,7 +495,7 @@ class BwdLaunches:
         name = str(function.ptr)
         size = backward.layout("sm90" if "_sm90_" in name else "sm80",     # (its BwdParams)
                                varlen=name.endswith(("_varlen", "_varlen_dot_do_o", "_varlen_convert_dq")),
-                               local=name.endswith(("_local", "_local_dot_do_o", "_local_convert_dq")))[1]
+                               local="_local" in name, softcap="_softcap" in name)[1]
 
         def launch(stream, kernel_params):
             if self.yield_in_launch:
@@ -517,8 +517,8 @@ def bwd(fake, monkeypatch):  # noqa: F811
     return fake
 
 
-def _field(record, name, local=False):
-    placed = dict((f.name, (f, off)) for f, off in backward.layout(local=local)[0])
+def _field(record, name, local=False, softcap=False):
+    placed = dict((f.name, (f, off)) for f, off in backward.layout(local=local, softcap=softcap)[0])
     f, off = placed[name]
     fmt = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}[f.kind]
     return struct.unpack_from(fmt, record["params"], off)[0]
@@ -639,7 +639,29 @@ def test_a_window_runs_the_sm80_local_kernels_with_its_window(bwd):
     assert backward._PLANS.misses == 4, "a list and a tuple of one window are one plan"
 
 
+def test_a_softcap_runs_the_sm80_softcap_kernels_with_its_cap(bwd):
+    """softcap (the forward's): the sm80 backward's SOFTCAP kernels with BwdParams' softcap_scale = scale / c and
+    softcap_log2 = c log2(e), alone and with a window; softcap 0 is none; each cap is a plan of its own."""
+    do, q, k, v, o, lse = _problem()
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, softmax_scale=0.5, softcap=30.0)
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, softmax_scale=0.5, softcap=50.0,
+                                window_size=(40, -1))
+    backward.attention_backward(do, q, k, v, o, lse, causal=True, softmax_scale=0.5, softcap=0.0)
+    mains = bwd.bwd.records[1::3]
+    assert mains[0]["name"] == BackwardSpec(head_dim=128, causal=True, softcap=True, gpu="h200").variant
+    assert mains[1]["name"] == BackwardSpec(head_dim=128, causal=True, local=True, softcap=True, gpu="h200").variant
+    assert "softcap" not in mains[2]["name"]
+    assert abs(_field(mains[0], "softcap_scale", softcap=True) - 0.5 / 30) < 1e-7
+    assert abs(_field(mains[0], "softcap_log2", softcap=True) - 30 * 1.4426950408889634) < 1e-4
+    assert _field(mains[1], "window_left", local=True, softcap=True) == 40
+    assert abs(_field(mains[1], "softcap_log2", local=True, softcap=True) - 50 * 1.4426950408889634) < 1e-4
+    assert backward._PLANS.misses == 3
+
+
 @pytest.mark.parametrize("change, error, words", [
+    ({"softcap": -1.0}, ValueError, "softcap"),
+    ({"softcap": float("nan")}, ValueError, "softcap"),
+    ({"softcap": 30.0, "arch": "sm90"}, SpecError, "softcap"),
     ({"window_size": (-2, 0)}, ValueError, "window_size"),
     ({"window_size": 5}, ValueError, "window_size"),
     ({"causal_alignment": "top"}, ValueError, "causal_alignment"),
@@ -652,13 +674,17 @@ def test_window_argument_errors_name_the_argument(bwd, change, error, words):
         backward.attention_backward(*_problem(), causal=True, **change)
 
 
-def test_the_window_backward_compiles_without_spills():
-    """LOCAL kernels: a seeded pair (sm_80 at head_dim 128, sm_90 at 64 causal) compiles with no local memory and
-    masks its steps by both window edges."""
+def test_the_window_and_softcap_backward_compiles_without_spills():
+    """LOCAL and SOFTCAP kernels: a seeded few (sm_80 at head_dim 128; sm_90 at 64, whose SOFTCAP tile is 64
+    queries) compile with no local memory, mask their steps by both window edges, and carry tanh's derivative."""
     for spec, sm in ((BackwardSpec(head_dim=128, local=True), None),
-                     (BackwardSpec(head_dim=64, causal=True, local=True, gpu="h100"), "sm_90")):
+                     (BackwardSpec(head_dim=64, causal=True, local=True, gpu="h100"), "sm_90"),
+                     (BackwardSpec(head_dim=64, causal=True, softcap=True, gpu="h100"), "sm_90")):
         source = backward.emit(spec)
-        assert "key < query + key_lo_off || key > query + key_hi_off" in source and "p.window_left" in source
+        if spec.local:
+            assert "key < query + key_lo_off || key > query + key_hi_off" in source and "p.window_left" in source
+        if spec.softcap:
+            assert spec.block_m == 64 and "fmaf(-t0, t0, 1.f)" in source and "P_IN_FP32" in source
         kernel = backward.compile(spec, sm=sm)
         for name in spec.kernel_names:
             r = backward.resources_of(kernel)[name]
@@ -871,29 +897,29 @@ def test_out_with_grad_raises_at_the_forward():
         facodegen.attention(q, q.detach(), q.detach(), out=torch.empty_like(q.detach()))
 
 
-NO_BACKWARD = {"softcap": lambda: {"softcap": 30.0},
-               "sinks": lambda: {"sinks": torch.empty(2, dtype=torch.float32, device="meta")},
-               "window_softcap": lambda: {"window_size": (8, 0), "softcap": 30.0}}
+NO_BACKWARD = {"sinks": lambda: {"sinks": torch.empty(2, dtype=torch.float32, device="meta")},
+               "window_sinks": lambda: {"window_size": (8, 0), "sinks": torch.empty(2, dtype=torch.float32,
+                                                                                  device="meta")}}
 
 
 @pytest.mark.parametrize("name", NO_BACKWARD)
 def test_variants_without_a_backward_raise_at_the_forward(meta_launches, name):
-    """The backward kernels compute plain and sliding-window attention's gradients: a softcap or sinks call that
+    """The backward kernels compute plain, sliding-window and softcapped attention's gradients: a sinks call that
     would record a gradient raises, eager, traced and through the op, rather than returning O with another
     function's backward."""
     import facodegen
     variant = NO_BACKWARD[name]()
     q = meta(1, 16, 2, 64)
-    with pytest.raises(NotImplementedError, match="softcap and sinks have no backward"):
+    with pytest.raises(NotImplementedError, match="sinks have no backward"):
         facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant)
     assert not meta_launches.forwards
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="softcap and sinks have no backward"):
+    with pytest.raises(Exception, match="sinks have no backward"):
         torch.compile(lambda q: facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant),
                       fullgraph=True, backend="aot_eager")(q)
     op_args = dict(window_size=[-1, -1], softcap=0.0, sinks=None, causal_alignment="bottom_right")
     op_args.update({n: list(x) if n == "window_size" else x for n, x in variant.items()})
-    with pytest.raises(NotImplementedError, match="softcap and sinks have no backward"):
+    with pytest.raises(NotImplementedError, match="sinks have no backward"):
         torch.ops.facodegen.attention(q, q.detach(), q.detach(), True, None, None, None, None, None, "", **op_args)
     with torch.no_grad():       # no gradient recorded: the eager launch
         facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant)
@@ -901,13 +927,15 @@ def test_variants_without_a_backward_raise_at_the_forward(meta_launches, name):
 
 
 # (top-left causal without a window runs on views of k and v with the plain kernels: api._top_left)
-WINDOWS = {"window": {"window_size": (16, 0)}, "window_top_left": {"window_size": (8, 8), "causal_alignment": "top_left"}}
+WINDOWS = {"window": {"window_size": (16, 0)}, "window_top_left": {"window_size": (8, 8), "causal_alignment": "top_left"},
+           "softcap": {"softcap": 30.0}, "window_softcap": {"window_size": (16, 0), "softcap": 50.0}}
 
 
 @pytest.mark.parametrize("name", WINDOWS)
 def test_a_window_records_its_backward(meta_launches, name):
-    """A sliding window (and top-left causal) records a backward with the same window: eager through _Attention
-    (attention_backward's window_size and causal_alignment) and, traced, through the op's autograd formula."""
+    """A sliding window (and top-left causal) and a softcap record a backward with the same variant: eager through
+    _Attention (attention_backward's window_size, causal_alignment, softcap) and, traced, through the op's autograd
+    formula."""
     import facodegen
     from torch._dynamo.backends.common import aot_autograd
     variant = WINDOWS[name]
@@ -916,8 +944,10 @@ def test_a_window_records_its_backward(meta_launches, name):
     [fwd], [bwd] = meta_launches.forwards, meta_launches.backwards
     window = tuple(variant.get("window_size", (-1, -1)))
     alignment = variant.get("causal_alignment", "bottom_right")
-    assert tuple(fwd["variant"][0]) == window and fwd["variant"][1:] == (0.0, None, alignment)
-    assert (bwd["window_size"], bwd["causal_alignment"], bwd["causal"]) == (window, alignment, True)
+    softcap = variant.get("softcap", 0.0)
+    assert tuple(fwd["variant"][0]) == window and fwd["variant"][1:] == (softcap, None, alignment)
+    assert (bwd["window_size"], bwd["causal_alignment"], bwd["softcap"], bwd["causal"]) == (window, alignment,
+                                                                                            softcap, True)
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
     graphs = []
 
@@ -934,6 +964,8 @@ def test_a_window_records_its_backward(meta_launches, name):
     if window != (-1, -1):
         assert f"[{window[0]}, {window[1]}]" in backward_graph, backward_graph
     assert ("top_left" in backward_graph) == (alignment == "top_left"), backward_graph
+    if softcap:
+        assert f"{softcap})" in backward_graph, backward_graph
 
 
 @pytest.mark.parametrize("sq, sk", [(16, 24), (24, 16)])
@@ -954,7 +986,8 @@ def test_top_left_causal_that_records_a_gradient_runs_as_its_window(meta_launche
     [fwd] = meta_launches.forwards[plain:]
     assert fwd["variant"] == ((-1, -1), 0.0, None, "top_left") and fwd["q"] is q
     [bwd] = meta_launches.backwards
-    assert (bwd["window_size"], bwd["causal_alignment"], bwd["causal"]) == ((-1, -1), "top_left", True)
+    assert (bwd["window_size"], bwd["causal_alignment"], bwd["softcap"], bwd["causal"]) == ((-1, -1), "top_left", 0.0,
+                                                                                            True)
 
 
 def test_backward_op_fake_shapes():

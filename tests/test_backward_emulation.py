@@ -155,9 +155,10 @@ def load_tile(smem, dst, chunks, rows_matrix, row_begin, rows, row_end):
             smem.h[off // 2: off // 2 + 8] = src[8 * c: 8 * c + 8]
 
 
-def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale, window=None):
+def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale, window=None, softcap=0.0):
     """One launch of the main kernel (every CTA), fp16 storage; returns dq_accum, dk, dv (float). ``window``: a
-    LOCAL spec's (window_left, window_right), BwdParams' values."""
+    LOCAL spec's (window_left, window_right), BwdParams' values; ``softcap``: a SOFTCAP spec's cap c (BwdParams'
+    softcap_scale = scale / c, softcap_log2 = c log2(e))."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     BM, BN, W = spec.block_m, spec.block_n, spec.num_warps
@@ -169,7 +170,7 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale, window=None):
     dq_slabs, dq_pairs = BM // (16 * wqm), d // (16 * wqd)
     unrolled = spec.k_unroll == 0
     p_in_fp32 = (s_slabs * s_tiles * 4 <= 32 or s_slabs * s_tiles * 4 + 2 * kv_slabs * kv_tiles * 4 <= 128) \
-        and not spec.frag_prefetch   # (flash_bwd.cu.j2's P_IN_FP32)
+        and not spec.frag_prefetch and not spec.softcap   # (flash_bwd.cu.j2's P_IN_FP32)
     q_bytes, kv_bytes, p_bytes = BM * d * 2, BN * d * 2, BN * BM * 2
     q_s, do_s = 0, q_bytes
     k_s, v_s = 2 * q_bytes, 2 * q_bytes + kv_bytes
@@ -224,7 +225,11 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale, window=None):
                         for mt, ln, i, key_row, col in fragment_elements(s_slabs, s_tiles * 4, s_key0, s_col0, 2):
                             pr = []
                             for e in range(2):
-                                p = 2.0 ** (st[mt][ln][i + e] * scale_log2 - lse_s[col + e])
+                                if softcap:     # (SOFTCAP: the capped logit, from float32 products)
+                                    t = math.tanh(st[mt][ln][i + e] * (scale / softcap))
+                                    p = 2.0 ** (t * softcap * math.log2(math.e) - lse_s[col + e])
+                                else:
+                                    p = 2.0 ** (st[mt][ln][i + e] * scale_log2 - lse_s[col + e])
                                 if cut or crosses:
                                     key, query = key_begin + key_row, row_begin + col + e
                                     if key >= sk or (causal and key > query + sk - sq) or (window is not None and (
@@ -237,10 +242,13 @@ def run_main_kernel(spec, q, k, v, do, lse, dpsum, causal, scale, window=None):
                         warp_gemm(smem, dpt, s_slabs, s_tiles, d, rc, False, v_s, s_key0, rc, False, do_s, s_col0,
                                   unrolled)
                         for mt, ln, i, key_row, col in fragment_elements(s_slabs, s_tiles * 4, s_key0, s_col0, 2):
-                            p0, p1 = pt[mt, ln, i]
+                            p0, p1 = (float(x) for x in pt[mt, ln, i])
+                            if softcap:     # (SOFTCAP: 1 - tanh^2 from S^T, kept in its registers)
+                                t0, t1 = (math.tanh(st[mt][ln][i + e] * (scale / softcap)) for e in (0, 1))
+                                p0, p1 = p0 * (1 - t0 * t0), p1 * (1 - t1 * t1)
                             smem.st_pair(p_tile_addr(pt_s, pc, s_key0, s_col0, ln, mt, i) + p_bytes,
-                                         float(p0) * (dpt[mt][ln][i] - dp_s[col]),
-                                         float(p1) * (dpt[mt][ln][i + 1] - dp_s[col + 1]))
+                                         p0 * (dpt[mt][ln][i] - dp_s[col]),
+                                         p1 * (dpt[mt][ln][i + 1] - dp_s[col + 1]))
                     for warp in range(W):       # dV += P^T dO; dK += dS^T Q
                         kv_key0, kv_col0 = (warp % wkn) * 16 * kv_slabs, (warp // wkn) * 8 * kv_tiles
                         warp_gemm(smem, dv_acc[warp], kv_slabs, kv_tiles, BM, pc, False, pt_s, kv_key0, rc, True,
@@ -339,3 +347,17 @@ def test_warp_gemm_step_addresses_are_the_swizzled_ones(chunks, unrolled):
                 if 16 * kk + 16 <= 16 * chunks:     # (rows of a [K x cols] tile: any K)
                     assert k_rows_addr(chunks, tile, ln % 16, chunk, kk) == \
                         tile + swz_offset(chunks, 16 * kk + ln % 16, chunk)
+
+
+@pytest.mark.parametrize("fields, sq, sk, causal, window_size, softcap", [
+    (dict(head_dim=64, block_m=32, block_n=32, num_warps=4), 70, 90, True, None, 2.0),        # a cap that bites
+    (dict(head_dim=64, block_m=32, block_n=64, num_warps=8), 60, 60, False, (9, 5), 5.0),     # with a window
+    (dict(head_dim=128), 150, 200, True, None, 30.0),      # the default d128 tile (P^T in pairs, S^T kept)
+])
+def test_emulated_softcap_kernel_matches_the_reference(fields, sq, sk, causal, window_size, softcap):
+    """SOFTCAP: P^T from c tanh(scale s / c), dS^T through 1 - tanh^2, against the float64 reference (whose
+    gradient agrees with finite differences of the forward)."""
+    local = window_size is not None
+    spec = BackwardSpec(dtype="fp16", causal=causal, softcap=True, local=local, **fields)
+    check_emulated_backward(run_main_kernel, spec, sq, sk, 2, 1, causal, seed=sq + 5 * sk, window_size=window_size,
+                            softcap=softcap)

@@ -129,7 +129,7 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert cases[59].page_size and cases[59].num_splits > 1 and cases[59].seqlen_new
     assert len(cases) == 62
     # the sliding-window backward, after each arch's forward (the sm80 LOCAL kernels both): cases 60, 61
-    windowed = [(i, c.arch, c.causal) for i, c in enumerate(cases) if c.family == "backward" and fuzz._backward_window(c)]
+    windowed = [(i, c.arch, c.causal) for i, c in enumerate(cases) if c.family == "backward" and fuzz._backward_variant(c)]
     assert windowed == [(60, "sm80", True), (61, "sm90", False)]
     assert not any(cases[i].deterministic for i in (60, 61))
     lengths_q, lengths_k = fuzz.varlen_lengths(cases[51])
@@ -571,7 +571,8 @@ def test_adding_varlen_left_the_other_families_draws_unchanged(monkeypatch):
     the variants cases turned fp8 (sm90, seed 6 mod 7: left out here; the digest of the rest of the tree
     before them, b2a1ae6, is the same) and the backward and kvcache cases at a padded head_dim (seed 5 mod
     9, 7 mod 11: drawn without them here, BACKWARD_PADDED_EVERY = KVCACHE_PADDED_EVERY = 0), and the backward
-    cases' sliding windows (seed 6 mod 8, drawn from the case's seed after the main draw: stripped here)."""
+    cases' sliding windows and softcaps (seed 6 mod 8, drawn from the case's seed after the main draw: stripped
+    here)."""
     import hashlib
     before = {"forward": "bc988c84aecf", "variants": "21a6b55f402d", "backward": "34d69a1f7b28",
               "kvcache": "c7dd4993d16a"}
@@ -590,8 +591,9 @@ def test_adding_varlen_left_the_other_families_draws_unchanged(monkeypatch):
             assert any(c.head_dim not in (64, 96, 128, 192, 256) for c in cases)
             monkeypatch.setattr(fuzz, "BACKWARD_PADDED_EVERY", 0)
             cases = fuzz.generate(300, seed=1, family=family)
-            assert any(c.has_variant for c in cases) and not any(c.softcap or c.sinks for c in cases)
-            cases = [dataclasses.replace(c, window_left=-1, window_right=-1, top_left=False) for c in cases]
+            assert any(c.has_variant for c in cases) and not any(c.sinks for c in cases)
+            cases = [dataclasses.replace(c, window_left=-1, window_right=-1, top_left=False, softcap=0.0)
+                     for c in cases]
         assert hashlib.sha1("".join(c.to_json() for c in cases).encode()).hexdigest()[:12] == digest, family
 
 
@@ -638,26 +640,28 @@ def test_a_quarter_of_the_sm80_backward_cases_flip_a_tuning_knob():
 
 
 def test_backward_window_cases_and_their_criterion():
-    """An eighth of the backward cases (seed 6 mod 8) carry a sliding window, none of them deterministic (the
-    window's kernels take no dQ turns yet), each a spec the sm80 backward builds; backward_failures with the
-    case's window passes float64's own gradients, rounded, and fails them against the window-less reference."""
+    """An eighth of the backward cases (seed 6 mod 8) carry a sliding window or a softcap (or both), none of them
+    deterministic (the window's kernels take no dQ turns yet), each a spec the sm80 backward builds;
+    backward_failures with the case's variant passes float64's own gradients, rounded, and fails them against the
+    plain reference."""
     import torch
 
     from facodegen.ops.api import window_params
     from facodegen.spec.backward import BackwardSpec
     cases = fuzz.generate(400, seed=60, family="backward")
-    windowed = [c for c in cases if fuzz._backward_window(c)]
+    windowed = [c for c in cases if fuzz._backward_variant(c)]
     assert windowed and all(c.seed % 8 == 6 and not c.deterministic for c in windowed)
-    assert all(not fuzz._backward_window(c) for c in cases if c.seed % 8 != 6)
+    assert all(not fuzz._backward_variant(c) for c in cases if c.seed % 8 != 6)
     for c in windowed:
         local, causal, _, _ = window_params(c.window_left, c.window_right, c.causal, c.seqlen_q, c.seqlen_k,
                                             c.top_left)
-        if local:
-            BackwardSpec(arch="sm80", head_dim=c.head_dim, causal=causal, local=True, gpu="h100")
+        BackwardSpec(arch="sm80", head_dim=c.head_dim, causal=causal, local=local, softcap=bool(c.softcap),
+                     gpu="h100")
+    assert any(c.softcap for c in windowed) and any(not c.softcap for c in windowed)
     torch.manual_seed(0)
     q, do = (torch.randn(1, 50, 2, 64).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, 70, 1, 64).to(torch.bfloat16) for _ in range(2))
-    window = dict(window_size=(9, 3), top_left=True)
+    window = dict(window_size=(9, 3), top_left=True, softcap=2.0)
     inputs = [x.double().requires_grad_(True) for x in (q, k, v)]
     out, _ = fuzz.attention_torch(*inputs, True, 0.2, upcast=True, **window)
     grads = [g.to(torch.bfloat16) for g in torch.autograd.grad(out, inputs, do.double())]

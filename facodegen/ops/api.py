@@ -805,8 +805,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     On torch tensors that require grad, the call records its backward: the generated backward
     kernels (facodegen.attention_backward) on the saved O and LSE; the LSE takes no gradient. Under
     ``torch.compile``/``torch.export`` the call goes through the ``facodegen::attention`` custom op
-    (facodegen.ops.torch_op), whose autograd formula runs the same backward. fp8 inputs, softcap,
-    sinks and out=/lse_out= have no backward: a call that would record a gradient raises.
+    (facodegen.ops.torch_op), whose autograd formula runs the same backward. fp8 inputs, sinks
+    and out=/lse_out= have no backward: a call that would record a gradient raises.
     ``deterministic=True``: that backward adds dQ in a fixed order, so gradients are bit-identical across
     runs (so they are under torch.use_deterministic_algorithms(True)); the forward is deterministic anyway.
 
@@ -830,9 +830,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
       softmax denominator and adds no value, O = sum_j e^(x_j) v_j / (sum_j e^(x_j) + e^(sink)).
       The LSE returned includes the sink, log(sum_j e^(x_j) + e^(sink)), as FlashAttention-4's and
       vLLM's kernels return it; a row that sees no key gets O = 0 and LSE = sink.
-    Tensors that require grad record the generated backward (fp16/bf16, plain attention, and a window or
-    top-left causal: the sm80 backward's LOCAL kernels); fp8 inputs, softcap and sinks have no backward yet
-    and raise there.
+    Tensors that require grad record the generated backward (fp16/bf16, plain attention, and a window,
+    top-left causal or a softcap: the sm80 backward's LOCAL and SOFTCAP kernels); fp8 inputs and sinks have no
+    backward yet and raise there.
     """
     torch = _TORCH
     # The common torch call (no variant, knob or lse_out; eager; nothing to record), and the fp8 call
@@ -912,7 +912,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
 def _records_grad(q, k, v) -> bool:
     """A call on torch tensors that would record a gradient (grad mode on, q, k or v requiring grad)."""
-    torch = _TORCH
+    torch = _torch()
     return (torch is not None and isinstance(q, torch.Tensor) and torch.is_grad_enabled()
             and any(getattr(x, "requires_grad", False) for x in (q, k, v)))
 

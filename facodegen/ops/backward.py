@@ -123,24 +123,33 @@ _PACK_TOTALS = struct.Struct("<2i")     # seqlen_q, seqlen_k (adjacent in SHAPE_
 BWD_LOCAL_FIELDS = [Field("window_left", "i32", "int", "local: keys a row sees before its diagonal key "
                                                        "(i + seqlen_k - seqlen_q)"),
                     Field("window_right", "i32", "int", "local: keys a row sees after its diagonal key")]
+# softcap only, after them: the cap c of the forward's logits c tanh(scale s / c), as the kernel multiplies
+BWD_SOFTCAP_FIELDS = [Field("softcap_scale", "f32", "float", "softcap: softmax_scale / c (tanh's argument per "
+                                                              "raw score)"),
+                      Field("softcap_log2", "f32", "float", "softcap: c log2(e) (the capped logit in exp2's units)")]
 
 
-def fields(arch: str = "sm80", varlen: bool = False, local: bool = False) -> list[Field]:
+def fields(arch: str = "sm80", varlen: bool = False, local: bool = False, softcap: bool = False) -> list[Field]:
     return (BWD_FIELDS + (BWD_TMA_FIELDS + BWD_SM90_FIELDS if arch == "sm90" else [])
             + (BWD_VARLEN_FIELDS if varlen else []) + (BWD_SM90_VARLEN_FIELDS if varlen and arch == "sm90" else [])
-            + (BWD_LOCAL_FIELDS if local else []))
+            + (BWD_LOCAL_FIELDS if local else []) + (BWD_SOFTCAP_FIELDS if softcap else []))
 
 
 @functools.lru_cache(maxsize=None)
-def layout(arch: str = "sm80", varlen: bool = False, local: bool = False) -> tuple[tuple[tuple[Field, int], ...], int,
-                                                                                    int]:
+def layout(arch: str = "sm80", varlen: bool = False, local: bool = False,
+           softcap: bool = False) -> tuple[tuple[tuple[Field, int], ...], int, int]:
     """((field, offset), ...), size and alignment of BwdParams (params.place)."""
-    return place(fields(arch, varlen, local))
+    return place(fields(arch, varlen, local, softcap))
 
 
-def pack(values: dict, arch: str = "sm80", varlen: bool = False, local: bool = False) -> bytes:
+def layout_of(spec: BackwardSpec) -> tuple[tuple[tuple[Field, int], ...], int, int]:
+    """The BwdParams layout of ``spec``'s kernels."""
+    return layout(spec.arch, spec.varlen, spec.local, spec.softcap)
+
+
+def pack(values: dict, arch: str = "sm80", varlen: bool = False, local: bool = False, softcap: bool = False) -> bytes:
     """BwdParams' bytes; sm90's tensor maps are given as 128 bytes each."""
-    return pack_placed(layout(arch, varlen, local), values, "BwdParams")
+    return pack_placed(layout(arch, varlen, local, softcap), values, "BwdParams")
 
 
 assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range(len(_POINTERS))]
@@ -159,6 +168,7 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
                 "deterministic": False,
                 "dq_tma_reduce": False, "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False,
                 "do_stages": spec.stages, "dq_pieces": 1, "dq_lag": False, "varlen": False, "local": False,
+                "softcap": False,
                 **sm80_defaults(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.gpu, spec.varlen)}
     s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
                                                    spec.dq_tma_reduce, spec.s_lookahead)
@@ -171,14 +181,15 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
             "persistent": sm90_persistent_default(spec.arch, spec.deterministic, spec.varlen),
             "lpt": sm90_lpt_default(spec.arch, spec.causal, spec.deterministic, spec.varlen, spec.persistent),
-            "dq_lag": sm90_dq_lag_default(spec), "varlen": False, "local": False, "key_warps": 0, "dq_row_warps": 0}
+            "dq_lag": sm90_dq_lag_default(spec), "varlen": False, "local": False, "softcap": False, "key_warps": 0,
+            "dq_row_warps": 0}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt",
               "dq_lag")
 # and the sm80 warp grids' knobs, which the sm90 header leaves out (0 there: its warpgroups own 64 keys each)
 _SM80_ONLY = ("key_warps", "dq_row_warps", "frag_prefetch", "poly_exp2_tiles", "dq_bulk_add")
 # and knobs the header lists only when on (so the sources from before them are unchanged)
-_LISTED_WHEN_ON = ("dq_bulk_add", "local")
+_LISTED_WHEN_ON = ("dq_bulk_add", "local", "softcap")
 
 
 def emit_command(spec: BackwardSpec) -> str:
@@ -202,7 +213,7 @@ def emit(spec: BackwardSpec) -> str:
     """The CUDA source of the spec's three kernels: byte-identical for equal specs."""
     from ..codegen.render import render_template
 
-    placed, size, align = layout(spec.arch, spec.varlen, spec.local)
+    placed, size, align = layout_of(spec)
     return render_template(f"{spec.arch}/flash_bwd.cu.j2", dict(
         spec=spec, arch=spec.arch, kernel_name=spec.variant, version=__version__, emit_command=emit_command(spec),
         spec_items=sorted((k, v) for k, v in spec.as_dict().items()
@@ -396,7 +407,7 @@ class BackwardPlan:
                                        "semaphore": 4 * semaphore_ints}, allocate) \
             if allocate is not None and keep_scratch and nbytes <= CACHED_SCRATCH_BYTES else None
         # sm90: (offset of a TMA map in BwdParams, index of its tensor in ``pointers``) per map
-        offsets = {f.name: off for f, off in layout(spec.arch, spec.varlen, spec.local)[0]}
+        offsets = {f.name: off for f, off in layout_of(spec)[0]}
         self._cu_seqlens_at = offsets.get("cu_seqlens_q")     # varlen: where a call's boundaries go
         self._totals_at = offsets["seqlen_q"]                 # varlen: where its totals go (seqlen_q, seqlen_k)
         self._maps = [(offsets[name], _POINTERS.index(operand)) for name, operand in _MAP_OPERANDS.items()] \
@@ -557,8 +568,8 @@ _PLANS = PlanCache()
 
 
 def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-                       window_size=(-1, -1), causal_alignment: str = "bottom_right", dq=None, dk=None, dv=None,
-                       arch: str | None = None, **knobs):
+                       window_size=(-1, -1), causal_alignment: str = "bottom_right", softcap: float = 0.0, dq=None,
+                       dk=None, dv=None, arch: str | None = None, **knobs):
     """Gradients of attention: (dq, dk, dv) given dO = ``do`` and the forward's ``out`` and ``lse``.
 
     q, out, do: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
@@ -566,8 +577,9 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     batch/seq/head strides that are multiples of 8 elements, contiguous head_dim); lse: the
     forward's float32 natural-log LSE, contiguous (batch, heads_q, seqlen_q) (attention(...,
     return_lse=True)). ``causal`` and ``softmax_scale`` must be the forward's (bottom-right
-    causal), and so must ``window_size`` and ``causal_alignment`` (attention()'s sliding window and top-left
-    causal: the sm80 backward's LOCAL kernels, on every GPU; the sm90 backward has no window yet). dK and dV of a kv head are summed over the query heads that share it (GQA/MQA).
+    causal), and so must ``window_size``, ``causal_alignment`` and ``softcap`` (attention()'s sliding window,
+    top-left causal and logit cap: the sm80 backward's LOCAL and SOFTCAP kernels, on every GPU; the sm90 backward
+    has neither yet). dK and dV of a kv head are summed over the query heads that share it (GQA/MQA).
     dq, dk, dv: arrays to write the gradients into (default: new contiguous ones).
     head_dim: 64, 96, 128, 192, 256, or any other multiple of 8 in [8, 256] (the next one's tile, padded
     inside the kernels as the forward's: BackwardSpec(head_dim=80) is the 96 tile with head_dim_real=80).
@@ -595,7 +607,8 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
                    None if dk is None else (dk.dtype, dk.shape, dk.stride(), dk.get_device()),
                    None if dv is None else (dv.dtype, dv.shape, dv.stride(), dv.get_device()),
                    causal.__class__, causal, softmax_scale.__class__, softmax_scale, window_size, causal_alignment,
-                   arch, tuple(sorted(knobs.items())) if knobs else (), torch._C._cuda_getDevice())
+                   softcap.__class__, softcap, arch, tuple(sorted(knobs.items())) if knobs else (),
+                   torch._C._cuda_getDevice())
             plan = _PLANS._plans.get(key)
         except (AttributeError, TypeError):   # not all torch tensors, an unhashable knob: the checked path says
             plan = key = None
@@ -620,13 +633,13 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
             try:
                 key = call_key(kind, (do, q, k, v, out, lse, dq, dk, dv), (
                     causal.__class__, causal, softmax_scale.__class__, softmax_scale, window_size, causal_alignment,
-                    arch, tuple(sorted(knobs.items()))))
+                    softcap.__class__, softcap, arch, tuple(sorted(knobs.items()))))
                 plan = _PLANS.get(key)
             except (AttributeError, TypeError, ValueError):   # not arrays of one library, an unhashable knob
                 plan = key = None
     if plan is None:
         plan = _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, knobs, window_size,
-                        causal_alignment)
+                        causal_alignment, softcap)
         if key is not None:
             _PLANS.put(key, plan)
     device = plan.device
@@ -678,7 +691,7 @@ def _contiguous_strides(shape) -> tuple:
 
 
 def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, knobs, window_size=(-1, -1),
-             causal_alignment="bottom_right") -> BackwardPlan:
+             causal_alignment="bottom_right", softcap=0.0) -> BackwardPlan:
     """Check every argument (errors name it), pick and load the kernels, build the plan."""
     from . import api
 
@@ -703,10 +716,11 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
                          f"{lsev.shape} strides {lsev.strides}")
     gradient_views(views, dq, dk, dv)
     scale = api._check_scale(softmax_scale, head_dim)
-    causal, knobs, window = window_knobs(window_size, causal_alignment, causal, seqlen_q, seqlen_k, knobs)
+    causal, knobs, variant_values = variant_knobs(window_size, causal_alignment, softcap, causal, seqlen_q, seqlen_k,
+                                                  scale, knobs)
     info, spec, functions = spec_of_call(qv, head_dim, causal, knobs, arch)
     values = stride_values(views)
-    values.update(window)
+    values.update(variant_values)
     values.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
     if spec.arch == "sm90":
@@ -715,7 +729,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
         values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv), lpt_pairs=group,
                       lpt_tail_pair=lpt_tail_pair(batch * heads_kv, group, -(-seqlen_k // spec.block_n), info.sms))
     return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k, info.sms),
-                        pack(values, spec.arch, local=spec.local), allocate=functools.partial(api._allocate, qv.kind, qv.device),
+                        pack_placed(layout_of(spec), values, "BwdParams"), allocate=functools.partial(api._allocate, qv.kind, qv.device),
                         map_targets=tuple(views[operand].ptr for operand in _MAP_OPERANDS.values()),
                         device=qv.device, accum_floats=batch * heads_q * dq_accum_rows(spec, seqlen_q) * spec.head_dim,
                         dpsum_floats=row_stat_floats(spec, batch, heads_q, seqlen_q),
@@ -723,21 +737,28 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
                         switch_context=qv.device != api._current_device(qv.kind))
 
 
-def window_knobs(window_size, causal_alignment, causal: bool, seqlen_q: int, seqlen_k: int,
-                 knobs: dict) -> tuple[bool, dict, dict]:
-    """(the spec's causal flag, the knobs, BwdParams' window values) of a backward call's window_size and
-    causal_alignment, as the forward folds them (api.window_params: a window that cuts nothing is no window,
-    top-left causal on a square problem is causal): LOCAL kernels (local=True) where a window remains."""
+def variant_knobs(window_size, causal_alignment, softcap, causal: bool, seqlen_q: int, seqlen_k: int, scale: float,
+                  knobs: dict) -> tuple[bool, dict, dict]:
+    """(the spec's causal flag, the knobs, BwdParams' variant values) of a backward call's window_size,
+    causal_alignment and softcap, as the forward folds them (api.window_params: a window that cuts nothing is no
+    window, top-left causal on a square problem is causal): LOCAL kernels (local=True) where a window remains,
+    SOFTCAP ones (softcap=True) where the cap is on."""
     from . import api
     left, right = api._check_window(window_size)
     api._check_alignment(causal_alignment)
+    cap = api._check_softcap(softcap)
     if "local" in knobs:
         raise TypeError("local: set by window_size and causal_alignment (the forward's), not a knob of this call")
     local, causal, window_left, window_right = api.window_params(left, right, causal, seqlen_q, seqlen_k,
                                                                  causal_alignment == "top_left")
-    if not local:
-        return causal, knobs, {}
-    return causal, {**knobs, "local": True}, {"window_left": window_left, "window_right": window_right}
+    values = {}
+    if local:
+        knobs = {**knobs, "local": True}
+        values.update(window_left=window_left, window_right=window_right)
+    if cap:
+        knobs = {**knobs, "softcap": True}
+        values.update(softcap_scale=scale / cap, softcap_log2=cap * math.log2(math.e))
+    return causal, knobs, values
 
 
 def gradient_views(views: dict, dq, dk, dv, checked=lambda view: view) -> None:

@@ -28,11 +28,11 @@ Autograd: ``facodegen::attention`` has a backward (torch.library.register_autogr
 output is marked non-differentiable (no gradient flows back through it, as in FlashAttention).
 That formula is what AOTAutograd traces under torch.compile; in eager mode _Attention does the same
 work at a fraction of the op's autograd kernel's host cost (see _Attention).
-A sliding window (window_size, and top-left causal) records a backward with the same window
-(attention_backward's window_size and causal_alignment: the sm80 backward's LOCAL kernels). fp8 inputs,
-softcap, sinks, a window through attention_varlen and the mutating ``attention_out`` (out=/lse_out=) have
-no backward: a call that would record a gradient raises at the forward rather than returning an output
-with no grad_fn or a wrong one.
+A sliding window (window_size, and top-left causal) and a softcap record a backward with the same
+variant (attention_backward's window_size, causal_alignment and softcap: the sm80 backward's LOCAL and
+SOFTCAP kernels). fp8 inputs, sinks, the variants through attention_varlen and the mutating
+``attention_out`` (out=/lse_out=) have no backward: a call that would record a gradient raises at the
+forward rather than returning an output with no grad_fn or a wrong one.
 
 ``facodegen.attention_with_kvcache`` (facodegen/ops/kvcache.py) calls the kvcache ops on torch tensors
 while Dynamo traces it; an eager call launches from its plan. Both ops mark k_cache and v_cache
@@ -61,7 +61,7 @@ _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tenso
 _LIB.define(f"attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, {_ARGS}) -> ()")
 _LIB.define("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
             "float? softmax_scale, str? arch, str knobs, int[] window_size=[-1, -1], "
-            "str causal_alignment=\"bottom_right\") -> (Tensor, Tensor, Tensor)")
+            "str causal_alignment=\"bottom_right\", float softcap=0.) -> (Tensor, Tensor, Tensor)")
 # The kvcache ops: the caches are written (the append), k/v are the new tokens (None: no append).
 _KV_IN = ("Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? page_table, Tensor? k, "
           "Tensor? v")
@@ -104,17 +104,17 @@ def _out_has_no_backward(what: str = "facodegen.attention") -> str:
 
 def _variants_have_no_backward(what: str = "facodegen.attention") -> str:
     if what == "facodegen.attention":
-        return (f"{what}: softcap and sinks have no backward yet (the generated backward computes plain or "
-                f"sliding-window attention's gradients); call it under torch.no_grad() or on tensors that do not "
+        return (f"{what}: sinks have no backward yet (the generated backward computes plain, sliding-window and "
+                f"softcapped attention's gradients); call it under torch.no_grad() or on tensors that do not "
                 f"require grad")
     return (f"{what}: window_size, softcap and sinks have no backward yet (the generated backward computes plain "
             f"attention's gradients); call it under torch.no_grad() or on tensors that do not require grad")
 
 
-def _window_only(variant) -> bool:
-    """api's variant tuple (window_size, softcap, sinks, causal_alignment) asks for a window or top-left causal
-    alone: the sm80 backward's LOCAL kernels compute its gradients."""
-    return variant[1] == 0.0 and variant[2] is None
+def _has_backward(variant) -> bool:
+    """api's variant tuple (window_size, softcap, sinks, causal_alignment) asks for a window, top-left causal or a
+    softcap, no sinks: the sm80 backward's LOCAL and SOFTCAP kernels compute its gradients."""
+    return variant[2] is None
 
 
 def _head_dim_v_has_no_backward(q, v, what: str = "facodegen.attention") -> str:
@@ -138,7 +138,7 @@ def _refuse_without_backward(q, out, lse_out, variant, v=None, what: str = "faco
         raise NotImplementedError(_fp8_has_no_backward(what))
     if v is not None and _split_v(q, v):
         raise NotImplementedError(_head_dim_v_has_no_backward(q, v, what))
-    if variant is not None and not (what == "facodegen.attention" and _window_only(variant)):
+    if variant is not None and not (what == "facodegen.attention" and _has_backward(variant)):
         raise NotImplementedError(_variants_have_no_backward(what))
     if out is not None or lse_out is not None:
         raise NotImplementedError(_out_has_no_backward(what))
@@ -301,14 +301,14 @@ def _kvcache_no_backward(op):
 
 
 def _attention_backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, arch, knobs, window_size=(-1, -1),
-                             causal_alignment="bottom_right"):
+                             causal_alignment="bottom_right", softcap=0.0):
     return backward.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                       window_size=tuple(window_size), causal_alignment=causal_alignment, arch=arch,
-                                       **decode_knobs(knobs))
+                                       window_size=tuple(window_size), causal_alignment=causal_alignment,
+                                       softcap=softcap, arch=arch, **decode_knobs(knobs))
 
 
 def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, arch, knobs, window_size=(-1, -1),
-                             causal_alignment="bottom_right"):
+                             causal_alignment="bottom_right", softcap=0.0):
     # attention_backward allocates contiguous gradients
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -325,14 +325,14 @@ def _no_backward(op):
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, arch, *_, window_size, softcap, sinks, causal_alignment, deterministic = inputs
     variant = _variant(window_size, softcap, sinks, causal_alignment)
-    if variant is not None and not _window_only(variant):     # the op called by hand
+    if variant is not None and not _has_backward(variant):     # the op called by hand
         raise NotImplementedError(_variants_have_no_backward())
     if _split_v(q, v):
         raise NotImplementedError(_head_dim_v_has_no_backward(q, v))
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.arch, ctx.deterministic = causal, softmax_scale, arch, deterministic
-    ctx.window_size, ctx.causal_alignment = list(window_size), causal_alignment
+    ctx.window_size, ctx.causal_alignment, ctx.softcap = list(window_size), causal_alignment, softcap
     ctx.inputs = len(inputs)        # (a gradient, or None, for each)
     ctx.mark_non_differentiable(lse)
 
@@ -352,7 +352,7 @@ def _attention_grad(ctx, grad_out, grad_lse):
     dq, dk, dv = torch.ops.facodegen.attention_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.causal,
                                                         ctx.softmax_scale, backward.autograd_arch(ctx.arch),
                                                         encode_knobs(_backward_knobs(ctx.deterministic)),
-                                                        ctx.window_size, ctx.causal_alignment)
+                                                        ctx.window_size, ctx.causal_alignment, ctx.softcap)
     return (dq, dk, dv) + (None,) * (ctx.inputs - 3)
 
 
@@ -362,7 +362,7 @@ def attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out
                         deterministic=False):
     """facodegen.attention in eager mode on tensors that record a gradient (api.attention's
     arguments): _Attention, the direct launches of the no-grad call and of attention_backward. (``variant``: a
-    window alone, which the backward takes too; softcap and sinks are refused.)"""
+    window and a softcap, which the backward takes too; sinks are refused.)"""
     _refuse_without_backward(q, out, lse_out, variant, v)
     out, lse = _Attention.apply(q, k, v, (causal, softmax_scale, arch, spec_fields, bool(deterministic), variant))
     return (out, lse) if return_lse else out
@@ -376,7 +376,7 @@ class _Attention(torch.autograd.Function):
     torch.library's autograd kernel rebinds the op's 14 arguments to its schema
     (torch._library.utils.fill_defaults), several times the cost of this whole forward.
     ``call``: (causal, softmax_scale, arch, spec_fields, deterministic, variant), one argument for
-    Function.apply to walk rather than six (``variant``: api's, a window alone, or None)."""
+    Function.apply to walk rather than six (``variant``: api's, a window and a softcap, or None)."""
 
     @staticmethod
     def forward(ctx, q, k, v, call):
@@ -405,7 +405,8 @@ def _backward(ctx, grad_out):
     grad_out = _kernel_layout(grad_out)
     q, k, v, out, lse = ctx.saved_tensors
     causal, softmax_scale, arch, _, deterministic, variant = ctx.call
-    window = {} if variant is None else {"window_size": tuple(variant[0]), "causal_alignment": variant[3]}
+    window = {} if variant is None else {"window_size": tuple(variant[0]), "causal_alignment": variant[3],
+                                         "softcap": variant[1]}
     dq, dk, dv = backward.attention_backward(grad_out, q, k, v, out, lse, causal=causal,
                                              softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
                                              **window, **_backward_knobs(deterministic))

@@ -167,6 +167,11 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "visits only the query blocks whose rows see one of its keys, and masks the steps a window edge crosses. "
          "sm80 (it runs on sm90 GPUs too), not deterministic or varlen yet.",
          flag="--local/--no-local", problem=True, token=_flag("local")),
+    Knob("softcap", "bool", "Logit softcap (attention()'s softcap=c): P is recomputed from c tanh(scale s / c) "
+         "(BwdParams' softcap_scale = scale / c and softcap_log2 = c log2(e), run-time) and dS carries tanh's "
+         "derivative, 1 - tanh^2, recomputed from S^T (which P in elem_t pairs leaves in its registers). sm80 (it "
+         "runs on sm90 GPUs too), not varlen yet.",
+         flag="--softcap/--no-softcap", problem=True, token=_flag("softcap")),
 )
 BACKWARD_BY_NAME = {k.name: k for k in BACKWARD_KNOBS}
 
@@ -471,6 +476,7 @@ class BackwardSpec:
     dq_lag: bool | None = None
     varlen: bool = False
     local: bool = False
+    softcap: bool = False
 
     def __post_init__(self) -> None:
         _as_bool(self, "deterministic")     # (first: the defaults below follow it, deterministic=0 as False)
@@ -511,6 +517,10 @@ class BackwardSpec:
         else:
             table = SMALL_GPU_TILES if GPUS[self.gpu].smem_per_block < 128 * 1024 else DEFAULT_TILES
             block_m, block_n, warps = table[self.head_dim]
+            if self.softcap is True and block_m == 128:
+                # SOFTCAP keeps S^T beside P^T's pairs for dS's tanh derivative: the 128-query tile's 64 S^T floats
+                # a thread spill at head_dim 64 (8 bytes, NVRTC 13 sm_90); 64 queries take 224 registers
+                block_m = 64
             for name, value in sm80_defaults(self.head_dim, self.block_m or block_m, self.block_n or block_n,
                                              self.num_warps or warps, self.gpu, bool(self.varlen)).items():
                 if getattr(self, name) is None:
@@ -753,6 +763,8 @@ def _validate(spec: BackwardSpec) -> None:
                                  "key blocks from 0; a window's first key block per query block is later)")
     if spec.local and spec.varlen:
         raise SpecError("local", "the varlen backward takes no sliding window yet")
+    if spec.softcap and spec.varlen:
+        raise SpecError("softcap", "the varlen backward takes no softcap yet")
     if spec.lpt:
         raise SpecError("lpt", "an sm90 knob (its tile numbering); the sm80 backward's grid is one CTA per key block")
     if spec.dq_lag:
@@ -839,6 +851,8 @@ def _validate_sm90(spec: BackwardSpec) -> None:
     consumer warpgroups, a 2-deep Q/dO ring (1 or 2 at head_dim 192, 256)."""
     if spec.local:
         raise SpecError("local", "the sm90 backward has no sliding window yet; arch='sm80' runs it (on sm90 GPUs too)")
+    if spec.softcap:
+        raise SpecError("softcap", "the sm90 backward has no softcap yet; arch='sm80' runs it (on sm90 GPUs too)")
     if spec.varlen and spec.persistent:
         raise SpecError("persistent", "the sm90 varlen backward runs one CTA per tile (a tile past its sequence's keys "
                                       "exits at once); persistent=False")

@@ -110,25 +110,28 @@ def attention_flash_rounding(q, k, v, causal: bool, softmax_scale: float, *, win
 
 
 def attention_backward_flash_rounding(q, k, v, do, causal: bool, softmax_scale: float, order: int = 0, *,
-                                      window_size=(-1, -1), top_left: bool = False):
+                                      window_size=(-1, -1), top_left: bool = False, softcap: float = 0.0):
     """(dQ, dK, dV) in the inputs' dtype as FlashAttention's backward rounds them, from this
     module's forward: D = rowsum(dO * O) of the dtype-rounded O, P recomputed from the LSE by FFMA
     (exp2(s scale log2(e) - LSE log2(e))), P and dS rounded to the dtype for their matmuls, float32
     accumulation, dK and dV summed over a GQA group in float32. ``window_size``, ``top_left``: a sliding
-    window's (attention_flash_rounding's)."""
+    window's, ``softcap`` the logits' cap (attention_flash_rounding's; dS then carries 1 - tanh^2)."""
     import torch
     out, lse = attention_flash_rounding(q, k, v, causal, softmax_scale, order=order, window_size=window_size,
-                                        top_left=top_left)
+                                        top_left=top_left, softcap=softcap)
     group = q.shape[2] // k.shape[2]
     kr, vr = (x.repeat_interleave(group, dim=2) for x in (k, v))
-    u, c, visible = _scores(q, kr, causal, softmax_scale, window_size, 0.0, top_left, order)   # as the forward summed S
+    u, c, visible = _scores(q, kr, causal, softmax_scale, window_size, softcap, top_left, order)   # as the forward summed S
     lse_log2 = torch.where(torch.isfinite(lse), lse.double() * LOG2E, float("inf")).float()[..., None]
     p = torch.exp2(_ffma_exponent(u, c, lse_log2)).masked_fill(~visible, 0.0)
     dt = q.dtype
     d_v = torch.einsum("bhqk,bqhd->bkhd", p.to(dt).float(), do.float())
     d_p = torch.einsum("bqhd,bkhd->bhqk", do.float(), vr.float())
     delta = (do.float() * out.float()).sum(dim=-1).transpose(1, 2)[..., None]
-    d_s = (p * (d_p - delta)).to(dt).float()
+    d_s = p * (d_p - delta)
+    if softcap:     # through c tanh(x / c): u is the capped logit where visible
+        d_s = d_s * torch.where(visible, 1 - (u / softcap) ** 2, 0.0)
+    d_s = d_s.to(dt).float()
     d_q = torch.einsum("bhqk,bkhd->bqhd", d_s, kr.float()) * softmax_scale
     d_k = torch.einsum("bhqk,bqhd->bkhd", d_s, q.float()) * softmax_scale
 
@@ -165,7 +168,7 @@ def forward_floor(q, k, v, causal: bool, softmax_scale: float, **variants):
     return P_ROUNDING[str(v.dtype).removeprefix("torch.")] * (walk + torch.einsum("bhqk,bkhd->bqhd", p, vr).abs())
 
 
-def backward_floor(q, k, v, do, causal: bool, softmax_scale: float, **window):
+def backward_floor(q, k, v, do, causal: bool, softmax_scale: float, **variant):
     """Per-element floors (float64, the shapes of dQ and dK) for what FlashAttention's dS = P (dP - D)
     carries beyond a same-precision reference's:
     - D = rowsum(dO o O) from the kernel's O, whose P roundings (forward_floor) move D_i by
@@ -191,7 +194,7 @@ def backward_floor(q, k, v, do, causal: bool, softmax_scale: float, **window):
     group = q.shape[2] // k.shape[2]
     kr, vr = (x.repeat_interleave(group, dim=2).double() for x in (k, v))
     qd, dod = q.double(), do.double()
-    p, lse = attention_probabilities(q, k, causal, softmax_scale, True, **window)   # (window_size, top_left)
+    p, lse = attention_probabilities(q, k, causal, softmax_scale, True, **variant)   # (window_size, top_left, softcap)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vr)
     d_p = torch.einsum("bqhd,bkhd->bhqk", dod, vr)
     d_p_norm = torch.einsum("bqhd,bkhd->bhqk", dod ** 2, vr ** 2).sqrt()

@@ -54,8 +54,8 @@ PADDED_HEAD_DIMS = (8, 40, 80, 112, 160, 200, 248)
 # their drawn head_dim (0: none); the kvcache family's whose seed is 7 mod KVCACHE_PADDED_EVERY likewise.
 BACKWARD_PADDED_EVERY = 9
 # The backward family's cases whose seed is 6 mod this (so 2 mod 4: never deterministic, whose dQ turns the
-# window's kernels do not take yet) run with a sliding window drawn from their seed (window_size, top-left).
-BACKWARD_WINDOW_EVERY = 8
+# window's kernels do not take yet) run with a sliding window and/or a softcap drawn from their seed.
+BACKWARD_VARIANT_EVERY = 8
 KVCACHE_PADDED_EVERY = 11
 # ... and a V narrower than Q and K (head_dim_v): a head_dims case whose seed is 3 mod 4 takes
 # (head_dim, head_dim_v) = SPLIT_V_PAIRS[seed // 4 % 2] instead of its padded head_dim (read off the
@@ -292,13 +292,14 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             # read off the seed so the cases drawn after it stay as they were
             case_fields["head_dim"] = PADDED_HEAD_DIMS[case_fields["seed"] // BACKWARD_PADDED_EVERY
                                                        % len(PADDED_HEAD_DIMS)]
-        if this_family == "backward" and case_fields["seed"] % BACKWARD_WINDOW_EVERY == 6:
-            # an eighth of the backward draws with a sliding window (its LOCAL kernels: the sm80 backward's on either
-            # arch), drawn from the case's seed as the varlen variants below; a draw of none takes (16, -1)
+        if this_family == "backward" and case_fields["seed"] % BACKWARD_VARIANT_EVERY == 6:
+            # an eighth of the backward draws with a sliding window and/or a softcap (the LOCAL and SOFTCAP kernels:
+            # the sm80 backward's on either arch), drawn from the case's seed as the varlen variants below (no
+            # sinks: they have no backward yet; a draw of neither takes the window (16, -1))
             drawn = _variant_fields(random.Random(case_fields["seed"]), seqlen_q, seqlen_k)
-            if (drawn["window_left"], drawn["window_right"]) == (-1, -1):
+            if (drawn["window_left"], drawn["window_right"]) == (-1, -1) and not drawn["softcap"]:
                 drawn["window_left"] = 16
-            case_fields.update(drawn, softcap=0.0, sinks=False)
+            case_fields.update(drawn, sinks=False)
         if this_family == "kvcache" and KVCACHE_PADDED_EVERY and case_fields["seed"] % KVCACHE_PADDED_EVERY == 7:
             case_fields["head_dim"] = PADDED_HEAD_DIMS[case_fields["seed"] // KVCACHE_PADDED_EVERY
                                                        % len(PADDED_HEAD_DIMS)]      # (the decode's next tile)
@@ -547,9 +548,9 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     if launch_only:
         return _launched(*_backward_launches(case, q, k, v, do))
     leaves = [_layout(x, case.layout).requires_grad_(True) for x in (q, k, v)]
-    window = _backward_window(case)
+    variant = _backward_variant(case)
     out = facodegen.attention(*leaves, causal=case.causal, softmax_scale=case.softmax_scale, arch=case.arch,
-                              **window)
+                              **variant)
     if case.deterministic:      # only around facodegen's backward: torch's own ops may refuse the mode
         torch.use_deterministic_algorithms(True)
         try:
@@ -562,18 +563,18 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     if case.deterministic and not all(torch.equal(a, b) for a, b in zip(got, again)):
         return False, "deterministic: two backward runs differ"
 
-    reference_window = _reference_window(case)
-    failures = backward_failures(q, k, v, do, case.causal, scale, got, **reference_window)
+    reference_variant = _reference_variant(case)
+    failures = backward_failures(q, k, v, do, case.causal, scale, got, **reference_variant)
     second = _second_call_knobs(case)
     if second:
         out, lse = facodegen.attention(*(x.detach() for x in leaves), causal=case.causal,
-                                       softmax_scale=case.softmax_scale, arch=case.arch, return_lse=True, **window)
+                                       softmax_scale=case.softmax_scale, arch=case.arch, return_lse=True, **variant)
         again = facodegen.attention_backward(do, *(x.detach() for x in leaves), out, lse, causal=case.causal,
-                                             softmax_scale=case.softmax_scale, arch=_backward_arch(case), **window,
+                                             softmax_scale=case.softmax_scale, arch=_backward_arch(case), **variant,
                                              **second)
         label = ", ".join(f"{name}={value}" for name, value in second.items())
         failures += [f"{label}: {f}" for f in backward_failures(q, k, v, do, case.causal, scale, again,
-                                                                 **reference_window)]
+                                                                 **reference_variant)]
         return not failures, "; ".join(failures) or f"dq, dk, dv ok (autograd; {label})"
     return not failures, "; ".join(failures) or "dq, dk, dv ok"
 
@@ -593,25 +594,30 @@ def _backward_launches(case: Case, q, k, v, do) -> tuple:
     q, k, v = (_layout(x, case.layout) for x in (q, k, v))
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device, dtype=torch.float32)
-    window = _backward_window(case)
+    variant = _backward_variant(case)
     facodegen.attention(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, arch=case.arch, out=out,
-                        lse_out=lse, **window)
+                        lse_out=lse, **variant)
     return facodegen.attention_backward(do, q, k, v, out, lse, causal=case.causal, softmax_scale=case.softmax_scale,
-                                        arch=_backward_arch(case), **window, **_backward_knobs(case))
+                                        arch=_backward_arch(case), **variant, **_backward_knobs(case))
 
 
-def _backward_window(case: Case) -> dict:
-    """A backward case's sliding window as attention() and attention_backward take it ({}: none)."""
-    if (case.window_left, case.window_right) == (-1, -1) and not case.top_left:
-        return {}
-    return {"window_size": (case.window_left, case.window_right),
-            "causal_alignment": "top_left" if case.top_left else "bottom_right"}
+def _backward_variant(case: Case) -> dict:
+    """A backward case's sliding window and softcap as attention() and attention_backward take them ({}: none)."""
+    variant = {}
+    if (case.window_left, case.window_right) != (-1, -1) or case.top_left:
+        variant.update(window_size=(case.window_left, case.window_right),
+                       causal_alignment="top_left" if case.top_left else "bottom_right")
+    if case.softcap:
+        variant["softcap"] = case.softcap
+    return variant
 
 
-def _reference_window(case: Case) -> dict:
-    """The same window as the torch references take it (attention_torch's window_size, top_left)."""
-    return {"window_size": (case.window_left, case.window_right), "top_left": case.top_left} if \
-        _backward_window(case) else {}
+def _reference_variant(case: Case) -> dict:
+    """The same variant as the torch references take it (attention_torch's window_size, top_left, softcap)."""
+    variant = _backward_variant(case)
+    if "window_size" in variant:
+        variant["top_left"] = variant.pop("causal_alignment") == "top_left"
+    return variant
 
 
 def _backward_arch(case: Case) -> str | None:
@@ -675,18 +681,18 @@ def shallow_ring_knobs(head_dim: int, dtype: str, causal: bool) -> dict:
     return knobs
 
 
-def backward_failures(q, k, v, do, causal: bool, scale: float, grads, **window) -> list[str]:
+def backward_failures(q, k, v, do, causal: bool, scale: float, grads, **variant) -> list[str]:
     """FlashAttention-3's criterion for (dQ, dK, dV) ``grads`` of contiguous q, k, v, do against
-    float64 autograd: "dq max err ..." per gradient that fails. ``window``: window_size and top_left of a
-    sliding window (attention_torch's)."""
+    float64 autograd: "dq max err ..." per gradient that fails. ``variant``: window_size, top_left and softcap
+    (attention_torch's)."""
     import torch
 
     def reference(upcast: bool):
         inputs = [(x.double() if upcast else x).detach().requires_grad_(True) for x in (q, k, v)]
-        ref_out, _ = attention_torch(*inputs, causal, scale, upcast=upcast, **window)
+        ref_out, _ = attention_torch(*inputs, causal, scale, upcast=upcast, **variant)
         return torch.autograd.grad(ref_out, inputs, do.double() if upcast else do)
-    flash_low = attention_backward_flash_rounding(q, k, v, do, causal, scale, **window)
-    floors = (*backward_floor(q, k, v, do, causal, scale, **window), None)
+    flash_low = attention_backward_flash_rounding(q, k, v, do, causal, scale, **variant)
+    floors = (*backward_floor(q, k, v, do, causal, scale, **variant), None)
     return [f"{name} {why}" for name, g, r, lo, flash, floor in zip(("dq", "dk", "dv"), grads, reference(True),
                                                                     reference(False), flash_low, floors)
             if (why := fa3_failure(g, r, (lo, flash), floor))]
@@ -1232,13 +1238,14 @@ def representative_cases() -> list[Case]:
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
     # and the sliding-window backward (the sm80 LOCAL kernels, after either arch's forward): causal with 50 keys
     # to the left over 239 x 203 (rows that see no key, blocks skipped above the window), GQA: case 60; and a
-    # two-sided window of (33, 17), fp16, head_dim 64, after the sm90 forward: case 61
+    # two-sided window of (33, 17) with softcap 30 (the SOFTCAP kernels), fp16, head_dim 64, after the sm90
+    # forward: case 61
     cases.append(Case("backward", "sm80", "bf16", batch=2, seqlen_q=239, seqlen_k=203, heads_q=4, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=True, use_out=False, seed=14, window_left=50, window_right=-1))
     cases.append(Case("backward", "sm90", "fp16", batch=2, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=2,
                       head_dim=64, causal=False, softmax_scale=None, layout="strided", magnitude=1.0,
-                      return_lse=True, use_out=False, seed=22, window_left=33, window_right=17))
+                      return_lse=True, use_out=False, seed=22, window_left=33, window_right=17, softcap=30.0))
     return cases
 
 

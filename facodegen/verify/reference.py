@@ -250,12 +250,13 @@ def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
 
 
 def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scale: float | None = None, *,
-                                 window_size=(-1, -1), top_left: bool = False):
+                                 window_size=(-1, -1), top_left: bool = False, softcap: float = 0.0):
     """(dQ, dK, dV) in float64 of O = softmax(scale Q K^T [+ causal mask]) V given dO, with the
     layouts and masks of :func:`attention_reference` (``window_size``, ``top_left``: its sliding window, see
-    window_mask); dK, dV of a kv head are summed over the query heads that share it (GQA/MQA). A query row
-    with no visible key contributes nothing. Computed from the scores directly (P = exp(scale S - LSE),
-    D = rowsum(dO ∘ O), dS = P ∘ (dP - D)), one block of query rows at a time like attention_reference."""
+    window_mask; ``softcap``: logits c tanh(scale S / c)); dK, dV of a kv head are summed over the query heads
+    that share it (GQA/MQA). A query row with no visible key contributes nothing. Computed from the scores
+    directly (P = exp(scale S - LSE), D = rowsum(dO ∘ O), dS = P ∘ (dP - D), times 1 - tanh^2 under a softcap),
+    one block of query rows at a time like attention_reference."""
     do, q, k, v = to_float64(do), to_float64(q), to_float64(k), to_float64(v)
     b, sq, sk, hq, hkv, d = _shapes(q, k, v)
     if do.shape != q.shape:
@@ -272,6 +273,9 @@ def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scal
             for r0 in range(0, sq, chunk):
                 r1 = min(sq, r0 + chunk)
                 s = scale * (q[bi, r0:r1, h, :] @ kh.T)                       # S = scale Q K^T
+                if softcap:
+                    t = np.tanh(s / softcap)
+                    s = softcap * t                                            # the capped logits
                 if windowed:
                     s[window_mask(np.arange(r0, r1), cols, sq, sk, window_size, causal, top_left)] = -np.inf
                 elif causal:
@@ -284,6 +288,8 @@ def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scal
                 dp = g @ vh.T                                                  # dP = dO V^T
                 o = p @ vh
                 ds = p * (dp - (g * o).sum(axis=1)[:, None])                  # dS = P ∘ (dP - rowsum(dO ∘ O))
+                if softcap:
+                    ds *= 1.0 - t * t                                          # through c tanh(x / c)
                 dq[bi, r0:r1, h, :] += scale * (ds @ kh)                       # dQ = scale dS K
                 dk[bi, :, h // group, :] += scale * (ds.T @ q[bi, r0:r1, h, :])  # dK = scale dS^T Q
                 dv[bi, :, h // group, :] += p.T @ g                            # dV = P^T dO

@@ -47,10 +47,11 @@ def precompiled():
         list(pool.map(lambda job: backward.compile(job[0], sm=job[1], verbose=False), jobs))
 
 
-def reference(q, k, v, do, causal, scale, upcast, hidden=None):
+def reference(q, k, v, do, causal, scale, upcast, hidden=None, softcap=0.0):
     """O, LSE and (dQ, dK, dV) by torch autograd: float64 (upcast) or FA3's same-precision reference
     (scores and P V in the inputs' dtype, softmax in float32). Bottom-right causal, GQA by repetition;
-    ``hidden``: a (seqlen_q, seqlen_k) bool mask of the hidden scores instead (a sliding window's)."""
+    ``hidden``: a (seqlen_q, seqlen_k) bool mask of the hidden scores instead (a sliding window's); ``softcap``:
+    the logits c tanh(scores / c)."""
     q, k, v = (x.detach().clone().double() if upcast else x.detach().clone() for x in (q, k, v))
     for x in (q, k, v):
         x.requires_grad_(True)
@@ -58,6 +59,8 @@ def reference(q, k, v, do, causal, scale, upcast, hidden=None):
     kk, vv = (x.repeat_interleave(group, dim=2) for x in (k, v))
     scores = torch.einsum("bqhd,bkhd->bhqk", q, kk)
     scores = (scores if upcast else scores.float()) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     sq, sk = q.shape[1], k.shape[1]
     if hidden is not None:
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -72,10 +75,10 @@ def reference(q, k, v, do, causal, scale, upcast, hidden=None):
     return out.detach(), lse.detach(), grads
 
 
-def check_grads(got, do, q, k, v, causal, scale, hidden=None):
+def check_grads(got, do, q, k, v, causal, scale, hidden=None, softcap=0.0):
     """FA3's criterion for each of dQ, dK, dV; returns a message per failure."""
-    _, _, ref = reference(q, k, v, do, causal, scale, upcast=True, hidden=hidden)
-    _, _, low = reference(q, k, v, do, causal, scale, upcast=False, hidden=hidden)
+    _, _, ref = reference(q, k, v, do, causal, scale, upcast=True, hidden=hidden, softcap=softcap)
+    _, _, low = reference(q, k, v, do, causal, scale, upcast=False, hidden=hidden, softcap=softcap)
     failures = []
     for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
         if not torch.isfinite(g).all():
@@ -855,3 +858,51 @@ def test_autograd_through_a_window_equals_attention_backward(window_size, causal
     hidden = _hidden(300, 257, True, window_size, causal_alignment == "top_left")
     assert check_grads((leaves[0].grad, leaves[1].grad, leaves[2].grad), do, q, k, v, True, 128 ** -0.5,
                        hidden=hidden) == []
+
+
+# ------------------------------------------------------------------ softcap (the sm80 SOFTCAP kernels)
+
+# sq, sk, causal, softcap, window_size, head_dim, dtype, heads
+_SOFTCAPS = [
+    (113, 203, True, 5.0, None, 128, "bf16", "gqa"),       # a cap that bites (inputs x 1, scale 1/sqrt(d))
+    (203, 113, False, 30.0, None, 64, "fp16", "mha"),      # head_dim 64's SOFTCAP tile (64 queries)
+    (1000, 1000, True, 50.0, (256, 0), 256, "bf16", "mqa"),   # Gemma-2's cap with a window
+    (239, 1, False, 2.0, None, 96, "fp16", "gqa"),
+    (128, 300, True, 10.0, (-1, 8), 192, "bf16", "gqa"),
+]
+
+
+@pytest.mark.parametrize("sq, sk, causal, softcap, window_size, d, dt, heads", _SOFTCAPS,
+                         ids=[f"{sq}x{sk}-{'causal' if c else 'full'}-cap{cap:g}{'-w' if w else ''}-hd{d}-{dt}-{h}"
+                              for sq, sk, c, cap, w, d, dt, h in _SOFTCAPS])
+def test_softcap_gradients_match_float64(sq, sk, causal, softcap, window_size, d, dt, heads):
+    """attention_backward with the forward's softcap (and window) against float64 with the same cap (FA3's criterion,
+    NaN-poisoned gradient buffers); inputs at 3x unit scale so that the logits reach the cap."""
+    hq, hkv = HEADS[heads]
+    q, k, v, do = make(1, sq, sk, hq, hkv, d, DTYPES[dt], seed=sq + 7 * sk + d)
+    q, k = q * 3, k * 3
+    scale = d ** -0.5
+    hidden = None if window_size is None else _hidden(sq, sk, causal, window_size, False)
+    out64, lse64, _ = reference(q, k, v, do, causal, scale, upcast=True, hidden=hidden, softcap=softcap)
+    poison = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
+    got = facodegen.attention_backward(do, q, k, v, out64.to(q.dtype), lse64.float().contiguous(), causal=causal,
+                                       softmax_scale=scale, softcap=softcap, window_size=window_size or (-1, -1),
+                                       **poison)
+    assert check_grads(got, do, q, k, v, causal, scale, hidden=hidden, softcap=softcap) == []
+
+
+def test_autograd_through_a_softcap_equals_attention_backward():
+    """facodegen.attention(..., softcap=...) on tensors that require grad records the softcap's backward."""
+    q, k, v, do = make(2, 300, 257, 4, 2, 128, torch.bfloat16, seed=12)
+    q, k = q * 3, k * 3
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = facodegen.attention(*leaves, causal=True, softcap=20.0)
+    out.backward(do)
+    with torch.no_grad():
+        out2, lse = facodegen.attention(q, k, v, causal=True, return_lse=True, softcap=20.0)
+    dq, dk, dv = facodegen.attention_backward(do, q, k, v, out2, lse, causal=True, softcap=20.0)
+    assert torch.equal(out, out2)
+    torch.testing.assert_close(leaves[0].grad, dq, atol=2e-2, rtol=2e-2)   # dQ: fp32 atomics, any order
+    assert torch.equal(leaves[1].grad, dk) and torch.equal(leaves[2].grad, dv)
+    assert check_grads((leaves[0].grad, leaves[1].grad, leaves[2].grad), do, q, k, v, True, 128 ** -0.5,
+                       softcap=20.0) == []
