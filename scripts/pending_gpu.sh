@@ -54,8 +54,9 @@
 #                                                       # without its dQ adds and with scalar ones (bwd-patch-ab), the
 #                                                       # fuzz's flipped sm80 knobs: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s50b          # softcap's tile with ping-pong, sanitizer case 53: NOT YET RUN
-#   OUT=/path bash scripts/pending_gpu.sh s50d          # session 50: the sliding-window backward (sm80 LOCAL kernels):
-#                                                       # GPU tests, the SDPA adapter's gradients, fuzz, sanitizer 60-61
+#   OUT=/path bash scripts/pending_gpu.sh s50d          # session 50: the window and softcap backward (sm80 LOCAL and
+#                                                       # SOFTCAP kernels, varlen too): GPU tests, sanitizer 60-62: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s50e          # their fuzz shares (backward, varlen): NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s50c          # session 50: transformers' variant models (Mistral, Gemma-2,
 #                                                       # gpt-oss) on the kernels; the sm80 dQ path at d192/d256
 #                                                       # (bwd-patch-ab, dq_bulk_add with one stage): NOT YET RUN
@@ -478,13 +479,20 @@ case "${1:-}" in
         grep -v compiling "$OUT"/softcap_d*.log; tail -5 "$OUT/sanitize_53.log"
         ;;
     s50d)
-        # session 50 (no device): the sliding-window backward (BackwardSpec(local=True), sm80's kernels on every GPU,
-        # attention_backward(window_size=, causal_alignment=), autograd, top-left causal under grad as its window)
+        # session 50 (no device): the window and softcap backward (BackwardSpec(local=True, softcap=True), sm80's kernels
+        # on every GPU: attention_backward and attention_varlen_backward's window_size / softcap, autograd, top-left
+        # causal under grad as its window, the SDPA adapter's gradients), then its sanitizer cases
         step pytest_window 300 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_adapters_gpu.py \
+            tests/gpu/test_varlen_backward_gpu.py \
             -k "window or softcap or sdpa_gradients or autograd_through_attention"
-        step fuzz_window 200 python3 -m facodegen check --fuzz 240 --seed 61 --family backward
-        step sanitize_window 120 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 60,61
-        tail -3 "$OUT/pytest_window.log"; tail -5 "$OUT/fuzz_window.log"; tail -5 "$OUT/sanitize_window.log"
+        step sanitize_window 150 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 60,61,62
+        tail -3 "$OUT/pytest_window.log"; tail -5 "$OUT/sanitize_window.log"
+        ;;
+    s50e)
+        # their fuzz shares: backward seeds 6 mod 8 (window and/or softcap), varlen seeds 3 mod 4 with variants
+        step fuzz_window 220 python3 -m facodegen check --fuzz 240 --seed 61 --family backward
+        step fuzz_varlen_variants 200 python3 -m facodegen check --fuzz 200 --seed 62 --family varlen
+        tail -5 "$OUT/fuzz_window.log"; tail -5 "$OUT/fuzz_varlen_variants.log"
         ;;
     s50c)
         # session 50 (no device): the transformers backend passes sliding_window, softcap and s_aux to the kernels

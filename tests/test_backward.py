@@ -494,7 +494,7 @@ class BwdLaunches:
     def launcher(self, function, grid, threads, smem):
         name = str(function.ptr)
         size = backward.layout("sm90" if "_sm90_" in name else "sm80",     # (its BwdParams)
-                               varlen=name.endswith(("_varlen", "_varlen_dot_do_o", "_varlen_convert_dq")),
+                               varlen="_varlen" in name,
                                local="_local" in name, softcap="_softcap" in name)[1]
 
         def launch(stream, kernel_params):

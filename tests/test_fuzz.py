@@ -99,8 +99,8 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # 65,536 keys of K and V in a group)
     assert [i for i, c in enumerate(cases) if c.varlen_lpt] == [47]
     assert max(fuzz.varlen_lengths(cases[47])[1]) * cases[47].heads_q > 65536
-    # and varlen with all three attention variants
-    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.has_variant] == [48, 55]
+    # and varlen with all three attention variants (62: a window and softcap, whose backward runs too)
+    assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.has_variant] == [48, 55, 62]
     assert cases[48].sinks and cases[48].softcap and cases[48].window_left >= 0 and cases[48].arch == "sm90"
     # and the decode's window and softcap (paged, split, with an append)
     assert [i for i, c in enumerate(cases) if c.family == "kvcache" and c.has_variant] == [49]
@@ -108,7 +108,7 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and fp8 varlen
     assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.dtype == "fp8"] == [50, 55]
     # the varlen backward: the 16-bit varlen cases of seed 11, and deterministic, the last case
-    assert [i for i, c in enumerate(cases) if c.varlen_backward] == [36, 37, 38, 39, 40, 41, 42, 43, 51, 52]
+    assert [i for i, c in enumerate(cases) if c.varlen_backward] == [36, 37, 38, 39, 40, 41, 42, 43, 51, 52, 62]
     assert [(i, c.arch) for i, c in enumerate(cases) if c.varlen_backward and c.seed % 8 == 7] == [(51, "sm80"),
                                                                                                   (52, "sm90")]
     # and the sm80 backward with one warp a slab and looped GEMMs (case.sm80_knobs_flipped, turn 1)
@@ -127,7 +127,8 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and the decode there (paged, split, an append)
     assert [i for i, c in enumerate(cases) if c.family == "kvcache" and c.head_dim == 80] == [59]
     assert cases[59].page_size and cases[59].num_splits > 1 and cases[59].seqlen_new
-    assert len(cases) == 62
+    assert len(cases) == 63
+    assert cases[62].varlen_backward and cases[62].has_variant and not cases[62].sinks     # (its window, softcap)
     # the sliding-window backward, after each arch's forward (the sm80 LOCAL kernels both): cases 60, 61
     windowed = [(i, c.arch, c.causal) for i, c in enumerate(cases) if c.family == "backward" and fuzz._backward_variant(c)]
     assert windowed == [(60, "sm80", True), (61, "sm90", False)]
@@ -407,24 +408,31 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             assert specs == [fuzz.case_spec(c)]
         elif c.family == "backward":
             knobs = {"deterministic": True} if c.deterministic else {}
+            causal, variant, _ = backward.variant_knobs((c.window_left, c.window_right),
+                                                        "top_left" if c.top_left else "bottom_right", c.softcap,
+                                                        c.causal, c.seqlen_q, c.seqlen_k, 1.0, {})
             # autograd's backward: sm80 after an sm80 forward, else the default (sm90 where it covers the call:
             # deterministic too, every head_dim, padded ones too)
             padded = c.head_dim not in (64, 96, 128, 192, 256)
-            arch = "sm80" if c.arch == "sm80" else "sm90"
-            lpt = [backward.choose(c.head_dim, c.dtype, c.causal, info, {"lpt": False}, arch)] if c.lpt_flipped else []
-            rings = [backward.choose(c.head_dim, c.dtype, c.causal, info,
+            # (a window or softcap: the sm80 LOCAL / SOFTCAP kernels, which the sm90 backward has not)
+            arch = "sm80" if c.arch == "sm80" or variant else "sm90"
+            knobs.update(variant)
+            lpt = [backward.choose(c.head_dim, c.dtype, causal, info, {"lpt": False, **variant}, arch)
+                   ] if c.lpt_flipped else []
+            rings = [backward.choose(c.head_dim, c.dtype, causal, info,
                                      fuzz.shallow_ring_knobs(c.head_dim, c.dtype, c.causal), arch)
                      ] if c.shallow_rings else []
-            rings += [backward.choose(c.head_dim, c.dtype, c.causal, info, {"dq_lag": c.causal}, arch)
+            rings += [backward.choose(c.head_dim, c.dtype, causal, info, {"dq_lag": c.causal}, arch)
                       ] if c.dq_lag_flipped else []
-            rings += [backward.choose(c.head_dim, c.dtype, c.causal, info,
+            rings += [backward.choose(c.head_dim, c.dtype, causal, info,
                                       fuzz.sm80_flipped_knobs(c.head_dim, c.seed), arch)] if c.sm80_knobs_flipped else []
-            assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, c.causal, info, knobs, arch), *lpt,
+            assert specs == [fuzz.case_spec(c), backward.choose(c.head_dim, c.dtype, causal, info, knobs, arch), *lpt,
                              *rings]
             assert specs[1].deterministic == c.deterministic
+            assert (specs[1].local, specs[1].softcap) == (variant.get("local", False), variant.get("softcap", False))
             lpt_default = arch == "sm90" and c.causal and not c.deterministic
             assert [s.lpt for s in specs[2:]] == [False] * len(lpt) + [lpt_default] * len(rings)
-            assert (specs[1].head_dim_real, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, c.causal)
+            assert (specs[1].head_dim_real, specs[1].dtype, specs[1].causal) == (c.head_dim, c.dtype, causal)
             assert specs[1].arch == arch and specs[1].padded == padded
         elif c.family == "varlen":      # as varlen._miss resolves it: its arch, max_seqlen's plan_bound in the shape
             from facodegen.ops import varlen
@@ -432,13 +440,18 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             shape = (c.batch, bound(c.seqlen_q), bound(c.seqlen_k), c.heads_q)
             local, causal, _, _ = api.window_params(c.window_left, c.window_right, c.causal, *shape[1:3])
             variant = dict(local=local, softcap=c.softcap > 0, sinks=c.sinks) if c.has_variant else {}
+            bwd_causal, bwd_variant, _ = backward.variant_knobs((c.window_left, c.window_right), "bottom_right",
+                                                                c.softcap, c.causal, *shape[1:3], 1.0, {})
             fp8 = {"out_dtype": "bf16", "v_layout": "row"} if c.dtype == "fp8" else {}
             assert specs == [api.resolve_spec(c.head_dim, c.dtype, causal, 0, varlen.check_arch(c.arch), shape=shape,
                                               varlen=True, **({"persistent": False} if c.one_cta_per_tile else {}),
                                               **({"varlen_lpt": True} if c.varlen_lpt else {}), **variant, **fp8)
-                             ] + ([backward.choose(c.head_dim, c.dtype, c.causal, info, {
-                                 "varlen": True, "deterministic": c.seed % 8 == 7}, c.arch)] if c.varlen_backward else [])
-            assert c.varlen_backward == (c.dtype != "fp8" and not c.has_variant and c.seed % 4 == 3
+                             ] + ([backward.choose(c.head_dim, c.dtype, bwd_causal, info, {
+                                 "varlen": True, "deterministic": c.seed % 8 == 7, **bwd_variant},
+                                 "sm80" if c.has_variant else c.arch)] if c.varlen_backward else [])
+            windowed = (c.window_left, c.window_right) != (-1, -1)
+            assert c.varlen_backward == (c.dtype != "fp8" and not c.sinks and c.seed % 4 == 3
+                                         and not (windowed and c.seed % 8 == 7)
                                          and c.heads_q * c.seqlen_q * c.seqlen_k <= fuzz.MAX_SCORES // 8)
         else:
             dtype = {"fp16": "float16", "bf16": "bfloat16"}[c.dtype]

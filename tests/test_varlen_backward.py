@@ -164,10 +164,28 @@ def _call(args, **kw):
     return varlen_backward.attention_varlen_backward(*positional, **a, **kw)
 
 
-def _fields(record, arch="sm80") -> dict:
+def _fields(record, arch="sm80", local=False, softcap=False) -> dict:
     formats = {"ptr": "<Q", "i32": "<i", "i64": "<q", "f32": "<f"}
     return {f.name: struct.unpack_from(formats[f.kind], record["params"], off)[0]
-            for f, off in backward.layout(arch, varlen=True)[0] if f.kind in formats}
+            for f, off in backward.layout(arch, varlen=True, local=local, softcap=softcap)[0] if f.kind in formats}
+
+
+@pytest.mark.parametrize("arch", [None, "sm80"])
+def test_a_varlen_window_and_softcap_run_the_sm80_local_softcap_kernels(vbwd, arch):
+    """window_size and softcap (attention_varlen's): the sm80 LOCAL and SOFTCAP varlen kernels on this fake H200
+    too (arch=None), the window folded against the plan's bounds (a window past them is none), its values and
+    the cap in BwdParams; an sm90 call with them is refused naming the knob."""
+    a = _problem()
+    _call(a, causal=True, softmax_scale=0.25, window_size=(20, -1), softcap=30.0, arch=arch)
+    spec = BackwardSpec(head_dim=D, causal=True, gpu="h200", varlen=True, local=True, softcap=True)
+    main = vbwd.bwd.records[1]
+    assert main["name"] == spec.variant
+    f = _fields(main, local=True, softcap=True)
+    assert (f["window_left"], f["window_right"]) == (20, 0) and f["softcap_scale"] == pytest.approx(0.25 / 30)
+    _call(a, causal=True, softmax_scale=0.25, window_size=(5000, -1), arch=arch)     # wider than any sequence
+    assert "_local" not in vbwd.bwd.records[4]["name"]
+    with pytest.raises(SpecError, match="local"):
+        _call(a, causal=True, window_size=(20, -1), arch="sm90")
 
 
 def test_a_varlen_call_launches_the_three_kernels_over_the_packed_rows(vbwd):
@@ -549,9 +567,21 @@ def test_flash_attn_varlen_func_records_the_backward_too(meta_varlen, determinis
     assert back["causal"] is True and back.get("deterministic", False) is deterministic
 
 
+@pytest.mark.parametrize("variant", [dict(window_size=(8, 0)), dict(softcap=20.0),
+                                     dict(window_size=(3, 5), softcap=50.0)], ids=["window", "softcap", "both"])
+def test_a_window_and_softcap_record_their_varlen_backward(meta_varlen, variant):
+    """attention_varlen with a window or softcap on tensors that require grad: the forward takes them, and so does
+    its recorded attention_varlen_backward (the sm80 LOCAL / SOFTCAP kernels, each sequence's own diagonal)."""
+    q = meta(16, 2, 64)
+    facodegen.attention_varlen(q, q.detach(), q.detach(), *_boundaries(), 8, 8, causal=True,
+                               **variant).float().sum().backward()
+    [fwd], [back] = meta_varlen.forwards, meta_varlen.backwards
+    want = {"window_size": tuple(variant.get("window_size", (-1, -1))), "softcap": variant.get("softcap", 0.0)}
+    assert {n: fwd[n] for n in want} == want and {n: back[n] for n in want} == want and back["causal"] is True
+
+
 @pytest.mark.parametrize("kw, q_shape, v_dim, dtype, words", [
-    (dict(window_size=(8, 0)), (16, 2, 64), 64, torch.bfloat16, "window_size, softcap and sinks have no backward"),
-    (dict(softcap=20.0), (16, 2, 64), 64, torch.bfloat16, "window_size, softcap and sinks have no backward"),
+    (dict(sinks="new"), (16, 2, 64), 64, torch.bfloat16, "sinks have no backward"),
     (dict(out="new"), (16, 2, 64), 64, torch.bfloat16, "out="),
     ({}, (16, 2, 128), 64, torch.bfloat16, "head_dim_v=64"),
     ({}, (16, 2, 64), 64, torch.float8_e4m3fn, "fp8"),
@@ -561,6 +591,8 @@ def test_what_has_no_backward_raises_at_the_forward(meta_varlen, kw, q_shape, v_
     v = meta(q_shape[0], q_shape[1], v_dim, dtype=dtype, grad=False)
     if kw.get("out") == "new":
         kw = dict(out=torch.empty_like(q.detach()))
+    if kw.get("sinks") == "new":
+        kw = dict(sinks=torch.empty(2, dtype=torch.float32, device="meta"))
     with pytest.raises(NotImplementedError) as err:
         facodegen.attention_varlen(q, q.detach(), v, *_boundaries(), 8, 8, **kw)
     assert words in str(err.value) and "facodegen.attention_varlen" in str(err.value)

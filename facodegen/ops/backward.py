@@ -152,6 +152,11 @@ def pack(values: dict, arch: str = "sm80", varlen: bool = False, local: bool = F
     return pack_placed(layout(arch, varlen, local, softcap), values, "BwdParams")
 
 
+def pack_for(spec: BackwardSpec, values: dict) -> bytes:
+    """BwdParams' bytes for ``spec``'s kernels (pack with its layout_of)."""
+    return pack_placed(layout_of(spec), values, "BwdParams")
+
+
 assert [off for f, off in layout()[0][:len(_POINTERS)]] == [8 * i for i in range(len(_POINTERS))]
 
 # ------------------------------------------------------------------ render and compile
@@ -729,7 +734,7 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
         values.update(tensor_maps(spec, views, batch, seqlen_q, seqlen_k, heads_q, heads_kv), lpt_pairs=group,
                       lpt_tail_pair=lpt_tail_pair(batch * heads_kv, group, -(-seqlen_k // spec.block_n), info.sms))
     return BackwardPlan(spec, functions, grids(spec, batch, heads_q, heads_kv, seqlen_q, seqlen_k, info.sms),
-                        pack_placed(layout_of(spec), values, "BwdParams"), allocate=functools.partial(api._allocate, qv.kind, qv.device),
+                        pack_for(spec, values), allocate=functools.partial(api._allocate, qv.kind, qv.device),
                         map_targets=tuple(views[operand].ptr for operand in _MAP_OPERANDS.values()),
                         device=qv.device, accum_floats=batch * heads_q * dq_accum_rows(spec, seqlen_q) * spec.head_dim,
                         dpsum_floats=row_stat_floats(spec, batch, heads_q, seqlen_q),

@@ -30,8 +30,8 @@ That formula is what AOTAutograd traces under torch.compile; in eager mode _Atte
 work at a fraction of the op's autograd kernel's host cost (see _Attention).
 A sliding window (window_size, and top-left causal) and a softcap record a backward with the same
 variant (attention_backward's window_size, causal_alignment and softcap: the sm80 backward's LOCAL and
-SOFTCAP kernels). fp8 inputs, sinks, the variants through attention_varlen and the mutating
-``attention_out`` (out=/lse_out=) have no backward: a call that would record a gradient raises at the
+SOFTCAP kernels; attention_varlen_backward's window_size and softcap through attention_varlen). fp8 inputs,
+sinks and the mutating ``attention_out`` (out=/lse_out=) have no backward: a call that would record a gradient raises at the
 forward rather than returning an output with no grad_fn or a wrong one.
 
 ``facodegen.attention_with_kvcache`` (facodegen/ops/kvcache.py) calls the kvcache ops on torch tensors
@@ -103,12 +103,9 @@ def _out_has_no_backward(what: str = "facodegen.attention") -> str:
 
 
 def _variants_have_no_backward(what: str = "facodegen.attention") -> str:
-    if what == "facodegen.attention":
-        return (f"{what}: sinks have no backward yet (the generated backward computes plain, sliding-window and "
-                f"softcapped attention's gradients); call it under torch.no_grad() or on tensors that do not "
-                f"require grad")
-    return (f"{what}: window_size, softcap and sinks have no backward yet (the generated backward computes plain "
-            f"attention's gradients); call it under torch.no_grad() or on tensors that do not require grad")
+    return (f"{what}: sinks have no backward yet (the generated backward computes plain, sliding-window and "
+            f"softcapped attention's gradients); call it under torch.no_grad() or on tensors that do not "
+            f"require grad")
 
 
 def _has_backward(variant) -> bool:
@@ -138,7 +135,7 @@ def _refuse_without_backward(q, out, lse_out, variant, v=None, what: str = "faco
         raise NotImplementedError(_fp8_has_no_backward(what))
     if v is not None and _split_v(q, v):
         raise NotImplementedError(_head_dim_v_has_no_backward(q, v, what))
-    if variant is not None and not (what == "facodegen.attention" and _has_backward(variant)):
+    if variant is not None and not _has_backward(variant):
         raise NotImplementedError(_variants_have_no_backward(what))
     if out is not None or lse_out is not None:
         raise NotImplementedError(_out_has_no_backward(what))
@@ -431,13 +428,14 @@ def _kernel_layout(grad_out):
 def attention_varlen_recording(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                                return_lse, out, arch, spec_fields, variant, deterministic=False):
     """facodegen.attention_varlen on tensors that record a gradient (its arguments; ``variant``: api's
-    (window_size, softcap, sinks, alignment) or None, refused like fp8, head_dim_v, a padded head_dim
-    and ``out``): _VarlenAttention, the no-grad call and attention_varlen_backward."""
+    (window_size, softcap, sinks, alignment) or None, whose sinks are refused like fp8, head_dim_v, a padded
+    head_dim and ``out``): _VarlenAttention, the no-grad call and attention_varlen_backward."""
     _refuse_without_backward(q, out, None, variant, v, what="facodegen.attention_varlen")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    variant_args = {} if variant is None else {"window_size": tuple(variant[0]), "softcap": variant[1]}
     call = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, arch, spec_fields,
-            deterministic)
+            deterministic, variant_args)
     out, lse = _VarlenAttention.apply(q, k, v, call)
     return (out, lse) if return_lse else out
 
@@ -446,14 +444,14 @@ class _VarlenAttention(torch.autograd.Function):
     """attention_varlen with its backward (_Attention's way): the forward is the no-grad call with the
     LSE, which it saves with O; the backward runs attention_varlen_backward on them. ``call``:
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, arch, spec_fields,
-    deterministic); the boundaries take no gradient."""
+    deterministic, variant_args: window_size and softcap, or {}); the boundaries take no gradient."""
 
     @staticmethod
     def forward(ctx, q, k, v, call):
         from .varlen import attention_varlen
-        cu_q, cu_k, max_q, max_k, causal, softmax_scale, arch, spec_fields, _ = call
+        cu_q, cu_k, max_q, max_k, causal, softmax_scale, arch, spec_fields, _, variant_args = call
         out, lse = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=softmax_scale,
-                                    return_lse=True, arch=arch, **spec_fields)     # (grad mode is off in here)
+                                    return_lse=True, arch=arch, **variant_args, **spec_fields)   # (grad mode is off)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
@@ -468,10 +466,10 @@ class _VarlenAttention(torch.autograd.Function):
             return None, None, None, None
         grad_out = _kernel_layout(grad_out)
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        _, _, max_q, max_k, causal, softmax_scale, arch, _, deterministic = ctx.call
+        _, _, max_q, max_k, causal, softmax_scale, arch, _, deterministic, variant_args = ctx.call
         dq, dk, dv = attention_varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
                                                softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
-                                               **_backward_knobs(deterministic))
+                                               **variant_args, **_backward_knobs(deterministic))
         return dq, dk, dv, None
 
 

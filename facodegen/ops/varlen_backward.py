@@ -38,15 +38,17 @@ _PLANS = PlanCache()
 
 def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                               max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
-                              dq=None, dk=None, dv=None, arch: str | None = None, check_inputs: bool = False,
-                              **knobs):
+                              window_size=(-1, -1), softcap: float = 0.0, dq=None, dk=None, dv=None,
+                              arch: str | None = None, check_inputs: bool = False, **knobs):
     """Gradients (dq, dk, dv) of attention_varlen given dO = ``do`` and the forward's ``out`` and ``lse``.
 
     q, out, do: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim), fp16 or bf16 torch
     CUDA tensors or CuPy arrays (attention_varlen's layout rules; head_dim any multiple of 8 in [8, 256]: 64,
     96, 128, 192, 256 or the next one's tile, padded inside the kernels; V as wide as Q and K); lse: the
     forward's float32 natural-log LSE, contiguous (heads_q, total_q) (attention_varlen(..., return_lse=True));
-    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ``causal`` and ``softmax_scale``: the forward's.
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ``causal``, ``softmax_scale``, ``window_size`` and
+    ``softcap``: the forward's (a window on each sequence's bottom-right diagonal and a softcap run the sm80
+    backward's LOCAL and SOFTCAP kernels, on every GPU).
     dK and dV of a kv head are summed over the query heads that share it (GQA/MQA). dq, dk, dv: arrays to
     write the gradients into (default: new contiguous ones, zero at the tokens no sequence covers; given ones
     keep what they held there, but for dQ on sm80, written zero). ``arch``: None (sm90 on H100/H200, where it
@@ -57,20 +59,25 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     if check_inputs:
         varlen.check_boundaries(varlen._host_ints(cu_seqlens_q), varlen._host_ints(cu_seqlens_k), q.shape[0],
                                 k.shape[0], max_seqlen_q, max_seqlen_k)
+    if window_size.__class__ is not tuple:      # (a list: hashable for the plan key; anything else: _resolve says)
+        try:
+            window_size = tuple(window_size)
+        except TypeError:
+            pass
     kind = api._kind(q)
     plan = key = None
     if kind != "other":
         try:
             key = _call_key(kind, (do, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k), (
                 max_seqlen_q.__class__, varlen.plan_bound(max_seqlen_q), max_seqlen_k.__class__,
-                varlen.plan_bound(max_seqlen_k), causal.__class__, causal, softmax_scale.__class__, softmax_scale, arch,
-                tuple(sorted(knobs.items()))))
+                varlen.plan_bound(max_seqlen_k), causal.__class__, causal, softmax_scale.__class__, softmax_scale,
+                window_size, softcap.__class__, softcap, arch, tuple(sorted(knobs.items()))))
             plan = None if key is None else _PLANS.get(key)
         except (AttributeError, TypeError, ValueError, IndexError):   # not arrays of one library, an unhashable knob
             plan = key = None
     if plan is None:
         plan = _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                        softmax_scale, dq, dk, dv, arch, knobs)
+                        softmax_scale, dq, dk, dv, arch, knobs, window_size, softcap)
         if key is not None:
             _PLANS.put(key, plan)
     device = plan.device
@@ -122,7 +129,7 @@ def zero_outside_bits(arch: str, new_dq: bool, new_dk: bool, new_dv: bool) -> in
 
 
 def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-             dq, dk, dv, arch, knobs) -> backward.BackwardPlan:
+             dq, dk, dv, arch, knobs, window_size=(-1, -1), softcap=0.0) -> backward.BackwardPlan:
     """Check every argument (errors name it), pick and load the kernels, build the plan."""
     qv, kv, vv = api._view("q", q), api._view("k", k), api._view("v", v)
     varlen.check_packed(qv, kv, vv, backward=True)
@@ -150,12 +157,15 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"return_lse), got shape {lsev.shape} strides {lsev.strides}")
     backward.gradient_views(views, dq, dk, dv, checked=varlen.as_one_batch)
     scale = api._check_scale(softmax_scale, head_dim)
+    # (the window folded as for sequences of the plan's bounds: open sides are open for every sequence)
+    causal, knobs, variant_values = backward.variant_knobs(window_size, "bottom_right", softcap, causal, max_q, max_k,
+                                                           scale, knobs)
     info, spec, functions = backward.spec_of_call(qv, head_dim, causal, {**knobs, "varlen": True}, arch)
     packed = {name: varlen.as_one_batch(view) for name, view in views.items()}    # (as FlashParams takes them)
     values = backward.stride_values(packed)
     values.update(batch=sequences, seqlen_q=total_q, seqlen_k=total_k, heads_q=heads_q, heads_kv=heads_kv,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e), cu_seqlens_q=0, cu_seqlens_k=0,
-                  zero_outside=zero_outside_bits(spec.arch, dq is None, dk is None, dv is None))
+                  zero_outside=zero_outside_bits(spec.arch, dq is None, dk is None, dv is None), **variant_values)
     encode_maps = None
     if spec.arch == "sm90":     # TMA maps over the packed tokens (as one batch); tiles over max_seqlen_k's bound
         driver.ensure_context(qv.device)
@@ -169,7 +179,7 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     grid3, (accum_floats, stat_floats, semaphore_ints) = totals.of(total_q)
     return backward.BackwardPlan(
         spec, functions, grid3,
-        backward.pack(values, spec.arch, varlen=True), allocate=functools.partial(api._allocate, qv.kind, qv.device),
+        backward.pack_for(spec, values), allocate=functools.partial(api._allocate, qv.kind, qv.device),
         map_targets=tuple(views[operand].ptr for operand in backward._MAP_OPERANDS.values()),
         device=qv.device, accum_floats=accum_floats, dpsum_floats=stat_floats, semaphore_ints=semaphore_ints,
         switch_context=qv.device != api._current_device(qv.kind), keep_scratch=False, varlen=totals,

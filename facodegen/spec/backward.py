@@ -165,12 +165,12 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "[i + seqlen_k - seqlen_q - window_left, i + seqlen_k - seqlen_q + window_right], the two values run-time "
          "arguments (BwdParams) in the bottom-right frame api.window_params folds the window into. A key block "
          "visits only the query blocks whose rows see one of its keys, and masks the steps a window edge crosses. "
-         "sm80 (it runs on sm90 GPUs too), not deterministic or varlen yet.",
+         "sm80 (it runs on sm90 GPUs too), varlen too (each sequence's own diagonal), not deterministic yet.",
          flag="--local/--no-local", problem=True, token=_flag("local")),
     Knob("softcap", "bool", "Logit softcap (attention()'s softcap=c): P is recomputed from c tanh(scale s / c) "
          "(BwdParams' softcap_scale = scale / c and softcap_log2 = c log2(e), run-time) and dS carries tanh's "
          "derivative, 1 - tanh^2, recomputed from S^T (which P in elem_t pairs leaves in its registers). sm80 (it "
-         "runs on sm90 GPUs too), not varlen yet.",
+         "runs on sm90 GPUs too), varlen too.",
          flag="--softcap/--no-softcap", problem=True, token=_flag("softcap")),
 )
 BACKWARD_BY_NAME = {k.name: k for k in BACKWARD_KNOBS}
@@ -761,10 +761,6 @@ def _validate(spec: BackwardSpec) -> None:
     if spec.local and spec.deterministic:
         raise SpecError("local", "the sliding-window backward has no deterministic mode yet (its dQ turn order counts "
                                  "key blocks from 0; a window's first key block per query block is later)")
-    if spec.local and spec.varlen:
-        raise SpecError("local", "the varlen backward takes no sliding window yet")
-    if spec.softcap and spec.varlen:
-        raise SpecError("softcap", "the varlen backward takes no softcap yet")
     if spec.lpt:
         raise SpecError("lpt", "an sm90 knob (its tile numbering); the sm80 backward's grid is one CTA per key block")
     if spec.dq_lag:

@@ -167,12 +167,15 @@ class Case:
 
     @property
     def varlen_backward(self) -> bool:
-        """A 16-bit varlen case without variants whose seed is 3 mod 4 (where float64 autograd of its longest
+        """A 16-bit varlen case without sinks whose seed is 3 mod 4 (where float64 autograd of its longest
         sequence stays within the backward family's size) also runs attention_varlen_backward on its O and
-        LSE, each sequence's dQ, dK, dV against float64 autograd by the backward family's criterion, and with
-        seed 7 mod 8 deterministic=True, twice, bit-identical (the launch-only sweep launches it too). Read
-        off the seed, as ``deterministic``."""
-        return (self.family == "varlen" and self.dtype != "fp8" and not self.has_variant and self.seed % 4 == 3
+        LSE (with its window and softcap: the sm80 LOCAL and SOFTCAP kernels), each sequence's dQ, dK, dV against
+        float64 autograd by the backward family's criterion, and with seed 7 mod 8 deterministic=True (but with a
+        window, which has no deterministic mode yet), twice, bit-identical (the launch-only sweep launches it
+        too). Read off the seed, as ``deterministic``."""
+        windowed = (self.window_left, self.window_right) != (-1, -1)
+        return (self.family == "varlen" and self.dtype != "fp8" and not self.sinks and self.seed % 4 == 3
+                and not (windowed and self.seed % 8 == 7)
                 and self.head_dim in HEAD_DIMS and self.heads_q * self.seqlen_q * self.seqlen_k <= MAX_SCORES // 8)
 
     @property
@@ -842,6 +845,7 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         do = grad_output(gen, (cu_q[-1], case.heads_q, case.head_dim), dt)
         runs = [facodegen.attention_varlen_backward(do, *args, out, lse, *boundaries, case.seqlen_q, case.seqlen_k,
                                                     causal=case.causal, softmax_scale=case.softmax_scale,
+                                                    window_size=variants["window_size"], softcap=case.softcap,
                                                     **_varlen_backward_knobs(case))
                 for _ in range(2 if case.seed % 8 == 7 and not launch_only else 1)]
         grads = runs[0]
@@ -852,7 +856,8 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
     if grads is not None:
         if len(runs) > 1 and not all(torch.equal(a, b) for a, b in zip(*runs)):
             problems.append("deterministic: two varlen backward runs differ")
-        problems += _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, case.causal, scale, grads)
+        problems += _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, case.causal, scale, grads,
+                                              window_size=variants["window_size"], softcap=case.softcap)
     for seq, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
         if q0 == q1:
             continue
@@ -881,13 +886,15 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
 
 def _varlen_backward_knobs(case: Case) -> dict:
     """attention_varlen_backward's arch and knobs in a varlen_backward case: the case's arch (sm90: its varlen
-    backward; sm80: the sm80 kernels), deterministic for seeds 7 mod 8."""
-    return {"arch": case.arch, "deterministic": case.seed % 8 == 7}
+    backward; sm80: the sm80 kernels; with a window or softcap the sm80 kernels on either, the only ones with
+    them), deterministic for seeds 7 mod 8."""
+    variant = (case.window_left, case.window_right) != (-1, -1) or case.softcap
+    return {"arch": "sm80" if variant else case.arch, "deterministic": case.seed % 8 == 7}
 
 
-def _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, causal: bool, scale: float, grads) -> list[str]:
-    """backward_failures per sequence of packed gradients; a sequence with no query or no key must have
-    zero gradients."""
+def _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, causal: bool, scale: float, grads, **variant) -> list[str]:
+    """backward_failures per sequence of packed gradients (``variant``: window_size and softcap, on each
+    sequence's diagonal); a sequence with no query or no key must have zero gradients."""
     problems = []
     for seq, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
         got = [g[None, a:b] for g, a, b in zip(grads, (q0, k0, k0), (q1, k1, k1))]
@@ -897,7 +904,7 @@ def _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, causal: bool, scale: floa
             continue
         one = [x[None, a:b].contiguous() for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1), (do, q0, q1))]
         problems += [f"sequence {seq} ({q1 - q0} queries, {k1 - k0} keys): {why}"
-                     for why in backward_failures(*one, causal, scale, got)]
+                     for why in backward_failures(*one, causal, scale, got, **variant)]
     return problems
 
 
@@ -924,18 +931,32 @@ def case_specs(case: Case, device: int = 0) -> list:
     forward = case_spec(case, device)
     if case.family == "backward":
         from ..ops import backward
-        knobs = {"deterministic": True} if case.deterministic else {}
         info, arch = api.device_info(device), backward.autograd_arch(case.arch)
-        specs = [forward, backward.choose(case.head_dim, case.dtype, case.causal, info, knobs, arch)]
+        causal, knobs = _backward_variant_knobs(case, case.seqlen_q, case.seqlen_k,
+                                                {"deterministic": True} if case.deterministic else {})
+        specs = [forward, backward.choose(case.head_dim, case.dtype, causal, info, knobs, arch)]
         if _second_call_knobs(case):        # (its own attention_backward call: lpt, shallow_rings, dq_lag, sm80 knobs)
-            specs.append(backward.choose(case.head_dim, case.dtype, case.causal, info, _backward_knobs(case), arch))
+            _, knobs = _backward_variant_knobs(case, case.seqlen_q, case.seqlen_k, _backward_knobs(case))
+            specs.append(backward.choose(case.head_dim, case.dtype, causal, info, knobs, arch))
         return specs
     if case.varlen_backward:
         from ..ops import backward
+        from ..ops.varlen import plan_bound
         knobs = dict(_varlen_backward_knobs(case), varlen=True)
         arch = knobs.pop("arch")
-        return [forward, backward.choose(case.head_dim, case.dtype, case.causal, api.device_info(device), knobs, arch)]
+        causal, knobs = _backward_variant_knobs(case, plan_bound(case.seqlen_q), plan_bound(case.seqlen_k), knobs)
+        return [forward, backward.choose(case.head_dim, case.dtype, causal, api.device_info(device), knobs, arch)]
     return [forward]
+
+
+def _backward_variant_knobs(case: Case, seqlen_q: int, seqlen_k: int, knobs: dict) -> tuple[bool, dict]:
+    """(the backward spec's causal flag, ``knobs`` with local / softcap) of a backward case's window and softcap
+    (backward.variant_knobs, for sequences of ``seqlen_q`` queries and ``seqlen_k`` keys)."""
+    from ..ops import backward
+    causal, knobs, _ = backward.variant_knobs((case.window_left, case.window_right),
+                                              "top_left" if case.top_left else "bottom_right", case.softcap,
+                                              case.causal, seqlen_q, seqlen_k, 1.0, knobs)
+    return causal, knobs
 
 
 def case_spec(case: Case, device: int = 0):
@@ -951,7 +972,8 @@ def case_spec(case: Case, device: int = 0):
         from ..ops.varlen import plan_bound
         fields.update(varlen=True, **_varlen_knobs(case))
         seqlen_q, seqlen_k = plan_bound(seqlen_q), plan_bound(seqlen_k)
-    if case.family == "variants" or case.family == "varlen" and case.has_variant:
+    if case.family in ("variants", "backward") and (case.has_variant or case.top_left) or \
+            case.family == "varlen" and case.has_variant:
         # the switches api._variants derives from the call's arguments (varlen: against the plan's bounds)
         local, causal, _, _ = api.window_params(case.window_left, case.window_right, case.causal, seqlen_q,
                                                 seqlen_k, case.top_left)
@@ -1098,8 +1120,8 @@ def representative_cases() -> list[Case]:
     head_dim 256; sm90 with more tiles than SMs, and with lpt; last, sm90 with the rings away from their
     defaults and with dq_lag; sm80 with one warp a slab and looped GEMMs), two
     decode-family cases (paged with an append and a split, contiguous MQA-like packing), and fp8 with
-    the variants, alone and varlen, and padded, and the sliding-window backward (cases 60, 61): what the
-    sanitizer sweep (scripts/sanitize.py) runs under each tool."""
+    the variants, alone and varlen, and padded, and the sliding-window and softcap backward (cases 60-62, 62
+    varlen): what the sanitizer sweep (scripts/sanitize.py) runs under each tool."""
     def packed(arch: str, dtype: str, head_dim: int, causal: bool, seed: int, seqlen_k: int = 257, **variant) -> Case:
         """A varlen case: six packed sequences drawn from ``seed`` under 300 queries and ``seqlen_k`` keys, GQA
         4/2, a strided token axis, the LSE asked for and O poisoned."""
@@ -1246,6 +1268,10 @@ def representative_cases() -> list[Case]:
     cases.append(Case("backward", "sm90", "fp16", batch=2, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=2,
                       head_dim=64, causal=False, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=True, use_out=False, seed=22, window_left=33, window_right=17, softcap=30.0))
+    # and the varlen backward with a window and softcap on each sequence's diagonal (seed 11, 3 mod 8: its
+    # varlen_backward, on the sm80 LOCAL and SOFTCAP kernels) after the sm90 varlen forward: case 62
+    cases.append(packed("sm90", "bf16", 128, True, VARLEN_REPRESENTATIVE_SEED, window_left=40, window_right=-1,
+                        softcap=30.0))
     return cases
 
 

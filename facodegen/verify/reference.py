@@ -297,10 +297,10 @@ def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scal
 
 
 def varlen_backward_reference(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
-                              softmax_scale: float | None = None):
+                              softmax_scale: float | None = None, *, window_size=(-1, -1), softcap: float = 0.0):
     """(dQ, dK, dV) in float64 of :func:`varlen_reference`'s O given dO, packed as q, k and v: each
-    sequence's attention_backward_reference (causal on its own bottom-right diagonal). Tokens no
-    sequence covers get zero gradients."""
+    sequence's attention_backward_reference (causal and ``window_size`` on its own bottom-right diagonal,
+    ``softcap``). Tokens no sequence covers get zero gradients."""
     do, q, k, v = to_float64(do), to_float64(q), to_float64(k), to_float64(v)
     cu_q = np.asarray(to_float64(cu_seqlens_q), dtype=np.int64)
     cu_k = np.asarray(to_float64(cu_seqlens_k), dtype=np.int64)
@@ -315,7 +315,7 @@ def varlen_backward_reference(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: b
         if rows.stop <= rows.start or keys.stop <= keys.start:
             continue    # no query, or no key: nothing is attended, every gradient is zero
         grads = attention_backward_reference(do[None, rows], q[None, rows], k[None, keys], v[None, keys], causal,
-                                             scale)
+                                             scale, window_size=window_size, softcap=softcap)
         dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
     return dq, dk, dv
 

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason=f"needs a
 import facodegen  # noqa: E402
 from facodegen.ops import api, backward  # noqa: E402
 from facodegen.spec.backward import BackwardSpec  # noqa: E402
-from test_backward_gpu import check_grads, reference  # noqa: E402
+from test_backward_gpu import _hidden, check_grads, reference  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HAVE_SM90 = HAVE_GPU and torch.cuda.get_device_capability() == (9, 0)
@@ -226,3 +226,40 @@ def test_hostile_boundaries_are_clamped_and_check_inputs_refuses_them(arch):
     grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, 128, 128, causal=True, arch=arch)
     torch.cuda.synchronize()
     assert not torch.isnan(out.float()).any() and all(torch.isfinite(g.float()).all() for g in grads)
+
+
+@pytest.mark.parametrize("window_size, softcap", [((40, -1), 0.0), ((-1, -1), 5.0), ((17, 9), 30.0)],
+                         ids=["window", "softcap", "both"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_window_and_softcap_gradients_match_float64(window_size, softcap, causal):
+    """attention_varlen_backward with a window on each sequence's diagonal and a softcap (the sm80 LOCAL and SOFTCAP
+    kernels, arch=None: on every GPU) against each sequence's float64 reference with them (FA3's criterion; a
+    sequence with no query or key: zero gradients), inputs at 3x unit scale so that the cap bites."""
+    lengths_q, lengths_k = [100, 0, 1, 257, 64], [120, 33, 0, 300, 64]
+    q, k, v, do, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 128, torch.bfloat16, seed=21)
+    q, k = q * 3, k * 3
+    scale = 128 ** -0.5
+    out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"), device="cuda")
+    masks = []
+    for (q0, q1), (k0, k1) in zip(_spans(cu_q), _spans(cu_k)):
+        hidden = _hidden(q1 - q0, k1 - k0, causal, window_size, False) if window_size != (-1, -1) else None
+        masks.append(hidden)
+        if q1 > q0 and k1 > k0:
+            o, l_, _ = reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], q[None, q0:q1], causal, scale,
+                                 upcast=True, hidden=hidden, softcap=softcap)
+            out[q0:q1], lse[:, q0:q1] = o[0].to(q.dtype), l_[0].float()
+    poison = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
+    dq, dk, dv = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max(lengths_q),
+                                                     max(lengths_k), causal=causal, softmax_scale=scale,
+                                                     window_size=window_size, softcap=softcap, **poison)
+    failures = []
+    for b, (((q0, q1), (k0, k1)), hidden) in enumerate(zip(zip(_spans(cu_q), _spans(cu_k)), masks)):
+        if q1 == q0 or k1 == k0:
+            if dq[q0:q1].abs().sum() or dk[k0:k1].abs().sum() or dv[k0:k1].abs().sum():
+                failures.append(f"sequence {b} has non-zero gradients")
+            continue
+        got = (dq[None, q0:q1], dk[None, k0:k1], dv[None, k0:k1])
+        failures += [f"sequence {b}: {f}" for f in check_grads(got, do[None, q0:q1], q[None, q0:q1], k[None, k0:k1],
+                                                               v[None, k0:k1], causal, scale, hidden=hidden,
+                                                               softcap=softcap)]
+    assert failures == []
