@@ -484,7 +484,7 @@ case "${1:-}" in
         # causal under grad as its window, the SDPA adapter's gradients), then its sanitizer cases
         step pytest_window 300 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_adapters_gpu.py \
             tests/gpu/test_varlen_backward_gpu.py \
-            -k "window or softcap or sdpa_gradients or autograd_through_attention"
+            -k "window or softcap or sinks or sdpa_gradients or autograd_through_attention"
         step sanitize_window 150 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 60,61,62
         tail -3 "$OUT/pytest_window.log"; tail -5 "$OUT/sanitize_window.log"
         ;;

@@ -495,7 +495,7 @@ class BwdLaunches:
         name = str(function.ptr)
         size = backward.layout("sm90" if "_sm90_" in name else "sm80",     # (its BwdParams)
                                varlen="_varlen" in name,
-                               local="_local" in name, softcap="_softcap" in name)[1]
+                               local="_local" in name, softcap="_softcap" in name, sinks="_sinks" in name)[1]
 
         def launch(stream, kernel_params):
             if self.yield_in_launch:
@@ -658,6 +658,29 @@ def test_a_softcap_runs_the_sm80_softcap_kernels_with_its_cap(bwd):
     assert backward._PLANS.misses == 3
 
 
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_sinks_take_their_gradient_from_the_postprocess(bwd, monkeypatch, arch):
+    """sinks (the forward's): either arch's SINKS kernels (the same main kernel, a postprocess that also writes the
+    sinks' gradient), a new dsinks each call, its and the sinks' addresses patched into each launch (one plan for
+    two sinks arrays), and a fourth result."""
+    from facodegen.runtime import tma
+    monkeypatch.setattr(tma, "encode", lambda args: bytes(128))
+    do, q, k, v, o, lse = _problem()
+    sinks = [FakeTensor((8,), "float32") for _ in range(2)]
+    for s in sinks:
+        dq, dk, dv, dsinks = backward.attention_backward(do, q, k, v, o, lse, causal=True, sinks=s, arch=arch)
+        assert dsinks.shape == (8,) and dsinks.dtype == "torch.float32"
+        post = bwd.bwd.records[-1]
+        assert post["name"] == BackwardSpec(arch=arch, head_dim=128, causal=True, sinks=True, gpu="h200").kernel_names[2]
+        placed = {f.name: off for f, off in backward.layout(arch, sinks=True)[0]}
+        assert struct.unpack_from("<2Q", post["params"], placed["sinks"]) == (s.data_ptr(), dsinks.data_ptr())
+    assert backward._PLANS.misses == 1 and not next(iter(backward._PLANS._plans.values())).plain
+    with pytest.raises(ValueError, match="sinks"):
+        backward.attention_backward(do, q, k, v, o, lse, sinks=FakeTensor((4,), "float32"), arch=arch)
+    with pytest.raises(TypeError, match="sinks"):
+        backward.attention_backward(do, q, k, v, o, lse, sinks=FakeTensor((8,), "bfloat16"), arch=arch)
+
+
 @pytest.mark.parametrize("change, error, words", [
     ({"softcap": -1.0}, ValueError, "softcap"),
     ({"softcap": float("nan")}, ValueError, "softcap"),
@@ -747,7 +770,9 @@ class MetaLaunches:
 
     def backward(self, do, q, k, v, out, lse, **kwargs):
         self.backwards.append(dict(do=do, q=q, k=k, v=v, out=out, lse=lse, **kwargs))
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        grads = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        sinks = kwargs.get("sinks")
+        return grads if sinks is None else (*grads, sinks.new_empty(sinks.shape))
 
 
 @pytest.fixture
@@ -897,58 +922,35 @@ def test_out_with_grad_raises_at_the_forward():
         facodegen.attention(q, q.detach(), q.detach(), out=torch.empty_like(q.detach()))
 
 
-NO_BACKWARD = {"sinks": lambda: {"sinks": torch.empty(2, dtype=torch.float32, device="meta")},
-               "window_sinks": lambda: {"window_size": (8, 0), "sinks": torch.empty(2, dtype=torch.float32,
-                                                                                  device="meta")}}
-
-
-@pytest.mark.parametrize("name", NO_BACKWARD)
-def test_variants_without_a_backward_raise_at_the_forward(meta_launches, name):
-    """The backward kernels compute plain, sliding-window and softcapped attention's gradients: a sinks call that
-    would record a gradient raises, eager, traced and through the op, rather than returning O with another
-    function's backward."""
-    import facodegen
-    variant = NO_BACKWARD[name]()
-    q = meta(1, 16, 2, 64)
-    with pytest.raises(NotImplementedError, match="sinks have no backward"):
-        facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant)
-    assert not meta_launches.forwards
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="sinks have no backward"):
-        torch.compile(lambda q: facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant),
-                      fullgraph=True, backend="aot_eager")(q)
-    op_args = dict(window_size=[-1, -1], softcap=0.0, sinks=None, causal_alignment="bottom_right")
-    op_args.update({n: list(x) if n == "window_size" else x for n, x in variant.items()})
-    with pytest.raises(NotImplementedError, match="sinks have no backward"):
-        torch.ops.facodegen.attention(q, q.detach(), q.detach(), True, None, None, None, None, None, "", **op_args)
-    with torch.no_grad():       # no gradient recorded: the eager launch
-        facodegen.attention(q, q.detach(), q.detach(), causal=True, **variant)
-    assert len(meta_launches.forwards) == 1
-
-
 # (top-left causal without a window runs on views of k and v with the plain kernels: api._top_left)
 WINDOWS = {"window": {"window_size": (16, 0)}, "window_top_left": {"window_size": (8, 8), "causal_alignment": "top_left"},
-           "softcap": {"softcap": 30.0}, "window_softcap": {"window_size": (16, 0), "softcap": 50.0}}
+           "softcap": {"softcap": 30.0}, "window_softcap": {"window_size": (16, 0), "softcap": 50.0},
+           "sinks": {"sinks": "meta"}, "window_softcap_sinks": {"window_size": (16, 0), "softcap": 50.0, "sinks": "meta"}}
 
 
 @pytest.mark.parametrize("name", WINDOWS)
 def test_a_window_records_its_backward(meta_launches, name):
-    """A sliding window (and top-left causal) and a softcap record a backward with the same variant: eager through
-    _Attention (attention_backward's window_size, causal_alignment, softcap) and, traced, through the op's autograd
-    formula."""
+    """A sliding window (and top-left causal), a softcap and sinks record a backward with the same variant: eager
+    through _Attention (attention_backward's window_size, causal_alignment, softcap, sinks, the sinks taking the
+    gradient it returns) and, traced, through the op's autograd formula."""
     import facodegen
     from torch._dynamo.backends.common import aot_autograd
-    variant = WINDOWS[name]
+    variant = dict(WINDOWS[name])
+    if variant.get("sinks") == "meta":
+        variant["sinks"] = meta(2, dtype=torch.float32)
     q, k = meta(1, 16, 2, 64), meta(1, 24, 2, 64)
     facodegen.attention(q, k, k.detach(), causal=True, **variant).float().sum().backward()
     [fwd], [bwd] = meta_launches.forwards, meta_launches.backwards
     window = tuple(variant.get("window_size", (-1, -1)))
     alignment = variant.get("causal_alignment", "bottom_right")
-    softcap = variant.get("softcap", 0.0)
-    assert tuple(fwd["variant"][0]) == window and fwd["variant"][1:] == (softcap, None, alignment)
-    assert (bwd["window_size"], bwd["causal_alignment"], bwd["softcap"], bwd["causal"]) == (window, alignment,
-                                                                                            softcap, True)
+    softcap, sinks = variant.get("softcap", 0.0), variant.get("sinks")
+    assert tuple(fwd["variant"][0]) == window and fwd["variant"][1:] == (softcap, sinks, alignment)
+    assert (bwd["window_size"], bwd["causal_alignment"], bwd["softcap"], bwd["sinks"], bwd["causal"]) == (
+        window, alignment, softcap, sinks, True)
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    if sinks is not None:
+        assert sinks.grad is not None and sinks.grad.shape == sinks.shape and sinks.grad.dtype == torch.float32
+        sinks.grad = None
     graphs = []
 
     def keep(gm, example_inputs):
@@ -965,7 +967,9 @@ def test_a_window_records_its_backward(meta_launches, name):
         assert f"[{window[0]}, {window[1]}]" in backward_graph, backward_graph
     assert ("top_left" in backward_graph) == (alignment == "top_left"), backward_graph
     if softcap:
-        assert f"{softcap})" in backward_graph, backward_graph
+        assert f"{softcap}" in backward_graph, backward_graph
+    if sinks is not None:
+        assert sinks.grad is not None and sinks.grad.shape == sinks.shape
 
 
 @pytest.mark.parametrize("sq, sk", [(16, 24), (24, 16)])
@@ -994,8 +998,12 @@ def test_backward_op_fake_shapes():
     from facodegen.ops import torch_op  # noqa: F401 (registers the ops: alone on a worker, nothing had)
     q, k = meta(2, 33, 8, 96, grad=False), meta(2, 65, 1, 96, grad=False)
     lse = torch.empty(2, 8, 33, dtype=torch.float32, device="meta")
-    dq, dk, dv = torch.ops.facodegen.attention_backward(q, q, k, k, q, lse, True, None, None, "")
+    dq, dk, dv, dsinks = torch.ops.facodegen.attention_backward(q, q, k, k, q, lse, True, None, None, "")
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape and dq.dtype == q.dtype
+    assert dsinks.shape == (0,)
+    sinks = torch.empty(8, dtype=torch.float32, device="meta")
+    *_, dsinks = torch.ops.facodegen.attention_backward(q, q, k, k, q, lse, True, None, None, "", sinks=sinks)
+    assert dsinks.shape == (8,) and dsinks.dtype == torch.float32
 
 
 def test_api_module_is_untouched_by_the_backward_plan_cache():

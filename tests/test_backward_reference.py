@@ -57,3 +57,24 @@ def test_backward_reference_matches_a_finite_difference():
         plus[which][idx] += eps
         minus[which][idx] -= eps
         assert abs((loss(*plus) - loss(*minus)) / (2 * eps) - grad[idx]) < 1e-6
+
+
+@pytest.mark.parametrize("causal, window_size", [(False, (-1, -1)), (True, (-1, -1)), (True, (3, -1))])
+def test_sinks_gradient_reference_is_the_gradient_of_attention_reference(causal, window_size):
+    """sinks_gradient_reference (the formula the backward's postprocess sums) against central differences of
+    sum(dO ∘ O) in the sinks, through attention_reference with sinks (rows that see no key included)."""
+    from facodegen.verify.reference import sinks_gradient_reference
+    rng = np.random.default_rng(3)
+    q, do = rng.standard_normal((2, 7, 4, 8)), rng.standard_normal((2, 7, 4, 8))
+    k, v = rng.standard_normal((2, 5, 2, 8)), rng.standard_normal((2, 5, 2, 8))
+    sinks = rng.standard_normal(4)
+    out, lse = attention_reference(q, k, v, causal, 0.4, window_size=window_size, sinks=sinks)
+    got = sinks_gradient_reference(do, out, lse, sinks)
+    eps = 1e-6
+    for h in range(4):
+        up, down = sinks.copy(), sinks.copy()
+        up[h] += eps
+        down[h] -= eps
+        loss = [(attention_reference(q, k, v, causal, 0.4, window_size=window_size, sinks=s)[0] * do).sum()
+                for s in (up, down)]
+        assert got[h] == pytest.approx((loss[0] - loss[1]) / (2 * eps), rel=1e-6, abs=1e-8)

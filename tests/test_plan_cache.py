@@ -58,6 +58,7 @@ def fake(monkeypatch, tmp_path):
     torch.contiguous_format = "contiguous_format"
     torch.empty_like = lambda x, dtype=None, memory_format=None: FakeTensor(
         x.shape, (dtype or x.dtype).removeprefix("torch."), device=x.device.index)     # (contiguous, as both give)
+    torch.zeros_like = torch.empty_like        # (no memory to zero)
     torch.ones = lambda shape, dtype, device: FakeTensor(shape, dtype, device=int(str(device).rpartition(":")[2]))
     torch.compiler = types.SimpleNamespace(is_compiling=lambda: False)
     torch.is_grad_enabled = lambda: False

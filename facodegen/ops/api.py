@@ -831,8 +831,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
       The LSE returned includes the sink, log(sum_j e^(x_j) + e^(sink)), as FlashAttention-4's and
       vLLM's kernels return it; a row that sees no key gets O = 0 and LSE = sink.
     Tensors that require grad record the generated backward (fp16/bf16, plain attention, and a window,
-    top-left causal or a softcap: the sm80 backward's LOCAL and SOFTCAP kernels); fp8 inputs and sinks have no
-    backward yet and raise there.
+    top-left causal or a softcap: the sm80 backward's LOCAL and SOFTCAP kernels; sinks, which take their gradient
+    too: either arch's SINKS kernels); fp8 inputs have no backward yet and raise there.
     """
     torch = _TORCH
     # The common torch call (no variant, knob or lse_out; eager; nothing to record), and the fp8 call

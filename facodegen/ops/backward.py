@@ -129,27 +129,37 @@ BWD_SOFTCAP_FIELDS = [Field("softcap_scale", "f32", "float", "softcap: softmax_s
                       Field("softcap_log2", "f32", "float", "softcap: c log2(e) (the capped logit in exp2's units)")]
 
 
-def fields(arch: str = "sm80", varlen: bool = False, local: bool = False, softcap: bool = False) -> list[Field]:
+# sinks only, last: the forward's sink logits and the gradient the postprocess writes, a call's own addresses
+# (patched in per launch, after the twelve pointers: BackwardPlan.launch's ``sinks``)
+BWD_SINKS_FIELDS = [Field("sinks", "ptr", "const float*", "sinks: (heads_q,) float32 sink logits of the forward"),
+                    Field("dsinks", "ptr", "float*", "sinks: (heads_q,) float32 gradient of the sink logits")]
+_PACK_SINKS = struct.Struct("<2Q")
+
+
+def fields(arch: str = "sm80", varlen: bool = False, local: bool = False, softcap: bool = False,
+           sinks: bool = False) -> list[Field]:
     return (BWD_FIELDS + (BWD_TMA_FIELDS + BWD_SM90_FIELDS if arch == "sm90" else [])
             + (BWD_VARLEN_FIELDS if varlen else []) + (BWD_SM90_VARLEN_FIELDS if varlen and arch == "sm90" else [])
-            + (BWD_LOCAL_FIELDS if local else []) + (BWD_SOFTCAP_FIELDS if softcap else []))
+            + (BWD_LOCAL_FIELDS if local else []) + (BWD_SOFTCAP_FIELDS if softcap else [])
+            + (BWD_SINKS_FIELDS if sinks else []))
 
 
 @functools.lru_cache(maxsize=None)
-def layout(arch: str = "sm80", varlen: bool = False, local: bool = False,
-           softcap: bool = False) -> tuple[tuple[tuple[Field, int], ...], int, int]:
+def layout(arch: str = "sm80", varlen: bool = False, local: bool = False, softcap: bool = False,
+           sinks: bool = False) -> tuple[tuple[tuple[Field, int], ...], int, int]:
     """((field, offset), ...), size and alignment of BwdParams (params.place)."""
-    return place(fields(arch, varlen, local, softcap))
+    return place(fields(arch, varlen, local, softcap, sinks))
 
 
 def layout_of(spec: BackwardSpec) -> tuple[tuple[tuple[Field, int], ...], int, int]:
     """The BwdParams layout of ``spec``'s kernels."""
-    return layout(spec.arch, spec.varlen, spec.local, spec.softcap)
+    return layout(spec.arch, spec.varlen, spec.local, spec.softcap, spec.sinks)
 
 
-def pack(values: dict, arch: str = "sm80", varlen: bool = False, local: bool = False, softcap: bool = False) -> bytes:
+def pack(values: dict, arch: str = "sm80", varlen: bool = False, local: bool = False, softcap: bool = False,
+         sinks: bool = False) -> bytes:
     """BwdParams' bytes; sm90's tensor maps are given as 128 bytes each."""
-    return pack_placed(layout(arch, varlen, local, softcap), values, "BwdParams")
+    return pack_placed(layout(arch, varlen, local, softcap, sinks), values, "BwdParams")
 
 
 def pack_for(spec: BackwardSpec, values: dict) -> bytes:
@@ -173,7 +183,7 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
                 "deterministic": False,
                 "dq_tma_reduce": False, "s_lookahead": False, "dp_lookahead": False, "persistent": False, "lpt": False,
                 "do_stages": spec.stages, "dq_pieces": 1, "dq_lag": False, "varlen": False, "local": False,
-                "softcap": False,
+                "softcap": False, "sinks": False,
                 **sm80_defaults(spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.gpu, spec.varlen)}
     s_default, dp_default = sm90_lookahead_default(spec.arch, spec.head_dim, spec.block_m, spec.stages,
                                                    spec.dq_tma_reduce, spec.s_lookahead)
@@ -186,7 +196,8 @@ def _emit_defaults(spec: BackwardSpec) -> dict:
             "dq_tma_reduce": sm90_dq_tma_default(spec.arch, spec.deterministic),
             "persistent": sm90_persistent_default(spec.arch, spec.deterministic, spec.varlen),
             "lpt": sm90_lpt_default(spec.arch, spec.causal, spec.deterministic, spec.varlen, spec.persistent),
-            "dq_lag": sm90_dq_lag_default(spec), "varlen": False, "local": False, "softcap": False, "key_warps": 0,
+            "dq_lag": sm90_dq_lag_default(spec), "varlen": False, "local": False, "softcap": False, "sinks": False,
+            "key_warps": 0,
             "dq_row_warps": 0}
 # sm90 knobs the rendered sm80 header leaves out (always off there; its source is as before they existed).
 _SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_lookahead", "persistent", "lpt",
@@ -194,7 +205,7 @@ _SM90_ONLY = ("do_stages", "dq_pieces", "dq_tma_reduce", "s_lookahead", "dp_look
 # and the sm80 warp grids' knobs, which the sm90 header leaves out (0 there: its warpgroups own 64 keys each)
 _SM80_ONLY = ("key_warps", "dq_row_warps", "frag_prefetch", "poly_exp2_tiles", "dq_bulk_add")
 # and knobs the header lists only when on (so the sources from before them are unchanged)
-_LISTED_WHEN_ON = ("dq_bulk_add", "local", "softcap")
+_LISTED_WHEN_ON = ("dq_bulk_add", "local", "softcap", "sinks")
 
 
 def emit_command(spec: BackwardSpec) -> str:
@@ -414,6 +425,7 @@ class BackwardPlan:
         # sm90: (offset of a TMA map in BwdParams, index of its tensor in ``pointers``) per map
         offsets = {f.name: off for f, off in layout_of(spec)[0]}
         self._cu_seqlens_at = offsets.get("cu_seqlens_q")     # varlen: where a call's boundaries go
+        self._sinks_at = offsets.get("sinks")                 # sinks: where a call's sinks and dsinks go
         self._totals_at = offsets["seqlen_q"]                 # varlen: where its totals go (seqlen_q, seqlen_k)
         self._maps = [(offsets[name], _POINTERS.index(operand)) for name, operand in _MAP_OPERANDS.items()] \
             if spec.arch == "sm90" else []
@@ -424,7 +436,7 @@ class BackwardPlan:
         self._last = first
         # launch_plain serves this plan: the scratch is the plan's, no context to switch (and no boundaries
         # to patch in: varlen plans launch through launch)
-        self.plain = self._scratch is not None and not switch_context and not spec.varlen
+        self.plain = self._scratch is not None and not switch_context and not spec.varlen and not spec.sinks
 
     def _make_launchers(self, grid3) -> list:
         smem = (0, self.spec.smem_bytes, 0)
@@ -451,11 +463,11 @@ class BackwardPlan:
         return add_image(self._images, key, self._last, [(offset, ptr) for (offset, _), ptr in zip(self._maps, key)])
 
     def launch(self, stream: int, pointers: tuple, cu_seqlens: tuple[int, int] | None = None,
-               totals: tuple[int, int] | None = None) -> None:
+               totals: tuple[int, int] | None = None, sinks: tuple[int, int] | None = None) -> None:
         """``pointers``: q, k, v, o, dout, lse, dq, dk, dv device addresses (the scratch is the
         plan's, or, too large to keep or without an ``allocate``, made for this call); a varlen plan's
         ``cu_seqlens``: the cu_seqlens_q and cu_seqlens_k addresses, and ``totals``: the call's packed
-        (total_q, total_k)."""
+        (total_q, total_k); a sinks plan's ``sinks``: the sinks and dsinks addresses."""
         held = None
         varlen = self._varlen
         if varlen is not None:
@@ -481,6 +493,8 @@ class BackwardPlan:
             _PACK_POINTERS.pack_into(image.storage, image.base, *pointers)
             if self._cu_seqlens_at is not None:
                 _PACK_CU_SEQLENS.pack_into(image.storage, image.base + self._cu_seqlens_at, *cu_seqlens)
+            if self._sinks_at is not None:
+                _PACK_SINKS.pack_into(image.storage, image.base + self._sinks_at, *sinks)
             if varlen is not None:
                 _PACK_TOTALS.pack_into(image.storage, image.base + self._totals_at, *totals)
             self._last = image
@@ -573,8 +587,8 @@ _PLANS = PlanCache()
 
 
 def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-                       window_size=(-1, -1), causal_alignment: str = "bottom_right", softcap: float = 0.0, dq=None,
-                       dk=None, dv=None, arch: str | None = None, **knobs):
+                       window_size=(-1, -1), causal_alignment: str = "bottom_right", softcap: float = 0.0, sinks=None,
+                       dq=None, dk=None, dv=None, arch: str | None = None, **knobs):
     """Gradients of attention: (dq, dk, dv) given dO = ``do`` and the forward's ``out`` and ``lse``.
 
     q, out, do: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
@@ -584,7 +598,8 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     return_lse=True)). ``causal`` and ``softmax_scale`` must be the forward's (bottom-right
     causal), and so must ``window_size``, ``causal_alignment`` and ``softcap`` (attention()'s sliding window,
     top-left causal and logit cap: the sm80 backward's LOCAL and SOFTCAP kernels, on every GPU; the sm90 backward
-    has neither yet). dK and dV of a kv head are summed over the query heads that share it (GQA/MQA).
+    has neither yet), and so must ``sinks`` (the forward's sink logits, whose LSE includes them): the call then
+    returns (dq, dk, dv, dsinks), dsinks a new float32 (heads_q,) array, summed in a fixed order. dK and dV of a kv head are summed over the query heads that share it (GQA/MQA).
     dq, dk, dv: arrays to write the gradients into (default: new contiguous ones).
     head_dim: 64, 96, 128, 192, 256, or any other multiple of 8 in [8, 256] (the next one's tile, padded
     inside the kernels as the forward's: BackwardSpec(head_dim=80) is the 96 tile with head_dim_real=80).
@@ -612,8 +627,9 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
                    None if dk is None else (dk.dtype, dk.shape, dk.stride(), dk.get_device()),
                    None if dv is None else (dv.dtype, dv.shape, dv.stride(), dv.get_device()),
                    causal.__class__, causal, softmax_scale.__class__, softmax_scale, window_size, causal_alignment,
-                   softcap.__class__, softcap, arch, tuple(sorted(knobs.items())) if knobs else (),
-                   torch._C._cuda_getDevice())
+                   softcap.__class__, softcap, None if sinks is None else (sinks.dtype, sinks.shape, sinks.stride(),
+                                                                           sinks.get_device()),
+                   arch, tuple(sorted(knobs.items())) if knobs else (), torch._C._cuda_getDevice())
             plan = _PLANS._plans.get(key)
         except (AttributeError, TypeError):   # not all torch tensors, an unhashable knob: the checked path says
             plan = key = None
@@ -636,7 +652,7 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
         plan = key = None
         if kind != "other":
             try:
-                key = call_key(kind, (do, q, k, v, out, lse, dq, dk, dv), (
+                key = call_key(kind, (do, q, k, v, out, lse, dq, dk, dv, sinks), (
                     causal.__class__, causal, softmax_scale.__class__, softmax_scale, window_size, causal_alignment,
                     softcap.__class__, softcap, arch, tuple(sorted(knobs.items()))))
                 plan = _PLANS.get(key)
@@ -644,15 +660,21 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
                 plan = key = None
     if plan is None:
         plan = _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, knobs, window_size,
-                        causal_alignment, softcap)
+                        causal_alignment, softcap, sinks)
         if key is not None:
             _PLANS.put(key, plan)
     device = plan.device
     dq = _new_like(kind, device, q) if dq is None else dq
     dk = _new_like(kind, device, k) if dk is None else dk
     dv = _new_like(kind, device, v) if dv is None else dv
-    plan.launch(api._current_stream(kind, device), call_pointers(kind, (q, k, v, out, do, lse, dq, dk, dv)))
-    return dq, dk, dv
+    if sinks is None:
+        plan.launch(api._current_stream(kind, device), call_pointers(kind, (q, k, v, out, do, lse, dq, dk, dv)))
+        return dq, dk, dv
+    dsinks = _zeros_like(kind, device, sinks)
+    ptr = api.ARRAY_PTR[kind]
+    plan.launch(api._current_stream(kind, device), call_pointers(kind, (q, k, v, out, do, lse, dq, dk, dv)),
+                sinks=(ptr(sinks), ptr(dsinks)))
+    return dq, dk, dv, dsinks
 
 
 def call_pointers(kind: str, arrays: tuple) -> tuple:
@@ -687,6 +709,15 @@ def _new_like(kind: str, device: int, x):
         return cupy.empty(x.shape, dtype=x.dtype)
 
 
+def _zeros_like(kind: str, device: int, x):
+    """A new zeroed array of x's shape and dtype on ``device`` (the sink gradient)."""
+    if kind == "torch":
+        return sys.modules["torch"].zeros_like(x, memory_format=sys.modules["torch"].contiguous_format)
+    import cupy
+    with cupy.cuda.Device(device):
+        return cupy.zeros(x.shape, dtype=x.dtype)
+
+
 def _contiguous_strides(shape) -> tuple:
     strides, n = [], 1
     for size in reversed(shape):
@@ -696,7 +727,7 @@ def _contiguous_strides(shape) -> tuple:
 
 
 def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, knobs, window_size=(-1, -1),
-             causal_alignment="bottom_right", softcap=0.0) -> BackwardPlan:
+             causal_alignment="bottom_right", softcap=0.0, sinks=None) -> BackwardPlan:
     """Check every argument (errors name it), pick and load the kernels, build the plan."""
     from . import api
 
@@ -723,6 +754,9 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
     scale = api._check_scale(softmax_scale, head_dim)
     causal, knobs, variant_values = variant_knobs(window_size, causal_alignment, softcap, causal, seqlen_q, seqlen_k,
                                                   scale, knobs)
+    if api._check_sinks(sinks, qv) is not None:
+        knobs = {**knobs, "sinks": True}
+        variant_values.update(sinks=0, dsinks=0)     # (each launch patches in its call's)
     info, spec, functions = spec_of_call(qv, head_dim, causal, knobs, arch)
     values = stride_values(views)
     values.update(variant_values)

@@ -28,10 +28,11 @@ Autograd: ``facodegen::attention`` has a backward (torch.library.register_autogr
 output is marked non-differentiable (no gradient flows back through it, as in FlashAttention).
 That formula is what AOTAutograd traces under torch.compile; in eager mode _Attention does the same
 work at a fraction of the op's autograd kernel's host cost (see _Attention).
-A sliding window (window_size, and top-left causal) and a softcap record a backward with the same
-variant (attention_backward's window_size, causal_alignment and softcap: the sm80 backward's LOCAL and
-SOFTCAP kernels; attention_varlen_backward's window_size and softcap through attention_varlen). fp8 inputs,
-sinks and the mutating ``attention_out`` (out=/lse_out=) have no backward: a call that would record a gradient raises at the
+A sliding window (window_size, and top-left causal), a softcap and sinks record a backward with the same
+variant (attention_backward's window_size, causal_alignment, softcap and sinks: the sm80 backward's LOCAL
+and SOFTCAP kernels, and either arch's SINKS ones, whose postprocess also writes the sinks' gradient;
+attention_varlen_backward's window_size and softcap through attention_varlen). fp8 inputs, sinks through
+attention_varlen and the mutating ``attention_out`` (out=/lse_out=) have no backward: a call that would record a gradient raises at the
 forward rather than returning an output with no grad_fn or a wrong one.
 
 ``facodegen.attention_with_kvcache`` (facodegen/ops/kvcache.py) calls the kvcache ops on torch tensors
@@ -61,7 +62,8 @@ _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tenso
 _LIB.define(f"attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, {_ARGS}) -> ()")
 _LIB.define("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
             "float? softmax_scale, str? arch, str knobs, int[] window_size=[-1, -1], "
-            "str causal_alignment=\"bottom_right\", float softcap=0.) -> (Tensor, Tensor, Tensor)")
+            "str causal_alignment=\"bottom_right\", float softcap=0., Tensor? sinks=None) "
+            "-> (Tensor, Tensor, Tensor, Tensor)")
 # The kvcache ops: the caches are written (the append), k/v are the new tokens (None: no append).
 _KV_IN = ("Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? page_table, Tensor? k, "
           "Tensor? v")
@@ -102,16 +104,17 @@ def _out_has_no_backward(what: str = "facodegen.attention") -> str:
             f"that require grad, or call it under torch.no_grad()")
 
 
-def _variants_have_no_backward(what: str = "facodegen.attention") -> str:
-    return (f"{what}: sinks have no backward yet (the generated backward computes plain, sliding-window and "
+def _variants_have_no_backward(what: str = "facodegen.attention_varlen") -> str:
+    return (f"{what}: sinks have no backward yet (its generated backward computes plain, sliding-window and "
             f"softcapped attention's gradients); call it under torch.no_grad() or on tensors that do not "
             f"require grad")
 
 
-def _has_backward(variant) -> bool:
-    """api's variant tuple (window_size, softcap, sinks, causal_alignment) asks for a window, top-left causal or a
-    softcap, no sinks: the sm80 backward's LOCAL and SOFTCAP kernels compute its gradients."""
-    return variant[2] is None
+def _has_backward(variant, what: str = "facodegen.attention") -> bool:
+    """api's variant tuple (window_size, softcap, sinks, causal_alignment) has a backward: every one through
+    facodegen.attention (the sm80 LOCAL and SOFTCAP kernels, either arch's SINKS ones), all but sinks through
+    attention_varlen."""
+    return what == "facodegen.attention" or variant[2] is None
 
 
 def _head_dim_v_has_no_backward(q, v, what: str = "facodegen.attention") -> str:
@@ -135,7 +138,7 @@ def _refuse_without_backward(q, out, lse_out, variant, v=None, what: str = "faco
         raise NotImplementedError(_fp8_has_no_backward(what))
     if v is not None and _split_v(q, v):
         raise NotImplementedError(_head_dim_v_has_no_backward(q, v, what))
-    if variant is not None and not _has_backward(variant):
+    if variant is not None and not _has_backward(variant, what):
         raise NotImplementedError(_variants_have_no_backward(what))
     if out is not None or lse_out is not None:
         raise NotImplementedError(_out_has_no_backward(what))
@@ -298,16 +301,20 @@ def _kvcache_no_backward(op):
 
 
 def _attention_backward_cuda(dout, q, k, v, out, lse, causal, softmax_scale, arch, knobs, window_size=(-1, -1),
-                             causal_alignment="bottom_right", softcap=0.0):
-    return backward.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                       window_size=tuple(window_size), causal_alignment=causal_alignment,
-                                       softcap=softcap, arch=arch, **decode_knobs(knobs))
+                             causal_alignment="bottom_right", softcap=0.0, sinks=None):
+    """(dq, dk, dv, dsinks): dsinks the sinks' gradient, or an empty float32 tensor without sinks (an op's outputs
+    are tensors)."""
+    grads = backward.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                        window_size=tuple(window_size), causal_alignment=causal_alignment,
+                                        softcap=softcap, sinks=sinks, arch=arch, **decode_knobs(knobs))
+    return grads if sinks is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
 
 
 def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, arch, knobs, window_size=(-1, -1),
-                             causal_alignment="bottom_right", softcap=0.0):
+                             causal_alignment="bottom_right", softcap=0.0, sinks=None):
     # attention_backward allocates contiguous gradients
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _no_backward(op):
@@ -321,13 +328,10 @@ def _no_backward(op):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, arch, *_, window_size, softcap, sinks, causal_alignment, deterministic = inputs
-    variant = _variant(window_size, softcap, sinks, causal_alignment)
-    if variant is not None and not _has_backward(variant):     # the op called by hand
-        raise NotImplementedError(_variants_have_no_backward())
     if _split_v(q, v):
         raise NotImplementedError(_head_dim_v_has_no_backward(q, v))
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.causal, ctx.softmax_scale, ctx.arch, ctx.deterministic = causal, softmax_scale, arch, deterministic
     ctx.window_size, ctx.causal_alignment, ctx.softcap = list(window_size), causal_alignment, softcap
     ctx.inputs = len(inputs)        # (a gradient, or None, for each)
@@ -342,15 +346,24 @@ def _backward_knobs(deterministic: bool = False) -> dict:
 
 def _attention_grad(ctx, grad_out, grad_lse):
     """dQ, dK, dV through the generated backward (the LSE output takes no gradient)."""
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     if q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError(_fp8_has_no_backward())
     # an sm80 forward gets the sm80 backward, any other the default (backward.default_arch)
-    dq, dk, dv = torch.ops.facodegen.attention_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.causal,
-                                                        ctx.softmax_scale, backward.autograd_arch(ctx.arch),
-                                                        encode_knobs(_backward_knobs(ctx.deterministic)),
-                                                        ctx.window_size, ctx.causal_alignment, ctx.softcap)
-    return (dq, dk, dv) + (None,) * (ctx.inputs - 3)
+    dq, dk, dv, dsinks = torch.ops.facodegen.attention_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.causal,
+                                                                ctx.softmax_scale, backward.autograd_arch(ctx.arch),
+                                                                encode_knobs(_backward_knobs(ctx.deterministic)),
+                                                                ctx.window_size, ctx.causal_alignment, ctx.softcap,
+                                                                sinks)
+    grads = [dq, dk, dv] + [None] * (ctx.inputs - 3)
+    if sinks is not None:
+        grads[_SINKS_INPUT] = dsinks
+    return tuple(grads)
+
+
+# The op's inputs up to its sinks (attention(q, k, v, causal, softmax_scale, arch, q_descale, k_descale, v_descale,
+# knobs, window_size, softcap, sinks, ...)): where _attention_grad puts their gradient.
+_SINKS_INPUT = 12
 
 
 # ------------------------------------------------------------------ eager autograd
@@ -359,9 +372,12 @@ def attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out
                         deterministic=False):
     """facodegen.attention in eager mode on tensors that record a gradient (api.attention's
     arguments): _Attention, the direct launches of the no-grad call and of attention_backward. (``variant``: a
-    window and a softcap, which the backward takes too; sinks are refused.)"""
+    window, a softcap and sinks, which the backward takes too: the sinks are an input of _Attention, which returns
+    their gradient.)"""
     _refuse_without_backward(q, out, lse_out, variant, v)
-    out, lse = _Attention.apply(q, k, v, (causal, softmax_scale, arch, spec_fields, bool(deterministic), variant))
+    sinks = None if variant is None else variant[2]
+    out, lse = _Attention.apply(q, k, v, sinks, (causal, softmax_scale, arch, spec_fields, bool(deterministic),
+                                                 variant))
     return (out, lse) if return_lse else out
 
 
@@ -373,14 +389,15 @@ class _Attention(torch.autograd.Function):
     torch.library's autograd kernel rebinds the op's 14 arguments to its schema
     (torch._library.utils.fill_defaults), several times the cost of this whole forward.
     ``call``: (causal, softmax_scale, arch, spec_fields, deterministic, variant), one argument for
-    Function.apply to walk rather than six (``variant``: api's, a window and a softcap, or None)."""
+    Function.apply to walk rather than six (``variant``: api's, or None; its sinks are also ``sinks``, an input
+    of apply, so that they take a gradient)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call):
+    def forward(ctx, q, k, v, sinks, call):
         causal, softmax_scale, arch, spec_fields, _, variant = call
         out, lse = api._attention_torch(torch, q, k, v, causal, softmax_scale, True, None, None, arch, spec_fields,
                                         variant)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
         # the LSE takes no gradient: the engine need not make a zero one for it (on a GPU: an allocation
@@ -398,16 +415,15 @@ class _Attention(torch.autograd.Function):
 def _backward(ctx, grad_out):
     """_Attention's backward (grad mode off: the engine's, without create_graph)."""
     if grad_out is None:    # (no gradient reached O: set_materialize_grads(False) leaves it None)
-        return None, None, None, None
+        return None, None, None, None, None
     grad_out = _kernel_layout(grad_out)
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     causal, softmax_scale, arch, _, deterministic, variant = ctx.call
     window = {} if variant is None else {"window_size": tuple(variant[0]), "causal_alignment": variant[3],
-                                         "softcap": variant[1]}
-    dq, dk, dv = backward.attention_backward(grad_out, q, k, v, out, lse, causal=causal,
-                                             softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
-                                             **window, **_backward_knobs(deterministic))
-    return dq, dk, dv, None
+                                         "softcap": variant[1], "sinks": sinks}
+    grads = backward.attention_backward(grad_out, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                        arch=backward.autograd_arch(arch), **window, **_backward_knobs(deterministic))
+    return (*grads, None) if sinks is not None else (*grads, None, None)
 
 
 _backward_once = once_differentiable(_backward)

@@ -172,6 +172,11 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "derivative, 1 - tanh^2, recomputed from S^T (which P in elem_t pairs leaves in its registers). sm80 (it "
          "runs on sm90 GPUs too), varlen too.",
          flag="--softcap/--no-softcap", problem=True, token=_flag("softcap")),
+    Knob("sinks", "bool", "Attention sinks (attention()'s sinks: one logit per query head in the forward's softmax "
+         "denominator, included in its LSE): dQ, dK, dV are plain attention's of that LSE, and the postprocess also "
+         "writes each head's sink gradient, -sum over (batch, row) of exp(sink - LSE) D, one CTA a head summing its "
+         "rows in a fixed order (BwdParams' sinks, dsinks). Either arch, not varlen yet.",
+         flag="--sinks/--no-sinks", problem=True, token=_flag("sinks")),
 )
 BACKWARD_BY_NAME = {k.name: k for k in BACKWARD_KNOBS}
 
@@ -477,6 +482,7 @@ class BackwardSpec:
     varlen: bool = False
     local: bool = False
     softcap: bool = False
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         _as_bool(self, "deterministic")     # (first: the defaults below follow it, deterministic=0 as False)
@@ -757,7 +763,13 @@ def _as_bool(spec: BackwardSpec, name: str) -> None:
         raise SpecError(name, f"must be True or False, got {value!r}")
 
 
+def _validate_sinks(spec: BackwardSpec) -> None:
+    if spec.sinks and spec.varlen:
+        raise SpecError("sinks", "the varlen backward takes no sinks yet")
+
+
 def _validate(spec: BackwardSpec) -> None:
+    _validate_sinks(spec)
     if spec.local and spec.deterministic:
         raise SpecError("local", "the sliding-window backward has no deterministic mode yet (its dQ turn order counts "
                                  "key blocks from 0; a window's first key block per query block is later)")
@@ -849,6 +861,7 @@ def _validate_sm90(spec: BackwardSpec) -> None:
         raise SpecError("local", "the sm90 backward has no sliding window yet; arch='sm80' runs it (on sm90 GPUs too)")
     if spec.softcap:
         raise SpecError("softcap", "the sm90 backward has no softcap yet; arch='sm80' runs it (on sm90 GPUs too)")
+    _validate_sinks(spec)
     if spec.varlen and spec.persistent:
         raise SpecError("persistent", "the sm90 varlen backward runs one CTA per tile (a tile past its sequence's keys "
                                       "exits at once); persistent=False")

@@ -296,6 +296,16 @@ def attention_backward_reference(do, q, k, v, causal: bool = False, softmax_scal
     return dq, dk, dv
 
 
+def sinks_gradient_reference(do, out, lse, sinks) -> np.ndarray:
+    """float64 (heads_q,) gradient of the sink logits given dO, the forward's O (batch, seqlen_q, heads_q, d) and
+    its LSE (batch, heads_q, seqlen_q), which includes the sinks: each sink is a softmax column with no value, so
+    dsink_h = sum_(b, i) P_sink (0 - D) = -sum_(b, i) exp(sink_h - LSE_bhi) D_bhi, D = rowsum(dO ∘ O) (what the
+    backward's postprocess computes)."""
+    do, out, lse, sink = to_float64(do), to_float64(out), to_float64(lse), to_float64(sinks).reshape(-1)
+    d = np.einsum("bqhd,bqhd->bhq", do, out)
+    return -(np.exp(sink[None, :, None] - lse) * d).sum(axis=(0, 2))
+
+
 def varlen_backward_reference(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
                               softmax_scale: float | None = None, *, window_size=(-1, -1), softcap: float = 0.0):
     """(dQ, dK, dV) in float64 of :func:`varlen_reference`'s O given dO, packed as q, k and v: each

@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason=f"needs a
 import facodegen  # noqa: E402
 from facodegen.ops import api, backward  # noqa: E402
 from facodegen.spec.backward import BackwardSpec, default_backward_specs  # noqa: E402
+from facodegen.verify.reference import sinks_gradient_reference  # noqa: E402
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -47,11 +48,11 @@ def precompiled():
         list(pool.map(lambda job: backward.compile(job[0], sm=job[1], verbose=False), jobs))
 
 
-def reference(q, k, v, do, causal, scale, upcast, hidden=None, softcap=0.0):
+def reference(q, k, v, do, causal, scale, upcast, hidden=None, softcap=0.0, sinks=None):
     """O, LSE and (dQ, dK, dV) by torch autograd: float64 (upcast) or FA3's same-precision reference
     (scores and P V in the inputs' dtype, softmax in float32). Bottom-right causal, GQA by repetition;
     ``hidden``: a (seqlen_q, seqlen_k) bool mask of the hidden scores instead (a sliding window's); ``softcap``:
-    the logits c tanh(scores / c)."""
+    the logits c tanh(scores / c); ``sinks``: (heads_q,) logits in each row's denominator (the LSE includes them)."""
     q, k, v = (x.detach().clone().double() if upcast else x.detach().clone() for x in (q, k, v))
     for x in (q, k, v):
         x.requires_grad_(True)
@@ -68,17 +69,21 @@ def reference(q, k, v, do, causal, scale, upcast, hidden=None, softcap=0.0):
         rows = torch.arange(sq, device=q.device)[:, None]
         cols = torch.arange(sk, device=q.device)[None, :]
         scores = scores.masked_fill(cols > rows + (sk - sq), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("bhqk,bkhd->bqhd", probs if upcast else probs.to(v.dtype), vv)
     grads = torch.autograd.grad(out, (q, k, v), do.double() if upcast else do)
     return out.detach(), lse.detach(), grads
 
 
-def check_grads(got, do, q, k, v, causal, scale, hidden=None, softcap=0.0):
+def check_grads(got, do, q, k, v, causal, scale, hidden=None, softcap=0.0, sinks=None):
     """FA3's criterion for each of dQ, dK, dV; returns a message per failure."""
-    _, _, ref = reference(q, k, v, do, causal, scale, upcast=True, hidden=hidden, softcap=softcap)
-    _, _, low = reference(q, k, v, do, causal, scale, upcast=False, hidden=hidden, softcap=softcap)
+    _, _, ref = reference(q, k, v, do, causal, scale, upcast=True, hidden=hidden, softcap=softcap, sinks=sinks)
+    _, _, low = reference(q, k, v, do, causal, scale, upcast=False, hidden=hidden, softcap=softcap, sinks=sinks)
     failures = []
     for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
         if not torch.isfinite(g).all():
@@ -906,3 +911,49 @@ def test_autograd_through_a_softcap_equals_attention_backward():
     assert torch.equal(leaves[1].grad, dk) and torch.equal(leaves[2].grad, dv)
     assert check_grads((leaves[0].grad, leaves[1].grad, leaves[2].grad), do, q, k, v, True, 128 ** -0.5,
                        softcap=20.0) == []
+
+
+# ------------------------------------------------------------------ sinks (either arch: the postprocess's sink gradient)
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("sq, sk, causal, d, heads", [(113, 203, True, 128, "gqa"), (239, 113, True, 64, "mha"),
+                                                      (1000, 1000, False, 256, "mqa"), (1, 300, False, 96, "gqa")])
+def test_sinks_gradients_match_float64(arch, sq, sk, causal, d, heads):
+    """attention_backward with the forward's sinks: dQ, dK, dV by FA3's criterion against float64 attention with the
+    sinks (their LSE includes them), and dsinks within twice the same-precision reference's error + 1e-3 of its
+    scale, bit-identical across runs (summed in a fixed order)."""
+    if arch == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backward runs on H100/H200")
+    hq, hkv = HEADS[heads]
+    q, k, v, do = make(2, sq, sk, hq, hkv, d, torch.bfloat16, seed=sq + sk + d)
+    sinks = torch.linspace(-2.0, 3.0, hq, device="cuda")
+    scale = d ** -0.5
+    out64, lse64, _ = reference(q, k, v, do, causal, scale, upcast=True, sinks=sinks)
+    out, lse = out64.to(q.dtype), lse64.float().contiguous()
+    runs = [facodegen.attention_backward(do, q, k, v, out, lse, causal=causal, softmax_scale=scale, sinks=sinks,
+                                         arch=arch) for _ in range(2)]
+    dq, dk, dv, dsinks = runs[0]
+    assert torch.equal(dsinks, runs[1][3])
+    assert check_grads((dq, dk, dv), do, q, k, v, causal, scale, sinks=sinks) == []
+    # float64 from the float64 forward (the formula is the gradient: tests/test_backward_reference.py), and the
+    # same formula on what the kernels see (O rounded to bf16) as the same-precision baseline
+    ref = torch.from_numpy(sinks_gradient_reference(do.cpu(), out64.cpu(), lse64.cpu(), sinks.cpu())).cuda()
+    low = torch.from_numpy(sinks_gradient_reference(do.cpu(), out.cpu(), lse.cpu(), sinks.cpu())).cuda()
+    err, base = (dsinks.double() - ref).abs().max().item(), (low - ref).abs().max().item()
+    assert err <= 2 * base + 1e-3 * ref.abs().max().item(), f"dsinks max err {err:.3e} (bf16 O's {base:.3e})"
+
+
+def test_autograd_through_sinks_equals_attention_backward():
+    """facodegen.attention(..., sinks=...) on tensors that require grad (the sinks too) records the SINKS backward:
+    the same gradients as attention_backward, dsinks included."""
+    q, k, v, do = make(2, 300, 257, 4, 2, 128, torch.bfloat16, seed=13)
+    sinks = torch.linspace(-1.0, 2.0, 4, device="cuda")
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, sinks)]
+    out = facodegen.attention(*leaves[:3], causal=True, sinks=leaves[3])
+    out.backward(do)
+    with torch.no_grad():
+        out2, lse = facodegen.attention(q, k, v, causal=True, return_lse=True, sinks=sinks)
+    dq, dk, dv, dsinks = facodegen.attention_backward(do, q, k, v, out2, lse, causal=True, sinks=sinks)
+    assert torch.equal(out, out2) and torch.equal(leaves[3].grad, dsinks)
+    torch.testing.assert_close(leaves[0].grad, dq, atol=2e-2, rtol=2e-2)   # dQ: fp32 atomics, any order
+    assert torch.equal(leaves[1].grad, dk) and torch.equal(leaves[2].grad, dv)
