@@ -372,13 +372,33 @@ def attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out
                         deterministic=False):
     """facodegen.attention in eager mode on tensors that record a gradient (api.attention's
     arguments): _Attention, the direct launches of the no-grad call and of attention_backward. (``variant``: a
-    window, a softcap and sinks, which the backward takes too: the sinks are an input of _Attention, which returns
-    their gradient.)"""
+    window, a softcap and sinks, which the backward takes too; with sinks _AttentionSinks, whose input they are,
+    so that they take their gradient.)"""
     _refuse_without_backward(q, out, lse_out, variant, v)
-    sinks = None if variant is None else variant[2]
-    out, lse = _Attention.apply(q, k, v, sinks, (causal, softmax_scale, arch, spec_fields, bool(deterministic),
-                                                 variant))
+    call = (causal, softmax_scale, arch, spec_fields, bool(deterministic), variant)
+    if variant is None or variant[2] is None:
+        out, lse = _Attention.apply(q, k, v, call)
+    else:
+        out, lse = _AttentionSinks.apply(q, k, v, variant[2], call)
     return (out, lse) if return_lse else out
+
+
+def _forward(ctx, q, k, v, sinks, call):
+    """_Attention's and _AttentionSinks' forward: the no-grad call's launch with the LSE; O and LSE saved (and the
+    sinks, where given)."""
+    causal, softmax_scale, arch, spec_fields, _, variant = call
+    out, lse = api._attention_torch(torch, q, k, v, causal, softmax_scale, True, None, None, arch, spec_fields,
+                                    variant)
+    if sinks is None:
+        ctx.save_for_backward(q, k, v, out, lse)
+    else:
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+    ctx.call = call
+    ctx.mark_non_differentiable(lse)
+    # the LSE takes no gradient: the engine need not make a zero one for it (on a GPU: an allocation
+    # and a fill kernel per backward)
+    ctx.set_materialize_grads(False)
+    return out, lse
 
 
 class _Attention(torch.autograd.Function):
@@ -389,21 +409,11 @@ class _Attention(torch.autograd.Function):
     torch.library's autograd kernel rebinds the op's 14 arguments to its schema
     (torch._library.utils.fill_defaults), several times the cost of this whole forward.
     ``call``: (causal, softmax_scale, arch, spec_fields, deterministic, variant), one argument for
-    Function.apply to walk rather than six (``variant``: api's, or None; its sinks are also ``sinks``, an input
-    of apply, so that they take a gradient)."""
+    Function.apply to walk rather than six (``variant``: api's, without sinks, or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, call):
-        causal, softmax_scale, arch, spec_fields, _, variant = call
-        out, lse = api._attention_torch(torch, q, k, v, causal, softmax_scale, True, None, None, arch, spec_fields,
-                                        variant)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.call = call
-        ctx.mark_non_differentiable(lse)
-        # the LSE takes no gradient: the engine need not make a zero one for it (on a GPU: an allocation
-        # and a fill kernel per backward)
-        ctx.set_materialize_grads(False)
-        return out, lse
+    def forward(ctx, q, k, v, call):
+        return _forward(ctx, q, k, v, None, call)
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
@@ -412,18 +422,37 @@ class _Attention(torch.autograd.Function):
         return _backward(ctx, grad_out)
 
 
+class _AttentionSinks(torch.autograd.Function):
+    """_Attention with sinks: they are an input (of apply), so the backward returns their gradient too, the
+    SINKS postprocess's. (A class of its own keeps the common call's apply at four arguments.)"""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, call):
+        return _forward(ctx, q, k, v, sinks, call)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        if torch.is_grad_enabled():
+            return _backward_once(ctx, grad_out)
+        return _backward(ctx, grad_out)
+
+
 def _backward(ctx, grad_out):
-    """_Attention's backward (grad mode off: the engine's, without create_graph)."""
+    """_Attention's and _AttentionSinks' backward (grad mode off: the engine's, without create_graph): dq, dk, dv
+    (and dsinks), then None for ``call``."""
+    saved = ctx.saved_tensors
     if grad_out is None:    # (no gradient reached O: set_materialize_grads(False) leaves it None)
-        return None, None, None, None, None
+        return (None,) * (len(saved) - 1)
     grad_out = _kernel_layout(grad_out)
-    q, k, v, out, lse, sinks = ctx.saved_tensors
+    q, k, v, out, lse = saved[:5]
     causal, softmax_scale, arch, _, deterministic, variant = ctx.call
     window = {} if variant is None else {"window_size": tuple(variant[0]), "causal_alignment": variant[3],
-                                         "softcap": variant[1], "sinks": sinks}
+                                         "softcap": variant[1]}
+    if len(saved) > 5:
+        window["sinks"] = saved[5]
     grads = backward.attention_backward(grad_out, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                         arch=backward.autograd_arch(arch), **window, **_backward_knobs(deterministic))
-    return (*grads, None) if sinks is not None else (*grads, None, None)
+    return (*grads, None)
 
 
 _backward_once = once_differentiable(_backward)
