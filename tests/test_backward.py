@@ -6,6 +6,7 @@ registration of the torch op on meta tensors. tests/gpu/test_backward_gpu.py run
 from __future__ import annotations
 
 import ctypes
+import numpy as np
 import re
 import struct
 import time
@@ -441,6 +442,61 @@ def test_deterministic_turns_never_deadlock(seqlen_q, seqlen_k, causal, resident
         assert added == list(range(len(added))) and turns[step] == len(added)
 
 
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal, window_size", [
+    (1000, 1000, True, (200, -1)), (1000, 1000, False, (70, 300)), (1000, 77, True, (10, -1)),
+    (77, 1000, True, (300, -1)), (1, 1000, False, (0, 0)), (300, 500, False, (-1, 40)), (500, 300, False, (5, 5))])
+@pytest.mark.parametrize("resident", [1, 3])
+def test_deterministic_window_turns_never_deadlock(seqlen_q, seqlen_k, causal, window_size, resident):
+    """The LOCAL kernel's turns (flash_bwd.cu.j2: a key block's visits [m_first, m_end) and its turn n_block -
+    n_lo, n_lo the first key block whose keys reach the query block's first row's window), replayed as
+    test_deterministic_turns_never_deadlock replays the plain kernel's: every CTA finishes, each query block is
+    added into by consecutive key blocks whose turns are 0, 1, ..., and those are exactly the key blocks one of
+    its rows sees a key of."""
+    from facodegen.ops.api import window_params
+    from facodegen.verify.reference import window_mask
+    block_m, block_n = 64, 128
+    local, kernel_causal, left, right = window_params(*window_size, causal, seqlen_q, seqlen_k)
+    assert local
+    n_blocks, m_blocks = -(-seqlen_k // block_n), -(-seqlen_q // block_m)
+    key_lo_off, key_hi_off = seqlen_k - seqlen_q - left, seqlen_k - seqlen_q + right
+
+    def steps(n_block):     # as the kernel's setup computes them
+        key_begin = n_block * block_n
+        keys_valid = min(block_n, seqlen_k - key_begin)
+        first_row = max(0, key_begin - key_hi_off)
+        last_row = min(seqlen_q - 1, key_begin + keys_valid - 1 - key_lo_off)
+        m_first = first_row // block_m
+        m_end = last_row // block_m + 1 if first_row <= last_row else m_first
+        return list(range(m_first, m_end))
+
+    def turn(n_block, m_block):
+        window_key0 = m_block * block_m + key_lo_off
+        return n_block - (window_key0 // block_n if window_key0 > 0 else 0)
+    todo = {n: steps(n) for n in range(n_blocks)}
+    turns, order = {}, {}
+    waiting, running = list(range(n_blocks)), []
+    while waiting or running:
+        while waiting and len(running) < resident:
+            running.append(waiting.pop(0))
+        progressed = False
+        for n in list(running):
+            while todo[n] and turns.get(todo[n][0], 0) == turn(n, todo[n][0]):
+                m = todo[n].pop(0)
+                turns[m] = turns.get(m, 0) + 1
+                order.setdefault(m, []).append(n)
+                progressed = True
+            if not todo[n]:
+                running.remove(n)
+                progressed = True
+        assert progressed, f"deadlock: running {running}, next steps {[todo[n][:1] for n in running]}"
+    hidden = window_mask(np.arange(seqlen_q), np.arange(seqlen_k), seqlen_q, seqlen_k, window_size, causal)
+    for m in range(m_blocks):
+        seen = ~hidden[m * block_m:(m + 1) * block_m]
+        want = sorted({j // block_n for j in np.nonzero(seen.any(axis=0))[0]})
+        added = order.get(m, [])
+        assert added == want and [turn(n, m) for n in added] == list(range(len(added))), (m, added, want)
+
+
 @pytest.mark.parametrize("fields", [dict(head_dim=128, block_n=64, num_warps=4),
                                     dict(head_dim=64, block_m=64, block_n=64, causal=True, dtype="fp16"),
                                     dict(head_dim=96, block_m=128, block_n=128),
@@ -690,7 +746,6 @@ def test_sinks_take_their_gradient_from_the_postprocess(bwd, monkeypatch, arch):
     ({"causal_alignment": "top"}, ValueError, "causal_alignment"),
     ({"window_size": (8, 0), "local": True}, TypeError, "local: set by window_size"),
     ({"window_size": (8, 0), "arch": "sm90"}, SpecError, "local"),
-    ({"window_size": (8, 0), "deterministic": True}, SpecError, "local"),
 ])
 def test_window_argument_errors_name_the_argument(bwd, change, error, words):
     with pytest.raises(error, match=words):

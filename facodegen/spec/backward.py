@@ -165,7 +165,8 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
          "[i + seqlen_k - seqlen_q - window_left, i + seqlen_k - seqlen_q + window_right], the two values run-time "
          "arguments (BwdParams) in the bottom-right frame api.window_params folds the window into. A key block "
          "visits only the query blocks whose rows see one of its keys, and masks the steps a window edge crosses. "
-         "sm80 (it runs on sm90 GPUs too), varlen too (each sequence's own diagonal), not deterministic yet.",
+         "sm80 (it runs on sm90 GPUs too), varlen and deterministic too (a query block's dQ turns counted from the "
+         "first key block whose keys reach its first row's window).",
          flag="--local/--no-local", problem=True, token=_flag("local")),
     Knob("softcap", "bool", "Logit softcap (attention()'s softcap=c): P is recomputed from c tanh(scale s / c) "
          "(BwdParams' softcap_scale = scale / c and softcap_log2 = c log2(e), run-time) and dS carries tanh's "
@@ -770,9 +771,6 @@ def _validate_sinks(spec: BackwardSpec) -> None:
 
 def _validate(spec: BackwardSpec) -> None:
     _validate_sinks(spec)
-    if spec.local and spec.deterministic:
-        raise SpecError("local", "the sliding-window backward has no deterministic mode yet (its dQ turn order counts "
-                                 "key blocks from 0; a window's first key block per query block is later)")
     if spec.lpt:
         raise SpecError("lpt", "an sm90 knob (its tile numbering); the sm80 backward's grid is one CTA per key block")
     if spec.dq_lag:

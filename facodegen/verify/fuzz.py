@@ -53,8 +53,8 @@ PADDED_HEAD_DIMS = (8, 40, 80, 112, 160, 200, 248)
 # The backward family's cases whose seed is 5 mod this run at PADDED_HEAD_DIMS[seed // it % 7] instead of
 # their drawn head_dim (0: none); the kvcache family's whose seed is 7 mod KVCACHE_PADDED_EVERY likewise.
 BACKWARD_PADDED_EVERY = 9
-# The backward family's cases whose seed is 6 mod this (so 2 mod 4: never deterministic, whose dQ turns the
-# window's kernels do not take yet) run with a sliding window and/or a softcap drawn from their seed.
+# The backward family's cases whose seed is 6 mod this (so 2 mod 4, never deterministic: the varlen cases'
+# turns take windows, seeds 7 mod 8) run with a sliding window and/or a softcap drawn from their seed.
 BACKWARD_VARIANT_EVERY = 8
 KVCACHE_PADDED_EVERY = 11
 # ... and a V narrower than Q and K (head_dim_v): a head_dims case whose seed is 3 mod 4 takes
@@ -170,12 +170,9 @@ class Case:
         """A 16-bit varlen case without sinks whose seed is 3 mod 4 (where float64 autograd of its longest
         sequence stays within the backward family's size) also runs attention_varlen_backward on its O and
         LSE (with its window and softcap: the sm80 LOCAL and SOFTCAP kernels), each sequence's dQ, dK, dV against
-        float64 autograd by the backward family's criterion, and with seed 7 mod 8 deterministic=True (but with a
-        window, which has no deterministic mode yet), twice, bit-identical (the launch-only sweep launches it
-        too). Read off the seed, as ``deterministic``."""
-        windowed = (self.window_left, self.window_right) != (-1, -1)
+        float64 autograd by the backward family's criterion, and with seed 7 mod 8 deterministic=True, twice,
+        bit-identical (the launch-only sweep launches it too). Read off the seed, as ``deterministic``."""
         return (self.family == "varlen" and self.dtype != "fp8" and not self.sinks and self.seed % 4 == 3
-                and not (windowed and self.seed % 8 == 7)
                 and self.head_dim in HEAD_DIMS and self.heads_q * self.seqlen_q * self.seqlen_k <= MAX_SCORES // 8)
 
     @property

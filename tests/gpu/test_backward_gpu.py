@@ -957,3 +957,20 @@ def test_autograd_through_sinks_equals_attention_backward():
     assert torch.equal(out, out2) and torch.equal(leaves[3].grad, dsinks)
     torch.testing.assert_close(leaves[0].grad, dq, atol=2e-2, rtol=2e-2)   # dQ: fp32 atomics, any order
     assert torch.equal(leaves[1].grad, dk) and torch.equal(leaves[2].grad, dv)
+
+
+@pytest.mark.parametrize("sq, sk, causal, window_size, heads", [(1023, 1024, True, (200, -1), "gqa"),
+                                                                (700, 500, False, (64, 130), "mha")])
+def test_deterministic_window_gradients_are_bit_identical_and_right(sq, sk, causal, window_size, heads):
+    """deterministic=True with a window (the LOCAL kernels' dQ turns counted from each query block's first key
+    block): two runs bit-identical, and right by FA3's criterion."""
+    hq, hkv = HEADS[heads]
+    q, k, v, do = make(1, sq, sk, hq, hkv, 128, torch.bfloat16, seed=sq + sk)
+    scale = 128 ** -0.5
+    hidden = _hidden(sq, sk, causal, window_size, False)
+    out64, lse64, _ = reference(q, k, v, do, causal, scale, upcast=True, hidden=hidden)
+    runs = [facodegen.attention_backward(do, q, k, v, out64.to(q.dtype), lse64.float().contiguous(), causal=causal,
+                                         softmax_scale=scale, window_size=window_size, deterministic=True)
+            for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert check_grads(runs[0], do, q, k, v, causal, scale, hidden=hidden) == []
