@@ -130,7 +130,7 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert len(cases) == 63
     assert cases[62].varlen_backward and cases[62].has_variant and not cases[62].sinks     # (its window, softcap)
     # the sliding-window backward, after each arch's forward (the sm80 LOCAL kernels both): cases 60, 61
-    windowed = [(i, c.arch, c.causal) for i, c in enumerate(cases) if c.family == "backward" and fuzz._backward_variant(c)]
+    windowed = [(i, c.arch, c.causal) for i, c in enumerate(cases) if c.family == "backward" and fuzz.has_backward_variant(c)]
     assert windowed == [(60, "sm80", True), (61, "sm90", False)]
     assert not any(cases[i].deterministic for i in (60, 61))
     lengths_q, lengths_k = fuzz.varlen_lengths(cases[51])
@@ -411,11 +411,13 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             causal, variant, _ = backward.variant_knobs((c.window_left, c.window_right),
                                                         "top_left" if c.top_left else "bottom_right", c.softcap,
                                                         c.causal, c.seqlen_q, c.seqlen_k, 1.0, {})
+            if c.sinks:
+                variant["sinks"] = True
             # autograd's backward: sm80 after an sm80 forward, else the default (sm90 where it covers the call:
             # deterministic too, every head_dim, padded ones too)
             padded = c.head_dim not in (64, 96, 128, 192, 256)
-            # (a window or softcap: the sm80 LOCAL / SOFTCAP kernels, which the sm90 backward has not)
-            arch = "sm80" if c.arch == "sm80" or variant else "sm90"
+            # (a window or softcap: the sm80 LOCAL / SOFTCAP kernels, which the sm90 backward has not; sinks either)
+            arch = "sm80" if c.arch == "sm80" or set(variant) - {"sinks"} else "sm90"
             knobs.update(variant)
             lpt = [backward.choose(c.head_dim, c.dtype, causal, info, {"lpt": False, **variant}, arch)
                    ] if c.lpt_flipped else []
@@ -582,8 +584,8 @@ def test_adding_varlen_left_the_other_families_draws_unchanged(monkeypatch):
     the variants cases turned fp8 (sm90, seed 6 mod 7: left out here; the digest of the rest of the tree
     before them, b2a1ae6, is the same) and the backward and kvcache cases at a padded head_dim (seed 5 mod
     9, 7 mod 11: drawn without them here, BACKWARD_PADDED_EVERY = KVCACHE_PADDED_EVERY = 0), and the backward
-    cases' sliding windows and softcaps (seed 6 mod 8, drawn from the case's seed after the main draw: stripped
-    here)."""
+    cases' sliding windows, softcaps and sinks (seed 6 mod 8, drawn from the case's seed after the main draw:
+    stripped here)."""
     import hashlib
     before = {"forward": "bc988c84aecf", "variants": "21a6b55f402d", "backward": "34d69a1f7b28",
               "kvcache": "c7dd4993d16a"}
@@ -602,8 +604,8 @@ def test_adding_varlen_left_the_other_families_draws_unchanged(monkeypatch):
             assert any(c.head_dim not in (64, 96, 128, 192, 256) for c in cases)
             monkeypatch.setattr(fuzz, "BACKWARD_PADDED_EVERY", 0)
             cases = fuzz.generate(300, seed=1, family=family)
-            assert any(c.has_variant for c in cases) and not any(c.sinks for c in cases)
-            cases = [dataclasses.replace(c, window_left=-1, window_right=-1, top_left=False, softcap=0.0)
+            assert any(c.has_variant for c in cases) and any(c.sinks for c in cases)
+            cases = [dataclasses.replace(c, window_left=-1, window_right=-1, top_left=False, softcap=0.0, sinks=False)
                      for c in cases]
         assert hashlib.sha1("".join(c.to_json() for c in cases).encode()).hexdigest()[:12] == digest, family
 
@@ -660,9 +662,9 @@ def test_backward_window_cases_and_their_criterion():
     from facodegen.ops.api import window_params
     from facodegen.spec.backward import BackwardSpec
     cases = fuzz.generate(400, seed=60, family="backward")
-    windowed = [c for c in cases if fuzz._backward_variant(c)]
+    windowed = [c for c in cases if fuzz.has_backward_variant(c)]
     assert windowed and all(c.seed % 8 == 6 and not c.deterministic for c in windowed)
-    assert all(not fuzz._backward_variant(c) for c in cases if c.seed % 8 != 6)
+    assert all(not fuzz.has_backward_variant(c) for c in cases if c.seed % 8 != 6)
     for c in windowed:
         local, causal, _, _ = window_params(c.window_left, c.window_right, c.causal, c.seqlen_q, c.seqlen_k,
                                             c.top_left)
@@ -678,3 +680,22 @@ def test_backward_window_cases_and_their_criterion():
     grads = [g.to(torch.bfloat16) for g in torch.autograd.grad(out, inputs, do.double())]
     assert fuzz.backward_failures(q, k, v, do, True, 0.2, grads, **window) == []
     assert len(fuzz.backward_failures(q, k, v, do, True, 0.2, grads)) == 3
+    assert any(c.sinks for c in windowed)
+
+
+def test_the_sinks_gradient_criterion():
+    """sinks_gradient_failures passes float64 autograd's own sink gradient (with a window and softcap) and fails it
+    10% off; backward_failures takes the sinks in its references."""
+    import torch
+    torch.manual_seed(0)
+    q, do = (torch.randn(1, 40, 4, 64).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 50, 2, 64).to(torch.bfloat16) for _ in range(2))
+    sinks = torch.randn(4) * 2
+    variant = dict(window_size=(9, 3), top_left=False, softcap=5.0)
+    inputs = [x.double().requires_grad_(True) for x in (q, k, v)] + [sinks.double().requires_grad_(True)]
+    out, _ = fuzz.attention_torch(*inputs[:3], True, 0.2, upcast=True, sinks=inputs[3], **variant)
+    grads = torch.autograd.grad(out, inputs, do.double())
+    assert fuzz.sinks_gradient_failures(q, k, v, do, True, 0.2, grads[3].float(), sinks, **variant) == []
+    assert fuzz.sinks_gradient_failures(q, k, v, do, True, 0.2, grads[3].float() * 1.1, sinks, **variant)
+    assert fuzz.backward_failures(q, k, v, do, True, 0.2, [g.to(torch.bfloat16) for g in grads[:3]], sinks=sinks,
+                                  **variant) == []

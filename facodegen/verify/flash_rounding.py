@@ -110,15 +110,17 @@ def attention_flash_rounding(q, k, v, causal: bool, softmax_scale: float, *, win
 
 
 def attention_backward_flash_rounding(q, k, v, do, causal: bool, softmax_scale: float, order: int = 0, *,
-                                      window_size=(-1, -1), top_left: bool = False, softcap: float = 0.0):
+                                      window_size=(-1, -1), top_left: bool = False, softcap: float = 0.0,
+                                      sinks=None):
     """(dQ, dK, dV) in the inputs' dtype as FlashAttention's backward rounds them, from this
     module's forward: D = rowsum(dO * O) of the dtype-rounded O, P recomputed from the LSE by FFMA
     (exp2(s scale log2(e) - LSE log2(e))), P and dS rounded to the dtype for their matmuls, float32
     accumulation, dK and dV summed over a GQA group in float32. ``window_size``, ``top_left``: a sliding
-    window's, ``softcap`` the logits' cap (attention_flash_rounding's; dS then carries 1 - tanh^2)."""
+    window's, ``softcap`` the logits' cap (attention_flash_rounding's; dS then carries 1 - tanh^2), ``sinks`` the
+    sink logits (in the LSE P is recomputed from)."""
     import torch
     out, lse = attention_flash_rounding(q, k, v, causal, softmax_scale, order=order, window_size=window_size,
-                                        top_left=top_left, softcap=softcap)
+                                        top_left=top_left, softcap=softcap, sinks=sinks)
     group = q.shape[2] // k.shape[2]
     kr, vr = (x.repeat_interleave(group, dim=2) for x in (k, v))
     u, c, visible = _scores(q, kr, causal, softmax_scale, window_size, softcap, top_left, order)   # as the forward summed S

@@ -293,13 +293,10 @@ def generate(n: int, seed: int = 0, family: str = "forward", archs=("sm80", "sm9
             case_fields["head_dim"] = PADDED_HEAD_DIMS[case_fields["seed"] // BACKWARD_PADDED_EVERY
                                                        % len(PADDED_HEAD_DIMS)]
         if this_family == "backward" and case_fields["seed"] % BACKWARD_VARIANT_EVERY == 6:
-            # an eighth of the backward draws with a sliding window and/or a softcap (the LOCAL and SOFTCAP kernels:
-            # the sm80 backward's on either arch), drawn from the case's seed as the varlen variants below (no
-            # sinks: they have no backward yet; a draw of neither takes the window (16, -1))
-            drawn = _variant_fields(random.Random(case_fields["seed"]), seqlen_q, seqlen_k)
-            if (drawn["window_left"], drawn["window_right"]) == (-1, -1) and not drawn["softcap"]:
-                drawn["window_left"] = 16
-            case_fields.update(drawn, sinks=False)
+            # an eighth of the backward draws with a sliding window, a softcap and/or sinks (the LOCAL and SOFTCAP
+            # kernels, the sm80 backward's on either arch; SINKS on either), drawn from the case's seed as the varlen
+            # variants below
+            case_fields.update(_variant_fields(random.Random(case_fields["seed"]), seqlen_q, seqlen_k))
         if this_family == "kvcache" and KVCACHE_PADDED_EVERY and case_fields["seed"] % KVCACHE_PADDED_EVERY == 7:
             case_fields["head_dim"] = PADDED_HEAD_DIMS[case_fields["seed"] // KVCACHE_PADDED_EVERY
                                                        % len(PADDED_HEAD_DIMS)]      # (the decode's next tile)
@@ -549,7 +546,10 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         return _launched(*_backward_launches(case, q, k, v, do))
     leaves = [_layout(x, case.layout).requires_grad_(True) for x in (q, k, v)]
     variant = _backward_variant(case)
-    out = facodegen.attention(*leaves, causal=case.causal, softmax_scale=case.softmax_scale, arch=case.arch,
+    sinks = variant.get("sinks")
+    if sinks is not None:     # (a leaf of its own: autograd gives it the SINKS postprocess's gradient)
+        leaves.append(sinks.requires_grad_(True))
+    out = facodegen.attention(*leaves[:3], causal=case.causal, softmax_scale=case.softmax_scale, arch=case.arch,
                               **variant)
     if case.deterministic:      # only around facodegen's backward: torch's own ops may refuse the mode
         torch.use_deterministic_algorithms(True)
@@ -564,16 +564,20 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         return False, "deterministic: two backward runs differ"
 
     reference_variant = _reference_variant(case)
-    failures = backward_failures(q, k, v, do, case.causal, scale, got, **reference_variant)
+    if sinks is not None:
+        variant["sinks"] = reference_variant["sinks"] = sinks.detach()
+    failures = backward_failures(q, k, v, do, case.causal, scale, got[:3], **reference_variant)
+    if sinks is not None:
+        failures += sinks_gradient_failures(q, k, v, do, case.causal, scale, got[3], **reference_variant)
     second = _second_call_knobs(case)
     if second:
-        out, lse = facodegen.attention(*(x.detach() for x in leaves), causal=case.causal,
+        out, lse = facodegen.attention(*(x.detach() for x in leaves[:3]), causal=case.causal,
                                        softmax_scale=case.softmax_scale, arch=case.arch, return_lse=True, **variant)
-        again = facodegen.attention_backward(do, *(x.detach() for x in leaves), out, lse, causal=case.causal,
+        again = facodegen.attention_backward(do, *(x.detach() for x in leaves[:3]), out, lse, causal=case.causal,
                                              softmax_scale=case.softmax_scale, arch=_backward_arch(case), **variant,
                                              **second)
         label = ", ".join(f"{name}={value}" for name, value in second.items())
-        failures += [f"{label}: {f}" for f in backward_failures(q, k, v, do, case.causal, scale, again,
+        failures += [f"{label}: {f}" for f in backward_failures(q, k, v, do, case.causal, scale, again[:3],
                                                                  **reference_variant)]
         return not failures, "; ".join(failures) or f"dq, dk, dv ok (autograd; {label})"
     return not failures, "; ".join(failures) or "dq, dk, dv ok"
@@ -601,20 +605,32 @@ def _backward_launches(case: Case, q, k, v, do) -> tuple:
                                         arch=_backward_arch(case), **variant, **_backward_knobs(case))
 
 
-def _backward_variant(case: Case) -> dict:
-    """A backward case's sliding window and softcap as attention() and attention_backward take them ({}: none)."""
+def has_backward_variant(case: Case) -> bool:
+    """A case whose attention() and attention_backward calls take a window, top-left alignment, a softcap or
+    sinks (_backward_variant's, without making the sinks)."""
+    return case.has_variant or case.top_left
+
+
+def _backward_variant(case: Case, sinks: bool = True) -> dict:
+    """A backward case's sliding window, softcap and (``sinks``) its sinks, a new CUDA tensor drawn from its seed,
+    as attention() and attention_backward take them ({}: none)."""
     variant = {}
     if (case.window_left, case.window_right) != (-1, -1) or case.top_left:
         variant.update(window_size=(case.window_left, case.window_right),
                        causal_alignment="top_left" if case.top_left else "bottom_right")
     if case.softcap:
         variant["softcap"] = case.softcap
+    if case.sinks and sinks:
+        import torch
+        gen = torch.Generator(device="cuda").manual_seed(case.seed + 1)
+        variant["sinks"] = torch.randn(case.heads_q, generator=gen, device="cuda") * 2.0
     return variant
 
 
 def _reference_variant(case: Case) -> dict:
-    """The same variant as the torch references take it (attention_torch's window_size, top_left, softcap)."""
-    variant = _backward_variant(case)
+    """The same variant as the torch references take it (attention_torch's window_size, top_left, softcap; the
+    sinks, a tensor, the caller adds)."""
+    variant = _backward_variant(case, sinks=False)
     if "window_size" in variant:
         variant["top_left"] = variant.pop("causal_alignment") == "top_left"
     return variant
@@ -905,6 +921,25 @@ def _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, causal: bool, scale: floa
     return problems
 
 
+def sinks_gradient_failures(q, k, v, do, causal: bool, scale: float, dsinks, sinks, **variant) -> list[str]:
+    """The sinks' gradient ``dsinks`` against float64 autograd of attention_torch with the sinks: its max error
+    at most twice the same-precision reference's (the sinks' gradient through scores and P V in the inputs'
+    dtype) + 1e-3 of its largest value; ["dsinks ..."] where it fails."""
+    import torch
+
+    def reference(upcast: bool):
+        inputs = [(x.double() if upcast else x).detach().requires_grad_(True) for x in (q, k, v)]
+        s = sinks.detach().double().requires_grad_(True) if upcast else sinks.detach().clone().requires_grad_(True)
+        out, _ = attention_torch(*inputs, causal, scale, upcast=upcast, sinks=s, **variant)
+        return torch.autograd.grad(out, s, do.double() if upcast else do)[0].double()
+    ref, low = reference(True), reference(False)
+    if not torch.isfinite(dsinks).all():
+        return ["dsinks has non-finite values"]
+    err, base = (dsinks.double() - ref).abs().max().item(), (low - ref).abs().max().item()
+    bound = 2 * base + 1e-3 * ref.abs().max().item() + 1e-6
+    return [] if err <= bound else [f"dsinks max err {err:.3e} > bound {bound:.3e}"]
+
+
 def _kvcache_knobs(case: Case) -> dict:
     """attention_with_kvcache's knobs in a kvcache case: fused_combine, and producer_warps where it has them."""
     knobs = {"fused_combine": case.fused_combine}
@@ -947,13 +982,13 @@ def case_specs(case: Case, device: int = 0) -> list:
 
 
 def _backward_variant_knobs(case: Case, seqlen_q: int, seqlen_k: int, knobs: dict) -> tuple[bool, dict]:
-    """(the backward spec's causal flag, ``knobs`` with local / softcap) of a backward case's window and softcap
-    (backward.variant_knobs, for sequences of ``seqlen_q`` queries and ``seqlen_k`` keys)."""
+    """(the backward spec's causal flag, ``knobs`` with local / softcap / sinks) of a backward case's window,
+    softcap and sinks (backward.variant_knobs, for sequences of ``seqlen_q`` queries and ``seqlen_k`` keys)."""
     from ..ops import backward
     causal, knobs, _ = backward.variant_knobs((case.window_left, case.window_right),
                                               "top_left" if case.top_left else "bottom_right", case.softcap,
                                               case.causal, seqlen_q, seqlen_k, 1.0, knobs)
-    return causal, knobs
+    return causal, {**knobs, "sinks": True} if case.sinks else knobs
 
 
 def case_spec(case: Case, device: int = 0):
@@ -1256,12 +1291,13 @@ def representative_cases() -> list[Case]:
                       head_dim=80, causal=True, softmax_scale=None, layout="contiguous", magnitude=1.0,
                       return_lse=True, use_out=False, seed=7, page_size=64, seqlen_new=3, num_splits=4))
     # and the sliding-window backward (the sm80 LOCAL kernels, after either arch's forward): causal with 50 keys
-    # to the left over 239 x 203 (rows that see no key, blocks skipped above the window), GQA: case 60; and a
+    # to the left over 239 x 203 (rows that see no key, blocks skipped above the window), GQA, with sinks (the
+    # SINKS postprocess's gradient): case 60; and a
     # two-sided window of (33, 17) with softcap 30 (the SOFTCAP kernels), fp16, head_dim 64, after the sm90
     # forward: case 61
     cases.append(Case("backward", "sm80", "bf16", batch=2, seqlen_q=239, seqlen_k=203, heads_q=4, heads_kv=2,
                       head_dim=128, causal=True, softmax_scale=None, layout="strided", magnitude=1.0,
-                      return_lse=True, use_out=False, seed=14, window_left=50, window_right=-1))
+                      return_lse=True, use_out=False, seed=14, window_left=50, window_right=-1, sinks=True))
     cases.append(Case("backward", "sm90", "fp16", batch=2, seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=2,
                       head_dim=64, causal=False, softmax_scale=None, layout="strided", magnitude=1.0,
                       return_lse=True, use_out=False, seed=22, window_left=33, window_right=17, softcap=30.0))
