@@ -714,23 +714,29 @@ def test_transformers_llama_packed_sequences_match_each_sequence_alone(fake):
 # the variants in whole models: Mistral (sliding window), Gemma-2 (softcap and sliding layers), gpt-oss (sinks
 # and sliding layers), each a tiny random one in float32 beside transformers' eager attention
 
-VARIANT_MODELS = {
-    "mistral": ("MistralConfig", dict(sliding_window=4)),
-    "gemma2": ("Gemma2Config", dict(sliding_window=4, attn_logit_softcapping=5.0, query_pre_attn_scalar=64)),
-    "gpt_oss": ("GptOssConfig", dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
-                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-}
+VARIANT_MODELS = ("gemma2", "gpt_oss", "mistral")
+
+
+def variant_model_config(family: str, sliding_window: int, **sizes):
+    """A tiny random config of ``family`` (Mistral: a sliding window; Gemma-2: softcap 5 and sliding layers; gpt-oss:
+    sinks and sliding layers), facodegen registered; ``sizes``: the config's other fields (vocab, hidden, heads)."""
+    transformers = pytest.importorskip("transformers")
+    from facodegen.integrations.transformers import register
+    register()
+    name, fields = {
+        "mistral": ("MistralConfig", {}),
+        "gemma2": ("Gemma2Config", dict(attn_logit_softcapping=5.0, query_pre_attn_scalar=64)),
+        "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    }[family]
+    return getattr(transformers, name)(num_hidden_layers=2, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                       sliding_window=sliding_window, **fields, **sizes)
 
 
 def _tiny_variant_model(family, attn_implementation, state_dict=None):
     transformers = pytest.importorskip("transformers")
-    from facodegen.integrations.transformers import register
-    register()
-    name, fields = VARIANT_MODELS[family]
-    config = getattr(transformers, name)(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                         max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                         **fields)
+    config = variant_model_config(family, 4, vocab_size=128, hidden_size=128, intermediate_size=128,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     if state_dict is not None:
@@ -743,7 +749,7 @@ def _tiny_variant_model(family, attn_implementation, state_dict=None):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("family", sorted(VARIANT_MODELS))
+@pytest.mark.parametrize("family", VARIANT_MODELS)
 def test_transformers_variant_models_match_eager(fake, family):
     """12 tokens through a sliding window of 4 (and softcap, sinks): the logits of an unpadded and a
     left-padded batch are eager attention's, and greedy generate() gives its tokens."""

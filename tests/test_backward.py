@@ -421,6 +421,16 @@ def test_deterministic_turns_never_deadlock(seqlen_q, seqlen_k, causal, resident
         m_first = first_row // block_m
         per_head = m_blocks - m_first if first_row < seqlen_q else 0
         return [(h, m_first + i) for h in range(group) for i in range(per_head)]
+    order = _replay_turns(n_blocks, steps, lambda n, step: n, resident)
+    for step, added in order.items():
+        assert added == list(range(len(added)))
+
+
+def _replay_turns(n_blocks: int, steps, turn, resident: int) -> dict:
+    """The dQ turn protocol: CTAs start in grid order with only ``resident`` at a time; key block n walks
+    ``steps(n)`` (query blocks, or (head, query block)), waiting at each until its count equals ``turn(n, step)``,
+    then adds one. Asserts that every CTA finishes (no deadlock); returns each step's key blocks in the order
+    they added (each adds once)."""
     todo = {n: steps(n) for n in range(n_blocks)}
     turns, order = {}, {}
     waiting, running = list(range(n_blocks)), []
@@ -429,7 +439,7 @@ def test_deterministic_turns_never_deadlock(seqlen_q, seqlen_k, causal, resident
             running.append(waiting.pop(0))
         progressed = False
         for n in list(running):
-            while todo[n] and turns.get(todo[n][0], 0) == n:
+            while todo[n] and turns.get(todo[n][0], 0) == turn(n, todo[n][0]):
                 step = todo[n].pop(0)
                 turns[step] = turns.get(step, 0) + 1
                 order.setdefault(step, []).append(n)
@@ -438,8 +448,8 @@ def test_deterministic_turns_never_deadlock(seqlen_q, seqlen_k, causal, resident
                 running.remove(n)
                 progressed = True
         assert progressed, f"deadlock: running {running}, next steps {[todo[n][:1] for n in running]}"
-    for step, added in order.items():
-        assert added == list(range(len(added))) and turns[step] == len(added)
+    assert all(turns[step] == len(added) for step, added in order.items())
+    return order
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal, window_size", [
@@ -472,23 +482,7 @@ def test_deterministic_window_turns_never_deadlock(seqlen_q, seqlen_k, causal, w
     def turn(n_block, m_block):
         window_key0 = m_block * block_m + key_lo_off
         return n_block - (window_key0 // block_n if window_key0 > 0 else 0)
-    todo = {n: steps(n) for n in range(n_blocks)}
-    turns, order = {}, {}
-    waiting, running = list(range(n_blocks)), []
-    while waiting or running:
-        while waiting and len(running) < resident:
-            running.append(waiting.pop(0))
-        progressed = False
-        for n in list(running):
-            while todo[n] and turns.get(todo[n][0], 0) == turn(n, todo[n][0]):
-                m = todo[n].pop(0)
-                turns[m] = turns.get(m, 0) + 1
-                order.setdefault(m, []).append(n)
-                progressed = True
-            if not todo[n]:
-                running.remove(n)
-                progressed = True
-        assert progressed, f"deadlock: running {running}, next steps {[todo[n][:1] for n in running]}"
+    order = _replay_turns(n_blocks, steps, turn, resident)
     hidden = window_mask(np.arange(seqlen_q), np.arange(seqlen_k), seqlen_q, seqlen_k, window_size, causal)
     for m in range(m_blocks):
         seen = ~hidden[m * block_m:(m + 1) * block_m]
