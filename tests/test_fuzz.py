@@ -108,7 +108,8 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     # and fp8 varlen
     assert [i for i, c in enumerate(cases) if c.family == "varlen" and c.dtype == "fp8"] == [50, 55]
     # the varlen backward: the 16-bit varlen cases of seed 11, and deterministic, the last case
-    assert [i for i, c in enumerate(cases) if c.varlen_backward] == [36, 37, 38, 39, 40, 41, 42, 43, 51, 52, 62]
+    assert [i for i, c in enumerate(cases) if c.varlen_backward] == [36, 37, 38, 39, 40, 41, 42, 43, 48, 51, 52,
+                                                                      62]
     assert [(i, c.arch) for i, c in enumerate(cases) if c.varlen_backward and c.seed % 8 == 7] == [(51, "sm80"),
                                                                                                   (52, "sm90")]
     # and the sm80 backward with one warp a slab and looped GEMMs (case.sm80_knobs_flipped, turn 1)
@@ -129,6 +130,7 @@ def test_representative_cases_cover_each_arch_dtype_and_causal():
     assert cases[59].page_size and cases[59].num_splits > 1 and cases[59].seqlen_new
     assert len(cases) == 63
     assert cases[62].varlen_backward and cases[62].has_variant and not cases[62].sinks     # (its window, softcap)
+    assert cases[48].varlen_backward and cases[48].sinks     # (the varlen variants case: its backward with sinks too)
     # the sliding-window backward, after each arch's forward (the sm80 LOCAL kernels both): cases 60, 61
     windowed = [(i, c.arch, c.causal) for i, c in enumerate(cases) if c.family == "backward" and fuzz.has_backward_variant(c)]
     assert windowed == [(60, "sm80", True), (61, "sm90", False)]
@@ -443,7 +445,8 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             local, causal, _, _ = api.window_params(c.window_left, c.window_right, c.causal, *shape[1:3])
             variant = dict(local=local, softcap=c.softcap > 0, sinks=c.sinks) if c.has_variant else {}
             bwd_causal, bwd_variant, _ = backward.variant_knobs((c.window_left, c.window_right), "bottom_right",
-                                                                c.softcap, c.causal, *shape[1:3], 1.0, {})
+                                                                c.softcap, c.causal, *shape[1:3], 1.0,
+                                                                {"sinks": True} if c.sinks else {})
             fp8 = {"out_dtype": "bf16", "v_layout": "row"} if c.dtype == "fp8" else {}
             assert specs == [api.resolve_spec(c.head_dim, c.dtype, causal, 0, varlen.check_arch(c.arch), shape=shape,
                                               varlen=True, **({"persistent": False} if c.one_cta_per_tile else {}),
@@ -451,7 +454,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
                              ] + ([backward.choose(c.head_dim, c.dtype, bwd_causal, info, {
                                  "varlen": True, "deterministic": c.seed % 8 == 7, **bwd_variant},
                                  "sm80" if c.has_variant else c.arch)] if c.varlen_backward else [])
-            assert c.varlen_backward == (c.dtype != "fp8" and not c.sinks and c.seed % 4 == 3
+            assert c.varlen_backward == (c.dtype != "fp8" and c.seed % 4 == 3
                                          and c.heads_q * c.seqlen_q * c.seqlen_k <= fuzz.MAX_SCORES // 8)
         else:
             dtype = {"fp16": "float16", "bf16": "bfloat16"}[c.dtype]
@@ -695,7 +698,7 @@ def test_the_sinks_gradient_criterion():
     inputs = [x.double().requires_grad_(True) for x in (q, k, v)] + [sinks.double().requires_grad_(True)]
     out, _ = fuzz.attention_torch(*inputs[:3], True, 0.2, upcast=True, sinks=inputs[3], **variant)
     grads = torch.autograd.grad(out, inputs, do.double())
-    assert fuzz.sinks_gradient_failures(q, k, v, do, True, 0.2, grads[3].float(), sinks, **variant) == []
-    assert fuzz.sinks_gradient_failures(q, k, v, do, True, 0.2, grads[3].float() * 1.1, sinks, **variant)
+    assert fuzz.sinks_gradient_failures([(q, k, v, do)], True, 0.2, grads[3].float(), sinks, **variant) == []
+    assert fuzz.sinks_gradient_failures([(q, k, v, do)], True, 0.2, grads[3].float() * 1.1, sinks, **variant)
     assert fuzz.backward_failures(q, k, v, do, True, 0.2, [g.to(torch.bfloat16) for g in grads[:3]], sinks=sinks,
                                   **variant) == []

@@ -249,8 +249,8 @@ def test_autograd_and_the_torch_op():
     from facodegen.ops import torch_op
     q = torch.zeros(1, 4, 2, 192, requires_grad=True)
     with pytest.raises(NotImplementedError, match="head_dim_v=128, head_dim=192.* no backward yet"):
-        torch_op._refuse_without_backward(q, None, None, None, torch.zeros(1, 4, 2, 128))
-    torch_op._refuse_without_backward(q, None, None, None, torch.zeros(1, 4, 2, 192))     # the same width: fine
+        torch_op._refuse_without_backward(q, None, None, torch.zeros(1, 4, 2, 128))
+    torch_op._refuse_without_backward(q, None, None, torch.zeros(1, 4, 2, 192))     # the same width: fine
     # the op's fake (what torch.compile traces): O takes v's head dim
     meta = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="meta")  # noqa: E731
     q, k, v = meta(2, 100, 8, 192), meta(2, 77, 2, 192), meta(2, 77, 2, 128)

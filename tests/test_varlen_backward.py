@@ -186,6 +186,15 @@ def test_a_varlen_window_and_softcap_run_the_sm80_local_softcap_kernels(vbwd, ar
     assert "_local" not in vbwd.bwd.records[4]["name"]
     with pytest.raises(SpecError, match="local"):
         _call(a, causal=True, window_size=(20, -1), arch="sm90")
+    # sinks: the sm80 SINKS kernels (the sm90 varlen backward has none), a fourth result, the addresses patched in
+    sinks = FakeTensor((HQ,), "float32")
+    *_, dsinks = _call(a, causal=True, window_size=(20, -1), sinks=sinks, arch=arch)
+    post = vbwd.bwd.records[-1]
+    assert post["name"].endswith("_varlen_local_sinks_convert_dq") and dsinks.shape == (HQ,)
+    placed = {f.name: off for f, off in backward.layout("sm80", varlen=True, local=True, sinks=True)[0]}
+    assert struct.unpack_from("<2Q", post["params"], placed["sinks"]) == (sinks.data_ptr(), dsinks.data_ptr())
+    with pytest.raises(SpecError, match="sinks"):
+        _call(a, causal=True, sinks=sinks, arch="sm90")
 
 
 def test_a_varlen_call_launches_the_three_kernels_over_the_packed_rows(vbwd):
@@ -508,7 +517,9 @@ class MetaVarlen:
     def backward(self, do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, **kw):
         self.backwards.append(dict(do=do, q=q, k=k, v=v, out=out, lse=lse, cu_q=cu_q, cu_k=cu_k, max_q=max_q,
                                    max_k=max_k, **kw))
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        grads = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        sinks = kw.get("sinks")
+        return grads if sinks is None else (*grads, sinks.new_empty(sinks.shape))
 
 
 @pytest.fixture
@@ -568,20 +579,28 @@ def test_flash_attn_varlen_func_records_the_backward_too(meta_varlen, determinis
 
 
 @pytest.mark.parametrize("variant", [dict(window_size=(8, 0)), dict(softcap=20.0),
-                                     dict(window_size=(3, 5), softcap=50.0)], ids=["window", "softcap", "both"])
-def test_a_window_and_softcap_record_their_varlen_backward(meta_varlen, variant):
-    """attention_varlen with a window or softcap on tensors that require grad: the forward takes them, and so does
-    its recorded attention_varlen_backward (the sm80 LOCAL / SOFTCAP kernels, each sequence's own diagonal)."""
+                                     dict(window_size=(3, 5), softcap=50.0), dict(sinks="meta")],
+                         ids=["window", "softcap", "both", "sinks"])
+def test_the_variants_record_their_varlen_backward(meta_varlen, variant):
+    """attention_varlen with a window, softcap or sinks on tensors that require grad: the forward takes them, and so
+    does its recorded attention_varlen_backward (the sm80 LOCAL / SOFTCAP / SINKS kernels, each sequence's own
+    diagonal); the sinks, an input of the recording, take the gradient it returns."""
     q = meta(16, 2, 64)
+    variant = dict(variant)
+    if variant.get("sinks") == "meta":
+        variant["sinks"] = meta(2, dtype=torch.float32)
     facodegen.attention_varlen(q, q.detach(), q.detach(), *_boundaries(), 8, 8, causal=True,
                                **variant).float().sum().backward()
     [fwd], [back] = meta_varlen.forwards, meta_varlen.backwards
     want = {"window_size": tuple(variant.get("window_size", (-1, -1))), "softcap": variant.get("softcap", 0.0)}
     assert {n: fwd[n] for n in want} == want and {n: back[n] for n in want} == want and back["causal"] is True
+    sinks = variant.get("sinks")
+    assert fwd["sinks"] is sinks and back["sinks"] is sinks
+    if sinks is not None:
+        assert sinks.grad is not None and sinks.grad.shape == (2,)
 
 
 @pytest.mark.parametrize("kw, q_shape, v_dim, dtype, words", [
-    (dict(sinks="new"), (16, 2, 64), 64, torch.bfloat16, "sinks have no backward"),
     (dict(out="new"), (16, 2, 64), 64, torch.bfloat16, "out="),
     ({}, (16, 2, 128), 64, torch.bfloat16, "head_dim_v=64"),
     ({}, (16, 2, 64), 64, torch.float8_e4m3fn, "fp8"),
@@ -591,8 +610,6 @@ def test_what_has_no_backward_raises_at_the_forward(meta_varlen, kw, q_shape, v_
     v = meta(q_shape[0], q_shape[1], v_dim, dtype=dtype, grad=False)
     if kw.get("out") == "new":
         kw = dict(out=torch.empty_like(q.detach()))
-    if kw.get("sinks") == "new":
-        kw = dict(sinks=torch.empty(2, dtype=torch.float32, device="meta"))
     with pytest.raises(NotImplementedError) as err:
         facodegen.attention_varlen(q, q.detach(), v, *_boundaries(), 8, 8, **kw)
     assert words in str(err.value) and "facodegen.attention_varlen" in str(err.value)

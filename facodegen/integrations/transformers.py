@@ -38,9 +38,7 @@ hands every layer the same mask tensor, and its gather is kept for the layers af
 raising NotImplementedError: a 4-D mask that hides more than the causal pattern (transformers >=
 4.53 with register() hands this backend the 2-D mask instead), dropout in training and ``position_bias``.
 Training runs facodegen's generated backward through autograd (fp16/bf16; see facodegen.attention and
-attention_varlen): the window and softcap take theirs, padded and packed batches too; the sinks on unpadded
-batches (attention()), not yet through attention_varlen, where a layer with sinks raises at its forward when
-gradients are recorded (run inference under torch.no_grad(), as generate() does).
+attention_varlen): the window, softcap and sinks take theirs, padded and packed batches too.
 """
 
 from __future__ import annotations

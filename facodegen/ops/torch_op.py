@@ -31,8 +31,8 @@ work at a fraction of the op's autograd kernel's host cost (see _Attention).
 A sliding window (window_size, and top-left causal), a softcap and sinks record a backward with the same
 variant (attention_backward's window_size, causal_alignment, softcap and sinks: the sm80 backward's LOCAL
 and SOFTCAP kernels, and either arch's SINKS ones, whose postprocess also writes the sinks' gradient;
-attention_varlen_backward's window_size and softcap through attention_varlen). fp8 inputs, sinks through
-attention_varlen and the mutating ``attention_out`` (out=/lse_out=) have no backward: a call that would record a gradient raises at the
+attention_varlen_backward's through attention_varlen, on sm80's kernels). fp8 inputs and the mutating
+``attention_out`` (out=/lse_out=) have no backward: a call that would record a gradient raises at the
 forward rather than returning an output with no grad_fn or a wrong one.
 
 ``facodegen.attention_with_kvcache`` (facodegen/ops/kvcache.py) calls the kvcache ops on torch tensors
@@ -104,19 +104,6 @@ def _out_has_no_backward(what: str = "facodegen.attention") -> str:
             f"that require grad, or call it under torch.no_grad()")
 
 
-def _variants_have_no_backward(what: str = "facodegen.attention_varlen") -> str:
-    return (f"{what}: sinks have no backward yet (its generated backward computes plain, sliding-window and "
-            f"softcapped attention's gradients); call it under torch.no_grad() or on tensors that do not "
-            f"require grad")
-
-
-def _has_backward(variant, what: str = "facodegen.attention") -> bool:
-    """api's variant tuple (window_size, softcap, sinks, causal_alignment) has a backward: every one through
-    facodegen.attention (the sm80 LOCAL and SOFTCAP kernels, either arch's SINKS ones), all but sinks through
-    attention_varlen."""
-    return what == "facodegen.attention" or variant[2] is None
-
-
 def _head_dim_v_has_no_backward(q, v, what: str = "facodegen.attention") -> str:
     return (f"{what}: a V head dim of its own (head_dim_v={v.shape[-1]}, head_dim={q.shape[-1]}) has no backward "
             f"yet (the backward takes V as wide as Q and K); call it under torch.no_grad() or on tensors that do "
@@ -129,17 +116,15 @@ def _split_v(q, v) -> bool:
             and v.shape[-1] != q.shape[-1])
 
 
-def _refuse_without_backward(q, out, lse_out, variant, v=None, what: str = "facodegen.attention") -> None:
-    """A call that would record a gradient raises at the forward where the backward has no kernel
-    (``variant``: api's window_size, softcap, sinks, causal_alignment, or None; a ``v`` narrower than q,
-    head_dim_v), rather than returning an output with no grad_fn or with a backward of another function.
-    ``what``: the call the errors name (attention_varlen's packed q, k, v are 3-D)."""
+def _refuse_without_backward(q, out, lse_out, v=None, what: str = "facodegen.attention") -> None:
+    """A call that would record a gradient raises at the forward where the backward has no kernel (fp8, a ``v``
+    narrower than q: head_dim_v, out=/lse_out=), rather than returning an output with no grad_fn or with a
+    backward of another function. ``what``: the call the errors name (attention_varlen's packed q, k, v are 3-D).
+    (Every attention variant has a backward.)"""
     if q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError(_fp8_has_no_backward(what))
     if v is not None and _split_v(q, v):
         raise NotImplementedError(_head_dim_v_has_no_backward(q, v, what))
-    if variant is not None and not _has_backward(variant, what):
-        raise NotImplementedError(_variants_have_no_backward(what))
     if out is not None or lse_out is not None:
         raise NotImplementedError(_out_has_no_backward(what))
 
@@ -150,7 +135,7 @@ def attention(q, k, v, *, causal, softmax_scale, return_lse, out, lse_out, arch,
     are attention()'s; ``variant``: api's (window_size, softcap, sinks, causal_alignment) or None;
     ``deterministic``: the backward's, which the op's autograd formula reads)."""
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
-        _refuse_without_backward(q, out, lse_out, variant, v)
+        _refuse_without_backward(q, out, lse_out, v)
     descales = [spec_fields.pop(name, None) for name in _DESCALES]
     window_size, softcap, sinks, alignment = variant or ((-1, -1), 0.0, None, "bottom_right")
     variant = (list(window_size), float(softcap), sinks, alignment)
@@ -374,7 +359,7 @@ def attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out
     arguments): _Attention, the direct launches of the no-grad call and of attention_backward. (``variant``: a
     window, a softcap and sinks, which the backward takes too; with sinks _AttentionSinks, whose input they are,
     so that they take their gradient.)"""
-    _refuse_without_backward(q, out, lse_out, variant, v)
+    _refuse_without_backward(q, out, lse_out, v)
     call = (causal, softmax_scale, arch, spec_fields, bool(deterministic), variant)
     if variant is None or variant[2] is None:
         out, lse = _Attention.apply(q, k, v, call)
@@ -473,31 +458,33 @@ def _kernel_layout(grad_out):
 def attention_varlen_recording(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                                return_lse, out, arch, spec_fields, variant, deterministic=False):
     """facodegen.attention_varlen on tensors that record a gradient (its arguments; ``variant``: api's
-    (window_size, softcap, sinks, alignment) or None, whose sinks are refused like fp8, head_dim_v, a padded
-    head_dim and ``out``): _VarlenAttention, the no-grad call and attention_varlen_backward."""
-    _refuse_without_backward(q, out, None, variant, v, what="facodegen.attention_varlen")
+    (window_size, softcap, sinks, alignment) or None; fp8, head_dim_v, a padded head_dim and ``out`` are
+    refused): _VarlenAttention, the no-grad call and attention_varlen_backward."""
+    _refuse_without_backward(q, out, None, v, what="facodegen.attention_varlen")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     variant_args = {} if variant is None else {"window_size": tuple(variant[0]), "softcap": variant[1]}
     call = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, arch, spec_fields,
             deterministic, variant_args)
-    out, lse = _VarlenAttention.apply(q, k, v, call)
+    out, lse = _VarlenAttention.apply(q, k, v, None if variant is None else variant[2], call)
     return (out, lse) if return_lse else out
 
 
 class _VarlenAttention(torch.autograd.Function):
     """attention_varlen with its backward (_Attention's way): the forward is the no-grad call with the
-    LSE, which it saves with O; the backward runs attention_varlen_backward on them. ``call``:
-    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, arch, spec_fields,
-    deterministic, variant_args: window_size and softcap, or {}); the boundaries take no gradient."""
+    LSE, which it saves with O; the backward runs attention_varlen_backward on them. ``sinks``: the sinks (or
+    None), an input so that they take their gradient. ``call``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, causal, softmax_scale, arch, spec_fields, deterministic, variant_args: window_size and
+    softcap, or {}); the boundaries take no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call):
+    def forward(ctx, q, k, v, sinks, call):
         from .varlen import attention_varlen
         cu_q, cu_k, max_q, max_k, causal, softmax_scale, arch, spec_fields, _, variant_args = call
         out, lse = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=softmax_scale,
-                                    return_lse=True, arch=arch, **variant_args, **spec_fields)   # (grad mode is off)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+                                    return_lse=True, arch=arch, sinks=sinks, **variant_args,
+                                    **spec_fields)   # (grad mode is off in here)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -508,14 +495,14 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         from .varlen_backward import attention_varlen_backward
         if grad_out is None:
-            return None, None, None, None
+            return None, None, None, None, None
         grad_out = _kernel_layout(grad_out)
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
         _, _, max_q, max_k, causal, softmax_scale, arch, _, deterministic, variant_args = ctx.call
-        dq, dk, dv = attention_varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
-                                               softmax_scale=softmax_scale, arch=backward.autograd_arch(arch),
-                                               **variant_args, **_backward_knobs(deterministic))
-        return dq, dk, dv, None
+        grads = attention_varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
+                                          softmax_scale=softmax_scale, arch=backward.autograd_arch(arch), sinks=sinks,
+                                          **variant_args, **_backward_knobs(deterministic))
+        return (*grads, None) if sinks is not None else (*grads, None, None)
 
 
 _LIB.impl("attention", _attention_cuda, "CUDA")

@@ -79,8 +79,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     (sequences, heads_kv), as attention() takes them, the batch being the sequences; one left out is 1),
     O in ``out_dtype`` (bf16 by default), no variants. Gradients: torch tensors that require grad record
     one (attention_varlen_backward: the sm90 backward's varlen kernels on H100/H200, sm80's elsewhere),
-    for fp16/bf16 with head_dim 64, 96, 128, 192 or 256 shared by Q, K and V, no sinks and no ``out`` (a window
-    and a softcap take the sm80 backward's LOCAL and SOFTCAP kernels, deterministic too);
+    for fp16/bf16 with head_dim 64, 96, 128, 192 or 256 shared by Q, K and V, no ``out`` (a window, a softcap and
+    sinks take the sm80 backward's LOCAL, SOFTCAP and SINKS kernels, deterministic too; the sinks their gradient);
     the others raise at the forward. ``deterministic``: that backward's dQ adds in key-block order, so gradients are
     bit-identical across runs (so they are under torch.use_deterministic_algorithms(True)); the forward
     is deterministic either way. ``check_inputs=True`` reads cu_seqlens on the host first (a sync) and

@@ -38,7 +38,7 @@ _PLANS = PlanCache()
 
 def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                               max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
-                              window_size=(-1, -1), softcap: float = 0.0, dq=None, dk=None, dv=None,
+                              window_size=(-1, -1), softcap: float = 0.0, sinks=None, dq=None, dk=None, dv=None,
                               arch: str | None = None, check_inputs: bool = False, **knobs):
     """Gradients (dq, dk, dv) of attention_varlen given dO = ``do`` and the forward's ``out`` and ``lse``.
 
@@ -48,7 +48,8 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     forward's float32 natural-log LSE, contiguous (heads_q, total_q) (attention_varlen(..., return_lse=True));
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ``causal``, ``softmax_scale``, ``window_size`` and
     ``softcap``: the forward's (a window on each sequence's bottom-right diagonal and a softcap run the sm80
-    backward's LOCAL and SOFTCAP kernels, on every GPU).
+    backward's LOCAL and SOFTCAP kernels, on every GPU), and so must ``sinks`` (the sm80 SINKS kernels too): the
+    call then returns (dq, dk, dv, dsinks), dsinks a new float32 (heads_q,) array.
     dK and dV of a kv head are summed over the query heads that share it (GQA/MQA). dq, dk, dv: arrays to
     write the gradients into (default: new contiguous ones, zero at the tokens no sequence covers; given ones
     keep what they held there, but for dQ on sm80, written zero). ``arch``: None (sm90 on H100/H200, where it
@@ -68,7 +69,7 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     plan = key = None
     if kind != "other":
         try:
-            key = _call_key(kind, (do, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k), (
+            key = _call_key(kind, (do, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, sinks), (
                 max_seqlen_q.__class__, varlen.plan_bound(max_seqlen_q), max_seqlen_k.__class__,
                 varlen.plan_bound(max_seqlen_k), causal.__class__, causal, softmax_scale.__class__, softmax_scale,
                 window_size, softcap.__class__, softcap, arch, tuple(sorted(knobs.items()))))
@@ -77,7 +78,7 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
             plan = key = None
     if plan is None:
         plan = _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                        softmax_scale, dq, dk, dv, arch, knobs, window_size, softcap)
+                        softmax_scale, dq, dk, dv, arch, knobs, window_size, softcap, sinks)
         if key is not None:
             _PLANS.put(key, plan)
     device = plan.device
@@ -90,16 +91,22 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     cu_seqlens = (ptr(cu_seqlens_q), ptr(cu_seqlens_k))
     if (cu_seqlens[0] | cu_seqlens[1]) & 3:
         raise ValueError("cu_seqlens_q, cu_seqlens_k: data pointers must be 4-byte aligned")
-    plan.launch(api._current_stream(kind, device), pointers, cu_seqlens, (q.shape[0], k.shape[0]))
-    return dq, dk, dv
+    if sinks is None:
+        plan.launch(api._current_stream(kind, device), pointers, cu_seqlens, (q.shape[0], k.shape[0]))
+        return dq, dk, dv
+    dsinks = backward._zeros_like(kind, device, sinks)
+    plan.launch(api._current_stream(kind, device), pointers, cu_seqlens, (q.shape[0], k.shape[0]),
+                sinks=(ptr(sinks), ptr(dsinks)))
+    return dq, dk, dv, dsinks
 
 
 def _call_key(kind: str, arrays: tuple, options: tuple) -> tuple | None:
-    """The plan key of a call on ``arrays`` = (do, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k):
-    the packed arrays' metas without their token counts (varlen._PACKED_META), the LSE's without its total_q
-    (its heads, rank, inner stride, whether its rows are contiguous), the boundaries' metas, the ``options``
-    and the current device; None where the arrays disagree on a total (the checked path names which)."""
-    do, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k = arrays
+    """The plan key of a call on ``arrays`` = (do, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+    sinks): the packed arrays' metas without their token counts (varlen._PACKED_META), the LSE's without its
+    total_q (its heads, rank, inner stride, whether its rows are contiguous), the boundaries' and sinks' metas,
+    the ``options`` and the current device; None where the arrays disagree on a total (the checked path names
+    which)."""
+    do, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, sinks = arrays
     total_q, total_k = q.shape[0], k.shape[0]
     if not (do.shape[0] == out.shape[0] == lse.shape[-1] == total_q == (total_q if dq is None else dq.shape[0])
             and v.shape[0] == total_k == (total_k if dk is None else dk.shape[0])
@@ -108,8 +115,8 @@ def _call_key(kind: str, arrays: tuple, options: tuple) -> tuple | None:
     packed, meta = varlen._PACKED_META[kind], api.ARRAY_META[kind]
     m = meta(lse)
     lse_layout = (m[0], m[1][0], len(m[1]), m[2][-1], m[2][0] == m[2][-1] * m[1][-1], m[3])
-    return (kind, *(packed(x) for x in (do, q, k, v, out, dq, dk, dv)), lse_layout, meta(cu_q), meta(cu_k), *options,
-            api._current_device(kind))
+    return (kind, *(packed(x) for x in (do, q, k, v, out, dq, dk, dv)), lse_layout, meta(cu_q), meta(cu_k),
+            meta(sinks), *options, api._current_device(kind))
 
 
 def _encode_maps(built: dict, row_bytes: dict, targets: tuple, total_q: int, total_k: int) -> dict[str, bytes]:
@@ -129,7 +136,7 @@ def zero_outside_bits(arch: str, new_dq: bool, new_dk: bool, new_dv: bool) -> in
 
 
 def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-             dq, dk, dv, arch, knobs, window_size=(-1, -1), softcap=0.0) -> backward.BackwardPlan:
+             dq, dk, dv, arch, knobs, window_size=(-1, -1), softcap=0.0, sinks=None) -> backward.BackwardPlan:
     """Check every argument (errors name it), pick and load the kernels, build the plan."""
     qv, kv, vv = api._view("q", q), api._view("k", k), api._view("v", v)
     varlen.check_packed(qv, kv, vv, backward=True)
@@ -160,6 +167,9 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     # (the window folded as for sequences of the plan's bounds: open sides are open for every sequence)
     causal, knobs, variant_values = backward.variant_knobs(window_size, "bottom_right", softcap, causal, max_q, max_k,
                                                            scale, knobs)
+    if api._check_sinks(sinks, varlen.as_one_batch(qv)) is not None:
+        knobs = {**knobs, "sinks": True}
+        variant_values.update(sinks=0, dsinks=0)     # (each launch patches in its call's)
     info, spec, functions = backward.spec_of_call(qv, head_dim, causal, {**knobs, "varlen": True}, arch)
     packed = {name: varlen.as_one_batch(view) for name, view in views.items()}    # (as FlashParams takes them)
     values = backward.stride_values(packed)

@@ -176,7 +176,7 @@ BACKWARD_KNOBS: tuple[Knob, ...] = (
     Knob("sinks", "bool", "Attention sinks (attention()'s sinks: one logit per query head in the forward's softmax "
          "denominator, included in its LSE): dQ, dK, dV are plain attention's of that LSE, and the postprocess also "
          "writes each head's sink gradient, -sum over (batch, row) of exp(sink - LSE) D, one CTA a head summing its "
-         "rows in a fixed order (BwdParams' sinks, dsinks). Either arch, not varlen yet.",
+         "rows in a fixed order (BwdParams' sinks, dsinks). Either arch; varlen on sm80's kernels.",
          flag="--sinks/--no-sinks", problem=True, token=_flag("sinks")),
 )
 BACKWARD_BY_NAME = {k.name: k for k in BACKWARD_KNOBS}
@@ -764,13 +764,7 @@ def _as_bool(spec: BackwardSpec, name: str) -> None:
         raise SpecError(name, f"must be True or False, got {value!r}")
 
 
-def _validate_sinks(spec: BackwardSpec) -> None:
-    if spec.sinks and spec.varlen:
-        raise SpecError("sinks", "the varlen backward takes no sinks yet")
-
-
 def _validate(spec: BackwardSpec) -> None:
-    _validate_sinks(spec)
     if spec.lpt:
         raise SpecError("lpt", "an sm90 knob (its tile numbering); the sm80 backward's grid is one CTA per key block")
     if spec.dq_lag:
@@ -859,7 +853,9 @@ def _validate_sm90(spec: BackwardSpec) -> None:
         raise SpecError("local", "the sm90 backward has no sliding window yet; arch='sm80' runs it (on sm90 GPUs too)")
     if spec.softcap:
         raise SpecError("softcap", "the sm90 backward has no softcap yet; arch='sm80' runs it (on sm90 GPUs too)")
-    _validate_sinks(spec)
+    if spec.sinks and spec.varlen:
+        raise SpecError("sinks", "the sm90 varlen backward takes no sinks yet; arch='sm80' runs them (on sm90 GPUs "
+                                 "too)")
     if spec.varlen and spec.persistent:
         raise SpecError("persistent", "the sm90 varlen backward runs one CTA per tile (a tile past its sequence's keys "
                                       "exits at once); persistent=False")

@@ -167,12 +167,13 @@ class Case:
 
     @property
     def varlen_backward(self) -> bool:
-        """A 16-bit varlen case without sinks whose seed is 3 mod 4 (where float64 autograd of its longest
-        sequence stays within the backward family's size) also runs attention_varlen_backward on its O and
-        LSE (with its window and softcap: the sm80 LOCAL and SOFTCAP kernels), each sequence's dQ, dK, dV against
+        """A 16-bit varlen case whose seed is 3 mod 4 (where float64 autograd of its longest sequence stays
+        within the backward family's size) also runs attention_varlen_backward on its O and LSE (with its window,
+        softcap and sinks: the sm80 LOCAL, SOFTCAP and SINKS kernels), each sequence's dQ, dK, dV (and the sinks'
+        summed gradient) against
         float64 autograd by the backward family's criterion, and with seed 7 mod 8 deterministic=True, twice,
         bit-identical (the launch-only sweep launches it too). Read off the seed, as ``deterministic``."""
-        return (self.family == "varlen" and self.dtype != "fp8" and not self.sinks and self.seed % 4 == 3
+        return (self.family == "varlen" and self.dtype != "fp8" and self.seed % 4 == 3
                 and self.head_dim in HEAD_DIMS and self.heads_q * self.seqlen_q * self.seqlen_k <= MAX_SCORES // 8)
 
     @property
@@ -568,7 +569,7 @@ def _run_backward(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         variant["sinks"] = reference_variant["sinks"] = sinks.detach()
     failures = backward_failures(q, k, v, do, case.causal, scale, got[:3], **reference_variant)
     if sinks is not None:
-        failures += sinks_gradient_failures(q, k, v, do, case.causal, scale, got[3], **reference_variant)
+        failures += sinks_gradient_failures([(q, k, v, do)], case.causal, scale, got[3], **reference_variant)
     second = _second_call_knobs(case)
     if second:
         out, lse = facodegen.attention(*(x.detach() for x in leaves[:3]), causal=case.causal,
@@ -859,7 +860,7 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         runs = [facodegen.attention_varlen_backward(do, *args, out, lse, *boundaries, case.seqlen_q, case.seqlen_k,
                                                     causal=case.causal, softmax_scale=case.softmax_scale,
                                                     window_size=variants["window_size"], softcap=case.softcap,
-                                                    **_varlen_backward_knobs(case))
+                                                    sinks=sinks, **_varlen_backward_knobs(case))
                 for _ in range(2 if case.seed % 8 == 7 and not launch_only else 1)]
         grads = runs[0]
     if launch_only:
@@ -870,7 +871,7 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
         if len(runs) > 1 and not all(torch.equal(a, b) for a, b in zip(*runs)):
             problems.append("deterministic: two varlen backward runs differ")
         problems += _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, case.causal, scale, grads,
-                                              window_size=variants["window_size"], softcap=case.softcap)
+                                              window_size=variants["window_size"], softcap=case.softcap, sinks=sinks)
     for seq, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
         if q0 == q1:
             continue
@@ -899,16 +900,23 @@ def _run_varlen(case: Case, launch_only: bool = False) -> tuple[bool, str]:
 
 def _varlen_backward_knobs(case: Case) -> dict:
     """attention_varlen_backward's arch and knobs in a varlen_backward case: the case's arch (sm90: its varlen
-    backward; sm80: the sm80 kernels; with a window or softcap the sm80 kernels on either, the only ones with
-    them), deterministic for seeds 7 mod 8."""
-    variant = (case.window_left, case.window_right) != (-1, -1) or case.softcap
+    backward; sm80: the sm80 kernels; with a window, softcap or sinks the sm80 kernels on either, the only ones
+    with them), deterministic for seeds 7 mod 8."""
+    variant = (case.window_left, case.window_right) != (-1, -1) or case.softcap or case.sinks
     return {"arch": "sm80" if variant else case.arch, "deterministic": case.seed % 8 == 7}
 
 
 def _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, causal: bool, scale: float, grads, **variant) -> list[str]:
-    """backward_failures per sequence of packed gradients (``variant``: window_size and softcap, on each
-    sequence's diagonal); a sequence with no query or no key must have zero gradients."""
+    """backward_failures per sequence of packed gradients (``variant``: window_size, softcap and sinks, on each
+    sequence's diagonal; grads then ends with the sinks' gradient, summed over the sequences); a sequence with no
+    query or no key must have zero gradients."""
     problems = []
+    sinks = variant.get("sinks")
+    if sinks is not None:
+        sequences = [tuple(x[None, a:b].contiguous() for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1), (do, q0, q1)))
+                     for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]) if q1 > q0 and k1 > k0]
+        problems += sinks_gradient_failures(sequences, causal, scale, grads[3], **variant)
+        grads = grads[:3]
     for seq, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
         got = [g[None, a:b] for g, a, b in zip(grads, (q0, k0, k0), (q1, k1, k1))]
         if q0 == q1 or k0 == k1:
@@ -921,18 +929,20 @@ def _varlen_gradient_failures(q, k, v, do, cu_q, cu_k, causal: bool, scale: floa
     return problems
 
 
-def sinks_gradient_failures(q, k, v, do, causal: bool, scale: float, dsinks, sinks, **variant) -> list[str]:
-    """The sinks' gradient ``dsinks`` against float64 autograd of attention_torch with the sinks: its max error
-    at most twice the same-precision reference's (the sinks' gradient through scores and P V in the inputs'
-    dtype) + 1e-3 of its largest value; ["dsinks ..."] where it fails."""
+def sinks_gradient_failures(problems, causal: bool, scale: float, dsinks, sinks, **variant) -> list[str]:
+    """The sinks' gradient ``dsinks`` against float64 autograd of attention_torch with the sinks, summed over
+    ``problems`` ((q, k, v, do) each: a batch, or each sequence of a varlen call): its max error at most twice the
+    same-precision reference's (through scores and P V in the inputs' dtype) + 1e-3 of its largest value;
+    ["dsinks ..."] where it fails."""
     import torch
 
-    def reference(upcast: bool):
+    def reference(q, k, v, do, upcast: bool):
         inputs = [(x.double() if upcast else x).detach().requires_grad_(True) for x in (q, k, v)]
         s = sinks.detach().double().requires_grad_(True) if upcast else sinks.detach().clone().requires_grad_(True)
         out, _ = attention_torch(*inputs, causal, scale, upcast=upcast, sinks=s, **variant)
         return torch.autograd.grad(out, s, do.double() if upcast else do)[0].double()
-    ref, low = reference(True), reference(False)
+    ref = sum(reference(*problem, True) for problem in problems)
+    low = sum(reference(*problem, False) for problem in problems)
     if not torch.isfinite(dsinks).all():
         return ["dsinks has non-finite values"]
     err, base = (dsinks.double() - ref).abs().max().item(), (low - ref).abs().max().item()

@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason=f"needs a
 import facodegen  # noqa: E402
 from facodegen.ops import api, backward  # noqa: E402
 from facodegen.spec.backward import BackwardSpec  # noqa: E402
+from facodegen.verify.reference import sinks_gradient_reference  # noqa: E402
 from test_backward_gpu import _hidden, check_grads, reference  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -90,9 +91,9 @@ def _spans(cu):
     return list(zip(cu, cu[1:]))
 
 
-def check_sequences(grads, do, q, k, v, cu_q, cu_k, causal, scale, masks=None, softcap=0.0):
+def check_sequences(grads, do, q, k, v, cu_q, cu_k, causal, scale, masks=None, softcap=0.0, sinks=None):
     """check_grads per sequence (a sequence with no query or no key: zero gradients); ``masks``: each sequence's
-    hidden scores (a window's), ``softcap``: the logits' cap."""
+    hidden scores (a window's), ``softcap``: the logits' cap, ``sinks``: the sink logits."""
     dq, dk, dv = grads
     failures = []
     for b, ((q0, q1), (k0, k1)) in enumerate(zip(_spans(cu_q), _spans(cu_k))):
@@ -104,7 +105,7 @@ def check_sequences(grads, do, q, k, v, cu_q, cu_k, causal, scale, masks=None, s
         failures += [f"sequence {b}: {f}" for f in check_grads(got, do[None, q0:q1], q[None, q0:q1], k[None, k0:k1],
                                                                v[None, k0:k1], causal, scale,
                                                                hidden=None if masks is None else masks[b],
-                                                               softcap=softcap)]
+                                                               softcap=softcap, sinks=sinks)]
     return failures
 
 
@@ -231,28 +232,42 @@ def test_hostile_boundaries_are_clamped_and_check_inputs_refuses_them(arch):
     assert not torch.isnan(out.float()).any() and all(torch.isfinite(g.float()).all() for g in grads)
 
 
-@pytest.mark.parametrize("window_size, softcap", [((40, -1), 0.0), ((-1, -1), 5.0), ((17, 9), 30.0)],
-                         ids=["window", "softcap", "both"])
+@pytest.mark.parametrize("window_size, softcap, with_sinks", [((40, -1), 0.0, False), ((-1, -1), 5.0, False),
+                                                              ((17, 9), 30.0, False), ((-1, -1), 0.0, True),
+                                                              ((17, 9), 30.0, True)],
+                         ids=["window", "softcap", "both", "sinks", "all"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_window_and_softcap_gradients_match_float64(window_size, softcap, causal):
-    """attention_varlen_backward with a window on each sequence's diagonal and a softcap (the sm80 LOCAL and SOFTCAP
-    kernels, arch=None: on every GPU) against each sequence's float64 reference with them (FA3's criterion; a
-    sequence with no query or key: zero gradients), inputs at 3x unit scale so that the cap bites."""
+def test_varlen_window_and_softcap_gradients_match_float64(window_size, softcap, with_sinks, causal):
+    """attention_varlen_backward with a window on each sequence's diagonal, a softcap and sinks (the sm80 LOCAL,
+    SOFTCAP and SINKS kernels, arch=None: on every GPU) against each sequence's float64 reference with them (FA3's
+    criterion; a sequence with no query or key: zero gradients; the sinks' gradient summed over the sequences
+    against the float64 formula's), inputs at 3x unit scale so that the cap bites."""
     lengths_q, lengths_k = [100, 0, 1, 257, 64], [120, 33, 0, 300, 64]
     q, k, v, do, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 128, torch.bfloat16, seed=21)
     q, k = q * 3, k * 3
     scale = 128 ** -0.5
+    sinks = torch.linspace(-1.0, 2.0, 4, device="cuda") if with_sinks else None
     out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"), device="cuda")
+    if sinks is not None:   # (a sequence with no key: LSE = sink)
+        lse[:] = sinks[:, None]
+    dsinks_ref = 0.0
     masks = []
     for (q0, q1), (k0, k1) in zip(_spans(cu_q), _spans(cu_k)):
         hidden = _hidden(q1 - q0, k1 - k0, causal, window_size, False) if window_size != (-1, -1) else None
         masks.append(hidden)
         if q1 > q0 and k1 > k0:
             o, l_, _ = reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], q[None, q0:q1], causal, scale,
-                                 upcast=True, hidden=hidden, softcap=softcap)
+                                 upcast=True, hidden=hidden, softcap=softcap, sinks=sinks)
             out[q0:q1], lse[:, q0:q1] = o[0].to(q.dtype), l_[0].float()
+            if sinks is not None:
+                dsinks_ref = dsinks_ref + sinks_gradient_reference(do[None, q0:q1].cpu(), o.cpu(), l_.cpu(),
+                                                                   sinks.cpu())
     poison = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
     grads = facodegen.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                                 causal=causal, softmax_scale=scale, window_size=window_size,
-                                                softcap=softcap, **poison)
-    assert check_sequences(grads, do, q, k, v, cu_q, cu_k, causal, scale, masks, softcap) == []
+                                                softcap=softcap, sinks=sinks, **poison)
+    assert check_sequences(grads[:3], do, q, k, v, cu_q, cu_k, causal, scale, masks, softcap, sinks) == []
+    if sinks is not None:
+        ref = torch.as_tensor(dsinks_ref)
+        err = (grads[3].cpu().double() - ref).abs().max().item()
+        assert err <= 2e-2 * ref.abs().max().item() + 1e-3, f"dsinks max err {err:.3e}"
