@@ -54,9 +54,11 @@
 #                                                       # without its dQ adds and with scalar ones (bwd-patch-ab), the
 #                                                       # fuzz's flipped sm80 knobs: NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s50b          # softcap's tile with ping-pong, sanitizer case 53: NOT YET RUN
-#   OUT=/path bash scripts/pending_gpu.sh s50d          # session 50: the window and softcap backward (sm80 LOCAL and
-#                                                       # SOFTCAP kernels, varlen too): GPU tests, sanitizer 60-62: NOT YET RUN
-#   OUT=/path bash scripts/pending_gpu.sh s50e          # their fuzz shares (backward, varlen): NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s50d          # session 50: the variants' backward (window, softcap, sinks):
+#                                                       # attention_backward's GPU tests: NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s50e          # attention_varlen_backward's, the adapters', sanitizer 48, 60-62:
+#                                                       # NOT YET RUN
+#   OUT=/path bash scripts/pending_gpu.sh s50f          # their fuzz shares (backward, varlen): NOT YET RUN
 #   OUT=/path bash scripts/pending_gpu.sh s50c          # session 50: transformers' variant models (Mistral, Gemma-2,
 #                                                       # gpt-oss) on the kernels; the sm80 dQ path at d192/d256
 #                                                       # (bwd-patch-ab, dq_bulk_add with one stage): NOT YET RUN
@@ -479,20 +481,26 @@ case "${1:-}" in
         grep -v compiling "$OUT"/softcap_d*.log; tail -5 "$OUT/sanitize_53.log"
         ;;
     s50d)
-        # session 50 (no device): the window and softcap backward (BackwardSpec(local=True, softcap=True), sm80's kernels
-        # on every GPU: attention_backward and attention_varlen_backward's window_size / softcap, autograd, top-left
-        # causal under grad as its window, the SDPA adapter's gradients), then its sanitizer cases
-        step pytest_window 300 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py tests/gpu/test_adapters_gpu.py \
-            tests/gpu/test_varlen_backward_gpu.py \
-            -k "window or softcap or sinks or sdpa_gradients or autograd_through_attention"
-        step sanitize_window 150 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 60,61,62
-        tail -3 "$OUT/pytest_window.log"; tail -5 "$OUT/sanitize_window.log"
+        # session 50 (no device): the variants' backward (BackwardSpec local / softcap / sinks; the sm80 LOCAL and
+        # SOFTCAP kernels on every GPU, SINKS on either arch): attention_backward's window_size, causal_alignment,
+        # softcap and sinks, deterministic windows, autograd (top-left causal under grad as its window)
+        step pytest_variants_bwd 420 python3 -m pytest -q -rf -n 8 tests/gpu/test_backward_gpu.py \
+            -k "window or softcap or sinks or autograd_through_attention"
+        tail -3 "$OUT/pytest_variants_bwd.log"
         ;;
     s50e)
-        # their fuzz shares: backward seeds 6 mod 8 (window and/or softcap), varlen seeds 3 mod 4 with variants
-        step fuzz_window 220 python3 -m facodegen check --fuzz 240 --seed 61 --family backward
-        step fuzz_varlen_variants 200 python3 -m facodegen check --fuzz 200 --seed 62 --family varlen
-        tail -5 "$OUT/fuzz_window.log"; tail -5 "$OUT/fuzz_varlen_variants.log"
+        # attention_varlen_backward's window / softcap / sinks, the SDPA adapter's gradients, transformers' variant
+        # models on the kernels; then the sanitizer cases of the variants' backward (60-62)
+        step pytest_variants_varlen 300 python3 -m pytest -q -rf -n 8 tests/gpu/test_varlen_backward_gpu.py \
+            tests/gpu/test_adapters_gpu.py -k "window or softcap or sinks or sdpa_gradients or variant_models"
+        step sanitize_variants_bwd 200 python3 scripts/sanitize.py --out "$OUT/sanitize" --cases 48,60,61,62
+        tail -3 "$OUT/pytest_variants_varlen.log"; tail -5 "$OUT/sanitize_variants_bwd.log"
+        ;;
+    s50f)
+        # their fuzz shares: backward seeds 6 mod 8 (window, softcap, sinks), varlen seeds 3 mod 4 with variants
+        step fuzz_variants_bwd 260 python3 -m facodegen check --fuzz 240 --seed 61 --family backward
+        step fuzz_varlen_variants 260 python3 -m facodegen check --fuzz 200 --seed 62 --family varlen
+        tail -5 "$OUT/fuzz_variants_bwd.log"; tail -5 "$OUT/fuzz_varlen_variants.log"
         ;;
     s50c)
         # session 50 (no device): the transformers backend passes sliding_window, softcap and s_aux to the kernels
