@@ -805,8 +805,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     On torch tensors that require grad, the call records its backward: the generated backward
     kernels (facodegen.attention_backward) on the saved O and LSE; the LSE takes no gradient. Under
     ``torch.compile``/``torch.export`` the call goes through the ``facodegen::attention`` custom op
-    (facodegen.ops.torch_op), whose autograd formula runs the same backward. fp8 inputs, sinks
-    and out=/lse_out= have no backward: a call that would record a gradient raises.
+    (facodegen.ops.torch_op), whose autograd formula runs the same backward. fp8 inputs and
+    out=/lse_out= have no backward: a call that would record a gradient raises.
     ``deterministic=True``: that backward adds dQ in a fixed order, so gradients are bit-identical across
     runs (so they are under torch.use_deterministic_algorithms(True)); the forward is deterministic anyway.
 
