@@ -412,9 +412,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             knobs = {"deterministic": True} if c.deterministic else {}
             causal, variant, _ = backward.variant_knobs((c.window_left, c.window_right),
                                                         "top_left" if c.top_left else "bottom_right", c.softcap,
-                                                        c.causal, c.seqlen_q, c.seqlen_k, 1.0, {})
-            if c.sinks:
-                variant["sinks"] = True
+                                                        c.sinks, c.causal, c.seqlen_q, c.seqlen_k, 1.0, {})
             # autograd's backward: sm80 after an sm80 forward, else the default (sm90 where it covers the call:
             # deterministic too, every head_dim, padded ones too)
             padded = c.head_dim not in (64, 96, 128, 192, 256)
@@ -445,8 +443,7 @@ def test_case_specs_name_every_kernel_the_families_launch(monkeypatch):
             local, causal, _, _ = api.window_params(c.window_left, c.window_right, c.causal, *shape[1:3])
             variant = dict(local=local, softcap=c.softcap > 0, sinks=c.sinks) if c.has_variant else {}
             bwd_causal, bwd_variant, _ = backward.variant_knobs((c.window_left, c.window_right), "bottom_right",
-                                                                c.softcap, c.causal, *shape[1:3], 1.0,
-                                                                {"sinks": True} if c.sinks else {})
+                                                                c.softcap, c.sinks, c.causal, *shape[1:3], 1.0, {})
             fp8 = {"out_dtype": "bf16", "v_layout": "row"} if c.dtype == "fp8" else {}
             assert specs == [api.resolve_spec(c.head_dim, c.dtype, causal, 0, varlen.check_arch(c.arch), shape=shape,
                                               varlen=True, **({"persistent": False} if c.one_cta_per_tile else {}),

@@ -900,8 +900,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
             return torch_op.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                                       out=out, lse_out=lse_out, arch=arch, variant=variant,
                                       deterministic=deterministic, **spec_fields)
-        if torch.is_grad_enabled() and (    # (k, v may be of another library)
-                q.requires_grad or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False)):
+        if _records_grad(q, k, v):
             from . import torch_op
             return torch_op.attention_recording(q, k, v, causal, softmax_scale, return_lse, out, lse_out, arch,
                                                 spec_fields, variant, deterministic)
@@ -911,10 +910,11 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
 
 def _records_grad(q, k, v) -> bool:
-    """A call on torch tensors that would record a gradient (grad mode on, q, k or v requiring grad)."""
+    """A call on torch tensors that would record a gradient (grad mode on, q, k or v requiring grad; k, v may be of
+    another library: the checked path names them)."""
     torch = _torch()
     return (torch is not None and isinstance(q, torch.Tensor) and torch.is_grad_enabled()
-            and any(getattr(x, "requires_grad", False) for x in (q, k, v)))
+            and (q.requires_grad or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False)))
 
 
 def _variant_key(variant, meta) -> tuple | None:

@@ -610,11 +610,7 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     """
     from . import api
 
-    if window_size.__class__ is not tuple:      # (a list: hashable for the plan key; anything else: _resolve says)
-        try:
-            window_size = tuple(window_size)
-        except TypeError:
-            pass
+    window_size = hashable_window(window_size)
     torch = api._TORCH or api._torch()
     if torch is not None and q.__class__ is torch.Tensor:
         # torch: the key in this frame (meta of every array, one tuple), and a hit of a plain plan launched here
@@ -667,13 +663,13 @@ def attention_backward(do, q, k, v, out, lse, *, causal: bool = False, softmax_s
     dq = _new_like(kind, device, q) if dq is None else dq
     dk = _new_like(kind, device, k) if dk is None else dk
     dv = _new_like(kind, device, v) if dv is None else dv
+    pointers = call_pointers(kind, (q, k, v, out, do, lse, dq, dk, dv))
     if sinks is None:
-        plan.launch(api._current_stream(kind, device), call_pointers(kind, (q, k, v, out, do, lse, dq, dk, dv)))
+        plan.launch(api._current_stream(kind, device), pointers)
         return dq, dk, dv
     dsinks = _zeros_like(kind, device, sinks)
     ptr = api.ARRAY_PTR[kind]
-    plan.launch(api._current_stream(kind, device), call_pointers(kind, (q, k, v, out, do, lse, dq, dk, dv)),
-                sinks=(ptr(sinks), ptr(dsinks)))
+    plan.launch(api._current_stream(kind, device), pointers, sinks=(ptr(sinks), ptr(dsinks)))
     return dq, dk, dv, dsinks
 
 
@@ -707,6 +703,17 @@ def _new_like(kind: str, device: int, x):
     import cupy
     with cupy.cuda.Device(device):
         return cupy.empty(x.shape, dtype=x.dtype)
+
+
+def hashable_window(window_size):
+    """A backward call's window_size as its plan key holds it: a tuple (a list given as FlashAttention's callers
+    do becomes one); anything else as it is, for the checked path to name."""
+    if window_size.__class__ is tuple:
+        return window_size
+    try:
+        return tuple(window_size)
+    except TypeError:
+        return window_size
 
 
 def _zeros_like(kind: str, device: int, x):
@@ -752,11 +759,9 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
                          f"{lsev.shape} strides {lsev.strides}")
     gradient_views(views, dq, dk, dv)
     scale = api._check_scale(softmax_scale, head_dim)
-    causal, knobs, variant_values = variant_knobs(window_size, causal_alignment, softcap, causal, seqlen_q, seqlen_k,
+    causal, knobs, variant_values = variant_knobs(window_size, causal_alignment, softcap,
+                                                  api._check_sinks(sinks, qv) is not None, causal, seqlen_q, seqlen_k,
                                                   scale, knobs)
-    if api._check_sinks(sinks, qv) is not None:
-        knobs = {**knobs, "sinks": True}
-        variant_values.update(sinks=0, dsinks=0)     # (each launch patches in its call's)
     info, spec, functions = spec_of_call(qv, head_dim, causal, knobs, arch)
     values = stride_values(views)
     values.update(variant_values)
@@ -776,12 +781,13 @@ def _resolve(do, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, arch, kno
                         switch_context=qv.device != api._current_device(qv.kind))
 
 
-def variant_knobs(window_size, causal_alignment, softcap, causal: bool, seqlen_q: int, seqlen_k: int, scale: float,
-                  knobs: dict) -> tuple[bool, dict, dict]:
+def variant_knobs(window_size, causal_alignment, softcap, sinks: bool, causal: bool, seqlen_q: int, seqlen_k: int,
+                  scale: float, knobs: dict) -> tuple[bool, dict, dict]:
     """(the spec's causal flag, the knobs, BwdParams' variant values) of a backward call's window_size,
-    causal_alignment and softcap, as the forward folds them (api.window_params: a window that cuts nothing is no
-    window, top-left causal on a square problem is causal): LOCAL kernels (local=True) where a window remains,
-    SOFTCAP ones (softcap=True) where the cap is on."""
+    causal_alignment, softcap and ``sinks`` (whether it gives them), as the forward folds them
+    (api.window_params: a window that cuts nothing is no window, top-left causal on a square problem is causal):
+    LOCAL kernels (local=True) where a window remains, SOFTCAP ones (softcap=True) where the cap is on, SINKS
+    ones (sinks=True) with sinks, whose addresses each launch patches in."""
     from . import api
     left, right = api._check_window(window_size)
     api._check_alignment(causal_alignment)
@@ -797,6 +803,9 @@ def variant_knobs(window_size, causal_alignment, softcap, causal: bool, seqlen_q
     if cap:
         knobs = {**knobs, "softcap": True}
         values.update(softcap_scale=scale / cap, softcap_log2=cap * math.log2(math.e))
+    if sinks:
+        knobs = {**knobs, "sinks": True}
+        values.update(sinks=0, dsinks=0)
     return causal, knobs, values
 
 

@@ -346,9 +346,8 @@ def _attention_grad(ctx, grad_out, grad_lse):
     return tuple(grads)
 
 
-# The op's inputs up to its sinks (attention(q, k, v, causal, softmax_scale, arch, q_descale, k_descale, v_descale,
-# knobs, window_size, softcap, sinks, ...)): where _attention_grad puts their gradient.
-_SINKS_INPUT = 12
+# Where _attention_grad puts the sinks' gradient: their place among the op's inputs (its schema's)
+_SINKS_INPUT = [a.name for a in torch.ops.facodegen.attention.default._schema.arguments].index("sinks")
 
 
 # ------------------------------------------------------------------ eager autograd
@@ -431,12 +430,13 @@ def _backward(ctx, grad_out):
     grad_out = _kernel_layout(grad_out)
     q, k, v, out, lse = saved[:5]
     causal, softmax_scale, arch, _, deterministic, variant = ctx.call
-    window = {} if variant is None else {"window_size": tuple(variant[0]), "causal_alignment": variant[3],
-                                         "softcap": variant[1]}
+    variant_args = {} if variant is None else {"window_size": tuple(variant[0]), "causal_alignment": variant[3],
+                                               "softcap": variant[1]}
     if len(saved) > 5:
-        window["sinks"] = saved[5]
+        variant_args["sinks"] = saved[5]
     grads = backward.attention_backward(grad_out, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                        arch=backward.autograd_arch(arch), **window, **_backward_knobs(deterministic))
+                                        arch=backward.autograd_arch(arch), **variant_args,
+                                        **_backward_knobs(deterministic))
     return (*grads, None)
 
 

@@ -94,8 +94,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     torch = _torch()
     key = plan = None
     variant = api._variant_args(window_size, softcap, sinks)
-    if torch is not None and isinstance(q, torch.Tensor) and torch.is_grad_enabled() and (
-            q.requires_grad or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False)):
+    if api._records_grad(q, k, v):
         from .torch_op import attention_varlen_recording     # (the gradient: attention_varlen_backward)
         return attention_varlen_recording(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                           softmax_scale, return_lse, out, arch, spec_fields, variant, deterministic)

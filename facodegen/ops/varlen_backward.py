@@ -60,11 +60,7 @@ def attention_varlen_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
     if check_inputs:
         varlen.check_boundaries(varlen._host_ints(cu_seqlens_q), varlen._host_ints(cu_seqlens_k), q.shape[0],
                                 k.shape[0], max_seqlen_q, max_seqlen_k)
-    if window_size.__class__ is not tuple:      # (a list: hashable for the plan key; anything else: _resolve says)
-        try:
-            window_size = tuple(window_size)
-        except TypeError:
-            pass
+    window_size = backward.hashable_window(window_size)
     kind = api._kind(q)
     plan = key = None
     if kind != "other":
@@ -165,11 +161,9 @@ def _resolve(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     backward.gradient_views(views, dq, dk, dv, checked=varlen.as_one_batch)
     scale = api._check_scale(softmax_scale, head_dim)
     # (the window folded as for sequences of the plan's bounds: open sides are open for every sequence)
-    causal, knobs, variant_values = backward.variant_knobs(window_size, "bottom_right", softcap, causal, max_q, max_k,
-                                                           scale, knobs)
-    if api._check_sinks(sinks, varlen.as_one_batch(qv)) is not None:
-        knobs = {**knobs, "sinks": True}
-        variant_values.update(sinks=0, dsinks=0)     # (each launch patches in its call's)
+    causal, knobs, variant_values = backward.variant_knobs(
+        window_size, "bottom_right", softcap, api._check_sinks(sinks, varlen.as_one_batch(qv)) is not None, causal,
+        max_q, max_k, scale, knobs)
     info, spec, functions = backward.spec_of_call(qv, head_dim, causal, {**knobs, "varlen": True}, arch)
     packed = {name: varlen.as_one_batch(view) for name, view in views.items()}    # (as FlashParams takes them)
     values = backward.stride_values(packed)

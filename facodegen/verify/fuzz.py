@@ -997,8 +997,8 @@ def _backward_variant_knobs(case: Case, seqlen_q: int, seqlen_k: int, knobs: dic
     from ..ops import backward
     causal, knobs, _ = backward.variant_knobs((case.window_left, case.window_right),
                                               "top_left" if case.top_left else "bottom_right", case.softcap,
-                                              case.causal, seqlen_q, seqlen_k, 1.0, knobs)
-    return causal, {**knobs, "sinks": True} if case.sinks else knobs
+                                              case.sinks, case.causal, seqlen_q, seqlen_k, 1.0, knobs)
+    return causal, knobs
 
 
 def case_spec(case: Case, device: int = 0):
